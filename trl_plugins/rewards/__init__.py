@@ -1,0 +1,1 @@
+"""Reward-component plugins (registry: ``REWARDS``). Built-ins arrive with the recipe issue."""

@@ -1,0 +1,1 @@
+"""Tool plugins and the Python sandbox (registry: ``TOOLS``). Built-ins arrive with the rollout issue."""

@@ -1,0 +1,1 @@
+"""Subclassed TRL trainers that run the plugins. Arrives with the trainer issue."""
