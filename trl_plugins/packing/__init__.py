@@ -1,0 +1,88 @@
+"""Micro-batch packing: partitions of item indices, and their inverse.
+
+``pack(lengths, strategy=..., max_items=..., max_padded_tokens=...)`` returns micro-batches as lists
+of indices into ``lengths``; ``restore_order(batches, per_batch_values)`` puts per-item results back in
+input order. ``pack_for_ranks`` returns a :class:`~trl_plugins.types.PackPlan` with the same number of
+micro-batches on every data-parallel rank. Strategies come from :data:`trl_plugins.registry.PACKERS`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, TypeVar
+
+from trl_plugins.packing.packers import PackingError, balanced, check_limits, ffd, optimal, padded_area
+from trl_plugins.registry import PACKERS
+from trl_plugins.types import PackPlan
+
+__all__ = [
+    "PackingError",
+    "pack",
+    "pack_for_ranks",
+    "inverse_permutation",
+    "restore_order",
+    "padded_area",
+    "check_limits",
+    "ffd",
+    "optimal",
+    "balanced",
+]
+
+V = TypeVar("V")
+
+
+def pack_for_ranks(
+    lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int, world_size: int
+) -> PackPlan:
+    """Pack ``lengths`` into micro-batches for ``world_size`` ranks with the named strategy.
+
+    Raises:
+        PackingError: bad limits or an item longer than ``max_padded_tokens``.
+        trl_plugins.registry.RegistryError: unknown strategy.
+    """
+    packer = PACKERS.get(strategy)
+    return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size)
+
+
+def pack(lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int) -> list[list[int]]:
+    """Pack ``lengths`` into micro-batches on one rank; returns lists of indices into ``lengths``.
+
+    Every index appears exactly once; each micro-batch has at most ``max_items`` rows and a padded
+    area (rows x longest row) of at most ``max_padded_tokens``.
+
+    Raises:
+        PackingError: bad limits or an item longer than ``max_padded_tokens``.
+        trl_plugins.registry.RegistryError: unknown strategy.
+    """
+    plan = pack_for_ranks(
+        lengths, strategy=strategy, max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=1
+    )
+    return plan.ranks[0]
+
+
+def inverse_permutation(batches: Sequence[Sequence[int]]) -> list[int]:
+    """``pos[i]`` = position of item ``i`` in the concatenation of ``batches``.
+
+    Raises:
+        ValueError: if the batches are not a partition of ``range(n)``.
+    """
+    flat = [i for b in batches for i in b]
+    pos = [-1] * len(flat)
+    for p, i in enumerate(flat):
+        if not 0 <= i < len(flat) or pos[i] != -1:
+            raise ValueError(f"batches are not a partition of range({len(flat)}): bad or repeated index {i}.")
+        pos[i] = p
+    return pos
+
+
+def restore_order(batches: Sequence[Sequence[int]], per_batch_values: Sequence[Sequence[V]]) -> list[V]:
+    """Inverse of packing: per-micro-batch values (row order) back to the original item order.
+
+    ``restore_order(batches, [[x[i] for i in b] for b in batches]) == x``.
+
+    Raises:
+        ValueError: if shapes do not match the batches.
+    """
+    if len(batches) != len(per_batch_values) or any(len(b) != len(v) for b, v in zip(batches, per_batch_values)):
+        raise ValueError("per_batch_values must have one value per index in each micro-batch.")
+    flat = [v for vs in per_batch_values for v in vs]
+    return [flat[p] for p in inverse_permutation(batches)]
