@@ -1,0 +1,242 @@
+"""Hand-worked cases for advantages, PPO/value losses, KL estimators and aggregation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trl_plugins.algos import (
+    PPOClipLoss,
+    aggregate,
+    clipped_value_loss,
+    gae_advantages,
+    group_advantages,
+    kl_estimate,
+    local_denominators,
+    masked_whiten,
+    ppo_clip_loss,
+    rloo_advantages,
+)
+from trl_plugins.registry import ADVANTAGES
+from trl_plugins.types import AdvantageInput, PolicyLossInput
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-6):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- advantages
+
+REWARDS = T([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 2.0], dtype=torch.float64)
+GROUPS = T([7, 7, 7, 7, 3, 3, 9])
+
+
+def test_group_advantage_with_std():
+    # Group 7: mean 0.5, centred [.5, -.5, -.5, .5], unbiased var = 4 * .25 / 3 = 1/3, std = .57735
+    #   -> +-0.5 / 0.57735 = +-0.866025. Group 3: all equal -> 0. Group 9 (one member) -> 0.
+    adv = group_advantages(REWARDS, GROUPS, scale_by_std=True, eps=0.0 + 1e-12)
+    s = 0.5 / math.sqrt(1 / 3)
+    assert close(adv[:4], [s, -s, -s, s]) and close(adv[4:], [0.0, 0.0, 0.0])
+
+
+def test_dr_grpo_drops_std():
+    adv = ADVANTAGES.get("dr_grpo")()(AdvantageInput(rewards=REWARDS, group_ids=GROUPS)).advantages
+    assert close(adv, [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0])
+
+
+def test_rloo():
+    # r=1: baseline = (1 + 0 + 0) / 3 = 1/3 -> 2/3; r=0: baseline = 2/3 -> -2/3 (= 4/3 * (r - mean)).
+    adv = rloo_advantages(REWARDS, GROUPS)
+    assert close(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 0.0])
+
+
+def test_group_ids_need_not_be_contiguous_or_sorted():
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    adv = group_advantages(REWARDS, GROUPS)
+    assert close(group_advantages(REWARDS[perm], GROUPS[perm]), adv[perm])
+
+
+# positions:      0 prompt, 1 act, 2 act, 3 obs, 4 obs, 5 act
+MASK = T([[0, 1, 1, 0, 0, 1]], dtype=torch.float64)
+VALUES = T([[9.0, 0.5, 0.6, 9.0, 9.0, 0.8]], dtype=torch.float64)  # the 9s sit off-mask: never read
+
+
+def test_gae_skips_observation_positions():
+    adv, ret = gae_advantages(VALUES, MASK, T([1.0], dtype=torch.float64), gamma=1.0, lam=0.5)
+    # t=5: delta = 1 + 0 - 0.8 = 0.2                  A5 = 0.2
+    # t=4, t=3: tool output, skipped (next value 0.8 and running 0.2 carried over)
+    # t=2: delta = 0 + 0.8 - 0.6 = 0.2               A2 = 0.2 + 0.5 * 0.2 = 0.3
+    # t=1: delta = 0 + 0.6 - 0.5 = 0.1               A1 = 0.1 + 0.5 * 0.3 = 0.25
+    assert close(adv, [[0.0, 0.25, 0.3, 0.0, 0.0, 0.2]])
+    assert close(ret, [[0.0, 0.75, 0.9, 0.0, 0.0, 1.0]])
+
+
+def _naive_gae(values, mask, reward, gamma, lam):
+    # Steps through every position, as a single-turn implementation does: the negative control.
+    t_len = values.shape[1]
+    last = int(mask[0].nonzero().max())
+    r = torch.zeros_like(values)
+    r[0, last] = reward
+    adv = torch.zeros_like(values)
+    running, nxt = 0.0, 0.0
+    for t in reversed(range(t_len)):
+        delta = r[0, t] + gamma * nxt - values[0, t]
+        running = delta + gamma * lam * running
+        adv[0, t] = running
+        nxt = values[0, t]
+    return adv * mask
+
+
+def test_gae_matches_the_same_trajectory_without_observation_positions():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        t_len = 30
+        mask = (torch.rand(1, t_len, generator=g) < 0.5).double()
+        mask[0, -1] = 1
+        values = torch.randn(1, t_len, generator=g, dtype=torch.float64)
+        reward = T([1.0], dtype=torch.float64)
+        adv, _ = gae_advantages(values, mask, reward, gamma=0.99, lam=0.9)
+        keep = mask[0].bool()
+        compact, _ = gae_advantages(values[:, keep], mask[:, keep], reward, gamma=0.99, lam=0.9)
+        assert close(adv[:, keep], compact)
+        # Negative control: decaying credit through every position gives other numbers.
+        assert not close(_naive_gae(values, mask, 1.0, 0.99, 0.9)[:, keep], compact, tol=1e-3)
+
+
+def test_gae_bootstraps_truncated_rows_only():
+    rewards = T([1.0, 1.0], dtype=torch.float64)
+    adv, _ = gae_advantages(
+        VALUES.repeat(2, 1), MASK.repeat(2, 1), rewards, gamma=1.0, lam=0.5,
+        bootstrap_mask=T([0.0, 1.0]), bootstrap_values=T([0.4, 0.4], dtype=torch.float64),
+    )
+    # Row 1 (truncated): t=5 delta = 1 + 0.4 - 0.8 = 0.6 instead of 0.2.
+    assert close(adv[0, 5], 0.2) and close(adv[1, 5], 0.6)
+
+
+def test_gae_plugin_whitens_over_action_tokens_only():
+    est = ADVANTAGES.get("gae")(gamma=1.0, lam=0.5, whiten=True)
+    out = est(AdvantageInput(rewards=T([1.0], dtype=torch.float64), group_ids=T([0]), action_mask=MASK, values=VALUES))
+    a = out.advantages[MASK.bool()]
+    assert close(a.mean(), 0.0) and close(a.pow(2).mean(), 1.0, tol=1e-5)
+    assert close(out.advantages[~MASK.bool()], [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="needs critic values"):
+        est(AdvantageInput(rewards=T([1.0]), group_ids=T([0])))
+
+
+def test_masked_whiten_ignores_masked_values():
+    x = T([[1.0, 100.0, 3.0]])
+    m = T([[1.0, 0.0, 1.0]])
+    assert close(masked_whiten(x, m, eps=0.0), [[-1.0, 0.0, 1.0]])
+
+
+# ---------------------------------------------------------------- policy loss
+
+RATIOS = T([[1.0, 1.5, 0.5, 1.1, 0.7]], dtype=torch.float64)
+ADV = T([[1.0, 1.0, -1.0, -1.0, 2.0]], dtype=torch.float64)
+ONES = torch.ones_like(RATIOS)
+
+
+def test_ppo_clip_hand_worked():
+    logp = RATIOS.log().requires_grad_(True)
+    out = ppo_clip_loss(logp, torch.zeros_like(logp), ADV, ONES, clip_low=0.2, clip_high=0.28)
+    # tok0: r=1.0, A=1:  max(-1.0, -1.0)            = -1.0
+    # tok1: r=1.5, A=1:  max(-1.5, -1.28)           = -1.28  (clipped high: no gradient)
+    # tok2: r=0.5, A=-1: max(0.5, 0.8)              =  0.8   (clipped low: no gradient)
+    # tok3: r=1.1, A=-1: max(1.1, 1.1)              =  1.1
+    # tok4: r=0.7, A=2:  max(-1.4, -1.6)            = -1.4   (below range but A>0: not clipped)
+    assert close(out.per_token_loss, [[-1.0, -1.28, 0.8, 1.1, -1.4]])
+    out.per_token_loss.sum().backward()
+    # d/dlogp(-A r) = -A r on unclipped tokens, 0 on clipped ones.
+    assert close(logp.grad, [[-1.0, 0.0, 0.0, 1.1, -1.4]])
+    s = out.stats.summary()
+    assert s["clip_frac_high"] == 0.2 and s["clip_frac_low"] == 0.2
+    assert close(s["ratio_min"], 0.5) and close(s["ratio_max"], 1.5) and close(s["ratio_mean"], 0.96)
+    expected_kl = float(sum(r - 1 - math.log(r) for r in [1.0, 1.5, 0.5, 1.1, 0.7]) / 5)
+    assert close(s["approx_kl"], expected_kl)
+
+
+def test_ppo_clip_is_inactive_on_policy_and_fires_off_policy():
+    # On-policy (behaviour == current), nothing is clipped and the gradient is -A.
+    logp = torch.full((1, 5), -1.0, dtype=torch.float64, requires_grad=True)
+    out = ppo_clip_loss(logp, logp.detach(), ADV, ONES)
+    out.per_token_loss.sum().backward()
+    assert close(logp.grad, -ADV) and out.stats.summary()["clip_frac_high"] == 0.0
+    # With behaviour log-probs from a different sampler, the clip acts.
+    out = ppo_clip_loss(RATIOS.log(), torch.zeros_like(RATIOS), ADV, ONES)
+    assert float(out.stats.clipped_high + out.stats.clipped_low) == 2
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    logp = T([[math.log(5.0), math.log(5.0)]], dtype=torch.float64, requires_grad=True)
+    adv = T([[-1.0, 1.0]], dtype=torch.float64)
+    out = ppo_clip_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(adv), dual_clip=3.0)
+    # tok0: A=-1, r=5: max(5, 1.28) = 5 > 3 * 1 -> capped at 3 (no gradient).
+    # tok1: A=+1, r=5: max(-5, -1.28) = -1.28 (ordinary clip; dual clip only touches A < 0).
+    assert close(out.per_token_loss, [[3.0, -1.28]])
+    assert float(out.stats.dual_clipped) == 1
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        ppo_clip_loss(logp, logp, adv, adv, dual_clip=0.5)
+
+
+def test_ppo_clip_plugin_adds_kl_and_entropy_terms():
+    logp = torch.log(T([[0.5, 0.5]], dtype=torch.float64))
+    ref = torch.log(T([[0.25, 0.5]], dtype=torch.float64))
+    ent = T([[2.0, 2.0]], dtype=torch.float64)
+    zero_adv = torch.zeros_like(logp)
+    loss = PPOClipLoss(kl_coef=0.1, entropy_coef=0.01)(
+        PolicyLossInput(logprobs=logp, behaviour_logprobs=logp, advantages=zero_adv, action_mask=torch.ones_like(logp), ref_logprobs=ref, entropy=ent)
+    )
+    # pg = 0 (A = 0). tok0: k3 = 0.5 - 1 + ln 2 = 0.193147 -> 0.1 * 0.193147 - 0.01 * 2 = -0.000685
+    # tok1: k3 = 0 -> -0.02
+    assert close(loss.per_token_loss, [[0.1 * (math.log(2) - 0.5) - 0.02, -0.02]])
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        PPOClipLoss(kl_coef=0.1)(PolicyLossInput(logprobs=logp, behaviour_logprobs=logp, advantages=zero_adv, action_mask=torch.ones_like(logp)))
+    with pytest.raises(ValueError, match=r"ratio in \[1-clip_low, 1\+clip_high\]"):
+        PPOClipLoss(clip_low=1.2)
+
+
+def test_kl_estimators():
+    logp, ref = torch.log(T([0.5])), torch.log(T([0.25]))
+    # log r = ln(0.25 / 0.5) = -ln 2
+    assert close(kl_estimate(logp, ref, "k1"), [math.log(2)])  # -log r
+    assert close(kl_estimate(logp, ref, "k2"), [0.5 * math.log(2) ** 2])  # 0.240227
+    assert close(kl_estimate(logp, ref, "k3"), [0.5 - 1 + math.log(2)])  # r - 1 - log r = 0.193147
+
+
+def test_clipped_value_loss():
+    v = T([[1.0, 2.0]], dtype=torch.float64)
+    old = T([[0.5, 2.0]], dtype=torch.float64)
+    ret = T([[2.0, 1.0]], dtype=torch.float64)
+    out = clipped_value_loss(v, old, ret, torch.ones_like(v), clip_range=0.2)
+    # tok0: V_clip = 0.5 + 0.2 = 0.7; max((1-2)^2, (0.7-2)^2) = 1.69 -> 0.845, clipped branch wins.
+    # tok1: V_clip = 2.0; both (2-1)^2 = 1 -> 0.5.
+    assert close(out.per_token_loss, [[0.845, 0.5]]) and float(out.clipped) == 1
+
+
+# ---------------------------------------------------------------- aggregation
+
+LOSS = T([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0]])  # 100s sit off-mask
+AMASK = T([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token_mean", 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
+    ("seq_mean_token_mean", 3.0),  # (6 / 3 + 4 / 1) / 2 sequences
+    ("seq_mean_token_sum", 5.0),  # (6 + 4) / 2 sequences
+    ("seq_mean_token_sum_norm", 1.0),  # 10 / (2 sequences * norm_length 5)
+])
+def test_aggregation_modes(mode, expected):
+    n_tok, n_seq = local_denominators(AMASK)
+    assert float(n_tok) == 4 and float(n_seq) == 2
+    got = aggregate(LOSS, AMASK, mode, num_tokens=n_tok, num_sequences=n_seq, norm_length=5)
+    assert close(got, expected)
+    assert close(aggregate(LOSS, AMASK, mode, num_tokens=n_tok, num_sequences=n_seq, norm_length=5, dp_size=2), 2 * expected)
+
+
+def test_aggregation_needs_norm_length_for_dr_grpo():
+    with pytest.raises(ValueError, match="needs a positive norm_length"):
+        aggregate(LOSS, AMASK, "seq_mean_token_sum_norm", num_tokens=4, num_sequences=2)

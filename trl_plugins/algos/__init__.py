@@ -1,0 +1,35 @@
+"""PPO-family maths: advantages, policy/value losses, KL estimators, aggregation. Pure functions.
+
+This package imports only torch, numpy, the standard library and ``trl_plugins.types`` /
+``trl_plugins.registry`` (a test enforces it).
+"""
+
+from trl_plugins.algos.advantages import (
+    DrGRPOAdvantage,
+    GAEAdvantage,
+    GroupAdvantage,
+    RLOOAdvantage,
+    gae_advantages,
+    group_advantages,
+    masked_whiten,
+    rloo_advantages,
+)
+from trl_plugins.algos.aggregation import aggregate, local_denominators
+from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, ppo_clip_loss
+
+__all__ = [
+    "DrGRPOAdvantage",
+    "GAEAdvantage",
+    "GroupAdvantage",
+    "RLOOAdvantage",
+    "gae_advantages",
+    "group_advantages",
+    "masked_whiten",
+    "rloo_advantages",
+    "aggregate",
+    "local_denominators",
+    "PPOClipLoss",
+    "clipped_value_loss",
+    "kl_estimate",
+    "ppo_clip_loss",
+]

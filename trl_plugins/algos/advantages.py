@@ -1,0 +1,210 @@
+"""Advantage estimators: pure functions plus the registered plugins that call them.
+
+Every plugin has one call contract: ``estimator(AdvantageInput) -> AdvantageOutput``; its own
+settings are constructor arguments. Outcome estimators return ``(N,)`` per-trajectory advantages;
+``gae`` returns ``(N, T)`` per-position advantages and value targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trl_plugins.registry import ADVANTAGES
+from trl_plugins.types import AdvantageInput, AdvantageOutput
+
+__all__ = [
+    "group_advantages",
+    "rloo_advantages",
+    "gae_advantages",
+    "masked_whiten",
+    "GroupAdvantage",
+    "DrGRPOAdvantage",
+    "RLOOAdvantage",
+    "GAEAdvantage",
+]
+
+
+def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Per-trajectory (group sum, group count, group index) via scatter over compacted group ids.
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
+    counts = torch.bincount(inverse, minlength=num_groups).to(rewards.dtype)
+    return sums, counts, inverse
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO group-relative advantages (Shao et al. 2024, eq. 3).
+
+    ``A_i = r_i - mean_g(r)``, divided by ``std_g(r) + eps`` (unbiased std) when ``scale_by_std``;
+    Dr. GRPO (Liu et al. 2025) drops the division. A group of one gets advantage 0.
+
+    Args:
+        rewards: ``(N,)`` float.
+        group_ids: ``(N,)`` integer group of each trajectory (any labels, any order).
+
+    Returns:
+        ``(N,)`` advantages.
+    """
+    sums, counts, g = _group_stats(rewards, group_ids)
+    mean = sums / counts
+    centred = rewards - mean[g]
+    if not scale_by_std:
+        return centred
+    sq = torch.zeros_like(sums).index_add_(0, g, centred.pow(2))
+    var = torch.where(counts > 1, sq / (counts - 1).clamp(min=1), torch.zeros_like(sq))
+    return centred / (var.sqrt()[g] + eps)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): ``A_i = r_i - mean_{j != i in g} r_j``.
+
+    Equals ``n/(n-1) * (r_i - mean_g(r))``. A group of one gets advantage 0.
+
+    Returns:
+        ``(N,)`` advantages.
+    """
+    sums, counts, g = _group_stats(rewards, group_ids)
+    n = counts[g]
+    baseline = (sums[g] - rewards) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, rewards - baseline, torch.zeros_like(rewards))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``x`` to zero mean, unit variance over positions where ``mask`` is 1; 0 elsewhere."""
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = ((x - mean).pow(2) * m).sum() / n
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def gae_advantages(
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    bootstrap_mask: torch.Tensor | None = None,
+    bootstrap_values: torch.Tensor | None = None,
+    token_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the *action* positions of multi-turn datums.
+
+    (Schulman et al. 2016, eq. 16.) Only positions with ``action_mask == 1`` are steps of the MDP:
+    the recursion skips prompt, tool-output and glue positions, carrying the running advantage and
+    the next state's value across them unchanged, so credit does not decay through tool output. The
+    outcome reward sits on the last action position of each row; a truncated row bootstraps from
+    ``bootstrap_values`` where ``bootstrap_mask`` is 1, a terminated row from 0::
+
+        delta_t = r_t + gamma * V(next action) - V_t
+        A_t     = delta_t + gamma * lam * A(next action)
+
+    Args:
+        values: ``(N, T)`` critic values ``V_t`` aligned with datum positions.
+        action_mask: ``(N, T)`` 1 on sampled tokens.
+        rewards: ``(N,)`` outcome reward per row.
+        bootstrap_mask: ``(N,)`` 1 to bootstrap (truncated), else 0. Default all 0.
+        bootstrap_values: ``(N,)`` value after the last token. Default 0.
+        token_rewards: ``(N, T)`` extra per-position rewards (e.g. ``-beta * KL``); read on action
+            positions only.
+
+    Returns:
+        ``(advantages, returns)``, both ``(N, T)`` and 0 off-mask; ``returns = advantages + values``.
+    """
+    n, t_len = values.shape
+    mask = action_mask.to(torch.bool)
+    values = values.detach()
+    r = torch.zeros_like(values) if token_rewards is None else token_rewards.detach().to(values.dtype).clone()
+    has_action = mask.any(dim=1)
+    last = torch.where(has_action, t_len - 1 - mask.flip(1).to(torch.long).argmax(dim=1), torch.zeros_like(has_action, dtype=torch.long))
+    rows = torch.arange(n, device=values.device)[has_action]
+    r[rows, last[has_action]] += rewards.to(values.dtype)[has_action]
+    next_value = torch.zeros(n, dtype=values.dtype, device=values.device)
+    if bootstrap_mask is not None and bootstrap_values is not None:
+        next_value = bootstrap_mask.to(values.dtype) * bootstrap_values.to(values.dtype).detach()
+    running = torch.zeros_like(next_value)
+    advantages = torch.zeros_like(values)
+    for t in range(t_len - 1, -1, -1):
+        m = mask[:, t]
+        delta = r[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * running
+        running = torch.where(m, candidate, running)
+        next_value = torch.where(m, values[:, t], next_value)
+        advantages[:, t] = torch.where(m, candidate, torch.zeros_like(candidate))
+    returns = (advantages + values) * mask.to(values.dtype)
+    return advantages, returns
+
+
+@ADVANTAGES.register("group")
+@dataclass
+class GroupAdvantage:
+    """GRPO: reward minus group mean, divided by the group std when ``scale_by_std``."""
+
+    scale_by_std: bool = True
+    """Divide by the group's (unbiased) std; False gives Dr. GRPO."""
+    eps: float = 1e-6
+    """Added to the std."""
+
+    def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
+        return AdvantageOutput(
+            advantages=group_advantages(inp.rewards, inp.group_ids, scale_by_std=self.scale_by_std, eps=self.eps)
+        )
+
+
+@ADVANTAGES.register("dr_grpo")
+@dataclass
+class DrGRPOAdvantage(GroupAdvantage):
+    """Dr. GRPO: reward minus group mean, no std scaling (pair with ``seq_mean_token_sum_norm``)."""
+
+    scale_by_std: bool = False
+
+
+@ADVANTAGES.register("rloo")
+@dataclass
+class RLOOAdvantage:
+    """REINFORCE leave-one-out baseline."""
+
+    def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
+        return AdvantageOutput(advantages=rloo_advantages(inp.rewards, inp.group_ids))
+
+
+@ADVANTAGES.register("gae")
+@dataclass
+class GAEAdvantage:
+    """GAE over action positions (needs ``values`` and ``action_mask`` on the input)."""
+
+    gamma: float = 1.0
+    """Discount per action token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten: bool = True
+    """Whiten advantages over the action tokens of the batch."""
+
+    def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
+        if inp.values is None or inp.action_mask is None:
+            raise ValueError(
+                "the 'gae' advantage estimator needs critic values and the action mask "
+                "(AdvantageInput.values, .action_mask); enable the critic or choose 'group'/'rloo'."
+            )
+        adv, ret = gae_advantages(
+            inp.values,
+            inp.action_mask,
+            inp.rewards,
+            gamma=self.gamma,
+            lam=self.lam,
+            bootstrap_mask=inp.bootstrap_mask,
+            bootstrap_values=inp.bootstrap_values,
+            token_rewards=inp.token_rewards,
+        )
+        if self.whiten:
+            adv = masked_whiten(adv, inp.action_mask)
+        return AdvantageOutput(advantages=adv, returns=ret)

@@ -1,0 +1,204 @@
+"""Policy and value losses, KL estimators: pure functions returning per-token matrices.
+
+Nothing here aggregates: every function returns a ``(B, T)`` loss that is 0 off the mask, and
+:mod:`trl_plugins.algos.aggregation` turns it into a scalar with explicit global denominators.
+Policy-loss plugins share one call contract: ``loss(PolicyLossInput) -> PolicyLossOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trl_plugins.registry import POLICY_LOSSES
+from trl_plugins.types import (
+    KLEstimator,
+    PolicyLossInput,
+    PolicyLossOutput,
+    PolicyLossStats,
+    ValueLossOutput,
+)
+
+__all__ = ["ppo_clip_loss", "clipped_value_loss", "kl_estimate", "PPOClipLoss"]
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator | str = KLEstimator.K3, *, clamp: float = 20.0
+) -> torch.Tensor:
+    """Per-token estimate of KL(p || q) from tokens sampled from ``p`` (Schulman, "Approximating KL").
+
+    With ``log r = log q - log p``: ``k1 = -log r``, ``k2 = 0.5 (log r)^2``, ``k3 = r - 1 - log r``.
+    ``log r`` is clamped to ``[-clamp, clamp]`` so ``k3`` cannot overflow.
+
+    Args:
+        logprobs: ``(B, T)`` log p (the policy, usually with gradient).
+        ref_logprobs: ``(B, T)`` log q (the reference).
+
+    Returns:
+        ``(B, T)`` estimates (not masked).
+    """
+    log_r = (ref_logprobs - logprobs).clamp(-clamp, clamp)
+    est = KLEstimator(estimator)
+    if est == KLEstimator.K1:
+        return -log_r
+    if est == KLEstimator.K2:
+        return 0.5 * log_r.pow(2)
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate with asymmetric bounds (Schulman et al. 2017; DAPO clip-higher).
+
+    ``ratio = exp(logprobs - behaviour_logprobs)`` (log-ratio clamped to ``+-log_ratio_clamp``),
+    ``loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``. With ``dual_clip = c > 1``
+    (Ye et al. 2020) the loss of a negative-advantage token is further capped at ``-A * c``, so a
+    huge ratio on a bad token cannot dominate the update.
+
+    Args:
+        logprobs: ``(B, T)`` current log-probs of the targets (with gradient).
+        behaviour_logprobs: ``(B, T)`` log-probs under the sampling policy.
+        advantages: ``(B, T)``.
+        action_mask: ``(B, T)`` 1 on sampled tokens; the loss is 0 elsewhere.
+
+    Returns:
+        :class:`PolicyLossOutput` with the ``(B, T)`` loss and detached statistics.
+
+    Raises:
+        ValueError: if the clip range is invalid.
+    """
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}.")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (typically 3), got {dual_clip}.")
+    mask = action_mask.to(logprobs.dtype)
+    on = mask.bool()
+    # Whatever sits at masked positions (placeholders, padding, even inf) must not reach the loss or
+    # its gradient: neutralise it before any arithmetic (0 * inf would be nan in the backward).
+    advantages = torch.where(on, advantages, torch.zeros_like(advantages))
+    behaviour_logprobs = torch.where(on, behaviour_logprobs, logprobs.detach())
+    log_ratio = (logprobs - behaviour_logprobs).clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+    loss = torch.where(on, loss, torch.zeros_like(loss))
+    with torch.no_grad():
+        r = ratio.detach()
+        lr = log_ratio.detach()
+        stats = PolicyLossStats(
+            num_tokens=mask.sum(),
+            clipped_low=((r < 1.0 - clip_low) & (advantages < 0) & on).sum().to(mask.dtype),
+            clipped_high=((r > 1.0 + clip_high) & (advantages > 0) & on).sum().to(mask.dtype),
+            dual_clipped=(dual & on).sum().to(mask.dtype),
+            # k3 estimate of KL(behaviour || current) from behaviour samples: ratio - 1 - log ratio.
+            approx_kl_sum=((r - 1.0 - lr) * mask).sum(),
+            ratio_sum=(r * mask).sum(),
+            ratio_min=torch.where(on, r, torch.full_like(r, float("inf"))).min(),
+            ratio_max=torch.where(on, r, torch.full_like(r, float("-inf"))).max(),
+        )
+    return PolicyLossOutput(per_token_loss=loss, stats=stats)
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    clip_range: float = 0.2,
+) -> ValueLossOutput:
+    """Clipped value loss: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``.
+
+    Args:
+        values: ``(B, T)`` current critic values (with gradient).
+        old_values: ``(B, T)`` critic values at rollout time.
+        returns: ``(B, T)`` value targets.
+        action_mask: ``(B, T)``; the loss is 0 elsewhere.
+
+    Returns:
+        :class:`ValueLossOutput` with the ``(B, T)`` loss and the count of clipped tokens.
+    """
+    mask = action_mask.to(values.dtype)
+    on = mask.bool()
+    old_values = torch.where(on, old_values, values.detach())
+    returns = torch.where(on, returns, values.detach())
+    v_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    unclipped = (values - returns).pow(2)
+    clipped = (v_clipped - returns).pow(2)
+    loss = torch.where(on, 0.5 * torch.maximum(unclipped, clipped), torch.zeros_like(values))
+    with torch.no_grad():
+        n_clipped = ((clipped > unclipped) & on).sum().to(mask.dtype)
+    return ValueLossOutput(per_token_loss=loss, clipped=n_clipped)
+
+
+@POLICY_LOSSES.register("ppo_clip")
+@dataclass
+class PPOClipLoss:
+    """Asymmetric-clip PPO, optionally with a reference-KL term and an entropy bonus in the loss.
+
+    ``loss_t = ppo_clip_t + kl_coef * KL_t(policy || reference) - entropy_coef * H_t``.
+    """
+
+    clip_low: float = 0.2
+    """Ratio lower bound is ``1 - clip_low``."""
+    clip_high: float = 0.28
+    """Ratio upper bound is ``1 + clip_high``."""
+    dual_clip: float | None = None
+    """Cap on the loss of negative-advantage tokens, as a multiple of ``-A`` (e.g. 3.0)."""
+    log_ratio_clamp: float = 20.0
+    """Clamp on ``|log ratio|`` before exponentiating."""
+    kl_coef: float = 0.0
+    """Weight of the reference KL in the loss (needs ``ref_logprobs``)."""
+    kl_estimator: KLEstimator = KLEstimator.K3
+    """KL estimator for the loss term."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (needs ``entropy``)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
+            raise ValueError(
+                f"ppo_clip needs 0 <= clip_low < 1 and clip_high >= 0 (ratio in [1-clip_low, 1+clip_high]); "
+                f"got clip_low={self.clip_low}, clip_high={self.clip_high}."
+            )
+        self.kl_estimator = KLEstimator(self.kl_estimator)
+
+    def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
+        out = ppo_clip_loss(
+            inp.logprobs,
+            inp.behaviour_logprobs,
+            inp.advantages,
+            inp.action_mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            log_ratio_clamp=self.log_ratio_clamp,
+        )
+        loss = out.per_token_loss
+        on = inp.action_mask.bool()
+        if self.kl_coef:
+            if inp.ref_logprobs is None:
+                raise ValueError("ppo_clip with kl_coef > 0 needs ref_logprobs (enable the reference model).")
+            ref = torch.where(on, inp.ref_logprobs, inp.logprobs.detach())
+            kl = kl_estimate(inp.logprobs, ref, self.kl_estimator)
+            loss = loss + self.kl_coef * torch.where(on, kl, torch.zeros_like(kl))
+        if self.entropy_coef:
+            if inp.entropy is None:
+                raise ValueError("ppo_clip with entropy_coef > 0 needs per-token entropy on the input.")
+            loss = loss - self.entropy_coef * torch.where(on, inp.entropy, torch.zeros_like(inp.entropy))
+        return PolicyLossOutput(per_token_loss=loss, stats=out.stats)
