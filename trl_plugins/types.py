@@ -23,6 +23,7 @@ __all__ = [
     "SamplingSettings",
     "PolicyVersion",
     "RewardComponent",
+    "ToolCall",
     "Turn",
     "Trajectory",
     "TrajectoryReport",
@@ -147,6 +148,26 @@ class RewardComponent:
 
 
 @dataclass
+class ToolCall:
+    """A tool call an assistant turn made, and what came back."""
+
+    name: str
+    """Tool name as the model wrote it."""
+    arguments: dict
+    """Parsed arguments."""
+    output: str = ""
+    """Text returned to the model (before tokenisation and tail-truncation)."""
+    ok: bool = False
+    """True when the tool ran and succeeded (e.g. the code exited 0)."""
+    timed_out: bool = False
+    """True when the tool hit its time limit."""
+    output_truncated: bool = False
+    """True when the response was cut to ``max_tool_response_tokens`` (the tail is kept)."""
+    latency_s: float = 0.0
+    """Wall time of the call, seconds."""
+
+
+@dataclass
 class Turn:
     """One assistant turn: the exact prompt the sampler saw and what it sampled.
 
@@ -175,6 +196,8 @@ class Turn:
     """Wall time spent sampling this turn, seconds."""
     tool_s: float = 0.0
     """Wall time spent running the tool call this turn made, seconds (0 if none)."""
+    tool_call: ToolCall | None = None
+    """The tool call this turn made and its result, if any."""
 
     def sources(self) -> list[TokenSource]:
         """Provenance of each completion token."""
@@ -225,6 +248,16 @@ class Trajectory:
     def truncated(self) -> bool:
         """True when the stop reason is a truncation."""
         return self.stop_reason is not None and self.stop_reason.is_truncated
+
+    @property
+    def num_tool_calls(self) -> int:
+        """Tool calls made (run or not)."""
+        return sum(t.tool_call is not None for t in self.turns)
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the whole episode: last prompt plus last completion."""
+        return len(self.turns[-1].prompt_ids) + len(self.turns[-1].completion_ids) if self.turns else 0
 
     @property
     def num_action_tokens(self) -> int:

@@ -1,0 +1,42 @@
+"""Forward passes shared by the rollout (replay check) and the trainer: per-token log-probs."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["token_logprobs", "selective_log_softmax"]
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., index]`` without materialising the full log-softmax twice.
+
+    Args:
+        logits: ``(B, T, V)``.
+        index: ``(B, T)`` token ids.
+
+    Returns:
+        ``(B, T)`` log-probs, in float32 at least.
+    """
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs of ``target_ids`` under ``model`` at temperature ``temperature``: ``(B, T)``.
+
+    Position ``t`` scores ``target_ids[:, t]`` from ``input_ids[:, : t + 1]`` (the datum layout). The
+    logits are divided by ``temperature`` first, matching behaviour log-probs taken from the
+    temperature-scaled sampling distribution.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    if temperature != 1.0:
+        logits = logits / temperature
+    return selective_log_softmax(logits, target_ids)

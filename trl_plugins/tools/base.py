@@ -1,0 +1,66 @@
+"""The tool seam: what a tool is and what it returns.
+
+A tool is a registered plugin (:data:`trl_plugins.registry.TOOLS`) constructed with its own settings.
+It has a ``name``, a JSON schema in the OpenAI function format (what the chat template shows the
+model), and an async call that receives the parsed arguments and returns a :class:`ToolOutput`.
+Tools must not raise for bad model input: a wrong argument is an output the model should see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["ToolOutput", "Tool", "check_arguments"]
+
+
+@dataclass
+class ToolOutput:
+    """What a tool call returned."""
+
+    text: str
+    """Text fed back to the model as the tool message."""
+    ok: bool
+    """True when the call succeeded."""
+    timed_out: bool = False
+    """True when the call hit its time limit."""
+    latency_s: float = 0.0
+    """Wall time of the call, seconds."""
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """One call contract for every tool."""
+
+    name: str
+
+    def schema(self) -> dict[str, Any]:
+        """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+        ...
+
+    async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
+        """Run the tool on the model's parsed arguments."""
+        ...
+
+
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+
+
+def check_arguments(schema: dict[str, Any], arguments: Any) -> str | None:
+    """Why ``arguments`` do not fit the tool's JSON schema (required keys, primitive types), or None."""
+    params = schema.get("function", schema).get("parameters", {})
+    if not isinstance(arguments, dict):
+        return f"arguments must be a JSON object, got {type(arguments).__name__}"
+    props = params.get("properties", {})
+    for key in params.get("required", []):
+        if key not in arguments:
+            return f"missing required argument {key!r}"
+    for key, value in arguments.items():
+        if key not in props:
+            if params.get("additionalProperties", True) is False:
+                return f"unexpected argument {key!r}"
+            continue
+        expected = _JSON_TYPES.get(props[key].get("type", ""))
+        if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
+            return f"argument {key!r} must be of type {props[key]['type']}, got {type(value).__name__}"
+    return None
