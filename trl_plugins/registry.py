@@ -290,8 +290,8 @@ class Registry(Generic[T]):
         return f"Registry({self.seam!r}, {len(self._entries)} entries)"
 
 
-ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout",))
-TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools",))
+ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine",))
+TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter",))
 REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards",))
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
 POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",))

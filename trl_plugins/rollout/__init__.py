@@ -1,1 +1,37 @@
-"""Multi-turn tool-call rollout plugins (registry: ``ROLLOUTS``). Built-ins arrive with the rollout issue."""
+"""Multi-turn tool-call rollout: token-in/token-out chat, generation backends, the engine, replay.
+
+The registered rollout plugin is ``multi_turn`` (:class:`~trl_plugins.rollout.engine.MultiTurnRollout`).
+"""
+
+from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend, Sample, ScriptedBackend, VLLMBackend
+from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, ParsedTurn, TurnKind, check_prefix_preserving
+from trl_plugins.rollout.engine import (
+    MultiTurnRollout,
+    RolloutError,
+    RolloutQuestion,
+    RolloutRequest,
+    RolloutResult,
+    derive_seed,
+)
+from trl_plugins.rollout.replay import ReplayReport, replay_logprobs
+
+__all__ = [
+    "GenerationBackend",
+    "HFGenerationBackend",
+    "Sample",
+    "ScriptedBackend",
+    "VLLMBackend",
+    "ChatFormat",
+    "ChatTemplateError",
+    "ParsedTurn",
+    "TurnKind",
+    "check_prefix_preserving",
+    "MultiTurnRollout",
+    "RolloutError",
+    "RolloutQuestion",
+    "RolloutRequest",
+    "RolloutResult",
+    "derive_seed",
+    "ReplayReport",
+    "replay_logprobs",
+]

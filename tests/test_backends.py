@@ -1,0 +1,131 @@
+"""Generation backends: HF generate on a tiny local model (left padding, budgets, log-probs, replay)
+and the vLLM backend against a fake of TRL's VLLMGeneration."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trl_plugins.embedded import build_tiny_model, build_tokenizer
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend, replay_logprobs
+from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
+
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "Run Python code.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [SCHEMA])
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2)
+    prompts = [
+        chat.initial_prompt_ids([{"role": "user", "content": "What is 2 + 2?"}]),
+        chat.initial_prompt_ids([{"role": "user", "content": "What is 123 * 456 + 789? Use the tool, then answer."}]),
+    ]
+    return tok, chat, model, prompts
+
+
+def backend(setup, **sampling):
+    tok, chat, model, _ = setup
+    return HFGenerationBackend(
+        model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling)
+    )
+
+
+def test_hf_rows_respect_their_own_budgets_and_seed(setup):
+    _, _, _, prompts = setup
+    be = backend(setup, temperature=1.0)
+    out = be.generate([prompts[0], prompts[1], prompts[0]], [3, 17, 40], seed=5)
+    assert [len(s.token_ids) <= b for s, b in zip(out, [3, 17, 40])] == [True] * 3
+    assert all(len(s.token_ids) == len(s.logprobs) and all(math.isfinite(x) and x <= 0 for x in s.logprobs) for s in out)
+    assert [s.finished or len(s.token_ids) == b for s, b in zip(out, [3, 17, 40])] == [True] * 3
+    again = be.generate([prompts[0], prompts[1], prompts[0]], [3, 17, 40], seed=5)
+    other = be.generate([prompts[0], prompts[1], prompts[0]], [3, 17, 40], seed=6)
+    assert [s.token_ids for s in again] == [s.token_ids for s in out]
+    assert [s.token_ids for s in other] != [s.token_ids for s in out]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        be.generate([prompts[0]], [0], seed=0)
+
+
+def test_hf_left_padding_does_not_change_a_row(setup):
+    # Greedy: a row decodes the same alone and beside a longer prompt (left padding handled).
+    _, _, _, prompts = setup
+    be = backend(setup, temperature=0.0)
+    alone = be.generate([prompts[0]], [12], seed=0)[0]
+    batched = be.generate([prompts[1], prompts[0]], [12, 12], seed=0)[1]
+    assert alone.token_ids == batched.token_ids
+    assert max(abs(a - b) for a, b in zip(alone.logprobs, batched.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_replay_matches_stored_logprobs_over_multi_turn_trajectories(setup, sampling):
+    tok, chat, model, prompts = setup
+    be = backend(setup, **sampling)
+    assert be.logprob_source == LogprobSource.TEMPERATURE_SCALED
+    first = be.generate(prompts, [10, 14], seed=1)
+    trajs = []
+    for prompt, s in zip(prompts, first):
+        obs, _ = chat.encode_observation("Traceback: oops\n42")
+        glue, sources = chat.tool_turn_glue(s.token_ids, obs)
+        second_prompt = prompt + s.token_ids + glue
+        s2 = be.generate([second_prompt], [9], seed=2)[0]
+        trajs.append(
+            Trajectory(
+                turns=[
+                    Turn(prompt, s.token_ids, s.logprobs),
+                    Turn(second_prompt, s2.token_ids, s2.logprobs, prompt_sources=sources, truncated=not s2.finished),
+                ],
+                stop_reason=StopReason.TURN_LENGTH if not s2.finished else StopReason.NO_TOOL_CALL,
+            )
+        )
+    report = replay_logprobs(model, trajs, pad_token_id=tok.pad_token_id, temperature=be.sampling.temperature)
+    assert report.num_tokens == sum(len(t.completion_ids) for tr in trajs for t in tr.turns)
+    assert report.max_abs_diff < 1e-4
+    # Negative control: replaying at the wrong temperature is caught.
+    if be.sampling.temperature != 1.0:
+        assert replay_logprobs(model, trajs, pad_token_id=tok.pad_token_id, temperature=1.0).max_abs_diff > 1e-2
+
+
+class FakeVLLMGeneration:
+    """Mimics trl.generation.vllm_generation.VLLMGeneration.generate (token ids in, ids + logprobs out)."""
+
+    def __init__(self, mode: str, completions: list[list[int]], with_logprobs: bool = True) -> None:
+        self.mode = mode
+        self.completions = completions
+        self.with_logprobs = with_logprobs
+        self.max_completion_length = 16
+        self.generation_kwargs: dict = {}
+        self.calls: list[tuple] = []
+
+    def generate(self, prompts, images, num_generations):
+        self.calls.append((prompts, self.max_completion_length, dict(self.generation_kwargs), num_generations))
+        comps = [c[: self.max_completion_length] for c in self.completions[: len(prompts)]]
+        logprobs = [[[-0.1 * (k + 1)] for k in range(len(c))] for c in comps] if self.with_logprobs else None
+        return prompts, comps, logprobs, None
+
+
+def test_vllm_backend_cuts_rows_and_keeps_processed_logprobs():
+    fake = FakeVLLMGeneration("colocate", [[5, 6, 2, 9], [5, 6, 7, 8, 9, 10]])
+    be = VLLMBackend(fake, stop_token_ids=[2], sampling=SamplingSettings(temperature=0.9))
+    out = be.generate([[1, 1], [1]], [4, 3], seed=42)
+    assert be.logprob_source == LogprobSource.PROCESSED and not be.requires_lockstep
+    assert out[0].token_ids == [5, 6, 2] and out[0].finished and out[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
+    assert out[1].token_ids == [5, 6, 7] and not out[1].finished
+    prompts, max_len, kwargs, n = fake.calls[0]
+    assert max_len == 4 and kwargs["seed"] == 42 and n == 1 and prompts == [[1, 1], [1]]
+
+
+def test_vllm_server_mode_is_lockstep_and_logprobs_are_required():
+    assert VLLMBackend(FakeVLLMGeneration("server", []), stop_token_ids=[2], sampling=SamplingSettings()).requires_lockstep
+    be = VLLMBackend(FakeVLLMGeneration("colocate", [[3]], with_logprobs=False), stop_token_ids=[2], sampling=SamplingSettings())
+    with pytest.raises(RuntimeError, match="logprobs=0"):
+        be.generate([[1]], [4], seed=0)

@@ -1,0 +1,287 @@
+"""The multi-turn tool-call rollout engine (registered rollout plugin ``multi_turn``).
+
+For each question the first turn samples the whole group from one shared prompt; then every live
+trajectory continues on its own, all live trajectories batched into one ``generate`` call per round,
+all tool calls of a round run concurrently. Per turn ``max_new_tokens = min(max_assistant_tokens,
+trajectory budget left)``. The next prompt is built token-in, token-out (:mod:`.chat`). Every
+trajectory ends with its own :class:`~trl_plugins.types.StopReason`, carries its policy version and
+per-turn timings, and passes :func:`~trl_plugins.types.validate_trajectory`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, Mapping, Sequence, TypeVar
+
+from trl_plugins.registry import ROLLOUTS
+from trl_plugins.rollout.backends import GenerationBackend
+from trl_plugins.rollout.chat import ChatFormat, TurnKind
+from trl_plugins.tools.base import Tool, ToolOutput
+from trl_plugins.types import (
+    PolicyVersion,
+    StopReason,
+    TokenSource,
+    ToolCall,
+    Trajectory,
+    Turn,
+    validate_trajectory,
+)
+
+__all__ = ["RolloutError", "RolloutQuestion", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async"]
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class RolloutError(ValueError):
+    """A rollout cannot start; the message says what to change."""
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from (base seed, step, rank, round, ...): a repeated question never replays a sample."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def run_async(coro: Coroutine[Any, Any, R]) -> R:
+    """Run a coroutine to completion, also when called from inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+@dataclass
+class RolloutQuestion:
+    """One question to roll out ``group_size`` times."""
+
+    question_id: str
+    """Identifier, copied to every trajectory."""
+    prompt_ids: list[int]
+    """The rendered first prompt (``ChatFormat.initial_prompt_ids``)."""
+    group_id: int
+    """Group id for group-relative advantages."""
+
+
+@dataclass
+class RolloutRequest:
+    """Everything a rollout needs; the rollout plugin itself holds only its budgets."""
+
+    questions: list[RolloutQuestion]
+    """Questions to roll out."""
+    group_size: int
+    """Samples per question."""
+    backend: GenerationBackend
+    """The sampler."""
+    chat: ChatFormat
+    """Token-in, token-out turn building and parsing for the tokenizer's chat template."""
+    tools: Mapping[str, Tool]
+    """Tools by name."""
+    policy_step: int = 0
+    """Optimizer step of the sampling weights, recorded in each trajectory's policy version."""
+    seed: int = 0
+    """Base seed of this rollout (derive it from base seed, step and rank)."""
+    any_live: Callable[[bool], bool] | None = None
+    """Cross-rank OR of "this rank has live trajectories", for backends whose ``generate`` is a collective."""
+    progress: bool = False
+    """Show a progress bar of finished trajectories."""
+
+
+@dataclass
+class RolloutResult:
+    """Trajectories and what the rollout spent on them."""
+
+    trajectories: list[Trajectory]
+    """``len(questions) * group_size`` trajectories, question-major."""
+    rounds: int = 0
+    """Generation rounds run."""
+    generation_s: float = 0.0
+    """Wall time in ``generate``."""
+    tools_s: float = 0.0
+    """Wall time waiting for tool calls."""
+    total_s: float = 0.0
+    """Wall time of the whole rollout."""
+    max_concurrent_tool_calls: int = 0
+    """Most tool calls that ran at once."""
+
+
+@dataclass
+class _Live:
+    traj: Trajectory
+    prompt: list[int]
+    sources: list[TokenSource]
+    tool_calls: int = 0
+
+
+async def _call_tool(tool: Tool, arguments: dict) -> ToolOutput:
+    start = time.perf_counter()
+    try:
+        out = await tool(arguments)
+    except Exception as exc:  # a tool bug must not take the whole rollout down; the model sees it
+        logger.exception("tool %r raised", getattr(tool, "name", tool))
+        out = ToolOutput(text=f"Error: the tool failed: {type(exc).__name__}: {exc}", ok=False)
+    if not out.latency_s:
+        out.latency_s = time.perf_counter() - start
+    return out
+
+
+@ROLLOUTS.register("multi_turn")
+@dataclass
+class MultiTurnRollout:
+    """Multi-turn tool-calling rollout with per-turn and per-trajectory budgets.
+
+    Stop reasons: a final answer, a turn without a tool call, or an invalid action terminate; a turn
+    cut at its ``max_new_tokens`` (``turn_length``, or ``token_budget`` when the trajectory budget was
+    the binding limit), a prompt that already fills ``max_trajectory_tokens`` (``token_budget``), the
+    ``max_turns``-th turn making a tool call (``max_turns``), or a tool call beyond
+    ``max_tool_calls`` (``max_tool_calls``) truncate. A tool response over
+    ``max_tool_response_tokens`` keeps its tail and the trajectory goes on.
+    """
+
+    max_turns: int = 8
+    """Assistant turns per trajectory."""
+    max_tool_calls: int = 8
+    """Tool calls per trajectory."""
+    max_assistant_tokens: int = 512
+    """Tokens per assistant turn."""
+    max_trajectory_tokens: int = 4096
+    """Tokens per trajectory: first prompt, all completions, all tool messages."""
+    max_tool_response_tokens: int = 512
+    """Tokens per tool response (the tail is kept)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tool_calls", "max_assistant_tokens", "max_trajectory_tokens", "max_tool_response_tokens"):
+            if getattr(self, name) < 1:
+                raise RolloutError(f"{name} must be >= 1, got {getattr(self, name)}.")
+
+    def __call__(self, request: RolloutRequest) -> RolloutResult:
+        """Roll out every question ``group_size`` times.
+
+        Raises:
+            RolloutError: a first prompt that leaves no room in ``max_trajectory_tokens``, or a bad request.
+        """
+        if request.group_size < 1:
+            raise RolloutError(f"group_size must be >= 1, got {request.group_size}.")
+        for q in request.questions:
+            if len(q.prompt_ids) >= self.max_trajectory_tokens:
+                raise RolloutError(
+                    f"question {q.question_id!r}: its prompt has {len(q.prompt_ids)} tokens, which leaves no room "
+                    f"in max_trajectory_tokens={self.max_trajectory_tokens}. Raise max_trajectory_tokens or drop "
+                    f"prompts longer than {self.max_trajectory_tokens - 1} tokens from the dataset."
+                )
+        chat, backend = request.chat, request.backend
+        version = PolicyVersion(
+            step=request.policy_step,
+            tokenizer_digest=chat.digest,
+            sampling=backend.sampling,
+            logprob_source=backend.logprob_source,
+        )
+        result = RolloutResult(trajectories=[])
+        live: list[_Live] = []
+        for q in request.questions:
+            for slot in range(request.group_size):
+                traj = Trajectory(turns=[], question_id=q.question_id, group_id=q.group_id, sample_index=slot, policy_version=version)
+                result.trajectories.append(traj)
+                live.append(_Live(traj, list(q.prompt_ids), [TokenSource.PROMPT] * len(q.prompt_ids)))
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(live), desc="rollout", unit="traj", disable=not request.progress, leave=False)
+        start = time.perf_counter()
+
+        def finish(st: _Live, reason: StopReason) -> None:
+            st.traj.stop_reason = reason
+            bar.update(1)
+
+        with backend.session():
+            while True:
+                still = []
+                for st in live:
+                    if len(st.prompt) >= self.max_trajectory_tokens:
+                        finish(st, StopReason.TOKEN_BUDGET)
+                    else:
+                        still.append(st)
+                live = still
+                go_on = bool(live)
+                if backend.requires_lockstep and request.any_live is not None:
+                    go_on = request.any_live(go_on)
+                if not go_on:
+                    break
+                budgets = [min(self.max_assistant_tokens, self.max_trajectory_tokens - len(st.prompt)) for st in live]
+                t0 = time.perf_counter()
+                # With a lockstep backend a rank with nothing live still joins the call, with no prompts.
+                samples = backend.generate([st.prompt for st in live], budgets, seed=derive_seed(request.seed, result.rounds))
+                gen_s = time.perf_counter() - t0
+                result.generation_s += gen_s
+                result.rounds += 1
+                pending: list[tuple[_Live, Turn, Any]] = []
+                for st, sample, budget in zip(live, samples, budgets):
+                    turn = Turn(
+                        prompt_ids=st.prompt,
+                        completion_ids=sample.token_ids,
+                        completion_logprobs=sample.logprobs,
+                        text=chat.tokenizer.decode(sample.token_ids, skip_special_tokens=False),
+                        prompt_sources=st.sources,
+                        truncated=not sample.finished,
+                        generation_s=gen_s,
+                    )
+                    st.traj.turns.append(turn)
+                    if not sample.finished:
+                        finish(st, StopReason.TURN_LENGTH if budget == self.max_assistant_tokens else StopReason.TOKEN_BUDGET)
+                        continue
+                    parsed = chat.parse(st.prompt, sample.token_ids)
+                    if parsed.kind == TurnKind.TOOL_CALL:
+                        if st.tool_calls >= self.max_tool_calls:
+                            turn.tool_call = ToolCall(name=parsed.tool_name or "", arguments=parsed.arguments)
+                            finish(st, StopReason.MAX_TOOL_CALLS)
+                        else:
+                            pending.append((st, turn, parsed))
+                    elif parsed.kind == TurnKind.FINAL_ANSWER:
+                        finish(st, StopReason.FINAL_ANSWER)
+                    elif parsed.kind == TurnKind.NO_TOOL_CALL:
+                        finish(st, StopReason.NO_TOOL_CALL)
+                    else:
+                        finish(st, StopReason.INVALID_ACTION)
+                next_live = []
+                if pending:
+                    result.max_concurrent_tool_calls = max(result.max_concurrent_tool_calls, len(pending))
+                    t0 = time.perf_counter()
+                    outputs = run_async(self._run_tools(request.tools, [(p.tool_name, p.arguments) for _, _, p in pending]))
+                    result.tools_s += time.perf_counter() - t0
+                    for (st, turn, parsed), out in zip(pending, outputs):
+                        obs_ids, cut = chat.encode_observation(out.text, self.max_tool_response_tokens)
+                        turn.tool_call = ToolCall(
+                            name=parsed.tool_name,
+                            arguments=parsed.arguments,
+                            output=out.text,
+                            ok=out.ok,
+                            timed_out=out.timed_out,
+                            output_truncated=cut,
+                            latency_s=out.latency_s,
+                        )
+                        turn.tool_s = out.latency_s
+                        st.tool_calls += 1
+                        delta, delta_sources = chat.tool_turn_glue(turn.completion_ids, obs_ids)
+                        st.prompt = st.prompt + turn.completion_ids + delta
+                        st.sources = delta_sources
+                        if len(st.traj.turns) >= self.max_turns:
+                            finish(st, StopReason.MAX_TURNS)
+                        else:
+                            next_live.append(st)
+                live = next_live
+        bar.close()
+        result.total_s = time.perf_counter() - start
+        for traj in result.trajectories:
+            validate_trajectory(traj)
+        return result
+
+    @staticmethod
+    async def _run_tools(tools: Mapping[str, Tool], calls: Sequence[tuple[str, dict]]) -> list[ToolOutput]:
+        return list(await asyncio.gather(*(_call_tool(tools[name], args) for name, args in calls)))
