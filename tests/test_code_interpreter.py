@@ -1,0 +1,53 @@
+"""The built-in code_interpreter tool over the sandbox: what the model gets back."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from trl_plugins.registry import TOOLS
+from trl_plugins.rollout.engine import run_async
+from trl_plugins.tools.base import Tool, check_arguments
+
+
+@pytest.fixture(scope="module")
+def tool():
+    cls = TOOLS.get("code_interpreter")
+    t = cls(timeout_s=2.0, mode="warm", max_concurrency=2)
+    yield t
+    t.close()
+
+
+def test_registered_and_schema_is_a_function(tool):
+    assert isinstance(tool, Tool)
+    schema = tool.schema()
+    assert schema["function"]["name"] == "code_interpreter"
+    assert check_arguments(schema, {"code": "1"}) is None
+    assert check_arguments(schema, {}) == "missing required argument 'code'"
+
+
+def test_success_returns_stdout_and_last_expression(tool):
+    out = run_async(tool({"code": "x = 6 * 7\nprint('x is', x)\nx + 1"}))
+    assert out.ok and out.text == "x is 42\n43\n"
+
+
+def test_error_returns_the_traceback_naming_the_model_line(tool):
+    out = run_async(tool({"code": "a = 1\nb = a / 0"}))
+    assert not out.ok and "ZeroDivisionError" in out.text and "line 2" in out.text
+
+
+def test_timeout_is_reported_plainly(tool):
+    out = run_async(tool({"code": "while True: pass"}))
+    assert not out.ok and out.timed_out and "TimeoutError" in out.text
+
+
+def test_bad_argument_type_is_an_output_not_an_exception(tool):
+    out = run_async(tool({"code": 5}))
+    assert not out.ok and "must be a string" in out.text
+
+
+def test_pickles_without_its_running_sandbox(tool):
+    run_async(tool({"code": "1"}))
+    clone = pickle.loads(pickle.dumps(tool))
+    assert clone == tool and clone._sandbox is None

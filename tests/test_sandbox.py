@@ -1,0 +1,671 @@
+"""The code sandbox contains hostile code and behaves like a notebook cell.
+
+Hostile behaviours run under the strongest isolation this machine has (named in every test id and
+recorded as the ``isolation`` property), in cold and warm mode; a subset runs again under the
+weaker ``unshare`` isolation when it works and is not already the strongest. Where cheap, a
+negative control shows the thing the sandbox blocks does work from the test process itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trl_plugins.tools import sandbox as sandbox_module
+from trl_plugins.tools.sandbox import ExecResult, Isolation, PythonSandbox, SandboxStats, detect_isolation
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 1.0  # short: most hostile tests run into it
+SLACK_S = 4.0  # kill + tear-down on a small shared machine; correctness bounds, not benchmarks
+SECRET = "sk-trl-sandbox-" + uuid.uuid4().hex
+
+try:
+    STRONGEST: Isolation | None = detect_isolation()
+    NO_ISOLATION_REASON = ""
+except RuntimeError as e:  # pragma: no cover - machines where not even rlimits-only works
+    STRONGEST, NO_ISOLATION_REASON = None, str(e)
+
+pytestmark = pytest.mark.skipif(STRONGEST is None, reason=f"no sandbox isolation works here: {NO_ISOLATION_REASON}")
+NAMESPACED = STRONGEST in (Isolation.BWRAP, Isolation.UNSHARE)
+requires_namespaces = pytest.mark.skipif(
+    not NAMESPACED, reason="needs bwrap or unshare (apt-get install -y bubblewrap); isolation=none does not contain this"
+)
+requires_bwrap = pytest.mark.skipif(
+    STRONGEST != Isolation.BWRAP, reason="bubblewrap is not available here (apt-get install -y bubblewrap)"
+)
+ALT_ISOLATIONS = [
+    iso for iso in (Isolation.UNSHARE,) if STRONGEST not in (None, iso) and sandbox_module._probe(iso) is None
+]
+
+
+def _sandbox(mode: str, isolation: Isolation | str = "auto", **kwargs) -> PythonSandbox:
+    defaults = dict(timeout_s=TIMEOUT_S, memory_mb=256, max_output_chars=2000, max_concurrency=8,
+                    warm_imports=("math", "numpy"), disk_mb=16)
+    return PythonSandbox(mode=mode, isolation=isolation, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module", params=["cold", "warm"], ids=lambda m: f"{m}-{STRONGEST}")
+def sandbox(request):
+    """The strongest isolation available, in both modes."""
+    sb = _sandbox(request.param)
+    yield sb
+    sb.close()
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(iso, m) for iso in [STRONGEST, *ALT_ISOLATIONS] if iso is not None for m in ("cold", "warm")],
+    ids=lambda p: f"{p[1]}-{p[0]}",
+)
+def any_sandbox(request):
+    """Every working namespaced isolation, both modes: for the checks that must hold in all of them."""
+    isolation, mode = request.param
+    sb = _sandbox(mode, isolation)
+    yield sb
+    sb.close()
+
+
+@pytest.fixture(autouse=True)
+def _record_isolation(record_property, request):
+    for name in ("sandbox", "any_sandbox"):
+        if name in request.fixturenames:
+            sb = request.getfixturevalue(name)
+            record_property("isolation", sb.isolation.value)
+            record_property("mode", sb.mode)
+            return
+    record_property("isolation", str(STRONGEST))
+
+
+def _uid_pids(uid: int) -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+        if int(uid_line.split()[1]) == uid:
+            pids.add(int(entry))
+    return pids
+
+
+def _pids_with_cmdline(fragment: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if fragment.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def _eventually_none(fn, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = fn()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the sandbox runs under.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_reports_the_isolation_in_force(sandbox, record_property):
+    result = sandbox.run("print('hi')")
+    print(f"isolation in force: {sandbox.isolation.value} (mode={sandbox.mode})")
+    assert sandbox.isolation == STRONGEST
+    assert result.isolation == STRONGEST.value and result.mode == sandbox.mode
+
+
+@requires_bwrap
+def test_bwrap_is_preferred_when_it_works():
+    assert sandbox_module._probe(Isolation.BWRAP) is None
+    assert detect_isolation() == Isolation.BWRAP
+
+
+def test_logs_the_isolation_once(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_module, "_logged_isolations", set())
+    with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
+        _sandbox("cold").close()
+        _sandbox("cold").close()
+    messages = [r.getMessage() for r in caplog.records if "isolation=" in r.getMessage()]
+    assert messages == [f"sandbox: running model code under isolation={STRONGEST.value}, mode=cold"]
+
+
+def test_isolation_none_warns_what_is_missing(monkeypatch, caplog):
+    # NONE may not be constructible here (root + interpreter under /root), so call the logger directly.
+    monkeypatch.setattr(sandbox_module, "_logged_isolations", set())
+    with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
+        sandbox_module._log_isolation_once(Isolation.NONE, "cold")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "apt-get install -y bubblewrap" in warnings[0] and "NO filesystem" in warnings[0]
+
+
+def test_isolation_none_refuses_clearly_when_it_cannot_drop_root():
+    reason = sandbox_module._probe(Isolation.NONE)
+    if reason is None:
+        with _sandbox("cold", Isolation.NONE) as sb:
+            assert sb.run("print(6 * 7)").stdout == "42\n"
+        return
+    with pytest.raises(RuntimeError, match="isolation 'none' does not work on this machine"):
+        _sandbox("cold", Isolation.NONE)
+
+
+@requires_namespaces
+def test_code_runs_unprivileged(any_sandbox):
+    result = any_sandbox.run(
+        "import os\n"
+        "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
+        "print(os.getuid(), os.getgid(), status['CapEff'].strip(), status['CapBnd'].strip(), status['NoNewPrivs'].strip())"
+    )
+    uid, gid, cap_eff, cap_bnd, nnp = result.stdout.split()
+    if os.geteuid() == 0:
+        assert (uid, gid) == ("65534", "65534")
+    assert int(cap_eff, 16) == 0 and int(cap_bnd, 16) == 0 and nnp == "1"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Notebook-cell semantics.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_stdout_on_success(sandbox):
+    result = sandbox.run("print('hello')\nprint('world')")
+    assert result == ExecResult(ok=True, stdout="hello\nworld\n", stderr="", exit_code=0, timed_out=False,
+                                latency_s=result.latency_s, output_truncated=False,
+                                isolation=STRONGEST.value, mode=sandbox.mode)
+    assert 0 < result.latency_s < 10
+
+
+@pytest.mark.parametrize(
+    ("code", "stdout"),
+    [
+        ("x = 2\nx + 3", "5\n"),  # last expression is printed
+        ("'ab'", "'ab'\n"),  # as its repr, like Jupyter
+        ("None", ""),  # None is not printed
+        ("print(1)", "1\n"),  # print(...) returns None: printed once, not followed by "None"
+        ("x = 1", ""),  # an assignment is not an expression
+        ("import math\nmath.factorial(5)", "120\n"),
+        ("import numpy as np\nnp.arange(4)", "array([0, 1, 2, 3])\n"),
+    ],
+)
+def test_auto_prints_last_expression(sandbox, code, stdout):
+    result = sandbox.run(code)
+    assert result.ok, result.stderr
+    assert result.stdout == stdout
+
+
+def test_traceback_names_the_models_own_lines(sandbox):
+    result = sandbox.run("def f(x):\n    return 1 / x\n\nprint('before')\nf(0)")
+    assert not result.ok and result.exit_code == 1 and result.stdout == "before\n"
+    assert 'File "<cell>", line 5, in <module>' in result.stderr
+    assert 'File "<cell>", line 2, in f' in result.stderr
+    assert "    return 1 / x" in result.stderr  # the source line is shown
+    assert result.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert "_rn_" not in result.stderr and "<string>" not in result.stderr  # no runner frames
+
+
+def test_syntax_error_is_reported_plainly(sandbox):
+    result = sandbox.run("x = (1,\nprint(x)")
+    assert not result.ok
+    assert '"<cell>"' in result.stderr and "SyntaxError" in result.stderr
+    assert "_rn_" not in result.stderr
+
+
+def test_sys_exit_sets_the_exit_code(sandbox):
+    assert sandbox.run("import sys\nsys.exit(3)").exit_code == 3
+    assert sandbox.run("import sys\nprint('x')\nsys.exit(0)").ok
+
+
+def test_numpy_and_sympy_are_importable():
+    with _sandbox("warm", timeout_s=20.0, warm_imports=("numpy", "sympy"), max_concurrency=1) as sb:
+        result = sb.run("import numpy as np, sympy\nprint(int(np.arange(5).sum()), sympy.factorint(2**32 + 1))")
+    assert result.stdout == "10 {641: 1, 6700417: 1}\n", result.stderr
+
+
+def test_statelessness(sandbox):
+    first = sandbox.run(
+        "import builtins, math, os\n"
+        "open('state.txt', 'w').write('1')\n"
+        "open('/tmp/state.txt', 'w').write('1')\n"
+        "os.makedirs('/dev/shm/state', exist_ok=True)\n"
+        "builtins.LEAKED = 1\n"
+        "math.LEAKED = 1  # math is preloaded in warm servers\n"
+        "LEAKED_GLOBAL = 1\n"
+        "print(sorted(os.listdir('.')))"
+    )
+    assert first.stdout == "['state.txt']\n", first.stderr
+    second = sandbox.run(
+        "import builtins, math, os\n"
+        "print(os.path.exists('state.txt'), os.path.exists('/tmp/state.txt'), os.path.exists('/dev/shm/state'),\n"
+        "      hasattr(builtins, 'LEAKED'), hasattr(math, 'LEAKED'), 'LEAKED_GLOBAL' in globals(), os.listdir('.'))"
+    )
+    assert second.stdout == "False False False False False False []\n", second.stderr
+
+
+def test_warm_calls_do_not_repeat_random_state(sandbox):
+    code = "import random, numpy as np\nprint(random.random(), np.random.rand())"
+    outputs = {sandbox.run(code).stdout for _ in range(3)}
+    assert len(outputs) == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Time.
+# ---------------------------------------------------------------------------------------------------
+
+TIMEOUT_LINE = f"TimeoutError: execution exceeded {TIMEOUT_S} s wall-clock limit and was killed"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "print('started')\nwhile True:\n    pass",
+        "import time\nprint('started')\ntime.sleep(100)",
+        # SIGTERM ignored, in the code's process and in a child of it: SIGKILL does not care.
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('started')\nwhile True:\n    time.sleep(0.01)",
+    ],
+    ids=["infinite-loop", "sleep", "sigterm-ignored"],
+)
+def test_timeouts_are_enforced_and_reported_plainly(sandbox, code):
+    result = sandbox.run(code)
+    assert result.timed_out and not result.ok and result.exit_code == -signal.SIGKILL
+    assert result.stdout == "started\n"  # output before the kill is kept (unbuffered)
+    assert result.stderr.splitlines()[-1] == TIMEOUT_LINE
+    assert TIMEOUT_S <= result.latency_s < TIMEOUT_S + SLACK_S
+
+
+@requires_namespaces
+def test_child_ignoring_sigterm_does_not_outlive_the_timeout(any_sandbox):
+    marker = f"{time.time() % 1000 + 2000:.6f}"
+    result = any_sandbox.run(
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep({marker})'])\n"
+        "time.sleep(100)"
+    )
+    assert result.timed_out
+    assert _eventually_none(lambda: _pids_with_cmdline(f"time.sleep({marker})")) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory, processes, output, disk.
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "x = bytearray(4 * 1024**3)",
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024**2))",
+        "import numpy as np\nnp.ones((50000, 50000))",
+    ],
+    ids=["one-big-allocation", "growing-list", "numpy"],
+)
+def test_memory_bombs_raise_memory_error(sandbox, code):
+    result = sandbox.run(code)
+    assert not result.ok and not result.timed_out
+    assert "MemoryError" in result.stderr.strip().splitlines()[-1]
+    assert sandbox.run("print('still usable')").stdout == "still usable\n"
+
+
+def test_fork_bomb_is_contained(sandbox):
+    before = _uid_pids(sandbox_module.SANDBOX_UID)
+    result = sandbox.run(
+        "import os\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.fork()\n"
+        "    except OSError:\n"
+        "        pass"
+    )
+    assert not result.ok
+    assert result.latency_s < TIMEOUT_S + SLACK_S
+    if os.geteuid() == 0:  # every sandbox process runs as this uid; all the bomb's must be gone
+        assert _eventually_none(lambda: _uid_pids(sandbox_module.SANDBOX_UID) - before) == set()
+    assert sandbox.run("print('ok')").stdout == "ok\n"
+
+
+def test_processes_are_capped(sandbox):
+    result = sandbox.run(
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    while n < 1000:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(5)\n"
+        "            os._exit(0)\n"
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print(n, e.strerror)"
+    )
+    n, reason = result.stdout.split(" ", 1)
+    assert int(n) < sandbox_module.MAX_PROCESSES and "Resource temporarily unavailable" in reason
+
+
+def test_stdout_flood_keeps_the_tail(sandbox):
+    result = sandbox.run("for i in range(200000):\n    print(i)\nprint('END')")
+    assert result.ok and result.output_truncated
+    assert len(result.stdout) <= sandbox.max_output_chars
+    assert result.stdout.startswith("[sandbox: output truncated") and result.stdout.endswith("199999\nEND\n")
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_endless_output_flood_is_stopped(sandbox, stream):
+    result = sandbox.run(f"import sys\nwhile True:\n    sys.{stream}.write('x' * 1000)")
+    assert not result.ok and result.output_truncated
+    assert result.latency_s < TIMEOUT_S + SLACK_S
+    text = getattr(result, stream)
+    assert len(text) <= sandbox.max_output_chars + 200  # + the final status line
+    assert "output limit was hit" in text
+
+
+def test_binary_output_is_decoded_safely(sandbox):
+    result = sandbox.run("import sys\nsys.stdout.buffer.write(bytes(range(256)) * 4)\nsys.stdout.flush()\nprint('after')")
+    assert result.ok and "\ufffd" in result.stdout and result.stdout.endswith("after\n")
+
+
+@requires_namespaces
+def test_disk_fill_is_stopped(sandbox):
+    result = sandbox.run(
+        "import os\n"
+        "def fill(prefix, file_mb):\n"
+        "    written = 0\n"
+        "    try:\n"
+        "        for i in range(1000):\n"
+        "            with open(f'{prefix}{i}', 'wb') as f:\n"
+        "                for _ in range(file_mb):\n"
+        "                    f.write(b'\\0' * 2**20)\n"
+        "                    written += 1\n"
+        "    except OSError as e:\n"
+        "        return f'{written} {e.strerror}'\n"
+        "    return f'{written} not stopped'\n"
+        "print(fill('one', 1000))  # a single file: RLIMIT_FSIZE\n"
+        "for d in ('.', '/tmp', '/dev/shm'):\n"
+        "    print(fill(d + '/many', 4))  # many files: the tmpfs size"
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0] == "8 File too large", result.stderr
+    for line in lines[1:]:
+        written, reason = line.split(" ", 1)
+        assert reason == "No space left on device" and int(written) <= 16
+
+
+# ---------------------------------------------------------------------------------------------------
+# Secrets, network, filesystem.
+# ---------------------------------------------------------------------------------------------------
+
+_SCAN_ENVIRONMENTS = (
+    "import os\n"
+    "seen = [f'{k}={v}' for k, v in os.environ.items()]\n"
+    "for pid in os.listdir('/proc'):\n"
+    "    for name in ('environ', 'cmdline'):\n"
+    "        try:\n"
+    "            seen.append(open(f'/proc/{pid}/{name}', 'rb').read().decode(errors='replace'))\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "print('\\n'.join(seen))"
+)
+
+
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_environment_secrets_are_not_visible(monkeypatch, mode):
+    for key in ("WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY"):
+        monkeypatch.setenv(key, SECRET)
+    assert os.environ["HF_TOKEN"] == SECRET  # control: the parent does hold the secret
+    with _sandbox(mode, warm_imports=(), max_concurrency=1, max_output_chars=10**6) as sb:  # after the secret was set
+        result = sb.run(_SCAN_ENVIRONMENTS)
+    assert result.ok, result.stderr
+    assert "PATH=" in result.stdout  # the scan did read the environment
+    assert SECRET not in result.stdout and "WANDB_API_KEY" not in result.stdout
+
+
+@requires_namespaces
+def test_netrc_and_home_files_are_not_readable(any_sandbox, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    netrc = home / ".netrc"
+    netrc.write_text(f"machine api.wandb.ai login user password {SECRET}\n")
+    netrc.chmod(0o644)  # world-readable on purpose: only the sandbox may keep it out of reach
+    candidates = [str(netrc)]
+    root_file = Path("/root") / f".netrc-trl-sandbox-test-{uuid.uuid4().hex}"
+    if os.access("/root", os.W_OK):
+        root_file.write_text(f"password {SECRET}\n")
+        root_file.chmod(0o644)
+        candidates.append(str(root_file))
+    try:
+        for path in candidates:
+            assert SECRET in Path(path).read_text()  # control: readable from the host
+        result = any_sandbox.run(
+            "import os\n"
+            f"for p in {candidates!r} + [os.path.expanduser('~/.netrc'), '/root/.netrc']:\n"
+            "    try:\n"
+            "        print(p, open(p).read())\n"
+            "    except OSError as e:\n"
+            "        print(p, type(e).__name__)"
+        )
+    finally:
+        root_file.unlink(missing_ok=True)
+    assert result.ok, result.stderr
+    assert SECRET not in result.stdout
+    assert result.stdout.count("FileNotFoundError") == len(candidates) + 2
+
+
+@requires_namespaces
+def test_network_is_unreachable_even_on_loopback(any_sandbox):
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):  # control: reachable from here
+            pass
+        server.accept()[0].close()
+        result = any_sandbox.run(
+            "import socket\n"
+            f"for host, port in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('10.0.0.1', 80)]:\n"
+            "    s = socket.socket()\n"
+            "    s.settimeout(0.5)\n"
+            "    print(host, s.connect_ex((host, port)) != 0)\n"
+            "try:\n"
+            "    socket.getaddrinfo('pypi.org', 443)\n"
+            "    print('dns resolved')\n"
+            "except OSError:\n"
+            "    print('dns failed')"
+        )
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing from the sandbox arrived
+    finally:
+        server.close()
+    assert result.stdout == "127.0.0.1 True\n1.1.1.1 True\n10.0.0.1 True\ndns failed\n", result.stderr
+
+
+@requires_namespaces
+def test_writes_outside_the_scratch_dir_do_not_reach_the_host(any_sandbox, tmp_path):
+    tag = uuid.uuid4().hex
+    targets = [tmp_path / "escape.txt", Path("/tmp") / f"escape-{tag}", Path("/var/tmp") / f"escape-{tag}",
+               REPO / f".escape-{tag}", Path("/dev/shm") / f"escape-{tag}"]
+    for target in targets:  # control: the host can write each of these
+        target.write_text("host")
+        target.unlink()
+    result = any_sandbox.run(
+        f"for p in {[str(t) for t in targets]!r}:\n"
+        "    try:\n"
+        "        open(p, 'w').write('pwned')\n"
+        "        print('wrote', p)\n"
+        "    except OSError as e:\n"
+        "        print(type(e).__name__, p)"
+    )
+    assert result.ok, result.stderr
+    assert [t for t in targets if t.exists()] == []
+
+
+@requires_namespaces
+def test_double_forked_daemon_does_not_survive(any_sandbox):
+    marker = f"{time.time() % 1000 + 1000:.6f}"
+    result = any_sandbox.run(
+        "import os, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "time.sleep(0.3)\n"
+        "running = any(b'" + marker + "' in open(f'/proc/{p}/cmdline', 'rb').read()\n"
+        "              for p in os.listdir('/proc') if p.isdigit())\n"
+        "print('daemon running:', running)"
+    )
+    assert result.stdout == "daemon running: True\n", result.stderr  # control: it did start
+    assert _eventually_none(lambda: _pids_with_cmdline(marker)) == []
+
+
+@requires_namespaces
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos.kill(os.getppid(), 9)",
+        "import os\nos.killpg(os.getpgid(0), 9)",
+        "import os\nos.kill(-1, 9)",
+        "import subprocess\nsubprocess.run(['kill', '-9', '-1'])",
+        "import os\nos.kill(1, 9)",
+    ],
+    ids=["kill-parent", "killpg-own-group", "kill-all", "shell-kill-all", "kill-pid-1"],
+)
+def test_killing_the_supervisor_fails_and_the_sandbox_stays_usable(sandbox, code):
+    sandbox.run(code)  # whatever it reports, it must not take anything else down
+    assert os.getpid() > 0  # we are still here
+    assert sandbox.run("print('alive')").stdout == "alive\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Concurrency, statistics, lifecycle, validation.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_arun_calls_run_concurrently(sandbox):
+    n, sleep_s = 8, 0.5
+    sandbox.warm_up()  # server start-up is not what this measures
+
+    async def main():
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[sandbox.arun(f"import time\ntime.sleep({sleep_s})\nprint({i})") for i in range(n)])
+        return results, time.perf_counter() - t0
+
+    results, elapsed = asyncio.run(main())
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(n)]
+    assert elapsed < 0.6 * n * sleep_s, f"{n} calls of {sleep_s} s took {elapsed:.2f} s: not concurrent"
+
+
+def test_max_concurrency_is_respected():
+    with _sandbox("cold", max_concurrency=2, warm_imports=()) as sb:
+        async def main():
+            t0 = time.perf_counter()
+            await asyncio.gather(*[sb.arun("import time\ntime.sleep(0.3)") for _ in range(4)])
+            return time.perf_counter() - t0
+
+        elapsed = asyncio.run(main())
+    assert elapsed >= 0.6  # 4 calls, 2 at a time: at least two rounds of 0.3 s
+
+
+def test_step_stats_reset_while_totals_accumulate():
+    with _sandbox("cold", warm_imports=()) as sb:
+        sb.run("print(1)")
+        sb.run("1 / 0")
+        sb.run("while True: pass")
+        step = sb.stats()
+        assert (step.calls, step.successes, step.errors, step.timeouts) == (3, 1, 1, 1)
+        assert 0 < step.latency_p50_s <= step.latency_p90_s <= step.latency_p99_s <= step.latency_max_s
+        assert step.latency_max_s >= TIMEOUT_S  # the timed-out call
+        sb.reset_step_stats()
+        assert sb.stats() == SandboxStats(0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0)
+        sb.run("print(2)")
+        assert (sb.stats().calls, sb.stats().successes) == (1, 1)
+        total = sb.total_stats()
+        assert (total.calls, total.successes, total.errors, total.timeouts) == (4, 2, 1, 1)
+        metrics = total.to_metrics()
+        assert metrics["sandbox/calls"] == 4.0 and set(metrics) == {
+            "sandbox/calls", "sandbox/successes", "sandbox/errors", "sandbox/timeouts", "sandbox/latency_p50_s",
+            "sandbox/latency_p90_s", "sandbox/latency_p99_s", "sandbox/latency_max_s"}
+
+
+def test_percentiles_interpolate_linearly():
+    # 5 sorted values, position (n-1)*q: p50 -> index 2 -> 3.0; p90 -> 3.6 -> 4 + 0.6*(10-4) = 7.6
+    values = [1.0, 2.0, 3.0, 4.0, 10.0]
+    assert sandbox_module._percentile(values, 0.5) == 3.0
+    assert sandbox_module._percentile(values, 0.9) == pytest.approx(7.6)
+    assert sandbox_module._percentile([], 0.5) == 0.0
+
+
+@requires_namespaces
+def test_a_dead_warm_server_is_reported_and_replaced():
+    with _sandbox("warm", warm_imports=(), max_concurrency=1, timeout_s=10.0) as sb:
+        sb.warm_up(1)
+        victim = sb._pool._idle[0].proc.pid  # the server's bwrap/unshare process on the host
+        threading.Timer(0.5, lambda: os.killpg(victim, signal.SIGKILL)).start()
+        result = sb.run("import time\ntime.sleep(5)")
+        assert result.exit_code is None and not result.ok and not result.timed_out
+        assert "server died during this call" in result.stderr
+        after = sb.run("print('fresh server')")
+        assert after.stdout == "fresh server\n" and sb._pool._idle[0].proc.pid != victim
+
+
+def test_close_and_context_manager():
+    with _sandbox("warm", warm_imports=(), max_concurrency=1) as sb:
+        assert sb.run("print(1)").ok
+        server = sb._pool._idle[0]
+    assert server.proc.poll() is not None  # the server was stopped
+    with pytest.raises(RuntimeError, match="closed"):
+        sb.run("print(1)")
+    sb.close()  # idempotent
+
+
+def test_run_rejects_non_strings(sandbox):
+    with pytest.raises(TypeError, match="code must be a str"):
+        sandbox.run(b"print(1)")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"timeout_s": 0}, "timeout_s must be a number >= 0.01"),
+        ({"timeout_s": "5"}, "timeout_s must be a number"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a number"),
+        ({"memory_mb": 8}, "memory_mb must be an integer >= 32"),
+        ({"memory_mb": 512.0}, "memory_mb must be an integer"),
+        ({"max_output_chars": 10}, "max_output_chars must be an integer >= 256"),
+        ({"max_concurrency": 0}, "max_concurrency must be an integer >= 1"),
+        ({"max_concurrency": True}, "max_concurrency must be an integer"),
+        ({"disk_mb": 0}, "disk_mb must be an integer >= 1"),
+        ({"mode": "hot"}, "mode must be 'cold'"),
+        ({"isolation": "docker"}, "isolation must be 'auto' or one of 'bwrap', 'unshare', 'none'"),
+        ({"warm_imports": "numpy"}, "warm_imports must be a sequence of module names"),
+        ({"warm_imports": ("numpy-2",)}, "invalid module names"),
+        ({"extra_hidden_paths": ("relative/path",)}, "extra_hidden_paths must be a sequence of absolute paths"),
+    ],
+)
+def test_constructor_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("'", "'")):
+        PythonSandbox(**kwargs)
+
+
+def test_explicit_isolation_that_does_not_work_is_an_error(monkeypatch):
+    monkeypatch.setattr(sandbox_module, "_probe", lambda iso: "bwrap not found on PATH (install bubblewrap: ...)")
+    with pytest.raises(RuntimeError, match="isolation 'bwrap' does not work on this machine: bwrap not found"):
+        PythonSandbox(isolation="bwrap")
