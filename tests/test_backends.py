@@ -129,3 +129,22 @@ def test_vllm_server_mode_is_lockstep_and_logprobs_are_required():
     be = VLLMBackend(FakeVLLMGeneration("colocate", [[3]], with_logprobs=False), stop_token_ids=[2], sampling=SamplingSettings())
     with pytest.raises(RuntimeError, match="logprobs=0"):
         be.generate([[1]], [4], seed=0)
+
+
+def test_hf_session_unwraps_a_prepared_model(setup):
+    # With an accelerator, session() goes through TRL's unwrap_model_for_generation (which gathers
+    # ZeRO-3 weights once for the whole rollout); here a 1-process CPU accelerator.
+    from accelerate import Accelerator
+
+    tok, chat, model, prompts = setup
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(build_tiny_model(tok))
+    be = HFGenerationBackend(prepared, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
+                             sampling=SamplingSettings(temperature=0.0), accelerator=accelerator)
+    with be.session() as unwrapped:
+        inside = be.generate([prompts[0]], [6], seed=0)[0]
+        assert be._active is unwrapped
+    assert be._active is None
+    reference = HFGenerationBackend(build_tiny_model(tok), pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
+                                    sampling=SamplingSettings(temperature=0.0)).generate([prompts[0]], [6], seed=0)[0]
+    assert inside.token_ids == reference.token_ids

@@ -244,3 +244,18 @@ def test_lockstep_backend_joins_every_round_even_with_nothing_live(chat):
 def test_seeds_differ_by_round_step_and_rank():
     seeds = {derive_seed(base, step, rank, rnd) for base in (0, 1) for step in range(3) for rank in range(2) for rnd in range(3)}
     assert len(seeds) == 36 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_rollout_metrics(chat):
+    from trl_plugins.rollout.metrics import rollout_metrics
+    from trl_plugins.rollout.replay import ReplayReport
+
+    result, _, _ = run(chat, ["calls=2", "invalid", "shrug", "calls=0"])
+    m = rollout_metrics(result, ReplayReport(1e-6, 5e-7, 10))
+    # Trajectories: 3 turns/2 calls, 1 turn invalid, 1 turn no call, 1 turn answer -> 6 turns, 2 calls.
+    assert m["rollout/turns_mean"] == 6 / 4 and m["rollout/tool_calls_mean"] == 2 / 4
+    assert m["rollout/valid_tool_call_rate"] == 2 / 3  # 2 valid calls, 1 invalid attempt
+    assert m["rollout/stop/final_answer"] == 0.5 and m["rollout/stop/invalid_action"] == 0.25
+    assert m["rollout/terminated_frac"] == 1.0 and m["rollout/truncated_frac"] == 0.0
+    assert m["rollout/replay_max_abs_logprob_diff"] == 1e-6
+    assert all(isinstance(v, float) for v in m.values())

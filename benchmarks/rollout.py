@@ -1,0 +1,215 @@
+"""Rollout benchmark: trajectories/s and tool-call concurrency, ours vs TRL GRPOTrainer's tool loop.
+
+    python benchmarks/rollout.py [--questions 4] [--group 4] [--calls 2] [--tool-s 0.5] [--skip-trl]
+
+Both sides run the same tiny local Qwen2 model through Hugging Face ``generate`` with a *scripted
+tool-calling policy*: a logits processor forces the tokens of a fixed script (``--calls`` tool calls,
+then a ``\\boxed{}`` answer), so the model's forward passes are real while its behaviour is fixed.
+The tool sleeps ``--tool-s`` seconds per call (an async tool for us; a sync function for TRL, which
+is what its tool loop runs one at a time). Also printed: our engine with the real sandbox
+``code_interpreter`` (warm and cold) running a small computation.
+
+Numbers are wall-clock on a shared 2-core machine: compare the columns of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+from trl_plugins.embedded import build_tiny_model, build_tokenizer
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, MultiTurnRollout, RolloutQuestion, RolloutRequest
+from trl_plugins.tools.base import ToolOutput
+from trl_plugins.types import SamplingSettings
+
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "Run Python code and return what it prints.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
+CODE = "print(123 * 456 + 789)"
+
+
+def script_text(prompt_text: str, calls: int) -> str:
+    done = prompt_text.count("<tool_response>")
+    if done < calls:
+        return f'Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "{CODE}"}}}}\n</tool_call>'
+    return "The answer is \\boxed{56877}."
+
+
+class ForceScript:
+    """Logits processor that forces each row to emit its scripted completion, then ``<|im_end|>``."""
+
+    def __init__(self, tokenizer, calls: int) -> None:
+        self.tok, self.calls = tokenizer, calls
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.start, self.targets = None, None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.start is None:
+            self.start = input_ids.shape[1]
+            pad = self.tok.pad_token_id
+            self.targets = []
+            for row in input_ids.tolist():
+                text = self.tok.decode([t for t in row if t != pad])
+                body = script_text(text, self.calls)
+                self.targets.append(self.tok(body, add_special_tokens=False)["input_ids"] + [self.im_end])
+        k = input_ids.shape[1] - self.start
+        forced = torch.full_like(scores, float("-inf"))
+        for r, target in enumerate(self.targets):
+            forced[r, target[min(k, len(target) - 1)]] = 0.0
+        return forced
+
+
+def patch_generate(model, tokenizer, calls: int) -> None:
+    # Every generate() call gets a fresh forcing processor (it knows each row's script from its prompt).
+    from transformers import LogitsProcessorList
+
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        kwargs["logits_processor"] = LogitsProcessorList([ForceScript(tokenizer, calls)])
+        return original(*args, **kwargs)
+
+    model.generate = generate
+
+
+class SleepTool:
+    name = "code_interpreter"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def schema(self) -> dict:
+        return SCHEMA
+
+    async def __call__(self, arguments: dict) -> ToolOutput:
+        await asyncio.sleep(self.seconds)
+        return ToolOutput(text="56877", ok=True)
+
+
+def run_ours(tok, model, questions: int, group: int, calls: int, tool) -> dict:
+    chat = ChatFormat(tok, [SCHEMA])
+    backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings())
+    qs = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}]), i) for i in range(questions)]
+    rollout = MultiTurnRollout(max_turns=calls + 2, max_tool_calls=calls + 1, max_assistant_tokens=128, max_trajectory_tokens=2048)
+    start = time.perf_counter()
+    res = rollout(RolloutRequest(qs, group, backend, chat, {"code_interpreter": tool}, seed=0))
+    wall = time.perf_counter() - start
+    trajs = res.trajectories
+    assert all(t.stop_reason == "final_answer" for t in trajs), [t.stop_reason for t in trajs]
+    assert all(t.num_tool_calls == calls for t in trajs)
+    return dict(wall=wall, gen=res.generation_s, tools=res.tools_s, n=len(trajs), calls=sum(t.num_tool_calls for t in trajs), conc=res.max_concurrent_tool_calls)
+
+
+def run_trl(tok, model, questions: int, group: int, calls: int, tool_s: float) -> dict:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def code_interpreter(code: str) -> str:
+        """Run Python code and return what it prints.
+
+        Args:
+            code: The Python code to run.
+        """
+        time.sleep(tool_s)
+        return "56877"
+
+    counter = {"calls": 0}
+    tool = code_interpreter
+
+    def counting_tool(code: str) -> str:
+        """Run Python code and return what it prints.
+
+        Args:
+            code: The Python code to run.
+        """
+        counter["calls"] += 1
+        return tool(code)
+
+    counting_tool.__name__ = "code_interpreter"
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}]} for i in range(questions)])
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=questions * group, num_generations=group,
+            max_completion_length=1024, max_steps=1, use_cpu=True, report_to=[], save_strategy="no",
+            logging_steps=1, max_tool_calling_iterations=calls + 1, disable_tqdm=True, seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+            train_dataset=data, processing_class=tok, tools=[counting_tool],
+        )
+        timing = {}
+        original = trainer._generate_and_score_completions
+
+        def timed(inputs):
+            start = time.perf_counter()
+            result = original(inputs)
+            timing["wall"] = time.perf_counter() - start
+            return result
+
+        trainer._generate_and_score_completions = timed
+        trainer.train()
+    return dict(wall=timing["wall"], gen=float("nan"), tools=float("nan"), n=questions * group, calls=counter["calls"], conc=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=2, help="tool calls per trajectory")
+    ap.add_argument("--tool-s", type=float, default=0.5, help="seconds per tool call")
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--skip-sandbox", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    tok = build_tokenizer("qwen2_5")
+    rows = []
+    model = build_tiny_model(tok)
+    patch_generate(model, tok, args.calls)
+    rows.append(("ours, concurrent tools", run_ours(tok, model, args.questions, args.group, args.calls, SleepTool(args.tool_s))))
+    if not args.skip_trl:
+        model = build_tiny_model(tok)
+        patch_generate(model, tok, args.calls)
+        rows.append(("TRL GRPOTrainer tool loop", run_trl(tok, model, args.questions, args.group, args.calls, args.tool_s)))
+    if not args.skip_sandbox:
+        from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+        for mode in ("warm", "cold"):
+            tool = CodeInterpreter(mode=mode, max_concurrency=8)
+            model = build_tiny_model(tok)
+            patch_generate(model, tok, args.calls)
+            if mode == "warm":
+                tool.sandbox.warm_up()  # start the interpreters outside the timing
+            rows.append((f"ours, sandbox {mode}", run_ours(tok, model, args.questions, args.group, args.calls, tool)))
+            tool.close()
+
+    n = args.questions * args.group
+    print(f"{args.questions} questions x group {args.group} = {n} trajectories, {args.calls} tool calls each "
+          f"({n * args.calls} calls), sleep tool {args.tool_s} s/call, tiny Qwen2 on CPU, torch threads=1")
+    header = f"{'rollout':<28} {'wall s':>8} {'traj/s':>8} {'gen s':>7} {'tools s':>8} {'calls':>6} {'max conc':>9}"
+    print(header)
+    print("-" * len(header))
+    base = rows[0][1]["wall"]
+    for name, r in rows:
+        print(f"{name:<28} {r['wall']:>8.2f} {r['n'] / r['wall']:>8.2f} {r['gen']:>7.2f} {r['tools']:>8.2f} {r['calls']:>6} {r['conc']:>9}")
+    if len(rows) > 1 and rows[1][0].startswith("TRL"):
+        print(f"TRL wall / ours wall = {rows[1][1]['wall'] / base:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
