@@ -15,6 +15,8 @@ import signal
 import socket
 import threading
 import time
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -669,3 +671,31 @@ def test_explicit_isolation_that_does_not_work_is_an_error(monkeypatch):
     monkeypatch.setattr(sandbox_module, "_probe", lambda iso: "bwrap not found on PATH (install bubblewrap: ...)")
     with pytest.raises(RuntimeError, match="isolation 'bwrap' does not work on this machine: bwrap not found"):
         PythonSandbox(isolation="bwrap")
+
+
+@requires_namespaces
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_interpreter_living_under_tmp_stays_visible(tmp_path_factory, mode):
+    # A clone or virtualenv under /tmp (CI may clone there): the sandbox's private /tmp must not hide
+    # the interpreter that runs the code. Regression: every call failed there before.
+    import subprocess
+    import sys
+
+    venv = Path(tempfile.mkdtemp(prefix="sandbox-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        repo = Path(__file__).resolve().parents[1]
+        script = (
+            "from trl_plugins.tools.sandbox import PythonSandbox\n"
+            f"with PythonSandbox(mode={mode!r}, warm_imports=('math',), max_concurrency=1) as s:\n"
+            "    r = s.run('import sys, math; print(sys.prefix, math.factorial(5))')\n"
+            "    print(r.isolation, r.ok, r.stdout.strip(), r.stderr.strip()[-300:])\n"
+        )
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        isolation, ok, prefix, result = out.stdout.split()[:4]
+        assert (ok, prefix, result) == ("True", str(venv), "120"), out.stdout
+        assert isolation == STRONGEST.value
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)

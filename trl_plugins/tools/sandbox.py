@@ -118,6 +118,7 @@ MAX_OPEN_FILES = 256
 """``RLIMIT_NOFILE`` of the code."""
 
 _HIDDEN_DIRS = ("/root", "/home", "/run")
+_PRIVATE_TMPFS = ("/tmp", "/dev/shm")  # replaced by a fresh tmpfs in every sandbox (and every warm call)
 _SETUP_GRACE_S = 30.0  # interpreter start + namespace set-up; a safety net, not the code's budget
 _SERVER_START_TIMEOUT_S = 120.0
 
@@ -280,6 +281,9 @@ def _rn_setup_unshare_fs(cfg, libc):
             _rn_mount(libc, "tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
         elif os.path.lexists(h):
             _rn_mount(libc, "/dev/null", h, None, MS_BIND, None)
+    for p in ("/tmp", "/dev/shm"):
+        if os.path.isdir(p):
+            _rn_mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
     os.umask(0o022)
     for k, fd in keep:
         if not os.path.lexists(k):
@@ -291,9 +295,6 @@ def _rn_setup_unshare_fs(cfg, libc):
         _rn_mount(libc, f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC, None)
         _rn_set_readonly(libc, k, True)
         os.close(fd)
-    for p in ("/tmp", "/dev/shm"):
-        if os.path.isdir(p):
-            _rn_mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
     os.makedirs(cfg["scratch"], exist_ok=True)
     _rn_mount(libc, "tmpfs", cfg["scratch"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={disk}")
     for h in cfg["hide"]:
@@ -493,12 +494,25 @@ def _rn_prepare_child_io(out_fd, err_fd, status_fd):
 def _rn_mount_call_fs(cfg, libc, scratch):
     import os
 
-    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
     disk = cfg["disk_bytes"]
     _rn_mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
-    for p in ("/tmp", "/dev/shm"):
-        if os.path.isdir(p):
-            _rn_mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
+    covers = [p for p in ("/tmp", "/dev/shm") if os.path.isdir(p)]
+    # Interpreter paths under a fresh tmpfs (a virtualenv in /tmp): O_PATH handles taken before the
+    # tmpfs covers them, bound back read-only through /proc/self/fd afterwards.
+    keep = [(k, os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in cfg["keep"]
+            if any(k == p or k.startswith(p + "/") for p in covers)]
+    for p in covers:
+        _rn_mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
+    for k, fd in keep:
+        os.makedirs(os.path.dirname(k), exist_ok=True)
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.mkdir(k)
+        else:
+            open(k, "w").close()
+        _rn_mount(libc, f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC, None)
+        _rn_set_readonly(libc, k, True)
+        os.close(fd)
     os.makedirs(scratch, exist_ok=True)
     _rn_mount(libc, "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={disk}")
     try:  # fresh /proc: the code sees only its own PID namespace
@@ -760,7 +774,10 @@ class _Launcher:
                 continue
             if not any(_under(h, x) for x in hidden):
                 hidden.append(h)
-        keep = tuple(k for k in keep_all if any(_under(k, h) for h in hidden))
+        # The private /tmp and /dev/shm cover the interpreter too when it lives there (a clone or
+        # virtualenv under /tmp): those paths are bound back read-only like the hidden ones.
+        covered = [*hidden, *(p for p in _PRIVATE_TMPFS if os.path.isdir(p))]
+        keep = tuple(k for k in keep_all if any(_under(k, h) for h in covered))
         scratch = "/home/sandbox" if "/home" in hidden else "/tmp/sandbox"
         return _Launcher(isolation, tuple(hidden), keep, scratch, as_root)
 
@@ -820,12 +837,10 @@ class _Launcher:
         if not self.as_root:
             args.append("--unshare-user")
         args += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--ro-bind", "/", "/"]
-        for h in self.hidden:
-            if not os.path.isdir(h):
-                args += ["--ro-bind", "/dev/null", h]
-                continue
-            args += ["--tmpfs", h]
-            made: set[str] = set()
+        made: set[str] = set()
+
+        def keep_under(h: str) -> list[str]:
+            out: list[str] = []
             for k in self.keep:
                 if not _under(k, h):
                     continue
@@ -834,11 +849,18 @@ class _Launcher:
                     d = os.path.join(h, *parts[:i])
                     if d not in made:
                         made.add(d)
-                        args += ["--perms", "0755", "--dir", d]
-                args += ["--ro-bind", k, k]
+                        out += ["--perms", "0755", "--dir", d]
+                out += ["--ro-bind", k, k]
+            return out
+
+        for h in self.hidden:
+            if not os.path.isdir(h):
+                args += ["--ro-bind", "/dev/null", h]
+                continue
+            args += ["--tmpfs", h, *keep_under(h)]
         args += ["--proc", "/proc", "--dev", "/dev"]
-        args += ["--perms", "1777", "--size", disk, "--tmpfs", "/tmp"]
-        args += ["--perms", "1777", "--size", disk, "--tmpfs", "/dev/shm"]
+        args += ["--perms", "1777", "--size", disk, "--tmpfs", "/tmp", *keep_under("/tmp")]
+        args += ["--perms", "1777", "--size", disk, "--tmpfs", "/dev/shm", *keep_under("/dev/shm")]
         args += ["--dir", scratch, "--size", disk, "--tmpfs", scratch]
         for h in self.hidden:
             if os.path.isdir(h):
