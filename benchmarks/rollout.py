@@ -28,16 +28,10 @@ import torch
 from trl_plugins.embedded import build_tiny_model, build_tokenizer
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, MultiTurnRollout, RolloutQuestion, RolloutRequest
 from trl_plugins.tools.base import ToolOutput
+from trl_plugins.tools.code_interpreter import CodeInterpreter
 from trl_plugins.types import SamplingSettings
 
-SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "code_interpreter",
-        "description": "Run Python code and return what it prints.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-    },
-}
+SCHEMA = CodeInterpreter().schema()
 CODE = "print(123 * 456 + 789)"
 
 
@@ -187,8 +181,6 @@ def main() -> None:
         patch_generate(model, tok, args.calls)
         rows.append(("TRL GRPOTrainer tool loop", run_trl(tok, model, args.questions, args.group, args.calls, args.tool_s)))
     if not args.skip_sandbox:
-        from trl_plugins.tools.code_interpreter import CodeInterpreter
-
         for mode in ("warm", "cold"):
             tool = CodeInterpreter(mode=mode, max_concurrency=8)
             model = build_tiny_model(tok)

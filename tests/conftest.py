@@ -16,6 +16,13 @@ from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
 ASSETS = Path(__file__).parent / "assets"
 
 
+def code_schema() -> dict:
+    """The built-in code_interpreter's JSON schema (what the chat template shows the model)."""
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    return CodeInterpreter().schema()
+
+
 @pytest.fixture
 def isolated_registries():
     """Snapshot every global registry and restore it afterwards (entry-point discovery included)."""

@@ -6,20 +6,15 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from conftest import code_schema
 import torch
 
 from trl_plugins.embedded import build_tiny_model, build_tokenizer
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend, replay_logprobs
 from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
 
-SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "code_interpreter",
-        "description": "Run Python code.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-    },
-}
+SCHEMA = code_schema()
 
 
 @pytest.fixture(scope="module")

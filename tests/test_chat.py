@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from conftest import code_schema
 import trl
 
 from trl_plugins.datum import build_datum
@@ -13,14 +15,7 @@ from trl_plugins.embedded import build_tokenizer, load_trl_chat_template
 from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, TurnKind, check_prefix_preserving, derive_tool_turn_format
 from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
 
-SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "code_interpreter",
-        "description": "Run Python code.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-    },
-}
+SCHEMA = code_schema()
 CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
 G, O, A, P = TokenSource.GLUE, TokenSource.OBSERVATION, TokenSource.ACTION, TokenSource.PROMPT
 

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from conftest import code_schema
+
 from trl_plugins.datum import build_datum
 from trl_plugins.embedded import build_tokenizer
 from trl_plugins.registry import ROLLOUTS
@@ -23,14 +25,7 @@ from trl_plugins.rollout import (
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.types import StopReason, TokenSource, validate_trajectory
 
-SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "code_interpreter",
-        "description": "Run Python code.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-    },
-}
+SCHEMA = code_schema()
 
 
 class FakeTool:
@@ -125,7 +120,7 @@ def test_tool_calls_then_final_answer(chat):
         ("ramble", {"max_assistant_tokens": 16}, StopReason.TURN_LENGTH),
         ("calls=5", {"max_turns": 2}, StopReason.MAX_TURNS),
         ("calls=5", {"max_tool_calls": 2}, StopReason.MAX_TOOL_CALLS),
-        ("calls=5", {"max_trajectory_tokens": 300}, StopReason.TOKEN_BUDGET),
+        ("calls=5", {"max_trajectory_tokens": 450}, StopReason.TOKEN_BUDGET),
     ],
 )
 def test_each_stop_reason(chat, directive, budgets, reason):
@@ -140,7 +135,7 @@ def test_each_stop_reason(chat, directive, budgets, reason):
         # The third call was asked for but not run.
         assert len(traj.turns) == 3 and traj.turns[-1].tool_call.output == "" and not traj.turns[-1].tool_call.ok
     if reason == StopReason.TOKEN_BUDGET:
-        assert traj.num_tokens <= 300
+        assert traj.num_tokens <= 450
 
 
 def test_per_turn_budget_is_min_of_turn_and_trajectory_budget(chat):
@@ -154,11 +149,11 @@ def test_per_turn_budget_is_min_of_turn_and_trajectory_budget(chat):
     base = scripted(chat)
     spy = Spy(base.script, stop_token_ids=chat.stop_token_ids)
     q = RolloutQuestion("q", chat.initial_prompt_ids([{"role": "user", "content": "calls=5"}]), 0)
-    MultiTurnRollout(max_assistant_tokens=64, max_trajectory_tokens=400)(
+    MultiTurnRollout(max_assistant_tokens=64, max_trajectory_tokens=500)(
         RolloutRequest([q], 1, spy, chat, {"code_interpreter": FakeTool()})
     )
     for (prompt_len, budget), in budgets_seen:
-        assert budget == min(64, 400 - prompt_len)
+        assert budget == min(64, 500 - prompt_len)
     assert any(budget < 64 for (_, budget), in budgets_seen)  # the trajectory budget did bind
 
 

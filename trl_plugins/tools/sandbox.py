@@ -265,6 +265,23 @@ def _rn_drop_caps(libc):
     _rn_check(_rn_prctl(libc, 38, 1), "PR_SET_NO_NEW_PRIVS")
 
 
+def _rn_bind_back(libc, keep):
+    import os
+
+    # Bind each kept path back, read-only, from an O_PATH handle taken before it was covered.
+    MS_BIND, MS_REC = 4096, 16384
+    for k, fd in keep:
+        if not os.path.lexists(k):
+            os.makedirs(os.path.dirname(k), exist_ok=True)
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.mkdir(k)
+            else:
+                open(k, "w").close()
+        _rn_mount(libc, f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC, None)
+        _rn_set_readonly(libc, k, True)
+        os.close(fd)
+
+
 def _rn_setup_unshare_fs(cfg, libc):
     import os
 
@@ -285,16 +302,7 @@ def _rn_setup_unshare_fs(cfg, libc):
         if os.path.isdir(p):
             _rn_mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
     os.umask(0o022)
-    for k, fd in keep:
-        if not os.path.lexists(k):
-            os.makedirs(os.path.dirname(k), exist_ok=True)
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.mkdir(k)
-            else:
-                open(k, "w").close()
-        _rn_mount(libc, f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC, None)
-        _rn_set_readonly(libc, k, True)
-        os.close(fd)
+    _rn_bind_back(libc, keep)
     os.makedirs(cfg["scratch"], exist_ok=True)
     _rn_mount(libc, "tmpfs", cfg["scratch"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={disk}")
     for h in cfg["hide"]:
@@ -494,7 +502,7 @@ def _rn_prepare_child_io(out_fd, err_fd, status_fd):
 def _rn_mount_call_fs(cfg, libc, scratch):
     import os
 
-    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
     disk = cfg["disk_bytes"]
     _rn_mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
     covers = [p for p in ("/tmp", "/dev/shm") if os.path.isdir(p)]
@@ -504,15 +512,7 @@ def _rn_mount_call_fs(cfg, libc, scratch):
             if any(k == p or k.startswith(p + "/") for p in covers)]
     for p in covers:
         _rn_mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
-    for k, fd in keep:
-        os.makedirs(os.path.dirname(k), exist_ok=True)
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            os.mkdir(k)
-        else:
-            open(k, "w").close()
-        _rn_mount(libc, f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC, None)
-        _rn_set_readonly(libc, k, True)
-        os.close(fd)
+    _rn_bind_back(libc, keep)
     os.makedirs(scratch, exist_ok=True)
     _rn_mount(libc, "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={disk}")
     try:  # fresh /proc: the code sees only its own PID namespace
