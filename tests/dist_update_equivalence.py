@@ -1,0 +1,137 @@
+"""Launched by tests/test_distributed.py under `accelerate launch` (2 processes, DDP or ZeRO-3 on CPU).
+
+Rank r holds its own datums (3 on rank 0, 7 on rank 1, 1-4 turns each, so the ranks pack different
+numbers of micro-batches). One `policy_update` with SGD must move the parameters exactly as one
+plain-torch step on the one-batch loss over all 10 datums does. Rank 0 writes the relative error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import make_trajectory  # noqa: E402
+
+from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators  # noqa: E402
+from trl_plugins.datum import build_datum, collate  # noqa: E402
+from trl_plugins.modeling import token_logprobs  # noqa: E402
+from trl_plugins.trainers.step import UpdateConfig, policy_update  # noqa: E402
+
+LR = 0.5
+
+
+def tiny_model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def all_datums(world: int) -> list[list]:
+    rng = random.Random(7)
+    counts = [3, 7] if world == 2 else [10]
+    out, k = [], 0
+    for c in counts:
+        part = []
+        for _ in range(c):
+            traj = make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=k // 2, sample_index=k % 2)
+            part.append(build_datum(traj, trajectory_index=k))
+            k += 1
+        out.append(part)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rebalance", action="store_true")
+    ap.add_argument("--aggregation", default="token_mean")
+    args = ap.parse_args()
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:
+        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    else:
+        accelerator = Accelerator(cpu=True)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    parts = all_datums(world)
+    everything = [d for p in parts for d in p]
+    # Behaviour log-probs near the model's own, so the clip is active on some tokens.
+    reference = tiny_model()
+    with torch.no_grad():
+        mb = collate(everything, list(range(len(everything))), pad_token_id=0)
+        lp = token_logprobs(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
+    gen = torch.Generator().manual_seed(1)
+    for row, d in enumerate(everything):
+        noisy = lp[row, : d.num_tokens] + 0.3 * torch.randn(d.num_tokens, generator=gen)
+        d.behaviour_logprobs = [float(x) if m else 0.0 for x, m in zip(noisy, d.action_mask)]
+
+    loss_fn = PPOClipLoss()
+    config = UpdateConfig(aggregation=args.aggregation, packer="ffd", max_items=2, max_padded_tokens=400,
+                          rebalance=args.rebalance, norm_length=64)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config)
+    state = accelerator.get_state_dict(model)
+
+    if accelerator.is_main_process:
+        # One plain-torch step on the one-batch loss over every datum.
+        mb = collate(everything, list(range(len(everything))), pad_token_id=0)
+        n_tok, n_seq = local_denominators(mb.action_mask)
+        logp = token_logprobs(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
+        from trl_plugins.types import PolicyLossInput
+
+        out = loss_fn(PolicyLossInput(logp, mb.behaviour_logprobs, mb.advantages, mb.action_mask))
+        loss = aggregate(out.per_token_loss, mb.action_mask, args.aggregation, num_tokens=n_tok, num_sequences=n_seq, norm_length=64)
+        loss.backward()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+        ref_opt.step()
+        ref_state = reference.state_dict()
+        before = tiny_model().state_dict()
+        num = den = moved = 0.0
+        for name, ref_param in ref_state.items():
+            got = state[name].float()
+            num += float((got - ref_param).pow(2).sum())
+            den += float((ref_param - before[name]).pow(2).sum())
+            moved += float((got - before[name]).pow(2).sum())
+        report = {
+            "world": world,
+            "deepspeed": deepspeed,
+            "rebalance": args.rebalance,
+            # Error of the update relative to the size of the update itself.
+            "rel_err": (num / max(den, 1e-30)) ** 0.5,
+            "update_norm": den ** 0.5,
+            "moved_norm": moved ** 0.5,
+            "loss": result.loss,
+            "ref_loss": float(loss),
+            "micro_batches": result.num_micro_batches,
+            "dummies": result.num_dummies,
+            "loss_tokens": result.num_loss_tokens,
+            "clip_frac": (result.stats.summary()["clip_frac_low"] + result.stats.summary()["clip_frac_high"]) if result.stats else 0.0,
+        }
+        Path(args.out).write_text(json.dumps(report))
+        print(json.dumps(report))
+    accelerator.wait_for_everyone()
+    sys.stdout.flush()
+    os._exit(0)  # avoids a rare gloo-thread abort at interpreter exit (see ENVIRONMENT notes)
+
+
+if __name__ == "__main__":
+    main()

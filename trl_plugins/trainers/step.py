@@ -1,0 +1,224 @@
+"""One optimizer update from a batch of datums, exact on any number of ranks (glue, no maths).
+
+Every rank calls :func:`policy_update` with the datums it holds (any number, any lengths). It
+
+1. optionally rebalances datums across ranks (all ranks gather the lengths and build the same
+   ``balanced`` plan), otherwise packs its own datums with the chosen packer;
+2. all-reduces the global denominators (loss tokens, sequences) and the largest micro-batch count;
+3. runs that many forward/backward passes on every rank, zero-weight dummy micro-batches where a
+   rank has fewer (under ZeRO-3 every forward is a collective), each loss already normalised by the
+   global denominators and multiplied by the data-parallel size that DDP/DeepSpeed divide by;
+4. syncs gradients once, on the last micro-batch (DDP ``no_sync`` before it; DeepSpeed's
+   accumulation boundary set explicitly, since ``accelerator.backward`` otherwise steps the engine
+   after every micro-batch), then takes exactly one optimizer step.
+
+The gradient therefore equals the gradient of the one-batch loss on all datums of all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from trl_plugins.algos import aggregate
+from trl_plugins.datum import collate, dummy_micro_batch
+from trl_plugins.modeling import token_logprobs
+from trl_plugins.packing import pack_for_ranks
+from trl_plugins.types import AggregationMode, Datum, PolicyLossInput, PolicyLossOutput, PolicyLossStats
+
+__all__ = ["UpdateConfig", "UpdateResult", "policy_update"]
+
+
+@dataclass
+class UpdateConfig:
+    """How one update packs and normalises."""
+
+    aggregation: AggregationMode | str = AggregationMode.TOKEN_MEAN
+    """Loss aggregation mode."""
+    packer: str = "optimal"
+    """Packer for each rank's own datums."""
+    max_items: int = 32
+    """Rows per micro-batch."""
+    max_padded_tokens: int = 64_000
+    """Padded area per micro-batch."""
+    rebalance: bool = False
+    """Move datums between ranks with the ``balanced`` packer (gathers the datums to every rank)."""
+    norm_length: float | None = None
+    """Constant length for ``seq_mean_token_sum_norm``."""
+    temperature: float = 1.0
+    """Sampling temperature: log-probs are taken from ``logits / temperature`` like the behaviour ones."""
+    pad_token_id: int = 0
+    """Padding id for collation."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm (skipped under DeepSpeed, which clips by its own config)."""
+
+
+@dataclass
+class UpdateResult:
+    """What one update did (global numbers, identical on every rank)."""
+
+    loss: float
+    """The aggregated loss of the whole step (sum over micro-batches and ranks)."""
+    num_micro_batches: int
+    """Forward/backward passes per rank."""
+    num_dummies: int
+    """Zero-weight micro-batches over all ranks."""
+    num_loss_tokens: int
+    """Global loss tokens (the token-mean denominator)."""
+    num_sequences: int
+    """Global sequences with at least one loss token."""
+    num_padded_tokens: int
+    """Global padded area processed (dummies included)."""
+    num_input_tokens: int
+    """Global real input tokens."""
+    stats: PolicyLossStats | None
+    """Merged policy-loss statistics over all ranks (None when nothing was trained)."""
+    grad_norm: float | None = None
+    """Gradient norm before clipping, when clipping is on and known."""
+
+
+def _is_deepspeed(accelerator: Any) -> bool:
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
+def _reduce(accelerator: Any, values: Sequence[float], op: str) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum") if op == "sum" else _all_reduce_max(t)
+    return t.tolist()
+
+
+def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t
+
+
+def _merge_stats_across_ranks(accelerator: Any, stats: PolicyLossStats | None) -> PolicyLossStats | None:
+    fields = ["num_tokens", "clipped_low", "clipped_high", "dual_clipped", "approx_kl_sum", "ratio_sum"]
+    if stats is None:
+        sums, lo, hi = [0.0] * len(fields), float("inf"), float("-inf")
+    else:
+        sums = [float(getattr(stats, f)) for f in fields]
+        lo, hi = float(stats.ratio_min), float(stats.ratio_max)
+    sums = _reduce(accelerator, sums, "sum")
+    lo_hi = _reduce(accelerator, [-lo, hi], "max")
+    if sums[0] == 0:
+        return None
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    return PolicyLossStats(*(t(x) for x in sums), ratio_min=t(-lo_hi[0]), ratio_max=t(lo_hi[1]))
+
+
+def policy_update(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    datums: Sequence[Datum],
+    policy_loss: Callable[[PolicyLossInput], PolicyLossOutput],
+    config: UpdateConfig,
+) -> UpdateResult:
+    """Run one exact update on this rank's ``datums``; every rank must call it (collectives inside).
+
+    Args:
+        accelerator: The ``accelerate.Accelerator`` that prepared ``model`` and ``optimizer``.
+        model: The prepared (DDP- or DeepSpeed-wrapped) policy.
+        optimizer: The prepared optimizer.
+        datums: This rank's datums (may be empty).
+        policy_loss: A policy-loss plugin.
+        config: Packing and normalisation.
+
+    Returns:
+        Global numbers of the update (the same on every rank).
+    """
+    world = accelerator.num_processes
+    rank = accelerator.process_index
+    datums = list(datums)
+    if config.rebalance and world > 1:
+        from accelerate.utils import gather_object
+
+        everything = gather_object([datums])  # one list per rank, in rank order
+        datums = [d for part in everything for d in part]
+        plan = pack_for_ranks(
+            [d.num_tokens for d in datums], strategy="balanced", max_items=config.max_items,
+            max_padded_tokens=config.max_padded_tokens, world_size=world,
+        )
+        batches = plan.ranks[rank]
+    else:
+        plan = pack_for_ranks(
+            [d.num_tokens for d in datums], strategy=config.packer, max_items=config.max_items,
+            max_padded_tokens=config.max_padded_tokens, world_size=1,
+        )
+        batches = plan.ranks[0]
+
+    local_tokens = float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))
+    local_seqs = float(sum(datums[i].num_loss_tokens > 0 for idx in batches for i in idx))
+    num_tokens, num_seqs = _reduce(accelerator, [local_tokens, local_seqs], "sum")
+    (steps,) = _reduce(accelerator, [len(batches)], "max")
+    steps = int(steps)
+    batches = list(batches) + [[] for _ in range(steps - len(batches))]
+
+    deepspeed = _is_deepspeed(accelerator)
+    loss_total = 0.0
+    padded = real = dummies = 0
+    stats: PolicyLossStats | None = None
+    model.train()
+    for k, idx in enumerate(batches):
+        last = k == steps - 1
+        mb = collate(datums, idx, pad_token_id=config.pad_token_id) if idx else dummy_micro_batch(pad_token_id=config.pad_token_id)
+        dummies += not idx
+        padded += mb.num_padded_tokens
+        real += int(mb.attention_mask.sum())
+        device = accelerator.device
+        if deepspeed:
+            accelerator.sync_gradients = last
+            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        else:
+            ctx = contextlib.nullcontext() if last or world == 1 else accelerator.no_sync(model)
+        with ctx:
+            logp = token_logprobs(
+                model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.target_ids.to(device),
+                temperature=config.temperature,
+            )
+            out = policy_loss(
+                PolicyLossInput(
+                    logprobs=logp,
+                    behaviour_logprobs=mb.behaviour_logprobs.to(device),
+                    advantages=mb.advantages.to(device),
+                    action_mask=mb.action_mask.to(device),
+                )
+            )
+            loss = aggregate(
+                out.per_token_loss, mb.action_mask.to(device), config.aggregation,
+                num_tokens=num_tokens, num_sequences=num_seqs, norm_length=config.norm_length, dp_size=world,
+            ) * mb.weight
+            if deepspeed:
+                accelerator.backward(loss, scale_wrt_gas=False)
+            else:
+                accelerator.backward(loss)
+        loss_total += float(loss.detach()) / world
+        if idx:
+            stats = out.stats if stats is None else stats.merge(out.stats)
+
+    grad_norm = None
+    if not deepspeed:
+        if config.max_grad_norm is not None:
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        accelerator.sync_gradients = True
+    (loss_sum,) = _reduce(accelerator, [loss_total], "sum")
+    dummies_all, padded_all, real_all = _reduce(accelerator, [dummies, padded, real], "sum")
+    return UpdateResult(
+        loss=loss_sum,
+        num_micro_batches=steps,
+        num_dummies=int(dummies_all),
+        num_loss_tokens=int(num_tokens),
+        num_sequences=int(num_seqs),
+        num_padded_tokens=int(padded_all),
+        num_input_tokens=int(real_all),
+        stats=_merge_stats_across_ranks(accelerator, stats),
+        grad_norm=grad_norm,
+    )
