@@ -67,6 +67,10 @@ def main() -> None:
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if deepspeed:
         accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+        # The shared JSON says "auto" for the HF Trainer; a raw loop has no dataloader to fill it in.
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, gradient_clipping=0.0)
+        ds.pop("train_batch_size", None)
     else:
         accelerator = Accelerator(cpu=True)
     world, rank = accelerator.num_processes, accelerator.process_index

@@ -118,6 +118,8 @@ def policy_update(
     datums: Sequence[Datum],
     policy_loss: Callable[[PolicyLossInput], PolicyLossOutput],
     config: UpdateConfig,
+    *,
+    step_optimizer: bool = True,
 ) -> UpdateResult:
     """Run one exact update on this rank's ``datums``; every rank must call it (collectives inside).
 
@@ -128,6 +130,9 @@ def policy_update(
         datums: This rank's datums (may be empty).
         policy_loss: A policy-loss plugin.
         config: Packing and normalisation.
+        step_optimizer: Step and zero the optimizer here (DDP/single process). ``False`` when a caller
+            such as the HF Trainer loop clips and steps itself right after. Under DeepSpeed the engine
+            steps in the last backward either way.
 
     Returns:
         Global numbers of the update (the same on every rank).
@@ -202,7 +207,7 @@ def policy_update(
             stats = out.stats if stats is None else stats.merge(out.stats)
 
     grad_norm = None
-    if not deepspeed:
+    if not deepspeed and step_optimizer:
         if config.max_grad_norm is not None:
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm))
         optimizer.step()

@@ -1,0 +1,61 @@
+"""Launched by tests/test_distributed.py: a few real MultiTurnGRPOTrainer steps on 2 CPU processes.
+
+Rank 0 gets questions whose prompts ask for more, so ranks hold different numbers of tokens and the
+per-step datums (after dropping zero-advantage groups) differ across ranks. Rank 0 writes a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_trainer import TokenReward  # noqa: E402
+
+from trl_plugins.embedded import build_tiny_model, build_tokenizer  # noqa: E402
+from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--output_dir", required=True)
+    args = ap.parse_args()
+    from datasets import Dataset
+
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    rows = [{"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)]
+    config = MultiTurnGRPOConfig(
+        output_dir=args.output_dir, per_device_train_batch_size=4, num_generations=2, max_steps=3,
+        report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
+        reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
+        bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
+    )
+    trainer = MultiTurnGRPOTrainer(model, config, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                                   reward_components={"token": TokenReward()})
+    trainer.train()
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if trainer.accelerator.is_main_process:
+        checksum = float(sum(v.float().abs().sum() for v in state.values()))
+        records = [json.loads(l) for l in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        Path(args.out).write_text(json.dumps({
+            "world": trainer.accelerator.num_processes, "deepspeed": deepspeed,
+            "global_step": trainer.state.global_step, "checksum": checksum,
+            "steps": [r for r in records if "train/update_skipped" in r],
+        }))
+    trainer.accelerator.wait_for_everyone()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

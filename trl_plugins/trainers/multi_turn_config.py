@@ -1,0 +1,93 @@
+"""Configuration of :class:`~trl_plugins.trainers.multi_turn_trainer.MultiTurnGRPOTrainer`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+from trl_plugins.types import AggregationMode
+
+__all__ = ["MultiTurnGRPOConfig"]
+
+
+def _as_dict(value: Any, name: str) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} must be a JSON object (e.g. '{{\"max_turns\": 4}}'), got {value!r}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {type(value).__name__}.")
+    return value
+
+
+@dataclass
+class MultiTurnGRPOConfig(GRPOConfig):
+    """GRPOConfig plus the plugins of a multi-turn tool-calling run.
+
+    ``num_generations`` is the group size: each question is rolled out that many times on one rank.
+    ``per_device_train_batch_size`` counts trajectories per rank per step and must be a multiple of
+    it. One step is one rollout batch and one optimizer update (``gradient_accumulation_steps`` and
+    ``steps_per_generation`` stay 1; ``num_iterations > 1`` reuses a rollout for more updates).
+    The ``*_kwargs`` fields take a dict or a JSON string (for the command line).
+    """
+
+    rollout: str = field(default="multi_turn", metadata={"help": "Rollout plugin (registry name or 'pkg.mod:attr')."})
+    rollout_kwargs: dict | str | None = field(default=None, metadata={"help": "Rollout budgets, e.g. max_turns."})
+    tools: list[str] = field(default_factory=lambda: ["code_interpreter"], metadata={"help": "Tool plugins."})
+    tool_kwargs: dict | str | None = field(default=None, metadata={"help": "Per-tool settings: {tool: {...}}."})
+    reward_components: list[str] = field(default_factory=list, metadata={"help": "Reward-component plugins."})
+    reward_component_weights: list[float] | None = field(default=None, metadata={"help": "Weights (default 1 each)."})
+    reward_component_kwargs: dict | str | None = field(default=None, metadata={"help": "Per-component settings."})
+    advantage: str = field(default="group", metadata={"help": "Advantage estimator plugin."})
+    advantage_kwargs: dict | str | None = field(default=None, metadata={"help": "Advantage settings."})
+    policy_loss: str = field(default="ppo_clip", metadata={"help": "Policy-loss plugin."})
+    policy_loss_kwargs: dict | str | None = field(default=None, metadata={"help": "Policy-loss settings (clip_low, clip_high, ...)."})
+    aggregation: str = field(default="token_mean", metadata={"help": "Loss aggregation mode."})
+    norm_length: float | None = field(default=None, metadata={"help": "Constant length for seq_mean_token_sum_norm."})
+    packer: str = field(default="optimal", metadata={"help": "Micro-batch packer."})
+    max_items_per_micro_batch: int = field(default=32, metadata={"help": "Rows per micro-batch."})
+    max_padded_tokens_per_micro_batch: int = field(default=64_000, metadata={"help": "Padded area per micro-batch."})
+    rebalance_ranks: bool = field(default=False, metadata={"help": "Move datums across ranks with the balanced packer."})
+    max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
+    drop_zero_advantage: bool = field(default=True, metadata={"help": "Drop trajectories whose advantage is 0."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
+    progress_rollout: bool = field(default=False, metadata={"help": "Progress bar of trajectories within a rollout."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.rollout_kwargs = _as_dict(self.rollout_kwargs, "rollout_kwargs")
+        self.tool_kwargs = _as_dict(self.tool_kwargs, "tool_kwargs")
+        self.reward_component_kwargs = _as_dict(self.reward_component_kwargs, "reward_component_kwargs")
+        self.advantage_kwargs = _as_dict(self.advantage_kwargs, "advantage_kwargs")
+        self.policy_loss_kwargs = _as_dict(self.policy_loss_kwargs, "policy_loss_kwargs")
+        AggregationMode(self.aggregation)
+        if self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size ({self.per_device_train_batch_size}) counts trajectories per rank and "
+                f"must be a multiple of num_generations ({self.num_generations}), so that every group is rolled out "
+                f"on one rank."
+            )
+        if self.gradient_accumulation_steps != 1 or self.steps_per_generation != 1:
+            raise ValueError(
+                "one step is one rollout batch and one optimizer update: keep gradient_accumulation_steps=1 and "
+                "steps_per_generation=1 (micro-batching is the packer's job: max_items_per_micro_batch, "
+                "max_padded_tokens_per_micro_batch)."
+            )
+        if self.reward_component_weights is None:
+            self.reward_component_weights = [1.0] * len(self.reward_components)
+        if len(self.reward_component_weights) != len(self.reward_components):
+            raise ValueError(
+                f"{len(self.reward_components)} reward_components but {len(self.reward_component_weights)} "
+                f"reward_component_weights; give one weight per component."
+            )
+        if not self.reward_components:
+            raise ValueError("reward_components is empty: name at least one reward-component plugin.")
+        for name in ("max_items_per_micro_batch", "max_padded_tokens_per_micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")

@@ -1,0 +1,261 @@
+"""MultiTurnGRPOTrainer: TRL's GRPOTrainer with every seam behind a plugin (glue only).
+
+One step is one rollout batch and one optimizer update: roll out each question ``num_generations``
+times (rollout plugin, tools), score each trajectory (reward components), compute advantages, build
+one datum per trajectory, drop zero-advantage ones, and let :func:`~trl_plugins.trainers.step.policy_update`
+run the exactly-normalised micro-batches; the HF Trainer loop then clips, steps the optimizer and the
+scheduler, logs and checkpoints as usual. The PPO "old" log-probs are the sampler's behaviour
+log-probs stored on the trajectories.
+
+TRL methods overridden: ``training_step`` (public) and ``log`` (public); no private method is
+overridden (``tests/test_trainer.py`` pins the signatures this relies on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping
+
+import torch
+from trl import GRPOTrainer
+
+from trl_plugins.datum import build_datum
+from trl_plugins.registry import ADVANTAGES, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutQuestion, RolloutRequest, derive_seed
+from trl_plugins.rollout.metrics import rollout_metrics
+from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
+from trl_plugins.trainers.step import UpdateConfig, policy_update
+from trl_plugins.types import AdvantageInput, RewardComponent, SamplingSettings, Trajectory
+
+__all__ = ["MultiTurnGRPOTrainer"]
+
+
+class _ScoredByPlugins:
+    """TRL requires a reward source at construction; this trainer scores with REWARDS plugins."""
+
+    __name__ = "reward_components"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[float]:
+        raise RuntimeError("MultiTurnGRPOTrainer scores trajectories with its reward components; this is never called.")
+
+
+class MultiTurnGRPOTrainer(GRPOTrainer):
+    """Multi-turn, tool-calling GRPO/PPO with plugins at every seam.
+
+    Args:
+        model: A model or its name/path (as for GRPOTrainer).
+        args: A :class:`MultiTurnGRPOConfig`.
+        train_dataset: Rows with a ``prompt`` (a string or a list of chat messages) and whatever the
+            reward components read (e.g. ``answer``).
+        processing_class: The tokenizer (its chat template must support tool turns).
+        tools: Tool instances by name; default: built from ``args.tools`` and ``args.tool_kwargs``.
+        reward_components: Reward callables by name; default: built from ``args.reward_components``.
+        callbacks, optimizers, peft_config: As for GRPOTrainer.
+
+    Raises:
+        ValueError: an invalid combination (see the message for what to set instead).
+        trl_plugins.rollout.ChatTemplateError: a chat template that cannot do token-in, token-out tool turns.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        args: MultiTurnGRPOConfig,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        *,
+        tools: Mapping[str, Any] | None = None,
+        reward_components: Mapping[str, Any] | None = None,
+        callbacks: Any = None,
+        optimizers: Any = (None, None),
+        peft_config: Any = None,
+    ) -> None:
+        if not isinstance(args, MultiTurnGRPOConfig):
+            raise TypeError(f"args must be a MultiTurnGRPOConfig, got {type(args).__name__}.")
+        if args.log_completions:
+            raise ValueError("log_completions is TRL's single-turn table; trajectory tables come from this trainer's own logging.")
+        super().__init__(
+            model=model,
+            reward_funcs=[_ScoredByPlugins()],
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
+        self._tools = dict(tools) if tools is not None else {
+            name: TOOLS.get(name)(**args.tool_kwargs.get(name, {})) for name in args.tools
+        }
+        provided = dict(reward_components or {})
+        self._reward_components = [
+            (name, float(weight), provided.get(name) or REWARDS.get(name)(**args.reward_component_kwargs.get(name, {})))
+            for name, weight in zip(args.reward_components, args.reward_component_weights)
+        ]
+        self._rollout_plugin = ROLLOUTS.get(args.rollout)(**args.rollout_kwargs)
+        self._advantage = ADVANTAGES.get(args.advantage)(**args.advantage_kwargs)
+        self._policy_loss = POLICY_LOSSES.get(args.policy_loss)(**args.policy_loss_kwargs)
+        tokenizer = self.processing_class
+        self._chat = ChatFormat(tokenizer, [t.schema() for t in self._tools.values()])
+        self._validate(args)
+        self._buffered_datums: list | None = None
+        self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+
+    # -- start-up validation -------------------------------------------------------------------
+
+    def _validate(self, args: MultiTurnGRPOConfig) -> None:
+        if args.advantage == "gae":
+            raise ValueError("the 'gae' estimator needs a critic, which this trainer does not run yet; use 'group', 'dr_grpo' or 'rloo'.")
+        if args.advantage in ("group", "dr_grpo", "rloo") and self.num_generations < 2:
+            raise ValueError(f"group-relative advantages need num_generations >= 2, got {self.num_generations}.")
+        budget = getattr(self._rollout_plugin, "max_trajectory_tokens", None)
+        context = args.max_context_tokens if args.max_context_tokens is not None else (budget - 1 if budget else None)
+        if budget is not None and context is not None and budget - 1 > context:
+            raise ValueError(
+                f"the rollout budget max_trajectory_tokens={budget} makes datums of up to {budget - 1} tokens, over "
+                f"max_context_tokens={context}; lower max_trajectory_tokens to {context + 1} or raise max_context_tokens."
+            )
+        if context is not None and context > args.max_padded_tokens_per_micro_batch:
+            raise ValueError(
+                f"a datum can have {context} tokens but max_padded_tokens_per_micro_batch is "
+                f"{args.max_padded_tokens_per_micro_batch}: the longest datum would fit in no micro-batch. Raise "
+                f"max_padded_tokens_per_micro_batch to at least {context} or lower the rollout budget."
+            )
+        self._max_context_tokens = context
+        missing = set(args.tools) - set(self._tools)
+        if missing:
+            raise ValueError(f"tools {sorted(missing)} are configured but not provided.")
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _questions(self, rows: list[dict]) -> list[RolloutQuestion]:
+        system = [{"role": "system", "content": self.args.system_prompt}] if self.args.system_prompt else []
+        out = []
+        for k, row in enumerate(rows):
+            prompt = row["prompt"]
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            qid = str(row.get("id", row.get("question_id", k)))
+            out.append(RolloutQuestion(qid, self._chat.initial_prompt_ids(system + messages), group_id=k))
+        return out
+
+    def _rollout_and_score(self, rows: list[dict]) -> tuple[list, dict[str, float]]:
+        args = self.args
+        timings: dict[str, float] = {}
+        backend = HFGenerationBackend(
+            self.model_wrapped,
+            pad_token_id=self.processing_class.pad_token_id,
+            stop_token_ids=self._chat.stop_token_ids,
+            sampling=SamplingSettings(
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,
+                min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
+            ),
+            accelerator=self.accelerator,
+        )
+        seed = derive_seed(args.seed, self.state.global_step, self.accelerator.process_index)
+        request = RolloutRequest(
+            self._questions(rows), self.num_generations, backend, self._chat, self._tools,
+            policy_step=self.state.global_step, seed=seed, progress=args.progress_rollout,
+        )
+        result = self._rollout_plugin(request)
+        trajs: list[Trajectory] = result.trajectories
+        t0 = time.perf_counter()
+        for traj in trajs:
+            row = rows[traj.group_id]
+            traj.reward_components = [
+                RewardComponent(name, float(fn(traj, row)), weight) for name, weight, fn in self._reward_components
+            ]
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        group_ids = torch.tensor([t.group_id for t in trajs])
+        advantages = self._advantage(AdvantageInput(rewards=rewards, group_ids=group_ids)).advantages
+        timings["timing/scoring_s"] = time.perf_counter() - t0
+        datums = []
+        for i, (traj, adv) in enumerate(zip(trajs, advantages.tolist())):
+            traj.advantage = adv
+            if args.drop_zero_advantage and adv == 0.0:
+                continue
+            datums.append(build_datum(traj, max_context_tokens=self._max_context_tokens, trajectory_index=i))
+        metrics = {**rollout_metrics(result), **timings}
+        n = max(len(trajs), 1)
+        metrics["reward/total"] = float(rewards.mean()) if trajs else 0.0
+        for name, _, _ in self._reward_components:
+            metrics[f"reward/{name}"] = sum(t.reward_component(name).value for t in trajs) / n
+        metrics["train/datums"] = float(len(datums))
+        metrics["train/zero_advantage_frac"] = sum(a == 0.0 for a in advantages.tolist()) / n
+        for tool in self._tools.values():
+            sandbox = getattr(tool, "_sandbox", None)
+            if sandbox is not None:
+                metrics.update(sandbox.stats().to_metrics("sandbox/"))
+                sandbox.reset_step_stats()
+        return datums, metrics
+
+    def training_step(self, model: torch.nn.Module, inputs: list[dict], num_items_in_batch: Any = None) -> torch.Tensor:
+        """Roll out, score and update once (the HF Trainer loop clips and steps the optimizer after)."""
+        args = self.args
+        start = time.perf_counter()
+        rows = list(inputs)[:: self.num_generations]  # TRL's sampler repeats each question G times
+        if self._step % self.num_iterations == 0 or self._buffered_datums is None:
+            datums, metrics = self._rollout_and_score(rows)
+            self._buffered_datums = datums
+        else:
+            datums, metrics = self._buffered_datums, {"train/reused_rollout": 1.0}
+        self._step += 1
+        (total,) = self.accelerator.reduce(torch.tensor([float(len(datums))], device=self.accelerator.device), "sum").tolist()
+        if total == 0:
+            metrics["train/update_skipped"] = 1.0
+            loss = torch.zeros((), device=self.args.device)
+        else:
+            t0 = time.perf_counter()
+            config = UpdateConfig(
+                aggregation=args.aggregation, packer=args.packer, max_items=args.max_items_per_micro_batch,
+                max_padded_tokens=args.max_padded_tokens_per_micro_batch, rebalance=args.rebalance_ranks,
+                norm_length=args.norm_length, temperature=args.temperature, pad_token_id=self.processing_class.pad_token_id,
+            )
+            result = policy_update(self.accelerator, model, self.optimizer, datums, self._policy_loss, config, step_optimizer=False)
+            metrics["timing/forward_backward_s"] = time.perf_counter() - t0
+            metrics.update({
+                "train/update_skipped": 0.0,
+                "train/micro_batches": float(result.num_micro_batches),
+                "train/dummy_micro_batches": float(result.num_dummies),
+                "train/input_tokens": float(result.num_input_tokens),
+                "train/loss_tokens": float(result.num_loss_tokens),
+                "train/padded_tokens": float(result.num_padded_tokens),
+                "train/padding_efficiency": result.num_input_tokens / max(result.num_padded_tokens, 1),
+                "train/policy_loss": result.loss,
+            })
+            if result.stats is not None:
+                metrics.update({f"train/{k}": v for k, v in result.stats.summary().items()})
+            loss = torch.tensor(result.loss, device=self.args.device)
+        metrics["timing/step_s"] = time.perf_counter() - start
+        for key, value in self._mean_over_ranks(metrics).items():
+            self._metrics["train"][key].append(value)
+        return loss
+
+    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        # One gather per step on every rank (key sets may differ: a rank whose sandbox never started
+        # has no sandbox/* keys), then the mean over the ranks that reported each key. train/* values
+        # from policy_update are already global and identical on every rank.
+        if self.accelerator.num_processes == 1:
+            return {k: float(v) for k, v in metrics.items()}
+        from accelerate.utils import gather_object
+
+        per_rank = gather_object([metrics])
+        keys = sorted({k for m in per_rank for k in m})
+        return {k: sum(float(m[k]) for m in per_rank if k in m) / sum(k in m for m in per_rank) for k in keys}
+
+    # -- logging -------------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Log through the Trainer (W&B, ...) and append the same record to ``output_dir/metrics.jsonl``."""
+        mode = "train" if self.model.training else "eval"
+        merged = dict(logs)
+        for key, values in self._metrics[mode].items():
+            valid = [v for v in values if v == v]
+            if valid:
+                merged[key] = sum(valid) / len(valid)
+        super().log(logs, start_time)
+        if self.accelerator.is_main_process:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            with open(self._metrics_path, "a") as f:
+                f.write(json.dumps({"step": self.state.global_step, **merged}) + "\n")
