@@ -131,3 +131,34 @@ def test_pinned_trl_surface():
     # The HF loop calls training_step(model, inputs, num_items_in_batch), then clips and steps itself.
     loop = inspect.getsource(Trainer._run_epoch)
     assert "self.training_step(model, inputs, num_items_in_batch)" in loop and "self.optimizer.step()" in loop
+
+
+def test_resume_from_checkpoint_reproduces_the_next_step(tmp_path):
+    # Uninterrupted: 2 steps. Interrupted: 1 step + checkpoint, then a fresh trainer resumes and
+    # takes step 2. Same data order, same rollout seeds, same optimizer state: same parameters.
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+
+    def run(out, **overrides):
+        trainer = MultiTurnGRPOTrainer(
+            build_tiny_model(tok), _config(out, **overrides), train_dataset=_dataset(8), processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
+        return trainer
+
+    straight = run(tmp_path / "straight", max_steps=2, optim="adamw_torch")
+    straight.train()
+    first = run(tmp_path / "resumed", max_steps=2, optim="adamw_torch", save_strategy="steps", save_steps=1)
+    first.train()
+    checkpoint = tmp_path / "resumed" / "checkpoint-1"
+    assert checkpoint.is_dir()
+    second = run(tmp_path / "resumed", max_steps=2, optim="adamw_torch", save_strategy="no")
+    second.train(resume_from_checkpoint=str(checkpoint))
+    assert second.state.global_step == 2
+    for (name, a), b in zip(straight.model.named_parameters(), second.model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+    # Negative control: the state after step 1 differs from the state after step 2.
+    one = run(tmp_path / "one", max_steps=1, optim="adamw_torch")
+    one.train()
+    assert any(not torch.allclose(a, b) for a, b in zip(straight.model.parameters(), one.model.parameters()))
