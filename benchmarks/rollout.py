@@ -35,18 +35,29 @@ SCHEMA = CodeInterpreter().schema()
 CODE = "print(123 * 456 + 789)"
 
 
-def script_text(prompt_text: str, calls: int) -> str:
+def script_text(prompt_text: str, calls: int, row: int = 0, vary: bool = False) -> str:
+    """The scripted turn: ``calls`` tool calls, then an answer. With ``vary`` the first turn picks,
+    from the row it is sampled in, a plan of 0..calls calls and a padding of reasoning text, and
+    writes the plan down so later turns (re-rendered or not) follow it: a long-tailed multi-turn mix."""
     done = prompt_text.count("<tool_response>")
+    filler = ""
+    if vary:
+        plan = re.search(r"Plan: (\d+) calls", prompt_text)
+        if plan is None:
+            calls, words = row % (calls + 1), (row * 7) % 11
+            filler = f"Plan: {calls} calls. " + "Let me think about it carefully. " * words
+        else:
+            calls = int(plan.group(1))
     if done < calls:
-        return f'Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "{CODE}"}}}}\n</tool_call>'
-    return "The answer is \\boxed{56877}."
+        return filler + f'Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "{CODE}"}}}}\n</tool_call>'
+    return filler + "The answer is \\boxed{56877}."
 
 
 class ForceScript:
     """Logits processor that forces each row to emit its scripted completion, then ``<|im_end|>``."""
 
-    def __init__(self, tokenizer, calls: int) -> None:
-        self.tok, self.calls = tokenizer, calls
+    def __init__(self, tokenizer, calls: int, vary: bool = False) -> None:
+        self.tok, self.calls, self.vary = tokenizer, calls, vary
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.start, self.targets = None, None
 
@@ -55,9 +66,9 @@ class ForceScript:
             self.start = input_ids.shape[1]
             pad = self.tok.pad_token_id
             self.targets = []
-            for row in input_ids.tolist():
+            for r, row in enumerate(input_ids.tolist()):
                 text = self.tok.decode([t for t in row if t != pad])
-                body = script_text(text, self.calls)
+                body = script_text(text, self.calls, r, self.vary)
                 self.targets.append(self.tok(body, add_special_tokens=False)["input_ids"] + [self.im_end])
         k = input_ids.shape[1] - self.start
         forced = torch.full_like(scores, float("-inf"))
@@ -66,14 +77,14 @@ class ForceScript:
         return forced
 
 
-def patch_generate(model, tokenizer, calls: int) -> None:
+def patch_generate(model, tokenizer, calls: int, vary: bool = False) -> None:
     # Every generate() call gets a fresh forcing processor (it knows each row's script from its prompt).
     from transformers import LogitsProcessorList
 
     original = model.generate
 
     def generate(*args, **kwargs):
-        kwargs["logits_processor"] = LogitsProcessorList([ForceScript(tokenizer, calls)])
+        kwargs["logits_processor"] = LogitsProcessorList([ForceScript(tokenizer, calls, vary)])
         return original(*args, **kwargs)
 
     model.generate = generate

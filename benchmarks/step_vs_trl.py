@@ -1,0 +1,205 @@
+"""One training step, ours vs TRL's GRPOTrainer, on the same multi-turn tool-calling workload.
+
+    python benchmarks/step_vs_trl.py [--steps 3] [--questions 4] [--group 4] [--calls 2] [--tool-s 0.2]
+
+Both trainers get the same tiny local Qwen2 model, the same questions, the same group size and the
+same tool (sleeps ``--tool-s`` per call). The policy is *scripted*: a logits processor forces each
+trajectory to follow a plan of 0..``--calls`` tool calls with a varying amount of reasoning text, then
+a ``\\boxed{}`` answer (see benchmarks/rollout.py), so both sides do the same long-tailed multi-turn
+work with real forward passes. Each trainer runs in its own process, so peak
+memory (max RSS) is its own. Printed per step (mean over steps after the first): wall time, rollout
+and training time where known, padded tokens the training forward passes processed, and peak RSS.
+
+TRL pads every micro-batch to the longest prompt and the longest completion of the whole batch; we
+pack one prefix-merged datum per trajectory into micro-batches by padded area.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _dataset(n: int):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}],
+                               "answer": "56877"} for i in range(n * 50)])
+
+
+def _reward(completions=None, **kwargs):
+    return [float(i % 3) for i in range(len(completions))]
+
+
+def run_ours(args) -> dict:
+    from rollout import SleepTool, patch_generate
+
+    from trl_plugins.embedded import build_tiny_model, build_tokenizer
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    class Reward:
+        def __init__(self):
+            self.k = 0
+
+        def __call__(self, trajectory, example):
+            self.k += 1
+            return float(self.k % 3)
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    patch_generate(model, tok, args.calls, vary=True)
+    with tempfile.TemporaryDirectory() as out:
+        config = MultiTurnGRPOConfig(
+            output_dir=out, per_device_train_batch_size=args.questions * args.group, num_generations=args.group,
+            max_steps=args.steps, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
+            disable_tqdm=True, seed=0, reward_components=["r"], max_items_per_micro_batch=args.micro_batch,
+            max_padded_tokens_per_micro_batch=64_000,
+            rollout_kwargs={"max_turns": args.calls + 2, "max_tool_calls": args.calls + 1, "max_assistant_tokens": 128,
+                            "max_trajectory_tokens": 4096},
+        )
+        trainer = MultiTurnGRPOTrainer(model, config, train_dataset=_dataset(args.questions), processing_class=tok,
+                                       tools={"code_interpreter": SleepTool(args.tool_s)}, reward_components={"r": Reward()})
+        step_times = []
+        original = trainer.training_step
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            loss = original(*a, **k)
+            step_times.append(time.perf_counter() - t0)
+            return loss
+
+        trainer.training_step = timed
+        trainer.train()
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "timing/rollout_s" in r]
+    return {
+        "step_s": step_times,
+        "rollout_s": [r["timing/rollout_s"] for r in steps],
+        "train_s": [r.get("timing/forward_backward_s", 0.0) for r in steps],
+        "padded_tokens": [r.get("train/padded_tokens", 0.0) for r in steps],
+        "tool_calls": [r["rollout/tool_calls_mean"] for r in steps],
+    }
+
+
+def run_trl(args) -> dict:
+    from rollout import patch_generate
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_plugins.embedded import build_tiny_model, build_tokenizer
+
+    def code_interpreter(code: str) -> str:
+        """Run Python code and return what it prints.
+
+        Args:
+            code: The Python code to run.
+        """
+        time.sleep(args.tool_s)
+        return "56877"
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    patch_generate(model, tok, args.calls, vary=True)
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=args.micro_batch, num_generations=args.group,
+            gradient_accumulation_steps=args.questions * args.group // args.micro_batch,
+            max_completion_length=1024, max_steps=args.steps, use_cpu=True, bf16=False, report_to=[],
+            save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_tool_calling_iterations=args.calls + 1,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=config, train_dataset=_dataset(args.questions),
+                              processing_class=tok, tools=[code_interpreter])
+        gen_times, padded, step_times = [], [], []
+        original_gen = trainer._generate_and_score_completions
+        original_step = trainer.training_step
+
+        def gen(inputs):
+            t0 = time.perf_counter()
+            result = original_gen(inputs)
+            gen_times.append(time.perf_counter() - t0)
+            rows, width = result["prompt_ids"].shape[0], result["prompt_ids"].shape[1] + result["completion_ids"].shape[1]
+            # Each training micro-batch is a slice of this batch, padded to its full width.
+            padded.append(rows * width)
+            return result
+
+        def step(*a, **k):
+            t0 = time.perf_counter()
+            loss = original_step(*a, **k)
+            step_times.append(time.perf_counter() - t0)
+            return loss
+
+        trainer._generate_and_score_completions = gen
+        trainer.training_step = step
+        trainer.train()
+    accum = args.questions * args.group // args.micro_batch
+    per_step = [sum(step_times[i : i + accum]) for i in range(0, len(step_times), accum)]
+    return {
+        "step_s": per_step,
+        "rollout_s": gen_times,
+        "train_s": [s - g for s, g in zip(per_step, gen_times)],
+        "padded_tokens": padded,
+        "tool_calls": [float("nan")] * len(per_step),
+    }
+
+
+def child(args) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+
+    torch.set_num_threads(1)
+    result = run_ours(args) if args.which == "ours" else run_trl(args)
+    result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result))
+
+
+def mean_after_first(values):
+    tail = values[1:] if len(values) > 1 else values
+    return sum(tail) / max(len(tail), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=3, help="most tool calls per trajectory (each picks 0..calls)")
+    ap.add_argument("--tool-s", type=float, default=0.2)
+    ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (TRL per_device_train_batch_size)")
+    ap.add_argument("--which", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.which:
+        child(args)
+        return
+    results = {}
+    for which in ("ours", "trl"):
+        cmd = [sys.executable, __file__, "--which", which, *sys.argv[1:]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"{which} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        results[which] = json.loads(line[len("RESULT "):])
+    n = args.questions * args.group
+    print(f"{args.questions} questions x group {args.group} = {n} trajectories/step, 0-{args.calls} tool calls each, "
+          f"tool {args.tool_s} s/call, {args.steps} steps (means exclude the first), tiny Qwen2 on CPU, 1 thread")
+    header = f"{'trainer':<10} {'step s':>8} {'rollout s':>10} {'train s':>8} {'padded tok':>11} {'peak RSS MB':>12}"
+    print(header)
+    print("-" * len(header))
+    for which, r in results.items():
+        print(f"{which:<10} {mean_after_first(r['step_s']):>8.2f} {mean_after_first(r['rollout_s']):>10.2f} "
+              f"{mean_after_first(r['train_s']):>8.2f} {mean_after_first(r['padded_tokens']):>11.0f} {r['max_rss_mb']:>12.0f}")
+    ours, trl = results["ours"], results["trl"]
+    print(f"speed-up per step (TRL / ours): {mean_after_first(trl['step_s']) / mean_after_first(ours['step_s']):.2f}x; "
+          f"padded tokens (TRL / ours): {mean_after_first(trl['padded_tokens']) / max(mean_after_first(ours['padded_tokens']), 1):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
