@@ -26,6 +26,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--output_dir", required=True)
+    ap.add_argument("--max_steps", type=int, default=3)
+    ap.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: never)")
+    ap.add_argument("--resume", default=None, help="checkpoint to resume from")
+    ap.add_argument("--params_out", default=None, help="write the final full parameters here (rank 0)")
     args = ap.parse_args()
     from datasets import Dataset
 
@@ -34,19 +38,22 @@ def main() -> None:
     model = build_tiny_model(tok)
     rows = [{"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)]
     config = MultiTurnGRPOConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=4, num_generations=2, max_steps=3,
-        report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True,
+        output_dir=args.output_dir, per_device_train_batch_size=4, num_generations=2, max_steps=args.max_steps,
+        report_to=[], save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        logging_steps=1, optim="adamw_torch", learning_rate=5e-3, seed=0, disable_tqdm=True,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
         bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
     )
     trainer = MultiTurnGRPOTrainer(model, config, train_dataset=Dataset.from_list(rows), processing_class=tok,
                                    reward_components={"token": TokenReward()})
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if trainer.accelerator.is_main_process and args.params_out:
+        torch.save({k: v.detach().float().cpu() for k, v in state.items()}, args.params_out)
     if trainer.accelerator.is_main_process:
         checksum = float(sum(v.float().abs().sum() for v in state.values()))
-        records = [json.loads(l) for l in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
         Path(args.out).write_text(json.dumps({
             "world": trainer.accelerator.num_processes, "deepspeed": deepspeed,
             "global_step": trainer.state.global_step, "checksum": checksum,

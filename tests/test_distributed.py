@@ -47,17 +47,21 @@ def test_two_ranks_match_one_process(config, extra, tmp_path):
     assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
 
 
+def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+           str(ROOT / "tests" / "dist_trainer_run.py"), "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
 def test_trainer_runs_real_steps_on_two_ranks(config, tmp_path):
     # Real MultiTurnGRPOTrainer steps: rollout (ZeRO-3: weights gathered once per rollout), scoring,
     # packing with dummies where a rank has fewer micro-batches, one update per step; no hang.
-    out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(ROOT / "tests" / "dist_trainer_run.py"), "--out", str(out), "--output_dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    report = json.loads(out.read_text())
+    report = launch_trainer(config, tmp_path, "run", "--output_dir", str(tmp_path / "run"))
     assert report["world"] == 2 and report["global_step"] == 3
     assert report["deepspeed"] == (config == "cpu_zero3.yaml")
     steps = report["steps"]
@@ -65,3 +69,22 @@ def test_trainer_runs_real_steps_on_two_ranks(config, tmp_path):
     assert any(s["train/dummy_micro_batches"] >= 1 for s in steps)
     # On-policy in fp32: the sampler's behaviour log-probs match the trainer's forward.
     assert all(abs(s["train/ratio_min"] - 1) < 1e-3 and abs(s["train/ratio_max"] - 1) < 1e-3 for s in steps)
+
+
+@pytest.mark.slow
+def test_zero3_resume_reproduces_the_next_step(tmp_path):
+    import torch
+
+    straight = tmp_path / "straight.pt"
+    launch_trainer("cpu_zero3.yaml", tmp_path, "straight", "--output_dir", str(tmp_path / "a"), "--max_steps", "2",
+                   "--params_out", str(straight))
+    launch_trainer("cpu_zero3.yaml", tmp_path, "first", "--output_dir", str(tmp_path / "b"), "--max_steps", "2",
+                   "--save_steps", "1")
+    resumed = tmp_path / "resumed.pt"
+    report = launch_trainer("cpu_zero3.yaml", tmp_path, "resumed", "--output_dir", str(tmp_path / "c"), "--max_steps", "2",
+                            "--resume", str(tmp_path / "b" / "checkpoint-1"), "--params_out", str(resumed))
+    assert report["global_step"] == 2
+    a, b = torch.load(straight), torch.load(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name

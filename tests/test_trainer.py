@@ -121,6 +121,9 @@ def test_pinned_trl_surface():
     assert trl.__version__.startswith("1.16.")
     assert list(inspect.signature(GRPOTrainer.training_step).parameters) == ["self", "model", "inputs", "num_items_in_batch"]
     assert list(inspect.signature(GRPOTrainer.log).parameters) == ["self", "logs", "start_time"]
+    # Private: overridden to add the completion marker after TRL's own save.
+    assert list(inspect.signature(GRPOTrainer._save_checkpoint).parameters) == ["self", "model", "trial"]
+    assert list(inspect.signature(Trainer.train).parameters)[:2] == ["self", "resume_from_checkpoint"]
     init = inspect.signature(GRPOTrainer.__init__).parameters
     for name in ("model", "reward_funcs", "args", "train_dataset", "processing_class", "callbacks", "optimizers", "peft_config"):
         assert name in init, name
@@ -162,3 +165,84 @@ def test_resume_from_checkpoint_reproduces_the_next_step(tmp_path):
     one = run(tmp_path / "one", max_steps=1, optim="adamw_torch")
     one.train()
     assert any(not torch.allclose(a, b) for a, b in zip(straight.model.parameters(), one.model.parameters()))
+
+
+class FailingReward(TokenReward):
+    def __init__(self, fail_at_call: int) -> None:
+        self.calls, self.fail_at_call = 0, fail_at_call
+
+    def __call__(self, trajectory, example) -> float:
+        self.calls += 1
+        if self.calls >= self.fail_at_call:
+            raise RuntimeError("reward server down")
+        return super().__call__(trajectory, example)
+
+
+def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path):
+    from trl_plugins.trainers.multi_turn_trainer import COMPLETE_MARKER, MultiTurnGRPOTrainer, latest_complete_checkpoint
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, save_strategy="steps", save_steps=1),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer.train()
+    assert (tmp_path / "checkpoint-2" / COMPLETE_MARKER).is_file()
+    # A save that crashed half-way: a newer folder without the marker is never resumed from.
+    (tmp_path / "checkpoint-9").mkdir()
+    (tmp_path / "checkpoint-9" / "model.safetensors").write_text("truncated")
+    assert latest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError, match="has no complete checkpoint"):
+        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path / "empty"), train_dataset=_dataset(),
+                             processing_class=tok, reward_components={"length": TokenReward()}).train(resume_from_checkpoint=True)
+
+
+def test_exception_saves_an_emergency_checkpoint_then_reraises(tmp_path):
+    from trl_plugins.trainers.multi_turn_trainer import COMPLETE_MARKER, MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    # 4 trajectories per step: the 5th reward call (step 2) fails.
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=3), train_dataset=_dataset(),
+                                   processing_class=tok, reward_components={"length": FailingReward(fail_at_call=5)})
+    with pytest.raises(RuntimeError, match="reward server down"):
+        trainer.train()
+    assert (tmp_path / "checkpoint-1" / COMPLETE_MARKER).is_file()
+
+
+class WrongDigestRollout:
+    """A rollout plugin whose trajectories claim another tokenizer (e.g. replayed from elsewhere)."""
+
+    max_trajectory_tokens = 600
+
+    def __call__(self, request):
+        from dataclasses import replace
+
+        from trl_plugins.rollout import MultiTurnRollout
+
+        result = MultiTurnRollout(max_turns=1, max_assistant_tokens=4, max_trajectory_tokens=600)(request)
+        for t in result.trajectories:
+            t.policy_version = replace(t.policy_version, tokenizer_digest="0123456789abcdef")
+        return result
+
+
+def test_trajectories_from_another_tokenizer_are_rejected(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.types import TrajectoryError
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, rollout="test_trainer:WrongDigestRollout", rollout_kwargs={}),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    with pytest.raises(TrajectoryError, match="digest 0123456789abcdef, but the trainer's is"):
+        trainer.train()
+
+
+def test_num_iterations_reuses_the_rollout_and_measures_its_age(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, num_iterations=2, max_steps=2),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "train/policy_version_lag" in line]
+    assert [r["train/policy_version_lag"] for r in records] == [0.0, 1.0]
+    assert records[1]["train/reused_rollout"] == 1.0 and "train/reused_rollout" not in records[0]
+    # The reused data is one update stale: the ratio moved away from 1.
+    assert abs(records[1]["train/ratio_mean"] - 1.0) > 1e-4 or records[1]["train/ratio_max"] > 1.0 + 1e-4

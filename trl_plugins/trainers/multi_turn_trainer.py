@@ -7,14 +7,17 @@ run the exactly-normalised micro-batches; the HF Trainer loop then clips, steps 
 scheduler, logs and checkpoints as usual. The PPO "old" log-probs are the sampler's behaviour
 log-probs stored on the trajectories.
 
-TRL methods overridden: ``training_step`` (public) and ``log`` (public); no private method is
-overridden (``tests/test_trainer.py`` pins the signatures this relies on).
+TRL methods overridden: ``training_step``, ``log`` and ``train`` (public) and ``_save_checkpoint``
+(private; it only adds a completion marker after TRL's save). ``tests/test_trainer.py`` pins the
+signatures this relies on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import time
 from typing import Any, Mapping
 
@@ -27,9 +30,26 @@ from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutQuestion
 from trl_plugins.rollout.metrics import rollout_metrics
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.step import UpdateConfig, policy_update
-from trl_plugins.types import AdvantageInput, RewardComponent, SamplingSettings, Trajectory
+from trl_plugins.types import AdvantageInput, RewardComponent, SamplingSettings, Trajectory, TrajectoryError
 
-__all__ = ["MultiTurnGRPOTrainer"]
+__all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "checkpoint_complete.json"
+"""Written into a checkpoint folder after everything else: a folder without it is a partial save."""
+
+
+def latest_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` folder under ``output_dir`` that has the completion marker."""
+    if not os.path.isdir(output_dir):
+        return None
+    found = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and os.path.isfile(os.path.join(output_dir, name, COMPLETE_MARKER)):
+            found.append((int(m.group(1)), name))
+    return os.path.join(output_dir, max(found)[1]) if found else None
 
 
 class _ScoredByPlugins:
@@ -101,6 +121,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._chat = ChatFormat(tokenizer, [t.schema() for t in self._tools.values()])
         self._validate(args)
         self._buffered_datums: list | None = None
+        self._rollout_step = 0
         self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
     # -- start-up validation -------------------------------------------------------------------
@@ -160,6 +181,15 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         )
         result = self._rollout_plugin(request)
         trajs: list[Trajectory] = result.trajectories
+        for traj in trajs:
+            version = traj.policy_version
+            if version is None or version.tokenizer_digest != self._chat.digest:
+                got = None if version is None else version.tokenizer_digest
+                raise TrajectoryError(
+                    f"trajectory for question {traj.question_id!r} was tokenised with tokenizer/chat-template digest "
+                    f"{got}, but the trainer's is {self._chat.digest}: its token ids mean something else here. "
+                    f"Roll out with the trainer's tokenizer and chat template."
+                )
         t0 = time.perf_counter()
         for traj in trajs:
             row = rows[traj.group_id]
@@ -198,8 +228,12 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         if self._step % self.num_iterations == 0 or self._buffered_datums is None:
             datums, metrics = self._rollout_and_score(rows)
             self._buffered_datums = datums
+            self._rollout_step = self.state.global_step
         else:
             datums, metrics = self._buffered_datums, {"train/reused_rollout": 1.0}
+        # How stale the data is: optimizer steps between the sampling weights and these.
+        lags = [self.state.global_step - self._rollout_step] if datums else []
+        metrics["train/policy_version_lag"] = float(lags[0]) if lags else 0.0
         self._step += 1
         (total,) = self.accelerator.reduce(torch.tensor([float(len(datums))], device=self.accelerator.device), "sum").tolist()
         if total == 0:
@@ -243,6 +277,52 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         per_rank = gather_object([metrics])
         keys = sorted({k for m in per_rank for k in m})
         return {k: sum(float(m[k]) for m in per_rank if k in m) / sum(k in m for m in per_rank) for k in keys}
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """TRL's save, then a completion marker once every rank is done (a crash mid-save leaves none)."""
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            tmp = os.path.join(folder, COMPLETE_MARKER + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump({"global_step": self.state.global_step, "tokenizer_digest": self._chat.digest}, f)
+            os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """As ``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete* checkpoint.
+
+        On an exception in a single-process run, an emergency checkpoint is saved to
+        ``output_dir/checkpoint-<step>`` (when no checkpoint of that step exists) and the exception is
+        re-raised. With several processes it is not attempted: saving is a collective, and the other
+        ranks may be stuck in a different one.
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint "
+                    f"(a folder checkpoint-N with {COMPLETE_MARKER}); pass a path or start without resuming."
+                )
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except Exception:
+            self._emergency_checkpoint()
+            raise
+
+    def _emergency_checkpoint(self) -> None:
+        step = self.state.global_step
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{step}")
+        if self.accelerator.num_processes > 1 or step == 0 or os.path.isdir(folder):
+            logger.warning("no emergency checkpoint (processes=%d, step=%d)", self.accelerator.num_processes, step)
+            return
+        try:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+            logger.warning("saved an emergency checkpoint to %s", folder)
+        except Exception:  # the original exception matters more than this one
+            logger.exception("the emergency checkpoint failed")
 
     # -- logging -------------------------------------------------------------------------------------
 
