@@ -246,3 +246,29 @@ def test_num_iterations_reuses_the_rollout_and_measures_its_age(tmp_path):
     assert records[1]["train/reused_rollout"] == 1.0 and "train/reused_rollout" not in records[0]
     # The reused data is one update stale: the ratio moved away from 1.
     assert abs(records[1]["train/ratio_mean"] - 1.0) > 1e-4 or records[1]["train/ratio_max"] > 1.0 + 1e-4
+
+
+def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
+    import wandb
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_PROJECT", "trl-plugins-test")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path / "out", report_to=["wandb"], trajectory_table_steps=1),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer.train()
+    wandb.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    data = runs[0].read_bytes()
+    # The record log holds the metric names; the trajectory tables are written as media files.
+    for needle in (b"reward/total", b"rollout/turns_mean", b"train/padded_tokens", b"trajectories"):
+        assert needle in data, needle
+    tables = sorted(runs[0].parent.glob("files/media/table/trajectories_*.table.json"))
+    assert len(tables) == 2  # one per step with trajectory_table_steps=1
+    table = json.loads(tables[0].read_text())
+    assert "stop_reason" in table["columns"] and len(table["data"]) == 4

@@ -58,6 +58,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Drop trajectories whose advantage is 0."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
     progress_rollout: bool = field(default=False, metadata={"help": "Progress bar of trajectories within a rollout."})
+    trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
+    trajectory_table_rows: int = field(default=8, metadata={"help": "Trajectories per table."})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -122,6 +122,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._validate(args)
         self._buffered_datums: list | None = None
         self._rollout_step = 0
+        self._last_trajectories: list[Trajectory] = []
+        self._last_table_step = -1
         self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
     # -- start-up validation -------------------------------------------------------------------
@@ -211,6 +213,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         metrics["reward/total"] = float(rewards.mean()) if trajs else 0.0
         for name, _, _ in self._reward_components:
             metrics[f"reward/{name}"] = sum(t.reward_component(name).value for t in trajs) / n
+        self._last_trajectories = trajs
         metrics["train/datums"] = float(len(datums))
         metrics["train/zero_advantage_frac"] = sum(a == 0.0 for a in advantages.tolist()) / n
         for tool in self._tools.values():
@@ -339,3 +342,26 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             os.makedirs(self.args.output_dir, exist_ok=True)
             with open(self._metrics_path, "a") as f:
                 f.write(json.dumps({"step": self.state.global_step, **merged}) + "\n")
+            self._maybe_log_trajectory_table()
+
+    def _maybe_log_trajectory_table(self) -> None:
+        every = self.args.trajectory_table_steps
+        step = self.state.global_step
+        if not every or step % every or not self._last_trajectories or step == self._last_table_step:
+            return
+        self._last_table_step = step
+        if "wandb" not in (self.args.report_to or []):
+            return
+        import wandb
+
+        if wandb.run is None:
+            return
+        columns = ["step", "question_id", "sample", "turns", "tool_calls", "stop_reason", "reward", "advantage", "transcript"]
+        rows = []
+        for t in self._last_trajectories[: self.args.trajectory_table_rows]:
+            transcript = "\n".join(
+                turn.text + (f"\n[tool] {turn.tool_call.output}" if turn.tool_call else "") for turn in t.turns
+            )
+            rows.append([self.state.global_step, t.question_id, t.sample_index, len(t.turns), t.num_tool_calls,
+                         str(t.stop_reason), t.reward, t.advantage, transcript])
+        wandb.log({"trajectories": wandb.Table(columns=columns, data=rows)}, commit=False)
