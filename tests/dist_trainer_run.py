@@ -22,6 +22,16 @@ from trl_plugins.embedded import build_tiny_model, build_tokenizer  # noqa: E402
 from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer  # noqa: E402
 
 
+class SlotReward(TokenReward):
+    """TokenReward, but constant for the questions without "Explain" (zero-advantage groups), so the
+    ranks keep different numbers of datums."""
+
+    def __call__(self, trajectory, example) -> float:
+        if "Explain" not in example["prompt"]:
+            return 1.0
+        return super().__call__(trajectory, example)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -30,6 +40,11 @@ def main() -> None:
     ap.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--resume", default=None, help="checkpoint to resume from")
     ap.add_argument("--params_out", default=None, help="write the final full parameters here (rank 0)")
+    ap.add_argument("--per_device", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--optim", default="adamw_torch")
+    ap.add_argument("--slot_reward", action="store_true", help="reward that is constant for one question")
+    ap.add_argument("--per_row_seed", action="store_true", help="sample each row on its own (world-size independent)")
     args = ap.parse_args()
     from datasets import Dataset
 
@@ -38,15 +53,17 @@ def main() -> None:
     model = build_tiny_model(tok)
     rows = [{"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)]
     config = MultiTurnGRPOConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=4, num_generations=2, max_steps=args.max_steps,
+        output_dir=args.output_dir, per_device_train_batch_size=args.per_device, num_generations=2, max_steps=args.max_steps,
         report_to=[], save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        logging_steps=1, optim="adamw_torch", learning_rate=5e-3, seed=0, disable_tqdm=True,
+        logging_steps=1, optim=args.optim, temperature=args.temperature,
+        **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}), learning_rate=5e-3, seed=0, disable_tqdm=True,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
         bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
     )
+    reward = SlotReward() if args.slot_reward else TokenReward()
     trainer = MultiTurnGRPOTrainer(model, config, train_dataset=Dataset.from_list(rows), processing_class=tok,
-                                   reward_components={"token": TokenReward()})
+                                   reward_components={"token": reward})
     trainer.train(resume_from_checkpoint=args.resume)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if trainer.accelerator.is_main_process and args.params_out:

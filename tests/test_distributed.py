@@ -88,3 +88,29 @@ def test_zero3_resume_reproduces_the_next_step(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.slow
+def test_trainer_step_on_two_ranks_equals_one_process(tmp_path):
+    # Rollouts sampled row by row with per-row seeds (identical however the questions are split), SGD
+    # (Adam's first step would hide a wrongly scaled gradient): one trainer step on 2 ranks x 2
+    # questions must equal one step on 1 rank x 4 questions.
+    import torch
+
+    from trl_plugins.embedded import build_tiny_model, build_tokenizer
+
+    common = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed")
+    params = {}
+    for config, per_device in (("cpu.yaml", "8"), ("cpu_ddp.yaml", "4"), ("cpu_zero3.yaml", "4")):
+        out = tmp_path / f"{config}.pt"
+        report = launch_trainer(config, tmp_path, config, "--output_dir", str(tmp_path / config), "--per_device", per_device,
+                                "--params_out", str(out), *common)
+        assert report["steps"][0]["train/update_skipped"] == 0.0
+        params[config] = torch.load(out)
+    initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
+    reference = params["cpu.yaml"]
+    update = sum(float((reference[k] - initial[k]).pow(2).sum()) for k in reference) ** 0.5
+    assert update > 1e-4
+    for config in ("cpu_ddp.yaml", "cpu_zero3.yaml"):
+        diff = sum(float((params[config][k] - reference[k]).pow(2).sum()) for k in reference) ** 0.5
+        assert diff / update < 1e-5, (config, diff, update)

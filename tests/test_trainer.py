@@ -272,3 +272,41 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
     assert len(tables) == 2  # one per step with trajectory_table_steps=1
     table = json.loads(tables[0].read_text())
     assert "stop_reason" in table["columns"] and len(table["data"]) == 4
+
+
+class _PerRowSeedBackend:
+    """Samples every row on its own, seeded by its prompt (and its place among identical prompts):
+    a trajectory's tokens no longer depend on which rank or batch it was sampled in."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.sampling, self.logprob_source, self.requires_lockstep = inner.sampling, inner.logprob_source, inner.requires_lockstep
+
+    def session(self):
+        return self.inner.session()
+
+    def generate(self, prompts, max_new_tokens, *, seed):
+        from collections import Counter
+
+        from trl_plugins.rollout import derive_seed
+
+        seen, out = Counter(), []
+        for prompt, budget in zip(prompts, max_new_tokens):
+            key = tuple(prompt)
+            out += self.inner.generate([prompt], [budget], seed=derive_seed(len(prompt), sum(prompt), seen[key]))
+            seen[key] += 1
+        return out
+
+
+class PerRowSeedRollout:
+    """multi_turn with a per-row-seeded backend (for comparing runs across world sizes)."""
+
+    def __init__(self, **kwargs) -> None:
+        from trl_plugins.rollout import MultiTurnRollout
+
+        self.inner = MultiTurnRollout(**kwargs)
+        self.max_trajectory_tokens = self.inner.max_trajectory_tokens
+
+    def __call__(self, request):
+        request.backend = _PerRowSeedBackend(request.backend)
+        return self.inner(request)

@@ -247,7 +247,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             config = UpdateConfig(
                 aggregation=args.aggregation, packer=args.packer, max_items=args.max_items_per_micro_batch,
                 max_padded_tokens=args.max_padded_tokens_per_micro_batch, rebalance=args.rebalance_ranks,
-                norm_length=args.norm_length, temperature=args.temperature, pad_token_id=self.processing_class.pad_token_id,
+                norm_length=args.norm_length, pad_token_id=self.processing_class.pad_token_id,
+                # Greedy sampling (temperature 0) keeps log-probs of the unscaled logits, like the backend.
+                temperature=args.temperature or 1.0,
             )
             result = policy_update(self.accelerator, model, self.optimizer, datums, self._policy_loss, config, step_optimizer=False)
             metrics["timing/forward_backward_s"] = time.perf_counter() - t0
