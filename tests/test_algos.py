@@ -157,6 +157,7 @@ def test_ppo_clip_hand_worked():
     assert close(s["ratio_min"], 0.5) and close(s["ratio_max"], 1.5) and close(s["ratio_mean"], 0.96)
     expected_kl = float(sum(r - 1 - math.log(r) for r in [1.0, 1.5, 0.5, 1.1, 0.7]) / 5)
     assert close(s["approx_kl"], expected_kl)
+    assert close(s["behaviour_logprob_gap"], sum(abs(math.log(r)) for r in [1.0, 1.5, 0.5, 1.1, 0.7]) / 5)
 
 
 def test_ppo_clip_is_inactive_on_policy_and_fires_off_policy():

@@ -60,12 +60,16 @@ def test_trains_end_to_end_and_writes_metrics_jsonl(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/total" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    for key in ("reward/length", "rollout/turns_mean", "rollout/stop/turn_length", "train/loss_tokens",
-                "train/padded_tokens", "train/padding_efficiency", "train/micro_batches", "timing/rollout_s"):
+    for key in ("reward/length", "rollout/turns_mean", "rollout/stop/turn_length", "rollout/degenerate_group_rate",
+                "train/loss_tokens", "train/padded_tokens", "train/padding_efficiency", "train/micro_batches",
+                "train/behaviour_logprob_gap", "train/ratio_p10", "train/ratio_p50", "train/ratio_p90",
+                "timing/rollout_s", "timing/packing_s", "timing/forward_backward_s", "timing/optimizer_s"):
         assert key in steps[0], key
     assert 0 < steps[0]["train/padding_efficiency"] <= 1
     assert steps[0]["rollout/trajectories"] == 4  # 2 questions x group 2 on this rank
     assert steps[0]["train/update_skipped"] == 0.0 and steps[0]["train/loss_tokens"] > 0
+    # On-policy in fp32: the sampler's log-probs are the trainer's (gap ~1e-7, ratios ~1).
+    assert steps[0]["train/behaviour_logprob_gap"] < 1e-4 and abs(steps[0]["train/ratio_p50"] - 1) < 1e-4
 
 
 def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):

@@ -488,6 +488,8 @@ class PolicyLossStats:
     """Tokens where the dual clip bound the loss."""
     approx_kl_sum: torch.Tensor
     """Sum of the k3 estimate of KL(behaviour || current)."""
+    abs_log_ratio_sum: torch.Tensor
+    """Sum of ``|log pi_current - log pi_behaviour|``: the behaviour-vs-trainer log-prob gap."""
     ratio_sum: torch.Tensor
     """Sum of importance ratios."""
     ratio_min: torch.Tensor
@@ -503,6 +505,7 @@ class PolicyLossStats:
             clipped_high=self.clipped_high + other.clipped_high,
             dual_clipped=self.dual_clipped + other.dual_clipped,
             approx_kl_sum=self.approx_kl_sum + other.approx_kl_sum,
+            abs_log_ratio_sum=self.abs_log_ratio_sum + other.abs_log_ratio_sum,
             ratio_sum=self.ratio_sum + other.ratio_sum,
             ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
             ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
@@ -516,6 +519,7 @@ class PolicyLossStats:
             "clip_frac_high": float(self.clipped_high) / n,
             "dual_clip_frac": float(self.dual_clipped) / n,
             "approx_kl": float(self.approx_kl_sum) / n,
+            "behaviour_logprob_gap": float(self.abs_log_ratio_sum) / n,
             "ratio_mean": float(self.ratio_sum) / n,
             "ratio_min": float(self.ratio_min),
             "ratio_max": float(self.ratio_max),

@@ -108,6 +108,7 @@ def ppo_clip_loss(
             dual_clipped=(dual & on).sum().to(mask.dtype),
             # k3 estimate of KL(behaviour || current) from behaviour samples: ratio - 1 - log ratio.
             approx_kl_sum=((r - 1.0 - lr) * mask).sum(),
+            abs_log_ratio_sum=(lr.abs() * mask).sum(),
             ratio_sum=(r * mask).sum(),
             ratio_min=torch.where(on, r, torch.full_like(r, float("inf"))).min(),
             ratio_max=torch.where(on, r, torch.full_like(r, float("-inf"))).max(),

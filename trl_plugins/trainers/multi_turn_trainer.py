@@ -22,6 +22,7 @@ import time
 from typing import Any, Mapping
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from trl_plugins.datum import build_datum
@@ -59,6 +60,19 @@ class _ScoredByPlugins:
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[float]:
         raise RuntimeError("MultiTurnGRPOTrainer scores trajectories with its reward components; this is never called.")
+
+
+class _OptimizerTimer(TrainerCallback):
+    """Times the HF loop's optimizer step (``timing/optimizer_s``, this rank's)."""
+
+    def __init__(self, metrics: dict) -> None:
+        self.metrics, self.start = metrics, 0.0
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.start = time.perf_counter()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.metrics["train"]["timing/optimizer_s"].append(time.perf_counter() - self.start)
 
 
 class MultiTurnGRPOTrainer(GRPOTrainer):
@@ -120,6 +134,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         tokenizer = self.processing_class
         self._chat = ChatFormat(tokenizer, [t.schema() for t in self._tools.values()])
         self._validate(args)
+        self.add_callback(_OptimizerTimer(self._metrics))
         self._buffered_datums: list | None = None
         self._rollout_step = 0
         self._last_trajectories: list[Trajectory] = []
@@ -216,6 +231,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._last_trajectories = trajs
         metrics["train/datums"] = float(len(datums))
         metrics["train/zero_advantage_frac"] = sum(a == 0.0 for a in advantages.tolist()) / n
+        # Groups that give the update nothing: every member's advantage is 0 (e.g. all right or all wrong).
+        by_group: dict[int, list[float]] = {}
+        for traj in trajs:
+            by_group.setdefault(traj.group_id, []).append(traj.advantage)
+        metrics["rollout/degenerate_group_rate"] = sum(all(a == 0.0 for a in v) for v in by_group.values()) / max(len(by_group), 1)
         for tool in self._tools.values():
             sandbox = getattr(tool, "_sandbox", None)
             if sandbox is not None:
@@ -263,8 +283,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 "train/padding_efficiency": result.num_input_tokens / max(result.num_padded_tokens, 1),
                 "train/policy_loss": result.loss,
             })
+            metrics["timing/packing_s"] = result.packing_s
             if result.stats is not None:
                 metrics.update({f"train/{k}": v for k, v in result.stats.summary().items()})
+            if result.ratio_quantiles:
+                metrics.update({f"train/{k}": v for k, v in result.ratio_quantiles.items()})
             loss = torch.tensor(result.loss, device=self.args.device)
         metrics["timing/step_s"] = time.perf_counter() - start
         for key, value in self._mean_over_ranks(metrics).items():

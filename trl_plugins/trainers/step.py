@@ -18,6 +18,7 @@ The gradient therefore equals the gradient of the one-batch loss on all datums o
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -78,6 +79,10 @@ class UpdateResult:
     """Merged policy-loss statistics over all ranks (None when nothing was trained)."""
     grad_norm: float | None = None
     """Gradient norm before clipping, when clipping is on and known."""
+    packing_s: float = 0.0
+    """Wall time spent planning micro-batches on this rank."""
+    ratio_quantiles: dict[str, float] | None = None
+    """p10/p50/p90 of the importance ratio over this rank's loss tokens, averaged over ranks (approximate)."""
 
 
 def _is_deepspeed(accelerator: Any) -> bool:
@@ -97,7 +102,7 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def _merge_stats_across_ranks(accelerator: Any, stats: PolicyLossStats | None) -> PolicyLossStats | None:
-    fields = ["num_tokens", "clipped_low", "clipped_high", "dual_clipped", "approx_kl_sum", "ratio_sum"]
+    fields = ["num_tokens", "clipped_low", "clipped_high", "dual_clipped", "approx_kl_sum", "abs_log_ratio_sum", "ratio_sum"]
     if stats is None:
         sums, lo, hi = [0.0] * len(fields), float("inf"), float("-inf")
     else:
@@ -140,6 +145,7 @@ def policy_update(
     world = accelerator.num_processes
     rank = accelerator.process_index
     datums = list(datums)
+    t_pack = time.perf_counter()
     if config.rebalance and world > 1:
         from accelerate.utils import gather_object
 
@@ -157,6 +163,7 @@ def policy_update(
         )
         batches = plan.ranks[0]
 
+    packing_s = time.perf_counter() - t_pack
     local_tokens = float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))
     local_seqs = float(sum(datums[i].num_loss_tokens > 0 for idx in batches for i in idx))
     num_tokens, num_seqs = _reduce(accelerator, [local_tokens, local_seqs], "sum")
@@ -168,6 +175,7 @@ def policy_update(
     loss_total = 0.0
     padded = real = dummies = 0
     stats: PolicyLossStats | None = None
+    ratios: list[torch.Tensor] = []
     model.train()
     for k, idx in enumerate(batches):
         last = k == steps - 1
@@ -205,6 +213,8 @@ def policy_update(
         loss_total += float(loss.detach()) / world
         if idx:
             stats = out.stats if stats is None else stats.merge(out.stats)
+            on = mb.action_mask.to(device).bool()
+            ratios.append(torch.exp((logp.detach() - mb.behaviour_logprobs.to(device))[on]).float().cpu())
 
     grad_norm = None
     if not deepspeed and step_optimizer:
@@ -215,6 +225,12 @@ def policy_update(
     else:
         accelerator.sync_gradients = True
     (loss_sum,) = _reduce(accelerator, [loss_total], "sum")
+    qs = (0.1, 0.5, 0.9)
+    local_r = torch.cat(ratios) if ratios else torch.zeros(0)
+    local_q = torch.quantile(local_r, torch.tensor(qs)).tolist() if local_r.numel() else [0.0] * len(qs)
+    have = float(local_r.numel() > 0)
+    q_sums = _reduce(accelerator, [q * have for q in local_q] + [have], "sum")
+    quantiles = {f"ratio_p{int(q * 100)}": v / q_sums[-1] for q, v in zip(qs, q_sums[:-1])} if q_sums[-1] else None
     dummies_all, padded_all, real_all = _reduce(accelerator, [dummies, padded, real], "sum")
     return UpdateResult(
         loss=loss_sum,
@@ -226,4 +242,6 @@ def policy_update(
         num_input_tokens=int(real_all),
         stats=_merge_stats_across_ranks(accelerator, stats),
         grad_norm=grad_norm,
+        packing_s=packing_s,
+        ratio_quantiles=quantiles,
     )
