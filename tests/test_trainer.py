@@ -125,8 +125,12 @@ def test_pinned_trl_surface():
     assert trl.__version__.startswith("1.16.")
     assert list(inspect.signature(GRPOTrainer.training_step).parameters) == ["self", "model", "inputs", "num_items_in_batch"]
     assert list(inspect.signature(GRPOTrainer.log).parameters) == ["self", "logs", "start_time"]
-    # Private: overridden to add the completion marker after TRL's own save.
+    # Private: overridden to add the completion marker after TRL's own save and rotate after it.
     assert list(inspect.signature(GRPOTrainer._save_checkpoint).parameters) == ["self", "model", "trial"]
+    from transformers.trainer_utils import rotate_checkpoints
+
+    assert list(inspect.signature(rotate_checkpoints).parameters)[:4] == ["output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"]
+    assert "rotate_checkpoints(" in inspect.getsource(Trainer._save_checkpoint)
     assert list(inspect.signature(Trainer.train).parameters)[:2] == ["self", "resume_from_checkpoint"]
     init = inspect.signature(GRPOTrainer.__init__).parameters
     for name in ("model", "reward_funcs", "args", "train_dataset", "processing_class", "callbacks", "optimizers", "peft_config"):
@@ -186,10 +190,11 @@ def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path)
     from trl_plugins.trainers.multi_turn_trainer import COMPLETE_MARKER, MultiTurnGRPOTrainer, latest_complete_checkpoint
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, save_strategy="steps", save_steps=1),
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=1),
                                    train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
     trainer.train()
     assert (tmp_path / "checkpoint-2" / COMPLETE_MARKER).is_file()
+    assert not (tmp_path / "checkpoint-1").exists()  # rotated out, but only after checkpoint-2 was complete
     # A save that crashed half-way: a newer folder without the marker is never resumed from.
     (tmp_path / "checkpoint-9").mkdir()
     (tmp_path / "checkpoint-9" / "model.safetensors").write_text("truncated")

@@ -309,15 +309,29 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
     # -- checkpoints ---------------------------------------------------------------------------------
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """TRL's save, then a completion marker once every rank is done (a crash mid-save leaves none)."""
-        super()._save_checkpoint(model, trial)
+        """TRL's save, then a completion marker once every rank is done, then rotation.
+
+        Older checkpoints are rotated out only after the new one is marked complete (the HF loop
+        rotates inside its save): a crash mid-save always leaves the previous checkpoint intact.
+        """
+        from transformers.trainer_utils import rotate_checkpoints
+
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            run_dir = self._get_output_dir(trial=trial)
+            folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
             tmp = os.path.join(folder, COMPLETE_MARKER + ".tmp")
             with open(tmp, "w") as f:
                 json.dump({"global_step": self.state.global_step, "tokenizer_digest": self._chat.digest}, f)
             os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """As ``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete* checkpoint.
