@@ -57,7 +57,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Drop trajectories whose advantage is 0."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
-    progress_rollout: bool = field(default=False, metadata={"help": "Progress bar of trajectories within a rollout."})
+    progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
     trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
     trajectory_table_rows: int = field(default=8, metadata={"help": "Trajectories per table."})
 

@@ -194,7 +194,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         seed = derive_seed(args.seed, self.state.global_step, self.accelerator.process_index)
         request = RolloutRequest(
             self._questions(rows), self.num_generations, backend, self._chat, self._tools,
-            policy_step=self.state.global_step, seed=seed, progress=args.progress_rollout,
+            policy_step=self.state.global_step, seed=seed,
+            progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
         )
         result = self._rollout_plugin(request)
         trajs: list[Trajectory] = result.trajectories
