@@ -292,7 +292,7 @@ class Registry(Generic[T]):
 
 ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine",))
 TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter",))
-REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards",))
+REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math",))
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
 POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",))
 PACKERS: Registry[Any] = Registry("packers", builtin_modules=("trl_plugins.packing",))
