@@ -19,6 +19,7 @@ import torch
 
 from trl_plugins.algos import aggregate, group_advantages, local_denominators, ppo_clip_loss
 from trl_plugins.datum import build_datum, collate
+from trl_plugins.modeling import token_logprobs
 from trl_plugins.packing import pack
 from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn, validate_trajectory
 
@@ -55,8 +56,7 @@ def main() -> None:
     total = 0.0
     for idx in batches:
         mb = collate(datums, idx, pad_token_id=0)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        logp = torch.log_softmax(logits, -1).gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
+        logp = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_ids)
         out = ppo_clip_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.action_mask)
         loss = aggregate(out.per_token_loss, mb.action_mask, "token_mean", num_tokens=n_tok, num_sequences=n_seq)
         loss.backward()

@@ -75,31 +75,36 @@ def make_trajectory(
     )
 
 
-@pytest.fixture(scope="session")
-def tiny_model_factory():
-    """Build (and cache) a 2-layer Qwen2 causal LM from config; no download."""
+def tiny_qwen2(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A seeded 2-layer Qwen2 causal LM (vocab 200) built from config, in eval mode; no download."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).to(dtype)
+    model.config._attn_implementation = "eager"
+    model.eval()  # no dropout: gradients must be deterministic
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory():
+    """Build (and cache) :func:`tiny_qwen2` per dtype; each call returns a fresh copy."""
     cache: dict[str, torch.nn.Module] = {}
 
     def build(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         key = str(dtype)
         if key not in cache:
-            torch.manual_seed(0)
-            config = Qwen2Config(
-                vocab_size=200,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=512,
-                tie_word_embeddings=False,
-            )
-            model = Qwen2ForCausalLM(config).to(dtype)
-            model.config._attn_implementation = "eager"
-            model.eval()  # no dropout: gradients must be deterministic
-            cache[key] = model
+            cache[key] = tiny_qwen2(dtype)
         return copy.deepcopy(cache[key])
 
     return build

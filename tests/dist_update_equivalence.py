@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import make_trajectory  # noqa: E402
+from conftest import make_trajectory, tiny_qwen2  # noqa: E402
 
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators  # noqa: E402
 from trl_plugins.datum import build_datum, collate  # noqa: E402
@@ -26,18 +26,6 @@ from trl_plugins.modeling import token_logprobs  # noqa: E402
 from trl_plugins.trainers.step import UpdateConfig, policy_update  # noqa: E402
 
 LR = 0.5
-
-
-def tiny_model() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config)
-    model.config._attn_implementation = "eager"
-    return model
 
 
 def all_datums(world: int) -> list[list]:
@@ -77,7 +65,7 @@ def main() -> None:
     parts = all_datums(world)
     everything = [d for p in parts for d in p]
     # Behaviour log-probs near the model's own, so the clip is active on some tokens.
-    reference = tiny_model()
+    reference = tiny_qwen2()
     with torch.no_grad():
         mb = collate(everything, list(range(len(everything))), pad_token_id=0)
         lp = token_logprobs(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
@@ -89,7 +77,7 @@ def main() -> None:
     loss_fn = PPOClipLoss()
     config = UpdateConfig(aggregation=args.aggregation, packer="ffd", max_items=2, max_padded_tokens=400,
                           rebalance=args.rebalance, norm_length=64)
-    model = tiny_model()
+    model = tiny_qwen2()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config)
@@ -108,7 +96,7 @@ def main() -> None:
         ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
         ref_opt.step()
         ref_state = reference.state_dict()
-        before = tiny_model().state_dict()
+        before = tiny_qwen2().state_dict()
         num = den = moved = 0.0
         for name, ref_param in ref_state.items():
             got = state[name].float()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import make_trajectory, rel_err
+from trl_plugins import modeling
 from trl_plugins.algos import aggregate, local_denominators, ppo_clip_loss
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.packing import pack
@@ -28,8 +29,7 @@ PAD = 0
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
+    return modeling.token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_ids)
 
 
 def micro_batch_loss(model, mb: MicroBatch, mode, *, num_tokens, num_sequences, dp_size=1):
