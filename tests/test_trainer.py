@@ -125,6 +125,8 @@ def test_pinned_trl_surface():
     assert trl.__version__.startswith("1.16.")
     assert list(inspect.signature(GRPOTrainer.training_step).parameters) == ["self", "model", "inputs", "num_items_in_batch"]
     assert list(inspect.signature(GRPOTrainer.log).parameters) == ["self", "logs", "start_time"]
+    # Our log writes metrics.jsonl from `logs` after TRL's log has averaged the step's metrics into it.
+    assert "logs.update(metrics)" in inspect.getsource(GRPOTrainer.log)
     # Private: overridden to add the completion marker after TRL's own save and rotate after it.
     assert list(inspect.signature(GRPOTrainer._save_checkpoint).parameters) == ["self", "model", "trial"]
     from transformers.trainer_utils import rotate_checkpoints

@@ -371,17 +371,12 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Log through the Trainer (W&B, ...) and append the same record to ``output_dir/metrics.jsonl``."""
-        mode = "train" if self.model.training else "eval"
-        merged = dict(logs)
-        for key, values in self._metrics[mode].items():
-            valid = [v for v in values if v == v]
-            if valid:
-                merged[key] = sum(valid) / len(valid)
+        # GRPOTrainer.log averages this step's metrics into `logs` in place before handing it on.
         super().log(logs, start_time)
         if self.accelerator.is_main_process:
             os.makedirs(self.args.output_dir, exist_ok=True)
             with open(self._metrics_path, "a") as f:
-                f.write(json.dumps({"step": self.state.global_step, **merged}) + "\n")
+                f.write(json.dumps({"step": self.state.global_step, **logs}) + "\n")
             self._maybe_log_trajectory_table()
 
     def _maybe_log_trajectory_table(self) -> None:

@@ -18,6 +18,7 @@ The gradient therefore equals the gradient of the one-batch loss on all datums o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -102,18 +103,20 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def _merge_stats_across_ranks(accelerator: Any, stats: PolicyLossStats | None) -> PolicyLossStats | None:
-    fields = ["num_tokens", "clipped_low", "clipped_high", "dual_clipped", "approx_kl_sum", "abs_log_ratio_sum", "ratio_sum"]
+    # Every field is a sum except the ratio extremes, which are reduced with max (min as -max(-x)).
+    extremes = ("ratio_min", "ratio_max")
+    sums_names = [f.name for f in dataclasses.fields(PolicyLossStats) if f.name not in extremes]
     if stats is None:
-        sums, lo, hi = [0.0] * len(fields), float("inf"), float("-inf")
+        sums, lo, hi = [0.0] * len(sums_names), float("inf"), float("-inf")
     else:
-        sums = [float(getattr(stats, f)) for f in fields]
+        sums = [float(getattr(stats, name)) for name in sums_names]
         lo, hi = float(stats.ratio_min), float(stats.ratio_max)
     sums = _reduce(accelerator, sums, "sum")
-    lo_hi = _reduce(accelerator, [-lo, hi], "max")
-    if sums[0] == 0:
+    neg_lo, hi = _reduce(accelerator, [-lo, hi], "max")
+    if sums[sums_names.index("num_tokens")] == 0:
         return None
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
-    return PolicyLossStats(*(t(x) for x in sums), ratio_min=t(-lo_hi[0]), ratio_max=t(lo_hi[1]))
+    return PolicyLossStats(**{n: t(v) for n, v in zip(sums_names, sums)}, ratio_min=t(-neg_lo), ratio_max=t(hi))
 
 
 def policy_update(
