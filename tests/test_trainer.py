@@ -273,6 +273,9 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
                                    train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
     trainer.train()
     wandb.finish()
+    # finish() returns once the run is closed; the service process may still hold the record log's
+    # last block in its buffer. teardown() stops the service, which flushes and closes the file.
+    wandb.teardown()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     data = runs[0].read_bytes()
