@@ -1,0 +1,191 @@
+"""The worked example in examples/trl-plugins-example, installed the way another project would be:
+its entry points make ``concise`` and ``calculator`` resolvable by name, and both keep their seam's contract."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_plugins.registry import REWARDS, TOOLS
+from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn, validate_trajectory
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl-plugins-example"
+PACKAGE = "trl_plugins_example"
+A, O, G, P = TokenSource.ACTION, TokenSource.OBSERVATION, TokenSource.GLUE, TokenSource.PROMPT
+NAN = float("nan")
+
+
+def _package_modules() -> list[str]:
+    return [name for name in sys.modules if name == PACKAGE or name.startswith(PACKAGE + ".")]
+
+
+@pytest.fixture(scope="module")
+def example_site(tmp_path_factory) -> Path:
+    """examples/trl-plugins-example pip-installed into a temporary directory: no network, venv untouched."""
+    root = tmp_path_factory.mktemp("example_plugin")
+    src = root / "src"
+    # A build writes build/ and *.egg-info next to pyproject.toml: build a copy, not the repository's folder.
+    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    site = root / "site"
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+           "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return site
+
+
+@pytest.fixture
+def example(isolated_registries, example_site, monkeypatch) -> Path:
+    """The installed example on ``sys.path``; registries and ``sys.modules`` are restored afterwards.
+
+    tests/assets/plugin_dist ships a different package under the same import name, so whichever of
+    the two another test imported is set aside here and put back at the end.
+    """
+    saved = {name: sys.modules.pop(name) for name in _package_modules()}
+    monkeypatch.syspath_prepend(str(example_site))
+    yield example_site
+    for name in _package_modules():
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def test_names_resolve_to_the_installed_classes_through_entry_points(example):
+    reward_entry, tool_entry = REWARDS.entry("concise"), TOOLS.entry("calculator")
+    assert reward_entry.origin == (
+        "entry point concise = trl_plugins_example.rewards:ConciseReward (distribution trl-plugins-example)"
+    )
+    assert tool_entry.origin == (
+        "entry point calculator = trl_plugins_example.tools:Calculator (distribution trl-plugins-example)"
+    )
+    # Discovered, not imported: entry points are loaded only when a config uses the name.
+    assert not reward_entry.builtin and reward_entry.target is None and tool_entry.target is None
+    assert PACKAGE not in sys.modules
+
+    reward_cls, tool_cls = REWARDS.get("concise"), TOOLS.get("calculator")
+    assert (reward_cls.__module__, reward_cls.__qualname__) == ("trl_plugins_example.rewards", "ConciseReward")
+    assert (tool_cls.__module__, tool_cls.__qualname__) == ("trl_plugins_example.tools", "Calculator")
+    # The installed copy, not the source folder.
+    assert Path(inspect.getfile(reward_cls)).is_relative_to(example)
+    assert Path(inspect.getfile(tool_cls)).is_relative_to(example)
+    # Built-ins are still there next to them.
+    assert {"correct", "format", "concise"} <= set(REWARDS.names())
+    assert {"code_interpreter", "calculator"} <= set(TOOLS.names())
+
+
+def _trajectory() -> Trajectory:
+    # Turn 0: 3 prompt tokens, 4 sampled. Turn 1: the prompt adds glue + 2 tool-output tokens + glue;
+    # the completion has 5 tokens of which 2 are tool output spliced in (OBSERVATION): 3 sampled.
+    # Action tokens: 4 + 3 = 7; completion tokens: 4 + 5 = 9.
+    t0 = Turn(prompt_ids=[5, 6, 7], completion_ids=[10, 11, 12, 13], completion_logprobs=[-0.5] * 4,
+              prompt_sources=[P, P, P])
+    t1 = Turn(
+        prompt_ids=[5, 6, 7, 10, 11, 12, 13, 1, 20, 21, 2],
+        completion_ids=[30, 31, 32, 33, 34],
+        completion_logprobs=[-0.1, NAN, NAN, -0.2, -0.3],
+        prompt_sources=[G, O, O, G],
+        completion_sources=[A, O, O, A, A],
+    )
+    traj = Trajectory(turns=[t0, t1], question_id="q0", stop_reason=StopReason.FINAL_ANSWER)
+    assert validate_trajectory(traj).num_action_tokens == 7
+    return traj
+
+
+@pytest.mark.parametrize(
+    "budget,expected",
+    [
+        (256, 0.0),  # default-sized budget: far within
+        (10, 0.0),  # 7 <= 10
+        (7, 0.0),  # exactly at the budget (counting all 9 completion tokens would give -2/7)
+        (5, -0.4),  # -(7 - 5) / 5
+        (2, -2.5),  # -(7 - 2) / 2
+    ],
+)
+def test_concise_reward_is_zero_within_budget_and_linear_beyond(example, budget, expected):
+    reward = REWARDS.get("concise")(budget_tokens=budget)
+    assert math.isclose(reward(_trajectory(), {"answer": "42"}), expected, abs_tol=1e-12)
+
+
+def test_concise_reward_validates_and_pickles(example):
+    cls = REWARDS.get("concise")
+    assert cls().budget_tokens == 256
+    with pytest.raises(ValueError, match="budget_tokens must be >= 1, got 0"):
+        cls(budget_tokens=0)
+    assert pickle.loads(pickle.dumps(cls(budget_tokens=64))) == cls(budget_tokens=64)
+
+
+def test_calculator_computes_and_returns_errors_as_output(example, tmp_path, monkeypatch):
+    calc = TOOLS.get("calculator")()
+
+    def run(arguments):
+        return asyncio.run(calc(arguments))
+
+    out = run({"expression": "2 * (3 + 4)"})
+    assert (out.text, out.ok, out.timed_out) == ("14", True, False)
+    assert run({"expression": "2 ** 100"}).text == "1267650600228229401496703205376"  # exact, not a float
+    assert run({"expression": "7 / 2"}).text == "3.5"
+
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        ({"expression": "__import__('os')"}, "a function call is not allowed"),
+        ({"expression": "open('written_by_the_calculator', 'w')"}, "a function call is not allowed"),
+        ({"expression": "2 * (3 +"}, "invalid syntax"),
+        ({"expression": "1 / 0"}, "division by zero"),
+        ({"expression": "x + 1"}, "the name 'x' is not allowed"),
+        ({"expression": "(1).__class__"}, "attribute access ('__class__') is not allowed"),
+        ({"expression": "9 ** 9 ** 9"}, "the result would exceed 4096 bits"),
+        ({"expression": 14}, "argument 'expression' must be of type string"),
+        ({}, "missing required argument 'expression'"),
+    ]
+    for arguments, why in cases:
+        out = run(arguments)
+        assert not out.ok and out.text.startswith("Error: ") and why in out.text, (arguments, out)
+    assert not (tmp_path / "written_by_the_calculator").exists()  # nothing was executed
+
+    calc.close()
+    assert pickle.loads(pickle.dumps(calc)) == calc
+
+
+def test_calculator_schema_works_with_the_chat_format_and_the_rollout(example):
+    from trl_plugins.embedded import build_tokenizer
+    from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend, TurnKind
+
+    calc = TOOLS.get("calculator")()
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [calc.schema()])  # checks the template renders it, prefix-preserving
+    first = chat.initial_prompt_ids([{"role": "user", "content": "What is 2 * (3 + 4)?"}])
+    assert '"name": "calculator"' in tok.decode(first)  # the model is shown the tool
+
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * (3 + 4)"}}\n</tool_call>'
+    call_ids = tok(call, add_special_tokens=False)["input_ids"] + [im_end]
+    parsed = chat.parse(first, call_ids)
+    assert (parsed.kind, parsed.tool_name, parsed.arguments) == (TurnKind.TOOL_CALL, "calculator", {"expression": "2 * (3 + 4)"})
+    wrong_type = tok(call.replace('"2 * (3 + 4)"', "14"), add_special_tokens=False)["input_ids"] + [im_end]
+    bad = chat.parse(first, wrong_type)
+    assert bad.kind == TurnKind.INVALID and "must be of type string" in bad.error
+
+    # One trajectory through the real engine: call the calculator, then answer.
+    answer_ids = tok("The answer is \\boxed{14}.", add_special_tokens=False)["input_ids"] + [im_end]
+    backend = ScriptedBackend(lambda prompt: call_ids if len(prompt) == len(first) else answer_ids,
+                              stop_token_ids=chat.stop_token_ids)
+    request = RolloutRequest([RolloutQuestion("q0", first, group_id=0)], 1, backend, chat, {calc.name: calc})
+    (traj,) = MultiTurnRollout(max_turns=3, max_trajectory_tokens=2048)(request).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER and len(traj.turns) == 2
+    assert (traj.turns[0].tool_call.name, traj.turns[0].tool_call.output, traj.turns[0].tool_call.ok) == ("calculator", "14", True)
+    observation = [t for t, s in zip(traj.turns[1].prompt_ids[-len(traj.turns[1].prompt_sources):], traj.turns[1].prompt_sources) if s == O]
+    assert tok.decode(observation) == "14"
+
+    # The concise reward on that trajectory: every completion token was sampled.
+    n = len(call_ids) + len(answer_ids)
+    assert traj.num_action_tokens == n
+    concise = REWARDS.get("concise")
+    assert concise(budget_tokens=n)(traj, {}) == 0.0
+    assert math.isclose(concise(budget_tokens=n - 4)(traj, {}), -4 / (n - 4))
