@@ -324,3 +324,25 @@ class PerRowSeedRollout:
     def __call__(self, request):
         request.backend = _PerRowSeedBackend(request.backend)
         return self.inner(request)
+
+
+@pytest.mark.parametrize("policy", ["wrong", "mask"])
+def test_truncated_policy_scores_or_masks_truncated_trajectories(tmp_path, policy):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    # 12 tokens per turn and no tool calls from a random model: every trajectory is cut (turn_length).
+    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, max_steps=1, truncated_policy=policy), train_dataset=_dataset(),
+                                   processing_class=tok, reward_components={"length": TokenReward()})
+    trainer.train()
+    trajs = trainer._last_trajectories
+    assert trajs and all(t.truncated for t in trajs)
+    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+    if policy == "mask":
+        assert record["train/masked_truncated_frac"] == 1.0 and record["train/datums"] == 0.0
+        assert all(t.advantage == 0.0 for t in trajs) and record["train/update_skipped"] == 1.0 and not changed
+    else:
+        assert record["train/masked_truncated_frac"] == 0.0 and record["train/datums"] > 0 and changed

@@ -55,6 +55,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     max_padded_tokens_per_micro_batch: int = field(default=64_000, metadata={"help": "Padded area per micro-batch."})
     rebalance_ranks: bool = field(default=False, metadata={"help": "Move datums across ranks with the balanced packer."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
+    truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (scored by the reward components, which treat them as wrong) or 'mask' (no advantage, left out of group statistics and the loss)."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Drop trajectories whose advantage is 0."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
@@ -69,6 +70,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
         self.advantage_kwargs = _as_dict(self.advantage_kwargs, "advantage_kwargs")
         self.policy_loss_kwargs = _as_dict(self.policy_loss_kwargs, "policy_loss_kwargs")
         AggregationMode(self.aggregation)
+        if self.truncated_policy not in ("wrong", "mask"):
+            raise ValueError(f"truncated_policy must be 'wrong' or 'mask', got {self.truncated_policy!r}.")
         if self.per_device_train_batch_size % self.num_generations:
             raise ValueError(
                 f"per_device_train_batch_size ({self.per_device_train_batch_size}) counts trajectories per rank and "

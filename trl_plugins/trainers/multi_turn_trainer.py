@@ -216,12 +216,17 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             ]
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         group_ids = torch.tensor([t.group_id for t in trajs])
-        advantages = self._advantage(AdvantageInput(rewards=rewards, group_ids=group_ids)).advantages
+        # truncated_policy="mask": a truncated trajectory is neither scored against its group nor trained on.
+        masked = [args.truncated_policy == "mask" and t.truncated for t in trajs]
+        keep = torch.tensor([not m for m in masked], dtype=torch.bool)
+        advantages = torch.zeros(len(trajs), dtype=torch.float32)
+        if bool(keep.any()):
+            advantages[keep] = self._advantage(AdvantageInput(rewards=rewards[keep], group_ids=group_ids[keep])).advantages.float()
         timings["timing/scoring_s"] = time.perf_counter() - t0
         datums = []
         for i, (traj, adv) in enumerate(zip(trajs, advantages.tolist())):
             traj.advantage = adv
-            if args.drop_zero_advantage and adv == 0.0:
+            if masked[i] or (args.drop_zero_advantage and adv == 0.0):
                 continue
             datums.append(build_datum(traj, max_context_tokens=self._max_context_tokens, trajectory_index=i))
         metrics = {**rollout_metrics(result), **timings}
@@ -231,6 +236,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             metrics[f"reward/{name}"] = sum(t.reward_component(name).value for t in trajs) / n
         self._last_trajectories = trajs
         metrics["train/datums"] = float(len(datums))
+        metrics["train/masked_truncated_frac"] = sum(masked) / n
         metrics["train/zero_advantage_frac"] = sum(a == 0.0 for a in advantages.tolist()) / n
         # Groups that give the update nothing: every member's advantage is 0 (e.g. all right or all wrong).
         by_group: dict[int, list[float]] = {}
