@@ -14,11 +14,13 @@ __all__ = ["arithmetic_problems", "SPLITS"]
 SPLITS = ("train", "test")
 
 _TEMPLATES = (
-    ("{a} * {b} + {c}", lambda a, b, c: a * b + c),
-    ("{a} * {b} - {c}", lambda a, b, c: a * b - c),
-    ("({a} + {b}) * {c}", lambda a, b, c: (a + b) * c),
-    ("{a} * {b} * {c}", lambda a, b, c: a * b * c),
+    # (text, function, digits of a, b, c)
+    ("{a} * {b} + {c}", lambda a, b, c: a * b + c, (3, 2, 3)),
+    ("{a} * {b} - {c}", lambda a, b, c: a * b - c, (3, 2, 3)),
+    ("({a} + {b}) * {c}", lambda a, b, c: (a + b) * c, (3, 3, 2)),
 )
+ANSWER_DIGITS = 5
+"""Every answer has this many digits."""
 
 
 def _split_of(expression: str) -> str:
@@ -26,8 +28,16 @@ def _split_of(expression: str) -> str:
     return "test" if bucket < 2 else "train"
 
 
+def _number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
 def arithmetic_problems(n: int, *, seed: int = 0, split: str = "train") -> list[dict]:
     """``n`` problems of the split: rows ``{"id", "prompt", "answer", "expression"}``.
+
+    Every problem of a layout has the same digit counts and every answer has ``ANSWER_DIGITS`` digits,
+    so copying numbers (question -> code, tool output -> answer) is a constant-offset copy that a tiny
+    model learns in minutes; computing the answer without the tool stays out of its reach.
 
     Raises:
         ValueError: an unknown split or a non-positive ``n``.
@@ -39,19 +49,17 @@ def arithmetic_problems(n: int, *, seed: int = 0, split: str = "train") -> list[
     rng = random.Random(f"arithmetic/{seed}")
     rows, seen = [], set()
     while len(rows) < n:
-        k = rng.randrange(len(_TEMPLATES))
-        template, fn = _TEMPLATES[k]
-        a, b = rng.randint(12, 999), rng.randint(12, 99)
-        # Keep every answer at two digits or more: subtract at most half, multiply by at least 3.
-        c = (rng.randint(2, 999), rng.randint(2, a * b // 2), rng.randint(3, 29), rng.randint(3, 29))[k]
+        template, fn, digits = _TEMPLATES[rng.randrange(len(_TEMPLATES))]
+        a, b, c = (_number(rng, d) for d in digits)
+        answer = fn(a, b, c)
         expression = template.format(a=a, b=b, c=c)
-        if expression in seen or _split_of(expression) != split:
+        if len(str(answer)) != ANSWER_DIGITS or expression in seen or _split_of(expression) != split:
             continue
         seen.add(expression)
         rows.append({
             "id": f"{split}-{seed}-{len(rows)}",
             "prompt": f"What is {expression}?",
-            "answer": str(fn(a, b, c)),
+            "answer": str(answer),
             "expression": expression,
         })
     return rows

@@ -10,6 +10,7 @@ exact string match, so a copy would not do).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 __all__ = ["CHAT_TEMPLATES", "build_tokenizer", "load_trl_chat_template"]
 
@@ -59,12 +60,14 @@ def load_trl_chat_template(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def build_tokenizer(template: str = "qwen2_5", vocab_size: int = 512):
+def build_tokenizer(template: str = "qwen2_5", vocab_size: int = 512, extra_corpus: Sequence[str] = ()):
     """Train a tiny byte-level BPE tokenizer and attach a TRL chat template.
 
     Args:
         template: A file name (without ``.jinja``) in ``trl/chat_templates/``.
         vocab_size: Target vocabulary size (before the special and added tokens).
+        extra_corpus: More training text, e.g. the rendered system prompt and tool schemas of a recipe,
+            so that text every prompt repeats costs few tokens.
 
     Returns:
         A ``transformers.PreTrainedTokenizerFast`` with Qwen's special tokens, ``eos_token="<|im_end|>"``
@@ -88,7 +91,7 @@ def build_tokenizer(template: str = "qwen2_5", vocab_size: int = 512):
         special_tokens=[TkAddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(_CORPUS * 4 + list(extra_corpus) * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
