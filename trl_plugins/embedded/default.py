@@ -1,0 +1,267 @@
+"""Build, cache and load the embedded default: tokenizer + tiny Qwen2 model after a cold-start SFT.
+
+The build runs once per settings in a clean child process (one CPU process, no DeepSpeed, whatever
+launcher started the caller) and is cached under ``<cache root>/embedded/<key>/`` where the key hashes
+the settings and the build code's version. Files are checksummed: a cache entry that fails its
+check is reported and rebuilt. Entries appear atomically (built aside, then renamed), so a crashed
+build never leaves a half-written entry behind.
+
+Run ``python -m trl_plugins.embedded.default --help`` to build one by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+from trl_plugins.embedded.coldstart import DEFAULT_SYSTEM_PROMPT
+
+__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError"]
+
+BUILD_VERSION = 1
+"""Bump when the build changes what it produces for the same settings."""
+_MANIFEST = "manifest.json"
+
+
+class CacheError(RuntimeError):
+    """A cache entry is missing files or fails its checksums."""
+
+
+@dataclass(frozen=True)
+class EmbeddedSettings:
+    """Everything that determines the embedded default (and so its cache key)."""
+
+    seed: int = 0
+    """Seed of the model initialisation, the cold-start problems and the SFT data order."""
+    template: str = "qwen2_5"
+    """Chat template from ``trl/chat_templates/``."""
+    vocab_size: int = 1024
+    """BPE vocabulary (before special tokens), trained on the built-in corpus plus the system prompt."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    sliding_window: int | None = 48
+    """Qwen2 sliding-window attention span (None: full attention); see :func:`build_tiny_model`."""
+    cold_start_problems: int = 6000
+    """Synthetic transcripts in the cold-start SFT set (from the train split)."""
+    cold_start_tool_fraction: float = 0.5
+    """Share of transcripts that call the tool; the rest answer without it."""
+    cold_start_epochs: float = 3.0
+    """~560 steps: copying numbers sets in after ~300 (a sudden drop of the loss)."""
+    cold_start_learning_rate: float = 3e-3
+    cold_start_batch_size: int = 32
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    @classmethod
+    def from_json(cls, text: str, **base) -> "EmbeddedSettings":
+        """Settings from a JSON object of field overrides (on top of ``base``).
+
+        Raises:
+            ValueError: text that is not a JSON object, or an unknown field (naming the known ones).
+        """
+        try:
+            raw = json.loads(text or "{}")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"embedded settings must be a JSON object, e.g. '{{\"cold_start_epochs\": 2}}'; got {text!r}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"embedded settings must be a JSON object, got {type(raw).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown embedded settings {unknown}; known: {sorted(known)}.")
+        return cls(**{**base, **raw})
+
+    def key(self) -> str:
+        blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """``$TRL_PLUGINS_CACHE``, else ``$XDG_CACHE_HOME/trl-plugins``, else ``~/.cache/trl-plugins``."""
+    if os.environ.get("TRL_PLUGINS_CACHE"):
+        return Path(os.environ["TRL_PLUGINS_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trl-plugins"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify(entry: Path) -> None:
+    manifest_path = entry / _MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CacheError(f"unreadable manifest {manifest_path}: {exc}") from exc
+    if not files:
+        raise CacheError(f"manifest {manifest_path} lists no files")
+    for rel, digest in files.items():
+        path = entry / rel
+        if not path.is_file():
+            raise CacheError(f"missing file {path}")
+        if _sha256(path) != digest:
+            raise CacheError(f"checksum mismatch for {path}")
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _clean_env() -> dict[str, str]:
+    """The caller's environment without what makes a child join a distributed launch.
+
+    The child runs alone (the launch's other processes wait for it), so it gets every available core:
+    ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` on machines where it counts one physical core.
+    """
+    drop_prefixes = ("ACCELERATE_", "DEEPSPEED_", "FSDP_")
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS", "CUDA_VISIBLE_DEVICES_FOR_LAUNCH"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(drop_prefixes)}
+    env["OMP_NUM_THREADS"] = str(available_cpus())
+    return env
+
+
+def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, show_progress: bool = True) -> Path:
+    """Build the tokenizer, the model and its cold start into ``out_dir`` (in this process).
+
+    Writes ``out_dir/model`` (``save_pretrained`` of model and tokenizer) and the manifest.
+    """
+    import random
+
+    import torch
+
+    from trl_plugins.embedded.coldstart import cold_start_dataset, run_cold_start_sft
+    from trl_plugins.embedded.model import build_tiny_model
+    from trl_plugins.embedded.task import arithmetic_problems
+    from trl_plugins.embedded.tokenizer import build_tokenizer
+    from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    schema = CodeInterpreter().schema()
+    # Train the BPE on the text every prompt repeats (system prompt, tool schemas), so it costs few tokens.
+    bootstrap = build_tokenizer(settings.template, vocab_size=settings.vocab_size)
+    rendered = bootstrap.apply_chat_template(
+        [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": "What is 1 + 1?"}],
+        tools=[schema], tokenize=False, add_generation_prompt=True,
+    )
+    tokenizer = build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=[rendered])
+    chat = ChatFormat(tokenizer, [schema])
+    problems = arithmetic_problems(settings.cold_start_problems, seed=settings.seed, split="train")
+    dataset = cold_start_dataset(chat, problems, tool_fraction=settings.cold_start_tool_fraction, seed=settings.seed,
+                                 system_prompt=settings.system_prompt)
+    model = build_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
+                             num_heads=settings.num_heads, num_kv_heads=settings.num_kv_heads, seed=settings.seed,
+                             sliding_window=settings.sliding_window)
+    print(f"[embedded default] cold-start SFT: {len(dataset)} transcripts "
+          f"({settings.cold_start_tool_fraction:.0%} call the tool), {settings.cold_start_epochs:g} epochs, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
+    model = run_cold_start_sft(
+        model, tokenizer, dataset, str(out / "sft_run"), epochs=settings.cold_start_epochs,
+        learning_rate=settings.cold_start_learning_rate, batch_size=settings.cold_start_batch_size,
+        seed=settings.seed, show_progress=show_progress,
+    )
+    shutil.rmtree(out / "sft_run", ignore_errors=True)
+    model_dir = out / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    files = {str(p.relative_to(out)): _sha256(p) for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    manifest = {"settings": asdict(settings), "build_version": BUILD_VERSION, "files": files,
+                "build_seconds": round(time.perf_counter() - start, 1)}
+    (out / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return model_dir
+
+
+def ensure_embedded_default(
+    settings: EmbeddedSettings = EmbeddedSettings(),
+    *,
+    root: str | Path | None = None,
+    rebuild: bool = False,
+    log: Callable[[str], None] = print,
+    in_process: bool = False,
+) -> Path:
+    """Path of the cached embedded model directory (model + tokenizer), building it when needed.
+
+    A corrupted or partial entry is reported through ``log`` and rebuilt. The build runs in a clean
+    child process unless ``in_process``. Under several processes call this on the main process first
+    (e.g. inside ``PartialState().main_process_first()``): the others then find the finished entry.
+
+    Raises:
+        RuntimeError: the build failed (the child's output says why); nothing is left in the cache.
+    """
+    base = Path(root) if root is not None else cache_root()
+    entry = base / "embedded" / settings.key()
+    if entry.exists() and not rebuild:
+        try:
+            _verify(entry)
+            log(f"[embedded default] using the cached model at {entry / 'model'}")
+            return entry / "model"
+        except CacheError as exc:
+            log(f"[embedded default] the cache entry {entry} is corrupted ({exc}); rebuilding it.")
+    elif rebuild and entry.exists():
+        log(f"[embedded default] rebuilding {entry} (rebuild requested).")
+    base.joinpath("embedded").mkdir(parents=True, exist_ok=True)
+    staging = entry.with_name(f"{entry.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    log(f"[embedded default] building the tiny model and its cold start into {entry} (once; cached after).")
+    try:
+        if in_process:
+            build_embedded_default(settings, staging)
+        else:
+            cmd = [sys.executable, "-m", "trl_plugins.embedded.default", "--out", str(staging),
+                   "--settings", json.dumps(asdict(settings))]
+            proc = subprocess.run(cmd, env=_clean_env(), check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"building the embedded default failed (exit {proc.returncode}); its output is above. "
+                    f"Command: {' '.join(cmd[:4])} ..."
+                )
+        _verify(staging)
+        shutil.rmtree(entry, ignore_errors=True)
+        os.replace(staging, entry)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return entry / "model"
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the embedded default into a directory.")
+    parser.add_argument("--out", required=True, help="Directory to build into.")
+    parser.add_argument("--settings", default="{}", help="EmbeddedSettings fields as a JSON object.")
+    parser.add_argument("--no-progress", action="store_true")
+    ns = parser.parse_args(argv)
+    try:
+        settings = EmbeddedSettings.from_json(ns.settings)
+    except ValueError as exc:
+        parser.error(str(exc))
+    build_embedded_default(settings, ns.out, show_progress=not ns.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
