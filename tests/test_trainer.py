@@ -346,3 +346,15 @@ def test_truncated_policy_scores_or_masks_truncated_trajectories(tmp_path, polic
         assert all(t.advantage == 0.0 for t in trajs) and record["train/update_skipped"] == 1.0 and not changed
     else:
         assert record["train/masked_truncated_frac"] == 0.0 and record["train/datums"] > 0 and changed
+
+
+def test_configured_tools_are_keyed_by_the_name_the_model_calls(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    args = _config(tmp_path, tools=["trl_plugins.tools.code_interpreter:CodeInterpreter"],
+                   tool_kwargs={"trl_plugins.tools.code_interpreter:CodeInterpreter": {"name": "python"}})
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), args, train_dataset=_dataset(), processing_class=tok,
+                                   reward_components={"length": TokenReward()})
+    assert list(trainer._tools) == ["python"]
+    assert [s["function"]["name"] for s in trainer._chat.tools] == ["python"]

@@ -120,9 +120,16 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
-        self._tools = dict(tools) if tools is not None else {
-            name: TOOLS.get(name)(**args.tool_kwargs.get(name, {})) for name in args.tools
-        }
+        self._tools_provided = tools is not None
+        if tools is not None:
+            self._tools = dict(tools)
+        else:
+            # Keyed by the name the model calls (the tool's own ``name``), which may differ from the
+            # configured plugin name (e.g. "pkg.module:Tool").
+            built = [TOOLS.get(name)(**args.tool_kwargs.get(name, {})) for name in args.tools]
+            self._tools = {getattr(tool, "name", name): tool for name, tool in zip(args.tools, built)}
+            if len(self._tools) != len(built):
+                raise ValueError(f"two configured tools share a name: {[getattr(t, 'name', None) for t in built]}.")
         provided = dict(reward_components or {})
         self._reward_components = [
             (name, float(weight), provided.get(name) or REWARDS.get(name)(**args.reward_component_kwargs.get(name, {})))
@@ -162,7 +169,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 f"max_padded_tokens_per_micro_batch to at least {context} or lower the rollout budget."
             )
         self._max_context_tokens = context
-        missing = set(args.tools) - set(self._tools)
+        missing = set(args.tools) - set(self._tools) if self._tools_provided else set()
         if missing:
             raise ValueError(f"tools {sorted(missing)} are configured but not provided.")
 
