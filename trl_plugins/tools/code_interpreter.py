@@ -35,6 +35,9 @@ class CodeInterpreter:
     """``"auto"`` picks the strongest available isolation."""
     name: str = "code_interpreter"
     """Name the model calls the tool by."""
+    hidden_paths: tuple[str, ...] = ()
+    """More absolute host paths the code must not read (e.g. where the dataset with the reference
+    answers is cached); homes, ``/root`` and ``/run`` are always hidden."""
     _sandbox: PythonSandbox | None = field(default=None, init=False, repr=False, compare=False)
 
     def schema(self) -> dict[str, Any]:
@@ -65,6 +68,7 @@ class CodeInterpreter:
                 max_concurrency=self.max_concurrency,
                 mode=self.mode,
                 isolation=self.isolation,
+                extra_hidden_paths=tuple(self.hidden_paths),
             )
         return self._sandbox
 
