@@ -1,69 +1,212 @@
-"""ReTool PPO recipe (placeholder until the recipe issue lands).
+"""ReTool PPO: multi-turn code-interpreter RL with outcome rewards and group-relative advantages.
 
+The model solves maths by writing Python in ``<tool_call>`` blocks; a local sandbox runs it and its
+output comes back as a tool message; the last ``\\boxed{}`` is the answer. Rewards are named
+components (``correct`` via math-verify, ``format``, optional ``tool_use`` and ``overlong``), the
+advantage is group-relative (GRPO-style) and the loss is PPO with the asymmetric ratio clip
+[0.8, 1.28], token-mean over each step's whole batch, exact under any micro-batching.
+
+Launch (the YAML next to this file holds the defaults; any field can be overridden on the command line):
+
+    # CPU, no network: the embedded default (tiny Qwen2 + bundled arithmetic + cold-start SFT, cached)
     accelerate launch recipes/retool_ppo.py
 
-What is coming: multi-turn tool-call rollouts against a local Python sandbox, outcome rewards with
-group-relative advantages and an asymmetric-clip PPO loss (ratio in [0.8, 1.28]), on an embedded
-tiny model so the command runs on a CPU-only machine with no network.
+    # one GPU, a real model and a DAPO-style maths set
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \\
+        --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --dataset_name BytedTsinghua-SIA/DAPO-Math-17k \\
+        --prompt_column prompt --answer_column reward_model.ground_truth --bf16 true
 
-Until then this script checks the core that is already here on synthetic trajectories: it builds
-prefix-merged datums, packs them, and computes one exact token-mean PPO loss on a tiny locally-built
-model, printing what it did. It does not train.
+    # several GPUs (DDP) / DeepSpeed ZeRO-3 (see accelerate_configs/ for ZeRO-2 and CPU offload)
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/retool_ppo.py --model_name_or_path ...
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/retool_ppo.py --model_name_or_path ...
+
+    # two CPU processes under ZeRO-3 (what the smoke test runs)
+    accelerate launch --config_file accelerate_configs/cpu_zero3.yaml recipes/retool_ppo.py --max_steps 2
+
+How this differs from the ReTool paper (Feng et al., 2025): the paper cold-starts Qwen2.5-32B on
+curated code-integrated traces and trains with PPO in verl (a critic, token-level rewards); here the
+advantage is group-relative with no critic (as in GRPO/DAPO), generation is HF ``generate`` (a vLLM
+backend exists for GPUs), the sandbox is a local isolated interpreter, and the embedded default
+replaces the cold-start data with synthetic arithmetic transcripts for a tiny model.
 """
 
 from __future__ import annotations
 
-import random
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
-
-from trl_plugins.algos import aggregate, group_advantages, local_denominators, ppo_clip_loss
-from trl_plugins.datum import build_datum, collate
-from trl_plugins.modeling import token_logprobs
-from trl_plugins.packing import pack
-from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn, validate_trajectory
-
-
-def synthetic_trajectory(rng: random.Random, group: int, slot: int) -> Trajectory:
-    prompt = [rng.randrange(3, 200) for _ in range(rng.randint(4, 12))]
-    turns, history = [], []
-    for i in range(rng.randint(1, 3)):
-        new = prompt if i == 0 else [1] + [rng.randrange(3, 200) for _ in range(rng.randint(2, 8))] + [2]
-        sources = None if i == 0 else [TokenSource.GLUE] + [TokenSource.OBSERVATION] * (len(new) - 2) + [TokenSource.GLUE]
-        completion = [rng.randrange(3, 200) for _ in range(rng.randint(2, 10))]
-        turns.append(Turn(history + new, completion, [-rng.uniform(0.1, 2.0) for _ in completion], prompt_sources=sources))
-        history = history + new + completion
-    return Trajectory(turns=turns, group_id=group, sample_index=slot, stop_reason=StopReason.FINAL_ANSWER)
+DEFAULT_CONFIG = Path(__file__).with_suffix(".yaml")
 
 
-def main() -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled arithmetic task."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column with the question."})
+    answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer."})
+    train_size: int | None = field(default=None, metadata={"help": "Training questions (bundled task: generated; Hub: subsampled)."})
+    task_seed: int = field(default=0, metadata={"help": "Seed of the bundled task and of the embedded model's build."})
+    eval_problems: int = field(default=128, metadata={"help": "Held-out problems for the before/after evaluation (0: skip it)."})
+    eval_samples: int = field(default=4, metadata={"help": "Samples per held-out problem."})
+    eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation temperature (0 = greedy, with eval_samples 1)."})
+    embedded: str = field(default="{}", metadata={"help": "EmbeddedSettings overrides (JSON), e.g. '{\"cold_start_epochs\": 3}'."})
+    rebuild_embedded: bool = field(default=False, metadata={"help": "Rebuild the cached embedded default."})
+    wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})
+    plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
 
-    print("trl-plugins: the ReTool recipe is not here yet (see the open issues); checking the core instead.")
-    rng = random.Random(0)
-    trajs = [synthetic_trajectory(rng, g, s) for g in range(4) for s in range(4)]
-    for t in trajs:
-        validate_trajectory(t)
-    rewards = torch.tensor([float(rng.random() < 0.5) for _ in trajs])
-    adv = group_advantages(rewards, torch.tensor([t.group_id for t in trajs]))
-    datums = [build_datum(t, advantage=float(a), trajectory_index=i) for i, (t, a) in enumerate(zip(trajs, adv))]
-    batches = pack([d.num_tokens for d in datums], strategy="optimal", max_items=4, max_padded_tokens=256)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
-    full = collate(datums, list(range(len(datums))), pad_token_id=0)
-    n_tok, n_seq = local_denominators(full.action_mask)
-    total = 0.0
-    for idx in batches:
-        mb = collate(datums, idx, pad_token_id=0)
-        logp = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_ids)
-        out = ppo_clip_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.action_mask)
-        loss = aggregate(out.per_token_loss, mb.action_mask, "token_mean", num_tokens=n_tok, num_sequences=n_seq)
-        loss.backward()
-        total += float(loss.detach())
-    print(f"{len(trajs)} trajectories -> {len(datums)} datums, {int(n_tok)} loss tokens, "
-          f"{len(batches)} micro-batches; token-mean PPO loss {total:.4f} (gradient accumulated, no update).")
+
+def parse_args(argv: list[str]):
+    """Parse ``argv`` with TrlParser, using the recipe's YAML when no ``--config`` is given."""
+    import yaml
+    from trl import TrlParser
+
+    from trl_plugins.recipe_utils import cpu_defaults
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    argv = list(argv)
+    if "--config" not in argv:
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    config_path = argv[argv.index("--config") + 1]
+    try:
+        config_values = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"cannot read the config {config_path}: {exc}") from exc
+    argv += cpu_defaults(argv, config_values)
+    parser = TrlParser((ScriptArguments, MultiTurnGRPOConfig))
+    return parser.parse_args_and_config(argv)
+
+
+def main(script_args: ScriptArguments, training_args) -> int:
+    import torch
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_plugins.embedded.coldstart import DEFAULT_SYSTEM_PROMPT
+    from trl_plugins.embedded.default import EmbeddedSettings, available_cpus, ensure_embedded_default
+    from trl_plugins.recipe_utils import (
+        answer_paths,
+        configure_wandb,
+        format_summary,
+        load_task_rows,
+        plot_run,
+        read_metrics,
+        run_eval_subprocess,
+    )
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    start = time.perf_counter()
+    _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
+    state = PartialState()
+    main_process = state.is_main_process
+    say = print if main_process else (lambda *a, **k: None)
+    if state.num_processes == 1 and not torch.cuda.is_available() and torch.get_num_threads() < available_cpus():
+        # accelerate launch sets OMP_NUM_THREADS=1 where it counts one physical core; one process may use them all.
+        say(f"CPU threads: {torch.get_num_threads()} -> {available_cpus()} (one process on {available_cpus()} cores)")
+        torch.set_num_threads(available_cpus())
+    wandb_mode = configure_wandb(training_args.report_to, training_args.output_dir, script_args.wandb_project)
+    if wandb_mode:
+        say(f"W&B: {wandb_mode} (files under {os.environ['WANDB_DIR']}/wandb; 'wandb sync' uploads offline runs)")
+
+    model_path = script_args.model_name_or_path
+    if model_path is None:
+        settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed,
+                                              system_prompt=training_args.system_prompt or DEFAULT_SYSTEM_PROMPT)
+        with state.main_process_first():
+            model_path = str(ensure_embedded_default(settings, rebuild=script_args.rebuild_embedded and main_process, log=say))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    train_rows = load_task_rows(script_args.dataset_name, script_args.dataset_train_split, size=script_args.train_size,
+                                seed=script_args.task_seed, dataset_config=script_args.dataset_config,
+                                prompt_column=script_args.prompt_column, answer_column=script_args.answer_column)
+    from datasets import Dataset
+
+    train_dataset = Dataset.from_list(train_rows)
+    out_dir = Path(training_args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # Model-written code must not read the reference answers: hide where the dataset lies.
+    hide = answer_paths(script_args.dataset_name)
+    if hide and "code_interpreter" in training_args.tools:
+        tool_kw = training_args.tool_kwargs.setdefault("code_interpreter", {})
+        tool_kw["hidden_paths"] = sorted({*tool_kw.get("hidden_paths", ()), *hide})
+        say(f"Hidden from the sandbox (dataset files): {', '.join(tool_kw['hidden_paths'])}")
+    rollout_kwargs = training_args.rollout_kwargs
+    eval_args = [
+        "--split", script_args.dataset_test_split, "--num_problems", str(script_args.eval_problems),
+        "--task_seed", str(script_args.task_seed), "--samples", str(script_args.eval_samples),
+        "--temperature", str(script_args.eval_temperature), "--k", *sorted({"1", str(script_args.eval_samples)}, key=int),
+        "--rollout_kwargs", json.dumps(rollout_kwargs), "--tool_kwargs", json.dumps(training_args.tool_kwargs.get("code_interpreter", {})),
+        "--prompt_column", script_args.prompt_column, "--answer_column", script_args.answer_column,
+        "--seed", str(training_args.seed),
+    ]
+    if training_args.system_prompt:
+        eval_args += ["--system_prompt", training_args.system_prompt]
+    if script_args.dataset_name:
+        eval_args += ["--dataset_name", script_args.dataset_name]
+        if script_args.dataset_config:
+            eval_args += ["--dataset_config", script_args.dataset_config]
+    evaluate = script_args.eval_problems > 0
+    before = None
+    if evaluate and main_process:
+        say(f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x {script_args.eval_samples} samples)...")
+        before = run_eval_subprocess(["--model_name_or_path", model_path, *eval_args], str(out_dir / "eval_before.json"))
+    state.wait_for_everyone()
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if not training_args.bf16 else "auto")
+    trainer = MultiTurnGRPOTrainer(model, training_args, train_dataset=train_dataset, processing_class=tokenizer)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    final_dir = out_dir / "final"
+    trainer.save_model(str(final_dir))
+    if main_process:
+        tokenizer.save_pretrained(str(final_dir))
+    state.wait_for_everyone()
+
+    after = None
+    if evaluate and main_process:
+        say("Held-out evaluation after RL...")
+        after = run_eval_subprocess(["--model_name_or_path", str(final_dir), *eval_args], str(out_dir / "eval_after.json"))
+    plot_path = None
+    if main_process:
+        metrics = read_metrics(out_dir / "metrics.jsonl")
+        if script_args.plot and metrics:
+            plot_path = str(plot_run(metrics, out_dir / "retool_ppo.png", before=before, after=after))
+        wandb_dir = None
+        try:
+            import wandb
+
+            if wandb.run is not None:
+                if before and after:
+                    wandb.run.summary.update({"heldout/accuracy_before": before["accuracy"], "heldout/accuracy_after": after["accuracy"],
+                                              "heldout/tool_call_rate_before": before["tool_call_rate"],
+                                              "heldout/tool_call_rate_after": after["tool_call_rate"]})
+                wandb_dir = wandb.run.dir.removesuffix("/files")
+                wandb.finish()
+        except ImportError:
+            pass
+        summary = {"before": before, "after": after, "steps": trainer.state.global_step,
+                   "wall_s": time.perf_counter() - start, "model": model_path}
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_summary(before, after, steps=trainer.state.global_step, wall_s=time.perf_counter() - start,
+                             paths={"checkpoint": str(final_dir), "metrics": str(out_dir / "metrics.jsonl"),
+                                    "plot": plot_path, "summary": str(out_dir / "summary.json"), "wandb": wandb_dir}),
+              flush=True)
+    state.wait_for_everyone()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    script_args, training_args = parse_args(sys.argv[1:])
+    code = main(script_args, training_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A gloo thread can abort the interpreter at exit after a ZeRO-3 run on CPU; everything is written.
+    os._exit(code)

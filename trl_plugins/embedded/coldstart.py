@@ -15,7 +15,7 @@ import json
 import random
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "transcript", "cold_start_dataset", "run_cold_start_sft"]
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "transcript", "cold_start_dataset", "run_cold_start_sft", "copy_accuracy", "receptive_field"]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You solve maths problems. You may run Python with the code_interpreter tool: write one <tool_call> "
@@ -61,9 +61,24 @@ def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str |
     return ids, mask
 
 
+def receptive_field(model_config: Any) -> int | None:
+    """How many positions back a token's logits can depend on: layers x window for a model whose every
+    layer uses sliding-window attention, None (unbounded) otherwise."""
+    window = getattr(model_config, "sliding_window", None)
+    layer_types = getattr(model_config, "layer_types", None) or []
+    if not window or not layer_types or any(t != "sliding_attention" for t in layer_types):
+        return None
+    return len(layer_types) * window
+
+
 def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: float, seed: int = 0,
-                       system_prompt: str | None = DEFAULT_SYSTEM_PROMPT):
+                       system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, left_context: int | None = None):
     """A pre-tokenised ``datasets.Dataset`` (``input_ids``, ``assistant_masks``) for TRL's SFTTrainer.
+
+    ``left_context``: keep only this many tokens before the first assistant token. With the model's
+    :func:`receptive_field` the loss and its gradient are unchanged (nothing further back reaches a
+    loss position, and RoPE only sees relative positions) while the long system prompt stops costing
+    compute.
 
     Raises:
         ValueError: ``tool_fraction`` outside [0, 1].
@@ -76,6 +91,9 @@ def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: fl
     rows = []
     for problem in problems:
         ids, mask = transcript(chat, problem, use_tool=rng.random() < tool_fraction, system_prompt=system_prompt)
+        if left_context is not None:
+            cut = max(mask.index(1) - left_context, 0)
+            ids, mask = ids[cut:], mask[cut:]
         rows.append({"input_ids": ids, "assistant_masks": mask})
     return Dataset.from_list(rows)
 
@@ -109,3 +127,35 @@ def run_cold_start_sft(model: Any, tokenizer: Any, dataset: Any, output_dir: str
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     return trainer.model
+
+
+def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
+                  system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> float:
+    """Teacher-forced share of the digits a tool-using transcript copies that the model gets right.
+
+    The digits are those the assistant writes: the expression in the code (copied from the question)
+    and the boxed answer (copied from the tool's output). A model that cannot copy scores ~0.1.
+    """
+    import torch
+
+    tok = chat.tokenizer
+    digits = {tok.convert_tokens_to_ids(str(d)) for d in range(10)}
+    rows = [transcript(chat, p, use_tool=True, system_prompt=system_prompt) for p in problems]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for r, (ids, _) in enumerate(rows):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        attention[r, : len(ids)] = 1
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        predicted = model(input_ids=input_ids, attention_mask=attention).logits.argmax(-1)
+    model.train(was_training)
+    hits = total = 0
+    for r, (ids, mask) in enumerate(rows):
+        for pos in range(1, len(ids)):
+            if mask[pos] and ids[pos] in digits:
+                total += 1
+                hits += int(predicted[r, pos - 1]) == ids[pos]
+    return hits / max(total, 1)

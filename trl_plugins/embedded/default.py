@@ -27,7 +27,7 @@ from trl_plugins.embedded.coldstart import DEFAULT_SYSTEM_PROMPT
 
 __all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError"]
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 """Bump when the build changes what it produces for the same settings."""
 _MANIFEST = "manifest.json"
 
@@ -54,10 +54,15 @@ class EmbeddedSettings:
     """Qwen2 sliding-window attention span (None: full attention); see :func:`build_tiny_model`."""
     cold_start_problems: int = 6000
     """Synthetic transcripts in the cold-start SFT set (from the train split)."""
-    cold_start_tool_fraction: float = 0.5
+    cold_start_tool_fraction: float = 0.7
     """Share of transcripts that call the tool; the rest answer without it."""
     cold_start_epochs: float = 3.0
-    """~560 steps: copying numbers sets in after ~300 (a sudden drop of the loss)."""
+    """Epochs before the first copy check (~560 steps of 32)."""
+    cold_start_max_extra_epochs: int = 6
+    """More epochs, one at a time, while the copy check is below ``cold_start_copy_target``: copying
+    numbers sets in suddenly, after 300 to 700+ steps depending on the seed."""
+    cold_start_copy_target: float = 0.95
+    """Teacher-forced digit-copy accuracy (:func:`~trl_plugins.embedded.coldstart.copy_accuracy`) to reach."""
     cold_start_learning_rate: float = 3e-3
     cold_start_batch_size: int = 32
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -151,7 +156,7 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
 
     import torch
 
-    from trl_plugins.embedded.coldstart import cold_start_dataset, run_cold_start_sft
+    from trl_plugins.embedded.coldstart import cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft
     from trl_plugins.embedded.model import build_tiny_model
     from trl_plugins.embedded.task import arithmetic_problems
     from trl_plugins.embedded.tokenizer import build_tokenizer
@@ -173,11 +178,11 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     tokenizer = build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=[rendered])
     chat = ChatFormat(tokenizer, [schema])
     problems = arithmetic_problems(settings.cold_start_problems, seed=settings.seed, split="train")
-    dataset = cold_start_dataset(chat, problems, tool_fraction=settings.cold_start_tool_fraction, seed=settings.seed,
-                                 system_prompt=settings.system_prompt)
     model = build_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
                              num_heads=settings.num_heads, num_kv_heads=settings.num_kv_heads, seed=settings.seed,
                              sliding_window=settings.sliding_window)
+    dataset = cold_start_dataset(chat, problems, tool_fraction=settings.cold_start_tool_fraction, seed=settings.seed,
+                                 system_prompt=settings.system_prompt, left_context=receptive_field(model.config))
     print(f"[embedded default] cold-start SFT: {len(dataset)} transcripts "
           f"({settings.cold_start_tool_fraction:.0%} call the tool), {settings.cold_start_epochs:g} epochs, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
@@ -186,12 +191,34 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
         learning_rate=settings.cold_start_learning_rate, batch_size=settings.cold_start_batch_size,
         seed=settings.seed, show_progress=show_progress,
     )
+    # Copy check on problems the SFT set does not hold (same split, another seed).
+    check = arithmetic_problems(64, seed=settings.seed + 10_000, split="train")
+    copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt)
+    epochs = settings.cold_start_epochs
+    print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f} "
+          f"(target {settings.cold_start_copy_target})", flush=True)
+    for extra in range(1, settings.cold_start_max_extra_epochs + 1):
+        if copy >= settings.cold_start_copy_target:
+            break
+        model = run_cold_start_sft(
+            model, tokenizer, dataset, str(out / "sft_run"), epochs=1.0,
+            learning_rate=settings.cold_start_learning_rate, batch_size=settings.cold_start_batch_size,
+            seed=settings.seed + extra, show_progress=show_progress,
+        )
+        epochs += 1
+        copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt)
+        print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f}", flush=True)
+    if copy < settings.cold_start_copy_target:
+        print(f"[embedded default] warning: the cold start copies only {copy:.0%} of digits right after {epochs:g} "
+              f"epochs; RL will have little to reinforce. Try another --task_seed or raise "
+              f"cold_start_max_extra_epochs in --embedded.", flush=True)
     shutil.rmtree(out / "sft_run", ignore_errors=True)
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     files = {str(p.relative_to(out)): _sha256(p) for p in sorted(model_dir.rglob("*")) if p.is_file()}
     manifest = {"settings": asdict(settings), "build_version": BUILD_VERSION, "files": files,
+                "cold_start": {"epochs": epochs, "copy_accuracy": round(copy, 4)},
                 "build_seconds": round(time.perf_counter() - start, 1)}
     (out / _MANIFEST).write_text(json.dumps(manifest, indent=2))
     return model_dir

@@ -1,0 +1,84 @@
+"""Run the main command for several seeds and print the results table of docs/results.md.
+
+    python recipes/retool_seeds.py --seeds 0 1 2 --out outputs/retool_seeds [-- extra recipe args]
+
+Each seed runs ``accelerate launch recipes/retool_ppo.py --task_seed S --seed S`` (its own embedded
+build, task split and sampling), then the table (held-out accuracy and tool-call rate before and after
+RL) is printed as Markdown and a figure with every seed's curves is written to ``<out>/seeds.png``.
+Seeds already finished (a ``summary.json`` in their folder) are not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", default="outputs/retool_seeds")
+    parser.add_argument("--config_file", default=str(ROOT / "accelerate_configs" / "cpu.yaml"))
+    parser.add_argument("extra", nargs="*", help="Arguments passed on to the recipe (after --).")
+    args = parser.parse_args()
+    out = Path(args.out)
+    rows = []
+    for seed in args.seeds:
+        run_dir = out / f"seed{seed}"
+        if not (run_dir / "summary.json").is_file():
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+                   str(ROOT / "recipes" / "retool_ppo.py"), "--task_seed", str(seed), "--seed", str(seed),
+                   "--output_dir", str(run_dir), "--run_name", f"retool-seed{seed}", *args.extra]
+            print("$", " ".join(cmd), flush=True)
+            if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+                print(f"seed {seed} failed; see its output above.", file=sys.stderr)
+                return 1
+        summary = json.loads((run_dir / "summary.json").read_text())
+        rows.append((seed, summary, run_dir))
+
+    print("\n| seed | accuracy before | accuracy after | gain | tool-call rate before | after | pass@k before | after | steps | wall (min) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    gains = []
+    for seed, s, _ in rows:
+        b, a = s["before"], s["after"]
+        k = max(a["pass_at_k"], key=int)
+        gains.append(a["accuracy"] - b["accuracy"])
+        print(f"| {seed} | {b['accuracy']:.3f} | {a['accuracy']:.3f} | {gains[-1]:+.3f} | {b['tool_call_rate']:.3f} | "
+              f"{a['tool_call_rate']:.3f} | {b['pass_at_k'][k]:.3f} | {a['pass_at_k'][k]:.3f} (k={k}) | {s['steps']} | "
+              f"{s['wall_s'] / 60:.1f} |")
+    print(f"\nmean gain {sum(gains) / len(gains):+.3f} over {len(gains)} seeds; smallest {min(gains):+.3f}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trl_plugins.recipe_utils import read_metrics
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for seed, s, run_dir in rows:
+        metrics = read_metrics(run_dir / "metrics.jsonl")
+        steps = [r["step"] for r in metrics]
+        axes[0].plot(steps, [r["reward/total"] for r in metrics], label=f"seed {seed}")
+        line, = axes[1].plot(steps, [(r["reward/correct"] + 1) / 2 for r in metrics], label=f"seed {seed} (train batch)")
+        axes[1].scatter([0, steps[-1]], [s["before"]["accuracy"], s["after"]["accuracy"]], color=line.get_color(),
+                        marker="o", zorder=3)
+        axes[2].plot(steps, [r["rollout/tool_calls_mean"] for r in metrics], label=f"seed {seed}")
+    for ax, title in zip(axes, ("reward (train batch)", "accuracy (dots: held-out before/after)", "tool calls per trajectory")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "seeds.png", dpi=110)
+    print(f"figure: {out / 'seeds.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

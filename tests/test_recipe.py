@@ -1,0 +1,301 @@
+"""The ReTool recipe: its YAMLs, the embedded default's cache, evaluation maths, and real launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trl_plugins.evaluation import pass_at_k, summarise
+from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
+
+ROOT = Path(__file__).resolve().parent.parent
+# A build that takes seconds: a handful of transcripts, a fraction of an epoch.
+TINY_EMBEDDED = {"cold_start_problems": 24, "cold_start_epochs": 0.5, "hidden_size": 32, "cold_start_batch_size": 8,
+                 "cold_start_max_extra_epochs": 1}
+
+
+def _recipe_module():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import retool_ppo
+    finally:
+        sys.path.pop(0)
+    return retool_ppo
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_yaml_loads_and_validates(path):
+    retool_ppo = _recipe_module()
+    values = yaml.safe_load(path.read_text())
+    assert isinstance(values, dict) and values
+    script_args, training_args = retool_ppo.parse_args(["--config", str(path)])
+    # Every key of the YAML landed in one of the two argument classes, with its value.
+    for key, value in values.items():
+        holder = script_args if hasattr(script_args, key) else training_args
+        assert hasattr(holder, key), key
+        got = getattr(holder, key)
+        if key in ("report_to", "lr_scheduler_type", "save_strategy"):
+            continue  # normalised by transformers (enums, lists)
+        assert got == value or str(got) == str(value) or (isinstance(got, float) and got == pytest.approx(value)), key
+
+
+def test_default_yaml_is_the_retool_setup():
+    retool_ppo = _recipe_module()
+    _, args = retool_ppo.parse_args([])
+    assert args.policy_loss == "ppo_clip"
+    assert (1 - args.policy_loss_kwargs["clip_low"], 1 + args.policy_loss_kwargs["clip_high"]) == pytest.approx((0.8, 1.28))
+    assert args.advantage == "group" and args.num_generations >= 2
+    assert args.reward_components[0] == "correct" and args.tools == ["code_interpreter"]
+    assert "\\boxed{" in args.system_prompt and "<tool_call>" in args.system_prompt
+    assert args.bf16 is False  # added on a machine without CUDA
+
+
+def test_command_line_overrides_the_yaml_and_bad_values_are_named():
+    retool_ppo = _recipe_module()
+    script_args, args = retool_ppo.parse_args(["--max_steps", "3", "--eval_problems", "7", "--truncated_policy", "mask"])
+    assert args.max_steps == 3 and script_args.eval_problems == 7 and args.truncated_policy == "mask"
+    with pytest.raises(ValueError, match="truncated_policy must be"):
+        retool_ppo.parse_args(["--truncated_policy", "ignore"])
+
+
+def test_pass_at_k_matches_the_combinatorial_definition():
+    from itertools import combinations
+
+    for n, c, k in [(4, 0, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3), (6, 6, 4), (8, 3, 8)]:
+        flags = [True] * c + [False] * (n - c)
+        subsets = list(combinations(flags, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def _traj(qid, calls, stop=StopReason.FINAL_ANSWER):
+    turns = []
+    for i in range(calls):
+        turns.append(Turn([1], [2], [-0.1], tool_call=ToolCall("code_interpreter", {"code": "1"}, ok=i != 1)))
+    turns.append(Turn([1], [3], [-0.1], text="\\boxed{1}"))
+    return Trajectory(turns=turns, question_id=qid, stop_reason=stop)
+
+
+def test_summarise_counts_tool_use_accuracy_and_pass_at_k():
+    trajs = [_traj("a", 1), _traj("a", 0), _traj("b", 2), _traj("b", 0, StopReason.MAX_TURNS)]
+    result = summarise(trajs, [True, False, False, False], ks=(1, 2))
+    assert result.problems == 2 and result.samples == 2
+    assert result.accuracy == 0.25 and result.pass_at_k[2] == 0.5
+    assert result.tool_call_rate == 0.5 and result.tool_calls_mean == 0.75
+    assert result.tool_error_rate == pytest.approx(1 / 3)  # the second call of "b" failed
+    assert result.accuracy_with_tool == 0.5 and result.accuracy_without_tool == 0.0
+    assert result.truncated_frac == 0.25
+    with pytest.raises(ValueError, match="pass@k needs"):
+        summarise(trajs, [True] * 4, ks=(3,))
+
+
+def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
+    from trl_plugins.embedded.default import EmbeddedSettings, ensure_embedded_default
+
+    settings = EmbeddedSettings(**TINY_EMBEDDED)
+    messages: list[str] = []
+    path = ensure_embedded_default(settings, root=tmp_path, log=messages.append)
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    assert any("building" in m for m in messages)
+    weights = next(path.glob("*.safetensors"))
+    stamp = weights.stat().st_mtime_ns
+
+    messages.clear()
+    assert ensure_embedded_default(settings, root=tmp_path, log=messages.append) == path
+    assert any("using the cached model" in m for m in messages) and not any("building" in m for m in messages)
+    assert weights.stat().st_mtime_ns == stamp
+
+    # A different setting is a different entry; the first stays.
+    other = ensure_embedded_default(EmbeddedSettings(**{**TINY_EMBEDDED, "seed": 1}), root=tmp_path, log=messages.append, in_process=True)
+    assert other != path and weights.is_file()
+
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, as by a full disk or a killed copy
+    messages.clear()
+    again = ensure_embedded_default(settings, root=tmp_path, log=messages.append, in_process=True)
+    assert again == path
+    assert any("corrupted" in m and "checksum mismatch" in m for m in messages), messages
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(again)  # loads again
+    assert not list((tmp_path / "embedded").glob("*.building-*"))  # no staging left behind
+
+
+def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
+    from trl_plugins.embedded.default import EmbeddedSettings, ensure_embedded_default
+
+    with pytest.raises(ValueError, match="tool_fraction"):
+        ensure_embedded_default(EmbeddedSettings(**{**TINY_EMBEDDED, "cold_start_tool_fraction": 2.0}),
+                                root=tmp_path, log=lambda m: None, in_process=True)
+    assert list((tmp_path / "embedded").iterdir()) == []
+
+
+def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+           str(ROOT / "recipes" / "retool_ppo.py"), "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
+           "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
+           "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
+           "--trajectory_table_steps", "1", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_main_command_runs_two_steps_on_one_process(tmp_path):
+    proc = _launch(tmp_path, "cpu.yaml", [])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
+    for key in ("before", "after"):
+        assert summary[key]["problems"] == 4 and summary[key]["samples"] == 2
+    assert "ReTool PPO summary" in proc.stdout and "held-out accuracy gain" in proc.stdout
+    assert (out / "retool_ppo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "final" / "config.json").is_file() and (out / "final" / "tokenizer.json").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2] and "reward/correct" in steps[0] and "reward/format" in steps[0]
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B offline by default
+    assert "building the tiny model" in proc.stdout
+
+
+@pytest.mark.slow
+def test_main_command_runs_two_steps_under_zero3_on_two_processes(tmp_path):
+    proc = _launch(tmp_path, "cpu_zero3.yaml", ["--report_to", "none"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["after"]["problems"] == 4
+    # Only the main process built the embedded default: one build message, one cache entry.
+    assert proc.stdout.count("building the tiny model") == 1
+    assert len([p for p in (tmp_path / "cache" / "embedded").iterdir()]) == 1
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward/total" in r] == [1, 2]
+
+
+def test_embedded_settings_reject_bad_json_and_unknown_fields():
+    from trl_plugins.embedded.default import EmbeddedSettings
+
+    assert EmbeddedSettings.from_json('{"cold_start_epochs": 2}', seed=3) == EmbeddedSettings(cold_start_epochs=2, seed=3)
+    with pytest.raises(ValueError, match="JSON object"):
+        EmbeddedSettings.from_json("{cold_start_epochs: 2}")
+    with pytest.raises(ValueError, match=r"unknown embedded settings \['epochs'\]; known: .*cold_start_epochs"):
+        EmbeddedSettings.from_json('{"epochs": 2}')
+    assert EmbeddedSettings(seed=1).key() != EmbeddedSettings(seed=2).key()
+
+
+def test_local_dataset_files_are_hidden_from_model_written_code(tmp_path):
+    import asyncio
+
+    from trl_plugins.recipe_utils import answer_paths, load_task_rows
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    # Under the repository (readable from the sandbox unless hidden); /tmp is private there anyway.
+    data_dir = Path(ROOT / f".pytest-answers-{os.getpid()}")
+    data_dir.mkdir()
+    try:
+        data = data_dir / "answers.jsonl"
+        data.write_text(json.dumps({"question": "What is 6 * 7?", "meta": {"gold": 42}}) + "\n")
+        rows = load_task_rows(str(data), "train", size=None, prompt_column="question", answer_column="meta.gold")
+        assert rows == [{"id": "train-0", "prompt": "What is 6 * 7?", "answer": "42"}]
+        with pytest.raises(ValueError, match=r"no column\(s\) \['answer'\]"):
+            load_task_rows(str(data), "train", size=None, prompt_column="question")
+        hidden = answer_paths(str(data))
+        assert str(data.resolve()) in hidden and answer_paths(None) == []
+        code = {"code": f"print(open({str(data)!r}).read())"}
+        for paths, readable in (((), True), (tuple(hidden), False)):
+            tool = CodeInterpreter(mode="cold", hidden_paths=paths)
+            try:
+                out = asyncio.run(tool(code))
+            finally:
+                tool.close()
+            assert ("42" in out.text) is readable and out.ok is readable, out.text
+            if not readable:  # the code ran and was refused the file, not a sandbox failure
+                assert "PermissionError" in out.text or "FileNotFoundError" in out.text, out.text
+    finally:
+        import shutil
+
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+class _Oracle:
+    """Predicts the true next token everywhere except digits, where it says ``wrong_digit``."""
+
+    training = False
+
+    def __init__(self, digits=None):
+        self.digits = digits
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def __call__(self, input_ids, attention_mask):
+        import torch
+
+        nxt = torch.roll(input_ids, -1, dims=1)
+        if self.digits is not None:
+            nxt = torch.where(torch.isin(nxt, self.digits), self.digits[0], nxt)
+        logits = torch.zeros(*input_ids.shape, 2048)
+        logits.scatter_(2, nxt.unsqueeze(-1), 1.0)
+        return type("Out", (), {"logits": logits})()
+
+
+def test_copy_accuracy_scores_the_copied_digits_at_the_right_positions():
+    import torch
+
+    from trl_plugins.embedded import arithmetic_problems, build_tokenizer
+    from trl_plugins.embedded.coldstart import copy_accuracy
+    from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [CodeInterpreter().schema()])
+    problems = arithmetic_problems(8, seed=5)
+    assert copy_accuracy(_Oracle(), chat, problems) == 1.0
+    zero = tok.convert_tokens_to_ids("0")
+    digits = torch.tensor([zero] + [tok.convert_tokens_to_ids(str(d)) for d in range(1, 10)])
+    # Always "0" for a digit: right exactly as often as the copied digit is a 0.
+    expected = sum(p["expression"].count("0") + p["answer"].count("0") for p in problems) / sum(
+        sum(c.isdigit() for c in p["expression"]) + len(p["answer"]) for p in problems)
+    assert copy_accuracy(_Oracle(digits), chat, problems) == pytest.approx(expected)
+
+
+def test_cutting_the_prompt_to_the_receptive_field_leaves_the_sft_loss_unchanged():
+    import torch
+
+    from trl_plugins.embedded import arithmetic_problems, build_tiny_model, build_tokenizer
+    from trl_plugins.embedded.coldstart import cold_start_dataset, receptive_field
+    from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [CodeInterpreter().schema()])
+    model = build_tiny_model(tok, hidden_size=32, num_layers=2, sliding_window=8).eval()
+    assert receptive_field(model.config) == 16 and receptive_field(build_tiny_model(tok, hidden_size=32).config) is None
+    problems = arithmetic_problems(4, seed=2)
+
+    def losses(left_context):
+        ds = cold_start_dataset(chat, problems, tool_fraction=0.5, seed=1, left_context=left_context)
+        out = []
+        for row in ds:
+            ids = torch.tensor([row["input_ids"]])
+            labels = torch.where(torch.tensor([row["assistant_masks"]]) == 1, ids, -100)
+            with torch.no_grad():
+                out.append(float(model(input_ids=ids, labels=labels).loss))
+        return out, [len(r["input_ids"]) for r in ds]
+
+    full, full_len = losses(None)
+    cut, cut_len = losses(receptive_field(model.config))
+    assert all(c < f for c, f in zip(cut_len, full_len))  # the long system prompt is gone
+    assert cut == pytest.approx(full, rel=1e-5, abs=1e-6)
+    too_short, _ = losses(receptive_field(model.config) - 8)  # negative control: cuts into the window
+    assert too_short != pytest.approx(full, rel=1e-5, abs=1e-6)
