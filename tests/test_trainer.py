@@ -76,7 +76,7 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    model = build_tiny_model(tok)
+    model = build_tiny_model(tok).eval()  # as from_pretrained returns it: the step must still log as "train"
     before = [p.detach().clone() for p in model.parameters()]
     trainer = MultiTurnGRPOTrainer(
         model, _config(tmp_path), train_dataset=_dataset(), processing_class=tok,
@@ -87,6 +87,7 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/update_skipped"] for r in records if "train/update_skipped" in r] == [1.0, 1.0]
+    assert [r["reward/total"] for r in records if "reward/total" in r] == [1.0, 1.0]
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from trl_plugins.embedded.coldstart import DEFAULT_SYSTEM_PROMPT
 
 __all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError"]
 
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 """Bump when the build changes what it produces for the same settings."""
 _MANIFEST = "manifest.json"
 

@@ -261,6 +261,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         """Roll out, score and update once (the HF Trainer loop clips and steps the optimizer after)."""
         args = self.args
         start = time.perf_counter()
+        # As Trainer.training_step: a model loaded with from_pretrained starts in eval mode, and
+        # GRPOTrainer.log files metrics under "eval" while it is.
+        model.train()
         rows = list(inputs)[:: self.num_generations]  # TRL's sampler repeats each question G times
         if self._step % self.num_iterations == 0 or self._buffered_datums is None:
             datums, metrics = self._rollout_and_score(rows)
