@@ -196,9 +196,13 @@ def test_local_dataset_files_are_hidden_from_model_written_code(tmp_path):
     from trl_plugins.recipe_utils import answer_paths, load_task_rows
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
-    # Under the repository (readable from the sandbox unless hidden); /tmp is private there anyway.
-    data_dir = Path(ROOT / f".pytest-answers-{os.getpid()}")
-    data_dir.mkdir()
+    import tempfile
+
+    # A host directory the sandbox can read unless told to hide it (/tmp and the homes are always
+    # private or hidden there): /var/tmp, else the repository when it is not under those.
+    base = "/var/tmp" if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK) else str(ROOT)
+    data_dir = Path(tempfile.mkdtemp(prefix="trl-plugins-answers-", dir=base))
+    data_dir.chmod(0o755)  # the sandboxed code runs as another user
     try:
         data = data_dir / "answers.jsonl"
         data.write_text(json.dumps({"question": "What is 6 * 7?", "meta": {"gold": 42}}) + "\n")
