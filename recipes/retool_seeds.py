@@ -58,14 +58,14 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trl_plugins.recipe_utils import read_metrics
+    from trl_plugins.recipe_utils import read_metrics, train_accuracy
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for seed, s, run_dir in rows:
         metrics = read_metrics(run_dir / "metrics.jsonl")
         steps = [r["step"] for r in metrics]
         axes[0].plot(steps, [r["reward/total"] for r in metrics], label=f"seed {seed}")
-        line, = axes[1].plot(steps, [(r["reward/correct"] + 1) / 2 for r in metrics], label=f"seed {seed} (train batch)")
+        line, = axes[1].plot(steps, [train_accuracy(r) for r in metrics], label=f"seed {seed} (train batch)")
         axes[1].scatter([0, steps[-1]], [s["before"]["accuracy"], s["after"]["accuracy"]], color=line.get_color(),
                         marker="o", zorder=3)
         axes[2].plot(steps, [r["rollout/tool_calls_mean"] for r in metrics], label=f"seed {seed}")

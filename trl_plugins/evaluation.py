@@ -112,7 +112,7 @@ def evaluate_policy(
     import torch
 
     from trl_plugins.rewards.math import CorrectReward
-    from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutQuestion, RolloutRequest, derive_seed
+    from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, derive_seed, questions_from_rows
     from trl_plugins.types import RewardComponent, SamplingSettings
 
     if samples < 1:
@@ -123,7 +123,6 @@ def evaluate_policy(
         sampling=SamplingSettings(temperature=temperature),
     )
     scorer = CorrectReward(answer_key=answer_key)
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     trajectories: list[Trajectory] = []
     correct: list[bool] = []
     was_training = model.training
@@ -134,12 +133,7 @@ def evaluate_policy(
         starts = range(0, len(rows), batch_questions)
         for b, start in enumerate(tqdm(starts, desc="evaluate", unit="batch", disable=not progress, leave=False)):
             chunk = list(rows[start : start + batch_questions])
-            questions = []
-            for k, row in enumerate(chunk):
-                prompt = row["prompt"]
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-                qid = str(row.get("id", start + k))
-                questions.append(RolloutQuestion(qid, chat.initial_prompt_ids(system + messages), group_id=k))
+            questions = questions_from_rows(chat, chunk, system_prompt, id_offset=start)
             request = RolloutRequest(questions, samples, backend, chat, tools, seed=derive_seed(seed, b, 0))
             with torch.no_grad():
                 result = rollout(request)

@@ -14,6 +14,7 @@ __all__ = [
     "cpu_defaults",
     "configure_wandb",
     "read_metrics",
+    "train_accuracy",
     "plot_run",
     "format_summary",
     "run_eval_subprocess",
@@ -167,7 +168,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     return sorted(records, key=lambda r: r["step"])
 
 
-def _accuracy(record: dict) -> float | None:
+def train_accuracy(record: dict) -> float | None:
+    """Share of the step's trajectories answered right, from its ``reward/correct`` (None without it)."""
     value = record.get("reward/correct")
     return None if value is None else (value + 1.0) / 2.0  # correct is +1 / -1 per trajectory
 
@@ -184,7 +186,7 @@ def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None =
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(steps, [r["reward/total"] for r in metrics], marker=".")
     axes[0].set_title("reward (train batch)")
-    acc = [_accuracy(r) for r in metrics]
+    acc = [train_accuracy(r) for r in metrics]
     axes[1].plot(steps, acc, marker=".", label="train batch")
     last = steps[-1] if steps else 0
     if before is not None:
@@ -239,10 +241,10 @@ def run_eval_subprocess(args: list[str], output_json: str) -> dict:
     """Run the evaluation CLI (``recipes/retool_eval.py``) in a clean child process and return its JSON result."""
     import subprocess
 
-    from trl_plugins.embedded.default import _clean_env
+    from trl_plugins.embedded.default import child_env
 
     cmd = [sys.executable, "-m", "trl_plugins.eval_cli", *args, "--output_json", output_json]
-    proc = subprocess.run(cmd, env=_clean_env(), check=False)
+    proc = subprocess.run(cmd, env=child_env(), check=False)
     if proc.returncode != 0:
         raise RuntimeError(
             f"the held-out evaluation failed (exit {proc.returncode}); its output is above. Command: {' '.join(cmd)}. "

@@ -25,7 +25,7 @@ from typing import Callable
 
 from trl_plugins.embedded.coldstart import DEFAULT_SYSTEM_PROMPT
 
-__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError"]
+__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError", "child_env", "available_cpus"]
 
 BUILD_VERSION = 3
 """Bump when the build changes what it produces for the same settings."""
@@ -132,7 +132,7 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _clean_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """The caller's environment without what makes a child join a distributed launch.
 
     The child runs alone (the launch's other processes wait for it), so it gets every available core:
@@ -262,7 +262,7 @@ def ensure_embedded_default(
         else:
             cmd = [sys.executable, "-m", "trl_plugins.embedded.default", "--out", str(staging),
                    "--settings", json.dumps(asdict(settings))]
-            proc = subprocess.run(cmd, env=_clean_env(), check=False)
+            proc = subprocess.run(cmd, env=child_env(), check=False)
             if proc.returncode != 0:
                 raise RuntimeError(
                     f"building the embedded default failed (exit {proc.returncode}); its output is above. "

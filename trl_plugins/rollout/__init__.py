@@ -12,6 +12,7 @@ from trl_plugins.rollout.engine import (
     RolloutRequest,
     RolloutResult,
     derive_seed,
+    questions_from_rows,
 )
 from trl_plugins.rollout.replay import ReplayReport, replay_logprobs
 
@@ -28,6 +29,7 @@ __all__ = [
     "check_prefix_preserving",
     "MultiTurnRollout",
     "RolloutError",
+    "questions_from_rows",
     "RolloutQuestion",
     "RolloutRequest",
     "RolloutResult",

@@ -32,7 +32,7 @@ from trl_plugins.types import (
     validate_trajectory,
 )
 
-__all__ = ["RolloutError", "RolloutQuestion", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async"]
+__all__ = ["RolloutError", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async"]
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -68,6 +68,23 @@ class RolloutQuestion:
     """The rendered first prompt (``ChatFormat.initial_prompt_ids``)."""
     group_id: int
     """Group id for group-relative advantages."""
+
+
+def questions_from_rows(chat: Any, rows: Sequence[Mapping[str, Any]], system_prompt: str | None = None,
+                        *, id_offset: int = 0) -> list[RolloutQuestion]:
+    """One :class:`RolloutQuestion` per dataset row, its group id the row's place in ``rows``.
+
+    A row's ``prompt`` is a string (one user message) or a list of chat messages; ``system_prompt``
+    goes first. The question id is the row's ``id`` (or ``question_id``), else ``id_offset`` + place.
+    """
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    out = []
+    for k, row in enumerate(rows):
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        qid = str(row.get("id", row.get("question_id", id_offset + k)))
+        out.append(RolloutQuestion(qid, chat.initial_prompt_ids(system + messages), group_id=k))
+    return out
 
 
 @dataclass

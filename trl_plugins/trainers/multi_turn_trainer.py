@@ -27,7 +27,7 @@ from trl import GRPOTrainer
 
 from trl_plugins.datum import build_datum
 from trl_plugins.registry import ADVANTAGES, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutQuestion, RolloutRequest, derive_seed
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, derive_seed, questions_from_rows
 from trl_plugins.rollout.metrics import rollout_metrics
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.step import UpdateConfig, policy_update
@@ -120,9 +120,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
-        self._tools_provided = tools is not None
         if tools is not None:
             self._tools = dict(tools)
+            missing = set(args.tools) - set(self._tools)
+            if missing:
+                raise ValueError(f"tools {sorted(missing)} are configured but not provided.")
         else:
             # Keyed by the name the model calls (the tool's own ``name``), which may differ from the
             # configured plugin name (e.g. "pkg.module:Tool").
@@ -169,21 +171,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 f"max_padded_tokens_per_micro_batch to at least {context} or lower the rollout budget."
             )
         self._max_context_tokens = context
-        missing = set(args.tools) - set(self._tools) if self._tools_provided else set()
-        if missing:
-            raise ValueError(f"tools {sorted(missing)} are configured but not provided.")
 
     # -- one step --------------------------------------------------------------------------------
-
-    def _questions(self, rows: list[dict]) -> list[RolloutQuestion]:
-        system = [{"role": "system", "content": self.args.system_prompt}] if self.args.system_prompt else []
-        out = []
-        for k, row in enumerate(rows):
-            prompt = row["prompt"]
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            qid = str(row.get("id", row.get("question_id", k)))
-            out.append(RolloutQuestion(qid, self._chat.initial_prompt_ids(system + messages), group_id=k))
-        return out
 
     def _rollout_and_score(self, rows: list[dict]) -> tuple[list, dict[str, float]]:
         args = self.args
@@ -200,7 +189,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         )
         seed = derive_seed(args.seed, self.state.global_step, self.accelerator.process_index)
         request = RolloutRequest(
-            self._questions(rows), self.num_generations, backend, self._chat, self._tools,
+            questions_from_rows(self._chat, rows, args.system_prompt), self.num_generations, backend, self._chat, self._tools,
             policy_step=self.state.global_step, seed=seed,
             progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
         )
