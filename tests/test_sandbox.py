@@ -8,11 +8,13 @@ negative control shows the thing the sandbox blocks does work from the test proc
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import shutil
@@ -23,7 +25,15 @@ from pathlib import Path
 import pytest
 
 from trl_plugins.tools import sandbox as sandbox_module
-from trl_plugins.tools.sandbox import ExecResult, Isolation, PythonSandbox, SandboxStats, detect_isolation
+from trl_plugins.tools.sandbox import (
+    ExecResult,
+    Isolation,
+    PythonSandbox,
+    SandboxStats,
+    detect_isolation,
+    launcher,
+    runner,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 1.0  # short: most hostile tests run into it
@@ -45,7 +55,7 @@ requires_bwrap = pytest.mark.skipif(
     STRONGEST != Isolation.BWRAP, reason="bubblewrap is not available here (apt-get install -y bubblewrap)"
 )
 ALT_ISOLATIONS = [
-    iso for iso in (Isolation.UNSHARE,) if STRONGEST not in (None, iso) and sandbox_module._probe(iso) is None
+    iso for iso in (Isolation.UNSHARE,) if STRONGEST not in (None, iso) and launcher.probe(iso) is None
 ]
 
 
@@ -137,12 +147,12 @@ def test_reports_the_isolation_in_force(sandbox, record_property):
 
 @requires_bwrap
 def test_bwrap_is_preferred_when_it_works():
-    assert sandbox_module._probe(Isolation.BWRAP) is None
+    assert launcher.probe(Isolation.BWRAP) is None
     assert detect_isolation() == Isolation.BWRAP
 
 
 def test_logs_the_isolation_once(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox_module, "_logged_isolations", set())
+    monkeypatch.setattr(launcher, "_logged_isolations", set())
     with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
         _sandbox("cold").close()
         _sandbox("cold").close()
@@ -152,15 +162,15 @@ def test_logs_the_isolation_once(monkeypatch, caplog):
 
 def test_isolation_none_warns_what_is_missing(monkeypatch, caplog):
     # NONE may not be constructible here (root + interpreter under /root), so call the logger directly.
-    monkeypatch.setattr(sandbox_module, "_logged_isolations", set())
+    monkeypatch.setattr(launcher, "_logged_isolations", set())
     with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
-        sandbox_module._log_isolation_once(Isolation.NONE, "cold")
+        launcher.log_isolation_once(Isolation.NONE, "cold")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "apt-get install -y bubblewrap" in warnings[0] and "NO filesystem" in warnings[0]
 
 
 def test_isolation_none_refuses_clearly_when_it_cannot_drop_root():
-    reason = sandbox_module._probe(Isolation.NONE)
+    reason = launcher.probe(Isolation.NONE)
     if reason is None:
         with _sandbox("cold", Isolation.NONE) as sb:
             assert sb.run("print(6 * 7)").stdout == "42\n"
@@ -220,14 +230,28 @@ def test_traceback_names_the_models_own_lines(sandbox):
     assert 'File "<cell>", line 2, in f' in result.stderr
     assert "    return 1 / x" in result.stderr  # the source line is shown
     assert result.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
-    assert "_rn_" not in result.stderr and "<string>" not in result.stderr  # no runner frames
+    assert not _runner_frames(result.stderr) and "<string>" not in result.stderr  # no runner frames
 
 
 def test_syntax_error_is_reported_plainly(sandbox):
     result = sandbox.run("x = (1,\nprint(x)")
     assert not result.ok
     assert '"<cell>"' in result.stderr and "SyntaxError" in result.stderr
-    assert "_rn_" not in result.stderr
+    assert not _runner_frames(result.stderr)
+
+
+def _runner_frames(stderr: str) -> list[str]:
+    """Traceback frames of the in-sandbox runner's own functions that leaked into ``stderr``."""
+    from trl_plugins.tools.sandbox import runner
+
+    with open(runner.__file__) as f:
+        tree = ast.parse(f.read())
+    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    return [f", in {name}" for name in sorted(names) if f", in {name}\n" in stderr + "\n"]
+
+
+def test_the_runner_frame_check_can_fail():
+    assert _runner_frames('  File "<string>", line 9, in exec_cell\n    exec(code)\n') == [", in exec_cell"]
 
 
 def test_sys_exit_sets_the_exit_code(sandbox):
@@ -668,7 +692,7 @@ def test_constructor_validation(kwargs, message):
 
 
 def test_explicit_isolation_that_does_not_work_is_an_error(monkeypatch):
-    monkeypatch.setattr(sandbox_module, "_probe", lambda iso: "bwrap not found on PATH (install bubblewrap: ...)")
+    monkeypatch.setattr(launcher, "probe", lambda iso: "bwrap not found on PATH (install bubblewrap: ...)")
     with pytest.raises(RuntimeError, match="isolation 'bwrap' does not work on this machine: bwrap not found"):
         PythonSandbox(isolation="bwrap")
 
@@ -699,3 +723,26 @@ def test_interpreter_living_under_tmp_stays_visible(tmp_path_factory, mode):
         assert isolation == STRONGEST.value
     finally:
         shutil.rmtree(venv, ignore_errors=True)
+
+
+def _non_stdlib_imports(source: str) -> list[str]:
+    """Modules ``source`` imports that are not in the standard library (a relative import shows as dots)."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append("." * node.level + (node.module or ""))
+    return [name for name in names if name.split(".")[0] not in sys.stdlib_module_names]
+
+
+def test_the_runner_imports_only_the_standard_library():
+    # The runner is shipped as text to a fresh interpreter inside the sandbox, where it is no
+    # submodule of anything and our package may be hidden; a third-party import would slow (or
+    # break) every call. So: the standard library only.
+    source = Path(runner.__file__).read_text()
+    assert launcher.runner_source() == source  # what is checked is what is shipped
+    assert _non_stdlib_imports(source) == []
+    # Negative control: the checker flags third-party, own-package, nested and relative imports.
+    hostile = "import os, torch\nfrom trl_plugins import x\nimport numpy.linalg\nfrom . import y\ndef f():\n    import sympy\n"
+    assert _non_stdlib_imports(hostile) == ["torch", "trl_plugins", "numpy.linalg", ".", "sympy"]

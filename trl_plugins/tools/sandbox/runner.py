@@ -1,0 +1,529 @@
+"""The runner: the program that runs INSIDE the sandbox, set up and then running the model's code.
+
+The launcher ships this file's text to a fresh interpreter (``python -I -u -c <text> <config JSON>``),
+so it uses only the standard library and nothing of the package it lives in. Roles (``cfg["role"]``):
+``"cell"`` runs one piece of code (cold mode); ``"server"`` imports ``warm_imports`` and then serves
+length-prefixed JSON requests on stdin/stdout, forking one child per call (warm mode). The host
+imports the output and message helpers from here too. See docs/sandbox.md.
+"""
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import struct
+import sys
+
+# Modules used only by the cell or only by the server are imported where they are used, so a cold
+# cell starts no heavier than it must and finds no server modules already loaded.
+
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # 442 on every architecture
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+OVERFLOW_ID = 65534
+
+PRIVATE_TMPFS = ("/tmp", "/dev/shm")
+"""Replaced by a fresh tmpfs in every sandbox (and in every warm call)."""
+CELL_FILENAME = "<cell>"
+"""Filename of the model's code in tracebacks; frames of any other file are the runner's and hidden."""
+CHILD_MODULES = ("ast", "atexit", "builtins", "io", "linecache", "random", "shutil", "tempfile", "threading",
+                 "traceback", "types")
+"""What every warm call's child needs anyway: imported once by the server instead of once per call."""
+MESSAGE_HEADER = struct.Struct(">I")
+"""Length prefix of a protocol message (big-endian byte count of the JSON body that follows)."""
+
+
+def load_libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    ul = ctypes.c_ulong
+    libc.prctl.argtypes = [ctypes.c_int, ul, ul, ul, ul]
+    libc.unshare.argtypes = [ctypes.c_int]
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ul, ctypes.c_char_p]
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    return libc
+
+
+def check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def prctl(libc: ctypes.CDLL, option: int, arg: int) -> int:
+    return libc.prctl(option, arg, 0, 0, 0)
+
+
+def mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int,
+          data: str | None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def set_readonly(libc: ctypes.CDLL, path: str, recursive: bool) -> None:
+    # mount_setattr(2) (Linux >= 5.12): flips the read-only flag of a whole mount tree at once, in
+    # our mount namespace only.
+    class MountAttr(ctypes.Structure):
+        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+    attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    flags = AT_RECURSIVE if recursive else 0
+    ret = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(flags),
+                       ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    check(0 if ret == 0 else -1, f"mount_setattr {path}")
+
+
+def write_id_maps(uid: int, gid: int) -> None:
+    # Map our own uid/gid (from the parent namespace) and nothing else: allowed without privilege.
+    # Inside, 0 becomes 65534: mapping root needs CAP_SETFCAP in the parent (Linux >= 5.12).
+    inside_uid, inside_gid = uid or OVERFLOW_ID, gid or OVERFLOW_ID
+    for name, text in (("uid_map", f"{inside_uid} {uid} 1\n"), ("setgroups", "deny\n"),
+                       ("gid_map", f"{inside_gid} {gid} 1\n")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def drop_caps(libc: ctypes.CDLL) -> None:
+    for cap in range(64):  # bounding set: nothing can be regained through exec of a file with caps
+        if prctl(libc, PR_CAPBSET_DROP, cap) != 0 and ctypes.get_errno() == errno.EINVAL:  # past the last cap
+            break
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    check(libc.capset(ctypes.byref(Header(LINUX_CAPABILITY_VERSION_3, 0)), (Data * 2)()), "capset")
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    check(prctl(libc, PR_SET_NO_NEW_PRIVS, 1), "PR_SET_NO_NEW_PRIVS")
+
+
+def bind_back(libc: ctypes.CDLL, keep: list[tuple[str, int]]) -> None:
+    # Bind each kept path back, read-only, from an O_PATH handle taken before it was covered.
+    for k, fd in keep:
+        if not os.path.lexists(k):
+            os.makedirs(os.path.dirname(k), exist_ok=True)
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.mkdir(k)
+            else:
+                open(k, "w").close()
+        mount(libc, f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC, None)
+        set_readonly(libc, k, True)
+        os.close(fd)
+
+
+def setup_unshare_fs(cfg: dict, libc: ctypes.CDLL) -> None:
+    disk = cfg["disk_bytes"]
+    mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
+    # O_PATH handles opened before hiding: binding /proc/self/fd/N back needs no path traversal.
+    keep = [(k, os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in cfg["keep"]]
+    set_readonly(libc, "/", True)
+    # A fresh /proc: the read-only flag above would block writing our uid_map.
+    mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    for h in cfg["hide"]:
+        if os.path.isdir(h):
+            mount(libc, "tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+        elif os.path.lexists(h):
+            mount(libc, "/dev/null", h, None, MS_BIND, None)
+    for p in PRIVATE_TMPFS:
+        if os.path.isdir(p):
+            mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
+    os.umask(0o022)
+    bind_back(libc, keep)
+    os.makedirs(cfg["scratch"], exist_ok=True)
+    mount(libc, "tmpfs", cfg["scratch"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={disk}")
+    for h in cfg["hide"]:
+        if os.path.isdir(h):
+            set_readonly(libc, h, False)
+
+
+def setup_process(cfg: dict, libc: ctypes.CDLL) -> None:
+    """Mounts (unshare mode), uid drop, own user namespace, no capabilities: before any model code."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if cfg["fs"] == "unshare":
+        setup_unshare_fs(cfg, libc)
+    for p in cfg["lift_proc_covers"]:
+        libc.umount2(p.encode(), MNT_DETACH)  # best effort
+    if cfg["fs"] != "none":
+        os.chdir(cfg["scratch"])
+    uid = cfg["drop_uid"]
+    if cfg["userns"]:
+        try:  # the user namespace's own NPROC budget is what counts; raising needs root, so now
+            resource.setrlimit(resource.RLIMIT_NPROC, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        except (ValueError, OSError):
+            pass
+    if uid is not None:
+        os.chown(cfg["scratch"], uid, uid)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # leaving uid 0 clears the capability sets
+    if cfg["userns"]:
+        uid, gid = os.getuid(), os.getgid()  # after unshare these read as the overflow id
+        prctl(libc, PR_SET_DUMPABLE, 1)  # /proc/self/uid_map belongs to root otherwise
+        check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+        write_id_maps(uid, gid)
+    drop_caps(libc)
+    # A server must not be readable/writable through /proc by the code it runs (same uid).
+    prctl(libc, PR_SET_DUMPABLE, 0 if cfg["role"] == "server" else 1)
+
+
+def apply_limits(cfg: dict) -> None:
+    try:
+        with open("/proc/self/statm") as f:
+            baseline = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        baseline = 0
+    mem = cfg["memory_bytes"] + baseline
+    cpu = int(cfg["cpu_s"])
+    for res, soft, hard in (
+        (resource.RLIMIT_AS, mem, mem),
+        (resource.RLIMIT_CPU, cpu, cpu + 1),
+        (resource.RLIMIT_FSIZE, cfg["fsize_bytes"], cfg["fsize_bytes"]),
+        (resource.RLIMIT_NOFILE, cfg["nofile"], cfg["nofile"]),
+        (resource.RLIMIT_NPROC, cfg["nproc"], cfg["nproc"]),
+        (resource.RLIMIT_CORE, 0, 0),
+    ):
+        resource.setrlimit(res, (soft, hard))
+
+
+def exec_cell(code: str) -> int:
+    """Run ``code`` as a notebook cell in a fresh ``__main__``; returns the exit status."""
+    import ast
+    import builtins
+    import linecache
+    import traceback
+    import types
+
+    name = CELL_FILENAME
+    cell = types.ModuleType("__main__")
+    cell.__builtins__ = builtins
+    sys.modules["__main__"] = cell
+    sys.argv = [""]
+    sys.path.insert(0, "")  # like `python -c`: the code may import modules it wrote to its cwd
+    sys.dont_write_bytecode = True
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    try:
+        tree = ast.parse(code, name)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, name, "exec"), cell.__dict__)
+        if last is not None:
+            value = eval(compile(last, name, "eval"), cell.__dict__)
+            if value is not None:
+                print(repr(value))
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return (e.code or 0) & 0xFF
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != name:
+            tb = tb.tb_next  # hide the runner's frames: the model sees only its own code
+        try:
+            traceback.print_exception(type(e), e, tb)
+        except BaseException:
+            pass
+        return 1
+
+
+def exit_like_interpreter(status: int) -> None:
+    """Wait for the code's non-daemon threads, run its atexit handlers, flush, and exit."""
+    import atexit
+
+    try:
+        import threading
+
+        threading._shutdown()
+    except BaseException:
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(status)
+
+
+def read_tail(fd: int, max_chars: int, limit_bytes: int) -> tuple[str, bool]:
+    """The last ``max_chars`` characters written to ``fd`` (a marker line first if cut), and whether it was cut."""
+    size = os.fstat(fd).st_size
+    budget = max_chars * 4 + 4
+    start = max(0, size - budget)
+    text = os.pread(fd, size - start, start).decode("utf-8", "replace")
+    if start == 0 and len(text) <= max_chars:
+        return text, False
+    note = f"; the {limit_bytes >> 20} MB output limit was hit and later writes failed" if size >= limit_bytes else ""
+    marker = "[sandbox: output truncated, about {:,} bytes cut{}; the last {:,} characters follow]\n"
+    keep = max(0, max_chars - len(marker.format(size, note, max_chars)))
+    tail = text[-keep:] if keep else ""
+    cut = max(0, size - len(tail.encode("utf-8", "replace")))
+    return marker.format(cut, note, len(tail)) + tail, True
+
+
+def frame_message(obj) -> bytes:
+    """``obj`` as one protocol message: a :data:`MESSAGE_HEADER` length prefix and the JSON body."""
+    data = json.dumps(obj).encode()
+    return MESSAGE_HEADER.pack(len(data)) + data
+
+
+def send_message(fd: int, obj) -> None:
+    data = frame_message(obj)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def recv_message(fd: int):
+    """The next message on ``fd``, or None at end of file."""
+
+    def exact(n: int) -> bytes | None:
+        buf = b""
+        while len(buf) < n:
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+
+    head = exact(MESSAGE_HEADER.size)
+    if head is None:
+        return None
+    body = exact(MESSAGE_HEADER.unpack(head)[0])
+    return None if body is None else json.loads(body)
+
+
+def prepare_child_io(out_fd: int, err_fd: int, status_fd: int) -> None:
+    import io
+
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.dup2(status_fd, 3)
+    os.closerange(4, 1 << 20)  # the server's protocol pipes and everything else
+    streams = []
+    for fd in (1, 2):
+        raw = io.FileIO(fd, "w", closefd=False)
+        streams.append(io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True))
+    sys.stdout = sys.__stdout__ = streams[0]
+    sys.stderr = sys.__stderr__ = streams[1]
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+
+
+def mount_call_fs(cfg: dict, libc: ctypes.CDLL, scratch: str) -> bool:
+    """Fresh tmpfs for scratch and the private directories; returns whether a fresh /proc was mounted."""
+    disk = cfg["disk_bytes"]
+    mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
+    covers = [p for p in PRIVATE_TMPFS if os.path.isdir(p)]
+    # Interpreter paths under a fresh tmpfs (a virtualenv in /tmp): O_PATH handles taken before the
+    # tmpfs covers them, bound back read-only through /proc/self/fd afterwards.
+    keep = [(k, os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in cfg["keep"]
+            if any(k == p or k.startswith(p + "/") for p in covers)]
+    for p in covers:
+        mount(libc, "tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
+    bind_back(libc, keep)
+    os.makedirs(scratch, exist_ok=True)
+    mount(libc, "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={disk}")
+    try:  # fresh /proc: the code sees only its own PID namespace
+        mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        return True
+    except OSError:
+        return False
+
+
+def call_child(req: dict, cfg: dict, libc: ctypes.CDLL, out_fd: int, err_fd: int, status_fd: int,
+               scratch: str) -> None:
+    report_fd = [status_fd]
+    try:
+        fresh_proc = setup_call_child(cfg, libc, out_fd, err_fd, status_fd, scratch, report_fd)
+    except BaseException as e:
+        try:
+            os.write(report_fd[0], ("E" + f"{type(e).__name__}: {e}".replace("\n", " ") + "\n").encode())
+        except BaseException:
+            pass
+        os._exit(125)
+    # One line per write: pipe writes this small are atomic, whichever process writes first.
+    os.write(3, b"p\n" if fresh_proc else b"")
+    os.write(3, b"R\n")
+    os.close(3)
+    exit_like_interpreter(exec_cell(req["code"]))
+
+
+def setup_call_child(cfg: dict, libc: ctypes.CDLL, out_fd: int, err_fd: int, status_fd: int, scratch: str,
+                     report_fd: list[int]) -> bool:
+    import atexit
+    import random
+
+    fresh_proc = False
+    if cfg["per_call_ns"]:
+        # A nested user namespace grants the caps for the others without any privilege; the caller
+        # stays outside the new PID namespace.
+        uid, gid = os.getuid(), os.getgid()
+        prctl(libc, PR_SET_DUMPABLE, 1)
+        check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
+              "unshare per-call namespaces")
+        write_id_maps(uid, gid)
+        pid = os.fork()
+        if pid:
+            os.write(status_fd, f"P{pid}\n".encode())
+            os._exit(0)
+        fresh_proc = mount_call_fs(cfg, libc, scratch)  # now PID 1 of the new namespace
+    os.setsid()  # own session/group: kill(0, ...) from the code cannot reach the server
+    os.chdir(scratch)
+    prepare_child_io(out_fd, err_fd, status_fd)
+    report_fd[0] = 3
+    drop_caps(libc)
+    prctl(libc, PR_SET_DUMPABLE, 1)
+    atexit._clear()
+    random.seed()
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()  # the server's state would otherwise repeat in every call
+    apply_limits(cfg)
+    return fresh_proc
+
+
+def serve_one(req: dict, cfg: dict, libc: ctypes.CDLL) -> dict:
+    """Run one request in a forked child; returns the result message for the host."""
+    import select
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    out_fd, err_fd = os.memfd_create("stdout"), os.memfd_create("stderr")
+    r, w = os.pipe()
+    scratch, private_dir = cfg["scratch"], None
+    if not cfg["per_call_ns"]:
+        private_dir = scratch = tempfile.mkdtemp(dir=cfg["scratch"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(r)
+            call_child(req, cfg, libc, out_fd, err_fd, w, scratch)
+        finally:
+            os._exit(125)
+    os.close(w)
+    status, deadline = b"", time.monotonic() + cfg["setup_grace_s"]
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(r, 4096) if ready else b""
+        if not chunk:
+            break
+        status += chunk
+    os.close(r)
+    lines = status.decode(errors="replace").splitlines()
+    target = child
+    if cfg["per_call_ns"]:
+        os.waitpid(child, 0)  # the intermediate process; the code's process is now ours (subreaper)
+        target = next((int(x[1:]) for x in lines if x.startswith("P")), child)
+    result = {"fresh_proc": "p" in lines}
+    if "R" not in lines:
+        st = None
+        if target != child or not cfg["per_call_ns"]:
+            try:
+                os.kill(target, signal.SIGKILL)
+                st = os.waitpid(target, 0)[1]
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        errors = [x[1:] for x in lines if x.startswith("E")]
+        result["error"] = errors[0] if errors else f"sandbox set-up did not complete ({lines!r}, wait status {st})"
+    else:
+        pidfd = os.pidfd_open(target)
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        timed_out = not poller.poll(max(0, int(req["timeout_s"] * 1000)))
+        if timed_out:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        if not cfg["per_call_ns"]:
+            try:
+                os.killpg(target, signal.SIGKILL)  # leftovers of the code's session
+            except (ProcessLookupError, PermissionError):
+                pass
+        _, st = os.waitpid(target, 0)
+        os.close(pidfd)
+        result.update(exit_code=os.waitstatus_to_exitcode(st), timed_out=timed_out)
+        mc, lim = cfg["max_chars"], cfg["fsize_bytes"]
+        (result["stdout"], t1), (result["stderr"], t2) = read_tail(out_fd, mc, lim), read_tail(err_fd, mc, lim)
+        result["truncated"] = t1 or t2
+    os.close(out_fd)
+    os.close(err_fd)
+    if private_dir is not None:
+        shutil.rmtree(private_dir, ignore_errors=True)
+    while True:  # orphans re-parented to us (we are a child subreaper)
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    return result
+
+
+def serve(cfg: dict, libc: ctypes.CDLL) -> None:
+    """Server role: import ``warm_imports``, report ready, then answer requests until stdin closes."""
+    import gc
+
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)  # stray prints of imported modules must not corrupt the protocol
+    prctl(libc, PR_SET_CHILD_SUBREAPER, 1)  # the code's process is re-parented to us
+    failed = []
+    for name in CHILD_MODULES:
+        __import__(name)
+    for name in cfg["warm_imports"]:
+        try:
+            __import__(name)
+        except Exception as e:
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    gc.collect()
+    gc.freeze()  # fewer copy-on-write page faults in the forked children
+    probe = serve_one({"code": "pass", "timeout_s": 30.0}, cfg, libc)
+    if probe.get("error") or probe.get("exit_code") != 0:
+        send_message(proto_out, {"ready": False, "error": probe.get("error") or probe.get("stderr", "")})
+        return
+    send_message(proto_out, {"ready": True, "failed_imports": failed, "fresh_proc": probe["fresh_proc"]})
+    while True:
+        req = recv_message(proto_in)
+        if req is None:
+            return
+        send_message(proto_out, serve_one(req, cfg, libc))
+
+
+def run_cell(cfg: dict, libc: ctypes.CDLL) -> None:
+    """Cell role (cold mode): read the code from its memfd, apply the limits, say "R", run it, exit."""
+    with os.fdopen(cfg["code_fd"], "rb") as f:
+        code = f.read().decode("utf-8", "surrogatepass")
+    apply_limits(cfg)
+    os.write(cfg["status_fd"], b"R")
+    os.close(cfg["status_fd"])
+    exit_like_interpreter(exec_cell(code))
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    libc = load_libc()
+    setup_process(cfg, libc)
+    if cfg["role"] == "server":
+        serve(cfg, libc)
+    else:
+        run_cell(cfg, libc)
+
+
+if __name__ == "__main__":
+    main()
