@@ -44,7 +44,7 @@ def _reward(completions=None, **kwargs):
 def run_ours(args) -> dict:
     from rollout import SleepTool, patch_generate
 
-    from trl_plugins.embedded import build_tiny_model, build_tokenizer
+    from trl_plugins.testing import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     class Reward:
@@ -95,7 +95,7 @@ def run_trl(args) -> dict:
     from rollout import patch_generate
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_plugins.embedded import build_tiny_model, build_tokenizer
+    from trl_plugins.testing import build_tiny_model, build_tokenizer
 
     def code_interpreter(code: str) -> str:
         """Run Python code and return what it prints.

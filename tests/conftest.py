@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import copy
 import math
-import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from trl_plugins.registry import ALL_REGISTRIES
-from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
+ROOT = Path(__file__).resolve().parent.parent
+# The ReTool application (recipes/retool/) is imported as `retool`, as the recipe scripts do.
+sys.path.insert(0, str(ROOT / "recipes"))
+
+from trl_plugins.registry import ALL_REGISTRIES  # noqa: E402
+from trl_plugins.testing import make_trajectory  # noqa: E402, F401  (tests import it from here)
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -35,44 +39,6 @@ def isolated_registries():
     yield ALL_REGISTRIES
     for name, reg in ALL_REGISTRIES.items():
         reg._entries, reg._entry_points_loaded = saved[name]
-
-
-def make_trajectory(
-    rng: random.Random,
-    *,
-    num_turns: int,
-    vocab: int = 200,
-    group_id: int = 0,
-    sample_index: int = 0,
-    advantage: float | None = None,
-    stop_reason: StopReason = StopReason.FINAL_ANSWER,
-) -> Trajectory:
-    """A prefix-consistent multi-turn trajectory with random tokens, log-probs and provenance."""
-    turns = []
-    history: list[int] = []
-    for i in range(num_turns):
-        if i == 0:
-            new = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
-            new_sources = [TokenSource.PROMPT] * len(new)
-        else:
-            obs = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 10))]
-            new = [1] + obs + [2]  # glue, tool output, glue
-            new_sources = [TokenSource.GLUE] + [TokenSource.OBSERVATION] * len(obs) + [TokenSource.GLUE]
-        prompt = history + new
-        completion = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 14))]
-        logprobs = [-rng.uniform(0.05, 3.0) for _ in completion]
-        turns.append(
-            Turn(prompt_ids=prompt, completion_ids=completion, completion_logprobs=logprobs, prompt_sources=new_sources)
-        )
-        history = prompt + completion
-    return Trajectory(
-        turns=turns,
-        question_id=f"q{group_id}",
-        group_id=group_id,
-        sample_index=sample_index,
-        stop_reason=stop_reason,
-        advantage=advantage if advantage is not None else rng.uniform(-1.5, 1.5),
-    )
 
 
 def tiny_qwen2(dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_trainer import TokenReward  # noqa: E402
 
-from trl_plugins.embedded import build_tiny_model, build_tokenizer  # noqa: E402
+from trl_plugins.testing import build_tiny_model, build_tokenizer  # noqa: E402
 from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer  # noqa: E402
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from conftest import make_trajectory, tiny_qwen2  # noqa: E402
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators  # noqa: E402
 from trl_plugins.datum import build_datum, collate  # noqa: E402
 from trl_plugins.modeling import token_logprobs  # noqa: E402
-from trl_plugins.trainers.step import UpdateConfig, policy_update  # noqa: E402
+from trl_plugins.trainers.step import policy_update  # noqa: E402
 
 LR = 0.5
 
@@ -75,12 +76,14 @@ def main() -> None:
         d.behaviour_logprobs = [float(x) if m else 0.0 for x, m in zip(noisy, d.action_mask)]
 
     loss_fn = PPOClipLoss()
-    config = UpdateConfig(aggregation=args.aggregation, packer="ffd", max_items=2, max_padded_tokens=400,
-                          rebalance=args.rebalance, norm_length=64)
+    # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
+    config = SimpleNamespace(aggregation=args.aggregation, packer="balanced" if args.rebalance else "ffd",
+                             max_items_per_micro_batch=2, max_padded_tokens_per_micro_batch=400,
+                             rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None)
     model = tiny_qwen2()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
-    result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config)
+    result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0)
     state = accelerator.get_state_dict(model)
 
     if accelerator.is_main_process:

@@ -8,9 +8,8 @@ import math
 import pytest
 
 from conftest import code_schema
-import torch
 
-from trl_plugins.embedded import build_tiny_model, build_tokenizer
+from trl_plugins.testing import build_tiny_model, build_tokenizer
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend, replay_logprobs
 from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
 

@@ -11,7 +11,7 @@ from conftest import code_schema
 import trl
 
 from trl_plugins.datum import build_datum
-from trl_plugins.embedded import build_tokenizer, load_trl_chat_template
+from trl_plugins.testing import build_tokenizer, load_trl_chat_template
 from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, TurnKind, check_prefix_preserving, derive_tool_turn_format
 from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
 

@@ -97,7 +97,7 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path):
     # questions must equal one step on 1 rank x 4 questions.
     import torch
 
-    from trl_plugins.embedded import build_tiny_model, build_tokenizer
+    from trl_plugins.testing import build_tiny_model, build_tokenizer
 
     common = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed")
     params = {}

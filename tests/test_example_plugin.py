@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from trl_plugins.registry import REWARDS, TOOLS
-from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn, validate_trajectory
+from trl_plugins.rollout.validate import validate_trajectory
+from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl-plugins-example"
 PACKAGE = "trl_plugins_example"
@@ -154,7 +155,7 @@ def test_calculator_computes_and_returns_errors_as_output(example, tmp_path, mon
 
 
 def test_calculator_schema_works_with_the_chat_format_and_the_rollout(example):
-    from trl_plugins.embedded import build_tokenizer
+    from trl_plugins.testing import build_tokenizer
     from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend, TurnKind
 
     calc = TOOLS.get("calculator")()

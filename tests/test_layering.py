@@ -1,5 +1,10 @@
-"""Layering: the maths packages (`algos/`, `packing/`) import nothing but torch, numpy, the standard
-library and our own `types`/`registry` (and themselves). Frameworks stay in the trainer glue."""
+"""Layering, each rule with a negative control showing its checker can fail:
+
+- the maths packages (`algos/`, `packing/`) import nothing but torch, numpy, the standard library and
+  our own `types`/`registry` (and themselves); frameworks stay in the trainer glue;
+- the library (`trl_plugins/`) imports nothing from the ReTool application (`recipes/`) and does not
+  mention its task, prompts or embedded default;
+- the in-sandbox runner imports only the standard library (it runs in a bare `python -I -S`)."""
 
 from __future__ import annotations
 
@@ -61,3 +66,72 @@ def test_registry_and_types_import_no_frameworks():
     # The pure packages may import these two, so they must stay free of frameworks themselves.
     for module in ("registry.py", "types.py"):
         assert disallowed_imports((PACKAGE_ROOT / module).read_text(), "types") == []
+
+
+# -- the library holds the seams; the ReTool application lives in recipes/ -------------------------
+
+APPLICATION_MODULES = {"retool", "recipes"}
+# Words that belong to the ReTool application (its task, its prompts, its embedded default), never to the library.
+APPLICATION_WORDS = ("retool", "arithmetic_problems", "embedded default", "you solve maths problems", "cold start")
+
+
+def application_imports(source: str) -> list[str]:
+    """Modules of the ReTool application (``recipes/``) that ``source`` imports."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found += [n for n in names if n.split(".")[0] in APPLICATION_MODULES]
+    return found
+
+
+def application_words(source: str) -> list[str]:
+    lowered = source.lower()
+    return [w for w in APPLICATION_WORDS if w in lowered]
+
+
+def _library_sources() -> dict[str, str]:
+    return {str(f.relative_to(PACKAGE_ROOT)): f.read_text() for f in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def test_the_library_imports_nothing_from_the_recipes():
+    offenders = {name: application_imports(src) for name, src in _library_sources().items()}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_library_does_not_mention_the_retool_application():
+    offenders = {name: application_words(src) for name, src in _library_sources().items()}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_application_checkers_catch_violations():
+    # Negative controls: what a moved-back module would look like.
+    assert application_imports("import retool.task\nfrom recipes.retool import data\nimport torch\n") == [
+        "retool.task", "recipes.retool"]
+    assert application_words('"""Builds the embedded default."""\nSYSTEM = "You solve maths problems."') == [
+        "embedded default", "you solve maths problems"]
+
+
+def stdlib_violations(source: str) -> list[str]:
+    """Imports in ``source`` of anything but the standard library."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [] if node.level == 0 and node.module == "__future__" else [("." * node.level) + (node.module or "")]
+        else:
+            continue
+        bad += [n for n in names if n.startswith(".") or n.split(".")[0] not in sys.stdlib_module_names]
+    return bad
+
+
+def test_the_in_sandbox_runner_imports_only_the_standard_library():
+    runner = PACKAGE_ROOT / "tools" / "sandbox" / "runner.py"
+    assert runner.is_file()
+    assert stdlib_violations(runner.read_text()) == []
+
+
+def test_the_stdlib_checker_catches_other_imports():
+    assert stdlib_violations("import os, json\nfrom collections import deque\nimport torch\nfrom trl_plugins import types\n"
+                             "from . import launcher\n") == ["torch", "trl_plugins", "."]

@@ -17,28 +17,10 @@ from trl_plugins.packing import (
     restore_order,
 )
 from trl_plugins.registry import PACKERS
+from trl_plugins.testing import plan_violations
 from trl_plugins.types import PackPlan
 
 REFERENCE = [8000, 7800] + [3000] * 10
-
-
-def plan_violations(plan: PackPlan, lengths, max_items, max_padded_tokens, world_size) -> list[str]:
-    """Everything wrong with a plan; empty when it is a valid partition within the limits."""
-    problems = []
-    if plan.world_size != world_size:
-        problems.append(f"{plan.world_size} ranks, expected {world_size}")
-    if len({len(r) for r in plan.ranks}) > 1:
-        problems.append(f"unequal micro-batch counts {[len(r) for r in plan.ranks]}")
-    flat = sorted(i for r in plan.ranks for mb in r for i in mb)
-    if flat != list(range(len(lengths))):
-        problems.append("not a partition of the items")
-    for r, rank in enumerate(plan.ranks):
-        for k, mb in enumerate(rank):
-            if len(mb) > max_items:
-                problems.append(f"rank {r} mb {k}: {len(mb)} items > {max_items}")
-            if padded_area(lengths, mb) > max_padded_tokens:
-                problems.append(f"rank {r} mb {k}: area {padded_area(lengths, mb)} > {max_padded_tokens}")
-    return problems
 
 
 def total_area(lengths, batches) -> int:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from trl_plugins.embedded import build_tiny_model, build_tokenizer
+from trl_plugins.testing import build_tiny_model, build_tokenizer
 from trl_plugins.types import Trajectory
 
 
@@ -17,6 +17,13 @@ class TokenReward:
 
     def __call__(self, trajectory: Trajectory, example) -> float:
         return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
+
+
+class UndeclaredLoss:
+    """A third-party policy loss that does not say what it needs."""
+
+    def __call__(self, inp):
+        raise AssertionError("never called")
 
 
 class ConstantReward:
@@ -98,10 +105,21 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(reward_components=[]), "reward_components is empty"),
         (dict(reward_component_weights=[1.0, 2.0]), "give one weight per component"),
         (dict(rollout_kwargs="{not json"), "rollout_kwargs must be a JSON object"),
+        # Unreachable machinery is refused when the config is built, not at step 1.
+        (dict(beta=0.04), "does not train against a reference model yet"),
+        (dict(use_vllm=True), "generates with HF generate only"),
+        (dict(advantage="gae"), "advantage 'gae' needs critic values"),
+        (dict(policy_loss_kwargs={"kl_coef": 0.1}), "remove kl_coef"),
+        (dict(policy_loss_kwargs={"entropy_coef": 0.01}), "remove entropy_coef"),
+        (dict(rollout_kwargs={"max_turn": 2}), "rollout 'multi_turn' rejected its settings"),
+        (dict(advantage="grpo"), "unknown advantages plugin 'grpo'"),
+        (dict(policy_loss="test_trainer:UndeclaredLoss"), r"does not declare \['needs_ref_logprobs', 'needs_entropy'\]"),
     ],
 )
 def test_config_validation(tmp_path, overrides, message):
-    with pytest.raises(ValueError, match=message):
+    from trl_plugins.registry import RegistryError
+
+    with pytest.raises((ValueError, RegistryError), match=message):
         _config(tmp_path, **overrides)
 
 
@@ -112,7 +130,7 @@ def test_trainer_validation(tmp_path):
     with pytest.raises(ValueError, match="max_padded_tokens_per_micro_batch to at least 599"):
         MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_padded_tokens_per_micro_batch=100),
                              train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
-    with pytest.raises(ValueError, match="lower max_trajectory_tokens to 301"):
+    with pytest.raises(ValueError, match="lower the rollout budget to 301"):
         MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_context_tokens=300),
                              train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
 
@@ -190,7 +208,8 @@ class FailingReward(TokenReward):
 
 
 def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path):
-    from trl_plugins.trainers.multi_turn_trainer import COMPLETE_MARKER, MultiTurnGRPOTrainer, latest_complete_checkpoint
+    from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
+    from trl_plugins.trainers.multi_turn_trainer import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=1),
@@ -208,7 +227,8 @@ def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path)
 
 
 def test_exception_saves_an_emergency_checkpoint_then_reraises(tmp_path):
-    from trl_plugins.trainers.multi_turn_trainer import COMPLETE_MARKER, MultiTurnGRPOTrainer
+    from trl_plugins.trainers.checkpoints import COMPLETE_MARKER
+    from trl_plugins.trainers.multi_turn_trainer import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
     # 4 trajectories per step: the 5th reward call (step 2) fails.
@@ -222,7 +242,7 @@ def test_exception_saves_an_emergency_checkpoint_then_reraises(tmp_path):
 class WrongDigestRollout:
     """A rollout plugin whose trajectories claim another tokenizer (e.g. replayed from elsewhere)."""
 
-    max_trajectory_tokens = 600
+    token_budget = 600
 
     def __call__(self, request):
         from dataclasses import replace
@@ -357,5 +377,5 @@ def test_configured_tools_are_keyed_by_the_name_the_model_calls(tmp_path):
                    tool_kwargs={"trl_plugins.tools.code_interpreter:CodeInterpreter": {"name": "python"}})
     trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), args, train_dataset=_dataset(), processing_class=tok,
                                    reward_components={"length": TokenReward()})
-    assert list(trainer._tools) == ["python"]
+    assert list(trainer._plugins.tools) == ["python"]
     assert [s["function"]["name"] for s in trainer._chat.tools] == ["python"]

@@ -18,8 +18,8 @@ from trl_plugins.types import (
     Trajectory,
     TrajectoryError,
     Turn,
-    validate_trajectory,
 )
+from trl_plugins.rollout.validate import validate_trajectory
 
 TERMINATED = {StopReason.FINAL_ANSWER, StopReason.NO_TOOL_CALL, StopReason.INVALID_ACTION}
 TRUNCATED = {StopReason.TURN_LENGTH, StopReason.TOKEN_BUDGET, StopReason.MAX_TURNS, StopReason.MAX_TOOL_CALLS}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import copy
 import random
 
@@ -11,7 +13,7 @@ from conftest import make_trajectory, rel_err
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
-from trl_plugins.trainers.step import UpdateConfig, policy_update
+from trl_plugins.trainers.step import policy_update
 from trl_plugins.types import PolicyLossInput
 
 
@@ -36,8 +38,11 @@ def test_single_process_update_equals_one_batch_sgd_step(tiny_model_factory):
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
-    config = UpdateConfig(packer="optimal", max_items=2, max_padded_tokens=300)
-    result = policy_update(accelerator, model, optimizer, datums, PPOClipLoss(), config)
+    # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
+    config = SimpleNamespace(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=2,
+                             max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=None,
+                             temperature=1.0, max_grad_norm=None)
+    result = policy_update(accelerator, model, optimizer, datums, PPOClipLoss(), config, pad_token_id=0)
 
     full = collate(datums, list(range(9)), pad_token_id=0)
     n_tok, n_seq = local_denominators(full.action_mask)

@@ -88,7 +88,7 @@ def build_datums(
     """Build the datum(s) of one trajectory.
 
     Args:
-        traj: A finished trajectory (see :func:`trl_plugins.types.validate_trajectory`).
+        traj: A finished trajectory (see :func:`trl_plugins.rollout.validate.validate_trajectory`).
         advantage: Scalar advantage put on every action position; defaults to ``traj.advantage``.
         max_context_tokens: Training context limit on the shifted length ``len(full) - 1``.
         on_prefix_mismatch: ``"error"`` (default) or ``"split"`` into several datums.

@@ -1,7 +1,8 @@
 """Held-out evaluation of a tool-calling policy: pass@1, pass@k and tool-call statistics.
 
-The evaluation runs the same rollout plugin, chat format, tools and ``correct`` reward as training,
-so a number here means the same thing as ``reward/correct`` in the training logs.
+The evaluation builds its tools, rollout plugin and reward components from the training config through
+the registries and runs the training path (:mod:`trl_plugins.trainers.batch`), so a number here means
+the same thing as ``reward/correct`` in the training logs.
 """
 
 from __future__ import annotations
@@ -89,40 +90,55 @@ def evaluate_policy(
     model: Any,
     tokenizer: Any,
     rows: Sequence[Mapping[str, Any]],
+    args: Any,
     *,
-    tools: Mapping[str, Any],
-    rollout: Any,
     samples: int = 1,
     temperature: float = 1.0,
     ks: Sequence[int] = (1,),
-    system_prompt: str | None = None,
-    answer_key: str = "answer",
     seed: int = 0,
     batch_questions: int = 64,
+    success_component: str = "correct",
     progress: bool = False,
 ) -> tuple[EvalResult, list[Trajectory]]:
-    """Roll out every row ``samples`` times and score it with the ``correct`` reward.
+    """Roll out every row ``samples`` times with the run's own plugins and score it with every reward component.
 
-    ``temperature=0`` is greedy decoding (then ``samples`` should be 1). Rows need ``prompt`` (a string
-    or chat messages) and ``answer_key``.
+    The tools, the rollout plugin, the reward components and the system prompt come from ``args`` (the
+    training ``MultiTurnGRPOConfig``) through the registries, and the rows take the same
+    rows -> trajectories -> scores path as training (:mod:`trl_plugins.trainers.batch`), so a trajectory
+    is rolled out and scored here exactly as in a training step. A sample counts as correct when the
+    component ``success_component`` says so (its ``is_success(value)``). ``temperature=0`` is greedy
+    decoding (then ``samples`` should be 1); the other sampling settings are the config's.
 
     Returns:
-        The numbers and the scored trajectories (their ``reward_components`` hold ``correct``).
+        The numbers and the scored trajectories.
+
+    Raises:
+        ValueError: ``samples < 1``, or a ``success_component`` that is not configured or cannot say
+            what a success is.
     """
     import torch
 
-    from trl_plugins.rewards.math import CorrectReward
-    from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, derive_seed, questions_from_rows
-    from trl_plugins.types import RewardComponent, SamplingSettings
+    from trl_plugins.rollout import ChatFormat, derive_seed
+    from trl_plugins.trainers.batch import hf_backend, rollout_rows, score_trajectories
+    from trl_plugins.trainers.plugins import build_plugins
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}.")
-    chat = ChatFormat(tokenizer, [t.schema() for t in tools.values()])
-    backend = HFGenerationBackend(
-        model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=chat.stop_token_ids,
-        sampling=SamplingSettings(temperature=temperature),
-    )
-    scorer = CorrectReward(answer_key=answer_key)
+    if success_component not in args.reward_components:
+        raise ValueError(
+            f"the evaluation counts a sample correct by the reward component {success_component!r}, which is not among "
+            f"reward_components={args.reward_components}; add it (it may have weight 0)."
+        )
+    plugins = build_plugins(args)
+    judge = next(fn for name, _, fn in plugins.reward_components if name == success_component)
+    if not callable(getattr(judge, "is_success", None)):
+        plugins.close()
+        raise ValueError(
+            f"reward component {success_component!r} has no is_success(value) method, so the evaluation cannot tell a "
+            f"correct sample from a wrong one."
+        )
+    chat = ChatFormat(tokenizer, [t.schema() for t in plugins.tools.values()])
+    backend = hf_backend(model, tokenizer, chat, args, temperature=temperature)
     trajectories: list[Trajectory] = []
     correct: list[bool] = []
     was_training = model.training
@@ -133,16 +149,14 @@ def evaluate_policy(
         starts = range(0, len(rows), batch_questions)
         for b, start in enumerate(tqdm(starts, desc="evaluate", unit="batch", disable=not progress, leave=False)):
             chunk = list(rows[start : start + batch_questions])
-            questions = questions_from_rows(chat, chunk, system_prompt, id_offset=start)
-            request = RolloutRequest(questions, samples, backend, chat, tools, seed=derive_seed(seed, b, 0))
             with torch.no_grad():
-                result = rollout(request)
+                result = rollout_rows(plugins, args, chat, backend, chunk, group_size=samples,
+                                      seed=derive_seed(seed, b, 0), id_offset=start)
+            score_trajectories(plugins, result.trajectories, chunk)
             for traj in result.trajectories:
-                value = scorer(traj, chunk[traj.group_id])
-                traj.reward_components = [RewardComponent("correct", value, 1.0)]
                 trajectories.append(traj)
-                correct.append(value == scorer.correct)
+                correct.append(bool(judge.is_success(traj.reward_component(success_component).value)))
     finally:
         model.train(was_training)
+        plugins.close()
     return summarise(trajectories, correct, ks), trajectories
-

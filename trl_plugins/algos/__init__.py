@@ -16,6 +16,7 @@ from trl_plugins.algos.advantages import (
 )
 from trl_plugins.algos.aggregation import aggregate, local_denominators
 from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, ppo_clip_loss
+from trl_plugins.algos.stats import importance_ratios, quantiles
 
 __all__ = [
     "DrGRPOAdvantage",
@@ -32,4 +33,6 @@ __all__ = [
     "clipped_value_loss",
     "kl_estimate",
     "ppo_clip_loss",
+    "importance_ratios",
+    "quantiles",
 ]

@@ -8,6 +8,7 @@ settings are constructor arguments. Outcome estimators return ``(N,)`` per-traje
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -149,6 +150,11 @@ def gae_advantages(
 class GroupAdvantage:
     """GRPO: reward minus group mean, divided by the group std when ``scale_by_std``."""
 
+    needs_values: ClassVar[bool] = False
+    """Capability: reads critic values (``AdvantageInput.values``)."""
+    needs_groups: ClassVar[bool] = True
+    """Capability: compares the members of a group (needs ``num_generations >= 2``)."""
+
     scale_by_std: bool = True
     """Divide by the group's (unbiased) std; False gives Dr. GRPO."""
     eps: float = 1e-6
@@ -173,6 +179,9 @@ class DrGRPOAdvantage(GroupAdvantage):
 class RLOOAdvantage:
     """REINFORCE leave-one-out baseline."""
 
+    needs_values: ClassVar[bool] = False
+    needs_groups: ClassVar[bool] = True
+
     def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
         return AdvantageOutput(advantages=rloo_advantages(inp.rewards, inp.group_ids))
 
@@ -181,6 +190,9 @@ class RLOOAdvantage:
 @dataclass
 class GAEAdvantage:
     """GAE over action positions (needs ``values`` and ``action_mask`` on the input)."""
+
+    needs_values: ClassVar[bool] = True
+    needs_groups: ClassVar[bool] = False
 
     gamma: float = 1.0
     """Discount per action token."""

@@ -179,6 +179,16 @@ class PPOClipLoss:
             )
         self.kl_estimator = KLEstimator(self.kl_estimator)
 
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        """Capability: reads ``PolicyLossInput.ref_logprobs`` (a reference-KL term is on)."""
+        return self.kl_coef != 0.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Capability: reads ``PolicyLossInput.entropy`` (an entropy bonus is on)."""
+        return self.entropy_coef != 0.0
+
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
         out = ppo_clip_loss(
             inp.logprobs,

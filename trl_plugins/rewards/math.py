@@ -58,6 +58,10 @@ class CorrectReward:
     wrong: float = -1.0
     """Value for anything else."""
 
+    def is_success(self, value: float) -> bool:
+        """Whether a value this component returned means a right answer (what evaluations count)."""
+        return value == self.correct
+
     def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> float:
         if trajectory.stop_reason != StopReason.FINAL_ANSWER:
             return self.wrong

@@ -5,7 +5,7 @@ trajectory continues on its own, all live trajectories batched into one ``genera
 all tool calls of a round run concurrently. Per turn ``max_new_tokens = min(max_assistant_tokens,
 trajectory budget left)``. The next prompt is built token-in, token-out (:mod:`.chat`). Every
 trajectory ends with its own :class:`~trl_plugins.types.StopReason`, carries its policy version and
-per-turn timings, and passes :func:`~trl_plugins.types.validate_trajectory`.
+per-turn timings, and passes :func:`~trl_plugins.rollout.validate.validate_trajectory`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import concurrent.futures
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Mapping, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout.backends import GenerationBackend
@@ -29,8 +29,8 @@ from trl_plugins.types import (
     ToolCall,
     Trajectory,
     Turn,
-    validate_trajectory,
 )
+from trl_plugins.rollout.validate import validate_trajectory
 
 __all__ = ["RolloutError", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async"]
 
@@ -105,8 +105,6 @@ class RolloutRequest:
     """Optimizer step of the sampling weights, recorded in each trajectory's policy version."""
     seed: int = 0
     """Base seed of this rollout (derive it from base seed, step and rank)."""
-    any_live: Callable[[bool], bool] | None = None
-    """Cross-rank OR of "this rank has live trajectories", for backends whose ``generate`` is a collective."""
     progress: bool = False
     """Show a progress bar of finished trajectories."""
 
@@ -173,6 +171,11 @@ class MultiTurnRollout:
     max_tool_response_tokens: int = 512
     """Tokens per tool response (the tail is kept)."""
 
+    @property
+    def token_budget(self) -> int:
+        """Capability: the most tokens one trajectory can hold (first prompt, completions, tool messages)."""
+        return self.max_trajectory_tokens
+
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tool_calls", "max_assistant_tokens", "max_trajectory_tokens", "max_tool_response_tokens"):
             if getattr(self, name) < 1:
@@ -194,6 +197,11 @@ class MultiTurnRollout:
                     f"prompts longer than {self.max_trajectory_tokens - 1} tokens from the dataset."
                 )
         chat, backend = request.chat, request.backend
+        if getattr(backend, "requires_lockstep", False):
+            raise RolloutError(
+                f"{type(backend).__name__} generates in lock-step across ranks (a collective per call), which the "
+                f"multi_turn rollout does not drive: it generates each rank's live trajectories on their own."
+            )
         version = PolicyVersion(
             step=request.policy_step,
             tokenizer_digest=chat.digest,
@@ -226,14 +234,10 @@ class MultiTurnRollout:
                     else:
                         still.append(st)
                 live = still
-                go_on = bool(live)
-                if backend.requires_lockstep and request.any_live is not None:
-                    go_on = request.any_live(go_on)
-                if not go_on:
+                if not live:
                     break
                 budgets = [min(self.max_assistant_tokens, self.max_trajectory_tokens - len(st.prompt)) for st in live]
                 t0 = time.perf_counter()
-                # With a lockstep backend a rank with nothing live still joins the call, with no prompts.
                 samples = backend.generate([st.prompt for st in live], budgets, seed=derive_seed(request.seed, result.rounds))
                 gen_s = time.perf_counter() - t0
                 result.generation_s += gen_s

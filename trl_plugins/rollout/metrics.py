@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections import Counter
 
 from trl_plugins.rollout.engine import RolloutResult
-from trl_plugins.rollout.replay import ReplayReport
 from trl_plugins.types import StopReason
 
 __all__ = ["rollout_metrics"]
 
 
-def rollout_metrics(result: RolloutResult, replay: ReplayReport | None = None) -> dict[str, float]:
-    """Turns, tool calls, valid-call rate, tokens, stop-reason fractions, timings, replay gap."""
+def rollout_metrics(result: RolloutResult) -> dict[str, float]:
+    """Turns, tool calls, valid-call rate, tokens, stop-reason fractions, timings."""
     trajs = result.trajectories
     n = max(len(trajs), 1)
     turns = sum(len(t.turns) for t in trajs)
@@ -39,7 +38,4 @@ def rollout_metrics(result: RolloutResult, replay: ReplayReport | None = None) -
         out[f"rollout/stop/{reason.value}"] = reasons.get(reason, 0) / n
     out["rollout/terminated_frac"] = sum(t.terminated for t in trajs) / n
     out["rollout/truncated_frac"] = sum(t.truncated for t in trajs) / n
-    if replay is not None:
-        out["rollout/replay_max_abs_logprob_diff"] = replay.max_abs_diff
-        out["rollout/replay_mean_abs_logprob_diff"] = replay.mean_abs_diff
     return out

@@ -1,8 +1,8 @@
 """Replay check: recompute the behaviour log-probs of sampled tokens with a plain forward pass.
 
 With unchanged weights the difference measures sampler/trainer mismatch (kernels, padding, KV cache,
-dtype, a log-prob taken from the wrong distribution). It is small in fp32 on CPU (< 1e-4) and is also
-logged as a metric every step.
+dtype, a log-prob taken from the wrong distribution). It is small in fp32 on CPU (< 1e-4); tests and
+benchmarks call it (the trainer does not yet log it per step).
 """
 
 from __future__ import annotations

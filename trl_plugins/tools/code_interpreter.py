@@ -82,6 +82,14 @@ class CodeInterpreter:
             text = (text + ("\n" if text and not text.endswith("\n") else "") + result.stderr).strip("\n")
         return ToolOutput(text=text, ok=result.ok, timed_out=result.timed_out, latency_s=result.latency_s)
 
+    def step_metrics(self) -> dict[str, float]:
+        """The sandbox's statistics since the last call (``sandbox/*``); empty before the first call."""
+        if self._sandbox is None:
+            return {}
+        metrics = self._sandbox.stats().to_metrics("sandbox/")
+        self._sandbox.reset_step_stats()
+        return metrics
+
     def close(self) -> None:
         """Stop the sandbox's interpreters."""
         if self._sandbox is not None:

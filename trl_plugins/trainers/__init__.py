@@ -1,8 +1,8 @@
 """Trainer glue: the exact multi-rank update step and the subclassed TRL trainer that runs the plugins."""
 
-from trl_plugins.trainers.step import UpdateConfig, UpdateResult, policy_update
+from trl_plugins.trainers.step import UpdateResult, UpdateSettings, policy_update
 
-__all__ = ["UpdateConfig", "UpdateResult", "policy_update", "MultiTurnGRPOConfig", "MultiTurnGRPOTrainer"]
+__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "MultiTurnGRPOConfig", "MultiTurnGRPOTrainer"]
 
 
 def __getattr__(name: str):

@@ -53,7 +53,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     packer: str = field(default="optimal", metadata={"help": "Micro-batch packer."})
     max_items_per_micro_batch: int = field(default=32, metadata={"help": "Rows per micro-batch."})
     max_padded_tokens_per_micro_batch: int = field(default=64_000, metadata={"help": "Padded area per micro-batch."})
-    rebalance_ranks: bool = field(default=False, metadata={"help": "Move datums across ranks with the balanced packer."})
+    rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (scored by the reward components, which treat them as wrong) or 'mask' (no advantage, left out of group statistics and the loss)."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Drop trajectories whose advantage is 0."})
@@ -96,3 +96,17 @@ class MultiTurnGRPOConfig(GRPOConfig):
         for name in ("max_items_per_micro_batch", "max_padded_tokens_per_micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        # Reachable code only: TRL fields whose machinery this trainer does not run yet are refused.
+        if self.beta != 0.0:
+            raise ValueError(
+                f"beta={self.beta}: this trainer does not train against a reference model yet, so a KL coefficient "
+                f"would be ignored; keep beta=0.0."
+            )
+        if self.use_vllm:
+            raise ValueError(
+                "use_vllm=True: this trainer generates with HF generate only for now, so vLLM would be ignored; "
+                "leave use_vllm off."
+            )
+        from trl_plugins.trainers.plugins import check_plugin_config
+
+        check_plugin_config(self)

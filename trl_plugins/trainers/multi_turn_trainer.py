@@ -2,8 +2,9 @@
 
 One step is one rollout batch and one optimizer update: roll out each question ``num_generations``
 times (rollout plugin, tools), score each trajectory (reward components), compute advantages, build
-one datum per trajectory, drop zero-advantage ones, and let :func:`~trl_plugins.trainers.step.policy_update`
-run the exactly-normalised micro-batches; the HF Trainer loop then clips, steps the optimizer and the
+one datum per trajectory, drop zero-advantage ones (all in :mod:`~trl_plugins.trainers.batch`, shared
+with the evaluation), and let :func:`~trl_plugins.trainers.step.policy_update` run the
+exactly-normalised micro-batches; the HF Trainer loop then clips, steps the optimizer and the
 scheduler, logs and checkpoints as usual. The PPO "old" log-probs are the sampler's behaviour
 log-probs stored on the trajectories.
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from typing import Any, Mapping
 
@@ -25,33 +25,24 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from trl_plugins.datum import build_datum
-from trl_plugins.registry import ADVANTAGES, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, derive_seed, questions_from_rows
+from trl_plugins.rollout import ChatFormat, derive_seed
 from trl_plugins.rollout.metrics import rollout_metrics
+from trl_plugins.trainers.batch import (
+    build_datums_for_update,
+    compute_advantages,
+    hf_backend,
+    rollout_rows,
+    score_trajectories,
+)
+from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
-from trl_plugins.trainers.step import UpdateConfig, policy_update
-from trl_plugins.types import AdvantageInput, RewardComponent, SamplingSettings, Trajectory, TrajectoryError
+from trl_plugins.trainers.plugins import build_plugins
+from trl_plugins.trainers.step import policy_update
+from trl_plugins.types import Trajectory
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-COMPLETE_MARKER = "checkpoint_complete.json"
-"""Written into a checkpoint folder after everything else: a folder without it is a partial save."""
-
-
-def latest_complete_checkpoint(output_dir: str) -> str | None:
-    """The newest ``checkpoint-N`` folder under ``output_dir`` that has the completion marker."""
-    if not os.path.isdir(output_dir):
-        return None
-    found = []
-    for name in os.listdir(output_dir):
-        m = re.fullmatch(r"checkpoint-(\d+)", name)
-        if m and os.path.isfile(os.path.join(output_dir, name, COMPLETE_MARKER)):
-            found.append((int(m.group(1)), name))
-    return os.path.join(output_dir, max(found)[1]) if found else None
-
 
 class _ScoredByPlugins:
     """TRL requires a reward source at construction; this trainer scores with REWARDS plugins."""
@@ -110,6 +101,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             raise TypeError(f"args must be a MultiTurnGRPOConfig, got {type(args).__name__}.")
         if args.log_completions:
             raise ValueError("log_completions is TRL's single-turn table; trajectory tables come from this trainer's own logging.")
+        # Every plugin is built (and checked) before TRL loads anything.
+        self._plugins = build_plugins(args, tools=tools, reward_components=reward_components)
         super().__init__(
             model=model,
             reward_funcs=[_ScoredByPlugins()],
@@ -120,29 +113,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
-        if tools is not None:
-            self._tools = dict(tools)
-            missing = set(args.tools) - set(self._tools)
-            if missing:
-                raise ValueError(f"tools {sorted(missing)} are configured but not provided.")
-        else:
-            # Keyed by the name the model calls (the tool's own ``name``), which may differ from the
-            # configured plugin name (e.g. "pkg.module:Tool").
-            built = [TOOLS.get(name)(**args.tool_kwargs.get(name, {})) for name in args.tools]
-            self._tools = {getattr(tool, "name", name): tool for name, tool in zip(args.tools, built)}
-            if len(self._tools) != len(built):
-                raise ValueError(f"two configured tools share a name: {[getattr(t, 'name', None) for t in built]}.")
-        provided = dict(reward_components or {})
-        self._reward_components = [
-            (name, float(weight), provided.get(name) or REWARDS.get(name)(**args.reward_component_kwargs.get(name, {})))
-            for name, weight in zip(args.reward_components, args.reward_component_weights)
-        ]
-        self._rollout_plugin = ROLLOUTS.get(args.rollout)(**args.rollout_kwargs)
-        self._advantage = ADVANTAGES.get(args.advantage)(**args.advantage_kwargs)
-        self._policy_loss = POLICY_LOSSES.get(args.policy_loss)(**args.policy_loss_kwargs)
-        tokenizer = self.processing_class
-        self._chat = ChatFormat(tokenizer, [t.schema() for t in self._tools.values()])
-        self._validate(args)
+        self._chat = ChatFormat(self.processing_class, [t.schema() for t in self._plugins.tools.values()])
         self.add_callback(_OptimizerTimer(self._metrics))
         self._buffered_datums: list | None = None
         self._rollout_step = 0
@@ -150,100 +121,41 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._last_table_step = -1
         self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
-    # -- start-up validation -------------------------------------------------------------------
-
-    def _validate(self, args: MultiTurnGRPOConfig) -> None:
-        if args.advantage == "gae":
-            raise ValueError("the 'gae' estimator needs a critic, which this trainer does not run yet; use 'group', 'dr_grpo' or 'rloo'.")
-        if args.advantage in ("group", "dr_grpo", "rloo") and self.num_generations < 2:
-            raise ValueError(f"group-relative advantages need num_generations >= 2, got {self.num_generations}.")
-        budget = getattr(self._rollout_plugin, "max_trajectory_tokens", None)
-        context = args.max_context_tokens if args.max_context_tokens is not None else (budget - 1 if budget else None)
-        if budget is not None and context is not None and budget - 1 > context:
-            raise ValueError(
-                f"the rollout budget max_trajectory_tokens={budget} makes datums of up to {budget - 1} tokens, over "
-                f"max_context_tokens={context}; lower max_trajectory_tokens to {context + 1} or raise max_context_tokens."
-            )
-        if context is not None and context > args.max_padded_tokens_per_micro_batch:
-            raise ValueError(
-                f"a datum can have {context} tokens but max_padded_tokens_per_micro_batch is "
-                f"{args.max_padded_tokens_per_micro_batch}: the longest datum would fit in no micro-batch. Raise "
-                f"max_padded_tokens_per_micro_batch to at least {context} or lower the rollout budget."
-            )
-        self._max_context_tokens = context
-
     # -- one step --------------------------------------------------------------------------------
 
     def _rollout_and_score(self, rows: list[dict]) -> tuple[list, dict[str, float]]:
-        args = self.args
-        timings: dict[str, float] = {}
-        backend = HFGenerationBackend(
-            self.model_wrapped,
-            pad_token_id=self.processing_class.pad_token_id,
-            stop_token_ids=self._chat.stop_token_ids,
-            sampling=SamplingSettings(
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,
-                min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
-            ),
-            accelerator=self.accelerator,
-        )
-        seed = derive_seed(args.seed, self.state.global_step, self.accelerator.process_index)
-        request = RolloutRequest(
-            questions_from_rows(self._chat, rows, args.system_prompt), self.num_generations, backend, self._chat, self._tools,
-            policy_step=self.state.global_step, seed=seed,
+        args, plugins = self.args, self._plugins
+        backend = hf_backend(self.model_wrapped, self.processing_class, self._chat, args, accelerator=self.accelerator)
+        result = rollout_rows(
+            plugins, args, self._chat, backend, rows, group_size=self.num_generations,
+            seed=derive_seed(args.seed, self.state.global_step, self.accelerator.process_index),
+            policy_step=self.state.global_step,
             progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
         )
-        result = self._rollout_plugin(request)
         trajs: list[Trajectory] = result.trajectories
-        for traj in trajs:
-            version = traj.policy_version
-            if version is None or version.tokenizer_digest != self._chat.digest:
-                got = None if version is None else version.tokenizer_digest
-                raise TrajectoryError(
-                    f"trajectory for question {traj.question_id!r} was tokenised with tokenizer/chat-template digest "
-                    f"{got}, but the trainer's is {self._chat.digest}: its token ids mean something else here. "
-                    f"Roll out with the trainer's tokenizer and chat template."
-                )
         t0 = time.perf_counter()
-        for traj in trajs:
-            row = rows[traj.group_id]
-            traj.reward_components = [
-                RewardComponent(name, float(fn(traj, row)), weight) for name, weight, fn in self._reward_components
-            ]
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        group_ids = torch.tensor([t.group_id for t in trajs])
-        # truncated_policy="mask": a truncated trajectory is neither scored against its group nor trained on.
-        masked = [args.truncated_policy == "mask" and t.truncated for t in trajs]
-        keep = torch.tensor([not m for m in masked], dtype=torch.bool)
-        advantages = torch.zeros(len(trajs), dtype=torch.float32)
-        if bool(keep.any()):
-            advantages[keep] = self._advantage(AdvantageInput(rewards=rewards[keep], group_ids=group_ids[keep])).advantages.float()
-        timings["timing/scoring_s"] = time.perf_counter() - t0
-        datums = []
-        for i, (traj, adv) in enumerate(zip(trajs, advantages.tolist())):
-            traj.advantage = adv
-            if masked[i] or (args.drop_zero_advantage and adv == 0.0):
-                continue
-            datums.append(build_datum(traj, max_context_tokens=self._max_context_tokens, trajectory_index=i))
-        metrics = {**rollout_metrics(result), **timings}
+        score_trajectories(plugins, trajs, rows)
+        masked = compute_advantages(plugins, trajs, mask_truncated=args.truncated_policy == "mask")
+        scoring_s = time.perf_counter() - t0
+        datums = build_datums_for_update(plugins, trajs, masked, drop_zero_advantage=args.drop_zero_advantage)
+        metrics = {**rollout_metrics(result), "timing/scoring_s": scoring_s}
         n = max(len(trajs), 1)
-        metrics["reward/total"] = float(rewards.mean()) if trajs else 0.0
-        for name, _, _ in self._reward_components:
+        metrics["reward/total"] = float(torch.tensor([t.reward for t in trajs], dtype=torch.float32).mean()) if trajs else 0.0
+        for name, _, _ in plugins.reward_components:
             metrics[f"reward/{name}"] = sum(t.reward_component(name).value for t in trajs) / n
         self._last_trajectories = trajs
         metrics["train/datums"] = float(len(datums))
         metrics["train/masked_truncated_frac"] = sum(masked) / n
-        metrics["train/zero_advantage_frac"] = sum(a == 0.0 for a in advantages.tolist()) / n
+        metrics["train/zero_advantage_frac"] = sum(t.advantage == 0.0 for t in trajs) / n
         # Groups that give the update nothing: every member's advantage is 0 (e.g. all right or all wrong).
         by_group: dict[int, list[float]] = {}
         for traj in trajs:
             by_group.setdefault(traj.group_id, []).append(traj.advantage)
         metrics["rollout/degenerate_group_rate"] = sum(all(a == 0.0 for a in v) for v in by_group.values()) / max(len(by_group), 1)
-        for tool in self._tools.values():
-            sandbox = getattr(tool, "_sandbox", None)
-            if sandbox is not None:
-                metrics.update(sandbox.stats().to_metrics("sandbox/"))
-                sandbox.reset_step_stats()
+        for tool in plugins.tools.values():
+            step_metrics = getattr(tool, "step_metrics", None)
+            if step_metrics is not None:
+                metrics.update(step_metrics())
         return datums, metrics
 
     def training_step(self, model: torch.nn.Module, inputs: list[dict], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -270,14 +182,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             loss = torch.zeros((), device=self.args.device)
         else:
             t0 = time.perf_counter()
-            config = UpdateConfig(
-                aggregation=args.aggregation, packer=args.packer, max_items=args.max_items_per_micro_batch,
-                max_padded_tokens=args.max_padded_tokens_per_micro_batch, rebalance=args.rebalance_ranks,
-                norm_length=args.norm_length, pad_token_id=self.processing_class.pad_token_id,
-                # Greedy sampling (temperature 0) keeps log-probs of the unscaled logits, like the backend.
-                temperature=args.temperature or 1.0,
-            )
-            result = policy_update(self.accelerator, model, self.optimizer, datums, self._policy_loss, config, step_optimizer=False)
+            result = policy_update(self.accelerator, model, self.optimizer, datums, self._plugins.policy_loss, args,
+                                   pad_token_id=self.processing_class.pad_token_id, step_optimizer=False)
             metrics["timing/forward_backward_s"] = time.perf_counter() - t0
             metrics.update({
                 "train/update_skipped": 0.0,
@@ -332,10 +238,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         if self.args.should_save:
             run_dir = self._get_output_dir(trial=trial)
             folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-            tmp = os.path.join(folder, COMPLETE_MARKER + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump({"global_step": self.state.global_step, "tokenizer_digest": self._chat.digest}, f)
-            os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
+            mark_complete(folder, global_step=self.state.global_step, tokenizer_digest=self._chat.digest)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
 

@@ -2,8 +2,8 @@
 
 Every rank calls :func:`policy_update` with the datums it holds (any number, any lengths). It
 
-1. optionally rebalances datums across ranks (all ranks gather the lengths and build the same
-   ``balanced`` plan), otherwise packs its own datums with the chosen packer;
+1. with ``rebalance_ranks``, gathers every rank's datums and builds one plan across all ranks with
+   the configured packer (``balanced`` is made for it), otherwise packs its own datums;
 2. all-reduces the global denominators (loss tokens, sequences) and the largest micro-batch count;
 3. runs that many forward/backward passes on every rank, zero-weight dummy micro-batches where a
    rank has fewer (under ZeRO-3 every forward is a collective), each loss already normalised by the
@@ -21,41 +21,31 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from trl_plugins.algos import aggregate
+from trl_plugins.algos import aggregate, importance_ratios, quantiles
 from trl_plugins.datum import collate, dummy_micro_batch
 from trl_plugins.modeling import token_logprobs
 from trl_plugins.packing import pack_for_ranks
-from trl_plugins.types import AggregationMode, Datum, PolicyLossInput, PolicyLossOutput, PolicyLossStats
+from trl_plugins.types import Datum, PolicyLossInput, PolicyLossOutput, PolicyLossStats
 
-__all__ = ["UpdateConfig", "UpdateResult", "policy_update"]
+__all__ = ["UpdateSettings", "UpdateResult", "policy_update"]
 
 
-@dataclass
-class UpdateConfig:
-    """How one update packs and normalises."""
+class UpdateSettings(Protocol):
+    """What :func:`policy_update` reads from its config: fields of :class:`MultiTurnGRPOConfig`, which
+    is where their defaults and their validation live (any object with these attributes will do)."""
 
-    aggregation: AggregationMode | str = AggregationMode.TOKEN_MEAN
-    """Loss aggregation mode."""
-    packer: str = "optimal"
-    """Packer for each rank's own datums."""
-    max_items: int = 32
-    """Rows per micro-batch."""
-    max_padded_tokens: int = 64_000
-    """Padded area per micro-batch."""
-    rebalance: bool = False
-    """Move datums between ranks with the ``balanced`` packer (gathers the datums to every rank)."""
-    norm_length: float | None = None
-    """Constant length for ``seq_mean_token_sum_norm``."""
-    temperature: float = 1.0
-    """Sampling temperature: log-probs are taken from ``logits / temperature`` like the behaviour ones."""
-    pad_token_id: int = 0
-    """Padding id for collation."""
-    max_grad_norm: float | None = None
-    """Clip the global gradient norm (skipped under DeepSpeed, which clips by its own config)."""
+    aggregation: str
+    packer: str
+    max_items_per_micro_batch: int
+    max_padded_tokens_per_micro_batch: int
+    rebalance_ranks: bool
+    norm_length: float | None
+    temperature: float
+    max_grad_norm: float | None
 
 
 @dataclass
@@ -125,8 +115,9 @@ def policy_update(
     optimizer: torch.optim.Optimizer,
     datums: Sequence[Datum],
     policy_loss: Callable[[PolicyLossInput], PolicyLossOutput],
-    config: UpdateConfig,
+    config: UpdateSettings,
     *,
+    pad_token_id: int,
     step_optimizer: bool = True,
 ) -> UpdateResult:
     """Run one exact update on this rank's ``datums``; every rank must call it (collectives inside).
@@ -137,7 +128,11 @@ def policy_update(
         optimizer: The prepared optimizer.
         datums: This rank's datums (may be empty).
         policy_loss: A policy-loss plugin.
-        config: Packing and normalisation.
+        config: The run's config (a ``MultiTurnGRPOConfig``): aggregation, packer and its limits,
+            ``rebalance_ranks``, ``norm_length``, the sampling ``temperature`` (log-probs are taken from
+            ``logits / temperature`` like the behaviour ones; 0, greedy, keeps the unscaled logits) and
+            ``max_grad_norm`` (clipping when > 0; skipped under DeepSpeed, which clips by its own config).
+        pad_token_id: Padding id for collation.
         step_optimizer: Step and zero the optimizer here (DDP/single process). ``False`` when a caller
             such as the HF Trainer loop clips and steps itself right after. Under DeepSpeed the engine
             steps in the last backward either way.
@@ -149,21 +144,17 @@ def policy_update(
     rank = accelerator.process_index
     datums = list(datums)
     t_pack = time.perf_counter()
-    if config.rebalance and world > 1:
+    limits = {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch}
+    if config.rebalance_ranks and world > 1:
         from accelerate.utils import gather_object
 
+        # Every rank gathers every datum and builds the same plan across all ranks with the packer.
         everything = gather_object([datums])  # one list per rank, in rank order
         datums = [d for part in everything for d in part]
-        plan = pack_for_ranks(
-            [d.num_tokens for d in datums], strategy="balanced", max_items=config.max_items,
-            max_padded_tokens=config.max_padded_tokens, world_size=world,
-        )
+        plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=world, **limits)
         batches = plan.ranks[rank]
     else:
-        plan = pack_for_ranks(
-            [d.num_tokens for d in datums], strategy=config.packer, max_items=config.max_items,
-            max_padded_tokens=config.max_padded_tokens, world_size=1,
-        )
+        plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1, **limits)
         batches = plan.ranks[0]
 
     packing_s = time.perf_counter() - t_pack
@@ -175,6 +166,7 @@ def policy_update(
     batches = list(batches) + [[] for _ in range(steps - len(batches))]
 
     deepspeed = _is_deepspeed(accelerator)
+    temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
     loss_total = 0.0
     padded = real = dummies = 0
     stats: PolicyLossStats | None = None
@@ -182,7 +174,7 @@ def policy_update(
     model.train()
     for k, idx in enumerate(batches):
         last = k == steps - 1
-        mb = collate(datums, idx, pad_token_id=config.pad_token_id) if idx else dummy_micro_batch(pad_token_id=config.pad_token_id)
+        mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
         dummies += not idx
         padded += mb.num_padded_tokens
         real += int(mb.attention_mask.sum())
@@ -195,7 +187,7 @@ def policy_update(
         with ctx:
             logp = token_logprobs(
                 model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.target_ids.to(device),
-                temperature=config.temperature,
+                temperature=temperature,
             )
             out = policy_loss(
                 PolicyLossInput(
@@ -216,12 +208,11 @@ def policy_update(
         loss_total += float(loss.detach()) / world
         if idx:
             stats = out.stats if stats is None else stats.merge(out.stats)
-            on = mb.action_mask.to(device).bool()
-            ratios.append(torch.exp((logp.detach() - mb.behaviour_logprobs.to(device))[on]).float().cpu())
+            ratios.append(importance_ratios(logp, mb.behaviour_logprobs.to(device), mb.action_mask.to(device)).cpu())
 
     grad_norm = None
     if not deepspeed and step_optimizer:
-        if config.max_grad_norm is not None:
+        if config.max_grad_norm is not None and config.max_grad_norm > 0:
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -230,10 +221,10 @@ def policy_update(
     (loss_sum,) = _reduce(accelerator, [loss_total], "sum")
     qs = (0.1, 0.5, 0.9)
     local_r = torch.cat(ratios) if ratios else torch.zeros(0)
-    local_q = torch.quantile(local_r, torch.tensor(qs)).tolist() if local_r.numel() else [0.0] * len(qs)
+    local_q = quantiles(local_r, qs).tolist()
     have = float(local_r.numel() > 0)
     q_sums = _reduce(accelerator, [q * have for q in local_q] + [have], "sum")
-    quantiles = {f"ratio_p{int(q * 100)}": v / q_sums[-1] for q, v in zip(qs, q_sums[:-1])} if q_sums[-1] else None
+    ratio_qs = {f"ratio_p{int(q * 100)}": v / q_sums[-1] for q, v in zip(qs, q_sums[:-1])} if q_sums[-1] else None
     dummies_all, padded_all, real_all = _reduce(accelerator, [dummies, padded, real], "sum")
     return UpdateResult(
         loss=loss_sum,
@@ -246,5 +237,5 @@ def policy_update(
         stats=_merge_stats_across_ranks(accelerator, stats),
         grad_norm=grad_norm,
         packing_s=packing_s,
-        ratio_quantiles=quantiles,
+        ratio_quantiles=ratio_qs,
     )

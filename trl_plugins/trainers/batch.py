@@ -1,0 +1,129 @@
+"""Rows -> trajectories -> scores -> advantages -> datums: the one path used by training AND evaluation.
+
+Each step is a plain function over the run's :class:`~trl_plugins.trainers.plugins.RunPlugins`; the
+trainer calls all of them, the evaluation the first two. Whatever a rollout plugin returns is checked
+here (count, order, tokenizer digest, the trajectory contract) before anything uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from trl_plugins.datum import build_datum
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, RolloutResult, questions_from_rows
+from trl_plugins.rollout.validate import validate_trajectory
+from trl_plugins.trainers.plugins import RunPlugins
+from trl_plugins.types import AdvantageInput, Datum, RewardComponent, SamplingSettings, Trajectory, TrajectoryError
+
+__all__ = ["hf_backend", "rollout_rows", "score_trajectories", "compute_advantages", "build_datums_for_update"]
+
+
+def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, temperature: float | None = None,
+               accelerator: Any = None) -> HFGenerationBackend:
+    """The HF ``generate`` backend with the config's sampling settings (``temperature`` overrides the config's)."""
+    return HFGenerationBackend(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        stop_token_ids=chat.stop_token_ids,
+        sampling=SamplingSettings(
+            temperature=args.temperature if temperature is None else temperature, top_p=args.top_p,
+            top_k=args.top_k or 0, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
+        ),
+        accelerator=accelerator,
+    )
+
+
+def _check_result(plugins: RunPlugins, rollout_name: str, result: Any, questions: Sequence[Any], group_size: int,
+                  digest: str) -> None:
+    where = f"rollout plugin {rollout_name!r}"
+    if not isinstance(result, RolloutResult):
+        raise TrajectoryError(f"{where} returned {type(result).__name__}; a rollout returns a RolloutResult.")
+    trajs = result.trajectories
+    expected = [q.question_id for q in questions for _ in range(group_size)]
+    if [t.question_id for t in trajs] != expected:
+        raise TrajectoryError(
+            f"{where} returned {len(trajs)} trajectories for {len(questions)} questions x {group_size} samples, or in "
+            f"another order; it must return group_size trajectories per question, question-major."
+        )
+    for traj in trajs:
+        version = traj.policy_version
+        if version is None or version.tokenizer_digest != digest:
+            got = None if version is None else version.tokenizer_digest
+            raise TrajectoryError(
+                f"trajectory for question {traj.question_id!r} was tokenised with tokenizer/chat-template digest "
+                f"{got}, but the trainer's is {digest}: its token ids mean something else here. "
+                f"Roll out with the trainer's tokenizer and chat template."
+            )
+        try:
+            validate_trajectory(traj)
+        except TrajectoryError as exc:
+            raise TrajectoryError(f"{where}: {exc}") from exc
+
+
+def rollout_rows(
+    plugins: RunPlugins,
+    args: Any,
+    chat: ChatFormat,
+    backend: Any,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    group_size: int,
+    seed: int,
+    policy_step: int = 0,
+    id_offset: int = 0,
+    progress: bool = False,
+) -> RolloutResult:
+    """Roll out every row ``group_size`` times with the run's rollout plugin and tools, and check the result.
+
+    A row's ``prompt`` is a string or chat messages; ``args.system_prompt`` goes first. Trajectory
+    ``group_id`` is the row's place in ``rows``.
+
+    Raises:
+        TrajectoryError: the rollout plugin returned the wrong trajectories or one that breaks the contract.
+    """
+    questions = questions_from_rows(chat, rows, args.system_prompt, id_offset=id_offset)
+    request = RolloutRequest(questions, group_size, backend, chat, plugins.tools, policy_step=policy_step, seed=seed,
+                             progress=progress)
+    result = plugins.rollout(request)
+    _check_result(plugins, args.rollout, result, questions, group_size, chat.digest)
+    return result
+
+
+def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], rows: Sequence[Mapping[str, Any]]) -> None:
+    """Store each reward component (name, value, weight) on each trajectory; ``rows[traj.group_id]`` is its example."""
+    for traj in trajectories:
+        row = rows[traj.group_id]
+        traj.reward_components = [
+            RewardComponent(name, float(fn(traj, row)), weight) for name, weight, fn in plugins.reward_components
+        ]
+
+
+def compute_advantages(plugins: RunPlugins, trajectories: Sequence[Trajectory], *, mask_truncated: bool) -> list[bool]:
+    """Set ``traj.advantage`` from the advantage plugin; returns which trajectories are masked.
+
+    With ``mask_truncated`` a truncated trajectory is neither scored against its group nor trained on
+    (advantage 0, left out of the estimator's input).
+    """
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    group_ids = torch.tensor([t.group_id for t in trajectories])
+    masked = [mask_truncated and t.truncated for t in trajectories]
+    keep = torch.tensor([not m for m in masked], dtype=torch.bool)
+    advantages = torch.zeros(len(trajectories), dtype=torch.float32)
+    if bool(keep.any()):
+        advantages[keep] = plugins.advantage(AdvantageInput(rewards=rewards[keep], group_ids=group_ids[keep])).advantages.float()
+    for traj, adv in zip(trajectories, advantages.tolist()):
+        traj.advantage = adv
+    return masked
+
+
+def build_datums_for_update(plugins: RunPlugins, trajectories: Sequence[Trajectory], masked: Sequence[bool], *,
+                            drop_zero_advantage: bool) -> list[Datum]:
+    """One datum per trajectory that the update trains on (masked ones and, optionally, zero-advantage ones left out)."""
+    datums = []
+    for i, traj in enumerate(trajectories):
+        if masked[i] or (drop_zero_advantage and traj.advantage == 0.0):
+            continue
+        datums.append(build_datum(traj, max_context_tokens=plugins.max_context_tokens, trajectory_index=i))
+    return datums
