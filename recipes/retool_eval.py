@@ -1,22 +1,45 @@
 """Evaluate a ReTool checkpoint on a held-out split: pass@1, pass@k and tool-call statistics.
 
     # the embedded cold-start model (no arguments) or a trained checkpoint, sampled
-    python recipes/retool_eval.py --model_name_or_path outputs/retool_ppo/final --samples 8 --k 1 8
+    python recipes/retool_eval.py --model_name_or_path outputs/retool_ppo/final --eval_samples 8 --k 1 8
     # greedy
-    python recipes/retool_eval.py --model_name_or_path outputs/retool_ppo/final --temperature 0 --samples 1 --k 1
+    python recipes/retool_eval.py --model_name_or_path outputs/retool_ppo/final --eval_temperature 0 --eval_samples 1
     # a Hub model on a Hub maths set
     python recipes/retool_eval.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct \\
-        --dataset_name HuggingFaceH4/MATH-500 --split test --prompt_column problem --answer_column answer
+        --dataset_name HuggingFaceH4/MATH-500 --dataset_test_split test --prompt_column problem --answer_column answer
 
-It rolls out with the training rollout (same chat format, code-interpreter sandbox and budgets:
-``--rollout_kwargs``) and scores with the ``correct`` reward (math-verify on the last ``\\boxed{}``),
-so its accuracy is the training log's ``reward/correct`` on unseen problems. ``--output_json``
-writes the numbers; ``--config`` takes a YAML of the same fields.
+It takes the training recipe's own arguments (``recipes/retool_ppo.yaml`` unless ``--config`` names
+another file, overridden on the command line), so it evaluates with the run's tools, rollout plugin and
+budgets, reward components and system prompt, through the registries: a run trained with a custom tool
+or rollout is evaluated with it. A sample is correct when the ``correct`` reward component says so
+(math-verify on the last ``\\boxed{}``), so its accuracy is the training log's ``reward/correct`` on
+unseen problems. ``--output_json`` writes the numbers.
 """
+
+from __future__ import annotations
 
 import sys
 
-from trl_plugins.eval_cli import main
+
+def main(argv: list[str]) -> dict:
+    from retool.config import parse_args
+    from retool.data import hide_answers
+    from retool.default_model import EmbeddedSettings, ensure_embedded_default
+    from retool.evaluate import EvalArguments, check_eval_settings, evaluate_checkpoint
+
+    eval_args, script_args, training_args = parse_args(argv, EvalArguments)
+    ks = check_eval_settings(script_args, eval_args.k)
+    model_path = script_args.model_name_or_path
+    if model_path is None:
+        from retool.coldstart import DEFAULT_SYSTEM_PROMPT
+
+        settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed,
+                                              system_prompt=training_args.system_prompt or DEFAULT_SYSTEM_PROMPT)
+        model_path = str(ensure_embedded_default(settings))
+    hide_answers(script_args.dataset_name, training_args)
+    return evaluate_checkpoint(model_path, script_args, training_args, ks=ks, batch_questions=eval_args.batch_questions,
+                               output_json=eval_args.output_json, show_samples=eval_args.show_samples)
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -36,51 +36,9 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).with_suffix(".yaml")
-
-
-@dataclass
-class ScriptArguments:
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
-    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled arithmetic task."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation."})
-    prompt_column: str = field(default="prompt", metadata={"help": "Column with the question."})
-    answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer."})
-    train_size: int | None = field(default=None, metadata={"help": "Training questions (bundled task: generated; Hub: subsampled)."})
-    task_seed: int = field(default=0, metadata={"help": "Seed of the bundled task and of the embedded model's build."})
-    eval_problems: int = field(default=128, metadata={"help": "Held-out problems for the before/after evaluation (0: skip it)."})
-    eval_samples: int = field(default=4, metadata={"help": "Samples per held-out problem."})
-    eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation temperature (0 = greedy, with eval_samples 1)."})
-    embedded: str = field(default="{}", metadata={"help": "EmbeddedSettings overrides (JSON), e.g. '{\"cold_start_epochs\": 3}'."})
-    rebuild_embedded: bool = field(default=False, metadata={"help": "Rebuild the cached embedded default."})
-    wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})
-    plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
-
-
-def parse_args(argv: list[str]):
-    """Parse ``argv`` with TrlParser, using the recipe's YAML when no ``--config`` is given."""
-    import yaml
-    from trl import TrlParser
-
-    from trl_plugins.recipe_utils import cpu_defaults
-    from trl_plugins.trainers import MultiTurnGRPOConfig
-
-    argv = list(argv)
-    if "--config" not in argv:
-        argv = ["--config", str(DEFAULT_CONFIG), *argv]
-    config_path = argv[argv.index("--config") + 1]
-    try:
-        config_values = yaml.safe_load(Path(config_path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise SystemExit(f"cannot read the config {config_path}: {exc}") from exc
-    argv += cpu_defaults(argv, config_values)
-    parser = TrlParser((ScriptArguments, MultiTurnGRPOConfig))
-    return parser.parse_args_and_config(argv)
+from retool.config import ScriptArguments, parse_args
 
 
 def main(script_args: ScriptArguments, training_args) -> int:
@@ -88,20 +46,19 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_plugins.embedded.coldstart import DEFAULT_SYSTEM_PROMPT
-    from trl_plugins.embedded.default import EmbeddedSettings, available_cpus, ensure_embedded_default
-    from trl_plugins.recipe_utils import (
-        answer_paths,
-        configure_wandb,
-        format_summary,
-        load_task_rows,
-        plot_run,
-        read_metrics,
-        run_eval_subprocess,
-    )
+    from retool.coldstart import DEFAULT_SYSTEM_PROMPT
+    from retool.data import hide_answers, load_task_rows
+    from retool.default_model import EmbeddedSettings, ensure_embedded_default
+    from retool.evaluate import check_eval_settings, evaluate_checkpoint
+    from retool.launch import available_cpus, configure_wandb, run_in_child
+    from retool.report import format_summary, plot_run, read_metrics
     from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.plugins import check_named_plugins
 
     start = time.perf_counter()
+    # Before anything is built or loaded (the config checked the other plugins when it was parsed).
+    check_named_plugins(training_args)
+    ks = check_eval_settings(script_args)
     _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
     state = PartialState()
     main_process = state.is_main_process
@@ -134,31 +91,18 @@ def main(script_args: ScriptArguments, training_args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     # Model-written code must not read the reference answers: hide where the dataset lies.
-    hide = answer_paths(script_args.dataset_name)
-    if hide and "code_interpreter" in training_args.tools:
-        tool_kw = training_args.tool_kwargs.setdefault("code_interpreter", {})
-        tool_kw["hidden_paths"] = sorted({*tool_kw.get("hidden_paths", ()), *hide})
-        say(f"Hidden from the sandbox (dataset files): {', '.join(tool_kw['hidden_paths'])}")
-    rollout_kwargs = training_args.rollout_kwargs
-    eval_args = [
-        "--split", script_args.dataset_test_split, "--num_problems", str(script_args.eval_problems),
-        "--task_seed", str(script_args.task_seed), "--samples", str(script_args.eval_samples),
-        "--temperature", str(script_args.eval_temperature), "--k", *sorted({"1", str(script_args.eval_samples)}, key=int),
-        "--rollout_kwargs", json.dumps(rollout_kwargs), "--tool_kwargs", json.dumps(training_args.tool_kwargs.get("code_interpreter", {})),
-        "--prompt_column", script_args.prompt_column, "--answer_column", script_args.answer_column,
-        "--seed", str(training_args.seed),
-    ]
-    if training_args.system_prompt:
-        eval_args += ["--system_prompt", training_args.system_prompt]
-    if script_args.dataset_name:
-        eval_args += ["--dataset_name", script_args.dataset_name]
-        if script_args.dataset_config:
-            eval_args += ["--dataset_config", script_args.dataset_config]
+    hide_answers(script_args.dataset_name, training_args, say)
+
+    def held_out(checkpoint: str, name: str) -> dict:
+        # In a clean child process: the evaluation never meets ZeRO-3's partitioned parameters.
+        return run_in_child(evaluate_checkpoint, checkpoint, script_args, training_args, ks=ks,
+                            output_json=str(out_dir / name), what="the held-out evaluation")
+
     evaluate = script_args.eval_problems > 0
     before = None
     if evaluate and main_process:
         say(f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x {script_args.eval_samples} samples)...")
-        before = run_eval_subprocess(["--model_name_or_path", model_path, *eval_args], str(out_dir / "eval_before.json"))
+        before = held_out(model_path, "eval_before.json")
     state.wait_for_everyone()
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if not training_args.bf16 else "auto")
@@ -173,7 +117,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
     after = None
     if evaluate and main_process:
         say("Held-out evaluation after RL...")
-        after = run_eval_subprocess(["--model_name_or_path", str(final_dir), *eval_args], str(out_dir / "eval_after.json"))
+        after = held_out(str(final_dir), "eval_after.json")
     plot_path = None
     if main_process:
         metrics = read_metrics(out_dir / "metrics.jsonl")

@@ -58,7 +58,7 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trl_plugins.recipe_utils import read_metrics, train_accuracy
+    from retool.report import read_metrics, train_accuracy
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for seed, s, run_dir in rows:

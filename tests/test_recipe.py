@@ -97,7 +97,7 @@ def test_summarise_counts_tool_use_accuracy_and_pass_at_k():
 
 
 def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
-    from trl_plugins.embedded.default import EmbeddedSettings, ensure_embedded_default
+    from retool.default_model import EmbeddedSettings, ensure_embedded_default
 
     settings = EmbeddedSettings(**TINY_EMBEDDED)
     messages: list[str] = []
@@ -128,7 +128,7 @@ def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
 
 
 def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
-    from trl_plugins.embedded.default import EmbeddedSettings, ensure_embedded_default
+    from retool.default_model import EmbeddedSettings, ensure_embedded_default
 
     with pytest.raises(ValueError, match="tool_fraction"):
         ensure_embedded_default(EmbeddedSettings(**{**TINY_EMBEDDED, "cold_start_tool_fraction": 2.0}),
@@ -180,7 +180,7 @@ def test_main_command_runs_two_steps_under_zero3_on_two_processes(tmp_path):
 
 
 def test_embedded_settings_reject_bad_json_and_unknown_fields():
-    from trl_plugins.embedded.default import EmbeddedSettings
+    from retool.default_model import EmbeddedSettings
 
     assert EmbeddedSettings.from_json('{"cold_start_epochs": 2}', seed=3) == EmbeddedSettings(cold_start_epochs=2, seed=3)
     with pytest.raises(ValueError, match="JSON object"):
@@ -193,7 +193,7 @@ def test_embedded_settings_reject_bad_json_and_unknown_fields():
 def test_local_dataset_files_are_hidden_from_model_written_code(tmp_path):
     import asyncio
 
-    from trl_plugins.recipe_utils import answer_paths, load_task_rows
+    from retool.data import answer_paths, load_task_rows
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     import tempfile
@@ -256,8 +256,9 @@ class _Oracle:
 def test_copy_accuracy_scores_the_copied_digits_at_the_right_positions():
     import torch
 
-    from trl_plugins.embedded import arithmetic_problems, build_tokenizer
-    from trl_plugins.embedded.coldstart import copy_accuracy
+    from retool.task import arithmetic_problems
+    from trl_plugins.testing import build_tokenizer
+    from retool.coldstart import copy_accuracy
     from trl_plugins.rollout import ChatFormat
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
@@ -276,8 +277,9 @@ def test_copy_accuracy_scores_the_copied_digits_at_the_right_positions():
 def test_cutting_the_prompt_to_the_receptive_field_leaves_the_sft_loss_unchanged():
     import torch
 
-    from trl_plugins.embedded import arithmetic_problems, build_tiny_model, build_tokenizer
-    from trl_plugins.embedded.coldstart import cold_start_dataset, receptive_field
+    from retool.task import arithmetic_problems
+    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from retool.coldstart import cold_start_dataset, receptive_field
     from trl_plugins.rollout import ChatFormat
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
@@ -303,3 +305,24 @@ def test_cutting_the_prompt_to_the_receptive_field_leaves_the_sft_loss_unchanged
     assert cut == pytest.approx(full, rel=1e-5, abs=1e-6)
     too_short, _ = losses(receptive_field(model.config) - 8)  # negative control: cuts into the window
     assert too_short != pytest.approx(full, rel=1e-5, abs=1e-6)
+
+
+def _double(x):
+    return {"twice": 2 * x, "threads": os.environ.get("OMP_NUM_THREADS"), "rank": os.environ.get("RANK")}
+
+
+def _fail():
+    raise RuntimeError("child says no")
+
+
+def test_run_in_child_passes_objects_and_returns_the_result(monkeypatch, capfd):
+    import test_recipe
+    from retool.launch import ChildProcessError, available_cpus, run_in_child
+
+    monkeypatch.setenv("RANK", "1")  # a distributed launch's variables do not reach the child
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    out = run_in_child(test_recipe._double, 21, what="doubling")
+    assert out == {"twice": 42, "threads": str(available_cpus()), "rank": None}
+    with pytest.raises(ChildProcessError, match="the failing job failed"):
+        run_in_child(test_recipe._fail, what="the failing job")
+    assert "child says no" in capfd.readouterr().err

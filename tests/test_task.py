@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trl_plugins.embedded import arithmetic_problems
+from retool.task import arithmetic_problems
 from trl_plugins.rewards.math import CorrectReward
 from trl_plugins.types import StopReason, Trajectory, Turn
 

@@ -6,7 +6,7 @@ the settings and the build code's version. Files are checksummed: a cache entry 
 check is reported and rebuilt. Entries appear atomically (built aside, then renamed), so a crashed
 build never leaves a half-written entry behind.
 
-Run ``python -m trl_plugins.embedded.default --help`` to build one by hand.
+Run ``python -m retool.default_model --help`` (from ``recipes/``) to build one by hand.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-from trl_plugins.embedded.coldstart import DEFAULT_SYSTEM_PROMPT
+from retool.coldstart import DEFAULT_SYSTEM_PROMPT
+from retool.launch import run_in_child
 
-__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError", "child_env", "available_cpus"]
+__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError"]
 
 BUILD_VERSION = 3
 """Bump when the build changes what it produces for the same settings."""
@@ -62,7 +62,7 @@ class EmbeddedSettings:
     """More epochs, one at a time, while the copy check is below ``cold_start_copy_target``: copying
     numbers sets in suddenly, after 300 to 700+ steps depending on the seed."""
     cold_start_copy_target: float = 0.95
-    """Teacher-forced digit-copy accuracy (:func:`~trl_plugins.embedded.coldstart.copy_accuracy`) to reach."""
+    """Teacher-forced digit-copy accuracy (:func:`~retool.coldstart.copy_accuracy`) to reach."""
     cold_start_learning_rate: float = 3e-3
     cold_start_batch_size: int = 32
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -124,29 +124,6 @@ def _verify(entry: Path) -> None:
             raise CacheError(f"checksum mismatch for {path}")
 
 
-def available_cpus() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def child_env() -> dict[str, str]:
-    """The caller's environment without what makes a child join a distributed launch.
-
-    The child runs alone (the launch's other processes wait for it), so it gets every available core:
-    ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` on machines where it counts one physical core.
-    """
-    drop_prefixes = ("ACCELERATE_", "DEEPSPEED_", "FSDP_")
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-            "TORCHELASTIC_MAX_RESTARTS", "CUDA_VISIBLE_DEVICES_FOR_LAUNCH"}
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(drop_prefixes)}
-    env["OMP_NUM_THREADS"] = str(available_cpus())
-    return env
-
-
 def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, show_progress: bool = True) -> Path:
     """Build the tokenizer, the model and its cold start into ``out_dir`` (in this process).
 
@@ -156,11 +133,10 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
 
     import torch
 
-    from trl_plugins.embedded.coldstart import cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft
-    from trl_plugins.embedded.model import build_tiny_model
-    from trl_plugins.embedded.task import arithmetic_problems
-    from trl_plugins.embedded.tokenizer import build_tokenizer
+    from retool.coldstart import cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft
+    from retool.task import arithmetic_problems
     from trl_plugins.rollout import ChatFormat
+    from trl_plugins.testing import build_tiny_model, build_tokenizer
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     start = time.perf_counter()
@@ -239,7 +215,7 @@ def ensure_embedded_default(
     (e.g. inside ``PartialState().main_process_first()``): the others then find the finished entry.
 
     Raises:
-        RuntimeError: the build failed (the child's output says why); nothing is left in the cache.
+        retool.launch.ChildProcessError: the build failed (the child's output says why); nothing is left in the cache.
     """
     base = Path(root) if root is not None else cache_root()
     entry = base / "embedded" / settings.key()
@@ -260,14 +236,7 @@ def ensure_embedded_default(
         if in_process:
             build_embedded_default(settings, staging)
         else:
-            cmd = [sys.executable, "-m", "trl_plugins.embedded.default", "--out", str(staging),
-                   "--settings", json.dumps(asdict(settings))]
-            proc = subprocess.run(cmd, env=child_env(), check=False)
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"building the embedded default failed (exit {proc.returncode}); its output is above. "
-                    f"Command: {' '.join(cmd[:4])} ..."
-                )
+            run_in_child(build_embedded_default, settings, staging, what="building the embedded default")
         _verify(staging)
         shutil.rmtree(entry, ignore_errors=True)
         os.replace(staging, entry)

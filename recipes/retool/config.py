@@ -1,0 +1,54 @@
+"""The recipe's arguments: ``ScriptArguments`` (task, model, evaluation) beside ``MultiTurnGRPOConfig``,
+parsed from ``recipes/retool_ppo.yaml`` and the command line by both entry points."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["DEFAULT_CONFIG", "ScriptArguments", "parse_args"]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "retool_ppo.yaml"
+"""The recipe's YAML, read when no ``--config`` is given."""
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled arithmetic task."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column with the question."})
+    answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer."})
+    train_size: int | None = field(default=None, metadata={"help": "Training questions (bundled task: generated; Hub: subsampled)."})
+    task_seed: int = field(default=0, metadata={"help": "Seed of the bundled task and of the embedded model's build."})
+    eval_problems: int = field(default=128, metadata={"help": "Held-out problems for the before/after evaluation (0: skip it)."})
+    eval_samples: int = field(default=4, metadata={"help": "Samples per held-out problem."})
+    eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation temperature (0 = greedy, with eval_samples 1)."})
+    embedded: str = field(default="{}", metadata={"help": "EmbeddedSettings overrides (JSON), e.g. '{\"cold_start_epochs\": 3}'."})
+    rebuild_embedded: bool = field(default=False, metadata={"help": "Rebuild the cached embedded default."})
+    wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})
+    plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
+
+
+def parse_args(argv: list[str], *extra: type) -> tuple:
+    """Parse ``argv`` into ``(*extra, ScriptArguments, MultiTurnGRPOConfig)`` with TrlParser, using the
+    recipe's YAML when no ``--config`` is given, plus the CPU defaults (:func:`retool.launch.cpu_defaults`)."""
+    import yaml
+    from trl import TrlParser
+
+    from retool.launch import cpu_defaults
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    argv = list(argv)
+    if "--config" not in argv:
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    config_path = argv[argv.index("--config") + 1]
+    try:
+        config_values = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"cannot read the config {config_path}: {exc}") from exc
+    argv += cpu_defaults(argv, config_values)
+    parser = TrlParser((*extra, ScriptArguments, MultiTurnGRPOConfig))
+    return tuple(parser.parse_args_and_config(argv))

@@ -1,0 +1,91 @@
+"""Held-out evaluation of a checkpoint with the run's own config: the recipe's before/after numbers and
+``recipes/retool_eval.py``.
+
+The rollout, tools, reward components and system prompt come from the training ``MultiTurnGRPOConfig``
+(:func:`trl_plugins.evaluation.evaluate_policy` builds them through the registries); the held-out rows,
+samples and temperature from ``ScriptArguments`` (``dataset_test_split``, ``eval_problems``,
+``eval_samples``, ``eval_temperature``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+__all__ = ["EvalArguments", "check_eval_settings", "evaluate_checkpoint"]
+
+
+@dataclass
+class EvalArguments:
+    """Options of ``recipes/retool_eval.py`` beyond the recipe's own arguments."""
+
+    k: list[int] | None = field(default=None, metadata={"help": "pass@k values to report, each <= eval_samples (default: 1 and eval_samples)."})
+    batch_questions: int = field(default=64, metadata={"help": "Questions per generation batch."})
+    output_json: str | None = field(default=None, metadata={"help": "Write the numbers here as JSON."})
+    show_samples: int = field(default=2, metadata={"help": "Print this many sample trajectories."})
+
+
+def check_eval_settings(script_args: Any, ks: Sequence[int] | None = None) -> list[int]:
+    """The pass@k values to report (default 1 and ``eval_samples``); refuses settings that cannot work.
+
+    Raises:
+        SystemExit: greedy decoding with several samples, or a k outside [1, eval_samples].
+    """
+    samples = script_args.eval_samples
+    if script_args.eval_temperature == 0 and samples > 1:
+        raise SystemExit("--eval_temperature 0 is greedy: every sample would be the same; use --eval_samples 1.")
+    ks = sorted(set(ks)) if ks else sorted({1, samples})
+    bad = [k for k in ks if not 1 <= k <= samples]
+    if bad:
+        raise SystemExit(f"--k values must lie in [1, eval_samples={samples}], got {bad}.")
+    return ks
+
+
+def evaluate_checkpoint(
+    model_path: str,
+    script_args: Any,
+    training_args: Any,
+    *,
+    ks: Sequence[int],
+    batch_questions: int = 64,
+    output_json: str | None = None,
+    show_samples: int = 2,
+    progress: bool = True,
+) -> dict:
+    """Evaluate ``model_path`` on the held-out split; prints samples and a summary line, returns the numbers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from retool.data import load_task_rows
+    from trl_plugins.evaluation import evaluate_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    on_gpu = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model.to("cuda" if on_gpu else "cpu")
+    split = script_args.dataset_test_split
+    rows = load_task_rows(script_args.dataset_name, split, size=script_args.eval_problems, seed=script_args.task_seed,
+                          dataset_config=script_args.dataset_config, prompt_column=script_args.prompt_column,
+                          answer_column=script_args.answer_column)
+    temperature = script_args.eval_temperature
+    start = time.perf_counter()
+    result, trajectories = evaluate_policy(
+        model, tokenizer, rows, training_args, samples=script_args.eval_samples, temperature=temperature, ks=ks,
+        seed=training_args.seed, batch_questions=batch_questions, progress=progress,
+    )
+    out = {"model": model_path, **result.to_dict(), "temperature": temperature, "wall_s": time.perf_counter() - start}
+    out["pass_at_k"] = {str(k): v for k, v in out["pass_at_k"].items()}
+    for traj in trajectories[:show_samples]:
+        print(f"--- {traj.question_id} ({traj.stop_reason.value}, "
+              + ", ".join(f"{c.name}={c.value:+g}" for c in traj.reward_components) + ")")
+        for turn in traj.turns:
+            print("  " + turn.text.replace("\n", "\n  "))
+    print(f"{split}: {result.problems} problems x {result.samples} samples at temperature {temperature}: "
+          f"accuracy {result.accuracy:.3f}, " + ", ".join(f"pass@{k} {v:.3f}" for k, v in result.pass_at_k.items())
+          + f", tool-call rate {result.tool_call_rate:.3f}, tool calls/sample {result.tool_calls_mean:.2f}", flush=True)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out

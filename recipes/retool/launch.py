@@ -1,0 +1,142 @@
+"""How the recipe runs on a machine: CPU defaults, W&B's environment, and work in a clean child process.
+
+A child process gets objects, not argv: :func:`run_in_child` pickles a function and its arguments
+(dataclasses the parent already validated) to a file, runs them in a fresh interpreter that has left
+any distributed launch (one process, no DeepSpeed, every core), and returns the pickled result.
+
+    python -m retool.launch <job.pkl> <result.pkl>     # what run_in_child runs; not for users
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["available_cpus", "child_env", "run_in_child", "cpu_defaults", "configure_wandb", "ChildProcessError"]
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent
+"""The folder that holds the ``retool`` package (put on the child's ``PYTHONPATH``)."""
+
+
+class ChildProcessError(RuntimeError):
+    """Work run with :func:`run_in_child` failed; its output (above) says why."""
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def child_env() -> dict[str, str]:
+    """The caller's environment without what makes a child join a distributed launch.
+
+    The child runs alone (the launch's other processes wait for it), so it gets every available core:
+    ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` on machines where it counts one physical core.
+    ``PYTHONPATH`` starts with the recipes folder, so the child imports the same ``retool`` package.
+    """
+    drop_prefixes = ("ACCELERATE_", "DEEPSPEED_", "FSDP_")
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS", "CUDA_VISIBLE_DEVICES_FOR_LAUNCH"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(drop_prefixes)}
+    env["OMP_NUM_THREADS"] = str(available_cpus())
+    env["PYTHONPATH"] = os.pathsep.join([str(RECIPES_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def run_in_child(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a clean child interpreter (see :func:`child_env`); returns its result.
+
+    ``fn`` and the arguments must pickle (module-level functions, dataclasses). The child's output goes
+    to this process's stdout/stderr.
+
+    Raises:
+        ChildProcessError: the child failed; ``what`` names the work in the message.
+    """
+    with tempfile.TemporaryDirectory(prefix="trl-plugins-child-") as tmp:
+        job, result = Path(tmp) / "job.pkl", Path(tmp) / "result.pkl"
+        job.write_bytes(pickle.dumps((fn, args, kwargs)))
+        proc = subprocess.run([sys.executable, "-m", "retool.launch", str(job), str(result)], env=child_env(), check=False)
+        if proc.returncode != 0 or not result.is_file():
+            raise ChildProcessError(f"{what} failed (exit {proc.returncode}); its output is above.")
+        return pickle.loads(result.read_bytes())
+
+
+def _child_main(job_path: str, result_path: str) -> int:
+    fn, args, kwargs = pickle.loads(Path(job_path).read_bytes())
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException:  # noqa: BLE001 - report anything, the parent only sees the exit code
+        traceback.print_exc()
+        return 1
+    Path(result_path).write_bytes(pickle.dumps(out))
+    return 0
+
+
+def _flag_given(argv: Sequence[str], name: str) -> bool:
+    return any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv)
+
+
+def cpu_defaults(argv: list[str], config_values: dict | None = None) -> list[str]:
+    """Arguments to add on a machine without CUDA so that the trainer runs on the CPU correctly.
+
+    Adds ``--bf16 false`` (bf16 autocast on CPU shifts log-probs by ~1e-3) and, for a distributed
+    launch, what makes its process group work on CPU: ``--ddp_backend gloo`` under DeepSpeed, else
+    ``--use_cpu true`` (without it a 2-process CPU launch trains two independent models). Anything
+    the user set on the command line or in the YAML wins.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    given = set(config_values or {})
+    extra: list[str] = []
+    if not _flag_given(argv, "bf16") and "bf16" not in given:
+        extra += ["--bf16", "false"]
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:
+        if not _flag_given(argv, "ddp_backend") and "ddp_backend" not in given:
+            extra += ["--ddp_backend", "gloo"]
+    elif not _flag_given(argv, "use_cpu") and "use_cpu" not in given:
+        extra += ["--use_cpu", "true"]
+    return extra
+
+
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def configure_wandb(report_to: Sequence[str], output_dir: str, project: str | None) -> str | None:
+    """Set W&B's environment for the run; returns the mode in force (None when W&B is not used).
+
+    Offline when no API key is configured and ``WANDB_MODE`` is unset; run files go under
+    ``<output_dir>/wandb`` unless ``WANDB_DIR`` is set.
+    """
+    if "wandb" not in (report_to or []):
+        return None
+    if "WANDB_MODE" not in os.environ and not _has_wandb_key():
+        os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_DIR", os.path.abspath(output_dir))
+    Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+    if project:
+        os.environ.setdefault("WANDB_PROJECT", project)
+    return os.environ.get("WANDB_MODE", "online")
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1], sys.argv[2]))

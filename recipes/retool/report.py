@@ -1,0 +1,89 @@
+"""The recipe's report: metrics read back, the run's plot and the closing summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["read_metrics", "train_accuracy", "plot_run", "format_summary"]
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The per-step records of a run's ``metrics.jsonl`` (those with ``reward/total``), in step order."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if "reward/total" in record:
+                records.append(record)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def train_accuracy(record: dict) -> float | None:
+    """Share of the step's trajectories answered right, from its ``reward/correct`` (None without it)."""
+    value = record.get("reward/correct")
+    return None if value is None else (value + 1.0) / 2.0  # correct is +1 / -1 per trajectory
+
+
+def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None = None, after: dict | None = None,
+             title: str = "ReTool PPO") -> Path:
+    """PNG of reward, accuracy and tool calls per step; held-out accuracy before/after as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in metrics]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [r["reward/total"] for r in metrics], marker=".")
+    axes[0].set_title("reward (train batch)")
+    acc = [train_accuracy(r) for r in metrics]
+    axes[1].plot(steps, acc, marker=".", label="train batch")
+    last = steps[-1] if steps else 0
+    if before is not None:
+        axes[1].scatter([0], [before["accuracy"]], color="tab:red", zorder=3, label="held-out, before RL")
+    if after is not None:
+        axes[1].scatter([last], [after["accuracy"]], color="tab:green", zorder=3, label="held-out, after RL")
+    axes[1].set_title("accuracy")
+    axes[1].set_ylim(-0.02, 1.02)
+    axes[1].legend(fontsize=7, loc="lower right")
+    axes[2].plot(steps, [r.get("rollout/tool_calls_mean", 0.0) for r in metrics], marker=".")
+    axes[2].set_title("tool calls per trajectory")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _pct(value: float | None) -> str:
+    return "  n/a" if value is None else f"{100 * value:5.1f}%"
+
+
+def format_summary(before: dict | None, after: dict | None, *, steps: int, wall_s: float,
+                   paths: dict[str, str | None]) -> str:
+    """The recipe's closing summary as text."""
+    lines = ["", "=" * 72, "ReTool PPO summary", "-" * 72]
+    if before and after:
+        lines.append(f"held-out problems: {after['problems']} x {after['samples']} samples")
+        lines.append(f"{'':28}{'before RL':>12}{'after RL':>12}")
+        for label, key in (("accuracy (pass@1)", "accuracy"), ("tool-call rate", "tool_call_rate"),
+                           ("accuracy with the tool", "accuracy_with_tool"),
+                           ("accuracy without the tool", "accuracy_without_tool"), ("truncated", "truncated_frac")):
+            lines.append(f"{label:28}{_pct(before.get(key)):>12}{_pct(after.get(key)):>12}")
+        for k in sorted(after.get("pass_at_k", {}), key=int):
+            if int(k) > 1:
+                lines.append(f"{f'pass@{k}':28}{_pct(before['pass_at_k'].get(k)):>12}{_pct(after['pass_at_k'][k]):>12}")
+        gain = after["accuracy"] - before["accuracy"]
+        lines.append(f"held-out accuracy gain: {100 * gain:+.1f} points")
+    lines.append(f"steps: {steps}   wall time: {wall_s / 60:.1f} min")
+    for name, value in paths.items():
+        if value:
+            lines.append(f"{name + ':':12} {value}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
