@@ -340,7 +340,7 @@ class PerRowSeedRollout:
         from trl_plugins.rollout import MultiTurnRollout
 
         self.inner = MultiTurnRollout(**kwargs)
-        self.max_trajectory_tokens = self.inner.max_trajectory_tokens
+        self.token_budget = self.inner.token_budget
 
     def __call__(self, request):
         request.backend = _PerRowSeedBackend(request.backend)
