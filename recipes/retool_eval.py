@@ -24,18 +24,12 @@ import sys
 def main(argv: list[str]) -> dict:
     from retool.config import parse_args
     from retool.data import hide_answers
-    from retool.default_model import EmbeddedSettings, ensure_embedded_default
+    from retool.default_model import model_path_or_default
     from retool.evaluate import EvalArguments, check_eval_settings, evaluate_checkpoint
 
     eval_args, script_args, training_args = parse_args(argv, EvalArguments)
-    ks = check_eval_settings(script_args, eval_args.k)
-    model_path = script_args.model_name_or_path
-    if model_path is None:
-        from retool.coldstart import DEFAULT_SYSTEM_PROMPT
-
-        settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed,
-                                              system_prompt=training_args.system_prompt or DEFAULT_SYSTEM_PROMPT)
-        model_path = str(ensure_embedded_default(settings))
+    ks = check_eval_settings(script_args, training_args, eval_args.k)
+    model_path = model_path_or_default(script_args, training_args)
     hide_answers(script_args.dataset_name, training_args)
     return evaluate_checkpoint(model_path, script_args, training_args, ks=ks, batch_questions=eval_args.batch_questions,
                                output_json=eval_args.output_json, show_samples=eval_args.show_samples)

@@ -46,9 +46,8 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retool.coldstart import DEFAULT_SYSTEM_PROMPT
     from retool.data import hide_answers, load_task_rows
-    from retool.default_model import EmbeddedSettings, ensure_embedded_default
+    from retool.default_model import model_path_or_default
     from retool.evaluate import check_eval_settings, evaluate_checkpoint
     from retool.launch import available_cpus, configure_wandb, run_in_child
     from retool.report import format_summary, plot_run, read_metrics
@@ -58,7 +57,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
     start = time.perf_counter()
     # Before anything is built or loaded (the config checked the other plugins when it was parsed).
     check_named_plugins(training_args)
-    ks = check_eval_settings(script_args)
+    ks = check_eval_settings(script_args, training_args)
     _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
     state = PartialState()
     main_process = state.is_main_process
@@ -71,12 +70,9 @@ def main(script_args: ScriptArguments, training_args) -> int:
     if wandb_mode:
         say(f"W&B: {wandb_mode} (files under {os.environ['WANDB_DIR']}/wandb; 'wandb sync' uploads offline runs)")
 
-    model_path = script_args.model_name_or_path
-    if model_path is None:
-        settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed,
-                                              system_prompt=training_args.system_prompt or DEFAULT_SYSTEM_PROMPT)
-        with state.main_process_first():
-            model_path = str(ensure_embedded_default(settings, rebuild=script_args.rebuild_embedded and main_process, log=say))
+    with state.main_process_first():  # only the main process builds the embedded default; the others find it cached
+        model_path = model_path_or_default(script_args, training_args, rebuild=script_args.rebuild_embedded and main_process,
+                                           log=say)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

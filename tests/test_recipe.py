@@ -326,3 +326,20 @@ def test_run_in_child_passes_objects_and_returns_the_result(monkeypatch, capfd):
     with pytest.raises(ChildProcessError, match="the failing job failed"):
         run_in_child(test_recipe._fail, what="the failing job")
     assert "child says no" in capfd.readouterr().err
+
+
+def test_evaluation_settings_are_refused_before_anything_is_built():
+    from retool.evaluate import check_eval_settings
+
+    retool_ppo = _recipe_module()
+    script_args, args = retool_ppo.parse_args([])
+    assert check_eval_settings(script_args, args) == [1, 4]
+    script_args, args = retool_ppo.parse_args(["--reward_components", "format", "--reward_component_weights", "1.0"])
+    with pytest.raises(SystemExit, match="not among reward_components=\\['format'\\].*--eval_problems 0"):
+        check_eval_settings(script_args, args)
+    script_args, args = retool_ppo.parse_args(["--reward_components", "format", "--reward_component_weights", "1.0",
+                                              "--eval_problems", "0"])
+    assert check_eval_settings(script_args, args) == [1, 4]  # no held-out evaluation: nothing to count by
+    script_args, args = retool_ppo.parse_args(["--eval_temperature", "0"])
+    with pytest.raises(SystemExit, match="greedy"):
+        check_eval_settings(script_args, args)

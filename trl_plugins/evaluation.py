@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from trl_plugins.types import Trajectory
 
-__all__ = ["EvalResult", "pass_at_k", "evaluate_policy", "summarise"]
+__all__ = ["EvalResult", "pass_at_k", "check_success_component", "evaluate_policy", "summarise"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -86,6 +86,27 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
     )
 
 
+def check_success_component(args: Any, success_component: str = "correct") -> None:
+    """Refuse, before anything is built, a config whose ``success_component`` an evaluation cannot use:
+    it must be among ``args.reward_components`` and its plugin must define ``is_success(value)``.
+
+    Raises:
+        ValueError: naming what to configure instead.
+    """
+    from trl_plugins.registry import REWARDS
+
+    if success_component not in args.reward_components:
+        raise ValueError(
+            f"the evaluation counts a sample correct by the reward component {success_component!r}, which is not among "
+            f"reward_components={args.reward_components}; add it (it may have weight 0)."
+        )
+    if not callable(getattr(REWARDS.get(success_component), "is_success", None)):
+        raise ValueError(
+            f"reward component {success_component!r} has no is_success(value) method, so the evaluation cannot tell a "
+            f"correct sample from a wrong one."
+        )
+
+
 def evaluate_policy(
     model: Any,
     tokenizer: Any,
@@ -113,8 +134,7 @@ def evaluate_policy(
         The numbers and the scored trajectories.
 
     Raises:
-        ValueError: ``samples < 1``, or a ``success_component`` that is not configured or cannot say
-            what a success is.
+        ValueError: ``samples < 1``, or a ``success_component`` that :func:`check_success_component` refuses.
     """
     import torch
 
@@ -124,19 +144,9 @@ def evaluate_policy(
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}.")
-    if success_component not in args.reward_components:
-        raise ValueError(
-            f"the evaluation counts a sample correct by the reward component {success_component!r}, which is not among "
-            f"reward_components={args.reward_components}; add it (it may have weight 0)."
-        )
+    check_success_component(args, success_component)
     plugins = build_plugins(args)
     judge = next(fn for name, _, fn in plugins.reward_components if name == success_component)
-    if not callable(getattr(judge, "is_success", None)):
-        plugins.close()
-        raise ValueError(
-            f"reward component {success_component!r} has no is_success(value) method, so the evaluation cannot tell a "
-            f"correct sample from a wrong one."
-        )
     chat = ChatFormat(tokenizer, [t.schema() for t in plugins.tools.values()])
     backend = hf_backend(model, tokenizer, chat, args, temperature=temperature)
     trajectories: list[Trajectory] = []

@@ -20,12 +20,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from retool.coldstart import DEFAULT_SYSTEM_PROMPT
 from retool.launch import run_in_child
 
-__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError"]
+__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
+           "model_path_or_default"]
 
 BUILD_VERSION = 3
 """Bump when the build changes what it produces for the same settings."""
@@ -243,6 +244,17 @@ def ensure_embedded_default(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return entry / "model"
+
+
+def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool = False,
+                          log: Callable[[str], None] = print) -> str:
+    """``--model_name_or_path``, or the embedded default built from ``--embedded``, ``--task_seed`` and the
+    run's system prompt (what both entry points use)."""
+    if script_args.model_name_or_path is not None:
+        return script_args.model_name_or_path
+    settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed,
+                                          system_prompt=training_args.system_prompt or DEFAULT_SYSTEM_PROMPT)
+    return str(ensure_embedded_default(settings, rebuild=rebuild, log=log))
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -27,12 +27,21 @@ class EvalArguments:
     show_samples: int = field(default=2, metadata={"help": "Print this many sample trajectories."})
 
 
-def check_eval_settings(script_args: Any, ks: Sequence[int] | None = None) -> list[int]:
-    """The pass@k values to report (default 1 and ``eval_samples``); refuses settings that cannot work.
+def check_eval_settings(script_args: Any, training_args: Any, ks: Sequence[int] | None = None) -> list[int]:
+    """The pass@k values to report (default 1 and ``eval_samples``); refuses settings that cannot work,
+    before any model is built or loaded.
 
     Raises:
-        SystemExit: greedy decoding with several samples, or a k outside [1, eval_samples].
+        SystemExit: greedy decoding with several samples, a k outside [1, eval_samples], or reward
+            components without the ``correct`` one the evaluation counts by.
     """
+    from trl_plugins.evaluation import check_success_component
+
+    if script_args.eval_problems > 0:
+        try:
+            check_success_component(training_args)
+        except ValueError as exc:
+            raise SystemExit(f"{exc} Or skip the held-out evaluation with --eval_problems 0.") from exc
     samples = script_args.eval_samples
     if script_args.eval_temperature == 0 and samples > 1:
         raise SystemExit("--eval_temperature 0 is greedy: every sample would be the same; use --eval_samples 1.")

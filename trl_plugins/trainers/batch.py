@@ -35,8 +35,7 @@ def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, tempe
     )
 
 
-def _check_result(plugins: RunPlugins, rollout_name: str, result: Any, questions: Sequence[Any], group_size: int,
-                  digest: str) -> None:
+def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], group_size: int, digest: str) -> None:
     where = f"rollout plugin {rollout_name!r}"
     if not isinstance(result, RolloutResult):
         raise TrajectoryError(f"{where} returned {type(result).__name__}; a rollout returns a RolloutResult.")
@@ -87,7 +86,7 @@ def rollout_rows(
     request = RolloutRequest(questions, group_size, backend, chat, plugins.tools, policy_step=policy_step, seed=seed,
                              progress=progress)
     result = plugins.rollout(request)
-    _check_result(plugins, args.rollout, result, questions, group_size, chat.digest)
+    _check_result(args.rollout, result, questions, group_size, chat.digest)
     return result
 
 
