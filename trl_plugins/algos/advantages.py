@@ -27,13 +27,23 @@ __all__ = [
 ]
 
 
-def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Per-trajectory (group sum, group count, group index) via scatter over compacted group ids.
+def _group_stats(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group (sum, count, all-equal flag) and each trajectory's compacted group index, in float64.
+
+    float64, and the all-equal flag from ``max == min``, because a float32 mean of equal rewards such
+    as -0.9 leaves a ~1e-8 residue that the std division would blow up to a same-sign advantage.
+    """
+    rewards = rewards.to(torch.float64)
     _, inverse = torch.unique(group_ids, return_inverse=True)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    sums = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
-    counts = torch.bincount(inverse, minlength=num_groups).to(rewards.dtype)
-    return sums, counts, inverse
+    sums = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device).index_add_(0, inverse, rewards)
+    counts = torch.bincount(inverse, minlength=num_groups).to(torch.float64)
+    inf = torch.full((num_groups,), float("inf"), dtype=torch.float64, device=rewards.device)
+    hi = (-inf).scatter_reduce(0, inverse, rewards, reduce="amax")
+    lo = inf.scatter_reduce(0, inverse, rewards, reduce="amin")
+    return sums, counts, hi == lo, inverse
 
 
 def group_advantages(
@@ -42,7 +52,9 @@ def group_advantages(
     """GRPO group-relative advantages (Shao et al. 2024, eq. 3).
 
     ``A_i = r_i - mean_g(r)``, divided by ``std_g(r) + eps`` (unbiased std) when ``scale_by_std``;
-    Dr. GRPO (Liu et al. 2025) drops the division. A group of one gets advantage 0.
+    Dr. GRPO (Liu et al. 2025) drops the division. A group whose rewards are all equal (a group of one
+    included) gets exactly 0, whatever the values and dtype: computed in float64, then returned in
+    ``rewards.dtype``.
 
     Args:
         rewards: ``(N,)`` float.
@@ -51,28 +63,31 @@ def group_advantages(
     Returns:
         ``(N,)`` advantages.
     """
-    sums, counts, g = _group_stats(rewards, group_ids)
-    mean = sums / counts
-    centred = rewards - mean[g]
-    if not scale_by_std:
-        return centred
-    sq = torch.zeros_like(sums).index_add_(0, g, centred.pow(2))
-    var = torch.where(counts > 1, sq / (counts - 1).clamp(min=1), torch.zeros_like(sq))
-    return centred / (var.sqrt()[g] + eps)
+    sums, counts, equal, g = _group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
+    centred = r - (sums / counts)[g]
+    if scale_by_std:
+        sq = torch.zeros_like(sums).index_add_(0, g, centred.pow(2))
+        var = torch.where(counts > 1, sq / (counts - 1).clamp(min=1), torch.zeros_like(sq))
+        centred = centred / (var.sqrt()[g] + eps)
+    return torch.where(equal[g], torch.zeros_like(centred), centred).to(rewards.dtype)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): ``A_i = r_i - mean_{j != i in g} r_j``.
 
-    Equals ``n/(n-1) * (r_i - mean_g(r))``. A group of one gets advantage 0.
+    Equals ``n/(n-1) * (r_i - mean_g(r))``. A group whose rewards are all equal (a group of one
+    included) gets exactly 0; computed in float64, returned in ``rewards.dtype``.
 
     Returns:
         ``(N,)`` advantages.
     """
-    sums, counts, g = _group_stats(rewards, group_ids)
+    sums, counts, equal, g = _group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
     n = counts[g]
-    baseline = (sums[g] - rewards) / (n - 1).clamp(min=1)
-    return torch.where(n > 1, rewards - baseline, torch.zeros_like(rewards))
+    baseline = (sums[g] - r) / (n - 1).clamp(min=1)
+    adv = torch.where((n > 1) & ~equal[g], r - baseline, torch.zeros_like(r))
+    return adv.to(rewards.dtype)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
