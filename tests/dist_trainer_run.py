@@ -45,17 +45,23 @@ def main() -> None:
     ap.add_argument("--optim", default="adamw_torch")
     ap.add_argument("--slot_reward", action="store_true", help="reward that is constant for one question")
     ap.add_argument("--per_row_seed", action="store_true", help="sample each row on its own (world-size independent)")
+    ap.add_argument("--beta", type=float, default=0.0, help="reference KL in the loss (TRL builds the reference)")
     args = ap.parse_args()
     from datasets import Dataset
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
+    if args.beta:
+        # TRL builds the reference from the policy's path; each rank writes its own identical copy.
+        path = Path(args.output_dir) / f"policy-{os.environ.get('LOCAL_RANK', '0')}"
+        model.save_pretrained(path)
+        model = str(path)
     rows = [{"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)]
     config = MultiTurnGRPOConfig(
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device, num_generations=2, max_steps=args.max_steps,
         report_to=[], save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        logging_steps=1, optim=args.optim, temperature=args.temperature,
+        logging_steps=1, optim=args.optim, temperature=args.temperature, beta=args.beta,
         **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}), learning_rate=5e-3, seed=0, disable_tqdm=True,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,

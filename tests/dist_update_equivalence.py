@@ -43,11 +43,22 @@ def all_datums(world: int) -> list[list]:
     return out
 
 
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """The test's reference policy: the starting model with fixed noise on every weight."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rebalance", action="store_true")
     ap.add_argument("--aggregation", default="token_mean")
+    ap.add_argument("--kl", action="store_true",
+                    help="reference KL (k3) + entropy bonus in the loss, reference log-probs from a prepared reference "
+                         "model; every third datum has advantage 0 and drop_zero_advantage is on")
     args = ap.parse_args()
 
     from accelerate import Accelerator
@@ -75,25 +86,58 @@ def main() -> None:
         noisy = lp[row, : d.num_tokens] + 0.3 * torch.randn(d.num_tokens, generator=gen)
         d.behaviour_logprobs = [float(x) if m else 0.0 for x, m in zip(noisy, d.action_mask)]
 
-    loss_fn = PPOClipLoss()
+    if args.kl:
+        for k, d in enumerate(everything):
+            if k % 3 == 0:
+                d.advantages = [0.0] * d.num_tokens
+    loss_fn = PPOClipLoss(kl_coef=0.3, entropy_coef=0.05) if args.kl else PPOClipLoss()
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
     config = SimpleNamespace(aggregation=args.aggregation, packer="balanced" if args.rebalance else "ffd",
                              max_items_per_micro_batch=2, max_padded_tokens_per_micro_batch=400,
-                             rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None)
+                             rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None,
+                             drop_zero_advantage=args.kl)
     model = tiny_qwen2()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if args.kl:
+        from trl.models.utils import prepare_deepspeed
+        from trl_plugins.trainers.step import reference_logprobs
+
+        ref_model = perturbed(tiny_qwen2())
+        ref_model = prepare_deepspeed(ref_model, accelerator) if deepspeed else accelerator.prepare_model(ref_model, evaluation_mode=True)
+        # Each rank scores its own datums (ranks run different numbers of micro-batches: dummies under ZeRO-3).
+        reference_logprobs(accelerator, ref_model, parts[rank], config, pad_token_id=0)
     result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0)
     state = accelerator.get_state_dict(model)
+    if args.kl:
+        from accelerate.utils import gather_object
+
+        gathered = [lp for part in gather_object([[d.ref_logprobs for d in parts[rank]]]) for lp in part]
 
     if accelerator.is_main_process:
         # One plain-torch step on the one-batch loss over every datum.
-        mb = collate(everything, list(range(len(everything))), pad_token_id=0)
-        n_tok, n_seq = local_denominators(mb.action_mask)
-        logp = token_logprobs(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
+        from trl_plugins.modeling import token_logprobs_and_entropy
         from trl_plugins.types import PolicyLossInput
 
-        out = loss_fn(PolicyLossInput(logp, mb.behaviour_logprobs, mb.advantages, mb.action_mask))
+        ref_lp, ref_err = None, 0.0
+        if args.kl:
+            for d in everything:
+                d.ref_logprobs = None
+            with torch.no_grad():
+                full = collate(everything, list(range(len(everything))), pad_token_id=0)
+                ref_lp = token_logprobs(perturbed(tiny_qwen2()), full.input_ids, full.attention_mask, full.target_ids)
+            # The reference log-probs the ranks computed (with dummies, under ZeRO-3 sharded) are the one-process ones.
+            for d, lp in zip(everything, gathered):
+                d.ref_logprobs = lp
+            ranks_lp = collate(everything, list(range(len(everything))), pad_token_id=0).ref_logprobs
+            ref_err = float(((ranks_lp - ref_lp) * full.action_mask).abs().max())
+            for d in everything:
+                d.ref_logprobs = None
+        mb = collate(everything, list(range(len(everything))), pad_token_id=0)
+        n_tok, n_seq = local_denominators(mb.action_mask)
+        logp, entropy = token_logprobs_and_entropy(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
+        out = loss_fn(PolicyLossInput(logp, mb.behaviour_logprobs, mb.advantages, mb.action_mask,
+                                      ref_logprobs=ref_lp, entropy=entropy))
         loss = aggregate(out.per_token_loss, mb.action_mask, args.aggregation, num_tokens=n_tok, num_sequences=n_seq, norm_length=64)
         loss.backward()
         ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -119,6 +163,10 @@ def main() -> None:
             "micro_batches": result.num_micro_batches,
             "dummies": result.num_dummies,
             "loss_tokens": result.num_loss_tokens,
+            "forwarded": result.num_forwarded,
+            "ref_err": ref_err,
+            "kl_k3": result.reference["kl_k3"] if result.reference else None,
+            "entropy": result.entropy,
             "clip_frac": (result.stats.summary()["clip_frac_low"] + result.stats.summary()["clip_frac_high"]) if result.stats else 0.0,
         }
         Path(args.out).write_text(json.dumps(report))

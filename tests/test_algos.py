@@ -54,6 +54,28 @@ def test_rloo():
     assert close(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size", [2, 8, 16, 64])
+@pytest.mark.parametrize("value", [-0.9, 1.1, 0.1, -1.0, 0.3, 1e6 + 0.1])
+def test_equal_reward_groups_get_exactly_zero(value, size, dtype):
+    # The recipe's rewards (correct +-1 plus 0.1 * format) give values like -0.9 and 1.1; a float32
+    # group mean leaves a ~1e-8 residue that the std division turned into +-0.05..0.1 for every member.
+    rewards = torch.full((size,), value, dtype=dtype)
+    groups = torch.zeros(size, dtype=torch.long)
+    for name in ("group", "dr_grpo", "rloo"):
+        adv = ADVANTAGES.get(name)()(AdvantageInput(rewards=rewards, group_ids=groups)).advantages
+        assert adv.dtype == dtype
+        assert bool((adv == 0.0).all()), (name, adv)
+
+
+def test_equal_reward_group_next_to_a_mixed_one():
+    rewards = T([-0.9] * 8 + [1.1, -0.9, 1.1, -0.9], dtype=torch.float32)
+    groups = T([0] * 8 + [1] * 4)
+    adv = group_advantages(rewards, groups)
+    assert bool((adv[:8] == 0).all())
+    assert close(adv[8:], [0.866025, -0.866025, 0.866025, -0.866025], tol=1e-5)
+
+
 def test_group_ids_need_not_be_contiguous_or_sorted():
     perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
     adv = group_advantages(REWARDS, GROUPS)
@@ -241,3 +263,20 @@ def test_aggregation_modes(mode, expected):
 def test_aggregation_needs_norm_length_for_dr_grpo():
     with pytest.raises(ValueError, match="needs a positive norm_length"):
         aggregate(LOSS, AMASK, "seq_mean_token_sum_norm", num_tokens=4, num_sequences=2)
+
+
+def test_kl_log_ratio_clamp_keeps_estimates_and_gradients_finite():
+    # A reference that gives a sampled token log-prob -80 while the policy gives -0.1: log r = -79.9.
+    logp = T([[-0.1, -0.1, -2.0]], dtype=torch.float32, requires_grad=True)
+    ref = T([[-80.0, 100.0, -2.5]], dtype=torch.float32)
+    for est in ("k1", "k2", "k3"):
+        kl = kl_estimate(logp, ref, est, clamp=20.0)
+        assert bool(torch.isfinite(kl).all())
+        (grad,) = torch.autograd.grad(kl.sum(), logp)
+        assert bool(torch.isfinite(grad).all())
+        # Clamped positions have no gradient (the clamp is flat there); the unclamped one has.
+        assert grad[0, 0] == 0 and grad[0, 1] == 0 and grad[0, 2] != 0
+    k3 = kl_estimate(logp, ref, "k3", clamp=20.0)
+    assert close(k3[0, 0], math.exp(-20.0) - 1 + 20.0, tol=1e-4) and close(k3[0, 1], math.exp(20.0) - 1 - 20.0, tol=1e-2)
+    # Without the clamp, k3 at log r = 100 overflows float32.
+    assert not bool(torch.isfinite(kl_estimate(logp, ref, "k3", clamp=1e9)).all())

@@ -33,8 +33,10 @@ def launch(config: str, tmp_path: Path, *extra: str, timeout: int = 420) -> dict
         ("cpu_ddp.yaml", ()),
         ("cpu_ddp.yaml", ("--rebalance", "--aggregation", "seq_mean_token_mean")),
         ("cpu_zero3.yaml", ()),
+        ("cpu_ddp.yaml", ("--kl",)),
+        ("cpu_zero3.yaml", ("--kl",)),
     ],
-    ids=["ddp", "ddp-rebalance-seq-mean", "zero3"],
+    ids=["ddp", "ddp-rebalance-seq-mean", "zero3", "ddp-kl-entropy", "zero3-kl-entropy"],
 )
 def test_two_ranks_match_one_process(config, extra, tmp_path):
     report = launch(config, tmp_path, *extra)
@@ -45,6 +47,10 @@ def test_two_ranks_match_one_process(config, extra, tmp_path):
     assert report["update_norm"] > 1e-3
     assert report["rel_err"] < 1e-5, report
     assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+    if "--kl" in extra:
+        # Zero-advantage datums are forwarded anyway (the KL and entropy terms reach them), and the reference
+        # log-probs computed by the prepared (under ZeRO-3 sharded) reference model were the right ones.
+        assert report["forwarded"] == 10 and report["kl_k3"] > 0 and report["entropy"] > 0 and report["ref_err"] < 1e-5
 
 
 def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
@@ -91,10 +97,12 @@ def test_zero3_resume_reproduces_the_next_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_step_on_two_ranks_equals_one_process(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2")], ids=["grpo", "reference-kl-2-steps"])
+def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
     # Rollouts sampled row by row with per-row seeds (identical however the questions are split), SGD
     # (Adam's first step would hide a wrongly scaled gradient): one trainer step on 2 ranks x 2
-    # questions must equal one step on 1 rank x 4 questions.
+    # questions must equal one step on 1 rank x 4 questions. With beta, two steps (the KL to TRL's reference,
+    # sharded under ZeRO-3, has no gradient at step 1, where the policy is the reference).
     import torch
 
     from trl_plugins.testing import build_tiny_model, build_tokenizer
@@ -104,8 +112,10 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path):
     for config, per_device in (("cpu.yaml", "8"), ("cpu_ddp.yaml", "4"), ("cpu_zero3.yaml", "4")):
         out = tmp_path / f"{config}.pt"
         report = launch_trainer(config, tmp_path, config, "--output_dir", str(tmp_path / config), "--per_device", per_device,
-                                "--params_out", str(out), *common)
+                                "--params_out", str(out), *common, *extra)
         assert report["steps"][0]["train/update_skipped"] == 0.0
+        if extra:
+            assert report["global_step"] == 2 and report["steps"][-1]["train/kl_k3"] > 0
         params[config] = torch.load(out)
     initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
     reference = params["cpu.yaml"]

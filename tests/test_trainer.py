@@ -106,11 +106,17 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(reward_component_weights=[1.0, 2.0]), "give one weight per component"),
         (dict(rollout_kwargs="{not json"), "rollout_kwargs must be a JSON object"),
         # Unreachable machinery is refused when the config is built, not at step 1.
-        (dict(beta=0.04), "does not train against a reference model yet"),
+        (dict(beta=-0.1), "must be >= 0"),
+        (dict(kl_estimator="k4"), "'k4' is not a valid KLEstimator"),
+        (dict(beta=0.1, kl_penalty="returns"), "kl_penalty must be 'loss' or 'reward'"),
+        (dict(policy_loss_kwargs={"kl_coef": 0.1}), "pass --beta 0.1"),
+        (dict(beta=0.1, policy_loss_kwargs={"kl_coef": 0.2}), "pass --beta 0.2"),
+        (dict(beta=0.1, kl_penalty="reward", policy_loss_kwargs={"kl_coef": 0.1}), "--kl_penalty loss"),
+        (dict(beta=0.1, kl_estimator="k1", policy_loss_kwargs={"kl_estimator": "k2"}), "set only --kl_estimator"),
+        (dict(entropy_coef=0.01, policy_loss_kwargs={"entropy_coef": 0.02}), "disagree"),
+        (dict(aggregation="seq_mean_token_sum_norm"), "set norm_length"),
         (dict(use_vllm=True), "generates with HF generate only"),
         (dict(advantage="gae"), "advantage 'gae' needs critic values"),
-        (dict(policy_loss_kwargs={"kl_coef": 0.1}), "remove kl_coef"),
-        (dict(policy_loss_kwargs={"entropy_coef": 0.01}), "remove entropy_coef"),
         (dict(rollout_kwargs={"max_turn": 2}), "rollout 'multi_turn' rejected its settings"),
         (dict(advantage="grpo"), "unknown advantages plugin 'grpo'"),
         (dict(policy_loss="test_trainer:UndeclaredLoss"), r"does not declare \['needs_ref_logprobs', 'needs_entropy'\]"),
@@ -379,3 +385,103 @@ def test_configured_tools_are_keyed_by_the_name_the_model_calls(tmp_path):
                                    reward_components={"length": TokenReward()})
     assert list(trainer._plugins.tools) == ["python"]
     assert [s["function"]["name"] for s in trainer._chat.tools] == ["python"]
+
+
+def _saved_model(tmp_path, tok):
+    # TRL builds the frozen reference from the policy's name_or_path, as it does for a Hub model.
+    path = tmp_path / "policy"
+    build_tiny_model(tok).save_pretrained(path)
+    return str(path)
+
+
+def _train(tmp_path, name, tok, model, **overrides):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    out = tmp_path / name
+    trainer = MultiTurnGRPOTrainer(model, _config(out, **overrides), train_dataset=_dataset(), processing_class=tok,
+                                   reward_components={"length": TokenReward()})
+    trainer.train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    return trainer, records
+
+
+def test_beta_trains_against_a_frozen_reference_in_the_loss(tmp_path):
+    tok = build_tokenizer("qwen2_5")
+    path = _saved_model(tmp_path, tok)
+    plain, _ = _train(tmp_path, "plain", tok, path, max_steps=3)
+    kl, records = _train(tmp_path, "kl", tok, path, max_steps=3, beta=0.5, kl_estimator="k3")
+    assert plain.ref_model is None and kl.ref_model is not None
+    # The reference stays the starting policy; the policies of the two runs part ways once the KL bites.
+    ref_params = dict(kl.ref_model.named_parameters())
+    from transformers import AutoModelForCausalLM
+
+    initial = dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    assert all(torch.equal(ref_params[n], initial[n]) for n in initial)
+    assert any(not torch.equal(a, b) for a, b in zip(plain.model.parameters(), kl.model.parameters()))
+    for key in ("train/kl_k1", "train/kl_k2", "train/kl_k3", "train/ref_logprob_gap", "timing/reference_s"):
+        assert key in records[0], key
+    assert records[0]["train/kl_k3"] < 1e-6  # step 1: the policy is the reference
+    assert records[-1]["train/kl_k3"] > records[0]["train/kl_k3"]
+    assert records[-1]["train/forwarded_datums"] == records[-1]["train/datums"]  # nothing skipped with a KL term
+
+
+def test_kl_in_the_reward_is_a_stored_reward_component(tmp_path):
+    tok = build_tokenizer("qwen2_5")
+    path = _saved_model(tmp_path, tok)
+    trainer, records = _train(tmp_path, "kl_reward", tok, path, max_steps=2, beta=0.2, kl_penalty="reward",
+                              kl_estimator="k1")
+    assert "reward/kl_penalty" in records[0]
+    assert abs(records[0]["reward/kl_penalty"]) < 1e-4  # step 1: behaviour policy == reference (float noise)
+    trajs = trainer._last_trajectories
+    comps = [t.reward_component("kl_penalty") for t in trajs]
+    assert all(c.weight == 0.2 for c in comps) and any(c.value != 0.0 for c in comps)
+    assert all(abs(t.reward - (t.reward_component("length").value + 0.2 * t.reward_component("kl_penalty").value)) < 1e-9
+               for t in trajs)
+
+
+def test_entropy_bonus_is_trained_and_logged(tmp_path):
+    tok = build_tokenizer("qwen2_5")
+    _, records = _train(tmp_path, "ent", tok, build_tiny_model(tok), max_steps=1, entropy_coef=0.01)
+    assert records[0]["train/entropy"] > 0
+
+
+def test_sampling_temperature_is_the_update_temperature(tmp_path):
+    tok = build_tokenizer("qwen2_5")
+    _, records = _train(tmp_path, "t07", tok, build_tiny_model(tok), max_steps=1, temperature=0.7)
+    # The sampler's log-probs at temperature 0.7 are the trainer's: on-policy, the gap is float noise.
+    assert records[0]["train/behaviour_logprob_gap"] < 1e-4 and abs(records[0]["train/ratio_p50"] - 1) < 1e-4
+
+
+def test_a_plugin_rollouts_bad_trajectory_is_reported_before_it_becomes_a_datum(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.types import TrajectoryError
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, rollout="test_evaluation:LyingRollout"),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    with pytest.raises(TrajectoryError, match=r"rollout plugin 'test_evaluation:LyingRollout'.*sample 1\), turn 0: "
+                                              r"\d+ completion tokens but \d+ behaviour log-probs"):
+        trainer.train()
+
+
+def test_mask_leaves_truncated_members_out_of_their_group_statistics():
+    from types import SimpleNamespace
+
+    from trl_plugins.algos import GroupAdvantage
+    from trl_plugins.trainers.batch import compute_advantages, truncation_mask
+    from trl_plugins.types import StopReason
+
+    # Group 0: rewards [1, 0, 0.5 (truncated), 0 (truncated)]; group 1: [0.2, 0.2 (truncated)].
+    spec = [(0, 1.0, False), (0, 0.0, False), (0, 0.5, True), (0, 0.0, True), (1, 0.2, False), (1, 0.7, True)]
+    trajs = [SimpleNamespace(group_id=g, reward=r, truncated=t, advantage=None,
+                             stop_reason=StopReason.TURN_LENGTH if t else StopReason.FINAL_ANSWER) for g, r, t in spec]
+    plugins = SimpleNamespace(advantage=GroupAdvantage())
+    masked = truncation_mask(trajs, mask_truncated=True)
+    compute_advantages(plugins, trajs, masked)
+    s = 0.5 / (0.5 ** 0.5)  # group 0 kept: [1, 0] -> mean 0.5, unbiased std sqrt(0.5)
+    got = [t.advantage for t in trajs]
+    assert got[2:4] == [0.0, 0.0] and got[5] == 0.0
+    assert abs(got[0] - s) < 1e-5 and abs(got[1] + s) < 1e-5
+    assert got[4] == 0.0  # a group left with one member gets exactly 0
+    compute_advantages(plugins, trajs, truncation_mask(trajs, mask_truncated=False))
+    assert all(t.advantage != 0.0 for t in trajs[:4])  # scored with the truncated members, all four differ

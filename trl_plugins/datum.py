@@ -202,6 +202,10 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
     behaviour = torch.zeros(shape, dtype=torch.float32)
     advantages = torch.zeros(shape, dtype=torch.float32)
     action_mask = torch.zeros(shape, dtype=torch.float32)
+    with_ref = [d.ref_logprobs is not None for d in rows]
+    if any(with_ref) and not all(with_ref):
+        raise ValueError("some datums of the micro-batch carry reference log-probs and some do not; fill all or none.")
+    ref = torch.zeros(shape, dtype=torch.float32) if all(with_ref) else None
     for r, d in enumerate(rows):
         n = d.num_tokens
         input_ids[r, :n] = torch.tensor(d.input_ids, dtype=torch.long)
@@ -210,6 +214,8 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         behaviour[r, :n] = torch.tensor(d.behaviour_logprobs, dtype=torch.float32)
         advantages[r, :n] = torch.tensor(d.advantages, dtype=torch.float32)
         action_mask[r, :n] = torch.tensor(d.action_mask, dtype=torch.float32)
+        if ref is not None:
+            ref[r, :n] = torch.tensor(d.ref_logprobs, dtype=torch.float32)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -218,10 +224,11 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         advantages=advantages,
         action_mask=action_mask,
         datum_indices=list(indices),
+        ref_logprobs=ref,
     )
 
 
-def dummy_micro_batch(*, pad_token_id: int) -> MicroBatch:
+def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False) -> MicroBatch:
     """A one-token, zero-weight micro-batch for ranks that have fewer real ones than the others.
 
     It has one attended token (a fully masked row can give NaN attention) and an all-zero action
@@ -238,5 +245,6 @@ def dummy_micro_batch(*, pad_token_id: int) -> MicroBatch:
         advantages=zeros.clone(),
         action_mask=zeros.clone(),
         datum_indices=[],
+        ref_logprobs=zeros.clone() if with_ref else None,
         weight=0.0,
     )

@@ -120,6 +120,7 @@ def evaluate_policy(
     batch_questions: int = 64,
     success_component: str = "correct",
     progress: bool = False,
+    accelerator: Any = None,
 ) -> tuple[EvalResult, list[Trajectory]]:
     """Roll out every row ``samples`` times with the run's own plugins and score it with every reward component.
 
@@ -128,7 +129,10 @@ def evaluate_policy(
     rows -> trajectories -> scores path as training (:mod:`trl_plugins.trainers.batch`), so a trajectory
     is rolled out and scored here exactly as in a training step. A sample counts as correct when the
     component ``success_component`` says so (its ``is_success(value)``). ``temperature=0`` is greedy
-    decoding (then ``samples`` should be 1); the other sampling settings are the config's.
+    decoding (then ``samples`` should be 1); the other sampling settings are the config's. With
+    ``accelerator`` (a prepared, possibly ZeRO-3-sharded ``model`` during training), each batch of rows is
+    generated with the full weights gathered once; every rank must then call this with the same number of
+    batches.
 
     Returns:
         The numbers and the scored trajectories.
@@ -148,7 +152,7 @@ def evaluate_policy(
     plugins = build_plugins(args)
     judge = next(fn for name, _, fn in plugins.reward_components if name == success_component)
     chat = ChatFormat(tokenizer, [t.schema() for t in plugins.tools.values()])
-    backend = hf_backend(model, tokenizer, chat, args, temperature=temperature)
+    backend = hf_backend(model, tokenizer, chat, args, temperature=temperature, accelerator=accelerator)
     trajectories: list[Trajectory] = []
     correct: list[bool] = []
     was_training = model.training

@@ -306,6 +306,9 @@ class Datum:
     """Group of the source trajectory."""
     bootstrap_mask: int = 0
     """0 when the source trajectory terminated, 1 when truncated (only the last datum of a split)."""
+    ref_logprobs: list[float] | None = None
+    """Reference-model log-prob of ``target_ids[t]`` (same temperature as the behaviour ones), filled
+    once per rollout batch when a reference KL is on; None otherwise."""
 
     @property
     def num_tokens(self) -> int:
@@ -491,6 +494,8 @@ class MicroBatch:
     """``(B, T)`` float, 1 on sampled tokens."""
     datum_indices: list[int]
     """Indices of the datums in the list they were collated from (row order)."""
+    ref_logprobs: torch.Tensor | None = None
+    """``(B, T)`` float reference log-probs when the datums carry them (0 on padding)."""
     weight: float = 1.0
     """1.0 for real micro-batches, 0.0 for dummies."""
 

@@ -153,7 +153,8 @@ def clipped_value_loss(
 class PPOClipLoss:
     """Asymmetric-clip PPO, optionally with a reference-KL term and an entropy bonus in the loss.
 
-    ``loss_t = ppo_clip_t + kl_coef * KL_t(policy || reference) - entropy_coef * H_t``.
+    ``loss_t = ppo_clip_t + kl_coef * w_t * KL_t(policy || reference) - entropy_coef * H_t``, with
+    ``w_t`` the importance ratio when ``kl_importance_weight`` and 1 otherwise.
     """
 
     clip_low: float = 0.2
@@ -168,6 +169,10 @@ class PPOClipLoss:
     """Weight of the reference KL in the loss (needs ``ref_logprobs``)."""
     kl_estimator: KLEstimator = KLEstimator.K3
     """KL estimator for the loss term."""
+    kl_importance_weight: bool = False
+    """Multiply the KL term by the (differentiable) importance ratio pi/pi_behaviour, which makes its
+    gradient the unbiased reverse-KL gradient on behaviour samples (DeepSeek-V3.2; TRL's
+    ``use_bias_correction_kl``). Changes the gradient even on-policy, where the ratio is 1."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (needs ``entropy``)."""
 
@@ -207,6 +212,9 @@ class PPOClipLoss:
                 raise ValueError("ppo_clip with kl_coef > 0 needs ref_logprobs (enable the reference model).")
             ref = torch.where(on, inp.ref_logprobs, inp.logprobs.detach())
             kl = kl_estimate(inp.logprobs, ref, self.kl_estimator)
+            if self.kl_importance_weight:
+                behaviour = torch.where(on, inp.behaviour_logprobs, inp.logprobs.detach())
+                kl = kl * torch.exp((inp.logprobs - behaviour).clamp(-self.log_ratio_clamp, self.log_ratio_clamp))
             loss = loss + self.kl_coef * torch.where(on, kl, torch.zeros_like(kl))
         if self.entropy_coef:
             if inp.entropy is None:

@@ -15,9 +15,22 @@ from trl_plugins.datum import build_datum
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, RolloutResult, questions_from_rows
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.trainers.plugins import RunPlugins
+from trl_plugins.algos import kl_estimate
 from trl_plugins.types import AdvantageInput, Datum, RewardComponent, SamplingSettings, Trajectory, TrajectoryError
 
-__all__ = ["hf_backend", "rollout_rows", "score_trajectories", "compute_advantages", "build_datums_for_update"]
+__all__ = [
+    "hf_backend",
+    "rollout_rows",
+    "score_trajectories",
+    "truncation_mask",
+    "build_datums_for_update",
+    "add_kl_penalty",
+    "compute_advantages",
+    "set_datum_advantages",
+]
+
+KL_PENALTY_COMPONENT = "kl_penalty"
+"""Name of the reward component that carries ``-sum_t KL_t`` when the reference KL is in the reward."""
 
 
 def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, temperature: float | None = None,
@@ -99,30 +112,78 @@ def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], 
         ]
 
 
-def compute_advantages(plugins: RunPlugins, trajectories: Sequence[Trajectory], *, mask_truncated: bool) -> list[bool]:
-    """Set ``traj.advantage`` from the advantage plugin; returns which trajectories are masked.
+def truncation_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool) -> list[bool]:
+    """Which trajectories are masked: with ``mask_truncated`` (``truncated_policy='mask'``) every truncated
+    one is neither scored against its group nor trained on."""
+    return [mask_truncated and t.truncated for t in trajectories]
 
-    With ``mask_truncated`` a truncated trajectory is neither scored against its group nor trained on
-    (advantage 0, left out of the estimator's input).
+
+def build_datums_for_update(plugins: RunPlugins, trajectories: Sequence[Trajectory], masked: Sequence[bool]) -> list[Datum]:
+    """One datum per trajectory the update trains on (masked ones left out), advantages still 0.
+
+    Zero-advantage datums are kept: they count in the loss denominators, and the update decides whether
+    their forward can be skipped (:func:`~trl_plugins.trainers.step.datums_to_forward`).
     """
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    return [
+        build_datum(traj, advantage=0.0, max_context_tokens=plugins.max_context_tokens, trajectory_index=i)
+        for i, traj in enumerate(trajectories)
+        if not masked[i]
+    ]
+
+
+def add_kl_penalty(trajectories: Sequence[Trajectory], datums: Sequence[Datum], *, beta: float, estimator: str) -> None:
+    """Classic-PPO reference KL in the reward: a ``kl_penalty`` component ``-sum_t KL_t`` with weight ``beta``.
+
+    ``KL_t`` estimates KL(behaviour || reference) on each sampled token from the behaviour log-probs the
+    sampler stored and the reference log-probs on the datum; the sum runs over the trajectory's action
+    tokens. The component is stored like any other, so ``reward/kl_penalty`` is logged and the reward
+    the advantage estimator sees includes ``-beta * sum_t KL_t``.
+    """
+    for d in datums:
+        if d.ref_logprobs is None:
+            raise ValueError("add_kl_penalty needs datums with reference log-probs; call reference_logprobs() first.")
+        mask = torch.tensor(d.action_mask, dtype=torch.float64)
+        behaviour = torch.tensor(d.behaviour_logprobs, dtype=torch.float64)
+        ref = torch.where(mask.bool(), torch.tensor(d.ref_logprobs, dtype=torch.float64), behaviour)
+        total = float((kl_estimate(behaviour, ref, estimator) * mask).sum())
+        traj = trajectories[d.trajectory_index]
+        traj.reward_components = [c for c in traj.reward_components if c.name != KL_PENALTY_COMPONENT]
+        traj.reward_components.append(RewardComponent(KL_PENALTY_COMPONENT, -total, beta))
+
+
+def compute_advantages(plugins: RunPlugins, trajectories: Sequence[Trajectory], masked: Sequence[bool]) -> None:
+    """Set ``traj.advantage`` from the advantage plugin; masked trajectories get 0 and are left out of its input.
+
+    Rewards go to the estimator in float64 (the sum of weighted components in Python floats).
+
+    Raises:
+        ValueError: the plugin returned the wrong shape or a non-finite advantage (names the plugin).
+    """
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
     group_ids = torch.tensor([t.group_id for t in trajectories])
-    masked = [mask_truncated and t.truncated for t in trajectories]
     keep = torch.tensor([not m for m in masked], dtype=torch.bool)
-    advantages = torch.zeros(len(trajectories), dtype=torch.float32)
+    advantages = torch.zeros(len(trajectories), dtype=torch.float64)
     if bool(keep.any()):
-        advantages[keep] = plugins.advantage(AdvantageInput(rewards=rewards[keep], group_ids=group_ids[keep])).advantages.float()
+        out = plugins.advantage(AdvantageInput(rewards=rewards[keep], group_ids=group_ids[keep])).advantages
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (int(keep.sum()),):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"advantage plugin {type(plugins.advantage).__name__} returned {got} for {int(keep.sum())} "
+                f"trajectories; an outcome estimator returns one advantage per trajectory, shape (N,)."
+            )
+        if not bool(torch.isfinite(out).all()):
+            bad = int((~torch.isfinite(out)).nonzero()[0])
+            raise ValueError(
+                f"advantage plugin {type(plugins.advantage).__name__} returned a non-finite advantage "
+                f"({float(out[bad])}) for trajectory {bad} of the batch."
+            )
+        advantages[keep] = out.to(torch.float64)
     for traj, adv in zip(trajectories, advantages.tolist()):
         traj.advantage = adv
-    return masked
 
 
-def build_datums_for_update(plugins: RunPlugins, trajectories: Sequence[Trajectory], masked: Sequence[bool], *,
-                            drop_zero_advantage: bool) -> list[Datum]:
-    """One datum per trajectory that the update trains on (masked ones and, optionally, zero-advantage ones left out)."""
-    datums = []
-    for i, traj in enumerate(trajectories):
-        if masked[i] or (drop_zero_advantage and traj.advantage == 0.0):
-            continue
-        datums.append(build_datum(traj, max_context_tokens=plugins.max_context_tokens, trajectory_index=i))
-    return datums
+def set_datum_advantages(datums: Sequence[Datum], trajectories: Sequence[Trajectory]) -> None:
+    """Put each trajectory's advantage on every action position of its datum (0 elsewhere)."""
+    for d in datums:
+        adv = trajectories[d.trajectory_index].advantage
+        d.advantages = [adv if m else 0.0 for m in d.action_mask]

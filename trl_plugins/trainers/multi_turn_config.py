@@ -8,7 +8,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from trl_plugins.types import AggregationMode
+from trl_plugins.trainers.trl_fields import apply_trl_fields, plugin_params
+from trl_plugins.types import AggregationMode, KLEstimator
 
 __all__ = ["MultiTurnGRPOConfig"]
 
@@ -56,7 +57,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
     rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (scored by the reward components, which treat them as wrong) or 'mask' (no advantage, left out of group statistics and the loss)."})
-    drop_zero_advantage: bool = field(default=True, metadata={"help": "Drop trajectories whose advantage is 0."})
+    drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
+    kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
+    kl_penalty: str = field(default="loss", metadata={"help": "Where the reference KL (beta > 0) enters: 'loss' (GRPO: beta * KL per action token, aggregated like the policy loss) or 'reward' (classic PPO: a 'kl_penalty' reward component -sum_t KL_t with weight beta)."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
     trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
@@ -78,12 +81,6 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"must be a multiple of num_generations ({self.num_generations}), so that every group is rolled out "
                 f"on one rank."
             )
-        if self.gradient_accumulation_steps != 1 or self.steps_per_generation != 1:
-            raise ValueError(
-                "one step is one rollout batch and one optimizer update: keep gradient_accumulation_steps=1 and "
-                "steps_per_generation=1 (micro-batching is the packer's job: max_items_per_micro_batch, "
-                "max_padded_tokens_per_micro_batch)."
-            )
         if self.reward_component_weights is None:
             self.reward_component_weights = [1.0] * len(self.reward_components)
         if len(self.reward_component_weights) != len(self.reward_components):
@@ -96,17 +93,74 @@ class MultiTurnGRPOConfig(GRPOConfig):
         for name in ("max_items_per_micro_batch", "max_padded_tokens_per_micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        # Reachable code only: TRL fields whose machinery this trainer does not run yet are refused.
-        if self.beta != 0.0:
-            raise ValueError(
-                f"beta={self.beta}: this trainer does not train against a reference model yet, so a KL coefficient "
-                f"would be ignored; keep beta=0.0."
-            )
         if self.use_vllm:
             raise ValueError(
                 "use_vllm=True: this trainer generates with HF generate only for now, so vLLM would be ignored; "
                 "leave use_vllm off."
             )
+        self._map_kl_and_entropy()
+        apply_trl_fields(self)  # every other TRL field: honoured, mapped or refused
         from trl_plugins.trainers.plugins import check_plugin_config
 
         check_plugin_config(self)
+
+    def _map_kl_and_entropy(self) -> None:
+        """TRL's ``beta``, ``use_bias_correction_kl`` and ``entropy_coef`` set the policy loss's ``kl_coef``,
+        ``kl_estimator``, ``kl_importance_weight`` and ``entropy_coef``.
+
+        ``beta > 0`` makes TRL build the reference model, so it is the one switch of the reference KL:
+        a ``kl_coef`` given in ``policy_loss_kwargs`` without it, or different from it, is refused.
+        Idempotent (``__post_init__`` may run again on a copy).
+        """
+        if self.beta < 0:
+            raise ValueError(f"beta={self.beta}: the reference-KL coefficient must be >= 0.")
+        KLEstimator(self.kl_estimator)
+        if self.kl_penalty not in ("loss", "reward"):
+            raise ValueError(f"kl_penalty must be 'loss' or 'reward', got {self.kl_penalty!r}.")
+        from trl_plugins.registry import POLICY_LOSSES
+
+        params = plugin_params(POLICY_LOSSES.get(self.policy_loss))
+        accepted = None if params is None else set(params)
+        kwargs = self.policy_loss_kwargs
+        given = float(kwargs.get("kl_coef", 0.0) or 0.0)
+        want = self.beta if self.kl_penalty == "loss" else 0.0
+        if "kl_coef" in kwargs and given != want:
+            raise ValueError(
+                f"policy_loss_kwargs sets kl_coef={given}, but the reference-KL coefficient is TRL's beta "
+                f"(beta > 0 is what builds the reference model): pass --beta {given or self.beta} "
+                f"{'and --kl_penalty loss ' if self.kl_penalty != 'loss' else ''}and drop kl_coef from policy_loss_kwargs."
+            )
+        if self.beta > 0 and self.kl_penalty == "loss":
+            needed = {"kl_coef", "kl_estimator"} | ({"kl_importance_weight"} if self.use_bias_correction_kl else set())
+            if accepted is not None and not needed <= accepted:
+                raise ValueError(
+                    f"beta={self.beta} with kl_penalty='loss' needs a policy loss that takes {sorted(needed)} "
+                    f"(kl_importance_weight for use_bias_correction_kl=True, TRL's default); "
+                    f"policy_loss {self.policy_loss!r} does not. Use policy_loss='ppo_clip', or kl_penalty='reward'."
+                )
+            if "kl_estimator" in kwargs and KLEstimator(kwargs["kl_estimator"]) != KLEstimator(self.kl_estimator):
+                raise ValueError(
+                    f"policy_loss_kwargs sets kl_estimator={kwargs['kl_estimator']!r} but kl_estimator is "
+                    f"{self.kl_estimator!r}; set only --kl_estimator."
+                )
+            if "kl_importance_weight" in kwargs and bool(kwargs["kl_importance_weight"]) != self.use_bias_correction_kl:
+                raise ValueError(
+                    f"policy_loss_kwargs sets kl_importance_weight={kwargs['kl_importance_weight']} but "
+                    f"use_bias_correction_kl is {self.use_bias_correction_kl}; set only --use_bias_correction_kl."
+                )
+            kwargs["kl_coef"] = self.beta
+            kwargs["kl_estimator"] = str(KLEstimator(self.kl_estimator))
+            if accepted is None or "kl_importance_weight" in accepted:
+                kwargs["kl_importance_weight"] = self.use_bias_correction_kl
+        if self.entropy_coef:
+            if accepted is not None and "entropy_coef" not in accepted:
+                raise ValueError(
+                    f"entropy_coef={self.entropy_coef} needs a policy loss that takes entropy_coef; policy_loss "
+                    f"{self.policy_loss!r} does not. Use policy_loss='ppo_clip' or set entropy_coef=0."
+                )
+            if float(kwargs.get("entropy_coef", self.entropy_coef)) != self.entropy_coef:
+                raise ValueError(
+                    f"entropy_coef={self.entropy_coef} and policy_loss_kwargs entropy_coef={kwargs['entropy_coef']} "
+                    f"disagree; set one of them."
+                )
+            kwargs["entropy_coef"] = self.entropy_coef

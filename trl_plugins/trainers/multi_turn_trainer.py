@@ -28,16 +28,20 @@ from trl import GRPOTrainer
 from trl_plugins.rollout import ChatFormat, derive_seed
 from trl_plugins.rollout.metrics import rollout_metrics
 from trl_plugins.trainers.batch import (
+    KL_PENALTY_COMPONENT,
+    add_kl_penalty,
     build_datums_for_update,
     compute_advantages,
     hf_backend,
     rollout_rows,
     score_trajectories,
+    set_datum_advantages,
+    truncation_mask,
 )
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
-from trl_plugins.trainers.step import policy_update
+from trl_plugins.trainers.step import datums_to_forward, policy_update, reference_logprobs
 from trl_plugins.types import Trajectory
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
@@ -135,14 +139,26 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         trajs: list[Trajectory] = result.trajectories
         t0 = time.perf_counter()
         score_trajectories(plugins, trajs, rows)
-        masked = compute_advantages(plugins, trajs, mask_truncated=args.truncated_policy == "mask")
-        scoring_s = time.perf_counter() - t0
-        datums = build_datums_for_update(plugins, trajs, masked, drop_zero_advantage=args.drop_zero_advantage)
-        metrics = {**rollout_metrics(result), "timing/scoring_s": scoring_s}
+        masked = truncation_mask(trajs, mask_truncated=args.truncated_policy == "mask")
+        datums = build_datums_for_update(plugins, trajs, masked)
+        metrics: dict[str, float] = {}
+        if args.beta > 0:
+            t_ref = time.perf_counter()
+            self._reference_logprobs(datums)
+            metrics["timing/reference_s"] = time.perf_counter() - t_ref
+            if args.kl_penalty == "reward":
+                add_kl_penalty(trajs, datums, beta=args.beta, estimator=args.kl_estimator)
+        compute_advantages(plugins, trajs, masked)
+        set_datum_advantages(datums, trajs)
+        metrics.update({**rollout_metrics(result), "timing/scoring_s": time.perf_counter() - t0})
         n = max(len(trajs), 1)
-        metrics["reward/total"] = float(torch.tensor([t.reward for t in trajs], dtype=torch.float32).mean()) if trajs else 0.0
-        for name, _, _ in plugins.reward_components:
-            metrics[f"reward/{name}"] = sum(t.reward_component(name).value for t in trajs) / n
+        metrics["reward/total"] = sum(t.reward for t in trajs) / n
+        names = [name for name, _, _ in plugins.reward_components]
+        if args.beta > 0 and args.kl_penalty == "reward":
+            names.append(KL_PENALTY_COMPONENT)
+        for name in names:
+            scored = [t.reward_component(name).value for t in trajs if any(c.name == name for c in t.reward_components)]
+            metrics[f"reward/{name}"] = sum(scored) / max(len(scored), 1)
         self._last_trajectories = trajs
         metrics["train/datums"] = float(len(datums))
         metrics["train/masked_truncated_frac"] = sum(masked) / n
@@ -157,6 +173,25 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             if step_metrics is not None:
                 metrics.update(step_metrics())
         return datums, metrics
+
+    def _reference_logprobs(self, datums: list) -> None:
+        """Reference log-probs on ``datums``: TRL's frozen reference model (prepared like the policy, so
+        sharded under ZeRO-3), or with PEFT the policy itself with its adapter disabled (no second copy)."""
+        from contextlib import nullcontext
+
+        from accelerate.utils import is_peft_model
+        from trl.trainer.utils import use_adapter
+
+        if self.ref_model is not None:
+            model, context = self.ref_model, None
+        else:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            if not is_peft_model(unwrapped):
+                raise RuntimeError("beta > 0 but TRL built no reference model and the policy has no adapter to disable.")
+            name = "ref" if "ref" in unwrapped.peft_config else None
+            model, context = self.model_wrapped, (lambda: use_adapter(unwrapped, adapter_name=name))
+        reference_logprobs(self.accelerator, model, datums, self.args,
+                           pad_token_id=self.processing_class.pad_token_id, context=context or nullcontext)
 
     def training_step(self, model: torch.nn.Module, inputs: list[dict], num_items_in_batch: Any = None) -> torch.Tensor:
         """Roll out, score and update once (the HF Trainer loop clips and steps the optimizer after)."""
@@ -176,7 +211,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         lags = [self.state.global_step - self._rollout_step] if datums else []
         metrics["train/policy_version_lag"] = float(lags[0]) if lags else 0.0
         self._step += 1
-        (total,) = self.accelerator.reduce(torch.tensor([float(len(datums))], device=self.accelerator.device), "sum").tolist()
+        trainable = float(len(datums_to_forward(datums, self._plugins.policy_loss, args)))
+        (total,) = self.accelerator.reduce(torch.tensor([trainable], device=self.accelerator.device), "sum").tolist()
         if total == 0:
             metrics["train/update_skipped"] = 1.0
             loss = torch.zeros((), device=self.args.device)
@@ -194,7 +230,12 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 "train/padded_tokens": float(result.num_padded_tokens),
                 "train/padding_efficiency": result.num_input_tokens / max(result.num_padded_tokens, 1),
                 "train/policy_loss": result.loss,
+                "train/forwarded_datums": float(result.num_forwarded),
             })
+            if result.reference is not None:
+                metrics.update({f"train/{k}": v for k, v in result.reference.items()})
+            if result.entropy is not None:
+                metrics["train/entropy"] = result.entropy
             metrics["timing/packing_s"] = result.packing_s
             if result.stats is not None:
                 metrics.update({f"train/{k}": v for k, v in result.stats.summary().items()})
@@ -205,6 +246,12 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         for key, value in self._mean_over_ranks(metrics).items():
             self._metrics["train"][key].append(value)
         return loss
+
+    def record_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Add values to the current step's record (e.g. from a callback's periodic evaluation); they are
+        logged with the step's other metrics at the next logging step, to the loggers and ``metrics.jsonl``."""
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(float(value))
 
     def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         # One gather per step on every rank (key sets may differ: a rank whose sandbox never started

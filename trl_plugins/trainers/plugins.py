@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from trl_plugins.registry import ADVANTAGES, PACKERS, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS, Registry
+from trl_plugins.types import AggregationMode
 
 __all__ = ["RunPlugins", "build_plugins", "check_plugin_config", "check_named_plugins", "check_capabilities", "context_limit"]
 
@@ -125,15 +126,16 @@ def check_capabilities(args: Any, rollout: Any, advantage: Any, policy_loss: Any
         )
     if advantage.needs_groups and args.num_generations < 2:
         raise ValueError(f"advantage {args.advantage!r} is group-relative and needs num_generations >= 2, got {args.num_generations}.")
-    if policy_loss.needs_ref_logprobs:
+    if policy_loss.needs_ref_logprobs and not args.beta > 0:
         raise ValueError(
-            f"policy_loss {args.policy_loss!r} is configured with a reference-KL term (policy_loss_kwargs), but this "
-            f"trainer computes no reference log-probs yet; remove kl_coef from policy_loss_kwargs."
+            f"policy_loss {args.policy_loss!r} reads reference log-probs, and the reference model is built only "
+            f"when beta > 0; set --beta (the KL coefficient) instead of kl_coef in policy_loss_kwargs."
         )
-    if policy_loss.needs_entropy:
+    if AggregationMode(args.aggregation) == AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM and not (args.norm_length or 0) > 0:
+        budget = rollout.token_budget
         raise ValueError(
-            f"policy_loss {args.policy_loss!r} is configured with an entropy bonus (policy_loss_kwargs), but this "
-            f"trainer computes no per-token entropy yet; remove entropy_coef from policy_loss_kwargs."
+            "aggregation='seq_mean_token_sum_norm' (Dr. GRPO) divides by a constant length: set norm_length, "
+            f"e.g. the most action tokens a trajectory can have{f' (the rollout budget is {budget})' if budget else ''}."
         )
     budget = rollout.token_budget
     context = context_limit(args, rollout)

@@ -25,13 +25,13 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from trl_plugins.algos import aggregate, importance_ratios, quantiles
+from trl_plugins.algos import aggregate, importance_ratios, kl_estimate, quantiles
 from trl_plugins.datum import collate, dummy_micro_batch
-from trl_plugins.modeling import token_logprobs
+from trl_plugins.modeling import token_logprobs, token_logprobs_and_entropy
 from trl_plugins.packing import pack_for_ranks
-from trl_plugins.types import Datum, PolicyLossInput, PolicyLossOutput, PolicyLossStats
+from trl_plugins.types import Datum, KLEstimator, PolicyLossInput, PolicyLossOutput, PolicyLossStats
 
-__all__ = ["UpdateSettings", "UpdateResult", "policy_update"]
+__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "reference_logprobs", "datums_to_forward"]
 
 
 class UpdateSettings(Protocol):
@@ -46,6 +46,7 @@ class UpdateSettings(Protocol):
     norm_length: float | None
     temperature: float
     max_grad_norm: float | None
+    drop_zero_advantage: bool
 
 
 @dataclass
@@ -74,6 +75,14 @@ class UpdateResult:
     """Wall time spent planning micro-batches on this rank."""
     ratio_quantiles: dict[str, float] | None = None
     """p10/p50/p90 of the importance ratio over this rank's loss tokens, averaged over ranks (approximate)."""
+    num_forwarded: int = 0
+    """Global datums that went through forward/backward (zero-advantage ones may be skipped)."""
+    reference: dict[str, float] | None = None
+    """Means over the forwarded loss tokens of KL(current || reference) per estimator (``kl_k1``,
+    ``kl_k2``, ``kl_k3``) and ``ref_logprob_gap`` (mean ``|log pi - log pi_ref|``), when the datums
+    carry reference log-probs."""
+    entropy: float | None = None
+    """Mean per-token entropy of the current policy over the forwarded loss tokens, when computed."""
 
 
 def _is_deepspeed(accelerator: Any) -> bool:
@@ -107,6 +116,70 @@ def _merge_stats_across_ranks(accelerator: Any, stats: PolicyLossStats | None) -
         return None
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     return PolicyLossStats(**{n: t(v) for n, v in zip(sums_names, sums)}, ratio_min=t(-neg_lo), ratio_max=t(hi))
+
+
+def _capability(policy_loss: Any, name: str) -> bool:
+    return bool(getattr(policy_loss, name, False))
+
+
+def datums_to_forward(datums: Sequence[Datum], policy_loss: Any, config: UpdateSettings) -> list[int]:
+    """Indices of the datums whose forward/backward can change the gradient.
+
+    With ``drop_zero_advantage``, a datum whose advantages are all 0 adds exactly 0 to a PPO-clip
+    loss and its gradient (``-A * ratio``), so it is skipped; it still counts in the global
+    denominators (:func:`policy_update`), so skipping never rescales the gradient. When the loss has
+    another per-token term (a reference KL, an entropy bonus: ``needs_ref_logprobs``/``needs_entropy``)
+    nothing can be skipped.
+    """
+    per_token_terms = _capability(policy_loss, "needs_ref_logprobs") or _capability(policy_loss, "needs_entropy")
+    if not config.drop_zero_advantage or per_token_terms:
+        return list(range(len(datums)))
+    return [i for i, d in enumerate(datums) if any(a != 0.0 for a in d.advantages)]
+
+
+def _micro_batches(accelerator: Any, datums: Sequence[Datum], config: UpdateSettings) -> list[list[int]]:
+    """This rank's micro-batches (local plan), padded with empty ones to the largest count over ranks."""
+    limits = {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch}
+    batches = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1, **limits).ranks[0]
+    (steps,) = _reduce(accelerator, [len(batches)], "max")
+    return list(batches) + [[] for _ in range(int(steps) - len(batches))]
+
+
+@torch.no_grad()
+def reference_logprobs(
+    accelerator: Any,
+    model: torch.nn.Module,
+    datums: Sequence[Datum],
+    config: UpdateSettings,
+    *,
+    pad_token_id: int,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> None:
+    """Fill ``datum.ref_logprobs`` with the reference model's log-probs; every rank must call it.
+
+    Packed like the update (the configured packer and limits), at the sampling temperature, with the
+    same number of forwards on every rank (empty dummies where a rank has fewer: under ZeRO-3 each
+    forward is a collective). Called once per rollout batch, so reused rollouts keep them.
+
+    Args:
+        model: The prepared reference model, or the policy when ``context`` disables its adapter (PEFT).
+        context: A factory of the context in which ``model`` is the reference (e.g. adapters off).
+    """
+    temperature = config.temperature or 1.0
+    was_training = model.training
+    model.eval()
+    try:
+        with context() if context is not None else contextlib.nullcontext():
+            for idx in _micro_batches(accelerator, datums, config):
+                mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
+                device = accelerator.device
+                lp = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device),
+                                    mb.target_ids.to(device), temperature=temperature).float().cpu()
+                for row, i in enumerate(idx):
+                    n = datums[i].num_tokens
+                    datums[i].ref_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)]
+    finally:
+        model.train(was_training)
 
 
 def policy_update(
@@ -143,6 +216,18 @@ def policy_update(
     world = accelerator.num_processes
     rank = accelerator.process_index
     datums = list(datums)
+    # Denominators count every datum this step trains on, skipped zero-advantage ones included.
+    local_tokens = float(sum(d.num_loss_tokens for d in datums))
+    local_seqs = float(sum(d.num_loss_tokens > 0 for d in datums))
+    num_tokens, num_seqs = _reduce(accelerator, [local_tokens, local_seqs], "sum")
+    needs_ref = _capability(policy_loss, "needs_ref_logprobs")
+    needs_entropy = _capability(policy_loss, "needs_entropy")
+    datums = [datums[i] for i in datums_to_forward(datums, policy_loss, config)]
+    with_ref = bool(datums) and all(d.ref_logprobs is not None for d in datums)
+    if needs_ref and datums and not with_ref:
+        raise ValueError(
+            "the policy loss reads reference log-probs but the datums carry none; call reference_logprobs() first."
+        )
     t_pack = time.perf_counter()
     limits = {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch}
     if config.rebalance_ranks and world > 1:
@@ -156,11 +241,9 @@ def policy_update(
     else:
         plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1, **limits)
         batches = plan.ranks[0]
-
     packing_s = time.perf_counter() - t_pack
-    local_tokens = float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))
-    local_seqs = float(sum(datums[i].num_loss_tokens > 0 for idx in batches for i in idx))
-    num_tokens, num_seqs = _reduce(accelerator, [local_tokens, local_seqs], "sum")
+    (forwarded,) = _reduce(accelerator, [float(sum(len(idx) for idx in batches))], "sum")
+    (any_ref,) = _reduce(accelerator, [float(with_ref)], "max")
     (steps,) = _reduce(accelerator, [len(batches)], "max")
     steps = int(steps)
     batches = list(batches) + [[] for _ in range(steps - len(batches))]
@@ -171,10 +254,13 @@ def policy_update(
     padded = real = dummies = 0
     stats: PolicyLossStats | None = None
     ratios: list[torch.Tensor] = []
+    # Sums over this rank's forwarded loss tokens: KL to the reference per estimator, |log-prob gap|, entropy.
+    aux = {"kl_k1": 0.0, "kl_k2": 0.0, "kl_k3": 0.0, "ref_logprob_gap": 0.0, "entropy": 0.0}
     model.train()
     for k, idx in enumerate(batches):
         last = k == steps - 1
-        mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
+        mb = (collate(datums, idx, pad_token_id=pad_token_id) if idx
+              else dummy_micro_batch(pad_token_id=pad_token_id, with_ref=bool(any_ref)))
         dummies += not idx
         padded += mb.num_padded_tokens
         real += int(mb.attention_mask.sum())
@@ -185,16 +271,19 @@ def policy_update(
         else:
             ctx = contextlib.nullcontext() if last or world == 1 else accelerator.no_sync(model)
         with ctx:
-            logp = token_logprobs(
+            logp, entropy = token_logprobs_and_entropy(
                 model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.target_ids.to(device),
-                temperature=temperature,
+                temperature=temperature, with_entropy=needs_entropy,
             )
+            ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
             out = policy_loss(
                 PolicyLossInput(
                     logprobs=logp,
                     behaviour_logprobs=mb.behaviour_logprobs.to(device),
                     advantages=mb.advantages.to(device),
                     action_mask=mb.action_mask.to(device),
+                    ref_logprobs=ref if needs_ref else None,
+                    entropy=entropy,
                 )
             )
             loss = aggregate(
@@ -209,6 +298,16 @@ def policy_update(
         if idx:
             stats = out.stats if stats is None else stats.merge(out.stats)
             ratios.append(importance_ratios(logp, mb.behaviour_logprobs.to(device), mb.action_mask.to(device)).cpu())
+            with torch.no_grad():
+                m = mb.action_mask.to(device)
+                on = m.bool()
+                if ref is not None:
+                    safe_ref = torch.where(on, ref, logp.detach())
+                    for est in KLEstimator:
+                        aux[f"kl_{est.value}"] += float((kl_estimate(logp.detach(), safe_ref, est) * m).sum())
+                    aux["ref_logprob_gap"] += float(((logp.detach() - safe_ref).abs() * m).sum())
+                if entropy is not None:
+                    aux["entropy"] += float((entropy.detach() * m).sum())
 
     grad_norm = None
     if not deepspeed and step_optimizer:
@@ -226,6 +325,10 @@ def policy_update(
     q_sums = _reduce(accelerator, [q * have for q in local_q] + [have], "sum")
     ratio_qs = {f"ratio_p{int(q * 100)}": v / q_sums[-1] for q, v in zip(qs, q_sums[:-1])} if q_sums[-1] else None
     dummies_all, padded_all, real_all = _reduce(accelerator, [dummies, padded, real], "sum")
+    aux_all = dict(zip(aux, _reduce(accelerator, list(aux.values()), "sum")))
+    (fwd_tokens,) = _reduce(accelerator, [float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))], "sum")
+    denom = max(fwd_tokens, 1.0)
+    reference = {k: aux_all[k] / denom for k in ("kl_k1", "kl_k2", "kl_k3", "ref_logprob_gap")} if any_ref else None
     return UpdateResult(
         loss=loss_sum,
         num_micro_batches=steps,
@@ -238,4 +341,7 @@ def policy_update(
         grad_norm=grad_norm,
         packing_s=packing_s,
         ratio_quantiles=ratio_qs,
+        num_forwarded=int(forwarded),
+        reference=reference,
+        entropy=aux_all["entropy"] / denom if needs_entropy else None,
     )
