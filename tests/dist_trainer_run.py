@@ -46,13 +46,14 @@ def main() -> None:
     ap.add_argument("--slot_reward", action="store_true", help="reward that is constant for one question")
     ap.add_argument("--per_row_seed", action="store_true", help="sample each row on its own (world-size independent)")
     ap.add_argument("--beta", type=float, default=0.0, help="reference KL in the loss (TRL builds the reference)")
+    ap.add_argument("--gae", action="store_true", help="actor-critic: advantage gae, the critic built from the saved policy")
     args = ap.parse_args()
     from datasets import Dataset
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
-    if args.beta:
+    if args.beta or args.gae:
         # TRL builds the reference from the policy's path; each rank writes its own identical copy.
         path = Path(args.output_dir) / f"policy-{os.environ.get('LOCAL_RANK', '0')}"
         model.save_pretrained(path)
@@ -62,6 +63,7 @@ def main() -> None:
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device, num_generations=2, max_steps=args.max_steps,
         report_to=[], save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         logging_steps=1, optim=args.optim, temperature=args.temperature, beta=args.beta,
+        **({"advantage": "gae", "critic_learning_rate": 1e-2, "critic_optim": "sgd"} if args.gae else {}),
         **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}), learning_rate=5e-3, seed=0, disable_tqdm=True,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
@@ -72,6 +74,10 @@ def main() -> None:
                                    reward_components={"token": reward})
     trainer.train(resume_from_checkpoint=args.resume)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if args.gae:
+        from trl_plugins.trainers.critic import critic_state_dict
+
+        state = {**(state or {}), **{f"critic.{k}": v for k, v in critic_state_dict(trainer.accelerator, trainer._critic).items()}}
     if trainer.accelerator.is_main_process and args.params_out:
         torch.save({k: v.detach().float().cpu() for k, v in state.items()}, args.params_out)
     if trainer.accelerator.is_main_process:

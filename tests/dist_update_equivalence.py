@@ -51,11 +51,88 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def critic_with_a_head() -> torch.nn.Module:
+    """The test's critic: the tiny policy's backbone and a fixed random value head (so values vary)."""
+    from trl_plugins.trainers.critic import build_critic
+
+    critic = build_critic(tiny_qwen2())
+    with torch.no_grad():
+        critic.score.weight.copy_(0.3 * torch.randn(critic.score.weight.shape, generator=torch.Generator().manual_seed(3)))
+    return critic
+
+
+def noisy_old_values_and_returns(d) -> tuple[list[float], list[float]]:
+    """Old values moved off the current ones (so the value clip binds on some tokens) and random returns."""
+    gen = torch.Generator().manual_seed(d.trajectory_index)
+    noise, returns = 0.1 * torch.randn(d.num_tokens, generator=gen), torch.randn(d.num_tokens, generator=gen)
+    return [v + float(e) for v, e in zip(d.old_values, noise)], [float(x) if m else 0.0 for x, m in zip(returns, d.action_mask)]
+
+
+def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics: list) -> None:
+    """value_update on the ranks' datums == one plain-torch SGD step of the one-batch value loss."""
+    from accelerate.utils import gather_object
+
+    from trl_plugins.algos import clipped_value_loss
+    from trl_plugins.trainers.critic import critic_state_dict, critic_values, prepare_critic, rollout_values, value_update
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    config = SimpleNamespace(aggregation="token_mean", packer="ffd", max_items_per_micro_batch=2,
+                             max_padded_tokens_per_micro_batch=400, rebalance_ranks=False, norm_length=None,
+                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False)
+    trained, reference, initial = critics
+    critic, optimizer = prepare_critic(accelerator, trained, learning_rate=LR, optimizer_cls=torch.optim.SGD)
+    mine = parts[rank]
+    after = rollout_values(accelerator, critic, mine, config, pad_token_id=0)  # each rank, different micro-batch counts
+    gathered = [x for part in gather_object([[(d.old_values, a) for d, a in zip(mine, after)]]) for x in part]
+    for d in mine:
+        d.old_values, d.returns = noisy_old_values_and_returns(d)
+    result = value_update(accelerator, critic, optimizer, mine, config, vf_clip=0.05, vf_coef=0.7, max_grad_norm=None,
+                          pad_token_id=0)
+    state = critic_state_dict(accelerator, critic)
+    if accelerator.is_main_process:
+        for d, (old, _) in zip(everything, gathered):
+            d.old_values, d.returns = old, [0.0] * d.num_tokens
+        mb = collate(everything, list(range(len(everything))), pad_token_id=0)
+        with torch.no_grad():
+            direct = critic_values(reference, mb.input_ids, mb.attention_mask)
+        values_err = float(((mb.old_values - direct) * mb.attention_mask).abs().max())
+        for d in everything:
+            d.old_values, d.returns = noisy_old_values_and_returns(d)
+        mb = collate(everything, list(range(len(everything))), pad_token_id=0)
+        # The value after the last token: the critic on the whole sequence, read at its end.
+        d0, (_, a0) = everything[0], gathered[0]
+        full = torch.tensor([d0.input_ids + d0.target_ids[-1:]])
+        with torch.no_grad():
+            after_err = abs(float(critic_values(reference, full, torch.ones_like(full))[0, -1]) - a0)
+        n_tok, n_seq = local_denominators(mb.action_mask)
+        values = critic_values(reference, mb.input_ids, mb.attention_mask)
+        out = clipped_value_loss(values, mb.old_values, mb.returns, mb.action_mask, clip_range=0.05)
+        loss = 0.7 * aggregate(out.per_token_loss, mb.action_mask, "token_mean", num_tokens=n_tok, num_sequences=n_seq)
+        loss.backward()
+        torch.optim.SGD(reference.parameters(), lr=LR).step()
+        before = initial.state_dict()
+        num = den = 0.0
+        for name, ref_param in reference.state_dict().items():
+            num += float((state[name].float() - ref_param).pow(2).sum())
+            den += float((ref_param - before[name]).pow(2).sum())
+        report = {"world": world, "deepspeed": deepspeed, "rel_err": (num / max(den, 1e-30)) ** 0.5, "update_norm": den ** 0.5,
+                  "loss": result.loss, "ref_loss": float(loss), "values_err": values_err, "after_err": after_err,
+                  "clip_frac": result.clip_frac, "micro_batches": result.num_micro_batches}
+        Path(args.out).write_text(json.dumps(report))
+        print(json.dumps(report))
+    accelerator.wait_for_everyone()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rebalance", action="store_true")
     ap.add_argument("--aggregation", default="token_mean")
+    ap.add_argument("--critic", action="store_true",
+                    help="the critic's value_update (SGD) instead of the policy's: rollout values from the prepared "
+                         "critic on each rank, random returns, clipped value loss")
     ap.add_argument("--kl", action="store_true",
                     help="reference KL (k3) + entropy bonus in the loss, reference log-probs from a prepared reference "
                          "model; every third datum has advantage 0 and drop_zero_advantage is on")
@@ -64,6 +141,8 @@ def main() -> None:
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    # Built before the Accelerator: once DeepSpeed ZeRO-3 is configured, transformers builds models partitioned.
+    critics = [critic_with_a_head() for _ in range(3)] if args.critic else []
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if deepspeed:
         accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
@@ -90,6 +169,9 @@ def main() -> None:
         for k, d in enumerate(everything):
             if k % 3 == 0:
                 d.advantages = [0.0] * d.num_tokens
+    if args.critic:
+        critic_check(args, accelerator, parts, everything, deepspeed, critics)
+        return
     loss_fn = PPOClipLoss(kl_coef=0.3, entropy_coef=0.05) if args.kl else PPOClipLoss()
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
     config = SimpleNamespace(aggregation=args.aggregation, packer="balanced" if args.rebalance else "ffd",

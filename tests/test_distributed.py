@@ -27,6 +27,18 @@ def launch(config: str, tmp_path: Path, *extra: str, timeout: int = 420) -> dict
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
+def test_two_ranks_critic_update_matches_one_process(config, tmp_path):
+    report = launch(config, tmp_path, "--critic")
+    assert report["world"] == 2 and report["deepspeed"] == (config == "cpu_zero3.yaml")
+    # Rollout-time values taken on the ranks (dummies under ZeRO-3) are the one-process ones.
+    assert report["values_err"] < 1e-5 and report["after_err"] < 1e-5
+    assert 0.0 < report["clip_frac"] < 1.0  # both branches of the clipped value loss were taken
+    assert report["update_norm"] > 1e-4 and report["rel_err"] < 1e-5, report
+    assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config,extra",
     [
@@ -97,7 +109,8 @@ def test_zero3_resume_reproduces_the_next_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2")], ids=["grpo", "reference-kl-2-steps"])
+@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2"), ("--gae", "--max_steps", "2")],
+                         ids=["grpo", "reference-kl-2-steps", "critic-gae-2-steps"])
 def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
     # Rollouts sampled row by row with per-row seeds (identical however the questions are split), SGD
     # (Adam's first step would hide a wrongly scaled gradient): one trainer step on 2 ranks x 2
@@ -114,12 +127,14 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
         report = launch_trainer(config, tmp_path, config, "--output_dir", str(tmp_path / config), "--per_device", per_device,
                                 "--params_out", str(out), *common, *extra)
         assert report["steps"][0]["train/update_skipped"] == 0.0
-        if extra:
+        if "--beta" in extra:
             assert report["global_step"] == 2 and report["steps"][-1]["train/kl_k3"] > 0
+        if "--gae" in extra:  # advantages whitened over both ranks' tokens; the critic's update is exact too
+            assert report["global_step"] == 2 and "critic/value_loss" in report["steps"][-1]
         params[config] = torch.load(out)
     initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
     reference = params["cpu.yaml"]
-    update = sum(float((reference[k] - initial[k]).pow(2).sum()) for k in reference) ** 0.5
+    update = sum(float((reference[k] - initial[k]).pow(2).sum()) for k in reference if k in initial) ** 0.5
     assert update > 1e-4
     for config in ("cpu_ddp.yaml", "cpu_zero3.yaml"):
         diff = sum(float((params[config][k] - reference[k]).pow(2).sum()) for k in reference) ** 0.5

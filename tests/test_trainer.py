@@ -116,7 +116,7 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(entropy_coef=0.01, policy_loss_kwargs={"entropy_coef": 0.02}), "disagree"),
         (dict(aggregation="seq_mean_token_sum_norm"), "set norm_length"),
         (dict(use_vllm=True), "generates with HF generate only"),
-        (dict(advantage="gae"), "advantage 'gae' needs critic values"),
+        (dict(advantage="gae", vf_clip=0.0), "vf_clip > 0"),
         (dict(rollout_kwargs={"max_turn": 2}), "rollout 'multi_turn' rejected its settings"),
         (dict(advantage="grpo"), "unknown advantages plugin 'grpo'"),
         (dict(policy_loss="test_trainer:UndeclaredLoss"), r"does not declare \['needs_ref_logprobs', 'needs_entropy'\]"),
@@ -166,6 +166,12 @@ def test_pinned_trl_surface():
     src = inspect.getsource(GRPOTrainer.__init__)
     for attr in ("self._metrics = ", "self._step = 0", "self.num_generations = ", "self.num_iterations = "):
         assert attr in src, attr
+    # The reference of beta > 0: TRL builds it (prepared with prepare_deepspeed under DeepSpeed) or, with
+    # PEFT, leaves it None and disables the adapter with use_adapter.
+    assert "self.ref_model = None" in src and "prepare_deepspeed(self.ref_model" in src
+    from trl.trainer.utils import use_adapter
+
+    assert list(inspect.signature(use_adapter).parameters) == ["model", "adapter_name"]
     # The HF loop calls training_step(model, inputs, num_items_in_batch), then clips and steps itself.
     loop = inspect.getsource(Trainer._run_epoch)
     assert "self.training_step(model, inputs, num_items_in_batch)" in loop and "self.optimizer.step()" in loop
@@ -485,3 +491,77 @@ def test_mask_leaves_truncated_members_out_of_their_group_statistics():
     assert got[4] == 0.0  # a group left with one member gets exactly 0
     compute_advantages(plugins, trajs, truncation_mask(trajs, mask_truncated=False))
     assert all(t.advantage != 0.0 for t in trajs[:4])  # scored with the truncated members, all four differ
+
+
+def _critic_params(trainer):
+    return [p.detach().clone() for p in trainer.accelerator.unwrap_model(trainer._critic).parameters()]
+
+
+def test_gae_brings_a_critic_that_warms_up_alone_then_trains_with_the_policy(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    initial = [p.detach().clone() for p in model.parameters()]
+    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, advantage="gae", max_steps=1, critic_warmup_steps=1,
+                                                  critic_learning_rate=1e-2),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    critic = trainer.accelerator.unwrap_model(trainer._critic)
+    # Initialised from the policy: the same backbone weights, a zero head (values start at 0).
+    assert torch.equal(critic.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert float(critic.score.weight.abs().sum()) == 0.0
+    before = _critic_params(trainer)
+    trainer.train()
+    # Warm-up step: only the critic learned.
+    assert all(torch.equal(a, b.detach()) for a, b in zip(initial, trainer.model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, _critic_params(trainer)))
+    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    assert record["critic/warmup"] == 1.0 and record["train/update_skipped"] == 1.0
+    for key in ("critic/value_loss", "critic/clip_frac", "critic/explained_variance", "critic/returns_mean",
+                "critic/returns_std", "critic/values_mean", "timing/critic_values_s", "timing/critic_update_s"):
+        assert key in record, key
+    assert record["critic/values_mean"] == 0.0  # the zero head
+    # Per-token advantages on the datums: whitened over the batch's action tokens.
+    trajs = trainer._last_trajectories
+    assert len({round(t.advantage, 6) for t in trajs}) > 1
+
+
+def test_critic_settings_without_a_critic_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"\['critic_learning_rate'\] configure the critic"):
+        _config(tmp_path, critic_learning_rate=1e-4)
+
+
+def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+
+    def run(out, **overrides):
+        return MultiTurnGRPOTrainer(
+            build_tiny_model(tok), _config(out, advantage="gae", critic_learning_rate=1e-2, **overrides),
+            train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()},
+        )
+
+    straight = run(tmp_path / "straight", max_steps=2)
+    straight.train()
+    first = run(tmp_path / "resumed", max_steps=2, save_strategy="steps", save_steps=1)
+    first.train()
+    checkpoint = tmp_path / "resumed" / "checkpoint-1"
+    assert (checkpoint / "critic" / "state.pt").is_file()
+    second = run(tmp_path / "resumed", max_steps=2)
+    second.train(resume_from_checkpoint=str(checkpoint))
+    for a, b in zip(_critic_params(straight), _critic_params(second)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(straight.model.parameters(), second.model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    # Negative control: the critic after step 1 is not the critic after step 2.
+    one = run(tmp_path / "one", max_steps=1)
+    one.train()
+    assert any(not torch.allclose(a, b) for a, b in zip(_critic_params(straight), _critic_params(one)))
+    # A checkpoint without a critic cannot silently start one afresh.
+    plain = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path / "plain", max_steps=1, save_strategy="steps",
+                                                                save_steps=1),
+                                 train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()})
+    plain.train()
+    with pytest.raises(FileNotFoundError, match="has no critic/ folder"):
+        run(tmp_path / "plain2", max_steps=2).train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))

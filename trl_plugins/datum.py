@@ -202,10 +202,12 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
     behaviour = torch.zeros(shape, dtype=torch.float32)
     advantages = torch.zeros(shape, dtype=torch.float32)
     action_mask = torch.zeros(shape, dtype=torch.float32)
-    with_ref = [d.ref_logprobs is not None for d in rows]
-    if any(with_ref) and not all(with_ref):
-        raise ValueError("some datums of the micro-batch carry reference log-probs and some do not; fill all or none.")
-    ref = torch.zeros(shape, dtype=torch.float32) if all(with_ref) else None
+    optional = {}
+    for name in ("ref_logprobs", "old_values", "returns"):
+        present = [getattr(d, name) is not None for d in rows]
+        if any(present) and not all(present):
+            raise ValueError(f"some datums of the micro-batch carry {name} and some do not; fill all or none.")
+        optional[name] = torch.zeros(shape, dtype=torch.float32) if all(present) else None
     for r, d in enumerate(rows):
         n = d.num_tokens
         input_ids[r, :n] = torch.tensor(d.input_ids, dtype=torch.long)
@@ -214,8 +216,9 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         behaviour[r, :n] = torch.tensor(d.behaviour_logprobs, dtype=torch.float32)
         advantages[r, :n] = torch.tensor(d.advantages, dtype=torch.float32)
         action_mask[r, :n] = torch.tensor(d.action_mask, dtype=torch.float32)
-        if ref is not None:
-            ref[r, :n] = torch.tensor(d.ref_logprobs, dtype=torch.float32)
+        for name, tensor in optional.items():
+            if tensor is not None:
+                tensor[r, :n] = torch.tensor(getattr(d, name), dtype=torch.float32)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -224,11 +227,11 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         advantages=advantages,
         action_mask=action_mask,
         datum_indices=list(indices),
-        ref_logprobs=ref,
+        **optional,
     )
 
 
-def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False) -> MicroBatch:
+def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False, with_values: bool = False) -> MicroBatch:
     """A one-token, zero-weight micro-batch for ranks that have fewer real ones than the others.
 
     It has one attended token (a fully masked row can give NaN attention) and an all-zero action
@@ -246,5 +249,7 @@ def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False) -> MicroBatc
         action_mask=zeros.clone(),
         datum_indices=[],
         ref_logprobs=zeros.clone() if with_ref else None,
+        old_values=zeros.clone() if with_values else None,
+        returns=zeros.clone() if with_values else None,
         weight=0.0,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -309,6 +310,10 @@ class Datum:
     ref_logprobs: list[float] | None = None
     """Reference-model log-prob of ``target_ids[t]`` (same temperature as the behaviour ones), filled
     once per rollout batch when a reference KL is on; None otherwise."""
+    old_values: list[float] | None = None
+    """Critic value of the state before ``target_ids[t]`` at rollout time (actor-critic runs)."""
+    returns: list[float] | None = None
+    """Value targets at each position, 0 off the action mask (actor-critic runs)."""
 
     @property
     def num_tokens(self) -> int:
@@ -367,6 +372,9 @@ class AdvantageInput:
     """``(N,)`` value of the state after the last token, used where ``bootstrap_mask`` is 1 (gae)."""
     token_rewards: torch.Tensor | None = None
     """``(N, T)`` extra per-token rewards, e.g. ``-beta * KL`` to a reference (gae)."""
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Sums a tensor over the data-parallel ranks, for batch statistics that must be global (e.g.
+    whitening); None in one process. Every rank calls the estimator, so every rank must call it alike."""
 
 
 @dataclass
@@ -496,6 +504,10 @@ class MicroBatch:
     """Indices of the datums in the list they were collated from (row order)."""
     ref_logprobs: torch.Tensor | None = None
     """``(B, T)`` float reference log-probs when the datums carry them (0 on padding)."""
+    old_values: torch.Tensor | None = None
+    """``(B, T)`` float rollout-time critic values when the datums carry them."""
+    returns: torch.Tensor | None = None
+    """``(B, T)`` float value targets when the datums carry them."""
     weight: float = 1.0
     """1.0 for real micro-batches, 0.0 for dummies."""
 

@@ -8,7 +8,7 @@ settings are constructor arguments. Outcome estimators return ``(N,)`` per-traje
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -90,16 +90,31 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     return adv.to(rewards.dtype)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Normalise ``x`` to zero mean, unit variance over positions where ``mask`` is 1; 0 elsewhere."""
-    m = mask.to(x.dtype)
-    n = m.sum().clamp(min=1)
-    mean = (x * m).sum() / n
-    var = ((x - mean).pow(2) * m).sum() / n
-    out = (x - mean) * torch.rsqrt(var + eps)
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Normalise ``x`` to zero mean, unit variance over positions where ``mask`` is 1; 0 elsewhere.
+
+    With ``all_reduce`` (a function that sums a tensor over data-parallel ranks), the mean and the
+    variance are those of the masked positions of *every* rank, so a batch split across ranks is
+    whitened exactly as the whole batch would be in one process. Computed in float64.
+    """
+    m = mask.to(torch.float64)
+    xd = torch.where(mask.bool(), x.to(torch.float64), torch.zeros_like(m))  # whatever sits off the mask is never read
+    reduce = all_reduce or (lambda t: t)
+    n, total = reduce(torch.stack([m.sum(), (xd * m).sum()])).unbind()
+    n = n.clamp(min=1)
+    mean = total / n
+    var = reduce((xd - mean).pow(2).mul(m).sum().reshape(1))[0] / n
+    out = (xd - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * m
+    return torch.where(mask.bool(), out, torch.zeros_like(out)).to(x.dtype)
 
 
 def gae_advantages(
@@ -146,7 +161,8 @@ def gae_advantages(
     r[rows, last[has_action]] += rewards.to(values.dtype)[has_action]
     next_value = torch.zeros(n, dtype=values.dtype, device=values.device)
     if bootstrap_mask is not None and bootstrap_values is not None:
-        next_value = bootstrap_mask.to(values.dtype) * bootstrap_values.to(values.dtype).detach()
+        boot = bootstrap_mask.to(torch.bool)
+        next_value = torch.where(boot, bootstrap_values.to(values.dtype).detach(), torch.zeros_like(next_value))
     running = torch.zeros_like(next_value)
     advantages = torch.zeros_like(values)
     for t in range(t_len - 1, -1, -1):
@@ -156,7 +172,7 @@ def gae_advantages(
         running = torch.where(m, candidate, running)
         next_value = torch.where(m, values[:, t], next_value)
         advantages[:, t] = torch.where(m, candidate, torch.zeros_like(candidate))
-    returns = (advantages + values) * mask.to(values.dtype)
+    returns = torch.where(mask, advantages + values, torch.zeros_like(values))
     return advantages, returns
 
 
@@ -214,7 +230,7 @@ class GAEAdvantage:
     lam: float = 0.95
     """GAE lambda."""
     whiten: bool = True
-    """Whiten advantages over the action tokens of the batch."""
+    """Whiten advantages over the action tokens of the whole batch, every rank's (returns stay raw)."""
 
     def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
         if inp.values is None or inp.action_mask is None:
@@ -233,5 +249,5 @@ class GAEAdvantage:
             token_rewards=inp.token_rewards,
         )
         if self.whiten:
-            adv = masked_whiten(adv, inp.action_mask)
+            adv = masked_whiten(adv, inp.action_mask, all_reduce=inp.all_reduce)
         return AdvantageOutput(advantages=adv, returns=ret)

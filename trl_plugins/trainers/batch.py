@@ -27,6 +27,8 @@ __all__ = [
     "add_kl_penalty",
     "compute_advantages",
     "set_datum_advantages",
+    "kl_per_token",
+    "compute_token_advantages",
 ]
 
 KL_PENALTY_COMPONENT = "kl_penalty"
@@ -131,21 +133,28 @@ def build_datums_for_update(plugins: RunPlugins, trajectories: Sequence[Trajecto
     ]
 
 
+def kl_per_token(datum: Datum, estimator: str) -> torch.Tensor:
+    """``(T,)`` estimate of KL(behaviour || reference) at each action position of ``datum`` (0 elsewhere),
+    from the sampler's behaviour log-probs and the datum's reference log-probs, in float64."""
+    if datum.ref_logprobs is None:
+        raise ValueError("the KL to the reference needs datums with reference log-probs; call reference_logprobs() first.")
+    mask = torch.tensor(datum.action_mask, dtype=torch.float64)
+    behaviour = torch.tensor(datum.behaviour_logprobs, dtype=torch.float64)
+    ref = torch.where(mask.bool(), torch.tensor(datum.ref_logprobs, dtype=torch.float64), behaviour)
+    return kl_estimate(behaviour, ref, estimator) * mask
+
+
 def add_kl_penalty(trajectories: Sequence[Trajectory], datums: Sequence[Datum], *, beta: float, estimator: str) -> None:
     """Classic-PPO reference KL in the reward: a ``kl_penalty`` component ``-sum_t KL_t`` with weight ``beta``.
 
-    ``KL_t`` estimates KL(behaviour || reference) on each sampled token from the behaviour log-probs the
-    sampler stored and the reference log-probs on the datum; the sum runs over the trajectory's action
-    tokens. The component is stored like any other, so ``reward/kl_penalty`` is logged and the reward
-    the advantage estimator sees includes ``-beta * sum_t KL_t``.
+    ``KL_t`` estimates KL(behaviour || reference) on each sampled token (:func:`kl_per_token`); the sum
+    runs over the trajectory's action tokens. The component is stored like any other, so
+    ``reward/kl_penalty`` is logged and the reward the advantage estimator sees includes
+    ``-beta * sum_t KL_t``. (With a critic the penalty goes in per token instead, and the component is
+    stored with weight 0 for the record.)
     """
     for d in datums:
-        if d.ref_logprobs is None:
-            raise ValueError("add_kl_penalty needs datums with reference log-probs; call reference_logprobs() first.")
-        mask = torch.tensor(d.action_mask, dtype=torch.float64)
-        behaviour = torch.tensor(d.behaviour_logprobs, dtype=torch.float64)
-        ref = torch.where(mask.bool(), torch.tensor(d.ref_logprobs, dtype=torch.float64), behaviour)
-        total = float((kl_estimate(behaviour, ref, estimator) * mask).sum())
+        total = float(kl_per_token(d, estimator).sum())
         traj = trajectories[d.trajectory_index]
         traj.reward_components = [c for c in traj.reward_components if c.name != KL_PENALTY_COMPONENT]
         traj.reward_components.append(RewardComponent(KL_PENALTY_COMPONENT, -total, beta))
@@ -187,3 +196,64 @@ def set_datum_advantages(datums: Sequence[Datum], trajectories: Sequence[Traject
     for d in datums:
         adv = trajectories[d.trajectory_index].advantage
         d.advantages = [adv if m else 0.0 for m in d.action_mask]
+
+
+def _padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.float64)
+    return out
+
+
+def compute_token_advantages(
+    plugins: RunPlugins,
+    trajectories: Sequence[Trajectory],
+    datums: Sequence[Datum],
+    bootstrap_values: Sequence[float],
+    *,
+    token_rewards: Sequence[torch.Tensor] | None = None,
+    all_reduce: Any = None,
+) -> None:
+    """Per-position advantages and value targets from a critic-based estimator (``needs_values``, e.g. ``gae``).
+
+    The estimator gets the datums' action masks, rollout-time values (``old_values``), each trajectory's
+    reward (on its last action token), the bootstrap mask and values (truncated trajectories bootstrap
+    from the value after their last token) and optional per-token rewards; its advantages go on the
+    datums, its returns become ``datum.returns``, and ``traj.advantage`` is the mean over the
+    trajectory's action tokens (for the logs). Every rank must call it (``all_reduce`` may be collective).
+
+    Raises:
+        ValueError: the plugin returned the wrong shapes, no returns, or non-finite numbers (names the plugin).
+    """
+    width = max((d.num_tokens for d in datums), default=0)
+    mask = _padded([d.action_mask for d in datums], width)
+    values = _padded([d.old_values for d in datums], width)
+    inp = AdvantageInput(
+        rewards=torch.tensor([trajectories[d.trajectory_index].reward for d in datums], dtype=torch.float64),
+        group_ids=torch.tensor([d.group_id for d in datums], dtype=torch.long),
+        action_mask=mask,
+        values=values,
+        bootstrap_mask=torch.tensor([float(d.bootstrap_mask) for d in datums], dtype=torch.float64),
+        bootstrap_values=torch.tensor(list(bootstrap_values), dtype=torch.float64),
+        token_rewards=None if token_rewards is None else _padded([t.tolist() for t in token_rewards], width),
+        all_reduce=all_reduce,
+    )
+    out = plugins.advantage(inp)
+    name = type(plugins.advantage).__name__
+    for what, tensor in (("advantages", out.advantages), ("returns", out.returns)):
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (len(datums), width):
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
+            raise ValueError(
+                f"advantage plugin {name} returned {what} {got} for {len(datums)} datums of width {width}; a critic-based "
+                f"estimator returns per-position advantages and returns, shape (N, T)."
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"advantage plugin {name} returned non-finite {what}.")
+    for traj in trajectories:
+        traj.advantage = 0.0
+    for i, d in enumerate(datums):
+        n, m = d.num_tokens, mask[i, : d.num_tokens]
+        adv = (out.advantages[i, :n] * m).tolist()
+        d.advantages = adv
+        d.returns = (out.returns[i, :n] * m).tolist()
+        trajectories[d.trajectory_index].advantage = float((out.advantages[i, :n] * m).sum() / m.sum().clamp(min=1))

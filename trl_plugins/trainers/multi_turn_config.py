@@ -60,6 +60,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
     kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
     kl_penalty: str = field(default="loss", metadata={"help": "Where the reference KL (beta > 0) enters: 'loss' (GRPO: beta * KL per action token, aggregated like the policy loss) or 'reward' (classic PPO: a 'kl_penalty' reward component -sum_t KL_t with weight beta)."})
+    critic_learning_rate: float | None = field(default=None, metadata={"help": "Learning rate of the critic's own AdamW (critic-based advantages such as 'gae'; default: learning_rate)."})
+    critic_optim: str = field(default="adamw", metadata={"help": "Optimizer of the critic: 'adamw' or 'sgd' (weight_decay applies to both)."})
+    critic_warmup_steps: int = field(default=0, metadata={"help": "First steps in which only the critic learns (the policy update is skipped)."})
+    vf_clip: float = field(default=0.2, metadata={"help": "Clip of the value loss: values move at most this far from their rollout-time values per update."})
+    vf_coef: float = field(default=1.0, metadata={"help": "Value-loss coefficient (scales the critic's loss; the critic has its own optimizer)."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
     trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
@@ -99,6 +104,15 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 "leave use_vllm off."
             )
         self._map_kl_and_entropy()
+        if self.critic_warmup_steps < 0 or self.vf_clip <= 0 or self.vf_coef <= 0:
+            raise ValueError(
+                f"need critic_warmup_steps >= 0, vf_clip > 0 and vf_coef > 0; got {self.critic_warmup_steps}, "
+                f"{self.vf_clip}, {self.vf_coef}."
+            )
+        if self.critic_optim not in ("adamw", "sgd"):
+            raise ValueError(f"critic_optim must be 'adamw' or 'sgd', got {self.critic_optim!r}.")
+        if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
+            raise ValueError(f"critic_learning_rate must be > 0, got {self.critic_learning_rate}.")
         apply_trl_fields(self)  # every other TRL field: honoured, mapped or refused
         from trl_plugins.trainers.plugins import check_plugin_config
 

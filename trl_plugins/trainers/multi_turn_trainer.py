@@ -6,7 +6,9 @@ one datum per trajectory, drop zero-advantage ones (all in :mod:`~trl_plugins.tr
 with the evaluation), and let :func:`~trl_plugins.trainers.step.policy_update` run the
 exactly-normalised micro-batches; the HF Trainer loop then clips, steps the optimizer and the
 scheduler, logs and checkpoints as usual. The PPO "old" log-probs are the sampler's behaviour
-log-probs stored on the trajectories.
+log-probs stored on the trajectories. With ``beta > 0`` TRL's reference model scores the datums once
+per rollout; with a critic-based estimator (``needs_values``) the critic (:mod:`~trl_plugins.trainers.critic`)
+gives values before the advantages and takes its own exact update after the policy's.
 
 TRL methods overridden: ``training_step``, ``log`` and ``train`` (public) and ``_save_checkpoint``
 (private; it only adds a completion marker after TRL's save). ``tests/test_trainer.py`` pins the
@@ -32,12 +34,15 @@ from trl_plugins.trainers.batch import (
     add_kl_penalty,
     build_datums_for_update,
     compute_advantages,
+    compute_token_advantages,
     hf_backend,
+    kl_per_token,
     rollout_rows,
     score_trajectories,
     set_datum_advantages,
     truncation_mask,
 )
+from trl_plugins.trainers.critic import build_critic, load_critic, prepare_critic, rollout_values, save_critic, value_update
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
@@ -107,6 +112,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             raise ValueError("log_completions is TRL's single-turn table; trajectory tables come from this trainer's own logging.")
         # Every plugin is built (and checked) before TRL loads anything.
         self._plugins = build_plugins(args, tools=tools, reward_components=reward_components)
+        # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
+        critic = build_critic(model) if self._plugins.advantage.needs_values else None
         super().__init__(
             model=model,
             reward_funcs=[_ScoredByPlugins()],
@@ -124,6 +131,14 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._last_trajectories: list[Trajectory] = []
         self._last_table_step = -1
         self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+        self._critic = self._critic_optimizer = None
+        if critic is not None:
+            if not self.is_deepspeed_enabled:  # DeepSpeed places (and under ZeRO-3 shards) it itself
+                critic.to(device=self.accelerator.device, dtype=next(self.model.parameters()).dtype)
+            self._critic, self._critic_optimizer = prepare_critic(
+                self.accelerator, critic, learning_rate=args.critic_learning_rate or args.learning_rate,
+                weight_decay=args.weight_decay, optimizer_cls=torch.optim.SGD if args.critic_optim == "sgd" else torch.optim.AdamW,
+            )
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -146,10 +161,22 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             t_ref = time.perf_counter()
             self._reference_logprobs(datums)
             metrics["timing/reference_s"] = time.perf_counter() - t_ref
-            if args.kl_penalty == "reward":
+            if args.kl_penalty == "reward" and self._critic is None:
                 add_kl_penalty(trajs, datums, beta=args.beta, estimator=args.kl_estimator)
-        compute_advantages(plugins, trajs, masked)
-        set_datum_advantages(datums, trajs)
+        if self._critic is None:
+            compute_advantages(plugins, trajs, masked)
+            set_datum_advantages(datums, trajs)
+        else:
+            t_values = time.perf_counter()
+            after = rollout_values(self.accelerator, self._critic, datums, args, pad_token_id=self.processing_class.pad_token_id)
+            metrics["timing/critic_values_s"] = time.perf_counter() - t_values
+            token_rewards = None
+            if args.beta > 0 and args.kl_penalty == "reward":
+                # Per token, as in classic PPO; the kl_penalty component is kept for the record with weight 0.
+                token_rewards = [-args.beta * kl_per_token(d, args.kl_estimator) for d in datums]
+                add_kl_penalty(trajs, datums, beta=0.0, estimator=args.kl_estimator)
+            compute_token_advantages(plugins, trajs, datums, after, token_rewards=token_rewards,
+                                     all_reduce=self._all_reduce_sum if self.accelerator.num_processes > 1 else None)
         metrics.update({**rollout_metrics(result), "timing/scoring_s": time.perf_counter() - t0})
         n = max(len(trajs), 1)
         metrics["reward/total"] = sum(t.reward for t in trajs) / n
@@ -173,6 +200,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             if step_metrics is not None:
                 metrics.update(step_metrics())
         return datums, metrics
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum").to(tensor.device)
 
     def _reference_logprobs(self, datums: list) -> None:
         """Reference log-probs on ``datums``: TRL's frozen reference model (prepared like the policy, so
@@ -213,7 +243,10 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._step += 1
         trainable = float(len(datums_to_forward(datums, self._plugins.policy_loss, args)))
         (total,) = self.accelerator.reduce(torch.tensor([trainable], device=self.accelerator.device), "sum").tolist()
-        if total == 0:
+        warmup = self._critic is not None and self.state.global_step < args.critic_warmup_steps
+        if self._critic is not None:
+            metrics["critic/warmup"] = float(warmup)
+        if total == 0 or warmup:
             metrics["train/update_skipped"] = 1.0
             loss = torch.zeros((), device=self.args.device)
         else:
@@ -242,6 +275,17 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             if result.ratio_quantiles:
                 metrics.update({f"train/{k}": v for k, v in result.ratio_quantiles.items()})
             loss = torch.tensor(result.loss, device=self.args.device)
+        if self._critic is not None:
+            t0 = time.perf_counter()
+            vr = value_update(self.accelerator, self._critic, self._critic_optimizer, datums, args, vf_clip=args.vf_clip,
+                              vf_coef=args.vf_coef, max_grad_norm=args.max_grad_norm,
+                              pad_token_id=self.processing_class.pad_token_id)
+            metrics.update({
+                "critic/value_loss": vr.loss, "critic/clip_frac": vr.clip_frac,
+                "critic/explained_variance": vr.explained_variance, "critic/returns_mean": vr.returns_mean,
+                "critic/returns_std": vr.returns_std, "critic/values_mean": vr.values_mean,
+                "timing/critic_update_s": time.perf_counter() - t0,
+            })
         metrics["timing/step_s"] = time.perf_counter() - start
         for key, value in self._mean_over_ranks(metrics).items():
             self._metrics["train"][key].append(value)
@@ -282,9 +326,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         finally:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        if self._critic is not None:
+            save_critic(self.accelerator, self._critic, self._critic_optimizer, folder)
         if self.args.should_save:
-            run_dir = self._get_output_dir(trial=trial)
-            folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
             mark_complete(folder, global_step=self.state.global_step, tokenizer_digest=self._chat.digest)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
@@ -304,6 +350,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                     f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint "
                     f"(a folder checkpoint-N with {COMPLETE_MARKER}); pass a path or start without resuming."
                 )
+        if resume_from_checkpoint and self._critic is not None:
+            load_critic(self.accelerator, self._critic, self._critic_optimizer, str(resume_from_checkpoint))
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except Exception:

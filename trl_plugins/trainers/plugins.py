@@ -119,11 +119,14 @@ def check_capabilities(args: Any, rollout: Any, advantage: Any, policy_loss: Any
             f"rollout {args.rollout!r} does not declare token_budget (max tokens of one trajectory, or None); "
             f"see docs/plugins.md."
         )
-    if advantage.needs_values:
-        raise ValueError(
-            f"advantage {args.advantage!r} needs critic values, and this trainer runs no critic yet; "
-            f"use a critic-free estimator such as 'group', 'dr_grpo' or 'rloo'."
-        )
+    critic_defaults = {"critic_learning_rate": None, "critic_warmup_steps": 0, "critic_optim": "adamw"}
+    if not advantage.needs_values:
+        changed = [n for n, d in critic_defaults.items() if getattr(args, n, d) != d]
+        if changed:
+            raise ValueError(
+                f"{changed} configure the critic, but advantage {args.advantage!r} runs none (only an estimator that "
+                f"needs_values, such as 'gae', brings one); drop them or choose --advantage gae."
+            )
     if advantage.needs_groups and args.num_generations < 2:
         raise ValueError(f"advantage {args.advantage!r} is group-relative and needs num_generations >= 2, got {args.num_generations}.")
     if policy_loss.needs_ref_logprobs and not args.beta > 0:

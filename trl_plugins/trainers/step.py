@@ -85,11 +85,11 @@ class UpdateResult:
     """Mean per-token entropy of the current policy over the forwarded loss tokens, when computed."""
 
 
-def _is_deepspeed(accelerator: Any) -> bool:
+def is_deepspeed(accelerator: Any) -> bool:
     return getattr(accelerator.state, "deepspeed_plugin", None) is not None
 
 
-def _reduce(accelerator: Any, values: Sequence[float], op: str) -> list[float]:
+def reduce_over_ranks(accelerator: Any, values: Sequence[float], op: str) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         t = accelerator.reduce(t, reduction="sum") if op == "sum" else _all_reduce_max(t)
@@ -110,8 +110,8 @@ def _merge_stats_across_ranks(accelerator: Any, stats: PolicyLossStats | None) -
     else:
         sums = [float(getattr(stats, name)) for name in sums_names]
         lo, hi = float(stats.ratio_min), float(stats.ratio_max)
-    sums = _reduce(accelerator, sums, "sum")
-    neg_lo, hi = _reduce(accelerator, [-lo, hi], "max")
+    sums = reduce_over_ranks(accelerator, sums, "sum")
+    neg_lo, hi = reduce_over_ranks(accelerator, [-lo, hi], "max")
     if sums[sums_names.index("num_tokens")] == 0:
         return None
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
@@ -137,11 +137,11 @@ def datums_to_forward(datums: Sequence[Datum], policy_loss: Any, config: UpdateS
     return [i for i, d in enumerate(datums) if any(a != 0.0 for a in d.advantages)]
 
 
-def _micro_batches(accelerator: Any, datums: Sequence[Datum], config: UpdateSettings) -> list[list[int]]:
+def micro_batches_with_dummies(accelerator: Any, datums: Sequence[Datum], config: UpdateSettings) -> list[list[int]]:
     """This rank's micro-batches (local plan), padded with empty ones to the largest count over ranks."""
     limits = {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch}
     batches = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1, **limits).ranks[0]
-    (steps,) = _reduce(accelerator, [len(batches)], "max")
+    (steps,) = reduce_over_ranks(accelerator, [len(batches)], "max")
     return list(batches) + [[] for _ in range(int(steps) - len(batches))]
 
 
@@ -170,7 +170,7 @@ def reference_logprobs(
     model.eval()
     try:
         with context() if context is not None else contextlib.nullcontext():
-            for idx in _micro_batches(accelerator, datums, config):
+            for idx in micro_batches_with_dummies(accelerator, datums, config):
                 mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
                 device = accelerator.device
                 lp = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device),
@@ -219,7 +219,7 @@ def policy_update(
     # Denominators count every datum this step trains on, skipped zero-advantage ones included.
     local_tokens = float(sum(d.num_loss_tokens for d in datums))
     local_seqs = float(sum(d.num_loss_tokens > 0 for d in datums))
-    num_tokens, num_seqs = _reduce(accelerator, [local_tokens, local_seqs], "sum")
+    num_tokens, num_seqs = reduce_over_ranks(accelerator, [local_tokens, local_seqs], "sum")
     needs_ref = _capability(policy_loss, "needs_ref_logprobs")
     needs_entropy = _capability(policy_loss, "needs_entropy")
     datums = [datums[i] for i in datums_to_forward(datums, policy_loss, config)]
@@ -242,13 +242,13 @@ def policy_update(
         plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1, **limits)
         batches = plan.ranks[0]
     packing_s = time.perf_counter() - t_pack
-    (forwarded,) = _reduce(accelerator, [float(sum(len(idx) for idx in batches))], "sum")
-    (any_ref,) = _reduce(accelerator, [float(with_ref)], "max")
-    (steps,) = _reduce(accelerator, [len(batches)], "max")
+    (forwarded,) = reduce_over_ranks(accelerator, [float(sum(len(idx) for idx in batches))], "sum")
+    (any_ref,) = reduce_over_ranks(accelerator, [float(with_ref)], "max")
+    (steps,) = reduce_over_ranks(accelerator, [len(batches)], "max")
     steps = int(steps)
     batches = list(batches) + [[] for _ in range(steps - len(batches))]
 
-    deepspeed = _is_deepspeed(accelerator)
+    deepspeed = is_deepspeed(accelerator)
     temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
     loss_total = 0.0
     padded = real = dummies = 0
@@ -317,16 +317,16 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
     else:
         accelerator.sync_gradients = True
-    (loss_sum,) = _reduce(accelerator, [loss_total], "sum")
+    (loss_sum,) = reduce_over_ranks(accelerator, [loss_total], "sum")
     qs = (0.1, 0.5, 0.9)
     local_r = torch.cat(ratios) if ratios else torch.zeros(0)
     local_q = quantiles(local_r, qs).tolist()
     have = float(local_r.numel() > 0)
-    q_sums = _reduce(accelerator, [q * have for q in local_q] + [have], "sum")
+    q_sums = reduce_over_ranks(accelerator, [q * have for q in local_q] + [have], "sum")
     ratio_qs = {f"ratio_p{int(q * 100)}": v / q_sums[-1] for q, v in zip(qs, q_sums[:-1])} if q_sums[-1] else None
-    dummies_all, padded_all, real_all = _reduce(accelerator, [dummies, padded, real], "sum")
-    aux_all = dict(zip(aux, _reduce(accelerator, list(aux.values()), "sum")))
-    (fwd_tokens,) = _reduce(accelerator, [float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))], "sum")
+    dummies_all, padded_all, real_all = reduce_over_ranks(accelerator, [dummies, padded, real], "sum")
+    aux_all = dict(zip(aux, reduce_over_ranks(accelerator, list(aux.values()), "sum")))
+    (fwd_tokens,) = reduce_over_ranks(accelerator, [float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))], "sum")
     denom = max(fwd_tokens, 1.0)
     reference = {k: aux_all[k] / denom for k in ("kl_k1", "kl_k2", "kl_k3", "ref_logprob_gap")} if any_ref else None
     return UpdateResult(
