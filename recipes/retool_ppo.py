@@ -48,7 +48,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
 
     from retool.data import hide_answers, load_task_rows
     from retool.default_model import model_path_or_default
-    from retool.evaluate import check_eval_settings, evaluate_checkpoint
+    from retool.evaluate import PeriodicHeldOut, check_eval_settings, evaluate_checkpoint
     from retool.launch import available_cpus, configure_wandb, run_in_child
     from retool.report import format_summary, plot_run, read_metrics
     from trl_plugins.trainers import MultiTurnGRPOTrainer
@@ -103,6 +103,14 @@ def main(script_args: ScriptArguments, training_args) -> int:
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if not training_args.bf16 else "auto")
     trainer = MultiTurnGRPOTrainer(model, training_args, train_dataset=train_dataset, processing_class=tokenizer)
+    if evaluate and script_args.eval_every_steps > 0:
+        heldout_rows = load_task_rows(script_args.dataset_name, script_args.dataset_test_split,
+                                      size=min(script_args.eval_every_problems, script_args.eval_problems),
+                                      seed=script_args.task_seed, dataset_config=script_args.dataset_config,
+                                      prompt_column=script_args.prompt_column, answer_column=script_args.answer_column)
+        periodic = PeriodicHeldOut(trainer, heldout_rows, every=script_args.eval_every_steps,
+                                   samples=script_args.eval_samples, temperature=script_args.eval_temperature)
+        trainer.add_callback(periodic)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final_dir = out_dir / "final"
     trainer.save_model(str(final_dir))

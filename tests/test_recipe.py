@@ -143,7 +143,7 @@ def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600) -> subp
            str(ROOT / "recipes" / "retool_ppo.py"), "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
            "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
            "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
-           "--trajectory_table_steps", "1", *extra]
+           "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -162,6 +162,8 @@ def test_main_command_runs_two_steps_on_one_process(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/total" in r]
     assert [r["step"] for r in steps] == [1, 2] and "reward/correct" in steps[0] and "reward/format" in steps[0]
+    # The periodic held-out evaluation of the live policy, logged with its step.
+    assert all(0.0 <= r["heldout/accuracy"] <= 1.0 and 0.0 <= r["heldout/tool_call_rate"] <= 1.0 for r in steps)
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B offline by default
     assert "building the tiny model" in proc.stdout
 
@@ -177,6 +179,19 @@ def test_main_command_runs_two_steps_under_zero3_on_two_processes(tmp_path):
     assert len([p for p in (tmp_path / "cache" / "embedded").iterdir()]) == 1
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward/total" in r] == [1, 2]
+    # The periodic evaluation ran on both ranks (2 problems each, full weights gathered) and was summed.
+    assert all("heldout/accuracy" in r for r in records if "reward/total" in r)
+
+
+@pytest.mark.slow
+def test_main_command_runs_actor_critic_with_gae(tmp_path):
+    # Choosing a critic-based estimator brings the critic; its settings have defaults.
+    proc = _launch(tmp_path, "cpu.yaml", ["--advantage", "gae", "--report_to", "none", "--eval_problems", "0"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all("critic/value_loss" in r and "critic/explained_variance" in r for r in steps)
 
 
 def test_embedded_settings_reject_bad_json_and_unknown_fields():

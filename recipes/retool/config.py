@@ -26,6 +26,8 @@ class ScriptArguments:
     eval_problems: int = field(default=128, metadata={"help": "Held-out problems for the before/after evaluation (0: skip it)."})
     eval_samples: int = field(default=4, metadata={"help": "Samples per held-out problem."})
     eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation temperature (0 = greedy, with eval_samples 1)."})
+    eval_every_steps: int = field(default=0, metadata={"help": "Held-out evaluation of the live policy every N steps, logged as heldout/* (0: only before and after)."})
+    eval_every_problems: int = field(default=64, metadata={"help": "Held-out problems of each periodic evaluation (the first of the held-out split), eval_samples each."})
     embedded: str = field(default="{}", metadata={"help": "EmbeddedSettings overrides (JSON), e.g. '{\"cold_start_epochs\": 3}'."})
     rebuild_embedded: bool = field(default=False, metadata={"help": "Rebuild the cached embedded default."})
     wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})

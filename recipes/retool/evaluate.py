@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["EvalArguments", "check_eval_settings", "evaluate_checkpoint"]
+from transformers import TrainerCallback
+
+__all__ = ["EvalArguments", "check_eval_settings", "evaluate_checkpoint", "PeriodicHeldOut"]
 
 
 @dataclass
@@ -98,3 +100,48 @@ def evaluate_checkpoint(
         with open(output_json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+class PeriodicHeldOut(TrainerCallback):
+    """A TrainerCallback: every ``every`` steps, a cheap held-out evaluation of the live policy, logged
+    with the step (``heldout/accuracy``, ``heldout/accuracy_with_tool``, ``heldout/tool_call_rate``,
+    ``heldout/truncated_frac``), so a run shows its held-out curve, not only the two end points.
+
+    Runs in the training process on the prepared model: each rank evaluates an equal share of ``rows``
+    (under ZeRO-3 the full weights are gathered once per share) and the counts are summed over ranks.
+    The trajectories are sampled at ``temperature`` with seeds fixed per evaluation, so two runs
+    compare on the same draws.
+    """
+
+    def __init__(self, trainer: Any, rows: Sequence[dict], *, every: int, samples: int, temperature: float) -> None:
+        self.trainer, self.every, self.samples, self.temperature = trainer, every, samples, temperature
+        world = trainer.accelerator.num_processes
+        usable = len(rows) - len(rows) % world  # equal shares: every rank runs the same collectives
+        self.rows = list(rows[trainer.accelerator.process_index:usable:world])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.every and state.global_step % self.every == 0 and self.rows:
+            self.trainer.record_metrics(self.evaluate(seed=args.seed + 7919))
+
+    def evaluate(self, *, seed: int) -> dict[str, float]:
+        """The held-out numbers of the current policy, summed over ranks."""
+        from trl_plugins.evaluation import evaluate_policy
+
+        trainer = self.trainer
+        result, _ = evaluate_policy(
+            trainer.model_wrapped, trainer.processing_class, self.rows, trainer.args, samples=self.samples,
+            temperature=self.temperature, seed=seed, batch_questions=len(self.rows), accelerator=trainer.accelerator,
+        )
+        n = result.problems * result.samples
+        with_tool = result.tool_call_rate * n
+        sums = [n, result.accuracy * n, with_tool, (result.accuracy_with_tool or 0.0) * with_tool, result.truncated_frac * n]
+        if trainer.accelerator.num_processes > 1:
+            import torch
+
+            sums = trainer.accelerator.reduce(torch.tensor(sums, dtype=torch.float64, device=trainer.accelerator.device),
+                                              reduction="sum").tolist()
+        n, correct, with_tool, correct_with_tool, truncated = sums
+        out = {"heldout/accuracy": correct / n, "heldout/tool_call_rate": with_tool / n, "heldout/truncated_frac": truncated / n}
+        if with_tool:
+            out["heldout/accuracy_with_tool"] = correct_with_tool / with_tool
+        return out

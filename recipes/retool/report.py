@@ -28,7 +28,8 @@ def train_accuracy(record: dict) -> float | None:
 
 def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None = None, after: dict | None = None,
              title: str = "ReTool PPO") -> Path:
-    """PNG of reward, accuracy and tool calls per step; held-out accuracy before/after as markers."""
+    """PNG of reward, accuracy and tool calls per step; the periodic held-out evaluation (``heldout/*``) as
+    curves, held-out accuracy before/after as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,6 +42,13 @@ def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None =
     acc = [train_accuracy(r) for r in metrics]
     axes[1].plot(steps, acc, marker=".", label="train batch")
     last = steps[-1] if steps else 0
+    periodic = [r for r in metrics if "heldout/accuracy" in r]
+    if periodic:
+        axes[1].plot([r["step"] for r in periodic], [r["heldout/accuracy"] for r in periodic], marker="o",
+                     label="held-out (periodic)")
+        with_tool = [r for r in periodic if "heldout/accuracy_with_tool" in r]
+        axes[1].plot([r["step"] for r in with_tool], [r["heldout/accuracy_with_tool"] for r in with_tool], marker="o",
+                     linestyle="--", label="held-out, when the tool is called")
     if before is not None:
         axes[1].scatter([0], [before["accuracy"]], color="tab:red", zorder=3, label="held-out, before RL")
     if after is not None:
