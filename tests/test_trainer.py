@@ -565,3 +565,53 @@ def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
     plain.train()
     with pytest.raises(FileNotFoundError, match="has no critic/ folder"):
         run(tmp_path / "plain2", max_steps=2).train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))
+
+
+def test_with_peft_the_reference_is_the_policy_with_its_adapter_disabled(tmp_path):
+    from peft import LoraConfig
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.step import reference_logprobs
+
+    tok = build_tokenizer("qwen2_5")
+    base = build_tiny_model(tok)
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok), _config(tmp_path, beta=0.5, max_steps=2, learning_rate=5e-2),
+        train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()},
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    assert trainer.ref_model is None  # no second copy
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    # init_lora_weights=False: the adapter changes the policy from the start, so the KL to the base is > 0 at step 1.
+    assert records[0]["train/kl_k3"] > 0
+    datums = [build_datum_for(t, i) for i, t in enumerate(trainer._last_trajectories)]
+    trainer._reference_logprobs(datums)
+    # The reference log-probs are the base model's (adapter off), not the adapted policy's.
+    from accelerate import Accelerator
+
+    expected = [build_datum_for(t, i) for i, t in enumerate(trainer._last_trajectories)]
+    reference_logprobs(Accelerator(cpu=True), base, expected, trainer.args, pad_token_id=tok.pad_token_id)
+    for d, e in zip(datums, expected):
+        assert max(abs(a - b) for a, b in zip(d.ref_logprobs, e.ref_logprobs)) < 1e-5
+    policy = [build_datum_for(t, i) for i, t in enumerate(trainer._last_trajectories)]
+    reference_logprobs(Accelerator(cpu=True), trainer.model, policy, trainer.args, pad_token_id=tok.pad_token_id)
+    assert any(max(abs(a - b) for a, b in zip(d.ref_logprobs, p.ref_logprobs)) > 1e-3 for d, p in zip(datums, policy))
+
+
+def build_datum_for(trajectory, index):
+    from trl_plugins.datum import build_datum
+
+    return build_datum(trajectory, advantage=0.0, trajectory_index=index)
+
+
+def test_gae_with_the_kl_in_the_reward_puts_it_on_every_token(tmp_path):
+    tok = build_tokenizer("qwen2_5")
+    path = _saved_model(tmp_path, tok)
+    trainer, records = _train(tmp_path, "gae_kl", tok, path, max_steps=2, advantage="gae", beta=0.2,
+                              kl_penalty="reward", kl_estimator="k1")
+    assert "reward/kl_penalty" in records[-1] and "critic/value_loss" in records[-1]
+    # Recorded with weight 0 (it went into GAE per token), so the reward the logs show is the task's.
+    trajs = trainer._last_trajectories
+    assert all(t.reward_component("kl_penalty").weight == 0.0 for t in trajs)
+    assert any(t.reward_component("kl_penalty").value != 0.0 for t in trajs)
