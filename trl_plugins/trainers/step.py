@@ -4,7 +4,8 @@ Every rank calls :func:`policy_update` with the datums it holds (any number, any
 
 1. with ``rebalance_ranks``, gathers every rank's datums and builds one plan across all ranks with
    the configured packer (``balanced`` is made for it), otherwise packs its own datums;
-2. all-reduces the global denominators (loss tokens, sequences) and the largest micro-batch count;
+2. all-reduces the global denominators (loss tokens, sequences, over every datum given, including the
+   zero-advantage ones whose forward it skips) and the largest micro-batch count;
 3. runs that many forward/backward passes on every rank, zero-weight dummy micro-batches where a
    rank has fewer (under ZeRO-3 every forward is a collective), each loss already normalised by the
    global denominators and multiplied by the data-parallel size that DDP/DeepSpeed divide by;
@@ -204,7 +205,9 @@ def policy_update(
         config: The run's config (a ``MultiTurnGRPOConfig``): aggregation, packer and its limits,
             ``rebalance_ranks``, ``norm_length``, the sampling ``temperature`` (log-probs are taken from
             ``logits / temperature`` like the behaviour ones; 0, greedy, keeps the unscaled logits) and
-            ``max_grad_norm`` (clipping when > 0; skipped under DeepSpeed, which clips by its own config).
+            ``max_grad_norm`` (clipping when > 0; skipped under DeepSpeed, which clips by its own config) and
+            ``drop_zero_advantage`` (skip the forward of datums that add exactly 0: :func:`datums_to_forward`;
+            every datum still counts in the denominators).
         pad_token_id: Padding id for collation.
         step_optimizer: Step and zero the optimizer here (DDP/single process). ``False`` when a caller
             such as the HF Trainer loop clips and steps itself right after. Under DeepSpeed the engine

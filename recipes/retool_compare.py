@@ -1,0 +1,109 @@
+"""Compare algorithm variants of the main command over seeds; prints the tables of docs/results.md.
+
+    python recipes/retool_compare.py --seeds 0 1 2 --out outputs/cmp [--variants grpo kl gae]
+
+Each (variant, seed) runs ``accelerate launch recipes/retool_ppo.py --seed S <variant args> --report_to
+none`` on the same embedded default (``--task_seed`` stays 0: one cold start, one task split; the seed
+sets RL sampling, data order and the evaluation draws). Variants:
+
+- ``grpo``: the recipe as configured (group advantages, PPO clip);
+- ``kl``: plus a k3 reference KL to the cold-start policy in the loss (``--beta 0.05``);
+- ``gae``: PPO with a critic (``--advantage gae``: the critic, GAE over action tokens, whitened).
+
+Runs already finished (a ``summary.json`` in their folder) are not run again. Writes ``<out>/compare.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {"grpo": [], "kl": ["--beta", "0.05"], "gae": ["--advantage", "gae"]}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--out", default="outputs/compare")
+    parser.add_argument("--config_file", default=str(ROOT / "accelerate_configs" / "cpu.yaml"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    runs: dict[str, list[tuple[int, dict, Path]]] = {}
+    for variant in args.variants:
+        for seed in args.seeds:
+            run_dir = out / f"{variant}_s{seed}"
+            if not (run_dir / "summary.json").is_file():
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+                       str(ROOT / "recipes" / "retool_ppo.py"), "--seed", str(seed), "--output_dir", str(run_dir),
+                       "--report_to", "none", *VARIANTS[variant]]
+                print("$", " ".join(cmd), flush=True)
+                if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+                    print(f"{variant} seed {seed} failed; see its output above.", file=sys.stderr)
+                    return 1
+            runs.setdefault(variant, []).append((seed, json.loads((run_dir / "summary.json").read_text()), run_dir))
+
+    from retool.report import read_metrics, train_accuracy
+
+    print("\n| variant | seed | held-out accuracy before -> after | gain | with-tool accuracy before -> after | "
+          "tool-call rate after | pass@4 after | lowest train-batch accuracy, steps 10-40 | wall (min) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    curves: dict[str, list[list[dict]]] = {}
+    for variant, rows in runs.items():
+        for seed, s, run_dir in rows:
+            b, a = s["before"], s["after"]
+            metrics = read_metrics(run_dir / "metrics.jsonl")
+            curves.setdefault(variant, []).append(metrics)
+            late = [train_accuracy(r) for r in metrics if r["step"] >= 10]
+            print(f"| {variant} | {seed} | {b['accuracy']:.3f} -> {a['accuracy']:.3f} | {a['accuracy'] - b['accuracy']:+.3f} | "
+                  f"{b['accuracy_with_tool']:.3f} -> {a['accuracy_with_tool']:.3f} | {a['tool_call_rate']:.3f} | "
+                  f"{a['pass_at_k']['4']:.3f} | {min(late):.3f} | {s['wall_s'] / 60:.1f} |")
+    print("\n| variant | mean gain | smallest gain | mean with-tool change | seeds where with-tool accuracy fell |")
+    print("|---|---|---|---|---|")
+    for variant, rows in runs.items():
+        gains = [s["after"]["accuracy"] - s["before"]["accuracy"] for _, s, _ in rows]
+        tool = [s["after"]["accuracy_with_tool"] - s["before"]["accuracy_with_tool"] for _, s, _ in rows]
+        print(f"| {variant} | {_mean(gains):+.3f} | {min(gains):+.3f} | {_mean(tool):+.3f} | {sum(t < 0 for t in tool)} of {len(tool)} |")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    colours = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green")))
+    for variant, per_seed in curves.items():
+        for k, metrics in enumerate(per_seed):
+            label = variant if k == 0 else None
+            held = [r for r in metrics if "heldout/accuracy" in r]
+            seed, s, _ = runs[variant][k]
+            xs = [0] + [r["step"] for r in held] + [s["steps"]]
+            axes[0].plot(xs, [s["before"]["accuracy"]] + [r["heldout/accuracy"] for r in held] + [s["after"]["accuracy"]],
+                         color=colours[variant], marker="o", alpha=0.7, label=label)
+            axes[1].plot(xs, [s["before"]["accuracy_with_tool"]] + [r.get("heldout/accuracy_with_tool", float("nan")) for r in held]
+                         + [s["after"]["accuracy_with_tool"]], color=colours[variant], marker="o", alpha=0.7, label=label)
+            axes[2].plot([r["step"] for r in metrics], [train_accuracy(r) for r in metrics], color=colours[variant],
+                         alpha=0.5, label=label)
+    titles = ("held-out accuracy (0 and end: 128 problems; between: 64)", "held-out accuracy when the tool is called",
+              "train-batch accuracy")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "compare.png", dpi=110)
+    print(f"figure: {out / 'compare.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
