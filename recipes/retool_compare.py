@@ -83,7 +83,7 @@ def main() -> int:
     for variant, per_seed in curves.items():
         for k, metrics in enumerate(per_seed):
             label = variant if k == 0 else None
-            held = [r for r in metrics if "heldout/accuracy" in r]
+            held = [r for r in metrics if "heldout/accuracy" in r and r["step"] < runs[variant][k][1]["steps"]]
             seed, s, _ = runs[variant][k]
             xs = [0] + [r["step"] for r in held] + [s["steps"]]
             axes[0].plot(xs, [s["before"]["accuracy"]] + [r["heldout/accuracy"] for r in held] + [s["after"]["accuracy"]],
@@ -92,7 +92,7 @@ def main() -> int:
                          + [s["after"]["accuracy_with_tool"]], color=colours[variant], marker="o", alpha=0.7, label=label)
             axes[2].plot([r["step"] for r in metrics], [train_accuracy(r) for r in metrics], color=colours[variant],
                          alpha=0.5, label=label)
-    titles = ("held-out accuracy (0 and end: 128 problems; between: 64)", "held-out accuracy when the tool is called",
+    titles = ("held-out accuracy (start and end: 128 problems x 4; between: 64 x 4)", "held-out accuracy when the tool is called",
               "train-batch accuracy")
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=9)
