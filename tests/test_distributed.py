@@ -90,20 +90,22 @@ def test_trainer_runs_real_steps_on_two_ranks(config, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_resume_reproduces_the_next_step(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--gae",)], ids=["grpo", "critic"])
+def test_zero3_resume_reproduces_the_next_step(tmp_path, extra):
+    # With --gae the saved parameters include the critic's (its own sharded engine, saved with its optimizer).
     import torch
 
     straight = tmp_path / "straight.pt"
     launch_trainer("cpu_zero3.yaml", tmp_path, "straight", "--output_dir", str(tmp_path / "a"), "--max_steps", "2",
-                   "--params_out", str(straight))
+                   "--params_out", str(straight), *extra)
     launch_trainer("cpu_zero3.yaml", tmp_path, "first", "--output_dir", str(tmp_path / "b"), "--max_steps", "2",
-                   "--save_steps", "1")
+                   "--save_steps", "1", *extra)
     resumed = tmp_path / "resumed.pt"
     report = launch_trainer("cpu_zero3.yaml", tmp_path, "resumed", "--output_dir", str(tmp_path / "c"), "--max_steps", "2",
-                            "--resume", str(tmp_path / "b" / "checkpoint-1"), "--params_out", str(resumed))
+                            "--resume", str(tmp_path / "b" / "checkpoint-1"), "--params_out", str(resumed), *extra)
     assert report["global_step"] == 2
     a, b = torch.load(straight), torch.load(resumed)
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == bool(extra)
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
 
