@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--slot_reward", action="store_true", help="reward that is constant for one question")
     ap.add_argument("--per_row_seed", action="store_true", help="sample each row on its own (world-size independent)")
     ap.add_argument("--beta", type=float, default=0.0, help="reference KL in the loss (TRL builds the reference)")
+    ap.add_argument("--flaky", action="store_true", help="a scripted tool-calling policy, a flaky tool and a verifier "
+                    "that raises on some answers and hangs on others (infrastructure failures)")
     ap.add_argument("--gae", action="store_true", help="actor-critic: advantage gae, the critic built from the saved policy")
     args = ap.parse_args()
     from datasets import Dataset
@@ -64,14 +66,21 @@ def main() -> None:
         report_to=[], save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         logging_steps=1, optim=args.optim, temperature=args.temperature, beta=args.beta,
         **({"advantage": "gae", "critic_learning_rate": 1e-2, "critic_optim": "sgd"} if args.gae else {}),
+        **({"rollout": "test_trainer:ScriptedToolRollout", "reward_time_limit_s": 0.5, "max_verifier_error_rate": 0.9}
+           if args.flaky else {}),
         **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}), learning_rate=5e-3, seed=0, disable_tqdm=True,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
         bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
     )
     reward = SlotReward() if args.slot_reward else TokenReward()
+    extra = {}
+    if args.flaky:
+        from test_trainer import FlakyCodeTool, PickyVerifier
+
+        reward, extra = PickyVerifier(), {"tools": {"code_interpreter": FlakyCodeTool()}}
     trainer = MultiTurnGRPOTrainer(model, config, train_dataset=Dataset.from_list(rows), processing_class=tok,
-                                   reward_components={"token": reward})
+                                   reward_components={"token": reward}, **extra)
     trainer.train(resume_from_checkpoint=args.resume)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if args.gae:

@@ -51,3 +51,23 @@ def test_pickles_without_its_running_sandbox(tool):
     run_async(tool({"code": "1"}))
     clone = pickle.loads(pickle.dumps(tool))
     assert clone == tool and clone._sandbox is None
+
+
+def test_a_sandbox_failure_is_an_infrastructure_error_and_the_model_s_error_is_not():
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+    from trl_plugins.tools.sandbox import ExecResult
+
+    class BrokenSandbox:
+        async def arun(self, code):
+            return ExecResult(ok=False, stdout="", stderr="SandboxError: could not start the server\n", exit_code=None,
+                              timed_out=False, latency_s=0.01)
+
+    tool = CodeInterpreter(mode="cold")
+    tool._sandbox = BrokenSandbox()
+    out = run_async(tool({"code": "print(1)"}))
+    assert not out.ok and out.infra_error == "SandboxError: could not start the server"
+    assert CodeInterpreter.idempotent  # a fresh sandbox per call: retrying is harmless
+    tool._sandbox = None
+    out = run_async(tool({"code": "1 / 0"}))
+    assert not out.ok and out.infra_error is None and "ZeroDivisionError" in out.text
+    tool.close()

@@ -90,6 +90,19 @@ def test_trainer_runs_real_steps_on_two_ranks(config, tmp_path):
 
 
 @pytest.mark.slow
+def test_infrastructure_failures_on_two_ranks(tmp_path):
+    # A flaky tool and a verifier that raises and hangs, on 2 DDP ranks: the run completes, the failures are
+    # counted over both ranks, and the ranks agree on the verifier-error rate (the stop threshold is global).
+    report = launch_trainer("cpu_ddp.yaml", tmp_path, "flaky", "--output_dir", str(tmp_path / "flaky"), "--max_steps", "2",
+                            "--flaky", "--per_device", "8")
+    assert report["world"] == 2 and report["global_step"] == 2
+    for step in report["steps"]:
+        assert step["rollout/stop/environment_error"] > 0 and step["rollout/stop/verifier_error"] > 0
+        assert step["reward/verifier_error_rate"] == pytest.approx(step["rollout/stop/verifier_error"])
+        assert step["train/world_failure_frac"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("--gae",)], ids=["grpo", "critic"])
 def test_zero3_resume_reproduces_the_next_step(tmp_path, extra):
     # With --gae the saved parameters include the critic's (its own sharded engine, saved with its optimizer).

@@ -23,6 +23,7 @@ from trl_plugins.rollout import (
     derive_seed,
 )
 from trl_plugins.tools.base import ToolOutput
+from trl_plugins.rollout.metrics import rollout_metrics
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.types import StopReason, TokenSource
 
@@ -203,13 +204,73 @@ def test_tool_output_injection_is_neutralised(chat):
     assert im_start not in obs and chat.tokenizer.decode(obs) == tool.text
 
 
-def test_a_failing_tool_becomes_an_error_message(chat):
-    class Broken(FakeTool):
-        async def __call__(self, arguments):
-            raise RuntimeError("disk on fire")
+class FlakyTool(FakeTool):
+    """Fails for infrastructure reasons on every ``every``-th call: by raising, or by saying so in its result."""
 
-    traj = run(chat, ["calls=1"], tool=Broken())[0].trajectories[0]
-    assert not traj.turns[0].tool_call.ok and "RuntimeError: disk on fire" in traj.turns[0].tool_call.output
+    def __init__(self, every: int = 3, *, raises: bool = True, idempotent: bool = False) -> None:
+        super().__init__()
+        self.every, self.raises, self.idempotent = every, raises, idempotent
+
+    async def __call__(self, arguments):
+        number = self.calls + 1  # this call's number (calls run concurrently)
+        out = await super().__call__(arguments)
+        if number % self.every == 0:
+            if self.raises:
+                raise RuntimeError("sandbox could not start: out of memory")
+            return ToolOutput(text="", ok=False, infra_error="SandboxError: the server died")
+        return out
+
+
+def test_a_tool_that_fails_ends_the_trajectory_as_an_environment_error(chat):
+    # A tool that raises failed itself: not a message for the model, not the policy's fault.
+    result, _, tool = run(chat, ["calls=2"] * 3, tool=FlakyTool(every=3))
+    failed = [t for t in result.trajectories if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
+    assert len(failed) >= 1 and all(t.world_failure and not t.truncated and not t.terminated for t in failed)
+    for traj in failed:
+        last = traj.turns[-1].tool_call
+        assert last is not None and last.infra_error == "RuntimeError: sandbox could not start: out of memory"
+        assert traj.error == "tool 'code_interpreter': RuntimeError: sandbox could not start: out of memory"
+        assert validate_trajectory(traj).bootstrap_mask == 0
+        # Nothing of the failure was shown to the model: the trajectory ends at the failed call.
+        assert last.output == ""
+    assert any(t.stop_reason == StopReason.FINAL_ANSWER for t in result.trajectories)
+    metrics = rollout_metrics(result)
+    assert metrics["rollout/stop/environment_error"] == len(failed) / 3
+    assert 0 < metrics["rollout/environment_error_rate/code_interpreter"] < 1
+
+
+def test_an_idempotent_tool_is_retried_and_a_model_error_is_not_an_environment_error(chat):
+    # Every 2nd call fails in the sandbox (reported in the result): call 2 fails, its retry (call 3) works.
+    tool = FlakyTool(every=2, raises=False, idempotent=True)
+    result, _, _ = run(chat, ["calls=2"], tool=tool, tool_retries=1)
+    assert result.trajectories[0].stop_reason == StopReason.FINAL_ANSWER and tool.calls == 3
+    # Without retries the same failure ends the trajectory.
+    result, _, tool = run(chat, ["calls=2"], tool=FlakyTool(every=2, raises=False, idempotent=True), tool_retries=0)
+    assert result.trajectories[0].stop_reason == StopReason.ENVIRONMENT_ERROR and tool.calls == 2
+    assert result.trajectories[0].error == "tool 'code_interpreter': SandboxError: the server died"
+    # A tool that does not declare itself idempotent is never retried.
+    result, _, tool = run(chat, ["calls=2"], tool=FlakyTool(every=2, raises=False), tool_retries=3)
+    assert result.trajectories[0].stop_reason == StopReason.ENVIRONMENT_ERROR and tool.calls == 2
+    # The model's own failing code is an observation it should learn from, not an infrastructure error.
+    result, _, _ = run(chat, ["calls=1"], tool=FakeTool(text="Traceback ... ZeroDivisionError"))
+    assert result.trajectories[0].stop_reason == StopReason.FINAL_ANSWER
+
+
+def test_world_failures_must_say_what_failed():
+    from trl_plugins.testing import make_trajectory
+    from trl_plugins.types import TrajectoryError
+
+    import random
+
+    traj = make_trajectory(random.Random(0), num_turns=2, stop_reason=StopReason.VERIFIER_ERROR)
+    with pytest.raises(TrajectoryError, match="without an error: set Trajectory.error"):
+        validate_trajectory(traj)
+    traj.error = "reward component 'correct': TimeoutError"
+    validate_trajectory(traj)
+    env = make_trajectory(random.Random(0), num_turns=2, stop_reason=StopReason.ENVIRONMENT_ERROR)
+    env.error = "tool 'x': boom"
+    with pytest.raises(TrajectoryError, match="no tool call that failed"):
+        validate_trajectory(env)
 
 
 def test_prompt_over_budget_is_a_clear_error(chat):
@@ -247,3 +308,32 @@ def test_rollout_metrics(chat):
     assert m["rollout/stop/final_answer"] == 0.5 and m["rollout/stop/invalid_action"] == 0.25
     assert m["rollout/terminated_frac"] == 1.0 and m["rollout/truncated_frac"] == 0.0
     assert all(isinstance(v, float) for v in m.values())
+
+
+def test_an_interrupted_rollout_marks_what_was_still_running_as_cancelled(chat):
+    class Interrupting:
+        """Generates like the scripted policy, then is interrupted in the second round."""
+
+        def __init__(self, inner):
+            self.inner, self.rounds = inner, 0
+            self.stop_token_ids, self.sampling, self.logprob_source = inner.stop_token_ids, inner.sampling, inner.logprob_source
+
+        def session(self):
+            return self.inner.session()
+
+        def generate(self, prompts, max_new_tokens, *, seed):
+            self.rounds += 1
+            if self.rounds == 2:
+                raise KeyboardInterrupt
+            return self.inner.generate(prompts, max_new_tokens, seed=seed)
+
+    questions = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": d}]), group_id=i)
+                 for i, d in enumerate(["calls=0", "calls=2"])]
+    request = RolloutRequest(questions, 1, Interrupting(scripted(chat)), chat, {"code_interpreter": FakeTool()}, seed=1)
+    with pytest.raises(KeyboardInterrupt) as info:
+        MultiTurnRollout()(request)
+    done, running = info.value.rollout_result.trajectories
+    assert done.stop_reason == StopReason.FINAL_ANSWER and validate_trajectory(done)
+    assert running.stop_reason == StopReason.CANCELLED and running.world_failure
+    assert running.error == "the rollout was interrupted: KeyboardInterrupt"
+    validate_trajectory(running)

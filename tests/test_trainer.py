@@ -243,10 +243,11 @@ def test_exception_saves_an_emergency_checkpoint_then_reraises(tmp_path):
     from trl_plugins.trainers.multi_turn_trainer import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    # 4 trajectories per step: the 5th reward call (step 2) fails.
+    # 4 trajectories per step: from the 5th reward call (step 2) on, the verifier fails every time, over
+    # max_verifier_error_rate: the run stops with the component's error.
     trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=3), train_dataset=_dataset(),
                                    processing_class=tok, reward_components={"length": FailingReward(fail_at_call=5)})
-    with pytest.raises(RuntimeError, match="reward server down"):
+    with pytest.raises(RuntimeError, match=r"100% of this step's trajectories failed a reward component .*reward server down"):
         trainer.train()
     assert (tmp_path / "checkpoint-1" / COMPLETE_MARKER).is_file()
 
@@ -474,22 +475,22 @@ def test_mask_leaves_truncated_members_out_of_their_group_statistics():
     from types import SimpleNamespace
 
     from trl_plugins.algos import GroupAdvantage
-    from trl_plugins.trainers.batch import compute_advantages, truncation_mask
+    from trl_plugins.trainers.batch import compute_advantages, training_mask
     from trl_plugins.types import StopReason
 
     # Group 0: rewards [1, 0, 0.5 (truncated), 0 (truncated)]; group 1: [0.2, 0.2 (truncated)].
     spec = [(0, 1.0, False), (0, 0.0, False), (0, 0.5, True), (0, 0.0, True), (1, 0.2, False), (1, 0.7, True)]
-    trajs = [SimpleNamespace(group_id=g, reward=r, truncated=t, advantage=None,
+    trajs = [SimpleNamespace(group_id=g, reward=r, truncated=t, advantage=None, world_failure=False,
                              stop_reason=StopReason.TURN_LENGTH if t else StopReason.FINAL_ANSWER) for g, r, t in spec]
     plugins = SimpleNamespace(advantage=GroupAdvantage())
-    masked = truncation_mask(trajs, mask_truncated=True)
+    masked = training_mask(trajs, mask_truncated=True)
     compute_advantages(plugins, trajs, masked)
     s = 0.5 / (0.5 ** 0.5)  # group 0 kept: [1, 0] -> mean 0.5, unbiased std sqrt(0.5)
     got = [t.advantage for t in trajs]
     assert got[2:4] == [0.0, 0.0] and got[5] == 0.0
     assert abs(got[0] - s) < 1e-5 and abs(got[1] + s) < 1e-5
     assert got[4] == 0.0  # a group left with one member gets exactly 0
-    compute_advantages(plugins, trajs, truncation_mask(trajs, mask_truncated=False))
+    compute_advantages(plugins, trajs, training_mask(trajs, mask_truncated=False))
     assert all(t.advantage != 0.0 for t in trajs[:4])  # scored with the truncated members, all four differ
 
 
@@ -615,3 +616,130 @@ def test_gae_with_the_kl_in_the_reward_puts_it_on_every_token(tmp_path):
     trajs = trainer._last_trajectories
     assert all(t.reward_component("kl_penalty").weight == 0.0 for t in trajs)
     assert any(t.reward_component("kl_penalty").value != 0.0 for t in trajs)
+
+
+class ScriptedToolRollout:
+    """A rollout plugin whose policy always calls the tool once, then answers \\boxed{<number>} with a number
+    that depends on the sample (so groups have different rewards). Generation is scripted; the trainer
+    still updates the tiny model on those tokens."""
+
+    token_budget = 600
+
+    def __init__(self, **kwargs):
+        from trl_plugins.rollout import MultiTurnRollout
+
+        self.inner = MultiTurnRollout(max_turns=3, max_assistant_tokens=40, max_trajectory_tokens=600, tool_retries=0)
+
+    def __call__(self, request):
+        from trl_plugins.rollout import ScriptedBackend
+
+        tok = request.chat.tokenizer
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        counter = iter(range(10**6))
+
+        def script(prompt):
+            text = tok.decode(prompt)
+            if "<tool_response>" not in text:
+                body = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
+            else:
+                body = f"\\boxed{{{next(counter) % 3}}}"
+            return tok(body, add_special_tokens=False)["input_ids"] + [end]
+
+        request.backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids)
+        return self.inner(request)
+
+
+class FlakyCodeTool:
+    """A code interpreter stand-in whose every 3rd call fails in the infrastructure."""
+
+    name = "code_interpreter"
+
+    def __init__(self):
+        self.calls = 0
+
+    def schema(self):
+        from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+        return CodeInterpreter().schema()
+
+    async def __call__(self, arguments):
+        from trl_plugins.tools.base import ToolOutput
+
+        self.calls += 1
+        if self.calls % 3 == 0:
+            return ToolOutput(text="", ok=False, infra_error="SandboxError: could not start")
+        return ToolOutput(text="1\n", ok=True)
+
+
+class PickyVerifier:
+    """Scores the boxed digit; raises on answer 2 (a verifier bug); hangs on answer 1 of question 0."""
+
+    def __call__(self, trajectory, example):
+        import time
+
+        digit = int(trajectory.turns[-1].text.split("\\boxed{")[1][0])
+        if digit == 2:
+            raise ValueError("cannot parse answer")
+        if digit == 1 and trajectory.group_id == 0:
+            time.sleep(5)
+        return float(digit)
+
+
+def test_infrastructure_failures_carry_no_training_signal(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.types import StopReason
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok), _config(tmp_path, max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                                       rollout="test_trainer:ScriptedToolRollout", rollout_kwargs={},
+                                       reward_time_limit_s=0.5, max_verifier_error_rate=0.9, min_valid_group_fraction=0.5),
+        train_dataset=_dataset(), processing_class=tok,
+        tools={"code_interpreter": FlakyCodeTool()}, reward_components={"length": PickyVerifier()},
+    )
+    trainer.train()  # completes: neither the tool nor the verifier stops the run
+    trajs = trainer._last_trajectories
+    reasons = [t.stop_reason for t in trajs]
+    env = [t for t in trajs if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
+    ver = [t for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR]
+    assert env and ver and StopReason.FINAL_ANSWER in reasons
+    assert all(t.error.startswith("tool 'code_interpreter': SandboxError") for t in env)
+    assert any("ValueError: cannot parse answer" in t.error for t in ver)
+    assert any("VerifierTimeout: no result after 0.5 s" in t.error for t in ver)
+    # No signal from them: advantage 0, no reward, and the group statistics are over the others only.
+    assert all(t.advantage == 0.0 and t.reward_components == [] for t in env + ver)
+    from trl_plugins.algos import group_advantages
+
+    for g in {t.group_id for t in trajs}:
+        members = [t for t in trajs if t.group_id == g]
+        valid = [t for t in members if not t.world_failure]
+        if len(valid) < 0.5 * len(members):  # dropped whole
+            assert all(t.advantage == 0.0 for t in members)
+            continue
+        expected = group_advantages(torch.tensor([t.reward for t in valid], dtype=torch.float64),
+                                    torch.zeros(len(valid), dtype=torch.long)).tolist()
+        assert [t.advantage for t in valid] == pytest.approx(expected)
+    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    n = len(trajs)
+    assert record["rollout/stop/environment_error"] == pytest.approx(len(env) / n)
+    assert record["rollout/stop/verifier_error"] == pytest.approx(len(ver) / n)
+    assert record["reward/verifier_error_rate"] == pytest.approx(len(ver) / n)
+    assert record["reward/verifier_error_rate/length"] == pytest.approx(len(ver) / n)
+    assert record["train/world_failure_frac"] == pytest.approx((len(env) + len(ver)) / n)
+    assert 0 < record["rollout/environment_error_rate/code_interpreter"] < 1
+    # Only the valid trajectories became datums.
+    assert record["train/datums"] <= n - len(env) - len(ver)
+
+
+def test_a_group_that_lost_too_many_members_is_left_out_whole():
+    from types import SimpleNamespace
+
+    from trl_plugins.trainers.batch import training_mask
+
+    def t(g, failure=False, truncated=False):
+        return SimpleNamespace(group_id=g, world_failure=failure, truncated=truncated)
+
+    trajs = [t(0), t(0, True), t(0, True), t(0, True), t(1), t(1), t(1, True), t(1, truncated=True)]
+    # Group 0 kept 1 of 4 (< 0.5): all out. Group 1 kept 3 of 4: only its failure is out (truncation is the policy's).
+    assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.5) == [True] * 4 + [False, False, True, False]
+    assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.0) == [False, True, True, True, False, False, True, False]

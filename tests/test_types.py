@@ -23,13 +23,16 @@ from trl_plugins.rollout.validate import validate_trajectory
 
 TERMINATED = {StopReason.FINAL_ANSWER, StopReason.NO_TOOL_CALL, StopReason.INVALID_ACTION}
 TRUNCATED = {StopReason.TURN_LENGTH, StopReason.TOKEN_BUDGET, StopReason.MAX_TURNS, StopReason.MAX_TOOL_CALLS}
+WORLD_FAILURES = {StopReason.ENVIRONMENT_ERROR, StopReason.VERIFIER_ERROR, StopReason.CANCELLED}
 
 
-def test_stop_reasons_partition_into_terminated_and_truncated():
-    assert TERMINATED | TRUNCATED == set(StopReason)
+def test_stop_reasons_partition_into_terminated_truncated_and_world_failures():
+    assert TERMINATED | TRUNCATED | WORLD_FAILURES == set(StopReason)
     for r in StopReason:
         assert r.is_terminated == (r in TERMINATED)
         assert r.is_truncated == (r in TRUNCATED)
+        assert r.is_world_failure == (r in WORLD_FAILURES)
+        assert sum((r.is_terminated, r.is_truncated, r.is_world_failure)) == 1
         assert StopReason(r.value) is r
 
 

@@ -48,6 +48,9 @@ class EvalResult:
     truncated_frac: float
     """Fraction of samples that hit a budget."""
     turns_mean: float
+    world_failure_frac: float = 0.0
+    """Fraction of samples the infrastructure failed (``environment_error``, ``verifier_error``): counted
+    as not correct above; a high value means the numbers measure the infrastructure, not the policy."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +86,7 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
         accuracy_without_tool=sum(without) / len(without) if without else None,
         truncated_frac=sum(t.truncated for t in trajectories) / total,
         turns_mean=sum(len(t.turns) for t in trajectories) / total,
+        world_failure_frac=sum(t.world_failure for t in trajectories) / total,
     )
 
 
@@ -169,7 +173,9 @@ def evaluate_policy(
             score_trajectories(plugins, result.trajectories, chunk)
             for traj in result.trajectories:
                 trajectories.append(traj)
-                correct.append(bool(judge.is_success(traj.reward_component(success_component).value)))
+                # A sample the infrastructure failed (environment_error, verifier_error) counts as not correct
+                # here, and is reported apart (world_failure_frac).
+                correct.append(not traj.world_failure and bool(judge.is_success(traj.reward_component(success_component).value)))
     finally:
         model.train(was_training)
         plugins.close()

@@ -77,6 +77,15 @@ class StopReason(enum.StrEnum):
     """Truncated: the maximum number of assistant turns was reached."""
     MAX_TOOL_CALLS = "max_tool_calls"
     """Truncated: the maximum number of tool calls was reached."""
+    ENVIRONMENT_ERROR = "environment_error"
+    """The world failed, not the policy: a tool or its sandbox failed (set-up, crash, plugin exception,
+    host resources), as opposed to the model's code raising. ``Trajectory.error`` says what."""
+    VERIFIER_ERROR = "verifier_error"
+    """The world failed, not the policy: a reward component raised or timed out while scoring it.
+    ``Trajectory.error`` names the component and the exception."""
+    CANCELLED = "cancelled"
+    """The world failed, not the policy: the run was interrupted (Ctrl-C, SIGTERM, a cancelled task)
+    while the trajectory was still running."""
 
     @property
     def is_terminated(self) -> bool:
@@ -84,12 +93,20 @@ class StopReason(enum.StrEnum):
         return self in _TERMINATED
 
     @property
+    def is_world_failure(self) -> bool:
+        """True when the infrastructure, not the policy, ended or spoiled the episode: no training signal."""
+        return self in _WORLD_FAILURES
+
+    @property
     def is_truncated(self) -> bool:
-        """True when a budget cut the episode short (the last state's value may be bootstrapped)."""
-        return not self.is_terminated
+        """True when a budget cut the episode short (the last state's value may be bootstrapped).
+
+        Terminated, truncated and world failure partition the members."""
+        return not self.is_terminated and not self.is_world_failure
 
 
 _TERMINATED = frozenset({StopReason.FINAL_ANSWER, StopReason.NO_TOOL_CALL, StopReason.INVALID_ACTION})
+_WORLD_FAILURES = frozenset({StopReason.ENVIRONMENT_ERROR, StopReason.VERIFIER_ERROR, StopReason.CANCELLED})
 
 
 class LogprobSource(enum.StrEnum):
@@ -165,6 +182,8 @@ class ToolCall:
     """True when the response was cut to ``max_tool_response_tokens`` (the tail is kept)."""
     latency_s: float = 0.0
     """Wall time of the call, seconds."""
+    infra_error: str | None = None
+    """Set when the tool itself failed (not the model's code): the trajectory ended with ``environment_error``."""
 
 
 @dataclass
@@ -226,6 +245,8 @@ class Trajectory:
     """Scalar advantage, set by the advantage estimator."""
     policy_version: PolicyVersion | None = None
     """Which policy sampled it."""
+    error: str | None = None
+    """What failed in the world when the stop reason is a world failure (tool or component, exception)."""
 
     @property
     def reward(self) -> float:
@@ -248,6 +269,11 @@ class Trajectory:
     def truncated(self) -> bool:
         """True when the stop reason is a truncation."""
         return self.stop_reason is not None and self.stop_reason.is_truncated
+
+    @property
+    def world_failure(self) -> bool:
+        """True when the infrastructure (a tool, a verifier) failed it: it carries no training signal."""
+        return self.stop_reason is not None and self.stop_reason.is_world_failure
 
     @property
     def num_tool_calls(self) -> int:

@@ -135,13 +135,21 @@ class _Live:
     tool_calls: int = 0
 
 
-async def _call_tool(tool: Tool, arguments: dict) -> ToolOutput:
+async def _call_tool(tool: Tool, arguments: dict, *, retries: int = 0) -> ToolOutput:
+    """One tool call. A tool that raises has failed (an infrastructure error, not the model's); a call
+    that failed so is retried up to ``retries`` times when the tool declares itself ``idempotent``."""
     start = time.perf_counter()
-    try:
-        out = await tool(arguments)
-    except Exception as exc:  # a tool bug must not take the whole rollout down; the model sees it
-        logger.exception("tool %r raised", getattr(tool, "name", tool))
-        out = ToolOutput(text=f"Error: the tool failed: {type(exc).__name__}: {exc}", ok=False)
+    attempts = 1 + (retries if getattr(tool, "idempotent", False) else 0)
+    for attempt in range(attempts):
+        try:
+            out = await tool(arguments)
+        except Exception as exc:  # a tool bug must not take the whole rollout down, nor be the policy's fault
+            logger.exception("tool %r raised", getattr(tool, "name", tool))
+            out = ToolOutput(text="", ok=False, infra_error=f"{type(exc).__name__}: {exc}")
+        if out.infra_error is None:
+            break
+        logger.warning("tool %r failed (attempt %d of %d): %s", getattr(tool, "name", tool), attempt + 1, attempts,
+                       out.infra_error)
     if not out.latency_s:
         out.latency_s = time.perf_counter() - start
     return out
@@ -170,6 +178,9 @@ class MultiTurnRollout:
     """Tokens per trajectory: first prompt, all completions, all tool messages."""
     max_tool_response_tokens: int = 512
     """Tokens per tool response (the tail is kept)."""
+    tool_retries: int = 1
+    """Retries of a call that failed for infrastructure reasons, for tools that declare ``idempotent``
+    (the code interpreter does); when they are used up the trajectory ends with ``environment_error``."""
 
     @property
     def token_budget(self) -> int:
@@ -180,6 +191,8 @@ class MultiTurnRollout:
         for name in ("max_turns", "max_tool_calls", "max_assistant_tokens", "max_trajectory_tokens", "max_tool_response_tokens"):
             if getattr(self, name) < 1:
                 raise RolloutError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.tool_retries < 0:
+            raise RolloutError(f"tool_retries must be >= 0, got {self.tool_retries}.")
 
     def __call__(self, request: RolloutRequest) -> RolloutResult:
         """Roll out every question ``group_size`` times.
@@ -225,6 +238,28 @@ class MultiTurnRollout:
             st.traj.stop_reason = reason
             bar.update(1)
 
+        try:
+            self._loop(request, chat, backend, result, live, finish)
+        except BaseException as exc:  # interrupted: the unfinished trajectories are the world's failure
+            for traj in result.trajectories:
+                if traj.stop_reason is None:
+                    traj.stop_reason = StopReason.CANCELLED
+                    traj.error = f"the rollout was interrupted: {type(exc).__name__}"
+            try:
+                exc.rollout_result = result  # type: ignore[attr-defined]  # what was done, for whoever handles it
+            except AttributeError:
+                pass
+            bar.close()
+            raise
+        bar.close()
+        result.total_s = time.perf_counter() - start
+        for traj in result.trajectories:
+            validate_trajectory(traj)
+        return result
+
+    def _loop(self, request: RolloutRequest, chat: Any, backend: Any, result: RolloutResult, live: list,
+              finish: Any) -> None:
+        """Generation rounds until every trajectory has stopped (``__call__`` handles interruptions)."""
         with backend.session():
             while True:
                 still = []
@@ -274,9 +309,18 @@ class MultiTurnRollout:
                 if pending:
                     result.max_concurrent_tool_calls = max(result.max_concurrent_tool_calls, len(pending))
                     t0 = time.perf_counter()
-                    outputs = run_async(self._run_tools(request.tools, [(p.tool_name, p.arguments) for _, _, p in pending]))
+                    outputs = run_async(self._run_tools(request.tools, [(p.tool_name, p.arguments) for _, _, p in pending],
+                                                         self.tool_retries))
                     result.tools_s += time.perf_counter() - t0
                     for (st, turn, parsed), out in zip(pending, outputs):
+                        if out.infra_error is not None:
+                            # The tool failed, not the model: end here, without showing the model anything.
+                            turn.tool_call = ToolCall(name=parsed.tool_name, arguments=parsed.arguments, output="",
+                                                      ok=False, latency_s=out.latency_s, infra_error=out.infra_error)
+                            turn.tool_s = out.latency_s
+                            st.traj.error = f"tool {parsed.tool_name!r}: {out.infra_error}"
+                            finish(st, StopReason.ENVIRONMENT_ERROR)
+                            continue
                         obs_ids, cut = chat.encode_observation(out.text, self.max_tool_response_tokens)
                         turn.tool_call = ToolCall(
                             name=parsed.tool_name,
@@ -297,12 +341,7 @@ class MultiTurnRollout:
                         else:
                             next_live.append(st)
                 live = next_live
-        bar.close()
-        result.total_s = time.perf_counter() - start
-        for traj in result.trajectories:
-            validate_trajectory(traj)
-        return result
 
     @staticmethod
-    async def _run_tools(tools: Mapping[str, Tool], calls: Sequence[tuple[str, dict]]) -> list[ToolOutput]:
-        return list(await asyncio.gather(*(_call_tool(tools[name], args) for name, args in calls)))
+    async def _run_tools(tools: Mapping[str, Tool], calls: Sequence[tuple[str, dict]], retries: int = 0) -> list[ToolOutput]:
+        return list(await asyncio.gather(*(_call_tool(tools[name], args, retries=retries) for name, args in calls)))

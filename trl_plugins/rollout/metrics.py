@@ -38,4 +38,14 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
         out[f"rollout/stop/{reason.value}"] = reasons.get(reason, 0) / n
     out["rollout/terminated_frac"] = sum(t.terminated for t in trajs) / n
     out["rollout/truncated_frac"] = sum(t.truncated for t in trajs) / n
+    # Tool calls that failed for infrastructure reasons, per tool (of that tool's calls).
+    per_tool: dict[str, list[int]] = {}
+    for t in trajs:
+        for u in t.turns:
+            if u.tool_call is not None and u.tool_call.output is not None:
+                counts = per_tool.setdefault(u.tool_call.name, [0, 0])
+                counts[0] += 1
+                counts[1] += u.tool_call.infra_error is not None
+    for name, (calls_, failed) in per_tool.items():
+        out[f"rollout/environment_error_rate/{name}"] = failed / max(calls_, 1)
     return out

@@ -76,6 +76,16 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
             f"termination, but the last turn ({len(traj.turns) - 1}) was cut at max_new_tokens. Use "
             f"StopReason.TURN_LENGTH for a cut turn."
         )
+    if traj.stop_reason.is_world_failure and not traj.error:
+        raise TrajectoryError(
+            f"{where}: stop reason {traj.stop_reason.value!r} (the world failed, not the policy) without an error: "
+            f"set Trajectory.error to what failed (the tool or reward component and the exception)."
+        )
+    if traj.stop_reason == StopReason.ENVIRONMENT_ERROR and (last.tool_call is None or not last.tool_call.infra_error):
+        raise TrajectoryError(
+            f"{where}: stop reason 'environment_error' but the last turn ({len(traj.turns) - 1}) has no tool call "
+            f"that failed (ToolCall.infra_error); a tool failure ends the trajectory at that call."
+        )
     if traj.stop_reason == StopReason.TURN_LENGTH and not last.truncated:
         raise TrajectoryError(
             f"{where}: stop reason 'turn_length' but the last turn ({len(traj.turns) - 1}) is not "

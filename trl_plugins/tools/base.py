@@ -4,6 +4,14 @@ A tool is a registered plugin (:data:`trl_plugins.registry.TOOLS`) constructed w
 It has a ``name``, a JSON schema in the OpenAI function format (what the chat template shows the
 model), and an async call that receives the parsed arguments and returns a :class:`ToolOutput`.
 Tools must not raise for bad model input: a wrong argument is an output the model should see.
+
+Two kinds of failure, told apart by the result: the *model's* code or arguments failed (``ok=False``,
+the text is what the model should learn from, e.g. a traceback), or the *tool itself* failed
+(``infra_error`` set: the sandbox could not start or crashed, a plugin bug, the host ran out of
+resources). The second is not the policy's fault: the trajectory ends with
+``StopReason.ENVIRONMENT_ERROR`` and carries no training signal. A tool that raises is treated as the
+second kind. A tool may declare ``idempotent = True`` (running a call twice is harmless); the rollout
+then retries a call that failed for infrastructure reasons (``tool_retries``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ class ToolOutput:
     """True when the call hit its time limit."""
     latency_s: float = 0.0
     """Wall time of the call, seconds."""
+    infra_error: str | None = None
+    """Set when the tool itself failed (not the model's code): why. The trajectory ends with
+    ``environment_error`` instead of showing ``text`` to the model."""
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar, Any
 
 from trl_plugins.registry import TOOLS
 from trl_plugins.tools.base import ToolOutput
@@ -35,6 +35,8 @@ class CodeInterpreter:
     """``"auto"`` picks the strongest available isolation."""
     name: str = "code_interpreter"
     """Name the model calls the tool by."""
+    idempotent: ClassVar[bool] = True
+    """Each call runs in a fresh sandbox: a call that failed for infrastructure reasons may be retried."""
     hidden_paths: tuple[str, ...] = ()
     """More absolute host paths the code must not read (e.g. where the dataset with the reference
     answers is cached); homes, ``/root`` and ``/run`` are always hidden."""
@@ -77,6 +79,10 @@ class CodeInterpreter:
         if not isinstance(code, str):
             return ToolOutput(text="Error: the 'code' argument must be a string of Python code.", ok=False)
         result = await self.sandbox.arun(code)
+        if result.exit_code is None and not result.timed_out:
+            # The sandbox failed (could not start, crashed): not the model's code.
+            return ToolOutput(text=result.stderr, ok=False, latency_s=result.latency_s,
+                              infra_error=result.stderr.strip() or "the sandbox failed")
         text = result.stdout
         if not result.ok:
             text = (text + ("\n" if text and not text.endswith("\n") else "") + result.stderr).strip("\n")

@@ -7,7 +7,12 @@ here (count, order, tokenizer digest, the trajectory contract) before anything u
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import logging
+import math
+import signal
+import threading
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -16,13 +21,14 @@ from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest,
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.trainers.plugins import RunPlugins
 from trl_plugins.algos import kl_estimate
-from trl_plugins.types import AdvantageInput, Datum, RewardComponent, SamplingSettings, Trajectory, TrajectoryError
+from trl_plugins.types import AdvantageInput, Datum, RewardComponent, SamplingSettings, StopReason, Trajectory, TrajectoryError
 
 __all__ = [
     "hf_backend",
     "rollout_rows",
     "score_trajectories",
-    "truncation_mask",
+    "training_mask",
+    "VerifierTimeout",
     "build_datums_for_update",
     "add_kl_penalty",
     "compute_advantages",
@@ -30,6 +36,8 @@ __all__ = [
     "kl_per_token",
     "compute_token_advantages",
 ]
+
+logger = logging.getLogger(__name__)
 
 KL_PENALTY_COMPONENT = "kl_penalty"
 """Name of the reward component that carries ``-sum_t KL_t`` when the reference KL is in the reward."""
@@ -105,19 +113,87 @@ def rollout_rows(
     return result
 
 
-def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], rows: Sequence[Mapping[str, Any]]) -> None:
-    """Store each reward component (name, value, weight) on each trajectory; ``rows[traj.group_id]`` is its example."""
+class VerifierTimeout(Exception):
+    """A reward component ran past its time limit."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`VerifierTimeout` in the body after ``seconds`` (a SIGALRM interval timer; main thread
+    only, elsewhere no limit). A component that sets its own SIGALRM (math-verify does) replaces this
+    one while it runs; its own timeouts then apply."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise VerifierTimeout(f"no result after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], rows: Sequence[Mapping[str, Any]], *,
+                       time_limit_s: float | None = None) -> dict[str, int]:
+    """Store each reward component (name, value, weight) on each trajectory; ``rows[traj.group_id]`` is its example.
+
+    A component that raises, returns a non-finite value or runs past ``time_limit_s`` does not stop the
+    run and does not score the trajectory as wrong: the trajectory gets ``StopReason.VERIFIER_ERROR``,
+    ``error`` naming the component and the exception, and no reward components. Trajectories the
+    environment already failed (``environment_error``) are not scored.
+
+    Returns:
+        Verifier failures per component name.
+    """
+    failures: dict[str, int] = {}
     for traj in trajectories:
+        if traj.world_failure:
+            traj.reward_components = []
+            continue
         row = rows[traj.group_id]
-        traj.reward_components = [
-            RewardComponent(name, float(fn(traj, row)), weight) for name, weight, fn in plugins.reward_components
-        ]
+        components = []
+        for name, weight, fn in plugins.reward_components:
+            try:
+                with _time_limit(time_limit_s):
+                    value = float(fn(traj, row))
+                if not math.isfinite(value):
+                    raise ValueError(f"returned {value}")
+            except (Exception, VerifierTimeout) as exc:
+                failures[name] = failures.get(name, 0) + 1
+                traj.stop_reason = StopReason.VERIFIER_ERROR
+                traj.error = f"reward component {name!r}: {type(exc).__name__}: {exc}"
+                logger.warning("verifier_error on question %r sample %d: %s", traj.question_id, traj.sample_index, traj.error)
+                components = []
+                break
+            components.append(RewardComponent(name, value, weight))
+        traj.reward_components = components
+    return failures
 
 
-def truncation_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool) -> list[bool]:
-    """Which trajectories are masked: with ``mask_truncated`` (``truncated_policy='mask'``) every truncated
-    one is neither scored against its group nor trained on."""
-    return [mask_truncated and t.truncated for t in trajectories]
+def training_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
+                  ) -> list[bool]:
+    """Which trajectories carry no training signal: neither scored against their group nor trained on.
+
+    - Every world failure (``environment_error``, ``verifier_error``): the infrastructure's fault, not the policy's.
+    - With ``mask_truncated`` (``truncated_policy='mask'``), every truncated one.
+    - Every member of a group in which the share of members the world did not fail is below
+      ``min_valid_group_fraction`` (too few left to compare).
+    """
+    masked = [t.world_failure or (mask_truncated and t.truncated) for t in trajectories]
+    by_group: dict[int, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        by_group.setdefault(t.group_id, []).append(i)
+    for members in by_group.values():
+        valid = sum(not trajectories[i].world_failure for i in members)
+        if valid < min_valid_group_fraction * len(members):
+            for i in members:
+                masked[i] = True
+    return masked
 
 
 def build_datums_for_update(plugins: RunPlugins, trajectories: Sequence[Trajectory], masked: Sequence[bool]) -> list[Datum]:

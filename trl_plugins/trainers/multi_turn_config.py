@@ -57,6 +57,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
     rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (scored by the reward components, which treat them as wrong) or 'mask' (no advantage, left out of group statistics and the loss)."})
+    reward_time_limit_s: float | None = field(default=30.0, metadata={"help": "Time limit of one reward component on one trajectory; past it the trajectory is a verifier_error (None: no limit)."})
+    max_verifier_error_rate: float = field(default=0.5, metadata={"help": "Stop the run when more than this share of a step's trajectories (all ranks) fail a reward component: a broken verifier must not train silently."})
+    min_valid_group_fraction: float = field(default=0.5, metadata={"help": "A group in which fewer than this share of members survived the infrastructure (no environment_error / verifier_error) is left out whole."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
     kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
     kl_penalty: str = field(default="loss", metadata={"help": "Where the reference KL (beta > 0) enters: 'loss' (GRPO: beta * KL per action token, aggregated like the policy loss) or 'reward' (classic PPO: a 'kl_penalty' reward component -sum_t KL_t with weight beta)."})
@@ -104,6 +107,13 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 "leave use_vllm off."
             )
         self._map_kl_and_entropy()
+        if not 0.0 <= self.max_verifier_error_rate <= 1.0 or not 0.0 <= self.min_valid_group_fraction <= 1.0:
+            raise ValueError(
+                f"max_verifier_error_rate and min_valid_group_fraction are shares in [0, 1]; got "
+                f"{self.max_verifier_error_rate}, {self.min_valid_group_fraction}."
+            )
+        if self.reward_time_limit_s is not None and self.reward_time_limit_s <= 0:
+            raise ValueError(f"reward_time_limit_s must be > 0 or None, got {self.reward_time_limit_s}.")
         if self.critic_warmup_steps < 0 or self.vf_clip <= 0 or self.vf_coef <= 0:
             raise ValueError(
                 f"need critic_warmup_steps >= 0, vf_clip > 0 and vf_coef > 0; got {self.critic_warmup_steps}, "

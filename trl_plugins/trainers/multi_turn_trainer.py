@@ -40,14 +40,14 @@ from trl_plugins.trainers.batch import (
     rollout_rows,
     score_trajectories,
     set_datum_advantages,
-    truncation_mask,
+    training_mask,
 )
 from trl_plugins.trainers.critic import build_critic, load_critic, prepare_critic, rollout_values, save_critic, value_update
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
 from trl_plugins.trainers.step import datums_to_forward, policy_update, reference_logprobs
-from trl_plugins.types import Trajectory
+from trl_plugins.types import StopReason, Trajectory
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
 
@@ -153,8 +153,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         )
         trajs: list[Trajectory] = result.trajectories
         t0 = time.perf_counter()
-        score_trajectories(plugins, trajs, rows)
-        masked = truncation_mask(trajs, mask_truncated=args.truncated_policy == "mask")
+        failures = score_trajectories(plugins, trajs, rows, time_limit_s=args.reward_time_limit_s)
+        example = next((t.error for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR), None)
+        failure_metrics = self._check_verifier_failures(failures, len(trajs), example=example)
+        masked = training_mask(trajs, mask_truncated=args.truncated_policy == "mask",
+                               min_valid_group_fraction=args.min_valid_group_fraction)
         datums = build_datums_for_update(plugins, trajs, masked)
         metrics: dict[str, float] = {}
         if args.beta > 0:
@@ -177,9 +180,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 add_kl_penalty(trajs, datums, beta=0.0, estimator=args.kl_estimator)
             compute_token_advantages(plugins, trajs, datums, after, token_rewards=token_rewards,
                                      all_reduce=self._all_reduce_sum if self.accelerator.num_processes > 1 else None)
-        metrics.update({**rollout_metrics(result), "timing/scoring_s": time.perf_counter() - t0})
+        metrics.update({**rollout_metrics(result), **failure_metrics, "timing/scoring_s": time.perf_counter() - t0})
         n = max(len(trajs), 1)
-        metrics["reward/total"] = sum(t.reward for t in trajs) / n
+        scored = [t for t in trajs if not t.world_failure]
+        metrics["reward/total"] = sum(t.reward for t in scored) / max(len(scored), 1)
+        metrics["train/world_failure_frac"] = (n - len(scored)) / n if trajs else 0.0
         names = [name for name, _, _ in plugins.reward_components]
         if args.beta > 0 and args.kl_penalty == "reward":
             names.append(KL_PENALTY_COMPONENT)
@@ -200,6 +205,28 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             if step_metrics is not None:
                 metrics.update(step_metrics())
         return datums, metrics
+
+    def _check_verifier_failures(self, failures: Mapping[str, int], num_trajectories: int, *,
+                                 example: str | None = None) -> dict[str, float]:
+        """Verifier error rates of the step over all ranks; stops the run (on every rank alike) above
+        ``max_verifier_error_rate``."""
+        names = [name for name, _, _ in self._plugins.reward_components]
+        counts = [float(failures.get(name, 0)) for name in names] + [float(num_trajectories)]
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(torch.tensor(counts, dtype=torch.float64, device=self.accelerator.device),
+                                             reduction="sum").tolist()
+        total = max(counts[-1], 1.0)
+        rates = {f"reward/verifier_error_rate/{name}": c / total for name, c in zip(names, counts)}
+        rate = sum(counts[:-1]) / total
+        if rate > self.args.max_verifier_error_rate:
+            worst = max(zip(names, counts), key=lambda item: item[1])[0]
+            raise RuntimeError(
+                f"{rate:.0%} of this step's trajectories failed a reward component (most: {worst!r}), over "
+                f"max_verifier_error_rate={self.args.max_verifier_error_rate}: the verifier looks broken, so the run "
+                f"stops instead of training on noise (e.g. {example or 'see the other ranks'}; every failure is logged "
+                f"as a 'verifier_error' warning). Fix the component or raise max_verifier_error_rate."
+            )
+        return {"reward/verifier_error_rate": rate, **rates}
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum").to(tensor.device)
@@ -394,12 +421,13 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
 
         if wandb.run is None:
             return
-        columns = ["step", "question_id", "sample", "turns", "tool_calls", "stop_reason", "reward", "advantage", "transcript"]
+        columns = ["step", "question_id", "sample", "turns", "tool_calls", "stop_reason", "error", "reward", "advantage",
+                   "transcript"]
         rows = []
         for t in self._last_trajectories[: self.args.trajectory_table_rows]:
             transcript = "\n".join(
                 turn.text + (f"\n[tool] {turn.tool_call.output}" if turn.tool_call else "") for turn in t.turns
             )
             rows.append([self.state.global_step, t.question_id, t.sample_index, len(t.turns), t.num_tool_calls,
-                         str(t.stop_reason), t.reward, t.advantage, transcript])
+                         str(t.stop_reason), t.error or "", t.reward, t.advantage, transcript])
         wandb.log({"trajectories": wandb.Table(columns=columns, data=rows)}, commit=False)
