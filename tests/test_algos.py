@@ -265,18 +265,37 @@ def test_aggregation_needs_norm_length_for_dr_grpo():
         aggregate(LOSS, AMASK, "seq_mean_token_sum_norm", num_tokens=4, num_sequences=2)
 
 
-def test_kl_log_ratio_clamp_keeps_estimates_and_gradients_finite():
-    # A reference that gives a sampled token log-prob -80 while the policy gives -0.1: log r = -79.9.
-    logp = T([[-0.1, -0.1, -2.0]], dtype=torch.float32, requires_grad=True)
-    ref = T([[-80.0, 100.0, -2.5]], dtype=torch.float32)
-    for est in ("k1", "k2", "k3"):
-        kl = kl_estimate(logp, ref, est, clamp=20.0)
-        assert bool(torch.isfinite(kl).all())
+def test_kl_estimates_are_exact_far_below_the_reference_and_k3_cannot_overflow():
+    # logp = 0, ref = -25 (log r = -25): k1 = 25, k2 = 312.5, k3 = e^-25 - 1 + 25 ~ 24, with their true
+    # gradients (a clamp of log r to +-20 gave 20, 200, 19 and gradient 0: the KL stopped pulling on exactly
+    # the tokens furthest from the reference). log r = +100: k3's exp is guarded, still finite.
+    logp = T([[0.0, -0.1, -2.0]], dtype=torch.float32, requires_grad=True)
+    ref = T([[-25.0, 99.9, -2.5]], dtype=torch.float32)
+    k1, k2, k3 = (kl_estimate(logp, ref, e, clamp=20.0) for e in ("k1", "k2", "k3"))
+    assert close(k1[0, 0], 25.0) and close(k2[0, 0], 312.5) and close(k3[0, 0], math.exp(-25.0) - 1 + 25.0, tol=1e-5)
+    assert close(k1[0, 1], -100.0, tol=1e-5) and close(k2[0, 1], 5000.0, tol=1e-3)
+    assert bool(torch.isfinite(k3).all()) and close(k3[0, 1], math.exp(20.0) - 1 - 100.0, tol=1e-2)
+    for kl, dk_at_minus25 in ((k1, 1.0), (k2, 25.0), (k3, 1.0 - math.exp(-25.0))):
         (grad,) = torch.autograd.grad(kl.sum(), logp)
         assert bool(torch.isfinite(grad).all())
-        # Clamped positions have no gradient (the clamp is flat there); the unclamped one has.
-        assert grad[0, 0] == 0 and grad[0, 1] == 0 and grad[0, 2] != 0
-    k3 = kl_estimate(logp, ref, "k3", clamp=20.0)
-    assert close(k3[0, 0], math.exp(-20.0) - 1 + 20.0, tol=1e-4) and close(k3[0, 1], math.exp(20.0) - 1 - 20.0, tol=1e-2)
-    # Without the clamp, k3 at log r = 100 overflows float32.
+        assert close(grad[0, 0], dk_at_minus25, tol=1e-5)  # d/dlogp of each estimate at log r = -25
+    # Without the guard, k3 at log r = 100 overflows float32.
     assert not bool(torch.isfinite(kl_estimate(logp, ref, "k3", clamp=1e9)).all())
+
+
+def test_value_clip_fraction_counts_only_clipped_tokens_in_float32():
+    # Nothing is clipped here (|V - V_old| = 0.0964 < 0.2); V_old + clamp(V - V_old) is not exactly V in
+    # float32, which counted such tokens as clipped.
+    v = T([[-0.03976007]], dtype=torch.float32)
+    old = T([[-0.13618681]], dtype=torch.float32)
+    ret = T([[0.5]], dtype=torch.float32)
+    assert float(clipped_value_loss(v, old, ret, torch.ones_like(v), clip_range=0.2).clipped) == 0.0
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(64, 32, generator=gen)
+    old = v + 0.19 * (2 * torch.rand(64, 32, generator=gen) - 1)  # all inside the clip range
+    out = clipped_value_loss(v, old, torch.randn(64, 32, generator=gen), torch.ones_like(v), clip_range=0.2)
+    assert float(out.clipped) == 0.0
+    far = clipped_value_loss(v, v + 0.5, torch.full_like(v, -10.0), torch.ones_like(v), clip_range=0.2)
+    assert float(far.clipped) == v.numel()  # returns far below: the clipped value (V_old - c = V + 0.3) is worse everywhere
+
+

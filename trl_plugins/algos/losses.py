@@ -29,22 +29,25 @@ def kl_estimate(
     """Per-token estimate of KL(p || q) from tokens sampled from ``p`` (Schulman, "Approximating KL").
 
     With ``log r = log q - log p``: ``k1 = -log r``, ``k2 = 0.5 (log r)^2``, ``k3 = r - 1 - log r``.
-    ``log r`` is clamped to ``[-clamp, clamp]`` so ``k3`` cannot overflow.
+    Only k3's ``exp`` is guarded: ``r = exp(min(log r, clamp))``, so a token the reference finds far
+    likelier than the policy cannot overflow; everywhere else the estimates (and their gradients) are
+    exact, in particular on the tokens furthest below the reference, which the KL must keep pulling on.
 
     Args:
         logprobs: ``(B, T)`` log p (the policy, usually with gradient).
         ref_logprobs: ``(B, T)`` log q (the reference).
+        clamp: Upper bound on ``log r`` inside k3's ``exp``.
 
     Returns:
         ``(B, T)`` estimates (not masked).
     """
-    log_r = (ref_logprobs - logprobs).clamp(-clamp, clamp)
+    log_r = ref_logprobs - logprobs
     est = KLEstimator(estimator)
     if est == KLEstimator.K1:
         return -log_r
     if est == KLEstimator.K2:
         return 0.5 * log_r.pow(2)
-    return torch.exp(log_r) - 1.0 - log_r
+    return torch.exp(log_r.clamp(max=clamp)) - 1.0 - log_r
 
 
 def ppo_clip_loss(
@@ -124,7 +127,7 @@ def clipped_value_loss(
     *,
     clip_range: float = 0.2,
 ) -> ValueLossOutput:
-    """Clipped value loss: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``.
+    """Clipped value loss: ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
 
     Args:
         values: ``(B, T)`` current critic values (with gradient).
@@ -139,7 +142,9 @@ def clipped_value_loss(
     on = mask.bool()
     old_values = torch.where(on, old_values, values.detach())
     returns = torch.where(on, returns, values.detach())
-    v_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    # V itself clamped to [V_old - c, V_old + c]: exactly V where nothing is clipped (V_old + clamp(V - V_old)
+    # is not, in floating point, and miscounted such tokens as clipped).
+    v_clipped = torch.maximum(torch.minimum(values, old_values + clip_range), old_values - clip_range)
     unclipped = (values - returns).pow(2)
     clipped = (v_clipped - returns).pow(2)
     loss = torch.where(on, 0.5 * torch.maximum(unclipped, clipped), torch.zeros_like(values))
