@@ -55,7 +55,7 @@ def test_rloo():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("size", [2, 8, 16, 64])
+@pytest.mark.parametrize("size", [2, 3, 8, 16, 64])
 @pytest.mark.parametrize("value", [-0.9, 1.1, 0.1, -1.0, 0.3, 1e6 + 0.1])
 def test_equal_reward_groups_get_exactly_zero(value, size, dtype):
     # The recipe's rewards (correct +-1 plus 0.1 * format) give values like -0.9 and 1.1; a float32
