@@ -144,7 +144,7 @@ def clipped_value_loss(
     returns = torch.where(on, returns, values.detach())
     # V itself clamped to [V_old - c, V_old + c]: exactly V where nothing is clipped (V_old + clamp(V - V_old)
     # is not, in floating point, and miscounted such tokens as clipped).
-    v_clipped = torch.maximum(torch.minimum(values, old_values + clip_range), old_values - clip_range)
+    v_clipped = torch.clamp(values, min=old_values - clip_range, max=old_values + clip_range)
     unclipped = (values - returns).pow(2)
     clipped = (v_clipped - returns).pow(2)
     loss = torch.where(on, 0.5 * torch.maximum(unclipped, clipped), torch.zeros_like(values))
