@@ -299,3 +299,21 @@ def test_value_clip_fraction_counts_only_clipped_tokens_in_float32():
     assert float(far.clipped) == v.numel()  # returns far below: the clipped value (V_old - c = V + 0.3) is worse everywhere
 
 
+
+
+def test_kl_importance_weight_multiplies_the_kl_term_by_the_ratio():
+    # TRL's use_bias_correction_kl: the per-token KL times pi/pi_behaviour (with gradient through the ratio).
+    logp = torch.log(T([[0.5, 0.4]], dtype=torch.float64)).requires_grad_(True)
+    behaviour = torch.log(T([[0.25, 0.4]], dtype=torch.float64))
+    ref = torch.log(T([[0.25, 0.2]], dtype=torch.float64))
+    mask, zero = torch.ones_like(behaviour), torch.zeros_like(behaviour)
+    inp = PolicyLossInput(logprobs=logp, behaviour_logprobs=behaviour, advantages=zero, action_mask=mask, ref_logprobs=ref)
+    plain = PPOClipLoss(kl_coef=0.1)(inp).per_token_loss
+    weighted = PPOClipLoss(kl_coef=0.1, kl_importance_weight=True)(inp).per_token_loss
+    ratio = T([[2.0, 1.0]], dtype=torch.float64)
+    assert close(weighted, plain * ratio)
+    # On-policy (ratio 1) the values agree, the gradients do not: d(ratio)/dlogp = 1 adds k3 itself.
+    (g_plain,) = torch.autograd.grad(plain[0, 1], logp)
+    (g_weighted,) = torch.autograd.grad(weighted[0, 1], logp)
+    k3 = 0.5 - 1 + math.log(2)  # q/p = 0.5
+    assert close(g_weighted[0, 1] - g_plain[0, 1], 0.1 * k3)
