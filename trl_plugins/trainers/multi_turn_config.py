@@ -8,7 +8,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from trl_plugins.trainers.trl_fields import apply_trl_fields, plugin_params
+from trl_plugins.trainers.plugins import plugin_params
+from trl_plugins.trainers.trl_fields import apply_trl_fields
 from trl_plugins.types import AggregationMode, KLEstimator
 
 __all__ = ["MultiTurnGRPOConfig"]

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from trl_plugins.registry import ADVANTAGES, PACKERS, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS, Registry
 from trl_plugins.types import AggregationMode
 
-__all__ = ["RunPlugins", "build_plugins", "check_plugin_config", "check_named_plugins", "check_capabilities", "context_limit"]
+__all__ = ["RunPlugins", "build_plugins", "plugin_params", "check_plugin_config", "check_named_plugins", "check_capabilities", "context_limit"]
 
 
 @dataclass
@@ -52,16 +52,24 @@ def _construct(registry: Registry[Any], name: str, kwargs: Mapping[str, Any], wh
         raise ValueError(f"{what} {name!r} rejected its settings {dict(kwargs)}: {exc}. Fix {what}_kwargs.") from exc
 
 
-def _check_kwargs(registry: Registry[Any], name: str, kwargs: Mapping[str, Any], setting: str) -> None:
-    """Resolve ``name`` (unknown names raise with "did you mean") and check ``kwargs`` against its signature."""
-    target = registry.get(name)
+def plugin_params(target: Any) -> Mapping[str, inspect.Parameter] | None:
+    """Keyword parameters of a plugin, or None when it takes ``**kwargs`` or has no signature (a builtin
+    or C callable): then nothing can be checked statically."""
     try:
         params = inspect.signature(target).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: nothing to check statically
-        return
+    except (TypeError, ValueError):
+        return None
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return None
+    return {n: p for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _check_kwargs(registry: Registry[Any], name: str, kwargs: Mapping[str, Any], setting: str) -> None:
+    """Resolve ``name`` (unknown names raise with "did you mean") and check ``kwargs`` against its signature."""
+    params = plugin_params(registry.get(name))
+    if params is None:
         return
-    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    accepted = list(params)
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise ValueError(

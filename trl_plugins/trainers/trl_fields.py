@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
+from trl_plugins.trainers.plugins import plugin_params
 from trl_plugins.types import AggregationMode
 
 __all__ = ["FieldKind", "FieldRule", "TRL_FIELDS", "apply_trl_fields", "render_table", "is_set"]
@@ -111,17 +111,6 @@ def _set_kwarg(config: Any, trl_name: str, plugin_field: str, kwarg: str, value:
             f"sets {kwarg}={kwargs[kwarg]!r}; set only one of them."
         )
     kwargs[kwarg] = value
-
-
-def plugin_params(target: Any) -> Mapping[str, inspect.Parameter] | None:
-    """Keyword parameters of a plugin, or None when it takes ``**kwargs`` or has no signature."""
-    try:
-        params = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return None
-    return {n: p for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 # -- mappings (each idempotent: a second run finds its own result and changes nothing) ----------------
