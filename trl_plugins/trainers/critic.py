@@ -26,7 +26,13 @@ import torch
 
 from trl_plugins.algos import aggregate, clipped_value_loss
 from trl_plugins.datum import collate, dummy_micro_batch
-from trl_plugins.trainers.step import UpdateSettings, is_deepspeed, micro_batches_with_dummies, reduce_over_ranks
+from trl_plugins.trainers.step import (
+    UpdateSettings,
+    forward_packed,
+    is_deepspeed,
+    micro_batches_with_dummies,
+    reduce_over_ranks,
+)
 from trl_plugins.types import Datum
 
 __all__ = ["build_critic", "prepare_critic", "critic_values", "rollout_values", "value_update", "ValueUpdateResult",
@@ -110,32 +116,27 @@ def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
 
 
-@torch.no_grad()
 def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings,
                    *, pad_token_id: int) -> list[float]:
     """Fill ``datum.old_values`` and return, per datum, the value of the state after its last token.
 
-    One forward per packed micro-batch over ``input_ids + [last target]``: positions ``0..T-1`` are the
-    datum's, position ``T`` is the state a truncated trajectory bootstraps from. Every rank must call
-    it (the same number of forwards on every rank, dummies where a rank has fewer).
+    One forward per packed micro-batch over ``input_ids + [last target]`` (:func:`forward_packed`):
+    positions ``0..T-1`` are the datum's, position ``T`` is the state a truncated trajectory
+    bootstraps from. Every rank must call it.
     """
     extended = [Datum(input_ids=d.input_ids + d.target_ids[-1:], target_ids=d.target_ids + [pad_token_id],
                       behaviour_logprobs=d.behaviour_logprobs + [0.0], advantages=d.advantages + [0.0],
                       action_mask=d.action_mask + [0], sources=list(d.sources) + [d.sources[-1]]) for d in datums]
     after = [0.0] * len(datums)
-    was_training = critic.training
-    critic.eval()
-    device = accelerator.device
-    try:
-        for idx in micro_batches_with_dummies(accelerator, extended, config):
-            mb = collate(extended, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
-            values = critic_values(critic, mb.input_ids.to(device), mb.attention_mask.to(device)).cpu()
-            for row, i in enumerate(idx):
-                n = datums[i].num_tokens
-                datums[i].old_values = [float(v) for v in values[row, :n]]
-                after[i] = float(values[row, n])
-    finally:
-        critic.train(was_training)
+
+    def forward(m: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, _targets: torch.Tensor) -> torch.Tensor:
+        return critic_values(m, ids, mask)
+
+    for idx, values in forward_packed(accelerator, critic, extended, config, forward, pad_token_id=pad_token_id):
+        for row, i in enumerate(idx):
+            n = datums[i].num_tokens
+            datums[i].old_values = [float(v) for v in values[row, :n]]
+            after[i] = float(values[row, n])
     return after
 
 

@@ -234,8 +234,6 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
     def _reference_logprobs(self, datums: list) -> None:
         """Reference log-probs on ``datums``: TRL's frozen reference model (prepared like the policy, so
         sharded under ZeRO-3), or with PEFT the policy itself with its adapter disabled (no second copy)."""
-        from contextlib import nullcontext
-
         from accelerate.utils import is_peft_model
         from trl.trainer.utils import use_adapter
 
@@ -248,7 +246,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             name = "ref" if "ref" in unwrapped.peft_config else None
             model, context = self.model_wrapped, (lambda: use_adapter(unwrapped, adapter_name=name))
         reference_logprobs(self.accelerator, model, datums, self.args,
-                           pad_token_id=self.processing_class.pad_token_id, context=context or nullcontext)
+                           pad_token_id=self.processing_class.pad_token_id, context=context)
 
     def training_step(self, model: torch.nn.Module, inputs: list[dict], num_items_in_batch: Any = None) -> torch.Tensor:
         """Roll out, score and update once (the HF Trainer loop clips and steps the optimizer after)."""

@@ -32,7 +32,7 @@ from trl_plugins.modeling import token_logprobs, token_logprobs_and_entropy
 from trl_plugins.packing import pack_for_ranks
 from trl_plugins.types import Datum, KLEstimator, PolicyLossInput, PolicyLossOutput, PolicyLossStats
 
-__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "reference_logprobs", "datums_to_forward"]
+__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "forward_packed", "reference_logprobs", "datums_to_forward"]
 
 
 class UpdateSettings(Protocol):
@@ -147,6 +147,44 @@ def micro_batches_with_dummies(accelerator: Any, datums: Sequence[Datum], config
 
 
 @torch.no_grad()
+def forward_packed(
+    accelerator: Any,
+    model: torch.nn.Module,
+    datums: Sequence[Datum],
+    config: UpdateSettings,
+    forward: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    pad_token_id: int,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """One no-gradient, eval-mode pass of ``model`` over ``datums``; every rank must call it.
+
+    Packed like the update (the configured packer and limits), with the same number of forwards on
+    every rank (empty dummies where a rank has fewer: under ZeRO-3 each forward is a collective).
+
+    Args:
+        forward: ``forward(model, input_ids, attention_mask, target_ids) -> (B, T)`` on the device.
+        context: A factory of the context the pass runs in (e.g. PEFT adapters off).
+
+    Returns:
+        ``(datum indices, (B, T) float output on the CPU)`` per real micro-batch, rows in index order.
+    """
+    device = accelerator.device
+    out = []
+    was_training = model.training
+    model.eval()
+    try:
+        with context() if context is not None else contextlib.nullcontext():
+            for idx in micro_batches_with_dummies(accelerator, datums, config):
+                mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
+                result = forward(model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.target_ids.to(device))
+                if idx:
+                    out.append((list(idx), result.float().cpu()))
+    finally:
+        model.train(was_training)
+    return out
+
+
 def reference_logprobs(
     accelerator: Any,
     model: torch.nn.Module,
@@ -156,31 +194,23 @@ def reference_logprobs(
     pad_token_id: int,
     context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> None:
-    """Fill ``datum.ref_logprobs`` with the reference model's log-probs; every rank must call it.
-
-    Packed like the update (the configured packer and limits), at the sampling temperature, with the
-    same number of forwards on every rank (empty dummies where a rank has fewer: under ZeRO-3 each
-    forward is a collective). Called once per rollout batch, so reused rollouts keep them.
+    """Fill ``datum.ref_logprobs`` with the reference model's log-probs at the sampling temperature;
+    every rank must call it (:func:`forward_packed`). Called once per rollout batch, so reused
+    rollouts keep them.
 
     Args:
         model: The prepared reference model, or the policy when ``context`` disables its adapter (PEFT).
         context: A factory of the context in which ``model`` is the reference (e.g. adapters off).
     """
     temperature = config.temperature or 1.0
-    was_training = model.training
-    model.eval()
-    try:
-        with context() if context is not None else contextlib.nullcontext():
-            for idx in micro_batches_with_dummies(accelerator, datums, config):
-                mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
-                device = accelerator.device
-                lp = token_logprobs(model, mb.input_ids.to(device), mb.attention_mask.to(device),
-                                    mb.target_ids.to(device), temperature=temperature).float().cpu()
-                for row, i in enumerate(idx):
-                    n = datums[i].num_tokens
-                    datums[i].ref_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)]
-    finally:
-        model.train(was_training)
+
+    def forward(m: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(m, ids, mask, targets, temperature=temperature)
+
+    for idx, lp in forward_packed(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context):
+        for row, i in enumerate(idx):
+            n = datums[i].num_tokens
+            datums[i].ref_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)]
 
 
 def policy_update(
