@@ -38,7 +38,6 @@ REFUSED_VALUES = {
     "generation_batch_size": 8,
     "steps_per_generation": 2,
     "generation_kwargs": {"no_repeat_ngram_size": 3},
-    "chat_template_kwargs": {"enable_thinking": False},
     "cache_implementation": "static",
     "ds3_gather_for_generation": False,
     "pad_to_multiple_of": 64,
@@ -229,3 +228,22 @@ def test_docs_carry_the_rendered_table():
     start = text.index("## Every TRL field: honoured, mapped or refused")
     section = text[start:]
     assert render_table() in section, "docs/training.md is stale: paste trl_fields.render_table() into its last section"
+
+
+def test_chat_template_kwargs_and_stop_tokens_reach_the_runs_chat_format(tmp_path):
+    from trl_plugins.rollout import ChatTemplateError
+    from trl_plugins.testing import build_tokenizer
+    from trl_plugins.trainers.batch import chat_format
+    from trl_plugins.trainers.plugins import build_plugins
+
+    config = _config(tmp_path, chat_template_kwargs='{"enable_thinking": false}', stop_tokens=["<|im_end|>", "<|endoftext|>"])
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    tok = build_tokenizer("qwen3_training")
+    chat = chat_format(tok, build_plugins(config), config)
+    assert chat.template_kwargs == {"enable_thinking": False} and not chat.reasoning
+    assert chat.stop_token_ids == sorted(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    prompt = tok.decode(chat.initial_prompt_ids([{"role": "user", "content": "q"}]))
+    assert prompt.endswith("<think>\n\n</think>\n\n")  # thinking off, as asked
+    # Qwen3's own template rewrites history when thinking is off: refused, naming the training variant.
+    with pytest.raises(ChatTemplateError, match="training variant"):
+        chat_format(build_tokenizer("qwen3"), build_plugins(config), config)

@@ -146,8 +146,8 @@ def evaluate_policy(
     """
     import torch
 
-    from trl_plugins.rollout import ChatFormat, derive_seed
-    from trl_plugins.trainers.batch import hf_backend, rollout_rows, score_trajectories
+    from trl_plugins.rollout import derive_seed
+    from trl_plugins.trainers.batch import chat_format, hf_backend, rollout_rows, score_trajectories
     from trl_plugins.trainers.plugins import build_plugins
 
     if samples < 1:
@@ -155,7 +155,7 @@ def evaluate_policy(
     check_success_component(args, success_component)
     plugins = build_plugins(args)
     judge = next(fn for name, _, fn in plugins.reward_components if name == success_component)
-    chat = ChatFormat(tokenizer, [t.schema() for t in plugins.tools.values()])
+    chat = chat_format(tokenizer, plugins, args)
     backend = hf_backend(model, tokenizer, chat, args, temperature=temperature, accelerator=accelerator)
     trajectories: list[Trajectory] = []
     correct: list[bool] = []

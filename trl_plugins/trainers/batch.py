@@ -43,6 +43,17 @@ KL_PENALTY_COMPONENT = "kl_penalty"
 """Name of the reward component that carries ``-sum_t KL_t`` when the reference KL is in the reward."""
 
 
+def chat_format(tokenizer: Any, plugins: Any, args: Any) -> ChatFormat:
+    """The run's :class:`ChatFormat`: its tools' schemas, ``chat_template_kwargs`` and ``stop_tokens``.
+
+    Raises:
+        ChatTemplateError: the chat template cannot be followed token for token (says why and what to use).
+    """
+    return ChatFormat(tokenizer, [t.schema() for t in plugins.tools.values()],
+                      stop_tokens=getattr(args, "stop_tokens", None),
+                      **(getattr(args, "chat_template_kwargs", None) or {}))
+
+
 def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, temperature: float | None = None,
                accelerator: Any = None) -> HFGenerationBackend:
     """The HF ``generate`` backend with the config's sampling settings (``temperature`` overrides the config's)."""

@@ -69,6 +69,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     critic_warmup_steps: int = field(default=0, metadata={"help": "First steps in which only the critic learns (the policy update is skipped)."})
     vf_clip: float = field(default=0.2, metadata={"help": "Clip of the value loss: values move at most this far from their rollout-time values per update."})
     vf_coef: float = field(default=1.0, metadata={"help": "Value-loss coefficient (scales the critic's loss; the critic has its own optimizer)."})
+    stop_tokens: list[str] | None = field(default=None, metadata={"help": "Token strings that end a turn (default: from the chat template: eos, the token ending a call turn such as <|im_end|>, <|observation|> or <|call|>, and the one ending a final answer)."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
     trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
@@ -78,6 +79,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
         super().__post_init__()
         self.rollout_kwargs = _as_dict(self.rollout_kwargs, "rollout_kwargs")
         self.tool_kwargs = _as_dict(self.tool_kwargs, "tool_kwargs")
+        self.chat_template_kwargs = _as_dict(self.chat_template_kwargs, "chat_template_kwargs") or None
         self.reward_component_kwargs = _as_dict(self.reward_component_kwargs, "reward_component_kwargs")
         self.advantage_kwargs = _as_dict(self.advantage_kwargs, "advantage_kwargs")
         self.policy_loss_kwargs = _as_dict(self.policy_loss_kwargs, "policy_loss_kwargs")

@@ -27,12 +27,13 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from trl_plugins.rollout import ChatFormat, derive_seed
+from trl_plugins.rollout import derive_seed
 from trl_plugins.rollout.metrics import rollout_metrics
 from trl_plugins.trainers.batch import (
     KL_PENALTY_COMPONENT,
     add_kl_penalty,
     build_datums_for_update,
+    chat_format,
     compute_advantages,
     compute_token_advantages,
     hf_backend,
@@ -124,7 +125,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
-        self._chat = ChatFormat(self.processing_class, [t.schema() for t in self._plugins.tools.values()])
+        self._chat = chat_format(self.processing_class, self._plugins, args)
         self.add_callback(_OptimizerTimer(self._metrics))
         self._buffered_datums: list | None = None
         self._rollout_step = 0

@@ -278,7 +278,7 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "generation_batch_size": FieldRule(_R, "one step is one rollout batch of per_device_train_batch_size x processes; leave it and steps_per_generation unset.", ok=_generation_batch_ok),
     "steps_per_generation": FieldRule(_R, _ONE_STEP + ".", ok=lambda c: c.steps_per_generation == 1),
     "generation_kwargs": FieldRule(_R, "hf_backend builds its GenerationConfig from temperature, top_p, top_k, min_p and repetition_penalty only."),
-    "chat_template_kwargs": FieldRule(_R, "the trainer's ChatFormat renders with the tokenizer's chat template and no extra kwargs; change tokenizer.chat_template."),
+    "chat_template_kwargs": FieldRule(_H, "passed to every apply_chat_template call of the run's ChatFormat (e.g. enable_thinking); its start-up check runs with them."),
     "cache_implementation": FieldRule(_R, "hf_backend passes no cache implementation to generate."),
     "ds3_gather_for_generation": FieldRule(_R, "False: the rollout always gathers ZeRO-3 weights once (per-turn collectives would hang when ranks take different turn counts)."),
     "pad_to_multiple_of": FieldRule(_R, "an integer: the packer pads each micro-batch to its widest row ('auto' and None are accepted).", ok=lambda c: c.pad_to_multiple_of in (None, "auto")),
