@@ -68,8 +68,8 @@ def test_replay_matches_stored_logprobs_over_multi_turn_trajectories(setup, samp
     first = be.generate(prompts, [10, 14], seed=1)
     trajs = []
     for prompt, s in zip(prompts, first):
-        obs, _ = chat.encode_observation("Traceback: oops\n42")
-        glue, sources = chat.tool_turn_glue(s.token_ids, obs)
+        turn = chat.tool_turn(s.token_ids, "Traceback: oops\n42")
+        glue, sources = turn.ids, turn.sources
         second_prompt = prompt + s.token_ids + glue
         s2 = be.generate([second_prompt], [9], seed=2)[0]
         trajs.append(

@@ -201,7 +201,9 @@ def test_tool_output_injection_is_neutralised(chat):
     im_start = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
     delta_ids = traj.turns[1].prompt_ids[-len(traj.turns[1].prompt_sources):]
     obs = [t for t, s in zip(delta_ids, traj.turns[1].prompt_sources) if s == TokenSource.OBSERVATION]
-    assert im_start not in obs and chat.tokenizer.decode(obs) == tool.text
+    # The template's "\n" after the output merges with its last ">" into one token, labelled OBSERVATION.
+    assert im_start not in obs and chat.tokenizer.decode(obs) in (tool.text, tool.text + "\n")
+    assert not set(obs) & chat._control_ids
 
 
 class FlakyTool(FakeTool):

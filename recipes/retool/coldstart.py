@@ -52,8 +52,7 @@ def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str |
     if use_tool:
         call = {"name": tool_name, "arguments": {"code": f"print({problem['expression']})"}}
         first = _ids(tok, "<tool_call>\n" + json.dumps(call) + "\n</tool_call>") + [eos]
-        observation, _ = chat.encode_observation(f"{problem['answer']}\n")
-        glue, _ = chat.tool_turn_glue(first, observation)
+        glue = chat.tool_turn(first, f"{problem['answer']}\n", tool_name=tool_name, arguments=call["arguments"]).ids
         ids += first + glue
         mask += [1] * len(first) + [0] * len(glue)
     ids += final

@@ -28,7 +28,7 @@ from retool.launch import run_in_child
 __all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
            "model_path_or_default"]
 
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 """Bump when the build changes what it produces for the same settings."""
 _MANIFEST = "manifest.json"
 

@@ -4,7 +4,7 @@ The registered rollout plugin is ``multi_turn`` (:class:`~trl_plugins.rollout.en
 """
 
 from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend, Sample, ScriptedBackend, VLLMBackend
-from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, ParsedTurn, TurnKind, check_prefix_preserving
+from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, ParsedTurn, ToolTurn, TurnKind
 from trl_plugins.rollout.engine import (
     MultiTurnRollout,
     RolloutError,
@@ -26,7 +26,7 @@ __all__ = [
     "ChatTemplateError",
     "ParsedTurn",
     "TurnKind",
-    "check_prefix_preserving",
+    "ToolTurn",
     "MultiTurnRollout",
     "RolloutError",
     "questions_from_rows",

@@ -321,21 +321,21 @@ class MultiTurnRollout:
                             st.traj.error = f"tool {parsed.tool_name!r}: {out.infra_error}"
                             finish(st, StopReason.ENVIRONMENT_ERROR)
                             continue
-                        obs_ids, cut = chat.encode_observation(out.text, self.max_tool_response_tokens)
+                        tool_turn = chat.tool_turn(turn.completion_ids, out.text, tool_name=parsed.tool_name,
+                                                   arguments=parsed.arguments, max_tokens=self.max_tool_response_tokens)
                         turn.tool_call = ToolCall(
                             name=parsed.tool_name,
                             arguments=parsed.arguments,
                             output=out.text,
                             ok=out.ok,
                             timed_out=out.timed_out,
-                            output_truncated=cut,
+                            output_truncated=tool_turn.truncated,
                             latency_s=out.latency_s,
                         )
                         turn.tool_s = out.latency_s
                         st.tool_calls += 1
-                        delta, delta_sources = chat.tool_turn_glue(turn.completion_ids, obs_ids)
-                        st.prompt = st.prompt + turn.completion_ids + delta
-                        st.sources = delta_sources
+                        st.prompt = st.prompt + turn.completion_ids + tool_turn.ids
+                        st.sources = tool_turn.sources
                         if len(st.traj.turns) >= self.max_turns:
                             finish(st, StopReason.MAX_TURNS)
                         else:
