@@ -130,17 +130,25 @@ def _training_originals() -> dict[str, str]:
     return out
 
 
-def _training_alternative(tokenizer: Any) -> str:
-    """A sentence naming TRL's training variant of this template, when there is one."""
+def _training_alternative(tokenizer: Any, tools: Sequence[dict], template_kwargs: dict) -> str:
+    """A sentence naming TRL's training variant of this template, when there is one that passes."""
     try:
         from trl.chat_template_utils import get_training_chat_template
 
         patched = get_training_chat_template(tokenizer)
     except Exception:  # noqa: BLE001 - no variant known; the generic options follow
         return ""
-    if not patched:
+    if not patched or patched == tokenizer.chat_template:
         return ""
-    return ("TRL ships a training variant of this template: `tokenizer.chat_template = "
+    original = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = patched
+        ChatFormat(tokenizer, tools, **template_kwargs)
+    except ChatTemplateError:
+        return ""
+    finally:
+        tokenizer.chat_template = original
+    return ("TRL's training variant of this template passes this check: `tokenizer.chat_template = "
             "trl.chat_template_utils.get_training_chat_template(tokenizer)`. ")
 
 
@@ -438,7 +446,7 @@ class ChatFormat:
                     f"renders the earlier conversation differently (at token {k}: {show(prompt, k)} became "
                     f"{show(expected, k)}; e.g. it strips earlier reasoning or rewrites earlier tool calls), so "
                     f"training sequences would differ from what the template shows the model. "
-                    + _training_alternative(tok) + _OPTIONS
+                    + _training_alternative(tok, self.tools, self.template_kwargs) + _OPTIONS
                 )
             end = next((j for j in range(len(prompt), len(expected)) if expected[j] in self.stop_token_ids), None)
             if end is None:

@@ -8,7 +8,8 @@ replayed for each of :data:`REALISTIC_OUTPUTS` (:meth:`ChatFormat.verify`). A te
 every replay equals the template's own tokens; *refused* when ``ChatFormat`` raises at construction
 (the reason is the start of its message); anything else is a *mismatch*: a bug, which the test fails on.
 
-``python -m trl_plugins.rollout.template_matrix`` prints the table that ``docs/rollout.md`` carries.
+``python -m trl_plugins.rollout.template_matrix`` prints the table that ``docs/rollout.md`` carries
+(``--write docs/rollout.md`` updates it there).
 """
 
 from __future__ import annotations
@@ -120,5 +121,25 @@ def render_matrix(rows: list[TemplateVerdict]) -> str:
     return "\n".join(lines)
 
 
+def write_docs(path: str | Path) -> None:
+    """Replace the matrix in ``path`` (from its header row to its summary line) with the current one."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    table = render_matrix(template_matrix())
+    start = text.index(table.splitlines()[0])
+    end = text.index(" mismatched.", start) + len(" mismatched.")
+    path.write_text(text[:start] + table + text[end:], encoding="utf-8")
+
+
 if __name__ == "__main__":
-    print(render_matrix(template_matrix()))
+    import argparse
+    import logging
+
+    logging.disable(logging.WARNING)  # the accepted-with-a-note warnings; the table carries the notes
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", metavar="DOC", help="update the table in this file (docs/rollout.md) instead of printing it")
+    cli = parser.parse_args()
+    if cli.write:
+        write_docs(cli.write)
+    else:
+        print(render_matrix(template_matrix()))
