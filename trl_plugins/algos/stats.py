@@ -27,4 +27,8 @@ def quantiles(values: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:
     q = torch.tensor(list(qs), dtype=values.dtype)
     if values.numel() == 0:
         return torch.zeros_like(q)
+    if values.numel() > 2**24:  # torch.quantile's input limit; numpy's default is the same interpolation
+        import numpy as np
+
+        return torch.tensor(np.quantile(values.detach().cpu().numpy(), list(qs)), dtype=values.dtype)
     return torch.quantile(values, q)

@@ -1,51 +1,198 @@
-"""Per-step rollout metrics, namespaced ``rollout/*`` and ``timing/*`` (floats, ready to log)."""
+"""Per-step rollout metrics, namespaced ``rollout/*``, ``reward/*``, ``train/*`` and ``timing/*``.
+
+Metrics that describe trajectories (means, fractions, quantiles) are computed from
+:class:`TrajectorySummary` records, which are small enough to gather from every rank: on several
+processes the trainer gathers the summaries of all ranks and computes these metrics once over their
+union, so an 8-process run reports the same numbers as a 1-process run of the same trajectories.
+:func:`engine_metrics` are what one rank's rollout engine did (timings, rounds); the trainer reduces
+those over ranks by their meaning (see :func:`reduce_rank_metrics`).
+"""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from trl_plugins.rollout.engine import RolloutResult
-from trl_plugins.types import StopReason
+from trl_plugins.types import StopReason, Trajectory
 
-__all__ = ["rollout_metrics"]
+__all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "engine_metrics", "rollout_metrics",
+           "reduce_rank_metrics", "quantile"]
 
 
-def rollout_metrics(result: RolloutResult) -> dict[str, float]:
-    """Turns, tool calls, valid-call rate, tokens, stop-reason fractions, timings."""
-    trajs = result.trajectories
-    n = max(len(trajs), 1)
-    turns = sum(len(t.turns) for t in trajs)
-    calls = sum(t.num_tool_calls for t in trajs)
-    invalid = sum(t.stop_reason == StopReason.INVALID_ACTION for t in trajs)
-    reasons = Counter(t.stop_reason for t in trajs)
+@dataclass(frozen=True)
+class TrajectorySummary:
+    """What the step's metrics need of one trajectory (no tokens: cheap to gather from every rank)."""
+
+    group: tuple[int, int]
+    """``(rank, group_id)``: group ids are per rank."""
+    turns: int
+    tool_calls: int
+    stop_reason: str
+    terminated: bool
+    truncated: bool
+    world_failure: bool
+    tool_errors: int
+    """Calls whose output was an error of the model's code."""
+    outputs_truncated: int
+    tokens: int
+    action_tokens: int
+    calls_by_tool: tuple[tuple[str, int, int], ...]
+    """``(tool, calls, infrastructure failures)``."""
+    reward: float
+    components: tuple[tuple[str, float], ...]
+    advantage: float
+    masked: bool
+    """Left out of the update (truncated under ``truncated_policy='mask'``, or its group fell apart)."""
+
+
+def summarize(traj: Trajectory, *, rank: int = 0, masked: bool = False) -> TrajectorySummary:
+    """The :class:`TrajectorySummary` of ``traj`` (scored or not; reward 0 before scoring)."""
+    per_tool: dict[str, list[int]] = {}
+    for u in traj.turns:
+        if u.tool_call is not None and u.tool_call.output is not None:
+            counts = per_tool.setdefault(u.tool_call.name, [0, 0])
+            counts[0] += 1
+            counts[1] += u.tool_call.infra_error is not None
+    return TrajectorySummary(
+        group=(rank, traj.group_id),
+        turns=len(traj.turns),
+        tool_calls=traj.num_tool_calls,
+        stop_reason=str(traj.stop_reason.value if traj.stop_reason is not None else "none"),
+        terminated=traj.terminated,
+        truncated=traj.truncated,
+        world_failure=traj.world_failure,
+        tool_errors=sum(1 for u in traj.turns if u.tool_call and u.tool_call.output and not u.tool_call.ok),
+        outputs_truncated=sum(1 for u in traj.turns if u.tool_call and u.tool_call.output_truncated),
+        tokens=traj.num_tokens,
+        action_tokens=traj.num_action_tokens,
+        calls_by_tool=tuple((k, v[0], v[1]) for k, v in sorted(per_tool.items())),
+        reward=float(traj.reward) if traj.reward_components else 0.0,
+        components=tuple((c.name, float(c.value)) for c in traj.reward_components),
+        advantage=float(traj.advantage or 0.0),
+        masked=masked,
+    )
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ``values`` with linear interpolation (numpy's default); nan when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def trajectory_metrics(summaries: Sequence[TrajectorySummary]) -> dict[str, float]:
+    """Turns, tool calls, valid-call rate, tokens (mean and quantiles), stop-reason fractions, rewards,
+    advantages: over every summary given (on several ranks, the union of all ranks')."""
+    n = max(len(summaries), 1)
+    calls = sum(s.tool_calls for s in summaries)
+    invalid = sum(s.stop_reason == StopReason.INVALID_ACTION.value for s in summaries)
+    reasons = Counter(s.stop_reason for s in summaries)
+    tokens = [float(s.tokens) for s in summaries]
     out = {
-        "rollout/trajectories": float(len(trajs)),
-        "rollout/turns_mean": turns / n,
+        "rollout/trajectories": float(len(summaries)),
+        "rollout/turns_mean": sum(s.turns for s in summaries) / n,
         "rollout/tool_calls_mean": calls / n,
         # Of the turns that tried to call a tool, the share that were well formed.
         "rollout/valid_tool_call_rate": calls / max(calls + invalid, 1),
-        "rollout/tool_errors_mean": sum(1 for t in trajs for u in t.turns if u.tool_call and u.tool_call.output and not u.tool_call.ok) / n,
-        "rollout/tool_output_truncated_mean": sum(1 for t in trajs for u in t.turns if u.tool_call and u.tool_call.output_truncated) / n,
-        "rollout/trajectory_tokens_mean": sum(t.num_tokens for t in trajs) / n,
-        "rollout/action_tokens_mean": sum(t.num_action_tokens for t in trajs) / n,
+        "rollout/tool_errors_mean": sum(s.tool_errors for s in summaries) / n,
+        "rollout/tool_output_truncated_mean": sum(s.outputs_truncated for s in summaries) / n,
+        "rollout/trajectory_tokens_mean": sum(tokens) / n,
+        "rollout/trajectory_tokens_p50": quantile(tokens, 0.5) if tokens else 0.0,
+        "rollout/trajectory_tokens_p90": quantile(tokens, 0.9) if tokens else 0.0,
+        "rollout/trajectory_tokens_max": max(tokens, default=0.0),
+        "rollout/action_tokens_mean": sum(s.action_tokens for s in summaries) / n,
+        "rollout/terminated_frac": sum(s.terminated for s in summaries) / n,
+        "rollout/truncated_frac": sum(s.truncated for s in summaries) / n,
+    }
+    for reason in StopReason:
+        out[f"rollout/stop/{reason.value}"] = reasons.get(reason.value, 0) / n
+    # Tool calls that failed for infrastructure reasons, per tool (of that tool's calls).
+    per_tool: dict[str, list[int]] = {}
+    for s in summaries:
+        for name, c, failed in s.calls_by_tool:
+            counts = per_tool.setdefault(name, [0, 0])
+            counts[0] += c
+            counts[1] += failed
+    for name, (c, failed) in per_tool.items():
+        out[f"rollout/environment_error_rate/{name}"] = failed / max(c, 1)
+    return out
+
+
+def reward_metrics(summaries: Sequence[TrajectorySummary], names: Sequence[str]) -> dict[str, float]:
+    """Reward means (total over the trajectories the world did not fail, each component over the
+    trajectories that carry it), masked, zero-advantage and degenerate-group fractions."""
+    n = max(len(summaries), 1)
+    scored = [s for s in summaries if not s.world_failure]
+    out = {
+        "reward/total": sum(s.reward for s in scored) / max(len(scored), 1),
+        "train/world_failure_frac": (len(summaries) - len(scored)) / n if summaries else 0.0,
+        "train/masked_truncated_frac": sum(s.masked for s in summaries) / n,
+        "train/zero_advantage_frac": sum(s.advantage == 0.0 for s in summaries) / n,
+    }
+    for name in names:
+        values = [v for s in summaries for c, v in s.components if c == name]
+        out[f"reward/{name}"] = sum(values) / max(len(values), 1)
+    # Groups that give the update nothing: every member's advantage is 0 (e.g. all right or all wrong).
+    by_group: dict[tuple[int, int], list[float]] = {}
+    for s in summaries:
+        by_group.setdefault(s.group, []).append(s.advantage)
+    out["rollout/degenerate_group_rate"] = sum(all(a == 0.0 for a in v) for v in by_group.values()) / max(len(by_group), 1)
+    return out
+
+
+def engine_metrics(result: RolloutResult) -> dict[str, float]:
+    """What this rank's rollout engine did: timings, generation rounds, most concurrent tool calls."""
+    return {
         "rollout/max_concurrent_tool_calls": float(result.max_concurrent_tool_calls),
         "rollout/rounds": float(result.rounds),
         "timing/rollout_s": result.total_s,
         "timing/generation_s": result.generation_s,
         "timing/tools_s": result.tools_s,
     }
-    for reason in StopReason:
-        out[f"rollout/stop/{reason.value}"] = reasons.get(reason, 0) / n
-    out["rollout/terminated_frac"] = sum(t.terminated for t in trajs) / n
-    out["rollout/truncated_frac"] = sum(t.truncated for t in trajs) / n
-    # Tool calls that failed for infrastructure reasons, per tool (of that tool's calls).
-    per_tool: dict[str, list[int]] = {}
-    for t in trajs:
-        for u in t.turns:
-            if u.tool_call is not None and u.tool_call.output is not None:
-                counts = per_tool.setdefault(u.tool_call.name, [0, 0])
-                counts[0] += 1
-                counts[1] += u.tool_call.infra_error is not None
-    for name, (calls_, failed) in per_tool.items():
-        out[f"rollout/environment_error_rate/{name}"] = failed / max(calls_, 1)
+
+
+def rollout_metrics(result: RolloutResult) -> dict[str, float]:
+    """Trajectory metrics and engine metrics of one rollout (one process)."""
+    return {**trajectory_metrics([summarize(t) for t in result.trajectories]), **engine_metrics(result)}
+
+
+_SUM = ("train/datums",)
+_MAX = ("rollout/rounds", "rollout/max_concurrent_tool_calls")
+_PER_RANK = {"timing/step_s": "step_s", "timing/rollout_s": "rollout_s", "train/datums": "datums"}
+
+
+def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Combine the per-rank metrics of one step by what each means.
+
+    ``timing/*``, rounds and concurrency: the maximum over ranks (the step waits for the slowest);
+    counts such as ``train/datums``: the sum; anything else (values already global, identical on
+    every rank, and plugin metrics such as ``sandbox/*``): the mean over the ranks that reported it.
+    Rank-specific figures are kept as such: ``ranks/<name>/<rank>`` for step time, rollout time and
+    datums, and ``ranks/step_s_imbalance`` (slowest over mean step time).
+    """
+    keys = sorted({k for m in per_rank for k in m})
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [float(m[key]) for m in per_rank if key in m]
+        if key in _SUM:
+            out[key] = sum(values)
+        elif key.startswith("timing/") or key in _MAX:
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    if len(per_rank) > 1:
+        for key, short in _PER_RANK.items():
+            for rank, m in enumerate(per_rank):
+                if key in m:
+                    out[f"ranks/{short}/{rank}"] = float(m[key])
+        steps = [float(m["timing/step_s"]) for m in per_rank if "timing/step_s" in m]
+        if steps and sum(steps) > 0:
+            out["ranks/step_s_imbalance"] = max(steps) / (sum(steps) / len(steps))
     return out

@@ -75,7 +75,7 @@ class UpdateResult:
     packing_s: float = 0.0
     """Wall time spent planning micro-batches on this rank."""
     ratio_quantiles: dict[str, float] | None = None
-    """p10/p50/p90 of the importance ratio over this rank's loss tokens, averaged over ranks (approximate)."""
+    """p10/p50/p90 of the importance ratio over the loss tokens of every rank (gathered: exact)."""
     num_forwarded: int = 0
     """Global datums that went through forward/backward (zero-advantage ones may be skipped)."""
     reference: dict[str, float] | None = None
@@ -95,6 +95,16 @@ def reduce_over_ranks(accelerator: Any, values: Sequence[float], op: str) -> lis
     if accelerator.num_processes > 1:
         t = accelerator.reduce(t, reduction="sum") if op == "sum" else _all_reduce_max(t)
     return t.tolist()
+
+
+def gather_values(accelerator: Any, local: torch.Tensor) -> torch.Tensor:
+    """Every rank's values of a flat tensor, concatenated in rank order, on every rank (CPU, float32)."""
+    local = local.detach().float().cpu().reshape(-1)
+    if accelerator.num_processes == 1:
+        return local
+    from accelerate.utils import gather_object
+
+    return torch.cat(gather_object([local]))
 
 
 def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
@@ -352,11 +362,8 @@ def policy_update(
         accelerator.sync_gradients = True
     (loss_sum,) = reduce_over_ranks(accelerator, [loss_total], "sum")
     qs = (0.1, 0.5, 0.9)
-    local_r = torch.cat(ratios) if ratios else torch.zeros(0)
-    local_q = quantiles(local_r, qs).tolist()
-    have = float(local_r.numel() > 0)
-    q_sums = reduce_over_ranks(accelerator, [q * have for q in local_q] + [have], "sum")
-    ratio_qs = {f"ratio_p{int(q * 100)}": v / q_sums[-1] for q, v in zip(qs, q_sums[:-1])} if q_sums[-1] else None
+    all_r = gather_values(accelerator, torch.cat(ratios) if ratios else torch.zeros(0))
+    ratio_qs = {f"ratio_p{int(q * 100)}": v for q, v in zip(qs, quantiles(all_r, qs).tolist())} if all_r.numel() else None
     dummies_all, padded_all, real_all = reduce_over_ranks(accelerator, [dummies, padded, real], "sum")
     aux_all = dict(zip(aux, reduce_over_ranks(accelerator, list(aux.values()), "sum")))
     (fwd_tokens,) = reduce_over_ranks(accelerator, [float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))], "sum")
