@@ -12,14 +12,21 @@ resources). The second is not the policy's fault: the trajectory ends with
 ``StopReason.ENVIRONMENT_ERROR`` and carries no training signal. A tool that raises is treated as the
 second kind. A tool may declare ``idempotent = True`` (running a call twice is harmless); the rollout
 then retries a call that failed for infrastructure reasons (``tool_retries``).
+
+A tool that holds resources (a sandbox pool, a connection, a server) defines ``close()`` (plain or
+``async``): the trainer closes every tool at the end of training, on an exception and on an interrupt
+(:func:`close_plugin`), and evaluation closes the tools it built. ``close()`` must be idempotent, and a
+closed tool may start its resources again on its next call. Rollout and reward plugins get the same
+lifecycle. :class:`ClosingTool` adds context-manager use (``with MyTool() as tool: ...``).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ToolOutput", "Tool", "check_arguments"]
+__all__ = ["ToolOutput", "Tool", "ClosingTool", "close_plugin", "check_arguments"]
 
 
 @dataclass
@@ -52,6 +59,34 @@ class Tool(Protocol):
     async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
         """Run the tool on the model's parsed arguments."""
         ...
+
+
+def close_plugin(plugin: Any) -> None:
+    """Call ``plugin.close()`` when it has one; a coroutine it returns is run to completion."""
+    close = getattr(plugin, "close", None)
+    if not callable(close):
+        return
+    result = close()
+    if inspect.isawaitable(result):
+        from trl_plugins.rollout.engine import run_async
+
+        async def wait() -> None:
+            await result
+
+        run_async(wait())
+
+
+class ClosingTool:
+    """Mixin: ``close()`` (a no-op to override) and context-manager use, which closes on exit."""
+
+    def close(self) -> None:
+        """Release what the tool holds; idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        close_plugin(self)
 
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}

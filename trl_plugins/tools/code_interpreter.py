@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Any
 
 from trl_plugins.registry import TOOLS
-from trl_plugins.tools.base import ToolOutput
+from trl_plugins.tools.base import ClosingTool, ToolOutput
 from trl_plugins.tools.sandbox import PythonSandbox
 
 __all__ = ["CodeInterpreter"]
@@ -14,7 +14,7 @@ __all__ = ["CodeInterpreter"]
 
 @TOOLS.register("code_interpreter")
 @dataclass
-class CodeInterpreter:
+class CodeInterpreter(ClosingTool):
     """Runs Python in a fresh, isolated interpreter per call (see :class:`PythonSandbox`).
 
     The value of a trailing expression is printed, as in a notebook. The model gets stdout on success,

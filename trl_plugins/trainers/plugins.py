@@ -10,6 +10,7 @@ never compares plugin names: it asks the capabilities each seam's protocol decla
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -17,6 +18,8 @@ from trl_plugins.registry import ADVANTAGES, PACKERS, POLICY_LOSSES, REWARDS, RO
 from trl_plugins.types import AggregationMode
 
 __all__ = ["RunPlugins", "build_plugins", "plugin_params", "check_plugin_config", "check_named_plugins", "check_capabilities", "context_limit"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,11 +40,27 @@ class RunPlugins:
     """Longest datum (model input tokens) a trajectory can make; None when unbounded."""
 
     def close(self) -> None:
-        """Close every tool that holds resources (sandboxes, connections)."""
-        for tool in self.tools.values():
-            close = getattr(tool, "close", None)
-            if close is not None:
-                close()
+        """Close every plugin that holds resources (sandboxes, connections, servers): each tool, the
+        rollout, each reward component, the advantage estimator and the policy loss that has a
+        ``close()`` (a coroutine function is run to completion). Every one is closed even when another
+        fails; the failures are logged and the first is raised after the others were closed."""
+        from trl_plugins.tools.base import close_plugin
+
+        errors = []
+        plugins = [*self.tools.values(), self.rollout, *(c for _, _, c in self.reward_components), self.advantage,
+                   self.policy_loss]
+        seen: set[int] = set()
+        for obj in plugins:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            try:
+                close_plugin(obj)
+            except Exception as exc:  # noqa: BLE001 - close the rest, then report
+                logger.exception("closing plugin %r failed", obj)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def _construct(registry: Registry[Any], name: str, kwargs: Mapping[str, Any], what: str) -> Any:
