@@ -52,6 +52,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from retool.launch import available_cpus, configure_wandb, run_in_child
     from retool.report import format_summary, plot_run, read_metrics
     from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.interrupts import TrainingInterrupted
     from trl_plugins.trainers.plugins import check_named_plugins
 
     start = time.perf_counter()
@@ -111,7 +112,12 @@ def main(script_args: ScriptArguments, training_args) -> int:
         periodic = PeriodicHeldOut(trainer, heldout_rows, every=script_args.eval_every_steps,
                                    samples=script_args.eval_samples, temperature=script_args.eval_temperature)
         trainer.add_callback(periodic)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except TrainingInterrupted as stopped:  # SIGINT / SIGTERM: a complete checkpoint is written, tools closed
+        say(str(stopped))
+        sys.stdout.flush()
+        raise SystemExit(stopped.exit_code) from None
     final_dir = out_dir / "final"
     trainer.save_model(str(final_dir))
     if main_process:

@@ -7,6 +7,7 @@ from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend,
 from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, ParsedTurn, ToolTurn, TurnKind
 from trl_plugins.rollout.engine import (
     MultiTurnRollout,
+    RolloutCancelled,
     RolloutError,
     RolloutQuestion,
     RolloutRequest,
@@ -28,6 +29,7 @@ __all__ = [
     "TurnKind",
     "ToolTurn",
     "MultiTurnRollout",
+    "RolloutCancelled",
     "RolloutError",
     "questions_from_rows",
     "RolloutQuestion",

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
@@ -32,7 +33,7 @@ from trl_plugins.types import (
 )
 from trl_plugins.rollout.validate import validate_trajectory
 
-__all__ = ["RolloutError", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async"]
+__all__ = ["RolloutError", "RolloutCancelled", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async"]
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -40,6 +41,11 @@ R = TypeVar("R")
 
 class RolloutError(ValueError):
     """A rollout cannot start; the message says what to change."""
+
+
+class RolloutCancelled(Exception):
+    """The rollout stopped because ``RolloutRequest.stop`` was set; ``rollout_result`` holds what was done
+    (the unfinished trajectories are ``cancelled``)."""
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -107,6 +113,9 @@ class RolloutRequest:
     """Base seed of this rollout (derive it from base seed, step and rank)."""
     progress: bool = False
     """Show a progress bar of finished trajectories."""
+    stop: threading.Event | None = None
+    """When set (a stop was requested, e.g. on SIGTERM), the rollout cancels its tool calls in flight and
+    raises :class:`RolloutCancelled` before the next generation round."""
 
 
 @dataclass
@@ -262,6 +271,8 @@ class MultiTurnRollout:
         """Generation rounds until every trajectory has stopped (``__call__`` handles interruptions)."""
         with backend.session():
             while True:
+                if request.stop is not None and request.stop.is_set():
+                    raise RolloutCancelled("a stop was requested")
                 still = []
                 for st in live:
                     if len(st.prompt) >= self.max_trajectory_tokens:
@@ -310,7 +321,7 @@ class MultiTurnRollout:
                     result.max_concurrent_tool_calls = max(result.max_concurrent_tool_calls, len(pending))
                     t0 = time.perf_counter()
                     outputs = run_async(self._run_tools(request.tools, [(p.tool_name, p.arguments) for _, _, p in pending],
-                                                         self.tool_retries))
+                                                         self.tool_retries, request.stop))
                     result.tools_s += time.perf_counter() - t0
                     for (st, turn, parsed), out in zip(pending, outputs):
                         if out.infra_error is not None:
@@ -343,5 +354,15 @@ class MultiTurnRollout:
                 live = next_live
 
     @staticmethod
-    async def _run_tools(tools: Mapping[str, Tool], calls: Sequence[tuple[str, dict]], retries: int = 0) -> list[ToolOutput]:
-        return list(await asyncio.gather(*(_call_tool(tools[name], args, retries=retries) for name, args in calls)))
+    async def _run_tools(tools: Mapping[str, Tool], calls: Sequence[tuple[str, dict]], retries: int = 0,
+                         stop: threading.Event | None = None) -> list[ToolOutput]:
+        tasks = [asyncio.ensure_future(_call_tool(tools[name], args, retries=retries)) for name, args in calls]
+        pending: set = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=None if stop is None else 0.05)
+            if pending and stop is not None and stop.is_set():
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                raise RolloutCancelled(f"a stop was requested with {len(pending)} tool call(s) in flight")
+        return [task.result() for task in tasks]

@@ -1,8 +1,10 @@
 """Trainer glue: the exact multi-rank update step and the subclassed TRL trainer that runs the plugins."""
 
+from trl_plugins.trainers.interrupts import TrainingInterrupted
 from trl_plugins.trainers.step import UpdateResult, UpdateSettings, policy_update
 
-__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "MultiTurnGRPOConfig", "MultiTurnGRPOTrainer"]
+__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "MultiTurnGRPOConfig", "MultiTurnGRPOTrainer",
+           "TrainingInterrupted"]
 
 
 def __getattr__(name: str):

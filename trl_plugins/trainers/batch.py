@@ -107,8 +107,11 @@ def rollout_rows(
     policy_step: int = 0,
     id_offset: int = 0,
     progress: bool = False,
+    stop: Any = None,
 ) -> RolloutResult:
     """Roll out every row ``group_size`` times with the run's rollout plugin and tools, and check the result.
+
+    ``stop`` (a ``threading.Event``) lets a stop request cancel the rollout (:class:`RolloutCancelled`).
 
     A row's ``prompt`` is a string or chat messages; ``args.system_prompt`` goes first. Trajectory
     ``group_id`` is the row's place in ``rows``.
@@ -118,7 +121,7 @@ def rollout_rows(
     """
     questions = questions_from_rows(chat, rows, args.system_prompt, id_offset=id_offset)
     request = RolloutRequest(questions, group_size, backend, chat, plugins.tools, policy_step=policy_step, seed=seed,
-                             progress=progress)
+                             progress=progress, stop=stop)
     result = plugins.rollout(request)
     _check_result(args.rollout, result, questions, group_size, chat.digest)
     return result

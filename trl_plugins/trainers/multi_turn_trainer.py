@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Any, Mapping
 
@@ -27,8 +28,8 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from trl_plugins.rollout import derive_seed
-from trl_plugins.rollout.metrics import rollout_metrics
+from trl_plugins.rollout import RolloutCancelled, derive_seed
+from trl_plugins.rollout.metrics import engine_metrics, reduce_rank_metrics, reward_metrics, summarize, trajectory_metrics
 from trl_plugins.trainers.batch import (
     KL_PENALTY_COMPONENT,
     add_kl_penalty,
@@ -45,6 +46,7 @@ from trl_plugins.trainers.batch import (
 )
 from trl_plugins.trainers.critic import build_critic, load_critic, prepare_critic, rollout_values, save_critic, value_update
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
+from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, die_with_launcher
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
 from trl_plugins.trainers.step import datums_to_forward, policy_update, reference_logprobs
@@ -61,6 +63,29 @@ class _ScoredByPlugins:
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[float]:
         raise RuntimeError("MultiTurnGRPOTrainer scores trajectories with its reward components; this is never called.")
+
+
+class _StopAgreed(Exception):
+    """Every rank agreed to stop mid-step (raised inside the HF loop, turned into TrainingInterrupted)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopAtStepEnd(TrainerCallback):
+    """At every step's end the ranks agree whether a stop was requested; if so the step is saved and the
+    loop ends (``MultiTurnGRPOTrainer.train`` then raises :class:`TrainingInterrupted`)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        signum = self.trainer._stop_agreed()
+        if signum:
+            self.trainer._stop_signum = signum
+            control.should_save = True
+            control.should_training_stop = True
 
 
 class _OptimizerTimer(TrainerCallback):
@@ -127,6 +152,10 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         )
         self._chat = chat_format(self.processing_class, self._plugins, args)
         self.add_callback(_OptimizerTimer(self._metrics))
+        self.add_callback(_StopAtStepEnd(self))
+        self._stop: StopSignals | None = None
+        self._stop_signum = 0
+        self._step_summaries: list | None = None
         self._buffered_datums: list | None = None
         self._rollout_step = 0
         self._last_trajectories: list[Trajectory] = []
@@ -146,12 +175,19 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
     def _rollout_and_score(self, rows: list[dict]) -> tuple[list, dict[str, float]]:
         args, plugins = self.args, self._plugins
         backend = hf_backend(self.model_wrapped, self.processing_class, self._chat, args, accelerator=self.accelerator)
-        result = rollout_rows(
-            plugins, args, self._chat, backend, rows, group_size=self.num_generations,
-            seed=derive_seed(args.seed, self.state.global_step, self.accelerator.process_index),
-            policy_step=self.state.global_step,
-            progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
-        )
+        try:
+            result = rollout_rows(
+                plugins, args, self._chat, backend, rows, group_size=self.num_generations,
+                seed=derive_seed(args.seed, self.state.global_step, self.accelerator.process_index),
+                policy_step=self.state.global_step,
+                progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
+                stop=self._stop.event if self._stop is not None else None,
+            )
+        except RolloutCancelled:
+            result = None
+        # Every rank agrees here, before the step's first collective, whether a stop was requested.
+        self._raise_if_stop_agreed()
+        assert result is not None  # a cancelled rollout means this rank asked for the stop
         trajs: list[Trajectory] = result.trajectories
         t0 = time.perf_counter()
         failures = score_trajectories(plugins, trajs, rows, time_limit_s=args.reward_time_limit_s)
@@ -181,31 +217,23 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 add_kl_penalty(trajs, datums, beta=0.0, estimator=args.kl_estimator)
             compute_token_advantages(plugins, trajs, datums, after, token_rewards=token_rewards,
                                      all_reduce=self._all_reduce_sum if self.accelerator.num_processes > 1 else None)
-        metrics.update({**rollout_metrics(result), **failure_metrics, "timing/scoring_s": time.perf_counter() - t0})
-        n = max(len(trajs), 1)
-        scored = [t for t in trajs if not t.world_failure]
-        metrics["reward/total"] = sum(t.reward for t in scored) / max(len(scored), 1)
-        metrics["train/world_failure_frac"] = (n - len(scored)) / n if trajs else 0.0
-        names = [name for name, _, _ in plugins.reward_components]
-        if args.beta > 0 and args.kl_penalty == "reward":
-            names.append(KL_PENALTY_COMPONENT)
-        for name in names:
-            scored = [t.reward_component(name).value for t in trajs if any(c.name == name for c in t.reward_components)]
-            metrics[f"reward/{name}"] = sum(scored) / max(len(scored), 1)
+        metrics.update({**engine_metrics(result), **failure_metrics, "timing/scoring_s": time.perf_counter() - t0})
         self._last_trajectories = trajs
         metrics["train/datums"] = float(len(datums))
-        metrics["train/masked_truncated_frac"] = sum(masked) / n
-        metrics["train/zero_advantage_frac"] = sum(t.advantage == 0.0 for t in trajs) / n
-        # Groups that give the update nothing: every member's advantage is 0 (e.g. all right or all wrong).
-        by_group: dict[int, list[float]] = {}
-        for traj in trajs:
-            by_group.setdefault(traj.group_id, []).append(traj.advantage)
-        metrics["rollout/degenerate_group_rate"] = sum(all(a == 0.0 for a in v) for v in by_group.values()) / max(len(by_group), 1)
+        # Trajectory metrics are computed over every rank's trajectories at once (training_step).
+        rank = self.accelerator.process_index
+        self._step_summaries = [summarize(t, rank=rank, masked=m) for t, m in zip(trajs, masked)]
         for tool in plugins.tools.values():
             step_metrics = getattr(tool, "step_metrics", None)
             if step_metrics is not None:
                 metrics.update(step_metrics())
         return datums, metrics
+
+    def _reward_names(self) -> list[str]:
+        names = [name for name, _, _ in self._plugins.reward_components]
+        if self.args.beta > 0 and self.args.kl_penalty == "reward":
+            names.append(KL_PENALTY_COMPONENT)
+        return names
 
     def _check_verifier_failures(self, failures: Mapping[str, int], num_trajectories: int, *,
                                  example: str | None = None) -> dict[str, float]:
@@ -257,11 +285,13 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         # GRPOTrainer.log files metrics under "eval" while it is.
         model.train()
         rows = list(inputs)[:: self.num_generations]  # TRL's sampler repeats each question G times
+        self._step_summaries = None
         if self._step % self.num_iterations == 0 or self._buffered_datums is None:
             datums, metrics = self._rollout_and_score(rows)
             self._buffered_datums = datums
             self._rollout_step = self.state.global_step
         else:
+            self._raise_if_stop_agreed()
             datums, metrics = self._buffered_datums, {"train/reused_rollout": 1.0}
         # How stale the data is: optimizer steps between the sampling weights and these.
         lags = [self.state.global_step - self._rollout_step] if datums else []
@@ -313,7 +343,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 "timing/critic_update_s": time.perf_counter() - t0,
             })
         metrics["timing/step_s"] = time.perf_counter() - start
-        for key, value in self._mean_over_ranks(metrics).items():
+        for key, value in self._reduce_over_ranks(metrics, self._step_summaries).items():
             self._metrics["train"][key].append(value)
         return loss
 
@@ -323,17 +353,23 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         for key, value in metrics.items():
             self._metrics["train"][key].append(float(value))
 
-    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        # One gather per step on every rank (key sets may differ: a rank whose sandbox never started
-        # has no sandbox/* keys), then the mean over the ranks that reported each key. train/* values
-        # from policy_update are already global and identical on every rank.
+    def _reduce_over_ranks(self, metrics: dict[str, float], summaries: list | None) -> dict[str, float]:
+        """One gather per step: every rank's metrics and trajectory summaries. Trajectory metrics are
+        computed over the union of all ranks' trajectories; the rest is reduced by its meaning
+        (:func:`~trl_plugins.rollout.metrics.reduce_rank_metrics`). Every rank gets the same numbers."""
         if self.accelerator.num_processes == 1:
-            return {k: float(v) for k, v in metrics.items()}
-        from accelerate.utils import gather_object
+            per_rank, union = [metrics], summaries
+        else:
+            from accelerate.utils import gather_object
 
-        per_rank = gather_object([metrics])
-        keys = sorted({k for m in per_rank for k in m})
-        return {k: sum(float(m[k]) for m in per_rank if k in m) / sum(k in m for m in per_rank) for k in keys}
+            gathered = gather_object([(metrics, summaries)])
+            per_rank = [m for m, _ in gathered]
+            union = None if summaries is None else [s for _, ss in gathered for s in (ss or [])]
+        out = reduce_rank_metrics(per_rank)
+        if union is not None:
+            out.update(trajectory_metrics(union))
+            out.update(reward_metrics(union, self._reward_names()))
+        return out
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -378,11 +414,54 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 )
         if resume_from_checkpoint and self._critic is not None:
             load_critic(self.accelerator, self._critic, self._critic_optimizer, str(resume_from_checkpoint))
+        die_with_launcher()
+        self._stop = StopSignals(on_hard_stop=self._plugins.close)
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            with self._stop:
+                output = super().train(resume_from_checkpoint, *args, **kwargs)
+            if self._stop_signum:  # stopped after a finished step (agreed in _StopAtStepEnd)
+                raise self._interrupted(self._stop_signum)
+            return output
+        except _StopAgreed as stop:  # stopped mid-step, before the update changed anything
+            raise self._interrupted(stop.signum) from None
+        except TrainingInterrupted:
+            raise
         except Exception:
             self._emergency_checkpoint()
             raise
+        finally:
+            self._stop = None
+            self._plugins.close()
+
+    def _stop_agreed(self) -> int:
+        """The signal of a stop any rank was asked for (0: none). A collective: every rank calls it at the
+        same point of the step."""
+        local = float(self._stop.signum or 0) if self._stop is not None and self._stop.requested else 0.0
+        if self.accelerator.num_processes > 1:
+            t = torch.tensor([local], dtype=torch.float64, device=self.accelerator.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            local = float(t.item())
+        return int(local)
+
+    def _raise_if_stop_agreed(self) -> None:
+        signum = self._stop_agreed()
+        if signum:
+            raise _StopAgreed(signum)
+
+    def _interrupted(self, signum: int) -> TrainingInterrupted:
+        """Write a complete checkpoint of the last finished step (every rank takes part), log where to resume."""
+        step = self.state.global_step
+        checkpoint = None
+        if step > 0:
+            checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{step}")
+            if not os.path.isfile(os.path.join(checkpoint, COMPLETE_MARKER)):
+                if self.accelerator.is_main_process and os.path.isdir(checkpoint):
+                    shutil.rmtree(checkpoint)  # a save cut short earlier: never resumed from, replaced whole
+                self.accelerator.wait_for_everyone()
+                self._save_checkpoint(self.model_wrapped, trial=None)
+        error = TrainingInterrupted(signum, step, checkpoint)
+        logger.error("%s", error)
+        return error
 
     def _emergency_checkpoint(self) -> None:
         step = self.state.global_step
