@@ -10,16 +10,18 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from test_trainer import TokenReward  # noqa: E402
 
 from trl_plugins.testing import build_tiny_model, build_tokenizer  # noqa: E402
-from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer  # noqa: E402
+from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer, TrainingInterrupted  # noqa: E402
 
 
 class SlotReward(TokenReward):
@@ -30,6 +32,35 @@ class SlotReward(TokenReward):
         if "Explain" not in example["prompt"]:
             return 1.0
         return super().__call__(trajectory, example)
+
+
+def mark(folder: str, name: str) -> None:
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / name).touch()
+
+
+class Probe(TrainerCallback):
+    """Markers before each update, an optional slow update, and per-rank trajectory dumps."""
+
+    def __init__(self, trainer, args, rank: int) -> None:
+        self.trainer, self.args, self.rank = trainer, args, rank
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.args.markers:
+            mark(self.args.markers, f"update-step{state.global_step + 1}-rank{self.rank}")
+        if self.args.slow_update:
+            time.sleep(self.args.slow_update)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.args.dump:
+            return
+        trajs = self.trainer._last_trajectories
+        record = {"step": state.global_step, "trajectories": [
+            {"stop": t.stop_reason.value, "reward": t.reward, "tokens": t.num_tokens, "world_failure": t.world_failure,
+             "components": {c.name: c.value for c in t.reward_components}} for t in trajs]}
+        Path(self.args.dump).mkdir(parents=True, exist_ok=True)
+        with open(Path(self.args.dump) / f"rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def main() -> None:
@@ -49,6 +80,12 @@ def main() -> None:
     ap.add_argument("--flaky", action="store_true", help="a scripted tool-calling policy, a flaky tool and a verifier "
                     "that raises on some answers and hangs on others (infrastructure failures)")
     ap.add_argument("--gae", action="store_true", help="actor-critic: advantage gae, the critic built from the saved policy")
+    ap.add_argument("--slow_tool", action="store_true", help="a scripted policy whose calls sleep 1 s in the real sandbox")
+    ap.add_argument("--markers", default=None, help="write <markers>/<what>-step<N>-rank<R> as the run reaches rollouts "
+                    "and updates (a test times its signals by them)")
+    ap.add_argument("--slow_update", type=float, default=0.0, help="sleep this long before each optimizer step")
+    ap.add_argument("--dump", default=None, help="each rank writes <dump>/rank<R>.jsonl: per step, its trajectories' "
+                    "stop reasons, rewards, token counts and world failures")
     args = ap.parse_args()
     from datasets import Dataset
 
@@ -68,7 +105,9 @@ def main() -> None:
         **({"advantage": "gae", "critic_learning_rate": 1e-2, "critic_optim": "sgd"} if args.gae else {}),
         **({"rollout": "test_trainer:ScriptedToolRollout", "reward_time_limit_s": 0.5, "max_verifier_error_rate": 0.9}
            if args.flaky else {}),
-        **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}), learning_rate=5e-3, seed=0, disable_tqdm=True,
+        **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}),
+        **({"rollout": "test_trainer:SlowToolRollout"} if args.slow_tool else {}),
+        learning_rate=5e-3, seed=0, disable_tqdm=True,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
         bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
@@ -81,7 +120,23 @@ def main() -> None:
         reward, extra = PickyVerifier(), {"tools": {"code_interpreter": FlakyCodeTool()}}
     trainer = MultiTurnGRPOTrainer(model, config, train_dataset=Dataset.from_list(rows), processing_class=tok,
                                    reward_components={"token": reward}, **extra)
-    trainer.train(resume_from_checkpoint=args.resume)
+    rank = trainer.accelerator.process_index
+    if args.markers or args.slow_update or args.dump:
+        trainer.add_callback(Probe(trainer, args, rank))
+    if args.markers:
+        inner = trainer._rollout_and_score
+
+        def marked(rows):
+            mark(args.markers, f"rollout-step{trainer.state.global_step + 1}-rank{rank}")
+            return inner(rows)
+
+        trainer._rollout_and_score = marked
+    try:
+        trainer.train(resume_from_checkpoint=args.resume)
+    except TrainingInterrupted as stopped:
+        print(f"INTERRUPTED rank={rank} step={stopped.step} checkpoint={stopped.checkpoint}", flush=True)
+        sys.stdout.flush()
+        os._exit(stopped.exit_code)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if args.gae:
         from trl_plugins.trainers.critic import critic_state_dict

@@ -624,6 +624,8 @@ class ScriptedToolRollout:
     still updates the tiny model on those tokens."""
 
     token_budget = 600
+    code = "print(1)"
+    """The code of every call."""
 
     def __init__(self, **kwargs):
         from trl_plugins.rollout import MultiTurnRollout
@@ -640,13 +642,25 @@ class ScriptedToolRollout:
         def script(prompt):
             text = tok.decode(prompt)
             if "<tool_response>" not in text:
-                body = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
+                call = {"name": "code_interpreter", "arguments": {"code": self.code}}
+                body = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
             else:
                 body = f"\\boxed{{{next(counter) % 3}}}"
             return tok(body, add_special_tokens=False)["input_ids"] + [end]
 
         request.backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids)
         return self.inner(request)
+
+
+class SlowToolRollout(ScriptedToolRollout):
+    """ScriptedToolRollout whose calls take a second in the real sandbox (so a signal finds calls in flight)."""
+
+    code = "import time\ntime.sleep(1.0)\nprint(1)"
+
+    def __init__(self, **kwargs):
+        from trl_plugins.rollout import MultiTurnRollout
+
+        self.inner = MultiTurnRollout(max_turns=3, max_assistant_tokens=120, max_trajectory_tokens=600, tool_retries=0)
 
 
 class FlakyCodeTool:
@@ -743,3 +757,82 @@ def test_a_group_that_lost_too_many_members_is_left_out_whole():
     # Group 0 kept 1 of 4 (< 0.5): all out. Group 1 kept 3 of 4: only its failure is out (truncation is the policy's).
     assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.5) == [True] * 4 + [False, False, True, False]
     assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.0) == [False, True, True, True, False, False, True, False]
+
+
+class ClosingTool:
+    """A tool that counts its closes (and the reward plugin that uses the same lifecycle)."""
+
+    name = "code_interpreter"
+
+    def __init__(self):
+        self.closed = 0
+
+    def schema(self):
+        from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+        return CodeInterpreter().schema()
+
+    async def __call__(self, arguments):
+        from trl_plugins.tools.base import ToolOutput
+
+        return ToolOutput(text="1\n", ok=True)
+
+    def close(self):
+        self.closed += 1
+
+
+class ClosingReward(TokenReward):
+    def __init__(self, fail_at_call=None):
+        self.closed, self.calls, self.fail_at_call = 0, 0, fail_at_call
+
+    def __call__(self, trajectory, example):
+        self.calls += 1
+        if self.fail_at_call is not None and self.calls >= self.fail_at_call:
+            raise ValueError("reward server down")
+        return super().__call__(trajectory, example)
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["end-of-training", "exception"])
+def test_the_trainer_closes_its_tools_and_plugins(tmp_path, fails):
+    from trl_plugins.trainers.multi_turn_trainer import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    tool, reward = ClosingTool(), ClosingReward(fail_at_call=5 if fails else None)
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path), train_dataset=_dataset(), processing_class=tok,
+                                   reward_components={"length": reward}, tools={"code_interpreter": tool})
+    if fails:
+        with pytest.raises(RuntimeError, match="reward server down"):
+            trainer.train()
+    else:
+        trainer.train()
+    assert tool.closed == 1 and reward.closed == 1
+
+
+def test_a_signal_during_the_update_saves_that_step_and_raises(tmp_path):
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    from trl_plugins.trainers import TrainingInterrupted
+    from trl_plugins.trainers.checkpoints import COMPLETE_MARKER
+    from trl_plugins.trainers.multi_turn_trainer import MultiTurnGRPOTrainer
+
+    class SignalBeforeStep2Optimizer(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, in the middle of step 2
+
+    tok = build_tokenizer("qwen2_5")
+    tool = ClosingTool()
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=4), train_dataset=_dataset(),
+                                   processing_class=tok, reward_components={"length": TokenReward()},
+                                   tools={"code_interpreter": tool}, callbacks=[SignalBeforeStep2Optimizer()])
+    with pytest.raises(TrainingInterrupted, match=r"SIGINT after step 2; resume with") as info:
+        trainer.train()
+    assert info.value.exit_code == 130 and info.value.step == 2 and trainer.state.global_step == 2
+    assert (tmp_path / "checkpoint-2" / COMPLETE_MARKER).is_file() and not (tmp_path / "checkpoint-3").exists()
+    assert tool.closed == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
