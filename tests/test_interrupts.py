@@ -287,3 +287,18 @@ def test_logged_metrics_on_two_ranks_are_those_of_the_union_of_their_trajectorie
         per_rank = [view(r0["trajectories"]), view(r1["trajectories"])]
         differs += sum(abs((a[k] + b[k]) / 2 - union[k]) > 1e-6 for a, b in [per_rank] for k in union)
     assert differs > 0
+
+
+def test_plugins_declare_how_their_step_metrics_combine_over_ranks():
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    declared = CodeInterpreter().step_metric_reductions()
+    out = reduce_rank_metrics([{"sandbox/calls": 3, "sandbox/latency_max_s": 0.5, "sandbox/latency_p50_s": 0.1},
+                               {"sandbox/calls": 5, "sandbox/latency_max_s": 2.0, "sandbox/latency_p50_s": 0.3}], declared)
+    assert out["sandbox/calls"] == 8 and out["sandbox/latency_max_s"] == 2.0
+    assert out["sandbox/latency_p50_s"] == pytest.approx(0.2)
+    from dataclasses import replace
+
+    union = trajectory_metrics([replace(_summary(0, 0, "final_answer", 10, 1.0), tool_latencies=(0.1, 0.2)),
+                                replace(_summary(1, 0, "final_answer", 10, 1.0), tool_latencies=(0.4,))])
+    assert union["rollout/tool_latency_p50_s"] == pytest.approx(0.2) and union["rollout/tool_latency_max_s"] == 0.4

@@ -46,6 +46,8 @@ class TrajectorySummary:
     advantage: float
     masked: bool
     """Left out of the update (truncated under ``truncated_policy='mask'``, or its group fell apart)."""
+    tool_latencies: tuple[float, ...] = ()
+    """Wall time of each tool call, seconds."""
 
 
 def summarize(traj: Trajectory, *, rank: int = 0, masked: bool = False) -> TrajectorySummary:
@@ -73,6 +75,8 @@ def summarize(traj: Trajectory, *, rank: int = 0, masked: bool = False) -> Traje
         components=tuple((c.name, float(c.value)) for c in traj.reward_components),
         advantage=float(traj.advantage or 0.0),
         masked=masked,
+        tool_latencies=tuple(float(u.tool_call.latency_s) for u in traj.turns if u.tool_call is not None
+                             and u.tool_call.output is not None),
     )
 
 
@@ -122,6 +126,11 @@ def trajectory_metrics(summaries: Sequence[TrajectorySummary]) -> dict[str, floa
             counts[1] += failed
     for name, (c, failed) in per_tool.items():
         out[f"rollout/environment_error_rate/{name}"] = failed / max(c, 1)
+    latencies = [x for s in summaries for x in s.tool_latencies]
+    if latencies:
+        out["rollout/tool_latency_p50_s"] = quantile(latencies, 0.5)
+        out["rollout/tool_latency_p90_s"] = quantile(latencies, 0.9)
+        out["rollout/tool_latency_max_s"] = max(latencies)
     return out
 
 
@@ -168,12 +177,13 @@ _MAX = ("rollout/rounds", "rollout/max_concurrent_tool_calls")
 _PER_RANK = {"timing/step_s": "step_s", "timing/rollout_s": "rollout_s", "train/datums": "datums"}
 
 
-def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None) -> dict[str, float]:
     """Combine the per-rank metrics of one step by what each means.
 
     ``timing/*``, rounds and concurrency: the maximum over ranks (the step waits for the slowest);
-    counts such as ``train/datums``: the sum; anything else (values already global, identical on
-    every rank, and plugin metrics such as ``sandbox/*``): the mean over the ranks that reported it.
+    counts such as ``train/datums``: the sum; a key in ``reductions`` (what plugins declare for their
+    ``step_metrics()``: ``"sum"``, ``"max"``, ``"min"`` or ``"mean"``) as declared; anything else
+    (values already global and identical on every rank): the mean over the ranks that reported it.
     Rank-specific figures are kept as such: ``ranks/<name>/<rank>`` for step time, rollout time and
     datums, and ``ranks/step_s_imbalance`` (slowest over mean step time).
     """
@@ -181,7 +191,10 @@ def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, floa
     out: dict[str, float] = {}
     for key in keys:
         values = [float(m[key]) for m in per_rank if key in m]
-        if key in _SUM:
+        declared = (reductions or {}).get(key)
+        if declared is not None:
+            out[key] = {"sum": sum, "max": max, "min": min}.get(declared, lambda v: sum(v) / len(v))(values)
+        elif key in _SUM:
             out[key] = sum(values)
         elif key.startswith("timing/") or key in _MAX:
             out[key] = max(values)

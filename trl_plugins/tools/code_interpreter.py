@@ -96,6 +96,12 @@ class CodeInterpreter(ClosingTool):
         self._sandbox.reset_step_stats()
         return metrics
 
+    def step_metric_reductions(self) -> dict[str, str]:
+        """How :meth:`step_metrics` combine over ranks: counts add up, the largest latency is the largest;
+        the latency percentiles are each rank's, averaged (``rollout/tool_latency_*`` are exact)."""
+        return {"sandbox/calls": "sum", "sandbox/successes": "sum", "sandbox/errors": "sum", "sandbox/timeouts": "sum",
+                "sandbox/latency_max_s": "max"}
+
     def close(self) -> None:
         """Stop the sandbox's interpreters."""
         if self._sandbox is not None:

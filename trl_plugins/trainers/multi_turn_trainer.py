@@ -365,7 +365,12 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             gathered = gather_object([(metrics, summaries)])
             per_rank = [m for m, _ in gathered]
             union = None if summaries is None else [s for _, ss in gathered for s in (ss or [])]
-        out = reduce_rank_metrics(per_rank)
+        reductions: dict[str, str] = {}
+        for tool in self._plugins.tools.values():
+            declared = getattr(tool, "step_metric_reductions", None)
+            if declared is not None:
+                reductions.update(declared())
+        out = reduce_rank_metrics(per_rank, reductions)
         if union is not None:
             out.update(trajectory_metrics(union))
             out.update(reward_metrics(union, self._reward_names()))
