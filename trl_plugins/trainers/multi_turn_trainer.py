@@ -49,7 +49,7 @@ from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_ch
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, die_with_launcher
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
-from trl_plugins.trainers.step import datums_to_forward, policy_update, reference_logprobs
+from trl_plugins.trainers.step import datums_to_forward, policy_update, reduce_over_ranks, reference_logprobs
 from trl_plugins.types import StopReason, Trajectory
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
@@ -406,9 +406,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         """As ``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete* checkpoint.
 
         On an exception in a single-process run, an emergency checkpoint is saved to
-        ``output_dir/checkpoint-<step>`` (when no checkpoint of that step exists) and the exception is
+        ``output_dir/checkpoint-<step>`` (unless that step has a complete one) and the exception is
         re-raised. With several processes it is not attempted: saving is a collective, and the other
-        ranks may be stuck in a different one.
+        ranks may be stuck in a different one. On SIGINT/SIGTERM every rank stops at a safe point,
+        saves the step together and :class:`TrainingInterrupted` is raised (see ``interrupts``); the
+        tools and plugins are closed however training ends.
         """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
@@ -442,41 +444,43 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         """The signal of a stop any rank was asked for (0: none). A collective: every rank calls it at the
         same point of the step."""
         local = float(self._stop.signum or 0) if self._stop is not None and self._stop.requested else 0.0
-        if self.accelerator.num_processes > 1:
-            t = torch.tensor([local], dtype=torch.float64, device=self.accelerator.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            local = float(t.item())
-        return int(local)
+        (agreed,) = reduce_over_ranks(self.accelerator, [local], "max")
+        return int(agreed)
 
     def _raise_if_stop_agreed(self) -> None:
         signum = self._stop_agreed()
         if signum:
             raise _StopAgreed(signum)
 
-    def _interrupted(self, signum: int) -> TrainingInterrupted:
-        """Write a complete checkpoint of the last finished step (every rank takes part), log where to resume."""
+    def _checkpoint_this_step(self) -> str | None:
+        """A complete checkpoint of the current step (every rank takes part): the one saved already, or a
+        new one replacing a save that was cut short (never resumed from). None at step 0."""
         step = self.state.global_step
-        checkpoint = None
-        if step > 0:
-            checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{step}")
-            if not os.path.isfile(os.path.join(checkpoint, COMPLETE_MARKER)):
-                if self.accelerator.is_main_process and os.path.isdir(checkpoint):
-                    shutil.rmtree(checkpoint)  # a save cut short earlier: never resumed from, replaced whole
-                self.accelerator.wait_for_everyone()
-                self._save_checkpoint(self.model_wrapped, trial=None)
-        error = TrainingInterrupted(signum, step, checkpoint)
+        if step == 0:
+            return None
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{step}")
+        if not os.path.isfile(os.path.join(folder, COMPLETE_MARKER)):
+            if self.accelerator.is_main_process and os.path.isdir(folder):
+                shutil.rmtree(folder)
+            self.accelerator.wait_for_everyone()
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        return folder
+
+    def _interrupted(self, signum: int) -> TrainingInterrupted:
+        """Checkpoint the last finished step and say where to resume from."""
+        error = TrainingInterrupted(signum, self.state.global_step, self._checkpoint_this_step())
         logger.error("%s", error)
         return error
 
     def _emergency_checkpoint(self) -> None:
-        step = self.state.global_step
-        folder = os.path.join(self.args.output_dir, f"checkpoint-{step}")
-        if self.accelerator.num_processes > 1 or step == 0 or os.path.isdir(folder):
-            logger.warning("no emergency checkpoint (processes=%d, step=%d)", self.accelerator.num_processes, step)
+        if self.accelerator.num_processes > 1:
+            logger.warning("no emergency checkpoint with %d processes (saving is a collective)",
+                           self.accelerator.num_processes)
             return
         try:
-            self._save_checkpoint(self.model_wrapped, trial=None)
-            logger.warning("saved an emergency checkpoint to %s", folder)
+            folder = self._checkpoint_this_step()
+            if folder:
+                logger.warning("emergency checkpoint: %s", folder)
         except Exception:  # the original exception matters more than this one
             logger.exception("the emergency checkpoint failed")
 
