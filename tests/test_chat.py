@@ -331,3 +331,25 @@ def test_tokenizer_digest_changes_with_the_template():
     a = ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA]).digest
     b = ChatFormat(build_tokenizer("qwen3"), [SCHEMA]).digest
     assert a != b and a == ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA]).digest
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers and label the sum.",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                                      "label": {"type": "string"}}, "required": ["a", "b", "label"]}}}
+
+
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3_6", "glm4moe", "llama3_1", "gemma4_v2", "nemotron_3_nano"])
+def test_a_tool_with_typed_arguments_is_checked_and_parsed_with_its_types(name):
+    # The start-up check builds arguments that fit the schema (it used to send one code string, so every
+    # template was refused for a tool whose arguments are not a single string).
+    chat = ChatFormat(build_tokenizer(name), [ADD, SCHEMA])
+    tok = chat.tokenizer
+    messages = [{"role": "user", "content": "q"}]
+    prompt = chat.initial_prompt_ids(messages)
+    call = {"type": "function", "id": "call_0", "function": {"name": "add", "arguments": {"a": 6, "b": 7, "label": "sum (x)"}}}
+    full = list(tok.apply_chat_template(messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                                   {"role": "tool", "name": "add", "content": "13"}],
+                                        tools=[ADD, SCHEMA], tokenize=True, add_generation_prompt=True, return_dict=False))
+    end = next(j for j in range(len(prompt), len(full)) if full[j] in chat.stop_token_ids)
+    parsed = chat.parse(prompt, full[len(prompt):end + 1])
+    assert parsed.kind == TurnKind.TOOL_CALL and parsed.arguments == {"a": 6, "b": 7, "label": "sum (x)"}, parsed

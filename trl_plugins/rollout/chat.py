@@ -236,6 +236,14 @@ class ChatFormat:
         params = (self._schemas.get(name, {}).get("function", {}).get("parameters") or {})
         return next(iter(params.get("required") or params.get("properties") or ["code"]))
 
+    def _sample_arguments(self, name: str, k: int) -> dict[str, Any]:
+        """Arguments that fit ``name``'s schema (every required property, of its type), different for each ``k``."""
+        params = (self._schemas.get(name, {}).get("function", {}).get("parameters") or {})
+        props = params.get("properties") or {}
+        samples = {"integer": k + 6, "number": k + 0.5, "boolean": k % 2 == 0, "array": [k, 7], "object": {"n": k}}
+        keys = list(params.get("required") or []) or list(props)[:1] or ["code"]
+        return {key: samples.get((props.get(key) or {}).get("type"), f"print({k} * 7)") for key in keys}
+
     def _call_messages(self, name: str) -> list[dict]:
         """A question and an assistant turn calling ``name`` with the argument placeholder."""
         return [{"role": "user", "content": "question"},
@@ -415,11 +423,10 @@ class ChatFormat:
 
     def _replay_conversation(self, *, with_text: bool, reasoning: bool, outputs: Sequence[str] = ("42\n", "")) -> None:
         name = self._tool_name()
-        key = self._arg_key(name)
         reasoning = {"reasoning_content": "I compute it.", "thinking": "I compute it."} if reasoning else {}
         texts = ["Let me run it.", "Once more.", "And again."]
         turns = [({"role": "assistant", "content": texts[k % 3] if with_text else "",
-                   "tool_calls": [self._call(name, {key: f"print({k} * 7)"})], **reasoning}, out)
+                   "tool_calls": [self._call(name, self._sample_arguments(name, k))], **reasoning}, out)
                  for k, out in enumerate(outputs)]
         turns.append(({"role": "assistant", "content": "The answer is \\boxed{42}.", **reasoning}, None))
         tools = self.tools or None
@@ -631,7 +638,8 @@ class ChatFormat:
         tok = self.tokenizer
         text = tok.decode(list(completion_ids), skip_special_tokens=False)
         try:
-            parsed = tok.parse_response(list(completion_ids), prefix=list(prompt_ids))
+            # With the schemas, parsers that write arguments as text (XML parameters) type them.
+            parsed = tok.parse_response(list(completion_ids), prefix=list(prompt_ids), tools=self.tools or None)
         except (ValueError, TypeError, KeyError) as exc:
             return ParsedTurn(TurnKind.INVALID, content=text, error=f"malformed tool call: {exc}")
         if parsed is None:
