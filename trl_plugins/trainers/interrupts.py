@@ -9,7 +9,8 @@ raises :class:`TrainingInterrupted`. A flag raised during the update lets the st
 agreement at the step's end stops the run after it. A second signal (more than a second after the
 first: Ctrl-C reaches the launcher and every process, and a launcher's death arrives too) stops at
 once, without a checkpoint (a checkpoint being written then has no completion marker, so resuming
-never takes it).
+never takes it): a second SIGINT raises ``KeyboardInterrupt`` as Python's own Ctrl-C does, a second
+SIGTERM exits with status 143.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class StopSignals:
                 if self._on_hard_stop is not None:
                     self._on_hard_stop()
             finally:
+                if signum == signal.SIGINT:  # as Python's own Ctrl-C (a notebook's kernel survives it)
+                    raise KeyboardInterrupt
                 os._exit(128 + signum)
         self.signum = signum
         self._first_at = time.monotonic()
