@@ -107,8 +107,9 @@ _OPTIONS = (
     "Options: (1) use a chat template that renders tool turns and keeps the history verbatim (TRL's "
     "`_training` templates do: `from trl.chat_template_utils import get_training_chat_template; "
     "tokenizer.chat_template = get_training_chat_template(tokenizer)`, or one of the templates listed as exact "
-    "in docs/rollout.md); (2) pass check_prefix=False and build datums with on_prefix_mismatch='split' (each "
-    "consistent run of turns trains separately); (3) supply your own chat template."
+    "in docs/rollout.md); (2) supply your own chat template; (3) only when you drive the rollout yourself (not "
+    "through the trainer): ChatFormat(..., check_prefix=False) and build_datum(..., on_prefix_mismatch='split') "
+    "(each consistent run of turns trains separately)."
 )
 
 
