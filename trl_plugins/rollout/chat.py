@@ -23,7 +23,7 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
 from trl_plugins.tools.base import check_arguments
@@ -207,13 +207,13 @@ class ChatFormat:
 
     # -- rendering ----------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict], *, add_generation_prompt: bool, tools: Any = None) -> str:
+    def _render(self, messages: list[dict], *, add_generation_prompt: bool, tools: Any = None, **overrides: Any) -> str:
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **self.template_kwargs
+                **{**self.template_kwargs, **overrides}
             )
         except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
             roles = " -> ".join(m["role"] for m in messages)
@@ -251,7 +251,7 @@ class ChatFormat:
                 {"role": "assistant", "content": "", "tool_calls": [self._call(name, {self._arg_key(name): _ARG})]}]
 
     def _first_special(self, text: str, start: int, strings: Sequence[str]) -> tuple[int, str] | None:
-        hits = [(text.find(s, start), s) for s in strings if text.find(s, start) >= 0]
+        hits = [(at, s) for s in strings if (at := text.find(s, start)) >= 0]
         return min(hits) if hits else None
 
     # -- start-up checks ----------------------------------------------------------------------
@@ -362,19 +362,12 @@ class ChatFormat:
                 if not self.template_kwargs["enable_thinking"]:
                     return False
             else:
-                kwargs = self.template_kwargs
-                try:
-                    self.template_kwargs = {**kwargs, "enable_thinking": False}
-                    off = self._render(user, add_generation_prompt=True)
-                    self.template_kwargs = {**kwargs, "enable_thinking": True}
-                    on = self._render(user, add_generation_prompt=True)
-                finally:
-                    self.template_kwargs = kwargs
-                default = self._render(user, add_generation_prompt=True)
-                if default == off and off != on:
+                off = self._render(user, add_generation_prompt=True, enable_thinking=False)
+                on = self._render(user, add_generation_prompt=True, enable_thinking=True)
+                if self._generation_prompt_text == off and off != on:
                     return False
         user = [{"role": "user", "content": "question"}]
-        tail = self._render(user, add_generation_prompt=True)[len(self._render(user, add_generation_prompt=False)):]
+        tail = self._generation_prompt_text[len(self._render(user, add_generation_prompt=False)):]
         return not re.search(r"</think>|<channel\|>", tail)
 
     def _check_exact(self) -> None:
@@ -610,22 +603,21 @@ class ChatFormat:
         marker = self._call_marker
         return re.sub(r"\s+", "", call[call.find(marker):] if marker and marker in call else call)
 
-    @property
+    @cached_property
     def _generation_prompt_text(self) -> str:
+        """The rendering of one user question and the generation prompt."""
         return self._render([{"role": "user", "content": "question"}], add_generation_prompt=True)
 
-    @property
+    @cached_property
     def _call_marker(self) -> str:
         """The text that opens a call (``<tool_call>``, ``<|tool_call>call:``, ``{"name": "``)."""
-        if not hasattr(self, "_marker"):
-            name = self._tool_name()
-            rendered = self._render(self._call_messages(name), add_generation_prompt=False)
-            start = _first_difference(rendered, self._generation_prompt_text)
-            segment = rendered[start:rendered.index(name, start)]
-            added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
-            hits = [(segment.rfind(s), s) for s in added if s in segment]  # the control token nearest the name
-            self._marker = max(hits)[1] if hits else segment.strip()
-        return self._marker
+        name = self._tool_name()
+        rendered = self._render(self._call_messages(name), add_generation_prompt=False)
+        start = _first_difference(rendered, self._generation_prompt_text)
+        segment = rendered[start:rendered.index(name, start)]
+        added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
+        hits = [(segment.rfind(s), s) for s in added if s in segment]  # the control token nearest the name
+        return max(hits)[1] if hits else segment.strip()
 
     def parse(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> ParsedTurn:
         """Classify an assistant turn: one valid tool call, a final answer, no call, or invalid.

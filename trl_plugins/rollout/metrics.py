@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 from trl_plugins.rollout.engine import RolloutResult
 from trl_plugins.types import StopReason, Trajectory
 
-__all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "engine_metrics", "rollout_metrics",
-           "reduce_rank_metrics", "quantile"]
+__all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "reward_metrics", "engine_metrics",
+           "rollout_metrics", "reduce_rank_metrics", "quantile"]
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,12 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._stop: StopSignals | None = None
         self._stop_signum = 0
         self._step_summaries: list | None = None
+        # How the tools' step_metrics() combine over ranks (what they declare; the tools do not change).
+        self._metric_reductions: dict[str, str] = {}
+        for tool in self._plugins.tools.values():
+            declared = getattr(tool, "step_metric_reductions", None)
+            if declared is not None:
+                self._metric_reductions.update(declared())
         self._buffered_datums: list | None = None
         self._rollout_step = 0
         self._last_trajectories: list[Trajectory] = []
@@ -365,12 +371,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             gathered = gather_object([(metrics, summaries)])
             per_rank = [m for m, _ in gathered]
             union = None if summaries is None else [s for _, ss in gathered for s in (ss or [])]
-        reductions: dict[str, str] = {}
-        for tool in self._plugins.tools.values():
-            declared = getattr(tool, "step_metric_reductions", None)
-            if declared is not None:
-                reductions.update(declared())
-        out = reduce_rank_metrics(per_rank, reductions)
+        out = reduce_rank_metrics(per_rank, self._metric_reductions)
         if union is not None:
             out.update(trajectory_metrics(union))
             out.update(reward_metrics(union, self._reward_names()))
