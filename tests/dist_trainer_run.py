@@ -86,16 +86,24 @@ def main() -> None:
     ap.add_argument("--slow_update", type=float, default=0.0, help="sleep this long before each optimizer step")
     ap.add_argument("--dump", default=None, help="each rank writes <dump>/rank<R>.jsonl: per step, its trajectories' "
                     "stop reasons, rewards, token counts and world failures")
+    ap.add_argument("--vllm", choices=["colocate", "server"], default=None, help="generate with the fake vLLM "
+                    "(trl_plugins.testing_vllm) through TRL's VLLMGeneration")
+    ap.add_argument("--vllm_url", default=None, help="server mode: the fake server's base URL")
     args = ap.parse_args()
     from datasets import Dataset
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
-    if args.beta or args.gae:
+    if args.vllm:
+        from trl_plugins import testing_vllm
+
+        testing_vllm.install()
+    if args.beta or args.gae or args.vllm:
         # TRL builds the reference from the policy's path; each rank writes its own identical copy.
         path = Path(args.output_dir) / f"policy-{os.environ.get('LOCAL_RANK', '0')}"
         model.save_pretrained(path)
+        tok.save_pretrained(path)
         model = str(path)
     rows = [{"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)]
     config = MultiTurnGRPOConfig(
@@ -111,6 +119,7 @@ def main() -> None:
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
         bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
+        **({"use_vllm": True, "vllm_mode": args.vllm, "vllm_server_base_url": args.vllm_url} if args.vllm else {}),
     )
     reward = SlotReward() if args.slot_reward else TokenReward()
     extra = {}
@@ -137,7 +146,13 @@ def main() -> None:
         print(f"INTERRUPTED rank={rank} step={stopped.step} checkpoint={stopped.checkpoint}", flush=True)
         sys.stdout.flush()
         os._exit(stopped.exit_code)
+    vllm_match = None
+    if args.vllm:
+        trainer._vllm_backend.sync_weights(trainer.state.global_step)  # a collective: every rank pushes
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if args.vllm == "colocate" and trainer.accelerator.is_main_process:
+        engine = dict(trainer.vllm_generation.llm.engine.model.named_parameters())
+        vllm_match = all(torch.equal(engine[k], v.detach().float().cpu()) for k, v in state.items() if k in engine)
     if args.gae:
         from trl_plugins.trainers.critic import critic_state_dict
 
@@ -148,7 +163,7 @@ def main() -> None:
         checksum = float(sum(v.float().abs().sum() for v in state.values()))
         records = [json.loads(line) for line in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
         Path(args.out).write_text(json.dumps({
-            "world": trainer.accelerator.num_processes, "deepspeed": deepspeed,
+            "world": trainer.accelerator.num_processes, "deepspeed": deepspeed, "vllm_weights_match": vllm_match,
             "global_step": trainer.state.global_step, "checksum": checksum,
             "steps": [r for r in records if "train/update_skipped" in r],
         }))

@@ -154,3 +154,33 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
     for config in ("cpu_ddp.yaml", "cpu_zero3.yaml"):
         diff = sum(float((params[config][k] - reference[k]).pow(2).sum()) for k in reference) ** 0.5
         assert diff / update < 1e-5, (config, diff, update)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,mode", [("cpu_zero3.yaml", "colocate"), ("cpu_ddp.yaml", "server")],
+                         ids=["zero3-colocate", "ddp-server"])
+def test_vllm_generation_on_two_ranks(config, mode, tmp_path):
+    # The fake vLLM (trl_plugins.testing_vllm) behind TRL's VLLMGeneration: under ZeRO-3 colocate each rank's
+    # engine receives the gathered weights after every update; in server mode both ranks send their own turns
+    # to one server, which TRL's main-process client keeps in sync.
+    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.testing_vllm import FakeVLLMServer
+
+    extra = ["--vllm", mode, "--output_dir", str(tmp_path / "run")]
+    if mode == "colocate":
+        report = launch_trainer(config, tmp_path, "run", *extra)
+        assert report["vllm_weights_match"] is True
+    else:
+        tok = build_tokenizer("qwen2_5")
+        build_tiny_model(tok).save_pretrained(tmp_path / "served")
+        tok.save_pretrained(tmp_path / "served")
+        with FakeVLLMServer(str(tmp_path / "served")) as server:
+            report = launch_trainer(config, tmp_path, "run", *extra, "--vllm_url", server.base_url)
+            requests = server.engine.requests
+        turns = sum(s["rollout/turns_mean"] * s["rollout/trajectories"] for s in report["steps"])
+        assert requests == round(turns)  # every turn of both ranks, one request each
+    assert report["world"] == 2 and report["global_step"] == 3
+    steps = report["steps"]
+    assert all(s["train/update_skipped"] == 0.0 for s in steps)
+    # The fake samples from exactly the pushed weights: its log-probs match the trainer's forward.
+    assert all(abs(s["train/ratio_min"] - 1) < 1e-3 and abs(s["train/ratio_max"] - 1) < 1e-3 for s in steps)

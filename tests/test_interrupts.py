@@ -170,11 +170,11 @@ def test_trajectory_metrics_are_over_the_union_not_a_mean_of_rank_means():
 
 def test_rank_metrics_are_reduced_by_their_meaning():
     out = reduce_rank_metrics([
-        {"timing/step_s": 1.0, "timing/rollout_s": 0.5, "train/datums": 3, "rollout/rounds": 2, "sandbox/calls": 4},
-        {"timing/step_s": 3.0, "timing/rollout_s": 2.5, "train/datums": 5, "rollout/rounds": 4},
+        {"timing/step_s": 1.0, "timing/rollout_s": 0.5, "train/datums": 3, "rollout/generate_calls": 2, "sandbox/calls": 4},
+        {"timing/step_s": 3.0, "timing/rollout_s": 2.5, "train/datums": 5, "rollout/generate_calls": 4},
     ])
     assert out["timing/step_s"] == 3.0 and out["timing/rollout_s"] == 2.5  # the step waits for the slowest
-    assert out["train/datums"] == 8 and out["rollout/rounds"] == 4
+    assert out["train/datums"] == 8 and out["rollout/generate_calls"] == 4
     assert out["sandbox/calls"] == 4  # plugin metrics: the mean over the ranks that reported them
     assert out["ranks/step_s/0"] == 1.0 and out["ranks/step_s/1"] == 3.0 and out["ranks/datums/1"] == 5
     assert out["ranks/step_s_imbalance"] == pytest.approx(1.5)

@@ -144,9 +144,9 @@ def test_per_turn_budget_is_min_of_turn_and_trajectory_budget(chat):
     budgets_seen = []
 
     class Spy(ScriptedBackend):
-        def generate(self, prompts, max_new_tokens, *, seed):
+        def generate(self, prompts, max_new_tokens, *, seeds):
             budgets_seen.append([(len(p), m) for p, m in zip(prompts, max_new_tokens)])
-            return super().generate(prompts, max_new_tokens, seed=seed)
+            return super().generate(prompts, max_new_tokens, seeds=seeds)
 
     base = scripted(chat)
     spy = Spy(base.script, stop_token_ids=chat.stop_token_ids)
@@ -323,11 +323,11 @@ def test_an_interrupted_rollout_marks_what_was_still_running_as_cancelled(chat):
         def session(self):
             return self.inner.session()
 
-        def generate(self, prompts, max_new_tokens, *, seed):
+        def generate(self, prompts, max_new_tokens, *, seeds):
             self.rounds += 1
             if self.rounds == 2:
                 raise KeyboardInterrupt
-            return self.inner.generate(prompts, max_new_tokens, seed=seed)
+            return self.inner.generate(prompts, max_new_tokens, seeds=seeds)
 
     questions = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": d}]), group_id=i)
                  for i, d in enumerate(["calls=0", "calls=2"])]
@@ -339,3 +339,112 @@ def test_an_interrupted_rollout_marks_what_was_still_running_as_cancelled(chat):
     assert running.stop_reason == StopReason.CANCELLED and running.world_failure
     assert running.error == "the rollout was interrupted: KeyboardInterrupt"
     validate_trajectory(running)
+
+
+class ScheduledTool(FakeTool):
+    """Sleeps as long as its code says (``sleep 0.4``) and logs when each call starts and ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str]] = []
+
+    async def __call__(self, arguments: dict) -> ToolOutput:
+        code = arguments["code"]
+        self.log.append(("start", code))
+        await asyncio.sleep(float(code.split()[1]))
+        self.log.append(("end", code))
+        return ToolOutput(text="ok", ok=True)
+
+
+def delays_policy(chat: ChatFormat) -> ScriptedBackend:
+    """``tag delays=a,b``: call k sleeps the k-th delay (code ``sleep <d> <tag><k>``), then answers."""
+    tok = chat.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def script(prompt: list[int]) -> list[int]:
+        text = tok.decode(prompt)
+        tag, spec = re.search(r"(\w+) delays=([\d.,]+)", text).groups()
+        delays, done = spec.split(","), text.count("<tool_response>")
+        if done < len(delays):
+            body = f'<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "sleep {delays[done]} {tag}{done}"}}}}\n</tool_call>'
+        else:
+            body = "\\boxed{1}"
+        return tok(body, add_special_tokens=False)["input_ids"] + [im_end]
+
+    return ScriptedBackend(script, stop_token_ids=chat.stop_token_ids)
+
+
+def test_a_trajectory_goes_on_as_soon_as_its_tool_returns(chat):
+    # a's first call is slow, b's first is instant and its second slow. In lock-step rounds b's second call
+    # would wait for a's first to end (rounds: 0.5 s + 0.5 s); per-trajectory turns start it at once.
+    tool = ScheduledTool()
+    questions = [RolloutQuestion(t, chat.initial_prompt_ids([{"role": "user", "content": f"{t} delays={d}"}]), group_id=i)
+                 for i, (t, d) in enumerate([("a", "0.5,0"), ("b", "0,0.5")])]
+    result = MultiTurnRollout()(RolloutRequest(questions, 1, delays_policy(chat), chat, {"code_interpreter": tool}, seed=3))
+    assert [t.stop_reason for t in result.trajectories] == [StopReason.FINAL_ANSWER] * 2
+    log = tool.log
+    assert log.index(("start", "sleep 0.5 b1")) < log.index(("end", "sleep 0.5 a0"))  # overlapped a's slow call
+    assert result.max_concurrent_tool_calls == 2
+    # The critical path is one trajectory's own chain (its generations + its tool calls), not the sum of rounds.
+    chains = [sum(t.generation_s + t.tool_s for t in traj.turns) for traj in result.trajectories]
+    assert result.critical_path_s == max(chains) >= 0.5
+    assert result.total_s >= result.critical_path_s
+    assert all(turn.queue_s >= 0 for traj in result.trajectories for turn in traj.turns)
+    assert rollout_metrics(result)["rollout/critical_path_s"] == result.critical_path_s
+
+
+def test_a_per_request_backend_gets_each_turn_as_its_own_call_concurrently(chat):
+    import threading
+
+    class PerRequest(ScriptedBackend):
+        max_concurrency = 4
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.lock, self.running, self.peak = threading.Lock(), 0, 0
+
+        def generate(self, prompts, max_new_tokens, *, seeds):
+            with self.lock:
+                self.running += 1
+                self.peak = max(self.peak, self.running)
+            time.sleep(0.05)
+            try:
+                return super().generate(prompts, max_new_tokens, seeds=seeds)
+            finally:
+                with self.lock:
+                    self.running -= 1
+
+    backend = PerRequest(scripted(chat).script, stop_token_ids=chat.stop_token_ids)
+    questions = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": "calls=1"}]), group_id=i)
+                 for i in range(3)]
+    result = MultiTurnRollout()(RolloutRequest(questions, 2, backend, chat, {"code_interpreter": FakeTool()}))
+    assert [t.stop_reason for t in result.trajectories] == [StopReason.FINAL_ANSWER] * 6
+    assert backend.calls == [1] * 12 and result.rounds == 12  # 6 trajectories x 2 turns, one call each
+    assert backend.peak == 4  # as many in flight as the backend takes
+
+
+def test_turn_seeds_do_not_depend_on_batching(chat):
+    # Each turn's seed comes from (rollout seed, trajectory, turn): the same whichever turns were batched.
+    seen = {}
+
+    class Recorder(ScriptedBackend):
+        def generate(self, prompts, max_new_tokens, *, seeds):
+            for p, s in zip(prompts, seeds):
+                seen.setdefault(tuple(p), []).append(s)
+            return super().generate(prompts, max_new_tokens, seeds=seeds)
+
+    def roll(delays):
+        seen.clear()
+        tool = ScheduledTool()
+        qs = [RolloutQuestion(t, chat.initial_prompt_ids([{"role": "user", "content": f"{t} delays={d}"}]), group_id=i)
+              for i, (t, d) in enumerate(zip("ab", delays))]
+        backend = Recorder(delays_policy(chat).script, stop_token_ids=chat.stop_token_ids)
+        MultiTurnRollout()(RolloutRequest(qs, 2, backend, chat, {"code_interpreter": tool}, seed=9))
+        return {k: v for k, v in seen.items()}, backend.calls
+
+    fast, fast_calls = roll(["0,0", "0,0"])
+    staggered, staggered_calls = roll(["0.2,0", "0,0"])
+    assert fast_calls != staggered_calls  # the turns were batched differently...
+    # ...yet every (trajectory, turn) got the same seed; prompts differ only in the tool's code text.
+    assert sorted(s for v in fast.values() for s in v) == sorted(s for v in staggered.values() for s in v)
+    assert len({s for v in fast.values() for s in v}) == 4 * 3  # 4 trajectories x 3 turns, all distinct

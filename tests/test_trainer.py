@@ -328,12 +328,12 @@ class _PerRowSeedBackend:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.sampling, self.logprob_source, self.requires_lockstep = inner.sampling, inner.logprob_source, inner.requires_lockstep
+        self.sampling, self.logprob_source = inner.sampling, inner.logprob_source
 
     def session(self):
         return self.inner.session()
 
-    def generate(self, prompts, max_new_tokens, *, seed):
+    def generate(self, prompts, max_new_tokens, *, seeds):
         from collections import Counter
 
         from trl_plugins.rollout import derive_seed
@@ -341,7 +341,7 @@ class _PerRowSeedBackend:
         seen, out = Counter(), []
         for prompt, budget in zip(prompts, max_new_tokens):
             key = tuple(prompt)
-            out += self.inner.generate([prompt], [budget], seed=derive_seed(len(prompt), sum(prompt), seen[key]))
+            out += self.inner.generate([prompt], [budget], seeds=[derive_seed(len(prompt), sum(prompt), seen[key])])
             seen[key] += 1
         return out
 

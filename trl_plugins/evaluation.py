@@ -125,6 +125,8 @@ def evaluate_policy(
     success_component: str = "correct",
     progress: bool = False,
     accelerator: Any = None,
+    backend: Any = None,
+    policy_step: int = 0,
 ) -> tuple[EvalResult, list[Trajectory]]:
     """Roll out every row ``samples`` times with the run's own plugins and score it with every reward component.
 
@@ -136,7 +138,8 @@ def evaluate_policy(
     decoding (then ``samples`` should be 1); the other sampling settings are the config's. With
     ``accelerator`` (a prepared, possibly ZeRO-3-sharded ``model`` during training), each batch of rows is
     generated with the full weights gathered once; every rank must then call this with the same number of
-    batches.
+    batches. ``backend`` replaces the HF ``generate`` sampler (the trainer's ``generation_backend``, e.g.
+    vLLM, whose weights are brought to ``policy_step``'s first).
 
     Returns:
         The numbers and the scored trajectories.
@@ -156,7 +159,8 @@ def evaluate_policy(
     plugins = build_plugins(args)
     judge = next(fn for name, _, fn in plugins.reward_components if name == success_component)
     chat = chat_format(tokenizer, plugins, args)
-    backend = hf_backend(model, tokenizer, chat, args, temperature=temperature, accelerator=accelerator)
+    if backend is None:
+        backend = hf_backend(model, tokenizer, chat, args, temperature=temperature, accelerator=accelerator)
     trajectories: list[Trajectory] = []
     correct: list[bool] = []
     was_training = model.training
@@ -169,7 +173,7 @@ def evaluate_policy(
             chunk = list(rows[start : start + batch_questions])
             with torch.no_grad():
                 result = rollout_rows(plugins, args, chat, backend, chunk, group_size=samples,
-                                      seed=derive_seed(seed, b, 0), id_offset=start)
+                                      seed=derive_seed(seed, b, 0), id_offset=start, policy_step=policy_step)
             score_trajectories(plugins, result.trajectories, chunk)
             for traj in result.trajectories:
                 trajectories.append(traj)

@@ -212,7 +212,9 @@ class Turn:
     truncated: bool = False
     """True when generation stopped at ``max_new_tokens`` rather than at a stop token."""
     generation_s: float = 0.0
-    """Wall time spent sampling this turn, seconds."""
+    """Wall time of the sampler call that produced this turn, seconds (shared with the turns batched with it)."""
+    queue_s: float = 0.0
+    """Wall time this turn waited for the sampler before its call started, seconds."""
     tool_s: float = 0.0
     """Wall time spent running the tool call this turn made, seconds (0 if none)."""
     tool_call: ToolCall | None = None

@@ -131,6 +131,7 @@ class PeriodicHeldOut(TrainerCallback):
         result, _ = evaluate_policy(
             trainer.model_wrapped, trainer.processing_class, self.rows, trainer.args, samples=self.samples,
             temperature=self.temperature, seed=seed, batch_questions=len(self.rows), accelerator=trainer.accelerator,
+            backend=trainer.generation_backend(temperature=self.temperature), policy_step=trainer.state.global_step,
         )
         n = result.problems * result.samples
         with_tool = result.tool_call_rate * n

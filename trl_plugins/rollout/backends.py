@@ -1,16 +1,21 @@
 """Generation backends: token ids in, sampled token ids and behaviour log-probs out.
 
-One call contract: ``backend.generate(prompts, max_new_tokens, seed=...) -> list[Sample]``, one sample
+One call contract: ``backend.generate(prompts, max_new_tokens, seeds=...) -> list[Sample]``, one sample
 per prompt, each cut at its own ``max_new_tokens`` and at the first stop token (kept: a sampled stop
-token is an action). ``backend.session()`` wraps a whole multi-turn rollout (under ZeRO-3 the HF
-backend gathers the weights once there, so no per-turn collective depends on how many turns a rank
-runs). ``requires_lockstep`` says whether ``generate`` itself is a collective that every rank must
-call the same number of times (vLLM server mode gathers prompts across ranks).
+token is an action), each sampled with its own seed: what a row samples depends on its prompt, budget
+and seed, not on the other rows of the call. ``backend.session()`` wraps a whole multi-turn rollout
+(under ZeRO-3 the HF backend gathers the weights once there, so no per-turn collective depends on how
+many turns a rank runs). ``max_concurrency`` says how the rollout engine feeds it: 1 (the default) is
+one call at a time holding every turn that is ready (a batching sampler); more is one call per turn,
+that many in flight (a server or continuous-batching sampler that batches requests itself), each call
+made from a worker thread. A backend whose ``generate`` is a collective across ranks sets
+``requires_lockstep`` and is refused by the multi-turn engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -38,14 +43,15 @@ class GenerationBackend(Protocol):
 
     sampling: SamplingSettings
     logprob_source: LogprobSource
-    requires_lockstep: bool
+    max_concurrency: int
 
     def session(self) -> contextlib.AbstractContextManager[Any]:
         """Context for a whole multi-turn rollout."""
         ...
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seed: int) -> list[Sample]:
-        """Sample one completion per prompt."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
+                 seeds: Sequence[int]) -> list[Sample]:
+        """Sample one completion per prompt, row ``i`` with ``seeds[i]``."""
         ...
 
 
@@ -67,12 +73,61 @@ class _RowBudget:
         return (input_ids.shape[1] - self.start) >= self.budgets.to(input_ids.device)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # PCG-style integer hash of values in [0, 2**32), in int64 arithmetic (no product reaches 2**63).
+    state = (x * 747796405 + 2891336453) & _MASK32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _MASK32
+    return ((word >> 22) ^ word) & _MASK32
+
+
+def seeded_gumbel(seeds: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise of shape ``(len(seeds), vocab_size)``, a pure function of (row seed, position, token).
+
+    ``argmax(log_softmax(z) + noise)`` is a sample from ``softmax(z)`` (the Gumbel-max trick), so a row's
+    sample depends on its own seed and position only, whatever else shares its batch or device.
+    """
+    seeds = seeds.to(torch.int64)
+    row = _hash32(_hash32(_hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ (position & _MASK32))
+    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _hash32(_hash32(row[:, None] ^ cols[None, :]) ^ row[:, None])
+    uniform = (bits.to(torch.float64) + 0.5) / 2.0**32
+    return -torch.log(-torch.log(uniform))
+
+
+class _SeededSampling:
+    # An HF logits processor that turns greedy decoding into sampling with per-row seeds: temperature, then
+    # top-k / top-p / min-p (transformers' own warpers), then Gumbel noise; generate's argmax is the sample.
+    def __init__(self, sampling: SamplingSettings, seeds: Sequence[int], start: int) -> None:
+        from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.temperature, self.start = sampling.temperature, start
+        self.seeds = torch.tensor([int(s) for s in seeds], dtype=torch.int64)
+        self.warpers: list[Any] = []
+        if sampling.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        if sampling.min_p > 0:
+            self.warpers.append(MinPLogitsWarper(min_p=sampling.min_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        noise = seeded_gumbel(self.seeds.to(scores.device), input_ids.shape[1] - self.start, scores.shape[-1])
+        return torch.log_softmax(scores, dim=-1) + noise.to(scores.dtype)
+
+
 class HFGenerationBackend:
     """Sample with Hugging Face ``generate`` on the training model.
 
     Rows are left-padded into one batch (split into chunks of ``max_batch_size``); behaviour log-probs
     are ``log_softmax(logits / temperature)`` of the sampled tokens, i.e. of the temperature-scaled
-    distribution before top-p/top-k (``LogprobSource.TEMPERATURE_SCALED``). Sampling is seeded per call.
+    distribution before top-p/top-k (``LogprobSource.TEMPERATURE_SCALED``). Each row samples with its own
+seed (:func:`seeded_gumbel`), so batching turns differently never changes what a turn samples.
 
     Args:
         model: The policy (possibly wrapped by Accelerate/DeepSpeed when ``accelerator`` is given).
@@ -85,7 +140,7 @@ class HFGenerationBackend:
     """
 
     logprob_source = LogprobSource.TEMPERATURE_SCALED
-    requires_lockstep = False
+    max_concurrency = 1
 
     def __init__(
         self,
@@ -126,15 +181,15 @@ class HFGenerationBackend:
     def _generation_config(self, max_new_tokens: int) -> Any:
         from transformers import GenerationConfig
 
+        # Decoding is greedy over scores that _SeededSampling has already warped and noised (a sample).
         s = self.sampling
-        greedy = s.temperature == 0
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else s.temperature,
-            top_p=None if greedy or s.top_p >= 1.0 else s.top_p,
-            top_k=None if greedy or s.top_k <= 0 else s.top_k,
-            min_p=None if greedy or s.min_p <= 0 else s.min_p,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            min_p=None,
             repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
             eos_token_id=self.stop_token_ids,
             pad_token_id=self.pad_token_id,
@@ -143,9 +198,10 @@ class HFGenerationBackend:
         )
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seed: int) -> list[Sample]:
-        if len(prompts) != len(max_new_tokens):
-            raise ValueError("need one max_new_tokens per prompt.")
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
+                 seeds: Sequence[int]) -> list[Sample]:
+        if not len(prompts) == len(max_new_tokens) == len(seeds):
+            raise ValueError("need one max_new_tokens and one seed per prompt.")
         if not prompts:
             return []
         if min(max_new_tokens) < 1:
@@ -153,11 +209,11 @@ class HFGenerationBackend:
         step = self.max_batch_size or len(prompts)
         out: list[Sample] = []
         for k in range(0, len(prompts), step):
-            out += self._generate_chunk(prompts[k : k + step], max_new_tokens[k : k + step], seed=seed + k)
+            out += self._generate_chunk(prompts[k : k + step], max_new_tokens[k : k + step], seeds[k : k + step])
         return out
 
-    def _generate_chunk(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], *, seed: int) -> list[Sample]:
-        from transformers import StoppingCriteriaList
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], seeds: Sequence[int]) -> list[Sample]:
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         model = self._active if self._active is not None else self.model
         device = next(model.parameters()).device
@@ -170,15 +226,15 @@ class HFGenerationBackend:
         budget_t = torch.tensor(list(budgets), dtype=torch.long)
         was_training = model.training
         model.eval()
+        processors = [] if self.sampling.temperature == 0 else [_SeededSampling(self.sampling, seeds, width)]
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed)
-                result = model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    generation_config=self._generation_config(int(budget_t.max())),
-                    stopping_criteria=StoppingCriteriaList([_RowBudget(width, budget_t)]),
-                )
+            result = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self._generation_config(int(budget_t.max())),
+                logits_processor=LogitsProcessorList(processors),
+                stopping_criteria=StoppingCriteriaList([_RowBudget(width, budget_t)]),
+            )
         finally:
             model.train(was_training)
         sampled = result.sequences[:, width:]
@@ -193,49 +249,144 @@ class HFGenerationBackend:
 
 
 class VLLMBackend:
-    """Sample with vLLM through TRL's ``VLLMGeneration`` (colocate or server mode).
+    """Sample with vLLM through TRL's ``VLLMGeneration``: colocate (an engine in each training process) or server
+    (``trl vllm-serve`` / ``vllm serve`` on other GPUs).
 
-    TRL starts vLLM with ``logprobs_mode="processed_logprobs"``: behaviour log-probs are those of the
+    Token-in, token-out: every turn goes to vLLM as its prompt's token ids with its own ``SamplingParams``
+    (``max_tokens`` = the turn's budget, the turn's seed, ``stop_token_ids`` = the chat format's stop tokens,
+    ``ignore_eos`` so only those stop it, as with HF generate), and the sampled ids come back with their
+    log-probs. TRL starts vLLM with ``logprobs_mode="processed_logprobs"``, so these are the log-probs of the
     distribution actually sampled from, after temperature and top-p/top-k (``LogprobSource.PROCESSED``).
-    In server mode ``generate`` gathers prompts from every rank, so it is a collective: the rollout
-    calls it the same number of times on every rank (``requires_lockstep``).
+
+    Colocate mode takes one batched ``LLM.generate`` call at a time (``max_concurrency = 1``: the rollout
+    engine hands it every turn that is ready). Server mode sends each turn as its own request from this rank
+    (``max_concurrency`` requests in flight; the server batches them continuously), so no rank waits for
+    another's turns. ``sync_weights(step)`` pushes the training weights to vLLM (TRL's ``sync_weights``:
+    gathered under ZeRO-3, LoRA merged); every rank calls it before each rollout, as it is a collective.
 
     Args:
-        vllm_generation: A ``trl.generation.vllm_generation.VLLMGeneration`` (or an object with the same
-            ``generate(prompts, images, num_generations)`` method and ``max_completion_length`` /
-            ``generation_kwargs`` attributes).
+        vllm_generation: TRL's ``VLLMGeneration`` (the trainer's ``vllm_generation``).
         stop_token_ids: Tokens that end a turn.
-        sampling: The sampling settings the ``VLLMGeneration`` was built with (recorded on trajectories).
+        sampling: The sampling settings (recorded on trajectories).
+        client: Server mode: this rank's ``VLLMClient`` (TRL builds one on the main process only; the others
+            need their own to send their turns).
+        max_concurrency: Server mode: requests in flight from this rank.
     """
 
     logprob_source = LogprobSource.PROCESSED
 
-    def __init__(self, vllm_generation: Any, *, stop_token_ids: Sequence[int], sampling: SamplingSettings) -> None:
+    def __init__(self, vllm_generation: Any, *, stop_token_ids: Sequence[int], sampling: SamplingSettings,
+                 client: Any = None, max_concurrency: int = 64) -> None:
         self.vllm = vllm_generation
+        self.mode = getattr(vllm_generation, "mode", "colocate")
         self.stop_token_ids = list(stop_token_ids)
         self.sampling = sampling
-        self.requires_lockstep = getattr(vllm_generation, "mode", "colocate") == "server"
+        if self.mode == "server":
+            self.client = client if client is not None else getattr(vllm_generation, "vllm_client", None)
+            if self.client is None:
+                raise ValueError("vLLM server mode needs a VLLMClient on every rank to send that rank's turns; pass "
+                                 "client= (TRL's VLLMGeneration builds one on the main process only).")
+            if max_concurrency < 1:
+                raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
+            self.max_concurrency = max_concurrency
+        elif self.mode == "colocate":
+            self.client, self.max_concurrency = None, 1
+        else:
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.mode!r}.")
 
-    def session(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext(self.vllm)
+    def with_sampling(self, sampling: SamplingSettings) -> "VLLMBackend":
+        """The same engine with other sampling settings (e.g. greedy evaluation)."""
+        other = copy.copy(self)
+        other.sampling = sampling
+        return other
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seed: int) -> list[Sample]:
-        if len(prompts) != len(max_new_tokens):
-            raise ValueError("need one max_new_tokens per prompt.")
-        if not prompts and not self.requires_lockstep:
+    def sync_weights(self, policy_step: int) -> None:
+        """Make vLLM generate with the training weights of ``policy_step`` (a collective: call it on every rank).
+
+        Pushes them when the step changed since the last push, and in colocate sleep mode whenever vLLM
+        discarded them (TRL sleeps at level 2 after each rollout).
+        """
+        sleeping = self.mode == "colocate" and getattr(self.vllm, "_llm_weights_sleeping", False)
+        if getattr(self.vllm, "_trl_plugins_weights_step", None) != policy_step or sleeping:
+            self.vllm.sync_weights()
+            if self.mode == "colocate":
+                self.vllm._llm_weights_sleeping = False
+            elif getattr(self.vllm, "accelerator", None) is not None:
+                # The main process pushes; without a gather (DDP) the other ranks would return at once and send
+                # turns to a server still half-way through the update.
+                self.vllm.accelerator.wait_for_everyone()
+            self.vllm._trl_plugins_weights_step = policy_step
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Any]:
+        """Colocate with sleep mode: wake the KV cache for the rollout, then sleep (level 2) so training has the memory."""
+        sleep = self.mode == "colocate" and getattr(self.vllm, "enable_sleep_mode", False)
+        if sleep:
+            if getattr(self.vllm, "_llm_weights_sleeping", False):
+                raise RuntimeError("vLLM's weights are asleep: call sync_weights(step) before the rollout.")
+            self.vllm.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield self.vllm
+        finally:
+            if sleep:
+                self.vllm.llm.sleep(level=2)
+                self.vllm._llm_weights_sleeping = True
+
+    def _params(self, max_tokens: int, seed: int) -> dict[str, Any]:
+        s = self.sampling
+        greedy = s.temperature == 0
+        return {
+            "n": 1,
+            "temperature": s.temperature,
+            "top_p": 1.0 if greedy else s.top_p,
+            "top_k": 0 if greedy else s.top_k,
+            "min_p": 0.0 if greedy else s.min_p,
+            "repetition_penalty": s.repetition_penalty,
+            "max_tokens": int(max_tokens),
+            "logprobs": 0,
+            "seed": int(seed),
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": True,
+        }
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
+                 seeds: Sequence[int]) -> list[Sample]:
+        if not len(prompts) == len(max_new_tokens) == len(seeds):
+            raise ValueError("need one max_new_tokens and one seed per prompt.")
+        if not prompts:
             return []
-        self.vllm.max_completion_length = max(max_new_tokens, default=1)
-        self.vllm.generation_kwargs = {**(self.vllm.generation_kwargs or {}), "seed": seed}
-        _, completion_ids, logprobs, _ = self.vllm.generate([list(p) for p in prompts], None, 1)
-        if logprobs is None:
-            raise RuntimeError(
-                "vLLM returned no log-probs; build VLLMGeneration with logprobs=0 so behaviour log-probs are kept."
+        if min(max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {min(max_new_tokens)}.")
+        params = [self._params(b, seed) for b, seed in zip(max_new_tokens, seeds)]
+        rows: list[tuple[list[int], list[float] | None]] = []
+        if self.mode == "colocate":
+            from trl.generation import vllm_generation as trl_vllm
+
+            outputs = self.vllm.llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts],
+                sampling_params=[trl_vllm.SamplingParams(**kw) for kw in params], use_tqdm=False,
             )
+            for out in outputs:
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                lps = None if completion.logprobs is None else [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+                rows.append((ids, lps))
+        else:
+            for prompt, kw in zip(prompts, params):
+                kw = dict(kw)
+                core = {k: kw.pop(k) for k in ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                               "max_tokens", "logprobs")}
+                out = self.client.generate(prompts=[list(prompt)], **core, generation_kwargs=kw)
+                lps = out.get("logprobs")
+                rows.append((list(out["completion_ids"][0]), None if lps is None else [lp[0] for lp in lps[0]]))
         stop = set(self.stop_token_ids)
-        return [
-            cut_sample(ids, [lp[0] for lp in lps], budget, stop)
-            for ids, lps, budget in zip(completion_ids, logprobs, max_new_tokens)
-        ]
+        samples = []
+        for (ids, lps), budget in zip(rows, max_new_tokens):
+            if lps is None or any(lp is None for lp in lps):
+                raise RuntimeError("vLLM returned no log-probs for a sampled token; the behaviour log-probs are needed "
+                                   "(TRL builds VLLMGeneration with logprobs=0, a server must allow --max-logprobs).")
+            samples.append(cut_sample(ids, lps, budget, stop))
+        return samples
 
 
 class ScriptedBackend:
@@ -246,7 +397,7 @@ class ScriptedBackend:
     """
 
     logprob_source = LogprobSource.TEMPERATURE_SCALED
-    requires_lockstep = False
+    max_concurrency = 1
 
     def __init__(self, script: Callable[[list[int]], list[int]], *, stop_token_ids: Sequence[int], logprob: float = -0.5) -> None:
         self.script = script
@@ -258,7 +409,8 @@ class ScriptedBackend:
     def session(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext(None)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seed: int) -> list[Sample]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
+                 seeds: Sequence[int]) -> list[Sample]:
         self.calls.append(len(prompts))
         stop = set(self.stop_token_ids)
         out = []

@@ -1,8 +1,12 @@
 """The multi-turn tool-call rollout engine (registered rollout plugin ``multi_turn``).
 
-For each question the first turn samples the whole group from one shared prompt; then every live
-trajectory continues on its own, all live trajectories batched into one ``generate`` call per round,
-all tool calls of a round run concurrently. Per turn ``max_new_tokens = min(max_assistant_tokens,
+For each question the whole group starts from one shared prompt. Every trajectory then runs on its own
+coroutine: its next turn goes to the sampler as soon as its tool result is in, while other trajectories
+generate or wait for their tools (no lock-step rounds across the batch). Turns reach the backend through
+one dispatcher: a batching backend (HF ``generate``, vLLM colocate) gets every turn that became ready
+while its previous call ran, a per-request backend (a vLLM server) gets each turn as its own call.
+Sampling seeds are per trajectory and turn, so what a turn samples does not depend on which other turns
+shared its batch. Per turn ``max_new_tokens = min(max_assistant_tokens,
 trajectory budget left)``. The next prompt is built token-in, token-out (:mod:`.chat`). Every
 trajectory ends with its own :class:`~trl_plugins.types.StopReason`, carries its policy version and
 per-turn timings, and passes :func:`~trl_plugins.rollout.validate.validate_trajectory`.
@@ -12,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Coroutine, Mapping, Sequence, TypeVar
+from typing import Any, Coroutine, Iterator, Mapping, Sequence, TypeVar
 
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout.backends import GenerationBackend
@@ -33,7 +38,7 @@ from trl_plugins.types import (
 )
 from trl_plugins.rollout.validate import validate_trajectory
 
-__all__ = ["RolloutError", "RolloutCancelled", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async"]
+__all__ = ["RolloutError", "RolloutCancelled", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async", "critical_path"]
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -125,13 +130,16 @@ class RolloutResult:
     trajectories: list[Trajectory]
     """``len(questions) * group_size`` trajectories, question-major."""
     rounds: int = 0
-    """Generation rounds run."""
+    """Calls to the backend's ``generate``."""
     generation_s: float = 0.0
-    """Wall time in ``generate``."""
+    """Wall time with at least one ``generate`` call in flight."""
     tools_s: float = 0.0
-    """Wall time waiting for tool calls."""
+    """Wall time with at least one tool call in flight (it overlaps ``generation_s``)."""
     total_s: float = 0.0
     """Wall time of the whole rollout."""
+    critical_path_s: float = 0.0
+    """The longest trajectory's own chain of generation and tool calls (:func:`critical_path`): the floor
+    ``total_s`` cannot go below however turns are scheduled."""
     max_concurrent_tool_calls: int = 0
     """Most tool calls that ran at once."""
 
@@ -208,6 +216,7 @@ class MultiTurnRollout:
 
         Raises:
             RolloutError: a first prompt that leaves no room in ``max_trajectory_tokens``, or a bad request.
+            RolloutCancelled: ``request.stop`` was set; ``rollout_result`` holds what was done.
         """
         if request.group_size < 1:
             raise RolloutError(f"group_size must be >= 1, got {request.group_size}.")
@@ -242,13 +251,9 @@ class MultiTurnRollout:
 
         bar = tqdm(total=len(live), desc="rollout", unit="traj", disable=not request.progress, leave=False)
         start = time.perf_counter()
-
-        def finish(st: _Live, reason: StopReason) -> None:
-            st.traj.stop_reason = reason
-            bar.update(1)
-
         try:
-            self._loop(request, chat, backend, result, live, finish)
+            with backend.session():
+                run_async(self._run(request, result, live, bar))
         except BaseException as exc:  # interrupted: the unfinished trajectories are the world's failure
             for traj in result.trajectories:
                 if traj.stop_reason is None:
@@ -262,107 +267,230 @@ class MultiTurnRollout:
             raise
         bar.close()
         result.total_s = time.perf_counter() - start
+        result.critical_path_s = max((critical_path(t) for t in result.trajectories), default=0.0)
         for traj in result.trajectories:
             validate_trajectory(traj)
         return result
 
-    def _loop(self, request: RolloutRequest, chat: Any, backend: Any, result: RolloutResult, live: list,
-              finish: Any) -> None:
-        """Generation rounds until every trajectory has stopped (``__call__`` handles interruptions)."""
-        with backend.session():
-            while True:
-                if request.stop is not None and request.stop.is_set():
-                    raise RolloutCancelled("a stop was requested")
-                still = []
-                for st in live:
-                    if len(st.prompt) >= self.max_trajectory_tokens:
-                        finish(st, StopReason.TOKEN_BUDGET)
-                    else:
-                        still.append(st)
-                live = still
-                if not live:
-                    break
-                budgets = [min(self.max_assistant_tokens, self.max_trajectory_tokens - len(st.prompt)) for st in live]
-                t0 = time.perf_counter()
-                samples = backend.generate([st.prompt for st in live], budgets, seed=derive_seed(request.seed, result.rounds))
-                gen_s = time.perf_counter() - t0
-                result.generation_s += gen_s
-                result.rounds += 1
-                pending: list[tuple[_Live, Turn, Any]] = []
-                for st, sample, budget in zip(live, samples, budgets):
-                    turn = Turn(
-                        prompt_ids=st.prompt,
-                        completion_ids=sample.token_ids,
-                        completion_logprobs=sample.logprobs,
-                        text=chat.tokenizer.decode(sample.token_ids, skip_special_tokens=False),
-                        prompt_sources=st.sources,
-                        truncated=not sample.finished,
-                        generation_s=gen_s,
-                    )
-                    st.traj.turns.append(turn)
-                    if not sample.finished:
-                        finish(st, StopReason.TURN_LENGTH if budget == self.max_assistant_tokens else StopReason.TOKEN_BUDGET)
-                        continue
-                    parsed = chat.parse(st.prompt, sample.token_ids)
-                    if parsed.kind == TurnKind.TOOL_CALL:
-                        if st.tool_calls >= self.max_tool_calls:
-                            turn.tool_call = ToolCall(name=parsed.tool_name or "", arguments=parsed.arguments)
-                            finish(st, StopReason.MAX_TOOL_CALLS)
-                        else:
-                            pending.append((st, turn, parsed))
-                    elif parsed.kind == TurnKind.FINAL_ANSWER:
-                        finish(st, StopReason.FINAL_ANSWER)
-                    elif parsed.kind == TurnKind.NO_TOOL_CALL:
-                        finish(st, StopReason.NO_TOOL_CALL)
-                    else:
-                        finish(st, StopReason.INVALID_ACTION)
-                next_live = []
-                if pending:
-                    result.max_concurrent_tool_calls = max(result.max_concurrent_tool_calls, len(pending))
-                    t0 = time.perf_counter()
-                    outputs = run_async(self._run_tools(request.tools, [(p.tool_name, p.arguments) for _, _, p in pending],
-                                                         self.tool_retries, request.stop))
-                    result.tools_s += time.perf_counter() - t0
-                    for (st, turn, parsed), out in zip(pending, outputs):
-                        if out.infra_error is not None:
-                            # The tool failed, not the model: end here, without showing the model anything.
-                            turn.tool_call = ToolCall(name=parsed.tool_name, arguments=parsed.arguments, output="",
-                                                      ok=False, latency_s=out.latency_s, infra_error=out.infra_error)
-                            turn.tool_s = out.latency_s
-                            st.traj.error = f"tool {parsed.tool_name!r}: {out.infra_error}"
-                            finish(st, StopReason.ENVIRONMENT_ERROR)
-                            continue
-                        tool_turn = chat.tool_turn(turn.completion_ids, out.text, tool_name=parsed.tool_name,
-                                                   arguments=parsed.arguments, max_tokens=self.max_tool_response_tokens)
-                        turn.tool_call = ToolCall(
-                            name=parsed.tool_name,
-                            arguments=parsed.arguments,
-                            output=out.text,
-                            ok=out.ok,
-                            timed_out=out.timed_out,
-                            output_truncated=tool_turn.truncated,
-                            latency_s=out.latency_s,
-                        )
-                        turn.tool_s = out.latency_s
-                        st.tool_calls += 1
-                        st.prompt = st.prompt + turn.completion_ids + tool_turn.ids
-                        st.sources = tool_turn.sources
-                        if len(st.traj.turns) >= self.max_turns:
-                            finish(st, StopReason.MAX_TURNS)
-                        else:
-                            next_live.append(st)
-                live = next_live
-
-    @staticmethod
-    async def _run_tools(tools: Mapping[str, Tool], calls: Sequence[tuple[str, dict]], retries: int = 0,
-                         stop: threading.Event | None = None) -> list[ToolOutput]:
-        tasks = [asyncio.ensure_future(_call_tool(tools[name], args, retries=retries)) for name, args in calls]
-        pending: set = set(tasks)
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=None if stop is None else 0.05)
-            if pending and stop is not None and stop.is_set():
-                for task in pending:
+    async def _run(self, request: RolloutRequest, result: RolloutResult, live: list[_Live], bar: Any) -> None:
+        """Every trajectory on its own coroutine; generation through one :class:`_Dispatcher`."""
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=_concurrency(request.backend),
+                                                   thread_name_prefix="generate") as pool:
+            dispatcher = _Dispatcher(request.backend, loop, pool, result)
+            tools = _ToolCounter(result)
+            tasks = [asyncio.ensure_future(self._trajectory(request, dispatcher, tools, st, index, bar))
+                     for index, st in enumerate(live)]
+            watcher = asyncio.ensure_future(_watch(request.stop)) if request.stop is not None else None
+            try:
+                pending: set = set(tasks) | ({watcher} if watcher else set())
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    if watcher in done or any(t.done() and t.exception() is not None for t in done if t is not watcher):
+                        break
+                    if not (pending - {watcher}):
+                        break
+            finally:
+                for task in tasks:
                     task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                raise RolloutCancelled(f"a stop was requested with {len(pending)} tool call(s) in flight")
-        return [task.result() for task in tasks]
+                if watcher is not None:
+                    watcher.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await dispatcher.drain()  # a generate call cannot be interrupted: let it finish first
+            if dispatcher.fatal is not None:
+                raise dispatcher.fatal
+            for task in tasks:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+            unfinished = sum(st.traj.stop_reason is None for st in live)
+            if unfinished:
+                raise RolloutCancelled(f"a stop was requested with {unfinished} trajectory(ies) unfinished")
+
+    async def _trajectory(self, request: RolloutRequest, dispatcher: "_Dispatcher", tools: "_ToolCounter", st: _Live,
+                          index: int, bar: Any) -> None:
+        """One trajectory's turns: generate, parse, call the tool, build the next prompt, until it stops."""
+        chat = request.chat
+
+        def finish(reason: StopReason) -> None:
+            st.traj.stop_reason = reason
+            bar.update(1)
+
+        while True:
+            if len(st.prompt) >= self.max_trajectory_tokens:
+                return finish(StopReason.TOKEN_BUDGET)
+            budget = min(self.max_assistant_tokens, self.max_trajectory_tokens - len(st.prompt))
+            seed = derive_seed(request.seed, index, len(st.traj.turns))
+            sample, gen_s, queue_s = await dispatcher.generate(st.prompt, budget, seed)
+            turn = Turn(
+                prompt_ids=st.prompt,
+                completion_ids=sample.token_ids,
+                completion_logprobs=sample.logprobs,
+                text=chat.tokenizer.decode(sample.token_ids, skip_special_tokens=False),
+                prompt_sources=st.sources,
+                truncated=not sample.finished,
+                generation_s=gen_s,
+                queue_s=queue_s,
+            )
+            st.traj.turns.append(turn)
+            if not sample.finished:
+                return finish(StopReason.TURN_LENGTH if budget == self.max_assistant_tokens else StopReason.TOKEN_BUDGET)
+            parsed = chat.parse(st.prompt, sample.token_ids)
+            if parsed.kind == TurnKind.FINAL_ANSWER:
+                return finish(StopReason.FINAL_ANSWER)
+            if parsed.kind == TurnKind.NO_TOOL_CALL:
+                return finish(StopReason.NO_TOOL_CALL)
+            if parsed.kind != TurnKind.TOOL_CALL:
+                return finish(StopReason.INVALID_ACTION)
+            if st.tool_calls >= self.max_tool_calls:
+                turn.tool_call = ToolCall(name=parsed.tool_name or "", arguments=parsed.arguments)
+                return finish(StopReason.MAX_TOOL_CALLS)
+            with tools.running():
+                out = await _call_tool(request.tools[parsed.tool_name], parsed.arguments, retries=self.tool_retries)
+            if out.infra_error is not None:
+                # The tool failed, not the model: end here, without showing the model anything.
+                turn.tool_call = ToolCall(name=parsed.tool_name, arguments=parsed.arguments, output="", ok=False,
+                                          latency_s=out.latency_s, infra_error=out.infra_error)
+                turn.tool_s = out.latency_s
+                st.traj.error = f"tool {parsed.tool_name!r}: {out.infra_error}"
+                return finish(StopReason.ENVIRONMENT_ERROR)
+            tool_turn = chat.tool_turn(turn.completion_ids, out.text, tool_name=parsed.tool_name,
+                                       arguments=parsed.arguments, max_tokens=self.max_tool_response_tokens)
+            turn.tool_call = ToolCall(
+                name=parsed.tool_name,
+                arguments=parsed.arguments,
+                output=out.text,
+                ok=out.ok,
+                timed_out=out.timed_out,
+                output_truncated=tool_turn.truncated,
+                latency_s=out.latency_s,
+            )
+            turn.tool_s = out.latency_s
+            st.tool_calls += 1
+            st.prompt = st.prompt + turn.completion_ids + tool_turn.ids
+            st.sources = tool_turn.sources
+            if len(st.traj.turns) >= self.max_turns:
+                return finish(StopReason.MAX_TURNS)
+
+
+def critical_path(trajectory: Trajectory) -> float:
+    """The trajectory's own chain: its turns' generation plus its tool calls, seconds (queueing excluded).
+
+    A rollout cannot finish before its longest chain; ``RolloutResult.total_s / critical_path_s`` is how far
+    scheduling is from that floor.
+    """
+    return sum(t.generation_s + t.tool_s for t in trajectory.turns)
+
+
+def _concurrency(backend: Any) -> int:
+    n = int(getattr(backend, "max_concurrency", 1) or 1)
+    if n < 1:
+        raise RolloutError(f"{type(backend).__name__}.max_concurrency must be >= 1, got {n}.")
+    return n
+
+
+async def _watch(stop: threading.Event) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+
+
+class _Abort(Exception):
+    """A generate call raised a BaseException (e.g. KeyboardInterrupt); the rollout re-raises it at the end."""
+
+
+class _ToolCounter:
+    """Counts tool calls in flight and the wall time with at least one running."""
+
+    def __init__(self, result: RolloutResult) -> None:
+        self.result, self.running_now, self.since = result, 0, 0.0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        if self.running_now == 0:
+            self.since = time.perf_counter()
+        self.running_now += 1
+        self.result.max_concurrent_tool_calls = max(self.result.max_concurrent_tool_calls, self.running_now)
+        try:
+            yield
+        finally:
+            self.running_now -= 1
+            if self.running_now == 0:
+                self.result.tools_s += time.perf_counter() - self.since
+
+
+class _Dispatcher:
+    """Sends each ready turn to the backend as soon as it can take it.
+
+    A backend with ``max_concurrency == 1`` (HF ``generate``, vLLM colocate) gets one call at a time
+    holding every turn that became ready while the previous call ran; one with ``max_concurrency > 1``
+    (a vLLM server, continuous batching) gets each turn as its own call, up to that many in flight.
+    Calls run in worker threads, so tool calls and other trajectories proceed meanwhile.
+    """
+
+    def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executor,
+                 result: RolloutResult) -> None:
+        self.backend, self.loop, self.pool, self.result = backend, loop, pool, result
+        self.limit = _concurrency(backend)
+        self.ready: list[tuple[list[int], int, int, asyncio.Future, float]] = []
+        self.in_flight: set[asyncio.Future] = set()
+        self.kick_scheduled = False
+        self.busy_since = 0.0
+        self.fatal: BaseException | None = None
+
+    def generate(self, prompt: list[int], budget: int, seed: int) -> asyncio.Future:
+        """A future of ``(sample, generation_s, queue_s)``."""
+        fut = self.loop.create_future()
+        self.ready.append((prompt, budget, seed, fut, time.perf_counter()))
+        if not self.kick_scheduled:  # after the other coroutines that are ready in this loop pass have queued too
+            self.kick_scheduled = True
+            self.loop.call_soon(self._kick)
+        return fut
+
+    def _kick(self) -> None:
+        self.kick_scheduled = False
+        self.ready = [r for r in self.ready if not r[3].cancelled()]
+        while self.ready and len(self.in_flight) < self.limit and self.fatal is None:
+            if self.limit == 1:
+                batch, self.ready = self.ready, []
+            else:
+                batch, self.ready = [self.ready[0]], self.ready[1:]
+            if not self.in_flight:
+                self.busy_since = time.perf_counter()
+            t0 = time.perf_counter()
+            call = self.loop.run_in_executor(self.pool, _generate_call, self.backend, [r[0] for r in batch],
+                                             [r[1] for r in batch], [r[2] for r in batch])
+            self.in_flight.add(call)
+            self.result.rounds += 1
+            call.add_done_callback(lambda f, batch=batch, t0=t0: self._done(f, batch, t0))
+
+    def _done(self, call: asyncio.Future, batch: list, t0: float) -> None:
+        now = time.perf_counter()
+        self.in_flight.discard(call)
+        if not self.in_flight:
+            self.result.generation_s += now - self.busy_since
+        outcome = call.result() if not call.cancelled() else _Abort("cancelled")
+        for k, (_, _, _, fut, queued) in enumerate(batch):
+            if fut.done():
+                continue
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception) and self.fatal is None:
+                    self.fatal = outcome
+                fut.set_exception(outcome if isinstance(outcome, Exception) else _Abort(type(outcome).__name__))
+            else:
+                fut.set_result((outcome[k], now - t0, t0 - queued))
+        self._kick()
+
+    async def drain(self) -> None:
+        while self.in_flight:
+            await asyncio.wait(set(self.in_flight))
+
+
+def _generate_call(backend: Any, prompts: list[list[int]], budgets: list[int], seeds: list[int]) -> Any:
+    """One backend call in a worker thread; any exception comes back as the value (checked by ``_done``)."""
+    try:
+        samples = backend.generate(prompts, budgets, seeds=seeds)
+        if len(samples) != len(prompts):
+            raise RolloutError(f"{type(backend).__name__}.generate returned {len(samples)} samples for "
+                               f"{len(prompts)} prompts; it must return one per prompt, in order.")
+        return samples
+    except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which re-raises it
+        return exc

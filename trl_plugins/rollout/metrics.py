@@ -157,10 +157,15 @@ def reward_metrics(summaries: Sequence[TrajectorySummary], names: Sequence[str])
 
 
 def engine_metrics(result: RolloutResult) -> dict[str, float]:
-    """What this rank's rollout engine did: timings, generation rounds, most concurrent tool calls."""
+    """What this rank's rollout engine did: timings, generate calls, most concurrent tool calls, and how far
+    the rollout's wall time is from its critical path (the longest trajectory's own generation + tool chain)."""
+    turns = [turn for traj in result.trajectories for turn in traj.turns]
     return {
         "rollout/max_concurrent_tool_calls": float(result.max_concurrent_tool_calls),
-        "rollout/rounds": float(result.rounds),
+        "rollout/generate_calls": float(result.rounds),
+        "rollout/critical_path_s": result.critical_path_s,
+        "rollout/critical_path_ratio": result.total_s / result.critical_path_s if result.critical_path_s > 0 else 1.0,
+        "rollout/queue_s_mean": sum(t.queue_s for t in turns) / len(turns) if turns else 0.0,
         "timing/rollout_s": result.total_s,
         "timing/generation_s": result.generation_s,
         "timing/tools_s": result.tools_s,
@@ -173,14 +178,15 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
 
 
 _SUM = ("train/datums",)
-_MAX = ("rollout/rounds", "rollout/max_concurrent_tool_calls")
+_MAX = ("rollout/generate_calls", "rollout/max_concurrent_tool_calls", "rollout/critical_path_s",
+        "rollout/critical_path_ratio", "rollout/queue_s_mean")
 _PER_RANK = {"timing/step_s": "step_s", "timing/rollout_s": "rollout_s", "train/datums": "datums"}
 
 
 def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None) -> dict[str, float]:
     """Combine the per-rank metrics of one step by what each means.
 
-    ``timing/*``, rounds and concurrency: the maximum over ranks (the step waits for the slowest);
+    ``timing/*``, generate calls, critical path and concurrency: the maximum over ranks (the step waits for the slowest);
     counts such as ``train/datums``: the sum; a key in ``reductions`` (what plugins declare for their
     ``step_metrics()``: ``"sum"``, ``"max"``, ``"min"`` or ``"mean"``) as declared; anything else
     (values already global and identical on every rank): the mean over the ranks that reported it.

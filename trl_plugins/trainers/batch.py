@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from trl_plugins.datum import build_datum
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, RolloutResult, questions_from_rows
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, RolloutResult, VLLMBackend, questions_from_rows
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.trainers.plugins import RunPlugins
 from trl_plugins.algos import kl_estimate
@@ -25,6 +25,8 @@ from trl_plugins.types import AdvantageInput, Datum, RewardComponent, SamplingSe
 
 __all__ = [
     "hf_backend",
+    "sampling_settings",
+    "vllm_backend",
     "rollout_rows",
     "score_trajectories",
     "training_mask",
@@ -54,6 +56,14 @@ def chat_format(tokenizer: Any, plugins: Any, args: Any) -> ChatFormat:
                       **(getattr(args, "chat_template_kwargs", None) or {}))
 
 
+def sampling_settings(args: Any, *, temperature: float | None = None) -> SamplingSettings:
+    """The config's sampling settings (``temperature`` overrides the config's)."""
+    return SamplingSettings(
+        temperature=args.temperature if temperature is None else temperature, top_p=args.top_p,
+        top_k=args.top_k or 0, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
+    )
+
+
 def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, temperature: float | None = None,
                accelerator: Any = None) -> HFGenerationBackend:
     """The HF ``generate`` backend with the config's sampling settings (``temperature`` overrides the config's)."""
@@ -61,12 +71,25 @@ def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, tempe
         model,
         pad_token_id=tokenizer.pad_token_id,
         stop_token_ids=chat.stop_token_ids,
-        sampling=SamplingSettings(
-            temperature=args.temperature if temperature is None else temperature, top_p=args.top_p,
-            top_k=args.top_k or 0, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
-        ),
+        sampling=sampling_settings(args, temperature=temperature),
         accelerator=accelerator,
     )
+
+
+def vllm_backend(vllm_generation: Any, chat: ChatFormat, args: Any, accelerator: Any) -> VLLMBackend:
+    """The vLLM backend over TRL's ``VLLMGeneration``. In server mode every rank sends its own turns, so the
+    ranks TRL built no client on (all but the main process) get one here."""
+    client = None
+    if vllm_generation.mode == "server":
+        client = getattr(vllm_generation, "vllm_client", None)
+        if client is None:
+            from trl.generation import vllm_client as trl_client
+
+            base = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            client = trl_client.VLLMClient(base_url=base, group_port=args.vllm_group_port,
+                                           connection_timeout=args.vllm_server_timeout)
+    return VLLMBackend(vllm_generation, stop_token_ids=chat.stop_token_ids, sampling=sampling_settings(args),
+                       client=client, max_concurrency=args.vllm_max_concurrent_requests)
 
 
 def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], group_size: int, digest: str) -> None:
@@ -112,6 +135,8 @@ def rollout_rows(
     """Roll out every row ``group_size`` times with the run's rollout plugin and tools, and check the result.
 
     ``stop`` (a ``threading.Event``) lets a stop request cancel the rollout (:class:`RolloutCancelled`).
+    A backend with weights of its own (``sync_weights``, vLLM) is brought to ``policy_step``'s weights first:
+    a collective, so every rank calls this the same number of times.
 
     A row's ``prompt`` is a string or chat messages; ``args.system_prompt`` goes first. Trajectory
     ``group_id`` is the row's place in ``rows``.
@@ -120,6 +145,9 @@ def rollout_rows(
         TrajectoryError: the rollout plugin returned the wrong trajectories or one that breaks the contract.
     """
     questions = questions_from_rows(chat, rows, args.system_prompt, id_offset=id_offset)
+    sync = getattr(backend, "sync_weights", None)  # a sampler with weights of its own (vLLM) gets policy_step's
+    if sync is not None:
+        sync(policy_step)
     request = RolloutRequest(questions, group_size, backend, chat, plugins.tools, policy_step=policy_step, seed=seed,
                              progress=progress, stop=stop)
     result = plugins.rollout(request)

@@ -69,6 +69,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     critic_warmup_steps: int = field(default=0, metadata={"help": "First steps in which only the critic learns (the policy update is skipped)."})
     vf_clip: float = field(default=0.2, metadata={"help": "Clip of the value loss: values move at most this far from their rollout-time values per update."})
     vf_coef: float = field(default=1.0, metadata={"help": "Value-loss coefficient (scales the critic's loss; the critic has its own optimizer)."})
+    vllm_max_concurrent_requests: int = field(default=64, metadata={"help": "vllm_mode='server': turns each rank has in flight at the server at once (each turn is its own request; the server batches them)."})
     stop_tokens: list[str] | None = field(default=None, metadata={"help": "Token strings that end a turn (default: from the chat template: eos, the token ending a call turn such as <|im_end|>, <|observation|> or <|call|>, and the one ending a final answer)."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
@@ -104,11 +105,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
         for name in ("max_items_per_micro_batch", "max_padded_tokens_per_micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.use_vllm:
-            raise ValueError(
-                "use_vllm=True: this trainer generates with HF generate only for now, so vLLM would be ignored; "
-                "leave use_vllm off."
-            )
+        if self.vllm_max_concurrent_requests < 1:
+            raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {self.vllm_max_concurrent_requests}.")
         self._map_kl_and_entropy()
         if not 0.0 <= self.max_verifier_error_rate <= 1.0 or not 0.0 <= self.min_valid_group_fraction <= 1.0:
             raise ValueError(

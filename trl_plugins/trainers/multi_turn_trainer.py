@@ -38,6 +38,8 @@ from trl_plugins.trainers.batch import (
     compute_advantages,
     compute_token_advantages,
     hf_backend,
+    sampling_settings,
+    vllm_backend,
     kl_per_token,
     rollout_rows,
     score_trajectories,
@@ -138,6 +140,13 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             raise ValueError("log_completions is TRL's single-turn table; trajectory tables come from this trainer's own logging.")
         # Every plugin is built (and checked) before TRL loads anything.
         self._plugins = build_plugins(args, tools=tools, reward_components=reward_components)
+        budget = getattr(self._plugins.rollout, "token_budget", None)
+        if args.use_vllm and args.vllm_max_model_length is not None and budget is not None and budget > args.vllm_max_model_length:
+            raise ValueError(
+                f"vllm_max_model_length={args.vllm_max_model_length} is shorter than the rollout's token budget of "
+                f"{budget} (rollout_kwargs max_trajectory_tokens): vLLM would refuse the longest trajectories' turns. "
+                f"Raise vllm_max_model_length or lower max_trajectory_tokens."
+            )
         # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
         critic = build_critic(model) if self._plugins.advantage.needs_values else None
         super().__init__(
@@ -151,6 +160,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             peft_config=peft_config,
         )
         self._chat = chat_format(self.processing_class, self._plugins, args)
+        # use_vllm: TRL's __init__ built self.vllm_generation (colocate or server); turns go through it.
+        self._vllm_backend = vllm_backend(self.vllm_generation, self._chat, args, self.accelerator) if args.use_vllm else None
         self.add_callback(_OptimizerTimer(self._metrics))
         self.add_callback(_StopAtStepEnd(self))
         self._stop: StopSignals | None = None
@@ -176,11 +187,19 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 weight_decay=args.weight_decay, optimizer_cls=torch.optim.SGD if args.critic_optim == "sgd" else torch.optim.AdamW,
             )
 
+    def generation_backend(self, *, temperature: float | None = None) -> Any:
+        """The sampler rollouts use: vLLM when ``use_vllm``, else HF generate on the training model.
+        ``temperature`` overrides the config's (e.g. 0 for greedy evaluation)."""
+        if self._vllm_backend is not None:
+            return self._vllm_backend.with_sampling(sampling_settings(self.args, temperature=temperature))
+        return hf_backend(self.model_wrapped, self.processing_class, self._chat, self.args, temperature=temperature,
+                          accelerator=self.accelerator)
+
     # -- one step --------------------------------------------------------------------------------
 
     def _rollout_and_score(self, rows: list[dict]) -> tuple[list, dict[str, float]]:
         args, plugins = self.args, self._plugins
-        backend = hf_backend(self.model_wrapped, self.processing_class, self._chat, args, accelerator=self.accelerator)
+        backend = self.generation_backend()
         try:
             result = rollout_rows(
                 plugins, args, self._chat, backend, rows, group_size=self.num_generations,

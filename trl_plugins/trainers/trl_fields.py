@@ -212,7 +212,7 @@ def _map_mask_truncated_completions(c: Any) -> None:
 
 _H, _M, _R = FieldKind.HONOURED, FieldKind.MAPPED, FieldKind.REFUSED
 _EVAL = "a setting of the evaluation loop, which is refused (see eval_strategy)"
-_VLLM = "a vLLM setting; use_vllm is refused (rollouts generate with HF generate)"
+_VLLM = "passed to vLLM by TRL's VLLMGeneration"
 _ENTROPY = "adaptive entropy control (Skywork-OR1) is not implemented; set a fixed entropy_coef"
 _REF_SYNC = "the reference model is never synchronised with the policy (TR-DPO is not implemented)"
 _LOGS = "a setting of log_completions, which is refused; trajectory_table_steps/_rows log multi-turn tables"
@@ -283,19 +283,19 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "ds3_gather_for_generation": FieldRule(_R, "False: the rollout always gathers ZeRO-3 weights once (per-turn collectives would hang when ranks take different turn counts)."),
     "pad_to_multiple_of": FieldRule(_R, "an integer: the packer pads each micro-batch to its widest row ('auto' and None are accepted).", ok=lambda c: c.pad_to_multiple_of in (None, "auto")),
     "num_generations_eval": FieldRule(_R, _EVAL + "."),
-    "use_vllm": FieldRule(_R, "rollouts generate with HF generate only.", owner="MultiTurnGRPOConfig.__post_init__"),
-    "vllm_mode": FieldRule(_R, _VLLM + "."),
-    "vllm_model_impl": FieldRule(_R, _VLLM + "."),
-    "vllm_enable_sleep_mode": FieldRule(_R, _VLLM + "."),
-    "vllm_structured_outputs_regex": FieldRule(_R, _VLLM + "."),
-    "vllm_server_base_url": FieldRule(_R, _VLLM + "."),
-    "vllm_server_host": FieldRule(_R, _VLLM + "."),
-    "vllm_server_port": FieldRule(_R, _VLLM + "."),
-    "vllm_server_timeout": FieldRule(_R, _VLLM + "."),
-    "vllm_group_port": FieldRule(_R, _VLLM + "."),
-    "vllm_gpu_memory_utilization": FieldRule(_R, _VLLM + "."),
-    "vllm_max_model_length": FieldRule(_R, _VLLM + "."),
-    "vllm_tensor_parallel_size": FieldRule(_R, _VLLM + "."),
+    "use_vllm": FieldRule(_H, "rollout turns are sampled by vLLM (VLLMBackend over TRL's VLLMGeneration), each turn submitted on its own; weights are pushed before each rollout."),
+    "vllm_mode": FieldRule(_H, "'colocate' (vLLM in each training process) or 'server' (every rank sends its own turns to the server).", ok=lambda c: c.vllm_mode in ("colocate", "server")),
+    "vllm_model_impl": FieldRule(_H, "passed to vLLM by TRL's VLLMGeneration (colocate)."),
+    "vllm_enable_sleep_mode": FieldRule(_H, "colocate: vLLM sleeps (level 2) after each rollout and its weights are pushed again before the next."),
+    "vllm_structured_outputs_regex": FieldRule(_R, "one regex would constrain every turn of a multi-turn rollout alike (tool calls, answers); constrain turns in a rollout plugin instead."),
+    "vllm_server_base_url": FieldRule(_H, _VLLM + " (server)."),
+    "vllm_server_host": FieldRule(_H, _VLLM + " (server)."),
+    "vllm_server_port": FieldRule(_H, _VLLM + " (server)."),
+    "vllm_server_timeout": FieldRule(_H, _VLLM + " (server): how long every rank waits for the server."),
+    "vllm_group_port": FieldRule(_H, _VLLM + " (server): the weight-update group."),
+    "vllm_gpu_memory_utilization": FieldRule(_H, _VLLM + " (colocate)."),
+    "vllm_max_model_length": FieldRule(_H, _VLLM + " (colocate); refused at start-up when shorter than the rollout's token budget."),
+    "vllm_tensor_parallel_size": FieldRule(_R, "colocate tensor parallelism gathers the prompts of a rank group on every generate call, a collective per turn that per-trajectory turns cannot keep in step; keep 1, or use vllm_mode='server' with the server's own --tensor-parallel-size.", ok=lambda c: c.vllm_tensor_parallel_size == 1),
     "vllm_importance_sampling_correction": FieldRule(_R, _VLLM + "."),
     "vllm_importance_sampling_mode": FieldRule(_R, _VLLM + "."),
     "vllm_importance_sampling_clip_max": FieldRule(_R, _VLLM + "."),

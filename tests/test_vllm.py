@@ -1,0 +1,220 @@
+"""vLLM generation through the fake of :mod:`trl_plugins.testing_vllm`: the backend (colocate and server),
+TRL's own VLLMGeneration wiring in the trainer, weight pushes after each update, and sleep mode.
+
+vLLM cannot be installed here; the fake replaces only the engine and the transport, so TRL's argument
+mapping, ``sync_weights`` and parameter gathering run for real. ``scripts/gpu_check.sh`` runs real vLLM
+where it is importable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import code_schema
+
+from trl_plugins import testing_vllm as fake
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend
+from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.types import LogprobSource, SamplingSettings
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny model and tokenizer saved to disk (vLLM loads the model by its path)."""
+    path = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer("qwen2_5")
+    build_tiny_model(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    chat = ChatFormat(tok, [code_schema()])
+    prompts = [chat.initial_prompt_ids([{"role": "user", "content": q}]) for q in ("What is 2 + 2?", "Compute 17 * 3.")]
+    return str(path), tok, chat, prompts
+
+
+@pytest.fixture()
+def patched(monkeypatch):
+    import trl.generation.vllm_client as trl_client
+    import trl.generation.vllm_generation as trl_generation
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    def install(**kwargs):
+        monkeypatch.setattr(trl_grpo, "VLLMGeneration", fake.generation_class(**kwargs))
+        monkeypatch.setattr(trl_generation, "SamplingParams", fake.SamplingParams, raising=False)
+        monkeypatch.setattr(trl_client, "VLLMClient", fake.FakeVLLMClient)
+
+    install()
+    return install
+
+
+def _hf_reference(path, tok, chat, prompts, budgets, seeds, sampling):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
+                               sampling=sampling).generate(prompts, budgets, seeds=seeds)
+
+
+def test_colocate_backend_is_token_in_token_out_with_processed_logprobs(saved, patched):
+    path, tok, chat, prompts = saved
+    sampling = SamplingSettings(temperature=0.9, top_k=50)
+    llm = fake.FakeLLM(path, logprob_shift=-0.25)
+    gen = type("Gen", (), {"mode": "colocate", "llm": llm, "enable_sleep_mode": False})()
+    be = VLLMBackend(gen, stop_token_ids=chat.stop_token_ids, sampling=sampling)
+    assert be.max_concurrency == 1 and be.logprob_source == LogprobSource.PROCESSED
+    out = be.generate(prompts, [5, 30], seeds=[1, 2])
+    ref = _hf_reference(path, tok, chat, prompts, [5, 30], [1, 2], sampling)
+    for got, want, budget in zip(out, ref, [5, 30]):
+        assert got.token_ids == want.token_ids and len(got.token_ids) <= budget  # budget and stop tokens as HF's
+        assert got.finished == want.finished
+        assert got.logprobs == pytest.approx([lp - 0.25 for lp in want.logprobs], abs=1e-5)  # vLLM's own log-probs
+    assert llm.log == ["generate:2"]
+
+
+def test_server_backend_sends_each_turn_as_its_own_request(saved):
+    path, tok, chat, prompts = saved
+    sampling = SamplingSettings(temperature=1.0)
+    with fake.FakeVLLMServer(path) as server:
+        client = fake.FakeVLLMClient(base_url=server.base_url)
+        gen = type("Gen", (), {"mode": "server", "vllm_client": None})()
+        with pytest.raises(ValueError, match="needs a VLLMClient on every rank"):
+            VLLMBackend(gen, stop_token_ids=chat.stop_token_ids, sampling=sampling)
+        be = VLLMBackend(gen, stop_token_ids=chat.stop_token_ids, sampling=sampling, client=client, max_concurrency=8)
+        assert be.max_concurrency == 8
+        out = be.generate([prompts[0]], [20], seeds=[7])
+        ref = _hf_reference(path, tok, chat, [prompts[0]], [20], [7], sampling)
+        assert out[0].token_ids == ref[0].token_ids
+        assert out[0].logprobs == pytest.approx(ref[0].logprobs, abs=1e-5)
+        assert client.stats()["requests"] == 1
+
+
+def test_colocate_sleep_mode_wakes_for_the_rollout_and_needs_the_weights_pushed_again(saved, patched):
+    path, tok, chat, prompts = saved
+    llm = fake.FakeLLM(path)
+    pushes = []
+
+    class Gen:
+        mode, enable_sleep_mode = "colocate", True
+        _llm_weights_sleeping = False
+
+        def __init__(self):
+            self.llm = llm
+            self.weights = {n: p.detach().clone() for n, p in llm.engine.model.named_parameters()}
+
+        def sync_weights(self):  # what TRL's does in colocate mode: wake the weights, load them
+            llm.wake_up(tags=["weights"])
+            llm.engine.load_weights(self.weights.items())
+            pushes.append(1)
+
+    gen = Gen()
+    be = VLLMBackend(gen, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(temperature=0.0))
+    be.sync_weights(0)
+    with be.session():
+        first = be.generate([prompts[0]], [8], seeds=[0])[0]
+    assert llm.log[-2:] == ["generate:1", "sleep:2"] and gen._llm_weights_sleeping
+    with pytest.raises(RuntimeError, match="call sync_weights"):  # level-2 sleep discarded the weights
+        with be.session():
+            pass
+    be.sync_weights(0)  # same step, but the weights are asleep: pushed again
+    with be.session():
+        again = be.generate([prompts[0]], [8], seeds=[0])[0]
+    assert len(pushes) == 2 and again.token_ids == first.token_ids
+    assert all(torch.isfinite(torch.tensor(again.logprobs)))
+
+
+def _train(tmp_path, path, **overrides):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    kwargs = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2,
+        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
+        reward_components=["length"], max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2,
+        seed=0, disable_tqdm=True, bf16=False, use_vllm=True,
+    )
+    kwargs.update(overrides)
+    rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)])
+
+    class LastTokenReward:
+        def __call__(self, trajectory, example):
+            return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
+
+    trainer = MultiTurnGRPOTrainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                   MultiTurnGRPOConfig(**kwargs), train_dataset=rows,
+                                   processing_class=AutoTokenizer.from_pretrained(path),
+                                   reward_components={"length": LastTokenReward()})
+    import trl_plugins.trainers.multi_turn_trainer as module
+
+    seen, original = [], module.rollout_rows
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        seen.append(result.trajectories)
+        return result
+
+    module.rollout_rows = spy
+    try:
+        trainer.train()
+    finally:
+        module.rollout_rows = original
+    return trainer, seen
+
+
+def _same_weights(engine_model, trainer) -> bool:
+    theirs = dict(engine_model.named_parameters())
+    return all(torch.equal(theirs[n], p.detach()) for n, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("sleep", [False, True])
+def test_trainer_colocate_generates_with_vllm_and_pushes_the_updated_weights(tmp_path, saved, patched, sleep):
+    path = saved[0]
+    trainer, seen = _train(tmp_path, path, vllm_mode="colocate", vllm_enable_sleep_mode=sleep)
+    llm = trainer.vllm_generation.llm
+    assert all(t.policy_version.logprob_source == LogprobSource.PROCESSED for trajs in seen for t in trajs)
+    assert [trajs[0].policy_version.step for trajs in seen] == [0, 1]
+    gens = [e for e in llm.log if e.startswith("generate")]
+    assert gens and all(int(e.split(":")[1]) >= 1 for e in gens)
+    if sleep:
+        # Each rollout: wake the KV cache, generate, sleep (level 2); the weights are pushed before each.
+        assert llm.log[0] == "sleep:2" and llm.log.count("wake:kv_cache") == 2 and llm.log.count("sleep:2") == 3
+    else:
+        # After the last update no rollout ran, so vLLM holds step 1's weights: push them and compare.
+        trainer._vllm_backend.sync_weights(trainer.state.global_step)
+        assert _same_weights(llm.engine.model, trainer)
+        from transformers import AutoModelForCausalLM
+
+        initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert not _same_weights(initial, trainer)  # negative control: training moved the weights
+
+
+def test_trainer_server_mode_sends_turns_from_the_rank_and_pushes_weights(tmp_path, saved, patched):
+    path = saved[0]
+    with fake.FakeVLLMServer(path) as server:
+        trainer, seen = _train(tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url,
+                               vllm_max_concurrent_requests=3)
+        turns = sum(len(t.turns) for trajs in seen for t in trajs)
+        assert server.engine.requests == turns  # one request per turn
+        assert trainer._vllm_backend.max_concurrency == 3
+        trainer._vllm_backend.sync_weights(trainer.state.global_step)
+        assert _same_weights(server.engine.model, trainer)
+
+
+def test_vllm_settings_that_cannot_work_are_refused_before_any_model_loads(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], reward_components=["correct"], use_vllm=True)
+    for bad, match in [({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size"),
+                       ({"vllm_structured_outputs_regex": "a+"}, "vllm_structured_outputs_regex"),
+                       ({"vllm_mode": "remote"}, "vllm_mode"),
+                       ({"vllm_max_concurrent_requests": 0}, "vllm_max_concurrent_requests")]:
+        with pytest.raises(ValueError, match=match):
+            MultiTurnGRPOConfig(**base, **bad)
+    # The engine's context must hold a whole trajectory; checked before the model is loaded ("no-such-model").
+    config = MultiTurnGRPOConfig(**base, vllm_max_model_length=512, rollout_kwargs={"max_trajectory_tokens": 600})
+    with pytest.raises(ValueError, match="vllm_max_model_length=512 is shorter than the rollout's token budget of 600"):
+        MultiTurnGRPOTrainer("no-such-model", config)
