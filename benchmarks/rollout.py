@@ -9,6 +9,10 @@ The tool sleeps ``--tool-s`` seconds per call (an async tool for us; a sync func
 is what its tool loop runs one at a time). Also printed: our engine with the real sandbox
 ``code_interpreter`` (warm and cold) running a small computation.
 
+Our rows also print the rollout's critical path (the longest trajectory's own chain of generation and
+tool calls, the floor of any schedule) and wall / critical path. gen s and tools s are wall time with
+at least one generate call / tool call in flight (they overlap).
+
 Numbers are wall-clock on a shared 2-core machine: compare the columns of one run.
 """
 
@@ -115,7 +119,8 @@ def run_ours(tok, model, questions: int, group: int, calls: int, tool) -> dict:
     trajs = res.trajectories
     assert all(t.stop_reason == "final_answer" for t in trajs), [t.stop_reason for t in trajs]
     assert all(t.num_tool_calls == calls for t in trajs)
-    return dict(wall=wall, gen=res.generation_s, tools=res.tools_s, n=len(trajs), calls=sum(t.num_tool_calls for t in trajs), conc=res.max_concurrent_tool_calls)
+    return dict(wall=wall, gen=res.generation_s, tools=res.tools_s, n=len(trajs), calls=sum(t.num_tool_calls for t in trajs),
+                conc=res.max_concurrent_tool_calls, crit=res.critical_path_s)
 
 
 def run_trl(tok, model, questions: int, group: int, calls: int, tool_s: float) -> dict:
@@ -204,12 +209,14 @@ def main() -> None:
     n = args.questions * args.group
     print(f"{args.questions} questions x group {args.group} = {n} trajectories, {args.calls} tool calls each "
           f"({n * args.calls} calls), sleep tool {args.tool_s} s/call, tiny Qwen2 on CPU, torch threads=1")
-    header = f"{'rollout':<28} {'wall s':>8} {'traj/s':>8} {'gen s':>7} {'tools s':>8} {'calls':>6} {'max conc':>9}"
+    header = (f"{'rollout':<28} {'wall s':>8} {'traj/s':>8} {'gen s':>7} {'tools s':>8} {'calls':>6} {'max conc':>9} "
+              f"{'crit. path s':>13} {'wall/crit':>10}")
     print(header)
     print("-" * len(header))
     base = rows[0][1]["wall"]
     for name, r in rows:
-        print(f"{name:<28} {r['wall']:>8.2f} {r['n'] / r['wall']:>8.2f} {r['gen']:>7.2f} {r['tools']:>8.2f} {r['calls']:>6} {r['conc']:>9}")
+        crit = f"{r['crit']:>13.2f} {r['wall'] / r['crit']:>10.2f}" if r.get("crit") else f"{'-':>13} {'-':>10}"
+        print(f"{name:<28} {r['wall']:>8.2f} {r['n'] / r['wall']:>8.2f} {r['gen']:>7.2f} {r['tools']:>8.2f} {r['calls']:>6} {r['conc']:>9} {crit}")
     if len(rows) > 1 and rows[1][0].startswith("TRL"):
         print(f"TRL wall / ours wall = {rows[1][1]['wall'] / base:.2f}x")
 

@@ -1,5 +1,5 @@
-"""Generation backends: HF generate on a tiny local model (left padding, budgets, log-probs, replay)
-and the vLLM backend against a fake of TRL's VLLMGeneration."""
+"""Generation backends: HF generate on a tiny local model (left padding, budgets, per-row seeds, log-probs,
+replay). The vLLM backend is tested in test_vllm.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from conftest import code_schema
 
 from trl_plugins.testing import build_tiny_model, build_tokenizer
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend, replay_logprobs
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
 from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
 
 SCHEMA = code_schema()
@@ -129,42 +129,6 @@ def test_replay_matches_stored_logprobs_over_multi_turn_trajectories(setup, samp
     # Negative control: replaying at the wrong temperature is caught.
     if be.sampling.temperature != 1.0:
         assert replay_logprobs(model, trajs, pad_token_id=tok.pad_token_id, temperature=1.0).max_abs_diff > 1e-2
-
-
-class FakeVLLMGeneration:
-    """Mimics trl.generation.vllm_generation.VLLMGeneration.generate (token ids in, ids + logprobs out)."""
-
-    def __init__(self, mode: str, completions: list[list[int]], with_logprobs: bool = True) -> None:
-        self.mode = mode
-        self.completions = completions
-        self.with_logprobs = with_logprobs
-        self.max_completion_length = 16
-        self.generation_kwargs: dict = {}
-        self.calls: list[tuple] = []
-
-    def generate(self, prompts, images, num_generations):
-        self.calls.append((prompts, self.max_completion_length, dict(self.generation_kwargs), num_generations))
-        comps = [c[: self.max_completion_length] for c in self.completions[: len(prompts)]]
-        logprobs = [[[-0.1 * (k + 1)] for k in range(len(c))] for c in comps] if self.with_logprobs else None
-        return prompts, comps, logprobs, None
-
-
-def test_vllm_backend_cuts_rows_and_keeps_processed_logprobs():
-    fake = FakeVLLMGeneration("colocate", [[5, 6, 2, 9], [5, 6, 7, 8, 9, 10]])
-    be = VLLMBackend(fake, stop_token_ids=[2], sampling=SamplingSettings(temperature=0.9))
-    out = be.generate([[1, 1], [1]], [4, 3], seed=42)
-    assert be.logprob_source == LogprobSource.PROCESSED and not be.requires_lockstep
-    assert out[0].token_ids == [5, 6, 2] and out[0].finished and out[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
-    assert out[1].token_ids == [5, 6, 7] and not out[1].finished
-    prompts, max_len, kwargs, n = fake.calls[0]
-    assert max_len == 4 and kwargs["seed"] == 42 and n == 1 and prompts == [[1, 1], [1]]
-
-
-def test_vllm_server_mode_is_lockstep_and_logprobs_are_required():
-    assert VLLMBackend(FakeVLLMGeneration("server", []), stop_token_ids=[2], sampling=SamplingSettings()).requires_lockstep
-    be = VLLMBackend(FakeVLLMGeneration("colocate", [[3]], with_logprobs=False), stop_token_ids=[2], sampling=SamplingSettings())
-    with pytest.raises(RuntimeError, match="logprobs=0"):
-        be.generate([[1]], [4], seed=0)
 
 
 def test_hf_session_unwraps_a_prepared_model(setup):

@@ -1,0 +1,62 @@
+"""Checks that need a CUDA device (skipped without one; ``scripts/gpu_check.sh`` runs them): the HF backend's
+per-row seeded sampling and behaviour log-probs on the GPU, and a trainer step with the model on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import code_schema
+
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
+from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.types import SamplingSettings, StopReason, Trajectory, Turn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [code_schema()])
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2).to("cuda")
+    prompts = [chat.initial_prompt_ids([{"role": "user", "content": q}]) for q in ("What is 2 + 2?", "Compute 17 * 3, then answer.")]
+    return tok, chat, model, prompts
+
+
+def test_cuda_rows_sample_independently_of_their_batch_and_replay(setup):
+    tok, chat, model, prompts = setup
+    be = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
+                             sampling=SamplingSettings(temperature=0.8, top_p=0.95))
+    alone = be.generate([prompts[0]], [32], seeds=[5])[0]
+    batched = be.generate([prompts[1], prompts[0]], [32, 32], seeds=[6, 5])[1]
+    assert batched.token_ids == alone.token_ids
+    traj = Trajectory(turns=[Turn(prompts[0], alone.token_ids, alone.logprobs, truncated=not alone.finished)],
+                      stop_reason=StopReason.TURN_LENGTH if not alone.finished else StopReason.NO_TOOL_CALL)
+    report = replay_logprobs(model, [traj], pad_token_id=tok.pad_token_id, temperature=0.8)
+    assert report.max_abs_diff < 1e-3
+
+
+def test_a_trainer_step_on_the_gpu(tmp_path):
+    from datasets import Dataset
+
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    class LastToken:
+        def __call__(self, trajectory, example):
+            return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    config = MultiTurnGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1, report_to=[],
+        save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True, bf16=False,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
+        reward_components=["r"], max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2,
+    )
+    rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)])
+    trainer = MultiTurnGRPOTrainer(model, config, train_dataset=rows, processing_class=tok, reward_components={"r": LastToken()})
+    trainer.train()
+    assert next(trainer.model.parameters()).device.type == "cuda"
+    assert any(not torch.equal(a.cuda(), b.detach()) for a, b in zip(before, trainer.model.parameters()))
