@@ -53,11 +53,13 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from retool.report import format_summary, plot_run, read_metrics
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
+    from trl_plugins.trainers.batch import check_vllm
     from trl_plugins.trainers.plugins import check_named_plugins
 
     start = time.perf_counter()
     # Before anything is built or loaded (the config checked the other plugins when it was parsed).
     check_named_plugins(training_args)
+    check_vllm(training_args)
     ks = check_eval_settings(script_args, training_args)
     _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
     state = PartialState()

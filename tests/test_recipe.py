@@ -358,3 +358,15 @@ def test_evaluation_settings_are_refused_before_anything_is_built():
     script_args, args = retool_ppo.parse_args(["--eval_temperature", "0"])
     with pytest.raises(SystemExit, match="greedy"):
         check_eval_settings(script_args, args)
+
+
+def test_use_vllm_without_vllm_stops_the_recipe_before_anything_is_built(tmp_path):
+    # The main command with --use_vllm on a machine without vLLM: the message, not a cold start then an ImportError.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--use_vllm", "true", "--output_dir", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode != 0 and "vLLM is not installed here" in proc.stderr
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()

@@ -214,6 +214,15 @@ def test_vllm_settings_that_cannot_work_are_refused_before_any_model_loads(tmp_p
                        ({"vllm_max_concurrent_requests": 0}, "vllm_max_concurrent_requests")]:
         with pytest.raises(ValueError, match=match):
             MultiTurnGRPOConfig(**base, **bad)
+    # vLLM is not installed here: refused before the model loads ("no-such-model" is never looked up)...
+    with pytest.raises(ValueError, match="vLLM is not installed here"):
+        MultiTurnGRPOTrainer("no-such-model", MultiTurnGRPOConfig(**base))
+
+
+def test_a_vllm_context_shorter_than_a_trajectory_is_refused_before_the_model_loads(tmp_path, patched):
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], reward_components=["correct"], use_vllm=True)
     # The engine's context must hold a whole trajectory; checked before the model is loaded ("no-such-model").
     config = MultiTurnGRPOConfig(**base, vllm_max_model_length=512, rollout_kwargs={"max_trajectory_tokens": 600})
     with pytest.raises(ValueError, match="vllm_max_model_length=512 is shorter than the rollout's token budget of 600"):

@@ -27,6 +27,7 @@ __all__ = [
     "hf_backend",
     "sampling_settings",
     "vllm_backend",
+    "check_vllm",
     "rollout_rows",
     "score_trajectories",
     "training_mask",
@@ -74,6 +75,24 @@ def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, tempe
         sampling=sampling_settings(args, temperature=temperature),
         accelerator=accelerator,
     )
+
+
+def check_vllm(args: Any) -> None:
+    """Refuse ``use_vllm`` before any model loads when vLLM cannot be imported (and no stand-in for TRL's
+    ``VLLMGeneration`` was installed, as the tests' :mod:`trl_plugins.testing_vllm` does)."""
+    if not getattr(args, "use_vllm", False):
+        return
+    import trl.trainer.grpo_trainer as trl_grpo
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.import_utils import is_vllm_available
+
+    if trl_grpo.VLLMGeneration is VLLMGeneration and not is_vllm_available():
+        raise ValueError(
+            "use_vllm=True, but vLLM is not installed here. Install a version TRL 1.16 supports "
+            "(pip install 'vllm>=0.22,<=0.31') on the machine that generates (every training process in colocate "
+            "mode; in server mode the trainer needs it too, for TRL's client), or drop --use_vllm to generate with "
+            "HF generate."
+        )
 
 
 def vllm_backend(vllm_generation: Any, chat: ChatFormat, args: Any, accelerator: Any) -> VLLMBackend:

@@ -40,6 +40,7 @@ from trl_plugins.trainers.batch import (
     hf_backend,
     sampling_settings,
     vllm_backend,
+    check_vllm,
     kl_per_token,
     rollout_rows,
     score_trajectories,
@@ -140,6 +141,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             raise ValueError("log_completions is TRL's single-turn table; trajectory tables come from this trainer's own logging.")
         # Every plugin is built (and checked) before TRL loads anything.
         self._plugins = build_plugins(args, tools=tools, reward_components=reward_components)
+        check_vllm(args)
         budget = getattr(self._plugins.rollout, "token_budget", None)
         if args.use_vllm and args.vllm_max_model_length is not None and budget is not None and budget > args.vllm_max_model_length:
             raise ValueError(
