@@ -23,6 +23,11 @@ Launch (the YAML next to this file holds the defaults; any field can be overridd
     # two CPU processes under ZeRO-3 (what the smoke test runs)
     accelerate launch --config_file accelerate_configs/cpu_zero3.yaml recipes/retool_ppo.py --max_steps 2
 
+    # a LoRA adapter instead of full fine-tuning (TRL's ModelConfig fields; final/ holds the adapter)
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \
+        --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --use_peft --lora_r 16 --lora_alpha 32 \
+        --lora_target_modules all-linear --learning_rate 1e-5 --bf16 true
+
 How this differs from the ReTool paper (Feng et al., 2025): the paper cold-starts Qwen2.5-32B on
 curated code-integrated traces and trains with PPO in verl (a critic, token-level rewards); here the
 advantage is group-relative with no critic (as in GRPO/DAPO), generation is HF ``generate`` (a vLLM
@@ -54,12 +59,17 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
     from trl_plugins.trainers.batch import check_vllm
+    from trl_plugins.trainers.lora import check_model_config, model_init_kwargs, peft_config_from
     from trl_plugins.trainers.plugins import check_named_plugins
 
     start = time.perf_counter()
     # Before anything is built or loaded (the config checked the other plugins when it was parsed).
     check_named_plugins(training_args)
     check_vllm(training_args)
+    try:
+        check_model_config(script_args, training_args)  # --use_peft, --lora_*, quantisation, ...
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     ks = check_eval_settings(script_args, training_args)
     _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
     state = PartialState()
@@ -104,8 +114,10 @@ def main(script_args: ScriptArguments, training_args) -> int:
         before = held_out(model_path, "eval_before.json")
     state.wait_for_everyone()
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if not training_args.bf16 else "auto")
-    trainer = MultiTurnGRPOTrainer(model, training_args, train_dataset=train_dataset, processing_class=tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(script_args, training_args))
+    # With --use_peft, TRL wraps the policy in a LoRA adapter: only the adapter trains and checkpoints hold it.
+    trainer = MultiTurnGRPOTrainer(model, training_args, train_dataset=train_dataset, processing_class=tokenizer,
+                                   peft_config=peft_config_from(script_args))
     if evaluate and script_args.eval_every_steps > 0:
         heldout_rows = load_task_rows(script_args.dataset_name, script_args.dataset_test_split,
                                       size=min(script_args.eval_every_problems, script_args.eval_problems),

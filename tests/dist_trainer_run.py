@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.0, help="reference KL in the loss (TRL builds the reference)")
     ap.add_argument("--flaky", action="store_true", help="a scripted tool-calling policy, a flaky tool and a verifier "
                     "that raises on some answers and hangs on others (infrastructure failures)")
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter on q_proj and v_proj (peft_config)")
+    ap.add_argument("--initial_out", default=None, help="write the full parameters before training here (rank 0)")
     ap.add_argument("--gae", action="store_true", help="actor-critic: advantage gae, the critic built from the saved policy")
     ap.add_argument("--slow_tool", action="store_true", help="a scripted policy whose calls sleep 1 s in the real sandbox")
     ap.add_argument("--markers", default=None, help="write <markers>/<what>-step<N>-rank<R> as the run reaches rollouts "
@@ -99,8 +101,9 @@ def main() -> None:
         from trl_plugins import testing_vllm
 
         testing_vllm.install()
-    if args.beta or args.gae or args.vllm:
-        # TRL builds the reference from the policy's path; each rank writes its own identical copy.
+    if (args.beta and not args.lora) or args.gae or args.vllm:
+        # TRL builds the reference from the policy's path; each rank writes its own identical copy (with LoRA
+        # the reference is the policy with its adapter disabled: no copy). vLLM loads the policy by its path.
         path = Path(args.output_dir) / f"policy-{os.environ.get('LOCAL_RANK', '0')}"
         model.save_pretrained(path)
         tok.save_pretrained(path)
@@ -127,9 +130,16 @@ def main() -> None:
         from test_trainer import FlakyCodeTool, PickyVerifier
 
         reward, extra = PickyVerifier(), {"tools": {"code_interpreter": FlakyCodeTool()}}
+    if args.lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        torch.manual_seed(0)  # the adapter's random init (lora_A): the same on every rank and in every run
     trainer = MultiTurnGRPOTrainer(model, config, train_dataset=Dataset.from_list(rows), processing_class=tok,
                                    reward_components={"token": reward}, **extra)
     rank = trainer.accelerator.process_index
+    if args.initial_out and trainer.accelerator.is_main_process:  # not yet prepared: full local parameters
+        torch.save({k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}, args.initial_out)
     if args.markers or args.slow_update or args.dump:
         trainer.add_callback(Probe(trainer, args, rank))
     if args.markers:

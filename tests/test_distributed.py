@@ -184,3 +184,39 @@ def test_vllm_generation_on_two_ranks(config, mode, tmp_path):
     assert all(s["train/update_skipped"] == 0.0 for s in steps)
     # The fake samples from exactly the pushed weights: its log-probs match the trainer's forward.
     assert all(abs(s["train/ratio_min"] - 1) < 1e-3 and abs(s["train/ratio_max"] - 1) < 1e-3 for s in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2")], ids=["lora", "lora-reference-kl-2-steps"])
+def test_lora_step_under_zero3_on_two_ranks_equals_one_process(tmp_path, extra):
+    # A LoRA adapter (TRL wraps the policy from peft_config), per-row seeds and SGD as above: one step on
+    # 2 ZeRO-3 ranks x 2 questions equals one step on 1 process x 4 questions, and only the adapter moves.
+    # With beta, the reference is the (sharded) policy with its adapter disabled: at step 1 the fresh adapter
+    # (lora_B = 0) leaves the policy exactly the base, at step 2 they differ, by the same amount on both setups.
+    import torch
+
+    common = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed", "--lora")
+    initial, final, gaps = {}, {}, {}
+    for config, per_device in (("cpu.yaml", "8"), ("cpu_zero3.yaml", "4")):
+        report = launch_trainer(config, tmp_path, config, "--output_dir", str(tmp_path / config), "--per_device", per_device,
+                                "--initial_out", str(tmp_path / f"{config}.init.pt"),
+                                "--params_out", str(tmp_path / f"{config}.pt"), *common, *extra)
+        assert report["steps"][0]["train/update_skipped"] == 0.0
+        if "--beta" in extra:
+            first, last = report["steps"][0], report["steps"][-1]
+            assert report["global_step"] == 2 and first["train/ref_logprob_gap"] == 0.0
+            gaps[config] = last["train/ref_logprob_gap"]
+            assert gaps[config] > 1e-6 and last["train/kl_k2"] > 0
+        initial[config], final[config] = torch.load(tmp_path / f"{config}.init.pt"), torch.load(tmp_path / f"{config}.pt")
+    if gaps:
+        assert gaps["cpu_zero3.yaml"] == pytest.approx(gaps["cpu.yaml"], rel=1e-3)
+    one, two = final["cpu.yaml"], final["cpu_zero3.yaml"]
+    assert one.keys() == two.keys() == initial["cpu.yaml"].keys()
+    adapter = [k for k in one if ".lora_" in k]
+    assert adapter and all(torch.equal(initial["cpu.yaml"][k], initial["cpu_zero3.yaml"][k]) for k in one)  # same start
+    for params in (one, two):  # the base weights are bit-identical after the step: only the adapter trained
+        assert all(torch.equal(params[k], initial["cpu.yaml"][k]) for k in one if k not in adapter)
+    update = sum(float((one[k] - initial["cpu.yaml"][k]).pow(2).sum()) for k in adapter) ** 0.5
+    assert update > 1e-4
+    diff = sum(float((two[k] - one[k]).pow(2).sum()) for k in adapter) ** 0.5
+    assert diff / update < 1e-5, (diff, update)

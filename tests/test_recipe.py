@@ -194,6 +194,20 @@ def test_main_command_runs_actor_critic_with_gae(tmp_path):
     assert all("critic/value_loss" in r and "critic/explained_variance" in r for r in steps)
 
 
+@pytest.mark.slow
+def test_main_command_trains_a_lora_adapter(tmp_path):
+    # --use_peft through the real launcher: only the adapter is saved, and the held-out evaluation after RL
+    # loads final/ (base + adapter) by its path.
+    proc = _launch(tmp_path, "cpu.yaml", ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--report_to", "none",
+                                          "--eval_every_steps", "0"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    final = tmp_path / "out" / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
+    assert not list(final.glob("model*.safetensors"))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["after"]["problems"] == 4 and summary["after"]["model"] == str(final)
+
+
 def test_embedded_settings_reject_bad_json_and_unknown_fields():
     from retool.default_model import EmbeddedSettings
 

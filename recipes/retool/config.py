@@ -1,10 +1,12 @@
-"""The recipe's arguments: ``ScriptArguments`` (task, model, evaluation) beside ``MultiTurnGRPOConfig``,
+"""The recipe's arguments: ``ScriptArguments`` (task, model and LoRA, evaluation) beside ``MultiTurnGRPOConfig``,
 parsed from ``recipes/retool_ppo.yaml`` and the command line by both entry points."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trl import ModelConfig
 
 __all__ = ["DEFAULT_CONFIG", "ScriptArguments", "parse_args"]
 
@@ -13,8 +15,12 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "retool_ppo.yaml"
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(ModelConfig):
+    """The task, model and evaluation; TRL's ``ModelConfig`` brings ``--use_peft`` and the ``--lora_*``
+    fields (``trl_plugins.trainers.lora`` honours or refuses each one)."""
+
     model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout: 0 (TRL's default 0.05 is refused: dropout in the update but not in generation biases every importance ratio)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled arithmetic task."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})

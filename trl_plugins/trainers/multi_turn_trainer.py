@@ -50,6 +50,7 @@ from trl_plugins.trainers.batch import (
 from trl_plugins.trainers.critic import build_critic, load_critic, prepare_critic, rollout_values, save_critic, value_update
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, die_with_launcher
+from trl_plugins.trainers.lora import check_peft
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
 from trl_plugins.trainers.step import datums_to_forward, policy_update, reduce_over_ranks, reference_logprobs
@@ -115,7 +116,10 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         processing_class: The tokenizer (its chat template must support tool turns).
         tools: Tool instances by name; default: built from ``args.tools`` and ``args.tool_kwargs``.
         reward_components: Reward callables by name; default: built from ``args.reward_components``.
-        callbacks, optimizers, peft_config: As for GRPOTrainer.
+        callbacks, optimizers: As for GRPOTrainer.
+        peft_config: A ``peft.LoraConfig`` (as for GRPOTrainer: TRL wraps the policy, only the adapter trains,
+            and with ``beta > 0`` the reference is the policy with its adapter disabled); checked by
+            :func:`~trl_plugins.trainers.lora.check_peft`.
 
     Raises:
         ValueError: an invalid combination (see the message for what to set instead).
@@ -149,6 +153,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 f"{budget} (rollout_kwargs max_trajectory_tokens): vLLM would refuse the longest trajectories' turns. "
                 f"Raise vllm_max_model_length or lower max_trajectory_tokens."
             )
+        # An adapter (TRL wraps the policy with peft_config) is checked before TRL wraps anything.
+        check_peft(peft_config, args, model=model, needs_values=self._plugins.advantage.needs_values)
         # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
         critic = build_critic(model) if self._plugins.advantage.needs_values else None
         super().__init__(
