@@ -124,7 +124,7 @@ def test_colocate_sleep_mode_wakes_for_the_rollout_and_needs_the_weights_pushed_
     assert all(torch.isfinite(torch.tensor(again.logprobs)))
 
 
-def _train(tmp_path, path, **overrides):
+def _train(tmp_path, path, peft_config=None, **overrides):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,7 +147,7 @@ def _train(tmp_path, path, **overrides):
     trainer = MultiTurnGRPOTrainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                    MultiTurnGRPOConfig(**kwargs), train_dataset=rows,
                                    processing_class=AutoTokenizer.from_pretrained(path),
-                                   reward_components={"length": LastTokenReward()})
+                                   reward_components={"length": LastTokenReward()}, peft_config=peft_config)
     import trl_plugins.trainers.multi_turn_trainer as module
 
     seen, original = [], module.rollout_rows
@@ -190,6 +190,27 @@ def test_trainer_colocate_generates_with_vllm_and_pushes_the_updated_weights(tmp
 
         initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         assert not _same_weights(initial, trainer)  # negative control: training moved the weights
+
+
+def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, patched):
+    # TRL's sync_weights merges the adapter into the base weights it pushes (and unmerges after).
+    from peft import LoraConfig
+
+    path = saved[0]
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer, _ = _train(tmp_path, path, peft_config=lora, vllm_mode="colocate")
+    engine = trainer.vllm_generation.llm.engine.model
+    trainer._vllm_backend.sync_weights(trainer.state.global_step)
+    with torch.no_grad():
+        trainer.model.merge_adapter()
+        merged = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
+                  for n, p in trainer.model.named_parameters() if ".lora_" not in n}
+        trainer.model.unmerge_adapter()
+    theirs = dict(engine.named_parameters())
+    assert merged.keys() >= theirs.keys()
+    assert all(torch.allclose(theirs[n], merged[n], atol=1e-6) for n in theirs)
+    base = dict(trainer.model.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert not torch.allclose(theirs["model.layers.0.self_attn.q_proj.weight"], base)  # the adapter's update is in
 
 
 def test_trainer_server_mode_sends_turns_from_the_rank_and_pushes_weights(tmp_path, saved, patched):
