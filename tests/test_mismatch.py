@@ -6,13 +6,19 @@ Throughout, ``d = log pi_old - log pi_sampler`` and ``r = exp(d)``.
 
 from __future__ import annotations
 
+import copy
 import math
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import make_trajectory, rel_err
 
-from trl_plugins.algos import PPOClipLoss, importance_weights
-from trl_plugins.types import ImportanceSamplingMode, PolicyLossInput
+from trl_plugins.algos import PPOClipLoss, aggregate, importance_weights, local_denominators
+from trl_plugins.datum import build_datum, collate
+from trl_plugins.modeling import token_logprobs
+from trl_plugins.types import ImportanceSamplingMode, LogprobSource, PolicyLossInput
 
 LN2 = math.log(2.0)
 
@@ -132,3 +138,190 @@ def test_ppo_clip_weights_only_the_policy_gradient_term():
     # Weight one everywhere is today's loss, bit for bit.
     ones = PPOClipLoss()(PolicyLossInput(logp, logp.detach() + 0.1, adv, mask, is_weights=torch.ones_like(adv)))
     assert torch.equal(ones.per_token_loss, PPOClipLoss()(PolicyLossInput(logp, logp.detach() + 0.1, adv, mask)).per_token_loss)
+
+
+# -- the update ---------------------------------------------------------------------------------------
+
+SHIFT = 1.0  # the sampler under-reports shifted tokens by 1 nat: r = pi_old / pi_sampler = e
+
+
+def _config(**overrides):
+    base = dict(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=2,
+                max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=None,
+                temperature=1.0, max_grad_norm=None, drop_zero_advantage=False,
+                vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
+                vllm_importance_sampling_clip_max=2.0)
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _shifted_datums(model, n=8, seed=4):
+    """Datums whose behaviour log-probs are the model's own, minus SHIFT on every other action token of
+    the even datums. Returns the datums and, per datum, the 0/1 list of shifted positions."""
+    rng = random.Random(seed)
+    datums = [build_datum(make_trajectory(rng, num_turns=rng.randint(1, 3)), advantage=rng.choice([-1, 1]) * rng.uniform(0.3, 1.5),
+                          trajectory_index=i) for i in range(n)]
+    with torch.no_grad():
+        mb = collate(datums, list(range(n)), pad_token_id=0)
+        lp = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_ids)
+    shifted = []
+    for row, d in enumerate(datums):
+        k, marks = 0, []
+        for m in d.action_mask:
+            marks.append(int(bool(m) and row % 2 == 0 and k % 2 == 0))
+            k += m
+        shifted.append(marks)
+        d.behaviour_logprobs = [float(x) - SHIFT * s if m else 0.0 for x, m, s in zip(lp[row, : d.num_tokens], d.action_mask, marks)]
+    return datums, shifted
+
+
+def _expected_weights(mode, shifted, datums, clip_max=2.0):
+    """Hand-made weights: r = e on shifted tokens, 1 elsewhere; C_max = 2, no C_min."""
+    out = []
+    for marks, d in zip(shifted, datums):
+        k = sum(marks)
+        if mode == "token_truncate":
+            w = [min(math.e, clip_max) if s else 1.0 for s in marks]
+        elif mode == "token_mask":
+            w = [0.0 if s else 1.0 for s in marks]
+        elif mode == "sequence_truncate":
+            w = [min(math.exp(k), clip_max)] * len(marks)
+        else:
+            w = [0.0 if math.exp(k) > clip_max else 1.0] * len(marks)
+        out.append([x if m else 0.0 for x, m in zip(w, d.action_mask)])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_update_anchors_on_pi_old_and_weights_the_gradient_by_hand(tiny_model_factory, mode):
+    from accelerate import Accelerator
+
+    from trl_plugins.trainers.step import old_logprobs, policy_update
+
+    model = tiny_model_factory(torch.float32)
+    datums, shifted = _shifted_datums(model)
+    config = _config(vllm_importance_sampling_mode=mode)
+    reference = copy.deepcopy(model)
+    before = _flat(model).clone()
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    old_logprobs(accelerator, model, datums, config, pad_token_id=0)
+    result = policy_update(accelerator, model, optimizer, datums, PPOClipLoss(), config, pad_token_id=0)
+
+    # By hand: pi_old is the model itself, so the ratio pi / pi_old is 1 (value), never clipped, and the
+    # loss is sum_t w_t * -A_t * exp(logp_t - stopgrad(logp_t)) / N_tok with the hand-made w. Anchored on
+    # the sampler instead, the shifted tokens would have ratio e > 1.28 and a positive advantage's
+    # gradient would be clipped away.
+    full = collate(datums, list(range(len(datums))), pad_token_id=0)
+    n_tok, n_seq = local_denominators(full.action_mask)
+    w = torch.zeros_like(full.action_mask)
+    for row, ws in enumerate(_expected_weights(mode, shifted, datums)):
+        w[row, : len(ws)] = torch.tensor(ws)
+    logp = token_logprobs(reference, full.input_ids, full.attention_mask, full.target_ids)
+    per_token = w * -full.advantages * torch.exp(logp - logp.detach()) * full.action_mask
+    loss = aggregate(per_token, full.action_mask, "token_mean", num_tokens=n_tok, num_sequences=n_seq)
+    loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+
+    assert rel_err(_flat(model) - before, _flat(reference) - before) < 1e-4
+    assert abs(result.loss - float(loss)) < 1e-5
+    n_shift = sum(map(sum, shifted))
+    n_all = int(n_tok)
+    assert 0 < n_shift < n_all
+    s = result.mismatch
+    # d = +1 on shifted tokens, ~0 elsewhere: k3 = e - 2 there, k1 = -1.
+    assert s["is_mismatch_kl"] == pytest.approx((math.e - 2) * n_shift / n_all, rel=1e-4)
+    assert s["is_mismatch_k1"] == pytest.approx(-n_shift / n_all, rel=1e-4)
+    # Bounded tokens: the shifted ones (token modes) or every token of a row with a shift (sequence modes).
+    rows_shifted = sum(d.num_loss_tokens for d, marks in zip(datums, shifted) if any(marks))
+    bounded = n_shift if mode.startswith("token") else rows_shifted
+    key = "is_masked_frac" if mode.endswith("mask") else "is_truncated_frac"
+    assert s[key] == pytest.approx(bounded / n_all, abs=1e-9)
+    assert s["is_weight_mean"] == pytest.approx(float(w.sum()) / n_all, rel=1e-4)
+    # The PPO statistics are now against pi_old: ratios 1, no gap.
+    assert result.stats.summary()["behaviour_logprob_gap"] < 1e-5
+
+
+def test_update_without_mismatch_matches_todays_update(tiny_model_factory):
+    # Negative control: behaviour log-probs are the trainer's own; with the correction every weight is 1
+    # (nothing masked) and the step is the uncorrected one.
+    from accelerate import Accelerator
+
+    from trl_plugins.trainers.step import old_logprobs, policy_update
+
+    base = tiny_model_factory(torch.float32)
+    datums, _ = _shifted_datums(base)
+    with torch.no_grad():
+        full = collate(datums, list(range(len(datums))), pad_token_id=0)
+        lp = token_logprobs(base, full.input_ids, full.attention_mask, full.target_ids)
+    for row, d in enumerate(datums):
+        d.behaviour_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, : d.num_tokens], d.action_mask)]
+    deltas, results = [], []
+    for corrected in (False, True):
+        model = copy.deepcopy(base)
+        before = _flat(model).clone()
+        ds = copy.deepcopy(datums)
+        accelerator = Accelerator(cpu=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        config = _config(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.999,
+                         vllm_importance_sampling_clip_max=1.001)
+        if corrected:
+            old_logprobs(accelerator, model, ds, config, pad_token_id=0)
+        results.append(policy_update(accelerator, model, optimizer, ds, PPOClipLoss(), config, pad_token_id=0))
+        deltas.append(_flat(model) - before)
+    assert results[0].mismatch is None
+    s = results[1].mismatch
+    assert s["is_masked_frac"] == 0.0 and s["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert s["is_mismatch_kl"] < 1e-9
+    assert rel_err(deltas[1], deltas[0]) < 1e-5 and abs(results[1].loss - results[0].loss) < 1e-6
+
+
+class NoWeightsLoss(PPOClipLoss):
+    """ppo_clip as a third-party loss that does not apply the importance weights."""
+
+    supports_is_weights = False
+
+
+def test_a_loss_that_cannot_take_weights_is_refused(tiny_model_factory):
+    from accelerate import Accelerator
+
+    from trl_plugins.trainers.step import (
+        mismatch_correction_applies,
+        old_logprobs,
+        policy_update,
+    )
+
+    model = tiny_model_factory(torch.float32)
+    datums, _ = _shifted_datums(model, n=2)
+    accelerator = Accelerator(cpu=True)
+    old_logprobs(accelerator, model, datums, _config(), pad_token_id=0)
+    with pytest.raises(ValueError, match="supports_is_weights"):
+        policy_update(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), datums, NoWeightsLoss(), _config(), pad_token_id=0)
+    args = SimpleNamespace(vllm_importance_sampling_correction=True, mismatch_correction_scope="all")
+    with pytest.raises(ValueError, match="does not declare supports_is_weights"):
+        mismatch_correction_applies(accelerator, [], NoWeightsLoss(), args)
+
+
+def test_when_the_correction_applies():
+    from accelerate import Accelerator
+
+    from trl_plugins.trainers.step import mismatch_correction_applies
+    from trl_plugins.types import PolicyVersion, Trajectory
+
+    def traj(source):
+        return Trajectory(turns=[], policy_version=PolicyVersion(step=0, tokenizer_digest="x", logprob_source=source))
+
+    acc = Accelerator(cpu=True)
+    hf, vllm = [traj(LogprobSource.TEMPERATURE_SCALED)], [traj(LogprobSource.TEMPERATURE_SCALED), traj(LogprobSource.PROCESSED)]
+
+    def applies(trajs, on=True, scope="foreign"):
+        args = SimpleNamespace(vllm_importance_sampling_correction=on, mismatch_correction_scope=scope)
+        return mismatch_correction_applies(acc, trajs, PPOClipLoss(), args)
+
+    assert (applies(hf), applies(vllm), applies(hf, scope="all"), applies(vllm, on=False)) == (False, True, True, False)
