@@ -7,6 +7,7 @@ Throughout, ``d = log pi_old - log pi_sampler`` and ``r = exp(d)``.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 from types import SimpleNamespace
@@ -15,10 +16,20 @@ import pytest
 import torch
 from conftest import make_trajectory, rel_err
 
-from trl_plugins.algos import PPOClipLoss, aggregate, importance_weights, local_denominators
+from trl_plugins.algos import (
+    PPOClipLoss,
+    aggregate,
+    importance_weights,
+    local_denominators,
+)
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
-from trl_plugins.types import ImportanceSamplingMode, LogprobSource, PolicyLossInput
+from trl_plugins.types import (
+    ImportanceSamplingMode,
+    LogprobSource,
+    PolicyLossInput,
+    TokenSource,
+)
 
 LN2 = math.log(2.0)
 
@@ -325,3 +336,145 @@ def test_when_the_correction_applies():
         return mismatch_correction_applies(acc, trajs, PPOClipLoss(), args)
 
     assert (applies(hf), applies(vllm), applies(hf, scope="all"), applies(vllm, on=False)) == (False, True, True, False)
+
+
+# -- the trainer --------------------------------------------------------------------------------------
+
+
+class _ShiftedBackend:
+    """HF generate, but reporting vLLM's source and under-reporting every other sampled token's
+    log-prob by ``shift`` (what a sampler whose numbers differ from the trainer's looks like)."""
+
+    def __init__(self, inner, shift):
+        self.inner, self.shift = inner, shift
+        self.sampling, self.requires_lockstep = inner.sampling, inner.requires_lockstep
+        self.logprob_source = LogprobSource.PROCESSED
+
+    def session(self):
+        return self.inner.session()
+
+    def generate(self, prompts, max_new_tokens, *, seed):
+        samples = self.inner.generate(prompts, max_new_tokens, seed=seed)
+        for s in samples:
+            s.logprobs = [lp - self.shift * (k % 2 == 0) for k, lp in enumerate(s.logprobs)]
+        return samples
+
+
+class ShiftedRollout:
+    """multi_turn with a :class:`_ShiftedBackend`."""
+
+    shift = SHIFT
+
+    def __init__(self, **kwargs) -> None:
+        from trl_plugins.rollout import MultiTurnRollout
+
+        self.inner = MultiTurnRollout(**kwargs)
+        self.token_budget = self.inner.token_budget
+
+    def __call__(self, request):
+        request.backend = _ShiftedBackend(request.backend, self.shift)
+        return self.inner(request)
+
+
+class UnshiftedRollout(ShiftedRollout):
+    shift = 0.0
+
+
+def _train(tmp_path, **overrides):
+    from test_trainer import TokenReward, _dataset
+    from test_trainer import _config as trainer_config
+
+    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), trainer_config(tmp_path, max_steps=1, drop_zero_advantage=False, **overrides),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer.train()
+    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    return trainer, record
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_mask"])
+def test_trainer_corrects_a_sampler_that_reports_shifted_logprobs(tmp_path, mode):
+    # sequence_mask: TRL's defaults (C_max = 3, no C_min). token_mask: [1/2, 2]; setting them on a run
+    # without use_vllm takes mismatch_correction_scope='all' (this sampler is a test double).
+    overrides = {} if mode == "sequence_mask" else dict(
+        mismatch_correction_scope="all", vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
+    trainer, record = _train(tmp_path, rollout="test_mismatch:ShiftedRollout", **overrides)
+    # Which action tokens were shifted: every other token of each sampled completion.
+    actions = [[src == TokenSource.ACTION for turn in t.turns for src in turn.sources()] for t in trainer._last_trajectories]
+    shifts = [[src == TokenSource.ACTION and k % 2 == 0 for turn in t.turns for k, src in enumerate(turn.sources())]
+              for t in trainer._last_trajectories]
+    total, shifted = sum(map(sum, actions)), sum(map(sum, shifts))
+    assert record["train/loss_tokens"] == total and 0 < shifted < total
+    if mode == "sequence_mask":
+        # A trajectory with k shifted tokens has ratio e^k, masked whole when e^k > 3, i.e. k >= 2.
+        masked = sum(sum(a) for a, s in zip(actions, shifts) if math.exp(sum(s)) > 3.0)
+        weight_sum = sum(sum(a) * math.exp(sum(s)) for a, s in zip(actions, shifts) if math.exp(sum(s)) <= 3.0)
+        assert record["train/is_ratio_max"] == pytest.approx(math.exp(max(map(sum, shifts))), rel=1e-3)
+    else:
+        masked = shifted  # r = e > 2 on exactly the shifted tokens
+        weight_sum = total - shifted
+        assert record["train/is_ratio_max"] == pytest.approx(math.e, rel=1e-3)
+        assert record["train/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert masked > 0
+    assert record["train/is_masked_frac"] == pytest.approx(masked / total, abs=1e-9)
+    assert record["train/is_weight_mean"] == pytest.approx(weight_sum / total, abs=1e-4)
+    assert record["train/is_mismatch_kl"] == pytest.approx((math.e - 2) * shifted / total, rel=1e-3)
+    assert record["train/is_mismatch_k1"] == pytest.approx(-shifted / total, rel=1e-3)
+    # The PPO ratio is anchored on the trainer's own forward: ~1, not e.
+    assert record["train/behaviour_logprob_gap"] < 1e-4 and record["train/ratio_max"] < 1.001
+    assert "timing/old_logprobs_s" in record
+
+
+def test_trainer_negative_controls(tmp_path):
+    # A foreign source without a mismatch: weights 1, nothing masked.
+    _, record = _train(tmp_path / "a", rollout="test_mismatch:UnshiftedRollout")
+    assert record["train/is_masked_frac"] == 0.0 and record["train/is_mismatch_kl"] < 1e-6
+    assert record["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    # HF generate in the default scope: no correction, no extra forward, no is_* metrics (today's step).
+    _, record = _train(tmp_path / "b")
+    assert not any(k.startswith("train/is_") for k in record) and "timing/old_logprobs_s" not in record
+    # Forced on for HF generate: applied, and the sampler agrees with the trainer.
+    _, record = _train(tmp_path / "c", mismatch_correction_scope="all", vllm_importance_sampling_mode="token_mask",
+                       vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
+    assert record["train/is_masked_frac"] == 0.0 and record["train/is_logprob_gap"] < 1e-4
+
+
+# -- the config ---------------------------------------------------------------------------------------
+
+
+def _cfg(tmp_path, **overrides):
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
+                  per_device_train_batch_size=4, num_generations=2, save_strategy="no")
+    kwargs.update(overrides)
+    return MultiTurnGRPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(vllm_importance_sampling_mode="token_truncate"), "mismatch_correction_scope='all'"),
+    (dict(vllm_importance_sampling_clip_min=0.5), "vllm_importance_sampling_clip_min=0.5 configure"),
+    (dict(vllm_importance_sampling_cap=2.0), "vllm_importance_sampling_cap=2.0"),
+    (dict(vllm_importance_sampling_correction=False, vllm_importance_sampling_mode="token_mask"), "=False turns off"),
+    (dict(vllm_importance_sampling_correction=False, mismatch_correction_scope="all"), "set one of them"),
+    (dict(mismatch_correction_scope="some"), "'foreign' or 'all'"),
+    (dict(mismatch_correction_scope="all", vllm_importance_sampling_mode="seq_mask"), "use one of"),
+    (dict(mismatch_correction_scope="all", vllm_importance_sampling_clip_max=-1.0), "clip_max > 0"),
+    (dict(mismatch_correction_scope="all", vllm_importance_sampling_mode="token_truncate",
+          vllm_importance_sampling_clip_max=None), "must be set when"),  # TRL's own check
+    (dict(mismatch_correction_scope="all", policy_loss="test_mismatch:NoWeightsLoss"), "does not declare supports_is_weights"),
+])
+def test_config_refusals(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(tmp_path, **overrides)
+
+
+def test_config_accepts_what_it_honours(tmp_path):
+    assert _cfg(tmp_path, vllm_importance_sampling_correction=False).vllm_importance_sampling_correction is False
+    c = _cfg(tmp_path, mismatch_correction_scope="all", vllm_importance_sampling_mode="token_truncate",
+             vllm_importance_sampling_cap=2.5)
+    assert c.vllm_importance_sampling_clip_max == 2.5  # TRL's own mapping of the deprecated cap
