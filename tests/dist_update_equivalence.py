@@ -136,6 +136,10 @@ def main() -> None:
     ap.add_argument("--kl", action="store_true",
                     help="reference KL (k3) + entropy bonus in the loss, reference log-probs from a prepared reference "
                          "model; every third datum has advantage 0 and drop_zero_advantage is on")
+    ap.add_argument("--mismatch", default=None,
+                    help="sampler/trainer mismatch correction in this ImportanceSamplingMode (bounds [0.8, 1.25] per token, "
+                         "[1/3, 3] per sequence, so that some but not all bind): each rank "
+                         "takes pi_old of its own datums with old_logprobs(), the noisy behaviour log-probs are the sampler's")
     args = ap.parse_args()
 
     from accelerate import Accelerator
@@ -174,10 +178,12 @@ def main() -> None:
         return
     loss_fn = PPOClipLoss(kl_coef=0.3, entropy_coef=0.05) if args.kl else PPOClipLoss()
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
+    bounds = (0.8, 1.25) if (args.mismatch or "").startswith("token") else (1 / 3, 3.0)
     config = SimpleNamespace(aggregation=args.aggregation, packer="balanced" if args.rebalance else "ffd",
                              max_items_per_micro_batch=2, max_padded_tokens_per_micro_batch=400,
                              rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None,
-                             drop_zero_advantage=args.kl)
+                             drop_zero_advantage=args.kl, vllm_importance_sampling_mode=args.mismatch,
+                             vllm_importance_sampling_clip_min=bounds[0], vllm_importance_sampling_clip_max=bounds[1])
     model = tiny_qwen2()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -189,8 +195,17 @@ def main() -> None:
         ref_model = prepare_deepspeed(ref_model, accelerator) if deepspeed else accelerator.prepare_model(ref_model, evaluation_mode=True)
         # Each rank scores its own datums (ranks run different numbers of micro-batches: dummies under ZeRO-3).
         reference_logprobs(accelerator, ref_model, parts[rank], config, pad_token_id=0)
+    if args.mismatch:
+        from trl_plugins.trainers.step import old_logprobs
+
+        # Each rank its own datums, before the update (ranks run different numbers of forwards: dummies).
+        old_logprobs(accelerator, model, parts[rank], config, pad_token_id=0)
     result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0)
     state = accelerator.get_state_dict(model)
+    if args.mismatch:
+        from accelerate.utils import gather_object
+
+        gathered_old = [lp for part in gather_object([[d.old_logprobs for d in parts[rank]]]) for lp in part]
     if args.kl:
         from accelerate.utils import gather_object
 
@@ -215,11 +230,27 @@ def main() -> None:
             ref_err = float(((ranks_lp - ref_lp) * full.action_mask).abs().max())
             for d in everything:
                 d.ref_logprobs = None
+        for d in everything:  # rank 0's own datums carry its old log-probs
+            d.old_logprobs = None
         mb = collate(everything, list(range(len(everything))), pad_token_id=0)
         n_tok, n_seq = local_denominators(mb.action_mask)
         logp, entropy = token_logprobs_and_entropy(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
-        out = loss_fn(PolicyLossInput(logp, mb.behaviour_logprobs, mb.advantages, mb.action_mask,
-                                      ref_logprobs=ref_lp, entropy=entropy))
+        anchor, is_w, old_err = mb.behaviour_logprobs, None, 0.0
+        if args.mismatch:
+            from trl_plugins.algos import importance_weights
+
+            # pi_old in one process is the starting model itself; the ranks' must match it.
+            anchor = logp.detach()
+            for d, lp in zip(everything, gathered_old):
+                d.old_logprobs = lp
+            old_err = float(((collate(everything, list(range(len(everything))), pad_token_id=0).old_logprobs - anchor)
+                             * mb.action_mask).abs().max())
+            for d in everything:
+                d.old_logprobs = None
+            is_w = importance_weights(anchor, mb.behaviour_logprobs, mb.action_mask, args.mismatch,
+                                      clip_min=bounds[0], clip_max=bounds[1]).weights
+        out = loss_fn(PolicyLossInput(logp, anchor, mb.advantages, mb.action_mask,
+                                      ref_logprobs=ref_lp, entropy=entropy, is_weights=is_w))
         loss = aggregate(out.per_token_loss, mb.action_mask, args.aggregation, num_tokens=n_tok, num_sequences=n_seq, norm_length=64)
         loss.backward()
         ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -249,6 +280,8 @@ def main() -> None:
             "ref_err": ref_err,
             "kl_k3": result.reference["kl_k3"] if result.reference else None,
             "entropy": result.entropy,
+            "old_err": old_err,
+            "mismatch": result.mismatch,
             "clip_frac": (result.stats.summary()["clip_frac_low"] + result.stats.summary()["clip_frac_high"]) if result.stats else 0.0,
         }
         Path(args.out).write_text(json.dumps(report))

@@ -65,6 +65,21 @@ def test_two_ranks_match_one_process(config, extra, tmp_path):
         assert report["forwarded"] == 10 and report["kl_k3"] > 0 and report["entropy"] > 0 and report["ref_err"] < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config,mode", [("cpu_ddp.yaml", "token_truncate"), ("cpu_zero3.yaml", "sequence_mask")],
+                         ids=["ddp-token-truncate", "zero3-sequence-mask"])
+def test_two_ranks_mismatch_correction_matches_one_process(config, mode, tmp_path):
+    # Ranks take pi_old of their own datums (3 and 7: different forward counts, dummies under ZeRO-3) and the
+    # update weighted by the bounded pi_old / pi_sampler equals the one-process step.
+    report = launch(config, tmp_path, "--mismatch", mode)
+    assert report["world"] == 2 and report["dummies"] >= 1
+    assert report["old_err"] < 1e-5
+    bounded = report["mismatch"]["is_masked_frac" if mode.endswith("mask") else "is_truncated_frac"]
+    assert 0.0 < bounded < 1.0, report  # the bounds really acted, and not on everything
+    assert report["update_norm"] > 1e-3 and report["rel_err"] < 1e-5, report
+    assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+
+
 def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),

@@ -203,7 +203,7 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
     advantages = torch.zeros(shape, dtype=torch.float32)
     action_mask = torch.zeros(shape, dtype=torch.float32)
     optional = {}
-    for name in ("ref_logprobs", "old_values", "returns"):
+    for name in ("ref_logprobs", "old_logprobs", "old_values", "returns"):
         present = [getattr(d, name) is not None for d in rows]
         if any(present) and not all(present):
             raise ValueError(f"some datums of the micro-batch carry {name} and some do not; fill all or none.")

@@ -12,7 +12,7 @@ sampled token. Every token has a :class:`TokenSource`. A trajectory ends for one
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -32,6 +32,9 @@ __all__ = [
     "Datum",
     "AggregationMode",
     "KLEstimator",
+    "ImportanceSamplingMode",
+    "MismatchStats",
+    "ImportanceWeights",
     "AdvantageInput",
     "AdvantageOutput",
     "PolicyLossInput",
@@ -338,6 +341,11 @@ class Datum:
     ref_logprobs: list[float] | None = None
     """Reference-model log-prob of ``target_ids[t]`` (same temperature as the behaviour ones), filled
     once per rollout batch when a reference KL is on; None otherwise."""
+    old_logprobs: list[float] | None = None
+    """The trainer's own log-prob of ``target_ids[t]`` under the sampling weights (a no-grad forward
+    before the first update on the batch), filled when the sampler/trainer mismatch correction applies:
+    the PPO ratio is then ``pi / pi_old`` and ``pi_old / pi_behaviour`` the importance weight. None
+    otherwise (the ratio is ``pi / pi_behaviour``)."""
     old_values: list[float] | None = None
     """Critic value of the state before ``target_ids[t]`` at rollout time (actor-critic runs)."""
     returns: list[float] | None = None
@@ -376,6 +384,97 @@ class KLEstimator(enum.StrEnum):
     """``0.5 (log p - log q)^2``: biased, low variance, non-negative."""
     K3 = "k3"
     """``q/p - 1 - log(q/p)``: unbiased, low variance, non-negative."""
+
+
+class ImportanceSamplingMode(enum.StrEnum):
+    """How the sampler/trainer importance weight ``w = pi_old / pi_sampler`` is bounded (TRL's
+    ``vllm_importance_sampling_mode``; verl's rollout correction). ``[C_min, C_max]`` are the bounds."""
+
+    TOKEN_TRUNCATE = "token_truncate"
+    """Per-token ratio clamped to ``[C_min, C_max]`` (truncated IS, TIS)."""
+    TOKEN_MASK = "token_mask"
+    """Per-token ratio, 0 where it leaves ``[C_min, C_max]`` (masked IS, MIS)."""
+    SEQUENCE_TRUNCATE = "sequence_truncate"
+    """One ratio per sequence (product over its action tokens), clamped, on every token of it."""
+    SEQUENCE_MASK = "sequence_mask"
+    """One ratio per sequence; a sequence whose ratio leaves ``[C_min, C_max]`` gets weight 0."""
+
+    @property
+    def is_sequence(self) -> bool:
+        """True for the sequence-level modes."""
+        return self in (ImportanceSamplingMode.SEQUENCE_TRUNCATE, ImportanceSamplingMode.SEQUENCE_MASK)
+
+    @property
+    def is_mask(self) -> bool:
+        """True for the masking modes (out-of-bounds weights become 0 instead of the bound)."""
+        return self in (ImportanceSamplingMode.TOKEN_MASK, ImportanceSamplingMode.SEQUENCE_MASK)
+
+
+@dataclass
+class MismatchStats:
+    """Detached, additive statistics of the sampler/trainer mismatch over the action tokens of a batch.
+
+    ``r = pi_old / pi_sampler`` per token; "unit" = token (token modes) or sequence (sequence modes).
+    Sums, counts and extremes, so micro-batches and ranks combine exactly with :meth:`merge`.
+    """
+
+    num_tokens: torch.Tensor
+    """Action tokens counted."""
+    log_ratio_sum: torch.Tensor
+    """Sum of ``log r``; minus its mean is the k1 estimate of KL(sampler || trainer)."""
+    k3_sum: torch.Tensor
+    """Sum of ``r - 1 - log r``: the k3 estimate of KL(sampler || trainer) from sampler tokens."""
+    abs_log_ratio_sum: torch.Tensor
+    """Sum of ``|log pi_old - log pi_sampler|`` (TRL's ``sampling_logp_difference``)."""
+    weight_sum: torch.Tensor
+    """Sum of the weights applied to the tokens (after truncation or masking)."""
+    bounded_tokens: torch.Tensor
+    """Tokens whose unit's ratio left ``[C_min, C_max]`` (truncated or masked)."""
+    ratio_min: torch.Tensor
+    """Smallest unit ratio before bounding (``+inf`` when no token)."""
+    ratio_max: torch.Tensor
+    """Largest unit ratio before bounding (``-inf`` when no token)."""
+    weight_min: torch.Tensor
+    """Smallest applied token weight (``+inf`` when no token)."""
+    weight_max: torch.Tensor
+    """Largest applied token weight (``-inf`` when no token)."""
+
+    MINIMA = ("ratio_min", "weight_min")
+    MAXIMA = ("ratio_max", "weight_max")
+
+    def merge(self, other: "MismatchStats") -> "MismatchStats":
+        """Combine two micro-batches' statistics (sums add, extremes take min/max)."""
+        out = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            out[f.name] = torch.minimum(a, b) if f.name in self.MINIMA else torch.maximum(a, b) if f.name in self.MAXIMA else a + b
+        return MismatchStats(**out)
+
+    def summary(self, mode: "ImportanceSamplingMode | str") -> dict[str, float]:
+        """Means, fractions and extremes as floats, keyed by metric name (for logging only)."""
+        n = max(float(self.num_tokens), 1.0)
+        bounded = "is_masked_frac" if ImportanceSamplingMode(mode).is_mask else "is_truncated_frac"
+        return {
+            "is_mismatch_kl": float(self.k3_sum) / n,
+            "is_mismatch_k1": -float(self.log_ratio_sum) / n,
+            "is_logprob_gap": float(self.abs_log_ratio_sum) / n,
+            "is_ratio_min": float(self.ratio_min),
+            "is_ratio_max": float(self.ratio_max),
+            "is_weight_mean": float(self.weight_sum) / n,
+            "is_weight_min": float(self.weight_min),
+            "is_weight_max": float(self.weight_max),
+            bounded: float(self.bounded_tokens) / n,
+        }
+
+
+@dataclass
+class ImportanceWeights:
+    """Sampler/trainer importance weights of a batch and their statistics."""
+
+    weights: torch.Tensor
+    """``(B, T)`` detached weight of each token's loss; 0 off the action mask."""
+    stats: MismatchStats
+    """Detached statistics."""
 
 
 @dataclass
@@ -422,7 +521,8 @@ class PolicyLossInput:
     logprobs: torch.Tensor
     """Current policy log-probs of the targets (carries the gradient)."""
     behaviour_logprobs: torch.Tensor
-    """Log-probs under the policy that sampled the targets (the PPO "old" policy)."""
+    """Log-probs of the PPO "old" policy, the ratio's anchor: the sampler's behaviour log-probs, or the
+    trainer's own forward of the sampling weights when the mismatch correction applies."""
     advantages: torch.Tensor
     """Per-position advantages (0 off-mask)."""
     action_mask: torch.Tensor
@@ -431,6 +531,10 @@ class PolicyLossInput:
     """Reference-model log-probs, for a KL term in the loss."""
     entropy: torch.Tensor | None = None
     """Per-position entropy of the current policy, for an entropy bonus."""
+    is_weights: torch.Tensor | None = None
+    """Detached sampler/trainer importance weights ``pi_old / pi_sampler`` (truncated or masked) that
+    multiply the policy-gradient term, when the mismatch correction applies (the trainer passes them
+    only to a loss that declares ``supports_is_weights``); None otherwise."""
 
 
 @dataclass
@@ -532,6 +636,8 @@ class MicroBatch:
     """Indices of the datums in the list they were collated from (row order)."""
     ref_logprobs: torch.Tensor | None = None
     """``(B, T)`` float reference log-probs when the datums carry them (0 on padding)."""
+    old_logprobs: torch.Tensor | None = None
+    """``(B, T)`` float trainer log-probs of the sampling weights when the datums carry them (0 on padding)."""
     old_values: torch.Tensor | None = None
     """``(B, T)`` float rollout-time critic values when the datums carry them."""
     returns: torch.Tensor | None = None

@@ -1,4 +1,5 @@
-"""PPO-family maths: advantages, policy/value losses, KL estimators, aggregation. Pure functions.
+"""PPO-family maths: advantages, policy/value losses, KL estimators, aggregation, sampler/trainer
+importance weights. Pure functions.
 
 This package imports only torch, numpy, the standard library and ``trl_plugins.types`` /
 ``trl_plugins.registry`` (a test enforces it).
@@ -16,6 +17,7 @@ from trl_plugins.algos.advantages import (
 )
 from trl_plugins.algos.aggregation import aggregate, local_denominators
 from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, ppo_clip_loss
+from trl_plugins.algos.mismatch import importance_weights
 from trl_plugins.algos.stats import importance_ratios, quantiles
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "clipped_value_loss",
     "kl_estimate",
     "ppo_clip_loss",
+    "importance_weights",
     "importance_ratios",
     "quantiles",
 ]

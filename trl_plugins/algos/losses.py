@@ -158,8 +158,10 @@ def clipped_value_loss(
 class PPOClipLoss:
     """Asymmetric-clip PPO, optionally with a reference-KL term and an entropy bonus in the loss.
 
-    ``loss_t = ppo_clip_t + kl_coef * w_t * KL_t(policy || reference) - entropy_coef * H_t``, with
-    ``w_t`` the importance ratio when ``kl_importance_weight`` and 1 otherwise.
+    ``loss_t = v_t * ppo_clip_t + kl_coef * w_t * KL_t(policy || reference) - entropy_coef * H_t``, with
+    ``w_t`` the importance ratio when ``kl_importance_weight`` and 1 otherwise, and ``v_t`` the
+    sampler/trainer importance weight (``PolicyLossInput.is_weights``) when the mismatch correction
+    applies and 1 otherwise: as in TRL, it weights the policy-gradient term only.
     """
 
     clip_low: float = 0.2
@@ -199,6 +201,9 @@ class PPOClipLoss:
         """Capability: reads ``PolicyLossInput.entropy`` (an entropy bonus is on)."""
         return self.entropy_coef != 0.0
 
+    supports_is_weights = True
+    """Capability: applies ``PolicyLossInput.is_weights`` (sampler/trainer mismatch correction)."""
+
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
         out = ppo_clip_loss(
             inp.logprobs,
@@ -212,6 +217,8 @@ class PPOClipLoss:
         )
         loss = out.per_token_loss
         on = inp.action_mask.bool()
+        if inp.is_weights is not None:
+            loss = loss * torch.where(on, inp.is_weights.detach(), torch.zeros_like(inp.is_weights))
         if self.kl_coef:
             if inp.ref_logprobs is None:
                 raise ValueError("ppo_clip with kl_coef > 0 needs ref_logprobs (enable the reference model).")

@@ -10,7 +10,7 @@ from trl import GRPOConfig
 
 from trl_plugins.trainers.plugins import plugin_params
 from trl_plugins.trainers.trl_fields import apply_trl_fields
-from trl_plugins.types import AggregationMode, KLEstimator
+from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
 
 __all__ = ["MultiTurnGRPOConfig"]
 
@@ -63,6 +63,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     min_valid_group_fraction: float = field(default=0.5, metadata={"help": "A group in which fewer than this share of members survived the infrastructure (no environment_error / verifier_error) is left out whole."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
     kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
+    mismatch_correction_scope: str = field(default="foreign", metadata={"help": "Which rollout batches get the sampler/trainer mismatch correction (TRL's vllm_importance_sampling_correction, on by default): 'foreign' - batches with trajectories whose log-probs are not the trainer's own (logprob_source other than temperature_scaled, e.g. vLLM's processed); 'all' - every batch, HF generate included (old log-probs from a trainer forward). docs/training.md."})
     kl_penalty: str = field(default="loss", metadata={"help": "Where the reference KL (beta > 0) enters: 'loss' (GRPO: beta * KL per action token, aggregated like the policy loss) or 'reward' (classic PPO: a 'kl_penalty' reward component -sum_t KL_t with weight beta)."})
     critic_learning_rate: float | None = field(default=None, metadata={"help": "Learning rate of the critic's own AdamW (critic-based advantages such as 'gae'; default: learning_rate)."})
     critic_optim: str = field(default="adamw", metadata={"help": "Optimizer of the critic: 'adamw' or 'sgd' (weight_decay applies to both)."})
@@ -108,6 +109,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
         if self.vllm_max_concurrent_requests < 1:
             raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {self.vllm_max_concurrent_requests}.")
         self._map_kl_and_entropy()
+        self._check_mismatch_correction()
         if not 0.0 <= self.max_verifier_error_rate <= 1.0 or not 0.0 <= self.min_valid_group_fraction <= 1.0:
             raise ValueError(
                 f"max_verifier_error_rate and min_valid_group_fraction are shares in [0, 1]; got "
@@ -189,3 +191,46 @@ class MultiTurnGRPOConfig(GRPOConfig):
                     f"disagree; set one of them."
                 )
             kwargs["entropy_coef"] = self.entropy_coef
+
+    def _check_mismatch_correction(self) -> None:
+        """TRL's ``vllm_importance_sampling_*`` fields drive the sampler/trainer mismatch correction.
+
+        Refused: an unknown mode or scope, a bound out of range, scope ``'all'`` with the correction off,
+        and a mode or bound set (off TRL's defaults) where the correction cannot apply, so that it would
+        be silently ignored: with the correction off, or in scope ``'foreign'`` without vLLM (HF generate
+        records the trainer's own log-probs). TRL's ``__post_init__`` has already copied the deprecated
+        ``vllm_importance_sampling_cap`` into ``vllm_importance_sampling_clip_max`` and checked
+        ``clip_min < clip_max`` and that a truncating mode has a bound.
+        """
+        from trl_plugins.trainers.trl_fields import is_set
+
+        if self.mismatch_correction_scope not in ("foreign", "all"):
+            raise ValueError(f"mismatch_correction_scope must be 'foreign' or 'all', got {self.mismatch_correction_scope!r}.")
+        try:
+            ImportanceSamplingMode(self.vllm_importance_sampling_mode)
+        except ValueError:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}; use one of "
+                f"{[str(m) for m in ImportanceSamplingMode]}."
+            ) from None
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if (lo is not None and lo < 0) or (hi is not None and hi <= 0):
+            raise ValueError(f"need vllm_importance_sampling_clip_min >= 0 and clip_max > 0, got {lo} and {hi}.")
+        on = self.vllm_importance_sampling_correction
+        if not on and self.mismatch_correction_scope == "all":
+            raise ValueError(
+                "mismatch_correction_scope='all' asks for the mismatch correction on every batch, but "
+                "vllm_importance_sampling_correction=False turns it off; set one of them."
+            )
+        names = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+                 "vllm_importance_sampling_cap")
+        given = [f"{n}={getattr(self, n)!r}" for n in names if is_set(self, n)]
+        if given and not on:
+            raise ValueError(f"{', '.join(given)} configure the mismatch correction, which vllm_importance_sampling_correction=False turns off; drop them or turn it on.")
+        if given and self.mismatch_correction_scope == "foreign" and not self.use_vllm:
+            raise ValueError(
+                f"{', '.join(given)} configure the sampler/trainer mismatch correction, which in "
+                f"mismatch_correction_scope='foreign' applies only to trajectories whose log-probs are not the "
+                f"trainer's own (vLLM); HF generate records the trainer's own, so they would be ignored. Set "
+                f"mismatch_correction_scope='all' to apply the correction to HF-generated batches too, or drop them."
+            )

@@ -6,7 +6,9 @@ one datum per trajectory, drop zero-advantage ones (all in :mod:`~trl_plugins.tr
 with the evaluation), and let :func:`~trl_plugins.trainers.step.policy_update` run the
 exactly-normalised micro-batches; the HF Trainer loop then clips, steps the optimizer and the
 scheduler, logs and checkpoints as usual. The PPO "old" log-probs are the sampler's behaviour
-log-probs stored on the trajectories. With ``beta > 0`` TRL's reference model scores the datums once
+log-probs stored on the trajectories, or, when the sampler/trainer mismatch correction applies
+(vLLM), the policy's own no-grad forward of the datums before the update, the sampler-to-trainer gap
+going into truncated/masked importance weights (docs/training.md). With ``beta > 0`` TRL's reference model scores the datums once
 per rollout; with a critic-based estimator (``needs_values``) the critic (:mod:`~trl_plugins.trainers.critic`)
 gives values before the advantages and takes its own exact update after the policy's.
 
@@ -53,7 +55,14 @@ from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, di
 from trl_plugins.trainers.lora import check_peft
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
-from trl_plugins.trainers.step import datums_to_forward, policy_update, reduce_over_ranks, reference_logprobs
+from trl_plugins.trainers.step import (
+    datums_to_forward,
+    mismatch_correction_applies,
+    old_logprobs,
+    policy_update,
+    reduce_over_ranks,
+    reference_logprobs,
+)
 from trl_plugins.types import StopReason, Trajectory
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
@@ -250,6 +259,12 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 add_kl_penalty(trajs, datums, beta=0.0, estimator=args.kl_estimator)
             compute_token_advantages(plugins, trajs, datums, after, token_rewards=token_rewards,
                                      all_reduce=self._all_reduce_sum if self.accelerator.num_processes > 1 else None)
+        if mismatch_correction_applies(self.accelerator, trajs, plugins.policy_loss, args):
+            # pi_old: this rollout's weights, before any update on it (reused rollouts keep it).
+            t_old = time.perf_counter()
+            forwarded = [datums[i] for i in datums_to_forward(datums, plugins.policy_loss, args)]
+            old_logprobs(self.accelerator, self.model_wrapped, forwarded, args, pad_token_id=self.processing_class.pad_token_id)
+            metrics["timing/old_logprobs_s"] = time.perf_counter() - t_old
         metrics.update({**engine_metrics(result), **failure_metrics, "timing/scoring_s": time.perf_counter() - t0})
         self._last_trajectories = trajs
         metrics["train/datums"] = float(len(datums))
@@ -363,6 +378,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 metrics.update({f"train/{k}": v for k, v in result.stats.summary().items()})
             if result.ratio_quantiles:
                 metrics.update({f"train/{k}": v for k, v in result.ratio_quantiles.items()})
+            if result.mismatch is not None:
+                metrics.update({f"train/{k}": v for k, v in result.mismatch.items()})
             loss = torch.tensor(result.loss, device=self.args.device)
         if self._critic is not None:
             t0 = time.perf_counter()

@@ -156,6 +156,13 @@ def check_capabilities(args: Any, rollout: Any, advantage: Any, policy_loss: Any
             )
     if advantage.needs_groups and args.num_generations < 2:
         raise ValueError(f"advantage {args.advantage!r} is group-relative and needs num_generations >= 2, got {args.num_generations}.")
+    correction_certain = getattr(args, "mismatch_correction_scope", "foreign") == "all" or getattr(args, "use_vllm", False)
+    if getattr(args, "vllm_importance_sampling_correction", False) and correction_certain and not getattr(policy_loss, "supports_is_weights", False):
+        raise ValueError(
+            f"the sampler/trainer mismatch correction is on (vllm_importance_sampling_correction) and applies to every "
+            f"batch here, but policy_loss {args.policy_loss!r} does not declare supports_is_weights (it would drop the "
+            f"importance weights); use policy_loss='ppo_clip' or set vllm_importance_sampling_correction=False."
+        )
     if policy_loss.needs_ref_logprobs and not args.beta > 0:
         raise ValueError(
             f"policy_loss {args.policy_loss!r} reads reference log-probs, and the reference model is built only "

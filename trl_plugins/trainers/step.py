@@ -14,6 +14,11 @@ Every rank calls :func:`policy_update` with the datums it holds (any number, any
    after every micro-batch), then takes exactly one optimizer step.
 
 The gradient therefore equals the gradient of the one-batch loss on all datums of all ranks.
+
+When the datums carry ``old_logprobs`` (the sampler/trainer mismatch correction: :func:`old_logprobs`,
+decided by :func:`mismatch_correction_applies`), the PPO ratio is anchored on them instead of the
+sampler's behaviour log-probs and each token's policy-gradient term is weighted by the bounded
+importance weight ``pi_old / pi_sampler`` (:func:`trl_plugins.algos.importance_weights`).
 """
 
 from __future__ import annotations
@@ -26,13 +31,29 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from trl_plugins.algos import aggregate, importance_ratios, kl_estimate, quantiles
+from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
 from trl_plugins.datum import collate, dummy_micro_batch
 from trl_plugins.modeling import token_logprobs, token_logprobs_and_entropy
 from trl_plugins.packing import pack_for_ranks
-from trl_plugins.types import Datum, KLEstimator, PolicyLossInput, PolicyLossOutput, PolicyLossStats
+from trl_plugins.types import (
+    Datum,
+    ImportanceSamplingMode,
+    KLEstimator,
+    LogprobSource,
+    MismatchStats,
+    PolicyLossInput,
+    PolicyLossOutput,
+    PolicyLossStats,
+    Trajectory,
+)
 
-__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "forward_packed", "reference_logprobs", "datums_to_forward"]
+__all__ = [
+    "UpdateSettings", "UpdateResult", "policy_update", "forward_packed", "reference_logprobs", "old_logprobs",
+    "mismatch_correction_applies", "datums_to_forward", "TRAINER_LOGPROB_SOURCE",
+]
+
+TRAINER_LOGPROB_SOURCE = LogprobSource.TEMPERATURE_SCALED
+"""What the trainer's own forward computes (``log_softmax(logits / temperature)``, :mod:`trl_plugins.modeling`)."""
 
 
 class UpdateSettings(Protocol):
@@ -48,6 +69,10 @@ class UpdateSettings(Protocol):
     temperature: float
     max_grad_norm: float | None
     drop_zero_advantage: bool
+    # Read only when the datums carry old_logprobs (the mismatch correction applies):
+    vllm_importance_sampling_mode: str
+    vllm_importance_sampling_clip_min: float | None
+    vllm_importance_sampling_clip_max: float | None
 
 
 @dataclass
@@ -84,6 +109,9 @@ class UpdateResult:
     carry reference log-probs."""
     entropy: float | None = None
     """Mean per-token entropy of the current policy over the forwarded loss tokens, when computed."""
+    mismatch: dict[str, float] | None = None
+    """Sampler/trainer mismatch over the forwarded loss tokens of every rank, when the datums carry
+    ``old_logprobs`` (:meth:`MismatchStats.summary`: ``is_mismatch_kl``, ``is_weight_mean``, ...)."""
 
 
 def is_deepspeed(accelerator: Any) -> bool:
@@ -127,6 +155,24 @@ def _merge_stats_across_ranks(accelerator: Any, stats: PolicyLossStats | None) -
         return None
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     return PolicyLossStats(**{n: t(v) for n, v in zip(sums_names, sums)}, ratio_min=t(-neg_lo), ratio_max=t(hi))
+
+
+def _merge_mismatch_across_ranks(accelerator: Any, stats: MismatchStats | None) -> MismatchStats | None:
+    names = [f.name for f in dataclasses.fields(MismatchStats)]
+    sums = [n for n in names if n not in MismatchStats.MINIMA + MismatchStats.MAXIMA]
+    # Extremes go through one max-reduction: a minimum as -max(-x).
+    signs = {n: -1.0 for n in MismatchStats.MINIMA} | {n: 1.0 for n in MismatchStats.MAXIMA}
+    if stats is None:
+        local_sums, local_ext = [0.0] * len(sums), [float("-inf")] * len(signs)
+    else:
+        local_sums = [float(getattr(stats, n)) for n in sums]
+        local_ext = [sign * float(getattr(stats, n)) for n, sign in signs.items()]
+    total = reduce_over_ranks(accelerator, local_sums, "sum")
+    ext = reduce_over_ranks(accelerator, local_ext, "max")
+    if total[sums.index("num_tokens")] == 0:
+        return None
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    return MismatchStats(**{n: t(v) for n, v in zip(sums, total)}, **{n: t(sign * v) for (n, sign), v in zip(signs.items(), ext)})
 
 
 def _capability(policy_loss: Any, name: str) -> bool:
@@ -195,6 +241,27 @@ def forward_packed(
     return out
 
 
+def _fill_logprobs(
+    accelerator: Any,
+    model: torch.nn.Module,
+    datums: Sequence[Datum],
+    config: UpdateSettings,
+    field: str,
+    *,
+    pad_token_id: int,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> None:
+    temperature = config.temperature or 1.0
+
+    def forward(m: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(m, ids, mask, targets, temperature=temperature)
+
+    for idx, lp in forward_packed(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context):
+        for row, i in enumerate(idx):
+            n = datums[i].num_tokens
+            setattr(datums[i], field, [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)])
+
+
 def reference_logprobs(
     accelerator: Any,
     model: torch.nn.Module,
@@ -212,15 +279,58 @@ def reference_logprobs(
         model: The prepared reference model, or the policy when ``context`` disables its adapter (PEFT).
         context: A factory of the context in which ``model`` is the reference (e.g. adapters off).
     """
-    temperature = config.temperature or 1.0
+    _fill_logprobs(accelerator, model, datums, config, "ref_logprobs", pad_token_id=pad_token_id, context=context)
 
-    def forward(m: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(m, ids, mask, targets, temperature=temperature)
 
-    for idx, lp in forward_packed(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context):
-        for row, i in enumerate(idx):
-            n = datums[i].num_tokens
-            datums[i].ref_logprobs = [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)]
+def old_logprobs(
+    accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *, pad_token_id: int
+) -> None:
+    """Fill ``datum.old_logprobs`` with the policy's own no-gradient log-probs at the sampling temperature;
+    every rank must call it (:func:`forward_packed`: same packing, same number of forwards per rank).
+
+    Call it once per rollout batch, before the first optimizer step on it: ``model`` then holds the
+    weights that sampled, so these are the trainer's numbers for the sampling policy (``pi_old``), and
+    reused rollouts (``num_iterations > 1``) keep them.
+
+    Args:
+        model: The prepared policy (DDP- or DeepSpeed-wrapped; with PEFT, adapters on).
+        datums: The datums the update will forward (:func:`datums_to_forward`).
+    """
+    _fill_logprobs(accelerator, model, datums, config, "old_logprobs", pad_token_id=pad_token_id)
+
+
+def mismatch_correction_applies(
+    accelerator: Any, trajectories: Sequence[Trajectory], policy_loss: Any, config: Any
+) -> bool:
+    """Whether this rollout batch gets the sampler/trainer mismatch correction; the same answer on every rank.
+
+    It applies when ``vllm_importance_sampling_correction`` is on and either ``mismatch_correction_scope``
+    is ``"all"`` or any rank holds a trajectory whose log-probs are not the trainer's own
+    (``policy_version.logprob_source != TRAINER_LOGPROB_SOURCE``, e.g. vLLM's ``processed``). Every rank
+    must call it (one all-reduce in scope ``"foreign"``).
+
+    Raises:
+        ValueError: it applies but the policy loss does not declare ``supports_is_weights`` (raised on
+            every rank alike).
+    """
+    if not config.vllm_importance_sampling_correction:
+        return False
+    if config.mismatch_correction_scope == "all":
+        applies = True
+    else:
+        foreign = any(t.policy_version is not None and t.policy_version.logprob_source != TRAINER_LOGPROB_SOURCE
+                      for t in trajectories)
+        (any_foreign,) = reduce_over_ranks(accelerator, [float(foreign)], "max")
+        applies = bool(any_foreign)
+    if applies and not _capability(policy_loss, "supports_is_weights"):
+        raise ValueError(
+            f"the sampler/trainer mismatch correction applies to this batch (vllm_importance_sampling_correction=True, "
+            f"mismatch_correction_scope={config.mismatch_correction_scope!r}), but policy_loss "
+            f"{type(policy_loss).__name__} does not declare supports_is_weights: it would drop the importance weights. "
+            f"Use policy_loss='ppo_clip', make the plugin apply PolicyLossInput.is_weights, or set "
+            f"vllm_importance_sampling_correction=False."
+        )
+    return applies
 
 
 def policy_update(
@@ -271,6 +381,9 @@ def policy_update(
         raise ValueError(
             "the policy loss reads reference log-probs but the datums carry none; call reference_logprobs() first."
         )
+    with_old = bool(datums) and all(d.old_logprobs is not None for d in datums)
+    if datums and not with_old and any(d.old_logprobs is not None for d in datums):
+        raise ValueError("some datums carry old_logprobs and some do not; call old_logprobs() on every datum the update forwards.")
     t_pack = time.perf_counter()
     limits = {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch}
     if config.rebalance_ranks and world > 1:
@@ -286,7 +399,13 @@ def policy_update(
         batches = plan.ranks[0]
     packing_s = time.perf_counter() - t_pack
     (forwarded,) = reduce_over_ranks(accelerator, [float(sum(len(idx) for idx in batches))], "sum")
-    (any_ref,) = reduce_over_ranks(accelerator, [float(with_ref)], "max")
+    any_ref, any_old = reduce_over_ranks(accelerator, [float(with_ref), float(with_old)], "max")
+    is_mode = ImportanceSamplingMode(config.vllm_importance_sampling_mode) if any_old else None
+    if any_old and not _capability(policy_loss, "supports_is_weights"):
+        raise ValueError(
+            f"the datums carry old_logprobs (mismatch correction) but policy_loss {type(policy_loss).__name__} "
+            f"does not declare supports_is_weights."
+        )
     (steps,) = reduce_over_ranks(accelerator, [len(batches)], "max")
     steps = int(steps)
     batches = list(batches) + [[] for _ in range(steps - len(batches))]
@@ -296,6 +415,7 @@ def policy_update(
     loss_total = 0.0
     padded = real = dummies = 0
     stats: PolicyLossStats | None = None
+    mismatch: MismatchStats | None = None
     ratios: list[torch.Tensor] = []
     # Sums over this rank's forwarded loss tokens: KL to the reference per estimator, |log-prob gap|, entropy.
     aux = {"kl_k1": 0.0, "kl_k2": 0.0, "kl_k3": 0.0, "ref_logprob_gap": 0.0, "entropy": 0.0}
@@ -319,14 +439,24 @@ def policy_update(
                 temperature=temperature, with_entropy=needs_entropy,
             )
             ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
+            # The PPO anchor: the sampler's log-probs, or with the mismatch correction the trainer's own
+            # (pi_old), the sampler-to-trainer gap then going into the importance weights.
+            anchor = mb.behaviour_logprobs.to(device) if mb.old_logprobs is None else mb.old_logprobs.to(device)
+            is_w = None
+            if mb.old_logprobs is not None:
+                is_w = importance_weights(
+                    anchor, mb.behaviour_logprobs.to(device), mb.action_mask.to(device), is_mode,
+                    clip_min=config.vllm_importance_sampling_clip_min, clip_max=config.vllm_importance_sampling_clip_max,
+                )
             out = policy_loss(
                 PolicyLossInput(
                     logprobs=logp,
-                    behaviour_logprobs=mb.behaviour_logprobs.to(device),
+                    behaviour_logprobs=anchor,
                     advantages=mb.advantages.to(device),
                     action_mask=mb.action_mask.to(device),
                     ref_logprobs=ref if needs_ref else None,
                     entropy=entropy,
+                    is_weights=None if is_w is None else is_w.weights,
                 )
             )
             loss = aggregate(
@@ -340,7 +470,9 @@ def policy_update(
         loss_total += float(loss.detach()) / world
         if idx:
             stats = out.stats if stats is None else stats.merge(out.stats)
-            ratios.append(importance_ratios(logp, mb.behaviour_logprobs.to(device), mb.action_mask.to(device)).cpu())
+            if is_w is not None:
+                mismatch = is_w.stats if mismatch is None else mismatch.merge(is_w.stats)
+            ratios.append(importance_ratios(logp, anchor, mb.action_mask.to(device)).cpu())
             with torch.no_grad():
                 m = mb.action_mask.to(device)
                 on = m.bool()
@@ -369,6 +501,7 @@ def policy_update(
     (fwd_tokens,) = reduce_over_ranks(accelerator, [float(sum(datums[i].num_loss_tokens for idx in batches for i in idx))], "sum")
     denom = max(fwd_tokens, 1.0)
     reference = {k: aux_all[k] / denom for k in ("kl_k1", "kl_k2", "kl_k3", "ref_logprob_gap")} if any_ref else None
+    mismatch_all = _merge_mismatch_across_ranks(accelerator, mismatch) if any_old else None
     return UpdateResult(
         loss=loss_sum,
         num_micro_batches=steps,
@@ -384,4 +517,5 @@ def policy_update(
         num_forwarded=int(forwarded),
         reference=reference,
         entropy=aux_all["entropy"] / denom if needs_entropy else None,
+        mismatch=None if mismatch_all is None else mismatch_all.summary(is_mode),
     )

@@ -222,6 +222,7 @@ _ONE_STEP = ("one step is one rollout batch and one optimizer update: keep gradi
              "max_padded_tokens_per_micro_batch; num_iterations reuses a rollout)")
 _HF = "the HF Trainer loop"
 _KL_OWNER = "MultiTurnGRPOConfig._map_kl_and_entropy"
+_IS_OWNER = "MultiTurnGRPOConfig._check_mismatch_correction"
 
 
 def _generation_batch_ok(c: Any) -> bool:
@@ -241,7 +242,7 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "entropy_coef": FieldRule(_M, "policy_loss_kwargs['entropy_coef'] (mapped with the entropy bonus's checks).", owner=_KL_OWNER),
     "beta": FieldRule(_H, "reference-KL coefficient: policy_loss_kwargs kl_coef (kl_penalty='loss') or a KL reward (kl_penalty='reward').", owner=_KL_OWNER),
     "num_generations": FieldRule(_H, "group size: each question is rolled out this many times, on one rank."),
-    "num_iterations": FieldRule(_H, "updates per rollout: one rollout's datums serve k steps; the ratio is taken against the sampler's log-probs."),
+    "num_iterations": FieldRule(_H, "updates per rollout: one rollout's datums serve k steps; the ratio is taken against the sampler's log-probs (the trainer's own pi_old when the mismatch correction applies)."),
     "temperature": FieldRule(_H, "sampling temperature (hf_backend) and the temperature of the update's log-probs, as in TRL."),
     "top_p": FieldRule(_H, "passed to HF generate by hf_backend (behaviour log-probs are of the temperature-scaled distribution, as TRL's)."),
     "top_k": FieldRule(_H, "passed to HF generate by hf_backend (0: off)."),
@@ -296,11 +297,11 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "vllm_gpu_memory_utilization": FieldRule(_H, _VLLM + " (colocate)."),
     "vllm_max_model_length": FieldRule(_H, _VLLM + " (colocate); refused at start-up when shorter than the rollout's token budget."),
     "vllm_tensor_parallel_size": FieldRule(_R, "colocate tensor parallelism gathers the prompts of a rank group on every generate call, a collective per turn that per-trajectory turns cannot keep in step; keep 1, or use vllm_mode='server' with the server's own --tensor-parallel-size.", ok=lambda c: c.vllm_tensor_parallel_size == 1),
-    "vllm_importance_sampling_correction": FieldRule(_R, _VLLM + "."),
-    "vllm_importance_sampling_mode": FieldRule(_R, _VLLM + "."),
-    "vllm_importance_sampling_clip_max": FieldRule(_R, _VLLM + "."),
-    "vllm_importance_sampling_clip_min": FieldRule(_R, _VLLM + "."),
-    "vllm_importance_sampling_cap": FieldRule(_R, _VLLM + " (deprecated in TRL)."),
+    "vllm_importance_sampling_correction": FieldRule(_H, "switch of the sampler/trainer mismatch correction (TIS/MIS, docs/training.md): old log-probs from the trainer's forward, loss weighted by pi_old/pi_sampler; applies to batches whose log-probs are not the trainer's own (vLLM), or to every batch with mismatch_correction_scope='all'.", owner=_IS_OWNER),
+    "vllm_importance_sampling_mode": FieldRule(_H, "token_truncate, token_mask, sequence_truncate or sequence_mask, as in TRL; refused when set but the correction cannot apply (HF generate with mismatch_correction_scope='foreign', or correction off).", owner=_IS_OWNER),
+    "vllm_importance_sampling_clip_max": FieldRule(_H, "C_max of the importance weight, as in TRL (None: no upper bound); refused when set but the correction cannot apply.", owner=_IS_OWNER),
+    "vllm_importance_sampling_clip_min": FieldRule(_H, "C_min of the importance weight, as in TRL (None: no lower bound); refused when set but the correction cannot apply.", owner=_IS_OWNER),
+    "vllm_importance_sampling_cap": FieldRule(_H, "deprecated in TRL, whose __post_init__ copies it into vllm_importance_sampling_clip_max (same rules).", owner=_IS_OWNER),
     "use_transformers_continuous_batching": FieldRule(_R, _CB + "."),
     "transformers_continuous_batching_config": FieldRule(_R, _CB + "."),
     "use_transformers_paged": FieldRule(_R, _CB + " (deprecated in TRL)."),
