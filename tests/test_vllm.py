@@ -248,3 +248,17 @@ def test_a_vllm_context_shorter_than_a_trajectory_is_refused_before_the_model_lo
     config = MultiTurnGRPOConfig(**base, vllm_max_model_length=512, rollout_kwargs={"max_trajectory_tokens": 600})
     with pytest.raises(ValueError, match="vllm_max_model_length=512 is shorter than the rollout's token budget of 600"):
         MultiTurnGRPOTrainer("no-such-model", config)
+
+
+def test_vllm_logprobs_that_differ_from_the_trainers_are_corrected(tmp_path, saved, patched):
+    # The fake engine reports every log-prob 0.4 nats low (a known sampler/trainer mismatch): the update takes
+    # pi_old from the trainer's forward, and TRL's default sequence_mask (C = 3) masks every trajectory whose
+    # sequence weight exp(0.4 x 12 tokens) is far above 3.
+    import json
+
+    patched(logprob_shift=-0.4)
+    trainer, seen = _train(tmp_path, saved[0], vllm_mode="colocate", max_steps=1)
+    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][0]
+    assert record["train/is_logprob_gap"] == pytest.approx(0.4, abs=1e-3)
+    assert record["train/is_masked_frac"] == 1.0
+    assert all(t.policy_version.logprob_source == LogprobSource.PROCESSED for t in seen[0])
