@@ -115,7 +115,7 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(beta=0.1, kl_estimator="k1", policy_loss_kwargs={"kl_estimator": "k2"}), "set only --kl_estimator"),
         (dict(entropy_coef=0.01, policy_loss_kwargs={"entropy_coef": 0.02}), "disagree"),
         (dict(aggregation="seq_mean_token_sum_norm"), "set norm_length"),
-        (dict(use_vllm=True), "generates with HF generate only"),
+        (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),
         (dict(advantage="gae", vf_clip=0.0), "vf_clip > 0"),
         (dict(rollout_kwargs={"max_turn": 2}), "rollout 'multi_turn' rejected its settings"),
         (dict(advantage="grpo"), "unknown advantages plugin 'grpo'"),
@@ -637,18 +637,19 @@ class ScriptedToolRollout:
 
         tok = request.chat.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
-        counter = iter(range(10**6))
 
-        def script(prompt):
+        def script(prompt, seed):
+            # The answer comes from the turn's seed, not from a call counter: turns reach the backend in the
+            # order their tools finish, which timing decides.
             text = tok.decode(prompt)
             if "<tool_response>" not in text:
                 call = {"name": "code_interpreter", "arguments": {"code": self.code}}
                 body = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
             else:
-                body = f"\\boxed{{{next(counter) % 3}}}"
+                body = f"\\boxed{{{seed % 3}}}"
             return tok(body, add_special_tokens=False)["input_ids"] + [end]
 
-        request.backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids)
+        request.backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids, with_seed=True)
         return self.inner(request)
 
 

@@ -390,17 +390,20 @@ class VLLMBackend:
 
 
 class ScriptedBackend:
-    """A test double: completions come from ``script(prompt_ids, turn_index)``, log-probs are constant.
+    """A test double: completions come from ``script(prompt_ids)`` (or ``script(prompt_ids, seed)`` with
+    ``with_seed=True``), log-probs are constant.
 
     Used by tests and ``benchmarks/rollout.py`` to drive the rollout engine with a deterministic
-    tool-calling policy, without a model.
+    tool-calling policy, without a model. A script that must vary between the samples of a group should
+    read the seed (per trajectory and turn), not count its calls: the order of calls follows tool timing.
     """
 
     logprob_source = LogprobSource.TEMPERATURE_SCALED
     max_concurrency = 1
 
-    def __init__(self, script: Callable[[list[int]], list[int]], *, stop_token_ids: Sequence[int], logprob: float = -0.5) -> None:
-        self.script = script
+    def __init__(self, script: Callable[..., list[int]], *, stop_token_ids: Sequence[int], logprob: float = -0.5,
+                 with_seed: bool = False) -> None:
+        self.script, self.with_seed = script, with_seed
         self.stop_token_ids = list(stop_token_ids)
         self.logprob = logprob
         self.sampling = SamplingSettings()
@@ -414,7 +417,7 @@ class ScriptedBackend:
         self.calls.append(len(prompts))
         stop = set(self.stop_token_ids)
         out = []
-        for p, budget in zip(prompts, max_new_tokens):
-            ids = list(self.script(list(p)))
+        for p, budget, seed in zip(prompts, max_new_tokens, seeds):
+            ids = list(self.script(list(p), seed) if self.with_seed else self.script(list(p)))
             out.append(cut_sample(ids, [self.logprob] * len(ids), budget, stop))
         return out
