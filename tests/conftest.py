@@ -20,6 +20,17 @@ from trl_plugins.testing import make_trajectory  # noqa: E402, F401  (tests impo
 ASSETS = Path(__file__).parent / "assets"
 
 
+def accelerate_launch(config: str, script: str | Path, *args: str) -> list[str]:
+    """argv of ``accelerate launch --config_file accelerate_configs/<config> <script> <args>`` for a test.
+
+    ``--main_process_port 0`` makes the launcher pick a free rendezvous port itself: with the default (29500)
+    two launches at once (``pytest -n``, or another suite on the machine) race for one port, and the loser
+    fails or joins the other's rendezvous.
+    """
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+            "--main_process_port", "0", str(script), *args]
+
+
 def code_schema() -> dict:
     """The built-in code_interpreter's JSON schema (what the chat template shows the model)."""
     from trl_plugins.tools.code_interpreter import CodeInterpreter

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import accelerate_launch
 from trl_plugins.rollout.metrics import TrajectorySummary, quantile, reduce_rank_metrics, reward_metrics, trajectory_metrics
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, active_stop_event
 
@@ -185,8 +186,7 @@ def test_rank_metrics_are_reduced_by_their_meaning():
 
 
 def _launch(config: str, out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(ROOT / "tests" / "dist_trainer_run.py"), "--out", str(out / "report.json"), *extra]
+    cmd = accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--out", str(out / "report.json"), *extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

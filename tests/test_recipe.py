@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import accelerate_launch
 from trl_plugins.evaluation import pass_at_k, summarise
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 
@@ -139,11 +140,11 @@ def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
 def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline",
            "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(ROOT / "recipes" / "retool_ppo.py"), "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
-           "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
-           "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
-           "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4", *extra]
+    cmd = accelerate_launch(
+        config, ROOT / "recipes" / "retool_ppo.py", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
+        "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
+        "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4", *extra)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
