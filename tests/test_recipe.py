@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,50 @@ def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
 
     AutoModelForCausalLM.from_pretrained(again)  # loads again
     assert not list((tmp_path / "embedded").glob("*.building-*"))  # no staging left behind
+
+
+_BUILD_WHEN_TOLD = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from retool.default_model import EmbeddedSettings, ensure_embedded_default
+settings, root, ready, go = EmbeddedSettings(**json.loads(sys.argv[2])), sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
+ready.touch()
+while not go.exists():
+    time.sleep(0.01)
+print("path:", ensure_embedded_default(settings, root=root, in_process=True), flush=True)
+"""
+
+
+def test_concurrent_builders_of_one_entry_build_it_once(tmp_path):
+    # Two processes (two pytest workers, two launches) ask for the same entry at the same moment: one
+    # builds it, the other waits and then uses it; neither sees the entry vanish under it.
+    procs = []
+    for i in range(2):
+        args = [str(ROOT / "recipes"), json.dumps(TINY_EMBEDDED), str(tmp_path / "cache"), str(tmp_path / f"ready-{i}"),
+                str(tmp_path / "go")]
+        procs.append(subprocess.Popen([sys.executable, "-c", _BUILD_WHEN_TOLD, *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        (tmp_path / "go").touch()  # both start asking now; a build takes seconds
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sum("building the tiny model" in out for out in outputs) == 1, outputs
+    assert sum("using the cached model" in out for out in outputs) == 1, outputs
+    paths = {line for out in outputs for line in out.splitlines() if line.startswith("path:")}
+    assert len(paths) == 1, outputs
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(paths.pop().split(" ", 1)[1])
+    assert not list((tmp_path / "cache" / "embedded").glob("*.building-*"))
 
 
 def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
