@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,16 @@ def accelerate_launch(config: str, script: str | Path, *args: str) -> list[str]:
     """
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
             "--main_process_port", "0", str(script), *args]
+
+
+def cpu_launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment plus ``extra``, with no GPU visible: for launching a ``cpu*.yaml`` config.
+
+    Those configs run gloo ranks on the CPU. On a machine with a GPU, DeepSpeed would put rank ``i`` on
+    ``cuda:i`` (no ``cuda:1`` on a one-GPU machine) and the recipe, which adds its CPU settings only where
+    CUDA is absent, would run NCCL ranks and bf16: not what these tests check.
+    """
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def code_schema() -> dict:

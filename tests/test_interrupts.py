@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import accelerate_launch
+from conftest import accelerate_launch, cpu_launch_env
 from trl_plugins.rollout.metrics import TrajectorySummary, quantile, reduce_rank_metrics, reward_metrics, trajectory_metrics
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, active_stop_event
 
@@ -187,7 +187,7 @@ def test_rank_metrics_are_reduced_by_their_meaning():
 
 def _launch(config: str, out: Path, *extra: str) -> subprocess.Popen:
     cmd = accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--out", str(out / "report.json"), *extra)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import accelerate_launch
+from conftest import accelerate_launch, cpu_launch_env
 from trl_plugins.evaluation import pass_at_k, summarise
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 
@@ -48,6 +48,8 @@ def test_every_recipe_yaml_loads_and_validates(path):
 
 
 def test_default_yaml_is_the_retool_setup():
+    import torch
+
     retool_ppo = _recipe_module()
     _, args = retool_ppo.parse_args([])
     assert args.policy_loss == "ppo_clip"
@@ -55,7 +57,8 @@ def test_default_yaml_is_the_retool_setup():
     assert args.advantage == "group" and args.num_generations >= 2
     assert args.reward_components[0] == "correct" and args.tools == ["code_interpreter"]
     assert "\\boxed{" in args.system_prompt and "<tool_call>" in args.system_prompt
-    assert args.bf16 is False  # added on a machine without CUDA
+    # `--bf16 false` is added on a machine without CUDA; with CUDA, TRL's default (bf16) stands.
+    assert args.bf16 is torch.cuda.is_available()
 
 
 def test_command_line_overrides_the_yaml_and_bad_values_are_named():
@@ -183,8 +186,8 @@ def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
 
 
 def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    env = cpu_launch_env(TRL_PLUGINS_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline", WANDB_SILENT="true",
+                         PYTHONUNBUFFERED="1")
     cmd = accelerate_launch(
         config, ROOT / "recipes" / "retool_ppo.py", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
         "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
