@@ -21,6 +21,25 @@ from trl_plugins.testing import make_trajectory  # noqa: E402, F401  (tests impo
 ASSETS = Path(__file__).parent / "assets"
 
 
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _workers_per_cpu() -> float:
+    """How many pytest-xdist workers share one core (0 when not under xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) / _cpus()
+
+
+def pytest_configure(config):
+    # Under pytest -n, each worker gets its share of the cores for its own torch threads (and, through
+    # OMP_NUM_THREADS, for the processes it starts), unless the caller set OMP_NUM_THREADS: N workers
+    # each running one thread per core spin against each other and run several times slower than 1/N.
+    if _workers_per_cpu() and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, round(1 / _workers_per_cpu()))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def accelerate_launch(config: str, script: str | Path, *args: str) -> list[str]:
     """argv of ``accelerate launch --config_file accelerate_configs/<config> <script> <args>`` for a test.
 
