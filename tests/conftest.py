@@ -40,6 +40,12 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
 
 
+def hang_guard_s(seconds: float) -> float:
+    """A guard against a hung launch (``seconds``, sized for a run that has the machine to itself), scaled by
+    the xdist workers per core: under ``pytest -n 4`` on 2 cores a launch gets half a core at best."""
+    return seconds * max(1.0, _workers_per_cpu())
+
+
 def accelerate_launch(config: str, script: str | Path, *args: str) -> list[str]:
     """argv of ``accelerate launch --config_file accelerate_configs/<config> <script> <args>`` for a test.
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import accelerate_launch, cpu_launch_env
+from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist_update_equivalence.py"
@@ -20,7 +20,7 @@ def launch(config: str, tmp_path: Path, *extra: str, timeout: int = 420) -> dict
     cmd = accelerate_launch(config, SCRIPT, "--out", str(out), *extra)
     env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     # An outer timeout: a stuck gloo collective would otherwise hang the suite.
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -67,7 +67,8 @@ def test_two_ranks_match_one_process(config, extra, tmp_path):
 def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--out", str(out), *extra)
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_launch_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_launch_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=hang_guard_s(420))
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 

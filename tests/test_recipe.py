@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import accelerate_launch, cpu_launch_env
+from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
 from trl_plugins.evaluation import pass_at_k, summarise
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 
@@ -155,12 +155,12 @@ def test_concurrent_builders_of_one_entry_build_it_once(tmp_path):
         procs.append(subprocess.Popen([sys.executable, "-c", _BUILD_WHEN_TOLD, *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + hang_guard_s(300)
         while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
             time.sleep(0.05)
         (tmp_path / "go").touch()  # both start asking now; a build takes seconds
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        outputs = [p.communicate(timeout=hang_guard_s(600))[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -193,7 +193,7 @@ def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600) -> subp
         "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
         "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
         "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4", *extra)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
 
 
 @pytest.mark.slow
