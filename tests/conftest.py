@@ -49,9 +49,9 @@ def hang_guard_s(seconds: float) -> float:
 def accelerate_launch(config: str, script: str | Path, *args: str) -> list[str]:
     """argv of ``accelerate launch --config_file accelerate_configs/<config> <script> <args>`` for a test.
 
-    ``--main_process_port 0`` makes the launcher pick a free rendezvous port itself: with the default (29500)
-    two launches at once (``pytest -n``, or another suite on the machine) race for one port, and the loser
-    fails or joins the other's rendezvous.
+    ``--main_process_port 0`` makes the launcher pick a free rendezvous port itself. With the default (29500),
+    two launches at once (``pytest -n``, or another suite on the machine) race for one port: accelerate
+    moves to another port only if 29500 is taken when it checks, seconds before torchrun binds it.
     """
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
             "--main_process_port", "0", str(script), *args]
