@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,52 @@ from trl_plugins.registry import ALL_REGISTRIES  # noqa: E402
 from trl_plugins.testing import make_trajectory  # noqa: E402, F401  (tests import it from here)
 
 ASSETS = Path(__file__).parent / "assets"
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _workers_per_cpu() -> float:
+    """How many pytest-xdist workers share one core (0 when not under xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) / _cpus()
+
+
+def pytest_configure(config):
+    # Under pytest -n, each worker gets its share of the cores for its own torch threads (and, through
+    # OMP_NUM_THREADS, for the processes it starts), unless the caller set OMP_NUM_THREADS: N workers
+    # each running one thread per core spin against each other and run several times slower than 1/N.
+    if _workers_per_cpu() and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, round(1 / _workers_per_cpu()))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def hang_guard_s(seconds: float) -> float:
+    """A guard against a hung launch (``seconds``, sized for a run that has the machine to itself), scaled by
+    the xdist workers per core: under ``pytest -n 4`` on 2 cores a launch gets half a core at best."""
+    return seconds * max(1.0, _workers_per_cpu())
+
+
+def accelerate_launch(config: str, script: str | Path, *args: str) -> list[str]:
+    """argv of ``accelerate launch --config_file accelerate_configs/<config> <script> <args>`` for a test.
+
+    ``--main_process_port 0`` makes the launcher pick a free rendezvous port itself. With the default (29500),
+    two launches at once (``pytest -n``, or another suite on the machine) race for one port: accelerate
+    moves to another port only if 29500 is taken when it checks, seconds before torchrun binds it.
+    """
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+            "--main_process_port", "0", str(script), *args]
+
+
+def cpu_launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment plus ``extra``, with no GPU visible: for launching a ``cpu*.yaml`` config.
+
+    Those configs run gloo ranks on the CPU. On a machine with a GPU, DeepSpeed would put rank ``i`` on
+    ``cuda:i`` (no ``cuda:1`` on a one-GPU machine) and the recipe, which adds its CPU settings only where
+    CUDA is absent, would run NCCL ranks and bf16: not what these tests check.
+    """
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def code_schema() -> dict:

@@ -4,12 +4,12 @@ and turns take one update that equals a 1-process plain-torch step on all the da
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist_update_equivalence.py"
@@ -17,11 +17,10 @@ SCRIPT = ROOT / "tests" / "dist_update_equivalence.py"
 
 def launch(config: str, tmp_path: Path, *extra: str, timeout: int = 420) -> dict:
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(SCRIPT), "--out", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = accelerate_launch(config, SCRIPT, "--out", str(out), *extra)
+    env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     # An outer timeout: a stuck gloo collective would otherwise hang the suite.
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -82,9 +81,9 @@ def test_two_ranks_mismatch_correction_matches_one_process(config, mode, tmp_pat
 
 def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(ROOT / "tests" / "dist_trainer_run.py"), "--out", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=420)
+    cmd = accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--out", str(out), *extra)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_launch_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=hang_guard_s(420))
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 

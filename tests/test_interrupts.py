@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
 from trl_plugins.rollout.metrics import TrajectorySummary, quantile, reduce_rank_metrics, reward_metrics, trajectory_metrics
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, active_stop_event
 
@@ -185,9 +186,8 @@ def test_rank_metrics_are_reduced_by_their_meaning():
 
 
 def _launch(config: str, out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(ROOT / "tests" / "dist_trainer_run.py"), "--out", str(out / "report.json"), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--out", str(out / "report.json"), *extra)
+    env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -224,7 +224,7 @@ def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the
     extra = ["--slow_tool", "--max_steps", "3", "--markers", str(markers)] + (["--slow_update", "3"] if when == "update" else [])
     proc = _launch(config, tmp_path / "a", "--output_dir", str(tmp_path / "a"), *extra)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + hang_guard_s(240)
         while not (markers / f"{when}-step2-rank0").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
             time.sleep(0.1)
@@ -232,7 +232,7 @@ def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the
         pids = _descendants(proc.pid)
         assert len(pids) > (2 if config == "cpu_ddp.yaml" else 1), "no sandbox processes were running"
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
+        output, _ = proc.communicate(timeout=hang_guard_s(120))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -252,7 +252,7 @@ def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the
     resumed = _launch(config, tmp_path / "c", "--output_dir", str(tmp_path / "c"), "--slow_tool", "--max_steps", "3",
                       "--resume", str(checkpoint), "--params_out", str(tmp_path / "resumed.pt"))
     for p in (straight, resumed):
-        out, _ = p.communicate(timeout=300)
+        out, _ = p.communicate(timeout=hang_guard_s(300))
         assert p.returncode == 0, out[-3000:]
     a, b = _params(tmp_path / "straight.pt"), _params(tmp_path / "resumed.pt")
     assert a.keys() == b.keys()
@@ -266,7 +266,7 @@ def test_logged_metrics_on_two_ranks_are_those_of_the_union_of_their_trajectorie
     dump = tmp_path / "dump"
     proc = _launch(config, tmp_path, "--output_dir", str(tmp_path / "run"), "--max_steps", "2", "--flaky",
                    "--per_device", "8", "--dump", str(dump))
-    output, _ = proc.communicate(timeout=420)
+    output, _ = proc.communicate(timeout=hang_guard_s(420))
     assert proc.returncode == 0, output[-3000:]
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r for r in logged if "rollout/trajectories" in r}

@@ -6,11 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
 from trl_plugins.evaluation import pass_at_k, summarise
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 
@@ -46,6 +48,8 @@ def test_every_recipe_yaml_loads_and_validates(path):
 
 
 def test_default_yaml_is_the_retool_setup():
+    import torch
+
     retool_ppo = _recipe_module()
     _, args = retool_ppo.parse_args([])
     assert args.policy_loss == "ppo_clip"
@@ -53,7 +57,8 @@ def test_default_yaml_is_the_retool_setup():
     assert args.advantage == "group" and args.num_generations >= 2
     assert args.reward_components[0] == "correct" and args.tools == ["code_interpreter"]
     assert "\\boxed{" in args.system_prompt and "<tool_call>" in args.system_prompt
-    assert args.bf16 is False  # added on a machine without CUDA
+    # `--bf16 false` is added on a machine without CUDA; with CUDA, TRL's default (bf16) stands.
+    assert args.bf16 is torch.cuda.is_available()
 
 
 def test_command_line_overrides_the_yaml_and_bad_values_are_named():
@@ -127,6 +132,50 @@ def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
     assert not list((tmp_path / "embedded").glob("*.building-*"))  # no staging left behind
 
 
+_BUILD_WHEN_TOLD = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from retool.default_model import EmbeddedSettings, ensure_embedded_default
+settings, root, ready, go = EmbeddedSettings(**json.loads(sys.argv[2])), sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
+ready.touch()
+while not go.exists():
+    time.sleep(0.01)
+print("path:", ensure_embedded_default(settings, root=root, in_process=True), flush=True)
+"""
+
+
+def test_concurrent_builders_of_one_entry_build_it_once(tmp_path):
+    # Two processes (two pytest workers, two launches) ask for the same entry at the same moment: one
+    # builds it, the other waits and then uses it; neither sees the entry vanish under it.
+    procs = []
+    for i in range(2):
+        args = [str(ROOT / "recipes"), json.dumps(TINY_EMBEDDED), str(tmp_path / "cache"), str(tmp_path / f"ready-{i}"),
+                str(tmp_path / "go")]
+        procs.append(subprocess.Popen([sys.executable, "-c", _BUILD_WHEN_TOLD, *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        deadline = time.monotonic() + hang_guard_s(300)
+        while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        (tmp_path / "go").touch()  # both start asking now; a build takes seconds
+        outputs = [p.communicate(timeout=hang_guard_s(600))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sum("building the tiny model" in out for out in outputs) == 1, outputs
+    assert sum("using the cached model" in out for out in outputs) == 1, outputs
+    paths = {line for out in outputs for line in out.splitlines() if line.startswith("path:")}
+    assert len(paths) == 1, outputs
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(paths.pop().split(" ", 1)[1])
+    assert not list((tmp_path / "cache" / "embedded").glob("*.building-*"))
+
+
 def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
     from retool.default_model import EmbeddedSettings, ensure_embedded_default
 
@@ -137,14 +186,14 @@ def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
 
 
 def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(ROOT / "recipes" / "retool_ppo.py"), "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
-           "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
-           "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
-           "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4", *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = cpu_launch_env(TRL_PLUGINS_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline", WANDB_SILENT="true",
+                         PYTHONUNBUFFERED="1")
+    cmd = accelerate_launch(
+        config, ROOT / "recipes" / "retool_ppo.py", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
+        "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
+        "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4", *extra)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
 
 
 @pytest.mark.slow

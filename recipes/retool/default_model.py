@@ -4,7 +4,8 @@ The build runs once per settings in a clean child process (one CPU process, no D
 launcher started the caller) and is cached under ``<cache root>/embedded/<key>/`` where the key hashes
 the settings and the build code's version. Files are checksummed: a cache entry that fails its
 check is reported and rebuilt. Entries appear atomically (built aside, then renamed), so a crashed
-build never leaves a half-written entry behind.
+build never leaves a half-written entry behind, and a build holds a lock on its key, so processes that
+ask for the same entry at once (several launches or test workers) build it once: the others wait for it.
 
 Run ``python -m retool.default_model --help`` (from ``recipes/``) to build one by hand.
 """
@@ -12,6 +13,8 @@ Run ``python -m retool.default_model --help`` (from ``recipes/``) to build one b
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -20,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from retool.coldstart import DEFAULT_SYSTEM_PROMPT
 from retool.launch import run_in_child
@@ -201,6 +204,21 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     return model_dir
 
 
+@contextlib.contextmanager
+def _build_lock(base: Path, key: str, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold the exclusive lock on building entry ``key`` (kept in ``<base>/locks/``, outside the entries;
+    the kernel releases it if the holder dies)."""
+    locks = base / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{key}.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[embedded default] another process is building {key}; waiting for it.")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_embedded_default(
     settings: EmbeddedSettings = EmbeddedSettings(),
     *,
@@ -214,35 +232,42 @@ def ensure_embedded_default(
     A corrupted or partial entry is reported through ``log`` and rebuilt. The build runs in a clean
     child process unless ``in_process``. Under several processes call this on the main process first
     (e.g. inside ``PartialState().main_process_first()``): the others then find the finished entry.
+    Unrelated processes that ask at once are safe too: one builds under a lock, the others wait for it.
 
     Raises:
         retool.launch.ChildProcessError: the build failed (the child's output says why); nothing is left in the cache.
     """
     base = Path(root) if root is not None else cache_root()
     entry = base / "embedded" / settings.key()
-    if entry.exists() and not rebuild:
-        try:
-            _verify(entry)
+    if not rebuild:
+        with contextlib.suppress(CacheError):
+            _verify(entry)  # the common case takes no lock (a read-only cache works)
             log(f"[embedded default] using the cached model at {entry / 'model'}")
             return entry / "model"
-        except CacheError as exc:
-            log(f"[embedded default] the cache entry {entry} is corrupted ({exc}); rebuilding it.")
-    elif rebuild and entry.exists():
-        log(f"[embedded default] rebuilding {entry} (rebuild requested).")
-    base.joinpath("embedded").mkdir(parents=True, exist_ok=True)
-    staging = entry.with_name(f"{entry.name}.building-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    log(f"[embedded default] building the tiny model and its cold start into {entry} (once; cached after).")
-    try:
-        if in_process:
-            build_embedded_default(settings, staging)
-        else:
-            run_in_child(build_embedded_default, settings, staging, what="building the embedded default")
-        _verify(staging)
-        shutil.rmtree(entry, ignore_errors=True)
-        os.replace(staging, entry)
-    finally:
+    with _build_lock(base, settings.key(), log):
+        if entry.exists() and not rebuild:  # checked again: it may have been built while we waited
+            try:
+                _verify(entry)
+                log(f"[embedded default] using the cached model at {entry / 'model'}")
+                return entry / "model"
+            except CacheError as exc:
+                log(f"[embedded default] the cache entry {entry} is corrupted ({exc}); rebuilding it.")
+        elif rebuild and entry.exists():
+            log(f"[embedded default] rebuilding {entry} (rebuild requested).")
+        base.joinpath("embedded").mkdir(parents=True, exist_ok=True)
+        staging = entry.with_name(f"{entry.name}.building-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
+        log(f"[embedded default] building the tiny model and its cold start into {entry} (once; cached after).")
+        try:
+            if in_process:
+                build_embedded_default(settings, staging)
+            else:
+                run_in_child(build_embedded_default, settings, staging, what="building the embedded default")
+            _verify(staging)
+            shutil.rmtree(entry, ignore_errors=True)
+            os.replace(staging, entry)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return entry / "model"
 
 
