@@ -353,3 +353,20 @@ def test_a_tool_with_typed_arguments_is_checked_and_parsed_with_its_types(name):
     end = next(j for j in range(len(prompt), len(full)) if full[j] in chat.stop_token_ids)
     parsed = chat.parse(prompt, full[len(prompt):end + 1])
     assert parsed.kind == TurnKind.TOOL_CALL and parsed.arguments == {"a": 6, "b": 7, "label": "sum (x)"}, parsed
+
+
+@pytest.mark.parametrize("body", ['5', '[1, 2]', '"x"', 'null', '{"name": ["a"], "arguments": {}}',
+                                  '{"name": {"a": 1}, "arguments": {}}', '{"function": 5}'])
+def test_a_call_that_is_not_an_object_with_a_string_name_is_an_invalid_action(body):
+    # Model-written JSON can be any value; parsing must end the turn as invalid, never raise (a sampled
+    # `<tool_call>\n5\n</tool_call>` once crashed a whole held-out evaluation).
+    from conftest import code_schema
+
+    from trl_plugins.rollout.chat import TurnKind
+
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [code_schema()])
+    prompt = chat.initial_prompt_ids([{"role": "user", "content": "hi"}])
+    ids = tok(f"<tool_call>\n{body}\n</tool_call>", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    parsed = chat.parse(prompt, ids)
+    assert parsed.kind == TurnKind.INVALID and parsed.error

@@ -448,3 +448,19 @@ def test_turn_seeds_do_not_depend_on_batching(chat):
     # ...yet every (trajectory, turn) got the same seed; prompts differ only in the tool's code text.
     assert sorted(s for v in fast.values() for s in v) == sorted(s for v in staggered.values() for s in v)
     assert len({s for v in fast.values() for s in v}) == 4 * 3  # 4 trajectories x 3 turns, all distinct
+
+
+def test_a_parser_that_raises_on_a_sampled_turn_ends_that_trajectory_only(chat):
+    class Fragile(ChatFormat):
+        def parse(self, prompt_ids, completion_ids):
+            if "calls=1" in self.tokenizer.decode(prompt_ids):
+                raise AttributeError("'int' object has no attribute 'get'")
+            return super().parse(prompt_ids, completion_ids)
+
+    fragile = Fragile(chat.tokenizer, [SCHEMA])
+    questions = [RolloutQuestion(f"q{i}", fragile.initial_prompt_ids([{"role": "user", "content": d}]), group_id=i)
+                 for i, d in enumerate(["calls=1", "calls=0"])]
+    result = MultiTurnRollout()(RolloutRequest(questions, 1, scripted(fragile), fragile, {"code_interpreter": FakeTool()}))
+    broken, fine = result.trajectories
+    assert broken.stop_reason == StopReason.INVALID_ACTION and "AttributeError" in broken.error
+    assert fine.stop_reason == StopReason.FINAL_ANSWER

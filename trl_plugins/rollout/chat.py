@@ -639,6 +639,8 @@ class ChatFormat:
             return ParsedTurn(TurnKind.INVALID, content=text, error="the turn could not be parsed")
         content = parsed.get("content") or ""
         calls = parsed.get("tool_calls") or []
+        if not isinstance(calls, list):
+            calls = [calls]
         bare = re.sub(r"\s+", "", text)
         if not calls:
             marker = re.sub(r"\s+", "", self._call_marker)
@@ -648,7 +650,12 @@ class ChatFormat:
             return ParsedTurn(kind, content=content)
         if len(calls) > 1:
             return ParsedTurn(TurnKind.INVALID, content=content, error=f"{len(calls)} tool calls; make one per turn")
-        fn = calls[0].get("function", calls[0])
+        # The model wrote the JSON: a call may be any value (5, null, a list), a name any type.
+        call = calls[0]
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return ParsedTurn(TurnKind.INVALID, content=content,
+                              error=f"malformed tool call: {call!r:.80} is not an object with a string name")
         name, arguments = fn.get("name"), fn.get("arguments")
         if name not in self._schemas:
             known = ", ".join(self._schemas) or "none"

@@ -334,7 +334,12 @@ class MultiTurnRollout:
             st.traj.turns.append(turn)
             if not sample.finished:
                 return finish(StopReason.TURN_LENGTH if budget == self.max_assistant_tokens else StopReason.TOKEN_BUDGET)
-            parsed = chat.parse(st.prompt, sample.token_ids)
+            try:
+                parsed = chat.parse(st.prompt, sample.token_ids)
+            except Exception as exc:  # a parser bug on odd model output must not end the whole rollout
+                logger.exception("parsing a sampled turn raised; the trajectory ends as invalid_action")
+                st.traj.error = f"the turn could not be parsed: {type(exc).__name__}: {exc}"
+                return finish(StopReason.INVALID_ACTION)
             if parsed.kind == TurnKind.FINAL_ANSWER:
                 return finish(StopReason.FINAL_ANSWER)
             if parsed.kind == TurnKind.NO_TOOL_CALL:
