@@ -8,8 +8,6 @@ where it is importable.
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
