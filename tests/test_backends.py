@@ -1,5 +1,6 @@
-"""Generation backends: HF generate on a tiny local model (left padding, budgets, per-row seeds, log-probs,
-replay). The vLLM backend is tested in test_vllm.py."""
+"""Generation backends on a tiny local model: HF generate and transformers' continuous batching run the same
+tests (budgets, per-row seeds, batching independence, log-probs, replay). What only continuous batching needs
+is in test_continuous_batching.py; the vLLM backend is tested in test_vllm.py."""
 
 from __future__ import annotations
 
@@ -29,16 +30,26 @@ def setup():
     return tok, chat, model, prompts
 
 
-def backend(setup, **sampling):
+BACKENDS = ["hf", "continuous_batching"]
+
+
+def make_backend(kind, setup, **sampling):
     tok, chat, model, _ = setup
+    if kind == "continuous_batching":
+        from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
+
+        config = continuous_batching_config({"page_size": 16, "num_blocks": 64, "max_batch_tokens": 256})
+        return ContinuousBatchingBackend(model, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling),
+                                         config=config)
     return HFGenerationBackend(
         model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling)
     )
 
 
-def test_hf_rows_respect_their_own_budgets_and_seed(setup):
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_rows_respect_their_own_budgets_and_seed(setup, kind):
     _, _, _, prompts = setup
-    be = backend(setup, temperature=1.0)
+    be = make_backend(kind, setup, temperature=1.0)
     rows, budgets = [prompts[0], prompts[1], prompts[0]], [3, 17, 40]
     out = be.generate(rows, budgets, seeds=[5, 6, 7])
     assert [len(s.token_ids) <= b for s, b in zip(out, budgets)] == [True] * 3
@@ -54,12 +65,13 @@ def test_hf_rows_respect_their_own_budgets_and_seed(setup):
         be.generate([prompts[0]], [3], seeds=[0, 1])
 
 
+@pytest.mark.parametrize("kind", BACKENDS)
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01)])
-def test_hf_a_row_samples_the_same_whatever_shares_its_batch(setup, sampling):
+def test_a_row_samples_the_same_whatever_shares_its_batch(setup, sampling, kind):
     # Per-row seeds: the multi-turn engine batches whichever turns are ready, so a turn's sample must not
     # depend on its neighbours, its place in the batch or the batch's padding.
     _, _, _, prompts = setup
-    be = backend(setup, **sampling)
+    be = make_backend(kind, setup, **sampling)
     alone = be.generate([prompts[0]], [24], seeds=[123])[0]
     for rows, seeds, at in [([prompts[1], prompts[0]], [9, 123], 1), ([prompts[0], prompts[1], prompts[1]], [123, 4, 5], 0)]:
         batched = be.generate(rows, [24] * len(rows), seeds=seeds)[at]
@@ -92,20 +104,22 @@ def test_seeded_gumbel_samples_the_softmax_and_honours_top_k_top_p():
     assert abs(frac0 - p0) < 4 * (p0 * (1 - p0) / 2000) ** 0.5
 
 
-def test_hf_left_padding_does_not_change_a_row(setup):
-    # Greedy: a row decodes the same alone and beside a longer prompt (left padding handled).
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_greedy_a_row_decodes_the_same_beside_a_longer_prompt(setup, kind):
+    # Greedy: a row decodes the same alone and beside a longer prompt (HF: left padding handled).
     _, _, _, prompts = setup
-    be = backend(setup, temperature=0.0)
+    be = make_backend(kind, setup, temperature=0.0)
     alone = be.generate([prompts[0]], [12], seeds=[0])[0]
     batched = be.generate([prompts[1], prompts[0]], [12, 12], seeds=[0, 0])[1]
     assert alone.token_ids == batched.token_ids
     assert max(abs(a - b) for a, b in zip(alone.logprobs, batched.logprobs)) < 1e-4
 
 
+@pytest.mark.parametrize("kind", BACKENDS)
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
-def test_replay_matches_stored_logprobs_over_multi_turn_trajectories(setup, sampling):
+def test_replay_matches_stored_logprobs_over_multi_turn_trajectories(setup, sampling, kind):
     tok, chat, model, prompts = setup
-    be = backend(setup, **sampling)
+    be = make_backend(kind, setup, **sampling)
     assert be.logprob_source == LogprobSource.TEMPERATURE_SCALED
     first = be.generate(prompts, [10, 14], seeds=[1] * 2)
     trajs = []

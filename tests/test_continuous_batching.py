@@ -1,0 +1,218 @@
+"""The continuous-batching backend (transformers' ``init_continuous_batching``): what the shared backend tests
+in test_backends.py do not cover - it samples exactly what HF generate samples, it generates with the weights
+of the current step even when its cache lives across rollouts, it leaves the trainer's RNG, mode and attention
+alone, the TRL fields that select it are honoured or refused, and the one transformers internal it wraps is
+pinned."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import code_schema
+
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
+from trl_plugins.rollout.continuous_batching import (
+    CB_SAMPLE_SIGNATURE,
+    ContinuousBatchingBackend,
+    continuous_batching_config,
+)
+from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.types import SamplingSettings, StopReason, Trajectory, Turn
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {"page_size": 16, "num_blocks": 64, "max_batch_tokens": 256}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [code_schema()])
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2)
+    prompts = [chat.initial_prompt_ids([{"role": "user", "content": f"What is {a} * {b}? Use the tool, then answer."}])
+               for a, b in [(2, 3), (17, 4), (123, 456), (9, 99), (5, 5), (31, 7)]]
+    return tok, chat, model, prompts
+
+
+def cb(model, chat, sampling, **kwargs):
+    return ContinuousBatchingBackend(model, stop_token_ids=chat.stop_token_ids, sampling=sampling,
+                                     config=continuous_batching_config(SMALL), **kwargs)
+
+
+@pytest.mark.parametrize("sampling", [SamplingSettings(temperature=0.0),
+                                      SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01)])
+def test_it_samples_exactly_what_hf_generate_samples(setup, sampling):
+    # Same weights, same per-turn seeds: the same tokens (and log-probs to fp32 noise), whether a turn ends on
+    # a stop token or at its budget. A token the long row samples is made a stop token, so both happen.
+    tok, chat, model, prompts = setup
+    budgets, seeds = [3, 8, 40, 13, 1, 25], [11, 12, 13, 14, 15, 16]
+    probe = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
+                                sampling=sampling).generate(prompts, budgets, seeds=seeds)
+    first_of_short = {s.token_ids[0] for s in probe[:2] + probe[4:5]}
+    stop = next((t for t in probe[2].token_ids[3:] if t not in first_of_short), None)  # None: greedy repeats one token
+    stops = sorted(set(chat.stop_token_ids) | ({stop} if stop is not None else set()))
+    hf = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=stops, sampling=sampling)
+    cbb = ContinuousBatchingBackend(model, stop_token_ids=stops, sampling=sampling, config=continuous_batching_config(SMALL))
+    want = hf.generate(prompts, budgets, seeds=seeds)
+    with cbb.session():
+        got = cbb.generate(prompts, budgets, seeds=seeds)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.finished for s in got] == [s.finished for s in want]
+    if sampling.temperature > 0:
+        assert {s.finished for s in got} == {True, False}  # both endings were exercised
+    assert all(t in stops for s in got if s.finished for t in s.token_ids[-1:])
+    assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+def test_each_turn_is_its_own_request_and_many_run_at_once(setup):
+    # The engine gives a per-request backend one turn per call from worker threads; the manager batches them.
+    import concurrent.futures
+
+    _, chat, model, prompts = setup
+    be = cb(model, chat, SamplingSettings(temperature=1.0))
+    assert be.max_concurrency > 1
+    with be.session():
+        alone = be.generate(prompts, [12] * 6, seeds=list(range(6)))
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            calls = [pool.submit(be.generate, [p], [12], seeds=[k]) for k, p in enumerate(prompts)]
+            threaded = [c.result()[0] for c in calls]
+    assert [s.token_ids for s in threaded] == [s.token_ids for s in alone]
+
+
+def _replay(model, tok, prompts, samples, temperature):
+    trajs = [Trajectory(turns=[Turn(p, s.token_ids, s.logprobs)], stop_reason=StopReason.NO_TOOL_CALL)
+             for p, s in zip(prompts, samples)]
+    return replay_logprobs(model, trajs, pad_token_id=tok.pad_token_id, temperature=temperature)
+
+
+def test_a_kept_cache_never_serves_blocks_computed_with_old_weights(setup, monkeypatch):
+    # keep_cache: the manager and its paged cache live across rollouts, and prefix sharing would hand the next
+    # rollout key/value blocks of the previous weights. After an update, the log-probs must replay against the
+    # new weights; the negative control keeps the cache's prefix ledger and is caught.
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    tok, chat, _, prompts = setup
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2, seed=3)
+    long_prompts = [p for p in prompts if len(p) > 2 * SMALL["page_size"]]
+    assert long_prompts, "the prompts must span full cache pages for prefix sharing to apply"
+
+    def run(keep_ledger: bool) -> float:
+        be = cb(model, chat, SamplingSettings(temperature=1.0), keep_cache=True)
+        with be.session():
+            assert be._active.batch_processor.cache.use_prefix_sharing
+            be.generate(long_prompts, [6] * len(long_prompts), seeds=[1] * len(long_prompts))
+        with torch.no_grad():  # an "optimizer step"
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        if keep_ledger:
+            monkeypatch.setattr(PagedAttentionCache, "reset", lambda self: self.free_all_requests(clear_ledgers=False))
+        with be.session():
+            after = be.generate(long_prompts, [6] * len(long_prompts), seeds=[2] * len(long_prompts))
+        monkeypatch.undo()
+        return _replay(model, tok, long_prompts, after, 1.0).max_abs_diff
+
+    assert run(keep_ledger=False) < 1e-4
+    assert run(keep_ledger=True) > 1e-3
+
+
+def test_a_session_leaves_the_rng_the_mode_and_the_attention_as_they_were(setup):
+    # Building the manager's batch processor calls torch.manual_seed; dropout and data order must not notice.
+    tok, chat, _, prompts = setup
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2, attn_implementation="eager")
+    model.train()
+    be = cb(model, chat, SamplingSettings(temperature=1.0))
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    with be.session():
+        assert not model.training and model.config._attn_implementation == "paged|eager"
+        be.generate(prompts[:2], [5, 5], seeds=[0, 1])
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training and model.config._attn_implementation == "eager"
+    assert be._shared["manager"].batch_processor is None  # keep_cache=False: the cache was freed
+
+
+def test_the_session_unwraps_a_prepared_model(setup):
+    from accelerate import Accelerator
+
+    tok, chat, _, prompts = setup
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(build_tiny_model(tok))
+    be = ContinuousBatchingBackend(prepared, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(temperature=0.0),
+                                   config=continuous_batching_config(SMALL), accelerator=accelerator)
+    with be.session():
+        inside = be.generate([prompts[0]], [6], seeds=[0])[0]
+    reference = HFGenerationBackend(build_tiny_model(tok), pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
+                                    sampling=SamplingSettings(temperature=0.0)).generate([prompts[0]], [6], seeds=[0])[0]
+    assert inside.token_ids == reference.token_ids
+
+
+def test_bad_settings_are_refused_with_what_to_do(setup):
+    _, chat, model, _ = setup
+    with pytest.raises(ValueError, match="repetition_penalty=1.2 is refused"):
+        cb(model, chat, SamplingSettings(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="'seed' is refused"):
+        continuous_batching_config({"seed": 3})
+    with pytest.raises(ValueError, match="'return_logprobs' is refused"):
+        continuous_batching_config({"return_logprobs": False})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['max_batch_tokenz'\]"):
+        continuous_batching_config({"max_batch_tokenz": 64})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        continuous_batching_config("{max_batch_tokens: 64")
+    config = continuous_batching_config('{"max_batch_tokens": 64}')
+    assert config.max_batch_tokens == 64 and config.return_logprobs and config.max_memory_percent == 0.5
+    assert continuous_batching_config({"max_memory_percent": 0.3}).max_memory_percent == 0.3
+
+
+def _config(tmp_path, **overrides):
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
+                  per_device_train_batch_size=4, num_generations=2, save_strategy="no")
+    kwargs.update(overrides)
+    return MultiTurnGRPOConfig(**kwargs)
+
+
+def test_the_trl_fields_are_honoured_or_refused_at_start_up(tmp_path):
+    on = _config(tmp_path, use_transformers_continuous_batching=True,
+                 transformers_continuous_batching_config={"max_batch_tokens": 128}, continuous_batching_keep_cache=True)
+    assert on.use_transformers_continuous_batching
+    with pytest.warns(FutureWarning):
+        assert _config(tmp_path, use_transformers_paged=True).use_transformers_continuous_batching  # TRL's alias
+    refusals = [
+        (dict(transformers_continuous_batching_config={"max_batch_tokens": 128}), "use_transformers_continuous_batching is off"),
+        (dict(continuous_batching_keep_cache=True), "use_transformers_continuous_batching is off"),
+        (dict(use_transformers_continuous_batching=True, use_vllm=True), "pick one"),
+        (dict(use_transformers_continuous_batching=True, repetition_penalty=1.1), "repetition_penalty=1.1 is refused"),
+        (dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"seed": 1}), "'seed' is refused"),
+        (dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"nope": 1}), "unknown key"),
+    ]
+    for overrides, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            _config(tmp_path, **overrides)
+
+
+def test_the_wrapped_transformers_internals_keep_their_shape():
+    # The backend wraps ModelRunner._sample and reads a few attributes of the manager; a transformers upgrade
+    # that changes them fails here, not in a silent mis-sampling.
+    from transformers.generation.continuous_batching import continuous_api, model_runner, requests
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingLogitsProcessorList,
+    )
+
+    assert str(inspect.signature(model_runner.ModelRunner._sample)) == CB_SAMPLE_SIGNATURE
+    assert "output_ids[1, :tokens].copy_(logprobs.view(dtype=torch.int32))" in inspect.getsource(model_runner.ModelRunner._sample)
+    assert {"fill_defaults", "prepare_tensor_args", "__call__"} <= set(ContinuousBatchingLogitsProcessor.__abstractmethods__)
+    assert "tensors_required" in inspect.getsource(ContinuousBatchingLogitsProcessorList.__init__)
+    assert "_retrieve_processors_kwargs" in vars(ContinuousBatchingLogitsProcessorList)
+    assert "position_offset" in {f for f in requests.RequestState.__dataclass_fields__}
+    manager = continuous_api.ContinuousBatchingManager
+    for name in ("_create_batch_processor", "switch_to_cb_friendly_attn", "add_request", "get_result", "stop", "start"):
+        assert callable(getattr(manager, name)), name
+    assert "state.position_offset += query_length" in inspect.getsource(
+        sys.modules["transformers.generation.continuous_batching.input_outputs"].ContinuousBatchingIOs.prepare_batch_tensors)

@@ -1,0 +1,371 @@
+"""A generation backend on transformers' continuous batching (``model.init_continuous_batching``).
+
+Each turn is its own request (token ids in; sampled ids and behaviour log-probs out; its own budget and stop
+tokens), so the rollout engine submits a trajectory's next turn as soon as its tool result is in, while other
+trajectories keep generating: the manager batches whatever requests are live at each forward, over a paged
+KV cache. It needs no extra dependency (it ships with transformers) and pays off on a GPU; on a CPU with a
+tiny model HF ``generate`` is as fast or faster (``benchmarks/generation.py``).
+
+What this module adds to the manager, and why:
+
+- **Per-turn seeds.** The manager samples with ``torch.multinomial`` on torch's global generator (and seeds
+  that generator when it builds its batch processor), so what a turn samples would depend on which requests
+  shared its forward. :class:`_SeededCBSampler` is a continuous-batching logits processor that samples each
+  row by Gumbel-max with the same keyed noise as :class:`~trl_plugins.rollout.backends.HFGenerationBackend`
+  (:func:`~trl_plugins.rollout.backends.seeded_row_keys` of the turn's seed and the index of the token in the
+  turn), and returns scores whose argmax is that sample; the manager decodes greedily. Same weights, same
+  seeds: the same tokens as the HF backend. The global generator is restored after the manager seeds it.
+- **Behaviour log-probs of the temperature-scaled distribution** (``LogprobSource.TEMPERATURE_SCALED``, as the
+  HF backend and the trainer compute them): the processor keeps ``log_softmax(logits / T)`` of each sampled
+  token, and a wrapper around the model runner's ``_sample`` writes them where the manager stores log-probs
+  (the one override of transformers' internals here; ``tests/test_continuous_batching.py`` pins its signature).
+- **Fresh weights every rollout.** The manager may live across steps (``keep_cache``), but its prefix cache
+  would hand a new rollout key/value blocks computed with the previous weights; the cache's ledgers are
+  cleared at the start of every session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import itertools
+import threading
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from trl_plugins.rollout.backends import Sample, _Warp, cut_sample, gumbel_from_keys, seeded_row_keys
+from trl_plugins.types import LogprobSource, SamplingSettings
+
+__all__ = ["ContinuousBatchingBackend", "continuous_batching_config", "CB_SAMPLE_SIGNATURE"]
+
+# The private method wrapped here: ModelRunner._sample(self, scores, output_ids) (transformers 5.24).
+CB_SAMPLE_SIGNATURE = "(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None"
+
+# ContinuousBatchingConfig fields this backend sets itself, with the reason a user value is refused.
+_OWNED = {
+    "return_logprobs": "the backend always returns the behaviour log-probs the loss needs",
+    "seed": "each turn samples with its own seed, derived from --seed (the manager's seed would only reseed "
+            "torch's global generator)",
+    "per_request_processors": "sampling settings come from temperature/top_p/top_k/min_p",
+    "drop_unsupported_processors": "the backend installs its own sampler",
+}
+
+
+def continuous_batching_config(options: Mapping[str, Any] | str | None) -> Any:
+    """A ``ContinuousBatchingConfig`` from TRL's ``transformers_continuous_batching_config`` (a dict, or a JSON
+    string from the command line), checked before any model loads.
+
+    ``max_memory_percent`` defaults to 0.5, as in TRL: the paged cache takes that share of the memory free when
+    it is built, and training needs the rest.
+    """
+    import json
+
+    from transformers.generation import ContinuousBatchingConfig
+
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"transformers_continuous_batching_config must be a JSON object, got {options!r}: {exc}") from None
+    options = dict(options or {})
+    refused = sorted(set(options) & set(_OWNED))
+    if refused:
+        raise ValueError("transformers_continuous_batching_config: "
+                         + "; ".join(f"{k!r} is refused ({_OWNED[k]})" for k in refused) + ". Remove it.")
+    fields = set(inspect.signature(ContinuousBatchingConfig).parameters)
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"transformers_continuous_batching_config: unknown key(s) {unknown}; "
+                         f"ContinuousBatchingConfig takes {sorted(fields - set(_OWNED))}.")
+    options.setdefault("max_memory_percent", 0.5)
+    try:
+        return ContinuousBatchingConfig(**options, return_logprobs=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"transformers_continuous_batching_config {options}: {exc}") from None
+
+
+def _cb_processor_base() -> type:
+    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+    return ContinuousBatchingLogitsProcessor
+
+
+def _to_int32(key: int) -> int:
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
+class _SeededCBSampler:
+    """Samples each row of a continuous-batching forward with its own seed; see the module docstring.
+
+    ``rows`` maps a request id to ``(seed, prompt length)``; ``prepare_tensor_args`` turns each row into its
+    32-bit noise key (the token's index in the turn is the request's sequence length minus its prompt), which
+    travels with the batch; ``__call__`` samples and keeps the log-probs in ``self.logprobs`` for
+    ``_sample``, which runs right after it on the same forward.
+    """
+
+    supported_kwargs: dict[str, type] = {}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, sampling: SamplingSettings) -> None:
+        self.sampling = sampling
+        self.warp = None if sampling.temperature == 0 else _Warp(sampling)
+        self.rows: dict[str, tuple[int, int]] = {}
+        self.logprobs: torch.Tensor | None = None
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(0)
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        seeds, positions = [], []
+        for future in requests_with_new_token:
+            state = future.state
+            seed, prompt_len = self.rows[state.request_id]
+            seeds.append(seed)
+            positions.append(state.position_offset - prompt_len)  # 0 for the turn's first sampled token
+        if not seeds:
+            return torch.zeros(0, dtype=torch.int32)
+        keys = seeded_row_keys(torch.tensor(seeds, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+        return torch.tensor([_to_int32(int(k)) for k in keys], dtype=torch.int32)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        logits = scores.float()
+        if self.warp is None:
+            logp = torch.log_softmax(logits, dim=-1)
+            chosen = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logp = torch.log_softmax(logits / self.sampling.temperature, dim=-1)
+            keys = tensor_arg[: logits.shape[0]].to(torch.int64) & 0xFFFFFFFF
+            noise = gumbel_from_keys(keys, logits.shape[-1]).to(logits.dtype)
+            chosen = (torch.log_softmax(self.warp(None, logits), dim=-1) + noise).argmax(dim=-1, keepdim=True)
+        self.logprobs = logp.gather(-1, chosen).squeeze(-1)
+        return torch.full_like(logits, float("-inf")).scatter(-1, chosen, 0.0)
+
+
+_SeededCBSamplerCls: type | None = None
+
+
+def _sampler_class() -> type:
+    # A subclass of transformers' ContinuousBatchingLogitsProcessor (its list recognises processors by type),
+    # built on first use so importing this module does not import the continuous-batching package.
+    global _SeededCBSamplerCls
+    if _SeededCBSamplerCls is None:
+        _SeededCBSamplerCls = type("SeededCBSampler", (_SeededCBSampler, _cb_processor_base()), {})
+    return _SeededCBSamplerCls
+
+
+class ContinuousBatchingBackend:
+    """Sample with transformers' continuous batching on the training model, one request per turn.
+
+    Args:
+        model: The policy (possibly wrapped by Accelerate/DeepSpeed when ``accelerator`` is given).
+        stop_token_ids: Tokens that end a turn (kept: a sampled stop token is an action).
+        sampling: Temperature, top-p, top-k, min-p. ``temperature == 0`` is greedy. A repetition penalty is
+            refused: the manager's logits processors see only the last token, not the sequence.
+        config: A ``ContinuousBatchingConfig`` (see :func:`continuous_batching_config`); ``None``: defaults.
+        accelerator: When given, ``session()`` unwraps the model and, under ZeRO-3, gathers the full weights
+            once for the whole rollout (TRL's ``unwrap_model_for_generation``), as the HF backend does.
+        keep_cache: Keep the manager's paged KV cache (and on a GPU its captured CUDA graphs) allocated
+            between rollouts: faster rollouts, less memory for training. Off: it is freed after each rollout.
+        max_concurrency: Turns in flight from the rollout engine (each its own request).
+    """
+
+    logprob_source = LogprobSource.TEMPERATURE_SCALED
+
+    def __init__(self, model: torch.nn.Module, *, stop_token_ids: Sequence[int], sampling: SamplingSettings = SamplingSettings(),
+                 config: Any = None, accelerator: Any = None, keep_cache: bool = False, max_concurrency: int = 256) -> None:
+        if sampling.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {sampling.temperature}.")
+        if sampling.repetition_penalty != 1.0:
+            raise ValueError(f"repetition_penalty={sampling.repetition_penalty} is refused with continuous batching: its "
+                             "logits processors see only the last token of each sequence. Use repetition_penalty=1.0, "
+                             "or generate with HF generate (drop use_transformers_continuous_batching).")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
+        self.model = model
+        self.stop_token_ids = list(stop_token_ids)
+        self.sampling = sampling
+        self.config = config if config is not None else continuous_batching_config(None)
+        self.accelerator = accelerator
+        self.keep_cache = keep_cache
+        self.max_concurrency = max_concurrency
+        self._shared: dict[str, Any] = {"manager": None, "sampler": None, "model": None, "lock": threading.Lock()}
+        self._ids = itertools.count()
+        self._futures: dict[str, Any] = {}
+        self._pump = threading.Lock()
+
+    def with_sampling(self, sampling: SamplingSettings) -> "ContinuousBatchingBackend":
+        """The same manager (and cache) with other sampling settings (e.g. greedy evaluation)."""
+        other = copy.copy(self)
+        other.sampling = sampling
+        return other
+
+    # -- the manager -------------------------------------------------------------------------------
+
+    def _manager_for(self, model: torch.nn.Module) -> Any:
+        shared = self._shared
+        if shared["manager"] is not None and shared["model"] is model:
+            return shared["manager"]
+        from transformers import GenerationConfig
+
+        # Greedy decoding over scores the sampler has already turned into its sample; no other processor.
+        generation_config = GenerationConfig(do_sample=False, eos_token_id=self.stop_token_ids, max_new_tokens=1)
+        manager = model.init_continuous_batching(generation_config=generation_config,
+                                                 continuous_batching_config=copy.deepcopy(self.config))
+        processors = manager.logit_processor
+        ours = [p for p in processors.logits_processor if isinstance(p, _SeededCBSampler)]
+        if ours:  # a manager a backend kept on this model (keep_cache): its sampler comes with it
+            sampler = ours[0]
+        else:
+            if len(processors.logits_processor):
+                raise RuntimeError(f"continuous batching built logits processors {processors.logits_processor} from a "
+                                   "greedy generation config; this backend expects none (its sampler must be the only one).")
+            sampler = _sampler_class()(self.sampling)
+            processors.logits_processor.append(sampler)
+            processors.tensors_required += 1
+            processors.do_processing = True
+            processors._retrieve_processors_kwargs()
+        shared.update(manager=manager, sampler=sampler, model=model)
+        return manager
+
+    def _start(self, manager: Any) -> None:
+        stopping = self._shared.pop("stopping", None)
+        if stopping is not None:
+            stopping.join()  # the previous rollout's manager is still being stopped
+        with torch.random.fork_rng(devices=[manager.model.device] if manager.model.device.type == "cuda" else []):
+            # Building the batch processor calls torch.manual_seed (the manager's TP seed): keep the trainer's RNG.
+            manager.batch_processor = manager._create_batch_processor()
+        cache = manager.batch_processor.cache
+        cache.reset()  # no prefix block computed with earlier weights may be reused
+        runner = manager.batch_processor.model_runner
+        if not getattr(runner, "_trl_plugins_sample", False):
+            sampler, original = self._shared["sampler"], runner._sample
+
+            def _sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+                original(scores, output_ids)
+                logprobs = sampler.logprobs
+                output_ids[1, : logprobs.shape[0]].copy_(logprobs.view(dtype=torch.int32))
+
+            runner._sample = _sample
+            runner._trl_plugins_sample = True
+        manager.switch_to_cb_friendly_attn(manager.model, manager.continuous_batching_config.auto_switch_to_flash)
+        with torch.inference_mode():
+            manager.start()
+
+    def _stop(self, manager: Any, *, hard: bool = False) -> None:
+        manager.stop(block=False, keep_for_next_session=self.keep_cache, hard_stop=hard)
+        manager._wake_up_loop.set()  # the idle loop would otherwise sleep out its 0.1 s poll before it sees the stop
+        manager.join(time.perf_counter())  # blocks until the generation thread has exited
+        if not self.keep_cache:
+            manager.batch_processor = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[torch.nn.Module]:
+        """Unwrap (and under ZeRO-3 gather) the model, start the manager for the rollout, stop it after."""
+        if self.accelerator is None:
+            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(self.model)
+        else:
+            from trl.models.utils import unwrap_model_for_generation
+
+            ctx = unwrap_model_for_generation(self.model, self.accelerator, gather_deepspeed3_params=True)
+        with ctx as unwrapped, self._shared["lock"]:
+            was_training = unwrapped.training
+            manager = self._manager_for(unwrapped)
+            unwrapped.eval()
+            self._shared["sampler"].sampling = self.sampling
+            self._shared["sampler"].warp = None if self.sampling.temperature == 0 else _Warp(self.sampling)
+            self._start(manager)
+            self._active = manager
+            clean = False
+            try:
+                yield unwrapped
+                clean = True
+            finally:
+                self._active = None
+                if clean and manager._original_attn_impl is None:
+                    # Every request has finished and the training model's attention was left as it is: stop in
+                    # the background (stop() ends with a gc.collect of ~0.2 s), off the step's critical path.
+                    stopping = threading.Thread(target=self._stop, args=(manager,), name="trl_plugins-cb-stop")
+                    stopping.start()
+                    self._shared["stopping"] = stopping
+                else:  # stop before the weights are released (ZeRO-3) or the attention is given back
+                    self._stop(manager, hard=not clean)
+                unwrapped.train(was_training)
+                for rid in list(self._futures):
+                    fut = self._futures.pop(rid)
+                    if not fut.done():
+                        fut.set_exception(RuntimeError("the continuous-batching session ended before this turn finished"))
+
+    def close(self) -> None:
+        """Wait for a background stop to finish (tests, the end of a run)."""
+        stopping = self._shared.pop("stopping", None)
+        if stopping is not None:
+            stopping.join()
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def _wait(self, manager: Any, fut: Any) -> Any:
+        # Whichever waiting thread holds the pump takes finished requests off the manager's queue and hands
+        # each to its own future.
+        while not fut.done():
+            if not self._pump.acquire(timeout=0.01):
+                continue
+            try:
+                if fut.done():
+                    break
+                out = manager.get_result(timeout=0.05)
+                if out is not None:
+                    waiting = self._futures.pop(out.request_id, None)
+                    if waiting is not None and not waiting.done():
+                        waiting.set_result(out)
+                elif not manager.is_running():
+                    error = manager.background_thread_status.fatal_error
+                    raise RuntimeError(f"the continuous-batching generation loop stopped ({error!r}); see its log above.")
+            finally:
+                self._pump.release()
+        return fut.result()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
+                 seeds: Sequence[int]) -> list[Sample]:
+        import concurrent.futures
+
+        if not len(prompts) == len(max_new_tokens) == len(seeds):
+            raise ValueError("need one max_new_tokens and one seed per prompt.")
+        if not prompts:
+            return []
+        if min(max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {min(max_new_tokens)}.")
+        manager = getattr(self, "_active", None)
+        if manager is None:
+            with self.session():
+                return self.generate(prompts, max_new_tokens, seeds=seeds)
+        sampler = self._shared["sampler"]
+        pending = []
+        for prompt, budget, seed in zip(prompts, max_new_tokens, seeds):
+            rid = f"trl_plugins-{next(self._ids)}"
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._futures[rid] = fut
+            sampler.rows[rid] = (int(seed), len(prompt))
+            added = manager.add_request(list(prompt), request_id=rid, max_new_tokens=int(budget),
+                                        eos_token_id=self.stop_token_ids)
+            if added is None:
+                raise RuntimeError("the continuous-batching manager refused a request (it is stopping); see its log.")
+            pending.append((rid, fut, int(budget)))
+        stop = set(self.stop_token_ids)
+        samples = []
+        try:
+            for rid, fut, budget in pending:
+                out = self._wait(manager, fut)
+                if out.error is not None:
+                    raise RuntimeError(f"continuous batching failed request {rid}: {out.error}")
+                if len(out.logprobs) != len(out.generated_tokens):
+                    raise RuntimeError(f"continuous batching returned {len(out.logprobs)} log-probs for "
+                                       f"{len(out.generated_tokens)} tokens (request {rid}).")
+                samples.append(cut_sample(out.generated_tokens, out.logprobs, budget, stop))
+        finally:
+            for rid, _, _ in pending:
+                sampler.rows.pop(rid, None)
+                self._futures.pop(rid, None)
+        return samples
