@@ -433,3 +433,21 @@ def test_use_vllm_without_vllm_stops_the_recipe_before_anything_is_built(tmp_pat
                           env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
     assert proc.returncode != 0 and "vLLM is not installed here" in proc.stderr
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_main_command_generates_with_continuous_batching_under_zero3_on_two_processes(tmp_path):
+    # use_transformers_continuous_batching through the real launcher, on ZeRO-3-sharded weights (gathered once
+    # per rollout, as for HF generate), with the manager and its cache kept between rollouts: the steps train,
+    # the periodic and final evaluations generate with the same backend.
+    proc = _launch(tmp_path, "cpu_zero3.yaml", ["--report_to", "none", "--use_transformers_continuous_batching",
+                                                "--transformers_continuous_batching_config",
+                                                '{"page_size": 32, "num_blocks": 256, "max_batch_tokens": 1024}',
+                                                "--continuous_batching_keep_cache"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # One generate call per turn (a per-request backend), and tool calls happened (multi-turn trajectories).
+    assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps
+    assert all("heldout/accuracy" in r for r in steps)

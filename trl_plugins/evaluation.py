@@ -138,8 +138,9 @@ def evaluate_policy(
     decoding (then ``samples`` should be 1); the other sampling settings are the config's. With
     ``accelerator`` (a prepared, possibly ZeRO-3-sharded ``model`` during training), each batch of rows is
     generated with the full weights gathered once; every rank must then call this with the same number of
-    batches. ``backend`` replaces the HF ``generate`` sampler (the trainer's ``generation_backend``, e.g.
-    vLLM, whose weights are brought to ``policy_step``'s first).
+    batches. The sampler is HF ``generate``, or transformers' continuous batching when ``args`` asks for it
+    (``use_transformers_continuous_batching``); ``backend`` replaces it (the trainer's ``generation_backend``,
+    e.g. vLLM, whose weights are brought to ``policy_step``'s first).
 
     Returns:
         The numbers and the scored trajectories.
@@ -150,7 +151,7 @@ def evaluate_policy(
     import torch
 
     from trl_plugins.rollout import derive_seed
-    from trl_plugins.trainers.batch import chat_format, hf_backend, rollout_rows, score_trajectories
+    from trl_plugins.trainers.batch import cb_backend, chat_format, hf_backend, rollout_rows, sampling_settings, score_trajectories
     from trl_plugins.trainers.plugins import build_plugins
 
     if samples < 1:
@@ -159,7 +160,9 @@ def evaluate_policy(
     plugins = build_plugins(args)
     judge = next(fn for name, _, fn in plugins.reward_components if name == success_component)
     chat = chat_format(tokenizer, plugins, args)
-    if backend is None:
+    if backend is None and getattr(args, "use_transformers_continuous_batching", False):
+        backend = cb_backend(model, chat, args, accelerator).with_sampling(sampling_settings(args, temperature=temperature))
+    elif backend is None:
         backend = hf_backend(model, tokenizer, chat, args, temperature=temperature, accelerator=accelerator)
     trajectories: list[Trajectory] = []
     correct: list[bool] = []

@@ -27,6 +27,7 @@ __all__ = [
     "hf_backend",
     "sampling_settings",
     "vllm_backend",
+    "cb_backend",
     "check_vllm",
     "rollout_rows",
     "score_trajectories",
@@ -74,6 +75,18 @@ def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, tempe
         stop_token_ids=chat.stop_token_ids,
         sampling=sampling_settings(args, temperature=temperature),
         accelerator=accelerator,
+    )
+
+
+def cb_backend(model: Any, chat: ChatFormat, args: Any, accelerator: Any) -> Any:
+    """The continuous-batching backend (``use_transformers_continuous_batching``) on the training model, with
+    TRL's ``transformers_continuous_batching_config``."""
+    from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
+
+    return ContinuousBatchingBackend(
+        model, stop_token_ids=chat.stop_token_ids, sampling=sampling_settings(args),
+        config=continuous_batching_config(args.transformers_continuous_batching_config), accelerator=accelerator,
+        keep_cache=args.continuous_batching_keep_cache,
     )
 
 

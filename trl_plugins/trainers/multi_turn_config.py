@@ -71,6 +71,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     vf_clip: float = field(default=0.2, metadata={"help": "Clip of the value loss: values move at most this far from their rollout-time values per update."})
     vf_coef: float = field(default=1.0, metadata={"help": "Value-loss coefficient (scales the critic's loss; the critic has its own optimizer)."})
     vllm_max_concurrent_requests: int = field(default=64, metadata={"help": "vllm_mode='server': turns each rank has in flight at the server at once (each turn is its own request; the server batches them)."})
+    continuous_batching_keep_cache: bool = field(default=False, metadata={"help": "use_transformers_continuous_batching: keep the paged KV cache (and on a GPU its captured CUDA graphs) allocated between rollouts - faster rollouts, less memory left for training. Off: freed after each rollout."})
     stop_tokens: list[str] | None = field(default=None, metadata={"help": "Token strings that end a turn (default: from the chat template: eos, the token ending a call turn such as <|im_end|>, <|observation|> or <|call|>, and the one ending a final answer)."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
@@ -110,6 +111,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {self.vllm_max_concurrent_requests}.")
         self._map_kl_and_entropy()
         self._check_mismatch_correction()
+        self._check_continuous_batching()
         if not 0.0 <= self.max_verifier_error_rate <= 1.0 or not 0.0 <= self.min_valid_group_fraction <= 1.0:
             raise ValueError(
                 f"max_verifier_error_rate and min_valid_group_fraction are shares in [0, 1]; got "
@@ -191,6 +193,24 @@ class MultiTurnGRPOConfig(GRPOConfig):
                     f"disagree; set one of them."
                 )
             kwargs["entropy_coef"] = self.entropy_coef
+
+    def _check_continuous_batching(self) -> None:
+        # TRL's __post_init__ has already turned the deprecated use_transformers_paged into the new switch.
+        if not self.use_transformers_continuous_batching:
+            for name in ("transformers_continuous_batching_config", "continuous_batching_keep_cache"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is set but use_transformers_continuous_batching is off: set "
+                                     f"use_transformers_continuous_batching=True to generate with continuous batching, "
+                                     f"or drop {name}.")
+            return
+        if self.use_vllm:
+            raise ValueError("use_transformers_continuous_batching and use_vllm both choose the sampler: pick one.")
+        if self.repetition_penalty != 1.0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} is refused with continuous batching (its logits "
+                             "processors see only the last token of each sequence): use 1.0, or HF generate.")
+        from trl_plugins.rollout.continuous_batching import continuous_batching_config
+
+        continuous_batching_config(self.transformers_continuous_batching_config)  # raises on a bad key or value
 
     def _check_mismatch_correction(self) -> None:
         """TRL's ``vllm_importance_sampling_*`` fields drive the sampler/trainer mismatch correction.

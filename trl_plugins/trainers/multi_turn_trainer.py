@@ -42,6 +42,7 @@ from trl_plugins.trainers.batch import (
     hf_backend,
     sampling_settings,
     vllm_backend,
+    cb_backend,
     check_vllm,
     kl_per_token,
     rollout_rows,
@@ -179,6 +180,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._chat = chat_format(self.processing_class, self._plugins, args)
         # use_vllm: TRL's __init__ built self.vllm_generation (colocate or server); turns go through it.
         self._vllm_backend = vllm_backend(self.vllm_generation, self._chat, args, self.accelerator) if args.use_vllm else None
+        # use_transformers_continuous_batching: one backend for the run, so its manager (and cache) can be reused.
+        self._cb_backend = (cb_backend(self.model_wrapped, self._chat, args, self.accelerator)
+                            if args.use_transformers_continuous_batching else None)
         self.add_callback(_OptimizerTimer(self._metrics))
         self.add_callback(_StopAtStepEnd(self))
         self._stop: StopSignals | None = None
@@ -205,10 +209,14 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             )
 
     def generation_backend(self, *, temperature: float | None = None) -> Any:
-        """The sampler rollouts use: vLLM when ``use_vllm``, else HF generate on the training model.
-        ``temperature`` overrides the config's (e.g. 0 for greedy evaluation)."""
+        """The sampler rollouts use: vLLM when ``use_vllm``, transformers' continuous batching when
+        ``use_transformers_continuous_batching``, else HF generate on the training model. ``temperature``
+        overrides the config's (e.g. 0 for greedy evaluation)."""
         if self._vllm_backend is not None:
             return self._vllm_backend.with_sampling(sampling_settings(self.args, temperature=temperature))
+        if self._cb_backend is not None:
+            self._cb_backend.model = self.model_wrapped  # Accelerate/DeepSpeed wrap it when training starts
+            return self._cb_backend.with_sampling(sampling_settings(self.args, temperature=temperature))
         return hf_backend(self.model_wrapped, self.processing_class, self._chat, self.args, temperature=temperature,
                           accelerator=self.accelerator)
 

@@ -216,7 +216,7 @@ _VLLM = "passed to vLLM by TRL's VLLMGeneration"
 _ENTROPY = "adaptive entropy control (Skywork-OR1) is not implemented; set a fixed entropy_coef"
 _REF_SYNC = "the reference model is never synchronised with the policy (TR-DPO is not implemented)"
 _LOGS = "a setting of log_completions, which is refused; trajectory_table_steps/_rows log multi-turn tables"
-_CB = "rollouts generate with HF generate (hf_backend), not transformers' continuous-batching engine"
+_CB_OWNER = "MultiTurnGRPOConfig._check_continuous_batching"
 _ONE_STEP = ("one step is one rollout batch and one optimizer update: keep gradient_accumulation_steps=1 and "
              "steps_per_generation=1 (micro-batching is the packer's job: max_items_per_micro_batch, "
              "max_padded_tokens_per_micro_batch; num_iterations reuses a rollout)")
@@ -302,9 +302,9 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "vllm_importance_sampling_clip_max": FieldRule(_H, "C_max of the importance weight, as in TRL (None: no upper bound); refused when set but the correction cannot apply.", owner=_IS_OWNER),
     "vllm_importance_sampling_clip_min": FieldRule(_H, "C_min of the importance weight, as in TRL (None: no lower bound); refused when set but the correction cannot apply.", owner=_IS_OWNER),
     "vllm_importance_sampling_cap": FieldRule(_H, "deprecated in TRL, whose __post_init__ copies it into vllm_importance_sampling_clip_max (same rules).", owner=_IS_OWNER),
-    "use_transformers_continuous_batching": FieldRule(_R, _CB + "."),
-    "transformers_continuous_batching_config": FieldRule(_R, _CB + "."),
-    "use_transformers_paged": FieldRule(_R, _CB + " (deprecated in TRL)."),
+    "use_transformers_continuous_batching": FieldRule(_H, "rollouts generate with transformers' continuous batching (ContinuousBatchingBackend): one request per turn, a trajectory's next turn submitted as soon as its tool returns; refused with use_vllm and with repetition_penalty != 1.", owner=_CB_OWNER),
+    "transformers_continuous_batching_config": FieldRule(_H, "ContinuousBatchingConfig keyword arguments (max_memory_percent defaults to 0.5, as in TRL), checked at start-up; return_logprobs, seed, per_request_processors and drop_unsupported_processors are refused (the backend sets them); refused without use_transformers_continuous_batching.", owner=_CB_OWNER),
+    "use_transformers_paged": FieldRule(_H, "deprecated in TRL, whose __post_init__ turns it into use_transformers_continuous_batching=True (same rules).", owner=_CB_OWNER),
     "log_completions": FieldRule(_R, "TRL's single-turn completions table; trajectory_table_steps/_rows log multi-turn trajectories (the trainer refuses it too)."),
     "log_multimodal": FieldRule(_R, _LOGS + "."),
     "num_completions_to_print": FieldRule(_R, _LOGS + "."),
