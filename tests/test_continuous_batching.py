@@ -216,3 +216,51 @@ def test_the_wrapped_transformers_internals_keep_their_shape():
         assert callable(getattr(manager, name)), name
     assert "state.position_offset += query_length" in inspect.getsource(
         sys.modules["transformers.generation.continuous_batching.input_outputs"].ContinuousBatchingIOs.prepare_batch_tensors)
+
+
+def _train(tmp_path, **overrides):
+    import json
+
+    from test_trainer import TokenReward, _dataset
+    from test_trainer import _config as trainer_config
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    config = trainer_config(tmp_path, max_steps=3, learning_rate=2e-2, **overrides)
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), config, train_dataset=_dataset(), processing_class=tok,
+                                   reward_components={"length": TokenReward()})
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return trainer, [r for r in records if "reward/total" in r]
+
+
+CB_RUN = dict(use_transformers_continuous_batching=True, continuous_batching_keep_cache=True,
+              transformers_continuous_batching_config=SMALL)
+
+
+def test_training_with_continuous_batching_is_training_with_hf_generate(tmp_path):
+    # The same seeded sampler and the trainer's own log-probs: three steps (weights changing fast, the manager
+    # and its cache kept between rollouts) give the same trajectories, rewards and weights as HF generate, and
+    # every step's behaviour log-probs are the current weights' (the PPO ratio of the first update is 1).
+    hf, hf_steps = _train(tmp_path / "hf")
+    cbt, cb_steps = _train(tmp_path / "cb", **CB_RUN)
+    assert len(cb_steps) == 3
+    assert [r["reward/total"] for r in cb_steps] == pytest.approx([r["reward/total"] for r in hf_steps], abs=1e-6)
+    assert [r["rollout/action_tokens_mean"] for r in cb_steps] == [r["rollout/action_tokens_mean"] for r in hf_steps]
+    assert all(r["train/behaviour_logprob_gap"] < 1e-5 and r["train/ratio_max"] < 1.0001 for r in cb_steps), cb_steps
+    diff = max((a - b).abs().max().item() for a, b in zip(hf.model.parameters(), cbt.model.parameters()))
+    assert diff < 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(build_tiny_model(build_tokenizer("qwen2_5")).parameters(),
+                                                           cbt.model.parameters())) > 1e-2  # it did train
+
+
+def test_training_negative_control_stale_prefix_blocks_are_caught(tmp_path, monkeypatch):
+    # Keep the cache's prefix ledger across rollouts: from the second step on, turns reuse key/value blocks of
+    # the previous weights, and the first update's ratio is no longer 1.
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    monkeypatch.setattr(PagedAttentionCache, "reset", lambda self: self.free_all_requests(clear_ledgers=False))
+    _, steps = _train(tmp_path, **CB_RUN)
+    assert steps[0]["train/behaviour_logprob_gap"] < 1e-5
+    assert max(r["train/behaviour_logprob_gap"] for r in steps[1:]) > 1e-3
