@@ -5,8 +5,10 @@
 
 The model is built locally with random weights in the given shape (nothing is downloaded) and every
 prompt generates exactly ``--tokens`` tokens (no stop token), so the rows measure the same work:
-HF ``generate`` through ``HFGenerationBackend`` (per-row seeded sampling, behaviour log-probs) and,
-where vLLM is importable, vLLM's ``LLM.generate`` with token-id prompts, per-request seeds and
+HF ``generate`` through ``HFGenerationBackend`` (per-row seeded sampling, behaviour log-probs),
+transformers' continuous batching through ``ContinuousBatchingBackend`` (one request per prompt, the
+same seeded sampling; ``--cb-config`` passes ``ContinuousBatchingConfig`` keys, on CPU a cache sized to
+the work is the default) and, where vLLM is importable, vLLM's ``LLM.generate`` with token-id prompts, per-request seeds and
 log-probs (as ``VLLMBackend`` calls it). On CPU use ``--shape tiny``; the GPU check runs the real shapes.
 """
 
@@ -49,6 +51,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-cb", action="store_true", help="skip the continuous-batching row")
+    ap.add_argument("--cb-config", default=None, help="JSON of ContinuousBatchingConfig keys (default: sized to the "
+                    "work on CPU; TRL's max_memory_percent=0.5 on a GPU)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     tok, model = build(args.shape, dtype, args.device)
@@ -72,6 +77,33 @@ def main() -> None:
     wall = time.perf_counter() - t0
     rows.append(("HF generate (HFGenerationBackend)", sum(len(s.token_ids) for s in out), wall))
 
+    if not args.skip_cb:
+        import json
+
+        from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
+
+        if args.cb_config is not None:
+            options = json.loads(args.cb_config)
+        elif args.device.startswith("cuda"):
+            options = {}
+        else:  # transformers sizes the cache from GPU memory; on CPU give it what this work needs
+            page = 32
+            options = {"page_size": page, "max_batch_tokens": 2048,
+                       "num_blocks": 4 + args.prompts * -(-(args.prompt_tokens + args.tokens) // page)}
+        cbb = ContinuousBatchingBackend(model, stop_token_ids=no_stop, sampling=SamplingSettings(temperature=1.0),
+                                        config=continuous_batching_config(options))
+        with cbb.session():
+            cbb.generate(prompts[:2], [4, 4], seeds=[0, 1])  # warm-up (on a GPU: CUDA graphs)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = cbb.generate(prompts, [args.tokens] * len(prompts), seeds=list(range(len(prompts))))
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        cbb.close()
+        rows.append(("continuous batching (CB backend)", sum(len(s.token_ids) for s in out), wall))
+
     if not args.skip_vllm and importlib.util.find_spec("vllm") is not None and args.device.startswith("cuda"):
         from vllm import LLM, SamplingParams
 
@@ -79,6 +111,7 @@ def main() -> None:
             model.save_pretrained(path)
             tok.save_pretrained(path)
             del model, hf
+            cbb = None
             torch.cuda.empty_cache()
             llm = LLM(model=path, dtype=args.dtype, gpu_memory_utilization=0.5, max_model_len=args.prompt_tokens + args.tokens + 16,
                       logprobs_mode="processed_logprobs", seed=0, enable_prefix_caching=False)

@@ -9,6 +9,9 @@ The tool sleeps ``--tool-s`` seconds per call (an async tool for us; a sync func
 is what its tool loop runs one at a time). Also printed: our engine with the real sandbox
 ``code_interpreter`` (warm and cold) running a small computation.
 
+``ours, continuous batching`` runs the same script through ``ContinuousBatchingBackend`` (transformers'
+continuous batching, one request per turn; its sampler forces the script instead of sampling).
+
 Our rows also print the rollout's critical path (the longest trajectory's own chain of generation and
 tool calls, the floor of any schedule) and wall / critical path. gen s and tools s are wall time with
 at least one generate call / tool call in flight (they overlap).
@@ -81,6 +84,52 @@ class ForceScript:
         return forced
 
 
+def scripted_cb_sampler(tokenizer, calls: int, vary: bool = False) -> type:
+    """The continuous-batching twin of :class:`ForceScript`: a sampler that forces each request's script.
+
+    Each request's row in a forward carries its forced token (computed from the request's prompt and how
+    many tokens it has generated), so the model's forward passes are real while its behaviour is fixed.
+    """
+    from trl_plugins.rollout import continuous_batching as cb
+
+    base = cb._sampler_class()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    targets: dict[str, list[int]] = {}
+
+    class Scripted(base):
+        def prepare_tensor_args(self, requests_with_new_token):
+            forced = []
+            for future in requests_with_new_token:
+                state = future.state
+                _, prompt_len = self.rows[state.request_id]
+                if state.request_id not in targets:
+                    text = tokenizer.decode(state.initial_tokens[:prompt_len])
+                    row = int(state.request_id.rsplit("-", 1)[1])
+                    body = script_text(text, calls, row, vary)
+                    targets[state.request_id] = tokenizer(body, add_special_tokens=False)["input_ids"] + [im_end]
+                target = targets[state.request_id]
+                forced.append(target[min(state.position_offset - prompt_len, len(target) - 1)])
+            return torch.tensor(forced, dtype=torch.int32)
+
+        def __call__(self, scores, tensor_arg):
+            chosen = tensor_arg[: scores.shape[0]].to(torch.int64)[:, None]
+            self.logprobs = torch.log_softmax(scores.float(), dim=-1).gather(-1, chosen).squeeze(-1)
+            return torch.full_like(scores.float(), float("-inf")).scatter(-1, chosen, 0.0)
+
+    return Scripted
+
+
+def cb_backend(model, tokenizer, calls: int):
+    """A ContinuousBatchingBackend whose sampler plays the script (see :func:`scripted_cb_sampler`)."""
+    from trl_plugins.rollout import continuous_batching as cb
+
+    scripted = scripted_cb_sampler(tokenizer, calls)
+    cb._SeededCBSamplerCls = scripted  # the backend builds its sampler from this class
+    chat = ChatFormat(tokenizer, [SCHEMA])
+    config = cb.continuous_batching_config({"page_size": 32, "num_blocks": 256, "max_batch_tokens": 2048})
+    return cb.ContinuousBatchingBackend(model, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(), config=config)
+
+
 def patch_generate(model, tokenizer, calls: int, vary: bool = False) -> None:
     # Every generate() call gets a fresh forcing processor (it knows each row's script from its prompt).
     from transformers import LogitsProcessorList
@@ -108,9 +157,10 @@ class SleepTool:
         return ToolOutput(text="56877", ok=True)
 
 
-def run_ours(tok, model, questions: int, group: int, calls: int, tool) -> dict:
+def run_ours(tok, model, questions: int, group: int, calls: int, tool, backend=None) -> dict:
     chat = ChatFormat(tok, [SCHEMA])
-    backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings())
+    if backend is None:
+        backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings())
     qs = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}]), i) for i in range(questions)]
     rollout = MultiTurnRollout(max_turns=calls + 2, max_tool_calls=calls + 1, max_assistant_tokens=128, max_trajectory_tokens=2048)
     start = time.perf_counter()
@@ -182,6 +232,7 @@ def main() -> None:
     ap.add_argument("--tool-s", type=float, default=0.5, help="seconds per tool call")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-sandbox", action="store_true")
+    ap.add_argument("--skip-cb", action="store_true", help="skip the continuous-batching backend's row")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -192,6 +243,12 @@ def main() -> None:
     model = build_tiny_model(tok)
     patch_generate(model, tok, args.calls)
     rows.append(("ours, concurrent tools", run_ours(tok, model, args.questions, args.group, args.calls, SleepTool(args.tool_s))))
+    if not args.skip_cb:
+        model = build_tiny_model(tok)
+        backend = cb_backend(model, tok, args.calls)
+        run_ours(tok, model, 1, 1, args.calls, SleepTool(0.0), backend=backend)  # warm-up: builds the manager
+        rows.append(("ours, continuous batching", run_ours(tok, model, args.questions, args.group, args.calls,
+                                                           SleepTool(args.tool_s), backend=backend)))
     if not args.skip_trl:
         model = build_tiny_model(tok)
         patch_generate(model, tok, args.calls)
@@ -217,8 +274,9 @@ def main() -> None:
     for name, r in rows:
         crit = f"{r['crit']:>13.2f} {r['wall'] / r['crit']:>10.2f}" if r.get("crit") else f"{'-':>13} {'-':>10}"
         print(f"{name:<28} {r['wall']:>8.2f} {r['n'] / r['wall']:>8.2f} {r['gen']:>7.2f} {r['tools']:>8.2f} {r['calls']:>6} {r['conc']:>9} {crit}")
-    if len(rows) > 1 and rows[1][0].startswith("TRL"):
-        print(f"TRL wall / ours wall = {rows[1][1]['wall'] / base:.2f}x")
+    trl = [r for name, r in rows if name.startswith("TRL")]
+    if trl:
+        print(f"TRL wall / ours wall = {trl[0]['wall'] / base:.2f}x")
 
 
 if __name__ == "__main__":

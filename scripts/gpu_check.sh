@@ -38,6 +38,9 @@ check zero3-one-gpu 120 accelerate launch --config_file accelerate_configs/zero3
   --max_steps 2 --eval_problems 0 --output_dir /tmp/gc-zero3 --bf16 true
 check lora-one-gpu 120 accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \
   --max_steps 2 --eval_problems 0 --output_dir /tmp/gc-lora --bf16 true --use_peft --lora_r 8
+check cb-one-gpu 150 accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \
+  --max_steps 2 --eval_problems 0 --output_dir /tmp/gc-cb --bf16 true --use_transformers_continuous_batching true \
+  --continuous_batching_keep_cache true
 if $PY -c "import vllm" 2>/dev/null; then
   check vllm-colocate 180 accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \
     --max_steps 2 --eval_problems 0 --output_dir /tmp/gc-vllm --bf16 true --use_vllm true --vllm_mode colocate \

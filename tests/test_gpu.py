@@ -1,5 +1,5 @@
 """Checks that need a CUDA device (skipped without one; ``scripts/gpu_check.sh`` runs them): the HF backend's
-per-row seeded sampling and behaviour log-probs on the GPU, and a trainer step with the model on the GPU."""
+per-row seeded sampling and behaviour log-probs on the GPU (and the continuous-batching backend's), and a trainer step with the model on the GPU."""
 
 from __future__ import annotations
 
@@ -35,6 +35,27 @@ def test_cuda_rows_sample_independently_of_their_batch_and_replay(setup):
                       stop_reason=StopReason.TURN_LENGTH if not alone.finished else StopReason.NO_TOOL_CALL)
     report = replay_logprobs(model, [traj], pad_token_id=tok.pad_token_id, temperature=0.8)
     assert report.max_abs_diff < 1e-3
+
+
+def test_cuda_continuous_batching_samples_what_hf_samples_and_replays(setup):
+    # On the GPU the manager may capture CUDA graphs and batch asynchronously; the sampler and the log-prob
+    # hand-off must hold there too (fp32: the same tokens as HF generate; log-probs replay).
+    from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
+
+    tok, chat, model, prompts = setup
+    sampling = SamplingSettings(temperature=0.8, top_p=0.95)
+    hf = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling)
+    cb = ContinuousBatchingBackend(model, stop_token_ids=chat.stop_token_ids, sampling=sampling,
+                                   config=continuous_batching_config({"max_memory_percent": 0.2}))
+    want = hf.generate(prompts, [32, 32], seeds=[5, 6])
+    with cb.session():
+        got = cb.generate(prompts, [32, 32], seeds=[5, 6])
+    cb.close()
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    trajs = [Trajectory(turns=[Turn(p, s.token_ids, s.logprobs, truncated=not s.finished)],
+                        stop_reason=StopReason.TURN_LENGTH if not s.finished else StopReason.NO_TOOL_CALL)
+             for p, s in zip(prompts, got)]
+    assert replay_logprobs(model, trajs, pad_token_id=tok.pad_token_id, temperature=0.8).max_abs_diff < 1e-3
 
 
 def test_a_trainer_step_on_the_gpu(tmp_path):
