@@ -264,3 +264,24 @@ def test_training_negative_control_stale_prefix_blocks_are_caught(tmp_path, monk
     _, steps = _train(tmp_path, **CB_RUN)
     assert steps[0]["train/behaviour_logprob_gap"] < 1e-5
     assert max(r["train/behaviour_logprob_gap"] for r in steps[1:]) > 1e-3
+
+
+def test_a_lora_adapter_is_part_of_what_it_samples_from(setup):
+    # A PEFT-wrapped policy: the manager runs the base model with the adapter's layers in it.
+    from peft import LoraConfig, get_peft_model
+
+    tok, chat, _, prompts = setup
+    policy = get_peft_model(build_tiny_model(tok), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                              init_lora_weights=False))
+    sampling = SamplingSettings(temperature=1.0)
+    hf = HFGenerationBackend(policy, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling)
+    want = hf.generate(prompts, [12] * len(prompts), seeds=list(range(len(prompts))))
+    with cb(policy, chat, sampling).session() as _:
+        pass  # a session with no request starts and stops cleanly
+    be = cb(policy, chat, sampling)
+    with be.session():
+        got = be.generate(prompts, [12] * len(prompts), seeds=list(range(len(prompts))))
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    with policy.disable_adapter():
+        base = hf.generate(prompts, [12] * len(prompts), seeds=list(range(len(prompts))))
+    assert [s.token_ids for s in base] != [s.token_ids for s in want]  # the adapter changes what is sampled
