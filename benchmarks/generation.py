@@ -42,6 +42,18 @@ def build(shape: str, dtype: torch.dtype, device: str):
     return tok, model
 
 
+def timed_generate(backend, prompts: list, tokens: int, device: str) -> tuple[list, float]:
+    """A warm-up call (on a GPU: kernels, CUDA graphs), then the timed call: ``(samples, wall seconds)``."""
+    backend.generate(prompts[:2], [4, 4], seeds=[0, 1])
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = backend.generate(prompts, [tokens] * len(prompts), seeds=list(range(len(prompts))))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -67,14 +79,7 @@ def main() -> None:
     from trl_plugins.types import SamplingSettings
 
     hf = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=no_stop, sampling=SamplingSettings(temperature=1.0))
-    hf.generate(prompts[:2], [4, 4], seeds=[0, 1])  # warm-up
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = hf.generate(prompts, [args.tokens] * len(prompts), seeds=list(range(len(prompts))))
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    out, wall = timed_generate(hf, prompts, args.tokens, args.device)
     rows.append(("HF generate (HFGenerationBackend)", sum(len(s.token_ids) for s in out), wall))
 
     if not args.skip_cb:
@@ -93,14 +98,7 @@ def main() -> None:
         cbb = ContinuousBatchingBackend(model, stop_token_ids=no_stop, sampling=SamplingSettings(temperature=1.0),
                                         config=continuous_batching_config(options))
         with cbb.session():
-            cbb.generate(prompts[:2], [4, 4], seeds=[0, 1])  # warm-up (on a GPU: CUDA graphs)
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = cbb.generate(prompts, [args.tokens] * len(prompts), seeds=list(range(len(prompts))))
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
+            out, wall = timed_generate(cbb, prompts, args.tokens, args.device)
         cbb.close()
         rows.append(("continuous batching (CB backend)", sum(len(s.token_ids) for s in out), wall))
 

@@ -55,6 +55,27 @@ class GenerationBackend(Protocol):
         ...
 
 
+def check_generate_args(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], seeds: Sequence[int]) -> bool:
+    """Check a ``generate`` call's arguments (one budget >= 1 and one seed per prompt); False when there are no prompts."""
+    if not len(prompts) == len(max_new_tokens) == len(seeds):
+        raise ValueError("need one max_new_tokens and one seed per prompt.")
+    if not prompts:
+        return False
+    if min(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {min(max_new_tokens)}.")
+    return True
+
+
+def unwrapped_for_generation(model: torch.nn.Module, accelerator: Any) -> contextlib.AbstractContextManager[Any]:
+    """The model to generate with: ``model`` itself without an accelerator; else TRL's
+    ``unwrap_model_for_generation``, which under ZeRO-3 gathers the full weights for the whole block."""
+    if accelerator is None:
+        return contextlib.nullcontext(model)
+    from trl.models.utils import unwrap_model_for_generation
+
+    return unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params=True)
+
+
 def cut_sample(token_ids: Sequence[int], logprobs: Sequence[float], max_new_tokens: int, stop_ids: set[int]) -> Sample:
     """Cut a raw completion at its first stop token (kept) or at ``max_new_tokens``."""
     ids, lps = list(token_ids[:max_new_tokens]), list(logprobs[:max_new_tokens])
@@ -188,13 +209,7 @@ seed (:func:`seeded_gumbel`), so batching turns differently never changes what a
     @contextlib.contextmanager
     def session(self) -> Iterator[torch.nn.Module]:
         """Unwrap (and under ZeRO-3 gather) the model once for a whole multi-turn rollout."""
-        if self.accelerator is None:
-            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(self.model)
-        else:
-            from trl.models.utils import unwrap_model_for_generation
-
-            ctx = unwrap_model_for_generation(self.model, self.accelerator, gather_deepspeed3_params=True)
-        with ctx as unwrapped:
+        with unwrapped_for_generation(self.model, self.accelerator) as unwrapped:
             self._active = unwrapped
             try:
                 yield unwrapped
@@ -223,12 +238,8 @@ seed (:func:`seeded_gumbel`), so batching turns differently never changes what a
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
                  seeds: Sequence[int]) -> list[Sample]:
-        if not len(prompts) == len(max_new_tokens) == len(seeds):
-            raise ValueError("need one max_new_tokens and one seed per prompt.")
-        if not prompts:
+        if not check_generate_args(prompts, max_new_tokens, seeds):
             return []
-        if min(max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {min(max_new_tokens)}.")
         step = self.max_batch_size or len(prompts)
         out: list[Sample] = []
         for k in range(0, len(prompts), step):
@@ -374,12 +385,8 @@ class VLLMBackend:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
                  seeds: Sequence[int]) -> list[Sample]:
-        if not len(prompts) == len(max_new_tokens) == len(seeds):
-            raise ValueError("need one max_new_tokens and one seed per prompt.")
-        if not prompts:
+        if not check_generate_args(prompts, max_new_tokens, seeds):
             return []
-        if min(max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {min(max_new_tokens)}.")
         params = [self._params(b, seed) for b, seed in zip(max_new_tokens, seeds)]
         rows: list[tuple[list[int], list[float] | None]] = []
         if self.mode == "colocate":

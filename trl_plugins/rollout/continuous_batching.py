@@ -36,7 +36,15 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from trl_plugins.rollout.backends import Sample, _Warp, cut_sample, gumbel_from_keys, seeded_row_keys
+from trl_plugins.rollout.backends import (
+    Sample,
+    _Warp,
+    check_generate_args,
+    cut_sample,
+    gumbel_from_keys,
+    seeded_row_keys,
+    unwrapped_for_generation,
+)
 from trl_plugins.types import LogprobSource, SamplingSettings
 
 __all__ = ["ContinuousBatchingBackend", "continuous_batching_config", "CB_SAMPLE_SIGNATURE"]
@@ -264,13 +272,7 @@ class ContinuousBatchingBackend:
     @contextlib.contextmanager
     def session(self) -> Iterator[torch.nn.Module]:
         """Unwrap (and under ZeRO-3 gather) the model, start the manager for the rollout, stop it after."""
-        if self.accelerator is None:
-            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(self.model)
-        else:
-            from trl.models.utils import unwrap_model_for_generation
-
-            ctx = unwrap_model_for_generation(self.model, self.accelerator, gather_deepspeed3_params=True)
-        with ctx as unwrapped, self._shared["lock"]:
+        with unwrapped_for_generation(self.model, self.accelerator) as unwrapped, self._shared["lock"]:
             was_training = unwrapped.training
             manager = self._manager_for(unwrapped)
             unwrapped.eval()
@@ -331,12 +333,8 @@ class ContinuousBatchingBackend:
                  seeds: Sequence[int]) -> list[Sample]:
         import concurrent.futures
 
-        if not len(prompts) == len(max_new_tokens) == len(seeds):
-            raise ValueError("need one max_new_tokens and one seed per prompt.")
-        if not prompts:
+        if not check_generate_args(prompts, max_new_tokens, seeds):
             return []
-        if min(max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {min(max_new_tokens)}.")
         manager = getattr(self, "_active", None)
         if manager is None:
             with self.session():
