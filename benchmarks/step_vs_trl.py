@@ -86,7 +86,7 @@ def run_ours(args) -> dict:
         "step_s": step_times,
         "rollout_s": [r["timing/rollout_s"] for r in steps],
         "train_s": [r.get("timing/forward_backward_s", 0.0) for r in steps],
-        "padded_tokens": [r.get("train/padded_tokens", 0.0) for r in steps],
+        "padded_tokens": [r.get("train/forward_tokens", 0.0) for r in steps],
         "tool_calls": [r["rollout/tool_calls_mean"] for r in steps],
     }
 

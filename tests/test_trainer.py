@@ -68,7 +68,7 @@ def test_trains_end_to_end_and_writes_metrics_jsonl(tmp_path):
     steps = [r for r in records if "reward/total" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for key in ("reward/length", "rollout/turns_mean", "rollout/stop/turn_length", "rollout/degenerate_group_rate",
-                "train/loss_tokens", "train/padded_tokens", "train/padding_efficiency", "train/micro_batches",
+                "train/loss_tokens", "train/forward_tokens", "train/padding_efficiency", "train/micro_batches",
                 "train/behaviour_logprob_gap", "train/ratio_p10", "train/ratio_p50", "train/ratio_p90",
                 "timing/rollout_s", "timing/packing_s", "timing/forward_backward_s", "timing/optimizer_s"):
         assert key in steps[0], key
@@ -314,7 +314,7 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
     assert len(runs) == 1
     data = runs[0].read_bytes()
     # The record log holds the metric names; the trajectory tables are written as media files.
-    for needle in (b"reward/total", b"rollout/turns_mean", b"train/padded_tokens", b"trajectories"):
+    for needle in (b"reward/total", b"rollout/turns_mean", b"train/forward_tokens", b"trajectories"):
         assert needle in data, needle
     tables = sorted(runs[0].parent.glob("files/media/table/trajectories_*.table.json"))
     assert len(tables) == 2  # one per step with trajectory_table_steps=1

@@ -185,8 +185,9 @@ def build_datum(traj: Trajectory, **kwargs) -> Datum:
     return build_datums(traj, **kwargs)[0]
 
 
-def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: int) -> MicroBatch:
-    """Right-pad ``datums[i] for i in indices`` into a :class:`MicroBatch`.
+def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: int, padding_free: bool = False) -> MicroBatch:
+    """Right-pad ``datums[i] for i in indices`` into a :class:`MicroBatch`; with ``padding_free`` also give it
+    the position ids of the datums concatenated (the model then sees no padding; see :class:`MicroBatch`).
 
     Raises:
         ValueError: if ``indices`` is empty (use :func:`dummy_micro_batch`).
@@ -227,6 +228,7 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         advantages=advantages,
         action_mask=action_mask,
         datum_indices=list(indices),
+        position_ids=torch.cat([torch.arange(d.num_tokens) for d in rows])[None, :] if padding_free else None,
         **optional,
     )
 

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["token_logprobs", "token_logprobs_and_entropy", "selective_log_softmax"]
+__all__ = [
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+    "selective_log_softmax",
+    "micro_batch_logprobs",
+    "model_inputs",
+    "unpack",
+    "PackedAttentionLeak",
+    "check_packed_isolation",
+]
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -49,11 +60,14 @@ def token_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` and, with ``with_entropy``, the entropy of the whole next-token
     distribution at each position, ``H_t = logsumexp(z) - sum softmax(z) z`` with ``z = logits / temperature``
-    (the distribution the tokens were sampled from), both ``(B, T)``; the entropy carries the gradient."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    (the distribution the tokens were sampled from), both ``(B, T)``; the entropy carries the gradient.
+    ``position_ids`` (with ``attention_mask=None``): packed sequences, see :func:`micro_batch_logprobs`."""
+    kwargs = {} if position_ids is None else {"position_ids": position_ids}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
     if temperature != 1.0:
         logits = logits / temperature
     logp = selective_log_softmax(logits, target_ids)
@@ -63,3 +77,83 @@ def token_logprobs_and_entropy(
     log_z = torch.logsumexp(z, dim=-1)
     entropy = log_z - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
     return logp, entropy
+
+
+# -- padding-free micro-batches --------------------------------------------------------------------
+
+
+def model_inputs(mb: Any, device: Any) -> dict[str, Any]:
+    """The forward's inputs for a :class:`~trl_plugins.types.MicroBatch`: the padded ``(B, T)`` ids and mask,
+    or padding-free the real tokens as one ``(1, N)`` row with their per-datum position ids and no 2-D mask
+    (transformers then builds a block-diagonal causal mask from the restarting positions, or runs
+    flash-attention's variable-length kernel)."""
+    if mb.position_ids is None:
+        return {"input_ids": mb.input_ids.to(device), "attention_mask": mb.attention_mask.to(device)}
+    real = mb.attention_mask.bool()
+    return {"input_ids": mb.input_ids[real][None, :].to(device), "attention_mask": None,
+            "position_ids": mb.position_ids.to(device)}
+
+
+def unpack(values: torch.Tensor, mb: Any) -> torch.Tensor:
+    """Per-token ``values`` of a padding-free forward, ``(1, N)``, back in the micro-batch's ``(B, T)`` layout
+    (0 on padding; differentiable); padded micro-batches' values are returned as they are."""
+    if mb.position_ids is None:
+        return values
+    out = values.new_zeros(mb.attention_mask.shape)
+    out[mb.attention_mask.to(values.device).bool()] = values.reshape(-1)
+    return out
+
+
+def micro_batch_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float = 1.0,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs_and_entropy` of a micro-batch in either layout, returned as ``(B, T)``."""
+    inputs = model_inputs(mb, device)
+    targets = mb.target_ids if mb.position_ids is None else mb.target_ids[mb.attention_mask.bool()][None, :]
+    logp, entropy = token_logprobs_and_entropy(
+        model, inputs["input_ids"], inputs["attention_mask"], targets.to(device), temperature=temperature,
+        with_entropy=with_entropy, position_ids=inputs.get("position_ids"),
+    )
+    return unpack(logp, mb), None if entropy is None else unpack(entropy, mb)
+
+
+class PackedAttentionLeak(ValueError):
+    """The model's attention does not keep packed sequences apart: padding-free micro-batches would mix datums."""
+
+
+@torch.no_grad()
+def check_packed_isolation(model: torch.nn.Module, device: Any, *, vocab_size: int, name: str = "the model") -> float:
+    """Check that ``model`` attends within each packed sequence only; return the largest output gap found.
+
+    Runs a 24-token and a 9-token sequence packed into one row (positions restarting) and the 9-token one on
+    its own; the second's outputs (``.logits``: next-token logits, or a critic's values) must agree to 1e-4
+    of their scale in fp32 (5e-2 in half precision). Every rank must call it (under ZeRO-3 a forward is a
+    collective). Attention that ignores the positions' restarts (a model whose masking does not go through
+    transformers' ``masking_utils``, a custom attention function) lets the second sequence see the first,
+    and is refused.
+
+    Raises:
+        PackedAttentionLeak: the packed forward differs; the message says what to do.
+    """
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(1, max(vocab_size, 2), (24,), generator=gen)
+    second = torch.randint(1, max(vocab_size, 2), (9,), generator=gen)
+    was_training = model.training
+    model.eval()
+    try:
+        packed = model(input_ids=torch.cat([first, second])[None, :].to(device), attention_mask=None, use_cache=False,
+                       position_ids=torch.cat([torch.arange(24), torch.arange(9)])[None, :].to(device)).logits[0, 24:]
+        alone = model(input_ids=second[None, :].to(device), attention_mask=None, use_cache=False).logits[0]
+    finally:
+        model.train(was_training)
+    scale = 1.0 + float(alone.float().abs().max())
+    gap = float((packed.float() - alone.float()).abs().max())
+    tolerance = (1e-4 if packed.dtype == torch.float32 else 5e-2) * scale
+    if not gap <= tolerance:
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise PackedAttentionLeak(
+            f"padding-free micro-batches: {name} (attention implementation {impl!r}) does not keep packed sequences "
+            f"apart - a sequence packed after another gets outputs {gap:.3g} away from its own (tolerance "
+            f"{tolerance:.3g}). Set padding_free=False (right-padded micro-batches), or load the model with an "
+            f"attention implementation that honours packed position ids (sdpa, eager, flash_attention_2)."
+        )
+    return gap

@@ -618,6 +618,12 @@ class MicroBatch:
 
     Padding positions have ``attention_mask == 0`` and ``action_mask == 0``. A *dummy* micro-batch
     (a rank with fewer micro-batches than the others) has ``weight == 0``.
+
+    *Padding-free* (``position_ids`` set): the model sees the datums' real tokens concatenated into one
+    ``(1, N)`` sequence (``input_ids[attention_mask == 1]``, row after row) with positions restarting at
+    0 for each datum, and attends within each datum only; its per-token outputs are put back into the
+    ``(B, T)`` layout (:func:`trl_plugins.modeling.micro_batch_logprobs`), so the loss side is the same in
+    both layouts.
     """
 
     input_ids: torch.Tensor
@@ -644,11 +650,13 @@ class MicroBatch:
     """``(B, T)`` float value targets when the datums carry them."""
     weight: float = 1.0
     """1.0 for real micro-batches, 0.0 for dummies."""
+    position_ids: torch.Tensor | None = None
+    """Padding-free only: ``(1, N)`` long, each datum's positions ``0..n-1`` one after the other."""
 
     @property
     def num_padded_tokens(self) -> int:
-        """``B * T``, the padded area this micro-batch costs."""
-        return int(self.input_ids.numel())
+        """Tokens the forward pass processes: ``B * T`` (the padded area), or ``N`` padding-free."""
+        return int(self.input_ids.numel()) if self.position_ids is None else int(self.position_ids.numel())
 
 
 @dataclass

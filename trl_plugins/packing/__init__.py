@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Sequence, TypeVar
 
-from trl_plugins.packing.packers import PackingError, balanced, check_limits, ffd, optimal, padded_area
+from trl_plugins.packing.packers import (
+    PackingError,
+    balanced,
+    check_limits,
+    ffd,
+    micro_batch_cost,
+    optimal,
+    padded_area,
+)
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan
 
@@ -21,6 +29,8 @@ __all__ = [
     "inverse_permutation",
     "restore_order",
     "padded_area",
+    "micro_batch_cost",
+    "supports_padding_free",
     "check_limits",
     "ffd",
     "optimal",
@@ -30,17 +40,31 @@ __all__ = [
 V = TypeVar("V")
 
 
+def supports_padding_free(strategy: str) -> bool:
+    """Whether the named packer budgets tokens for padding-free micro-batches (``supports_padding_free``)."""
+    return bool(getattr(PACKERS.get(strategy), "supports_padding_free", False))
+
+
 def pack_for_ranks(
-    lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int, world_size: int
+    lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int, world_size: int,
+    padding_free: bool = False,
 ) -> PackPlan:
-    """Pack ``lengths`` into micro-batches for ``world_size`` ranks with the named strategy.
+    """Pack ``lengths`` into micro-batches for ``world_size`` ranks with the named strategy; with
+    ``padding_free`` the budget is tokens (the packer must declare ``supports_padding_free``).
 
     Raises:
-        PackingError: bad limits or an item longer than ``max_padded_tokens``.
+        PackingError: bad limits, an item longer than ``max_padded_tokens``, or ``padding_free`` with a packer
+            that budgets padded area only.
         trl_plugins.registry.RegistryError: unknown strategy.
     """
     packer = PACKERS.get(strategy)
-    return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size)
+    if not padding_free:
+        return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size)
+    if not getattr(packer, "supports_padding_free", False):
+        raise PackingError(f"packer {strategy!r} budgets padded area only (it does not declare supports_padding_free): "
+                           f"use ffd, optimal or balanced, or set padding_free=False.")
+    return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,
+                  padding_free=True)
 
 
 def pack(lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int) -> list[list[int]]:

@@ -3,9 +3,15 @@
 Cost model: a right-padded micro-batch of ``n`` rows whose longest row has ``m`` tokens costs its
 *padded area* ``n * m``. Limits: ``n <= max_items`` and ``n * m <= max_padded_tokens``.
 
+Padding-free micro-batches (the rows concatenated, no padding) cost their *tokens* ``sum of lengths``;
+a packer that declares ``supports_padding_free = True`` takes ``padding_free=True`` and then budgets
+``sum of lengths <= max_padded_tokens``. The tokens processed are then the same however items are
+grouped, so the packers minimise the number of micro-batches (each pass has a fixed cost) and, across
+ranks, the slowest rank's tokens.
+
 Every packer has one call contract::
 
-    packer(lengths, *, max_items, max_padded_tokens, world_size=1) -> PackPlan
+    packer(lengths, *, max_items, max_padded_tokens, world_size=1[, padding_free=False]) -> PackPlan
 
 and is registered in :data:`trl_plugins.registry.PACKERS`.
 """
@@ -20,7 +26,7 @@ import numpy as np
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan
 
-__all__ = ["PackingError", "ffd", "optimal", "balanced", "check_limits", "padded_area"]
+__all__ = ["PackingError", "ffd", "optimal", "balanced", "check_limits", "padded_area", "micro_batch_cost"]
 
 
 class PackingError(ValueError):
@@ -49,6 +55,35 @@ def check_limits(lengths: Sequence[int], max_items: int, max_padded_tokens: int,
 def padded_area(lengths: Sequence[int], batch: Sequence[int]) -> int:
     """``len(batch) * max(lengths[i] for i in batch)`` (0 for an empty batch)."""
     return len(batch) * max((lengths[i] for i in batch), default=0)
+
+
+def micro_batch_cost(lengths: Sequence[int], batch: Sequence[int], *, padding_free: bool = False) -> int:
+    """Tokens a micro-batch's forward processes: its padded area, or padding-free the sum of its lengths."""
+    return sum(lengths[i] for i in batch) if padding_free else padded_area(lengths, batch)
+
+
+def _token_batches(lengths: Sequence[int], max_items: int, budget: int, *, best_fit: bool = False) -> list[list[int]]:
+    # First-fit (or best-fit) decreasing by tokens: longest first, into the first (or the fullest) open
+    # micro-batch with room for its tokens and a free row.
+    batches: list[list[int]] = []
+    loads: list[int] = []
+    for i in _sorted_desc(lengths):
+        fits = [b for b in range(len(batches)) if len(batches[b]) < max_items and loads[b] + lengths[i] <= budget]
+        if fits:
+            b = max(fits, key=lambda b: (loads[b], -b)) if best_fit else fits[0]
+            batches[b].append(i)
+            loads[b] += lengths[i]
+        else:
+            batches.append([i])
+            loads.append(lengths[i])
+    return batches
+
+
+def _fewest_token_batches(lengths: Sequence[int], max_items: int, budget: int) -> list[list[int]]:
+    # Bin packing is NP-hard: the better of first-fit and best-fit decreasing (fewest micro-batches, then the
+    # lighter heaviest one). Both are within 11/9 of the optimum plus one.
+    plans = [_token_batches(lengths, max_items, budget), _token_batches(lengths, max_items, budget, best_fit=True)]
+    return min(plans, key=lambda p: (len(p), max((sum(lengths[i] for i in b) for b in p), default=0)))
 
 
 def _capacity(longest: int, max_items: int, max_padded_tokens: int) -> int:
@@ -131,10 +166,11 @@ def _equalise(per_rank: list[list[list[int]]]) -> PackPlan:
     return PackPlan(ranks=[r + [[] for _ in range(most - len(r))] for r in per_rank])
 
 
-def _distribute_batches(lengths: Sequence[int], batches: list[list[int]], world_size: int) -> PackPlan:
+def _distribute_batches(lengths: Sequence[int], batches: list[list[int]], world_size: int, *,
+                        padding_free: bool = False) -> PackPlan:
     if world_size == 1:
         return PackPlan(ranks=[batches])
-    assignment = _lpt_assign([padded_area(lengths, b) for b in batches], world_size)
+    assignment = _lpt_assign([micro_batch_cost(lengths, b, padding_free=padding_free) for b in batches], world_size)
     return _equalise([[batches[k] for k in sorted(ks)] for ks in assignment])
 
 
@@ -198,14 +234,15 @@ def _contiguous_assign(lengths: Sequence[int], world_size: int, max_items: int, 
     return split(hi)  # type: ignore[return-value]
 
 
-def _plan_score(plan: PackPlan, lengths: Sequence[int]) -> tuple[int, int, int]:
-    areas = plan.rank_padded_area(list(lengths))
+def _plan_score(plan: PackPlan, lengths: Sequence[int], padding_free: bool = False) -> tuple[int, int, int]:
+    areas = [sum(micro_batch_cost(lengths, mb, padding_free=padding_free) for mb in rank) for rank in plan.ranks]
     return (max(areas, default=0), plan.num_micro_batches, sum(areas))
 
 
 @PACKERS.register("ffd")
-def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1) -> PackPlan:
-    """First-fit decreasing by padded area (the reference heuristic).
+def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1,
+        padding_free: bool = False) -> PackPlan:
+    """First-fit decreasing by padded area (the reference heuristic); ``padding_free``: by tokens.
 
     With ``world_size > 1`` the micro-batches are spread over ranks, largest area first onto the
     least-loaded rank, and short ranks get dummies.
@@ -217,12 +254,18 @@ def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world
         PackingError: bad limits, or an item longer than ``max_padded_tokens``.
     """
     check_limits(lengths, max_items, max_padded_tokens, world_size)
+    if padding_free:
+        return _distribute_batches(lengths, _token_batches(lengths, max_items, max_padded_tokens), world_size, padding_free=True)
     return _distribute_batches(lengths, _ffd_batches(lengths, max_items, max_padded_tokens), world_size)
 
 
 @PACKERS.register("optimal")
-def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1) -> PackPlan:
+def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1,
+            padding_free: bool = False) -> PackPlan:
     """Fewest micro-batches, then least padded area: exact, by a DP over the sorted lengths.
+
+    ``padding_free``: fewest micro-batches by tokens (the tokens are then the same for every grouping); bin
+    packing is NP-hard, so this is the better of first-fit and best-fit decreasing, not always the optimum.
 
     ``O(n * c)`` with ``c`` the largest micro-batch row capacity. Same example as :func:`ffd` -> 2
     micro-batches (2 x 8000, 10 x 3000), 46,000 padded tokens. Ranks as in :func:`ffd`.
@@ -231,12 +274,16 @@ def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, w
         PackingError: bad limits, or an item longer than ``max_padded_tokens``.
     """
     check_limits(lengths, max_items, max_padded_tokens, world_size)
+    if padding_free:
+        return _distribute_batches(lengths, _fewest_token_batches(lengths, max_items, max_padded_tokens), world_size,
+                                   padding_free=True)
     return _distribute_batches(lengths, _optimal_batches(lengths, max_items, max_padded_tokens), world_size)
 
 
 @PACKERS.register("balanced")
 def balanced(
-    lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1, area_tolerance: float = 0.01
+    lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1, area_tolerance: float = 0.01,
+    padding_free: bool = False,
 ) -> PackPlan:
     """Per-rank micro-batches minimising the slowest rank's padded area.
 
@@ -256,6 +303,8 @@ def balanced(
         PackingError: bad limits, or an item longer than ``max_padded_tokens``.
     """
     check_limits(lengths, max_items, max_padded_tokens, world_size)
+    if padding_free:
+        return _balanced_tokens(lengths, max_items, max_padded_tokens, world_size)
     if world_size == 1:
         return PackPlan(ranks=[_optimal_batches(lengths, max_items, max_padded_tokens)])
 
@@ -280,3 +329,23 @@ def balanced(
     best_area = min(sc[0] for sc in scores)
     near = [k for k, sc in enumerate(scores) if sc[0] <= best_area * (1.0 + area_tolerance)]
     return candidates[min(near, key=lambda k: (scores[k][1], scores[k][0], scores[k][2]))]
+
+
+def _balanced_tokens(lengths: Sequence[int], max_items: int, budget: int, world_size: int) -> PackPlan:
+    # Padding-free: the fewest micro-batches spread over ranks largest-first, or items spread over ranks
+    # by tokens (longest first onto the lightest rank) and packed per rank; the slowest rank's tokens
+    # decide, then micro-batches per rank.
+    if world_size == 1:
+        return PackPlan(ranks=[_fewest_token_batches(lengths, max_items, budget)])
+    candidates = [_distribute_batches(lengths, _fewest_token_batches(lengths, max_items, budget), world_size,
+                                      padding_free=True)]
+    ranks = []
+    for items in _lpt_assign(lengths, world_size):
+        items = sorted(items)
+        ranks.append([[items[k] for k in b] for b in _fewest_token_batches([lengths[i] for i in items], max_items, budget)])
+    candidates.append(_equalise(ranks))
+    return min(candidates, key=lambda p: _plan_score(p, lengths, padding_free=True)[:2])
+
+
+for _packer in (ffd, optimal, balanced):
+    _packer.supports_padding_free = True  # type: ignore[attr-defined]

@@ -26,16 +26,19 @@ import torch
 
 from trl_plugins.algos import aggregate, clipped_value_loss
 from trl_plugins.datum import collate, dummy_micro_batch
+from trl_plugins.modeling import model_inputs, unpack
 from trl_plugins.trainers.step import (
     UpdateSettings,
+    ensure_packed_isolation,
     forward_packed,
     is_deepspeed,
     micro_batches_with_dummies,
+    padding_free,
     reduce_over_ranks,
 )
-from trl_plugins.types import Datum
+from trl_plugins.types import Datum, MicroBatch
 
-__all__ = ["build_critic", "prepare_critic", "critic_values", "rollout_values", "value_update", "ValueUpdateResult",
+__all__ = ["build_critic", "prepare_critic", "critic_values", "micro_batch_values", "rollout_values", "value_update", "ValueUpdateResult",
            "save_critic", "load_critic", "critic_state_dict"]
 
 CRITIC_DIR = "critic"
@@ -110,10 +113,18 @@ def prepare_critic(accelerator: Any, critic: torch.nn.Module, *, learning_rate: 
     return model, optimizer_cls(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
 
 
-def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` values ``V_t`` of the states ``input_ids[:, : t + 1]``, in float32 at least."""
-    values = critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[..., 0]
+def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, T)`` values ``V_t`` of the states ``input_ids[:, : t + 1]``, in float32 at least (``position_ids``
+    with ``attention_mask=None``: packed sequences)."""
+    kwargs = {} if position_ids is None else {"position_ids": position_ids}
+    values = critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits[..., 0]
     return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
+
+
+def micro_batch_values(critic: torch.nn.Module, mb: MicroBatch, device: Any) -> torch.Tensor:
+    """:func:`critic_values` of a micro-batch in either layout (:func:`~trl_plugins.modeling.model_inputs`), ``(B, T)``."""
+    return unpack(critic_values(critic, **model_inputs(mb, device)), mb)
 
 
 def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings,
@@ -129,10 +140,8 @@ def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[D
                       action_mask=d.action_mask + [0], sources=list(d.sources) + [d.sources[-1]]) for d in datums]
     after = [0.0] * len(datums)
 
-    def forward(m: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, _targets: torch.Tensor) -> torch.Tensor:
-        return critic_values(m, ids, mask)
-
-    for idx, values in forward_packed(accelerator, critic, extended, config, forward, pad_token_id=pad_token_id):
+    for idx, values in forward_packed(accelerator, critic, extended, config, micro_batch_values, pad_token_id=pad_token_id,
+                                      name="the critic"):
         for row, i in enumerate(idx):
             n = datums[i].num_tokens
             datums[i].old_values = [float(v) for v in values[row, :n]]
@@ -183,10 +192,12 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
     deepspeed = is_deepspeed(accelerator)
     device = accelerator.device
     loss_total = clipped = 0.0
+    ensure_packed_isolation(accelerator, critic, config, name="the critic")
     critic.train()
     for k, idx in enumerate(batches):
         last = k == len(batches) - 1
-        mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id, with_values=True)
+        mb = (collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free(config)) if idx
+              else dummy_micro_batch(pad_token_id=pad_token_id, with_values=True))
         mask = mb.action_mask.to(device)
         if deepspeed:
             critic.set_gradient_accumulation_boundary(last)
@@ -194,7 +205,7 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
         else:
             ctx = contextlib.nullcontext() if last or world == 1 else critic.no_sync()
         with ctx:
-            values = critic_values(critic, mb.input_ids.to(device), mb.attention_mask.to(device))
+            values = micro_batch_values(critic, mb, device)
             out = clipped_value_loss(values, mb.old_values.to(device), mb.returns.to(device), mask, clip_range=vf_clip)
             loss = vf_coef * aggregate(out.per_token_loss, mask, "token_mean", num_tokens=num_tokens,
                                        num_sequences=num_seqs, dp_size=world) * mb.weight

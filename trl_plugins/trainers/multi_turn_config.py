@@ -55,6 +55,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     packer: str = field(default="optimal", metadata={"help": "Micro-batch packer."})
     max_items_per_micro_batch: int = field(default=32, metadata={"help": "Rows per micro-batch."})
     max_padded_tokens_per_micro_batch: int = field(default=64_000, metadata={"help": "Padded area per micro-batch."})
+    padding_free: bool = field(default=True, metadata={"help": "Micro-batches without padding: a micro-batch's datums are concatenated into one sequence with positions restarting per datum, and attention stays within each datum (a block-diagonal causal mask; flash-attention's variable-length kernel where the model uses it); max_padded_tokens_per_micro_batch then budgets tokens. Checked once per model at the first update (a model whose attention ignores packed positions is refused). False: right-padded micro-batches, budgeted by padded area."})
     rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (scored by the reward components, which treat them as wrong) or 'mask' (no advantage, left out of group statistics and the loss)."})
@@ -112,6 +113,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
         self._map_kl_and_entropy()
         self._check_mismatch_correction()
         self._check_continuous_batching()
+        if self.padding_free:
+            from trl_plugins.packing import supports_padding_free
+
+            if not supports_padding_free(self.packer):
+                raise ValueError(f"padding_free=True, but packer {self.packer!r} budgets padded area only (it does not "
+                                 f"declare supports_padding_free): use ffd, optimal or balanced, or set padding_free=False.")
         if not 0.0 <= self.max_verifier_error_rate <= 1.0 or not 0.0 <= self.min_valid_group_fraction <= 1.0:
             raise ValueError(
                 f"max_verifier_error_rate and min_valid_group_fraction are shares in [0, 1]; got "

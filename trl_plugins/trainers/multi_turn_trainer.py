@@ -372,7 +372,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 "train/dummy_micro_batches": float(result.num_dummies),
                 "train/input_tokens": float(result.num_input_tokens),
                 "train/loss_tokens": float(result.num_loss_tokens),
-                "train/padded_tokens": float(result.num_padded_tokens),
+                "train/forward_tokens": float(result.num_padded_tokens),
                 "train/padding_efficiency": result.num_input_tokens / max(result.num_padded_tokens, 1),
                 "train/policy_loss": result.loss,
                 "train/forwarded_datums": float(result.num_forwarded),

@@ -33,13 +33,14 @@ import torch
 
 from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
 from trl_plugins.datum import collate, dummy_micro_batch
-from trl_plugins.modeling import token_logprobs, token_logprobs_and_entropy
+from trl_plugins.modeling import check_packed_isolation, micro_batch_logprobs
 from trl_plugins.packing import pack_for_ranks
 from trl_plugins.types import (
     Datum,
     ImportanceSamplingMode,
     KLEstimator,
     LogprobSource,
+    MicroBatch,
     MismatchStats,
     PolicyLossInput,
     PolicyLossOutput,
@@ -49,6 +50,7 @@ from trl_plugins.types import (
 
 __all__ = [
     "UpdateSettings", "UpdateResult", "policy_update", "forward_packed", "reference_logprobs", "old_logprobs",
+    "padding_free", "ensure_packed_isolation",
     "mismatch_correction_applies", "datums_to_forward", "TRAINER_LOGPROB_SOURCE",
 ]
 
@@ -69,6 +71,7 @@ class UpdateSettings(Protocol):
     temperature: float
     max_grad_norm: float | None
     drop_zero_advantage: bool
+    # padding_free (read with getattr, default False): micro-batches without padding (MicroBatch).
     # Read only when the datums carry old_logprobs (the mismatch correction applies):
     vllm_importance_sampling_mode: str
     vllm_importance_sampling_clip_min: float | None
@@ -194,10 +197,32 @@ def datums_to_forward(datums: Sequence[Datum], policy_loss: Any, config: UpdateS
     return [i for i, d in enumerate(datums) if any(a != 0.0 for a in d.advantages)]
 
 
+def padding_free(config: Any) -> bool:
+    """Whether micro-batches are padding-free (``config.padding_free``; absent means False)."""
+    return bool(getattr(config, "padding_free", False))
+
+
+def _limits(config: UpdateSettings) -> dict[str, Any]:
+    return {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch,
+            "padding_free": padding_free(config)}
+
+
+def ensure_packed_isolation(accelerator: Any, model: torch.nn.Module, config: Any, *, name: str = "the policy") -> None:
+    """With padding-free micro-batches, check once per model that its attention keeps packed datums apart
+    (:func:`~trl_plugins.modeling.check_packed_isolation`); every rank must call it (a forward)."""
+    if not padding_free(config):
+        return
+    inner = accelerator.unwrap_model(model) if accelerator is not None else model
+    if getattr(inner, "_trl_plugins_packing_checked", False):
+        return
+    vocab = int(getattr(getattr(inner, "config", None), "vocab_size", 2) or 2)
+    check_packed_isolation(model, accelerator.device, vocab_size=vocab, name=name)
+    inner._trl_plugins_packing_checked = True
+
+
 def micro_batches_with_dummies(accelerator: Any, datums: Sequence[Datum], config: UpdateSettings) -> list[list[int]]:
     """This rank's micro-batches (local plan), padded with empty ones to the largest count over ranks."""
-    limits = {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch}
-    batches = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1, **limits).ranks[0]
+    batches = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1, **_limits(config)).ranks[0]
     (steps,) = reduce_over_ranks(accelerator, [len(batches)], "max")
     return list(batches) + [[] for _ in range(int(steps) - len(batches))]
 
@@ -208,10 +233,11 @@ def forward_packed(
     model: torch.nn.Module,
     datums: Sequence[Datum],
     config: UpdateSettings,
-    forward: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    forward: Callable[[torch.nn.Module, MicroBatch, Any], torch.Tensor],
     *,
     pad_token_id: int,
     context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    name: str = "the model",
 ) -> list[tuple[list[int], torch.Tensor]]:
     """One no-gradient, eval-mode pass of ``model`` over ``datums``; every rank must call it.
 
@@ -219,7 +245,7 @@ def forward_packed(
     every rank (empty dummies where a rank has fewer: under ZeRO-3 each forward is a collective).
 
     Args:
-        forward: ``forward(model, input_ids, attention_mask, target_ids) -> (B, T)`` on the device.
+        forward: ``forward(model, micro_batch, device) -> (B, T)`` (either layout: :mod:`trl_plugins.modeling`).
         context: A factory of the context the pass runs in (e.g. PEFT adapters off).
 
     Returns:
@@ -231,9 +257,11 @@ def forward_packed(
     model.eval()
     try:
         with context() if context is not None else contextlib.nullcontext():
+            ensure_packed_isolation(accelerator, model, config, name=name)
             for idx in micro_batches_with_dummies(accelerator, datums, config):
-                mb = collate(datums, idx, pad_token_id=pad_token_id) if idx else dummy_micro_batch(pad_token_id=pad_token_id)
-                result = forward(model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.target_ids.to(device))
+                mb = (collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free(config)) if idx
+                      else dummy_micro_batch(pad_token_id=pad_token_id))
+                result = forward(model, mb, device)
                 if idx:
                     out.append((list(idx), result.float().cpu()))
     finally:
@@ -253,10 +281,12 @@ def _fill_logprobs(
 ) -> None:
     temperature = config.temperature or 1.0
 
-    def forward(m: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(m, ids, mask, targets, temperature=temperature)
+    def forward(m: torch.nn.Module, mb: MicroBatch, device: Any) -> torch.Tensor:
+        return micro_batch_logprobs(m, mb, device, temperature=temperature)[0]
 
-    for idx, lp in forward_packed(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context):
+    name = "the reference model" if field == "ref_logprobs" else "the policy"
+    for idx, lp in forward_packed(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context,
+                                  name=name):
         for row, i in enumerate(idx):
             n = datums[i].num_tokens
             setattr(datums[i], field, [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)])
@@ -385,7 +415,7 @@ def policy_update(
     if datums and not with_old and any(d.old_logprobs is not None for d in datums):
         raise ValueError("some datums carry old_logprobs and some do not; call old_logprobs() on every datum the update forwards.")
     t_pack = time.perf_counter()
-    limits = {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch}
+    limits = _limits(config)
     if config.rebalance_ranks and world > 1:
         from accelerate.utils import gather_object
 
@@ -419,10 +449,11 @@ def policy_update(
     ratios: list[torch.Tensor] = []
     # Sums over this rank's forwarded loss tokens: KL to the reference per estimator, |log-prob gap|, entropy.
     aux = {"kl_k1": 0.0, "kl_k2": 0.0, "kl_k3": 0.0, "ref_logprob_gap": 0.0, "entropy": 0.0}
+    ensure_packed_isolation(accelerator, model, config)
     model.train()
     for k, idx in enumerate(batches):
         last = k == steps - 1
-        mb = (collate(datums, idx, pad_token_id=pad_token_id) if idx
+        mb = (collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free(config)) if idx
               else dummy_micro_batch(pad_token_id=pad_token_id, with_ref=bool(any_ref)))
         dummies += not idx
         padded += mb.num_padded_tokens
@@ -434,10 +465,7 @@ def policy_update(
         else:
             ctx = contextlib.nullcontext() if last or world == 1 else accelerator.no_sync(model)
         with ctx:
-            logp, entropy = token_logprobs_and_entropy(
-                model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.target_ids.to(device),
-                temperature=temperature, with_entropy=needs_entropy,
-            )
+            logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature, with_entropy=needs_entropy)
             ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
             # The PPO anchor: the sampler's log-probs, or with the mismatch correction the trainer's own
             # (pi_old), the sampler-to-trainer gap then going into the importance weights.
