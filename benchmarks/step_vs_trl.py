@@ -6,12 +6,15 @@ Both trainers get the same tiny local Qwen2 model, the same questions, the same 
 same tool (sleeps ``--tool-s`` per call). The policy is *scripted*: a logits processor forces each
 trajectory to follow a plan of 0..``--calls`` tool calls with a varying amount of reasoning text, then
 a ``\\boxed{}`` answer (see benchmarks/rollout.py), so both sides do the same long-tailed multi-turn
-work with real forward passes. Each trainer runs in its own process, so peak
-memory (max RSS) is its own. Printed per step (mean over steps after the first): wall time, rollout
-and training time where known, padded tokens the training forward passes processed, and peak RSS.
+work with real forward passes. Each trainer runs in its own process. Printed per step (mean over steps
+after the first): wall time, rollout and training time where known, the real tokens of the step's training
+data (the floor: any padding is waste), the tokens the training forward passes processed and their ratio
+to the floor, our rollout's wall time over its critical path (the longest trajectory's own chain of
+generation and tool calls), and the peak RSS of a step (the high-water mark is reset at each step).
 
 TRL pads every micro-batch to the longest prompt and the longest completion of the whole batch; we
-pack one prefix-merged datum per trajectory into micro-batches by padded area.
+pack one prefix-merged datum per trajectory into micro-batches, padding-free by default (``ours``) or
+right-padded by padded area (``ours padded``, ``--padding-free off``; ``both`` runs the two).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _reward(completions=None, **kwargs):
     return [float(i % 3) for i in range(len(completions))]
 
 
-def run_ours(args) -> dict:
+def run_ours(args, padding_free: bool) -> dict:
     from rollout import SleepTool, patch_generate
 
     from trl_plugins.testing import build_tiny_model, build_tokenizer
@@ -63,7 +66,7 @@ def run_ours(args) -> dict:
             output_dir=out, per_device_train_batch_size=args.questions * args.group, num_generations=args.group,
             max_steps=args.steps, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
             disable_tqdm=True, seed=0, reward_components=["r"], max_items_per_micro_batch=args.micro_batch,
-            max_padded_tokens_per_micro_batch=64_000,
+            max_padded_tokens_per_micro_batch=64_000, padding_free=padding_free,
             rollout_kwargs={"max_turns": args.calls + 2, "max_tool_calls": args.calls + 1, "max_assistant_tokens": 128,
                             "max_trajectory_tokens": 4096},
         )
@@ -87,6 +90,9 @@ def run_ours(args) -> dict:
         "rollout_s": [r["timing/rollout_s"] for r in steps],
         "train_s": [r.get("timing/forward_backward_s", 0.0) for r in steps],
         "padded_tokens": [r.get("train/forward_tokens", 0.0) for r in steps],
+        "real_tokens": [r.get("train/input_tokens", 0.0) for r in steps],
+        "crit_ratio": [r["rollout/critical_path_ratio"] for r in steps],
+        "peak_rss_mb": [r["memory/peak_rss_mb"] for r in steps],
         "tool_calls": [r["rollout/tool_calls_mean"] for r in steps],
     }
 
@@ -96,6 +102,7 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.trainers.memory import peak_memory_mb, reset_peak_memory
 
     def code_interpreter(code: str) -> str:
         """Run Python code and return what it prints.
@@ -118,23 +125,27 @@ def run_trl(args) -> dict:
         )
         trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=config, train_dataset=_dataset(args.questions),
                               processing_class=tok, tools=[code_interpreter])
-        gen_times, padded, step_times = [], [], []
+        gen_times, padded, real, step_times, peaks = [], [], [], [], []
         original_gen = trainer._generate_and_score_completions
         original_step = trainer.training_step
 
         def gen(inputs):
+            reset_peak_memory()  # a step starts with its generation
+            peaks.append(0.0)
             t0 = time.perf_counter()
             result = original_gen(inputs)
             gen_times.append(time.perf_counter() - t0)
             rows, width = result["prompt_ids"].shape[0], result["prompt_ids"].shape[1] + result["completion_ids"].shape[1]
             # Each training micro-batch is a slice of this batch, padded to its full width.
             padded.append(rows * width)
+            real.append(int(result["prompt_mask"].sum()) + int(result["completion_mask"].sum()))
             return result
 
         def step(*a, **k):
             t0 = time.perf_counter()
             loss = original_step(*a, **k)
             step_times.append(time.perf_counter() - t0)
+            peaks[-1] = max(peaks[-1], peak_memory_mb()["memory/peak_rss_mb"])
             return loss
 
         trainer._generate_and_score_completions = gen
@@ -147,6 +158,9 @@ def run_trl(args) -> dict:
         "rollout_s": gen_times,
         "train_s": [s - g for s, g in zip(per_step, gen_times)],
         "padded_tokens": padded,
+        "real_tokens": real,
+        "crit_ratio": [float("nan")] * len(per_step),
+        "peak_rss_mb": peaks,
         "tool_calls": [float("nan")] * len(per_step),
     }
 
@@ -156,7 +170,10 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    result = run_ours(args) if args.which == "ours" else run_trl(args)
+    if args.which == "trl":
+        result = run_trl(args)
+    else:
+        result = run_ours(args, padding_free=args.which == "ours")
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
@@ -174,13 +191,16 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3, help="most tool calls per trajectory (each picks 0..calls)")
     ap.add_argument("--tool-s", type=float, default=0.2)
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (TRL per_device_train_batch_size)")
-    ap.add_argument("--which", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--padding-free", choices=["on", "off", "both"], default="both",
+                    help="our micro-batches: padding-free (on), right-padded (off), or both rows")
+    ap.add_argument("--which", choices=["ours", "ours-padded", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.which:
         child(args)
         return
     results = {}
-    for which in ("ours", "trl"):
+    ours = {"on": ["ours"], "off": ["ours-padded"], "both": ["ours", "ours-padded"]}[args.padding_free]
+    for which in (*ours, "trl"):
         cmd = [sys.executable, __file__, "--which", which, *sys.argv[1:]]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -190,15 +210,21 @@ def main() -> None:
     n = args.questions * args.group
     print(f"{args.questions} questions x group {args.group} = {n} trajectories/step, 0-{args.calls} tool calls each, "
           f"tool {args.tool_s} s/call, {args.steps} steps (means exclude the first), tiny Qwen2 on CPU, 1 thread")
-    header = f"{'trainer':<10} {'step s':>8} {'rollout s':>10} {'train s':>8} {'padded tok':>11} {'peak RSS MB':>12}"
+    header = (f"{'trainer':<12} {'step s':>7} {'rollout s':>10} {'train s':>8} {'real tok':>9} {'processed':>10} "
+              f"{'/ real':>7} {'wall/crit':>10} {'peak RSS MB':>12}")
     print(header)
     print("-" * len(header))
+    m = mean_after_first
     for which, r in results.items():
-        print(f"{which:<10} {mean_after_first(r['step_s']):>8.2f} {mean_after_first(r['rollout_s']):>10.2f} "
-              f"{mean_after_first(r['train_s']):>8.2f} {mean_after_first(r['padded_tokens']):>11.0f} {r['max_rss_mb']:>12.0f}")
-    ours, trl = results["ours"], results["trl"]
-    print(f"speed-up per step (TRL / ours): {mean_after_first(trl['step_s']) / mean_after_first(ours['step_s']):.2f}x; "
-          f"padded tokens (TRL / ours): {mean_after_first(trl['padded_tokens']) / max(mean_after_first(ours['padded_tokens']), 1):.2f}x")
+        name = which.replace("-", " ")
+        print(f"{name:<12} {m(r['step_s']):>7.2f} {m(r['rollout_s']):>10.2f} {m(r['train_s']):>8.2f} "
+              f"{m(r['real_tokens']):>9.0f} {m(r['padded_tokens']):>10.0f} {m(r['padded_tokens']) / max(m(r['real_tokens']), 1):>7.3f} "
+              f"{m(r['crit_ratio']):>10.2f} {max(r['peak_rss_mb'][1:] or r['peak_rss_mb']):>12.0f}")
+    trl = results["trl"]
+    for which in ours:
+        r = results[which]
+        print(f"{which}: speed-up per step (TRL / {which}) {m(trl['step_s']) / m(r['step_s']):.2f}x; tokens processed "
+              f"(TRL / {which}) {m(trl['padded_tokens']) / max(m(r['padded_tokens']), 1):.2f}x")
 
 
 if __name__ == "__main__":

@@ -171,8 +171,8 @@ def test_a_packer_without_the_capability_is_refused(tmp_path, isolated_registrie
     kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
                   per_device_train_batch_size=4, num_generations=2, save_strategy="no", packer="area_only")
     with pytest.raises(ValueError, match="padding_free=True, but packer 'area_only'"):
-        MultiTurnGRPOConfig(**kwargs)
-    assert not MultiTurnGRPOConfig(**kwargs, padding_free=False).padding_free
+        MultiTurnGRPOConfig(**kwargs, padding_free=True)
+    assert MultiTurnGRPOConfig(**kwargs).padding_free is None  # auto: resolved to False for this packer
 
 
 def test_training_steps_are_the_same_in_both_layouts(tmp_path):
@@ -204,3 +204,30 @@ def test_training_steps_are_the_same_in_both_layouts(tmp_path):
     assert all(r["train/forward_tokens"] == r["train/input_tokens"] for r in free_steps)
     assert all(r["train/forward_tokens"] > r["train/input_tokens"] for r in padded_steps)
     assert max((a - b).abs().max().item() for a, b in zip(free.model.parameters(), padded.model.parameters())) < 1e-5
+
+
+def test_auto_is_on_for_flash_attention_and_off_for_dense_masks(tmp_path, isolated_registries):
+    # sdpa/eager build a dense block-diagonal mask whose cost grows with the square of the packed length
+    # (measured slower than padding on CPU); flash-attention's variable-length kernel attends per datum.
+    from trl_plugins.registry import PACKERS
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    def config(**overrides):
+        return MultiTurnGRPOConfig(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False,
+                                   report_to=[], per_device_train_batch_size=4, num_generations=2, save_strategy="no",
+                                   **overrides)
+
+    def model_with(impl):
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=impl))
+
+    assert config().padding_free is None
+    for impl, expected in [("flash_attention_2", True), ("flash_attention_3", True), ("sdpa", False), ("eager", False)]:
+        assert config().resolve_padding_free(model_with(impl)) is expected, impl
+    assert config(padding_free=True).resolve_padding_free(model_with("sdpa")) is True  # an explicit choice is kept
+
+    @PACKERS.register("area_only2")
+    def area_only2(lengths, *, max_items, max_padded_tokens, world_size=1):
+        return pack_for_ranks(lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens,
+                              world_size=world_size)
+
+    assert config(packer="area_only2").resolve_padding_free(model_with("flash_attention_2")) is False

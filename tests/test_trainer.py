@@ -68,7 +68,7 @@ def test_trains_end_to_end_and_writes_metrics_jsonl(tmp_path):
     steps = [r for r in records if "reward/total" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for key in ("reward/length", "rollout/turns_mean", "rollout/stop/turn_length", "rollout/degenerate_group_rate",
-                "train/loss_tokens", "train/forward_tokens", "train/padding_efficiency", "train/micro_batches",
+                "train/loss_tokens", "train/forward_tokens", "train/padding_efficiency", "train/micro_batches", "memory/peak_rss_mb",
                 "train/behaviour_logprob_gap", "train/ratio_p10", "train/ratio_p50", "train/ratio_p90",
                 "timing/rollout_s", "timing/packing_s", "timing/forward_backward_s", "timing/optimizer_s"):
         assert key in steps[0], key

@@ -186,7 +186,7 @@ _PER_RANK = {"timing/step_s": "step_s", "timing/rollout_s": "rollout_s", "train/
 def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None) -> dict[str, float]:
     """Combine the per-rank metrics of one step by what each means.
 
-    ``timing/*``, generate calls, critical path and concurrency: the maximum over ranks (the step waits for the slowest);
+    ``timing/*``, ``memory/*``, generate calls, critical path and concurrency: the maximum over ranks (the step waits for the slowest);
     counts such as ``train/datums``: the sum; a key in ``reductions`` (what plugins declare for their
     ``step_metrics()``: ``"sum"``, ``"max"``, ``"min"`` or ``"mean"``) as declared; anything else
     (values already global and identical on every rank): the mean over the ranks that reported it.
@@ -202,7 +202,7 @@ def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mappi
             out[key] = {"sum": sum, "max": max, "min": min}.get(declared, lambda v: sum(v) / len(v))(values)
         elif key in _SUM:
             out[key] = sum(values)
-        elif key.startswith("timing/") or key in _MAX:
+        elif key.startswith(("timing/", "memory/")) or key in _MAX:
             out[key] = max(values)
         else:
             out[key] = sum(values) / len(values)

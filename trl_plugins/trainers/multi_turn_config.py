@@ -55,7 +55,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     packer: str = field(default="optimal", metadata={"help": "Micro-batch packer."})
     max_items_per_micro_batch: int = field(default=32, metadata={"help": "Rows per micro-batch."})
     max_padded_tokens_per_micro_batch: int = field(default=64_000, metadata={"help": "Padded area per micro-batch."})
-    padding_free: bool = field(default=True, metadata={"help": "Micro-batches without padding: a micro-batch's datums are concatenated into one sequence with positions restarting per datum, and attention stays within each datum (a block-diagonal causal mask; flash-attention's variable-length kernel where the model uses it); max_padded_tokens_per_micro_batch then budgets tokens. Checked once per model at the first update (a model whose attention ignores packed positions is refused). False: right-padded micro-batches, budgeted by padded area."})
+    padding_free: bool | None = field(default=None, metadata={"help": "Micro-batches without padding: a micro-batch's datums are concatenated into one sequence with positions restarting per datum, and attention stays within each datum; max_padded_tokens_per_micro_batch then budgets tokens. None (auto): on when the policy's attention is flash-attention's variable-length kernel (flash_attention_2/3), off for sdpa/eager, whose block-diagonal mask costs the square of the packed length (measured slower on CPU: docs/benchmarks.md). Checked once per model at the first update (attention that ignores packed positions is refused). False: right-padded micro-batches, budgeted by padded area."})
     rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (scored by the reward components, which treat them as wrong) or 'mask' (no advantage, left out of group statistics and the loss)."})
@@ -139,6 +139,16 @@ class MultiTurnGRPOConfig(GRPOConfig):
         from trl_plugins.trainers.plugins import check_plugin_config
 
         check_plugin_config(self)
+
+    def resolve_padding_free(self, model: Any) -> bool:
+        """Settle ``padding_free=None`` (auto) for ``model``: on for flash-attention's variable-length kernels, and
+        only when the packer can budget tokens; an explicit value is kept. Returns (and stores) the choice."""
+        if self.padding_free is None:
+            from trl_plugins.packing import supports_padding_free
+
+            impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+            self.padding_free = "flash_attention" in impl and supports_padding_free(self.packer)
+        return self.padding_free
 
     def _map_kl_and_entropy(self) -> None:
         """TRL's ``beta``, ``use_bias_correction_kl`` and ``entropy_coef`` set the policy loss's ``kl_coef``,

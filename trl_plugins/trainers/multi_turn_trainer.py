@@ -54,6 +54,7 @@ from trl_plugins.trainers.critic import build_critic, load_critic, prepare_criti
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, die_with_launcher
 from trl_plugins.trainers.lora import check_peft
+from trl_plugins.trainers.memory import peak_memory_mb, reset_peak_memory
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins
 from trl_plugins.trainers.step import (
@@ -178,6 +179,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             peft_config=peft_config,
         )
         self._chat = chat_format(self.processing_class, self._plugins, args)
+        args.resolve_padding_free(self.accelerator.unwrap_model(self.model))  # auto: by the attention implementation
         # use_vllm: TRL's __init__ built self.vllm_generation (colocate or server); turns go through it.
         self._vllm_backend = vllm_backend(self.vllm_generation, self._chat, args, self.accelerator) if args.use_vllm else None
         # use_transformers_continuous_batching: one backend for the run, so its manager (and cache) can be reused.
@@ -337,6 +339,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         """Roll out, score and update once (the HF Trainer loop clips and steps the optimizer after)."""
         args = self.args
         start = time.perf_counter()
+        reset_peak_memory()
         # As Trainer.training_step: a model loaded with from_pretrained starts in eval mode, and
         # GRPOTrainer.log files metrics under "eval" while it is.
         model.train()
@@ -401,6 +404,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 "timing/critic_update_s": time.perf_counter() - t0,
             })
         metrics["timing/step_s"] = time.perf_counter() - start
+        metrics.update(peak_memory_mb())
         for key, value in self._reduce_over_ranks(metrics, self._step_summaries).items():
             self._metrics["train"][key].append(value)
         return loss

@@ -1,0 +1,92 @@
+"""How a step's cost grows with the work: ours vs TRL's GRPOTrainer as the batch and the trajectories grow.
+
+    python benchmarks/scaling.py [--out docs/benchmarks.png] [--steps 3]
+
+Runs ``benchmarks/step_vs_trl.py``'s workload (a scripted tool-calling policy on the tiny local Qwen2, a
+0.2 s sleep tool) at several sizes, each trainer in its own process: the batch (questions x group 4) at a
+fixed 0-3 tool calls, then the trajectory length (0-N tool calls, each with reasoning text) at a fixed 16
+trajectories. Prints one row per run (step time, real tokens, tokens the training forward processed) and
+draws step time and tokens processed against the real tokens of the step, for ours and TRL. Wall-clock on
+a shared machine: read the ratios within one run of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(which: str, questions: int, calls: int, steps: int) -> dict:
+    cmd = [sys.executable, str(HERE / "step_vs_trl.py"), "--which", which, "--questions", str(questions),
+           "--calls", str(calls), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{which} q={questions} calls={calls} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    r = json.loads(line[len("RESULT "):])
+
+    def mean(v):
+        tail = v[1:] if len(v) > 1 else v
+        return sum(tail) / len(tail)
+
+    return {"step_s": mean(r["step_s"]), "train_s": mean(r["train_s"]), "real": mean(r["real_tokens"]),
+            "processed": mean(r["padded_tokens"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(HERE.parent / "docs" / "benchmarks.png"))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8], help="questions per step (group 4)")
+    ap.add_argument("--calls", type=int, nargs="+", default=[1, 3, 6], help="most tool calls per trajectory")
+    args = ap.parse_args()
+    sweeps = {"batch": [(q, 3) for q in args.batches], "length": [(4, c) for c in args.calls]}
+    rows = []
+    print(f"{'sweep':<7} {'traj':>5} {'calls':>6} {'trainer':<8} {'step s':>7} {'train s':>8} {'real tok':>9} "
+          f"{'processed':>10} {'/ real':>7}")
+    for sweep, points in sweeps.items():
+        for questions, calls in points:
+            for which in ("ours", "trl"):
+                r = run(which, questions, calls, args.steps)
+                rows.append({"sweep": sweep, "trajectories": questions * 4, "calls": calls, "trainer": which, **r})
+                print(f"{sweep:<7} {questions * 4:>5} {calls:>6} {which:<8} {r['step_s']:>7.2f} {r['train_s']:>8.2f} "
+                      f"{r['real']:>9.0f} {r['processed']:>10.0f} {r['processed'] / max(r['real'], 1):>7.3f}", flush=True)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
+    for col, sweep in enumerate(sweeps):
+        for which, style in (("ours", "o-"), ("trl", "s--")):
+            pts = [r for r in rows if r["sweep"] == sweep and r["trainer"] == which]
+            x = [r["real"] for r in pts]
+            label = "ours" if which == "ours" else "TRL GRPOTrainer"
+            axes[0][col].plot(x, [r["step_s"] for r in pts], style, label=label)
+            axes[1][col].plot(x, [r["processed"] for r in pts], style, label=label)
+        floor = sorted(r["real"] for r in rows if r["sweep"] == sweep and r["trainer"] == "ours")
+        axes[1][col].plot(floor, floor, ":", color="grey", label="real tokens (floor)")
+        what = "batch grows (4-32 trajectories, 0-3 calls)" if sweep == "batch" else "trajectories grow (16, 0-1 to 0-6 calls)"
+        axes[0][col].set_title(what, fontsize=10)
+        axes[0][col].set_ylabel("step time (s)")
+        axes[1][col].set_ylabel("tokens processed by the training forward")
+        for row in (0, 1):
+            axes[row][col].set_xlabel("real tokens per step")
+            axes[row][col].grid(alpha=0.3)
+            axes[row][col].legend(fontsize=8)
+    fig.suptitle("Step cost vs work: tiny Qwen2 on a 2-core CPU, scripted tool-calling policy, 0.2 s tool", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"plot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
