@@ -250,12 +250,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two_nodes(config: str, tmp_path: Path, *extra: str, timeout: int = 300) -> tuple[dict, list[dict]]:
-    """Two launchers on this machine as two "nodes" of one rank each, as on a cluster: the same command with
-    ``--machine_rank 0`` and ``1``, rendezvous on 127.0.0.1 at an explicit free port (a multi-node launch
-    cannot use port 0: every node must be told the same port). Returns rank 0's report and each rank's
-    topology as torchrun set it up. If either launcher fails, the other is killed at once (it would wait
-    for its peer until torch's rendezvous timeout); both are killed after the hang guard.
+def launch_two_nodes(config: str, tmp_path: Path, *extra: str, overrides: tuple[str, ...] = ("--num_processes", "2"),
+                     timeout: int = 300) -> tuple[dict | None, list[dict]]:
+    """Two launchers on this machine as two "nodes", as on a cluster: the same command with ``--num_machines 2``
+    and ``--machine_rank 0`` or ``1``, rendezvous on 127.0.0.1 at an explicit free port (a multi-node launch
+    cannot use port 0: every node must be told the same port); ``overrides`` are more launcher options (by
+    default one rank per node). Returns rank 0's report (None with ``--topology_only``) and every rank's
+    environment as the launchers set it up, in rank order. If either launcher fails, the other is killed at
+    once (it would wait for its peer until torch's rendezvous timeout); both are killed after the hang guard.
     """
     for attempt in range(3):  # the free port can be taken by someone else before the main node binds it
         out, port = tmp_path / f"report{attempt}.json", free_port()
@@ -266,7 +268,7 @@ def launch_two_nodes(config: str, tmp_path: Path, *extra: str, timeout: int = 30
             for rank in (0, 1):
                 cmd = [sys.executable, "-m", "accelerate.commands.launch",
                        "--config_file", str(ROOT / "accelerate_configs" / config),
-                       "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                       "--num_machines", "2", *overrides, "--machine_rank", str(rank),
                        "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
                        str(MULTI_NODE_SCRIPT), "--out", str(out), *extra]
                 with open(logs[rank], "w") as log:  # files, not pipes: nobody reads a pipe while both run
@@ -292,9 +294,10 @@ def launch_two_nodes(config: str, tmp_path: Path, *extra: str, timeout: int = 30
         codes = [p.returncode for p in procs]
         tail = f"hang guard: killed after {hang_guard_s(timeout):.0f} s\n" if hung else ""
         tail += "\n".join(f"--- node {rank} (exit {codes[rank]}) ---\n" + text[rank][-4000:] for rank in (0, 1))
-        assert codes == [0, 0] and out.exists(), tail
-        ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
-        return json.loads(out.read_text()), ranks
+        assert codes == [0, 0] and (out.exists() or "--topology_only" in extra), tail
+        ranks = sorted((json.loads(f.read_text()) for f in tmp_path.glob(f"{out.name}.rank*.json")),
+                       key=lambda r: int(r["RANK"]))
+        return (json.loads(out.read_text()) if out.exists() else None), ranks
     raise AssertionError("unreachable")
 
 
@@ -317,3 +320,20 @@ def test_two_nodes_match_one_process(config, tmp_path):
     assert report["update_norm"] > 1e-3
     assert report["rel_err"] < 1e-5, report
     assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+
+
+@pytest.mark.slow
+def test_multi_node_zero3_config_launches_two_nodes_of_eight(tmp_path):
+    """accelerate_configs/multi_node_zero3.yaml itself, launched as the docs say (the config, --machine_rank,
+    --main_process_ip/port) on two "nodes" of this machine with a script that records its environment and
+    exits: 16 ranks, 8 per node, node ranks 0/1, one rendezvous address, DeepSpeed ZeRO-3 in bf16 with
+    zero3_init handed to every rank. Nothing is trained (no GPU here): the GPU side is untested."""
+    _, ranks = launch_two_nodes("multi_node_zero3.yaml", tmp_path, "--topology_only", overrides=(), timeout=120)
+    assert [int(r["RANK"]) for r in ranks] == list(range(16)), ranks
+    assert [(int(r["GROUP_RANK"]), int(r["LOCAL_RANK"])) for r in ranks] == [(n, i) for n in (0, 1) for i in range(8)]
+    port = ranks[0]["MASTER_PORT"]
+    assert all(r["WORLD_SIZE"] == "16" and r["LOCAL_WORLD_SIZE"] == "8" and r["GROUP_WORLD_SIZE"] == "2"
+               and r["MASTER_ADDR"] == "127.0.0.1" and r["MASTER_PORT"] == port for r in ranks), ranks
+    assert all(r["ACCELERATE_USE_DEEPSPEED"] == "true" and r["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+               and r["ACCELERATE_MIXED_PRECISION"] == "bf16" and r["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+               for r in ranks), ranks[0]
