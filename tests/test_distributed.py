@@ -4,7 +4,12 @@ and turns take one update that equals a 1-process plain-torch step on all the da
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist_update_equivalence.py"
+MULTI_NODE_SCRIPT = ROOT / "tests" / "dist_multi_node.py"
 
 
 def launch(config: str, tmp_path: Path, *extra: str, timeout: int = 420) -> dict:
@@ -236,3 +242,98 @@ def test_lora_step_under_zero3_on_two_ranks_equals_one_process(tmp_path, extra):
     assert update > 1e-4
     diff = sum(float((two[k] - one[k]).pow(2).sum()) for k in adapter) ** 0.5
     assert diff / update < 1e-5, (diff, update)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_nodes(config: str, tmp_path: Path, *extra: str, overrides: tuple[str, ...] = ("--num_processes", "2"),
+                     timeout: int = 300) -> tuple[dict | None, list[dict]]:
+    """Two launchers on this machine as two "nodes", as on a cluster: the same command with ``--num_machines 2``
+    and ``--machine_rank 0`` or ``1``, rendezvous on 127.0.0.1 at an explicit free port (a multi-node launch
+    cannot use port 0: every node must be told the same port); ``overrides`` are more launcher options (by
+    default one rank per node). Returns rank 0's report (None with ``--topology_only``) and every rank's
+    environment as the launchers set it up, in rank order. If either launcher fails, the other is killed at
+    once (it would wait for its peer until torch's rendezvous timeout); both are killed after the hang guard.
+    """
+    for attempt in range(3):  # the free port can be taken by someone else before the main node binds it
+        out, port = tmp_path / f"report{attempt}.json", free_port()
+        env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        logs = [tmp_path / f"node{rank}-{attempt}.log" for rank in (0, 1)]
+        procs, hung = [], False
+        try:
+            for rank in (0, 1):
+                cmd = [sys.executable, "-m", "accelerate.commands.launch",
+                       "--config_file", str(ROOT / "accelerate_configs" / config),
+                       "--num_machines", "2", *overrides, "--machine_rank", str(rank),
+                       "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                       str(MULTI_NODE_SCRIPT), "--out", str(out), *extra]
+                with open(logs[rank], "w") as log:  # files, not pipes: nobody reads a pipe while both run
+                    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+            deadline = time.monotonic() + hang_guard_s(timeout)
+            while time.monotonic() < deadline:
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                    break
+                time.sleep(0.2)
+            else:
+                hung = True
+        finally:
+            for p in procs:  # each launcher leads its own session: its torchrun workers go with it
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        text = [log.read_text() for log in logs]
+        if attempt < 2 and any(s in text[0] for s in ("another process is utilizing it", "Address already in use",
+                                                      "EADDRINUSE")):
+            continue
+        codes = [p.returncode for p in procs]
+        tail = f"hang guard: killed after {hang_guard_s(timeout):.0f} s\n" if hung else ""
+        tail += "\n".join(f"--- node {rank} (exit {codes[rank]}) ---\n" + text[rank][-4000:] for rank in (0, 1))
+        assert codes == [0, 0] and (out.exists() or "--topology_only" in extra), tail
+        ranks = sorted((json.loads(f.read_text()) for f in tmp_path.glob(f"{out.name}.rank*.json")),
+                       key=lambda r: int(r["RANK"]))
+        return (json.loads(out.read_text()) if out.exists() else None), ranks
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["cpu_multi_node_zero3.yaml", "cpu_ddp.yaml"], ids=["zero3", "ddp"])
+def test_two_nodes_match_one_process(config, tmp_path):
+    """Multi-node through the real launchers: two ``accelerate launch --num_machines 2 --machine_rank 0/1`` on one
+    machine (gloo, one rank per "node") find each other at 127.0.0.1 and take one update equal to a
+    1-process plain-torch step on all the data. ZeRO-3 is the engine of multi_node_zero3.yaml (same launcher
+    settings: standard = torchrun per node, static rendezvous); DDP the same launch through cpu_ddp.yaml."""
+    report, ranks = launch_two_nodes(config, tmp_path)
+    # Two nodes of one rank each, both pointed at the main node's address: a real 2-node topology.
+    assert [(r["RANK"], r["GROUP_RANK"], r["LOCAL_RANK"]) for r in ranks] == [("0", "0", "0"), ("1", "1", "0")], ranks
+    assert all(r["WORLD_SIZE"] == "2" and r["GROUP_WORLD_SIZE"] == "2" and r["LOCAL_WORLD_SIZE"] == "1"
+               and r["MASTER_ADDR"] == "127.0.0.1" for r in ranks), ranks
+    assert report["world"] == 2 and report["deepspeed"] == (config == "cpu_multi_node_zero3.yaml")
+    # The nodes held 3 and 7 datums: one ran zero-weight dummy micro-batches (under ZeRO-3 every forward is a
+    # collective across the nodes).
+    assert report["dummies"] >= 1 and report["micro_batches"] >= 2 and report["clip_frac"] > 0.0
+    assert report["update_norm"] > 1e-3
+    assert report["rel_err"] < 1e-5, report
+    assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+
+
+@pytest.mark.slow
+def test_multi_node_zero3_config_launches_two_nodes_of_eight(tmp_path):
+    """accelerate_configs/multi_node_zero3.yaml itself, launched as the docs say (the config, --machine_rank,
+    --main_process_ip/port) on two "nodes" of this machine with a script that records its environment and
+    exits: 16 ranks, 8 per node, node ranks 0/1, one rendezvous address, DeepSpeed ZeRO-3 in bf16 with
+    zero3_init handed to every rank. Nothing is trained (no GPU here): the GPU side is untested."""
+    _, ranks = launch_two_nodes("multi_node_zero3.yaml", tmp_path, "--topology_only", overrides=(), timeout=120)
+    assert [int(r["RANK"]) for r in ranks] == list(range(16)), ranks
+    assert [(int(r["GROUP_RANK"]), int(r["LOCAL_RANK"])) for r in ranks] == [(n, i) for n in (0, 1) for i in range(8)]
+    port = ranks[0]["MASTER_PORT"]
+    assert all(r["WORLD_SIZE"] == "16" and r["LOCAL_WORLD_SIZE"] == "8" and r["GROUP_WORLD_SIZE"] == "2"
+               and r["MASTER_ADDR"] == "127.0.0.1" and r["MASTER_PORT"] == port for r in ranks), ranks
+    assert all(r["ACCELERATE_USE_DEEPSPEED"] == "true" and r["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+               and r["ACCELERATE_MIXED_PRECISION"] == "bf16" and r["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+               for r in ranks), ranks[0]
