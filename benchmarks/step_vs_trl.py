@@ -13,8 +13,10 @@ to the floor, our rollout's wall time over its critical path (the longest trajec
 generation and tool calls), and the peak RSS of a step (the high-water mark is reset at each step).
 
 TRL pads every micro-batch to the longest prompt and the longest completion of the whole batch; we
-pack one prefix-merged datum per trajectory into micro-batches, padding-free by default (``ours``) or
-right-padded by padded area (``ours padded``, ``--padding-free off``; ``both`` runs the two).
+pack one prefix-merged datum per trajectory into micro-batches: ``ours`` is the default config
+(``padding_free`` auto: right-padded micro-batches packed by padded area with this sdpa model on CPU),
+``ours pf`` forces padding-free micro-batches (``--padding-free on`` runs only that row, ``off`` only the
+default, ``both`` the two).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _reward(completions=None, **kwargs):
     return [float(i % 3) for i in range(len(completions))]
 
 
-def run_ours(args, padding_free: bool) -> dict:
+def run_ours(args, padding_free: bool | None) -> dict:
     from rollout import SleepTool, patch_generate
 
     from trl_plugins.testing import build_tiny_model, build_tokenizer
@@ -173,7 +175,7 @@ def child(args) -> None:
     if args.which == "trl":
         result = run_trl(args)
     else:
-        result = run_ours(args, padding_free=args.which == "ours")
+        result = run_ours(args, padding_free=True if args.which == "ours-pf" else None)
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
@@ -192,14 +194,14 @@ def main() -> None:
     ap.add_argument("--tool-s", type=float, default=0.2)
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (TRL per_device_train_batch_size)")
     ap.add_argument("--padding-free", choices=["on", "off", "both"], default="both",
-                    help="our micro-batches: padding-free (on), right-padded (off), or both rows")
-    ap.add_argument("--which", choices=["ours", "ours-padded", "trl"], help=argparse.SUPPRESS)
+                    help="our rows: forced padding-free (on), the default config (off), or both")
+    ap.add_argument("--which", choices=["ours", "ours-pf", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.which:
         child(args)
         return
     results = {}
-    ours = {"on": ["ours"], "off": ["ours-padded"], "both": ["ours", "ours-padded"]}[args.padding_free]
+    ours = {"on": ["ours-pf"], "off": ["ours"], "both": ["ours", "ours-pf"]}[args.padding_free]
     for which in (*ours, "trl"):
         cmd = [sys.executable, __file__, "--which", which, *sys.argv[1:]]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
