@@ -45,8 +45,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8], help="questions per step (group 4)")
     ap.add_argument("--calls", type=int, nargs="+", default=[1, 3, 6], help="most tool calls per trajectory")
+    ap.add_argument("--replot", action="store_true", help="draw the plot again from the .json next to --out")
     args = ap.parse_args()
     sweeps = {"batch": [(q, 3) for q in args.batches], "length": [(4, c) for c in args.calls]}
+    if args.replot:
+        plot(json.loads(Path(args.out).with_suffix(".json").read_text()), args.out)
+        return
     rows = []
     print(f"{'sweep':<7} {'traj':>5} {'calls':>6} {'trainer':<8} {'step s':>7} {'train s':>8} {'real tok':>9} "
           f"{'processed':>10} {'/ real':>7}")
@@ -58,34 +62,35 @@ def main() -> None:
                 print(f"{sweep:<7} {questions * 4:>5} {calls:>6} {which:<8} {r['step_s']:>7.2f} {r['train_s']:>8.2f} "
                       f"{r['real']:>9.0f} {r['processed']:>10.0f} {r['processed'] / max(r['real'], 1):>7.3f}", flush=True)
     Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    plot(rows, args.out)
 
+
+def plot(rows: list[dict], out: str) -> None:
+    """Step time, and tokens processed beside each trainer's real tokens, against the sweep's own variable."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
-    for col, sweep in enumerate(sweeps):
-        for which, style in (("ours", "o-"), ("trl", "s--")):
+    for col, (sweep, key, xlabel) in enumerate([("batch", "trajectories", "trajectories per step (0-3 tool calls each)"),
+                                               ("length", "calls", "most tool calls per trajectory (16 trajectories)")]):
+        for which, style, color, label in (("ours", "o-", "C0", "ours"), ("trl", "s--", "C1", "TRL GRPOTrainer")):
             pts = [r for r in rows if r["sweep"] == sweep and r["trainer"] == which]
-            x = [r["real"] for r in pts]
-            label = "ours" if which == "ours" else "TRL GRPOTrainer"
-            axes[0][col].plot(x, [r["step_s"] for r in pts], style, label=label)
-            axes[1][col].plot(x, [r["processed"] for r in pts], style, label=label)
-        floor = sorted(r["real"] for r in rows if r["sweep"] == sweep and r["trainer"] == "ours")
-        axes[1][col].plot(floor, floor, ":", color="grey", label="real tokens (floor)")
-        what = "batch grows (4-32 trajectories, 0-3 calls)" if sweep == "batch" else "trajectories grow (16, 0-1 to 0-6 calls)"
-        axes[0][col].set_title(what, fontsize=10)
+            x = [r[key] for r in pts]
+            axes[0][col].plot(x, [r["step_s"] for r in pts], style, color=color, label=label)
+            axes[1][col].plot(x, [r["processed"] for r in pts], style, color=color, label=f"{label}: processed")
+            axes[1][col].plot(x, [r["real"] for r in pts], ":", color=color, label=f"{label}: real tokens (floor)")
         axes[0][col].set_ylabel("step time (s)")
-        axes[1][col].set_ylabel("tokens processed by the training forward")
+        axes[1][col].set_ylabel("tokens per step, training forward")
         for row in (0, 1):
-            axes[row][col].set_xlabel("real tokens per step")
+            axes[row][col].set_xlabel(xlabel)
             axes[row][col].grid(alpha=0.3)
             axes[row][col].legend(fontsize=8)
     fig.suptitle("Step cost vs work: tiny Qwen2 on a 2-core CPU, scripted tool-calling policy, 0.2 s tool", fontsize=11)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"plot: {args.out}")
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
 
 
 if __name__ == "__main__":
