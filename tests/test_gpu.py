@@ -81,3 +81,31 @@ def test_a_trainer_step_on_the_gpu(tmp_path):
     trainer.train()
     assert next(trainer.model.parameters()).device.type == "cuda"
     assert any(not torch.equal(a.cuda(), b.detach()) for a, b in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_cuda_padding_free_log_probs_equal_the_padded_layout(attn):
+    # On the GPU the packed row goes through sdpa's block-diagonal mask or flash-attention's varlen kernel.
+    import importlib.util
+    import random
+
+    from conftest import make_trajectory
+    from trl_plugins.datum import build_datum, collate
+    from trl_plugins.modeling import check_packed_isolation, micro_batch_logprobs
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    tok = build_tokenizer("qwen2_5")
+    dtype = torch.bfloat16 if attn.startswith("flash") else torch.float32
+    model = build_tiny_model(tok, attn_implementation=attn).to("cuda", dtype=dtype)
+    rng = random.Random(0)
+    datums = [build_datum(make_trajectory(rng, num_turns=rng.randint(1, 3), vocab=len(tok)), advantage=1.0,
+                          trajectory_index=i) for i in range(6)]
+    idx = list(range(len(datums)))
+    padded, packed = collate(datums, idx, pad_token_id=0), collate(datums, idx, pad_token_id=0, padding_free=True)
+    with torch.no_grad():
+        a = micro_batch_logprobs(model, padded, "cuda")[0]
+        b = micro_batch_logprobs(model, packed, "cuda")[0]
+    real = padded.attention_mask.bool().to("cuda")
+    assert (a - b)[real].abs().max() < (1e-4 if dtype == torch.float32 else 5e-2)
+    check_packed_isolation(model, "cuda", vocab_size=len(tok))
