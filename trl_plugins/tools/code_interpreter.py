@@ -32,7 +32,8 @@ class CodeInterpreter(ClosingTool):
     mode: str = "warm"
     """``"warm"`` (pre-started interpreters, fast) or ``"cold"`` (a new interpreter per call)."""
     isolation: str = "auto"
-    """``"auto"`` picks the strongest available isolation."""
+    """``"auto"`` picks the strongest available isolation (bwrap, else unshare) and refuses to run
+    without one; ``"none"`` (rlimits, cgroups and seccomp only) must be asked for explicitly."""
     name: str = "code_interpreter"
     """Name the model calls the tool by."""
     idempotent: ClassVar[bool] = True
@@ -73,6 +74,14 @@ class CodeInterpreter(ClosingTool):
                 extra_hidden_paths=tuple(self.hidden_paths),
             )
         return self._sandbox
+
+    def start_up(self) -> str:
+        """Start the sandbox now and say how it runs code (isolation, mode, memory bound).
+
+        Raises:
+            RuntimeError: no isolation works here and ``isolation="none"`` was not asked for.
+        """
+        return self.sandbox.describe()
 
     async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
         code = arguments.get("code")
