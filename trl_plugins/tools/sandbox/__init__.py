@@ -4,16 +4,17 @@ The code comes from a policy optimised for reward, so it is treated as hostile: 
 allocate without bound, fork-bomb, flood its output, read secrets, open sockets, write outside its
 directory, leave daemons behind or try to kill its supervisor. Every call runs like a notebook cell in
 a fresh process that nothing from another call can reach, under the strongest :class:`Isolation`
-that works here (bubblewrap, else ``unshare`` namespaces, else rlimits only; see
-:func:`detect_isolation`), with memory, CPU, file-size, process and open-file limits, captured
-output (the tail is kept) and a wall-clock kill of the whole process tree.
+that works here (bubblewrap, else ``unshare`` namespaces; rlimits only when asked for explicitly; see
+:func:`detect_isolation`), with a per-call memory and process budget (a cgroup where the machine
+allows one), CPU, file-size and open-file limits, a seccomp filter, captured output (the tail is
+kept) and a kill of everything the call started.
 
     with PythonSandbox(timeout_s=5.0, mode="warm") as sandbox:
         result = sandbox.run("import sympy\\nsympy.factorint(2**32 + 1)")
         result.stdout  # "{641: 1, 6700417: 1}\\n"
 
-docs/sandbox.md describes the design: what each isolation mode does and does not cover, cold and
-warm modes, the runner, the limits, and why it is built this way.
+docs/sandbox.md describes the design: the threat model (what each isolation mode does and does not
+contain), cold and warm modes, the runner, the limits, and why it is built this way.
 """
 
 from __future__ import annotations
