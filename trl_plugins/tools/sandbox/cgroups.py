@@ -3,7 +3,7 @@
 ``RLIMIT_AS`` bounds each process, not a call: 60 processes of ``memory_mb`` each, or memory that is
 not mapped at all (memfd and tmpfs pages, System V segments), escape it. A memory cgroup counts every
 page the call's processes charge, shared memory included, and a pids cgroup counts its processes and
-threads. The host makes the cgroups and hands the runner descriptors of their ``cgroup.procs``; the
+threads. The host makes the cgroups and hands the runner descriptors of their ``tasks`` files; the
 runner joins before any model code runs (see ``runner.join_cgroups``).
 
 Supported: the cgroup v1 ``memory`` and ``pids`` controllers, below the cgroup this process is in.
@@ -107,9 +107,14 @@ class CallCgroup:
         with open(os.path.join(self.memory_dir, name), "w") as f:
             f.write(str(value))
 
-    def open_procs(self) -> list[int]:
-        """Descriptors of each ``cgroup.procs``, for the runner to join through (close them after the launch)."""
-        return [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC) for d in self.dirs]
+    def open_tasks(self) -> list[int]:
+        """Descriptors of each ``tasks`` file, for the runner to join through (close them after the launch).
+
+        ``tasks``, not ``cgroup.procs``: moving the calling thread alone skips the kernel's global
+        thread-group lock (an RCU grace period per move, which cost warm calls ~10 ms on a loaded
+        machine); the runner is single-threaded when it joins, and what it forks later follows it.
+        """
+        return [os.open(os.path.join(d, "tasks"), os.O_WRONLY | os.O_CLOEXEC) for d in self.dirs]
 
     def oom_kills(self) -> int:
         """How many processes the memory limit has killed so far."""

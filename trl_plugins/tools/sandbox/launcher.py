@@ -294,7 +294,7 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
     private_dir = launcher.make_private_dir()
     scratch = private_dir or launcher.scratch
     cgroup = call_cgroup(launcher, limits)
-    cgroup_fds = cgroup.open_procs() if cgroup is not None else []
+    cgroup_fds = cgroup.open_tasks() if cgroup is not None else []
     code_fd = os.memfd_create("sandbox-code")
     out_fd, err_fd = os.memfd_create("sandbox-stdout"), os.memfd_create("sandbox-stderr")
     status_r, status_w = os.pipe()

@@ -160,7 +160,7 @@ class WarmPool:
         private_dir = self.launcher.make_private_dir()
         scratch = private_dir or self.launcher.scratch
         cgroup = call_cgroup(self.launcher, self.limits)
-        cgroup_fds = cgroup.open_procs() if cgroup is not None else []
+        cgroup_fds = cgroup.open_tasks() if cgroup is not None else []
         cfg = self.launcher.runner_config("server", self.limits, scratch, warm_imports=list(self.warm_imports),
                                           cgroup_fds=cgroup_fds)
         argv = self.launcher.argv("server", cfg, scratch)

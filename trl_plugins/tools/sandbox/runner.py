@@ -155,8 +155,9 @@ def install_seccomp(libc: ctypes.CDLL, deny: list[str]) -> None:
 
 
 def join_cgroups(cfg: dict, close: bool) -> None:
-    # Descriptors of the call's cgroup.procs files, opened by the host (root): writing "0" moves the
-    # writer, and whatever it forks later stays in the call's memory/pids budget. The model's code
+    # Descriptors of the call's cgroup ``tasks`` files, opened by the host (root): writing "0" moves
+    # the writing thread (we are single-threaded here), and whatever it forks later stays in the
+    # call's memory/pids budget. The model's code
     # must never hold one (it could move itself out), so they are closed before it runs.
     for fd in cfg.get("cgroup_fds", ()):
         os.write(fd, b"0")
