@@ -62,6 +62,7 @@ class WarmServer:
         result = self._recv(deadline)
         if self.cgroup is not None:
             result["oom_killed"] = self.cgroup.oom_kills() > oom_before
+            self.cgroup.kill_all()  # none mode: what left the call's session (no-op when a PID namespace died)
         return result
 
     def _recv(self, deadline: float) -> dict:

@@ -137,7 +137,9 @@ def install_seccomp(libc: ctypes.CDLL, deny: list[str]) -> None:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
 
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    nrs = SYSCALLS[os.uname().machine]
+    nrs = SYSCALLS.get(os.uname().machine)
+    if nrs is None:  # refuse rather than run without the filter
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {os.uname().machine} (known: {', '.join(SYSCALLS)})")
     eperm, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, nrs["arch"]), (ret, 0, 0, enosys), (ld, 0, 0, 0)]
     if nrs["arch"] == 0xC000003E:
