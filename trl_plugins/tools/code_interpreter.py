@@ -40,7 +40,8 @@ class CodeInterpreter(ClosingTool):
     """Each call runs in a fresh sandbox: a call that failed for infrastructure reasons may be retried."""
     hidden_paths: tuple[str, ...] = ()
     """More absolute host paths the code must not read (e.g. where the dataset with the reference
-    answers is cached); homes, ``/root`` and ``/run`` are always hidden."""
+    answers is cached). The sandbox shows only the interpreter, its site-packages and ``/usr`` anyway;
+    this hides paths inside those."""
     _sandbox: PythonSandbox | None = field(default=None, init=False, repr=False, compare=False)
 
     def schema(self) -> dict[str, Any]:
