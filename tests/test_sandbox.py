@@ -935,8 +935,9 @@ def test_memory_is_bounded_per_call_shared_memory_and_processes_included(isolati
     with _sandbox(mode, isolation, warm_imports=(), max_concurrency=1, memory_mb=64, timeout_s=10.0) as sb:
         hoard = sb.run(_MEMFD_BOMB)
         assert sb.run("print('still usable')").stdout == "still usable\n"
-    assert not hoard.ok and 0 < _held_mb(hoard.stdout) <= 64 + budget, hoard
-    assert "memory limit of 64 MB" in hoard.stderr, hoard.stderr
+    assert 0 < _held_mb(hoard.stdout) <= 64 + budget, hoard  # 320 MB without a per-call limit
+    # The kernel either OOM-kills the hoarder (reported as such) or fails its write.
+    assert "memory limit of 64 MB" in hoard.stderr or "refused OSError" in hoard.stdout, hoard
     children = (
         "import os, select, time\n"
         "r, w = os.pipe()\n"

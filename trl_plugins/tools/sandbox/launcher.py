@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trl_plugins.tools.sandbox.cgroups import CGROUP_HEADROOM_MB, CallCgroup, CgroupRoots, cgroup_roots
+from trl_plugins.tools.sandbox.cgroups import (
+    CGROUP_HEADROOM_MB,
+    CallCgroup,
+    CgroupRoots,
+    cgroup_roots,
+)
 from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS, SYSCALLS, read_tail
 
 logger = logging.getLogger(__name__)

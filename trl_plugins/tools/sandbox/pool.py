@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 
+from trl_plugins.tools.sandbox.cgroups import CallCgroup
 from trl_plugins.tools.sandbox.launcher import (
     OUTPUT_FILE_LIMIT_BYTES,
     Isolation,
@@ -20,7 +21,6 @@ from trl_plugins.tools.sandbox.launcher import (
     kill_call,
     wait_readable,
 )
-from trl_plugins.tools.sandbox.cgroups import CallCgroup
 from trl_plugins.tools.sandbox.runner import MESSAGE_HEADER, frame_message, read_tail
 
 logger = logging.getLogger(__name__)
