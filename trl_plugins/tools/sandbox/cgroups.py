@@ -76,10 +76,25 @@ def cgroup_roots() -> CgroupRoots | None:
             roots[controller] = os.path.join(mounts[controller], own.lstrip("/"))
         probe = CallCgroup(CgroupRoots(**roots), 64 << 20, 8)
         probe.remove()
+        for root in roots.values():
+            _remove_stale(root)
         return CgroupRoots(**roots)
     except (OSError, ValueError) as e:
         logger.info("sandbox: no per-call cgroup here (%s); memory is bounded per process", e)
         return None
+
+
+def _remove_stale(root: str) -> None:
+    # Left by a process that died without cleaning up (its pid is in the name); only empty cgroups
+    # can be removed, so a live one is never touched.
+    for name in os.listdir(root):
+        parts = name.split("-")
+        if name.startswith("trl-sandbox-") and len(parts) == 4 and parts[2].isdigit():
+            if not os.path.exists(f"/proc/{parts[2]}"):
+                try:
+                    os.rmdir(os.path.join(root, name))
+                except OSError:
+                    pass
 
 
 class CallCgroup:
