@@ -1097,7 +1097,7 @@ def test_warm_calls_reseed_every_rng(isolation):
     # Hole 8: the RNGs a warm server's imports created (sympy's own, here) started every call in the
     # same state. The hash seed of a forked server cannot change (docs/sandbox.md); cold calls differ.
     code = "import random, sympy.core.random as sr, numpy as np\nprint(sr.rng.random(), sr._assumptions_rng.random(), random.random(), np.random.rand())"
-    with _sandbox("warm", isolation, warm_imports=("numpy", "sympy"), max_concurrency=1, timeout_s=20.0) as sb:
+    with _sandbox("warm", isolation, warm_imports=("numpy.random", "sympy"), max_concurrency=1, timeout_s=20.0) as sb:
         outputs = [sb.run(code).stdout.split() for _ in range(3)]
     assert all(len(o) == 4 for o in outputs), outputs
     for column in zip(*outputs):

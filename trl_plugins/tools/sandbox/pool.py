@@ -36,12 +36,15 @@ class ServerDied(Exception):
 class WarmServer:
     """One pre-started runner in server role; serves one call at a time over length-prefixed JSON."""
 
-    def __init__(self, proc: subprocess.Popen, log_fd: int, private_dir: str | None, cgroup: CallCgroup | None):
+    def __init__(self, proc: subprocess.Popen, log_fd: int, private_dir: str | None, cgroup: CallCgroup | None,
+                 namespaced: bool):
         self.proc = proc
         self.log_fd = log_fd
         self.private_dir = private_dir
         self.cgroup = cgroup
         """The cgroup each call's processes join (one call at a time), or None."""
+        self.namespaced = namespaced
+        self.oom_kills = 0
         self.fresh_proc = False
         self.failed_imports: list[str] = []
 
@@ -53,16 +56,17 @@ class WarmServer:
         self.failed_imports = list(msg.get("failed_imports", []))
 
     def call(self, request: dict, deadline: float) -> dict:
-        oom_before = self.cgroup.oom_kills() if self.cgroup is not None else 0
         try:
             self.proc.stdin.write(frame_message(request))
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as e:
             raise ServerDied(f"could not send the request ({e})") from None
         result = self._recv(deadline)
-        if self.cgroup is not None:
-            result["oom_killed"] = self.cgroup.oom_kills() > oom_before
-            self.cgroup.kill_all()  # none mode: what left the call's session (no-op when a PID namespace died)
+        if self.cgroup is not None:  # one read per call (kept off the ~1 ms a warm call may cost here)
+            before, self.oom_kills = self.oom_kills, self.cgroup.oom_kills()
+            result["oom_killed"] = self.oom_kills > before
+            if not self.namespaced:  # what left the call's session; bwrap/unshare: the PID namespace took it
+                self.cgroup.kill_all()
         return result
 
     def _recv(self, deadline: float) -> dict:
@@ -181,7 +185,7 @@ class WarmPool:
         finally:
             for fd in cgroup_fds:
                 os.close(fd)
-        server = WarmServer(proc, log_fd, private_dir, cgroup)
+        server = WarmServer(proc, log_fd, private_dir, cgroup, self.launcher.isolation != Isolation.NONE)
         try:
             server.wait_ready(SERVER_START_TIMEOUT_S)
         except (ServerDied, TimeoutError) as e:
