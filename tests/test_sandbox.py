@@ -835,7 +835,7 @@ def test_no_pty_is_shared_with_the_host_or_another_call(any_sandbox):
         "print('seen', seen, 'opened', opened)\n"
         "POST"
     )
-    holder = list_pts.replace("PRE", "m, s = os.openpty()\nmine = {os.ttyname(s)}\n").replace("POST", "time.sleep(0.8)\n")
+    holder = list_pts.replace("PRE", "m, s = os.openpty()\nmine = {os.ttyname(s)}\n").replace("POST", "time.sleep(0.6)\n")  # < TIMEOUT_S
     looker = list_pts.replace("PRE", "time.sleep(0.3)\nmine = set()\n").replace("POST", "")
 
     async def both():
