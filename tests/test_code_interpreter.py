@@ -71,3 +71,22 @@ def test_a_sandbox_failure_is_an_infrastructure_error_and_the_model_s_error_is_n
     out = run_async(tool({"code": "1 / 0"}))
     assert not out.ok and out.infra_error is None and "ZeroDivisionError" in out.text
     tool.close()
+
+
+def test_start_up_logs_the_isolation_in_force(caplog):
+    # Issue 12, hole 7: the trainer's start-up says how model code will run (the trainer calls
+    # log_tool_start_up right after build_plugins), and fails there when it cannot run it safely.
+    import logging
+
+    from trl_plugins.tools.sandbox import detect_isolation
+    from trl_plugins.trainers.plugins import log_tool_start_up
+
+    tool = TOOLS.get("code_interpreter")(mode="cold")
+    try:
+        with caplog.at_level(logging.INFO, logger="trl_plugins.trainers.plugins"):
+            log_tool_start_up({"code_interpreter": tool})
+    finally:
+        tool.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "trl_plugins.trainers.plugins"]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"tool 'code_interpreter': sandbox isolation={detect_isolation().value}, mode=cold, memory 1024 MB per"), lines

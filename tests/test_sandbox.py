@@ -1,9 +1,10 @@
 """The code sandbox contains hostile code and behaves like a notebook cell.
 
-Hostile behaviours run under the strongest isolation this machine has (named in every test id and
-recorded as the ``isolation`` property), in cold and warm mode; a subset runs again under the
-weaker ``unshare`` isolation when it works and is not already the strongest. Where cheap, a
-negative control shows the thing the sandbox blocks does work from the test process itself.
+The hostile corpus runs under every namespaced isolation this machine offers: bubblewrap and the
+unshare fallback (named in every test id and recorded as the ``isolation`` property), in cold and warm
+mode, so CI's plain ``python -m pytest`` covers both. Where cheap, a negative control shows the thing
+the sandbox blocks does work from the test process itself. The last section holds the holes of
+issue 12 (each failed on the sandbox before it), one test per hole.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ SECRET = "sk-trl-sandbox-" + uuid.uuid4().hex
 try:
     STRONGEST: Isolation | None = detect_isolation()
     NO_ISOLATION_REASON = ""
-except RuntimeError as e:  # pragma: no cover - machines where not even rlimits-only works
-    STRONGEST, NO_ISOLATION_REASON = None, str(e)
+except RuntimeError as e:  # pragma: no cover - machines without namespaces: rlimits only, asked for explicitly
+    STRONGEST = Isolation.NONE if launcher.probe(Isolation.NONE) is None else None
+    NO_ISOLATION_REASON = str(e)
 
 pytestmark = pytest.mark.skipif(STRONGEST is None, reason=f"no sandbox isolation works here: {NO_ISOLATION_REASON}")
 NAMESPACED = STRONGEST in (Isolation.BWRAP, Isolation.UNSHARE)
@@ -59,25 +61,27 @@ ALT_ISOLATIONS = [
 ]
 
 
-def _sandbox(mode: str, isolation: Isolation | str = "auto", **kwargs) -> PythonSandbox:
+def _sandbox(mode: str, isolation: Isolation | str | None = None, **kwargs) -> PythonSandbox:
+    isolation = STRONGEST if isolation is None else isolation
     defaults = dict(timeout_s=TIMEOUT_S, memory_mb=256, max_output_chars=2000, max_concurrency=8,
                     warm_imports=("math", "numpy"), disk_mb=16)
     return PythonSandbox(mode=mode, isolation=isolation, **{**defaults, **kwargs})
 
 
-@pytest.fixture(scope="module", params=["cold", "warm"], ids=lambda m: f"{m}-{STRONGEST}")
+ALL_NAMESPACED = [(iso, m) for iso in [STRONGEST, *ALT_ISOLATIONS] if iso is not None for m in ("cold", "warm")]
+
+
+@pytest.fixture(scope="module", params=ALL_NAMESPACED, ids=lambda p: f"{p[1]}-{p[0]}")
 def sandbox(request):
-    """The strongest isolation available, in both modes."""
-    sb = _sandbox(request.param)
+    """Every isolation that works here (bwrap and the unshare fallback), in both modes: the hostile
+    corpus runs under each."""
+    isolation, mode = request.param
+    sb = _sandbox(mode, isolation)
     yield sb
     sb.close()
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(iso, m) for iso in [STRONGEST, *ALT_ISOLATIONS] if iso is not None for m in ("cold", "warm")],
-    ids=lambda p: f"{p[1]}-{p[0]}",
-)
+@pytest.fixture(scope="module", params=ALL_NAMESPACED, ids=lambda p: f"{p[1]}-{p[0]}")
 def any_sandbox(request):
     """Every working namespaced isolation, both modes: for the checks that must hold in all of them."""
     isolation, mode = request.param
@@ -144,8 +148,8 @@ def _eventually_none(fn, timeout_s: float = 5.0):
 def test_reports_the_isolation_in_force(sandbox, record_property):
     result = sandbox.run("print('hi')")
     print(f"isolation in force: {sandbox.isolation.value} (mode={sandbox.mode})")
-    assert sandbox.isolation == STRONGEST
-    assert result.isolation == STRONGEST.value and result.mode == sandbox.mode
+    assert sandbox.isolation in (STRONGEST, *ALT_ISOLATIONS)
+    assert result.isolation == sandbox.isolation.value and result.mode == sandbox.mode
 
 
 @requires_bwrap
@@ -204,7 +208,7 @@ def test_stdout_on_success(sandbox):
     result = sandbox.run("print('hello')\nprint('world')")
     assert result == ExecResult(ok=True, stdout="hello\nworld\n", stderr="", exit_code=0, timed_out=False,
                                 latency_s=result.latency_s, output_truncated=False,
-                                isolation=STRONGEST.value, mode=sandbox.mode)
+                                isolation=sandbox.isolation.value, mode=sandbox.mode)
     assert 0 < result.latency_s < 10
 
 
@@ -703,7 +707,7 @@ def test_constructor_validation(kwargs, message):
 
 
 def test_explicit_isolation_that_does_not_work_is_an_error(monkeypatch):
-    monkeypatch.setattr(launcher, "probe", lambda iso: "bwrap not found on PATH (install bubblewrap: ...)")
+    monkeypatch.setattr(launcher, "probe", lambda iso, program=None: "bwrap not found on PATH (install bubblewrap: ...)")
     with pytest.raises(RuntimeError, match="isolation 'bwrap' does not work on this machine: bwrap not found"):
         PythonSandbox(isolation="bwrap")
 
@@ -757,3 +761,352 @@ def test_the_runner_imports_only_the_standard_library():
     # Negative control: the checker flags third-party, own-package, nested and relative imports.
     hostile = "import os, torch\nfrom trl_plugins import x\nimport numpy.linalg\nfrom . import y\ndef f():\n    import sympy\n"
     assert _non_stdlib_imports(hostile) == ["torch", "trl_plugins", "numpy.linalg", ".", "sympy"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Round two (issue 12): what an adversarial review found. Each runs in every namespaced isolation
+# this machine offers (bwrap and, hidden bwrap or not, unshare), cold and warm.
+# ---------------------------------------------------------------------------------------------------
+
+MODES = [(iso, m) for iso in [STRONGEST, *ALT_ISOLATIONS] if iso in (Isolation.BWRAP, Isolation.UNSHARE)
+         for m in ("cold", "warm")]
+"""(isolation, mode) pairs for the tests that need a sandbox of their own."""
+SYSCALL_NR = runner.SYSCALLS.get(os.uname().machine, {})
+
+
+def _mode_id(p) -> str:
+    return f"{p[1]}-{p[0]}"
+
+
+def _pids_in_pid_ns(pid_ns: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == pid_ns:
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@requires_namespaces
+def test_nothing_outlives_its_call(any_sandbox):
+    # Hole 1: the code leaves the process group that is killed (setsid) and outlives the timeout;
+    # under unshare the parent-death signal was lost with the uid switch, so it kept running.
+    marker = f"{time.time() % 1000 + 3000:.6f}"
+    result = any_sandbox.run(
+        "import os, time\n"
+        "print(os.readlink('/proc/self/ns/pid'), flush=True)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        f"    os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+        "try:\n"
+        "    os.setsid()  # warm calls already lead a session of their own\n"
+        "except OSError:\n"
+        "    pass\n"
+        "time.sleep(30)"
+    )
+    assert result.timed_out, result
+    pid_ns = result.stdout.split()[0]
+    assert pid_ns.startswith("pid:[") and pid_ns != os.readlink("/proc/self/ns/pid")
+    assert _eventually_none(lambda: _pids_with_cmdline(marker), 3.0) == []
+    assert _eventually_none(lambda: _pids_in_pid_ns(pid_ns), 3.0) == []
+
+
+@requires_namespaces
+def test_no_pty_is_shared_with_the_host_or_another_call(any_sandbox):
+    # Hole 2: under unshare the host's /dev/pts was visible: a pty left by one call (or the host's)
+    # could be opened by another call. Every sandbox (and every warm call) has a devpts of its own.
+    host_master, host_slave = os.openpty()
+    host_pts = os.ttyname(host_slave)
+    assert os.path.exists(host_pts)  # control: the host's pty is in the host's /dev/pts
+    list_pts = (
+        "import os, time\n"
+        "PRE"
+        "seen = sorted(e for e in os.listdir('/dev/pts') if e.isdigit() and '/dev/pts/' + e not in mine)\n"
+        "opened = []\n"
+        f"for p in sorted({{{host_pts!r}}} - mine) + ['/dev/pts/' + e for e in seen]:\n"
+        "    try:\n"
+        "        os.close(os.open(p, os.O_RDWR | os.O_NOCTTY))\n"
+        "        opened.append(p)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('seen', seen, 'opened', opened)\n"
+        "POST"
+    )
+    holder = list_pts.replace("PRE", "m, s = os.openpty()\nmine = {os.ttyname(s)}\n").replace("POST", "time.sleep(0.6)\n")  # < TIMEOUT_S
+    looker = list_pts.replace("PRE", "time.sleep(0.3)\nmine = set()\n").replace("POST", "")
+
+    async def both():
+        return await asyncio.gather(any_sandbox.arun(holder), any_sandbox.arun(looker))
+
+    try:
+        results = asyncio.run(both())
+    finally:
+        os.close(host_master)
+        os.close(host_slave)
+    for result in results:
+        assert result.ok and result.stdout == "seen [] opened []\n", result
+
+
+def _keyctl_code(action: str) -> str:
+    nr = SYSCALL_NR
+    return (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "def call(*args):\n"
+        "    r = libc.syscall(*args)\n"
+        "    return r if r >= 0 else 'errno %d' % ctypes.get_errno()\n"
+        "def read(serial):\n"
+        "    buf = ctypes.create_string_buffer(256)\n"
+        f"    n = call({nr.get('keyctl', 0)}, 11, ctypes.c_long(serial), buf, 256)  # KEYCTL_READ\n"
+        "    return buf.raw[:n].decode(errors='replace') if isinstance(n, int) else n\n"
+        "def add(desc, payload):\n"
+        f"    serial = call({nr.get('add_key', 0)}, b'user', desc.encode(), payload.encode(), len(payload), ctypes.c_long(-3))\n"
+        "    if isinstance(serial, int):\n"
+        f"        call({nr.get('keyctl', 0)}, 5, ctypes.c_long(serial), ctypes.c_uint(0x3f3f3f3f))  # SETPERM: all for all\n"
+        "    return serial\n"
+        + action
+    )
+
+
+@requires_namespaces
+@pytest.mark.skipif(not SYSCALL_NR, reason="no system call numbers for this machine")
+@pytest.mark.parametrize("isolation_mode", MODES, ids=_mode_id)
+def test_kernel_keyrings_are_closed(isolation_mode):
+    # Hole 3: the session keyring is inherited: the code read the trainer's keys, and a key one call
+    # added was read by the next call. The keyring system calls are denied.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    payload = SECRET.encode()
+    host_key = libc.syscall(SYSCALL_NR["add_key"], b"user", f"trl-sandbox-{uuid.uuid4().hex}".encode(), payload,
+                            len(payload), ctypes.c_long(-3))  # KEY_SPEC_SESSION_KEYRING
+    if host_key < 0:
+        pytest.skip(f"the kernel keyring is not usable here (errno {ctypes.get_errno()})")
+    isolation, mode = isolation_mode
+    try:
+        buf = ctypes.create_string_buffer(256)
+        assert libc.syscall(SYSCALL_NR["keyctl"], 11, ctypes.c_long(host_key), buf, 256) == len(payload)  # control
+        with _sandbox(mode, isolation, warm_imports=(), max_concurrency=1) as sb:
+            stolen = sb.run(_keyctl_code(f"print(read({host_key}))"))
+            planted = sb.run(_keyctl_code(f"print(add('trl-sandbox-plant', 'planted-{SECRET}'))"))
+            serial = planted.stdout.strip()
+            found = sb.run(_keyctl_code(f"print(read({serial if serial.isdigit() else 0}))"))
+    finally:
+        libc.syscall(SYSCALL_NR["keyctl"], 3, ctypes.c_long(host_key))  # KEYCTL_REVOKE
+    assert stolen.ok and SECRET not in stolen.stdout, stolen
+    assert planted.ok and found.ok and SECRET not in found.stdout, (planted, found)
+    assert stolen.stdout == planted.stdout == "errno 1\n", (stolen, planted)  # EPERM from the seccomp filter
+
+
+_MEMFD_BOMB = (
+    "import os\n"
+    "chunk = b'x' * (8 << 20)\n"
+    "fds = []\n"
+    "for i in range(40):\n"
+    "    try:\n"
+    "        fd = os.memfd_create('hoard')\n"
+    "        os.write(fd, chunk)\n"
+    "    except OSError as e:\n"
+    "        print('refused', type(e).__name__, flush=True)\n"
+    "        break\n"
+    "    fds.append(fd)\n"
+    "    print('held', 8 * len(fds), flush=True)\n"
+)
+
+
+def _held_mb(stdout: str) -> int:
+    held = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("held ")]
+    return max(held, default=0)
+
+
+@requires_namespaces
+@pytest.mark.skipif(launcher.cgroup_roots() is None, reason="no per-call cgroup here (the fallback is tested below)")
+@pytest.mark.parametrize("isolation_mode", MODES, ids=_mode_id)
+def test_memory_is_bounded_per_call_shared_memory_and_processes_included(isolation_mode):
+    # Hole 4: RLIMIT_AS is per process and misses memory that is not mapped: 40 memfd buffers of
+    # 8 MB held 320 MB under memory_mb=64, and 63 children of 60 MB ran under memory_mb=256.
+    isolation, mode = isolation_mode
+    budget = launcher.CGROUP_HEADROOM_MB
+    with _sandbox(mode, isolation, warm_imports=(), max_concurrency=1, memory_mb=64, timeout_s=10.0) as sb:
+        hoard = sb.run(_MEMFD_BOMB)
+        assert sb.run("print('still usable')").stdout == "still usable\n"
+    assert 0 < _held_mb(hoard.stdout) <= 64 + budget, hoard  # 320 MB without a per-call limit
+    # The kernel either OOM-kills the hoarder (reported as such) or fails its write.
+    assert "memory limit of 64 MB" in hoard.stderr or "refused OSError" in hoard.stdout, hoard
+    children = (
+        "import os, select, time\n"
+        "r, w = os.pipe()\n"
+        "pids = []\n"
+        "for i in range(20):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        block = b'x' * (60 << 20)  # touched: resident, not just mapped\n"
+        "        os.write(w, os.getpid().to_bytes(4, 'little'))\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "    pids.append(pid)\n"
+        "got = b''\n"
+        "while len(got) < 80 and select.select([r], [], [], 2.0)[0]:\n"
+        "    got += os.read(r, 80)\n"
+        "holding = [int.from_bytes(got[i:i + 4], 'little') for i in range(0, len(got), 4)]\n"
+        "alive = [p for p in holding if os.waitpid(p, os.WNOHANG) == (0, 0)]\n"
+        "print('alive', len(alive), 'reported', len(holding), flush=True)\n"
+    )
+    with _sandbox(mode, isolation, warm_imports=(), max_concurrency=1, memory_mb=256, timeout_s=10.0) as sb:
+        many = sb.run(children)
+    assert many.stdout.startswith("alive "), many
+    alive = int(many.stdout.split()[1])
+    assert alive * 60 <= 256 + budget, many.stdout  # children that hold their 60 MB: 5 at most, 20 without a per-call limit
+    assert int(many.stdout.split()[3]) >= 1, many.stdout  # control: some did allocate
+
+
+@requires_namespaces
+@pytest.mark.parametrize("isolation_mode", MODES, ids=_mode_id)
+def test_without_cgroups_unmapped_shared_memory_is_refused(isolation_mode, monkeypatch):
+    # Hole 4, the fallback where no cgroup can be made: memfd and System V segments, which RLIMIT_AS
+    # does not see, are refused by the seccomp filter; /tmp and /dev/shm are size-limited tmpfs.
+    monkeypatch.setattr(launcher, "cgroup_roots", lambda: None)
+    isolation, mode = isolation_mode
+    with _sandbox(mode, isolation, warm_imports=(), max_concurrency=1, memory_mb=64) as sb:
+        hoard = sb.run(_MEMFD_BOMB)
+        shm = sb.run("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(libc.shmget(0, 8 << 20, 0o1600), ctypes.get_errno())")  # IPC_PRIVATE, IPC_CREAT
+    assert hoard.ok and hoard.stdout == "refused PermissionError\n", hoard
+    assert shm.ok and shm.stdout == "-1 1\n", shm
+    assert sb._launcher.cgroups is None and "per process" in sb.describe()
+
+
+@requires_namespaces
+def test_only_the_interpreter_and_system_libraries_are_shown(any_sandbox, tmp_path):
+    # Hole 5: world-writable host folders (a unix socket in /var/tmp reached a host process) and the
+    # host's code trees were visible. Now: only the interpreter, its libraries and site-packages.
+    sock_dir = Path(tempfile.mkdtemp(prefix="trl-sandbox-sock-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    sock_path = sock_dir / "host.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(str(sock_path))
+        os.chmod(sock_dir, 0o777)
+        os.chmod(sock_path, 0o777)
+        server.listen(1)
+        server.setblocking(False)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(str(sock_path))  # control: a host process can reach it
+        probe.close()
+        server.accept()[0].close()
+        this_file = Path(__file__).resolve()
+        result = any_sandbox.run(
+            "import os, socket\n"
+            "print(sorted(os.listdir('/')))\n"
+            f"print(os.path.exists({str(this_file)!r}), os.path.exists({str(sock_dir)!r}))\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            f"print(s.connect_ex({str(sock_path)!r}) != 0)"
+        )
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing from the sandbox arrived
+    finally:
+        server.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    assert result.ok, result
+    top, hidden, refused = result.stdout.splitlines()
+    allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "tmp", "home"}
+    allowed |= {Path(p).parts[1] for p in launcher._interpreter_paths()}
+    assert set(ast.literal_eval(top)) <= allowed, top
+    assert (hidden, refused) == ("False False", "True")
+
+
+@requires_namespaces
+def test_file_locks_are_no_channel(any_sandbox):
+    # Hole 5: flock on a file two parties can both read is a one-bit channel between concurrent calls.
+    # The interpreter is such a file, and must stay readable: locks are denied instead.
+    import fcntl
+
+    target = os.path.realpath(sys.executable)
+    with open(target, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with open(target, "rb") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)  # control: the lock is visible to others
+        result = any_sandbox.run(
+            "import fcntl\n"
+            f"f = open({target!r}, 'rb')\n"
+            "for name, lock in (('flock', fcntl.flock), ('lockf', fcntl.lockf)):\n"
+            "    try:\n"
+            "        lock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
+            "        print(name, 'taken')\n"
+            "    except OSError as e:\n"
+            "        print(name, type(e).__name__)"
+        )
+    assert result.stdout == "flock PermissionError\nlockf PermissionError\n", result
+
+
+@requires_bwrap
+def test_bwrap_is_launched_from_where_it_was_found(tmp_path, monkeypatch):
+    # Hole 6: bwrap was looked up on the host's PATH but launched through the sandbox's PATH, so a
+    # bwrap outside the standard folders was probed and then not used. A wrapper that logs its use:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "used.log"
+    real = shutil.which("bwrap")
+    (bin_dir / "bwrap").write_text(f"#!/bin/sh\necho used >> {log}\nexec {real} \"$@\"\n")
+    (bin_dir / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("TRL_SANDBOX_BWRAP", raising=False)
+    with _sandbox("cold", "auto", warm_imports=()) as sb:
+        assert sb.isolation == Isolation.BWRAP
+        log.unlink(missing_ok=True)
+        assert sb.run("print(6 * 7)").stdout == "42\n"
+    assert log.read_text() == "used\n"
+
+
+@requires_namespaces
+def test_hiding_bwrap_falls_back_to_unshare(monkeypatch):
+    # How CI runs the unshare fallback besides bwrap: TRL_SANDBOX_BWRAP="" hides bubblewrap.
+    if launcher.probe(Isolation.UNSHARE, launcher.resolve_program(Isolation.UNSHARE)) is not None:
+        pytest.skip("unshare does not work here")
+    monkeypatch.setenv("TRL_SANDBOX_BWRAP", "")
+    assert launcher.resolve_program(Isolation.BWRAP) is None
+    assert detect_isolation() == Isolation.UNSHARE
+    with pytest.raises(RuntimeError, match="TRL_SANDBOX_BWRAP is set but names no executable"):
+        PythonSandbox(isolation="bwrap")
+    with _sandbox("cold", "auto", warm_imports=()) as sb:
+        assert sb.isolation == Isolation.UNSHARE and sb.run("print(1)").ok
+
+
+def test_auto_refuses_to_run_without_isolation(monkeypatch, caplog):
+    # Hole 7: with neither bwrap nor unshare usable, "auto" chose no isolation with only a warning.
+    def fake_probe(isolation, program=None):
+        return None if isolation == Isolation.NONE else f"{isolation.value} is broken in this test"
+
+    monkeypatch.setattr(launcher, "probe", fake_probe)
+    with pytest.raises(RuntimeError, match="pass isolation='none' explicitly"):
+        PythonSandbox(isolation="auto")
+    monkeypatch.setattr(launcher, "_logged_isolations", set())
+    with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
+        sb = PythonSandbox(isolation="none", mode="cold")  # asked for explicitly: allowed, with a warning
+    sb.close()
+    assert sb.isolation == Isolation.NONE
+    assert any(r.levelno == logging.WARNING and "NO filesystem" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("isolation", [iso for iso, m in MODES if m == "warm"], ids=str)
+def test_warm_calls_reseed_every_rng(isolation):
+    # Hole 8: the RNGs a warm server's imports created (sympy's own, here) started every call in the
+    # same state. The hash seed of a forked server cannot change (docs/sandbox.md); cold calls differ.
+    code = "import random, sympy.core.random as sr, numpy as np\nprint(sr.rng.random(), sr._assumptions_rng.random(), random.random(), np.random.rand())"
+    with _sandbox("warm", isolation, warm_imports=("numpy.random", "sympy"), max_concurrency=1, timeout_s=20.0) as sb:
+        outputs = [sb.run(code).stdout.split() for _ in range(3)]
+    assert all(len(o) == 4 for o in outputs), outputs
+    for column in zip(*outputs):
+        assert len(set(column)) == 3, outputs
+
+
+@requires_namespaces
+def test_unencodable_output_is_escaped_in_both_modes(any_sandbox):
+    # Hole 8: a lone surrogate was an UnicodeEncodeError in cold mode and escaped in warm mode.
+    result = any_sandbox.run("import sys\nprint('a\\ud800b')\nprint('c\\udcffd', file=sys.stderr)\nprint('end')")
+    assert result.ok, result
+    assert result.stdout == "a\\ud800b\nend\n" and result.stderr == "c\\udcffd\n"

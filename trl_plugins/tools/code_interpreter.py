@@ -32,14 +32,16 @@ class CodeInterpreter(ClosingTool):
     mode: str = "warm"
     """``"warm"`` (pre-started interpreters, fast) or ``"cold"`` (a new interpreter per call)."""
     isolation: str = "auto"
-    """``"auto"`` picks the strongest available isolation."""
+    """``"auto"`` picks the strongest available isolation (bwrap, else unshare) and refuses to run
+    without one; ``"none"`` (rlimits, cgroups and seccomp only) must be asked for explicitly."""
     name: str = "code_interpreter"
     """Name the model calls the tool by."""
     idempotent: ClassVar[bool] = True
     """Each call runs in a fresh sandbox: a call that failed for infrastructure reasons may be retried."""
     hidden_paths: tuple[str, ...] = ()
     """More absolute host paths the code must not read (e.g. where the dataset with the reference
-    answers is cached); homes, ``/root`` and ``/run`` are always hidden."""
+    answers is cached). The sandbox shows only the interpreter, its site-packages and ``/usr`` anyway;
+    this hides paths inside those."""
     _sandbox: PythonSandbox | None = field(default=None, init=False, repr=False, compare=False)
 
     def schema(self) -> dict[str, Any]:
@@ -73,6 +75,14 @@ class CodeInterpreter(ClosingTool):
                 extra_hidden_paths=tuple(self.hidden_paths),
             )
         return self._sandbox
+
+    def start_up(self) -> str:
+        """Start the sandbox now and say how it runs code (isolation, mode, memory bound).
+
+        Raises:
+            RuntimeError: no isolation works here and ``isolation="none"`` was not asked for.
+        """
+        return self.sandbox.describe()
 
     async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
         code = arguments.get("code")

@@ -56,7 +56,7 @@ from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, di
 from trl_plugins.trainers.lora import check_peft
 from trl_plugins.trainers.memory import peak_memory_mb, reset_peak_memory
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
-from trl_plugins.trainers.plugins import build_plugins
+from trl_plugins.trainers.plugins import build_plugins, log_tool_start_up
 from trl_plugins.trainers.step import (
     datums_to_forward,
     mismatch_correction_applies,
@@ -156,6 +156,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             raise ValueError("log_completions is TRL's single-turn table; trajectory tables come from this trainer's own logging.")
         # Every plugin is built (and checked) before TRL loads anything.
         self._plugins = build_plugins(args, tools=tools, reward_components=reward_components)
+        log_tool_start_up(self._plugins.tools)  # e.g. the sandbox isolation in force
         check_vllm(args)
         budget = getattr(self._plugins.rollout, "token_budget", None)
         if args.use_vllm and args.vllm_max_model_length is not None and budget is not None and budget > args.vllm_max_model_length:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from trl_plugins.registry import ADVANTAGES, PACKERS, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS, Registry
 from trl_plugins.types import AggregationMode
 
-__all__ = ["RunPlugins", "build_plugins", "plugin_params", "check_plugin_config", "check_named_plugins", "check_capabilities", "context_limit"]
+__all__ = ["RunPlugins", "build_plugins", "log_tool_start_up", "plugin_params", "check_plugin_config", "check_named_plugins", "check_capabilities", "context_limit"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,3 +228,13 @@ def build_plugins(
     policy_loss = _construct(POLICY_LOSSES, args.policy_loss, args.policy_loss_kwargs, "policy_loss")
     check_capabilities(args, rollout, advantage, policy_loss)
     return RunPlugins(rollout, built_tools, components, advantage, policy_loss, context_limit(args, rollout))
+
+
+def log_tool_start_up(tools: Mapping[str, Any]) -> None:
+    """Start each tool that declares ``start_up()`` now and log what it reports (for the code
+    interpreter: the sandbox isolation in force), so that a run says how it runs model code before
+    training and fails at start-up, not at the first tool call, when it cannot run it safely."""
+    for name, tool in tools.items():
+        start_up = getattr(tool, "start_up", None)
+        if callable(start_up):
+            logger.info("tool %r: %s", name, start_up())

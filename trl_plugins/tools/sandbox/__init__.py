@@ -4,16 +4,17 @@ The code comes from a policy optimised for reward, so it is treated as hostile: 
 allocate without bound, fork-bomb, flood its output, read secrets, open sockets, write outside its
 directory, leave daemons behind or try to kill its supervisor. Every call runs like a notebook cell in
 a fresh process that nothing from another call can reach, under the strongest :class:`Isolation`
-that works here (bubblewrap, else ``unshare`` namespaces, else rlimits only; see
-:func:`detect_isolation`), with memory, CPU, file-size, process and open-file limits, captured
-output (the tail is kept) and a wall-clock kill of the whole process tree.
+that works here (bubblewrap, else ``unshare`` namespaces; rlimits only when asked for explicitly; see
+:func:`detect_isolation`), with a per-call memory and process budget (a cgroup where the machine
+allows one), CPU, file-size and open-file limits, a seccomp filter, captured output (the tail is
+kept) and a kill of everything the call started.
 
     with PythonSandbox(timeout_s=5.0, mode="warm") as sandbox:
         result = sandbox.run("import sympy\\nsympy.factorint(2**32 + 1)")
         result.stdout  # "{641: 1, 6700417: 1}\\n"
 
-docs/sandbox.md describes the design: what each isolation mode does and does not cover, cold and
-warm modes, the runner, the limits, and why it is built this way.
+docs/sandbox.md describes the design: the threat model (what each isolation mode does and does not
+contain), cold and warm modes, the runner, the limits, and why it is built this way.
 """
 
 from __future__ import annotations
@@ -151,9 +152,12 @@ def _signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def _status_line(timeout_s: float, exit_code: int | None, timed_out: bool, memory_mb: int) -> str:
+def _status_line(timeout_s: float, exit_code: int | None, timed_out: bool, memory_mb: int, oom_killed: bool) -> str:
     if timed_out:
         return f"TimeoutError: execution exceeded {timeout_s} s wall-clock limit and was killed"
+    if oom_killed and exit_code is not None and exit_code != 0:
+        return (f"MemoryError: the call's processes together exceeded the memory limit of {memory_mb} MB "
+                f"(shared memory and files in /tmp included) and were killed")
     if exit_code is not None and exit_code < 0:
         sig = -exit_code
         hint = {
@@ -193,8 +197,9 @@ class PythonSandbox:
         max_concurrency: most calls running at once (and most warm servers).
         mode: ``"cold"`` (a fresh interpreter per call) or ``"warm"`` (pre-started servers that fork
             per call).
-        isolation: ``"auto"`` (the strongest that works, see :func:`detect_isolation`) or an
-            :class:`Isolation` / its string value, which must work here.
+        isolation: ``"auto"`` (the strongest namespaced isolation that works, see
+            :func:`detect_isolation`; it never picks ``"none"``) or an :class:`Isolation` / its string
+            value, which must work here. ``"none"`` runs code without isolation and must be asked for.
         warm_imports: modules each warm server imports before forking (ignored in cold mode).
         disk_mb: size of each private tmpfs (scratch directory, ``/tmp``, ``/dev/shm``).
         extra_hidden_paths: more host paths to hide from the code (e.g. data directories with
@@ -202,8 +207,8 @@ class PythonSandbox:
 
     Raises:
         ValueError: an argument is out of range or of the wrong type.
-        RuntimeError: the requested isolation does not work on this machine (the message says why
-            and how to get it).
+        RuntimeError: the requested isolation does not work on this machine, or ``"auto"`` finds
+            neither bwrap nor unshare working (the message says why and how to get it).
     """
 
     def __init__(
@@ -236,7 +241,7 @@ class PythonSandbox:
             raise ValueError(f"warm_imports contains invalid module names {bad}; use dotted names like 'numpy.linalg'")
         if isinstance(extra_hidden_paths, str) or not all(isinstance(p, str) and p.startswith("/") for p in extra_hidden_paths):
             raise ValueError(f"extra_hidden_paths must be a sequence of absolute paths, got {extra_hidden_paths!r}")
-        self.isolation = self._resolve_isolation(isolation)
+        self.isolation, program = self._resolve_isolation(isolation)
         self.mode = mode
         self.timeout_s = float(timeout_s)
         self.memory_mb = memory_mb
@@ -244,7 +249,7 @@ class PythonSandbox:
         self.max_concurrency = max_concurrency
         self.warm_imports = warm_imports
         self._limits = Limits(self.timeout_s, memory_mb, max_output_chars, disk_mb)
-        self._launcher = Launcher.create(self.isolation, tuple(extra_hidden_paths))
+        self._launcher = Launcher.create(self.isolation, tuple(extra_hidden_paths), program)
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -257,19 +262,23 @@ class PythonSandbox:
         launcher.log_isolation_once(self.isolation, mode)
 
     @staticmethod
-    def _resolve_isolation(isolation: str | Isolation) -> Isolation:
+    def _resolve_isolation(isolation: str | Isolation) -> tuple[Isolation, str | None]:
+        # The program (bwrap/unshare) is resolved once, to an absolute path, and that path is both
+        # probed and launched.
         if isolation == "auto":
-            return detect_isolation()
+            resolved = detect_isolation()
+            return resolved, launcher.resolve_program(resolved)
         try:
             resolved = Isolation(isolation)
         except ValueError:
             choices = ", ".join(repr(i.value) for i in Isolation)
             raise ValueError(f"isolation must be 'auto' or one of {choices}, got {isolation!r}") from None
-        reason = launcher.probe(resolved)
+        program = launcher.resolve_program(resolved)
+        reason = launcher.probe(resolved, program)
         if reason is not None:
             raise RuntimeError(f"isolation {resolved.value!r} does not work on this machine: {reason}. "
                                f"Use isolation='auto' to take the strongest that does.")
-        return resolved
+        return resolved, program
 
     def run(self, code: str) -> ExecResult:
         """Run ``code`` in a fresh sandboxed process and wait for it.
@@ -370,6 +379,15 @@ class PythonSandbox:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def describe(self) -> str:
+        """One line on how calls run: isolation, mode and what bounds their memory."""
+        if self._launcher.cgroups is not None:
+            memory = f"{self.memory_mb} MB per call, all its processes and shared memory (cgroup)"
+        else:
+            memory = (f"{self.memory_mb} MB per process (RLIMIT_AS; no cgroup here: memfd and System V "
+                      f"shared memory refused)")
+        return f"sandbox isolation={self.isolation.value}, mode={self.mode}, memory {memory}"
+
     def __repr__(self) -> str:
         return (f"PythonSandbox(mode={self.mode!r}, isolation={self.isolation.value!r}, timeout_s={self.timeout_s}, "
                 f"memory_mb={self.memory_mb}, max_concurrency={self.max_concurrency})")
@@ -403,7 +421,7 @@ class PythonSandbox:
             return ExecResult(ok=False, stdout="", stderr=f"SandboxError: {raw['error']}\n", exit_code=None,
                               timed_out=False, **common)
         exit_code, timed_out = raw["exit_code"], raw["timed_out"]
-        line = _status_line(self.timeout_s, exit_code, timed_out, self.memory_mb)
+        line = _status_line(self.timeout_s, exit_code, timed_out, self.memory_mb, raw.get("oom_killed", False))
         return ExecResult(
             ok=exit_code == 0 and not timed_out,
             stdout=raw["stdout"],

@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS, read_tail
+from trl_plugins.tools.sandbox.cgroups import (
+    CGROUP_HEADROOM_MB,
+    CallCgroup,
+    CgroupRoots,
+    cgroup_roots,
+)
+from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS, SYSCALLS, read_tail
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +49,27 @@ SETUP_GRACE_S = 30.0
 RUNNER_PATH = Path(__file__).with_name("runner.py")
 """The runner, whose text every sandboxed interpreter runs."""
 
-_HIDDEN_DIRS = ("/root", "/home", "/run")
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
+"""Host paths shown read-only in bwrap/unshare modes besides the interpreter's own (system libraries
+and tools; symbolic links stay links). Nothing else of the host is visible."""
+
+PROGRAM_ENV = {"bwrap": "TRL_SANDBOX_BWRAP", "unshare": "TRL_SANDBOX_UNSHARE"}
+"""Environment variables that override where ``bwrap``/``unshare`` are (an absolute path), or hide them (empty)."""
+
+SCRATCH = "/home/sandbox"
+"""The code's working directory and ``$HOME`` in bwrap/unshare modes (a private tmpfs)."""
 
 
 class Isolation(enum.StrEnum):
     """How strongly a call is isolated from the host; docs/sandbox.md has the details."""
 
     BWRAP = "bwrap"
-    """bubblewrap: namespaces for PID/net/IPC/UTS/mount, read-only host, hidden homes, private tmpfs."""
+    """bubblewrap: namespaces for PID/net/IPC/UTS/mount; only the interpreter and system libraries shown, read-only."""
     UNSHARE = "unshare"
-    """util-linux ``unshare`` plus our own mount set-up: the same namespaces, host ``/dev`` visible."""
+    """util-linux ``unshare`` plus the same file tree built by the runner (private ``/dev`` included)."""
     NONE = "none"
-    """rlimits, an empty environment and a process-group kill only: no filesystem/network isolation."""
+    """rlimits, cgroups and seccomp only: no filesystem/network/PID isolation; only when asked for explicitly."""
 
 
 @dataclass(frozen=True)
@@ -92,37 +107,74 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def resolve_program(isolation: Isolation) -> str | None:
+    """Absolute path of the program that ``isolation`` launches through (``bwrap``/``unshare``), or None.
+
+    Looked up on the host's ``PATH`` (the sandbox's own ``PATH`` never matters: the launch uses this
+    path), unless ``TRL_SANDBOX_BWRAP``/``TRL_SANDBOX_UNSHARE`` names one (empty: treat it as missing).
+    """
+    if isolation == Isolation.NONE:
+        return None
+    override = os.environ.get(PROGRAM_ENV[isolation.value])
+    found = (override or None) if override is not None else shutil.which(isolation.value)
+    if found is None or not os.path.isabs(found) and override is not None:
+        return None
+    found = os.path.abspath(found)
+    return found if os.path.isfile(found) and os.access(found, os.X_OK) else None
+
+
+def _layout(extra_hidden: Sequence[str]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """What the sandbox shows: ``(ops, late)``. ``ops`` in order: ``("symlink", target, path)``,
+    ``("ro-bind", path)``, ``("cover", path)`` (an extra hidden path inside a shown one); ``late``:
+    interpreter paths under ``/tmp`` or ``/dev/shm``, bound after those private tmpfs are mounted."""
+    interpreter = _interpreter_paths()
+    ops: list[tuple[str, ...]] = []
+    shown: list[str] = []
+    for p in SYSTEM_PATHS:
+        if os.path.islink(p):
+            ops.append(("symlink", os.readlink(p), p))
+        elif os.path.exists(p):
+            shown.append(p)
+    for p in interpreter:
+        if not any(_under(p, q) for q in shown):
+            shown = [q for q in shown if not _under(q, p)] + [p]
+    shown.sort()
+    late = tuple(p for p in shown if any(_under(p, t) for t in PRIVATE_TMPFS))
+    ops += [("ro-bind", p) for p in shown if p not in late]
+    covered: list[str] = []
+    for h in dict.fromkeys(os.path.realpath(p) for p in extra_hidden):
+        if not os.path.lexists(h) or not any(_under(h, q) for q in shown) or any(_under(h, c) for c in covered):
+            continue
+        if any(_under(k, h) for k in interpreter):
+            logger.warning("sandbox: not hiding %s because the interpreter lives there", h)
+            continue
+        covered.append(h)
+        ops.append(("cover", h))
+    return tuple(ops), late
+
+
 @dataclass(frozen=True)
 class Launcher:
     """Everything needed to start a runner under one isolation (built once per sandbox)."""
 
     isolation: Isolation
-    hidden: tuple[str, ...]
-    keep: tuple[str, ...]
+    program: str | None
+    """Absolute path of ``bwrap``/``unshare`` (None in ``none`` mode)."""
+    layout: tuple[tuple[str, ...], ...]
+    late: tuple[str, ...]
     scratch: str
     as_root: bool
+    cgroups: CgroupRoots | None
+    """Where per-call cgroups are made; None: rlimits plus the seccomp fallback (docs/sandbox.md)."""
 
     @staticmethod
-    def create(isolation: Isolation, extra_hidden: Sequence[str] = ()) -> Launcher:
+    def create(isolation: Isolation, extra_hidden: Sequence[str] = (), program: str | None = None,
+               cgroups: bool = True) -> Launcher:
         as_root = os.geteuid() == 0
-        home = os.path.realpath(os.path.expanduser("~"))
-        candidates = [*_HIDDEN_DIRS, home, *extra_hidden]
-        keep_all = _interpreter_paths()
-        hidden: list[str] = []
-        for h in dict.fromkeys(os.path.realpath(p) for p in candidates):
-            if h in ("/", "/usr", "/etc", "/tmp", "/proc", "/dev") or not os.path.lexists(h):
-                continue
-            if any(_under(h, k) for k in keep_all):
-                logger.warning("sandbox: not hiding %s because the interpreter lives there", h)
-                continue
-            if not any(_under(h, x) for x in hidden):
-                hidden.append(h)
-        # The private /tmp and /dev/shm cover the interpreter too when it lives there (a clone or
-        # virtualenv under /tmp): those paths are bound back read-only like the hidden ones.
-        covered = [*hidden, *(p for p in PRIVATE_TMPFS if os.path.isdir(p))]
-        keep = tuple(k for k in keep_all if any(_under(k, h) for h in covered))
-        scratch = "/home/sandbox" if "/home" in hidden else "/tmp/sandbox"
-        return Launcher(isolation, tuple(hidden), keep, scratch, as_root)
+        layout, late = _layout(extra_hidden) if isolation != Isolation.NONE else ((), ())
+        program = program or resolve_program(isolation)
+        roots = cgroup_roots() if cgroups else None
+        return Launcher(isolation, program, layout, late, SCRATCH, as_root, roots)
 
     def env(self, scratch: str) -> dict[str, str]:
         bin_dir = os.path.dirname(sys.executable)
@@ -145,8 +197,8 @@ class Launcher:
             "role": role,
             "fs": {Isolation.BWRAP: "bwrap", Isolation.UNSHARE: "unshare", Isolation.NONE: "none"}[self.isolation],
             "scratch": scratch,
-            "hide": list(self.hidden),
-            "keep": list(self.keep),
+            "layout": [list(op) for op in self.layout],
+            "late": list(self.late),
             "drop_uid": SANDBOX_UID if (self.as_root and namespaced) else None,
             # Always a user namespace of our own, entered while the runner still has its caps: per-call
             # NPROC budget, and never uid 0 inside (a nested map onto uid 0 needs CAP_SETFCAP).
@@ -174,41 +226,36 @@ class Launcher:
             return interp
         if self.isolation == Isolation.UNSHARE:
             flags = ["--ipc", "--uts", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-            return ["unshare", *flags, *([] if self.as_root else ["--map-root-user"]), "--", *interp]
+            return [self.program, *flags, *([] if self.as_root else ["--map-root-user"]), "--", *interp]
         disk = str(cfg["disk_bytes"])
-        args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        args = [self.program, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                "--unshare-cgroup-try"]
         if not self.as_root:
             args.append("--unshare-user")
-        args += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--ro-bind", "/", "/"]
+        args += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]
         made: set[str] = set()
-
-        def keep_under(h: str) -> list[str]:
-            out: list[str] = []
-            for k in self.keep:
-                if not _under(k, h):
-                    continue
-                parts = Path(k).relative_to(h).parts[:-1]
-                for i in range(1, len(parts) + 1):
-                    d = os.path.join(h, *parts[:i])
-                    if d not in made:
-                        made.add(d)
-                        out += ["--perms", "0755", "--dir", d]
-                out += ["--ro-bind", k, k]
-            return out
-
-        for h in self.hidden:
-            if not os.path.isdir(h):
-                args += ["--ro-bind", "/dev/null", h]
-                continue
-            args += ["--tmpfs", h, *keep_under(h)]
+        for op in self.layout:  # the root is an empty tmpfs: only what is bound here is visible
+            parts = Path(op[-1]).parts[1:-1]
+            for i in range(1, len(parts) + 1):  # bwrap would make missing parents 0700
+                d = "/" + "/".join(parts[:i])
+                if d not in made:
+                    made.add(d)
+                    args += ["--perms", "0755", "--dir", d]
+            if op[0] == "symlink":
+                args += ["--symlink", op[1], op[2]]
+            elif op[0] == "ro-bind":
+                args += ["--ro-bind", op[1], op[1]]
+            elif os.path.isdir(op[1]):
+                args += ["--size", "65536", "--tmpfs", op[1], "--remount-ro", op[1]]
+            else:
+                args += ["--ro-bind", "/dev/null", op[1]]
         args += ["--proc", "/proc", "--dev", "/dev"]
-        args += ["--perms", "1777", "--size", disk, "--tmpfs", "/tmp", *keep_under("/tmp")]
-        args += ["--perms", "1777", "--size", disk, "--tmpfs", "/dev/shm", *keep_under("/dev/shm")]
-        args += ["--dir", scratch, "--size", disk, "--tmpfs", scratch]
-        for h in self.hidden:
-            if os.path.isdir(h):
-                args += ["--remount-ro", h]
-        args += ["--chdir", scratch]
+        for private in PRIVATE_TMPFS:
+            args += ["--perms", "1777", "--size", disk, "--tmpfs", private]
+            for p in self.late:
+                if _under(p, private):
+                    args += ["--ro-bind", p, p]
+        args += ["--dir", scratch, "--size", disk, "--tmpfs", scratch, "--remount-ro", "/", "--chdir", scratch]
         if self.as_root:
             caps = ["CAP_SETUID", "CAP_SETGID", "CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if role == "server" else [])
             args += ["--cap-drop", "ALL"]
@@ -237,38 +284,57 @@ class Launcher:
         return path
 
 
+def call_cgroup(launcher: Launcher, limits: Limits) -> CallCgroup | None:
+    """A fresh per-call (cold) or per-server (warm) cgroup, or None where cgroups are not available."""
+    if launcher.cgroups is None:
+        return None
+    try:
+        return CallCgroup(launcher.cgroups, (limits.memory_mb + CGROUP_HEADROOM_MB) << 20, MAX_PROCESSES + 4)
+    except OSError as e:
+        raise RuntimeError(f"could not make the call's cgroup under {launcher.cgroups}: {e}") from e
+
+
 def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
     """One fresh sandboxed interpreter for ``code``; returns the raw result fields."""
     private_dir = launcher.make_private_dir()
     scratch = private_dir or launcher.scratch
+    cgroup = call_cgroup(launcher, limits)
+    cgroup_fds = cgroup.open_tasks() if cgroup is not None else []
     code_fd = os.memfd_create("sandbox-code")
     out_fd, err_fd = os.memfd_create("sandbox-stdout"), os.memfd_create("sandbox-stderr")
     status_r, status_w = os.pipe()
     try:
         os.write(code_fd, code.encode("utf-8", "surrogatepass"))
         os.lseek(code_fd, 0, os.SEEK_SET)
-        cfg = launcher.runner_config("cell", limits, scratch, code_fd=code_fd, status_fd=status_w)
+        cfg = launcher.runner_config("cell", limits, scratch, code_fd=code_fd, status_fd=status_w,
+                                     cgroup_fds=cgroup_fds)
         proc = subprocess.Popen(
             launcher.argv("cell", cfg, scratch),
             stdin=subprocess.DEVNULL,
             stdout=out_fd,
             stderr=err_fd,
-            pass_fds=(code_fd, status_w),
+            pass_fds=(code_fd, status_w, *cgroup_fds),
             **launcher.popen_kwargs(scratch),
         )
         os.close(status_w)
         status_w = -1
+        for fd in cgroup_fds:
+            os.close(fd)
+        cgroup_fds = []
         started = wait_readable(status_r, SETUP_GRACE_S) and os.read(status_r, 16) == b"R"
         pidfd = os.pidfd_open(proc.pid)
         try:
             timed_out = started and not wait_readable(pidfd, limits.timeout_s)
             # Kill before reaping: while the leader is a zombie its pid (= the group id) cannot be
-            # reused, so this never hits an unrelated process. In bwrap/unshare modes this also tears
-            # down the PID namespace; in none mode it ends what the code left in its session.
-            kill_group(proc.pid)
+            # reused, so this never hits an unrelated process.
+            kill_call(proc.pid)
         finally:
             os.close(pidfd)
         proc.wait()
+        oom_kills = 0
+        if cgroup is not None:
+            cgroup.kill_all()
+            oom_kills = cgroup.oom_kills()
         mc = limits.max_output_chars
         (stdout, t1), (stderr, t2) = (read_tail(out_fd, mc, OUTPUT_FILE_LIMIT_BYTES),
                                       read_tail(err_fd, mc, OUTPUT_FILE_LIMIT_BYTES))
@@ -276,11 +342,13 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
             detail = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit status {proc.returncode}"
             return {"error": f"the sandbox did not start ({detail})", "setup_log": stderr}
         return {"stdout": stdout, "stderr": stderr, "exit_code": proc.returncode, "timed_out": timed_out,
-                "truncated": t1 or t2}
+                "truncated": t1 or t2, "oom_killed": oom_kills > 0}
     finally:
-        for fd in (code_fd, out_fd, err_fd, status_r, status_w):
+        for fd in (code_fd, out_fd, err_fd, status_r, status_w, *cgroup_fds):
             if fd >= 0:
                 os.close(fd)
+        if cgroup is not None:
+            cgroup.remove()
         if private_dir is not None:
             shutil.rmtree(private_dir, ignore_errors=True)
 
@@ -290,10 +358,36 @@ def wait_readable(fd: int, timeout_s: float) -> bool:
     return bool(ready)
 
 
-def kill_group(pgid: int) -> None:
-    # bwrap/unshare sit at the head of their own session; killing them takes down the PID namespace.
+def _children(pid: int) -> list[int]:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def kill_call(pid: int) -> None:
+    """SIGKILL what ``pid`` (the launched bwrap/unshare/runner, leader of its own session) started.
+
+    Its direct children first: in bwrap/unshare modes the one child is the init of the call's PID
+    namespace, and the kernel kills everything in a PID namespace when its init dies. Killing only the
+    launcher is not enough: the runner's parent-death signal is cleared when it switches uid, and the
+    code may leave the launcher's process group (``setsid``). Then the process group.
+    """
+    for child in _children(pid):
+        try:
+            pidfd = os.pidfd_open(child)
+        except OSError:
+            continue
+        try:
+            if child in _children(pid):  # still ours: the pidfd refers to that process, not a reused pid
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+    try:
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -302,15 +396,21 @@ _PROBE_LIMITS = Limits(timeout_s=20.0, memory_mb=512, max_output_chars=4000, dis
 
 
 @functools.cache
-def probe(isolation: Isolation) -> str | None:
-    """None if ``isolation`` works on this machine, else why not (with what to do about it)."""
-    if isolation == Isolation.BWRAP and shutil.which("bwrap") is None:
-        return "bwrap not found on PATH (install bubblewrap: apt-get install -y bubblewrap)"
-    if isolation == Isolation.UNSHARE and shutil.which("unshare") is None:
-        return "unshare not found on PATH (install util-linux)"
+def probe(isolation: Isolation, program: str | None = None) -> str | None:
+    """None if ``isolation`` works on this machine (launched through ``program``, default: resolved
+    with :func:`resolve_program`), else why not (with what to do about it)."""
+    if isolation != Isolation.NONE:
+        program = program or resolve_program(isolation)
+        if program is None:
+            where = f"${PROGRAM_ENV[isolation.value]} is set but names no executable" if os.environ.get(
+                PROGRAM_ENV[isolation.value]) is not None else "not found on PATH"
+            install = "install bubblewrap: apt-get install -y bubblewrap" if isolation == Isolation.BWRAP else "install util-linux"
+            return f"{isolation.value} {where} ({install})"
+        if isolation == Isolation.UNSHARE and os.uname().machine not in SYSCALLS:
+            return f"the unshare mode knows no system call numbers for {os.uname().machine}"
     try:
-        raw = run_cold(Launcher.create(isolation), _PROBE_LIMITS, "print(6 * 7)")
-    except OSError as e:
+        raw = run_cold(Launcher.create(isolation, program=program), _PROBE_LIMITS, "print(6 * 7)")
+    except (OSError, RuntimeError) as e:
         raw = {"error": f"{type(e).__name__}: {e}"}
     if raw.get("error"):
         reason = raw["error"]
@@ -323,28 +423,34 @@ def probe(isolation: Isolation) -> str | None:
         reason += (f" (as root, 'none' runs the code as uid {SANDBOX_UID}, which must be able to read "
                    f"the interpreter {os.path.realpath(sys.executable)}; use bwrap/unshare instead)")
     if isolation == Isolation.BWRAP:
-        reason += " (bwrap needs user namespaces or root; check `bwrap --ro-bind / / true`)"
+        reason += f" (bwrap needs user namespaces or root; check `{program} --ro-bind / / true`)"
     return reason
 
 
 def detect_isolation() -> Isolation:
-    """The strongest :class:`Isolation` that works on this machine (probed once per process).
+    """The strongest namespaced :class:`Isolation` that works on this machine (probed once per process).
 
-    Each candidate is probed by actually running ``print(6 * 7)`` under it.
+    Each candidate is probed by actually running ``print(6 * 7)`` under it. ``none`` is never chosen
+    here: running model code without isolation must be asked for explicitly (``isolation="none"``).
 
     Returns:
-        ``BWRAP`` if bubblewrap works, else ``UNSHARE``, else ``NONE``.
+        ``BWRAP`` if bubblewrap works, else ``UNSHARE``.
 
     Raises:
-        RuntimeError: not even ``NONE`` works (e.g. root with an interpreter uid 65534 cannot read).
+        RuntimeError: neither works (the message says why each failed and what to do).
     """
     reasons = {}
-    for isolation in Isolation:
-        reason = probe(isolation)
+    for isolation in (Isolation.BWRAP, Isolation.UNSHARE):
+        reason = probe(isolation, resolve_program(isolation))
         if reason is None:
             return isolation
         reasons[isolation] = reason
-    raise RuntimeError("no sandbox isolation works here: " + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+    raise RuntimeError(
+        "no sandbox isolation works here: " + "; ".join(f"{k.value}: {v}" for k, v in reasons.items())
+        + ". Install bubblewrap (apt-get install -y bubblewrap) or make user namespaces available; to run model "
+          "code WITHOUT isolation (rlimits, cgroups and seccomp only: it can read the host's files, reach its "
+          "network and signal its processes), pass isolation='none' explicitly."
+    )
 
 
 _logged_isolations: set[tuple[Isolation, str]] = set()
@@ -361,7 +467,8 @@ def log_isolation_once(isolation: Isolation, mode: str) -> None:
         _logged_isolations.add((isolation, ""))
     logger.info("sandbox: running model code under isolation=%s, mode=%s", isolation.value, mode)
     if warn:
-        missing = "; ".join(f"{i.value}: {r}" for i in (Isolation.BWRAP, Isolation.UNSHARE) if (r := probe(i)))
+        missing = "; ".join(f"{i.value}: {r}" for i in (Isolation.BWRAP, Isolation.UNSHARE)
+                            if (r := probe(i, resolve_program(i))))
         logger.warning(
             "sandbox: isolation=none gives NO filesystem, network or process isolation (only rlimits): "
             "model code can read files, open sockets and leave processes behind. %s. "

@@ -11,12 +11,14 @@ import subprocess
 import threading
 import time
 
+from trl_plugins.tools.sandbox.cgroups import CallCgroup
 from trl_plugins.tools.sandbox.launcher import (
     OUTPUT_FILE_LIMIT_BYTES,
     Isolation,
     Launcher,
     Limits,
-    kill_group,
+    call_cgroup,
+    kill_call,
     wait_readable,
 )
 from trl_plugins.tools.sandbox.runner import MESSAGE_HEADER, frame_message, read_tail
@@ -34,10 +36,15 @@ class ServerDied(Exception):
 class WarmServer:
     """One pre-started runner in server role; serves one call at a time over length-prefixed JSON."""
 
-    def __init__(self, proc: subprocess.Popen, log_fd: int, private_dir: str | None):
+    def __init__(self, proc: subprocess.Popen, log_fd: int, private_dir: str | None, cgroup: CallCgroup | None,
+                 namespaced: bool):
         self.proc = proc
         self.log_fd = log_fd
         self.private_dir = private_dir
+        self.cgroup = cgroup
+        """The cgroup each call's processes join (one call at a time), or None."""
+        self.namespaced = namespaced
+        self.oom_kills = 0
         self.fresh_proc = False
         self.failed_imports: list[str] = []
 
@@ -54,7 +61,13 @@ class WarmServer:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as e:
             raise ServerDied(f"could not send the request ({e})") from None
-        return self._recv(deadline)
+        result = self._recv(deadline)
+        if self.cgroup is not None:  # one read per call (kept off the ~1 ms a warm call may cost here)
+            before, self.oom_kills = self.oom_kills, self.cgroup.oom_kills()
+            result["oom_killed"] = self.oom_kills > before
+            if not self.namespaced:  # what left the call's session; bwrap/unshare: the PID namespace took it
+                self.cgroup.kill_all()
+        return result
 
     def _recv(self, deadline: float) -> dict:
         fd = self.proc.stdout.fileno()
@@ -89,7 +102,7 @@ class WarmServer:
         return read_tail(self.log_fd, 4000, OUTPUT_FILE_LIMIT_BYTES)[0]
 
     def kill(self) -> None:
-        kill_group(self.proc.pid)
+        kill_call(self.proc.pid)
         try:
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
@@ -105,6 +118,9 @@ class WarmServer:
             pass
         if self.private_dir is not None:
             shutil.rmtree(self.private_dir, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+            self.cgroup.remove()
 
 
 class WarmPool:
@@ -148,16 +164,28 @@ class WarmPool:
     def _start(self) -> WarmServer:
         private_dir = self.launcher.make_private_dir()
         scratch = private_dir or self.launcher.scratch
-        cfg = self.launcher.runner_config("server", self.limits, scratch, warm_imports=list(self.warm_imports))
+        cgroup = call_cgroup(self.launcher, self.limits)
+        cgroup_fds = cgroup.open_tasks() if cgroup is not None else []
+        cfg = self.launcher.runner_config("server", self.limits, scratch, warm_imports=list(self.warm_imports),
+                                          cgroup_fds=cgroup_fds)
         argv = self.launcher.argv("server", cfg, scratch)
         log_fd = os.memfd_create("sandbox-server-log")
 
         def spawn() -> subprocess.Popen:
             return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd,
-                                    **self.launcher.popen_kwargs(scratch))
+                                    pass_fds=cgroup_fds, **self.launcher.popen_kwargs(scratch))
 
-        proc = self._spawner.submit(spawn).result()
-        server = WarmServer(proc, log_fd, private_dir)
+        try:
+            proc = self._spawner.submit(spawn).result()
+        except BaseException:
+            os.close(log_fd)
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        finally:
+            for fd in cgroup_fds:
+                os.close(fd)
+        server = WarmServer(proc, log_fd, private_dir, cgroup, self.launcher.isolation != Isolation.NONE)
         try:
             server.wait_ready(SERVER_START_TIMEOUT_S)
         except (ServerDied, TimeoutError) as e:
