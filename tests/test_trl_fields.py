@@ -45,6 +45,16 @@ REFUSED_VALUES = {
     "vllm_mode": "remote",
     "vllm_structured_outputs_regex": "[0-9]+",
     "vllm_tensor_parallel_size": 2,
+    # vLLM settings that do nothing without use_vllm (and in the other vLLM mode: see the test below)
+    "vllm_gpu_memory_utilization": 0.5,
+    "vllm_model_impl": "transformers",
+    "vllm_max_model_length": 2048,
+    "vllm_enable_sleep_mode": True,
+    "vllm_server_base_url": "http://localhost:8000",
+    "vllm_server_host": "10.0.0.2",
+    "vllm_server_port": 8001,
+    "vllm_server_timeout": 60.0,
+    "vllm_group_port": 51217,
     "log_completions": True,
     "log_multimodal": False,
     "num_completions_to_print": 2,
@@ -129,6 +139,27 @@ def test_a_refused_setting_names_its_field(tmp_path, name):
     # TRL and transformers refuse some of these themselves; either way the message names the field.
     with pytest.raises(ValueError, match=re.escape(name)):
         _config(tmp_path, **{name: value, **EXTRA.get(name, {})})
+
+
+def test_a_vllm_setting_of_the_other_mode_is_refused(tmp_path):
+    # Colocate-only settings do nothing against a server (it has its own flags), and server-only ones nothing in
+    # colocate mode: refused, not silently inert. In their own mode they are accepted.
+    on = dict(use_vllm=True)
+    for name, value in [("vllm_gpu_memory_utilization", 0.5), ("vllm_enable_sleep_mode", True), ("vllm_model_impl", "transformers"),
+                        ("vllm_max_model_length", 2048)]:
+        assert getattr(_config(tmp_path, **on, vllm_mode="colocate", **{name: value}), name) == value
+        with pytest.raises(ValueError, match=f"{name}=.*vllm_mode='server', where it would do nothing"):
+            _config(tmp_path, **on, vllm_mode="server", **{name: value})
+    for name, value in [("vllm_server_port", 8001), ("vllm_server_base_url", "http://h:1"), ("vllm_group_port", 51217),
+                        ("vllm_server_host", "10.0.0.2"), ("vllm_server_timeout", 60.0)]:
+        assert getattr(_config(tmp_path, **on, vllm_mode="server", **{name: value}), name) == value
+        with pytest.raises(ValueError, match=f"{name}=.*vllm_mode='colocate', where it would do nothing"):
+            _config(tmp_path, **on, vllm_mode="colocate", **{name: value})
+    with pytest.raises(ValueError, match="vllm_mode='server'.*refused when set without use_vllm"):
+        _config(tmp_path, vllm_mode="server")
+    with pytest.raises(ValueError, match="vllm_max_concurrent_requests=8 is set but only server mode uses it"):
+        _config(tmp_path, **on, vllm_mode="colocate", vllm_max_concurrent_requests=8)
+    assert _config(tmp_path, **on, vllm_mode="server", vllm_max_concurrent_requests=8).vllm_max_concurrent_requests == 8
 
 
 def test_beta_and_use_bias_correction_kl_map_to_the_policy_losss_kl_term(tmp_path):

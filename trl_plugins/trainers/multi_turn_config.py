@@ -110,6 +110,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.vllm_max_concurrent_requests < 1:
             raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {self.vllm_max_concurrent_requests}.")
+        if self.vllm_max_concurrent_requests != 64 and not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(f"vllm_max_concurrent_requests={self.vllm_max_concurrent_requests} is set but only server mode "
+                             f"uses it: set use_vllm=True and vllm_mode='server', or drop it.")
         self._map_kl_and_entropy()
         self._check_mismatch_correction()
         self._check_continuous_batching()

@@ -225,6 +225,19 @@ _KL_OWNER = "MultiTurnGRPOConfig._map_kl_and_entropy"
 _IS_OWNER = "MultiTurnGRPOConfig._check_mismatch_correction"
 
 
+def _vllm_setting(name: str, mode: str | None) -> Callable[[Any], bool]:
+    # A vLLM setting does something only with use_vllm, and a colocate (server) one only in that mode.
+    def ok(c: Any) -> bool:
+        return not is_set(c, name) or (bool(c.use_vllm) and (mode is None or c.vllm_mode == mode))
+
+    return ok
+
+
+_COLOCATE_ONLY = ("; refused when set without use_vllm or with vllm_mode='server', where it would do nothing (the "
+                  "server takes its own {flag}).")
+_SERVER_ONLY = "; refused when set without use_vllm or with vllm_mode='colocate', where it would do nothing."
+
+
 def _generation_batch_ok(c: Any) -> bool:
     # What TRL derives when neither generation_batch_size nor steps_per_generation is given.
     return c.generation_batch_size == c.per_device_train_batch_size * c.world_size * c.gradient_accumulation_steps
@@ -285,17 +298,17 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "pad_to_multiple_of": FieldRule(_R, "an integer: the packer pads each micro-batch to its widest row ('auto' and None are accepted).", ok=lambda c: c.pad_to_multiple_of in (None, "auto")),
     "num_generations_eval": FieldRule(_R, _EVAL + "."),
     "use_vllm": FieldRule(_H, "rollout turns are sampled by vLLM (VLLMBackend over TRL's VLLMGeneration), each turn submitted on its own; weights are pushed before each rollout."),
-    "vllm_mode": FieldRule(_H, "'colocate' (vLLM in each training process) or 'server' (every rank sends its own turns to the server).", ok=lambda c: c.vllm_mode in ("colocate", "server")),
-    "vllm_model_impl": FieldRule(_H, "passed to vLLM by TRL's VLLMGeneration (colocate)."),
-    "vllm_enable_sleep_mode": FieldRule(_H, "colocate: vLLM sleeps (level 2) after each rollout and its weights are pushed again before the next."),
+    "vllm_mode": FieldRule(_H, "'colocate' (vLLM in each training process) or 'server' (every rank sends its own turns to the server); refused when set without use_vllm.", ok=lambda c: c.vllm_mode in ("colocate", "server") and _vllm_setting("vllm_mode", None)(c)),
+    "vllm_model_impl": FieldRule(_H, "passed to vLLM by TRL's VLLMGeneration (colocate)" + _COLOCATE_ONLY.format(flag="--model-impl"), ok=_vllm_setting("vllm_model_impl", "colocate")),
+    "vllm_enable_sleep_mode": FieldRule(_H, "colocate: vLLM sleeps (level 2) after each rollout and its weights are pushed again before the next" + _COLOCATE_ONLY.format(flag="sleep mode"), ok=_vllm_setting("vllm_enable_sleep_mode", "colocate")),
     "vllm_structured_outputs_regex": FieldRule(_R, "one regex would constrain every turn of a multi-turn rollout alike (tool calls, answers); constrain turns in a rollout plugin instead."),
-    "vllm_server_base_url": FieldRule(_H, _VLLM + " (server)."),
-    "vllm_server_host": FieldRule(_H, _VLLM + " (server)."),
-    "vllm_server_port": FieldRule(_H, _VLLM + " (server)."),
-    "vllm_server_timeout": FieldRule(_H, _VLLM + " (server): how long every rank waits for the server."),
-    "vllm_group_port": FieldRule(_H, _VLLM + " (server): the weight-update group."),
-    "vllm_gpu_memory_utilization": FieldRule(_H, _VLLM + " (colocate)."),
-    "vllm_max_model_length": FieldRule(_H, _VLLM + " (colocate); refused at start-up when shorter than the rollout's token budget."),
+    "vllm_server_base_url": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_base_url", "server")),
+    "vllm_server_host": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_host", "server")),
+    "vllm_server_port": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_port", "server")),
+    "vllm_server_timeout": FieldRule(_H, _VLLM + " (server): how long every rank waits for the server" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_timeout", "server")),
+    "vllm_group_port": FieldRule(_H, _VLLM + " (server): the weight-update group" + _SERVER_ONLY, ok=_vllm_setting("vllm_group_port", "server")),
+    "vllm_gpu_memory_utilization": FieldRule(_H, _VLLM + " (colocate)" + _COLOCATE_ONLY.format(flag="--gpu-memory-utilization"), ok=_vllm_setting("vllm_gpu_memory_utilization", "colocate")),
+    "vllm_max_model_length": FieldRule(_H, _VLLM + " (colocate), refused at start-up when shorter than the rollout's token budget" + _COLOCATE_ONLY.format(flag="--max-model-len"), ok=_vllm_setting("vllm_max_model_length", "colocate")),
     "vllm_tensor_parallel_size": FieldRule(_R, "colocate tensor parallelism gathers the prompts of a rank group on every generate call, a collective per turn that per-trajectory turns cannot keep in step; keep 1, or use vllm_mode='server' with the server's own --tensor-parallel-size.", ok=lambda c: c.vllm_tensor_parallel_size == 1),
     "vllm_importance_sampling_correction": FieldRule(_H, "switch of the sampler/trainer mismatch correction (TIS/MIS, docs/training.md): old log-probs from the trainer's forward, loss weighted by pi_old/pi_sampler; applies to batches whose log-probs are not the trainer's own (vLLM), or to every batch with mismatch_correction_scope='all'.", owner=_IS_OWNER),
     "vllm_importance_sampling_mode": FieldRule(_H, "token_truncate, token_mask, sequence_truncate or sequence_mask, as in TRL; refused when set but the correction cannot apply (HF generate with mismatch_correction_scope='foreign', or correction off).", owner=_IS_OWNER),
