@@ -265,6 +265,20 @@ def test_aggregation_needs_norm_length_for_dr_grpo():
         aggregate(LOSS, AMASK, "seq_mean_token_sum_norm", num_tokens=4, num_sequences=2)
 
 
+def test_k3_is_accurate_for_tiny_log_ratios():
+    # A policy a step away from its reference: |log r| ~ 1e-4 to 1e-6 in float32. k3 = r - 1 - log r ~ (log r)^2 / 2;
+    # computed as exp(log r) - 1 - log r it cancels to 0 or noise (the metric then read 0).
+    log_r = torch.tensor([1e-4, -1e-4, 3e-5, -2e-6], dtype=torch.float32)
+    k3 = kl_estimate(torch.zeros(4), log_r, "k3")
+    exact = (log_r.double().exp() - 1 - log_r.double()).float()
+    assert torch.allclose(k3, exact, rtol=1e-4, atol=0)
+    # The gradient stays that of r - 1 - log r (d/d log p = 1 - r) on both sides of the switch.
+    for x in (1e-3, 5e-2):
+        logp = torch.zeros(1, requires_grad=True)
+        kl_estimate(logp, torch.tensor([x]), "k3").sum().backward()
+        assert abs(float(logp.grad) - (1 - math.exp(x))) < 1e-6
+
+
 def test_kl_estimates_are_exact_far_below_the_reference_and_k3_cannot_overflow():
     # logp = 0, ref = -25 (log r = -25): k1 = 25, k2 = 312.5, k3 = e^-25 - 1 + 25 ~ 24, with their true
     # gradients (a clamp of log r to +-20 gave 20, 200, 19 and gradient 0: the KL stopped pulling on exactly

@@ -28,7 +28,8 @@ def kl_estimate(
 ) -> torch.Tensor:
     """Per-token estimate of KL(p || q) from tokens sampled from ``p`` (Schulman, "Approximating KL").
 
-    With ``log r = log q - log p``: ``k1 = -log r``, ``k2 = 0.5 (log r)^2``, ``k3 = r - 1 - log r``.
+    With ``log r = log q - log p``: ``k1 = -log r``, ``k2 = 0.5 (log r)^2``, ``k3 = r - 1 - log r`` (by its
+    Taylor series for ``|log r| < 0.01``, so it stays accurate for a policy near its reference).
     Only k3's ``exp`` is guarded: ``r = exp(min(log r, clamp))``, so a token the reference finds far
     likelier than the policy cannot overflow; everywhere else the estimates (and their gradients) are
     exact, in particular on the tokens furthest below the reference, which the KL must keep pulling on.
@@ -47,7 +48,10 @@ def kl_estimate(
         return -log_r
     if est == KLEstimator.K2:
         return 0.5 * log_r.pow(2)
-    return torch.exp(log_r.clamp(max=clamp)) - 1.0 - log_r
+    # exp(x) - 1 - x cancels to noise in float32 for small |x|, where k3 ~ x^2 / 2 is what gets logged: there
+    # the Taylor series (error ~ x^5 / 120) is exact to float precision.
+    series = log_r * log_r * (0.5 + log_r * (1.0 / 6.0 + log_r / 24.0))
+    return torch.where(log_r.abs() < 1e-2, series, torch.expm1(log_r.clamp(max=clamp)) - log_r)
 
 
 def ppo_clip_loss(
