@@ -146,8 +146,9 @@ def test_zero3_resume_reproduces_the_next_step(tmp_path, extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2"), ("--gae", "--max_steps", "2")],
-                         ids=["grpo", "reference-kl-2-steps", "critic-gae-2-steps"])
+@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2"), ("--gae", "--max_steps", "2"),
+                                   ("--padding_free", "--gae", "--max_steps", "2")],
+                         ids=["grpo", "reference-kl-2-steps", "critic-gae-2-steps", "padding-free-critic-gae-2-steps"])
 def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
     # Rollouts sampled row by row with per-row seeds (identical however the questions are split), SGD
     # (Adam's first step would hide a wrongly scaled gradient): one trainer step on 2 ranks x 2
@@ -168,6 +169,8 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
             assert report["global_step"] == 2 and report["steps"][-1]["train/kl_k3"] > 0
         if "--gae" in extra:  # advantages whitened over both ranks' tokens; the critic's update is exact too
             assert report["global_step"] == 2 and "critic/value_loss" in report["steps"][-1]
+        if "--padding_free" in extra:  # the policy's and the critic's forwards processed exactly the real tokens
+            assert all(s["train/forward_tokens"] == s["train/input_tokens"] for s in report["steps"])
         params[config] = torch.load(out)
     initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
     reference = params["cpu.yaml"]
