@@ -1110,3 +1110,28 @@ def test_unencodable_output_is_escaped_in_both_modes(any_sandbox):
     result = any_sandbox.run("import sys\nprint('a\\ud800b')\nprint('c\\udcffd', file=sys.stderr)\nprint('end')")
     assert result.ok, result
     assert result.stdout == "a\\ud800b\nend\n" and result.stderr == "c\\udcffd\n"
+
+
+@pytest.mark.parametrize("isolation,mode", MODES, ids=lambda p: str(p))
+def test_an_interpreter_in_a_virtualenv_under_tmp_still_runs(tmp_path, isolation, mode):
+    # CI makes its virtualenv inside a fresh clone, which may sit under /tmp: the sandbox's /tmp is a private
+    # tmpfs, and the interpreter's folders are bound into it afterwards, with parents the sandbox user can
+    # traverse (bwrap would create them 0700 and the runner could not start).
+    import subprocess
+    import venv
+
+    home = Path(tempfile.mkdtemp(prefix="trl-sandbox-venv-", dir="/tmp"))
+    try:
+        venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True).create(home / "deep" / "venv")
+        python = home / "deep" / "venv" / "bin" / "python"
+        site = [p for p in sys.path if p.endswith("site-packages")]
+        script = ("from trl_plugins.tools.sandbox import PythonSandbox\n"
+                  f"with PythonSandbox(mode={mode!r}, isolation={str(isolation)!r}, timeout_s=10.0, warm_imports=()) as sb:\n"
+                  "    r = sb.run('import sys; print(sys.prefix, 6 * 7)')\n"
+                  "print('RESULT', r.ok, r.stdout.strip())\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *site])}
+        proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert f"RESULT True {home / 'deep' / 'venv'} 42" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

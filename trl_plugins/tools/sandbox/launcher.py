@@ -254,6 +254,9 @@ class Launcher:
             args += ["--perms", "1777", "--size", disk, "--tmpfs", private]
             for p in self.late:
                 if _under(p, private):
+                    inside = Path(p).parts[len(Path(private).parts):-1]
+                    for i in range(1, len(inside) + 1):  # bwrap would make missing parents 0700
+                        args += ["--perms", "0755", "--dir", os.path.join(private, *inside[:i])]
                     args += ["--ro-bind", p, p]
         args += ["--dir", scratch, "--size", disk, "--tmpfs", scratch, "--remount-ro", "/", "--chdir", scratch]
         if self.as_root:
