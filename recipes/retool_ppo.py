@@ -54,7 +54,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from retool.data import hide_answers, load_task_rows
     from retool.default_model import model_path_or_default
     from retool.evaluate import PeriodicHeldOut, check_eval_settings, evaluate_checkpoint
-    from retool.launch import available_cpus, configure_wandb, run_in_child
+    from retool.launch import available_cpus, claim_output_dir, configure_wandb, run_in_child
     from retool.report import format_summary, plot_run, read_metrics
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
@@ -75,6 +75,10 @@ def main(script_args: ScriptArguments, training_args) -> int:
     state = PartialState()
     main_process = state.is_main_process
     say = print if main_process else (lambda *a, **k: None)
+    # One run per output folder: every rank refuses a folder an earlier run filled; the main process moves it aside.
+    claim_output_dir(training_args.output_dir, resume=training_args.resume_from_checkpoint,
+                     overwrite=script_args.overwrite_output_dir, move=main_process, log=say)
+    state.wait_for_everyone()
     if state.num_processes == 1 and not torch.cuda.is_available() and torch.get_num_threads() < available_cpus():
         # accelerate launch sets OMP_NUM_THREADS=1 where it counts one physical core; one process may use them all.
         say(f"CPU threads: {torch.get_num_threads()} -> {available_cpus()} (one process on {available_cpus()} cores)")

@@ -453,3 +453,45 @@ def test_main_command_generates_with_continuous_batching_under_zero3_on_two_proc
     # One generate call per turn: a per-request backend (turns_mean is over all ranks, generate_calls the max).
     assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps
     assert all("heldout/accuracy" in r for r in steps)
+
+
+def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_overwriting(tmp_path):
+    # metrics.jsonl is appended to: a second run into the same folder would interleave its steps (1, 2, 1, 2).
+    import subprocess
+    import sys
+
+    from retool.launch import claim_output_dir
+
+    out = tmp_path / "out"
+    claim_output_dir(out, resume=None, overwrite=False)  # missing: fine
+    out.mkdir()
+    claim_output_dir(out, resume=None, overwrite=False)  # empty: fine
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "checkpoint-2").mkdir()
+    with pytest.raises(SystemExit, match="already holds files of an earlier run.*--resume_from_checkpoint.*--overwrite_output_dir"):
+        claim_output_dir(out, resume=None, overwrite=False)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing touched
+    claim_output_dir(out, resume="true", overwrite=False)  # resuming continues in it
+    claim_output_dir(out, resume=None, overwrite=True, move=False)  # not the main process: leaves it to the main
+    assert (out / "metrics.jsonl").exists()
+    messages = []
+    claim_output_dir(out, resume=None, overwrite=True, log=messages.append)
+    (aside,) = out.glob("previous-*")
+    assert sorted(p.name for p in out.iterdir()) == [aside.name]  # afresh; nothing deleted
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' and (aside / "checkpoint-2").is_dir()
+    assert "moved to" in messages[0]
+    claim_output_dir(out, resume=None, overwrite=False)  # an earlier run moved aside does not count
+
+    # The main command stops on it before anything is built (no embedded default, no evaluation).
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--output_dir", str(out), "--report_to", "none"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode != 0 and "already holds files of an earlier run" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_negative_learning_rate_is_refused_when_the_config_is_parsed():
+    retool_ppo = _recipe_module()
+    with pytest.raises(ValueError, match="learning_rate must be > 0, got -0.001"):
+        retool_ppo.parse_args(["--learning_rate=-1e-3"])

@@ -36,6 +36,7 @@ class ScriptArguments(ModelConfig):
     eval_every_problems: int = field(default=64, metadata={"help": "Held-out problems of each periodic evaluation (the first of the held-out split), eval_samples each."})
     embedded: str = field(default="{}", metadata={"help": "EmbeddedSettings overrides (JSON), e.g. '{\"cold_start_epochs\": 3}'."})
     rebuild_embedded: bool = field(default=False, metadata={"help": "Rebuild the cached embedded default."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir an earlier run left files in: they are moved to output_dir/previous-<time>/ (nothing is deleted). Without it (or --resume_from_checkpoint) a non-empty output_dir is refused."})
     wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})
     plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
 

@@ -140,3 +140,35 @@ def configure_wandb(report_to: Sequence[str], output_dir: str, project: str | No
 
 if __name__ == "__main__":
     sys.exit(_child_main(sys.argv[1], sys.argv[2]))
+
+
+def claim_output_dir(path: str | os.PathLike, *, resume: Any, overwrite: bool, move: bool = True,
+                     log: Callable[[str], None] = print) -> None:
+    """Make ``path`` this run's output folder, refusing to mix two runs in it.
+
+    A run appends to ``metrics.jsonl`` and writes checkpoints, evaluations and a plot there, so a second run
+    into a folder an earlier one filled would interleave their steps. An empty or missing folder is fine;
+    resuming (``resume`` set) continues in it; ``overwrite`` moves what is there to
+    ``previous-<time>/`` inside it (nothing is deleted; only where ``move``: the main process). Call it on
+    every rank, before anything is built, so that every rank stops on a refusal.
+
+    Raises:
+        SystemExit: ``path`` holds files and neither ``resume`` nor ``overwrite`` was given.
+    """
+    import time
+
+    out = Path(path)
+    entries = sorted(p for p in out.iterdir() if not p.name.startswith("previous-")) if out.is_dir() else []
+    if not entries or resume or (overwrite and not move):
+        return
+    if not overwrite:
+        shown = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise SystemExit(f"output_dir {out} already holds files of an earlier run ({shown}); a second run would mix "
+                         f"its steps into them. Resume it with --resume_from_checkpoint true (or a checkpoint path), "
+                         f"start afresh with --overwrite_output_dir true (the old files move to {out}/previous-<time>/, "
+                         f"nothing is deleted), or choose another --output_dir.")
+    aside = out / time.strftime("previous-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for entry in entries:
+        entry.rename(aside / entry.name)
+    log(f"--overwrite_output_dir: the earlier run's {len(entries)} file(s) moved to {aside}")

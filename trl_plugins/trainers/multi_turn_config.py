@@ -136,6 +136,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
             )
         if self.critic_optim not in ("adamw", "sgd"):
             raise ValueError(f"critic_optim must be 'adamw' or 'sgd', got {self.critic_optim!r}.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate} (it would otherwise fail only when the "
+                             f"optimizer is built, after the model loaded).")
         if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
             raise ValueError(f"critic_learning_rate must be > 0, got {self.critic_learning_rate}.")
         apply_trl_fields(self)  # every other TRL field: honoured, mapped or refused
