@@ -118,10 +118,14 @@ class _SeededCBSampler:
     ignored_kwargs: tuple[str, ...] = ()
 
     def __init__(self, sampling: SamplingSettings) -> None:
-        self.sampling = sampling
-        self.warp = None if sampling.temperature == 0 else _Warp(sampling)
+        self.use(sampling)
         self.rows: dict[str, tuple[int, int]] = {}
         self.logprobs: torch.Tensor | None = None
+
+    def use(self, sampling: SamplingSettings) -> None:
+        """Sample with ``sampling`` from now on (a manager kept between rollouts serves several settings)."""
+        self.sampling = sampling
+        self.warp = None if sampling.temperature == 0 else _Warp(sampling)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)
@@ -203,6 +207,8 @@ class ContinuousBatchingBackend:
         self._ids = itertools.count()
         self._futures: dict[str, Any] = {}
         self._pump = threading.Lock()
+        self._active: Any = None
+        """The running manager, inside ``session()``."""
 
     def with_sampling(self, sampling: SamplingSettings) -> "ContinuousBatchingBackend":
         """The same manager (and cache) with other sampling settings (e.g. greedy evaluation)."""
@@ -239,9 +245,7 @@ class ContinuousBatchingBackend:
         return manager
 
     def _start(self, manager: Any) -> None:
-        stopping = self._shared.pop("stopping", None)
-        if stopping is not None:
-            stopping.join()  # the previous rollout's manager is still being stopped
+        self.close()  # the previous rollout's manager may still be stopping in the background
         with torch.random.fork_rng(devices=[manager.model.device] if manager.model.device.type == "cuda" else []):
             # Building the batch processor calls torch.manual_seed (the manager's TP seed): keep the trainer's RNG.
             manager.batch_processor = manager._create_batch_processor()
@@ -276,8 +280,7 @@ class ContinuousBatchingBackend:
             was_training = unwrapped.training
             manager = self._manager_for(unwrapped)
             unwrapped.eval()
-            self._shared["sampler"].sampling = self.sampling
-            self._shared["sampler"].warp = None if self.sampling.temperature == 0 else _Warp(self.sampling)
+            self._shared["sampler"].use(self.sampling)
             self._start(manager)
             self._active = manager
             clean = False
@@ -335,7 +338,7 @@ class ContinuousBatchingBackend:
 
         if not check_generate_args(prompts, max_new_tokens, seeds):
             return []
-        manager = getattr(self, "_active", None)
+        manager = self._active
         if manager is None:
             with self.session():
                 return self.generate(prompts, max_new_tokens, seeds=seeds)

@@ -234,13 +234,19 @@ class Launcher:
             args.append("--unshare-user")
         args += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]
         made: set[str] = set()
-        for op in self.layout:  # the root is an empty tmpfs: only what is bound here is visible
-            parts = Path(op[-1]).parts[1:-1]
-            for i in range(1, len(parts) + 1):  # bwrap would make missing parents 0700
-                d = "/" + "/".join(parts[:i])
+
+        def parents(path: str, below: str = "/") -> list[str]:
+            # The missing folders between `below` and `path`, made 0755 (bwrap would make them 0700).
+            parts, out = Path(path).parts, []
+            for i in range(len(Path(below).parts) + 1, len(parts)):
+                d = str(Path(*parts[:i]))
                 if d not in made:
                     made.add(d)
-                    args += ["--perms", "0755", "--dir", d]
+                    out += ["--perms", "0755", "--dir", d]
+            return out
+
+        for op in self.layout:  # the root is an empty tmpfs: only what is bound here is visible
+            args += parents(op[-1])
             if op[0] == "symlink":
                 args += ["--symlink", op[1], op[2]]
             elif op[0] == "ro-bind":
@@ -254,10 +260,7 @@ class Launcher:
             args += ["--perms", "1777", "--size", disk, "--tmpfs", private]
             for p in self.late:
                 if _under(p, private):
-                    inside = Path(p).parts[len(Path(private).parts):-1]
-                    for i in range(1, len(inside) + 1):  # bwrap would make missing parents 0700
-                        args += ["--perms", "0755", "--dir", os.path.join(private, *inside[:i])]
-                    args += ["--ro-bind", p, p]
+                    args += parents(p, below=private) + ["--ro-bind", p, p]
         args += ["--dir", scratch, "--size", disk, "--tmpfs", scratch, "--remount-ro", "/", "--chdir", scratch]
         if self.as_root:
             caps = ["CAP_SETUID", "CAP_SETGID", "CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if role == "server" else [])
