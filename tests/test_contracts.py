@@ -112,16 +112,133 @@ class _MutatingReward:
         return 1.0
 
 
+class _StrReward:
+    def __call__(self, trajectory, example):
+        return "42"  # the extracted answer instead of a score
+
+
+class _ListReward:
+    def __call__(self, trajectory, example):
+        return [1.0, 0.0]  # one score per turn instead of one per trajectory
+
+
+class _BoolReward:
+    def __call__(self, trajectory, example):
+        return trajectory.stop_reason == "final_answer"
+
+
+class _RaisesWithoutAnswer:
+    def __call__(self, trajectory, example):
+        return float(trajectory.turns[-1].text.split("\\boxed{")[1].split("}")[0])  # IndexError without a box
+
+
+class _ExampleMutatingReward:
+    def __call__(self, trajectory, example):
+        example.pop("answer", None)
+        return 0.0
+
+
+class _NoisyReward:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, trajectory, example):
+        self.calls += 1
+        return float(self.calls)
+
+
+class _VagueSuccess:
+    def __call__(self, trajectory, example):
+        return 1.0
+
+    def is_success(self, value):
+        return "yes" if value > 0 else ""
+
+
+def _schema(name="raiser", **function):
+    return {"type": "function", "function": {"name": name, "description": "Echo the text.", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}, **function}}
+
+
 class _RaisingTool:
     name = "raiser"
 
     def schema(self):
-        return {"type": "function", "function": {"name": "raiser", "parameters": {"type": "object", "properties": {}}}}
+        return _schema()
 
     async def __call__(self, arguments):
-        if arguments:
-            raise KeyError("bad input")
+        return ToolOutput(text=arguments["text"], ok=True)  # KeyError on arguments without "text"
+
+
+class _NoSchemaTool:
+    name = "schemaless"
+
+    async def __call__(self, arguments):
         return ToolOutput(text="", ok=True)
+
+
+class _MisnamedTool(_RaisingTool):
+    def schema(self):
+        return _schema(name="other")
+
+
+class _UndescribedTool(_RaisingTool):
+    def schema(self):
+        schema = _schema()
+        del schema["function"]["description"]
+        return schema
+
+
+class _StringTool(_RaisingTool):
+    async def __call__(self, arguments):
+        return str(arguments.get("text"))
+
+
+class _SyncTool(_RaisingTool):
+    def __call__(self, arguments):
+        return ToolOutput(text="", ok=True)
+
+
+class _AcceptsAnythingTool(_RaisingTool):
+    async def __call__(self, arguments):
+        return ToolOutput(text=str(arguments), ok=True)
+
+
+class _BlamesInfraTool(_RaisingTool):
+    async def __call__(self, arguments):
+        if not isinstance(arguments.get("text"), str):
+            return ToolOutput(text="", ok=False, infra_error="bad arguments")
+        return ToolOutput(text=arguments["text"], ok=True)
+
+
+class _EchoTool(_RaisingTool):
+    """Keeps the contract: the base of the broken ones below."""
+
+    async def __call__(self, arguments):
+        if not isinstance(arguments.get("text"), str):
+            return ToolOutput(text="Error: text must be a string", ok=False)
+        return ToolOutput(text=arguments["text"], ok=True)
+
+    def close(self):
+        pass
+
+
+class _CloseOnceTool(_EchoTool):
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        if self.closed:
+            raise RuntimeError("already closed")
+        self.closed = True
+
+
+class _MedianTool(_EchoTool):
+    def step_metrics(self):
+        return {"echo/calls": 1.0}
+
+    def step_metric_reductions(self):
+        return {"echo/calls": "median"}
 
 
 class _NoBudgetRollout:
@@ -136,14 +253,100 @@ class _NoBudgetRollout:
         (check_advantage_contract, _UndeclaredAdvantage(), "must declare needs_values"),
         (check_advantage_contract, _OffMaskAdvantage(), "non-zero advantage off the action mask"),
         (check_packer_contract, _overfull, "items > 7"),
-        (check_reward_contract, _NanReward(), "returned nan"),
-        (check_reward_contract, _MutatingReward(), "changed the trajectory"),
-        (check_tool_contract, _RaisingTool(), "bad input"),
         (check_rollout_contract, _NoBudgetRollout(), "token_budget must be"),
     ],
-    ids=["loss-off-mask", "advantage-undeclared", "advantage-off-mask", "packer-limits", "reward-nan",
-         "reward-mutates", "tool-raises", "rollout-no-budget"],
+    ids=["loss-off-mask", "advantage-undeclared", "advantage-off-mask", "packer-limits", "rollout-no-budget"],
 )
 def test_each_contract_check_can_fail(check, plugin, message):
-    with pytest.raises((ContractError, KeyError), match=message):
+    with pytest.raises(ContractError, match=message):
         check(plugin)
+
+
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        (_NanReward(), r"rewards plugin _NanReward on the trajectory stopped by final_answer: returned nan; a reward must be finite"),
+        (_MutatingReward(), r"_MutatingReward on the trajectory stopped by final_answer: changed the trajectory it scored"),
+        (_StrReward(), r"_StrReward on the trajectory stopped by final_answer: returned '42' \(str\), not a number"),
+        (_ListReward(), r"_ListReward on the trajectory stopped by final_answer: returned \[1.0, 0.0\] \(list\), not a number; "
+                        r"a component scores one trajectory with one float"),
+        (_BoolReward(), r"_BoolReward on the trajectory stopped by final_answer: returned True, a bool; return a float"),
+        (_RaisesWithoutAnswer(), r"_RaisesWithoutAnswer on the trajectory without an answer: raised IndexError: .* "
+                                 r"The trainer would end the trajectory as verifier_error"),
+        (_ExampleMutatingReward(), r"_ExampleMutatingReward on the trajectory stopped by final_answer: changed the example"),
+        (_NoisyReward(), r"_NoisyReward on the trajectory stopped by final_answer: returned 1.0 and then 2.0 for the same "
+                         r"trajectory"),
+        (_VagueSuccess(), r"_VagueSuccess: is_success\(1.0\) returned 'yes', not a bool"),
+    ],
+    ids=["nan", "mutates-trajectory", "str", "list", "bool", "raises-without-answer", "mutates-example",
+         "nondeterministic", "is-success-not-bool"],
+)
+def test_reward_contract_catches(plugin, message):
+    with pytest.raises(ContractError, match=message):
+        check_reward_contract(plugin)
+
+
+def test_reward_contract_runs_the_trainers_own_rule():
+    # The trainer stores what reward_value accepts and marks verifier_error what it refuses: the same rule.
+    from types import SimpleNamespace
+
+    from trl_plugins.testing import make_trajectory
+    from trl_plugins.trainers.batch import score_trajectories
+
+    import random
+
+    trajs = [make_trajectory(random.Random(0), num_turns=1) for _ in range(3)]
+    plugins = SimpleNamespace(reward_components=[("s", 1.0, _StrReward())])
+    assert score_trajectories(plugins, trajs[:1], [{"answer": "42"}]) == {"s": 1}
+    assert trajs[0].stop_reason == "verifier_error" and "returned '42' (str), not a number" in trajs[0].error
+    plugins = SimpleNamespace(reward_components=[("b", 1.0, _BoolReward())])
+    score_trajectories(plugins, trajs[1:2], [{"answer": "42"}])
+    assert "a bool; return a float" in trajs[1].error
+    plugins = SimpleNamespace(reward_components=[("n", 2.0, _NoisyReward())])
+    assert score_trajectories(plugins, trajs[2:], [{"answer": "42"}]) == {}
+    assert [(c.name, c.value, c.weight) for c in trajs[2].reward_components] == [("n", 1.0, 2.0)]
+
+
+def test_reward_contract_takes_the_authors_trajectories_and_example():
+    from trl_plugins.testing import make_trajectory
+
+    import random
+
+    traj = make_trajectory(random.Random(0), num_turns=1)
+    traj.turns[-1].text = "\\boxed{3}"
+    check_reward_contract("correct", {"answer_key": "solution"}, example={"solution": "3"}, trajectories=[traj])
+    with pytest.raises(ContractError, match=r"rewards plugin 'correct' on the trajectory number 0 .*raised KeyError: "
+                                            r".*needs the reference answer in column 'solution'"):
+        check_reward_contract("correct", {"answer_key": "solution"}, example={"answer": "3"}, trajectories=[traj])
+    check_reward_contract(_NoisyReward(), deterministic=False)  # a sampled judge opts out of determinism only
+
+
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        (_RaisingTool(), r"tools plugin _RaisingTool: raised KeyError: 'text' on arguments \{\}. A tool never raises"),
+        (_NoSchemaTool(), r"tools plugin _NoSchemaTool: has no schema\(\) method"),
+        (_MisnamedTool(), r"_MisnamedTool: schema\(\)\['function'\]\['name'\] is 'other', but the tool's name is 'raiser'"),
+        (_UndescribedTool(), r"_UndescribedTool: schema\(\)\['function'\] has no 'description'"),
+        (_StringTool(), r"_StringTool: returned '1' for arguments \{'text': '1'\}, not a ToolOutput"),
+        (_SyncTool(), r"_SyncTool: __call__ must be async"),
+        (_AcceptsAnythingTool(), r"_AcceptsAnythingTool: returned ok=True, infra_error=None for arguments \{\} that break "
+                                 r"its schema \(missing required argument 'text'\)"),
+        (_BlamesInfraTool(), r"_BlamesInfraTool: returned ok=False, infra_error='bad arguments' for arguments \{\}"),
+        (_CloseOnceTool(), r"_CloseOnceTool: close\(\) raised RuntimeError: already closed \(it must be idempotent\)"),
+        (_MedianTool(), r"_MedianTool: step_metric_reductions\(\) returned \{'echo/calls': 'median'\}"),
+    ],
+    ids=["raises-on-bad-arguments", "no-schema", "schema-misnamed", "no-description", "returns-str", "not-async",
+         "ok-on-bad-arguments", "infra-error-on-bad-arguments", "close-not-idempotent", "unknown-reduction"],
+)
+def test_tool_contract_catches(plugin, message):
+    with pytest.raises(ContractError, match=message):
+        check_tool_contract(plugin)
+
+
+def test_tool_contract_checks_the_authors_arguments_against_the_schema():
+    tool = _EchoTool()
+    check_tool_contract(tool, arguments={"text": "hello"})
+    with pytest.raises(ContractError, match=r"the arguments \{'text': 5\} do not fit the schema \(argument 'text' must be "
+                                            r"of type string, got int\): the rollout would refuse such a call"):
+        check_tool_contract(tool, arguments={"text": 5})

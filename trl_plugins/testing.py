@@ -15,8 +15,8 @@ nothing when the plugin meets its seam's contract.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-import math
 import pickle
 import random
 from dataclasses import dataclass
@@ -451,11 +451,36 @@ def check_packer_contract(plugin: Any) -> None:
     _check(pickle.loads(pickle.dumps(packer)) is packer, label, "does not pickle by reference (define it at module level)")
 
 
-def _finished(stop_reason: StopReason) -> Trajectory:
-    rng = random.Random(3)
-    traj = make_trajectory(rng, num_turns=2, stop_reason=stop_reason)
-    traj.turns[-1].text = "The answer is \\boxed{42}."
-    return traj
+def _reward_cases() -> list[tuple[str, Trajectory]]:
+    """``(description, trajectory)``: what a reward component meets in training. Every stop reason the
+    trainer scores (world failures are not scored), right, wrong and missing answers, a tool call that
+    failed, an empty last turn, one turn or two."""
+    from trl_plugins.types import ToolCall
+
+    cases = []
+    for reason in StopReason:
+        if reason.is_world_failure:
+            continue
+        traj = make_trajectory(random.Random(3), num_turns=2, stop_reason=reason)
+        traj.turns[0].text = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+        traj.turns[0].tool_call = ToolCall("code_interpreter", {"code": "print(6 * 7)"}, output="42\n", ok=True)
+        traj.turns[-1].text = "The answer is \\boxed{42}."
+        traj.turns[-1].truncated = reason == StopReason.TURN_LENGTH
+        cases.append((f"stopped by {reason.value}", traj))
+    wrong = make_trajectory(random.Random(4), num_turns=1)
+    wrong.turns[-1].text = "The answer is \\boxed{7}."
+    cases.append(("with a wrong answer", wrong))
+    missing = make_trajectory(random.Random(5), num_turns=1, stop_reason=StopReason.NO_TOOL_CALL)
+    missing.turns[-1].text = "I do not know."
+    cases.append(("without an answer", missing))
+    empty = make_trajectory(random.Random(6), num_turns=1, stop_reason=StopReason.NO_TOOL_CALL)
+    empty.turns[-1].completion_ids, empty.turns[-1].completion_logprobs, empty.turns[-1].text = [], [], ""
+    cases.append(("with an empty last turn", empty))
+    failed = make_trajectory(random.Random(7), num_turns=2, stop_reason=StopReason.INVALID_ACTION)
+    failed.turns[0].tool_call = ToolCall("code_interpreter", {"code": "1 / 0"}, output="ZeroDivisionError: division by zero")
+    failed.turns[-1].text = "<tool_call>\n{not json"
+    cases.append(("after a failed tool call, ending in a malformed one", failed))
+    return cases
 
 
 def check_reward_contract(
@@ -464,26 +489,108 @@ def check_reward_contract(
     *,
     example: Mapping[str, Any] | None = None,
     trajectories: Sequence[Trajectory] | None = None,
+    deterministic: bool = True,
 ) -> None:
-    """A reward component: ``component(trajectory, example)`` returns a finite float for finished
-    trajectories of every stop reason, does not change the trajectory, and pickles.
+    """A reward component, called as the trainer calls it: ``component(trajectory, example)`` on every
+    trajectory the trainer would score returns one finite number (the trainer's own rule,
+    :func:`trl_plugins.rewards.reward_value`) without raising, leaves the trajectory and the example
+    unchanged, returns the same value again for the same input (``deterministic``; pass ``False`` for a
+    sampled judge), has an ``is_success(value)`` that returns a bool if it has one, a ``close()`` that
+    can be called twice if it has one, and pickles.
 
-    ``example`` is the dataset row (default ``{"answer": "42", "prompt": "..."}``); ``trajectories``
-    replaces the built-in fake ones (one per stop reason, last turn ``The answer is \\boxed{42}.``).
+    A component that raises is not scoring the trajectory as wrong: the trainer ends that trajectory as
+    ``verifier_error`` and does not train on it. So a wrong, missing or truncated answer must get a
+    value; raise only when the component cannot score at all (its verifier is down, the example lacks a
+    column it needs).
+
+    Args:
+        plugin: A registry name, ``"pkg.mod:attr"`` (constructed with ``kwargs``) or an instance.
+        example: The dataset row (default ``{"answer": "42", "prompt": "What is 6 * 7?"}``).
+        trajectories: Replace the built-in ones (one per stop reason the trainer scores, with the answer
+            ``\\boxed{42}``, plus a wrong answer, no answer, an empty last turn and a failed tool call).
+            Each must pass :func:`~trl_plugins.rollout.validate.validate_trajectory`.
+
+    Raises:
+        ContractError: naming the plugin, the trajectory and what is wrong.
+        TrajectoryError: a trajectory given in ``trajectories`` breaks the trajectory contract.
     """
+    import copy
+
     from trl_plugins.registry import REWARDS
+    from trl_plugins.rewards import reward_value
+    from trl_plugins.rollout.validate import validate_trajectory
+    from trl_plugins.tools.base import close_plugin
 
     label, reward = _resolve(REWARDS, plugin, kwargs)
-    example = dict(example or {"answer": "42", "prompt": "What is 6 * 7?"})
-    trajs = list(trajectories) if trajectories is not None else [_finished(r) for r in StopReason]
-    for traj in trajs:
-        before = pickle.dumps(traj)
-        value = reward(traj, example)
-        where = f"{label} on a trajectory stopped by {traj.stop_reason}"
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), where, f"returned {value!r}, not a float")
-        _check(math.isfinite(float(value)), where, f"returned {value}")
-        _check(pickle.dumps(traj) == before, where, "changed the trajectory it scored")
+    _check(callable(reward), label, f"{type(reward).__name__} is not callable as component(trajectory, example)")
+    example = dict(example if example is not None else {"answer": "42", "prompt": "What is 6 * 7?"})
+    if trajectories is None:
+        cases = _reward_cases()
+    else:
+        cases = [(f"number {i} (stopped by {t.stop_reason})", t) for i, t in enumerate(trajectories)]
+    is_success = getattr(reward, "is_success", None)
+    for what, traj in cases:
+        validate_trajectory(traj)  # the trainer scores only trajectories that pass it
+        where = f"{label} on the trajectory {what}"
+        values = []
+        for _ in range(2 if deterministic else 1):
+            before, row = pickle.dumps(traj), copy.deepcopy(example)
+            try:
+                returned = reward(traj, row)
+            except Exception as exc:
+                raise ContractError(
+                    f"{where}: raised {type(exc).__name__}: {exc}. The trainer would end the trajectory as "
+                    f"verifier_error and not train on it; return a value for a wrong, missing or truncated answer "
+                    f"and raise only when the component cannot score at all."
+                ) from exc
+            try:
+                values.append(reward_value(returned))
+            except (TypeError, ValueError) as exc:
+                raise ContractError(f"{where}: {exc}") from None
+            _check(pickle.dumps(traj) == before, where, "changed the trajectory it scored")
+            _check(row == example, where, "changed the example (the dataset row every sample of the group shares)")
+        _check(len(set(values)) == 1, where,
+               f"returned {values[0]} and then {values[-1]} for the same trajectory and example; a reward must depend "
+               f"on them only (seed any randomness), or pass deterministic=False")
+        if is_success is not None:
+            verdict = is_success(values[0])
+            _check(isinstance(verdict, bool) or type(verdict).__name__ == "bool_", label,
+                   f"is_success({values[0]}) returned {verdict!r}, not a bool")
     _pickles(reward, label, equal=False)
+    try:
+        close_plugin(reward)
+        close_plugin(reward)
+    except Exception as exc:
+        raise ContractError(f"{label}: close() raised {type(exc).__name__}: {exc} (it must be idempotent)") from exc
+
+
+_SAMPLE_VALUES = {"string": "1", "integer": 1, "number": 1.0, "boolean": True, "object": {}, "array": []}
+_WRONG_VALUES = {"string": 1, "integer": "1", "number": "1", "boolean": "yes", "object": "{}", "array": "[]"}
+_REDUCTIONS = ("sum", "max", "min", "mean")
+
+
+def _schema_problem(schema: Any, name: str) -> str | None:
+    """Why ``schema`` is not an OpenAI function schema for the tool ``name``, or None."""
+    import json
+
+    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
+        return f"schema() returned {schema!r:.200}; it must be {{'type': 'function', 'function': {{...}}}}"
+    fn = schema["function"]
+    if fn.get("name") != name:
+        return f"schema()['function']['name'] is {fn.get('name')!r}, but the tool's name is {name!r}; the model calls it by the schema's"
+    if not isinstance(fn.get("description"), str) or not fn["description"].strip():
+        return "schema()['function'] has no 'description': the model is told what the tool does only there"
+    params = fn.get("parameters")
+    if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(params.get("properties", {}), dict):
+        return "schema()['function']['parameters'] must be a JSON-schema object: {'type': 'object', 'properties': {...}}"
+    props, required = params.get("properties", {}), params.get("required", [])
+    if not isinstance(required, list) or any(k not in props for k in required):
+        return f"schema()['function']['parameters']['required'] ({required!r}) must list keys of 'properties' ({sorted(props)})"
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        return f"schema() is not JSON (the chat template renders it as JSON): {exc}"
+    return None
 
 
 def check_tool_contract(
@@ -491,42 +598,146 @@ def check_tool_contract(
     kwargs: Mapping[str, Any] | None = None,
     *,
     arguments: Mapping[str, Any] | None = None,
+    concurrent_calls: int = 4,
 ) -> None:
-    """A tool: a name, an OpenAI-format schema, an async call returning :class:`ToolOutput` for
-    ``arguments`` (default: one value of the schema's type per required parameter) and for bad
-    arguments without raising, optional ``step_metrics`` returning floats, and ``close``; picklable.
+    """A tool, called as the rollout calls it.
+
+    Asserts: a non-empty ``name``; an OpenAI function schema naming it, with a description and an object
+    of parameters whose required keys are among its properties, that the trainer's chat format renders
+    to the model and whose call, written as the model writes it, parses back to ``arguments`` (else the
+    rollout would refuse every such call as ``invalid_action``); an ``async __call__`` that returns a
+    :class:`~trl_plugins.tools.base.ToolOutput` (``text`` a str, ``ok`` a bool) without raising, with no
+    ``infra_error`` for ``arguments`` (run alone and ``concurrent_calls`` at once on one event loop, as
+    the rollout does) and ``ok=False`` without ``infra_error`` for arguments the schema refuses (missing,
+    unexpected or mistyped: the model's mistake, which it should see); ``idempotent`` a bool if
+    declared; ``start_up()`` a str and ``step_metrics()`` ``{name: float}`` and
+    ``step_metric_reductions()`` ``{name: "sum" | "max" | "min" | "mean"}`` if defined; a ``close()``
+    that can be called twice, after which the tool works again; and that it pickles. The tool is closed
+    at the end.
+
+    Args:
+        plugin: A registry name, ``"pkg.mod:attr"`` (constructed with ``kwargs``) or an instance.
+        arguments: Valid arguments (default: one value of the schema's type per required parameter).
+        concurrent_calls: Calls run at once (0: none).
+
+    Raises:
+        ContractError: naming the plugin and what is wrong.
     """
     from trl_plugins.registry import TOOLS
-    from trl_plugins.tools.base import ToolOutput
+    from trl_plugins.rollout.engine import run_async
+    from trl_plugins.tools.base import ToolOutput, check_arguments, close_plugin
 
     label, tool = _resolve(TOOLS, plugin, kwargs)
+
+    async def call(args: dict, times: int = 1) -> list[Any]:
+        return list(await asyncio.gather(*(tool(dict(args)) for _ in range(times))))
+
+    def run(args: dict, times: int = 1) -> list[ToolOutput]:
+        try:
+            outs = run_async(call(args, times))
+        except Exception as exc:
+            raise ContractError(
+                f"{label}: raised {type(exc).__name__}: {exc} on arguments {args}. A tool never raises: the model's "
+                f"mistakes are ToolOutput(text='Error: ...', ok=False), the tool's own failures "
+                f"ToolOutput(infra_error=..., ok=False); the rollout counts an exception as the latter."
+            ) from exc
+        for out in outs:
+            _check(isinstance(out, ToolOutput) and isinstance(out.text, str) and isinstance(out.ok, bool), label,
+                   f"returned {out!r:.200} for arguments {args}, not a ToolOutput(text: str, ok: bool, ...)")
+        return outs
+
     try:
-        name = tool.name
-        _check(isinstance(name, str) and name, label, f"name {name!r} is not a non-empty string")
+        name = getattr(tool, "name", None)
+        _check(isinstance(name, str) and bool(name), label, f"name {name!r} is not a non-empty string")
+        label = f"{label} (name {name!r})" if isinstance(plugin, str) and plugin != name else label
+        _check(callable(getattr(tool, "schema", None)), label, "has no schema() method: the model would not be told the tool exists")
         schema = tool.schema()
-        fn = schema.get("function", {})
-        _check(schema.get("type") == "function" and fn.get("name") == name, label,
-               "schema() must be {'type': 'function', 'function': {'name': <tool.name>, ...}}")
-        _check(isinstance(fn.get("parameters"), dict), label, "schema has no 'parameters' object")
-        _check(inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async")
+        problem = _schema_problem(schema, name)
+        _check(problem is None, label, str(problem))
+        _check(inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async (the rollout awaits it)")
+        idempotent = getattr(tool, "idempotent", False)
+        _check(isinstance(idempotent, bool), label, f"idempotent must be a bool, got {idempotent!r}")
+        params = schema["function"]["parameters"]
+        props = params.get("properties", {})
         if arguments is None:
-            samples = {"string": "1", "integer": 1, "number": 1.0, "boolean": True, "object": {}, "array": []}
-            props = fn["parameters"].get("properties", {})
-            arguments = {k: samples.get(props.get(k, {}).get("type"), "1") for k in fn["parameters"].get("required", [])}
-        for args in (dict(arguments), {"unexpected": object.__name__}, {}):
-            out = asyncio.run(tool(args))
-            _check(isinstance(out, ToolOutput) and isinstance(out.text, str), label,
-                   f"returned {type(out).__name__} for arguments {args}; a tool returns ToolOutput and never raises on model input")
+            arguments = {k: _SAMPLE_VALUES.get(props[k].get("type"), "1") for k in params.get("required", [])}
+        arguments = dict(arguments)
+        why = check_arguments(schema, arguments)
+        _check(why is None, label, f"the arguments {arguments} do not fit the schema ({why}): the rollout would refuse "
+                                   f"such a call as invalid_action before the tool runs")
+        _check_renders_and_parses(label, schema, arguments)
+        start_up = getattr(tool, "start_up", None)
+        if callable(start_up):
+            said = start_up()
+            _check(isinstance(said, str), label, f"start_up() returned {said!r:.100}; it returns what the trainer logs (a str)")
+
+        for out in run(arguments) + (run(arguments, concurrent_calls) if concurrent_calls else []):
+            _check(out.infra_error is None, label,
+                   f"failed itself on the valid arguments {arguments}: infra_error={out.infra_error!r}")
+        bad = [{}, {**arguments, "unexpected_argument": "1"}]
+        bad += [{**arguments, k: _WRONG_VALUES.get(props[k].get("type"), None)} for k in params.get("required", [])]
+        for args in bad:
+            why = check_arguments(schema, args)
+            if why is None:  # valid after all (no required keys, extra keys allowed)
+                continue
+            (out,) = run(args)
+            _check(not out.ok and out.infra_error is None, label,
+                   f"returned ok={out.ok}, infra_error={out.infra_error!r} for arguments {args} that break its schema "
+                   f"({why}); the model's mistake is ToolOutput(text='Error: ...', ok=False) so that it sees it, "
+                   f"not an infra_error (which ends the trajectory untrained)")
+
         step_metrics = getattr(tool, "step_metrics", None)
-        if step_metrics is not None:
+        if callable(step_metrics):
             metrics = step_metrics()
-            _check(isinstance(metrics, dict) and all(isinstance(v, (int, float)) for v in metrics.values()), label,
-                   "step_metrics() must return {name: float}")
+            _check(isinstance(metrics, dict) and all(isinstance(k, str) and isinstance(v, (int, float))
+                                                     and not isinstance(v, bool) for k, v in metrics.items()),
+                   label, f"step_metrics() returned {metrics!r:.200}; it must return {{name: float}}")
+        reductions = getattr(tool, "step_metric_reductions", None)
+        if callable(reductions):
+            declared = reductions()
+            _check(isinstance(declared, dict) and all(v in _REDUCTIONS for v in declared.values()), label,
+                   f"step_metric_reductions() returned {declared!r:.200}; each value must be one of {list(_REDUCTIONS)}")
         _pickles(tool, label, equal=False)
-    finally:
-        close = getattr(tool, "close", None)
-        if close is not None:
-            close()
+
+        if callable(getattr(tool, "close", None)):
+            try:
+                close_plugin(tool)
+                close_plugin(tool)
+            except Exception as exc:
+                raise ContractError(f"{label}: close() raised {type(exc).__name__}: {exc} (it must be idempotent)") from exc
+            (out,) = run(arguments)
+            _check(out.infra_error is None, label,
+                   f"does not work after close(): infra_error={out.infra_error!r}; a closed tool starts its resources "
+                   f"again on its next call")
+    except BaseException:
+        with contextlib.suppress(Exception):  # the contract error is the news, not a second failure closing
+            close_plugin(tool)
+        raise
+    close_plugin(tool)
+
+
+def _check_renders_and_parses(label: str, schema: dict, arguments: dict) -> None:
+    """The trainer's chat format shows ``schema`` to the model, and a call written as the model writes it
+    parses back to ``arguments`` (a Qwen2.5 template on a tiny tokenizer)."""
+    import json
+
+    from trl_plugins.rollout import ChatFormat, TurnKind
+    from trl_plugins.rollout.chat import ChatTemplateError
+
+    name = schema["function"]["name"]
+    tok = build_tokenizer("qwen2_5")
+    try:
+        chat = ChatFormat(tok, [schema])
+    except ChatTemplateError as exc:
+        raise ContractError(f"{label}: the chat format refuses its schema: {exc}") from exc
+    prompt = chat.initial_prompt_ids([{"role": "user", "content": "question"}])
+    _check(name in tok.decode(prompt), label, "its schema does not reach the prompt the model sees")
+    body = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    completion = tok(body, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    parsed = chat.parse(prompt, completion)
+    _check(parsed.kind == TurnKind.TOOL_CALL and parsed.tool_name == name and parsed.arguments == arguments, label,
+           f"a call of it with {arguments}, as the model writes it, parses as {parsed.kind} "
+           f"({parsed.tool_name!r}, {parsed.arguments!r}, error {parsed.error!r}), not as that call")
 
 
 def check_rollout_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None) -> None:

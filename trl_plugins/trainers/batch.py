@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import threading
 from typing import Any, Iterator, Mapping, Sequence
@@ -18,6 +17,7 @@ import torch
 
 from trl_plugins.datum import build_datum
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, RolloutResult, VLLMBackend, questions_from_rows
+from trl_plugins.rewards import reward_value
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.trainers.plugins import RunPlugins
 from trl_plugins.algos import kl_estimate
@@ -216,7 +216,7 @@ def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], 
                        time_limit_s: float | None = None) -> dict[str, int]:
     """Store each reward component (name, value, weight) on each trajectory; ``rows[traj.group_id]`` is its example.
 
-    A component that raises, returns a non-finite value or runs past ``time_limit_s`` does not stop the
+    A component that raises, returns anything but one finite number (:func:`~trl_plugins.rewards.reward_value`) or runs past ``time_limit_s`` does not stop the
     run and does not score the trajectory as wrong: the trajectory gets ``StopReason.VERIFIER_ERROR``,
     ``error`` naming the component and the exception, and no reward components. Trajectories the
     environment already failed (``environment_error``) are not scored.
@@ -234,9 +234,7 @@ def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], 
         for name, weight, fn in plugins.reward_components:
             try:
                 with _time_limit(time_limit_s):
-                    value = float(fn(traj, row))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned {value}")
+                    value = reward_value(fn(traj, row))  # the same rule check_reward_contract applies
             except (Exception, VerifierTimeout) as exc:
                 failures[name] = failures.get(name, 0) + 1
                 traj.stop_reason = StopReason.VERIFIER_ERROR
