@@ -190,3 +190,41 @@ def test_calculator_schema_works_with_the_chat_format_and_the_rollout(example):
     concise = REWARDS.get("concise")
     assert concise(budget_tokens=n)(traj, {}) == 0.0
     assert math.isclose(concise(budget_tokens=n - 4)(traj, {}), -4 / (n - 4))
+
+
+def test_the_packages_own_contract_tests_pass_on_the_installed_copy(example):
+    # examples/trl-plugins-example/tests/test_contracts.py is what the package's authors run; it resolves the
+    # names through the installed entry points, so it runs here with the installed copy on sys.path.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_contract_tests", EXAMPLE / "tests" / "test_contracts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tests = [getattr(module, n) for n in dir(module) if n.startswith("test_")]
+    assert [t.__name__ for t in tests] == ["test_calculator_keeps_the_tool_contract", "test_concise_keeps_the_reward_contract"]
+    for test in tests:
+        test()
+    assert REWARDS.entry("concise").target is not None and TOOLS.entry("calculator").target is not None  # loaded
+
+
+def test_the_contract_checks_catch_a_broken_copy_of_the_example(example):
+    # Negative control: the same checks fail on the example's plugins broken the way an author might break them.
+    from trl_plugins.testing import ContractError, check_reward_contract, check_tool_contract
+    from trl_plugins.tools.base import ToolOutput
+
+    concise, calculator = REWARDS.get("concise"), TOOLS.get("calculator")
+
+    class PerTurnConcise(concise):
+        def __call__(self, trajectory, example):
+            return [super(PerTurnConcise, self).__call__(trajectory, example)] * len(trajectory.turns)
+
+    class RaisingCalculator(calculator):
+        async def __call__(self, arguments):
+            return ToolOutput(text=repr(self.evaluate(arguments["expression"])), ok=True)
+
+    with pytest.raises(ContractError, match=r"rewards plugin PerTurnConcise on the trajectory stopped by final_answer: "
+                                            r"returned \[0.0, 0.0\] \(list\), not a number"):
+        check_reward_contract(PerTurnConcise())
+    with pytest.raises(ContractError, match=r"tools plugin RaisingCalculator: raised KeyError: 'expression' on arguments "
+                                            r"\{\}. A tool never raises"):
+        check_tool_contract(RaisingCalculator(), arguments={"expression": "6 * 7"})
