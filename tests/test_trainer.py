@@ -837,3 +837,24 @@ def test_a_signal_during_the_update_saves_that_step_and_raises(tmp_path):
     assert info.value.exit_code == 130 and info.value.step == 2 and trainer.state.global_step == 2
     assert (tmp_path / "checkpoint-2" / COMPLETE_MARKER).is_file() and not (tmp_path / "checkpoint-3").exists()
     assert tool.closed == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_tool_declaring_an_unknown_metric_reduction_is_refused_at_start_up(tmp_path):
+    from test_contracts import _MedianTool
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    # An unknown reduction would silently become a mean over ranks.
+    with pytest.raises(ValueError, match=r"tool 'echo': step_metric_reductions\(\) returned "
+                                         r"\{'echo/calls': 'median'\}; each value must be one of"):
+        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=1, tools=["echo"]), train_dataset=_dataset(),
+                             processing_class=tok, tools={"echo": _MedianTool()},
+                             reward_components={"length": ConstantReward()})
+
+
+def test_metrics_with_an_unknown_declared_reduction_are_refused():
+    from trl_plugins.rollout.metrics import reduce_rank_metrics
+
+    assert reduce_rank_metrics([{"a": 1.0}, {"a": 3.0}], {"a": "max"}) == {"a": 3.0}
+    with pytest.raises(ValueError, match="declares the reduction 'median'"):
+        reduce_rank_metrics([{"a": 1.0}, {"a": 3.0}], {"a": "median"})

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from trl_plugins.rollout.metrics import METRIC_REDUCTIONS as _REDUCTIONS  # the trainer's own list
 from trl_plugins.types import (
     AdvantageInput,
     AdvantageOutput,
@@ -566,7 +567,6 @@ def check_reward_contract(
 
 _SAMPLE_VALUES = {"string": "1", "integer": 1, "number": 1.0, "boolean": True, "object": {}, "array": []}
 _WRONG_VALUES = {"string": 1, "integer": "1", "number": "1", "boolean": "yes", "object": "{}", "array": "[]"}
-_REDUCTIONS = ("sum", "max", "min", "mean")
 
 
 def _schema_problem(schema: Any, name: str) -> str | None:

@@ -180,6 +180,8 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
 _SUM = ("train/datums",)
 _MAX = ("rollout/generate_calls", "rollout/max_concurrent_tool_calls", "rollout/critical_path_s",
         "rollout/critical_path_ratio", "rollout/queue_s_mean")
+METRIC_REDUCTIONS = ("sum", "max", "min", "mean")
+"""How a plugin may declare its ``step_metrics()`` combine over ranks (``step_metric_reductions()``)."""
 _PER_RANK = {"timing/step_s": "step_s", "timing/rollout_s": "rollout_s", "train/datums": "datums"}
 
 
@@ -199,6 +201,8 @@ def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mappi
         values = [float(m[key]) for m in per_rank if key in m]
         declared = (reductions or {}).get(key)
         if declared is not None:
+            if declared not in METRIC_REDUCTIONS:
+                raise ValueError(f"metric {key!r} declares the reduction {declared!r}; use one of {list(METRIC_REDUCTIONS)}.")
             out[key] = {"sum": sum, "max": max, "min": min}.get(declared, lambda v: sum(v) / len(v))(values)
         elif key in _SUM:
             out[key] = sum(values)

@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from trl_plugins.rollout import RolloutCancelled, derive_seed
-from trl_plugins.rollout.metrics import engine_metrics, reduce_rank_metrics, reward_metrics, summarize, trajectory_metrics
+from trl_plugins.rollout.metrics import METRIC_REDUCTIONS, engine_metrics, reduce_rank_metrics, reward_metrics, summarize, trajectory_metrics
 from trl_plugins.trainers.batch import (
     KL_PENALTY_COMPONENT,
     add_kl_penalty,
@@ -193,10 +193,15 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._step_summaries: list | None = None
         # How the tools' step_metrics() combine over ranks (what they declare; the tools do not change).
         self._metric_reductions: dict[str, str] = {}
-        for tool in self._plugins.tools.values():
+        for name, tool in self._plugins.tools.items():
             declared = getattr(tool, "step_metric_reductions", None)
             if declared is not None:
-                self._metric_reductions.update(declared())
+                reductions = declared()
+                bad = {k: v for k, v in reductions.items() if v not in METRIC_REDUCTIONS}
+                if bad:  # validated at the seam: an unknown one would silently become a mean over ranks
+                    raise ValueError(f"tool {name!r}: step_metric_reductions() returned {bad}; each value must be one of "
+                                     f"{list(METRIC_REDUCTIONS)}.")
+                self._metric_reductions.update(reductions)
         self._buffered_datums: list | None = None
         self._rollout_step = 0
         self._last_trajectories: list[Trajectory] = []
