@@ -1,0 +1,337 @@
+"""Trajectory viewer: saved batch round trip, the page's spans against the datum token for token, escaping,
+the CLI's errors, a real headless Chromium that loads the page, and the trainer writing pages."""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from trl_plugins.datum import build_datum
+from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend
+from trl_plugins.testing import build_tokenizer
+from trl_plugins.tools.base import ToolOutput
+from trl_plugins.trainers.batch import training_mask
+from trl_plugins.types import RewardComponent, StopReason, TokenSource
+from trl_plugins.viewer import (
+    FORMAT,
+    SOURCE_COLOURS,
+    UpdateRole,
+    ViewerError,
+    datum_from_dict,
+    display_text,
+    load_batch,
+    main,
+    make_batch,
+    render_html,
+    save_batch,
+)
+
+SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "description": "Run Python.",
+          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+# Tool output with markup, an entity, a carriage return and newlines: all must reach the page as text.
+TOOL_TEXT = "<b>x</b> & y\r\n1 < 2\n"
+
+
+class MarkupTool:
+    """Returns TOOL_TEXT; fails in the infrastructure when the code says so."""
+
+    name = "code_interpreter"
+
+    def schema(self) -> dict:
+        return SCHEMA
+
+    async def __call__(self, arguments: dict) -> ToolOutput:
+        if "crash" in arguments["code"]:
+            return ToolOutput(text="", ok=False, infra_error="SandboxError: could not start")
+        return ToolOutput(text=TOOL_TEXT, ok=True)
+
+
+class VaryingLogprobs(ScriptedBackend):
+    """ScriptedBackend whose log-prob differs per token (so a misplaced log-prob would show)."""
+
+    def generate(self, prompts, max_new_tokens, *, seeds):
+        samples = super().generate(prompts, max_new_tokens, seeds=seeds)
+        for s in samples:
+            s.logprobs = [-0.05 - 0.37 * ((tok * 7 + k) % 11) for k, tok in enumerate(s.token_ids)]
+        return samples
+
+
+def _script(tok):
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def script(prompt):
+        text = tok.decode(prompt)
+        if "ramble" in text:  # never stops: cut at max_assistant_tokens
+            return tok(" and so on" * 60, add_special_tokens=False)["input_ids"]
+        code = "crash()" if "crash" in text else "print('<b>x</b> & y')"
+        if "<tool_response>" not in text:
+            call = {"name": "code_interpreter", "arguments": {"code": code}}
+            body = f"Let me compute.\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        else:
+            body = "The answer is \\boxed{4}."
+        return tok(body, add_special_tokens=False)["input_ids"] + [end]
+
+    return script
+
+
+def realistic_batch():
+    """A step's worth of real rollouts on the Qwen2.5 template: group 0 calls the tool then answers (rewards
+    differ: trained), group 1 rambles until the turn budget (truncated, equal rewards: zero advantage),
+    group 2's tool fails in the infrastructure (environment_error: left out of the update)."""
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [SCHEMA])
+    rows = [{"id": "add", "prompt": "What is 2 + 2?", "answer": "4"},
+            {"id": "ramble", "prompt": "ramble about 3 & 4 <please>", "answer": "7"},
+            {"id": "crash", "prompt": "crash the tool", "answer": "0"}]
+    questions = [RolloutQuestion(r["id"], chat.initial_prompt_ids([{"role": "system", "content": "Solve it."},
+                                                                  {"role": "user", "content": r["prompt"]}]), group_id=k)
+                 for k, r in enumerate(rows)]
+    backend = VaryingLogprobs(_script(tok), stop_token_ids=chat.stop_token_ids)
+    rollout = MultiTurnRollout(max_turns=3, max_assistant_tokens=100, max_trajectory_tokens=900, tool_retries=0)
+    trajs = rollout(RolloutRequest(questions, 2, backend, chat, {"code_interpreter": MarkupTool()}, policy_step=3, seed=1)).trajectories
+    for t in trajs:
+        if not t.world_failure:
+            correct = 1.0 if (t.group_id == 0 and t.sample_index == 0) else 0.0
+            t.reward_components = [RewardComponent("correct", correct, 1.0), RewardComponent("format", 0.5, 0.1)]
+    masked = training_mask(trajs, mask_truncated=False)
+    for g in {t.group_id for t in trajs}:  # group-relative advantage over the members kept
+        members = [t for t, m in zip(trajs, masked) if t.group_id == g and not m]
+        mean = sum(t.reward for t in members) / max(len(members), 1)
+        for t, m in zip(trajs, masked):
+            if t.group_id == g:
+                t.advantage = 0.0 if m else t.reward - mean
+    datums = [build_datum(t, trajectory_index=i) for i, t in enumerate(trajs) if not masked[i]]
+    return trajs, datums, tok, rows, masked
+
+
+@pytest.fixture(scope="module")
+def batch_parts():
+    trajs, datums, tok, rows, masked = realistic_batch()
+    # The fixture is what the test relies on: a tool call, a truncation, a world failure, a zero advantage.
+    assert trajs[0].num_tool_calls == 1 and trajs[0].stop_reason == StopReason.FINAL_ANSWER
+    assert trajs[2].stop_reason == StopReason.TURN_LENGTH and trajs[2].truncated
+    assert trajs[4].stop_reason == StopReason.ENVIRONMENT_ERROR and masked == [False] * 4 + [True] * 2
+    return trajs, datums, tok, rows, masked
+
+
+@pytest.fixture(scope="module")
+def batch(batch_parts):
+    trajs, datums, tok, rows, masked = batch_parts
+    return make_batch(trajs, datums, tok, step=10, rows=rows, masked=masked, forwarded={0, 1})
+
+
+class _Spans(html.parser.HTMLParser):
+    """Every token span (attributes and text) of a page, per trajectory section, and the body's attributes."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.sections: dict[int, list[dict]] = {}
+        self.body: dict = {}
+        self.swatches: dict[str, dict] = {}
+        self.errors_text = ""
+        self._section = None
+        self._open: dict | None = None
+        self._in_errors = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body":
+            self.body = a
+        if tag == "section" and "data-trajectory" in a:
+            self._section = int(a["data-trajectory"])
+            self.sections[self._section] = []
+        cls = (a.get("class") or "").split()
+        if tag == "span" and "tok" in cls:
+            self._open = {**a, "class": cls, "text": ""}
+            self.sections[self._section].append(self._open)
+        if tag == "span" and "sw" in cls:
+            self.swatches[a["data-source"]] = a
+        if a.get("id") == "js-errors":
+            self._in_errors = True
+
+    def handle_endtag(self, tag):
+        if tag == "span":
+            self._open = None
+        if tag == "div":
+            self._in_errors = False
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open["text"] += data
+        if self._in_errors:
+            self.errors_text += data
+
+
+def parse(page: str) -> _Spans:
+    p = _Spans()
+    p.feed(page)
+    return p
+
+
+def assert_spans_match_datums(spans: list[dict], datum, strings: list[str], first_source: str) -> None:
+    """The page's spans of one trajectory against its datum: every datum position exactly once, in order,
+    with its source, mask, log-prob and advantage; the first token (context only) before them."""
+    first, rest = spans[0], spans[1:]
+    assert "data-index" not in first and first["data-pos"] == "0" and first["data-source"] == first_source
+    assert [int(s["data-index"]) for s in rest] == list(range(len(datum.target_ids)))
+    assert [int(s["data-id"]) for s in spans] == datum.input_ids + [datum.target_ids[-1]]
+    assert [s["data-source"] for s in rest] == [TokenSource(x).name.lower() for x in datum.sources]
+    assert [int(s["data-mask"]) for s in rest] == datum.action_mask
+    assert [float(s["data-logprob"]) for s in rest] == datum.behaviour_logprobs
+    assert [float(s["data-adv"]) for s in rest] == datum.advantages
+    assert [f"s-{s['data-source']}" in s["class"] for s in spans] == [True] * len(spans)
+    assert [s["text"] for s in spans] == [display_text(x) for x in strings]
+
+
+def test_saved_batch_round_trips_the_datums_and_says_what_the_update_did(batch_parts, batch, tmp_path):
+    trajs, datums, tok, rows, masked = batch_parts
+    path = tmp_path / "trajectories" / "step-000010.json"
+    save_batch(path, trajs, datums, tok, step=10, rows=rows, masked=masked, forwarded={0, 1})
+    loaded = load_batch(path)
+    assert loaded["format"] == FORMAT and loaded["step"] == 10 and len(loaded["trajectories"]) == 6
+    saved = loaded["trajectories"]
+    # Update datums are stored as the update had them; masked ones are built for display.
+    for d in datums:
+        assert datum_from_dict(saved[d.trajectory_index]["datum"]) == d
+        assert saved[d.trajectory_index]["datum_for_display"] is False
+    assert [t["datum_for_display"] for t in saved] == [False] * 4 + [True] * 2
+    assert datum_from_dict(saved[4]["datum"]) == build_datum(trajs[4], trajectory_index=4)
+    assert [t["update_role"] for t in saved] == [UpdateRole.TRAINED] * 2 + [UpdateRole.ZERO_ADVANTAGE] * 2 + [UpdateRole.LEFT_OUT] * 2
+    assert "forward/backward was skipped" in saved[2]["update_note"]
+    assert "environment_error" in saved[4]["update_note"] and "SandboxError" in saved[4]["update_note"]
+    assert saved[0]["question"] == "What is 2 + 2?" and saved[0]["reference_answer"] == "4"
+    assert saved[0]["reward_components"] == [{"name": "correct", "value": 1.0, "weight": 1.0},
+                                             {"name": "format", "value": 0.5, "weight": 0.1}]
+    assert [t["stop_reason"] for t in saved] == [str(t.stop_reason) for t in trajs]
+    # Turn boundaries index the whole sequence: each turn's completion is where the datum says it is.
+    t0, full = saved[0], saved[0]["tokens"]["ids"]
+    assert len(t0["turns"]) == 2 and t0["turns"][0]["tool_call"]["output"] == TOOL_TEXT
+    for turn, src in zip(t0["turns"], trajs[0].turns):
+        assert full[turn["completion_start"]: turn["completion_end"]] == src.completion_ids
+    assert t0["turns"][1]["prompt_start"] == t0["turns"][0]["completion_end"]
+    assert "".join(t0["tokens"]["strings"]) == tok.decode(full, skip_special_tokens=False)
+
+
+def test_every_datum_token_appears_once_with_its_mask_logprob_and_advantage(batch_parts, batch):
+    trajs, datums, tok, rows, masked = batch_parts
+    p = parse(render_html(batch))
+    assert sorted(p.sections) == list(range(6))
+    for i, traj in enumerate(trajs):
+        d = datum_from_dict(batch["trajectories"][i]["datum"])
+        assert_spans_match_datums(p.sections[i], d, batch["trajectories"][i]["tokens"]["strings"], "prompt")
+    # Every source appears, and sampled tokens are exactly the loss-mask ones.
+    seen = {s["data-source"] for spans in p.sections.values() for s in spans}
+    assert seen == {"prompt", "action", "observation", "glue"}
+    # Negative control: the checker notices one wrong mask.
+    d0 = datum_from_dict(batch["trajectories"][0]["datum"])
+    d0.action_mask[3] = 1 - d0.action_mask[3]
+    with pytest.raises(AssertionError):
+        assert_spans_match_datums(p.sections[0], d0, batch["trajectories"][0]["tokens"]["strings"], "prompt")
+
+
+def test_page_escapes_markup_and_shows_turns_stop_reasons_rewards(batch):
+    page = render_html(batch)
+    # The tool's markup and the question's reach the page as text, never as tags.
+    assert "<b>x</b>" not in page and "&lt;b&gt;x&lt;/b&gt; &amp; y" in page
+    assert "<please>" not in page and "ramble about 3 &amp; 4 &lt;please&gt;" in page
+    assert "\r" not in page and "\u240d" in page  # a carriage return shows as a symbol
+    p = parse(page)
+    texts = "".join(s["text"] for s in p.sections[0])
+    assert "<b>x</b> & y" in texts  # parsed back, the tokens' text is the tool output again
+    assert page.count('class="turn-mark"') == sum(len(t["turns"]) for t in batch["trajectories"])
+    for reason in ("final_answer", "turn_length", "environment_error"):
+        assert f'data-stop="{reason}"' in page
+    assert page.count('data-component="correct"') == 4  # the two failed ones were not scored
+    assert "not trained on: the world failed" in page and "datum built for display" in page
+    # Self-contained: nothing is fetched.
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page) and "@import" not in page
+
+
+def test_display_text_keeps_whitespace_and_shows_control_characters():
+    assert display_text("a\nb\tc") == "a\nb\tc"
+    assert display_text("\r\x00\x7f") == "\u240d\u2400\u2421"
+
+
+def test_cli_draws_a_saved_batch_and_refuses_bad_files_losing_nothing(batch, tmp_path, capsys):
+    path = tmp_path / "step-000010.json"
+    path.write_text(json.dumps(batch))
+    out = tmp_path / "page.html"
+    assert main([str(path), "-o", str(out), "--max-trajectories", "2"]) == 0
+    assert sorted(parse(out.read_text()).sections) == [0, 1]
+    assert main([str(path)]) == 0 and (tmp_path / "step-000010.html").is_file()
+
+    before = out.read_text()
+    assert main([str(tmp_path / "missing.json"), "-o", str(out)]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
+    cut = tmp_path / "cut.json"
+    cut.write_text(path.read_text()[:500])
+    assert main([str(cut), "-o", str(out)]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err and cut.read_text() == path.read_text()[:500]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "something-else"}))
+    assert main([str(other), "-o", str(out)]) == 2
+    assert "is not a saved trajectory batch" in capsys.readouterr().err
+    assert out.read_text() == before  # no failed run touched the page
+    with pytest.raises(SystemExit):
+        main([str(path), "-o", str(path)])  # would overwrite the batch itself
+    assert json.loads(path.read_text()) == batch
+    with pytest.raises(ViewerError, match="disagree in length"):
+        damaged = json.loads(path.read_text())
+        damaged["trajectories"][0]["datum"]["action_mask"].pop()
+        path.write_text(json.dumps(damaged))
+        load_batch(path)
+
+
+# -- a real browser ----------------------------------------------------------------------------------
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("no chromium binary on PATH (.ci/run installs the system package 'chromium')")
+
+
+def dump_dom(page_path, *, fragment: str = "") -> str:
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
+           "--virtual-time-budget=5000", "--dump-dom", page_path.as_uri() + fragment]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _rgb(hex_colour: str) -> str:
+    r, g, b = (int(hex_colour[i: i + 2], 16) for i in (1, 3, 5))
+    return f"rgb({r}, {g}, {b})"
+
+
+def test_page_runs_in_headless_chromium_and_draws_the_datum_token_for_token(batch, tmp_path):
+    page_path = tmp_path / "page.html"
+    page_path.write_text(render_html(batch))
+    dom = dump_dom(page_path, fragment="#selftest")
+    p = parse(dom)
+    # The page's script ran to its end and collected no error.
+    assert p.body.get("data-ready") == "1" and p.body.get("data-js-errors") == "0" and p.errors_text == ""
+    assert int(p.body["data-tokens"]) == sum(len(t["datum"]["target_ids"]) + 1 for t in batch["trajectories"])
+    # The colours the browser drew: each source its legend colour; the spans match the datums token for token.
+    for source, colour in SOURCE_COLOURS.items():
+        assert p.swatches[source.name.lower()]["data-bg"] == _rgb(colour)
+    for i, t in enumerate(batch["trajectories"]):
+        spans = p.sections[i]
+        assert_spans_match_datums(spans, datum_from_dict(t["datum"]), t["tokens"]["strings"], "prompt")
+        assert [s["data-bg"] for s in spans] == [_rgb(SOURCE_COLOURS[TokenSource[s["data-source"].upper()]]) for s in spans]
+        assert [s["data-bg"] == _rgb(SOURCE_COLOURS[TokenSource.ACTION]) for s in spans[1:]] == [bool(m) for m in t["datum"]["action_mask"]]
+
+
+def test_the_browser_check_sees_a_script_error(batch, tmp_path):
+    # Negative control: a page whose script throws is reported as such.
+    page_path = tmp_path / "broken.html"
+    page_path.write_text(render_html(batch).replace("</body>", "<script>undefinedFunction();</script></body>"))
+    p = parse(dump_dom(page_path))
+    assert p.body.get("data-js-errors") == "1" and "undefinedFunction" in p.errors_text
