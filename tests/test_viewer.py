@@ -299,8 +299,10 @@ def _chromium() -> str:
 
 
 def dump_dom(page_path, *, fragment: str = "") -> str:
+    """The DOM after the page's scripts ran, from headless Chromium (its own profile: tests may run in parallel)."""
+    profile = page_path.parent / f"{page_path.stem}-profile"
     cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
-           "--virtual-time-budget=5000", "--dump-dom", page_path.as_uri() + fragment]
+           f"--user-data-dir={profile}", "--virtual-time-budget=5000", "--dump-dom", page_path.as_uri() + fragment]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
@@ -335,3 +337,95 @@ def test_the_browser_check_sees_a_script_error(batch, tmp_path):
     page_path.write_text(render_html(batch).replace("</body>", "<script>undefinedFunction();</script></body>"))
     p = parse(dump_dom(page_path))
     assert p.body.get("data-js-errors") == "1" and "undefinedFunction" in p.errors_text
+
+
+# -- the trainer ---------------------------------------------------------------------------------------
+
+
+class EchoCodeTool:
+    """A code interpreter stand-in: returns a fixed output with markup (no sandbox needed)."""
+
+    name = "code_interpreter"
+
+    def schema(self):
+        return SCHEMA
+
+    async def __call__(self, arguments):
+        return ToolOutput(text="<1>\n", ok=True)
+
+
+class BoxedDigit:
+    """Scores the boxed digit (varies per sample, so groups get non-zero advantages)."""
+
+    def __call__(self, trajectory, example) -> float:
+        text = trajectory.turns[-1].text
+        return float(text.split("\\boxed{")[1][0]) if "\\boxed{" in text else 0.0
+
+
+def _trainer(tmp_path, **overrides):
+    from datasets import Dataset
+
+    from trl_plugins.testing import build_tiny_model
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2, use_cpu=True,
+                  report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True,
+                  bf16=False, rollout="test_trainer:ScriptedToolRollout", rollout_kwargs={}, reward_components=["digit"],
+                  max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2, viewer_steps=2, viewer_trajectories=3)
+    kwargs.update(overrides)
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    return MultiTurnGRPOTrainer(build_tiny_model(tok), MultiTurnGRPOConfig(**kwargs), train_dataset=Dataset.from_list(rows),
+                                processing_class=tok, tools={"code_interpreter": EchoCodeTool()},
+                                reward_components={"digit": BoxedDigit()})
+
+
+def test_the_trainer_writes_a_page_at_every_viewer_step_and_logs_it_to_wandb(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_PROJECT", "trl-plugins-test")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "out"
+    trainer = _trainer(out, report_to=["wandb"])
+    trainer.train()
+    wandb.finish()
+    wandb.teardown()
+    # viewer_steps=2 over 2 steps: the page of step 2 only.
+    assert sorted(p.name for p in (out / "trajectories").iterdir()) == ["step-000002.html", "step-000002.json"]
+    batch = load_batch(out / "trajectories" / "step-000002.json")
+    assert batch["step"] == 2 and batch["num_trajectories"] == 4 and len(batch["trajectories"]) == 3
+    by_index = {d.trajectory_index: d for d in trainer._last_datums}
+    page = (out / "trajectories" / "step-000002.html").read_text()
+    p = parse(page)
+    for i, t in enumerate(batch["trajectories"]):
+        traj = trainer._last_trajectories[i]
+        assert t["question_id"] == traj.question_id and t["advantage"] == traj.advantage
+        assert datum_from_dict(t["datum"]) == by_index[i]  # the update's own datum, advantages included
+        assert len(t["turns"]) == 2 and t["turns"][0]["tool_call"]["name"] == "code_interpreter"
+        row = trainer._last_rows[traj.group_id]  # the question and answer are the trajectory's own row's
+        assert (t["question"], t["reference_answer"]) == (row["prompt"], row["answer"])
+        assert t["question"] in "".join(t["tokens"]["strings"])
+        assert_spans_match_datums(p.sections[i], by_index[i], t["tokens"]["strings"], "prompt")
+    assert "&lt;1&gt;" in page and "<1>" not in page
+    # The same page went to W&B as HTML.
+    htmls = list(tmp_path.glob("wandb/offline-run-*/files/media/html/trajectories/viewer_*.html"))
+    assert len(htmls) == 1 and htmls[0].read_text() == page
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(viewer_steps=-1), "viewer_steps and viewer_trajectories must be >= 0"),
+    (dict(viewer_trajectories=-2), "viewer_steps and viewer_trajectories must be >= 0"),
+    (dict(viewer_steps=5, viewer_trajectories=0), "set viewer_trajectories >= 1, or viewer_steps=0"),
+])
+def test_viewer_settings_are_checked_when_the_config_is_built(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(tmp_path, **overrides)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_viewer_steps_zero_writes_no_pages(tmp_path):
+    trainer = _trainer(tmp_path, viewer_steps=0, viewer_trajectories=0, max_steps=1)
+    trainer.train()
+    assert trainer._last_trajectories and not (tmp_path / "trajectories").exists()
