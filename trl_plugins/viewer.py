@@ -29,7 +29,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence
 
@@ -258,13 +257,12 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> list[str] | None:
 
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open() honours the umask (mkstemp would make it 0600)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -355,7 +353,7 @@ th{background:#eef1f4}.traj{background:#fff;border:1px solid #d8dde3;border-radi
 .tok.first{font-style:italic}.nl::before{content:"\\21B5";opacity:.45}
 .lp .tok.m1{background:rgba(46,160,67,var(--p,1))}
 .turn-mark{display:block;font:600 11px/1.6 system-ui,sans-serif;color:#51606f;border-top:1px dashed #b7c0ca;margin:6px 0 2px}
-.turn-mark.obs{color:#9a5b00}.calls td{vertical-align:top}.calls pre{margin:0;white-space:pre-wrap;max-height:12em;overflow:auto}
+.turn-mark.obs{color:#9a5b00}.first-prompt summary{font:12px system-ui,sans-serif;color:#51606f;cursor:pointer}.calls td{vertical-align:top}.calls pre{margin:0;white-space:pre-wrap;max-height:12em;overflow:auto}
 #hover{position:fixed;right:14px;bottom:14px;background:#22303f;color:#fff;font:12px/1.5 ui-monospace,monospace;
  padding:8px 10px;border-radius:6px;min-width:260px;max-width:420px;white-space:pre-wrap;box-shadow:0 2px 8px #0004}
 #js-errors{background:#c62828;color:#fff;padding:8px;white-space:pre-wrap}
@@ -413,8 +411,14 @@ def _token_spans(t: Mapping[str, Any]) -> str:
     ids, strings = tokens["ids"], tokens.get("strings")
     starts = {turn["completion_start"]: turn["index"] for turn in t["turns"]}
     observations = {turn["prompt_start"]: turn["index"] for turn in t["turns"] if turn["index"] > 0}
+    prompt_end = t["turns"][0]["completion_start"] if t["turns"] else 0
     parts = []
     for pos, tok_id in enumerate(ids):
+        if pos == 0 and prompt_end:
+            parts.append(f'<details class="first-prompt"><summary>first prompt: {prompt_end} tokens (system, user, '
+                         f'template header); click to show</summary>')
+        if pos == prompt_end and pos:
+            parts.append("</details>")
         if pos in observations:
             parts.append(f'<span class="turn-mark obs" data-turn="{observations[pos]}">tool output and template glue, '
                          f'before turn {observations[pos] + 1}</span>')
@@ -440,6 +444,8 @@ def _token_spans(t: Mapping[str, Any]) -> str:
         parts.append(f'<span class="{cls}" data-pos="{pos}" data-index="{k}" data-source="{src}" data-mask="{mask}" '
                      f'data-logprob="{_num(lp)}" data-adv="{_num(adv)}" data-id="{tok_id}"{extra} '
                      f'title="{_esc(title)}">{html.escape(text, quote=True)}</span>')
+    if prompt_end >= len(ids):  # a first turn that sampled nothing: the prompt box is still open
+        parts.append("</details>")
     return "".join(parts)
 
 
