@@ -429,3 +429,15 @@ def test_viewer_steps_zero_writes_no_pages(tmp_path):
     trainer = _trainer(tmp_path, viewer_steps=0, viewer_trajectories=0, max_steps=1)
     trainer.train()
     assert trainer._last_trajectories and not (tmp_path / "trajectories").exists()
+
+
+def test_a_page_that_cannot_be_written_is_reported_and_training_goes_on(tmp_path, caplog):
+    # A file where the trajectories folder should be: the page cannot be written.
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "trajectories").write_text("not a folder")
+    trainer = _trainer(tmp_path, viewer_steps=1, max_steps=1)
+    with caplog.at_level("ERROR", logger="trl_plugins.trainers.viewer_pages"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert "the page of step 1 could not be written" in caplog.text
+    assert (tmp_path / "trajectories").read_text() == "not a folder"  # nothing was overwritten

@@ -21,7 +21,8 @@ class ViewerPages(TrainerCallback):
 
     It reads what :class:`~trl_plugins.trainers.multi_turn_trainer.MultiTurnGRPOTrainer` keeps of its last
     rollout (trajectories, datums, dataset rows, training mask); file I/O on the main process only, no
-    collective. The W&B page is logged uncommitted, so it goes out with the step's metrics.
+    collective. The W&B page is logged uncommitted, so it goes out with the step's metrics. A page that
+    cannot be written (a full disk, say) is logged as an error with its traceback; training goes on.
     """
 
     def __init__(self, trainer: Any) -> None:
@@ -33,9 +34,14 @@ class ViewerPages(TrainerCallback):
             return
         datums = trainer._last_datums
         forwarded = {datums[i].trajectory_index for i in datums_to_forward(datums, trainer._plugins.policy_loss, args)}
-        json_path, html_path = write_step_pages(
-            args.output_dir, step, trainer._last_trajectories, datums, trainer.processing_class,
-            log_to_wandb="wandb" in (args.report_to or []), rows=trainer._last_rows, masked=trainer._last_masked,
-            forwarded=forwarded, mask_truncated=args.truncated_policy == "mask", max_trajectories=args.viewer_trajectories,
-        )
+        try:
+            json_path, html_path = write_step_pages(
+                args.output_dir, step, trainer._last_trajectories, datums, trainer.processing_class,
+                log_to_wandb="wandb" in (args.report_to or []), rows=trainer._last_rows, masked=trainer._last_masked,
+                forwarded=forwarded, mask_truncated=args.truncated_policy == "mask",
+                max_trajectories=args.viewer_trajectories,
+            )
+        except Exception:  # a diagnostic page must not end a run that has trained fine: said loudly, training goes on
+            logger.exception("trajectory viewer: the page of step %d could not be written (training continues)", step)
+            return
         logger.info("trajectory viewer: %s (batch: %s)", html_path, json_path)
