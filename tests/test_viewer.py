@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import html.parser
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -280,6 +282,15 @@ def test_cli_draws_a_saved_batch_and_refuses_bad_files_losing_nothing(batch, tmp
     with pytest.raises(SystemExit):
         main([str(path), "-o", str(path)])  # would overwrite the batch itself
     assert json.loads(path.read_text()) == batch
+    with pytest.raises(SystemExit):
+        main([str(path), "--max-trajectories", "0"])
+    # The module runs as a command.
+    done = subprocess.run([sys.executable, "-m", "trl_plugins.viewer", str(tmp_path / "missing.json")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 2 and "missing.json: no such file" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "trl_plugins.viewer", str(path), "-o", str(tmp_path / "cmd.html")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and "wrote" in done.stdout and (tmp_path / "cmd.html").read_text() == render_html(batch)
     with pytest.raises(ViewerError, match="disagree in length"):
         damaged = json.loads(path.read_text())
         damaged["trajectories"][0]["datum"]["action_mask"].pop()
