@@ -220,13 +220,16 @@ def test_saved_batch_round_trips_the_datums_and_says_what_the_update_did(batch_p
 
 
 def test_every_datum_token_appears_once_with_its_mask_logprob_and_advantage(batch_parts, batch):
-    trajs, datums, tok, rows, masked = batch_parts
+    trajs, datums, tok, _, _ = batch_parts
     p = parse(render_html(batch))
     assert sorted(p.sections) == list(range(6))
+    by_index = {d.trajectory_index: d for d in datums}
     for i, traj in enumerate(trajs):
-        d = datum_from_dict(batch["trajectories"][i]["datum"])
-        assert_spans_match_datums(p.sections[i], d, batch["trajectories"][i]["tokens"]["strings"], "prompt")
-    # Every source appears, and sampled tokens are exactly the loss-mask ones.
+        # The update's datum (the masked ones: the datum builder's, as the page builds it for display).
+        d = by_index.get(i) or build_datum(traj, trajectory_index=i)
+        full = d.input_ids + [d.target_ids[-1]]
+        assert_spans_match_datums(p.sections[i], d, [tok.decode([x], skip_special_tokens=False) for x in full], "prompt")
+    # Every provenance appears on the page.
     seen = {s["data-source"] for spans in p.sections.values() for s in spans}
     assert seen == {"prompt", "action", "observation", "glue"}
     # Negative control: the checker notices one wrong mask.
@@ -452,3 +455,21 @@ def test_a_page_that_cannot_be_written_is_reported_and_training_goes_on(tmp_path
     assert trainer.state.global_step == 1
     assert "the page of step 1 could not be written" in caplog.text
     assert (tmp_path / "trajectories").read_text() == "not a folder"  # nothing was overwritten
+
+
+def test_a_trajectory_without_a_datum_is_shown_with_the_reason():
+    import random
+
+    from trl_plugins.testing import make_trajectory
+
+    rng = random.Random(0)
+    good, bad = make_trajectory(rng, num_turns=2), make_trajectory(rng, num_turns=2, group_id=1)
+    bad.turns[1].prompt_ids[0] += 1  # the history was re-tokenised: no datum can be built
+    batch = make_batch([good, bad], [build_datum(good, trajectory_index=0)], None, masked=[False, True])
+    assert batch["trajectories"][1]["datum"] is None and "does not extend" in batch["trajectories"][1]["datum_error"]
+    page = render_html(batch)
+    p = parse(page)
+    assert len(p.sections[0]) == len(batch["trajectories"][0]["tokens"]["ids"]) and p.sections[1] == []
+    assert "no datum:</b> trajectory 1" in page and "does not extend the previous turns" in page
+    # Without a tokenizer the tokens show as their ids.
+    assert [s["text"] for s in p.sections[0]] == [f"\u27e8{i}\u27e9" for i in batch["trajectories"][0]["tokens"]["ids"]]

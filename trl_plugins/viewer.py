@@ -121,7 +121,7 @@ def datum_from_dict(data: Mapping[str, Any]) -> Datum:
 
 
 def _scalar(value: Any) -> Any:
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, int):  # bool included
         return value
     if isinstance(value, float):
         return _finite(value)
