@@ -149,7 +149,7 @@ def _role(traj: Trajectory, datum: Datum | None, in_update: bool, forwarded: boo
             why = "truncated, and truncated_policy='mask'"
         else:
             why = "too few members of its group survived the infrastructure (min_valid_group_fraction)"
-        return UpdateRole.LEFT_OUT, f"not trained on: {why}; its datum is shown for display only"
+        return UpdateRole.LEFT_OUT, f"not trained on: {why}"
     if datum is not None and all(a == 0.0 for a in datum.advantages):
         how = ("its forward/backward was skipped (drop_zero_advantage)" if forwarded is False else
                "it adds no policy-gradient signal")
@@ -488,6 +488,9 @@ def _trajectory(t: Mapping[str, Any]) -> str:
         parts.append(f'<div class="qa"><b>question:</b> {_esc(t["question"])}</div>')
     if t.get("reference_answer") is not None:
         parts.append(f'<div class="qa"><b>reference answer:</b> {_esc(t["reference_answer"])}</div>')
+    if t.get("example"):
+        fields = ", ".join(f"{k}={v}" for k, v in t["example"].items())
+        parts.append(f'<div class="qa"><b>row:</b> {_esc(fields)}</div>')
     comps = t["reward_components"]
     if comps:
         body = "".join(f'<tr data-component="{_esc(c["name"])}"><td>{_esc(c["name"])}</td><td>{_fmt(c["value"], ".4f")}</td>'
