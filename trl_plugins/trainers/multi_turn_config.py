@@ -78,6 +78,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
     trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
     trajectory_table_rows: int = field(default=8, metadata={"help": "Trajectories per table."})
+    viewer_steps: int = field(default=10, metadata={"help": "Every N steps write a trajectory viewer page: output_dir/trajectories/step-<N>.html (a self-contained HTML page, each token coloured by provenance with its log-prob, advantage and loss mask on hover) and step-<N>.json (the saved batch: trajectories and their datums; 'python -m trl_plugins.viewer' draws it again), also logged to W&B as HTML when W&B is on (0: never). docs/viewer.md."})
+    viewer_trajectories: int = field(default=8, metadata={"help": "Trajectories per viewer page: the first N of the main process's batch (whole groups when N is a multiple of num_generations)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -134,6 +136,13 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"need critic_warmup_steps >= 0, vf_clip > 0 and vf_coef > 0; got {self.critic_warmup_steps}, "
                 f"{self.vf_clip}, {self.vf_coef}."
             )
+        if self.viewer_steps < 0 or self.viewer_trajectories < 0:
+            raise ValueError(f"viewer_steps and viewer_trajectories must be >= 0 (viewer_steps=0 writes no pages), got "
+                             f"{self.viewer_steps} and {self.viewer_trajectories}.")
+        if self.viewer_steps and not self.viewer_trajectories:
+            raise ValueError(f"viewer_steps={self.viewer_steps} asks for a trajectory page every {self.viewer_steps} steps, "
+                             f"but viewer_trajectories=0 would put none on it: set viewer_trajectories >= 1, or "
+                             f"viewer_steps=0 to write no pages.")
         if self.critic_optim not in ("adamw", "sgd"):
             raise ValueError(f"critic_optim must be 'adamw' or 'sgd', got {self.critic_optim!r}.")
         if not self.learning_rate > 0:

@@ -57,6 +57,7 @@ from trl_plugins.trainers.lora import check_peft
 from trl_plugins.trainers.memory import peak_memory_mb, reset_peak_memory
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins, log_tool_start_up
+from trl_plugins.trainers.viewer_pages import ViewerPages
 from trl_plugins.trainers.step import (
     datums_to_forward,
     mismatch_correction_applies,
@@ -188,6 +189,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                             if args.use_transformers_continuous_batching else None)
         self.add_callback(_OptimizerTimer(self._metrics))
         self.add_callback(_StopAtStepEnd(self))
+        self.add_callback(ViewerPages(self))  # trajectory pages every viewer_steps (docs/viewer.md)
         self._stop: StopSignals | None = None
         self._stop_signum = 0
         self._step_summaries: list | None = None
@@ -205,6 +207,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._buffered_datums: list | None = None
         self._rollout_step = 0
         self._last_trajectories: list[Trajectory] = []
+        self._last_datums: list = []  # the last rollout's datums, rows and training mask: for the viewer pages
+        self._last_rows: list[dict] = []
+        self._last_masked: list[bool] = []
         self._last_table_step = -1
         self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
         self._critic = self._critic_optimizer = None
@@ -283,6 +288,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             metrics["timing/old_logprobs_s"] = time.perf_counter() - t_old
         metrics.update({**engine_metrics(result), **failure_metrics, "timing/scoring_s": time.perf_counter() - t0})
         self._last_trajectories = trajs
+        self._last_datums, self._last_rows, self._last_masked = datums, rows, masked
         metrics["train/datums"] = float(len(datums))
         # Trajectory metrics are computed over every rank's trajectories at once (training_step).
         rank = self.accelerator.process_index
