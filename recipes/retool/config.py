@@ -206,7 +206,7 @@ def _group_help(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]
                            "Plugins are registry names or 'pkg.module:attr'; *_kwargs take a JSON object on the "
                            "command line. docs/plugins.md lists each plugin's settings.", own(MultiTurnGRPOConfig)))
         else:
-            groups.append((f"{cls.__name__}", None, {f.name for f in fields(cls)}))
+            groups.append((f"{cls.__module__}:{cls.__name__}", None, {f.name for f in fields(cls)}))
     inherited_model = {f.name for f in fields(ModelConfig)} - own(ScriptArguments)
     groups.append(("TRL's ModelConfig (LoRA, quantisation), inherited by ScriptArguments", None, inherited_model))
     groups.append(("TRL's GRPOConfig and transformers' TrainingArguments, inherited by MultiTurnGRPOConfig",
@@ -232,8 +232,8 @@ def _build_parser(extra: Sequence[type]):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
     dataclass_types = (*extra, ScriptArguments, MultiTurnGRPOConfig)
-    parser = TrlParser(dataclass_types, usage="accelerate launch [--config_file ...] recipes/retool_ppo.py "
-                                               "[--config FILE ...] [--FIELD VALUE ...]",
+    parser = TrlParser(dataclass_types, usage="[accelerate launch [--config_file ...]] %(prog)s [--config FILE ...] "
+                                               "[--FIELD VALUE ...]",
                        description="Every field below can be set in a --config file or on the command line; "
                                    "'(default: ...)' shows the value in force from the config files.")
     # Listed for --help only: parse_args takes every --config out of argv before argparse sees it.

@@ -159,13 +159,6 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._plugins = build_plugins(args, tools=tools, reward_components=reward_components)
         log_tool_start_up(self._plugins.tools)  # e.g. the sandbox isolation in force
         check_vllm(args)
-        budget = getattr(self._plugins.rollout, "token_budget", None)
-        if args.use_vllm and args.vllm_max_model_length is not None and budget is not None and budget > args.vllm_max_model_length:
-            raise ValueError(
-                f"vllm_max_model_length={args.vllm_max_model_length} is shorter than the rollout's token budget of "
-                f"{budget} (rollout_kwargs max_trajectory_tokens): vLLM would refuse the longest trajectories' turns. "
-                f"Raise vllm_max_model_length or lower max_trajectory_tokens."
-            )
         # An adapter (TRL wraps the policy with peft_config) is checked before TRL wraps anything.
         check_peft(peft_config, args, model=model, needs_values=self._plugins.advantage.needs_values)
         # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
