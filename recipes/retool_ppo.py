@@ -6,7 +6,8 @@ components (``correct`` via math-verify, ``format``, optional ``tool_use`` and `
 advantage is group-relative (GRPO-style) and the loss is PPO with the asymmetric ratio clip
 [0.8, 1.28], token-mean over each step's whole batch, exact under any micro-batching.
 
-Launch (the YAML next to this file holds the defaults; any field can be overridden on the command line):
+Launch (the YAML next to this file holds the defaults; a ``--config my.yaml`` of your own layers over it and
+needs only the keys it changes; the command line wins over both; ``--help`` lists every field):
 
     # CPU, no network: the embedded default (tiny Qwen2 + bundled arithmetic + cold-start SFT, cached)
     accelerate launch recipes/retool_ppo.py
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -55,22 +57,24 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from retool.default_model import model_path_or_default
     from retool.evaluate import PeriodicHeldOut, check_eval_settings, evaluate_checkpoint
     from retool.launch import available_cpus, claim_output_dir, configure_wandb, run_in_child
+    from retool.record import run_record
     from retool.report import format_summary, plot_run, read_metrics
+    from retool.startup import check_chat_template, check_plugins, distributed_mode, format_banner
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
     from trl_plugins.trainers.batch import check_vllm
     from trl_plugins.trainers.lora import check_model_config, model_init_kwargs, peft_config_from
-    from trl_plugins.trainers.plugins import check_named_plugins
 
     start = time.perf_counter()
-    # Before anything is built or loaded (the config checked the other plugins when it was parsed).
-    check_named_plugins(training_args)
+    # Before anything is built or loaded: every plugin is built once with its kwargs (tools started: the sandbox's
+    # isolation is probed) and closed again; the chat template is checked as soon as the tokenizer loads.
     check_vllm(training_args)
     try:
         check_model_config(script_args, training_args)  # --use_peft, --lora_*, quantisation, ...
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     ks = check_eval_settings(script_args, training_args)
+    plugin_check = check_plugins(training_args)
     _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
     state = PartialState()
     main_process = state.is_main_process
@@ -86,6 +90,9 @@ def main(script_args: ScriptArguments, training_args) -> int:
     wandb_mode = configure_wandb(training_args.report_to, training_args.output_dir, script_args.wandb_project)
     if wandb_mode:
         say(f"W&B: {wandb_mode} (files under {os.environ['WANDB_DIR']}/wandb; 'wandb sync' uploads offline runs)")
+    say(format_banner(script_args, training_args, world_size=state.num_processes, device=str(state.device),
+                      distributed=distributed_mode(training_args=training_args), tool_start_up=plugin_check.tool_start_up,
+                      wandb_mode=wandb_mode), flush=True)
 
     with state.main_process_first():  # only the main process builds the embedded default; the others find it cached
         model_path = model_path_or_default(script_args, training_args, rebuild=script_args.rebuild_embedded and main_process,
@@ -93,6 +100,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_chat_template(tokenizer, plugin_check, training_args)
 
     train_rows = load_task_rows(script_args.dataset_name, script_args.dataset_train_split, size=script_args.train_size,
                                 seed=script_args.task_seed, dataset_config=script_args.dataset_config,
@@ -140,6 +148,8 @@ def main(script_args: ScriptArguments, training_args) -> int:
     trainer.save_model(str(final_dir))
     if main_process:
         tokenizer.save_pretrained(str(final_dir))
+        trainer.create_model_card(model_name=out_dir.name)  # output_dir/README.md, naming the base model
+        shutil.copy(out_dir / "README.md", final_dir / "README.md")
     state.wait_for_everyone()
 
     after = None
@@ -150,7 +160,8 @@ def main(script_args: ScriptArguments, training_args) -> int:
     if main_process:
         metrics = read_metrics(out_dir / "metrics.jsonl")
         if script_args.plot and metrics:
-            plot_path = str(plot_run(metrics, out_dir / "retool_ppo.png", before=before, after=after))
+            plot_path = str(plot_run(metrics, out_dir / "retool_ppo.png", before=before, after=after,
+                                     reward_components=training_args.reward_components))
         wandb_dir = None
         try:
             import wandb
@@ -165,7 +176,8 @@ def main(script_args: ScriptArguments, training_args) -> int:
         except ImportError:
             pass
         summary = {"before": before, "after": after, "steps": trainer.state.global_step,
-                   "wall_s": time.perf_counter() - start, "model": model_path}
+                   "wall_s": time.perf_counter() - start, "model": model_path,
+                   **run_record(script_args, training_args)}
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_summary(before, after, steps=trainer.state.global_step, wall_s=time.perf_counter() - start,
                              paths={"checkpoint": str(final_dir), "metrics": str(out_dir / "metrics.jsonl"),

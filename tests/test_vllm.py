@@ -238,12 +238,16 @@ def test_vllm_settings_that_cannot_work_are_refused_before_any_model_loads(tmp_p
         MultiTurnGRPOTrainer("no-such-model", MultiTurnGRPOConfig(**base))
 
 
-def test_a_vllm_context_shorter_than_a_trajectory_is_refused_before_the_model_loads(tmp_path, patched):
+def test_a_vllm_context_shorter_than_a_trajectory_is_refused_when_the_config_is_built(tmp_path, patched):
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], reward_components=["correct"], use_vllm=True)
-    # The engine's context must hold a whole trajectory; checked before the model is loaded ("no-such-model").
-    config = MultiTurnGRPOConfig(**base, vllm_max_model_length=512, rollout_kwargs={"max_trajectory_tokens": 600})
+    # The engine's context must hold a whole trajectory; checked when the config is built, before any model loads.
+    with pytest.raises(ValueError, match="vllm_max_model_length=512 is shorter than the rollout's token budget of 600"):
+        MultiTurnGRPOConfig(**base, vllm_max_model_length=512, rollout_kwargs={"max_trajectory_tokens": 600})
+    # The trainer asks the same check (build_plugins), for a config changed after it was built.
+    config = MultiTurnGRPOConfig(**base, vllm_max_model_length=1024, rollout_kwargs={"max_trajectory_tokens": 600})
+    config.vllm_max_model_length = 512
     with pytest.raises(ValueError, match="vllm_max_model_length=512 is shorter than the rollout's token budget of 600"):
         MultiTurnGRPOTrainer("no-such-model", config)
 

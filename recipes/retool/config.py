@@ -1,17 +1,35 @@
 """The recipe's arguments: ``ScriptArguments`` (task, model and LoRA, evaluation) beside ``MultiTurnGRPOConfig``,
-parsed from ``recipes/retool_ppo.yaml`` and the command line by both entry points."""
+parsed from ``recipes/retool_ppo.yaml``, the user's config files and the command line by both entry points.
+
+Values come in layers, each over the one before: the dataclasses' defaults < the recipe's YAML < each
+``--config FILE`` in the order given < the command line. A key in a higher layer replaces the lower value
+whole (a ``*_kwargs`` mapping too, as on the command line). ``--config none`` drops the recipe's YAML (and
+any file named before it): the layers then start from the dataclasses' defaults.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import difflib
+import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, Sequence
 
 from trl import ModelConfig
 
-__all__ = ["DEFAULT_CONFIG", "ScriptArguments", "parse_args"]
+__all__ = ["DEFAULT_CONFIG", "ScriptArguments", "parse_args", "split_config_args", "load_config_layers"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "retool_ppo.yaml"
-"""The recipe's YAML, read when no ``--config`` is given."""
+"""The recipe's YAML: the lowest config layer (``--config none`` drops it)."""
+
+CONFIG_HELP = (
+    "A YAML file of field: value pairs (any field below; 'env: {VAR: value}' sets environment variables). "
+    "It layers OVER the recipe's YAML (recipes/retool_ppo.yaml), so it needs only the keys it changes; repeat "
+    "--config to stack files (later ones win); the command line wins over every file. A key replaces the value "
+    "below it whole (a *_kwargs mapping too). 'none' drops the recipe's YAML (fields start from their "
+    "defaults). --config=FILE works too. An unknown key is refused with its name."
+)
 
 
 @dataclass
@@ -39,25 +57,232 @@ class ScriptArguments(ModelConfig):
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir an earlier run left files in: they are moved to output_dir/previous-<time>/ (nothing is deleted). Without it (or --resume_from_checkpoint) a non-empty output_dir is refused."})
     wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})
     plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
+    # Set by parse_args (not arguments): where the values came from, for the start-up banner and summary.json.
+    config_files: list[str] = field(default_factory=list, init=False)
+    """The YAML files layered under the command line, lowest first."""
+    reward_weight_origins: dict[str, str] = field(default_factory=dict, init=False)
+    """Per reward component, where its weight came from when the components were changed without weights
+    (empty when the weights were given with the components)."""
+
+
+def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(config values, the other arguments)``: every ``--config FILE`` / ``--config=FILE``, in order.
+
+    Raises:
+        SystemExit: ``--config`` is last, with no file after it.
+    """
+    configs, rest, i = [], [], 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise SystemExit("--config needs a YAML file (or 'none'): --config my.yaml")
+            configs.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            configs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return configs, rest
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"cannot read the config {path}: {exc}") from exc
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise SystemExit(f"the config {path} must hold a YAML mapping of field: value, got {type(values).__name__}.")
+    return values
+
+
+def load_config_layers(configs: Sequence[str]) -> list[tuple[str, dict]]:
+    """``[(path, values), ...]`` lowest first: the recipe's YAML, then each of ``configs`` ('none' drops the
+    layers named before it, the recipe's YAML included)."""
+    paths: list[str] = [str(DEFAULT_CONFIG)]
+    for value in configs:
+        if value.lower() == "none":
+            paths = []
+        else:
+            paths.append(value)
+    return [(p, _read_yaml(p)) for p in paths]
+
+
+def _check_keys(layers: list[tuple[str, dict]], known: set[str]) -> None:
+    for path, values in layers:
+        for key in values:
+            if key == "env" or key in known:
+                continue
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise SystemExit(f"the config {path} sets {key!r}, which is no field of the recipe "
+                             f"(ScriptArguments) or of MultiTurnGRPOConfig.{hint} Fix or remove it; "
+                             f"`python recipes/retool_ppo.py --help` lists the fields.")
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    # Parse with every default suppressed: the namespace then holds only what argv set (abbreviations,
+    # --flag=value and --no_flag included, as argparse reads them).
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        namespace, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(namespace))
+
+
+def _weights_by_name(layers: list[tuple[str, dict]], cli: set[str], argv: list[str],
+                     parser: argparse.ArgumentParser) -> tuple[list[float] | None, dict[str, str]]:
+    """Weights for components that a higher layer changed without restating weights.
+
+    The highest layer that sets ``reward_components`` decides: when neither it nor any layer above sets
+    ``reward_component_weights``, the weights below it belonged to other components, so they are carried
+    over BY NAME (a component that was there keeps its weight) and a new component gets 1.0; returns
+    ``(weights, origin per component)``, or ``(None, {})`` when nothing needs it.
+    """
+    stack = [(path, values) for path, values in layers] + [("the command line", None)]
+    top = None
+    for i, (path, values) in enumerate(stack):
+        sets = ("reward_components" in cli) if values is None else ("reward_components" in values)
+        if sets:
+            top = i
+    if top is None:
+        return None, {}
+    for path, values in stack[top:]:
+        if ("reward_component_weights" in cli) if values is None else ("reward_component_weights" in values):
+            return None, {}
+    previous_components: list[str] = []
+    previous_weights: list[float] | None = None
+    previous_from = "the defaults"
+    for path, values in stack[:top]:
+        if "reward_components" in values:
+            previous_components, previous_weights, previous_from = list(values["reward_components"]), None, path
+        if "reward_component_weights" in values:
+            previous_weights = values["reward_component_weights"]
+    if previous_weights is None or len(previous_weights) != len(previous_components):
+        previous_weights = [1.0] * len(previous_components)
+    known = dict(zip(previous_components, (float(w) for w in previous_weights)))
+    if top == len(stack) - 1:
+        components = list(vars(parser.parse_known_args(argv)[0])["reward_components"])
+    else:
+        components = list(stack[top][1]["reward_components"])
+    changed_in = stack[top][0]
+    weights, origins = [], {}
+    for name in components:
+        if name in known:
+            weights.append(known[name])
+            origins[name] = f"kept by name from {Path(previous_from).name}"
+        else:
+            weights.append(1.0)
+            where = changed_in if changed_in == "the command line" else Path(changed_in).name
+            origins[name] = f"defaulted to 1.0: not in {Path(previous_from).name}, added by {where}"
+    return weights, origins
+
+
+def _group_help(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]) -> None:
+    """Order --help: --config, then each recipe/plugin class's own fields, then what they inherit from TRL and
+    transformers (each in its own titled group)."""
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    def own(cls: type) -> set[str]:
+        return set(vars(cls).get("__annotations__", {}))
+
+    groups: list[tuple[str, str | None, set[str]]] = []
+    for cls in dataclass_types:
+        if cls is ScriptArguments:
+            groups.append(("the recipe (retool/config.py:ScriptArguments)", None, own(ScriptArguments)))
+        elif cls is MultiTurnGRPOConfig:
+            groups.append(("trl_plugins: plugins and training (MultiTurnGRPOConfig's own fields)",
+                           "Plugins are registry names or 'pkg.module:attr'; *_kwargs take a JSON object on the "
+                           "command line. docs/plugins.md lists each plugin's settings.", own(MultiTurnGRPOConfig)))
+        else:
+            groups.append((f"{cls.__module__}:{cls.__name__}", None, {f.name for f in fields(cls)}))
+    inherited_model = {f.name for f in fields(ModelConfig)} - own(ScriptArguments)
+    groups.append(("TRL's ModelConfig (LoRA, quantisation), inherited by ScriptArguments", None, inherited_model))
+    groups.append(("TRL's GRPOConfig and transformers' TrainingArguments, inherited by MultiTurnGRPOConfig",
+                   "Each is honoured, mapped or refused at start-up (trl_plugins/trainers/trl_fields.py).", None))
+    default_group = parser._optionals
+    made = []
+    for title, description, names in groups:
+        group = parser.add_argument_group(title, description)
+        made.append((group, names))
+    for action in list(default_group._group_actions):
+        if action.dest in ("help", "config"):
+            continue
+        for group, names in made:
+            if names is None or action.dest in names:
+                default_group._group_actions.remove(action)
+                group._group_actions.append(action)
+                break
+
+
+def _build_parser(extra: Sequence[type]):
+    from trl import TrlParser
+
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    dataclass_types = (*extra, ScriptArguments, MultiTurnGRPOConfig)
+    parser = TrlParser(dataclass_types, usage="[accelerate launch [--config_file ...]] %(prog)s [--config FILE ...] "
+                                               "[--FIELD VALUE ...]",
+                       description="Every field below can be set in a --config file or on the command line; "
+                                   "'(default: ...)' shows the value in force from the config files.")
+    # Listed for --help only: parse_args takes every --config out of argv before argparse sees it.
+    parser.add_argument("--config", metavar="FILE", action="append", default=argparse.SUPPRESS, help=CONFIG_HELP)
+    _group_help(parser, dataclass_types)
+    return parser
 
 
 def parse_args(argv: list[str], *extra: type) -> tuple:
-    """Parse ``argv`` into ``(*extra, ScriptArguments, MultiTurnGRPOConfig)`` with TrlParser, using the
-    recipe's YAML when no ``--config`` is given, plus the CPU defaults (:func:`retool.launch.cpu_defaults`)."""
-    import yaml
-    from trl import TrlParser
+    """Parse ``argv`` into ``(*extra, ScriptArguments, MultiTurnGRPOConfig)``: the recipe's YAML, the user's
+    ``--config`` files over it, then the command line (see the module docstring), plus the CPU defaults
+    (:func:`retool.launch.cpu_defaults`).
 
+    Reward weights are never reused by position: when a layer changes ``reward_components`` without giving
+    ``reward_component_weights``, a component that was configured below keeps its weight by name and a new
+    one gets 1.0 (``ScriptArguments.reward_weight_origins`` says which; the start-up banner prints it).
+
+    Raises:
+        SystemExit: a config file cannot be read or sets a key that is no field (the key is named).
+        ValueError: a value the dataclasses refuse (their ``__post_init__`` checks).
+    """
     from retool.launch import cpu_defaults
-    from trl_plugins.trainers import MultiTurnGRPOConfig
+    from trl_plugins.trainers import MultiTurnGRPOConfig  # noqa: F401 - built by the parser
 
-    argv = list(argv)
-    if "--config" not in argv:
-        argv = ["--config", str(DEFAULT_CONFIG), *argv]
-    config_path = argv[argv.index("--config") + 1]
-    try:
-        config_values = yaml.safe_load(Path(config_path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise SystemExit(f"cannot read the config {config_path}: {exc}") from exc
-    argv += cpu_defaults(argv, config_values)
-    parser = TrlParser((*extra, ScriptArguments, MultiTurnGRPOConfig))
-    return tuple(parser.parse_args_and_config(argv))
+    configs, argv = split_config_args(argv)
+    layers = load_config_layers(configs)
+    parser = _build_parser(extra)
+    known = {action.dest for action in parser._actions} - {"help", "config"}
+    _check_keys(layers, known)
+    merged: dict[str, Any] = {}
+    env: dict[str, Any] = {}
+    for path, values in layers:
+        values = dict(values)
+        env_values = values.pop("env", {}) or {}
+        if not isinstance(env_values, dict):
+            raise SystemExit(f"the config {path}: 'env' must be a mapping of variable: value.")
+        env.update(env_values)
+        merged.update(values)
+    for key, value in env.items():
+        os.environ[key] = str(value)
+    argv = argv + cpu_defaults(argv, merged)
+    parser.set_defaults_with_config(**merged)
+    origins: dict[str, str] = {}
+    if not any(a in ("-h", "--help") for a in argv):
+        weights, origins = _weights_by_name(layers, _given_on_command_line(parser, argv), argv, parser)
+        if weights is not None:
+            parser.set_defaults_with_config(reward_component_weights=weights)
+    outputs = tuple(parser.parse_args_into_dataclasses(argv))
+    script_args = next(o for o in outputs if isinstance(o, ScriptArguments))
+    script_args.config_files = [path for path, _ in layers]
+    script_args.reward_weight_origins = origins
+    return outputs

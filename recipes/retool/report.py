@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["read_metrics", "train_accuracy", "plot_run", "format_summary"]
+__all__ = ["read_metrics", "train_accuracy", "reward_component_keys", "plot_run", "format_summary"]
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -26,40 +26,64 @@ def train_accuracy(record: dict) -> float | None:
     return None if value is None else (value + 1.0) / 2.0  # correct is +1 / -1 per trajectory
 
 
+NOT_COMPONENTS = ("reward/total", "reward/verifier_error_rate")
+"""``reward/*`` metrics that are not a reward component's mean."""
+
+
+def reward_component_keys(metrics: Sequence[dict], components: Sequence[str] | None = None) -> list[str]:
+    """The ``reward/<component>`` keys to plot: those of ``components`` found in ``metrics`` (in that order), or,
+    without ``components``, every ``reward/*`` key but :data:`NOT_COMPONENTS`, in first-seen order."""
+    seen = list(dict.fromkeys(k for r in metrics for k in r if k.startswith("reward/") and k not in NOT_COMPONENTS))
+    if components is None:
+        return seen
+    return [f"reward/{c}" for c in components if f"reward/{c}" in seen]
+
+
 def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None = None, after: dict | None = None,
-             title: str = "ReTool PPO") -> Path:
-    """PNG of reward, accuracy and tool calls per step; the periodic held-out evaluation (``heldout/*``) as
-    curves, held-out accuracy before/after as markers."""
+             title: str = "ReTool PPO", reward_components: Sequence[str] | None = None) -> Path:
+    """PNG of the total reward, each reward component (``reward/<component>``, unweighted means), accuracy and
+    tool calls per step, on whole-step axes; the periodic held-out evaluation (``heldout/*``) as curves,
+    held-out accuracy before/after as markers. ``reward_components``: the run's components (default: every
+    ``reward/*`` key of ``metrics`` but the total and the verifier error rate)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in metrics]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     axes[0].plot(steps, [r["reward/total"] for r in metrics], marker=".")
-    axes[0].set_title("reward (train batch)")
+    axes[0].set_title("reward (train batch, weighted total)")
+    for key in reward_component_keys(metrics, reward_components):
+        with_key = [r for r in metrics if key in r]
+        axes[1].plot([r["step"] for r in with_key], [r[key] for r in with_key], marker=".", label=key.split("/", 1)[1])
+    axes[1].set_title("reward components (train batch)")
+    if axes[1].lines:
+        axes[1].legend(fontsize=7, loc="best")
+    acc_ax, tool_ax = axes[2], axes[3]
     acc = [train_accuracy(r) for r in metrics]
-    axes[1].plot(steps, acc, marker=".", label="train batch")
+    acc_ax.plot(steps, acc, marker=".", label="train batch")
     last = steps[-1] if steps else 0
     periodic = [r for r in metrics if "heldout/accuracy" in r]
     if periodic:
-        axes[1].plot([r["step"] for r in periodic], [r["heldout/accuracy"] for r in periodic], marker="o",
-                     label="held-out (periodic)")
+        acc_ax.plot([r["step"] for r in periodic], [r["heldout/accuracy"] for r in periodic], marker="o",
+                    label="held-out (periodic)")
         with_tool = [r for r in periodic if "heldout/accuracy_with_tool" in r]
-        axes[1].plot([r["step"] for r in with_tool], [r["heldout/accuracy_with_tool"] for r in with_tool], marker="o",
-                     linestyle="--", label="held-out, when the tool is called")
+        acc_ax.plot([r["step"] for r in with_tool], [r["heldout/accuracy_with_tool"] for r in with_tool], marker="o",
+                    linestyle="--", label="held-out, when the tool is called")
     if before is not None:
-        axes[1].scatter([0], [before["accuracy"]], color="tab:red", zorder=3, label="held-out, before RL")
+        acc_ax.scatter([0], [before["accuracy"]], color="tab:red", zorder=3, label="held-out, before RL")
     if after is not None:
-        axes[1].scatter([last], [after["accuracy"]], color="tab:green", zorder=3, label="held-out, after RL")
-    axes[1].set_title("accuracy")
-    axes[1].set_ylim(-0.02, 1.02)
-    axes[1].legend(fontsize=7, loc="lower right")
-    axes[2].plot(steps, [r.get("rollout/tool_calls_mean", 0.0) for r in metrics], marker=".")
-    axes[2].set_title("tool calls per trajectory")
+        acc_ax.scatter([last], [after["accuracy"]], color="tab:green", zorder=3, label="held-out, after RL")
+    acc_ax.set_title("accuracy")
+    acc_ax.set_ylim(-0.02, 1.02)
+    acc_ax.legend(fontsize=7, loc="lower right")
+    tool_ax.plot(steps, [r.get("rollout/tool_calls_mean", 0.0) for r in metrics], marker=".")
+    tool_ax.set_title("tool calls per trajectory")
     for ax in axes:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 1.25, 1.5, ... ticks
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

@@ -12,7 +12,7 @@ going into truncated/masked importance weights (docs/training.md). With ``beta >
 per rollout; with a critic-based estimator (``needs_values``) the critic (:mod:`~trl_plugins.trainers.critic`)
 gives values before the advantages and takes its own exact update after the policy's.
 
-TRL methods overridden: ``training_step``, ``log`` and ``train`` (public) and ``_save_checkpoint``
+TRL methods overridden: ``training_step``, ``log``, ``train`` and ``create_model_card`` (public) and ``_save_checkpoint``
 (private; it only adds a completion marker after TRL's save). ``tests/test_trainer.py`` pins the
 signatures this relies on.
 """
@@ -57,6 +57,7 @@ from trl_plugins.trainers.lora import check_peft
 from trl_plugins.trainers.memory import peak_memory_mb, reset_peak_memory
 from trl_plugins.trainers.multi_turn_config import MultiTurnGRPOConfig
 from trl_plugins.trainers.plugins import build_plugins, log_tool_start_up
+from trl_plugins.trainers.model_card import name_local_base_model
 from trl_plugins.trainers.viewer_pages import ViewerPages
 from trl_plugins.trainers.step import (
     datums_to_forward,
@@ -159,13 +160,6 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._plugins = build_plugins(args, tools=tools, reward_components=reward_components)
         log_tool_start_up(self._plugins.tools)  # e.g. the sandbox isolation in force
         check_vllm(args)
-        budget = getattr(self._plugins.rollout, "token_budget", None)
-        if args.use_vllm and args.vllm_max_model_length is not None and budget is not None and budget > args.vllm_max_model_length:
-            raise ValueError(
-                f"vllm_max_model_length={args.vllm_max_model_length} is shorter than the rollout's token budget of "
-                f"{budget} (rollout_kwargs max_trajectory_tokens): vLLM would refuse the longest trajectories' turns. "
-                f"Raise vllm_max_model_length or lower max_trajectory_tokens."
-            )
         # An adapter (TRL wraps the policy with peft_config) is checked before TRL wraps anything.
         check_peft(peft_config, args, model=model, needs_values=self._plugins.advantage.needs_values)
         # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
@@ -444,6 +438,15 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             out.update(trajectory_metrics(union))
             out.update(reward_metrics(union, self._reward_names()))
         return out
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """TRL's card (``output_dir/README.md``), naming the base model also when it was loaded from a local
+        folder: TRL names only Hub ids, which left "fine-tuned version of [None]"."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            name_local_base_model(os.path.join(self.args.output_dir, "README.md"),
+                                  getattr(self.model.config, "_name_or_path", None))
 
     # -- checkpoints ---------------------------------------------------------------------------------
 

@@ -175,6 +175,13 @@ def check_capabilities(args: Any, rollout: Any, advantage: Any, policy_loss: Any
             f"e.g. the most action tokens a trajectory can have{f' (the rollout budget is {budget})' if budget else ''}."
         )
     budget = rollout.token_budget
+    vllm_length = getattr(args, "vllm_max_model_length", None)
+    if getattr(args, "use_vllm", False) and vllm_length is not None and budget is not None and budget > vllm_length:
+        raise ValueError(
+            f"vllm_max_model_length={vllm_length} is shorter than the rollout's token budget of {budget} "
+            f"(rollout_kwargs max_trajectory_tokens): vLLM would refuse the longest trajectories' turns. "
+            f"Raise vllm_max_model_length or lower max_trajectory_tokens."
+        )
     context = context_limit(args, rollout)
     if budget is not None and context is not None and budget - 1 > context:
         raise ValueError(

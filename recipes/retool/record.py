@@ -1,0 +1,98 @@
+"""What ``summary.json`` records beside the results, so a run can be reproduced: the resolved config of both
+argument classes, the plugins, the seeds, the library versions and the project's git commit."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["json_safe", "resolved_config", "library_versions", "git_state", "run_record"]
+
+LIBRARIES = ("torch", "transformers", "trl", "accelerate", "deepspeed", "peft", "vllm", "datasets", "wandb")
+"""Distributions whose versions are recorded (None when not installed)."""
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout the recipe runs from (``recipes/retool/`` is two levels below it)."""
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with enums as their values, paths and other objects as strings, tuples and sets as lists."""
+    if isinstance(value, enum.Enum):
+        return json_safe(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: json_safe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return str(value)
+
+
+def resolved_config(args: Any) -> dict:
+    """Every field of a dataclass instance (the values in force after parsing and ``__post_init__``), JSON-safe;
+    tokens and other secrets are redacted as transformers' ``to_dict`` does."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    for name, value in values.items():
+        if value and name.endswith("_token"):  # hub_token, push_to_hub_token, ...
+            values[name] = "<redacted>"
+    return json_safe(values)
+
+
+def library_versions() -> dict[str, str | None]:
+    """The installed version of each of :data:`LIBRARIES` (None when absent) and of Python."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_state(root: str | Path = PROJECT_ROOT) -> dict[str, Any]:
+    """``{"commit": sha, "dirty": bool}`` of the git checkout at ``root``; both None when it is not one (or git
+    is missing). ``dirty`` counts tracked files changed since the commit (untracked files are ignored)."""
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
+def run_record(script_args: Any, training_args: Any) -> dict:
+    """The reproducibility part of ``summary.json``: ``config`` (both argument classes, every field), ``plugins``
+    (each seam's choice and settings), ``seeds``, ``versions`` and ``git``."""
+    a = training_args
+    return {
+        "config": {"script": resolved_config(script_args), "training": resolved_config(training_args),
+                   "files": list(getattr(script_args, "config_files", []))},
+        "plugins": json_safe({
+            "rollout": {"name": a.rollout, "kwargs": a.rollout_kwargs},
+            "tools": [{"name": n, "kwargs": a.tool_kwargs.get(n, {})} for n in a.tools],
+            "reward_components": [{"name": n, "weight": w, "kwargs": a.reward_component_kwargs.get(n, {}),
+                                   "weight_origin": getattr(script_args, "reward_weight_origins", {}).get(n)}
+                                  for n, w in zip(a.reward_components, a.reward_component_weights)],
+            "advantage": {"name": a.advantage, "kwargs": a.advantage_kwargs},
+            "policy_loss": {"name": a.policy_loss, "kwargs": a.policy_loss_kwargs},
+            "aggregation": a.aggregation,
+            "packer": a.packer,
+        }),
+        "seeds": {"seed": a.seed, "data_seed": a.data_seed, "task_seed": script_args.task_seed},
+        "versions": library_versions(),
+        "git": git_state(),
+    }
+

@@ -1,0 +1,25 @@
+"""The model card TRL writes beside each checkpoint, naming the base model also when it was a local folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["UNNAMED_BASE_MODEL", "name_local_base_model"]
+
+UNNAMED_BASE_MODEL = "[None](https://huggingface.co/None)"
+"""What TRL's card template (``trl/templates/lm_model_card.md``) renders when it names no base model: TRL
+names one only when ``model.config._name_or_path`` is a Hub id, not a local folder."""
+
+
+def name_local_base_model(card_path: str | os.PathLike, name_or_path: str | None) -> bool:
+    """Name the base model in the card at ``card_path`` where TRL left it unnamed: a local folder is named by
+    its path (no Hub link: it is not on the Hub). Returns True when the card was changed."""
+    path = Path(card_path)
+    if not name_or_path or not path.is_file():
+        return False
+    text = path.read_text()
+    if UNNAMED_BASE_MODEL not in text:
+        return False
+    path.write_text(text.replace(UNNAMED_BASE_MODEL, f"the local model `{name_or_path}`"))
+    return True
