@@ -227,6 +227,13 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     assert line("generation:").startswith("generation:   HF generate")
     assert line("outputs:").startswith("outputs:      /runs/a") and line("logging:").endswith("W&B offline")
     assert "retool_ppo.yaml < command line" in line("config files:")
+    assert line("viewer:") == ("viewer:       /runs/a/trajectories/step-N.html every 10 steps (8 trajectories; "
+                               "python -m trl_plugins.viewer redraws a saved batch)")
+    assert "warning: system_prompt does not mention" not in text  # the recipe's prompt names its tool
+    # A tool the system prompt does not name is flagged: only its schema reaches the model.
+    _, bare = parse_args(["--system_prompt", "Solve it.", "--viewer_steps", "0"])
+    text = format_banner(script_args, bare, world_size=1, device="cpu", distributed="single process")
+    assert "warning: system_prompt does not mention 'code_interpreter'" in text and "viewer:" not in text
     # A tool that has not started says when it will report.
     text = format_banner(script_args, args, world_size=1, device="cpu", distributed="single process")
     assert "reports how it runs when the tools start" in text

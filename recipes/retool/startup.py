@@ -146,6 +146,9 @@ def format_banner(script_args: Any, training_args: Any, *, world_size: int, devi
             lines.append(f"                {tool_start_up[name]}")
         else:
             lines.append("                (reports how it runs when the tools start)")
+        if name not in (a.system_prompt or ""):
+            lines.append(f"                warning: system_prompt does not mention {name!r}; only its schema reaches the "
+                         f"model, which may never call it (docs/plugins.md, 'Tools and the system prompt')")
     origins = getattr(s, "reward_weight_origins", None) or {}
     weighted = []
     for name, weight in zip(a.reward_components, a.reward_component_weights):
@@ -176,6 +179,9 @@ def format_banner(script_args: Any, training_args: Any, *, world_size: int, devi
     lines.append(f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, final/, checkpoints every "
                  f"{a.save_steps} steps)" if getattr(a.save_strategy, "value", a.save_strategy) == "steps" else
                  f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, final/)")
+    if a.viewer_steps:
+        lines.append(f"viewer:       {a.output_dir}/trajectories/step-N.html every {a.viewer_steps} steps "
+                     f"({a.viewer_trajectories} trajectories; python -m trl_plugins.viewer redraws a saved batch)")
     lines.append(f"logging:      report_to {report}" + (f"; W&B {wandb_mode}" if wandb_mode else ""))
     lines.append("=" * 72)
     return "\n".join(lines)
