@@ -35,6 +35,7 @@ def main(argv: list[str]) -> dict:
     from retool.data import hide_answers, task_rows
     from retool.default_model import model_path_or_default
     from retool.evaluate import EvalArguments, check_eval_settings, evaluate_checkpoint
+
     from trl_plugins.trainers.plugins import check_named_plugins
 
     eval_args, script_args, training_args = parse_args(argv, EvalArguments)

@@ -90,11 +90,14 @@ def main(script_args: ScriptArguments, training_args) -> int:
     # The rows before any model: a missing column or split, or a held-out split that cannot be carved, stops here.
     # Training and every held-out evaluation split alike (retool.data.load_task_rows); the main process says how.
     evaluate = script_args.eval_problems > 0
+    said: list[str] = []
     try:
-        train_rows = task_rows(script_args, "train", size=script_args.train_size, log=say)
-        heldout_rows = task_rows(script_args, "test", size=script_args.eval_problems, log=say) if evaluate else []
+        train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append)
+        heldout_rows = task_rows(script_args, "test", size=script_args.eval_problems, log=said.append) if evaluate else []
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    for line in dict.fromkeys(said):  # a carved split is described once, not once per side
+        say(line)
 
     with state.main_process_first():  # only the main process builds the embedded default; the others find it cached
         model_path = model_path_or_default(script_args, training_args, rebuild=script_args.rebuild_embedded and main_process,

@@ -202,7 +202,7 @@ class ScriptedToolsRollout(MultiTurnRollout):
         def script(prompt):
             text = tok.decode(prompt)
             expression = re.findall(r"What is ([0-9 +*-]+)\?", text)[-1]
-            outputs = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", text, re.S)
+            outputs = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", text, re.DOTALL)
             if not outputs:
                 call = {"name": "code_interpreter", "arguments": {"code": f"print({expression})"}}
             elif len(outputs) == 1:

@@ -213,6 +213,7 @@ def test_main_command_runs_two_steps_on_one_process(tmp_path):
     assert [r["step"] for r in steps] == [1, 2] and "reward/correct" in steps[0] and "reward/format" in steps[0]
     # The periodic held-out evaluation of the live policy, logged with its step.
     assert all(0.0 <= r["heldout/accuracy"] <= 1.0 and 0.0 <= r["heldout/tool_call_rate"] <= 1.0 for r in steps)
+    assert all(r["heldout/accuracy_se"] >= 0.0 for r in steps)  # with its standard error, clustered by problem
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B offline by default
     assert "building the tiny model" in proc.stdout
 
@@ -530,9 +531,9 @@ def test_a_single_file_is_split_into_disjoint_training_and_held_out_rows(tmp_pat
     quarter, _ = retool_ppo.parse_args(["--dataset_name", str(data), "--held_out_fraction", "0.25"])
     assert len(task_rows(quarter, "test", size=None)) == 10 and len(task_rows(quarter, "train", size=None)) == 30
     # Two rows with one prompt fall on the same side.
-    dup = _write_jsonl(tmp_path / "dup.jsonl", prompts + [sorted(held_prompts)[0]])
+    dup = _write_jsonl(tmp_path / "dup.jsonl", prompts + [min(held_prompts)])
     dup_args, _ = retool_ppo.parse_args(["--dataset_name", str(dup)])
-    assert sorted(held_prompts)[0] not in {r["prompt"] for r in task_rows(dup_args, "train", size=None)}
+    assert min(held_prompts) not in {r["prompt"] for r in task_rows(dup_args, "train", size=None)}
 
 
 def test_a_split_that_cannot_be_held_out_is_refused_saying_what_to_do(tmp_path):
@@ -603,7 +604,7 @@ def test_the_recipe_stops_on_a_file_too_small_to_hold_out_before_building_anythi
     small = _write_jsonl(tmp_path / "small.jsonl", ["What is 1 + 1?", "What is 2 + 2?"])
     proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--dataset_name", str(small), "--report_to", "none",
                            "--output_dir", str(tmp_path / "out")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
                           env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
     assert proc.returncode != 0 and "leaves none held out" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr  # the message, not a stack
@@ -672,3 +673,29 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
     message = str(failed.value)
     assert message.startswith("the held-out evaluation failed in its child process: ") and str(missing) in message
     assert "split" not in message
+
+
+@pytest.mark.slow
+def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard_errors(tmp_path):
+    # --dataset_name arith.jsonl through the real launcher: 6 of its 60 rows are held out (said), training draws
+    # from the other 54, and the before/after numbers carry standard errors and a paired gain.
+    from retool.task import arithmetic_problems
+
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_problems(60, seed=3)]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none", "--eval_every_steps", "0"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "held-out rows: 6 of the 60 rows of the file" in proc.stdout and "training uses the other 54" in proc.stdout
+    assert proc.stdout.count("held-out rows:") == 1  # said once, before the model
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("before", "after"):
+        numbers = summary[key]
+        assert numbers["problems"] == 4 and numbers["accuracy_se"] is not None and "2" in numbers["pass_at_k_se"]
+        assert sorted(numbers["correct_by_problem"]) == ["test-0", "test-1", "test-2", "test-3"]
+    assert summary["gain"]["paired"] and summary["gain"]["se"] is not None
+    assert json.loads((out / "eval_after.json").read_text())["accuracy_se"] == summary["after"]["accuracy_se"]
+    table = next(line for line in proc.stdout.splitlines() if line.startswith("accuracy (pass@1)"))
+    assert table.count("±") == 2, table
+    assert "paired by problem; 95% interval" in proc.stdout

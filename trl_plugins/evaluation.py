@@ -131,16 +131,15 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
         raise ValueError(f"{len(trajectories)} trajectories but {len(correct)} correctness flags.")
     if not trajectories:
         raise ValueError("no trajectories to summarise.")
-    by_question: dict[Any, list[tuple[bool, int]]] = {}
-    for traj, ok in zip(trajectories, correct):
-        calls = sum(t.tool_call is not None for t in traj.turns)
-        by_question.setdefault(traj.question_id, []).append((bool(ok), calls))
+    calls = [sum(t.tool_call is not None for t in traj.turns) for traj in trajectories]
+    by_question: dict[Any, list[tuple[bool, int]]] = {}  # (correct, tool calls) of each sample
+    for traj, ok, c in zip(trajectories, correct, calls):
+        by_question.setdefault(traj.question_id, []).append((bool(ok), c))
     n = min(len(v) for v in by_question.values())
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
         raise ValueError(f"pass@k needs 1 <= k <= samples per question ({n}); got k={bad}.")
     groups = list(by_question.values())
-    calls = [sum(t.tool_call is not None for t in traj.turns) for traj in trajectories]
     errors = sum(1 for traj in trajectories for t in traj.turns if t.tool_call is not None and not t.tool_call.ok)
     by_tool: dict[str, int] = {}
     for traj in trajectories:
@@ -152,8 +151,9 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
     total = len(trajectories)
     per_problem_pass = {k: [pass_at_k(len(v), sum(ok for ok, _ in v), k) for v in groups] for k in ks}
 
-    def se(keep: Any) -> float | None:  # the accuracy of the samples ``keep(calls)`` selects, clustered by problem
-        return clustered_se([sum(ok for ok, c in v if keep(c)) for v in groups], [sum(1 for _, c in v if keep(c)) for v in groups])
+    def se(keep: Any) -> float | None:  # of the accuracy of the samples whose tool calls ``keep`` selects
+        return clustered_se([sum(ok for ok, c in v if keep(c)) for v in groups],
+                            [sum(1 for _, c in v if keep(c)) for v in groups])
 
     return EvalResult(
         problems=len(by_question),

@@ -3,15 +3,17 @@
 The held-out rows never overlap the training rows: they come from the dataset's own held-out split
 (``dataset_test_split``) when it has one, else from a deterministic share of the training rows
 (``held_out_fraction`` of its rows: those with the lowest hashes of the prompt text) that training then
-leaves out; a single local file is always split that way. :func:`load_task_rows` says which, and refuses what cannot be split.
+leaves out; a single local file is always split that way. :func:`load_task_rows` says which, and refuses
+what cannot be split.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 __all__ = ["load_task_rows", "task_rows", "prompt_hash", "held_out_mask", "answer_paths", "hide_answers"]
 
@@ -28,7 +30,7 @@ def held_out_mask(prompts: Sequence[Any], fraction: float) -> list[bool]:
     """Which rows to hold out: the ``round(fraction * len(prompts))`` with the lowest :func:`prompt_hash`.
 
     Deterministic and independent of the row order, the seed and the sizes asked for; rows with the same
-    prompt share a hash and fall on the same side (a tie at the boundary holds out one row more).
+    prompt share a hash and fall on the same side (a tie at the boundary holds out its duplicates too).
     """
     hashes = [prompt_hash(p) for p in prompts]
     k = int(fraction * len(hashes) + 0.5)
