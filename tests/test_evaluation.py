@@ -265,7 +265,7 @@ def test_retool_eval_takes_the_runs_tools_and_rewards_and_refuses_unknown_ones_b
     assert out["tool_calls_by_tool"] == {"code_interpreter": 1.0, "echo": 1.0} and out["accuracy"] == 1.0
     printed = capsys.readouterr().out
     assert "echo-was-called" in printed and "test_evaluation:Length=+" in printed
-    assert "(code_interpreter 1.00) (echo 1.00)" in printed  # calls per sample of each tool in the summary line
+    assert "tool calls/sample 2.00 (code_interpreter 1.00, echo 1.00)" in printed  # each tool's calls per sample
 
     # A tool name that resolves nowhere: refused, naming it, before the model loads (its folder is gone).
     import shutil

@@ -113,6 +113,8 @@ def evaluate_checkpoint(
         for turn in traj.turns:
             print("  " + turn.text.replace("\n", "\n  "))
 
+    by_tool = result.tool_calls_by_tool
+
     def pm(value: float, se: float | None) -> str:
         return f"{value:.3f}" + ("" if se is None else f" ± {se:.3f}")
 
@@ -120,7 +122,7 @@ def evaluate_checkpoint(
           f"accuracy {pm(result.accuracy, result.accuracy_se)}, "
           + ", ".join(f"pass@{k} {pm(v, result.pass_at_k_se.get(k))}" for k, v in result.pass_at_k.items())
           + f", tool-call rate {result.tool_call_rate:.3f}, tool calls/sample {result.tool_calls_mean:.2f}"
-          + "".join(f" ({name} {v:.2f})" for name, v in result.tool_calls_by_tool.items() if len(result.tool_calls_by_tool) > 1)
+          + (f" ({', '.join(f'{name} {v:.2f}' for name, v in by_tool.items())})" if len(by_tool) > 1 else "")
           + " (± one standard error, clustered by problem)", flush=True)
     if output_json:
         with open(output_json, "w") as f:
@@ -131,7 +133,8 @@ def evaluate_checkpoint(
 class PeriodicHeldOut(TrainerCallback):
     """A TrainerCallback: every ``every`` steps, a cheap held-out evaluation of the live policy, logged
     with the step (``heldout/accuracy`` and its standard error clustered by problem ``heldout/accuracy_se``,
-    ``heldout/accuracy_with_tool``, ``heldout/tool_call_rate``, ``heldout/truncated_frac``), so a run shows its held-out curve, not only the two end points.
+    ``heldout/accuracy_with_tool``, ``heldout/tool_call_rate``, ``heldout/truncated_frac``), so a run shows
+    its held-out curve, not only the two end points.
 
     Runs in the training process on the prepared model: each rank evaluates an equal share of ``rows``
     (under ZeRO-3 the full weights are gathered once per share) and the counts are summed over ranks.
