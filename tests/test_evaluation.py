@@ -47,12 +47,15 @@ class LyingRollout(MultiTurnRollout):
 class Echo:
     name = "echo"
 
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix  # set through tool_kwargs
+
     def schema(self):
         return {"type": "function", "function": {"name": "echo", "description": "Echo.",
                 "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
 
     async def __call__(self, arguments):
-        return ToolOutput(text=str(arguments.get("text")), ok=True)
+        return ToolOutput(text=self.prefix + str(arguments.get("text")), ok=True)
 
 
 class Length:
@@ -188,7 +191,8 @@ def test_paired_standard_error_of_the_gain_matches_a_hand_computation():
 @dataclasses.dataclass
 class ScriptedToolsRollout(MultiTurnRollout):
     """The built-in rollout with a scripted policy instead of the model: it runs the question's expression in
-    the code interpreter, then calls ``echo``, then answers what the interpreter printed."""
+    the code interpreter, then calls ``echo``, then answers what the interpreter printed, quoting what echo
+    returned (so the printed answer shows the tool outputs the policy was given)."""
 
     def __call__(self, request):
         import json
@@ -206,9 +210,10 @@ class ScriptedToolsRollout(MultiTurnRollout):
             if not outputs:
                 call = {"name": "code_interpreter", "arguments": {"code": f"print({expression})"}}
             elif len(outputs) == 1:
-                call = {"name": "echo", "arguments": {"text": "echo-was-called"}}
+                call = {"name": "echo", "arguments": {"text": "echo-output"}}
             else:
-                return tok(f"The answer is \\boxed{{{outputs[0]}}}.", add_special_tokens=False)["input_ids"] + [end]
+                answer = f"echo said {outputs[1]}. The answer is \\boxed{{{outputs[0]}}}."
+                return tok(answer, add_special_tokens=False)["input_ids"] + [end]
             return tok(f"<tool_call>\n{json.dumps(call)}\n</tool_call>", add_special_tokens=False)["input_ids"] + [end]
 
         backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids)
@@ -225,7 +230,7 @@ def _two_tool_run(tmp_path):
     tok.save_pretrained(model_dir)
     argv = ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"), "--report_to", "none",
             "--tools", "code_interpreter", "test_evaluation:Echo",
-            "--tool_kwargs", json.dumps({"code_interpreter": {"mode": "cold"}}),
+            "--tool_kwargs", json.dumps({"code_interpreter": {"mode": "cold"}, "test_evaluation:Echo": {"prefix": "kw-"}}),
             "--reward_components", "correct", "format", "test_evaluation:Length",
             "--reward_component_weights", "1.0", "0.1", "0.0",
             "--rollout", "test_evaluation:ScriptedToolsRollout",
@@ -250,7 +255,8 @@ def test_the_recipes_child_evaluation_uses_every_configured_tool_and_reward(tmp_
     assert out["tool_calls_by_tool"] == {"code_interpreter": 1.0, "echo": 1.0}
     assert out["tool_error_rate"] == 0.0 and out["accuracy"] == 1.0 and out["problems"] == 3
     printed = capfd.readouterr().out
-    assert "echo-was-called" in printed  # the echo tool's output came back to the policy
+    # The echo tool, built with its tool_kwargs (prefix "kw-"), answered the policy (the call itself says "echo-output").
+    assert "echo said kw-echo-output." in printed
     assert "test_evaluation:Length=+" in printed  # the third reward component scored every sample
     assert json.loads((tmp_path / "eval.json").read_text())["tool_calls_by_tool"] == out["tool_calls_by_tool"]
 
@@ -264,7 +270,7 @@ def test_retool_eval_takes_the_runs_tools_and_rewards_and_refuses_unknown_ones_b
     out = retool_eval.main([*argv, "--output_json", str(tmp_path / "eval.json"), "--show_samples", "1"])
     assert out["tool_calls_by_tool"] == {"code_interpreter": 1.0, "echo": 1.0} and out["accuracy"] == 1.0
     printed = capsys.readouterr().out
-    assert "echo-was-called" in printed and "test_evaluation:Length=+" in printed
+    assert "echo said kw-echo-output." in printed and "test_evaluation:Length=+" in printed
     assert "tool calls/sample 2.00 (code_interpreter 1.00, echo 1.00)" in printed  # each tool's calls per sample
 
     # A tool name that resolves nowhere: refused, naming it, before the model loads (its folder is gone).
