@@ -7,13 +7,22 @@
     # a Hub model on a Hub maths set
     python recipes/retool_eval.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct \\
         --dataset_name HuggingFaceH4/MATH-500 --dataset_test_split test --prompt_column problem --answer_column answer
+    # a run trained with a second tool and a custom reward (an installed plugin package's names, or module:attr)
+    python recipes/retool_eval.py --model_name_or_path outputs/run/final --tools code_interpreter calculator \\
+        --reward_components correct format concise --reward_component_weights 1.0 0.1 0.1
 
 It takes the training recipe's own arguments (``recipes/retool_ppo.yaml`` unless ``--config`` names
 another file, overridden on the command line), so it evaluates with the run's tools, rollout plugin and
 budgets, reward components and system prompt, through the registries: a run trained with a custom tool
 or rollout is evaluated with it. A sample is correct when the ``correct`` reward component says so
 (math-verify on the last ``\\boxed{}``), so its accuracy is the training log's ``reward/correct`` on
-unseen problems. ``--output_json`` writes the numbers.
+unseen problems. The held-out rows are the run's (``dataset_test_split``, or the ``held_out_fraction``
+carved out of the training split by the same hash; never a training row). Every accuracy and pass@k is
+printed and written with ± one standard error clustered by problem. ``--output_json`` writes the numbers.
+
+Plugins are named as in training: registry names (built-ins, and installed packages through their
+``trl_plugins.*`` entry points) or a ``package.module:attribute`` import path; an unknown name or a bad
+kwarg is refused before the model loads.
 """
 
 from __future__ import annotations
@@ -23,15 +32,22 @@ import sys
 
 def main(argv: list[str]) -> dict:
     from retool.config import parse_args
-    from retool.data import hide_answers
+    from retool.data import hide_answers, task_rows
     from retool.default_model import model_path_or_default
     from retool.evaluate import EvalArguments, check_eval_settings, evaluate_checkpoint
 
+    from trl_plugins.trainers.plugins import check_named_plugins
+
     eval_args, script_args, training_args = parse_args(argv, EvalArguments)
-    ks = check_eval_settings(script_args, training_args, eval_args.k)
+    check_named_plugins(training_args)  # every tool and reward component resolves, before a model loads
+    ks = check_eval_settings(script_args, training_args, eval_args.k, training=False)
+    try:  # the rows before any model: a missing split or column stops here
+        rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     model_path = model_path_or_default(script_args, training_args)
     hide_answers(script_args.dataset_name, training_args)
-    return evaluate_checkpoint(model_path, script_args, training_args, ks=ks, batch_questions=eval_args.batch_questions,
+    return evaluate_checkpoint(model_path, script_args, training_args, ks=ks, rows=rows, batch_questions=eval_args.batch_questions,
                                output_json=eval_args.output_json, show_samples=eval_args.show_samples)
 
 

@@ -53,12 +53,12 @@ def main(script_args: ScriptArguments, training_args) -> int:
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retool.data import hide_answers, load_task_rows
+    from retool.data import hide_answers, task_rows
     from retool.default_model import model_path_or_default
     from retool.evaluate import PeriodicHeldOut, check_eval_settings, evaluate_checkpoint
-    from retool.launch import available_cpus, claim_output_dir, configure_wandb, run_in_child
+    from retool.launch import ChildProcessError, available_cpus, claim_output_dir, configure_wandb, run_in_child
     from retool.record import run_record
-    from retool.report import format_summary, plot_run, read_metrics
+    from retool.report import accuracy_gain, format_summary, plot_run, read_metrics
     from retool.startup import check_chat_template, check_plugins, distributed_mode, format_banner
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
@@ -94,6 +94,18 @@ def main(script_args: ScriptArguments, training_args) -> int:
                       distributed=distributed_mode(training_args=training_args), tool_start_up=plugin_check.tool_start_up,
                       wandb_mode=wandb_mode), flush=True)
 
+    # The rows before any model: a missing column or split, or a held-out split that cannot be carved, stops here.
+    # Training and every held-out evaluation split alike (retool.data.load_task_rows); the main process says how.
+    evaluate = script_args.eval_problems > 0
+    said: list[str] = []
+    try:
+        train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append)
+        heldout_rows = task_rows(script_args, "test", size=script_args.eval_problems, log=said.append) if evaluate else []
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    for line in dict.fromkeys(said):  # a carved split is described once, not once per side
+        say(line)
+
     with state.main_process_first():  # only the main process builds the embedded default; the others find it cached
         model_path = model_path_or_default(script_args, training_args, rebuild=script_args.rebuild_embedded and main_process,
                                            log=say)
@@ -102,9 +114,6 @@ def main(script_args: ScriptArguments, training_args) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     check_chat_template(tokenizer, plugin_check, training_args)
 
-    train_rows = load_task_rows(script_args.dataset_name, script_args.dataset_train_split, size=script_args.train_size,
-                                seed=script_args.task_seed, dataset_config=script_args.dataset_config,
-                                prompt_column=script_args.prompt_column, answer_column=script_args.answer_column)
     from datasets import Dataset
 
     train_dataset = Dataset.from_list(train_rows)
@@ -116,10 +125,12 @@ def main(script_args: ScriptArguments, training_args) -> int:
 
     def held_out(checkpoint: str, name: str) -> dict:
         # In a clean child process: the evaluation never meets ZeRO-3's partitioned parameters.
-        return run_in_child(evaluate_checkpoint, checkpoint, script_args, training_args, ks=ks,
-                            output_json=str(out_dir / name), what="the held-out evaluation")
+        try:
+            return run_in_child(evaluate_checkpoint, checkpoint, script_args, training_args, ks=ks, rows=heldout_rows,
+                                output_json=str(out_dir / name), what=f"the held-out evaluation of {checkpoint}")
+        except ChildProcessError as exc:  # the child's own error, not a traceback of the parent's plumbing
+            raise SystemExit(str(exc)) from None
 
-    evaluate = script_args.eval_problems > 0
     before = None
     if evaluate and main_process:
         say(f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x {script_args.eval_samples} samples)...")
@@ -131,11 +142,8 @@ def main(script_args: ScriptArguments, training_args) -> int:
     trainer = MultiTurnGRPOTrainer(model, training_args, train_dataset=train_dataset, processing_class=tokenizer,
                                    peft_config=peft_config_from(script_args))
     if evaluate and script_args.eval_every_steps > 0:
-        heldout_rows = load_task_rows(script_args.dataset_name, script_args.dataset_test_split,
-                                      size=min(script_args.eval_every_problems, script_args.eval_problems),
-                                      seed=script_args.task_seed, dataset_config=script_args.dataset_config,
-                                      prompt_column=script_args.prompt_column, answer_column=script_args.answer_column)
-        periodic = PeriodicHeldOut(trainer, heldout_rows, every=script_args.eval_every_steps,
+        # The first of the held-out rows (a seeded draw: the same ones a separate load of that size gives).
+        periodic = PeriodicHeldOut(trainer, heldout_rows[: script_args.eval_every_problems], every=script_args.eval_every_steps,
                                    samples=script_args.eval_samples, temperature=script_args.eval_temperature)
         trainer.add_callback(periodic)
     try:
@@ -175,8 +183,8 @@ def main(script_args: ScriptArguments, training_args) -> int:
                 wandb.finish()
         except ImportError:
             pass
-        summary = {"before": before, "after": after, "steps": trainer.state.global_step,
-                   "wall_s": time.perf_counter() - start, "model": model_path,
+        summary = {"before": before, "after": after, "gain": accuracy_gain(before, after) if before and after else None,
+                   "steps": trainer.state.global_step, "wall_s": time.perf_counter() - start, "model": model_path,
                    **run_record(script_args, training_args)}
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_summary(before, after, steps=trainer.state.global_step, wall_s=time.perf_counter() - start,

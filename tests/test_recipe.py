@@ -213,6 +213,7 @@ def test_main_command_runs_two_steps_on_one_process(tmp_path):
     assert [r["step"] for r in steps] == [1, 2] and "reward/correct" in steps[0] and "reward/format" in steps[0]
     # The periodic held-out evaluation of the live policy, logged with its step.
     assert all(0.0 <= r["heldout/accuracy"] <= 1.0 and 0.0 <= r["heldout/tool_call_rate"] <= 1.0 for r in steps)
+    assert all(r["heldout/accuracy_se"] >= 0.0 for r in steps)  # with its standard error, clustered by problem
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B offline by default
     assert "building the tiny model" in proc.stdout
 
@@ -495,3 +496,206 @@ def test_a_negative_learning_rate_is_refused_when_the_config_is_parsed():
     retool_ppo = _recipe_module()
     with pytest.raises(ValueError, match="learning_rate must be > 0, got -0.001"):
         retool_ppo.parse_args(["--learning_rate=-1e-3"])
+
+
+# --- Held-out rows never overlap the training rows (issue 13, point 1) -----------------------------------
+
+
+def _write_jsonl(path, prompts):
+    path.write_text("".join(json.dumps({"prompt": p, "answer": str(i)}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def test_a_single_file_is_split_into_disjoint_training_and_held_out_rows(tmp_path):
+    from retool.data import task_rows
+
+    prompts = [f"What is {i} + {2 * i}?" for i in range(40)]
+    data = _write_jsonl(tmp_path / "arith.jsonl", prompts)
+    retool_ppo = _recipe_module()
+    script_args, _ = retool_ppo.parse_args(["--dataset_name", str(data)])
+    said: list[str] = []
+    train = task_rows(script_args, "train", size=None, log=said.append)
+    held = task_rows(script_args, "test", size=None, log=said.append)
+    train_prompts, held_prompts = {r["prompt"] for r in train}, {r["prompt"] for r in held}
+    assert not train_prompts & held_prompts and train_prompts | held_prompts == set(prompts)
+    assert len(held) == 4 and len(train) == 36  # round(0.1 * 40) held out
+    # Said, with the counts and how.
+    assert said[0] == said[1] and "held-out rows: 4 of the 40 rows of the file" in said[0]
+    assert "chosen by a hash of the prompt" in said[0] and "training uses the other 36" in said[0]
+    # Deterministic, whatever the row order, the seed or the size asked for.
+    _write_jsonl(tmp_path / "shuffled.jsonl", prompts[::-1])
+    again, _ = retool_ppo.parse_args(["--dataset_name", str(tmp_path / "shuffled.jsonl"), "--task_seed", "5"])
+    assert {r["prompt"] for r in task_rows(again, "test", size=None)} == held_prompts
+    assert {r["prompt"] for r in task_rows(script_args, "test", size=2)} < held_prompts
+    # A larger fraction holds out more, still disjoint.
+    quarter, _ = retool_ppo.parse_args(["--dataset_name", str(data), "--held_out_fraction", "0.25"])
+    assert len(task_rows(quarter, "test", size=None)) == 10 and len(task_rows(quarter, "train", size=None)) == 30
+    # Two rows with one prompt fall on the same side.
+    dup = _write_jsonl(tmp_path / "dup.jsonl", prompts + [min(held_prompts)])
+    dup_args, _ = retool_ppo.parse_args(["--dataset_name", str(dup)])
+    assert min(held_prompts) not in {r["prompt"] for r in task_rows(dup_args, "train", size=None)}
+
+
+def test_a_split_that_cannot_be_held_out_is_refused_saying_what_to_do(tmp_path):
+    from retool.data import task_rows
+
+    retool_ppo = _recipe_module()
+    small = _write_jsonl(tmp_path / "small.jsonl", ["What is 1 + 1?", "What is 2 + 2?", "What is 3 + 3?"])
+    before = small.read_text()
+    script_args, _ = retool_ppo.parse_args(["--dataset_name", str(small)])
+    with pytest.raises(ValueError, match=r"has 3 rows and held_out_fraction=0.1 leaves none held out.*too few rows.*--eval_problems 0"):
+        task_rows(script_args, "test", size=None)
+    assert len(task_rows(script_args, "train", size=None)) == 3  # nothing to hold out: training keeps them all
+    none_held, _ = retool_ppo.parse_args(["--dataset_name", str(small), "--held_out_fraction", "0"])
+    with pytest.raises(ValueError, match=r"single file: it has no held-out split, and held_out_fraction is 0.*--held_out_fraction 0.1"):
+        task_rows(none_held, "test", size=None)
+    assert small.read_text() == before  # the data is untouched
+    with pytest.raises(ValueError, match=r"held_out_fraction must be in \[0, 1\), got 1.0"):
+        retool_ppo.parse_args(["--held_out_fraction", "1"])
+
+
+def test_a_dataset_folder_uses_its_own_test_split_or_holds_out_part_of_its_training_split(tmp_path):
+    from retool.data import task_rows
+
+    retool_ppo = _recipe_module()
+    both = tmp_path / "both"
+    both.mkdir()
+    _write_jsonl(both / "train.jsonl", [f"train {i}" for i in range(20)])
+    _write_jsonl(both / "test.jsonl", [f"test {i}" for i in range(5)])
+    script_args, _ = retool_ppo.parse_args(["--dataset_name", str(both)])
+    said: list[str] = []
+    assert {r["prompt"] for r in task_rows(script_args, "test", size=None, log=said.append)} == {f"test {i}" for i in range(5)}
+    assert {r["prompt"] for r in task_rows(script_args, "train", size=None, log=said.append)} == {f"train {i}" for i in range(20)}
+    assert said[0].startswith("held-out rows: split 'test' of") and "its split 'test'" in said[1]
+
+    only_train = tmp_path / "only_train"
+    only_train.mkdir()
+    _write_jsonl(only_train / "train.jsonl", [f"train {i}" for i in range(20)])
+    script_args, _ = retool_ppo.parse_args(["--dataset_name", str(only_train)])
+    held = {r["prompt"] for r in task_rows(script_args, "test", size=None, log=said.append)}
+    train = {r["prompt"] for r in task_rows(script_args, "train", size=None)}
+    assert len(held) == 2 and len(train) == 18 and not held & train
+    assert "the dataset has no split 'test'" in said[-1]
+    none_held, _ = retool_ppo.parse_args(["--dataset_name", str(only_train), "--held_out_fraction", "0"])
+    with pytest.raises(ValueError, match=r"has no split 'test' \(it has \['train'\]\) and held_out_fraction is 0.*--dataset_test_split"):
+        task_rows(none_held, "test", size=None)
+    missing, _ = retool_ppo.parse_args(["--dataset_name", str(only_train), "--dataset_train_split", "training"])
+    with pytest.raises(ValueError, match=r"has no split 'training'; it has \['train'\]. Set --dataset_train_split"):
+        task_rows(missing, "train", size=None)
+
+
+def test_naming_the_training_split_as_the_held_out_split_is_refused():
+    from retool.evaluate import check_eval_settings
+
+    retool_ppo = _recipe_module()
+    script_args, args = retool_ppo.parse_args(["--dataset_test_split", "train"])
+    with pytest.raises(SystemExit, match=r"both 'train': the held-out evaluation would score the training rows.*--eval_problems 0"):
+        check_eval_settings(script_args, args)
+    with pytest.raises(SystemExit, match=r"both 'train'.*set --dataset_train_split to another name"):
+        check_eval_settings(script_args, args, training=False)  # retool_eval.py: no --eval_problems 0 way out
+    script_args, args = retool_ppo.parse_args(["--dataset_test_split", "train", "--eval_problems", "0"])
+    assert check_eval_settings(script_args, args) == [1, 4]  # no held-out evaluation: nothing to refuse
+
+
+def test_the_recipe_stops_on_a_file_too_small_to_hold_out_before_building_anything(tmp_path):
+    import subprocess
+    import sys
+
+    small = _write_jsonl(tmp_path / "small.jsonl", ["What is 1 + 1?", "What is 2 + 2?"])
+    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--dataset_name", str(small), "--report_to", "none",
+                           "--output_dir", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode != 0 and "leaves none held out" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr  # the message, not a stack
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+# --- Held-out figures with their uncertainty (point 3) ----------------------------------------------------
+
+
+def test_the_summary_shows_each_figure_with_its_standard_error_and_the_gain_with_a_paired_one():
+    from retool.report import accuracy_gain, format_summary
+
+    def result(correct):  # 4 problems x 2 samples, the numbers summarise() would give
+        per_problem = [c / 2 for c in correct]
+        mean = sum(per_problem) / 4
+        se = (sum((p - mean) ** 2 for p in per_problem) / 3 / 4) ** 0.5
+        return {"problems": 4, "samples": 2, "accuracy": mean, "accuracy_se": se, "tool_call_rate": 0.5,
+                "accuracy_with_tool": None, "accuracy_without_tool": mean, "accuracy_without_tool_se": se,
+                "truncated_frac": 0.0, "pass_at_k": {"1": mean, "2": 0.75}, "pass_at_k_se": {"1": se, "2": 0.25},
+                "correct_by_problem": {q: [c, 2] for q, c in zip("abcd", correct)}}
+
+    before, after = result([1, 0, 1, 2]), result([2, 1, 1, 2])
+    # before: per problem 0.5, 0, 0.5, 1 -> 50.0% ± 20.4 (sd 0.408 / 2); after: 1, 0.5, 0.5, 1 -> 75.0% ± 14.4.
+    # Gain 0.25 with the paired se 0.1443 (changes 0.5, 0.5, 0, 0: sd 0.2887 / 2); 95%: 25 -/+ 1.96 * 14.43.
+    gain = accuracy_gain(before, after)
+    assert gain["accuracy"] == 0.25 and gain["se"] == pytest.approx(0.144338, abs=1e-6) and gain["paired"]
+    text = format_summary(before, after, steps=2, wall_s=60.0, paths={})
+    lines = {line[:28].strip(): line[28:] for line in text.splitlines()}
+    assert lines["accuracy (pass@1)"].split() == ["50.0%", "±", "20.4", "75.0%", "±", "14.4"]
+    assert lines["accuracy with the tool"].split() == ["n/a", "n/a"]
+    assert lines["pass@2"].split() == ["75.0%", "±", "25.0", "75.0%", "±", "25.0"]
+    assert lines["tool-call rate"].split() == ["50.0%", "50.0%"]  # a rate, not an estimate of skill: no ±
+    assert "held-out accuracy gain: +25.0 points ± 14.4 (paired by problem; 95% interval -3.3 to +53.3)" in text
+    assert "clustered by problem" in text
+    # Different problems: no pairing; the two standard errors combine as if independent (sqrt(0.204^2 + 0.144^2)).
+    other = {**after, "correct_by_problem": {q + "'": v for q, v in after["correct_by_problem"].items()}}
+    assert accuracy_gain(before, other) == {"accuracy": 0.25, "se": pytest.approx(0.25), "paired": False}
+    assert "± 25.0 (unpaired" in format_summary(before, other, steps=2, wall_s=60.0, paths={})
+
+
+# --- A failed evaluation reports its own cause (point 4) ----------------------------------------------------
+
+
+def _exit_without_a_word():
+    os._exit(3)
+
+
+def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkeypatch):
+    import test_recipe
+    from retool.evaluate import evaluate_checkpoint
+    from retool.launch import ChildProcessError, run_in_child
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    with pytest.raises(ChildProcessError, match=r"the failing job failed in its child process: RuntimeError: child says no"):
+        run_in_child(test_recipe._fail, what="the failing job")
+    with pytest.raises(ChildProcessError, match=r"its child process ended \(exit 3\) without a result or an error"):
+        run_in_child(test_recipe._exit_without_a_word, what="the silent job")
+    # The recipe's own evaluation, of a checkpoint that is not there: the child's error names the folder, and
+    # nothing guesses about dataset splits.
+    retool_ppo = _recipe_module()
+    script_args, args = retool_ppo.parse_args(["--output_dir", str(tmp_path / "out")])
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(ChildProcessError) as failed:
+        run_in_child(evaluate_checkpoint, str(missing), script_args, args, ks=[1],
+                     rows=[{"id": "q", "prompt": "What is 1 + 1?", "answer": "2"}], what="the held-out evaluation")
+    message = str(failed.value)
+    assert message.startswith("the held-out evaluation failed in its child process: ") and str(missing) in message
+    assert "split" not in message
+
+
+@pytest.mark.slow
+def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard_errors(tmp_path):
+    # --dataset_name arith.jsonl through the real launcher: 6 of its 60 rows are held out (said), training draws
+    # from the other 54, and the before/after numbers carry standard errors and a paired gain.
+    from retool.task import arithmetic_problems
+
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_problems(60, seed=3)]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none", "--eval_every_steps", "0"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "held-out rows: 6 of the 60 rows of the file" in proc.stdout and "training uses the other 54" in proc.stdout
+    assert proc.stdout.count("held-out rows:") == 1  # said once, before the model
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("before", "after"):
+        numbers = summary[key]
+        assert numbers["problems"] == 4 and numbers["accuracy_se"] is not None and "2" in numbers["pass_at_k_se"]
+        assert sorted(numbers["correct_by_problem"]) == ["test-0", "test-1", "test-2", "test-3"]
+    assert summary["gain"]["paired"] and summary["gain"]["se"] is not None
+    assert json.loads((out / "eval_after.json").read_text())["accuracy_se"] == summary["after"]["accuracy_se"]
+    table = next(line for line in proc.stdout.splitlines() if line.startswith("accuracy (pass@1)"))
+    assert table.count("±") == 2, table
+    assert "paired by problem; 95% interval" in proc.stdout

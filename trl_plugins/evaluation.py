@@ -3,17 +3,23 @@
 The evaluation builds its tools, rollout plugin and reward components from the training config through
 the registries and runs the training path (:mod:`trl_plugins.trainers.batch`), so a number here means
 the same thing as ``reward/correct`` in the training logs.
+
+Every held-out figure carries a standard error clustered by problem (:func:`clustered_se`): the samples
+of one problem share its difficulty, so they are not independent draws, and the problems are the
+units. The gain between two evaluations of the same problems has a paired one
+(:func:`paired_difference_se`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 from trl_plugins.types import Trajectory
 
-__all__ = ["EvalResult", "pass_at_k", "check_success_component", "evaluate_policy", "summarise"]
+__all__ = ["EvalResult", "pass_at_k", "clustered_se", "paired_difference_se", "check_success_component", "evaluate_policy",
+           "summarise"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -23,6 +29,56 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def clustered_se(numerators: Sequence[float], denominators: Sequence[float]) -> float | None:
+    """Standard error of the ratio ``R = sum(numerators) / sum(denominators)`` over independent clusters
+    (one per problem: e.g. its correct samples and its samples), the samples inside a cluster correlated.
+
+    The cluster-robust (linearised, "sandwich") variance ``P / (P - 1) * sum_p (x_p - R n_p)^2 / (sum_p n_p)^2``
+    over ``P`` clusters (Cameron & Miller, 2015). With ``S`` samples per problem it is the standard error of
+    the mean of the per-problem accuracies, ``sd(x_p / S) / sqrt(P)``, which counts the spread between
+    problems; the binomial ``sqrt(R (1 - R) / (P S))`` treats the ``P S`` samples as independent and is too
+    small when problems differ in difficulty. Zero when every cluster has the same ratio (e.g. all correct).
+
+    Returns:
+        The standard error, or None with fewer than 2 clusters or no denominator.
+    """
+    if len(numerators) != len(denominators):
+        raise ValueError(f"{len(numerators)} numerators but {len(denominators)} denominators.")
+    total = sum(denominators)
+    clusters = len(numerators)
+    if clusters < 2 or total <= 0:
+        return None
+    ratio = sum(numerators) / total
+    spread = sum((x - ratio * n) ** 2 for x, n in zip(numerators, denominators))
+    return math.sqrt(clusters / (clusters - 1) * spread) / total
+
+
+def paired_difference_se(before: Mapping[str, Sequence[int]], after: Mapping[str, Sequence[int]]) -> float | None:
+    """Standard error of ``accuracy(after) - accuracy(before)`` when both evaluated the same problems.
+
+    ``before`` and ``after`` map a problem to ``(correct, samples)`` (:attr:`EvalResult.correct_by_problem`).
+    The difference of the two ratios is linearised per problem, ``z_p = (a_p - A m_p) / M - (b_p - B n_p) / N``,
+    and ``se = sqrt(P / (P - 1) * sum_p z_p^2)``: with ``S`` samples per problem on both sides it is
+    ``sd(d_p) / sqrt(P)`` of the per-problem accuracy changes ``d_p``. Pairing removes the problems'
+    difficulty from the noise, so it is smaller than the unpaired ``sqrt(se_before^2 + se_after^2)`` when a
+    problem that was easy before stays easy after.
+
+    Returns:
+        The standard error, or None when the problem sets differ or hold fewer than 2 problems.
+    """
+    if set(before) != set(after) or len(before) < 2:
+        return None
+    n_before = sum(n for _, n in before.values())
+    n_after = sum(n for _, n in after.values())
+    if n_before <= 0 or n_after <= 0:
+        return None
+    acc_before = sum(c for c, _ in before.values()) / n_before
+    acc_after = sum(c for c, _ in after.values()) / n_after
+    z = [(after[q][0] - acc_after * after[q][1]) / n_after - (before[q][0] - acc_before * before[q][1]) / n_before
+         for q in before]
+    return math.sqrt(len(z) / (len(z) - 1) * sum(v * v for v in z))
 
 
 @dataclass
@@ -51,6 +107,19 @@ class EvalResult:
     world_failure_frac: float = 0.0
     """Fraction of samples the infrastructure failed (``environment_error``, ``verifier_error``): counted
     as not correct above; a high value means the numbers measure the infrastructure, not the policy."""
+    accuracy_se: float | None = None
+    """Standard error of ``accuracy``, clustered by problem (:func:`clustered_se`); None under 2 problems."""
+    pass_at_k_se: dict[int, float | None] = field(default_factory=dict)
+    """Standard error of each pass@k: the spread of the per-problem estimates over ``sqrt(problems)``."""
+    accuracy_with_tool_se: float | None = None
+    """Standard error of ``accuracy_with_tool``, clustered by problem."""
+    accuracy_without_tool_se: float | None = None
+    """Standard error of ``accuracy_without_tool``, clustered by problem."""
+    correct_by_problem: dict[str, list[int]] = field(default_factory=dict)
+    """``[correct, samples]`` per problem (by question id, as text): what a paired comparison of two
+    evaluations of the same problems needs (:func:`paired_difference_se`)."""
+    tool_calls_by_tool: dict[str, float] = field(default_factory=dict)
+    """Tool calls per sample, by the name of the tool called."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,23 +131,35 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
         raise ValueError(f"{len(trajectories)} trajectories but {len(correct)} correctness flags.")
     if not trajectories:
         raise ValueError("no trajectories to summarise.")
-    by_question: dict[Any, list[bool]] = {}
-    for traj, ok in zip(trajectories, correct):
-        by_question.setdefault(traj.question_id, []).append(bool(ok))
+    calls = [sum(t.tool_call is not None for t in traj.turns) for traj in trajectories]
+    by_question: dict[Any, list[tuple[bool, int]]] = {}  # (correct, tool calls) of each sample
+    for traj, ok, c in zip(trajectories, correct, calls):
+        by_question.setdefault(traj.question_id, []).append((bool(ok), c))
     n = min(len(v) for v in by_question.values())
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
         raise ValueError(f"pass@k needs 1 <= k <= samples per question ({n}); got k={bad}.")
-    calls = [sum(t.tool_call is not None for t in traj.turns) for traj in trajectories]
+    groups = list(by_question.values())
     errors = sum(1 for traj in trajectories for t in traj.turns if t.tool_call is not None and not t.tool_call.ok)
+    by_tool: dict[str, int] = {}
+    for traj in trajectories:
+        for t in traj.turns:
+            if t.tool_call is not None:
+                by_tool[t.tool_call.name] = by_tool.get(t.tool_call.name, 0) + 1
     with_tool = [ok for ok, c in zip(correct, calls) if c > 0]
     without = [ok for ok, c in zip(correct, calls) if c == 0]
     total = len(trajectories)
+    per_problem_pass = {k: [pass_at_k(len(v), sum(ok for ok, _ in v), k) for v in groups] for k in ks}
+
+    def se(keep: Any) -> float | None:  # of the accuracy of the samples whose tool calls ``keep`` selects
+        return clustered_se([sum(ok for ok, c in v if keep(c)) for v in groups],
+                            [sum(1 for _, c in v if keep(c)) for v in groups])
+
     return EvalResult(
         problems=len(by_question),
         samples=n,
         accuracy=sum(map(bool, correct)) / total,
-        pass_at_k={k: sum(pass_at_k(len(v), sum(v), k) for v in by_question.values()) / len(by_question) for k in ks},
+        pass_at_k={k: sum(est) / len(est) for k, est in per_problem_pass.items()},
         tool_call_rate=sum(c > 0 for c in calls) / total,
         tool_calls_mean=sum(calls) / total,
         tool_error_rate=errors / max(sum(calls), 1),
@@ -87,6 +168,12 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
         truncated_frac=sum(t.truncated for t in trajectories) / total,
         turns_mean=sum(len(t.turns) for t in trajectories) / total,
         world_failure_frac=sum(t.world_failure for t in trajectories) / total,
+        accuracy_se=se(lambda c: True),
+        pass_at_k_se={k: clustered_se(est, [1] * len(est)) for k, est in per_problem_pass.items()},
+        accuracy_with_tool_se=se(lambda c: c > 0) if with_tool else None,
+        accuracy_without_tool_se=se(lambda c: c == 0) if without else None,
+        correct_by_problem={str(q): [sum(ok for ok, _ in v), len(v)] for q, v in by_question.items()},
+        tool_calls_by_tool={name: count / total for name, count in sorted(by_tool.items())},
     )
 
 

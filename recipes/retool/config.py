@@ -42,7 +42,8 @@ class ScriptArguments(ModelConfig):
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled arithmetic task."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation; never the training split. A dataset without it (a single local file always) holds out held_out_fraction of the training split instead."})
+    held_out_fraction: float = field(default=0.1, metadata={"help": "When the dataset has no dataset_test_split (a single local file has none): the share of the training split held out for evaluation, chosen by a hash of the prompt (the same rows every run); training leaves them out. 0: hold out nothing (the held-out evaluation is then refused)."})
     prompt_column: str = field(default="prompt", metadata={"help": "Column with the question."})
     answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer."})
     train_size: int | None = field(default=None, metadata={"help": "Training questions (bundled task: generated; Hub: subsampled)."})
@@ -240,6 +241,11 @@ def _build_parser(extra: Sequence[type]):
     parser.add_argument("--config", metavar="FILE", action="append", default=argparse.SUPPRESS, help=CONFIG_HELP)
     _group_help(parser, dataclass_types)
     return parser
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}.")
 
 
 def parse_args(argv: list[str], *extra: type) -> tuple:

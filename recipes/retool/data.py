@@ -1,59 +1,163 @@
-"""The recipe's data: rows of the bundled task or of a Hub/local dataset, and what to hide from the sandbox."""
+"""The recipe's data: rows of the bundled task or of a Hub/local dataset, and what to hide from the sandbox.
+
+The held-out rows never overlap the training rows: they come from the dataset's own held-out split
+(``dataset_test_split``) when it has one, else from a deterministic share of the training rows
+(``held_out_fraction`` of its rows: those with the lowest hashes of the prompt text) that training then
+leaves out; a single local file is always split that way. :func:`load_task_rows` says which, and refuses
+what cannot be split.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["load_task_rows", "answer_paths", "hide_answers"]
+__all__ = ["load_task_rows", "task_rows", "prompt_hash", "held_out_mask", "answer_paths", "hide_answers"]
+
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def prompt_hash(prompt: Any) -> float:
+    """A prompt's place in [0, 1): the SHA-256 of its text (JSON for a list of messages), as a fraction."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
+
+
+def held_out_mask(prompts: Sequence[Any], fraction: float) -> list[bool]:
+    """Which rows to hold out: the ``round(fraction * len(prompts))`` with the lowest :func:`prompt_hash`.
+
+    Deterministic and independent of the row order, the seed and the sizes asked for; rows with the same
+    prompt share a hash and fall on the same side (a tie at the boundary holds out its duplicates too).
+    """
+    hashes = [prompt_hash(p) for p in prompts]
+    k = int(fraction * len(hashes) + 0.5)
+    if k == 0:
+        return [False] * len(hashes)
+    threshold = sorted(hashes)[k - 1]
+    return [h <= threshold for h in hashes]
 
 
 def load_task_rows(
     dataset_name: str | None,
-    split: str,
+    role: Literal["train", "test"],
     *,
     size: int | None,
     seed: int = 0,
     dataset_config: str | None = None,
     prompt_column: str = "prompt",
     answer_column: str = "answer",
+    train_split: str = "train",
+    test_split: str = "test",
+    held_out_fraction: float = 0.1,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """Rows ``{"id", "prompt", "answer"}`` of a split: the bundled arithmetic task when ``dataset_name``
-    is None, else a Hub dataset or a local path/file loaded with ``datasets.load_dataset``. A dotted
-    column name reads a nested field (e.g. ``reward_model.ground_truth`` in DAPO-style sets).
+    """Rows ``{"id", "prompt", "answer"}`` for training (``role="train"``) or the held-out evaluation
+    (``role="test"``): the bundled arithmetic task when ``dataset_name`` is None, else a Hub dataset or a
+    local file/directory loaded with ``datasets.load_dataset``. A dotted column name reads a nested field
+    (e.g. ``reward_model.ground_truth`` in DAPO-style sets).
+
+    Which rows (the two roles never share a row):
+
+    - the bundled task: its ``train_split`` / ``test_split`` (disjoint by construction);
+    - a dataset with a split named ``test_split``: that split, and ``train_split`` for training;
+    - a dataset without it, or a single local file (one split): ``held_out_fraction`` of the rows of
+      ``train_split`` (the whole file) are held out (:func:`held_out_mask`), the others train.
+
+    ``size`` rows are then drawn (seeded shuffle) from the role's rows. ``log`` receives one line saying
+    where the role's rows come from and, when carved, how many fall on each side.
 
     Raises:
-        ValueError: a missing column or split, named with what exists.
+        ValueError: a missing column or split, named with what exists; no held-out split and
+            ``held_out_fraction`` 0; a carve that leaves the role no rows (too few rows).
     """
+    if role not in ("train", "test"):
+        raise ValueError(f"role must be 'train' or 'test', got {role!r}.")
     if dataset_name is None:
         from retool.task import arithmetic_problems
 
-        return arithmetic_problems(size or 1000, seed=seed, split=split)
+        return arithmetic_problems(size or 1000, seed=seed, split=train_split if role == "train" else test_split)
     import datasets
 
     path = Path(dataset_name)
     if path.is_file():
-        fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        fmt = _FILE_FORMATS.get(path.suffix)
         if fmt is None:
             raise ValueError(f"cannot read {path}: use a .jsonl, .json, .csv or .parquet file, or a dataset directory.")
-        ds = datasets.load_dataset(fmt, data_files={split: str(path)}, split=split)
+        source, split = f"the file {dataset_name}", None
+        carve = bool(held_out_fraction)
+        if not held_out_fraction and role == "test":
+            raise ValueError(
+                f"{dataset_name} is a single file: it has no held-out split, and held_out_fraction is 0. Hold out a "
+                f"share of its rows with --held_out_fraction 0.1 (training then leaves them out), or skip the "
+                f"held-out evaluation with --eval_problems 0."
+            )
     else:
-        try:
-            ds = datasets.load_dataset(dataset_name, dataset_config, split=split)
-        except ValueError as exc:
-            raise ValueError(f"could not load split {split!r} of {dataset_name!r}: {exc}") from exc
+        splits = datasets.get_dataset_split_names(dataset_name, dataset_config)
+        has_test = test_split in splits
+        split = test_split if role == "test" and has_test else train_split
+        if split not in splits:
+            setting = "--dataset_test_split" if split == test_split else "--dataset_train_split"
+            raise ValueError(f"dataset {dataset_name!r} has no split {split!r}; it has {splits}. Set {setting}.")
+        if not has_test and role == "test" and not held_out_fraction:
+            raise ValueError(
+                f"dataset {dataset_name!r} has no split {test_split!r} (it has {splits}) and held_out_fraction is 0. "
+                f"Name its held-out split with --dataset_test_split, hold out a share of {train_split!r} with "
+                f"--held_out_fraction 0.1 (training then leaves it out), or skip the held-out evaluation with "
+                f"--eval_problems 0."
+            )
+        source = f"split {split!r} of {dataset_name}"
+        carve = not has_test and bool(held_out_fraction)
+    ds = (datasets.load_dataset(fmt, data_files=str(path), split="train") if split is None
+          else datasets.load_dataset(dataset_name, dataset_config, split=split))
     missing = [c for c in (prompt_column, answer_column) if c.split(".")[0] not in ds.column_names]
     if missing:
         raise ValueError(
-            f"dataset {dataset_name!r} ({split}) has no column(s) {missing}; it has {ds.column_names}. "
+            f"dataset {dataset_name!r} ({split or 'file'}) has no column(s) {missing}; it has {ds.column_names}. "
             f"Set --prompt_column/--answer_column."
         )
+    if carve:
+        held = held_out_mask([_field(row, prompt_column) for row in ds], held_out_fraction)
+        keep = [i for i, h in enumerate(held) if h == (role == "test")]
+        n_test = sum(held)
+        if log:
+            why = "a single file has no held-out split" if split is None else f"the dataset has no split {test_split!r}"
+            log(f"held-out rows: {n_test} of the {len(ds)} rows of {source}, held_out_fraction={held_out_fraction} of them "
+                f"chosen by a hash of the prompt ({why}); training uses the other {len(ds) - n_test}.")
+        if not keep:
+            side = "held out" if role == "test" else "left for training"
+            raise ValueError(
+                f"{source} has {len(ds)} rows and held_out_fraction={held_out_fraction} leaves none {side} "
+                f"({n_test} held out, {len(ds) - n_test} for training): too few rows to split. Use more rows, "
+                f"change --held_out_fraction, or skip the held-out evaluation with --eval_problems 0."
+            )
+        ds = ds.select(keep)
+    elif log:
+        if role == "test":
+            log(f"held-out rows: {source} ({len(ds)} rows).")
+        elif split is None or not has_test:
+            log(f"training rows: all {len(ds)} rows of {source}; held_out_fraction is 0: none held out.")
+        else:
+            log(f"training rows: {source} ({len(ds)} rows); held-out rows: its split {test_split!r}.")
     if size is not None and size < len(ds):
         ds = ds.shuffle(seed=seed).select(range(size))
+    label = role if carve or split is None else split
     return [
-        {"id": str(row.get("id", f"{split}-{i}")), "prompt": _field(row, prompt_column), "answer": str(_field(row, answer_column))}
+        {"id": str(row.get("id", f"{label}-{i}")), "prompt": _field(row, prompt_column), "answer": str(_field(row, answer_column))}
         for i, row in enumerate(ds)
     ]
+
+
+def task_rows(script_args: Any, role: Literal["train", "test"], *, size: int | None,
+              log: Callable[[str], None] | None = None) -> list[dict]:
+    """:func:`load_task_rows` with the run's ``ScriptArguments``: the one call the recipe's training rows, its
+    before/after and periodic evaluations and ``retool_eval.py`` share, so all of them split alike."""
+    a = script_args
+    return load_task_rows(a.dataset_name, role, size=size, seed=a.task_seed, dataset_config=a.dataset_config,
+                          prompt_column=a.prompt_column, answer_column=a.answer_column, train_split=a.dataset_train_split,
+                          test_split=a.dataset_test_split, held_out_fraction=a.held_out_fraction, log=log)
 
 
 def _field(row: dict, column: str) -> Any:

@@ -3,13 +3,15 @@
 
 The rollout, tools, reward components and system prompt come from the training ``MultiTurnGRPOConfig``
 (:func:`trl_plugins.evaluation.evaluate_policy` builds them through the registries); the held-out rows,
-samples and temperature from ``ScriptArguments`` (``dataset_test_split``, ``eval_problems``,
-``eval_samples``, ``eval_temperature``).
+samples and temperature from ``ScriptArguments`` (``dataset_test_split`` or ``held_out_fraction``,
+``eval_problems``, ``eval_samples``, ``eval_temperature``): the held-out rows never include a training row
+(:func:`retool.data.load_task_rows`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,16 +31,28 @@ class EvalArguments:
     show_samples: int = field(default=2, metadata={"help": "Print this many sample trajectories."})
 
 
-def check_eval_settings(script_args: Any, training_args: Any, ks: Sequence[int] | None = None) -> list[int]:
+def check_eval_settings(script_args: Any, training_args: Any, ks: Sequence[int] | None = None, *,
+                        training: bool = True) -> list[int]:
     """The pass@k values to report (default 1 and ``eval_samples``); refuses settings that cannot work,
-    before any model is built or loaded.
+    before any model is built or loaded. ``training``: called by the training recipe (else by
+    ``retool_eval.py``, which has no ``--eval_problems 0`` way out).
 
     Raises:
-        SystemExit: greedy decoding with several samples, a k outside [1, eval_samples], or reward
-            components without the ``correct`` one the evaluation counts by.
+        SystemExit: the held-out split named as the training split, greedy decoding with several
+            samples, a k outside [1, eval_samples], or reward components without the ``correct`` one
+            the evaluation counts by.
     """
     from trl_plugins.evaluation import check_success_component
 
+    if (script_args.eval_problems > 0 or not training) and script_args.dataset_test_split == script_args.dataset_train_split:
+        split = script_args.dataset_test_split
+        way_out = ("or skip the held-out evaluation with --eval_problems 0" if training else
+                   "or, for a dataset the checkpoint did not train on, set --dataset_train_split to another name")
+        raise SystemExit(
+            f"dataset_test_split and dataset_train_split are both {split!r}: the held-out evaluation would score the "
+            f"training rows. Name the held-out split with --dataset_test_split (a dataset without one holds out "
+            f"--held_out_fraction of the training split), {way_out}."
+        )
     if script_args.eval_problems > 0:
         try:
             check_success_component(training_args)
@@ -60,26 +74,30 @@ def evaluate_checkpoint(
     training_args: Any,
     *,
     ks: Sequence[int],
+    rows: Sequence[dict] | None = None,
     batch_questions: int = 64,
     output_json: str | None = None,
     show_samples: int = 2,
     progress: bool = True,
 ) -> dict:
-    """Evaluate ``model_path`` on the held-out split; prints samples and a summary line, returns the numbers."""
+    """Evaluate ``model_path`` on the held-out rows; prints samples and a summary line, returns the numbers.
+
+    ``rows``: the held-out rows (the recipe passes those it loaded); default: ``eval_problems`` of them
+    loaded here (:func:`retool.data.task_rows`, which says where they come from). Every accuracy and pass@k
+    comes with its standard error clustered by problem (``*_se``).
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retool.data import load_task_rows
+    from retool.data import task_rows
     from trl_plugins.evaluation import evaluate_policy
 
+    if rows is None:
+        rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     on_gpu = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if on_gpu else torch.float32)
     model.to("cuda" if on_gpu else "cpu")
-    split = script_args.dataset_test_split
-    rows = load_task_rows(script_args.dataset_name, split, size=script_args.eval_problems, seed=script_args.task_seed,
-                          dataset_config=script_args.dataset_config, prompt_column=script_args.prompt_column,
-                          answer_column=script_args.answer_column)
     temperature = script_args.eval_temperature
     start = time.perf_counter()
     result, trajectories = evaluate_policy(
@@ -88,14 +106,24 @@ def evaluate_checkpoint(
     )
     out = {"model": model_path, **result.to_dict(), "temperature": temperature, "wall_s": time.perf_counter() - start}
     out["pass_at_k"] = {str(k): v for k, v in out["pass_at_k"].items()}
+    out["pass_at_k_se"] = {str(k): v for k, v in out["pass_at_k_se"].items()}
     for traj in trajectories[:show_samples]:
         print(f"--- {traj.question_id} ({traj.stop_reason.value}, "
               + ", ".join(f"{c.name}={c.value:+g}" for c in traj.reward_components) + ")")
         for turn in traj.turns:
             print("  " + turn.text.replace("\n", "\n  "))
-    print(f"{split}: {result.problems} problems x {result.samples} samples at temperature {temperature}: "
-          f"accuracy {result.accuracy:.3f}, " + ", ".join(f"pass@{k} {v:.3f}" for k, v in result.pass_at_k.items())
-          + f", tool-call rate {result.tool_call_rate:.3f}, tool calls/sample {result.tool_calls_mean:.2f}", flush=True)
+
+    by_tool = result.tool_calls_by_tool
+
+    def pm(value: float, se: float | None) -> str:
+        return f"{value:.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+    print(f"held-out: {result.problems} problems x {result.samples} samples at temperature {temperature}: "
+          f"accuracy {pm(result.accuracy, result.accuracy_se)}, "
+          + ", ".join(f"pass@{k} {pm(v, result.pass_at_k_se.get(k))}" for k, v in result.pass_at_k.items())
+          + f", tool-call rate {result.tool_call_rate:.3f}, tool calls/sample {result.tool_calls_mean:.2f}"
+          + (f" ({', '.join(f'{name} {v:.2f}' for name, v in by_tool.items())})" if len(by_tool) > 1 else "")
+          + " (± one standard error, clustered by problem)", flush=True)
     if output_json:
         with open(output_json, "w") as f:
             json.dump(out, f, indent=2)
@@ -104,8 +132,9 @@ def evaluate_checkpoint(
 
 class PeriodicHeldOut(TrainerCallback):
     """A TrainerCallback: every ``every`` steps, a cheap held-out evaluation of the live policy, logged
-    with the step (``heldout/accuracy``, ``heldout/accuracy_with_tool``, ``heldout/tool_call_rate``,
-    ``heldout/truncated_frac``), so a run shows its held-out curve, not only the two end points.
+    with the step (``heldout/accuracy`` and its standard error clustered by problem ``heldout/accuracy_se``,
+    ``heldout/accuracy_with_tool``, ``heldout/tool_call_rate``, ``heldout/truncated_frac``), so a run shows
+    its held-out curve, not only the two end points.
 
     Runs in the training process on the prepared model: each rank evaluates an equal share of ``rows``
     (under ZeRO-3 the full weights are gathered once per share) and the counts are summed over ranks.
@@ -135,14 +164,19 @@ class PeriodicHeldOut(TrainerCallback):
         )
         n = result.problems * result.samples
         with_tool = result.tool_call_rate * n
-        sums = [n, result.accuracy * n, with_tool, (result.accuracy_with_tool or 0.0) * with_tool, result.truncated_frac * n]
+        # Per-problem accuracies (each rank has its own problems) for the standard error clustered by problem.
+        per_problem = [c / m for c, m in result.correct_by_problem.values()]
+        sums = [n, result.accuracy * n, with_tool, (result.accuracy_with_tool or 0.0) * with_tool, result.truncated_frac * n,
+                len(per_problem), sum(per_problem), sum(a * a for a in per_problem)]
         if trainer.accelerator.num_processes > 1:
             import torch
 
             sums = trainer.accelerator.reduce(torch.tensor(sums, dtype=torch.float64, device=trainer.accelerator.device),
                                               reduction="sum").tolist()
-        n, correct, with_tool, correct_with_tool, truncated = sums
+        n, correct, with_tool, correct_with_tool, truncated, problems, acc_sum, acc_sq = sums
         out = {"heldout/accuracy": correct / n, "heldout/tool_call_rate": with_tool / n, "heldout/truncated_frac": truncated / n}
+        if problems >= 2:  # sd of the per-problem accuracies / sqrt(problems) (equal samples per problem)
+            out["heldout/accuracy_se"] = math.sqrt(max(acc_sq - acc_sum**2 / problems, 0.0) / (problems - 1) / problems)
         if with_tool:
             out["heldout/accuracy_with_tool"] = correct_with_tool / with_tool
         return out

@@ -25,7 +25,7 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent
 
 
 class ChildProcessError(RuntimeError):
-    """Work run with :func:`run_in_child` failed; its output (above) says why."""
+    """Work run with :func:`run_in_child` failed; the message carries the child's own error."""
 
 
 def available_cpus() -> int:
@@ -56,29 +56,40 @@ def child_env() -> dict[str, str]:
 def run_in_child(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a clean child interpreter (see :func:`child_env`); returns its result.
 
-    ``fn`` and the arguments must pickle (module-level functions, dataclasses). The child's output goes
-    to this process's stdout/stderr.
+    ``fn`` and the arguments must pickle (module-level functions, dataclasses); the child imports from this
+    process's ``sys.path`` too, so a plugin module this process could import (``--tools my_mod:MyTool``) is
+    found there. The child's output goes to this process's stdout/stderr.
 
     Raises:
-        ChildProcessError: the child failed; ``what`` names the work in the message.
+        ChildProcessError: the child failed; the message names ``what`` and the child's own error
+            (``ValueError: ...``), or its exit status when it died without one (killed, out of memory).
     """
     with tempfile.TemporaryDirectory(prefix="trl-plugins-child-") as tmp:
         job, result = Path(tmp) / "job.pkl", Path(tmp) / "result.pkl"
-        job.write_bytes(pickle.dumps((fn, args, kwargs)))
+        job.write_bytes(pickle.dumps((list(sys.path), pickle.dumps((fn, args, kwargs)))))
         proc = subprocess.run([sys.executable, "-m", "retool.launch", str(job), str(result)], env=child_env(), check=False)
-        if proc.returncode != 0 or not result.is_file():
-            raise ChildProcessError(f"{what} failed (exit {proc.returncode}); its output is above.")
-        return pickle.loads(result.read_bytes())
+        outcome = pickle.loads(result.read_bytes()) if result.is_file() else None
+        if proc.returncode == 0 and outcome is not None and outcome[0] == "ok":
+            return outcome[1]
+        if outcome is not None and outcome[0] == "error":
+            raise ChildProcessError(f"{what} failed in its child process: {outcome[1]} (the child's traceback is above).")
+        status = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        raise ChildProcessError(f"{what} failed: its child process ended ({status}) without a result or an error; "
+                                f"its output is above.")
 
 
 def _child_main(job_path: str, result_path: str) -> int:
-    fn, args, kwargs = pickle.loads(Path(job_path).read_bytes())
+    parent_path, payload = pickle.loads(Path(job_path).read_bytes())
+    sys.path.extend(p for p in parent_path if p not in sys.path)
     try:
+        fn, args, kwargs = pickle.loads(payload)
         out = fn(*args, **kwargs)
-    except BaseException:  # noqa: BLE001 - report anything, the parent only sees the exit code
+    except BaseException as exc:  # noqa: BLE001 - report anything: the parent names it in its own error
         traceback.print_exc()
+        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        Path(result_path).write_bytes(pickle.dumps(("error", message)))
         return 1
-    Path(result_path).write_bytes(pickle.dumps(out))
+    Path(result_path).write_bytes(pickle.dumps(("ok", out)))
     return 0
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["read_metrics", "train_accuracy", "reward_component_keys", "plot_run", "format_summary"]
+__all__ = ["read_metrics", "train_accuracy", "reward_component_keys", "plot_run", "accuracy_gain", "format_summary"]
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -93,26 +93,52 @@ def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None =
     return path
 
 
-def _pct(value: float | None) -> str:
-    return "  n/a" if value is None else f"{100 * value:5.1f}%"
+def _pct(value: float | None, se: float | None = None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.1f}%" + ("" if se is None else f" ± {100 * se:.1f}")
+
+
+def accuracy_gain(before: dict, after: dict) -> dict:
+    """``after["accuracy"] - before["accuracy"]`` with its standard error: paired by problem when both
+    evaluated the same problems (:func:`trl_plugins.evaluation.paired_difference_se`), else from the two
+    standard errors as if independent; ``se`` None when neither is known."""
+    from trl_plugins.evaluation import paired_difference_se
+
+    gain = after["accuracy"] - before["accuracy"]
+    se = paired_difference_se(before.get("correct_by_problem") or {}, after.get("correct_by_problem") or {})
+    if se is not None:
+        return {"accuracy": gain, "se": se, "paired": True}
+    ses = (before.get("accuracy_se"), after.get("accuracy_se"))
+    return {"accuracy": gain, "se": None if None in ses else (ses[0] ** 2 + ses[1] ** 2) ** 0.5, "paired": False}
 
 
 def format_summary(before: dict | None, after: dict | None, *, steps: int, wall_s: float,
                    paths: dict[str, str | None]) -> str:
-    """The recipe's closing summary as text."""
+    """The recipe's closing summary as text: each held-out accuracy and pass@k with ± one standard error
+    (clustered by problem), and the gain with its paired standard error and 95% interval."""
     lines = ["", "=" * 72, "ReTool PPO summary", "-" * 72]
     if before and after:
-        lines.append(f"held-out problems: {after['problems']} x {after['samples']} samples")
-        lines.append(f"{'':28}{'before RL':>12}{'after RL':>12}")
-        for label, key in (("accuracy (pass@1)", "accuracy"), ("tool-call rate", "tool_call_rate"),
-                           ("accuracy with the tool", "accuracy_with_tool"),
-                           ("accuracy without the tool", "accuracy_without_tool"), ("truncated", "truncated_frac")):
-            lines.append(f"{label:28}{_pct(before.get(key)):>12}{_pct(after.get(key)):>12}")
+        lines.append(f"held-out problems: {after['problems']} x {after['samples']} samples (± one standard error, "
+                     f"clustered by problem)")
+        lines.append(f"{'':28}{'before RL':>16}{'after RL':>16}")
+        for label, key, se in (("accuracy (pass@1)", "accuracy", True), ("tool-call rate", "tool_call_rate", False),
+                               ("accuracy with the tool", "accuracy_with_tool", True),
+                               ("accuracy without the tool", "accuracy_without_tool", True),
+                               ("truncated", "truncated_frac", False)):
+            cells = [_pct(r.get(key), r.get(f"{key}_se") if se else None) for r in (before, after)]
+            lines.append(f"{label:28}{cells[0]:>16}{cells[1]:>16}")
         for k in sorted(after.get("pass_at_k", {}), key=int):
             if int(k) > 1:
-                lines.append(f"{f'pass@{k}':28}{_pct(before['pass_at_k'].get(k)):>12}{_pct(after['pass_at_k'][k]):>12}")
-        gain = after["accuracy"] - before["accuracy"]
-        lines.append(f"held-out accuracy gain: {100 * gain:+.1f} points")
+                cells = [_pct(r["pass_at_k"].get(k), (r.get("pass_at_k_se") or {}).get(k)) for r in (before, after)]
+                lines.append(f"{f'pass@{k}':28}{cells[0]:>16}{cells[1]:>16}")
+        gain = accuracy_gain(before, after)
+        line = f"held-out accuracy gain: {100 * gain['accuracy']:+.1f} points"
+        if gain["se"] is not None:
+            low, high = (100 * (gain["accuracy"] + z * gain["se"]) for z in (-1.96, 1.96))
+            line += (f" ± {100 * gain['se']:.1f} ({'paired by problem' if gain['paired'] else 'unpaired'}; "
+                     f"95% interval {low:+.1f} to {high:+.1f})")
+        lines.append(line)
     lines.append(f"steps: {steps}   wall time: {wall_s / 60:.1f} min")
     for name, value in paths.items():
         if value:
