@@ -11,8 +11,8 @@
     python recipes/retool_eval.py --model_name_or_path outputs/run/final --tools code_interpreter calculator \\
         --reward_components correct format concise --reward_component_weights 1.0 0.1 0.1
 
-It takes the training recipe's own arguments (``recipes/retool_ppo.yaml`` unless ``--config`` names
-another file, overridden on the command line), so it evaluates with the run's tools, rollout plugin and
+It takes the training recipe's own arguments (``recipes/retool_ppo.yaml``, any ``--config`` files layered over
+it, then the command line), so it evaluates with the run's tools, rollout plugin and
 budgets, reward components and system prompt, through the registries: a run trained with a custom tool
 or rollout is evaluated with it. A sample is correct when the ``correct`` reward component says so
 (math-verify on the last ``\\boxed{}``), so its accuracy is the training log's ``reward/correct`` on

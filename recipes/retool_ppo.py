@@ -15,7 +15,7 @@ needs only the keys it changes; the command line wins over both; ``--help`` list
     # one GPU, a real model and a DAPO-style maths set
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \\
         --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --dataset_name BytedTsinghua-SIA/DAPO-Math-17k \\
-        --prompt_column prompt --answer_column reward_model.ground_truth --eval_problems 0 --bf16 true
+        --prompt_column prompt --answer_column reward_model.ground_truth --eval_problems 0 --held_out_fraction 0 --bf16 true
 
     # several GPUs (DDP) / DeepSpeed ZeRO-3 (see accelerate_configs/ for ZeRO-2 and CPU offload)
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/retool_ppo.py --model_name_or_path ...
