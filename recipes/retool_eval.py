@@ -36,19 +36,42 @@ def main(argv: list[str]) -> dict:
     from retool.default_model import model_path_or_default
     from retool.evaluate import EvalArguments, check_eval_settings, evaluate_checkpoint
 
-    from trl_plugins.trainers.plugins import check_named_plugins
+    from retool.startup import check_chat_template, check_plugins
 
     eval_args, script_args, training_args = parse_args(argv, EvalArguments)
-    check_named_plugins(training_args)  # every tool and reward component resolves, before a model loads
+    refuse_training_only_settings(script_args, training_args)
+    plugin_check = check_plugins(training_args)  # every plugin builds with its kwargs, before a model loads
     ks = check_eval_settings(script_args, training_args, eval_args.k, training=False)
     try:  # the rows before any model: a missing split or column stops here
         rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     model_path = model_path_or_default(script_args, training_args)
+    from transformers import AutoTokenizer
+
+    check_chat_template(AutoTokenizer.from_pretrained(model_path), plugin_check, training_args)
     hide_answers(script_args.dataset_name, training_args)
     return evaluate_checkpoint(model_path, script_args, training_args, ks=ks, rows=rows, batch_questions=eval_args.batch_questions,
                                output_json=eval_args.output_json, show_samples=eval_args.show_samples)
+
+
+def refuse_training_only_settings(script_args, training_args) -> None:
+    """Honour or refuse: settings that would do nothing here stop the evaluation before anything loads.
+
+    The evaluation loads ``--model_name_or_path`` as it is (a LoRA run's ``final/`` is an adapter folder and
+    loads with its base model) and generates with HF generate, or transformers' continuous batching when
+    ``--use_transformers_continuous_batching`` is set; it trains nothing and starts no vLLM engine.
+
+    Raises:
+        SystemExit: ``--use_peft`` or ``--use_vllm`` was given.
+    """
+    if getattr(script_args, "use_peft", False):
+        raise SystemExit("--use_peft trains a new LoRA adapter; retool_eval.py trains nothing. To evaluate a LoRA run, "
+                         "pass its adapter folder (e.g. --model_name_or_path outputs/retool_ppo/final): it loads with "
+                         "its base model. Drop --use_peft.")
+    if training_args.use_vllm:
+        raise SystemExit("retool_eval.py generates with HF generate (or transformers' continuous batching with "
+                         "--use_transformers_continuous_batching true), not vLLM: drop --use_vllm.")
 
 
 if __name__ == "__main__":

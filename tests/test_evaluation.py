@@ -264,8 +264,6 @@ def test_the_recipes_child_evaluation_uses_every_configured_tool_and_reward(tmp_
 def test_retool_eval_takes_the_runs_tools_and_rewards_and_refuses_unknown_ones_before_loading(tmp_path, capsys):
     import retool_eval
 
-    from trl_plugins.registry import RegistryError
-
     model_dir, argv = _two_tool_run(tmp_path)
     out = retool_eval.main([*argv, "--output_json", str(tmp_path / "eval.json"), "--show_samples", "1"])
     assert out["tool_calls_by_tool"] == {"code_interpreter": 1.0, "echo": 1.0} and out["accuracy"] == 1.0
@@ -278,5 +276,14 @@ def test_retool_eval_takes_the_runs_tools_and_rewards_and_refuses_unknown_ones_b
 
     shutil.rmtree(model_dir)
     bad = [a if a != "test_evaluation:Echo" else "ecko" for a in argv]
-    with pytest.raises(RegistryError, match="ecko"):
+    with pytest.raises(SystemExit, match="configuration error \\(before any model loads\\): .*ecko"):
         retool_eval.main(bad)
+    # A bad kwarg of a known tool is refused the same way (the tool itself refuses it when built).
+    bad_kwarg = [*argv, "--tool_kwargs", json.dumps({"code_interpreter": {"timeout_s": -1}})]
+    with pytest.raises(SystemExit, match="configuration error \\(before any model loads\\)"):
+        retool_eval.main(bad_kwarg)
+    # Settings the evaluation would ignore are refused, saying what to do instead.
+    with pytest.raises(SystemExit, match="--use_peft trains a new LoRA adapter; retool_eval.py trains nothing"):
+        retool_eval.main([*argv, "--use_peft"])
+    with pytest.raises(SystemExit, match="not vLLM: drop --use_vllm"):
+        retool_eval.main([*argv, "--use_vllm", "true"])

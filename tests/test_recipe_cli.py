@@ -242,6 +242,15 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     assert distributed_mode({"WORLD_SIZE": "2"}) == "DDP" and distributed_mode({}) == "single process"
     _, cb = parse_args(["--use_transformers_continuous_batching"])
     assert generation_backend(cb).startswith("transformers continuous batching")
+    # The held-out evaluation says what generates it: vLLM serves the training rollouts only.
+    from retool.startup import evaluation_backend
+
+    assert evaluation_backend(cb) == generation_backend(cb)
+    assert evaluation_backend(args) == "HF generate"
+    args.use_vllm = True
+    assert evaluation_backend(args) == "HF generate (vLLM serves the training rollouts only)"
+    assert "generated with HF generate (vLLM serves the training rollouts only)" in format_banner(
+        script_args, args, world_size=1, device="cuda:0", distributed="single process")
 
 
 # -- summary.json, the model card and the plot (point 13) -------------------------------------------------

@@ -45,7 +45,7 @@ def check_plugins(training_args: Any) -> PluginCheck:
 
     try:
         plugins = build_plugins(training_args)
-    except (ValueError, TypeError, RuntimeError) as exc:
+    except (LookupError, ValueError, TypeError, RuntimeError) as exc:  # LookupError: the registry's unknown names
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
     check = PluginCheck()
     try:
@@ -122,6 +122,14 @@ def generation_backend(training_args: Any) -> str:
     return "HF generate"
 
 
+def evaluation_backend(training_args: Any) -> str:
+    """What generates the held-out evaluations: vLLM serves the training rollouts only (the before/after evaluation
+    runs in a child process with HF generate), continuous batching serves both."""
+    if getattr(training_args, "use_vllm", False):
+        return "HF generate (vLLM serves the training rollouts only)"
+    return generation_backend(training_args)
+
+
 def _kwargs(values: Any) -> str:
     return json.dumps(values, sort_keys=True, default=str) if values else "{}"
 
@@ -173,6 +181,7 @@ def format_banner(script_args: Any, training_args: Any, *, world_size: int, devi
                  + (f", data_seed {a.data_seed}" if a.data_seed is not None else ""))
     evaluation = (f"{s.eval_problems} held-out problems x {s.eval_samples} samples before and after"
                   + (f", {s.eval_every_problems} every {s.eval_every_steps} steps" if s.eval_every_steps else "")
+                  + f", generated with {evaluation_backend(a)}"
                   if s.eval_problems > 0 else "none (--eval_problems 0)")
     lines.append(f"evaluation:   {evaluation}")
     report = ", ".join(a.report_to) if a.report_to else "none"
