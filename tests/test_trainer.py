@@ -967,3 +967,16 @@ def test_a_step_prints_one_compact_line_reports_tokens_per_s_and_no_checkpointin
     assert kinds == {("full", True): {PrinterCallback}, ("full", False): {ProgressCallback},
                      ("compact", False): {CompactProgressCallback}}
     assert {type(cb) for cb in trainer.callback_handler.callbacks} >= {CompactPrinterCallback}
+
+
+def test_rollouts_leave_the_activation_checkpointing_settings_alone(tmp_path):
+    # every_n_layers=2 checkpoints layer 0 of 2 only. TRL's unwrap_model_for_generation turned checkpointing off
+    # for each rollout and back on with default settings (every layer): the layers' flags would read [True, True].
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=1, activation_checkpointing_kwargs={"every_n_layers": 2}),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer.train()
+    layers = trainer.accelerator.unwrap_model(trainer.model).model.layers
+    assert len(layers) == 2 and [layer.gradient_checkpointing for layer in layers] == [True, False]

@@ -198,7 +198,7 @@ seed (:func:`seeded_gumbel`), so batching turns differently never changes what a
         stop_token_ids: Tokens that end a turn (e.g. ``<|im_end|>``).
         sampling: Temperature, top-p, top-k, min-p, repetition penalty. ``temperature == 0`` is greedy.
         accelerator: When given, ``session()`` unwraps the model for generation and, under ZeRO-3,
-            gathers the full weights once for the whole rollout (TRL's ``unwrap_model_for_generation``).
+            gathers the full weights once for the whole rollout (:func:`unwrapped_for_generation`).
         max_batch_size: Rows per ``generate`` call (``None``: all at once).
     """
 

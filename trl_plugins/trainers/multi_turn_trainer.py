@@ -541,27 +541,28 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             self._plugins.close()
 
     def _prepare_resume(self, point: ResumePoint) -> None:
-        """Say where the run resumes; on the main process set damaged checkpoints aside and trim ``metrics.jsonl``."""
+        """Say where the run resumes (log and stdout, main process); there, set damaged checkpoints aside and trim
+        ``metrics.jsonl``."""
         main = self.accelerator.is_main_process
-        say = (lambda message: print(message, flush=True)) if main else (lambda message: None)
+
+        def say(message: str, level: int = logging.INFO) -> None:
+            if main:
+                logger.log(level, "%s", message)
+                print(message, flush=True)
+
         if point.skipped:
             self.accelerator.wait_for_everyone()  # every rank has checked them before they move
             for exc in point.skipped:
-                logger.warning("%s", exc)
-                say(f"resume_fallback: {exc.file} is damaged ({exc.reason}); falling back to {point.folder}")
+                say(f"resume_fallback: {exc.file} is damaged ({exc.reason}); falling back to {point.folder}", logging.WARNING)
             if main:
-                set_aside_damaged(point, log=lambda m: (logger.warning("%s", m), say(m)))
+                set_aside_damaged(point, log=lambda m: say(m, logging.WARNING))
         of = f" of {self.args.max_steps}" if self.args.max_steps and self.args.max_steps > 0 else ""
-        message = f"resuming from step {point.step}{of}: {point.folder}"
-        logger.info("%s", message)
-        say(message)
+        say(f"resuming from step {point.step}{of}: {point.folder}")
         if main:
             moved, aside = trim_metrics_log(self._metrics_path, point.step)
             if moved:
-                note = (f"metrics.jsonl: {moved} record(s) the interrupted run wrote after step {point.step} moved to "
-                        f"{aside}; the file continues from step {point.step}")
-                logger.info("%s", note)
-                say(note)
+                say(f"metrics.jsonl: {moved} record(s) the interrupted run wrote after step {point.step} moved to "
+                    f"{aside}; the file continues from step {point.step}")
 
     def _stop_agreed(self) -> int:
         """The signal of a stop any rank was asked for (0: none). A collective: every rank calls it at the
