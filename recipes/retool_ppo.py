@@ -83,6 +83,15 @@ def main(script_args: ScriptArguments, training_args) -> int:
     claim_output_dir(training_args.output_dir, resume=training_args.resume_from_checkpoint,
                      overwrite=script_args.overwrite_output_dir, move=main_process, log=say)
     state.wait_for_everyone()
+    # The checkpoint to resume from is checked now, before any model loads (train() checks it again and says it).
+    from trl_plugins.trainers.checkpoints import resolve_resume
+
+    try:
+        resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir,
+                       fallback=training_args.resume_fallback, needs_optimizer=not training_args.save_only_model,
+                       max_steps=training_args.max_steps)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if state.num_processes == 1 and not torch.cuda.is_available() and torch.get_num_threads() < available_cpus():
         # accelerate launch sets OMP_NUM_THREADS=1 where it counts one physical core; one process may use them all.
         say(f"CPU threads: {torch.get_num_threads()} -> {available_cpus()} (one process on {available_cpus()} cores)")

@@ -146,7 +146,7 @@ def test_replay_matches_stored_logprobs_over_multi_turn_trajectories(setup, samp
 
 
 def test_hf_session_unwraps_a_prepared_model(setup):
-    # With an accelerator, session() goes through TRL's unwrap_model_for_generation (which gathers
+    # With an accelerator, session() goes through unwrapped_for_generation (which gathers
     # ZeRO-3 weights once for the whole rollout); here a 1-process CPU accelerator.
     from accelerate import Accelerator
 

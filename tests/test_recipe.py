@@ -699,3 +699,24 @@ def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard
     table = next(line for line in proc.stdout.splitlines() if line.startswith("accuracy (pass@1)"))
     assert table.count("±") == 2, table
     assert "paired by problem; 95% interval" in proc.stdout
+def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path):
+    # --resume_from_checkpoint latest with the newest checkpoint truncated: refused naming the file, before the
+    # embedded default is built or any model loads; nothing in the output folder is touched.
+    import subprocess
+    import sys
+
+    from test_checkpoints import fake_checkpoint, snapshot, truncate
+
+    out = tmp_path / "out"
+    for step in (1, 2):
+        fake_checkpoint(out / f"checkpoint-{step}", step)
+    truncate(out / "checkpoint-2" / "model.safetensors")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    before = snapshot(out)
+    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--output_dir", str(out), "--report_to", "none",
+                           "--resume_from_checkpoint", "Latest"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert f"{out / 'checkpoint-2' / 'model.safetensors'}: " in proc.stderr and "--resume_fallback true" in proc.stderr, proc.stderr[-2000:]
+    assert snapshot(out) == before and not (tmp_path / "cache").exists()

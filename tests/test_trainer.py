@@ -120,6 +120,7 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(rollout_kwargs={"max_turn": 2}), "rollout 'multi_turn' rejected its settings"),
         (dict(advantage="grpo"), "unknown advantages plugin 'grpo'"),
         (dict(policy_loss="test_trainer:UndeclaredLoss"), r"does not declare \['needs_ref_logprobs', 'needs_entropy'\]"),
+        (dict(console_metrics="json"), "console_metrics must be 'compact' or 'full'"),
     ],
 )
 def test_config_validation(tmp_path, overrides, message):
@@ -175,6 +176,17 @@ def test_pinned_trl_surface():
     # The HF loop calls training_step(model, inputs, num_items_in_batch), then clips and steps itself.
     loop = inspect.getsource(Trainer._run_epoch)
     assert "self.training_step(model, inputs, num_items_in_batch)" in loop and "self.optimizer.step()" in loop
+    # The HF backend's ZeRO-3 gather for generation (rollout/backends.py:unwrapped_for_generation).
+    from trl.distributed import DistributedBackend
+    from trl.models.utils import add_hooks, remove_hooks
+
+    assert isinstance(DistributedBackend.is_zero3, property)
+    assert list(inspect.signature(add_hooks).parameters) == list(inspect.signature(remove_hooks).parameters) == ["model"]
+    # The console: HF prints each log through one of these two, which the compact ones replace.
+    from transformers import PrinterCallback, ProgressCallback
+
+    assert "PrinterCallback if self.args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK" in inspect.getsource(Trainer.__init__)
+    assert "self.training_bar.write(" in inspect.getsource(ProgressCallback.on_log) and PrinterCallback.on_log
 
 
 def test_resume_from_checkpoint_reproduces_the_next_step(tmp_path):
@@ -320,6 +332,13 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
     assert len(tables) == 2  # one per step with trajectory_table_steps=1
     table = json.loads(tables[0].read_text())
     assert "stop_reason" in table["columns"] and len(table["data"]) == 4
+    # Each row: the prompt and reference answer of its dataset row, every turn, each reward component.
+    for row in (dict(zip(table["columns"], r)) for r in table["data"]):
+        i = int(row["prompt"].split()[2])  # "What is i + i?"
+        assert row["prompt"] == f"What is {i} + {i}?" and row["answer"] == str(2 * i)
+        assert row["transcript"].startswith("[assistant 1]\n") and row["reward/length"] == pytest.approx(row["reward"])
+    turns = sorted(runs[0].parent.glob("files/media/table/trajectory_turns_*.table.json"))
+    assert len(turns) == 2 and json.loads(turns[0].read_text())["columns"][:4] == ["step", "question_id", "sample", "turn"]
 
 
 class _PerRowSeedBackend:
@@ -858,3 +877,125 @@ def test_metrics_with_an_unknown_declared_reduction_are_refused():
     assert reduce_rank_metrics([{"a": 1.0}, {"a": 3.0}], {"a": "max"}) == {"a": 3.0}
     with pytest.raises(ValueError, match="declares the reduction 'median'"):
         reduce_rank_metrics([{"a": 1.0}, {"a": 3.0}], {"a": "median"})
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_resume_from_latest_continues_after_the_checkpoint_and_metrics_have_each_step_once(tmp_path, capsys):
+    # The "interrupted" run trained 3 steps, but its save of step 3 was cut short (no marker): its step-3 record
+    # and end-of-training summary come after the last complete checkpoint, checkpoint-2. Resuming from "latest"
+    # trains step 3 again; metrics.jsonl ends with steps 1, 2, 3 once each and the later records are kept aside.
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.checkpoints import COMPLETE_MARKER
+
+    tok = build_tokenizer("qwen2_5")
+
+    def run(**overrides):
+        return MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=3, **overrides),
+                                    train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()})
+
+    run(save_strategy="steps", save_steps=2).train()
+    (tmp_path / "checkpoint-3" / COMPLETE_MARKER).unlink()
+    first = _records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3, 3]  # three steps and the summary
+    capsys.readouterr()
+    second = run()
+    second.train(resume_from_checkpoint="latest")
+    out = capsys.readouterr().out
+    assert second.state.global_step == 3
+    assert f"resuming from step 2 of 3: {tmp_path / 'checkpoint-2'}" in out
+    records = _records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if "reward/total" in r] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2, 3, 3] and records[:2] == first[:2]  # the earlier lines as they were
+    (aside,) = tmp_path.glob("metrics.after-step-2-*.jsonl")
+    assert _records(aside) == first[2:] and "2 record(s) the interrupted run wrote after step 2 moved to" in out
+
+
+def test_a_damaged_checkpoint_is_refused_by_name_and_falls_back_only_when_asked(tmp_path, capsys):
+    import os
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.checkpoints import CheckpointDamaged
+
+    tok = build_tokenizer("qwen2_5")
+
+    def run(**overrides):
+        return MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=2, **overrides),
+                                    train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()})
+
+    run(save_strategy="steps", save_steps=1).train()
+    weights = tmp_path / "checkpoint-2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for value in ("latest", str(tmp_path / "checkpoint-2")):
+        with pytest.raises(CheckpointDamaged, match=r"checkpoint-2/model.safetensors: .*truncated.*Nothing was deleted.*"
+                                                    r"checkpoint-1\) instead, add --resume_fallback true"):
+            run().train(resume_from_checkpoint=value)
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files  # nothing lost or rewritten
+    capsys.readouterr()
+    resumed = run(resume_fallback=True)
+    resumed.train(resume_from_checkpoint="latest")
+    out = capsys.readouterr().out
+    assert resumed.state.global_step == 2
+    assert f"falling back to {tmp_path / 'checkpoint-1'}" in out and "resuming from step 1 of 2" in out
+    (damaged,) = tmp_path.glob("damaged-checkpoint-2-*")  # moved aside whole, not overwritten by the new run
+    assert (damaged / "model.safetensors").read_bytes() == files[weights]
+    assert [r["step"] for r in _records(tmp_path / "metrics.jsonl") if "reward/total" in r] == [1, 2]
+    assert not os.path.exists(tmp_path / "checkpoint-2")  # save_strategy="no": nothing written in its place
+
+
+def test_a_step_prints_one_compact_line_reports_tokens_per_s_and_no_checkpointing_warning(tmp_path, capsys):
+    import warnings
+
+    from transformers import PrinterCallback, ProgressCallback
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.console import CompactPrinterCallback, CompactProgressCallback
+
+    tok = build_tokenizer("qwen2_5")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path), train_dataset=_dataset(),
+                                       processing_class=tok, reward_components={"length": TokenReward()})
+        assert trainer.args.activation_checkpointing  # TRL's default, on: the warnings' trigger is there
+        trainer.train()
+        assert trainer.model.is_activation_checkpointing  # still on after the rollouts
+    noisy = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)
+             and ("checkpointing" in str(w.message) or "use_reentrant" in str(w.message))]
+    assert noisy == []
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 1/2", "step 2/2", "step 2/2"]  # two steps, the summary
+    for line in lines[:2]:
+        for part in ("reward ", "length ", "tools ", "loss ", " tok/s", "gen ", "train ", "rss "):
+            assert part in line, (part, line)
+    assert "'rollout/turns_mean'" not in out and "train_runtime" in lines[2]  # not HF's dict of every metric
+    steps = [r for r in _records(tmp_path / "metrics.jsonl") if "reward/total" in r]
+    for r in steps:  # every metric still in metrics.jsonl; the rates are the record's tokens over its seconds
+        assert r["rollout/generated_tokens_per_s"] == pytest.approx(r["rollout/action_tokens"] / r["timing/generation_s"])
+        assert r["train/forward_tokens_per_s"] == pytest.approx(r["train/forward_tokens"] / r["timing/forward_backward_s"])
+        assert r["rollout/action_tokens"] == pytest.approx(r["rollout/action_tokens_mean"] * r["rollout/trajectories"])
+        assert r["memory/peak_rss_mb"] > 0 and "rollout/turns_mean" in r
+    # The console is a setting: 'full' keeps HF's printer (under tqdm, the progress bar's).
+    kinds = {}
+    for console, tqdm_off in (("full", True), ("full", False), ("compact", False)):
+        t = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, console_metrics=console, disable_tqdm=tqdm_off),
+                                 train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+        kinds[console, tqdm_off] = {type(cb) for cb in t.callback_handler.callbacks} & {
+            PrinterCallback, ProgressCallback, CompactPrinterCallback, CompactProgressCallback}
+    assert kinds == {("full", True): {PrinterCallback}, ("full", False): {ProgressCallback},
+                     ("compact", False): {CompactProgressCallback}}
+    assert {type(cb) for cb in trainer.callback_handler.callbacks} >= {CompactPrinterCallback}
+
+
+def test_rollouts_leave_the_activation_checkpointing_settings_alone(tmp_path):
+    # every_n_layers=2 checkpoints layer 0 of 2 only. TRL's unwrap_model_for_generation turned checkpointing off
+    # for each rollout and back on with default settings (every layer): the layers' flags would read [True, True].
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=1, activation_checkpointing_kwargs={"every_n_layers": 2}),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer.train()
+    layers = trainer.accelerator.unwrap_model(trainer.model).model.layers
+    assert len(layers) == 2 and [layer.gradient_checkpointing for layer in layers] == [True, False]

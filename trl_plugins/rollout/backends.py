@@ -66,14 +66,33 @@ def check_generate_args(prompts: Sequence[Sequence[int]], max_new_tokens: Sequen
     return True
 
 
-def unwrapped_for_generation(model: torch.nn.Module, accelerator: Any) -> contextlib.AbstractContextManager[Any]:
-    """The model to generate with: ``model`` itself without an accelerator; else TRL's
-    ``unwrap_model_for_generation``, which under ZeRO-3 gathers the full weights for the whole block."""
-    if accelerator is None:
-        return contextlib.nullcontext(model)
-    from trl.models.utils import unwrap_model_for_generation
+@contextlib.contextmanager
+def unwrapped_for_generation(model: torch.nn.Module, accelerator: Any) -> Iterator[torch.nn.Module]:
+    """The model to generate with: ``model`` itself without an accelerator; else the unwrapped model, under
+    ZeRO-3 with the full weights gathered for the whole block (as TRL's ``unwrap_model_for_generation``).
 
-    return unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params=True)
+    Activation checkpointing is left as it is: the backends generate in eval mode under ``no_grad``, where
+    transformers' layers never checkpoint. (TRL's ``unwrap_model_for_generation`` turns it off and back on
+    through transformers' deprecated ``gradient_checkpointing_*`` names, three FutureWarnings per rollout,
+    and re-enables it with default settings, dropping ``activation_checkpointing_kwargs``.)
+    """
+    if accelerator is None:
+        yield model
+        return
+    from trl.distributed import DistributedBackend
+
+    if not DistributedBackend(accelerator).is_zero3:
+        yield accelerator.unwrap_model(model)
+        return
+    import deepspeed
+    from trl.models.utils import add_hooks, remove_hooks
+
+    with deepspeed.zero.GatheredParameters(model.parameters()):
+        remove_hooks(model)
+        try:
+            yield accelerator.unwrap_model(model)
+        finally:
+            add_hooks(model)
 
 
 def cut_sample(token_ids: Sequence[int], logprobs: Sequence[float], max_new_tokens: int, stop_ids: set[int]) -> Sample:
@@ -179,7 +198,7 @@ seed (:func:`seeded_gumbel`), so batching turns differently never changes what a
         stop_token_ids: Tokens that end a turn (e.g. ``<|im_end|>``).
         sampling: Temperature, top-p, top-k, min-p, repetition penalty. ``temperature == 0`` is greedy.
         accelerator: When given, ``session()`` unwraps the model for generation and, under ZeRO-3,
-            gathers the full weights once for the whole rollout (TRL's ``unwrap_model_for_generation``).
+            gathers the full weights once for the whole rollout (:func:`unwrapped_for_generation`).
         max_batch_size: Rows per ``generate`` call (``None``: all at once).
     """
 

@@ -178,7 +178,7 @@ class ContinuousBatchingBackend:
             refused: the manager's logits processors see only the last token, not the sequence.
         config: A ``ContinuousBatchingConfig`` (see :func:`continuous_batching_config`); ``None``: defaults.
         accelerator: When given, ``session()`` unwraps the model and, under ZeRO-3, gathers the full weights
-            once for the whole rollout (TRL's ``unwrap_model_for_generation``), as the HF backend does.
+            once for the whole rollout (:func:`~trl_plugins.rollout.backends.unwrapped_for_generation`), as the HF backend does.
         keep_cache: Keep the manager's paged KV cache (and on a GPU its captured CUDA graphs) allocated
             between rollouts: faster rollouts, less memory for training. Off: it is freed after each rollout.
         max_concurrency: Turns in flight from the rollout engine (each its own request).

@@ -19,7 +19,7 @@ from trl_plugins.rollout.engine import RolloutResult
 from trl_plugins.types import StopReason, Trajectory
 
 __all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "reward_metrics", "engine_metrics",
-           "rollout_metrics", "reduce_rank_metrics", "quantile"]
+           "rollout_metrics", "reduce_rank_metrics", "quantile", "throughput_metrics", "THROUGHPUT"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ def trajectory_metrics(summaries: Sequence[TrajectorySummary]) -> dict[str, floa
         "rollout/trajectory_tokens_p90": quantile(tokens, 0.9) if tokens else 0.0,
         "rollout/trajectory_tokens_max": max(tokens, default=0.0),
         "rollout/action_tokens_mean": sum(s.action_tokens for s in summaries) / n,
+        "rollout/action_tokens": float(sum(s.action_tokens for s in summaries)),
         "rollout/terminated_frac": sum(s.terminated for s in summaries) / n,
         "rollout/truncated_frac": sum(s.truncated for s in summaries) / n,
     }
@@ -175,6 +176,28 @@ def engine_metrics(result: RolloutResult) -> dict[str, float]:
 def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     """Trajectory metrics and engine metrics of one rollout (one process)."""
     return {**trajectory_metrics([summarize(t) for t in result.trajectories]), **engine_metrics(result)}
+
+
+THROUGHPUT = {
+    "rollout/generated_tokens_per_s": ("rollout/action_tokens", "timing/generation_s"),
+    "train/forward_tokens_per_s": ("train/forward_tokens", "timing/forward_backward_s"),
+}
+"""Each rate and the (tokens, seconds) metrics it divides: sampled tokens of every rank over the generation
+wall time (the slowest rank's), and tokens the training forward processed (all ranks) over the forward/backward
+time."""
+
+
+def throughput_metrics(values: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """The :data:`THROUGHPUT` rates of the steps a logging record covers: total tokens over total seconds,
+    from the per-step values of each metric (``values[key]``, one per step); a rate is left out where its
+    metrics are absent or the time is 0. Over several steps this is not the mean of the per-step rates, so
+    the record's rate equals its (averaged) tokens over its (averaged) seconds."""
+    out = {}
+    for rate, (tokens, seconds) in THROUGHPUT.items():
+        t, s = list(values.get(tokens) or []), list(values.get(seconds) or [])
+        if t and len(t) == len(s) and sum(s) > 0:
+            out[rate] = sum(t) / sum(s)
+    return out
 
 
 _SUM = ("train/datums",)

@@ -39,6 +39,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     The ``*_kwargs`` fields take a dict or a JSON string (for the command line).
     """
 
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Deprecated alias of activation_checkpointing (transformers 5). Unset with activation_checkpointing unset: activation checkpointing is on (TRL's default), set under its new name so that transformers does not warn."})
     rollout: str = field(default="multi_turn", metadata={"help": "Rollout plugin (registry name or 'pkg.mod:attr')."})
     rollout_kwargs: dict | str | None = field(default=None, metadata={"help": "Rollout budgets, e.g. max_turns."})
     tools: list[str] = field(default_factory=lambda: ["code_interpreter"], metadata={"help": "Tool plugins."})
@@ -80,8 +81,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
     trajectory_table_rows: int = field(default=8, metadata={"help": "Trajectories per table."})
     viewer_steps: int = field(default=10, metadata={"help": "Every N steps write a trajectory viewer page: output_dir/trajectories/step-<N>.html (a self-contained HTML page, each token coloured by provenance with its log-prob, advantage and loss mask on hover) and step-<N>.json (the saved batch: trajectories and their datums; 'python -m trl_plugins.viewer' draws it again), also logged to W&B as HTML when W&B is on (0: never). docs/viewer.md."})
     viewer_trajectories: int = field(default=8, metadata={"help": "Trajectories per viewer page: the first N of the main process's batch (whole groups when N is a multiple of num_generations)."})
+    resume_fallback: bool = field(default=False, metadata={"help": "When the checkpoint to resume from is damaged (a truncated or missing file, found before anything loads), resume from the previous complete checkpoint instead (the damaged one is moved to damaged-checkpoint-N-<time>/). Off: refuse, naming the damaged file."})
+    console_metrics: str = field(default="compact", metadata={"help": "What each logging step prints: 'compact' (one line: step, reward, components, tool calls, loss, KL, tokens/s, step time, memory) or 'full' (the HF Trainer's dict of every metric). metrics.jsonl and the loggers get every metric either way."})
 
     def __post_init__(self) -> None:
+        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default; its old name would raise a FutureWarning
         super().__post_init__()
         self.rollout_kwargs = _as_dict(self.rollout_kwargs, "rollout_kwargs")
         self.tool_kwargs = _as_dict(self.tool_kwargs, "tool_kwargs")
@@ -143,6 +148,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(f"viewer_steps={self.viewer_steps} asks for a trajectory page every {self.viewer_steps} steps, "
                              f"but viewer_trajectories=0 would put none on it: set viewer_trajectories >= 1, or "
                              f"viewer_steps=0 to write no pages.")
+        if self.console_metrics not in ("compact", "full"):
+            raise ValueError(f"console_metrics must be 'compact' or 'full', got {self.console_metrics!r}.")
         if self.critic_optim not in ("adamw", "sgd"):
             raise ValueError(f"critic_optim must be 'adamw' or 'sgd', got {self.critic_optim!r}.")
         if not self.learning_rate > 0:

@@ -31,7 +31,15 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from trl_plugins.rollout import RolloutCancelled, derive_seed
-from trl_plugins.rollout.metrics import METRIC_REDUCTIONS, engine_metrics, reduce_rank_metrics, reward_metrics, summarize, trajectory_metrics
+from trl_plugins.rollout.metrics import (
+    METRIC_REDUCTIONS,
+    engine_metrics,
+    reduce_rank_metrics,
+    reward_metrics,
+    summarize,
+    throughput_metrics,
+    trajectory_metrics,
+)
 from trl_plugins.trainers.batch import (
     KL_PENALTY_COMPONENT,
     add_kl_penalty,
@@ -51,7 +59,16 @@ from trl_plugins.trainers.batch import (
     training_mask,
 )
 from trl_plugins.trainers.critic import build_critic, load_critic, prepare_critic, rollout_values, save_critic, value_update
-from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint, mark_complete
+from trl_plugins.trainers.checkpoints import (
+    COMPLETE_MARKER,
+    ResumePoint,
+    latest_complete_checkpoint,
+    mark_complete,
+    resolve_resume,
+    set_aside_damaged,
+    trim_metrics_log,
+)
+from trl_plugins.trainers.console import use_compact_console
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, die_with_launcher
 from trl_plugins.trainers.lora import check_peft
 from trl_plugins.trainers.memory import peak_memory_mb, reset_peak_memory
@@ -67,6 +84,7 @@ from trl_plugins.trainers.step import (
     reduce_over_ranks,
     reference_logprobs,
 )
+from trl_plugins.trainers.trajectory_table import TURN_COLUMNS, trajectory_columns, trajectory_rows, turn_rows
 from trl_plugins.types import StopReason, Trajectory
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
@@ -116,6 +134,20 @@ class _OptimizerTimer(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.metrics["train"]["timing/optimizer_s"].append(time.perf_counter() - self.start)
+
+
+class _PeakMemory(TrainerCallback):
+    """At each step's end, the step's peak memory (reset when the step started: ``training_step``), so that the
+    HF loop's optimizer step after ``training_step`` counts too; the maximum over ranks (one all-reduce)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        peaks = peak_memory_mb()
+        keys = sorted(peaks)
+        for key, value in zip(keys, reduce_over_ranks(self.trainer.accelerator, [peaks[k] for k in keys], "max")):
+            self.trainer._metrics["train"][key].append(value)
 
 
 class MultiTurnGRPOTrainer(GRPOTrainer):
@@ -182,6 +214,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._cb_backend = (cb_backend(self.model_wrapped, self._chat, args, self.accelerator)
                             if args.use_transformers_continuous_batching else None)
         self.add_callback(_OptimizerTimer(self._metrics))
+        self.add_callback(_PeakMemory(self))
+        if args.console_metrics == "compact":
+            use_compact_console(self)
         self.add_callback(_StopAtStepEnd(self))
         self.add_callback(ViewerPages(self))  # trajectory pages every viewer_steps (docs/viewer.md)
         self._stop: StopSignals | None = None
@@ -202,7 +237,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._rollout_step = 0
         self._last_trajectories: list[Trajectory] = []
         self._last_datums: list = []  # the last rollout's datums, rows and training mask: for the viewer pages
-        self._last_rows: list[dict] = []
+        self._last_rows: list[dict] = []  # the dataset rows of _last_trajectories (rows[t.group_id])
         self._last_masked: list[bool] = []
         self._last_table_step = -1
         self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -248,6 +283,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         trajs: list[Trajectory] = result.trajectories
         t0 = time.perf_counter()
         failures = score_trajectories(plugins, trajs, rows, time_limit_s=args.reward_time_limit_s)
+        scoring_s = time.perf_counter() - t0
         example = next((t.error for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR), None)
         failure_metrics = self._check_verifier_failures(failures, len(trajs), example=example)
         masked = training_mask(trajs, mask_truncated=args.truncated_policy == "mask",
@@ -280,9 +316,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             forwarded = [datums[i] for i in datums_to_forward(datums, plugins.policy_loss, args)]
             old_logprobs(self.accelerator, self.model_wrapped, forwarded, args, pad_token_id=self.processing_class.pad_token_id)
             metrics["timing/old_logprobs_s"] = time.perf_counter() - t_old
-        metrics.update({**engine_metrics(result), **failure_metrics, "timing/scoring_s": time.perf_counter() - t0})
+        metrics.update({**engine_metrics(result), **failure_metrics, "timing/scoring_s": scoring_s})
         self._last_trajectories = trajs
-        self._last_datums, self._last_rows, self._last_masked = datums, rows, masked
+        self._last_datums, self._last_rows, self._last_masked = datums, list(rows), masked
         metrics["train/datums"] = float(len(datums))
         # Trajectory metrics are computed over every rank's trajectories at once (training_step).
         rank = self.accelerator.process_index
@@ -409,8 +445,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 "critic/returns_std": vr.returns_std, "critic/values_mean": vr.values_mean,
                 "timing/critic_update_s": time.perf_counter() - t0,
             })
-        metrics["timing/step_s"] = time.perf_counter() - start
-        metrics.update(peak_memory_mb())
+        metrics["timing/step_s"] = time.perf_counter() - start  # memory/*: _PeakMemory, after the optimizer step
         for key, value in self._reduce_over_ranks(metrics, self._step_summaries).items():
             self._metrics["train"][key].append(value)
         return loss
@@ -469,13 +504,22 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         if self._critic is not None:
             save_critic(self.accelerator, self._critic, self._critic_optimizer, folder)
+            self.accelerator.wait_for_everyone()  # the marker lists every rank's files
         if self.args.should_save:
             mark_complete(folder, global_step=self.state.global_step, tokenizer_digest=self._chat.digest)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """As ``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete* checkpoint.
+        """As ``Trainer.train``; ``resume_from_checkpoint`` ``True``, ``"true"`` or ``"latest"`` (any case) takes the
+        newest *complete* checkpoint of ``output_dir``.
+
+        The checkpoint is checked before anything loads it (:func:`~trl_plugins.trainers.checkpoints.resolve_resume`):
+        a damaged one is refused naming the file (:class:`~trl_plugins.trainers.checkpoints.CheckpointDamaged`),
+        or with ``resume_fallback`` the previous complete one is taken (the damaged one moved aside). The step
+        and folder resumed from are logged and printed; the interrupted run's records after that step are moved
+        out of ``metrics.jsonl`` (:func:`~trl_plugins.trainers.checkpoints.trim_metrics_log`), so the file has
+        each step once.
 
         On an exception in a single-process run, an emergency checkpoint is saved to
         ``output_dir/checkpoint-<step>`` (unless that step has a complete one) and the exception is
@@ -484,13 +528,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         saves the step together and :class:`TrainingInterrupted` is raised (see ``interrupts``); the
         tools and plugins are closed however training ends.
         """
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(
-                    f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint "
-                    f"(a folder checkpoint-N with {COMPLETE_MARKER}); pass a path or start without resuming."
-                )
+        point = resolve_resume(resume_from_checkpoint, self.args.output_dir, fallback=self.args.resume_fallback,
+                               needs_optimizer=not self.args.save_only_model, max_steps=self.args.max_steps)
+        resume_from_checkpoint = None if point is None else point.folder
+        if point is not None:
+            self._prepare_resume(point)
         if resume_from_checkpoint and self._critic is not None:
             load_critic(self.accelerator, self._critic, self._critic_optimizer, str(resume_from_checkpoint))
         die_with_launcher()
@@ -511,6 +553,30 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         finally:
             self._stop = None
             self._plugins.close()
+
+    def _prepare_resume(self, point: ResumePoint) -> None:
+        """Say where the run resumes (log and stdout, main process); there, set damaged checkpoints aside and trim
+        ``metrics.jsonl``."""
+        main = self.accelerator.is_main_process
+
+        def say(message: str, level: int = logging.INFO) -> None:
+            if main:
+                logger.log(level, "%s", message)
+                print(message, flush=True)
+
+        if point.skipped:
+            self.accelerator.wait_for_everyone()  # every rank has checked them before they move
+            for exc in point.skipped:
+                say(f"resume_fallback: {exc.file} is damaged ({exc.reason}); falling back to {point.folder}", logging.WARNING)
+            if main:
+                set_aside_damaged(point, log=lambda m: say(m, logging.WARNING))
+        of = f" of {self.args.max_steps}" if self.args.max_steps and self.args.max_steps > 0 else ""
+        say(f"resuming from step {point.step}{of}: {point.folder}")
+        if main:
+            moved, aside = trim_metrics_log(self._metrics_path, point.step)
+            if moved:
+                say(f"metrics.jsonl: {moved} record(s) the interrupted run wrote after step {point.step} moved to "
+                    f"{aside}; the file continues from step {point.step}")
 
     def _stop_agreed(self) -> int:
         """The signal of a stop any rank was asked for (0: none). A collective: every rank calls it at the
@@ -560,7 +626,11 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Log through the Trainer (W&B, ...) and append the same record to ``output_dir/metrics.jsonl``."""
-        # GRPOTrainer.log averages this step's metrics into `logs` in place before handing it on.
+        # GRPOTrainer.log averages this step's metrics into `logs` in place before handing it on; the rates are
+        # computed here from the summed tokens and seconds of the steps the record covers, not averaged.
+        for values in self._metrics.values():
+            for key, rate in throughput_metrics(values).items():
+                values[key] = [rate]
         super().log(logs, start_time)
         if self.accelerator.is_main_process:
             os.makedirs(self.args.output_dir, exist_ok=True)
@@ -580,13 +650,8 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
 
         if wandb.run is None:
             return
-        columns = ["step", "question_id", "sample", "turns", "tool_calls", "stop_reason", "error", "reward", "advantage",
-                   "transcript"]
-        rows = []
-        for t in self._last_trajectories[: self.args.trajectory_table_rows]:
-            transcript = "\n".join(
-                turn.text + (f"\n[tool] {turn.tool_call.output}" if turn.tool_call else "") for turn in t.turns
-            )
-            rows.append([self.state.global_step, t.question_id, t.sample_index, len(t.turns), t.num_tool_calls,
-                         str(t.stop_reason), t.error or "", t.reward, t.advantage, transcript])
-        wandb.log({"trajectories": wandb.Table(columns=columns, data=rows)}, commit=False)
+        names, limit = self._reward_names(), self.args.trajectory_table_rows
+        rows = trajectory_rows(self._last_trajectories, self._last_rows, step=step, reward_names=names, max_rows=limit)
+        turns = turn_rows(self._last_trajectories, step=step, max_rows=limit)
+        wandb.log({"trajectories": wandb.Table(columns=trajectory_columns(names), data=rows),
+                   "trajectory_turns": wandb.Table(columns=TURN_COLUMNS, data=turns)}, commit=False)

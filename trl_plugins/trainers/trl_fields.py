@@ -419,7 +419,7 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "enable_jit_checkpoint": FieldRule(_H, _HF + "; the SIGTERM checkpoint goes through our _save_checkpoint (completion marker)."),
     "ignore_data_skip": FieldRule(_H, _HF + " (on resume)."),
     "restore_callback_states_from_checkpoint": FieldRule(_H, _HF + " (on resume)."),
-    "resume_from_checkpoint": FieldRule(_H, "a script flag: a recipe passes it to train(), where True means the newest complete checkpoint."),
+    "resume_from_checkpoint": FieldRule(_H, "a script flag: a recipe passes it to train(), where True, 'true' or 'latest' mean the newest complete checkpoint, checked before it loads (docs/training.md#resuming)."),
     "push_to_hub": FieldRule(_H, _HF + " (with TRL's model card)."),
     "hub_token": FieldRule(_H, _HF + "."),
     "hub_private_repo": FieldRule(_H, _HF + "."),
