@@ -55,7 +55,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
 
     from retool.data import hide_answers, task_rows
     from retool.default_model import model_path_or_default
-    from retool.evaluate import PeriodicHeldOut, check_eval_settings, evaluate_checkpoint
+    from retool.evaluate import PeriodicHeldOut, check_eval_settings, evaluate_checkpoint, reusable_evaluation
     from retool.launch import ChildProcessError, available_cpus, claim_output_dir, configure_wandb, run_in_child
     from retool.record import run_record
     from retool.report import accuracy_gain, format_summary, plot_run, read_metrics
@@ -142,8 +142,16 @@ def main(script_args: ScriptArguments, training_args) -> int:
 
     before = None
     if evaluate and main_process:
-        say(f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x {script_args.eval_samples} samples)...")
-        before = held_out(model_path, "eval_before.json")
+        # A resumed run reuses the evaluation its first start made of the same starting model on the same problems.
+        before = reusable_evaluation(out_dir / "eval_before.json", model=model_path, rows=heldout_rows,
+                                     samples=script_args.eval_samples, temperature=script_args.eval_temperature) \
+            if training_args.resume_from_checkpoint else None
+        if before is not None:
+            say(f"Held-out evaluation of the starting model: reused from {out_dir / 'eval_before.json'} (resumed run; "
+                f"same model, problems, samples and temperature)")
+        else:
+            say(f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x {script_args.eval_samples} samples)...")
+            before = held_out(model_path, "eval_before.json")
     state.wait_for_everyone()
 
     model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(script_args, training_args))

@@ -720,3 +720,24 @@ def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert f"{out / 'checkpoint-2' / 'model.safetensors'}: " in proc.stderr and "--resume_fallback true" in proc.stderr, proc.stderr[-2000:]
     assert snapshot(out) == before and not (tmp_path / "cache").exists()
+
+
+def test_a_resumed_run_reuses_the_starting_models_evaluation_only_when_it_is_the_same(tmp_path):
+    from retool.evaluate import reusable_evaluation
+
+    rows = [{"id": "test-0", "prompt": "What is 1 + 1?", "answer": "2"}, {"id": "test-1", "prompt": "2 + 2?", "answer": "4"}]
+    saved = {"model": "/m", "samples": 4, "temperature": 1.0, "accuracy": 0.5,
+             "correct_by_problem": {"test-0": [2, 4], "test-1": [2, 4]}}
+    path = tmp_path / "eval_before.json"
+    path.write_text(json.dumps(saved))
+    same = dict(model="/m", rows=rows, samples=4, temperature=1.0)
+    assert reusable_evaluation(path, **same) == saved
+    # Anything different evaluates again: another model, other problems, samples or temperature.
+    assert reusable_evaluation(path, **{**same, "model": "/other"}) is None
+    assert reusable_evaluation(path, **{**same, "rows": rows[:1]}) is None
+    assert reusable_evaluation(path, **{**same, "samples": 8}) is None
+    assert reusable_evaluation(path, **{**same, "temperature": 0.0}) is None
+    # No file, or one cut short: evaluate again.
+    assert reusable_evaluation(tmp_path / "missing.json", **same) is None
+    path.write_text(json.dumps(saved)[:20])
+    assert reusable_evaluation(path, **same) is None

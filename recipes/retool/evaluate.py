@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from transformers import TrainerCallback
 
-__all__ = ["EvalArguments", "check_eval_settings", "evaluate_checkpoint", "PeriodicHeldOut"]
+__all__ = ["EvalArguments", "check_eval_settings", "evaluate_checkpoint", "reusable_evaluation", "PeriodicHeldOut"]
 
 
 @dataclass
@@ -128,6 +128,25 @@ def evaluate_checkpoint(
         with open(output_json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def reusable_evaluation(path: Any, *, model: str, rows: Sequence[dict], samples: int, temperature: float) -> dict | None:
+    """The evaluation saved at ``path`` when it evaluated ``model`` on exactly ``rows`` (their ids) with ``samples``
+    samples at ``temperature``; else None (no file, unreadable, or anything different: evaluate again).
+
+    A resumed run's starting model is the one its first start evaluated: this saves re-running the "before"
+    evaluation (minutes to hours on a real model) without ever reusing numbers of another setting.
+    """
+    from pathlib import Path
+
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    same = (isinstance(saved, dict) and saved.get("model") == model and saved.get("samples") == samples
+            and saved.get("temperature") == temperature
+            and set(saved.get("correct_by_problem") or ()) == {str(r["id"]) for r in rows})
+    return saved if same else None
 
 
 class PeriodicHeldOut(TrainerCallback):
