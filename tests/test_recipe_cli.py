@@ -13,18 +13,7 @@ import pytest
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY_EMBEDDED = {"cold_start_problems": 24, "cold_start_epochs": 0.5, "hidden_size": 32, "cold_start_batch_size": 8,
-                 "cold_start_max_extra_epochs": 1}
-
-
-def _recipe_module():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import retool_ppo
-    finally:
-        sys.path.pop(0)
-    return retool_ppo
+from test_recipe import ROOT, TINY_EMBEDDED, _recipe_module
 
 
 def _write(path: Path, text: str) -> Path:

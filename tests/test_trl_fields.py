@@ -146,7 +146,7 @@ def test_a_vllm_setting_of_the_other_mode_is_refused(tmp_path):
     # colocate mode: refused, not silently inert. In their own mode they are accepted.
     on = dict(use_vllm=True)
     for name, value in [("vllm_gpu_memory_utilization", 0.5), ("vllm_enable_sleep_mode", True), ("vllm_model_impl", "transformers"),
-                        ("vllm_max_model_length", 2048)]:
+                        ("vllm_max_model_length", 8192)]:
         assert getattr(_config(tmp_path, **on, vllm_mode="colocate", **{name: value}), name) == value
         with pytest.raises(ValueError, match=f"{name}=.*vllm_mode='server', where it would do nothing"):
             _config(tmp_path, **on, vllm_mode="server", **{name: value})

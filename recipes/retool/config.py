@@ -65,6 +65,11 @@ class ScriptArguments(ModelConfig):
     """Per reward component, where its weight came from when the components were changed without weights
     (empty when the weights were given with the components)."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}.")
+
 
 def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(config values, the other arguments)``: every ``--config FILE`` / ``--config=FILE``, in order.
@@ -241,11 +246,6 @@ def _build_parser(extra: Sequence[type]):
     parser.add_argument("--config", metavar="FILE", action="append", default=argparse.SUPPRESS, help=CONFIG_HELP)
     _group_help(parser, dataclass_types)
     return parser
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.held_out_fraction < 1:
-            raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}.")
 
 
 def parse_args(argv: list[str], *extra: type) -> tuple:

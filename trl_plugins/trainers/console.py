@@ -48,25 +48,17 @@ def compact_line(logs: Mapping[str, Any], *, step: int, max_steps: int | None = 
         name = key[len("reward/"):] if key.startswith("reward/") else None
         if name and "/" not in name and name not in _NOT_COMPONENTS and has(key):
             parts.append(f"{name} {_num(logs[key])}")
-    if has("rollout/tool_calls_mean"):
-        parts.append(f"tools {_num(logs['rollout/tool_calls_mean'])}")
-    loss = "train/policy_loss" if has("train/policy_loss") else "loss" if has("loss") else None
-    if loss:
-        parts.append(f"loss {_num(logs[loss])}")
-    if has("train/kl_k3"):
-        parts.append(f"kl {_num(logs['train/kl_k3'])}")
-    if has("heldout/accuracy"):
-        parts.append(f"heldout {_num(logs['heldout/accuracy'])}")
-    if has("rollout/generated_tokens_per_s"):
-        parts.append(f"gen {_num(logs['rollout/generated_tokens_per_s'])} tok/s")
-    if has("train/forward_tokens_per_s"):
-        parts.append(f"train {_num(logs['train/forward_tokens_per_s'])} tok/s")
-    if has("timing/step_s"):
-        parts.append(f"{_num(logs['timing/step_s'])} s")
-    if has("memory/peak_rss_mb"):
-        parts.append(f"rss {logs['memory/peak_rss_mb'] / 1024:.2g} GB")
-    if has("memory/cuda_max_allocated_mb"):
-        parts.append(f"gpu {logs['memory/cuda_max_allocated_mb'] / 1024:.3g} GB")
+    loss = "train/policy_loss" if has("train/policy_loss") else "loss"
+    # (metric, "<label> {value}<unit>", scale): each part only when its metric is in the record.
+    for key, label, scale, fmt in (("rollout/tool_calls_mean", "tools {}", 1, _num), (loss, "loss {}", 1, _num),
+                                   ("train/kl_k3", "kl {}", 1, _num), ("heldout/accuracy", "heldout {}", 1, _num),
+                                   ("rollout/generated_tokens_per_s", "gen {} tok/s", 1, _num),
+                                   ("train/forward_tokens_per_s", "train {} tok/s", 1, _num),
+                                   ("timing/step_s", "{} s", 1, _num),
+                                   ("memory/peak_rss_mb", "rss {} GB", 1024, lambda v: f"{v:.2g}"),
+                                   ("memory/cuda_max_allocated_mb", "gpu {} GB", 1024, lambda v: f"{v:.3g}")):
+        if has(key):
+            parts.append(label.format(fmt(logs[key] / scale)))
     if not parts:  # not a training step's record: show what it holds, briefly
         parts = [f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in logs.items() if k != "total_flos"]
     return " | ".join([head, *parts])
