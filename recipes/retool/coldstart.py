@@ -122,6 +122,7 @@ def run_cold_start_sft(model: Any, tokenizer: Any, dataset: Any, output_dir: str
         max_length=None,
         disable_tqdm=not show_progress,
         dataloader_num_workers=0,
+        activation_checkpointing=True,  # TRL's default, by its new name (the old one raises a FutureWarning)
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
