@@ -19,6 +19,10 @@ def test_compact_line_holds_the_key_numbers():
     line = compact_line(logs, step=3, max_steps=40)
     assert line == ("step 3/40 | reward 0.412 | correct 0.55 | format 0.9 | tools 1.25 | loss 0.0123 | kl 0.0031 | "
                     "gen 850 tok/s | train 41.2k tok/s | 12.3 s | rss 1.9 GB")
+    # Thousands read as k, never in exponent notation (2770 tok/s is "2.77k", not "2.77e+03").
+    assert "gen 2.77k tok/s" in compact_line({**logs, "rollout/generated_tokens_per_s": 2770.4}, step=3)
+    assert "gen 1k tok/s" in compact_line({**logs, "rollout/generated_tokens_per_s": 999.7}, step=3)
+    assert "e+" not in compact_line({**logs, "rollout/generated_tokens_per_s": 123456789.0}, step=3)
     # A record that is not a step's (the end-of-training summary) shows what it holds.
     assert compact_line({"train_runtime": 4.129, "epoch": 1.0}, step=2, max_steps=2) == "step 2/2 | train_runtime 4.13 | epoch 1"
 

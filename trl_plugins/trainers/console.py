@@ -22,7 +22,7 @@ def _num(x: float) -> str:
     a = abs(x)
     if a >= 1e6:
         return f"{x / 1e6:.3g}M"
-    if a >= 1e4:
+    if a >= 999.5:  # what .3g would print as 1e+03 and up
         return f"{x / 1e3:.3g}k"
     return f"{x:.3g}"
 
