@@ -186,7 +186,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
         metrics = read_metrics(out_dir / "metrics.jsonl")
         if script_args.plot and metrics:
             plot_path = str(plot_run(metrics, out_dir / "retool_ppo.png", before=before, after=after,
-                                     reward_components=training_args.reward_components))
+                                     reward_components=trainer.reward_names()))
         wandb_dir = None
         try:
             import wandb

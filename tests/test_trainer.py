@@ -999,3 +999,19 @@ def test_rollouts_leave_the_activation_checkpointing_settings_alone(tmp_path):
     trainer.train()
     layers = trainer.accelerator.unwrap_model(trainer.model).model.layers
     assert len(layers) == 2 and [layer.gradient_checkpointing for layer in layers] == [True, False]
+
+
+def test_reward_names_include_the_kl_penalty_when_the_kl_is_a_reward(tmp_path):
+    # What the recipe plots per component: a KL paid in the reward is one of them.
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    path = _saved_model(tmp_path, tok)  # TRL builds the reference model from a path
+
+    def names(**overrides):
+        return MultiTurnGRPOTrainer(path, _config(tmp_path, max_steps=1, **overrides), train_dataset=_dataset(),
+                                    processing_class=tok, reward_components={"length": TokenReward()}).reward_names()
+
+    assert names() == ["length"]
+    assert names(beta=0.1, kl_penalty="reward") == ["length", "kl_penalty"]
+    assert names(beta=0.1, kl_penalty="loss") == ["length"]

@@ -329,7 +329,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
                 metrics.update(step_metrics())
         return datums, metrics
 
-    def _reward_names(self) -> list[str]:
+    def reward_names(self) -> list[str]:
+        """The reward components the run logs as ``reward/<name>``: the configured ones, plus ``kl_penalty`` when
+        the reference KL is a reward (``beta > 0``, ``kl_penalty="reward"``)."""
         names = [name for name, _, _ in self._plugins.reward_components]
         if self.args.beta > 0 and self.args.kl_penalty == "reward":
             names.append(KL_PENALTY_COMPONENT)
@@ -471,7 +473,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         out = reduce_rank_metrics(per_rank, self._metric_reductions)
         if union is not None:
             out.update(trajectory_metrics(union))
-            out.update(reward_metrics(union, self._reward_names()))
+            out.update(reward_metrics(union, self.reward_names()))
         return out
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
@@ -650,7 +652,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
 
         if wandb.run is None:
             return
-        names, limit = self._reward_names(), self.args.trajectory_table_rows
+        names, limit = self.reward_names(), self.args.trajectory_table_rows
         rows = trajectory_rows(self._last_trajectories, self._last_rows, step=step, reward_names=names, max_rows=limit)
         turns = turn_rows(self._last_trajectories, step=step, max_rows=limit)
         wandb.log({"trajectories": wandb.Table(columns=trajectory_columns(names), data=rows),
