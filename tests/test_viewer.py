@@ -473,3 +473,23 @@ def test_a_trajectory_without_a_datum_is_shown_with_the_reason():
     assert "no datum:</b> trajectory 1" in page and "does not extend the previous turns" in page
     # Without a tokenizer the tokens show as their ids.
     assert [s["text"] for s in p.sections[0]] == [f"\u27e8{i}\u27e9" for i in batch["trajectories"][0]["tokens"]["ids"]]
+
+
+def test_a_step_without_a_policy_update_marks_its_trajectories_so(batch_parts, tmp_path):
+    trajs, datums, tok, rows, masked = batch_parts
+    batch = make_batch(trajs, datums, tok, step=1, rows=rows, masked=masked, update_skipped="the critic's warm-up")
+    roles = [t["update_role"] for t in batch["trajectories"]]
+    assert roles == [UpdateRole.UPDATE_SKIPPED] * 4 + [UpdateRole.LEFT_OUT] * 2  # masked ones keep their own reason
+    assert batch["trajectories"][0]["update_note"] == ("not trained on: the step's policy update was skipped "
+                                                       "(the critic's warm-up)")
+    assert 'class="badge r-update_skipped"' in render_html(batch)
+
+
+def test_the_trainer_marks_a_critic_warm_up_step_as_not_trained_on(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=1, viewer_steps=1, advantage="gae", critic_warmup_steps=5)
+    trainer.train()
+    saved = load_batch(tmp_path / "trajectories" / "step-000001.json")
+    roles = {t["update_role"] for t in saved["trajectories"]}
+    assert roles <= {UpdateRole.UPDATE_SKIPPED, UpdateRole.LEFT_OUT} and UpdateRole.UPDATE_SKIPPED in roles
+    assert "critic_warmup_steps" in next(t["update_note"] for t in saved["trajectories"]
+                                         if t["update_role"] == UpdateRole.UPDATE_SKIPPED)

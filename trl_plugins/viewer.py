@@ -78,6 +78,9 @@ class UpdateRole(enum.StrEnum):
     LEFT_OUT = "left_out"
     """Masked out of the update (a world failure, ``truncated_policy='mask'``, or a group that lost too
     many members); its datum here was built for display only."""
+    UPDATE_SKIPPED = "update_skipped"
+    """The step made no policy update at all (the critic's warm-up, or no trajectory to train on): nothing
+    of this batch moved the policy."""
 
 
 class ViewerError(ValueError):
@@ -141,7 +144,9 @@ def _question(row: Mapping[str, Any]) -> str | None:
 
 
 def _role(traj: Trajectory, datum: Datum | None, in_update: bool, forwarded: bool | None,
-          mask_truncated: bool) -> tuple[UpdateRole, str]:
+          mask_truncated: bool, update_skipped: str | None = None) -> tuple[UpdateRole, str]:
+    if update_skipped and in_update:
+        return UpdateRole.UPDATE_SKIPPED, f"not trained on: the step's policy update was skipped ({update_skipped})"
     if not in_update:
         if traj.world_failure:
             why = f"the world failed ({traj.stop_reason}{': ' + traj.error if traj.error else ''})"
@@ -184,6 +189,7 @@ def make_batch(
     forwarded: Collection[int] | None = None,
     mask_truncated: bool = False,
     max_trajectories: int | None = None,
+    update_skipped: str | None = None,
 ) -> dict:
     """A saved batch (a JSON-ready dict) of the first ``max_trajectories`` of ``trajectories``.
 
@@ -199,6 +205,8 @@ def make_batch(
         forwarded: Trajectory indices whose datum went through forward/backward (``None``: not recorded).
         mask_truncated: ``truncated_policy == 'mask'`` (only to say why a trajectory was left out).
         max_trajectories: Keep only the first N (``None``: all).
+        update_skipped: Why the step made no policy update at all (``None``: it made one); every trajectory the
+            update would have taken is then marked ``update_skipped``.
 
     Returns:
         ``{"format", "step", "created", "num_trajectories", "trajectories": [...]}``; each trajectory holds
@@ -218,7 +226,8 @@ def make_batch(
                 for_display = True
             except (DatumError, ValueError) as exc:
                 error = str(exc)
-        role, note = _role(traj, datum, in_update, None if forwarded is None else i in forwarded, mask_truncated)
+        role, note = _role(traj, datum, in_update, None if forwarded is None else i in forwarded, mask_truncated,
+                           update_skipped)
         entry: dict[str, Any] = {
             "index": i, "question_id": traj.question_id, "group_id": traj.group_id, "sample_index": traj.sample_index,
             "stop_reason": None if traj.stop_reason is None else str(traj.stop_reason),
@@ -343,7 +352,7 @@ th{background:#eef1f4}.traj{background:#fff;border:1px solid #d8dde3;border-radi
 .traj h2{font-size:15px;margin:0 0 6px}.badge{display:inline-block;border-radius:10px;padding:1px 8px;font-size:12px;
  margin-left:6px;color:#fff}.k-terminated{background:#2e7d32}.k-truncated{background:#e07b00}
 .k-world_failure{background:#c62828}.k-unfinished{background:#6d6d6d}
-.r-trained{background:#1f6fd1}.r-zero_advantage{background:#7a8794}.r-left_out{background:#8e24aa}
+.r-trained{background:#1f6fd1}.r-zero_advantage{background:#7a8794}.r-left_out{background:#8e24aa}.r-update_skipped{background:#b26a00}
 .note{font-size:13px;margin:4px 0}.qa{font-size:13px;margin:4px 0;white-space:pre-wrap}
 .tokens{font:12.5px/1.9 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:pre-wrap;word-break:break-all;
  border:1px solid #e3e6ea;border-radius:4px;padding:8px;margin:8px 0;background:#fcfcfd}

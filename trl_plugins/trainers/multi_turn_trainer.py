@@ -239,6 +239,7 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         self._last_datums: list = []  # the last rollout's datums, rows and training mask: for the viewer pages
         self._last_rows: list[dict] = []  # the dataset rows of _last_trajectories (rows[t.group_id])
         self._last_masked: list[bool] = []
+        self._update_skipped: str | None = None  # why the last step made no policy update (None: it made one)
         self._last_table_step = -1
         self._metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
         self._critic = self._critic_optimizer = None
@@ -405,7 +406,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         warmup = self._critic is not None and self.state.global_step < args.critic_warmup_steps
         if self._critic is not None:
             metrics["critic/warmup"] = float(warmup)
-        if total == 0 or warmup:
+        self._update_skipped = ("the critic's warm-up, critic_warmup_steps" if warmup else
+                                "no trajectory to train on" if total == 0 else None)
+        if self._update_skipped:
             metrics["train/update_skipped"] = 1.0
             loss = torch.zeros((), device=self.args.device)
         else:

@@ -38,7 +38,7 @@ class ViewerPages(TrainerCallback):
             json_path, html_path = write_step_pages(
                 args.output_dir, step, trainer._last_trajectories, datums, trainer.processing_class,
                 log_to_wandb="wandb" in (args.report_to or []), rows=trainer._last_rows, masked=trainer._last_masked,
-                forwarded=forwarded, mask_truncated=args.truncated_policy == "mask",
+                forwarded=forwarded, mask_truncated=args.truncated_policy == "mask", update_skipped=trainer._update_skipped,
                 max_trajectories=args.viewer_trajectories,
             )
         except Exception:  # a diagnostic page must not end a run that has trained fine: said loudly, training goes on
