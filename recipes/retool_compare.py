@@ -51,7 +51,7 @@ def main() -> int:
                     return 1
             runs.setdefault(variant, []).append((seed, json.loads((run_dir / "summary.json").read_text()), run_dir))
 
-    from retool.report import read_metrics, train_accuracy
+    from retool.report import accuracy_gain, read_metrics, train_accuracy, with_se
 
     print("\n| variant | seed | held-out accuracy before -> after | gain | with-tool accuracy before -> after | "
           "tool-call rate after | pass@4 after | lowest train-batch accuracy, steps 10-40 | wall (min) |")
@@ -63,9 +63,12 @@ def main() -> int:
             metrics = read_metrics(run_dir / "metrics.jsonl")
             curves.setdefault(variant, []).append(metrics)
             late = [train_accuracy(r) for r in metrics if r["step"] >= 10]
-            print(f"| {variant} | {seed} | {b['accuracy']:.3f} -> {a['accuracy']:.3f} | {a['accuracy'] - b['accuracy']:+.3f} | "
-                  f"{b['accuracy_with_tool']:.3f} -> {a['accuracy_with_tool']:.3f} | {a['tool_call_rate']:.3f} | "
-                  f"{a['pass_at_k']['4']:.3f} | {min(late):.3f} | {s['wall_s'] / 60:.1f} |")
+            gain = accuracy_gain(b, a)
+            print(f"| {variant} | {seed} | {with_se(b['accuracy'], b.get('accuracy_se'))} -> "
+                  f"{with_se(a['accuracy'], a.get('accuracy_se'))} | {with_se(gain['accuracy'], gain['se'], '+.3f')} | "
+                  f"{with_se(b['accuracy_with_tool'], b.get('accuracy_with_tool_se'))} -> "
+                  f"{with_se(a['accuracy_with_tool'], a.get('accuracy_with_tool_se'))} | {a['tool_call_rate']:.3f} | "
+                  f"{with_se(a['pass_at_k']['4'], a.get('pass_at_k_se', {}).get('4'))} | {min(late):.3f} | {s['wall_s'] / 60:.1f} |")
     print("\n| variant | mean gain | smallest gain | mean with-tool change | seeds where with-tool accuracy fell |")
     print("|---|---|---|---|---|")
     for variant, rows in runs.items():

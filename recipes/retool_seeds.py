@@ -41,15 +41,20 @@ def main() -> int:
         summary = json.loads((run_dir / "summary.json").read_text())
         rows.append((seed, summary, run_dir))
 
+    from retool.report import accuracy_gain, with_se
+
     print("\n| seed | accuracy before | accuracy after | gain | tool-call rate before | after | pass@k before | after | steps | wall (min) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     gains = []
     for seed, s, _ in rows:
         b, a = s["before"], s["after"]
         k = max(a["pass_at_k"], key=int)
-        gains.append(a["accuracy"] - b["accuracy"])
-        print(f"| {seed} | {b['accuracy']:.3f} | {a['accuracy']:.3f} | {gains[-1]:+.3f} | {b['tool_call_rate']:.3f} | "
-              f"{a['tool_call_rate']:.3f} | {b['pass_at_k'][k]:.3f} | {a['pass_at_k'][k]:.3f} (k={k}) | {s['steps']} | "
+        gain = accuracy_gain(b, a)
+        gains.append(gain["accuracy"])
+        ses = [r.get("pass_at_k_se", {}).get(k) for r in (b, a)]
+        print(f"| {seed} | {with_se(b['accuracy'], b.get('accuracy_se'))} | {with_se(a['accuracy'], a.get('accuracy_se'))} | "
+              f"{with_se(gain['accuracy'], gain['se'], '+.3f')} | {b['tool_call_rate']:.3f} | "
+              f"{a['tool_call_rate']:.3f} | {with_se(b['pass_at_k'][k], ses[0])} | {with_se(a['pass_at_k'][k], ses[1])} (k={k}) | {s['steps']} | "
               f"{s['wall_s'] / 60:.1f} |")
     print(f"\nmean gain {sum(gains) / len(gains):+.3f} over {len(gains)} seeds; smallest {min(gains):+.3f}")
 

@@ -741,3 +741,47 @@ def test_a_resumed_run_reuses_the_starting_models_evaluation_only_when_it_is_the
     assert reusable_evaluation(tmp_path / "missing.json", **same) is None
     path.write_text(json.dumps(saved)[:20])
     assert reusable_evaluation(path, **same) is None
+
+
+def _finished_run(run_dir, before, after, *, with_se=True):
+    """A run folder as the recipe leaves it: summary.json (with or without standard errors) and metrics.jsonl."""
+    from retool.report import accuracy_gain
+
+    def result(correct):  # 2 problems x 4 samples
+        acc = sum(correct) / 8
+        out = {"problems": 2, "samples": 4, "accuracy": acc, "accuracy_with_tool": acc, "tool_call_rate": 1.0,
+               "pass_at_k": {"1": acc, "4": 1.0}}
+        if with_se:
+            per = [c / 4 for c in correct]
+            se = ((sum((p - acc) ** 2 for p in per) / 1) / 2) ** 0.5
+            out.update(accuracy_se=se, accuracy_with_tool_se=se, pass_at_k_se={"1": se, "4": 0.0},
+                       correct_by_problem={"a": [correct[0], 4], "b": [correct[1], 4]})
+        return out
+
+    b, a = result(before), result(after)
+    run_dir.mkdir(parents=True)
+    summary = {"before": b, "after": a, "steps": 40, "wall_s": 120.0}
+    if with_se:
+        summary["gain"] = accuracy_gain(b, a)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/total": 0.5, "reward/correct": 0.0,
+                                                               "rollout/tool_calls_mean": 1.0}) + "\n" for s in range(1, 41)))
+
+
+@pytest.mark.parametrize("script", ["retool_seeds.py", "retool_compare.py"])
+def test_the_seed_and_compare_tables_carry_standard_errors(tmp_path, script):
+    import subprocess
+    import sys
+
+    # Seed 0 from today's recipe (standard errors), seed 1 from an older one (none: the table leaves them out).
+    folders = {"retool_seeds.py": ("seed0", "seed1"), "retool_compare.py": ("grpo_s0", "grpo_s1")}[script]
+    _finished_run(tmp_path / folders[0], [1, 3], [3, 4])
+    _finished_run(tmp_path / folders[1], [2, 2], [4, 4], with_se=False)
+    extra = ["--variants", "grpo"] if script == "retool_compare.py" else []
+    proc = subprocess.run([sys.executable, f"recipes/{script}", "--seeds", "0", "1", "--out", str(tmp_path), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # before 0.5 (per problem 0.25, 0.75: se 0.25), after 0.875 (0.75, 1.0: se 0.125); paired gain +0.375 (changes
+    # 0.5, 0.25: se 0.125).
+    assert "0.500 ± 0.250" in proc.stdout and "0.875 ± 0.125" in proc.stdout and "+0.375 ± 0.125" in proc.stdout
+    assert "| 0.500 |" in proc.stdout or "0.500 -> 1.000" in proc.stdout  # the older run: no ± to show

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["read_metrics", "train_accuracy", "reward_component_keys", "plot_run", "accuracy_gain", "format_summary"]
+__all__ = ["read_metrics", "train_accuracy", "reward_component_keys", "plot_run", "with_se", "accuracy_gain", "format_summary"]
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -97,6 +97,11 @@ def _pct(value: float | None, se: float | None = None) -> str:
     if value is None:
         return "n/a"
     return f"{100 * value:.1f}%" + ("" if se is None else f" ± {100 * se:.1f}")
+
+
+def with_se(value: float, se: float | None, fmt: str = ".3f") -> str:
+    """``value`` and, when known, ``± se`` in the same format (tables of results from older runs have no se)."""
+    return f"{value:{fmt}}" + ("" if se is None else f" ± {se:{fmt.lstrip('+')}}")
 
 
 def accuracy_gain(before: dict, after: dict) -> dict:
