@@ -111,7 +111,8 @@ def check_plugin_config(args: Any) -> None:
     The rollout, the advantage estimator and the policy loss hold only settings: they are resolved,
     constructed and asked their capabilities (:func:`check_capabilities`). Tools and reward components
     can be handed to the trainer as instances instead, so their names are checked by
-    :func:`check_named_plugins` (the recipe calls it right after parsing) and by :func:`build_plugins`.
+    :func:`check_named_plugins`, which :func:`build_plugins` runs first (a recipe can build every plugin
+    once, and close it, before any model loads).
     """
     PACKERS.get(args.packer)
     rollout = _construct(ROLLOUTS, args.rollout, args.rollout_kwargs, "rollout")
