@@ -32,7 +32,7 @@ SHAPES = {
 def build(shape: str, dtype: torch.dtype, device: str):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trl_plugins.testing import build_tokenizer
+    from trl_plugins.tiny import build_tokenizer
 
     tok = build_tokenizer("qwen2_5")
     config = Qwen2Config(vocab_size=151936 if shape != "tiny" else len(tok), max_position_embeddings=4096,

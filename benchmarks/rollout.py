@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, MultiTurnRollout, RolloutQuestion, RolloutRequest
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.tools.code_interpreter import CodeInterpreter

@@ -49,7 +49,7 @@ def _reward(completions=None, **kwargs):
 def run_ours(args, padding_free: bool | None) -> dict:
     from rollout import SleepTool, patch_generate
 
-    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     class Reward:
@@ -103,7 +103,7 @@ def run_trl(args) -> dict:
     from rollout import patch_generate
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers.memory import peak_memory_mb, reset_peak_memory
 
     def code_interpreter(code: str) -> str:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from trl_plugins.registry import ALL_REGISTRIES  # noqa: E402
-from trl_plugins.testing import make_trajectory  # noqa: E402, F401  (tests import it from here)
+from trl_plugins.contracts import make_trajectory  # noqa: E402, F401  (tests import it from here)
 
 ASSETS = Path(__file__).parent / "assets"
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_trainer import TokenReward  # noqa: E402
 
-from trl_plugins.testing import build_tiny_model, build_tokenizer  # noqa: E402
+from trl_plugins.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer, TrainingInterrupted  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--dump", default=None, help="each rank writes <dump>/rank<R>.jsonl: per step, its trajectories' "
                     "stop reasons, rewards, token counts and world failures")
     ap.add_argument("--vllm", choices=["colocate", "server"], default=None, help="generate with the fake vLLM "
-                    "(trl_plugins.testing_vllm) through TRL's VLLMGeneration")
+                    "(tests/fake_vllm.py) through TRL's VLLMGeneration")
     ap.add_argument("--vllm_url", default=None, help="server mode: the fake server's base URL")
     args = ap.parse_args()
     from datasets import Dataset
@@ -99,7 +99,7 @@ def main() -> None:
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
     if args.vllm:
-        from trl_plugins import testing_vllm
+        import fake_vllm as testing_vllm
 
         testing_vllm.install()
     if (args.beta and not args.lora) or args.gae or args.vllm:

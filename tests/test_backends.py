@@ -11,7 +11,7 @@ import torch
 
 from conftest import code_schema
 
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
 from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import code_schema
 from trl_plugins.datum import build_datum
-from trl_plugins.testing import build_tokenizer, load_trl_chat_template
+from trl_plugins.tiny import build_tokenizer, load_trl_chat_template
 from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, TurnKind
 from trl_plugins.rollout.template_matrix import check_template, render_matrix, template_matrix, template_names
 from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
@@ -20,7 +20,7 @@ G, O, A, P = TokenSource.GLUE, TokenSource.OBSERVATION, TokenSource.ACTION, Toke
 
 @pytest.fixture(scope="module", params=["qwen2_5", "qwen3"])
 def chat(request):
-    fmt = ChatFormat(build_tokenizer(request.param), [SCHEMA])
+    fmt = ChatFormat(build_tokenizer(request.param), [SCHEMA], final_answer_pattern=r"\\boxed\{")
     fmt.template_name = request.param
     return fmt
 
@@ -325,6 +325,22 @@ def test_parse_assistant_turns(chat, text, kind, error):
         assert error in parsed.error
     if kind == TurnKind.TOOL_CALL:
         assert parsed.tool_name == "code_interpreter" and parsed.arguments == {"code": "print(6 * 7)"}
+
+
+def test_without_a_final_answer_pattern_a_turn_without_a_call_is_the_final_answer(chat):
+    # The library has no task's answer format built in: only a configured pattern tells an answer from a
+    # turn that just stopped calling tools (the ReTool recipe sets '\\boxed\{').
+    plain = ChatFormat(chat.tokenizer, [SCHEMA])
+    tok = chat.tokenizer
+    prompt = plain.initial_prompt_ids([{"role": "user", "content": "What is 6 * 7?"}])
+    end = [tok.convert_tokens_to_ids("<|im_end|>")]
+    for text in ("I do not know.", "So the answer is \\boxed{42}.", "42"):
+        completion = tok(text, add_special_tokens=False)["input_ids"] + end
+        assert plain.parse(prompt, completion).kind == TurnKind.FINAL_ANSWER
+        with_pattern = chat.parse(prompt, completion).kind
+        assert with_pattern == (TurnKind.FINAL_ANSWER if "boxed" in text else TurnKind.NO_TOOL_CALL)  # negative control
+    # The start-up check replays the template's own answer turn whatever the pattern: one that never matches passes.
+    ChatFormat(chat.tokenizer, [SCHEMA], final_answer_pattern="ANSWER:")
 
 
 def test_tokenizer_digest_changes_with_the_template():

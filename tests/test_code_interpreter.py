@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from trl_plugins.registry import TOOLS
-from trl_plugins.rollout.engine import run_async
+from trl_plugins.aio import run_async
 from trl_plugins.tools.base import Tool, check_arguments
 
 

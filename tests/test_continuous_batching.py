@@ -21,7 +21,7 @@ from trl_plugins.rollout.continuous_batching import (
     ContinuousBatchingBackend,
     continuous_batching_config,
 )
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import SamplingSettings, StopReason, Trajectory, Turn
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Contract tests over every registry entry, third-party ones included, through the same checks
-plugin authors run (`trl_plugins.testing`): shapes, finiteness, masked tokens get zero gradient, plans
+plugin authors run (`trl_plugins.contracts`): shapes, finiteness, masked tokens get zero gradient, plans
 are valid partitions, capabilities declared, plugins pickle. Each check is also shown to fail."""
 
 from __future__ import annotations
@@ -11,15 +11,7 @@ import torch
 
 from conftest import ASSETS
 from trl_plugins.registry import ADVANTAGES, PACKERS, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS
-from trl_plugins.testing import (
-    ContractError,
-    check_advantage_contract,
-    check_packer_contract,
-    check_policy_loss_contract,
-    check_reward_contract,
-    check_rollout_contract,
-    check_tool_contract,
-)
+from trl_plugins.contracts import ContractError, check_advantage_contract, check_packer_contract, check_policy_loss_contract, check_reward_contract, check_rollout_contract, check_tool_contract
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.types import AdvantageOutput, PackPlan, PolicyLossOutput
 
@@ -290,7 +282,7 @@ def test_reward_contract_runs_the_trainers_own_rule():
     # The trainer stores what reward_value accepts and marks verifier_error what it refuses: the same rule.
     from types import SimpleNamespace
 
-    from trl_plugins.testing import make_trajectory
+    from trl_plugins.contracts import make_trajectory
     from trl_plugins.trainers.batch import score_trajectories
 
     import random
@@ -308,7 +300,7 @@ def test_reward_contract_runs_the_trainers_own_rule():
 
 
 def test_reward_contract_takes_the_authors_trajectories_and_example():
-    from trl_plugins.testing import make_trajectory
+    from trl_plugins.contracts import make_trajectory
 
     import random
 

@@ -156,7 +156,7 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
     # sharded under ZeRO-3, has no gradient at step 1, where the policy is the reference).
     import torch
 
-    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
     common = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed")
     params = {}
@@ -185,11 +185,11 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
 @pytest.mark.parametrize("config,mode", [("cpu_zero3.yaml", "colocate"), ("cpu_ddp.yaml", "server")],
                          ids=["zero3-colocate", "ddp-server"])
 def test_vllm_generation_on_two_ranks(config, mode, tmp_path):
-    # The fake vLLM (trl_plugins.testing_vllm) behind TRL's VLLMGeneration: under ZeRO-3 colocate each rank's
+    # The fake vLLM (tests/fake_vllm.py) behind TRL's VLLMGeneration: under ZeRO-3 colocate each rank's
     # engine receives the gathered weights after every update; in server mode both ranks send their own turns
     # to one server, which TRL's main-process client keeps in sync.
-    from trl_plugins.testing import build_tiny_model, build_tokenizer
-    from trl_plugins.testing_vllm import FakeVLLMServer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+    from fake_vllm import FakeVLLMServer
 
     extra = ["--vllm", mode, "--output_dir", str(tmp_path / "run")]
     if mode == "colocate":

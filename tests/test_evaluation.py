@@ -9,7 +9,7 @@ import json
 import pytest
 
 from trl_plugins.rollout import MultiTurnRollout, RolloutResult
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.types import TrajectoryError
 

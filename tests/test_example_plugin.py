@@ -155,7 +155,7 @@ def test_calculator_computes_and_returns_errors_as_output(example, tmp_path, mon
 
 
 def test_calculator_schema_works_with_the_chat_format_and_the_rollout(example):
-    from trl_plugins.testing import build_tokenizer
+    from trl_plugins.tiny import build_tokenizer
     from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend, TurnKind
 
     calc = TOOLS.get("calculator")()
@@ -209,7 +209,7 @@ def test_the_packages_own_contract_tests_pass_on_the_installed_copy(example):
 
 def test_the_contract_checks_catch_a_broken_copy_of_the_example(example):
     # Negative control: the same checks fail on the example's plugins broken the way an author might break them.
-    from trl_plugins.testing import ContractError, check_reward_contract, check_tool_contract
+    from trl_plugins.contracts import ContractError, check_reward_contract, check_tool_contract
     from trl_plugins.tools.base import ToolOutput
 
     concise, calculator = REWARDS.get("concise"), TOOLS.get("calculator")

@@ -9,7 +9,7 @@ import torch
 from conftest import code_schema
 
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import SamplingSettings, StopReason, Trajectory, Turn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_trainer import TokenReward, _config, _dataset
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.trainers.lora import MODEL_FIELDS, check_model_config, check_peft, peft_config_from, render_table
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -384,7 +384,7 @@ def _train(tmp_path, **overrides):
     from test_trainer import TokenReward, _dataset
     from test_trainer import _config as trainer_config
 
-    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")

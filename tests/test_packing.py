@@ -17,7 +17,7 @@ from trl_plugins.packing import (
     restore_order,
 )
 from trl_plugins.registry import PACKERS
-from trl_plugins.testing import plan_violations
+from trl_plugins.contracts import plan_violations
 from trl_plugins.types import PackPlan
 
 REFERENCE = [8000, 7800] + [3000] * 10

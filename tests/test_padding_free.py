@@ -16,7 +16,8 @@ from trl_plugins.algos import PPOClipLoss
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import PackedAttentionLeak, check_packed_isolation, micro_batch_logprobs
 from trl_plugins.packing import PackingError, micro_batch_cost, pack_for_ranks
-from trl_plugins.testing import build_tiny_model, build_tokenizer, plan_violations
+from trl_plugins.contracts import plan_violations
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.trainers.step import policy_update
 
 

@@ -338,7 +338,7 @@ def test_copy_accuracy_scores_the_copied_digits_at_the_right_positions():
     import torch
 
     from retool.task import arithmetic_problems
-    from trl_plugins.testing import build_tokenizer
+    from trl_plugins.tiny import build_tokenizer
     from retool.coldstart import copy_accuracy
     from trl_plugins.rollout import ChatFormat
     from trl_plugins.tools.code_interpreter import CodeInterpreter
@@ -359,7 +359,7 @@ def test_cutting_the_prompt_to_the_receptive_field_leaves_the_sft_loss_unchanged
     import torch
 
     from retool.task import arithmetic_problems
-    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from retool.coldstart import cold_start_dataset, receptive_field
     from trl_plugins.rollout import ChatFormat
     from trl_plugins.tools.code_interpreter import CodeInterpreter

@@ -168,7 +168,7 @@ def test_a_bad_plugin_kwarg_is_refused_before_any_model_load_or_evaluation(tmp_p
 
 
 def test_a_chat_template_that_fails_the_prefix_check_is_refused_before_the_model_loads(tmp_path, no_model_no_eval, capsys):
-    from trl_plugins.testing import build_tokenizer
+    from trl_plugins.tiny import build_tokenizer
 
     retool_ppo = _recipe_module()
     tokenizer_dir = tmp_path / "qwen3-tokenizer"  # a tokenizer only: the model must never be asked for

@@ -11,7 +11,7 @@ import pytest
 from conftest import code_schema
 
 from trl_plugins.datum import build_datum
-from trl_plugins.testing import build_tokenizer
+from trl_plugins.tiny import build_tokenizer
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout import (
     ChatFormat,
@@ -53,7 +53,7 @@ class FakeTool:
 
 @pytest.fixture(scope="module")
 def chat():
-    return ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA])
+    return ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA], final_answer_pattern=r"\\boxed\{")
 
 
 def scripted(chat: ChatFormat) -> ScriptedBackend:
@@ -259,7 +259,7 @@ def test_an_idempotent_tool_is_retried_and_a_model_error_is_not_an_environment_e
 
 
 def test_world_failures_must_say_what_failed():
-    from trl_plugins.testing import make_trajectory
+    from trl_plugins.contracts import make_trajectory
     from trl_plugins.types import TrajectoryError
 
     import random

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import Trajectory
 
 

@@ -245,7 +245,7 @@ def test_docs_carry_the_rendered_table():
 
 def test_chat_template_kwargs_and_stop_tokens_reach_the_runs_chat_format(tmp_path):
     from trl_plugins.rollout import ChatTemplateError
-    from trl_plugins.testing import build_tokenizer
+    from trl_plugins.tiny import build_tokenizer
     from trl_plugins.trainers.batch import chat_format
     from trl_plugins.trainers.plugins import build_plugins
 

@@ -15,7 +15,7 @@ import pytest
 
 from trl_plugins.datum import build_datum
 from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend
-from trl_plugins.testing import build_tokenizer
+from trl_plugins.tiny import build_tokenizer
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.trainers.batch import training_mask
 from trl_plugins.types import RewardComponent, StopReason, TokenSource
@@ -379,7 +379,7 @@ class BoxedDigit:
 def _trainer(tmp_path, **overrides):
     from datasets import Dataset
 
-    from trl_plugins.testing import build_tiny_model
+    from trl_plugins.tiny import build_tiny_model
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
@@ -460,7 +460,7 @@ def test_a_page_that_cannot_be_written_is_reported_and_training_goes_on(tmp_path
 def test_a_trajectory_without_a_datum_is_shown_with_the_reason():
     import random
 
-    from trl_plugins.testing import make_trajectory
+    from trl_plugins.contracts import make_trajectory
 
     rng = random.Random(0)
     good, bad = make_trajectory(rng, num_turns=2), make_trajectory(rng, num_turns=2, group_id=1)

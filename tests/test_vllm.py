@@ -1,4 +1,4 @@
-"""vLLM generation through the fake of :mod:`trl_plugins.testing_vllm`: the backend (colocate and server),
+"""vLLM generation through the fake vLLM of tests/fake_vllm.py: the backend (colocate and server),
 TRL's own VLLMGeneration wiring in the trainer, weight pushes after each update, and sleep mode.
 
 vLLM cannot be installed here; the fake replaces only the engine and the transport, so TRL's argument
@@ -14,9 +14,9 @@ import torch
 
 from conftest import code_schema
 
-from trl_plugins import testing_vllm as fake
+import fake_vllm as fake
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend
-from trl_plugins.testing import build_tiny_model, build_tokenizer
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import LogprobSource, SamplingSettings
 
 

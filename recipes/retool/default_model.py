@@ -140,7 +140,7 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     from retool.coldstart import cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft
     from retool.task import arithmetic_problems
     from trl_plugins.rollout import ChatFormat
-    from trl_plugins.testing import build_tiny_model, build_tokenizer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     start = time.perf_counter()

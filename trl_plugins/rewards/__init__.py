@@ -28,7 +28,7 @@ class RewardFn(Protocol):
 
 def reward_value(value: Any) -> float:
     """The float a component's return value stands for: what the trainer stores as its
-    :class:`~trl_plugins.types.RewardComponent` value (and what ``trl_plugins.testing.check_reward_contract``
+    :class:`~trl_plugins.types.RewardComponent` value (and what ``trl_plugins.contracts.check_reward_contract``
     demands).
 
     Accepted: a real number with ``__float__`` (``int``, ``float``, a numpy scalar, a 0-d tensor), finite.

@@ -5,8 +5,8 @@ The registered rollout plugin is ``multi_turn`` (:class:`~trl_plugins.rollout.en
 
 from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend, Sample, ScriptedBackend, VLLMBackend
 from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, ParsedTurn, ToolTurn, TurnKind
-from trl_plugins.rollout.engine import (
-    MultiTurnRollout,
+from trl_plugins.rollout.engine import MultiTurnRollout
+from trl_plugins.rollout.request import (
     RolloutCancelled,
     RolloutError,
     RolloutQuestion,

@@ -16,17 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import hashlib
 import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Coroutine, Iterator, Mapping, Sequence, TypeVar
+from typing import Any
 
+from trl_plugins.aio import run_async
 from trl_plugins.registry import ROLLOUTS
-from trl_plugins.rollout.backends import GenerationBackend
-from trl_plugins.rollout.chat import ChatFormat, TurnKind
+from trl_plugins.rollout.chat import TurnKind
+from trl_plugins.rollout.dispatch import Dispatcher, ToolCounter, concurrency, watch
+from trl_plugins.rollout.request import (
+    RolloutCancelled,
+    RolloutError,
+    RolloutQuestion,
+    RolloutRequest,
+    RolloutResult,
+    derive_seed,
+    questions_from_rows,
+)
 from trl_plugins.tools.base import Tool, ToolOutput
 from trl_plugins.types import (
     PolicyVersion,
@@ -38,110 +45,9 @@ from trl_plugins.types import (
 )
 from trl_plugins.rollout.validate import validate_trajectory
 
-__all__ = ["RolloutError", "RolloutCancelled", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "run_async", "critical_path"]
+__all__ = ["RolloutError", "RolloutCancelled", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "critical_path"]
 
 logger = logging.getLogger(__name__)
-R = TypeVar("R")
-
-
-class RolloutError(ValueError):
-    """A rollout cannot start; the message says what to change."""
-
-
-class RolloutCancelled(Exception):
-    """The rollout stopped because ``RolloutRequest.stop`` was set; ``rollout_result`` holds what was done
-    (the unfinished trajectories are ``cancelled``)."""
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed from (base seed, step, rank, round, ...): a repeated question never replays a sample."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def run_async(coro: Coroutine[Any, Any, R]) -> R:
-    """Run a coroutine to completion, also when called from inside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-@dataclass
-class RolloutQuestion:
-    """One question to roll out ``group_size`` times."""
-
-    question_id: str
-    """Identifier, copied to every trajectory."""
-    prompt_ids: list[int]
-    """The rendered first prompt (``ChatFormat.initial_prompt_ids``)."""
-    group_id: int
-    """Group id for group-relative advantages."""
-
-
-def questions_from_rows(chat: Any, rows: Sequence[Mapping[str, Any]], system_prompt: str | None = None,
-                        *, id_offset: int = 0) -> list[RolloutQuestion]:
-    """One :class:`RolloutQuestion` per dataset row, its group id the row's place in ``rows``.
-
-    A row's ``prompt`` is a string (one user message) or a list of chat messages; ``system_prompt``
-    goes first. The question id is the row's ``id`` (or ``question_id``), else ``id_offset`` + place.
-    """
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    out = []
-    for k, row in enumerate(rows):
-        prompt = row["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        qid = str(row.get("id", row.get("question_id", id_offset + k)))
-        out.append(RolloutQuestion(qid, chat.initial_prompt_ids(system + messages), group_id=k))
-    return out
-
-
-@dataclass
-class RolloutRequest:
-    """Everything a rollout needs; the rollout plugin itself holds only its budgets."""
-
-    questions: list[RolloutQuestion]
-    """Questions to roll out."""
-    group_size: int
-    """Samples per question."""
-    backend: GenerationBackend
-    """The sampler."""
-    chat: ChatFormat
-    """Token-in, token-out turn building and parsing for the tokenizer's chat template."""
-    tools: Mapping[str, Tool]
-    """Tools by name."""
-    policy_step: int = 0
-    """Optimizer step of the sampling weights, recorded in each trajectory's policy version."""
-    seed: int = 0
-    """Base seed of this rollout (derive it from base seed, step and rank)."""
-    progress: bool = False
-    """Show a progress bar of finished trajectories."""
-    stop: threading.Event | None = None
-    """When set (a stop was requested, e.g. on SIGTERM), the rollout cancels its tool calls in flight and
-    raises :class:`RolloutCancelled` before the next generation round."""
-
-
-@dataclass
-class RolloutResult:
-    """Trajectories and what the rollout spent on them."""
-
-    trajectories: list[Trajectory]
-    """``len(questions) * group_size`` trajectories, question-major."""
-    rounds: int = 0
-    """Calls to the backend's ``generate``."""
-    generation_s: float = 0.0
-    """Wall time with at least one ``generate`` call in flight."""
-    tools_s: float = 0.0
-    """Wall time with at least one tool call in flight (it overlaps ``generation_s``)."""
-    total_s: float = 0.0
-    """Wall time of the whole rollout."""
-    critical_path_s: float = 0.0
-    """The longest trajectory's own chain of generation and tool calls (:func:`critical_path`): the floor
-    ``total_s`` cannot go below however turns are scheduled."""
-    max_concurrent_tool_calls: int = 0
-    """Most tool calls that ran at once."""
 
 
 @dataclass
@@ -273,15 +179,15 @@ class MultiTurnRollout:
         return result
 
     async def _run(self, request: RolloutRequest, result: RolloutResult, live: list[_Live], bar: Any) -> None:
-        """Every trajectory on its own coroutine; generation through one :class:`_Dispatcher`."""
+        """Every trajectory on its own coroutine; generation through one :class:`~trl_plugins.rollout.dispatch.Dispatcher`."""
         loop = asyncio.get_running_loop()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=_concurrency(request.backend),
+        with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency(request.backend),
                                                    thread_name_prefix="generate") as pool:
-            dispatcher = _Dispatcher(request.backend, loop, pool, result)
-            tools = _ToolCounter(result)
+            dispatcher = Dispatcher(request.backend, loop, pool, result)
+            tools = ToolCounter(result)
             tasks = [asyncio.ensure_future(self._trajectory(request, dispatcher, tools, st, index, bar))
                      for index, st in enumerate(live)]
-            watcher = asyncio.ensure_future(_watch(request.stop)) if request.stop is not None else None
+            watcher = asyncio.ensure_future(watch(request.stop)) if request.stop is not None else None
             try:
                 pending: set = set(tasks) | ({watcher} if watcher else set())
                 while pending:
@@ -306,7 +212,7 @@ class MultiTurnRollout:
             if unfinished:
                 raise RolloutCancelled(f"a stop was requested with {unfinished} trajectory(ies) unfinished")
 
-    async def _trajectory(self, request: RolloutRequest, dispatcher: "_Dispatcher", tools: "_ToolCounter", st: _Live,
+    async def _trajectory(self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live,
                           index: int, bar: Any) -> None:
         """One trajectory's turns: generate, parse, call the tool, build the next prompt, until it stops."""
         chat = request.chat
@@ -384,118 +290,3 @@ def critical_path(trajectory: Trajectory) -> float:
     scheduling is from that floor.
     """
     return sum(t.generation_s + t.tool_s for t in trajectory.turns)
-
-
-def _concurrency(backend: Any) -> int:
-    n = int(getattr(backend, "max_concurrency", 1) or 1)
-    if n < 1:
-        raise RolloutError(f"{type(backend).__name__}.max_concurrency must be >= 1, got {n}.")
-    return n
-
-
-async def _watch(stop: threading.Event) -> None:
-    while not stop.is_set():
-        await asyncio.sleep(0.05)
-
-
-class _Abort(Exception):
-    """A generate call raised a BaseException (e.g. KeyboardInterrupt); the rollout re-raises it at the end."""
-
-
-class _ToolCounter:
-    """Counts tool calls in flight and the wall time with at least one running."""
-
-    def __init__(self, result: RolloutResult) -> None:
-        self.result, self.running_now, self.since = result, 0, 0.0
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        if self.running_now == 0:
-            self.since = time.perf_counter()
-        self.running_now += 1
-        self.result.max_concurrent_tool_calls = max(self.result.max_concurrent_tool_calls, self.running_now)
-        try:
-            yield
-        finally:
-            self.running_now -= 1
-            if self.running_now == 0:
-                self.result.tools_s += time.perf_counter() - self.since
-
-
-class _Dispatcher:
-    """Sends each ready turn to the backend as soon as it can take it.
-
-    A backend with ``max_concurrency == 1`` (HF ``generate``, vLLM colocate) gets one call at a time
-    holding every turn that became ready while the previous call ran; one with ``max_concurrency > 1``
-    (a vLLM server, continuous batching) gets each turn as its own call, up to that many in flight.
-    Calls run in worker threads, so tool calls and other trajectories proceed meanwhile.
-    """
-
-    def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executor,
-                 result: RolloutResult) -> None:
-        self.backend, self.loop, self.pool, self.result = backend, loop, pool, result
-        self.limit = _concurrency(backend)
-        self.ready: list[tuple[list[int], int, int, asyncio.Future, float]] = []
-        self.in_flight: set[asyncio.Future] = set()
-        self.kick_scheduled = False
-        self.busy_since = 0.0
-        self.fatal: BaseException | None = None
-
-    def generate(self, prompt: list[int], budget: int, seed: int) -> asyncio.Future:
-        """A future of ``(sample, generation_s, queue_s)``."""
-        fut = self.loop.create_future()
-        self.ready.append((prompt, budget, seed, fut, time.perf_counter()))
-        if not self.kick_scheduled:  # after the other coroutines that are ready in this loop pass have queued too
-            self.kick_scheduled = True
-            self.loop.call_soon(self._kick)
-        return fut
-
-    def _kick(self) -> None:
-        self.kick_scheduled = False
-        self.ready = [r for r in self.ready if not r[3].cancelled()]
-        while self.ready and len(self.in_flight) < self.limit and self.fatal is None:
-            if self.limit == 1:
-                batch, self.ready = self.ready, []
-            else:
-                batch, self.ready = [self.ready[0]], self.ready[1:]
-            if not self.in_flight:
-                self.busy_since = time.perf_counter()
-            t0 = time.perf_counter()
-            call = self.loop.run_in_executor(self.pool, _generate_call, self.backend, [r[0] for r in batch],
-                                             [r[1] for r in batch], [r[2] for r in batch])
-            self.in_flight.add(call)
-            self.result.rounds += 1
-            call.add_done_callback(lambda f, batch=batch, t0=t0: self._done(f, batch, t0))
-
-    def _done(self, call: asyncio.Future, batch: list, t0: float) -> None:
-        now = time.perf_counter()
-        self.in_flight.discard(call)
-        if not self.in_flight:
-            self.result.generation_s += now - self.busy_since
-        outcome = call.result() if not call.cancelled() else _Abort("cancelled")
-        for k, (_, _, _, fut, queued) in enumerate(batch):
-            if fut.done():
-                continue
-            if isinstance(outcome, BaseException):
-                if not isinstance(outcome, Exception) and self.fatal is None:
-                    self.fatal = outcome
-                fut.set_exception(outcome if isinstance(outcome, Exception) else _Abort(type(outcome).__name__))
-            else:
-                fut.set_result((outcome[k], now - t0, t0 - queued))
-        self._kick()
-
-    async def drain(self) -> None:
-        while self.in_flight:
-            await asyncio.wait(set(self.in_flight))
-
-
-def _generate_call(backend: Any, prompts: list[list[int]], budgets: list[int], seeds: list[int]) -> Any:
-    """One backend call in a worker thread; any exception comes back as the value (checked by ``_done``)."""
-    try:
-        samples = backend.generate(prompts, budgets, seeds=seeds)
-        if len(samples) != len(prompts):
-            raise RolloutError(f"{type(backend).__name__}.generate returned {len(samples)} samples for "
-                               f"{len(prompts)} prompts; it must return one per prompt, in order.")
-        return samples
-    except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which re-raises it
-        return exc

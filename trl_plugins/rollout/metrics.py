@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from trl_plugins.rollout.engine import RolloutResult
+from trl_plugins.rollout.request import RolloutResult
 from trl_plugins.types import StopReason, Trajectory
 
 __all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "reward_metrics", "engine_metrics",

@@ -1,7 +1,7 @@
 """Every chat template TRL ships, driven end to end: exact token-in, token-out, or refused and why.
 
 For each ``trl/chat_templates/*.jinja`` (and, where the template reads ``enable_thinking``, with
-thinking on and off) a tokenizer of the template's own family is built (:func:`~trl_plugins.testing.build_tokenizer`:
+thinking on and off) a tokenizer of the template's own family is built (:func:`~trl_plugins.tiny.build_tokenizer`:
 its special tokens are tokens, its bos/eos set), :class:`~trl_plugins.rollout.chat.ChatFormat` is
 constructed with the code interpreter's schema, and, where it accepts the template, a conversation is
 replayed for each of :data:`REALISTIC_OUTPUTS` (:meth:`ChatFormat.verify`). A template is *exact* when
@@ -91,7 +91,7 @@ def check_template(tokenizer: Any, tools: list[dict], *, template: str = "", thi
 
 def template_matrix(names: list[str] | None = None) -> list[TemplateVerdict]:
     """:func:`check_template` for every TRL template, with thinking on and off where it reads ``enable_thinking``."""
-    from trl_plugins.testing import build_tokenizer, load_trl_chat_template
+    from trl_plugins.tiny import build_tokenizer, load_trl_chat_template
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     tools = [CodeInterpreter().schema()]

@@ -26,6 +26,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from trl_plugins.aio import run_async
+
 __all__ = ["ToolOutput", "Tool", "ClosingTool", "close_plugin", "check_arguments"]
 
 
@@ -68,8 +70,6 @@ def close_plugin(plugin: Any) -> None:
         return
     result = close()
     if inspect.isawaitable(result):
-        from trl_plugins.rollout.engine import run_async
-
         async def wait() -> None:
             await result
 

@@ -54,6 +54,7 @@ def chat_format(tokenizer: Any, plugins: Any, args: Any) -> ChatFormat:
         ChatTemplateError: the chat template cannot be followed token for token (says why and what to use).
     """
     return ChatFormat(tokenizer, [t.schema() for t in plugins.tools.values()],
+                      final_answer_pattern=getattr(args, "final_answer_pattern", None),
                       stop_tokens=getattr(args, "stop_tokens", None),
                       **(getattr(args, "chat_template_kwargs", None) or {}))
 
@@ -92,7 +93,7 @@ def cb_backend(model: Any, chat: ChatFormat, args: Any, accelerator: Any) -> Any
 
 def check_vllm(args: Any) -> None:
     """Refuse ``use_vllm`` before any model loads when vLLM cannot be imported (and no stand-in for TRL's
-    ``VLLMGeneration`` was installed, as the tests' :mod:`trl_plugins.testing_vllm` does)."""
+    ``VLLMGeneration`` was installed, as the tests' fake_vllm.py does)."""
     if not getattr(args, "use_vllm", False):
         return
     import trl.trainer.grpo_trainer as trl_grpo

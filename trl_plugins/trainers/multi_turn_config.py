@@ -76,6 +76,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     continuous_batching_keep_cache: bool = field(default=False, metadata={"help": "use_transformers_continuous_batching: keep the paged KV cache (and on a GPU its captured CUDA graphs) allocated between rollouts - faster rollouts, less memory left for training. Off: freed after each rollout."})
     stop_tokens: list[str] | None = field(default=None, metadata={"help": "Token strings that end a turn (default: from the chat template: eos, the token ending a call turn such as <|im_end|>, <|observation|> or <|call|>, and the one ending a final answer)."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message put before every question."})
+    final_answer_pattern: str | None = field(default=None, metadata={"help": "Regular expression that marks a final answer in an assistant turn without a tool call (e.g. '\\\\boxed\\{'); such a turn that does not match ends the trajectory as no_tool_call. None: every turn without a tool call is the final answer."})
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
     trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
     trajectory_table_rows: int = field(default=8, metadata={"help": "Trajectories per table."})

@@ -1,11 +1,11 @@
-"""This package's plugins through the contract checks trl-plugins ships (``trl_plugins.testing``): the
+"""This package's plugins through the contract checks trl-plugins ships (``trl_plugins.contracts``): the
 reward and the tool are called the way the trainer and the rollout call them, on trajectories and
 arguments a run produces, and a broken contract fails with the plugin's name and what is wrong.
 
 Run after ``pip install -e .`` (the entry points are what make the names resolve): ``pytest tests``.
 """
 
-from trl_plugins.testing import check_reward_contract, check_tool_contract
+from trl_plugins.contracts import check_reward_contract, check_tool_contract
 
 
 def test_concise_keeps_the_reward_contract():

@@ -1,0 +1,92 @@
+"""Contract checks of the pure seams: advantage estimators, policy losses and packers."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from typing import Any, Mapping
+
+from trl_plugins.contracts._base import _N, _T, _check, _pickles, _resolve
+from trl_plugins.contracts.fakes import plan_violations
+from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput
+
+__all__ = ["check_advantage_contract", "check_policy_loss_contract", "check_packer_contract"]
+
+
+def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None) -> None:
+    """An advantage estimator: ``(N,)`` or ``(N, T)`` finite advantages, zero off the action mask, picklable.
+
+    Estimators that declare ``needs_values`` get critic values and bootstrap fields on the input.
+    """
+    import torch
+
+    from trl_plugins.registry import ADVANTAGES
+
+    label, est = _resolve(ADVANTAGES, plugin, kwargs)
+    for flag in ("needs_values", "needs_groups"):
+        _check(isinstance(getattr(est, flag, None), bool), label, f"must declare {flag} (a bool)")
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(_N, _T, generator=g) < 0.6).float()
+    mask[:, -1] = 1
+    inp = AdvantageInput(
+        rewards=torch.randn(_N, generator=g),
+        group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
+        action_mask=mask,
+        values=torch.randn(_N, _T, generator=g),
+        bootstrap_mask=torch.tensor([0, 1, 0, 0, 1, 0]),
+        bootstrap_values=torch.randn(_N, generator=g),
+        token_rewards=torch.zeros(_N, _T),
+    )
+    out = est(inp)
+    _check(isinstance(out, AdvantageOutput), label, f"returned {type(out).__name__}, not AdvantageOutput")
+    _check(tuple(out.advantages.shape) in {(_N,), (_N, _T)}, label, f"advantages of shape {tuple(out.advantages.shape)}")
+    _check(bool(torch.isfinite(out.advantages).all()), label, "non-finite advantages")
+    if out.advantages.dim() == 2:
+        _check(bool((out.advantages[mask == 0] == 0).all()), label, "non-zero advantage off the action mask")
+    _pickles(est, label)
+
+
+def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None) -> None:
+    """A policy loss: ``(B, T)`` finite per-token loss, 0 and zero-gradient off the mask, picklable."""
+    import torch
+
+    from trl_plugins.registry import POLICY_LOSSES
+
+    label, loss_fn = _resolve(POLICY_LOSSES, plugin, kwargs)
+    for flag in ("needs_ref_logprobs", "needs_entropy"):
+        _check(isinstance(getattr(loss_fn, flag, None), bool), label, f"must declare {flag} (a bool)")
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.rand(_N, _T, generator=g) < 0.5).float()
+    logp = (-torch.rand(_N, _T, generator=g) * 3).requires_grad_(True)
+    inp = PolicyLossInput(
+        logprobs=logp,
+        behaviour_logprobs=logp.detach() + 0.3 * torch.randn(_N, _T, generator=g),
+        advantages=torch.randn(_N, _T, generator=g) * mask,
+        action_mask=mask,
+        ref_logprobs=logp.detach() + 0.1,
+        entropy=torch.rand(_N, _T, generator=g),
+    )
+    out = loss_fn(inp)
+    _check(isinstance(out, PolicyLossOutput), label, f"returned {type(out).__name__}, not PolicyLossOutput")
+    loss = out.per_token_loss
+    _check(tuple(loss.shape) == (_N, _T) and bool(torch.isfinite(loss).all()), label, "per-token loss not a finite (B, T) tensor")
+    _check(bool((loss[mask == 0] == 0).all()), label, "non-zero loss off the action mask")
+    loss.sum().backward()
+    _check(bool((logp.grad[mask == 0] == 0).all()), label, "masked tokens receive gradient")
+    _check(float(logp.grad[mask == 1].abs().sum()) > 0, label, "no gradient on the action tokens")
+    _pickles(loss_fn, label)
+
+
+def check_packer_contract(plugin: Any) -> None:
+    """A packer: a valid partition within both limits, the same micro-batch count on every rank."""
+    from trl_plugins.registry import PACKERS
+
+    label = f"packer {plugin!r}" if isinstance(plugin, str) else f"packer {getattr(plugin, '__name__', plugin)}"
+    packer = PACKERS.get(plugin) if isinstance(plugin, str) else plugin
+    rng = random.Random(2)
+    for world_size in (1, 3):
+        lengths = [rng.randint(1, 500) for _ in range(rng.randint(0, 60))]
+        plan = packer(lengths, max_items=7, max_padded_tokens=1500, world_size=world_size)
+        problems = plan_violations(plan, lengths, 7, 1500, world_size)
+        _check(not problems, label, f"world_size {world_size}: {problems}")
+    _check(pickle.loads(pickle.dumps(packer)) is packer, label, "does not pickle by reference (define it at module level)")

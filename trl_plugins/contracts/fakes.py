@@ -1,0 +1,69 @@
+"""Fake data for plugin tests: a random prefix-consistent multi-turn trajectory, and a packing-plan checker."""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from trl_plugins.types import PackPlan, StopReason, TokenSource, Trajectory, Turn
+
+__all__ = ["make_trajectory", "plan_violations"]
+
+
+def make_trajectory(
+    rng: random.Random,
+    *,
+    num_turns: int,
+    vocab: int = 200,
+    group_id: int = 0,
+    sample_index: int = 0,
+    advantage: float | None = None,
+    stop_reason: StopReason = StopReason.FINAL_ANSWER,
+) -> Trajectory:
+    """A prefix-consistent multi-turn trajectory with random tokens, log-probs and provenance."""
+    turns = []
+    history: list[int] = []
+    for i in range(num_turns):
+        if i == 0:
+            new = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
+            new_sources = [TokenSource.PROMPT] * len(new)
+        else:
+            obs = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 10))]
+            new = [1] + obs + [2]  # glue, tool output, glue
+            new_sources = [TokenSource.GLUE] + [TokenSource.OBSERVATION] * len(obs) + [TokenSource.GLUE]
+        prompt = history + new
+        completion = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 14))]
+        logprobs = [-rng.uniform(0.05, 3.0) for _ in completion]
+        turns.append(
+            Turn(prompt_ids=prompt, completion_ids=completion, completion_logprobs=logprobs, prompt_sources=new_sources)
+        )
+        history = prompt + completion
+    return Trajectory(
+        turns=turns,
+        question_id=f"q{group_id}",
+        group_id=group_id,
+        sample_index=sample_index,
+        stop_reason=stop_reason,
+        advantage=advantage if advantage is not None else rng.uniform(-1.5, 1.5),
+    )
+
+
+def plan_violations(plan: PackPlan, lengths: Sequence[int], max_items: int, max_padded_tokens: int, world_size: int) -> list[str]:
+    """Everything wrong with a plan; empty when it is a valid partition within the limits."""
+    from trl_plugins.packing import padded_area
+
+    problems = []
+    if plan.world_size != world_size:
+        problems.append(f"{plan.world_size} ranks, expected {world_size}")
+    if len({len(r) for r in plan.ranks}) > 1:
+        problems.append(f"unequal micro-batch counts {[len(r) for r in plan.ranks]}")
+    flat = sorted(i for r in plan.ranks for mb in r for i in mb)
+    if flat != list(range(len(lengths))):
+        problems.append("not a partition of the items")
+    for r, rank in enumerate(plan.ranks):
+        for k, mb in enumerate(rank):
+            if len(mb) > max_items:
+                problems.append(f"rank {r} mb {k}: {len(mb)} items > {max_items}")
+            if padded_area(lengths, mb) > max_padded_tokens:
+                problems.append(f"rank {r} mb {k}: area {padded_area(lengths, mb)} > {max_padded_tokens}")
+    return problems

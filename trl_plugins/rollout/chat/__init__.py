@@ -1,0 +1,7 @@
+"""Token-in, token-out chat for one tokenizer and chat template: :class:`ChatFormat` (:mod:`.format`), its start-up
+checks of the template (:mod:`.checks`) and the vocabulary they exchange (:mod:`.vocab`)."""
+
+from trl_plugins.rollout.chat.format import ChatFormat
+from trl_plugins.rollout.chat.vocab import ChatTemplateError, ParsedTurn, ToolTurn, TurnKind, tokenizer_digest
+
+__all__ = ["ChatTemplateError", "TurnKind", "ParsedTurn", "ToolTurn", "ChatFormat", "tokenizer_digest"]

@@ -1,0 +1,89 @@
+"""What token-in, token-out chat exchanges: the error a template gets, what a parsed turn did, the tokens of a
+tool turn, the tokenizer digest, and the probes the template checks render."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from trl_plugins.types import TokenSource
+
+__all__ = ["ChatTemplateError", "TurnKind", "ParsedTurn", "ToolTurn", "tokenizer_digest"]
+
+_A = "ASSISTANT_SENTINEL_7f3a"
+_T = "TOOL_SENTINEL_9c2e"
+_ARG = "ARG_SENTINEL_5d1b"
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot be used for token-in, token-out tool turns; says why and what to do."""
+
+
+class TurnKind(enum.StrEnum):
+    """What an assistant turn did."""
+
+    TOOL_CALL = "tool_call"
+    """Exactly one well-formed call to a known tool, and nothing after it."""
+    FINAL_ANSWER = "final_answer"
+    """No tool call, and the text matches the final-answer pattern (any text when there is none)."""
+    NO_TOOL_CALL = "no_tool_call"
+    """No tool call and no final answer."""
+    INVALID = "invalid"
+    """A malformed call, several calls, text after the call, an unknown tool or bad arguments."""
+
+
+@dataclass
+class ParsedTurn:
+    """The parse of one assistant turn."""
+
+    kind: TurnKind
+    """What the turn did."""
+    content: str = ""
+    """Text content (without tool calls and reasoning)."""
+    tool_name: str | None = None
+    """Tool called, for TOOL_CALL (and for INVALID when a name was readable)."""
+    arguments: dict[str, Any] = field(default_factory=dict)
+    """Parsed arguments, for TOOL_CALL."""
+    error: str | None = None
+    """Why the turn is INVALID."""
+
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """The tokens appended after a sampled tool-call turn, with their provenance."""
+
+    ids: list[int]
+    """Closing glue the sampler did not produce, the tool message, the next generation prompt."""
+    sources: list[TokenSource]
+    """GLUE, or OBSERVATION for tokens holding tool output (a token straddling both is OBSERVATION)."""
+    truncated: bool
+    """The output was cut to its tail."""
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """sha256 over the vocabulary, added tokens and chat template: what a trajectory must match."""
+    h = hashlib.sha256()
+    for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
+    h.update(str(getattr(tokenizer, "chat_template", "") or "").encode())
+    return h.hexdigest()[:16]
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _first_difference(a: Sequence, b: Sequence) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+_OPTIONS = (
+    "Options: (1) use a chat template that renders tool turns and keeps the history verbatim (TRL's "
+    "`_training` templates do: `from trl.chat_template_utils import get_training_chat_template; "
+    "tokenizer.chat_template = get_training_chat_template(tokenizer)`, or one of the templates listed as exact "
+    "in docs/rollout.md); (2) supply your own chat template; (3) only when you drive the rollout yourself (not "
+    "through the trainer): ChatFormat(..., check_prefix=False) and build_datum(..., on_prefix_mismatch='split') "
+    "(each consistent run of turns trains separately)."
+)

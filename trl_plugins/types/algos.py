@@ -1,0 +1,262 @@
+"""What the maths seams exchange: aggregation modes, KL estimators, importance-sampling modes, and the inputs,
+outputs and statistics of advantage estimators, policy losses and value losses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+__all__ = ["AggregationMode", "KLEstimator", "ImportanceSamplingMode", "MismatchStats", "ImportanceWeights", "AdvantageInput", "AdvantageOutput", "PolicyLossInput", "PolicyLossStats", "PolicyLossOutput", "ValueLossOutput"]
+
+
+class AggregationMode(enum.StrEnum):
+    """How per-token losses become one scalar; every mode takes explicit global denominators."""
+
+    TOKEN_MEAN = "token_mean"
+    """Sum over all loss tokens / global number of loss tokens (DAPO)."""
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+    """Mean over sequences of each sequence's token mean (original GRPO)."""
+    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
+    """Mean over sequences of each sequence's token sum."""
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+    """Token sum / (global sequences x a constant length), Dr. GRPO."""
+
+
+class KLEstimator(enum.StrEnum):
+    """Per-token estimators of KL(policy || reference) from samples of the policy (Schulman 2020)."""
+
+    K1 = "k1"
+    """``log p - log q``: unbiased, high variance, can be negative."""
+    K2 = "k2"
+    """``0.5 (log p - log q)^2``: biased, low variance, non-negative."""
+    K3 = "k3"
+    """``q/p - 1 - log(q/p)``: unbiased, low variance, non-negative."""
+
+
+class ImportanceSamplingMode(enum.StrEnum):
+    """How the sampler/trainer importance weight ``w = pi_old / pi_sampler`` is bounded (TRL's
+    ``vllm_importance_sampling_mode``; verl's rollout correction). ``[C_min, C_max]`` are the bounds."""
+
+    TOKEN_TRUNCATE = "token_truncate"
+    """Per-token ratio clamped to ``[C_min, C_max]`` (truncated IS, TIS)."""
+    TOKEN_MASK = "token_mask"
+    """Per-token ratio, 0 where it leaves ``[C_min, C_max]`` (masked IS, MIS)."""
+    SEQUENCE_TRUNCATE = "sequence_truncate"
+    """One ratio per sequence (product over its action tokens), clamped, on every token of it."""
+    SEQUENCE_MASK = "sequence_mask"
+    """One ratio per sequence; a sequence whose ratio leaves ``[C_min, C_max]`` gets weight 0."""
+
+    @property
+    def is_sequence(self) -> bool:
+        """True for the sequence-level modes."""
+        return self in (ImportanceSamplingMode.SEQUENCE_TRUNCATE, ImportanceSamplingMode.SEQUENCE_MASK)
+
+    @property
+    def is_mask(self) -> bool:
+        """True for the masking modes (out-of-bounds weights become 0 instead of the bound)."""
+        return self in (ImportanceSamplingMode.TOKEN_MASK, ImportanceSamplingMode.SEQUENCE_MASK)
+
+
+@dataclass
+class MismatchStats:
+    """Detached, additive statistics of the sampler/trainer mismatch over the action tokens of a batch.
+
+    ``r = pi_old / pi_sampler`` per token; "unit" = token (token modes) or sequence (sequence modes).
+    Sums, counts and extremes, so micro-batches and ranks combine exactly with :meth:`merge`.
+    """
+
+    num_tokens: torch.Tensor
+    """Action tokens counted."""
+    log_ratio_sum: torch.Tensor
+    """Sum of ``log r``; minus its mean is the k1 estimate of KL(sampler || trainer)."""
+    k3_sum: torch.Tensor
+    """Sum of ``r - 1 - log r``: the k3 estimate of KL(sampler || trainer) from sampler tokens."""
+    abs_log_ratio_sum: torch.Tensor
+    """Sum of ``|log pi_old - log pi_sampler|`` (TRL's ``sampling_logp_difference``)."""
+    weight_sum: torch.Tensor
+    """Sum of the weights applied to the tokens (after truncation or masking)."""
+    bounded_tokens: torch.Tensor
+    """Tokens whose unit's ratio left ``[C_min, C_max]`` (truncated or masked)."""
+    ratio_min: torch.Tensor
+    """Smallest unit ratio before bounding (``+inf`` when no token)."""
+    ratio_max: torch.Tensor
+    """Largest unit ratio before bounding (``-inf`` when no token)."""
+    weight_min: torch.Tensor
+    """Smallest applied token weight (``+inf`` when no token)."""
+    weight_max: torch.Tensor
+    """Largest applied token weight (``-inf`` when no token)."""
+
+    MINIMA = ("ratio_min", "weight_min")
+    MAXIMA = ("ratio_max", "weight_max")
+
+    def merge(self, other: "MismatchStats") -> "MismatchStats":
+        """Combine two micro-batches' statistics (sums add, extremes take min/max)."""
+        out = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            out[f.name] = torch.minimum(a, b) if f.name in self.MINIMA else torch.maximum(a, b) if f.name in self.MAXIMA else a + b
+        return MismatchStats(**out)
+
+    def summary(self, mode: "ImportanceSamplingMode | str") -> dict[str, float]:
+        """Means, fractions and extremes as floats, keyed by metric name (for logging only)."""
+        n = max(float(self.num_tokens), 1.0)
+        bounded = "is_masked_frac" if ImportanceSamplingMode(mode).is_mask else "is_truncated_frac"
+        return {
+            "is_mismatch_kl": float(self.k3_sum) / n,
+            "is_mismatch_k1": -float(self.log_ratio_sum) / n,
+            "is_logprob_gap": float(self.abs_log_ratio_sum) / n,
+            "is_ratio_min": float(self.ratio_min),
+            "is_ratio_max": float(self.ratio_max),
+            "is_weight_mean": float(self.weight_sum) / n,
+            "is_weight_min": float(self.weight_min),
+            "is_weight_max": float(self.weight_max),
+            bounded: float(self.bounded_tokens) / n,
+        }
+
+
+@dataclass
+class ImportanceWeights:
+    """Sampler/trainer importance weights of a batch and their statistics."""
+
+    weights: torch.Tensor
+    """``(B, T)`` detached weight of each token's loss; 0 off the action mask."""
+    stats: MismatchStats
+    """Detached statistics."""
+
+
+@dataclass
+class AdvantageInput:
+    """Everything an advantage estimator may read. Shapes: ``N`` trajectories, ``T`` positions.
+
+    Outcome estimators (``group``, ``rloo``) read ``rewards`` and ``group_ids``; ``gae`` also reads
+    the token-level fields, aligned with datum positions.
+    """
+
+    rewards: torch.Tensor
+    """``(N,)`` total reward of each trajectory."""
+    group_ids: torch.Tensor
+    """``(N,)`` integer group of each trajectory."""
+    action_mask: torch.Tensor | None = None
+    """``(N, T)`` datum action mask (gae)."""
+    values: torch.Tensor | None = None
+    """``(N, T)`` critic value of the state before each position's target (gae)."""
+    bootstrap_mask: torch.Tensor | None = None
+    """``(N,)`` 1 for truncated trajectories whose last state may be bootstrapped (gae)."""
+    bootstrap_values: torch.Tensor | None = None
+    """``(N,)`` value of the state after the last token, used where ``bootstrap_mask`` is 1 (gae)."""
+    token_rewards: torch.Tensor | None = None
+    """``(N, T)`` extra per-token rewards, e.g. ``-beta * KL`` to a reference (gae)."""
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Sums a tensor over the data-parallel ranks, for batch statistics that must be global (e.g.
+    whitening); None in one process. Every rank calls the estimator, so every rank must call it alike."""
+
+
+@dataclass
+class AdvantageOutput:
+    """Advantages and, for critic-based estimators, value targets."""
+
+    advantages: torch.Tensor
+    """``(N,)`` per trajectory (outcome estimators) or ``(N, T)`` per position (gae, 0 off-mask)."""
+    returns: torch.Tensor | None = None
+    """``(N, T)`` value-function targets (gae), 0 off-mask."""
+
+
+@dataclass
+class PolicyLossInput:
+    """Everything a policy loss may read; all ``(B, T)`` and aligned with datum positions."""
+
+    logprobs: torch.Tensor
+    """Current policy log-probs of the targets (carries the gradient)."""
+    behaviour_logprobs: torch.Tensor
+    """Log-probs of the PPO "old" policy, the ratio's anchor: the sampler's behaviour log-probs, or the
+    trainer's own forward of the sampling weights when the mismatch correction applies."""
+    advantages: torch.Tensor
+    """Per-position advantages (0 off-mask)."""
+    action_mask: torch.Tensor
+    """1 on sampled tokens."""
+    ref_logprobs: torch.Tensor | None = None
+    """Reference-model log-probs, for a KL term in the loss."""
+    entropy: torch.Tensor | None = None
+    """Per-position entropy of the current policy, for an entropy bonus."""
+    is_weights: torch.Tensor | None = None
+    """Detached sampler/trainer importance weights ``pi_old / pi_sampler`` (truncated or masked) that
+    multiply the policy-gradient term, when the mismatch correction applies (the trainer passes them
+    only to a loss that declares ``supports_is_weights``); None otherwise."""
+
+
+@dataclass
+class PolicyLossStats:
+    """Detached, additive statistics of a policy loss over the masked tokens of one micro-batch.
+
+    Sums and counts (not means) so that micro-batches and ranks combine exactly with :meth:`merge`.
+    """
+
+    num_tokens: torch.Tensor
+    """Masked tokens counted."""
+    clipped_low: torch.Tensor
+    """Tokens with negative advantage whose ratio fell below ``1 - clip_low`` (gradient cut)."""
+    clipped_high: torch.Tensor
+    """Tokens with positive advantage whose ratio rose above ``1 + clip_high`` (gradient cut)."""
+    dual_clipped: torch.Tensor
+    """Tokens where the dual clip bound the loss."""
+    approx_kl_sum: torch.Tensor
+    """Sum of the k3 estimate of KL(behaviour || current)."""
+    abs_log_ratio_sum: torch.Tensor
+    """Sum of ``|log pi_current - log pi_behaviour|``: the behaviour-vs-trainer log-prob gap."""
+    ratio_sum: torch.Tensor
+    """Sum of importance ratios."""
+    ratio_min: torch.Tensor
+    """Smallest ratio (``+inf`` when no token)."""
+    ratio_max: torch.Tensor
+    """Largest ratio (``-inf`` when no token)."""
+
+    def merge(self, other: "PolicyLossStats") -> "PolicyLossStats":
+        """Combine two micro-batches' statistics."""
+        return PolicyLossStats(
+            num_tokens=self.num_tokens + other.num_tokens,
+            clipped_low=self.clipped_low + other.clipped_low,
+            clipped_high=self.clipped_high + other.clipped_high,
+            dual_clipped=self.dual_clipped + other.dual_clipped,
+            approx_kl_sum=self.approx_kl_sum + other.approx_kl_sum,
+            abs_log_ratio_sum=self.abs_log_ratio_sum + other.abs_log_ratio_sum,
+            ratio_sum=self.ratio_sum + other.ratio_sum,
+            ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
+            ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
+        )
+
+    def summary(self) -> dict[str, float]:
+        """Fractions and means as floats, keyed by metric name (for logging only)."""
+        n = max(float(self.num_tokens), 1.0)
+        return {
+            "clip_frac_low": float(self.clipped_low) / n,
+            "clip_frac_high": float(self.clipped_high) / n,
+            "dual_clip_frac": float(self.dual_clipped) / n,
+            "approx_kl": float(self.approx_kl_sum) / n,
+            "behaviour_logprob_gap": float(self.abs_log_ratio_sum) / n,
+            "ratio_mean": float(self.ratio_sum) / n,
+            "ratio_min": float(self.ratio_min),
+            "ratio_max": float(self.ratio_max),
+        }
+
+
+@dataclass
+class PolicyLossOutput:
+    """A policy loss before aggregation."""
+
+    per_token_loss: torch.Tensor
+    """``(B, T)`` loss at every position (masked positions hold 0)."""
+    stats: PolicyLossStats
+    """Detached statistics."""
+
+
+@dataclass
+class ValueLossOutput:
+    """A value loss before aggregation."""
+
+    per_token_loss: torch.Tensor
+    """``(B, T)`` loss at every position (masked positions hold 0)."""
+    clipped: torch.Tensor
+    """Detached count of masked tokens where the clipped branch was the larger."""
