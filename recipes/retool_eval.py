@@ -35,24 +35,26 @@ def main(argv: list[str]) -> dict:
     from retool.data import hide_answers, task_rows
     from retool.default_model import model_path_or_default
     from retool.evaluate import EvalArguments, check_eval_settings, evaluate_checkpoint
-
-    from retool.startup import check_chat_template, check_plugins
+    from retool.startup import check_chat_template, resolve
 
     eval_args, script_args, training_args = parse_args(argv, EvalArguments)
     refuse_training_only_settings(script_args, training_args)
-    plugin_check = check_plugins(training_args)  # every plugin builds with its kwargs, before a model loads
-    ks = check_eval_settings(script_args, training_args, eval_args.k, training=False)
-    try:  # the rows before any model: a missing split or column stops here
-        rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
-    model_path = model_path_or_default(script_args, training_args)
-    from transformers import AutoTokenizer
+    hide_answers(script_args.dataset_name, training_args)  # model-written code must not read the reference answers
+    run = resolve(script_args, training_args)  # every plugin built with its kwargs and checked, before a model loads
+    try:
+        ks = check_eval_settings(script_args, run, eval_args.k, training=False)
+        try:  # the rows before any model: a missing split or column stops here
+            rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
+        model_path = model_path_or_default(script_args, training_args)
+        from transformers import AutoTokenizer
 
-    check_chat_template(AutoTokenizer.from_pretrained(model_path), plugin_check, training_args)
-    hide_answers(script_args.dataset_name, training_args)
-    return evaluate_checkpoint(model_path, script_args, training_args, ks=ks, rows=rows, batch_questions=eval_args.batch_questions,
-                               output_json=eval_args.output_json, show_samples=eval_args.show_samples)
+        check_chat_template(AutoTokenizer.from_pretrained(model_path), run)
+        return evaluate_checkpoint(model_path, script_args, run, ks=ks, rows=rows, batch_questions=eval_args.batch_questions,
+                                   output_json=eval_args.output_json, show_samples=eval_args.show_samples)
+    finally:
+        run.close()
 
 
 def refuse_training_only_settings(script_args, training_args) -> None:

@@ -49,49 +49,64 @@ from retool.config import ScriptArguments, parse_args
 
 
 def main(script_args: ScriptArguments, training_args) -> int:
-    import torch
     from accelerate import PartialState
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retool.data import hide_answers, task_rows
-    from retool.default_model import model_path_or_default
-    from retool.evaluate import PeriodicHeldOut, check_eval_settings, evaluate_checkpoint, reusable_evaluation
-    from retool.launch import ChildProcessError, available_cpus, claim_output_dir, configure_wandb, run_in_child
-    from retool.record import run_record
-    from retool.report import accuracy_gain, format_summary, plot_run, read_metrics
-    from retool.startup import check_chat_template, check_plugins, distributed_mode, format_banner
-    from trl_plugins.trainers import MultiTurnGRPOTrainer
-    from trl_plugins.trainers.interrupts import TrainingInterrupted
-    from trl_plugins.trainers.batch import check_vllm
-    from trl_plugins.trainers.lora import check_model_config, model_init_kwargs, peft_config_from
-
-    start = time.perf_counter()
-    # Before anything is built or loaded: every plugin is built once with its kwargs (tools started: the sandbox's
-    # isolation is probed) and closed again; the chat template is checked as soon as the tokenizer loads.
-    check_vllm(training_args)
-    try:
-        check_model_config(script_args, training_args)  # --use_peft, --lora_*, quantisation, ...
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
-    ks = check_eval_settings(script_args, training_args)
-    plugin_check = check_plugins(training_args)
-    _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
-    state = PartialState()
-    main_process = state.is_main_process
-    say = print if main_process else (lambda *a, **k: None)
-    # One run per output folder: every rank refuses a folder an earlier run filled; the main process moves it aside.
-    claim_output_dir(training_args.output_dir, resume=training_args.resume_from_checkpoint,
-                     overwrite=script_args.overwrite_output_dir, move=main_process, log=say)
-    state.wait_for_everyone()
-    # The checkpoint to resume from is checked now, before any model loads (train() checks it again and says it).
+    from retool.data import hide_answers
+    from retool.evaluate import check_eval_settings
+    from retool.launch import claim_output_dir
+    from retool.startup import resolve
     from trl_plugins.trainers.checkpoints import resolve_resume
 
+    start = time.perf_counter()
+    # Before anything is built or loaded, the run is resolved once: every setting checked, every plugin built with
+    # its kwargs, the sampler picked, the tools started (the sandbox's isolation is probed). The trainer, the
+    # periodic evaluation and (from its pickled spec) the before/after evaluation all use this run.
+    # Model-written code must not read the reference answers: the dataset's location is a tool setting, so hidden first.
+    hide_answers(script_args.dataset_name, training_args, say=print if _main_process() else (lambda *a, **k: None))
+    run = resolve(script_args, training_args)
     try:
-        resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir,
-                       fallback=training_args.resume_fallback, needs_optimizer=not training_args.save_only_model,
-                       max_steps=training_args.max_steps)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+        ks = check_eval_settings(script_args, run)
+        _ = training_args.device  # set up the process group the trainer's way (gloo on CPU) before anything else
+        state = PartialState()
+        main_process = state.is_main_process
+        say = print if main_process else (lambda *a, **k: None)
+        # One run per output folder: every rank refuses a folder an earlier run filled; the main process moves it aside.
+        claim_output_dir(training_args.output_dir, resume=training_args.resume_from_checkpoint,
+                         overwrite=script_args.overwrite_output_dir, move=main_process, log=say)
+        state.wait_for_everyone()
+        # The checkpoint to resume from is checked now, before any model loads; train() takes what was found.
+        try:
+            resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir,
+                                    fallback=training_args.resume_fallback, needs_optimizer=not training_args.save_only_model,
+                                    max_steps=training_args.max_steps)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        return _train(script_args, training_args, run, ks=ks, resume=resume, state=state, say=say, start=start)
+    finally:
+        run.close()
+
+
+def _main_process() -> bool:
+    # Before the process group exists: the launcher's rank (0 without a launcher).
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, state, say, start: float) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from retool.data import task_rows
+    from retool.default_model import model_path_or_default
+    from retool.evaluate import PeriodicHeldOut, evaluate_checkpoint, reusable_evaluation
+    from retool.launch import ChildProcessError, available_cpus, configure_wandb, run_in_child
+    from retool.record import run_record
+    from retool.report import accuracy_gain, format_summary, plot_run, read_metrics
+    from retool.startup import check_chat_template, distributed_mode, format_banner
+    from trl_plugins.run.lora import model_init_kwargs
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.interrupts import TrainingInterrupted
+
+    main_process = state.is_main_process
     if state.num_processes == 1 and not torch.cuda.is_available() and torch.get_num_threads() < available_cpus():
         # accelerate launch sets OMP_NUM_THREADS=1 where it counts one physical core; one process may use them all.
         say(f"CPU threads: {torch.get_num_threads()} -> {available_cpus()} (one process on {available_cpus()} cores)")
@@ -99,8 +114,8 @@ def main(script_args: ScriptArguments, training_args) -> int:
     wandb_mode = configure_wandb(training_args.report_to, training_args.output_dir, script_args.wandb_project)
     if wandb_mode:
         say(f"W&B: {wandb_mode} (files under {os.environ['WANDB_DIR']}/wandb; 'wandb sync' uploads offline runs)")
-    say(format_banner(script_args, training_args, world_size=state.num_processes, device=str(state.device),
-                      distributed=distributed_mode(training_args=training_args), tool_start_up=plugin_check.tool_start_up,
+    say(format_banner(script_args, run, world_size=state.num_processes, device=str(state.device),
+                      distributed=distributed_mode(training_args=training_args), tool_start_up=run.start_tools(),
                       wandb_mode=wandb_mode), flush=True)
 
     # The rows before any model: a missing column or split, or a held-out split that cannot be carved, stops here.
@@ -121,7 +136,7 @@ def main(script_args: ScriptArguments, training_args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    check_chat_template(tokenizer, plugin_check, training_args)
+    check_chat_template(tokenizer, run)
 
     from datasets import Dataset
 
@@ -129,13 +144,11 @@ def main(script_args: ScriptArguments, training_args) -> int:
     out_dir = Path(training_args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    # Model-written code must not read the reference answers: hide where the dataset lies.
-    hide_answers(script_args.dataset_name, training_args, say)
 
     def held_out(checkpoint: str, name: str) -> dict:
         # In a clean child process: the evaluation never meets ZeRO-3's partitioned parameters.
         try:
-            return run_in_child(evaluate_checkpoint, checkpoint, script_args, training_args, ks=ks, rows=heldout_rows,
+            return run_in_child(evaluate_checkpoint, checkpoint, script_args, run.spec, ks=ks, rows=heldout_rows,
                                 output_json=str(out_dir / name), what=f"the held-out evaluation of {checkpoint}")
         except ChildProcessError as exc:  # the child's own error, not a traceback of the parent's plumbing
             raise SystemExit(str(exc)) from None
@@ -155,16 +168,15 @@ def main(script_args: ScriptArguments, training_args) -> int:
     state.wait_for_everyone()
 
     model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(script_args, training_args))
-    # With --use_peft, TRL wraps the policy in a LoRA adapter: only the adapter trains and checkpoints hold it.
-    trainer = MultiTurnGRPOTrainer(model, training_args, train_dataset=train_dataset, processing_class=tokenizer,
-                                   peft_config=peft_config_from(script_args))
+    # With --use_peft, TRL wraps the policy in the run's LoRA adapter: only the adapter trains and checkpoints hold it.
+    trainer = MultiTurnGRPOTrainer(model, train_dataset=train_dataset, processing_class=tokenizer, run=run)
     if evaluate and script_args.eval_every_steps > 0:
         # The first of the held-out rows (a seeded draw: the same ones a separate load of that size gives).
         periodic = PeriodicHeldOut(trainer, heldout_rows[: script_args.eval_every_problems], every=script_args.eval_every_steps,
                                    samples=script_args.eval_samples, temperature=script_args.eval_temperature)
         trainer.add_callback(periodic)
     try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.train(resume_from_checkpoint=resume)
     except TrainingInterrupted as stopped:  # SIGINT / SIGTERM: a complete checkpoint is written, tools closed
         say(str(stopped))
         sys.stdout.flush()

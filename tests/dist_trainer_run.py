@@ -54,7 +54,7 @@ class Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.args.dump:
             return
-        trajs = self.trainer._last_trajectories
+        trajs = self.trainer.last_batch.trajectories
         record = {"step": state.global_step, "trajectories": [
             {"stop": t.stop_reason.value, "reward": t.reward, "tokens": t.num_tokens, "world_failure": t.world_failure,
              "components": {c.name: c.value for c in t.reward_components}} for t in trajs]}
@@ -144,13 +144,13 @@ def main() -> None:
     if args.markers or args.slow_update or args.dump:
         trainer.add_callback(Probe(trainer, args, rank))
     if args.markers:
-        inner = trainer._rollout_and_score
+        inner = trainer._roll_out
 
         def marked(rows):
             mark(args.markers, f"rollout-step{trainer.state.global_step + 1}-rank{rank}")
             return inner(rows)
 
-        trainer._rollout_and_score = marked
+        trainer._roll_out = marked
     try:
         trainer.train(resume_from_checkpoint=args.resume)
     except TrainingInterrupted as stopped:
@@ -159,7 +159,7 @@ def main() -> None:
         os._exit(stopped.exit_code)
     vllm_match = None
     if args.vllm:
-        trainer._vllm_backend.sync_weights(trainer.state.global_step)  # a collective: every rank pushes
+        trainer.generation_backend().sync_weights(trainer.state.global_step)  # a collective: every rank pushes
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if args.vllm == "colocate" and trainer.accelerator.is_main_process:
         engine = dict(trainer.vllm_generation.llm.engine.model.named_parameters())

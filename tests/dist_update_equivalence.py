@@ -24,7 +24,7 @@ from conftest import make_trajectory, tiny_qwen2  # noqa: E402
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators  # noqa: E402
 from trl_plugins.datum import build_datum, collate  # noqa: E402
 from trl_plugins.modeling import token_logprobs  # noqa: E402
-from trl_plugins.trainers.step import policy_update  # noqa: E402
+from trl_plugins.trainers.update import policy_update  # noqa: E402
 
 LR = 0.5
 
@@ -78,7 +78,7 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
     world, rank = accelerator.num_processes, accelerator.process_index
     config = SimpleNamespace(aggregation="token_mean", packer="ffd", max_items_per_micro_batch=2,
                              max_padded_tokens_per_micro_batch=400, rebalance_ranks=False, norm_length=None,
-                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False)
+                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False)
     trained, reference, initial = critics
     critic, optimizer = prepare_critic(accelerator, trained, learning_rate=LR, optimizer_cls=torch.optim.SGD)
     mine = parts[rank]
@@ -183,20 +183,21 @@ def main() -> None:
                              max_items_per_micro_batch=2, max_padded_tokens_per_micro_batch=400,
                              rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None,
                              drop_zero_advantage=args.kl, vllm_importance_sampling_mode=args.mismatch,
-                             vllm_importance_sampling_clip_min=bounds[0], vllm_importance_sampling_clip_max=bounds[1])
+                             vllm_importance_sampling_clip_min=bounds[0], vllm_importance_sampling_clip_max=bounds[1],
+                             padding_free=False)
     model = tiny_qwen2()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     if args.kl:
         from trl.models.utils import prepare_deepspeed
-        from trl_plugins.trainers.step import reference_logprobs
+        from trl_plugins.trainers.update import reference_logprobs
 
         ref_model = perturbed(tiny_qwen2())
         ref_model = prepare_deepspeed(ref_model, accelerator) if deepspeed else accelerator.prepare_model(ref_model, evaluation_mode=True)
         # Each rank scores its own datums (ranks run different numbers of micro-batches: dummies under ZeRO-3).
         reference_logprobs(accelerator, ref_model, parts[rank], config, pad_token_id=0)
     if args.mismatch:
-        from trl_plugins.trainers.step import old_logprobs
+        from trl_plugins.trainers.update import old_logprobs
 
         # Each rank its own datums, before the update (ranks run different numbers of forwards: dummies).
         old_logprobs(accelerator, model, parts[rank], config, pad_token_id=0)

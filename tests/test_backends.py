@@ -82,7 +82,7 @@ def test_a_row_samples_the_same_whatever_shares_its_batch(setup, sampling, kind)
 
 
 def test_seeded_gumbel_samples_the_softmax_and_honours_top_k_top_p():
-    from trl_plugins.rollout.backends import _SeededSampling, seeded_gumbel
+    from trl_plugins.rollout.sampling import _SeededSampling, seeded_gumbel
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 20000

@@ -73,20 +73,26 @@ def test_a_sandbox_failure_is_an_infrastructure_error_and_the_model_s_error_is_n
     tool.close()
 
 
-def test_start_up_logs_the_isolation_in_force(caplog):
-    # Issue 12, hole 7: the trainer's start-up says how model code will run (the trainer calls
-    # log_tool_start_up right after build_plugins), and fails there when it cannot run it safely.
+def test_start_up_logs_the_isolation_in_force(caplog, tmp_path):
+    # Issue 12, hole 7: the run's start-up says how model code will run (the run starts its tools right after
+    # building them: the recipe before any model loads, the trainer before TRL's own setup), and fails there
+    # when it cannot run it safely.
     import logging
 
+    from trl_plugins.run import resolve_run
     from trl_plugins.tools.sandbox import detect_isolation
-    from trl_plugins.trainers.plugins import log_tool_start_up
+    from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    tool = TOOLS.get("code_interpreter")(mode="cold")
+    config = MultiTurnGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, reward_components=["correct"],
+                                 tool_kwargs={"code_interpreter": {"mode": "cold"}})
+    run = resolve_run(config)
     try:
-        with caplog.at_level(logging.INFO, logger="trl_plugins.trainers.plugins"):
-            log_tool_start_up({"code_interpreter": tool})
+        with caplog.at_level(logging.INFO, logger="trl_plugins.run.build"):
+            said = run.start_tools()
+            assert run.start_tools() == said  # started once: a second call says the same, logs nothing
     finally:
-        tool.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "trl_plugins.trainers.plugins"]
-    assert len(lines) == 1 and lines[0].startswith(
+        run.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "trl_plugins.run.build"]
+    assert len(lines) == 1 and said == {"code_interpreter": lines[0].removeprefix("tool 'code_interpreter': ")}
+    assert lines[0].startswith(
         f"tool 'code_interpreter': sandbox isolation={detect_isolation().value}, mode=cold, memory 1024 MB per"), lines

@@ -242,10 +242,10 @@ class _NoBudgetRollout:
     "check, plugin, message",
     [
         (check_policy_loss_contract, _UnmaskedLoss(), "non-zero loss off the action mask"),
-        (check_advantage_contract, _UndeclaredAdvantage(), "must declare needs_values"),
+        (check_advantage_contract, _UndeclaredAdvantage(), "_UndeclaredAdvantage: does not declare needs_values \\(a bool\\)"),
         (check_advantage_contract, _OffMaskAdvantage(), "non-zero advantage off the action mask"),
         (check_packer_contract, _overfull, "items > 7"),
-        (check_rollout_contract, _NoBudgetRollout(), "token_budget must be"),
+        (check_rollout_contract, _NoBudgetRollout(), "_NoBudgetRollout: does not declare token_budget"),
     ],
     ids=["loss-off-mask", "advantage-undeclared", "advantage-off-mask", "packer-limits", "rollout-no-budget"],
 )
@@ -280,22 +280,18 @@ def test_reward_contract_catches(plugin, message):
 
 def test_reward_contract_runs_the_trainers_own_rule():
     # The trainer stores what reward_value accepts and marks verifier_error what it refuses: the same rule.
-    from types import SimpleNamespace
-
     from trl_plugins.contracts import make_trajectory
+    from trl_plugins.protocols import as_reward
     from trl_plugins.trainers.batch import score_trajectories
 
     import random
 
     trajs = [make_trajectory(random.Random(0), num_turns=1) for _ in range(3)]
-    plugins = SimpleNamespace(reward_components=[("s", 1.0, _StrReward())])
-    assert score_trajectories(plugins, trajs[:1], [{"answer": "42"}]) == {"s": 1}
+    assert score_trajectories([as_reward(_StrReward(), "s")], trajs[:1], [{"answer": "42"}]) == {"s": 1}
     assert trajs[0].stop_reason == "verifier_error" and "returned '42' (str), not a number" in trajs[0].error
-    plugins = SimpleNamespace(reward_components=[("b", 1.0, _BoolReward())])
-    score_trajectories(plugins, trajs[1:2], [{"answer": "42"}])
+    score_trajectories([as_reward(_BoolReward(), "b")], trajs[1:2], [{"answer": "42"}])
     assert "a bool; return a float" in trajs[1].error
-    plugins = SimpleNamespace(reward_components=[("n", 2.0, _NoisyReward())])
-    assert score_trajectories(plugins, trajs[2:], [{"answer": "42"}]) == {}
+    assert score_trajectories([as_reward(_NoisyReward(), "n", 2.0)], trajs[2:], [{"answer": "42"}]) == {}
     assert [(c.name, c.value, c.weight) for c in trajs[2].reward_components] == [("n", 1.0, 2.0)]
 
 
@@ -317,7 +313,7 @@ def test_reward_contract_takes_the_authors_trajectories_and_example():
     "plugin, message",
     [
         (_RaisingTool(), r"tools plugin _RaisingTool: raised KeyError: 'text' on arguments \{\}. A tool never raises"),
-        (_NoSchemaTool(), r"tools plugin _NoSchemaTool: has no schema\(\) method"),
+        (_NoSchemaTool(), r"tools plugin _NoSchemaTool: is not a tool: it needs a name, a schema\(\) method"),
         (_MisnamedTool(), r"_MisnamedTool: schema\(\)\['function'\]\['name'\] is 'other', but the tool's name is 'raiser'"),
         (_UndescribedTool(), r"_UndescribedTool: schema\(\)\['function'\] has no 'description'"),
         (_StringTool(), r"_StringTool: returned '1' for arguments \{'text': '1'\}, not a ToolOutput"),

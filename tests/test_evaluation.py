@@ -248,8 +248,11 @@ def test_the_recipes_child_evaluation_uses_every_configured_tool_and_reward(tmp_
 
     monkeypatch.delenv("PYTHONPATH", raising=False)
     model_dir, argv = _two_tool_run(tmp_path)
+    from trl_plugins.run import resolve_run
+
     script_args, training_args = parse_args(argv)
-    out = run_in_child(evaluate_checkpoint, str(model_dir), script_args, training_args, ks=[1, 2],
+    spec = resolve_run(training_args).spec  # the child rebuilds the run from its spec (pickled), checking nothing again
+    out = run_in_child(evaluate_checkpoint, str(model_dir), script_args, spec, ks=[1, 2],
                        output_json=str(tmp_path / "eval.json"), what="the held-out evaluation")
     # Both tools were called once per sample, and the interpreter's output was the right answer.
     assert out["tool_calls_by_tool"] == {"code_interpreter": 1.0, "echo": 1.0}

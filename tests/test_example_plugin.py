@@ -228,3 +228,86 @@ def test_the_contract_checks_catch_a_broken_copy_of_the_example(example):
     with pytest.raises(ContractError, match=r"tools plugin RaisingCalculator: raised KeyError: 'expression' on arguments "
                                             r"\{\}. A tool never raises"):
         check_tool_contract(RaisingCalculator(), arguments={"expression": "6 * 7"})
+
+
+class CalculatorScript:
+    """A rollout plugin for the test below: the multi-turn engine on a scripted policy that calls the calculator once
+    per trajectory and then answers (a tiny random model never calls a tool)."""
+
+    token_budget = 1024
+
+    def __call__(self, request):
+        from trl_plugins.rollout import MultiTurnRollout, RolloutRequest, ScriptedBackend
+
+        tok = request.chat.tokenizer
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+
+        def script(prompt):
+            said = tok.decode(prompt)
+            body = call if "<tool_response>" not in said else "The answer is \\boxed{42}."
+            return tok(body, add_special_tokens=False)["input_ids"] + [end]
+
+        backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids)
+        scripted = RolloutRequest(request.questions, request.group_size, backend, request.chat, request.tools,
+                                  policy_step=request.policy_step, seed=request.seed)
+        return MultiTurnRollout(max_turns=3, max_trajectory_tokens=self.token_budget)(scripted)
+
+
+def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(example, tmp_path, monkeypatch, caplog):
+    # The example's calculator declares idempotent, start_up(), step_metrics() with step_metric_reductions() and
+    # close(): each takes part in the decision it is for, as the built-in code interpreter's do.
+    import json
+    import logging
+
+    from test_trainer import TokenReward, _config, _dataset
+
+    from trl_plugins.protocols import Reduction
+    from trl_plugins.rollout.metrics import reduce_rank_metrics
+    from trl_plugins.run import resolve_run
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    calculator = TOOLS.get("calculator")
+    failures, closed = [1], []  # the first call fails the way infrastructure fails (the tool raises)
+    evaluate = calculator.evaluate
+
+    def flaky(self, expression):
+        if failures:
+            failures.pop()
+            raise ConnectionError("the calculator's backend went away")
+        return evaluate(self, expression)
+
+    monkeypatch.setattr(calculator, "evaluate", flaky)
+    monkeypatch.setattr(calculator, "close", lambda self: closed.append(self.name))
+    config = _config(tmp_path, tools=["calculator"], rollout="test_example_plugin:CalculatorScript", rollout_kwargs={}, max_steps=2,
+                     system_prompt="Use the calculator tool.", final_answer_pattern=r"\\boxed\{")
+    with caplog.at_level(logging.INFO, logger="trl_plugins.run.build"):
+        run = resolve_run(config, reward_components={"length": TokenReward()})
+        said = run.start_tools()  # start_up(): said before any model loads
+    assert said == {"calculator": "arithmetic parsed with ast (never eval-ed), results up to 4096 bits"}
+    assert "tool 'calculator': arithmetic parsed with ast" in caplog.text
+    tool = run.tools["calculator"]
+    assert tool.idempotent and tool.reductions == {"calculator/calls": Reduction.SUM, "calculator/errors": Reduction.SUM}
+    tok = build_tokenizer("qwen2_5")
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), train_dataset=_dataset(), processing_class=tok, run=run)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    # idempotent: the failed call was run again, so no trajectory ended as environment_error; 2 steps x 4
+    # trajectories, one call each, plus the retried one.
+    assert all(r["rollout/stop/environment_error"] == 0.0 for r in records)
+    assert [r["calculator/calls"] for r in records] == [5.0, 4.0] and all(r["calculator/errors"] == 0 for r in records)
+    # step_metric_reductions(): over ranks the calls add up (an undeclared metric would be averaged).
+    per_rank = [{"calculator/calls": 5.0, "other/calls": 5.0}, {"calculator/calls": 4.0, "other/calls": 4.0}]
+    merged = reduce_rank_metrics(per_rank, {k: str(v) for k, v in tool.reductions.items()})
+    assert merged["calculator/calls"] == 9.0 and merged["other/calls"] == 4.5
+    assert closed == ["calculator"]  # close(): the run closed its tools when training ended
+    # Negative control: without the declaration the same failure ends the trajectory, untrained.
+    monkeypatch.setattr(calculator, "idempotent", False)
+    failures.append(1)
+    undeclared = resolve_run(config, reward_components={"length": TokenReward()})
+    assert not undeclared.tools["calculator"].idempotent
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), train_dataset=_dataset(), processing_class=tok, run=undeclared)
+    trainer.train()
+    first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line][2]
+    assert first["rollout/stop/environment_error"] > 0.0

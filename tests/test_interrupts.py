@@ -4,6 +4,7 @@ metrics are reduced over all ranks by their meaning."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 import json
 import os
 import signal
@@ -107,7 +108,8 @@ def test_a_stop_request_cancels_the_tool_calls_in_flight():
 
 
 def test_run_plugins_close_every_plugin_even_when_one_fails():
-    from trl_plugins.trainers.plugins import RunPlugins
+    from trl_plugins.protocols import as_advantage, as_policy_loss, as_reward, as_rollout, as_tool
+    from trl_plugins.run import Run, RunSpec, SamplerKind
 
     closed = []
 
@@ -121,14 +123,28 @@ def test_run_plugins_close_every_plugin_even_when_one_fails():
                 raise OSError(f"{self.name} could not close")
 
     class Async:
+        name = "async"
+
         async def close(self):
             await asyncio.sleep(0)
             closed.append("async")
 
-    shared = Sync("shared")
-    plugins = RunPlugins(rollout=Sync("rollout", fail=True), tools={"a": shared, "b": Async()},
-                         reward_components=[("r", 1.0, shared), ("s", 1.0, object())], advantage=object(),
-                         policy_loss=Sync("loss"))
+    class Declared(Sync):
+        token_budget = None
+        needs_values = needs_groups = needs_ref_logprobs = needs_entropy = False
+
+        def __call__(self, *args):
+            return 0.0
+
+    class Inert(Declared):
+        close = None  # nothing to close
+
+    shared = Declared("shared")
+    config = SimpleNamespace(max_context_tokens=None)
+    plugins = Run(RunSpec(config), rollout=as_rollout(Declared("rollout", fail=True)),
+                  tools={"a": as_tool(shared), "b": as_tool(Async())},
+                  rewards=[as_reward(shared, "r"), as_reward(Inert("s"), "s")], advantage=as_advantage(Inert("adv")),
+                  policy_loss=as_policy_loss(Declared("loss")), sampler=SamplerKind.HF_GENERATE)
     with pytest.raises(OSError, match="rollout could not close"):
         plugins.close()
     assert sorted(closed) == ["async", "loss", "rollout", "shared"]  # each once, all of them

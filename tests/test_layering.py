@@ -135,3 +135,108 @@ def test_the_in_sandbox_runner_imports_only_the_standard_library():
 def test_the_stdlib_checker_catches_other_imports():
     assert stdlib_violations("import os, json\nfrom collections import deque\nimport torch\nfrom trl_plugins import types\n"
                              "from . import launcher\n") == ["torch", "trl_plugins", "."]
+
+
+# -- the house: rooms of a readable size, imports without a cycle, capabilities read in one place ---------------
+
+MAX_LINES = 500
+BIG_ON_PURPOSE = {"tools/sandbox/runner.py"}  # stdlib-only, run as one file by a bare `python -I -S`
+
+
+def oversized(sources: dict[str, str], limit: int = MAX_LINES) -> dict[str, int]:
+    """Files over ``limit`` lines, but the ones big on purpose."""
+    return {name: n for name, src in sources.items() if (n := len(src.splitlines())) > limit and name not in BIG_ON_PURPOSE}
+
+
+def test_no_library_file_is_a_big_room():
+    assert oversized(_library_sources()) == {}
+
+
+def _module_of(relative: str) -> str:
+    parts = Path(relative).with_suffix("").parts
+    return ".".join(("trl_plugins",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the library modules it imports (anywhere in the file, function bodies and TYPE_CHECKING blocks
+    included: a cycle hidden in a function is still a cycle)."""
+    modules = {_module_of(name): src for name, src in sources.items()}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, src in modules.items():
+        package = module if any(_module_of(n) == module and n.endswith("__init__.py") for n in sources) else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:  # an attribute or a submodule: its module
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles between files, each once (a package's face importing its own members is no cycle)."""
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if node.startswith(nxt + ".") or nxt.startswith(node + "."):
+                continue  # a package and its own modules
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_library_imports_without_a_cycle():
+    assert cycles(import_graph(_library_sources())) == []
+
+
+def test_the_house_checkers_catch_a_big_room_and_a_cycle():
+    # Negative controls: the checkers see what they are for.
+    assert oversized({"a.py": "x = 1\n" * 501, "tools/sandbox/runner.py": "x = 1\n" * 900, "b.py": "x\n"}) == {"a.py": 501}
+    loop = {"rollout/engine.py": "from trl_plugins.tools.base import Tool\n",
+            "tools/base.py": "def close():\n    from trl_plugins.rollout.engine import run_async\n",
+            "types/__init__.py": "from trl_plugins.types.algos import X\n", "types/algos.py": "X = 1\n"}
+    assert cycles(import_graph(loop)) == [["trl_plugins.rollout.engine", "trl_plugins.tools.base", "trl_plugins.rollout.engine"]]
+
+
+CAPABILITIES = ("needs_values", "needs_groups", "needs_ref_logprobs", "needs_entropy", "supports_is_weights",
+                "token_budget", "idempotent", "start_up", "step_metrics", "step_metric_reductions", "is_success",
+                "requires_lockstep", "max_concurrency", "sync_weights", "with_sampling")
+
+
+def capability_discovery(source: str) -> list[str]:
+    """Declared capabilities ``source`` looks up by name with ``getattr``/``hasattr`` (discovery the seams'
+    adapters in :mod:`trl_plugins.protocols` do, once, when the run is built)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in CAPABILITIES:
+                found.append(node.args[1].value)
+    return found
+
+
+def test_capabilities_are_read_by_the_seams_adapters_only():
+    readers = {name: capability_discovery(src) for name, src in _library_sources().items()
+               if name not in ("protocols.py", "packing/__init__.py")}  # packing: its one reader, in the pure package
+    assert {k: v for k, v in readers.items() if v} == {}
+    assert capability_discovery('getattr(plugin, "needs_values", False)\nhasattr(tool, "idempotent")\n'
+                                'getattr(x, "name")\n') == ["needs_values", "idempotent"]  # negative control

@@ -15,7 +15,7 @@ import torch
 
 from test_trainer import TokenReward, _config, _dataset
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
-from trl_plugins.trainers.lora import MODEL_FIELDS, check_model_config, check_peft, peft_config_from, render_table
+from trl_plugins.run.lora import MODEL_FIELDS, check_model_config, check_peft_config, check_peft_model, peft_config_from, render_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "training.md"
@@ -105,17 +105,20 @@ def test_check_peft_refuses_other_adapters_dora_under_zero3_and_a_wrapped_policy
     from peft import PromptTuningConfig, get_peft_model
 
     config = _config(tmp_path)
-    check_peft(_lora(), config)  # plain LoRA passes
+    check_peft_config(_lora(), config)  # plain LoRA passes
     with pytest.raises(ValueError, match="only LoRA adapters are supported"):
-        check_peft(PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), config)
+        check_peft_config(PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), config)
     zero3 = SimpleNamespace(disable_dropout=False, deepspeed_plugin=SimpleNamespace(zero_stage=3))
-    check_peft(_lora(use_dora=True), config)  # DoRA without ZeRO-3 passes
+    check_peft_config(_lora(use_dora=True), config)  # DoRA without ZeRO-3 passes
     with pytest.raises(ValueError, match="use_dora under DeepSpeed ZeRO-3 is untested"):
-        check_peft(_lora(use_dora=True), zero3)
+        check_peft_config(_lora(use_dora=True), zero3)
     wrapped = get_peft_model(build_tiny_model(build_tokenizer("qwen2_5")), _lora())
-    check_peft(None, config, model=wrapped)
+    check_peft_model(wrapped, config)
     with pytest.raises(ValueError, match="pass the base model with peft_config"):
-        check_peft(None, config, model=wrapped, needs_values=True)
+        check_peft_model(wrapped, config, needs_values=True)
+    with pytest.raises(ValueError, match="only LoRA adapters are supported"):  # a wrapped policy's adapters too
+        check_peft_model(get_peft_model(build_tiny_model(build_tokenizer("qwen2_5")),
+                                        PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)), config)
 
 
 def _trainer(out, tok, model, **overrides):

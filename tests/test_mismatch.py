@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import make_trajectory, rel_err
 
+from trl_plugins.rollout.backends import BackendBase
 from trl_plugins.algos import (
     PPOClipLoss,
     aggregate,
@@ -161,7 +162,7 @@ def _config(**overrides):
                 max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=None,
                 temperature=1.0, max_grad_norm=None, drop_zero_advantage=False,
                 vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
-                vllm_importance_sampling_clip_max=2.0)
+                vllm_importance_sampling_clip_max=2.0, padding_free=False)
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -211,7 +212,7 @@ def _expected_weights(mode, shifted, datums, clip_max=2.0):
 def test_update_anchors_on_pi_old_and_weights_the_gradient_by_hand(tiny_model_factory, mode):
     from accelerate import Accelerator
 
-    from trl_plugins.trainers.step import old_logprobs, policy_update
+    from trl_plugins.trainers.update import old_logprobs, policy_update
 
     model = tiny_model_factory(torch.float32)
     datums, shifted = _shifted_datums(model)
@@ -263,7 +264,7 @@ def test_update_without_mismatch_matches_todays_update(tiny_model_factory):
     # (nothing masked) and the step is the uncorrected one.
     from accelerate import Accelerator
 
-    from trl_plugins.trainers.step import old_logprobs, policy_update
+    from trl_plugins.trainers.update import old_logprobs, policy_update
 
     base = tiny_model_factory(torch.float32)
     datums, _ = _shifted_datums(base)
@@ -302,7 +303,7 @@ class NoWeightsLoss(PPOClipLoss):
 def test_a_loss_that_cannot_take_weights_is_refused(tiny_model_factory):
     from accelerate import Accelerator
 
-    from trl_plugins.trainers.step import (
+    from trl_plugins.trainers.update import (
         mismatch_correction_applies,
         old_logprobs,
         policy_update,
@@ -322,7 +323,7 @@ def test_a_loss_that_cannot_take_weights_is_refused(tiny_model_factory):
 def test_when_the_correction_applies():
     from accelerate import Accelerator
 
-    from trl_plugins.trainers.step import mismatch_correction_applies
+    from trl_plugins.trainers.update import mismatch_correction_applies
     from trl_plugins.types import PolicyVersion, Trajectory
 
     def traj(source):
@@ -341,7 +342,7 @@ def test_when_the_correction_applies():
 # -- the trainer --------------------------------------------------------------------------------------
 
 
-class _ShiftedBackend:
+class _ShiftedBackend(BackendBase):
     """HF generate, but reporting vLLM's source and under-reporting every other sampled token's
     log-prob by ``shift`` (what a sampler whose numbers differ from the trainer's looks like)."""
 
@@ -401,12 +402,12 @@ def test_trainer_corrects_a_sampler_that_reports_shifted_logprobs(tmp_path, mode
     # without use_vllm takes mismatch_correction_scope='all' (this sampler is a test double).
     overrides = {} if mode == "sequence_mask" else dict(
         mismatch_correction_scope="all", vllm_importance_sampling_mode=mode,
-        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
+        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0, padding_free=False)
     trainer, record = _train(tmp_path, rollout="test_mismatch:ShiftedRollout", **overrides)
     # Which action tokens were shifted: every other token of each sampled completion.
-    actions = [[src == TokenSource.ACTION for turn in t.turns for src in turn.sources()] for t in trainer._last_trajectories]
+    actions = [[src == TokenSource.ACTION for turn in t.turns for src in turn.sources()] for t in trainer.last_batch.trajectories]
     shifts = [[src == TokenSource.ACTION and k % 2 == 0 for turn in t.turns for k, src in enumerate(turn.sources())]
-              for t in trainer._last_trajectories]
+              for t in trainer.last_batch.trajectories]
     total, shifted = sum(map(sum, actions)), sum(map(sum, shifts))
     assert record["train/loss_tokens"] == total and 0 < shifted < total
     if mode == "sequence_mask":
@@ -439,7 +440,7 @@ def test_trainer_negative_controls(tmp_path):
     assert not any(k.startswith("train/is_") for k in record) and "timing/old_logprobs_s" not in record
     # Forced on for HF generate: applied, and the sampler agrees with the trainer.
     _, record = _train(tmp_path / "c", mismatch_correction_scope="all", vllm_importance_sampling_mode="token_mask",
-                       vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
+                       vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0, padding_free=False)
     assert record["train/is_masked_frac"] == 0.0 and record["train/is_logprob_gap"] < 1e-4
 
 
@@ -469,8 +470,11 @@ def _cfg(tmp_path, **overrides):
     (dict(mismatch_correction_scope="all", policy_loss="test_mismatch:NoWeightsLoss"), "does not declare supports_is_weights"),
 ])
 def test_config_refusals(tmp_path, overrides, message):
+    # The config's own fields are checked when it is built, what needs the plugins when the run is resolved.
+    from trl_plugins.run import resolve_run
+
     with pytest.raises(ValueError, match=message):
-        _cfg(tmp_path, **overrides)
+        resolve_run(_cfg(tmp_path, **overrides)).close()
 
 
 def test_config_accepts_what_it_honours(tmp_path):

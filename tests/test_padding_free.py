@@ -18,7 +18,7 @@ from trl_plugins.modeling import PackedAttentionLeak, check_packed_isolation, mi
 from trl_plugins.packing import PackingError, micro_batch_cost, pack_for_ranks
 from trl_plugins.contracts import plan_violations
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
-from trl_plugins.trainers.step import policy_update
+from trl_plugins.trainers.update import policy_update
 
 
 def _flat(model):

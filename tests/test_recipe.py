@@ -411,19 +411,20 @@ def test_run_in_child_passes_objects_and_returns_the_result(monkeypatch, capfd):
 
 def test_evaluation_settings_are_refused_before_anything_is_built():
     from retool.evaluate import check_eval_settings
+    from trl_plugins.run import resolve_run
 
     retool_ppo = _recipe_module()
     script_args, args = retool_ppo.parse_args([])
-    assert check_eval_settings(script_args, args) == [1, 4]
+    assert check_eval_settings(script_args, resolve_run(args)) == [1, 4]
     script_args, args = retool_ppo.parse_args(["--reward_components", "format", "--reward_component_weights", "1.0"])
     with pytest.raises(SystemExit, match="not among reward_components=\\['format'\\].*--eval_problems 0"):
-        check_eval_settings(script_args, args)
+        check_eval_settings(script_args, resolve_run(args))
     script_args, args = retool_ppo.parse_args(["--reward_components", "format", "--reward_component_weights", "1.0",
                                               "--eval_problems", "0"])
-    assert check_eval_settings(script_args, args) == [1, 4]  # no held-out evaluation: nothing to count by
+    assert check_eval_settings(script_args, resolve_run(args)) == [1, 4]  # no held-out evaluation: nothing to count by
     script_args, args = retool_ppo.parse_args(["--eval_temperature", "0"])
     with pytest.raises(SystemExit, match="greedy"):
-        check_eval_settings(script_args, args)
+        check_eval_settings(script_args, resolve_run(args))
 
 
 def test_use_vllm_without_vllm_stops_the_recipe_before_anything_is_built(tmp_path):
@@ -586,15 +587,16 @@ def test_a_dataset_folder_uses_its_own_test_split_or_holds_out_part_of_its_train
 
 def test_naming_the_training_split_as_the_held_out_split_is_refused():
     from retool.evaluate import check_eval_settings
+    from trl_plugins.run import resolve_run
 
     retool_ppo = _recipe_module()
     script_args, args = retool_ppo.parse_args(["--dataset_test_split", "train"])
     with pytest.raises(SystemExit, match=r"both 'train': the held-out evaluation would score the training rows.*--eval_problems 0"):
-        check_eval_settings(script_args, args)
+        check_eval_settings(script_args, resolve_run(args))
     with pytest.raises(SystemExit, match=r"both 'train'.*set --dataset_train_split to another name"):
-        check_eval_settings(script_args, args, training=False)  # retool_eval.py: no --eval_problems 0 way out
+        check_eval_settings(script_args, resolve_run(args), training=False)  # retool_eval.py: no --eval_problems 0 way out
     script_args, args = retool_ppo.parse_args(["--dataset_test_split", "train", "--eval_problems", "0"])
-    assert check_eval_settings(script_args, args) == [1, 4]  # no held-out evaluation: nothing to refuse
+    assert check_eval_settings(script_args, resolve_run(args)) == [1, 4]  # no held-out evaluation: nothing to refuse
 
 
 def test_the_recipe_stops_on_a_file_too_small_to_hold_out_before_building_anything(tmp_path):
@@ -655,6 +657,7 @@ def _exit_without_a_word():
 def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkeypatch):
     import test_recipe
     from retool.evaluate import evaluate_checkpoint
+    from trl_plugins.run import resolve_run
     from retool.launch import ChildProcessError, run_in_child
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
@@ -668,7 +671,7 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
     script_args, args = retool_ppo.parse_args(["--output_dir", str(tmp_path / "out")])
     missing = tmp_path / "no-such-checkpoint"
     with pytest.raises(ChildProcessError) as failed:
-        run_in_child(evaluate_checkpoint, str(missing), script_args, args, ks=[1],
+        run_in_child(evaluate_checkpoint, str(missing), script_args, resolve_run(args).spec, ks=[1],
                      rows=[{"id": "q", "prompt": "What is 1 + 1?", "answer": "2"}], what="the held-out evaluation")
     message = str(failed.value)
     assert message.startswith("the held-out evaluation failed in its child process: ") and str(missing) in message

@@ -188,12 +188,16 @@ def test_a_chat_template_that_fails_the_prefix_check_is_refused_before_the_model
 
 def test_the_banner_names_plugins_settings_isolation_processes_precision_and_outputs():
     from retool.config import parse_args
-    from retool.startup import distributed_mode, format_banner, generation_backend
+    from types import SimpleNamespace
+
+    from retool.startup import distributed_mode, evaluation_backend, format_banner
+    from trl_plugins.run import SamplerKind, resolve_run
 
     script_args, args = parse_args(["--reward_components", "format", "correct", "tool_use", "--output_dir", "/runs/a",
                                     "--report_to", "wandb", "--policy_loss_kwargs", '{"clip_low": 0.1, "clip_high": 0.3}'])
     isolation = "sandbox isolation=bwrap, mode=warm, memory 1024 MB per call"
-    text = format_banner(script_args, args, world_size=2, device="cuda:0", distributed="DeepSpeed ZeRO-3",
+    run = resolve_run(args)
+    text = format_banner(script_args, run, world_size=2, device="cuda:0", distributed="DeepSpeed ZeRO-3",
                          tool_start_up={"code_interpreter": isolation}, wandb_mode="offline")
     lines = text.splitlines()
 
@@ -221,25 +225,25 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     assert "warning: system_prompt does not mention" not in text  # the recipe's prompt names its tool
     # A tool the system prompt does not name is flagged: only its schema reaches the model.
     _, bare = parse_args(["--system_prompt", "Solve it.", "--viewer_steps", "0"])
-    text = format_banner(script_args, bare, world_size=1, device="cpu", distributed="single process")
+    text = format_banner(script_args, resolve_run(bare), world_size=1, device="cpu", distributed="single process")
     assert "warning: system_prompt does not mention 'code_interpreter'" in text and "viewer:" not in text
     # A tool that has not started says when it will report.
-    text = format_banner(script_args, args, world_size=1, device="cpu", distributed="single process")
+    text = format_banner(script_args, run, world_size=1, device="cpu", distributed="single process")
     assert "reports how it runs when the tools start" in text
     # The helpers the recipe feeds it.
     assert distributed_mode({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}) == "DeepSpeed ZeRO-2"
     assert distributed_mode({"WORLD_SIZE": "2"}) == "DDP" and distributed_mode({}) == "single process"
     _, cb = parse_args(["--use_transformers_continuous_batching"])
-    assert generation_backend(cb).startswith("transformers continuous batching")
+    cb_run = resolve_run(cb)
+    assert cb_run.sampler.describe(cb).startswith("transformers continuous batching")
     # The held-out evaluation says what generates it: vLLM serves the training rollouts only.
-    from retool.startup import evaluation_backend
-
-    assert evaluation_backend(cb) == generation_backend(cb)
-    assert evaluation_backend(args) == "HF generate"
-    args.use_vllm = True
-    assert evaluation_backend(args) == "HF generate (vLLM serves the training rollouts only)"
+    assert evaluation_backend(cb_run) == cb_run.sampler.describe(cb)
+    assert evaluation_backend(run) == "HF generate"
+    vllm = SimpleNamespace(**{**vars(run), "sampler": SamplerKind.VLLM_COLOCATE})
+    vllm.config = SimpleNamespace(**{**vars(args), "vllm_mode": "colocate"})
+    assert evaluation_backend(vllm) == "HF generate (vLLM serves the training rollouts only)"
     assert "generated with HF generate (vLLM serves the training rollouts only)" in format_banner(
-        script_args, args, world_size=1, device="cuda:0", distributed="single process")
+        script_args, vllm, world_size=1, device="cuda:0", distributed="single process")
 
 
 # -- summary.json, the model card and the plot (point 13) -------------------------------------------------

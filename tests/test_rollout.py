@@ -10,6 +10,7 @@ import pytest
 
 from conftest import code_schema
 
+from trl_plugins.rollout.backends import BackendBase
 from trl_plugins.datum import build_datum
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.registry import ROLLOUTS
@@ -313,7 +314,7 @@ def test_rollout_metrics(chat):
 
 
 def test_an_interrupted_rollout_marks_what_was_still_running_as_cancelled(chat):
-    class Interrupting:
+    class Interrupting(BackendBase):
         """Generates like the scripted policy, then is interrupted in the second round."""
 
         def __init__(self, inner):

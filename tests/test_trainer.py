@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from trl_plugins.rollout.backends import BackendBase
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import Trajectory
 
@@ -117,17 +118,20 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(aggregation="seq_mean_token_sum_norm"), "set norm_length"),
         (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),
         (dict(advantage="gae", vf_clip=0.0), "vf_clip > 0"),
-        (dict(rollout_kwargs={"max_turn": 2}), "rollout 'multi_turn' rejected its settings"),
+        (dict(rollout_kwargs={"max_turn": 2}), r"rollout_kwargs for rollouts plugin 'multi_turn' has unknown keys \['max_turn'\]; it accepts \['max_turns',"),
+            (dict(rollout_kwargs={"max_turns": 0}), "rollouts plugin 'multi_turn' rejected its settings|max_turns must be >= 1"),
         (dict(advantage="grpo"), "unknown advantages plugin 'grpo'"),
-        (dict(policy_loss="test_trainer:UndeclaredLoss"), r"does not declare \['needs_ref_logprobs', 'needs_entropy'\]"),
+        (dict(policy_loss="test_trainer:UndeclaredLoss"), r"policy_loss 'test_trainer:UndeclaredLoss' does not declare needs_ref_logprobs \(a bool\)"),
         (dict(console_metrics="json"), "console_metrics must be 'compact' or 'full'"),
     ],
 )
 def test_config_validation(tmp_path, overrides, message):
     from trl_plugins.registry import RegistryError
+    from trl_plugins.run import resolve_run
 
+    # The config's own fields are checked when it is built, what needs the plugins when the run is resolved.
     with pytest.raises((ValueError, RegistryError), match=message):
-        _config(tmp_path, **overrides)
+        resolve_run(_config(tmp_path, **overrides), reward_components={"length": TokenReward()}).close()
 
 
 def test_trainer_validation(tmp_path):
@@ -341,7 +345,7 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
     assert len(turns) == 2 and json.loads(turns[0].read_text())["columns"][:4] == ["step", "question_id", "sample", "turn"]
 
 
-class _PerRowSeedBackend:
+class _PerRowSeedBackend(BackendBase):
     """Samples every row on its own, seeded by its prompt (and its place among identical prompts):
     a trajectory's tokens no longer depend on which rank or batch it was sampled in."""
 
@@ -390,7 +394,7 @@ def test_truncated_policy_scores_or_masks_truncated_trajectories(tmp_path, polic
     trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, max_steps=1, truncated_policy=policy), train_dataset=_dataset(),
                                    processing_class=tok, reward_components={"length": TokenReward()})
     trainer.train()
-    trajs = trainer._last_trajectories
+    trajs = trainer.last_batch.trajectories
     assert trajs and all(t.truncated for t in trajs)
     record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
     changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
@@ -409,8 +413,8 @@ def test_configured_tools_are_keyed_by_the_name_the_model_calls(tmp_path):
                    tool_kwargs={"trl_plugins.tools.code_interpreter:CodeInterpreter": {"name": "python"}})
     trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), args, train_dataset=_dataset(), processing_class=tok,
                                    reward_components={"length": TokenReward()})
-    assert list(trainer._plugins.tools) == ["python"]
-    assert [s["function"]["name"] for s in trainer._chat.tools] == ["python"]
+    assert list(trainer.run.tools) == ["python"]
+    assert [s["function"]["name"] for s in trainer.run.chat.tools] == ["python"]
 
 
 def _saved_model(tmp_path, tok):
@@ -458,7 +462,7 @@ def test_kl_in_the_reward_is_a_stored_reward_component(tmp_path):
                               kl_estimator="k1")
     assert "reward/kl_penalty" in records[0]
     assert abs(records[0]["reward/kl_penalty"]) < 1e-4  # step 1: behaviour policy == reference (float noise)
-    trajs = trainer._last_trajectories
+    trajs = trainer.last_batch.trajectories
     comps = [t.reward_component("kl_penalty") for t in trajs]
     assert all(c.weight == 0.2 for c in comps) and any(c.value != 0.0 for c in comps)
     assert all(abs(t.reward - (t.reward_component("length").value + 0.2 * t.reward_component("kl_penalty").value)) < 1e-9
@@ -494,8 +498,16 @@ def test_mask_leaves_truncated_members_out_of_their_group_statistics():
     from types import SimpleNamespace
 
     from trl_plugins.algos import GroupAdvantage
-    from trl_plugins.trainers.batch import compute_advantages, training_mask
+    from trl_plugins.protocols import as_advantage
+    from trl_plugins.trainers.batch import assign_advantages, training_mask
     from trl_plugins.types import StopReason
+
+    def compute_advantages(plugins, trajs, masked):  # the batch builder makes one datum per trajectory trained on
+        datums = [SimpleNamespace(trajectory_index=i, action_mask=[0, 1], num_tokens=2, advantages=None)
+                  for i, m in enumerate(masked) if not m]
+        assign_advantages(as_advantage(plugins.advantage, "group"), trajs, datums)
+        for d in datums:
+            assert d.advantages == [0.0, trajs[d.trajectory_index].advantage]  # on the action position only
 
     # Group 0: rewards [1, 0, 0.5 (truncated), 0 (truncated)]; group 1: [0.2, 0.2 (truncated)].
     spec = [(0, 1.0, False), (0, 0.0, False), (0, 0.5, True), (0, 0.0, True), (1, 0.2, False), (1, 0.7, True)]
@@ -542,13 +554,15 @@ def test_gae_brings_a_critic_that_warms_up_alone_then_trains_with_the_policy(tmp
         assert key in record, key
     assert record["critic/values_mean"] == 0.0  # the zero head
     # Per-token advantages on the datums: whitened over the batch's action tokens.
-    trajs = trainer._last_trajectories
+    trajs = trainer.last_batch.trajectories
     assert len({round(t.advantage, 6) for t in trajs}) > 1
 
 
 def test_critic_settings_without_a_critic_are_refused(tmp_path):
+    from trl_plugins.run import resolve_run
+
     with pytest.raises(ValueError, match=r"\['critic_learning_rate'\] configure the critic"):
-        _config(tmp_path, critic_learning_rate=1e-4)
+        resolve_run(_config(tmp_path, critic_learning_rate=1e-4), reward_components={"length": TokenReward()})
 
 
 def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
@@ -591,7 +605,7 @@ def test_with_peft_the_reference_is_the_policy_with_its_adapter_disabled(tmp_pat
     from peft import LoraConfig
 
     from trl_plugins.trainers import MultiTurnGRPOTrainer
-    from trl_plugins.trainers.step import reference_logprobs
+    from trl_plugins.trainers.update import reference_logprobs
 
     tok = build_tokenizer("qwen2_5")
     base = build_tiny_model(tok)
@@ -605,16 +619,17 @@ def test_with_peft_the_reference_is_the_policy_with_its_adapter_disabled(tmp_pat
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
     # init_lora_weights=False: the adapter changes the policy from the start, so the KL to the base is > 0 at step 1.
     assert records[0]["train/kl_k3"] > 0
-    datums = [build_datum_for(t, i) for i, t in enumerate(trainer._last_trajectories)]
-    trainer._reference_logprobs(datums)
+    datums = [build_datum_for(t, i) for i, t in enumerate(trainer.last_batch.trajectories)]
+    model, context = trainer._reference_model()
+    reference_logprobs(trainer.accelerator, model, datums, trainer.args, pad_token_id=tok.pad_token_id, context=context)
     # The reference log-probs are the base model's (adapter off), not the adapted policy's.
     from accelerate import Accelerator
 
-    expected = [build_datum_for(t, i) for i, t in enumerate(trainer._last_trajectories)]
+    expected = [build_datum_for(t, i) for i, t in enumerate(trainer.last_batch.trajectories)]
     reference_logprobs(Accelerator(cpu=True), base, expected, trainer.args, pad_token_id=tok.pad_token_id)
     for d, e in zip(datums, expected):
         assert max(abs(a - b) for a, b in zip(d.ref_logprobs, e.ref_logprobs)) < 1e-5
-    policy = [build_datum_for(t, i) for i, t in enumerate(trainer._last_trajectories)]
+    policy = [build_datum_for(t, i) for i, t in enumerate(trainer.last_batch.trajectories)]
     reference_logprobs(Accelerator(cpu=True), trainer.model, policy, trainer.args, pad_token_id=tok.pad_token_id)
     assert any(max(abs(a - b) for a, b in zip(d.ref_logprobs, p.ref_logprobs)) > 1e-3 for d, p in zip(datums, policy))
 
@@ -632,7 +647,7 @@ def test_gae_with_the_kl_in_the_reward_puts_it_on_every_token(tmp_path):
                               kl_penalty="reward", kl_estimator="k1")
     assert "reward/kl_penalty" in records[-1] and "critic/value_loss" in records[-1]
     # Recorded with weight 0 (it went into GAE per token), so the reward the logs show is the task's.
-    trajs = trainer._last_trajectories
+    trajs = trainer.last_batch.trajectories
     assert all(t.reward_component("kl_penalty").weight == 0.0 for t in trajs)
     assert any(t.reward_component("kl_penalty").value != 0.0 for t in trajs)
 
@@ -732,7 +747,7 @@ def test_infrastructure_failures_carry_no_training_signal(tmp_path):
         tools={"code_interpreter": FlakyCodeTool()}, reward_components={"length": PickyVerifier()},
     )
     trainer.train()  # completes: neither the tool nor the verifier stops the run
-    trajs = trainer._last_trajectories
+    trajs = trainer.last_batch.trajectories
     reasons = [t.stop_reason for t in trajs]
     env = [t for t in trajs if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
     ver = [t for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR]
@@ -864,7 +879,7 @@ def test_a_tool_declaring_an_unknown_metric_reduction_is_refused_at_start_up(tmp
 
     tok = build_tokenizer("qwen2_5")
     # An unknown reduction would silently become a mean over ranks.
-    with pytest.raises(ValueError, match=r"tool 'echo': step_metric_reductions\(\) returned "
+    with pytest.raises(ValueError, match=r"tool 'echo' step_metric_reductions\(\) returned "
                                          r"\{'echo/calls': 'median'\}; each value must be one of"):
         MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=1, tools=["echo"]), train_dataset=_dataset(),
                              processing_class=tok, tools={"echo": _MedianTool()},

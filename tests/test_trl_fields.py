@@ -1,4 +1,4 @@
-"""Every TRL GRPOConfig field is honoured, mapped or refused (trl_plugins/trainers/trl_fields.py)."""
+"""Every TRL GRPOConfig field is honoured, mapped or refused (trl_plugins/run/trl_fields.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_plugins.trainers.trl_fields import TRL_FIELDS, FieldKind, apply_trl_fields, render_table
+from trl_plugins.run.trl_fields import TRL_FIELDS, FieldKind, apply_trl_fields, render_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "training.md"
 
@@ -246,17 +246,16 @@ def test_docs_carry_the_rendered_table():
 def test_chat_template_kwargs_and_stop_tokens_reach_the_runs_chat_format(tmp_path):
     from trl_plugins.rollout import ChatTemplateError
     from trl_plugins.tiny import build_tokenizer
-    from trl_plugins.trainers.batch import chat_format
-    from trl_plugins.trainers.plugins import build_plugins
+    from trl_plugins.run import resolve_run
 
     config = _config(tmp_path, chat_template_kwargs='{"enable_thinking": false}', stop_tokens=["<|im_end|>", "<|endoftext|>"])
     assert config.chat_template_kwargs == {"enable_thinking": False}
     tok = build_tokenizer("qwen3_training")
-    chat = chat_format(tok, build_plugins(config), config)
+    chat = resolve_run(config).bind_tokenizer(tok)
     assert chat.template_kwargs == {"enable_thinking": False} and not chat.reasoning
     assert chat.stop_token_ids == sorted(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     prompt = tok.decode(chat.initial_prompt_ids([{"role": "user", "content": "q"}]))
     assert prompt.endswith("<think>\n\n</think>\n\n")  # thinking off, as asked
     # Qwen3's own template rewrites history when thinking is off: refused, naming the training variant.
     with pytest.raises(ChatTemplateError, match="training variant"):
-        chat_format(build_tokenizer("qwen3"), build_plugins(config), config)
+        resolve_run(config).bind_tokenizer(build_tokenizer("qwen3"))

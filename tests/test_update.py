@@ -14,7 +14,7 @@ from conftest import make_trajectory, rel_err
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
-from trl_plugins.trainers.step import policy_update
+from trl_plugins.trainers.update import policy_update
 from trl_plugins.types import PolicyLossInput
 
 
@@ -42,7 +42,7 @@ def test_single_process_update_equals_one_batch_sgd_step(tiny_model_factory):
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
     config = SimpleNamespace(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=2,
                              max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=None,
-                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False)
+                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False)
     result = policy_update(accelerator, model, optimizer, datums, PPOClipLoss(), config, pad_token_id=0)
 
     full = collate(datums, list(range(9)), pad_token_id=0)
@@ -66,7 +66,7 @@ def _config(**overrides):
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for these tests.
     base = dict(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=2,
                 max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=40,
-                temperature=1.0, max_grad_norm=None, drop_zero_advantage=False)
+                temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False)
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -139,7 +139,7 @@ def test_skipping_zero_advantage_datums_leaves_the_gradient_unchanged(tiny_model
 @pytest.mark.parametrize("kl_coef,entropy_coef,estimator", [(0.3, 0.0, "k3"), (0.3, 0.0, "k1"), (0.0, 0.05, "k3"),
                                                           (0.2, 0.05, "k2")])
 def test_kl_and_entropy_terms_match_the_one_batch_loss(tiny_model_factory, kl_coef, entropy_coef, estimator):
-    from trl_plugins.trainers.step import datums_to_forward, reference_logprobs
+    from trl_plugins.trainers.update import datums_to_forward, reference_logprobs
 
     model = tiny_model_factory(torch.float32)
     datums = _datums_with_zero_advantages(model)

@@ -17,8 +17,8 @@ from trl_plugins.datum import build_datum
 from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.tools.base import ToolOutput
-from trl_plugins.trainers.batch import training_mask
-from trl_plugins.types import RewardComponent, StopReason, TokenSource
+from trl_plugins.trainers.batch import left_out_reasons
+from trl_plugins.types import LeftOutReason, RewardComponent, StopReason, TokenSource
 from trl_plugins.viewer import (
     FORMAT,
     SOURCE_COLOURS,
@@ -100,7 +100,8 @@ def realistic_batch():
         if not t.world_failure:
             correct = 1.0 if (t.group_id == 0 and t.sample_index == 0) else 0.0
             t.reward_components = [RewardComponent("correct", correct, 1.0), RewardComponent("format", 0.5, 0.1)]
-    masked = training_mask(trajs, mask_truncated=False)
+    left_out = left_out_reasons(trajs, mask_truncated=False)
+    masked = [r is not None for r in left_out]
     for g in {t.group_id for t in trajs}:  # group-relative advantage over the members kept
         members = [t for t, m in zip(trajs, masked) if t.group_id == g and not m]
         mean = sum(t.reward for t in members) / max(len(members), 1)
@@ -108,23 +109,23 @@ def realistic_batch():
             if t.group_id == g:
                 t.advantage = 0.0 if m else t.reward - mean
     datums = [build_datum(t, trajectory_index=i) for i, t in enumerate(trajs) if not masked[i]]
-    return trajs, datums, tok, rows, masked
+    return trajs, datums, tok, rows, left_out
 
 
 @pytest.fixture(scope="module")
 def batch_parts():
-    trajs, datums, tok, rows, masked = realistic_batch()
+    trajs, datums, tok, rows, left_out = realistic_batch()
     # The fixture is what the test relies on: a tool call, a truncation, a world failure, a zero advantage.
     assert trajs[0].num_tool_calls == 1 and trajs[0].stop_reason == StopReason.FINAL_ANSWER
     assert trajs[2].stop_reason == StopReason.TURN_LENGTH and trajs[2].truncated
-    assert trajs[4].stop_reason == StopReason.ENVIRONMENT_ERROR and masked == [False] * 4 + [True] * 2
-    return trajs, datums, tok, rows, masked
+    assert trajs[4].stop_reason == StopReason.ENVIRONMENT_ERROR and left_out == [None] * 4 + [LeftOutReason.WORLD_FAILURE] * 2
+    return trajs, datums, tok, rows, left_out
 
 
 @pytest.fixture(scope="module")
 def batch(batch_parts):
-    trajs, datums, tok, rows, masked = batch_parts
-    return make_batch(trajs, datums, tok, step=10, rows=rows, masked=masked, forwarded={0, 1})
+    trajs, datums, tok, rows, left_out = batch_parts
+    return make_batch(trajs, datums, tok, step=10, rows=rows, left_out=left_out, forwarded={0, 1})
 
 
 class _Spans(html.parser.HTMLParser):
@@ -191,9 +192,9 @@ def assert_spans_match_datums(spans: list[dict], datum, strings: list[str], firs
 
 
 def test_saved_batch_round_trips_the_datums_and_says_what_the_update_did(batch_parts, batch, tmp_path):
-    trajs, datums, tok, rows, masked = batch_parts
+    trajs, datums, tok, rows, left_out = batch_parts
     path = tmp_path / "trajectories" / "step-000010.json"
-    save_batch(path, trajs, datums, tok, step=10, rows=rows, masked=masked, forwarded={0, 1})
+    save_batch(path, trajs, datums, tok, step=10, rows=rows, left_out=left_out, forwarded={0, 1})
     loaded = load_batch(path)
     assert loaded["format"] == FORMAT and loaded["step"] == 10 and len(loaded["trajectories"]) == 6
     saved = loaded["trajectories"]
@@ -410,15 +411,15 @@ def test_the_trainer_writes_a_page_at_every_viewer_step_and_logs_it_to_wandb(tmp
     assert sorted(p.name for p in (out / "trajectories").iterdir()) == ["step-000002.html", "step-000002.json"]
     batch = load_batch(out / "trajectories" / "step-000002.json")
     assert batch["step"] == 2 and batch["num_trajectories"] == 4 and len(batch["trajectories"]) == 3
-    by_index = {d.trajectory_index: d for d in trainer._last_datums}
+    by_index = {d.trajectory_index: d for d in trainer.last_batch.datums}
     page = (out / "trajectories" / "step-000002.html").read_text()
     p = parse(page)
     for i, t in enumerate(batch["trajectories"]):
-        traj = trainer._last_trajectories[i]
+        traj = trainer.last_batch.trajectories[i]
         assert t["question_id"] == traj.question_id and t["advantage"] == traj.advantage
         assert datum_from_dict(t["datum"]) == by_index[i]  # the update's own datum, advantages included
         assert len(t["turns"]) == 2 and t["turns"][0]["tool_call"]["name"] == "code_interpreter"
-        row = trainer._last_rows[traj.group_id]  # the question and answer are the trajectory's own row's
+        row = trainer.last_batch.rows[traj.group_id]  # the question and answer are the trajectory's own row's
         assert (t["question"], t["reference_answer"]) == (row["prompt"], row["answer"])
         assert t["question"] in "".join(t["tokens"]["strings"])
         assert_spans_match_datums(p.sections[i], by_index[i], t["tokens"]["strings"], "prompt")
@@ -442,7 +443,7 @@ def test_viewer_settings_are_checked_when_the_config_is_built(tmp_path, override
 def test_viewer_steps_zero_writes_no_pages(tmp_path):
     trainer = _trainer(tmp_path, viewer_steps=0, viewer_trajectories=0, max_steps=1)
     trainer.train()
-    assert trainer._last_trajectories and not (tmp_path / "trajectories").exists()
+    assert trainer.last_batch.trajectories and not (tmp_path / "trajectories").exists()
 
 
 def test_a_page_that_cannot_be_written_is_reported_and_training_goes_on(tmp_path, caplog):
@@ -465,7 +466,8 @@ def test_a_trajectory_without_a_datum_is_shown_with_the_reason():
     rng = random.Random(0)
     good, bad = make_trajectory(rng, num_turns=2), make_trajectory(rng, num_turns=2, group_id=1)
     bad.turns[1].prompt_ids[0] += 1  # the history was re-tokenised: no datum can be built
-    batch = make_batch([good, bad], [build_datum(good, trajectory_index=0)], None, masked=[False, True])
+    batch = make_batch([good, bad], [build_datum(good, trajectory_index=0)], None,
+                       left_out=[None, LeftOutReason.GROUP_TOO_SMALL])
     assert batch["trajectories"][1]["datum"] is None and "does not extend" in batch["trajectories"][1]["datum_error"]
     page = render_html(batch)
     p = parse(page)
@@ -475,9 +477,25 @@ def test_a_trajectory_without_a_datum_is_shown_with_the_reason():
     assert [s["text"] for s in p.sections[0]] == [f"\u27e8{i}\u27e9" for i in batch["trajectories"][0]["tokens"]["ids"]]
 
 
+def test_the_page_says_the_reason_the_batch_builder_recorded(batch_parts):
+    # The viewer reads why a trajectory was left out; it does not work it out again from the trajectory.
+    trajs, datums, tok, rows, left_out = batch_parts
+    assert trajs[2].truncated and left_out[2] is None
+    recorded = list(left_out)
+    recorded[2] = LeftOutReason.TRUNCATED  # as truncated_policy='mask' would have decided
+    by_index = [d for d in datums if d.trajectory_index != 2]
+    notes = [t["update_note"] for t in make_batch(trajs, by_index, tok, left_out=recorded)["trajectories"]]
+    assert notes[2] == "not trained on: truncated, and truncated_policy='mask'"
+    assert notes[4].startswith("not trained on: the world failed (environment_error")
+    recorded[4] = LeftOutReason.GROUP_TOO_SMALL  # negative control: the recorded reason wins over the stop reason
+    batch = make_batch(trajs, by_index, tok, left_out=recorded)["trajectories"]
+    assert batch[4]["update_note"] == ("not trained on: too few members of its group survived the infrastructure "
+                                       "(min_valid_group_fraction)") and batch[4]["left_out"] == "group_too_small"
+
+
 def test_a_step_without_a_policy_update_marks_its_trajectories_so(batch_parts, tmp_path):
-    trajs, datums, tok, rows, masked = batch_parts
-    batch = make_batch(trajs, datums, tok, step=1, rows=rows, masked=masked, update_skipped="the critic's warm-up")
+    trajs, datums, tok, rows, left_out = batch_parts
+    batch = make_batch(trajs, datums, tok, step=1, rows=rows, left_out=left_out, update_skipped="the critic's warm-up")
     roles = [t["update_role"] for t in batch["trajectories"]]
     assert roles == [UpdateRole.UPDATE_SKIPPED] * 4 + [UpdateRole.LEFT_OUT] * 2  # masked ones keep their own reason
     assert batch["trajectories"][0]["update_note"] == ("not trained on: the step's policy update was skipped "

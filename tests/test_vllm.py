@@ -146,7 +146,7 @@ def _train(tmp_path, path, peft_config=None, **overrides):
                                    MultiTurnGRPOConfig(**kwargs), train_dataset=rows,
                                    processing_class=AutoTokenizer.from_pretrained(path),
                                    reward_components={"length": LastTokenReward()}, peft_config=peft_config)
-    import trl_plugins.trainers.multi_turn_trainer as module
+    import trl_plugins.trainers.phases as module
 
     seen, original = [], module.rollout_rows
 
@@ -182,7 +182,7 @@ def test_trainer_colocate_generates_with_vllm_and_pushes_the_updated_weights(tmp
         assert llm.log[0] == "sleep:2" and llm.log.count("wake:kv_cache") == 2 and llm.log.count("sleep:2") == 3
     else:
         # After the last update no rollout ran, so vLLM holds step 1's weights: push them and compare.
-        trainer._vllm_backend.sync_weights(trainer.state.global_step)
+        trainer.generation_backend().sync_weights(trainer.state.global_step)
         assert _same_weights(llm.engine.model, trainer)
         from transformers import AutoModelForCausalLM
 
@@ -198,7 +198,7 @@ def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, p
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer, _ = _train(tmp_path, path, peft_config=lora, vllm_mode="colocate")
     engine = trainer.vllm_generation.llm.engine.model
-    trainer._vllm_backend.sync_weights(trainer.state.global_step)
+    trainer.generation_backend().sync_weights(trainer.state.global_step)
     with torch.no_grad():
         trainer.model.merge_adapter()
         merged = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
@@ -218,8 +218,8 @@ def test_trainer_server_mode_sends_turns_from_the_rank_and_pushes_weights(tmp_pa
                                vllm_max_concurrent_requests=3)
         turns = sum(len(t.turns) for trajs in seen for t in trajs)
         assert server.engine.requests == turns  # one request per turn
-        assert trainer._vllm_backend.max_concurrency == 3
-        trainer._vllm_backend.sync_weights(trainer.state.global_step)
+        assert trainer.generation_backend().max_concurrency == 3
+        trainer.generation_backend().sync_weights(trainer.state.global_step)
         assert _same_weights(server.engine.model, trainer)
 
 
@@ -238,18 +238,21 @@ def test_vllm_settings_that_cannot_work_are_refused_before_any_model_loads(tmp_p
         MultiTurnGRPOTrainer("no-such-model", MultiTurnGRPOConfig(**base))
 
 
-def test_a_vllm_context_shorter_than_a_trajectory_is_refused_when_the_config_is_built(tmp_path, patched):
+def test_a_vllm_context_shorter_than_a_trajectory_is_refused_before_any_model_loads(tmp_path, patched):
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], reward_components=["correct"], use_vllm=True)
-    # The engine's context must hold a whole trajectory; checked when the config is built, before any model loads.
+    from trl_plugins.run import resolve_run
+
+    # The engine's context must hold a whole trajectory: the rollout's budget is known once its plugin is built,
+    # when the run is resolved, before any model loads ...
+    config = MultiTurnGRPOConfig(**base, vllm_max_model_length=512, rollout_kwargs={"max_trajectory_tokens": 600})
     with pytest.raises(ValueError, match="vllm_max_model_length=512 is shorter than the rollout's token budget of 600"):
-        MultiTurnGRPOConfig(**base, vllm_max_model_length=512, rollout_kwargs={"max_trajectory_tokens": 600})
-    # The trainer asks the same check (build_plugins), for a config changed after it was built.
-    config = MultiTurnGRPOConfig(**base, vllm_max_model_length=1024, rollout_kwargs={"max_trajectory_tokens": 600})
-    config.vllm_max_model_length = 512
+        resolve_run(config)
+    # ... which the trainer does from a config it is given ("no-such-model" is never looked up).
     with pytest.raises(ValueError, match="vllm_max_model_length=512 is shorter than the rollout's token budget of 600"):
         MultiTurnGRPOTrainer("no-such-model", config)
+    resolve_run(MultiTurnGRPOConfig(**base, vllm_max_model_length=600, rollout_kwargs={"max_trajectory_tokens": 600}))
 
 
 def test_vllm_logprobs_that_differ_from_the_trainers_are_corrected(tmp_path, saved, patched):

@@ -1,7 +1,7 @@
 """Held-out evaluation of a tool-calling policy: pass@1, pass@k and tool-call statistics.
 
-The evaluation builds its tools, rollout plugin and reward components from the training config through
-the registries and runs the training path (:mod:`trl_plugins.trainers.batch`), so a number here means
+The evaluation runs the training run's own tools, rollout plugin and reward components (its
+:class:`~trl_plugins.run.Run`) on the training path (:mod:`trl_plugins.trainers.batch`), so a number here means
 the same thing as ``reward/correct`` in the training logs.
 
 Every held-out figure carries a standard error clustered by problem (:func:`clustered_se`): the samples
@@ -177,21 +177,20 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
     )
 
 
-def check_success_component(args: Any, success_component: str = "correct") -> None:
-    """Refuse, before anything is built, a config whose ``success_component`` an evaluation cannot use:
-    it must be among ``args.reward_components`` and its plugin must define ``is_success(value)``.
+def check_success_component(run: Any, success_component: str = "correct") -> None:
+    """Refuse a run whose ``success_component`` an evaluation cannot use: it must be among the run's reward
+    components and define ``is_success(value)``.
 
     Raises:
         ValueError: naming what to configure instead.
     """
-    from trl_plugins.registry import REWARDS
-
-    if success_component not in args.reward_components:
+    names = [r.name for r in run.rewards]
+    if success_component not in names:
         raise ValueError(
             f"the evaluation counts a sample correct by the reward component {success_component!r}, which is not among "
-            f"reward_components={args.reward_components}; add it (it may have weight 0)."
+            f"reward_components={names}; add it (it may have weight 0)."
         )
-    if not callable(getattr(REWARDS.get(success_component), "is_success", None)):
+    if run.reward(success_component).is_success_fn is None:
         raise ValueError(
             f"reward component {success_component!r} has no is_success(value) method, so the evaluation cannot tell a "
             f"correct sample from a wrong one."
@@ -202,7 +201,7 @@ def evaluate_policy(
     model: Any,
     tokenizer: Any,
     rows: Sequence[Mapping[str, Any]],
-    args: Any,
+    run: Any,
     *,
     samples: int = 1,
     temperature: float = 1.0,
@@ -217,17 +216,17 @@ def evaluate_policy(
 ) -> tuple[EvalResult, list[Trajectory]]:
     """Roll out every row ``samples`` times with the run's own plugins and score it with every reward component.
 
-    The tools, the rollout plugin, the reward components and the system prompt come from ``args`` (the
-    training ``MultiTurnGRPOConfig``) through the registries, and the rows take the same
-    rows -> trajectories -> scores path as training (:mod:`trl_plugins.trainers.batch`), so a trajectory
-    is rolled out and scored here exactly as in a training step. A sample counts as correct when the
-    component ``success_component`` says so (its ``is_success(value)``). ``temperature=0`` is greedy
-    decoding (then ``samples`` should be 1); the other sampling settings are the config's. With
-    ``accelerator`` (a prepared, possibly ZeRO-3-sharded ``model`` during training), each batch of rows is
-    generated with the full weights gathered once; every rank must then call this with the same number of
-    batches. The sampler is HF ``generate``, or transformers' continuous batching when ``args`` asks for it
-    (``use_transformers_continuous_batching``); ``backend`` replaces it (the trainer's ``generation_backend``,
-    e.g. vLLM, whose weights are brought to ``policy_step``'s first).
+    The tools, the rollout plugin, the reward components and the system prompt are the run's
+    (:class:`~trl_plugins.run.Run`; a ``MultiTurnGRPOConfig`` given instead is resolved into one here, and closed
+    at the end), and the rows take the same rows -> trajectories -> scores path as training
+    (:mod:`trl_plugins.trainers.batch`), so a trajectory is rolled out and scored here exactly as in a training
+    step. A sample counts as correct when the component ``success_component`` says so (its ``is_success(value)``).
+    ``temperature=0`` is greedy decoding (then ``samples`` should be 1); the other sampling settings are the
+    config's. With ``accelerator`` (a prepared, possibly ZeRO-3-sharded ``model`` during training), each batch of
+    rows is generated with the full weights gathered once; every rank must then call this with the same number of
+    batches. The sampler is HF ``generate``, or transformers' continuous batching when the run generates with it;
+    ``backend`` replaces it (the trainer's ``generation_backend``, e.g. vLLM, whose weights are brought to
+    ``policy_step``'s first).
 
     Returns:
         The numbers and the scored trajectories.
@@ -238,39 +237,43 @@ def evaluate_policy(
     import torch
 
     from trl_plugins.rollout import derive_seed
-    from trl_plugins.trainers.batch import cb_backend, chat_format, hf_backend, rollout_rows, sampling_settings, score_trajectories
-    from trl_plugins.trainers.plugins import build_plugins
+    from trl_plugins.run import Run, SamplerKind, resolve_run
+    from trl_plugins.run.sampler import make_backend
+    from trl_plugins.trainers.batch import rollout_rows, score_trajectories
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}.")
-    check_success_component(args, success_component)
-    plugins = build_plugins(args)
-    judge = next(fn for name, _, fn in plugins.reward_components if name == success_component)
-    chat = chat_format(tokenizer, plugins, args)
-    if backend is None and getattr(args, "use_transformers_continuous_batching", False):
-        backend = cb_backend(model, chat, args, accelerator).with_sampling(sampling_settings(args, temperature=temperature))
-    elif backend is None:
-        backend = hf_backend(model, tokenizer, chat, args, temperature=temperature, accelerator=accelerator)
+    owned = not isinstance(run, Run)
+    if owned:
+        run = resolve_run(run)
     trajectories: list[Trajectory] = []
     correct: list[bool] = []
     was_training = model.training
-    model.eval()
     try:
+        check_success_component(run, success_component)
+        judge = run.reward(success_component)
+        run.bind_tokenizer(tokenizer)
+        if backend is None:
+            kind = SamplerKind.CONTINUOUS_BATCHING if run.sampler is SamplerKind.CONTINUOUS_BATCHING else SamplerKind.HF_GENERATE
+            backend = make_backend(kind, run.config, run.chat, model=model, pad_token_id=tokenizer.pad_token_id,
+                                   accelerator=accelerator, temperature=temperature)
+        model.eval()
         from tqdm.auto import tqdm
 
         starts = range(0, len(rows), batch_questions)
         for b, start in enumerate(tqdm(starts, desc="evaluate", unit="batch", disable=not progress, leave=False)):
             chunk = list(rows[start : start + batch_questions])
             with torch.no_grad():
-                result = rollout_rows(plugins, args, chat, backend, chunk, group_size=samples,
-                                      seed=derive_seed(seed, b, 0), id_offset=start, policy_step=policy_step)
-            score_trajectories(plugins, result.trajectories, chunk)
+                result = rollout_rows(run, backend, chunk, group_size=samples, seed=derive_seed(seed, b, 0),
+                                      id_offset=start, policy_step=policy_step)
+            score_trajectories(run.rewards, result.trajectories, chunk)
             for traj in result.trajectories:
                 trajectories.append(traj)
                 # A sample the infrastructure failed (environment_error, verifier_error) counts as not correct
                 # here, and is reported apart (world_failure_frac).
-                correct.append(not traj.world_failure and bool(judge.is_success(traj.reward_component(success_component).value)))
+                correct.append(not traj.world_failure and judge.is_success(traj.reward_component(success_component).value))
     finally:
         model.train(was_training)
-        plugins.close()
+        if owned:
+            run.close()
     return summarise(trajectories, correct, ks), trajectories

@@ -35,7 +35,7 @@ CONFIG_HELP = (
 @dataclass
 class ScriptArguments(ModelConfig):
     """The task, model and evaluation; TRL's ``ModelConfig`` brings ``--use_peft`` and the ``--lora_*``
-    fields (``trl_plugins.trainers.lora`` honours or refuses each one)."""
+    fields (``trl_plugins.run.lora`` honours or refuses each one)."""
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout: 0 (TRL's default 0.05 is refused: dropout in the update but not in generation biases every importance ratio)."})
@@ -64,6 +64,10 @@ class ScriptArguments(ModelConfig):
     reward_weight_origins: dict[str, str] = field(default_factory=dict, init=False)
     """Per reward component, where its weight came from when the components were changed without weights
     (empty when the weights were given with the components)."""
+    provenance: dict[str, str] = field(default_factory=dict, init=False)
+    """Per field a layer set, where its value came from: a config file's name, ``the command line`` or ``the CPU
+    defaults`` (:func:`retool.launch.cpu_defaults`); a field no layer set has its default. The run carries it
+    (``trl_plugins.run.RunSpec.provenance``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -216,7 +220,7 @@ def _group_help(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]
     inherited_model = {f.name for f in fields(ModelConfig)} - own(ScriptArguments)
     groups.append(("TRL's ModelConfig (LoRA, quantisation), inherited by ScriptArguments", None, inherited_model))
     groups.append(("TRL's GRPOConfig and transformers' TrainingArguments, inherited by MultiTurnGRPOConfig",
-                   "Each is honoured, mapped or refused at start-up (trl_plugins/trainers/trl_fields.py).", None))
+                   "Each is honoured, mapped or refused at start-up (trl_plugins/run/trl_fields.py).", None))
     default_group = parser._optionals
     made = []
     for title, description, names in groups:
@@ -280,15 +284,36 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
         merged.update(values)
     for key, value in env.items():
         os.environ[key] = str(value)
-    argv = argv + cpu_defaults(argv, merged)
+    user_argv = list(argv)
+    defaults = cpu_defaults(argv, merged)
+    argv = argv + defaults
     parser.set_defaults_with_config(**merged)
     origins: dict[str, str] = {}
+    provenance: dict[str, str] = {}
     if not any(a in ("-h", "--help") for a in argv):
         weights, origins = _weights_by_name(layers, _given_on_command_line(parser, argv), argv, parser)
         if weights is not None:
             parser.set_defaults_with_config(reward_component_weights=weights)
+        provenance = _provenance(layers, _given_on_command_line(parser, user_argv), _given_on_command_line(parser, defaults),
+                                 reweighted=weights is not None)
     outputs = tuple(parser.parse_args_into_dataclasses(argv))
     script_args = next(o for o in outputs if isinstance(o, ScriptArguments))
     script_args.config_files = [path for path, _ in layers]
     script_args.reward_weight_origins = origins
+    script_args.provenance = provenance
     return outputs
+
+
+def _provenance(layers: list[tuple[str, dict]], cli: set[str], cpu: set[str], *, reweighted: bool) -> dict[str, str]:
+    """Where each field's value came from: the highest layer that set it (a config file by name, the command line,
+    the CPU defaults); reward weights carried over by name come from the layer that changed the components."""
+    out: dict[str, str] = {}
+    for path, values in layers:
+        for key in values:
+            if key != "env":
+                out[key] = Path(path).name
+    out.update({key: "the CPU defaults" for key in cpu})
+    out.update({key: "the command line" for key in cli})
+    if reweighted and "reward_components" in out:
+        out["reward_component_weights"] = f"kept by name as {out['reward_components']} changed reward_components"
+    return dict(sorted(out.items()))

@@ -181,9 +181,12 @@ def answer_paths(dataset_name: str | None) -> list[str]:
     import datasets.config
     import huggingface_hub.constants
 
-    candidates = [datasets.config.HF_DATASETS_CACHE, huggingface_hub.constants.HF_HUB_CACHE]
-    if Path(dataset_name).exists():
-        candidates.append(dataset_name)
+    caches = [datasets.config.HF_DATASETS_CACHE, huggingface_hub.constants.HF_HUB_CACHE]
+    for cache in caches:
+        # Created now (as loading the dataset would): the sandbox can hide only what exists when it starts, and the
+        # run's tools start before the rows load.
+        Path(cache).expanduser().mkdir(parents=True, exist_ok=True)
+    candidates = caches + ([dataset_name] if Path(dataset_name).exists() else [])
     out: list[str] = []
     for p in candidates:
         resolved = str(Path(p).expanduser().resolve())
@@ -196,7 +199,8 @@ def hide_answers(dataset_name: str | None, training_args: Any, say: Any = print)
     """Add the dataset's answer locations (:func:`answer_paths`) to the code interpreter's ``hidden_paths``.
 
     Model-written code must not read the reference answers. Changes ``training_args.tool_kwargs`` in
-    place (training and evaluation then hide the same paths).
+    place, before the run is resolved (the tools are built with it; training and evaluation then hide the same
+    paths).
     """
     hide = answer_paths(dataset_name)
     if hide and "code_interpreter" in training_args.tools:

@@ -1,8 +1,8 @@
 """Held-out evaluation of a checkpoint with the run's own config: the recipe's before/after numbers and
 ``recipes/retool_eval.py``.
 
-The rollout, tools, reward components and system prompt come from the training ``MultiTurnGRPOConfig``
-(:func:`trl_plugins.evaluation.evaluate_policy` builds them through the registries); the held-out rows,
+The rollout, tools, reward components and system prompt are the training run's (:class:`trl_plugins.run.Run`,
+rebuilt from its spec in a child process); the held-out rows,
 samples and temperature from ``ScriptArguments`` (``dataset_test_split`` or ``held_out_fraction``,
 ``eval_problems``, ``eval_samples``, ``eval_temperature``): the held-out rows never include a training row
 (:func:`retool.data.load_task_rows`).
@@ -31,7 +31,7 @@ class EvalArguments:
     show_samples: int = field(default=2, metadata={"help": "Print this many sample trajectories."})
 
 
-def check_eval_settings(script_args: Any, training_args: Any, ks: Sequence[int] | None = None, *,
+def check_eval_settings(script_args: Any, run: Any, ks: Sequence[int] | None = None, *,
                         training: bool = True) -> list[int]:
     """The pass@k values to report (default 1 and ``eval_samples``); refuses settings that cannot work,
     before any model is built or loaded. ``training``: called by the training recipe (else by
@@ -55,7 +55,7 @@ def check_eval_settings(script_args: Any, training_args: Any, ks: Sequence[int] 
         )
     if script_args.eval_problems > 0:
         try:
-            check_success_component(training_args)
+            check_success_component(run)
         except ValueError as exc:
             raise SystemExit(f"{exc} Or skip the held-out evaluation with --eval_problems 0.") from exc
     samples = script_args.eval_samples
@@ -71,7 +71,7 @@ def check_eval_settings(script_args: Any, training_args: Any, ks: Sequence[int] 
 def evaluate_checkpoint(
     model_path: str,
     script_args: Any,
-    training_args: Any,
+    run: Any,
     *,
     ks: Sequence[int],
     rows: Sequence[dict] | None = None,
@@ -82,6 +82,8 @@ def evaluate_checkpoint(
 ) -> dict:
     """Evaluate ``model_path`` on the held-out rows; prints samples and a summary line, returns the numbers.
 
+    ``run``: the run (``retool_eval.py``'s, resolved in this process) or its :class:`~trl_plugins.run.RunSpec`
+    (the recipe's child process: the run is rebuilt from it, nothing checked again, and closed at the end).
     ``rows``: the held-out rows (the recipe passes those it loaded); default: ``eval_problems`` of them
     loaded here (:func:`retool.data.task_rows`, which says where they come from). Every accuracy and pass@k
     comes with its standard error clustered by problem (``*_se``).
@@ -91,6 +93,7 @@ def evaluate_checkpoint(
 
     from retool.data import task_rows
     from trl_plugins.evaluation import evaluate_policy
+    from trl_plugins.run import RunSpec, build_run
 
     if rows is None:
         rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print)
@@ -100,10 +103,17 @@ def evaluate_checkpoint(
     model.to("cuda" if on_gpu else "cpu")
     temperature = script_args.eval_temperature
     start = time.perf_counter()
-    result, trajectories = evaluate_policy(
-        model, tokenizer, rows, training_args, samples=script_args.eval_samples, temperature=temperature, ks=ks,
-        seed=training_args.seed, batch_questions=batch_questions, progress=progress,
-    )
+    owned = isinstance(run, RunSpec)
+    if owned:
+        run = build_run(run)
+    try:
+        result, trajectories = evaluate_policy(
+            model, tokenizer, rows, run, samples=script_args.eval_samples, temperature=temperature, ks=ks,
+            seed=run.config.seed, batch_questions=batch_questions, progress=progress,
+        )
+    finally:
+        if owned:
+            run.close()
     out = {"model": model_path, **result.to_dict(), "temperature": temperature, "wall_s": time.perf_counter() - start}
     out["pass_at_k"] = {str(k): v for k, v in out["pass_at_k"].items()}
     out["pass_at_k_se"] = {str(k): v for k, v in out["pass_at_k_se"].items()}
@@ -177,7 +187,7 @@ class PeriodicHeldOut(TrainerCallback):
 
         trainer = self.trainer
         result, _ = evaluate_policy(
-            trainer.model_wrapped, trainer.processing_class, self.rows, trainer.args, samples=self.samples,
+            trainer.model_wrapped, trainer.processing_class, self.rows, trainer.run, samples=self.samples,
             temperature=self.temperature, seed=seed, batch_questions=len(self.rows), accelerator=trainer.accelerator,
             backend=trainer.generation_backend(temperature=self.temperature), policy_step=trainer.state.global_step,
         )

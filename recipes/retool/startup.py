@@ -1,78 +1,54 @@
-"""Start-up of the recipe: the plugin and chat-template checks that run before any model loads, and the
+"""Start-up of the recipe: the run resolved once and the chat template checked, before any model loads, and the
 banner that says what the run will do (plugins, sandbox, processes and precision, generation, outputs)."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["PluginCheck", "check_plugins", "check_chat_template", "distributed_mode", "generation_backend",
-           "precision", "format_banner"]
+__all__ = ["resolve", "check_chat_template", "distributed_mode", "evaluation_backend", "precision", "format_banner"]
 
 
-@dataclass
-class _Schema:
-    value: dict
-
-    def schema(self) -> dict:
-        return self.value
-
-
-@dataclass
-class PluginCheck:
-    """What :func:`check_plugins` learnt from building the run's plugins once."""
-
-    tool_start_up: dict[str, str] = field(default_factory=dict)
-    """Per tool that declares ``start_up()``, the line it reported (the code interpreter: its sandbox's isolation)."""
-    tools: dict[str, Any] = field(default_factory=dict)
-    """Per tool, its schema as an object with ``schema()`` (what the chat template shows the model)."""
-
-
-def check_plugins(training_args: Any) -> PluginCheck:
-    """Build every plugin ``training_args`` selects, with its kwargs, without a model; start each tool that
-    declares ``start_up()`` (the code interpreter resolves and probes its sandbox's isolation: no warm
-    interpreter is started), then close them all.
-
-    A kwarg a plugin refuses (a name it does not take, or a value its constructor or start-up rejects) thus
-    stops the run before the model loads and before the "before" evaluation, not when the trainer builds it.
+def resolve(script_args: Any, training_args: Any) -> Any:
+    """The run, resolved once before anything is built or loaded (:func:`trl_plugins.run.resolve_run`): TRL's
+    ``ModelConfig`` fields honoured or refused, every plugin built with its kwargs and checked, the sampler picked,
+    the LoRA adapter checked, and each tool that declares ``start_up()`` started (the code interpreter resolves and
+    probes its sandbox's isolation: no warm interpreter is started). The trainer, the evaluations and the banner
+    all take this run; the settings' provenance (``script_args.provenance``) travels in it.
 
     Raises:
-        SystemExit: a plugin refused its settings or could not start; the message is the plugin's.
+        SystemExit: a setting or a plugin refused, or a tool that could not start; the message is the check's own.
     """
-    from trl_plugins.trainers.plugins import build_plugins
+    from trl_plugins.run import resolve_run
+    from trl_plugins.run.lora import check_model_config, peft_config_from
 
     try:
-        plugins = build_plugins(training_args)
+        check_model_config(script_args, training_args)  # --use_peft, --lora_*, quantisation, ...
+        run = resolve_run(training_args, provenance=getattr(script_args, "provenance", None) or {},
+                          peft_config=peft_config_from(script_args))
     except (LookupError, ValueError, TypeError, RuntimeError) as exc:  # LookupError: the registry's unknown names
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
-    check = PluginCheck()
     try:
-        for name, tool in plugins.tools.items():
-            start_up = getattr(tool, "start_up", None)
-            if callable(start_up):
-                check.tool_start_up[name] = str(start_up())
-            check.tools[name] = _Schema(tool.schema())
+        run.start_tools()
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise SystemExit(f"configuration error (before any model loads): tool {name!r}: {exc}") from exc
-    finally:
-        plugins.close()
-    return check
+        run.close()
+        raise SystemExit(f"configuration error (before any model loads): a tool could not start: {exc}") from exc
+    return run
 
 
-def check_chat_template(tokenizer: Any, check: PluginCheck, training_args: Any) -> None:
+def check_chat_template(tokenizer: Any, run: Any) -> None:
     """The chat template's checks (prefix-preserving, shows the tools' schemas, stop tokens, ...) on the run's
-    tokenizer and tools, right after the tokenizer loads: before the model loads and before any evaluation.
+    tokenizer and tools, right after the tokenizer loads: before the model loads and before any evaluation. The
+    run keeps the chat format it built (:meth:`trl_plugins.run.Run.bind_tokenizer`).
 
     Raises:
         SystemExit: the template cannot be followed token for token (the message says why and what to use).
     """
     from trl_plugins.rollout import ChatTemplateError
-    from trl_plugins.trainers.batch import chat_format
 
     try:
-        chat_format(tokenizer, check, training_args)
+        run.bind_tokenizer(tokenizer)
     except ChatTemplateError as exc:
         raise SystemExit(f"configuration error (before any model loads): the chat template: {exc}") from exc
 
@@ -112,33 +88,24 @@ def precision(training_args: Any) -> str:
     return "fp32"
 
 
-def generation_backend(training_args: Any) -> str:
-    """What generates the rollouts: vLLM (and its mode), transformers continuous batching, or HF generate."""
-    if getattr(training_args, "use_vllm", False):
-        return f"vLLM ({training_args.vllm_mode} mode)"
-    if getattr(training_args, "use_transformers_continuous_batching", False):
-        keep = "kept" if getattr(training_args, "continuous_batching_keep_cache", False) else "freed"
-        return f"transformers continuous batching (KV cache {keep} between rollouts)"
-    return "HF generate"
-
-
-def evaluation_backend(training_args: Any) -> str:
+def evaluation_backend(run: Any) -> str:
     """What generates the held-out evaluations: vLLM serves the training rollouts only (the before/after evaluation
     runs in a child process with HF generate), continuous batching serves both."""
-    if getattr(training_args, "use_vllm", False):
+    if run.sampler.is_vllm:
         return "HF generate (vLLM serves the training rollouts only)"
-    return generation_backend(training_args)
+    return run.sampler.describe(run.config)
 
 
 def _kwargs(values: Any) -> str:
     return json.dumps(values, sort_keys=True, default=str) if values else "{}"
 
 
-def format_banner(script_args: Any, training_args: Any, *, world_size: int, device: str, distributed: str,
+def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, distributed: str,
                   tool_start_up: Mapping[str, str] | None = None, wandb_mode: str | None = None) -> str:
     """The start-up banner: every plugin in force with its settings, the sandbox's isolation, processes and
-    precision, the generation backend, and where outputs go. Pure: everything comes in as arguments."""
-    a, s = training_args, script_args
+    precision, the generation backend, and where outputs go. Pure: everything comes in as arguments (the run, and
+    what its tools reported when they started: :meth:`trl_plugins.run.Run.start_tools`)."""
+    a, s = run.config, script_args
     tool_start_up = dict(tool_start_up or {})
     lines = ["=" * 72, "ReTool PPO: the run", "-" * 72]
     model = s.model_name_or_path or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
@@ -176,12 +143,12 @@ def format_banner(script_args: Any, training_args: Any, *, world_size: int, devi
                  f"{world_size * a.per_device_train_batch_size} per step in all; max_steps {a.max_steps}, "
                  f"learning_rate {a.learning_rate:g}")
     lines.append(f"processes:    {world_size} on {device}, {distributed}, {precision(a)}")
-    lines.append(f"generation:   {generation_backend(a)}, temperature {a.temperature:g}")
+    lines.append(f"generation:   {run.sampler.describe(a)}, temperature {a.temperature:g}")
     lines.append(f"seeds:        seed {a.seed}, task_seed {s.task_seed}"
                  + (f", data_seed {a.data_seed}" if a.data_seed is not None else ""))
     evaluation = (f"{s.eval_problems} held-out problems x {s.eval_samples} samples before and after"
                   + (f", {s.eval_every_problems} every {s.eval_every_steps} steps" if s.eval_every_steps else "")
-                  + f", generated with {evaluation_backend(a)}"
+                  + f", generated with {evaluation_backend(run)}"
                   if s.eval_problems > 0 else "none (--eval_problems 0)")
     lines.append(f"evaluation:   {evaluation}")
     report = ", ".join(a.report_to) if a.report_to else "none"

@@ -21,6 +21,17 @@ def _resolve(registry: Any, plugin: Any, kwargs: Mapping[str, Any] | None) -> tu
     return f"{registry.seam} plugin {type(plugin).__name__}", plugin
 
 
+def _declared(adapt: Any, plugin: Any, label: str) -> Any:
+    """The plugin with its declarations read by the run's own adapter (:mod:`trl_plugins.protocols`): what the run
+    refuses, the check refuses, with the same words."""
+    from trl_plugins.protocols import PluginDeclarationError
+
+    try:
+        return adapt(plugin)
+    except PluginDeclarationError as exc:
+        raise ContractError(f"{label}: {exc.what}") from None
+
+
 def _check(ok: bool, label: str, what: str) -> None:
     if not ok:
         raise ContractError(f"{label}: {what}")

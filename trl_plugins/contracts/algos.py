@@ -6,7 +6,8 @@ import pickle
 import random
 from typing import Any, Mapping
 
-from trl_plugins.contracts._base import _N, _T, _check, _pickles, _resolve
+from trl_plugins.contracts._base import _N, _T, _check, _declared, _pickles, _resolve
+from trl_plugins.protocols import as_advantage, as_policy_loss
 from trl_plugins.contracts.fakes import plan_violations
 from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput
 
@@ -23,8 +24,7 @@ def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = Non
     from trl_plugins.registry import ADVANTAGES
 
     label, est = _resolve(ADVANTAGES, plugin, kwargs)
-    for flag in ("needs_values", "needs_groups"):
-        _check(isinstance(getattr(est, flag, None), bool), label, f"must declare {flag} (a bool)")
+    _declared(as_advantage, est, label)  # needs_values, needs_groups: bools
     g = torch.Generator().manual_seed(0)
     mask = (torch.rand(_N, _T, generator=g) < 0.6).float()
     mask[:, -1] = 1
@@ -53,8 +53,7 @@ def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = N
     from trl_plugins.registry import POLICY_LOSSES
 
     label, loss_fn = _resolve(POLICY_LOSSES, plugin, kwargs)
-    for flag in ("needs_ref_logprobs", "needs_entropy"):
-        _check(isinstance(getattr(loss_fn, flag, None), bool), label, f"must declare {flag} (a bool)")
+    _declared(as_policy_loss, loss_fn, label)  # needs_ref_logprobs, needs_entropy: bools; supports_is_weights optional
     g = torch.Generator().manual_seed(1)
     mask = (torch.rand(_N, _T, generator=g) < 0.5).float()
     logp = (-torch.rand(_N, _T, generator=g) * 3).requires_grad_(True)
@@ -81,7 +80,7 @@ def check_packer_contract(plugin: Any) -> None:
     """A packer: a valid partition within both limits, the same micro-batch count on every rank."""
     from trl_plugins.registry import PACKERS
 
-    label = f"packer {plugin!r}" if isinstance(plugin, str) else f"packer {getattr(plugin, '__name__', plugin)}"
+    label = f"packer {plugin!r}" if isinstance(plugin, str) else f"packer {plugin.__name__}"
     packer = PACKERS.get(plugin) if isinstance(plugin, str) else plugin
     rng = random.Random(2)
     for world_size in (1, 3):

@@ -6,7 +6,8 @@ import pickle
 import random
 from typing import Any, Mapping, Sequence
 
-from trl_plugins.contracts._base import ContractError, _check, _pickles, _resolve
+from trl_plugins.contracts._base import ContractError, _check, _declared, _pickles, _resolve
+from trl_plugins.protocols import as_reward
 from trl_plugins.contracts.fakes import make_trajectory
 from trl_plugins.types import StopReason, Trajectory
 
@@ -90,7 +91,7 @@ def check_reward_contract(
         cases = _reward_cases()
     else:
         cases = [(f"number {i} (stopped by {t.stop_reason})", t) for i, t in enumerate(trajectories)]
-    is_success = getattr(reward, "is_success", None)
+    is_success = _declared(as_reward, reward, label).is_success_fn
     for what, traj in cases:
         validate_trajectory(traj)  # the trainer scores only trajectories that pass it
         where = f"{label} on the trajectory {what}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from trl_plugins.contracts._base import _check, _pickles, _resolve
+from trl_plugins.contracts._base import _check, _declared, _pickles, _resolve
+from trl_plugins.protocols import as_rollout
 from trl_plugins.tiny import build_tokenizer
 
 __all__ = ["check_rollout_contract"]
@@ -21,9 +22,7 @@ def check_rollout_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None)
     from trl_plugins.tools.base import ToolOutput
 
     label, rollout = _resolve(ROLLOUTS, plugin, kwargs)
-    budget = getattr(rollout, "token_budget", "missing")
-    _check(budget is None or (isinstance(budget, int) and budget > 0), label,
-           f"token_budget must be a positive int or None, got {budget!r}")
+    budget = _declared(as_rollout, rollout, label).token_budget  # a positive int or None
 
     class EchoTool:
         name = "echo"

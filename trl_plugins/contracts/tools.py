@@ -7,8 +7,8 @@ import contextlib
 import inspect
 from typing import Any, Mapping
 
-from trl_plugins.contracts._base import ContractError, _check, _pickles, _resolve
-from trl_plugins.rollout.metrics import METRIC_REDUCTIONS as _REDUCTIONS  # the trainer's own list
+from trl_plugins.contracts._base import ContractError, _check, _declared, _pickles, _resolve
+from trl_plugins.protocols import Tool, as_tool
 from trl_plugins.tiny import build_tokenizer
 
 __all__ = ["check_tool_contract"]
@@ -96,16 +96,15 @@ def check_tool_contract(
         return outs
 
     try:
-        name = getattr(tool, "name", None)
-        _check(isinstance(name, str) and bool(name), label, f"name {name!r} is not a non-empty string")
+        _check(isinstance(tool, Tool), label, "is not a tool: it needs a name, a schema() method (the model is told the "
+                                              "tool exists only through it) and an async __call__(arguments)")
+        declared = _declared(as_tool, tool, label)  # the run's own reading: name, idempotent, reductions
+        name = declared.name
         label = f"{label} (name {name!r})" if isinstance(plugin, str) and plugin != name else label
-        _check(callable(getattr(tool, "schema", None)), label, "has no schema() method: the model would not be told the tool exists")
         schema = tool.schema()
         problem = _schema_problem(schema, name)
         _check(problem is None, label, str(problem))
         _check(inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async (the rollout awaits it)")
-        idempotent = getattr(tool, "idempotent", False)
-        _check(isinstance(idempotent, bool), label, f"idempotent must be a bool, got {idempotent!r}")
         params = schema["function"]["parameters"]
         props = params.get("properties", {})
         if arguments is None:
@@ -115,9 +114,8 @@ def check_tool_contract(
         _check(why is None, label, f"the arguments {arguments} do not fit the schema ({why}): the rollout would refuse "
                                    f"such a call as invalid_action before the tool runs")
         _check_renders_and_parses(label, schema, arguments)
-        start_up = getattr(tool, "start_up", None)
-        if callable(start_up):
-            said = start_up()
+        if declared.start_up_fn is not None:
+            said = declared.start_up_fn()
             _check(isinstance(said, str), label, f"start_up() returned {said!r:.100}; it returns what the trainer logs (a str)")
 
         for out in run(arguments) + (run(arguments, concurrent_calls) if concurrent_calls else []):
@@ -135,20 +133,14 @@ def check_tool_contract(
                    f"({why}); the model's mistake is ToolOutput(text='Error: ...', ok=False) so that it sees it, "
                    f"not an infra_error (which ends the trajectory untrained)")
 
-        step_metrics = getattr(tool, "step_metrics", None)
-        if callable(step_metrics):
-            metrics = step_metrics()
+        if declared.step_metrics_fn is not None:
+            metrics = declared.step_metrics_fn()
             _check(isinstance(metrics, dict) and all(isinstance(k, str) and isinstance(v, (int, float))
                                                      and not isinstance(v, bool) for k, v in metrics.items()),
                    label, f"step_metrics() returned {metrics!r:.200}; it must return {{name: float}}")
-        reductions = getattr(tool, "step_metric_reductions", None)
-        if callable(reductions):
-            declared = reductions()
-            _check(isinstance(declared, dict) and all(v in _REDUCTIONS for v in declared.values()), label,
-                   f"step_metric_reductions() returned {declared!r:.200}; each value must be one of {list(_REDUCTIONS)}")
         _pickles(tool, label, equal=False)
 
-        if callable(getattr(tool, "close", None)):
+        if declared.closes:
             try:
                 close_plugin(tool)
                 close_plugin(tool)

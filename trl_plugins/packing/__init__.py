@@ -41,8 +41,13 @@ V = TypeVar("V")
 
 
 def supports_padding_free(strategy: str) -> bool:
-    """Whether the named packer budgets tokens for padding-free micro-batches (``supports_padding_free``)."""
-    return bool(getattr(PACKERS.get(strategy), "supports_padding_free", False))
+    """Whether the named packer declares ``supports_padding_free = True`` (it budgets tokens for padding-free
+    micro-batches); a packer that does not declare it budgets padded area only. The packer seam's one capability,
+    read here and nowhere else."""
+    declared = getattr(PACKERS.get(strategy), "supports_padding_free", False)
+    if not isinstance(declared, bool):
+        raise PackingError(f"packer {strategy!r} declares supports_padding_free={declared!r}; it must be a bool.")
+    return declared
 
 
 def pack_for_ranks(
@@ -60,7 +65,7 @@ def pack_for_ranks(
     packer = PACKERS.get(strategy)
     if not padding_free:
         return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size)
-    if not getattr(packer, "supports_padding_free", False):
+    if not supports_padding_free(strategy):
         raise PackingError(f"packer {strategy!r} budgets padded area only (it does not declare supports_padding_free): "
                            f"use ffd, optimal or balanced, or set padding_free=False.")
     return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,

@@ -21,9 +21,10 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from trl_plugins.rollout.sampling import _SeededSampling
 from trl_plugins.types import LogprobSource, SamplingSettings
 
-__all__ = ["Sample", "GenerationBackend", "HFGenerationBackend", "VLLMBackend", "ScriptedBackend", "cut_sample"]
+__all__ = ["Sample", "GenerationBackend", "BackendBase", "HFGenerationBackend", "VLLMBackend", "ScriptedBackend", "cut_sample"]
 
 
 @dataclass
@@ -39,11 +40,17 @@ class Sample:
 
 
 class GenerationBackend(Protocol):
-    """What the rollout engine needs from a sampler."""
+    """What the rollout engine and the trainer need from a sampler (:class:`BackendBase` gives the defaults)."""
 
     sampling: SamplingSettings
+    """The distribution turns are sampled from (recorded on every trajectory's policy version)."""
     logprob_source: LogprobSource
+    """What its behaviour log-probs are (the trainer's own ``temperature_scaled``, or vLLM's ``processed``)."""
     max_concurrency: int
+    """1: one call at a time holding every ready turn (a batching sampler); more: one call per turn, that many in
+    flight (a server or continuous batching), each from a worker thread."""
+    requires_lockstep: bool
+    """``generate`` is a collective across ranks: the multi-turn engine refuses it (ranks take different turns)."""
 
     def session(self) -> contextlib.AbstractContextManager[Any]:
         """Context for a whole multi-turn rollout."""
@@ -53,6 +60,44 @@ class GenerationBackend(Protocol):
                  seeds: Sequence[int]) -> list[Sample]:
         """Sample one completion per prompt, row ``i`` with ``seeds[i]``."""
         ...
+
+    def with_sampling(self, sampling: SamplingSettings) -> "GenerationBackend":
+        """The same sampler with other sampling settings (e.g. greedy evaluation)."""
+        ...
+
+    def sync_weights(self, policy_step: int) -> None:
+        """Bring a sampler with weights of its own to the training weights of ``policy_step`` (a collective for
+        vLLM: every rank calls it before each rollout); a no-op for samplers on the training model."""
+        ...
+
+    def close(self) -> None:
+        """Release what the sampler holds between rollouts; idempotent."""
+        ...
+
+
+class BackendBase:
+    """The defaults of :class:`GenerationBackend`'s members: one call at a time, no lock-step, weights shared with
+    the trainer (nothing to sync), nothing to close; ``with_sampling`` copies the backend. A sampler subclasses it
+    and overrides what differs."""
+
+    logprob_source = LogprobSource.TEMPERATURE_SCALED
+    max_concurrency = 1
+    requires_lockstep = False
+    sampling: SamplingSettings = SamplingSettings()
+
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext(None)
+
+    def with_sampling(self, sampling: SamplingSettings) -> Any:
+        other = copy.copy(self)
+        other.sampling = sampling
+        return other
+
+    def sync_weights(self, policy_step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def check_generate_args(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], seeds: Sequence[int]) -> bool:
@@ -113,84 +158,13 @@ class _RowBudget:
         return (input_ids.shape[1] - self.start) >= self.budgets.to(input_ids.device)
 
 
-_MASK32 = 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    # PCG-style integer hash of values in [0, 2**32), in int64 arithmetic (no product reaches 2**63).
-    state = (x * 747796405 + 2891336453) & _MASK32
-    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _MASK32
-    return ((word >> 22) ^ word) & _MASK32
-
-
-def seeded_row_keys(seeds: torch.Tensor, positions: torch.Tensor | int) -> torch.Tensor:
-    """One 32-bit key per row from its seed and the index of the token being sampled (0 = first sampled token)."""
-    seeds = seeds.to(torch.int64)
-    positions = torch.as_tensor(positions, dtype=torch.int64, device=seeds.device)
-    return _hash32(_hash32(_hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ (positions & _MASK32))
-
-
-def gumbel_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise of shape ``(len(keys), vocab_size)``, a pure function of (row key, token)."""
-    keys = keys.to(torch.int64)
-    cols = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
-    bits = _hash32(_hash32(keys[:, None] ^ cols[None, :]) ^ keys[:, None])
-    uniform = (bits.to(torch.float64) + 0.5) / 2.0**32
-    return -torch.log(-torch.log(uniform))
-
-
-def seeded_gumbel(seeds: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise of shape ``(len(seeds), vocab_size)``, a pure function of (row seed, position, token).
-
-    ``argmax(log_softmax(z) + noise)`` is a sample from ``softmax(z)`` (the Gumbel-max trick), so a row's
-    sample depends on its own seed and position only, whatever else shares its batch or device. Every backend
-    that samples itself (HF generate, continuous batching) uses this noise, so they draw the same tokens from
-    the same distribution.
-    """
-    return gumbel_from_keys(seeded_row_keys(seeds, position), vocab_size)
-
-
-class _Warp:
-    # The distribution a turn samples from: temperature, then top-k / top-p / min-p (transformers' own warpers).
-    def __init__(self, sampling: SamplingSettings) -> None:
-        from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        self.temperature = sampling.temperature
-        self.warpers: list[Any] = []
-        if sampling.top_k > 0:
-            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
-        if sampling.top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
-        if sampling.min_p > 0:
-            self.warpers.append(MinPLogitsWarper(min_p=sampling.min_p))
-
-    def __call__(self, input_ids: Any, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
-        for warp in self.warpers:
-            scores = warp(input_ids, scores)
-        return scores
-
-
-class _SeededSampling:
-    # An HF logits processor that turns greedy decoding into sampling with per-row seeds: the warped scores
-    # (_Warp), then Gumbel noise; generate's argmax is the sample.
-    def __init__(self, sampling: SamplingSettings, seeds: Sequence[int], start: int) -> None:
-        self.warp, self.start = _Warp(sampling), start
-        self.seeds = torch.tensor([int(s) for s in seeds], dtype=torch.int64)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = self.warp(input_ids, scores)
-        noise = seeded_gumbel(self.seeds.to(scores.device), input_ids.shape[1] - self.start, scores.shape[-1])
-        return torch.log_softmax(scores, dim=-1) + noise.to(scores.dtype)
-
-
-class HFGenerationBackend:
+class HFGenerationBackend(BackendBase):
     """Sample with Hugging Face ``generate`` on the training model.
 
     Rows are left-padded into one batch (split into chunks of ``max_batch_size``); behaviour log-probs
     are ``log_softmax(logits / temperature)`` of the sampled tokens, i.e. of the temperature-scaled
     distribution before top-p/top-k (``LogprobSource.TEMPERATURE_SCALED``). Each row samples with its own
-seed (:func:`seeded_gumbel`), so batching turns differently never changes what a turn samples.
+seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns differently never changes what a turn samples.
 
     Args:
         model: The policy (possibly wrapped by Accelerate/DeepSpeed when ``accelerator`` is given).
@@ -201,9 +175,6 @@ seed (:func:`seeded_gumbel`), so batching turns differently never changes what a
             gathers the full weights once for the whole rollout (:func:`unwrapped_for_generation`).
         max_batch_size: Rows per ``generate`` call (``None``: all at once).
     """
-
-    logprob_source = LogprobSource.TEMPERATURE_SCALED
-    max_concurrency = 1
 
     def __init__(
         self,
@@ -301,7 +272,13 @@ seed (:func:`seeded_gumbel`), so batching turns differently never changes what a
         ]
 
 
-class VLLMBackend:
+@dataclass
+class _SyncedStep:
+    step: int | None = None
+    """The policy step whose weights vLLM holds (None: never pushed)."""
+
+
+class VLLMBackend(BackendBase):
     """Sample with vLLM through TRL's ``VLLMGeneration``: colocate (an engine in each training process) or server
     (``trl vllm-serve`` / ``vllm serve`` on other GPUs).
 
@@ -331,10 +308,12 @@ class VLLMBackend:
     def __init__(self, vllm_generation: Any, *, stop_token_ids: Sequence[int], sampling: SamplingSettings,
                  client: Any = None, max_concurrency: int = 64) -> None:
         self.vllm = vllm_generation
-        self.mode = getattr(vllm_generation, "mode", "colocate")
+        self.mode = vllm_generation.mode
+        self._synced = _SyncedStep()  # shared by the copies with_sampling makes: one engine, one weights step
         self.stop_token_ids = list(stop_token_ids)
         self.sampling = sampling
         if self.mode == "server":
+            # TRL builds its client on the main process only (the attribute is absent elsewhere).
             self.client = client if client is not None else getattr(vllm_generation, "vllm_client", None)
             if self.client is None:
                 raise ValueError("vLLM server mode needs a VLLMClient on every rank to send that rank's turns; pass "
@@ -347,35 +326,29 @@ class VLLMBackend:
         else:
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.mode!r}.")
 
-    def with_sampling(self, sampling: SamplingSettings) -> "VLLMBackend":
-        """The same engine with other sampling settings (e.g. greedy evaluation)."""
-        other = copy.copy(self)
-        other.sampling = sampling
-        return other
-
     def sync_weights(self, policy_step: int) -> None:
         """Make vLLM generate with the training weights of ``policy_step`` (a collective: call it on every rank).
 
         Pushes them when the step changed since the last push, and in colocate sleep mode whenever vLLM
-        discarded them (TRL sleeps at level 2 after each rollout).
+        discarded them (TRL sleeps at level 2 after each rollout and records it in ``_llm_weights_sleeping``).
         """
-        sleeping = self.mode == "colocate" and getattr(self.vllm, "_llm_weights_sleeping", False)
-        if getattr(self.vllm, "_trl_plugins_weights_step", None) != policy_step or sleeping:
+        sleeping = self.mode == "colocate" and self.vllm._llm_weights_sleeping
+        if self._synced.step != policy_step or sleeping:
             self.vllm.sync_weights()
             if self.mode == "colocate":
                 self.vllm._llm_weights_sleeping = False
-            elif getattr(self.vllm, "accelerator", None) is not None:
+            elif self.vllm.accelerator is not None:
                 # The main process pushes; without a gather (DDP) the other ranks would return at once and send
                 # turns to a server still half-way through the update.
                 self.vllm.accelerator.wait_for_everyone()
-            self.vllm._trl_plugins_weights_step = policy_step
+            self._synced.step = policy_step
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Any]:
         """Colocate with sleep mode: wake the KV cache for the rollout, then sleep (level 2) so training has the memory."""
-        sleep = self.mode == "colocate" and getattr(self.vllm, "enable_sleep_mode", False)
+        sleep = self.mode == "colocate" and self.vllm.enable_sleep_mode
         if sleep:
-            if getattr(self.vllm, "_llm_weights_sleeping", False):
+            if self.vllm._llm_weights_sleeping:
                 raise RuntimeError("vLLM's weights are asleep: call sync_weights(step) before the rollout.")
             self.vllm.llm.wake_up(tags=["kv_cache"])
         try:
@@ -438,7 +411,7 @@ class VLLMBackend:
         return samples
 
 
-class ScriptedBackend:
+class ScriptedBackend(BackendBase):
     """A test double: completions come from ``script(prompt_ids)`` (or ``script(prompt_ids, seed)`` with
     ``with_seed=True``), log-probs are constant.
 
@@ -447,9 +420,6 @@ class ScriptedBackend:
     read the seed (per trajectory and turn), not count its calls: the order of calls follows tool timing.
     """
 
-    logprob_source = LogprobSource.TEMPERATURE_SCALED
-    max_concurrency = 1
-
     def __init__(self, script: Callable[..., list[int]], *, stop_token_ids: Sequence[int], logprob: float = -0.5,
                  with_seed: bool = False) -> None:
         self.script, self.with_seed = script, with_seed
@@ -457,9 +427,6 @@ class ScriptedBackend:
         self.logprob = logprob
         self.sampling = SamplingSettings()
         self.calls: list[int] = []
-
-    def session(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext(None)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
                  seeds: Sequence[int]) -> list[Sample]:

@@ -12,7 +12,7 @@ What this module adds to the manager, and why:
   that generator when it builds its batch processor), so what a turn samples would depend on which requests
   shared its forward. :class:`_SeededCBSampler` is a continuous-batching logits processor that samples each
   row by Gumbel-max with the same keyed noise as :class:`~trl_plugins.rollout.backends.HFGenerationBackend`
-  (:func:`~trl_plugins.rollout.backends.seeded_row_keys` of the turn's seed and the index of the token in the
+  (:func:`~trl_plugins.rollout.sampling.seeded_row_keys` of the turn's seed and the index of the token in the
   turn), and returns scores whose argmax is that sample; the manager decodes greedily. Same weights, same
   seeds: the same tokens as the HF backend. The global generator is restored after the manager seeds it.
 - **Behaviour log-probs of the temperature-scaled distribution** (``LogprobSource.TEMPERATURE_SCALED``, as the
@@ -36,16 +36,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from trl_plugins.rollout.backends import (
-    Sample,
-    _Warp,
-    check_generate_args,
-    cut_sample,
-    gumbel_from_keys,
-    seeded_row_keys,
-    unwrapped_for_generation,
-)
-from trl_plugins.types import LogprobSource, SamplingSettings
+from trl_plugins.rollout.backends import BackendBase, Sample, check_generate_args, cut_sample, unwrapped_for_generation
+from trl_plugins.rollout.sampling import _Warp, gumbel_from_keys, seeded_row_keys
+from trl_plugins.types import SamplingSettings
 
 __all__ = ["ContinuousBatchingBackend", "continuous_batching_config", "CB_SAMPLE_SIGNATURE"]
 
@@ -168,7 +161,7 @@ def _sampler_class() -> type:
     return _SeededCBSamplerCls
 
 
-class ContinuousBatchingBackend:
+class ContinuousBatchingBackend(BackendBase):
     """Sample with transformers' continuous batching on the training model, one request per turn.
 
     Args:
@@ -183,8 +176,6 @@ class ContinuousBatchingBackend:
             between rollouts: faster rollouts, less memory for training. Off: it is freed after each rollout.
         max_concurrency: Turns in flight from the rollout engine (each its own request).
     """
-
-    logprob_source = LogprobSource.TEMPERATURE_SCALED
 
     def __init__(self, model: torch.nn.Module, *, stop_token_ids: Sequence[int], sampling: SamplingSettings = SamplingSettings(),
                  config: Any = None, accelerator: Any = None, keep_cache: bool = False, max_concurrency: int = 256) -> None:
@@ -209,12 +200,6 @@ class ContinuousBatchingBackend:
         self._pump = threading.Lock()
         self._active: Any = None
         """The running manager, inside ``session()``."""
-
-    def with_sampling(self, sampling: SamplingSettings) -> "ContinuousBatchingBackend":
-        """The same manager (and cache) with other sampling settings (e.g. greedy evaluation)."""
-        other = copy.copy(self)
-        other.sampling = sampling
-        return other
 
     # -- the manager -------------------------------------------------------------------------------
 
@@ -252,7 +237,7 @@ class ContinuousBatchingBackend:
         cache = manager.batch_processor.cache
         cache.reset()  # no prefix block computed with earlier weights may be reused
         runner = manager.batch_processor.model_runner
-        if not getattr(runner, "_trl_plugins_sample", False):
+        if self._shared.get("patched_runner") is not runner:  # a new batch processor brings a new runner
             sampler, original = self._shared["sampler"], runner._sample
 
             def _sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
@@ -261,7 +246,7 @@ class ContinuousBatchingBackend:
                 output_ids[1, : logprobs.shape[0]].copy_(logprobs.view(dtype=torch.int32))
 
             runner._sample = _sample
-            runner._trl_plugins_sample = True
+            self._shared["patched_runner"] = runner
         manager.switch_to_cb_friendly_attn(manager.model, manager.continuous_batching_config.auto_switch_to_flash)
         with torch.inference_mode():
             manager.start()

@@ -17,8 +17,9 @@ __all__ = ["Dispatcher", "ToolCounter", "concurrency", "watch"]
 
 
 def concurrency(backend: Any) -> int:
-    n = int(getattr(backend, "max_concurrency", 1) or 1)
-    if n < 1:
+    """The backend's declared ``max_concurrency``, checked."""
+    n = backend.max_concurrency
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise RolloutError(f"{type(backend).__name__}.max_concurrency must be >= 1, got {n}.")
     return n
 

@@ -34,7 +34,8 @@ from trl_plugins.rollout.request import (
     derive_seed,
     questions_from_rows,
 )
-from trl_plugins.tools.base import Tool, ToolOutput
+from trl_plugins.protocols import ToolPlugin
+from trl_plugins.tools.base import ToolOutput
 from trl_plugins.types import (
     PolicyVersion,
     StopReason,
@@ -58,20 +59,20 @@ class _Live:
     tool_calls: int = 0
 
 
-async def _call_tool(tool: Tool, arguments: dict, *, retries: int = 0) -> ToolOutput:
+async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0) -> ToolOutput:
     """One tool call. A tool that raises has failed (an infrastructure error, not the model's); a call
     that failed so is retried up to ``retries`` times when the tool declares itself ``idempotent``."""
     start = time.perf_counter()
-    attempts = 1 + (retries if getattr(tool, "idempotent", False) else 0)
+    attempts = 1 + (retries if tool.idempotent else 0)
     for attempt in range(attempts):
         try:
             out = await tool(arguments)
         except Exception as exc:  # a tool bug must not take the whole rollout down, nor be the policy's fault
-            logger.exception("tool %r raised", getattr(tool, "name", tool))
+            logger.exception("tool %r raised", tool.name)
             out = ToolOutput(text="", ok=False, infra_error=f"{type(exc).__name__}: {exc}")
         if out.infra_error is None:
             break
-        logger.warning("tool %r failed (attempt %d of %d): %s", getattr(tool, "name", tool), attempt + 1, attempts,
+        logger.warning("tool %r failed (attempt %d of %d): %s", tool.name, attempt + 1, attempts,
                        out.infra_error)
     if not out.latency_s:
         out.latency_s = time.perf_counter() - start
@@ -134,7 +135,7 @@ class MultiTurnRollout:
                     f"prompts longer than {self.max_trajectory_tokens - 1} tokens from the dataset."
                 )
         chat, backend = request.chat, request.backend
-        if getattr(backend, "requires_lockstep", False):
+        if backend.requires_lockstep:
             raise RolloutError(
                 f"{type(backend).__name__} generates in lock-step across ranks (a collective per call), which the "
                 f"multi_turn rollout does not drive: it generates each rank's live trajectories on their own."

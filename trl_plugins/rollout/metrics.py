@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from trl_plugins.protocols import Reduction
 from trl_plugins.rollout.request import RolloutResult
 from trl_plugins.types import StopReason, Trajectory
 
@@ -203,7 +204,7 @@ def throughput_metrics(values: Mapping[str, Sequence[float]]) -> dict[str, float
 _SUM = ("train/datums",)
 _MAX = ("rollout/generate_calls", "rollout/max_concurrent_tool_calls", "rollout/critical_path_s",
         "rollout/critical_path_ratio", "rollout/queue_s_mean")
-METRIC_REDUCTIONS = ("sum", "max", "min", "mean")
+METRIC_REDUCTIONS = tuple(str(r) for r in Reduction)
 """How a plugin may declare its ``step_metrics()`` combine over ranks (``step_metric_reductions()``)."""
 _PER_RANK = {"timing/step_s": "step_s", "timing/rollout_s": "rollout_s", "train/datums": "datums"}
 
@@ -226,13 +227,14 @@ def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mappi
         if declared is not None:
             if declared not in METRIC_REDUCTIONS:
                 raise ValueError(f"metric {key!r} declares the reduction {declared!r}; use one of {list(METRIC_REDUCTIONS)}.")
-            out[key] = {"sum": sum, "max": max, "min": min}.get(declared, lambda v: sum(v) / len(v))(values)
+            how = Reduction(declared)
         elif key in _SUM:
-            out[key] = sum(values)
+            how = Reduction.SUM
         elif key.startswith(("timing/", "memory/")) or key in _MAX:
-            out[key] = max(values)
+            how = Reduction.MAX
         else:
-            out[key] = sum(values) / len(values)
+            how = Reduction.MEAN
+        out[key] = how.combine(values)
     if len(per_rank) > 1:
         for key, short in _PER_RANK.items():
             for rank, m in enumerate(per_rank):

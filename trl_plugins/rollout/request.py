@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from trl_plugins.rollout.backends import GenerationBackend
 from trl_plugins.rollout.chat import ChatFormat
-from trl_plugins.tools.base import Tool
+from trl_plugins.protocols import ToolPlugin, as_tool
 from trl_plugins.types import Trajectory
 
 __all__ = ["RolloutError", "RolloutCancelled", "derive_seed", "RolloutQuestion", "questions_from_rows", "RolloutRequest",
@@ -74,8 +74,9 @@ class RolloutRequest:
     """The sampler."""
     chat: ChatFormat
     """Token-in, token-out turn building and parsing for the tokenizer's chat template."""
-    tools: Mapping[str, Tool]
-    """Tools by name."""
+    tools: Mapping[str, ToolPlugin]
+    """Tools by the name the model calls, each with its declarations read (a plain tool given here is adapted:
+    :func:`~trl_plugins.protocols.as_tool`)."""
     policy_step: int = 0
     """Optimizer step of the sampling weights, recorded in each trajectory's policy version."""
     seed: int = 0
@@ -85,6 +86,9 @@ class RolloutRequest:
     stop: threading.Event | None = None
     """When set (a stop was requested, e.g. on SIGTERM), the rollout cancels its tool calls in flight and
     raises :class:`RolloutCancelled` before the next generation round."""
+
+    def __post_init__(self) -> None:
+        self.tools = {name: as_tool(tool, name) for name, tool in self.tools.items()}
 
 
 @dataclass

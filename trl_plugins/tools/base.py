@@ -13,6 +13,8 @@ resources). The second is not the policy's fault: the trajectory ends with
 second kind. A tool may declare ``idempotent = True`` (running a call twice is harmless); the rollout
 then retries a call that failed for infrastructure reasons (``tool_retries``).
 
+What a tool may declare besides (``idempotent``, ``start_up()``, ``step_metrics()``,
+``step_metric_reductions()``, ``close()``) is in :mod:`trl_plugins.protocols`, with the :class:`Tool` Protocol itself.
 A tool that holds resources (a sandbox pool, a connection, a server) defines ``close()`` (plain or
 ``async``): the trainer closes every tool at the end of training, on an exception and on an interrupt
 (:func:`close_plugin`), and evaluation closes the tools it built. ``close()`` must be idempotent, and a
@@ -22,11 +24,10 @@ lifecycle. :class:`ClosingTool` adds context-manager use (``with MyTool() as too
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from trl_plugins.aio import run_async
+from trl_plugins.protocols import Tool, close_plugin
 
 __all__ = ["ToolOutput", "Tool", "ClosingTool", "close_plugin", "check_arguments"]
 
@@ -46,34 +47,6 @@ class ToolOutput:
     infra_error: str | None = None
     """Set when the tool itself failed (not the model's code): why. The trajectory ends with
     ``environment_error`` instead of showing ``text`` to the model."""
-
-
-@runtime_checkable
-class Tool(Protocol):
-    """One call contract for every tool."""
-
-    name: str
-
-    def schema(self) -> dict[str, Any]:
-        """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-        ...
-
-    async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
-        """Run the tool on the model's parsed arguments."""
-        ...
-
-
-def close_plugin(plugin: Any) -> None:
-    """Call ``plugin.close()`` when it has one; a coroutine it returns is run to completion."""
-    close = getattr(plugin, "close", None)
-    if not callable(close):
-        return
-    result = close()
-    if inspect.isawaitable(result):
-        async def wait() -> None:
-            await result
-
-        run_async(wait())
 
 
 class ClosingTool:

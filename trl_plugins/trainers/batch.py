@@ -1,8 +1,10 @@
-"""Rows -> trajectories -> scores -> advantages -> datums: the one path used by training AND evaluation.
+"""Rows -> trajectories -> scores -> left-out reasons -> datums -> advantages: the one path used by training AND
+evaluation.
 
-Each step is a plain function over the run's :class:`~trl_plugins.trainers.plugins.RunPlugins`; the
-trainer calls all of them, the evaluation the first two. Whatever a rollout plugin returns is checked
-here (count, order, tokenizer digest, the trajectory contract) before anything uses it.
+Each stage is a plain function over a :class:`~trl_plugins.run.Run`'s plugins; the trainer's step runs all of them
+(:mod:`~trl_plugins.trainers.phases`), an evaluation the first two. Whatever a rollout or advantage plugin returns is
+checked here (count, order, tokenizer digest, the trajectory contract, shapes, finiteness) before anything uses it,
+and the error names the plugin.
 """
 
 from __future__ import annotations
@@ -11,118 +13,41 @@ import contextlib
 import logging
 import signal
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from trl_plugins.datum import build_datum
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, RolloutRequest, RolloutResult, VLLMBackend, questions_from_rows
-from trl_plugins.rewards import reward_value
-from trl_plugins.rollout.validate import validate_trajectory
-from trl_plugins.trainers.plugins import RunPlugins
 from trl_plugins.algos import kl_estimate
-from trl_plugins.types import AdvantageInput, Datum, RewardComponent, SamplingSettings, StopReason, Trajectory, TrajectoryError
+from trl_plugins.datum import build_datum
+from trl_plugins.protocols import AdvantagePlugin, RewardPlugin
+from trl_plugins.rewards import reward_value
+from trl_plugins.rollout import ChatFormat, RolloutRequest, RolloutResult, questions_from_rows
+from trl_plugins.rollout.validate import validate_trajectory
+from trl_plugins.run import KL_PENALTY_COMPONENT, Run
+from trl_plugins.types import (
+    AdvantageInput,
+    Datum,
+    LeftOutReason,
+    RewardComponent,
+    StopReason,
+    Trajectory,
+    TrajectoryError,
+)
 
 __all__ = [
-    "hf_backend",
-    "sampling_settings",
-    "vllm_backend",
-    "cb_backend",
-    "check_vllm",
     "rollout_rows",
     "score_trajectories",
-    "training_mask",
     "VerifierTimeout",
+    "left_out_reasons",
+    "training_mask",
     "build_datums_for_update",
-    "add_kl_penalty",
-    "compute_advantages",
-    "set_datum_advantages",
     "kl_per_token",
-    "compute_token_advantages",
+    "add_kl_penalty",
+    "assign_advantages",
+    "KL_PENALTY_COMPONENT",
 ]
 
 logger = logging.getLogger(__name__)
-
-KL_PENALTY_COMPONENT = "kl_penalty"
-"""Name of the reward component that carries ``-sum_t KL_t`` when the reference KL is in the reward."""
-
-
-def chat_format(tokenizer: Any, plugins: Any, args: Any) -> ChatFormat:
-    """The run's :class:`ChatFormat`: its tools' schemas, ``chat_template_kwargs`` and ``stop_tokens``.
-
-    Raises:
-        ChatTemplateError: the chat template cannot be followed token for token (says why and what to use).
-    """
-    return ChatFormat(tokenizer, [t.schema() for t in plugins.tools.values()],
-                      final_answer_pattern=getattr(args, "final_answer_pattern", None),
-                      stop_tokens=getattr(args, "stop_tokens", None),
-                      **(getattr(args, "chat_template_kwargs", None) or {}))
-
-
-def sampling_settings(args: Any, *, temperature: float | None = None) -> SamplingSettings:
-    """The config's sampling settings (``temperature`` overrides the config's)."""
-    return SamplingSettings(
-        temperature=args.temperature if temperature is None else temperature, top_p=args.top_p,
-        top_k=args.top_k or 0, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
-    )
-
-
-def hf_backend(model: Any, tokenizer: Any, chat: ChatFormat, args: Any, *, temperature: float | None = None,
-               accelerator: Any = None) -> HFGenerationBackend:
-    """The HF ``generate`` backend with the config's sampling settings (``temperature`` overrides the config's)."""
-    return HFGenerationBackend(
-        model,
-        pad_token_id=tokenizer.pad_token_id,
-        stop_token_ids=chat.stop_token_ids,
-        sampling=sampling_settings(args, temperature=temperature),
-        accelerator=accelerator,
-    )
-
-
-def cb_backend(model: Any, chat: ChatFormat, args: Any, accelerator: Any) -> Any:
-    """The continuous-batching backend (``use_transformers_continuous_batching``) on the training model, with
-    TRL's ``transformers_continuous_batching_config``."""
-    from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
-
-    return ContinuousBatchingBackend(
-        model, stop_token_ids=chat.stop_token_ids, sampling=sampling_settings(args),
-        config=continuous_batching_config(args.transformers_continuous_batching_config), accelerator=accelerator,
-        keep_cache=args.continuous_batching_keep_cache,
-    )
-
-
-def check_vllm(args: Any) -> None:
-    """Refuse ``use_vllm`` before any model loads when vLLM cannot be imported (and no stand-in for TRL's
-    ``VLLMGeneration`` was installed, as the tests' fake_vllm.py does)."""
-    if not getattr(args, "use_vllm", False):
-        return
-    import trl.trainer.grpo_trainer as trl_grpo
-    from trl.generation.vllm_generation import VLLMGeneration
-    from trl.import_utils import is_vllm_available
-
-    if trl_grpo.VLLMGeneration is VLLMGeneration and not is_vllm_available():
-        raise ValueError(
-            "use_vllm=True, but vLLM is not installed here. Install a version TRL 1.16 supports "
-            "(pip install 'vllm>=0.22,<=0.31') on the machine that generates (every training process in colocate "
-            "mode; in server mode the trainer needs it too, for TRL's client), or drop --use_vllm to generate with "
-            "HF generate."
-        )
-
-
-def vllm_backend(vllm_generation: Any, chat: ChatFormat, args: Any, accelerator: Any) -> VLLMBackend:
-    """The vLLM backend over TRL's ``VLLMGeneration``. In server mode every rank sends its own turns, so the
-    ranks TRL built no client on (all but the main process) get one here."""
-    client = None
-    if vllm_generation.mode == "server":
-        client = getattr(vllm_generation, "vllm_client", None)
-        if client is None:
-            from trl.generation import vllm_client as trl_client
-
-            base = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            client = trl_client.VLLMClient(base_url=base, group_port=args.vllm_group_port,
-                                           connection_timeout=args.vllm_server_timeout)
-    return VLLMBackend(vllm_generation, stop_token_ids=chat.stop_token_ids, sampling=sampling_settings(args),
-                       client=client, max_concurrency=args.vllm_max_concurrent_requests)
 
 
 def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], group_size: int, digest: str) -> None:
@@ -152,9 +77,7 @@ def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], grou
 
 
 def rollout_rows(
-    plugins: RunPlugins,
-    args: Any,
-    chat: ChatFormat,
+    run: Run,
     backend: Any,
     rows: Sequence[Mapping[str, Any]],
     *,
@@ -168,23 +91,23 @@ def rollout_rows(
     """Roll out every row ``group_size`` times with the run's rollout plugin and tools, and check the result.
 
     ``stop`` (a ``threading.Event``) lets a stop request cancel the rollout (:class:`RolloutCancelled`).
-    A backend with weights of its own (``sync_weights``, vLLM) is brought to ``policy_step``'s weights first:
-    a collective, so every rank calls this the same number of times.
+    The backend is brought to ``policy_step``'s weights first (``sync_weights``: vLLM pushes them, a sampler
+    on the training model has nothing to do): a collective for vLLM, so every rank calls this the same number of
+    times. The run's chat format must be bound (:meth:`~trl_plugins.run.Run.bind_tokenizer`).
 
-    A row's ``prompt`` is a string or chat messages; ``args.system_prompt`` goes first. Trajectory
+    A row's ``prompt`` is a string or chat messages; the config's ``system_prompt`` goes first. Trajectory
     ``group_id`` is the row's place in ``rows``.
 
     Raises:
         TrajectoryError: the rollout plugin returned the wrong trajectories or one that breaks the contract.
     """
-    questions = questions_from_rows(chat, rows, args.system_prompt, id_offset=id_offset)
-    sync = getattr(backend, "sync_weights", None)  # a sampler with weights of its own (vLLM) gets policy_step's
-    if sync is not None:
-        sync(policy_step)
-    request = RolloutRequest(questions, group_size, backend, chat, plugins.tools, policy_step=policy_step, seed=seed,
+    chat: ChatFormat = run.chat
+    questions = questions_from_rows(chat, rows, run.config.system_prompt, id_offset=id_offset)
+    backend.sync_weights(policy_step)
+    request = RolloutRequest(questions, group_size, backend, chat, run.tools, policy_step=policy_step, seed=seed,
                              progress=progress, stop=stop)
-    result = plugins.rollout(request)
-    _check_result(args.rollout, result, questions, group_size, chat.digest)
+    result = run.rollout(request)
+    _check_result(run.rollout.name, result, questions, group_size, chat.digest)
     return result
 
 
@@ -213,18 +136,22 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], rows: Sequence[Mapping[str, Any]], *,
-                       time_limit_s: float | None = None) -> dict[str, int]:
+def score_trajectories(rewards: Sequence[RewardPlugin], trajectories: Sequence[Trajectory],
+                       rows: Sequence[Mapping[str, Any]], *, time_limit_s: float | None = None) -> dict[str, int]:
     """Store each reward component (name, value, weight) on each trajectory; ``rows[traj.group_id]`` is its example.
 
-    A component that raises, returns anything but one finite number (:func:`~trl_plugins.rewards.reward_value`) or runs past ``time_limit_s`` does not stop the
-    run and does not score the trajectory as wrong: the trajectory gets ``StopReason.VERIFIER_ERROR``,
-    ``error`` naming the component and the exception, and no reward components. Trajectories the
-    environment already failed (``environment_error``) are not scored.
+    A component that raises, returns anything but one finite number (:func:`~trl_plugins.rewards.reward_value`) or
+    runs past ``time_limit_s`` does not stop the run and does not score the trajectory as wrong: the trajectory gets
+    ``StopReason.VERIFIER_ERROR``, ``error`` naming the component and the exception, and no reward components.
+    Trajectories the environment already failed (``environment_error``) are not scored.
+
+    Args:
+        rewards: The run's reward components (``run.rewards``).
 
     Returns:
         Verifier failures per component name.
     """
+    components_of = list(rewards)
     failures: dict[str, int] = {}
     for traj in trajectories:
         if traj.world_failure:
@@ -232,10 +159,11 @@ def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], 
             continue
         row = rows[traj.group_id]
         components = []
-        for name, weight, fn in plugins.reward_components:
+        for component in components_of:
+            name, weight = component.name, component.weight
             try:
                 with _time_limit(time_limit_s):
-                    value = reward_value(fn(traj, row))  # the same rule check_reward_contract applies
+                    value = reward_value(component(traj, row))  # the same rule check_reward_contract applies
             except (Exception, VerifierTimeout) as exc:
                 failures[name] = failures.get(name, 0) + 1
                 traj.stop_reason = StopReason.VERIFIER_ERROR
@@ -248,16 +176,19 @@ def score_trajectories(plugins: RunPlugins, trajectories: Sequence[Trajectory], 
     return failures
 
 
-def training_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
-                  ) -> list[bool]:
-    """Which trajectories carry no training signal: neither scored against their group nor trained on.
+def left_out_reasons(trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
+                     ) -> list[LeftOutReason | None]:
+    """Per trajectory, why it carries no training signal (neither scored against its group nor trained on), or None.
 
-    - Every world failure (``environment_error``, ``verifier_error``): the infrastructure's fault, not the policy's.
+    - Every world failure (``environment_error``, ``verifier_error``, ``cancelled``): the infrastructure's fault.
     - With ``mask_truncated`` (``truncated_policy='mask'``), every truncated one.
     - Every member of a group in which the share of members the world did not fail is below
       ``min_valid_group_fraction`` (too few left to compare).
     """
-    masked = [t.world_failure or (mask_truncated and t.truncated) for t in trajectories]
+    reasons: list[LeftOutReason | None] = [
+        LeftOutReason.WORLD_FAILURE if t.world_failure else LeftOutReason.TRUNCATED if mask_truncated and t.truncated
+        else None for t in trajectories
+    ]
     by_group: dict[int, list[int]] = {}
     for i, t in enumerate(trajectories):
         by_group.setdefault(t.group_id, []).append(i)
@@ -265,21 +196,27 @@ def training_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool, m
         valid = sum(not trajectories[i].world_failure for i in members)
         if valid < min_valid_group_fraction * len(members):
             for i in members:
-                masked[i] = True
-    return masked
+                if reasons[i] is None:
+                    reasons[i] = LeftOutReason.GROUP_TOO_SMALL
+    return reasons
 
 
-def build_datums_for_update(plugins: RunPlugins, trajectories: Sequence[Trajectory], masked: Sequence[bool]) -> list[Datum]:
-    """One datum per trajectory the update trains on (masked ones left out), advantages still 0.
+def training_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
+                  ) -> list[bool]:
+    """Per trajectory, whether the update leaves it out (:func:`left_out_reasons` is not None)."""
+    return [r is not None for r in left_out_reasons(trajectories, mask_truncated=mask_truncated,
+                                                    min_valid_group_fraction=min_valid_group_fraction)]
+
+
+def build_datums_for_update(trajectories: Sequence[Trajectory], left_out: Sequence[Any], *,
+                            max_context_tokens: int | None) -> list[Datum]:
+    """One datum per trajectory the update trains on (those ``left_out`` marks are skipped), advantages still 0.
 
     Zero-advantage datums are kept: they count in the loss denominators, and the update decides whether
-    their forward can be skipped (:func:`~trl_plugins.trainers.step.datums_to_forward`).
+    their forward can be skipped (:func:`~trl_plugins.trainers.update.datums_to_forward`).
     """
-    return [
-        build_datum(traj, advantage=0.0, max_context_tokens=plugins.max_context_tokens, trajectory_index=i)
-        for i, traj in enumerate(trajectories)
-        if not masked[i]
-    ]
+    return [build_datum(traj, advantage=0.0, max_context_tokens=max_context_tokens, trajectory_index=i)
+            for i, traj in enumerate(trajectories) if not left_out[i]]
 
 
 def kl_per_token(datum: Datum, estimator: str) -> torch.Tensor:
@@ -309,44 +246,6 @@ def add_kl_penalty(trajectories: Sequence[Trajectory], datums: Sequence[Datum], 
         traj.reward_components.append(RewardComponent(KL_PENALTY_COMPONENT, -total, beta))
 
 
-def compute_advantages(plugins: RunPlugins, trajectories: Sequence[Trajectory], masked: Sequence[bool]) -> None:
-    """Set ``traj.advantage`` from the advantage plugin; masked trajectories get 0 and are left out of its input.
-
-    Rewards go to the estimator in float64 (the sum of weighted components in Python floats).
-
-    Raises:
-        ValueError: the plugin returned the wrong shape or a non-finite advantage (names the plugin).
-    """
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
-    group_ids = torch.tensor([t.group_id for t in trajectories])
-    keep = torch.tensor([not m for m in masked], dtype=torch.bool)
-    advantages = torch.zeros(len(trajectories), dtype=torch.float64)
-    if bool(keep.any()):
-        out = plugins.advantage(AdvantageInput(rewards=rewards[keep], group_ids=group_ids[keep])).advantages
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (int(keep.sum()),):
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(
-                f"advantage plugin {type(plugins.advantage).__name__} returned {got} for {int(keep.sum())} "
-                f"trajectories; an outcome estimator returns one advantage per trajectory, shape (N,)."
-            )
-        if not bool(torch.isfinite(out).all()):
-            bad = int((~torch.isfinite(out)).nonzero()[0])
-            raise ValueError(
-                f"advantage plugin {type(plugins.advantage).__name__} returned a non-finite advantage "
-                f"({float(out[bad])}) for trajectory {bad} of the batch."
-            )
-        advantages[keep] = out.to(torch.float64)
-    for traj, adv in zip(trajectories, advantages.tolist()):
-        traj.advantage = adv
-
-
-def set_datum_advantages(datums: Sequence[Datum], trajectories: Sequence[Trajectory]) -> None:
-    """Put each trajectory's advantage on every action position of its datum (0 elsewhere)."""
-    for d in datums:
-        adv = trajectories[d.trajectory_index].advantage
-        d.advantages = [adv if m else 0.0 for m in d.action_mask]
-
-
 def _padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     out = torch.zeros(len(rows), width, dtype=torch.float64)
     for i, row in enumerate(rows):
@@ -354,55 +253,79 @@ def _padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     return out
 
 
-def compute_token_advantages(
-    plugins: RunPlugins,
+def _checked(plugin: AdvantagePlugin, what: str, tensor: Any, shapes: list[tuple[int, ...]]) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) not in shapes:
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(
+            f"{plugin.label} returned {what} of shape {got} for {shapes[0][0]} trajectories; an estimator returns one "
+            f"advantage per trajectory, shape {shapes[0]}, or one per datum position, shape (N, T)"
+            + (f" = {shapes[1]}" if len(shapes) > 1 else "") + "."
+        )
+    if not bool(torch.isfinite(tensor).all()):
+        flat = tensor.reshape(-1)
+        bad = int((~torch.isfinite(flat)).nonzero()[0])
+        row = bad // tensor.shape[1] if tensor.dim() > 1 and tensor.shape[1] else bad
+        raise ValueError(f"{plugin.label} returned a non-finite {what.removesuffix('s')} ({float(flat[bad])}) for "
+                         f"trajectory {row} of the batch.")
+    return tensor
+
+
+def assign_advantages(
+    advantage: AdvantagePlugin,
     trajectories: Sequence[Trajectory],
     datums: Sequence[Datum],
-    bootstrap_values: Sequence[float],
     *,
+    bootstrap_values: Sequence[float] | None = None,
     token_rewards: Sequence[torch.Tensor] | None = None,
-    all_reduce: Any = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """Per-position advantages and value targets from a critic-based estimator (``needs_values``, e.g. ``gae``).
+    """Advantages from the run's estimator onto the datums and their trajectories: one call contract for every
+    estimator.
 
-    The estimator gets the datums' action masks, rollout-time values (``old_values``), each trajectory's
-    reward (on its last action token), the bootstrap mask and values (truncated trajectories bootstrap
-    from the value after their last token) and optional per-token rewards; its advantages go on the
-    datums, its returns become ``datum.returns``, and ``traj.advantage`` is the mean over the
-    trajectory's action tokens (for the logs). Every rank must call it (``all_reduce`` may be collective).
+    The estimator sees the datums' trajectories only (left-out ones are not in its statistics): their total
+    rewards (float64) and group ids, and, when it ``needs_values``, the datums' action masks, rollout-time values
+    (``old_values``), bootstrap mask and values (truncated trajectories bootstrap from the value after their last
+    token), optional per-token rewards and ``all_reduce`` for global statistics. It returns per trajectory ``(N,)``
+    (put on every action position of the datum) or per datum position ``(N, T)`` (with ``returns``, the value
+    targets, when it ``needs_values``). ``traj.advantage`` is the trajectory's advantage, or the mean over its action
+    tokens (for the logs); left-out trajectories get 0. Every rank must call it when the estimator
+    ``needs_values`` (``all_reduce`` may be collective).
 
     Raises:
-        ValueError: the plugin returned the wrong shapes, no returns, or non-finite numbers (names the plugin).
+        ValueError: the plugin returned the wrong shapes, no returns where needed, or non-finite numbers (names it).
     """
-    width = max((d.num_tokens for d in datums), default=0)
-    mask = _padded([d.action_mask for d in datums], width)
-    values = _padded([d.old_values for d in datums], width)
-    inp = AdvantageInput(
-        rewards=torch.tensor([trajectories[d.trajectory_index].reward for d in datums], dtype=torch.float64),
-        group_ids=torch.tensor([d.group_id for d in datums], dtype=torch.long),
-        action_mask=mask,
-        values=values,
-        bootstrap_mask=torch.tensor([float(d.bootstrap_mask) for d in datums], dtype=torch.float64),
-        bootstrap_values=torch.tensor(list(bootstrap_values), dtype=torch.float64),
-        token_rewards=None if token_rewards is None else _padded([t.tolist() for t in token_rewards], width),
-        all_reduce=all_reduce,
-    )
-    out = plugins.advantage(inp)
-    name = type(plugins.advantage).__name__
-    for what, tensor in (("advantages", out.advantages), ("returns", out.returns)):
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (len(datums), width):
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
-            raise ValueError(
-                f"advantage plugin {name} returned {what} {got} for {len(datums)} datums of width {width}; a critic-based "
-                f"estimator returns per-position advantages and returns, shape (N, T)."
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"advantage plugin {name} returned non-finite {what}.")
     for traj in trajectories:
         traj.advantage = 0.0
-    for i, d in enumerate(datums):
-        n, m = d.num_tokens, mask[i, : d.num_tokens]
-        adv = (out.advantages[i, :n] * m).tolist()
-        d.advantages = adv
-        d.returns = (out.returns[i, :n] * m).tolist()
-        trajectories[d.trajectory_index].advantage = float((out.advantages[i, :n] * m).sum() / m.sum().clamp(min=1))
+    if not datums and not advantage.needs_values:
+        return
+    n = len(datums)
+    width = max((d.num_tokens for d in datums), default=0)
+    inp = AdvantageInput(
+        rewards=torch.tensor([trajectories[d.trajectory_index].reward for d in datums], dtype=torch.float64),
+        group_ids=torch.tensor([trajectories[d.trajectory_index].group_id for d in datums], dtype=torch.long),
+    )
+    mask = _padded([d.action_mask for d in datums], width)
+    if advantage.needs_values:
+        inp.action_mask = mask
+        inp.values = _padded([d.old_values for d in datums], width)
+        inp.bootstrap_mask = torch.tensor([float(d.bootstrap_mask) for d in datums], dtype=torch.float64)
+        inp.bootstrap_values = torch.tensor(list(bootstrap_values or [0.0] * n), dtype=torch.float64)
+        inp.token_rewards = None if token_rewards is None else _padded([t.tolist() for t in token_rewards], width)
+        inp.all_reduce = all_reduce
+    out = advantage(inp)
+    adv = _checked(advantage, "advantages", out.advantages, [(n,), (n, width)])
+    if advantage.needs_values:
+        returns = _checked(advantage, "returns", out.returns, [(n, width)])
+    if adv.dim() == 1:
+        per_trajectory = adv.to(torch.float64).tolist()
+        for d, a in zip(datums, per_trajectory):
+            trajectories[d.trajectory_index].advantage = a
+            d.advantages = [a if m else 0.0 for m in d.action_mask]
+    else:
+        for i, d in enumerate(datums):
+            k, m = d.num_tokens, mask[i, : d.num_tokens]
+            d.advantages = (adv[i, :k] * m).tolist()
+            trajectories[d.trajectory_index].advantage = float((adv[i, :k] * m).sum() / m.sum().clamp(min=1))
+    if advantage.needs_values:
+        for i, d in enumerate(datums):
+            d.returns = (returns[i, : d.num_tokens] * mask[i, : d.num_tokens]).tolist()

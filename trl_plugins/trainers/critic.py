@@ -11,12 +11,12 @@ with its own AdamW and learning rate (``critic_learning_rate``), once per step, 
 :func:`rollout_values` takes the values once per rollout batch (the clipped value loss's "old" values,
 plus the value of the state after each trajectory's last token, which a truncated trajectory
 bootstraps from); :func:`value_update` minimises the clipped value loss with the same global
-denominators, dummy micro-batches and single synchronisation as :func:`~trl_plugins.trainers.step.policy_update`.
+denominators, dummy micro-batches and single synchronisation as :func:`~trl_plugins.trainers.update.policy_update`,
+through the same micro-batch loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -25,17 +25,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from trl_plugins.algos import aggregate, clipped_value_loss
-from trl_plugins.datum import collate, dummy_micro_batch
 from trl_plugins.modeling import model_inputs, unpack
-from trl_plugins.trainers.step import (
-    UpdateSettings,
-    ensure_packed_isolation,
-    forward_packed,
-    is_deepspeed,
-    micro_batches_with_dummies,
-    padding_free,
-    reduce_over_ranks,
-)
+from trl_plugins.trainers.micro_batches import GradientSync, ensure_packed_isolation, forward_no_grad, local_plan, micro_batches
+from trl_plugins.trainers.ranks import is_deepspeed, merge_over_ranks, reduce_over_ranks
+from trl_plugins.trainers.update import UpdateSettings
 from trl_plugins.types import Datum, MicroBatch
 
 __all__ = ["build_critic", "prepare_critic", "critic_values", "micro_batch_values", "rollout_values", "value_update", "ValueUpdateResult",
@@ -131,7 +124,7 @@ def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[D
                    *, pad_token_id: int) -> list[float]:
     """Fill ``datum.old_values`` and return, per datum, the value of the state after its last token.
 
-    One forward per packed micro-batch over ``input_ids + [last target]`` (:func:`forward_packed`):
+    One forward per packed micro-batch over ``input_ids + [last target]`` (:func:`~trl_plugins.trainers.micro_batches.forward_no_grad`):
     positions ``0..T-1`` are the datum's, position ``T`` is the state a truncated trajectory
     bootstraps from. Every rank must call it.
     """
@@ -140,8 +133,8 @@ def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[D
                       action_mask=d.action_mask + [0], sources=list(d.sources) + [d.sources[-1]]) for d in datums]
     after = [0.0] * len(datums)
 
-    for idx, values in forward_packed(accelerator, critic, extended, config, micro_batch_values, pad_token_id=pad_token_id,
-                                      name="the critic"):
+    for idx, values in forward_no_grad(accelerator, critic, extended, config, micro_batch_values, pad_token_id=pad_token_id,
+                                       name="the critic"):
         for row, i in enumerate(idx):
             n = datums[i].num_tokens
             datums[i].old_values = [float(v) for v in values[row, :n]]
@@ -166,56 +159,67 @@ class ValueUpdateResult:
     num_micro_batches: int
 
 
+@dataclass
+class _TargetSums:
+    """Sums over the action tokens of the value targets and rollout-time values (each a sum over ranks)."""
+
+    num_tokens: float = 0.0
+    returns: float = 0.0
+    returns_sq: float = 0.0
+    errors: float = 0.0
+    errors_sq: float = 0.0
+    values: float = 0.0
+    sequences: float = 0.0
+
+
 def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.optim.Optimizer, datums: Sequence[Datum],
                  config: UpdateSettings, *, vf_clip: float, vf_coef: float, max_grad_norm: float | None,
                  pad_token_id: int) -> ValueUpdateResult:
     """One exact critic step on this rank's ``datums`` (with ``old_values`` and ``returns``); every rank calls it.
 
     The loss is ``vf_coef * sum_t 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old +- vf_clip) - R_t)^2) / N_tok``
-    over action tokens, ``N_tok`` counted over every rank; micro-batches are the configured packer's.
+    over action tokens, ``N_tok`` counted over every rank; micro-batches are the configured packer's, run by the
+    update's own micro-batch loop (:mod:`~trl_plugins.trainers.micro_batches`).
     """
     world = accelerator.num_processes
     datums = list(datums)
     if any(d.old_values is None or d.returns is None for d in datums):
         raise ValueError("value_update needs datums with old_values and returns; call rollout_values() and the advantages first.")
     # Global statistics of the targets (explained variance, logging), in float64.
-    stats = torch.zeros(6, dtype=torch.float64)
+    local = _TargetSums(sequences=float(sum(d.num_loss_tokens > 0 for d in datums)))
     for d in datums:
         m = torch.tensor(d.action_mask, dtype=torch.float64)
         r, v = torch.tensor(d.returns, dtype=torch.float64), torch.tensor(d.old_values, dtype=torch.float64)
-        stats += torch.stack([m.sum(), (r * m).sum(), (r * r * m).sum(), ((r - v) * m).sum(), ((r - v) ** 2 * m).sum(),
-                              (v * m).sum()])
-    n, r_sum, r_sq, e_sum, e_sq, v_sum = reduce_over_ranks(accelerator, stats.tolist(), "sum")
+        local.num_tokens += float(m.sum())
+        local.returns += float((r * m).sum())
+        local.returns_sq += float((r * r * m).sum())
+        local.errors += float(((r - v) * m).sum())
+        local.errors_sq += float(((r - v) ** 2 * m).sum())
+        local.values += float((v * m).sum())
+    g = merge_over_ranks(accelerator, local, _TargetSums)
+    n = float(g.num_tokens) if g is not None else 0.0
     num_tokens = max(n, 1.0)
-    (num_seqs,) = reduce_over_ranks(accelerator, [float(sum(d.num_loss_tokens > 0 for d in datums))], "sum")
-    batches = micro_batches_with_dummies(accelerator, datums, config)
-    deepspeed = is_deepspeed(accelerator)
+    num_seqs = float(g.sequences) if g is not None else 0.0
     device = accelerator.device
+    sync = GradientSync(accelerator, critic, engine=True)
     loss_total = clipped = 0.0
+    steps = 0
     ensure_packed_isolation(accelerator, critic, config, name="the critic")
     critic.train()
-    for k, idx in enumerate(batches):
-        last = k == len(batches) - 1
-        mb = (collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free(config)) if idx
-              else dummy_micro_batch(pad_token_id=pad_token_id, with_values=True))
+    for step in micro_batches(accelerator, datums, local_plan(datums, config), pad_token_id=pad_token_id,
+                              padding_free=bool(config.padding_free), with_values=True):
+        mb = step.batch
+        steps += 1
         mask = mb.action_mask.to(device)
-        if deepspeed:
-            critic.set_gradient_accumulation_boundary(last)
-            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        else:
-            ctx = contextlib.nullcontext() if last or world == 1 else critic.no_sync()
-        with ctx:
+        with sync.context(step.last):
             values = micro_batch_values(critic, mb, device)
             out = clipped_value_loss(values, mb.old_values.to(device), mb.returns.to(device), mask, clip_range=vf_clip)
             loss = vf_coef * aggregate(out.per_token_loss, mask, "token_mean", num_tokens=num_tokens,
                                        num_sequences=num_seqs, dp_size=world) * mb.weight
-            if deepspeed:
-                critic.backward(loss, scale_wrt_gas=False)
-            else:
-                loss.backward()
+            sync.backward(loss)
         loss_total += float(loss.detach()) / world
         clipped += float(out.clipped)
-    if deepspeed:
+    if is_deepspeed(accelerator):
         critic.step()
     else:
         if max_grad_norm is not None and max_grad_norm > 0:
@@ -223,13 +227,16 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     loss_sum, clipped_all = reduce_over_ranks(accelerator, [loss_total, clipped], "sum")
+    r_sum, r_sq = (float(g.returns), float(g.returns_sq)) if g is not None else (0.0, 0.0)
+    e_sum, e_sq = (float(g.errors), float(g.errors_sq)) if g is not None else (0.0, 0.0)
+    v_sum = float(g.values) if g is not None else 0.0
     r_mean = r_sum / num_tokens
     r_var = max(r_sq / num_tokens - r_mean**2, 0.0)
     e_var = max(e_sq / num_tokens - (e_sum / num_tokens) ** 2, 0.0)
     return ValueUpdateResult(
         loss=loss_sum, clip_frac=clipped_all / num_tokens,
         explained_variance=1.0 - e_var / r_var if r_var > 0 else 0.0,
-        returns_mean=r_mean, returns_std=r_var**0.5, values_mean=v_sum / num_tokens, num_micro_batches=len(batches),
+        returns_mean=r_mean, returns_std=r_var**0.5, values_mean=v_sum / num_tokens, num_micro_batches=steps,
     )
 
 

@@ -24,10 +24,13 @@ from trl_plugins.types.algos import (
     PolicyLossStats,
     PolicyLossOutput,
     ValueLossOutput,
+    merge_stats,
+    stat_reductions,
 )
 from trl_plugins.types.batches import MicroBatch, PackPlan
 from trl_plugins.types.trajectory import (
     PLACEHOLDER_LOGPROB,
+    LeftOutReason,
     TokenSource,
     StopReason,
     LogprobSource,
@@ -44,6 +47,7 @@ from trl_plugins.types.trajectory import (
 
 __all__ = [
     "PLACEHOLDER_LOGPROB",
+    "LeftOutReason",
     "TokenSource",
     "StopReason",
     "LogprobSource",
@@ -67,6 +71,8 @@ __all__ = [
     "PolicyLossStats",
     "PolicyLossOutput",
     "ValueLossOutput",
+    "merge_stats",
+    "stat_reductions",
     "MicroBatch",
     "PackPlan",
 ]

@@ -4,12 +4,26 @@ outputs and statistics of advantage estimators, policy losses and value losses."
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
-from typing import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["AggregationMode", "KLEstimator", "ImportanceSamplingMode", "MismatchStats", "ImportanceWeights", "AdvantageInput", "AdvantageOutput", "PolicyLossInput", "PolicyLossStats", "PolicyLossOutput", "ValueLossOutput"]
+__all__ = [
+    "AggregationMode",
+    "KLEstimator",
+    "ImportanceSamplingMode",
+    "MismatchStats",
+    "ImportanceWeights",
+    "AdvantageInput",
+    "AdvantageOutput",
+    "PolicyLossInput",
+    "PolicyLossStats",
+    "PolicyLossOutput",
+    "ValueLossOutput",
+    "stat_reductions",
+    "merge_stats",
+]
 
 
 class AggregationMode(enum.StrEnum):
@@ -60,12 +74,35 @@ class ImportanceSamplingMode(enum.StrEnum):
         return self in (ImportanceSamplingMode.TOKEN_MASK, ImportanceSamplingMode.SEQUENCE_MASK)
 
 
+def _minimum() -> Any:
+    return field(metadata={"reduce": "min"})
+
+
+def _maximum() -> Any:
+    return field(metadata={"reduce": "max"})
+
+
+def stat_reductions(cls: type) -> dict[str, str]:
+    """How each field of a statistics dataclass combines over micro-batches and ranks: ``"sum"`` unless the field
+    declares ``"min"`` or ``"max"`` (``field(metadata={"reduce": ...})``)."""
+    return {f.name: f.metadata.get("reduce", "sum") for f in fields(cls)}
+
+
+def merge_stats(a: Any, b: Any) -> Any:
+    """Two statistics records of one dataclass combined field by field (:func:`stat_reductions`)."""
+    out = {}
+    for name, how in stat_reductions(type(a)).items():
+        x, y = getattr(a, name), getattr(b, name)
+        out[name] = torch.minimum(x, y) if how == "min" else torch.maximum(x, y) if how == "max" else x + y
+    return type(a)(**out)
+
+
 @dataclass
 class MismatchStats:
     """Detached, additive statistics of the sampler/trainer mismatch over the action tokens of a batch.
 
     ``r = pi_old / pi_sampler`` per token; "unit" = token (token modes) or sequence (sequence modes).
-    Sums, counts and extremes, so micro-batches and ranks combine exactly with :meth:`merge`.
+    Sums, counts and extremes, so micro-batches and ranks combine exactly (:func:`merge_stats`).
     """
 
     num_tokens: torch.Tensor
@@ -80,25 +117,18 @@ class MismatchStats:
     """Sum of the weights applied to the tokens (after truncation or masking)."""
     bounded_tokens: torch.Tensor
     """Tokens whose unit's ratio left ``[C_min, C_max]`` (truncated or masked)."""
-    ratio_min: torch.Tensor
+    ratio_min: torch.Tensor = _minimum()
     """Smallest unit ratio before bounding (``+inf`` when no token)."""
-    ratio_max: torch.Tensor
+    ratio_max: torch.Tensor = _maximum()
     """Largest unit ratio before bounding (``-inf`` when no token)."""
-    weight_min: torch.Tensor
+    weight_min: torch.Tensor = _minimum()
     """Smallest applied token weight (``+inf`` when no token)."""
-    weight_max: torch.Tensor
+    weight_max: torch.Tensor = _maximum()
     """Largest applied token weight (``-inf`` when no token)."""
-
-    MINIMA = ("ratio_min", "weight_min")
-    MAXIMA = ("ratio_max", "weight_max")
 
     def merge(self, other: "MismatchStats") -> "MismatchStats":
         """Combine two micro-batches' statistics (sums add, extremes take min/max)."""
-        out = {}
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            out[f.name] = torch.minimum(a, b) if f.name in self.MINIMA else torch.maximum(a, b) if f.name in self.MAXIMA else a + b
-        return MismatchStats(**out)
+        return merge_stats(self, other)
 
     def summary(self, mode: "ImportanceSamplingMode | str") -> dict[str, float]:
         """Means, fractions and extremes as floats, keyed by metric name (for logging only)."""
@@ -191,7 +221,7 @@ class PolicyLossInput:
 class PolicyLossStats:
     """Detached, additive statistics of a policy loss over the masked tokens of one micro-batch.
 
-    Sums and counts (not means) so that micro-batches and ranks combine exactly with :meth:`merge`.
+    Sums and counts (not means) so that micro-batches and ranks combine exactly (:func:`merge_stats`).
     """
 
     num_tokens: torch.Tensor
@@ -208,24 +238,14 @@ class PolicyLossStats:
     """Sum of ``|log pi_current - log pi_behaviour|``: the behaviour-vs-trainer log-prob gap."""
     ratio_sum: torch.Tensor
     """Sum of importance ratios."""
-    ratio_min: torch.Tensor
+    ratio_min: torch.Tensor = _minimum()
     """Smallest ratio (``+inf`` when no token)."""
-    ratio_max: torch.Tensor
+    ratio_max: torch.Tensor = _maximum()
     """Largest ratio (``-inf`` when no token)."""
 
     def merge(self, other: "PolicyLossStats") -> "PolicyLossStats":
         """Combine two micro-batches' statistics."""
-        return PolicyLossStats(
-            num_tokens=self.num_tokens + other.num_tokens,
-            clipped_low=self.clipped_low + other.clipped_low,
-            clipped_high=self.clipped_high + other.clipped_high,
-            dual_clipped=self.dual_clipped + other.dual_clipped,
-            approx_kl_sum=self.approx_kl_sum + other.approx_kl_sum,
-            abs_log_ratio_sum=self.abs_log_ratio_sum + other.abs_log_ratio_sum,
-            ratio_sum=self.ratio_sum + other.ratio_sum,
-            ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
-            ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
-        )
+        return merge_stats(self, other)
 
     def summary(self) -> dict[str, float]:
         """Fractions and means as floats, keyed by metric name (for logging only)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["PLACEHOLDER_LOGPROB", "TokenSource", "StopReason", "LogprobSource", "SamplingSettings", "PolicyVersion", "RewardComponent", "ToolCall", "Turn", "Trajectory", "TrajectoryReport", "TrajectoryError", "Datum"]
+__all__ = ["PLACEHOLDER_LOGPROB", "TokenSource", "StopReason", "LeftOutReason", "LogprobSource", "SamplingSettings", "PolicyVersion", "RewardComponent", "ToolCall", "Turn", "Trajectory", "TrajectoryReport", "TrajectoryError", "Datum"]
 
 
 PLACEHOLDER_LOGPROB = 0.0
@@ -73,6 +73,18 @@ class StopReason(enum.StrEnum):
 
 _TERMINATED = frozenset({StopReason.FINAL_ANSWER, StopReason.NO_TOOL_CALL, StopReason.INVALID_ACTION})
 _WORLD_FAILURES = frozenset({StopReason.ENVIRONMENT_ERROR, StopReason.VERIFIER_ERROR, StopReason.CANCELLED})
+
+
+class LeftOutReason(enum.StrEnum):
+    """Why a step's update leaves a trajectory out (no advantage, not in the group statistics, not trained on):
+    decided once, by the batch builder, and read by whoever reports it (metrics, the trajectory viewer)."""
+
+    WORLD_FAILURE = "world_failure"
+    """The infrastructure failed it (``environment_error``, ``verifier_error``, ``cancelled``): not the policy's fault."""
+    TRUNCATED = "truncated"
+    """A budget cut it and ``truncated_policy='mask'`` leaves truncated trajectories out."""
+    GROUP_TOO_SMALL = "group_too_small"
+    """Too few members of its group survived the infrastructure to compare (``min_valid_group_fraction``)."""
 
 
 class LogprobSource(enum.StrEnum):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence
 
 from trl_plugins.datum import DatumError, build_datum
-from trl_plugins.types import Datum, TokenSource, Trajectory
+from trl_plugins.types import Datum, LeftOutReason, TokenSource, Trajectory
 
 __all__ = ["FORMAT", "UpdateRole", "ViewerError", "make_batch", "save_batch", "load_batch", "datum_from_dict"]
 
@@ -105,17 +105,21 @@ def _question(row: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _role(traj: Trajectory, datum: Datum | None, in_update: bool, forwarded: bool | None,
-          mask_truncated: bool, update_skipped: str | None = None) -> tuple[UpdateRole, str]:
+_LEFT_OUT_NOTES = {
+    LeftOutReason.TRUNCATED: "truncated, and truncated_policy='mask'",
+    LeftOutReason.GROUP_TOO_SMALL: "too few members of its group survived the infrastructure (min_valid_group_fraction)",
+}
+
+
+def _role(traj: Trajectory, datum: Datum | None, left_out: LeftOutReason | None, in_update: bool,
+          forwarded: bool | None, update_skipped: str | None = None) -> tuple[UpdateRole, str]:
     if update_skipped and in_update:
         return UpdateRole.UPDATE_SKIPPED, f"not trained on: the step's policy update was skipped ({update_skipped})"
     if not in_update:
-        if traj.world_failure:
+        if left_out == LeftOutReason.WORLD_FAILURE:
             why = f"the world failed ({traj.stop_reason}{': ' + traj.error if traj.error else ''})"
-        elif traj.truncated and mask_truncated:
-            why = "truncated, and truncated_policy='mask'"
         else:
-            why = "too few members of its group survived the infrastructure (min_valid_group_fraction)"
+            why = _LEFT_OUT_NOTES.get(left_out, "left out of the update (no reason recorded)")
         return UpdateRole.LEFT_OUT, f"not trained on: {why}"
     if datum is not None and all(a == 0.0 for a in datum.advantages):
         how = ("its forward/backward was skipped (drop_zero_advantage)" if forwarded is False else
@@ -147,9 +151,8 @@ def make_batch(
     *,
     step: int | None = None,
     rows: Sequence[Mapping[str, Any]] | None = None,
-    masked: Sequence[bool] | None = None,
+    left_out: Sequence[LeftOutReason | None] | None = None,
     forwarded: Collection[int] | None = None,
-    mask_truncated: bool = False,
     max_trajectories: int | None = None,
     update_skipped: str | None = None,
 ) -> dict:
@@ -162,10 +165,10 @@ def make_batch(
         tokenizer: Decodes each token on its own (``None``: token ids are shown instead).
         step: Optimizer step the page belongs to.
         rows: The dataset rows of the batch (``rows[traj.group_id]``): question and reference answer.
-        masked: Per trajectory, True when the update left it out (:func:`~trl_plugins.trainers.batch.training_mask`);
-            default: the trajectories without a datum in ``datums``.
+        left_out: Per trajectory, why the update left it out, as the batch builder decided
+            (:func:`~trl_plugins.trainers.batch.left_out_reasons`; None: trained on); default: the trajectories
+            without a datum in ``datums`` are left out, for no recorded reason.
         forwarded: Trajectory indices whose datum went through forward/backward (``None``: not recorded).
-        mask_truncated: ``truncated_policy == 'mask'`` (only to say why a trajectory was left out).
         max_trajectories: Keep only the first N (``None``: all).
         update_skipped: Why the step made no policy update at all (``None``: it made one); every trajectory the
             update would have taken is then marked ``update_skipped``.
@@ -180,7 +183,8 @@ def make_batch(
     keep = list(trajectories)[: max_trajectories] if max_trajectories is not None else list(trajectories)
     out = []
     for i, traj in enumerate(keep):
-        in_update = (not masked[i]) if masked is not None else i in by_index
+        reason = left_out[i] if left_out is not None else None
+        in_update = reason is None if left_out is not None else i in by_index
         datum, for_display, error = by_index.get(i), False, None
         if datum is None:
             try:
@@ -188,8 +192,7 @@ def make_batch(
                 for_display = True
             except (DatumError, ValueError) as exc:
                 error = str(exc)
-        role, note = _role(traj, datum, in_update, None if forwarded is None else i in forwarded, mask_truncated,
-                           update_skipped)
+        role, note = _role(traj, datum, reason, in_update, None if forwarded is None else i in forwarded, update_skipped)
         entry: dict[str, Any] = {
             "index": i, "question_id": traj.question_id, "group_id": traj.group_id, "sample_index": traj.sample_index,
             "stop_reason": None if traj.stop_reason is None else str(traj.stop_reason),
@@ -199,7 +202,8 @@ def make_batch(
             "reward_components": [{"name": c.name, "value": _finite(c.value), "weight": _finite(c.weight)}
                                   for c in traj.reward_components],
             "policy_step": None if traj.policy_version is None else traj.policy_version.step,
-            "update_role": str(role), "update_note": note, "turns": _turns(traj),
+            "update_role": str(role), "update_note": note, "left_out": None if reason is None else str(reason),
+            "turns": _turns(traj),
             "datum": None if datum is None else _datum_to_dict(datum), "datum_for_display": for_display, "datum_error": error,
         }
         if rows is not None and 0 <= traj.group_id < len(rows):

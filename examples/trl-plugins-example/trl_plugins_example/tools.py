@@ -10,8 +10,8 @@ import ast
 import math
 import operator
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 from trl_plugins.tools.base import ToolOutput, check_arguments
 
@@ -64,6 +64,11 @@ class Calculator:
     bounds the work a call like ``9 ** 9 ** 9`` can ask for."""
     name: str = "calculator"
     """Name the model calls the tool by."""
+    idempotent: ClassVar[bool] = True
+    """Declared capability: a pure function of its arguments, so a call that failed for infrastructure reasons (the
+    tool raised) may be run again; the rollout retries it (``tool_retries``)."""
+    _calls: int = field(default=0, init=False, repr=False, compare=False)
+    _errors: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for field_name in ("max_expression_chars", "max_result_bits"):
@@ -91,14 +96,30 @@ class Calculator:
 
     async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
         start = time.perf_counter()
+        self._calls += 1
         problem = check_arguments(self.schema(), arguments)
         try:
             if problem is not None:
                 raise CalculatorError(problem)
             value = self.evaluate(arguments["expression"])
         except CalculatorError as exc:
+            self._errors += 1
             return ToolOutput(text=f"Error: {exc}", ok=False, latency_s=time.perf_counter() - start)
         return ToolOutput(text=repr(value), ok=True, latency_s=time.perf_counter() - start)
+
+    def start_up(self) -> str:
+        """Declared capability: what the run says about the tool before any model loads (nothing to start here)."""
+        return f"arithmetic parsed with ast (never eval-ed), results up to {self.max_result_bits} bits"
+
+    def step_metrics(self) -> dict[str, float]:
+        """Declared capability: this rank's calls and refused expressions since the last step (then reset)."""
+        metrics = {f"{self.name}/calls": float(self._calls), f"{self.name}/errors": float(self._errors)}
+        self._calls = self._errors = 0
+        return metrics
+
+    def step_metric_reductions(self) -> dict[str, str]:
+        """Declared capability: both are counts, summed over the ranks (undeclared metrics are averaged)."""
+        return {f"{self.name}/calls": "sum", f"{self.name}/errors": "sum"}
 
     def evaluate(self, expression: str) -> int | float:
         """The value of ``expression``.

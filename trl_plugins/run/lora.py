@@ -5,8 +5,9 @@ A recipe parses TRL's ``ModelConfig`` (``--use_peft``, ``--lora_r``, ...), calls
 ``get_peft_config`` (:func:`peft_config_from`) and loads the policy with :func:`model_init_kwargs`.
 ``MultiTurnGRPOTrainer`` hands the ``peft_config`` to TRL's ``GRPOTrainer.__init__``, which wraps the
 policy (only the adapter trains) and, with ``beta > 0``, uses the policy with its adapter disabled as
-the reference (no second copy). :func:`check_peft` refuses what this trainer cannot do with an adapter;
-the trainer calls it too, so a config built in Python meets the same checks.
+the reference (no second copy). :func:`check_peft_config` refuses what this trainer cannot do with an
+adapter, once, when the run is resolved (:func:`trl_plugins.run.resolve_run`); :func:`check_peft_model` checks a
+policy handed over already wrapped in adapters.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import dataclasses
 import os
 from typing import Any
 
-from trl_plugins.trainers.trl_fields import FieldKind, FieldRule
+from trl_plugins.run.trl_fields import FieldKind, FieldRule
 
-__all__ = ["MODEL_FIELDS", "check_model_config", "check_peft", "peft_config_from", "model_init_kwargs", "render_table"]
+__all__ = ["MODEL_FIELDS", "check_model_config", "check_peft_config", "check_peft_model", "peft_config_from",
+           "model_init_kwargs", "render_table"]
 
 _H, _R = FieldKind.HONOURED, FieldKind.REFUSED
 
@@ -89,9 +91,6 @@ def check_model_config(model_args: Any, config: Any) -> None:
     if refused:
         raise ValueError("these model settings would be ignored or cannot work here (docs/training.md#lora lists "
                          "every field):\n" + "\n".join(refused))
-    peft_config = peft_config_from(model_args)
-    if peft_config is not None:
-        check_peft(peft_config, config)
 
 
 def peft_config_from(model_args: Any) -> Any:
@@ -101,49 +100,60 @@ def peft_config_from(model_args: Any) -> Any:
     return get_peft_config(model_args)
 
 
-def check_peft(peft_config: Any, config: Any, *, model: Any = None, needs_values: bool = False) -> None:
-    """Refuse an adapter this trainer cannot train correctly.
+def check_peft_config(peft_config: Any, config: Any, *, needs_values: bool = False) -> None:
+    """Refuse an adapter this trainer cannot train correctly (once, when the run is resolved).
 
     Args:
-        peft_config: The ``PeftConfig`` handed to the trainer (None when ``model`` is a ``PeftModel``).
+        peft_config: The ``PeftConfig`` the policy trains (None: full fine-tuning, nothing to check).
         config: The run's ``MultiTurnGRPOConfig``.
-        model: The policy as given to the trainer, an instance or a path (checked when it is a ``PeftModel``).
         needs_values: Whether the advantage estimator brings a critic.
 
     Raises:
         ValueError: what cannot work, why, and what to set instead.
     """
+    if peft_config is not None:
+        _check_lora(peft_config, config)
+
+
+def check_peft_model(model: Any, config: Any, *, needs_values: bool = False) -> None:
+    """Refuse a policy handed to the trainer already wrapped in adapters (a ``PeftModel``) that cannot train here:
+    its adapters are checked as :func:`check_peft_config` checks one, and a critic cannot start from it.
+
+    Raises:
+        ValueError: what cannot work, why, and what to do instead.
+    """
     from accelerate.utils import is_peft_model
 
-    wrapped = not isinstance(model, (str, os.PathLike, type(None))) and is_peft_model(model)
-    if peft_config is None and not wrapped:
+    if isinstance(model, (str, os.PathLike, type(None))) or not is_peft_model(model):
         return
-    from peft import LoraConfig
-
-    configs = list(model.peft_config.values()) if wrapped else [peft_config]
-    for pc in configs:
-        if pc is None:
-            continue
-        if not isinstance(pc, LoraConfig):
-            raise ValueError(
-                f"{type(pc).__name__}: only LoRA adapters are supported (prompt-learning methods add virtual tokens, "
-                f"which would shift the per-token log-probs); use peft.LoraConfig (--use_peft)."
-            )
-        task = str(getattr(pc.task_type, "value", pc.task_type)) if pc.task_type is not None else None
-        if task not in (None, "CAUSAL_LM"):
-            raise ValueError(f"lora_task_type={task!r}: the policy is a causal language model; use CAUSAL_LM.")
-        if pc.lora_dropout:
-            raise ValueError(f"lora_dropout={pc.lora_dropout} is " + _LORA_DROPOUT)
-        if pc.use_dora and _zero3(config):
-            raise ValueError(
-                "use_dora under DeepSpeed ZeRO-3 is untested: DoRA reads the base layer's weight in its own forward, "
-                "outside ZeRO-3's gather of that layer; use plain LoRA, or ZeRO-2 / DDP for DoRA."
-            )
-    if wrapped and needs_values:
+    for pc in model.peft_config.values():
+        if pc is not None:
+            _check_lora(pc, config)
+    if needs_values:
         raise ValueError(
             "a critic (advantage with needs_values, e.g. 'gae') is initialised from the policy's weights, which a "
             "PeftModel instance does not expose as a plain backbone; pass the base model with peft_config (the critic "
             "then starts from the base, which the fresh adapter leaves unchanged), or merge the adapter first."
+        )
+
+
+def _check_lora(pc: Any, config: Any) -> None:
+    from peft import LoraConfig
+
+    if not isinstance(pc, LoraConfig):
+        raise ValueError(
+            f"{type(pc).__name__}: only LoRA adapters are supported (prompt-learning methods add virtual tokens, "
+            f"which would shift the per-token log-probs); use peft.LoraConfig (--use_peft)."
+        )
+    task = str(getattr(pc.task_type, "value", pc.task_type)) if pc.task_type is not None else None
+    if task not in (None, "CAUSAL_LM"):
+        raise ValueError(f"lora_task_type={task!r}: the policy is a causal language model; use CAUSAL_LM.")
+    if pc.lora_dropout:
+        raise ValueError(f"lora_dropout={pc.lora_dropout} is " + _LORA_DROPOUT)
+    if pc.use_dora and _zero3(config):
+        raise ValueError(
+            "use_dora under DeepSpeed ZeRO-3 is untested: DoRA reads the base layer's weight in its own forward, "
+            "outside ZeRO-3's gather of that layer; use plain LoRA, or ZeRO-2 / DDP for DoRA."
         )
 
 

@@ -1,4 +1,7 @@
-"""Configuration of :class:`~trl_plugins.trainers.multi_turn_trainer.MultiTurnGRPOTrainer`."""
+"""The configuration of a run (and of :class:`~trl_plugins.trainers.multi_turn_trainer.MultiTurnGRPOTrainer`): TRL's
+``GRPOConfig`` plus the plugins, each field checked once, when the config is built (``__post_init__``): our own
+fields for their types and ranges, TRL's fields honoured, mapped onto the plugins' settings or refused
+(:mod:`~trl_plugins.run.trl_fields`). What needs the plugins built is checked by :func:`trl_plugins.run.resolve_run`."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from trl_plugins.trainers.plugins import plugin_params
-from trl_plugins.trainers.trl_fields import apply_trl_fields
+from trl_plugins.run.plugins import plugin_params
+from trl_plugins.run.trl_fields import apply_trl_fields, is_set
 from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
 
 __all__ = ["MultiTurnGRPOConfig"]
@@ -158,10 +161,10 @@ class MultiTurnGRPOConfig(GRPOConfig):
                              f"optimizer is built, after the model loaded).")
         if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
             raise ValueError(f"critic_learning_rate must be > 0, got {self.critic_learning_rate}.")
-        apply_trl_fields(self)  # every other TRL field: honoured, mapped or refused
-        from trl_plugins.trainers.plugins import check_plugin_config
+        from trl_plugins.registry import PACKERS
 
-        check_plugin_config(self)
+        PACKERS.get(self.packer)  # an unknown packer is refused with "did you mean"
+        apply_trl_fields(self)  # every other TRL field: honoured, mapped or refused
 
     def resolve_padding_free(self, model: Any) -> bool:
         """Settle ``padding_free=None`` (auto) for ``model``: on for flash-attention's variable-length kernels, and
@@ -262,8 +265,6 @@ class MultiTurnGRPOConfig(GRPOConfig):
         ``vllm_importance_sampling_cap`` into ``vllm_importance_sampling_clip_max`` and checked
         ``clip_min < clip_max`` and that a truncating mode has a bound.
         """
-        from trl_plugins.trainers.trl_fields import is_set
-
         if self.mismatch_correction_scope not in ("foreign", "all"):
             raise ValueError(f"mismatch_correction_scope must be 'foreign' or 'all', got {self.mismatch_correction_scope!r}.")
         try:

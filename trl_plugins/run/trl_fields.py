@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trl_plugins.trainers.plugins import plugin_params
+from trl_plugins.run.plugins import plugin_params
 from trl_plugins.types import AggregationMode
 
 __all__ = ["FieldKind", "FieldRule", "TRL_FIELDS", "apply_trl_fields", "render_table", "is_set"]

@@ -1,0 +1,393 @@
+"""What a plugin of each seam is and what it may declare: one typed ``Protocol`` per seam, and the one adapter per
+seam that reads a plugin's declarations when the run is built.
+
+A plugin is any object with its seam's call and its *required* declarations (a dataclass or a plain class; a
+``typing.Protocol`` is structural, so nothing needs to be inherited). *Optional* members have the defaults the
+Protocols' docstrings give. The run (:mod:`trl_plugins.run`) wraps every plugin it builds in its seam's adapter
+(:class:`AdvantagePlugin`, :class:`PolicyLossPlugin`, :class:`RolloutPlugin`, :class:`ToolPlugin`,
+:class:`RewardPlugin`): the adapter reads each declaration once, checks its type, says which plugin got it
+wrong, and from then on every decision asks the adapter. A third-party plugin that declares a capability
+therefore takes part in the same decisions a built-in one does, and one that leaves an optional capability out
+gets its default, never a surprise at step 1000.
+
+==========================  ============================================  ==========================================
+seam                        required                                      optional (default)
+==========================  ============================================  ==========================================
+advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``close()``
+policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False), ``close()``
+rollout                     ``token_budget`` (int or None)                ``close()``
+tool                        ``name``, ``schema()``, ``async __call__``    ``idempotent`` (False), ``start_up()``,
+                                                                          ``step_metrics()``,
+                                                                          ``step_metric_reductions()``, ``close()``
+reward component            ``__call__(trajectory, example)``             ``is_success(value)``, ``close()``
+==========================  ============================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+
+from trl_plugins.aio import run_async
+
+if TYPE_CHECKING:  # annotations only: the seams' own modules import this one
+    from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput, Trajectory
+
+__all__ = [
+    "Reduction",
+    "PluginDeclarationError",
+    "AdvantageEstimator",
+    "PolicyLoss",
+    "Rollout",
+    "Tool",
+    "RewardComponentFn",
+    "AdvantagePlugin",
+    "PolicyLossPlugin",
+    "RolloutPlugin",
+    "ToolPlugin",
+    "RewardPlugin",
+    "as_advantage",
+    "as_policy_loss",
+    "as_rollout",
+    "as_tool",
+    "as_reward",
+    "close_plugin",
+]
+
+
+class Reduction(enum.StrEnum):
+    """How a per-rank figure combines over the data-parallel ranks (a tool's ``step_metric_reductions()``, the
+    trainer's own statistics)."""
+
+    SUM = "sum"
+    """Counts and totals."""
+    MAX = "max"
+    """Peaks and worst cases."""
+    MIN = "min"
+    """Best cases."""
+    MEAN = "mean"
+    """Rates that every rank measures alike."""
+
+    def combine(self, values: list[float]) -> float:
+        """The combined value of the ranks' ``values`` (the arithmetic, for gathered figures)."""
+        if self is Reduction.SUM:
+            return float(sum(values))
+        if self is Reduction.MAX:
+            return float(max(values))
+        if self is Reduction.MIN:
+            return float(min(values))
+        return float(sum(values) / len(values))
+
+
+class PluginDeclarationError(ValueError):
+    """A plugin's declaration is missing or of the wrong type; the message names the plugin and the member.
+
+    Attributes:
+        label: The plugin (``advantage 'gae'``).
+        what: What is wrong with it (``does not declare needs_values (a bool); ...``).
+    """
+
+    def __init__(self, label: str, what: str) -> None:
+        super().__init__(f"{label} {what}")
+        self.label, self.what = label, what
+
+
+# -- what a plugin implements ---------------------------------------------------------------------
+
+
+class AdvantageEstimator(Protocol):
+    """Advantages (and, with a critic, value targets) from a batch's rewards."""
+
+    needs_values: bool
+    """A critic runs and its values reach ``AdvantageInput.values`` (e.g. GAE)."""
+    needs_groups: bool
+    """Group-relative: ``num_generations`` must be at least 2."""
+
+    def __call__(self, inp: AdvantageInput) -> AdvantageOutput: ...
+
+
+class PolicyLoss(Protocol):
+    """A per-token policy loss before aggregation."""
+
+    needs_ref_logprobs: bool
+    """Reads ``PolicyLossInput.ref_logprobs`` (a reference model runs: ``beta > 0``)."""
+    needs_entropy: bool
+    """Reads ``PolicyLossInput.entropy``."""
+
+    def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput: ...
+
+
+class Rollout(Protocol):
+    """Trajectories for a :class:`~trl_plugins.rollout.RolloutRequest`."""
+
+    token_budget: int | None
+    """The most tokens one trajectory can hold, or None when unbounded."""
+
+    def __call__(self, request: Any) -> Any: ...
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool the model calls: a name, an OpenAI function schema, an async call on the parsed arguments."""
+
+    name: str
+
+    def schema(self) -> dict[str, Any]:
+        """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+        ...
+
+    async def __call__(self, arguments: dict[str, Any]) -> Any:
+        """Run the tool on the model's parsed arguments; returns a ``ToolOutput``."""
+        ...
+
+
+class RewardComponentFn(Protocol):
+    """One named reward component: a finite number for a scored trajectory and its dataset row."""
+
+    def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> float: ...
+
+
+# -- the adapters the run builds --------------------------------------------------------------------
+
+
+def _label(seam: str, name: str | None, impl: Any) -> str:
+    return f"{seam} {name!r}" if name else f"{seam} {type(impl).__name__}"
+
+
+def _required_bool(impl: Any, member: str, label: str) -> bool:
+    if not hasattr(impl, member):
+        raise PluginDeclarationError(label, f"does not declare {member} (a bool); see docs/plugins.md for the seam's protocol.")
+    value = getattr(impl, member)
+    if not isinstance(value, bool):
+        raise PluginDeclarationError(label, f"declares {member}={value!r}; it must be a bool (docs/plugins.md).")
+    return value
+
+
+def _optional(impl: Any, member: str, default: Any) -> Any:
+    return getattr(impl, member) if hasattr(impl, member) else default
+
+
+def _optional_bool(impl: Any, member: str, default: bool, label: str) -> bool:
+    value = _optional(impl, member, default)
+    if not isinstance(value, bool):
+        raise PluginDeclarationError(label, f"declares {member}={value!r}; it must be a bool (docs/plugins.md).")
+    return value
+
+
+def _optional_method(impl: Any, member: str, label: str) -> Callable[..., Any] | None:
+    method = _optional(impl, member, None)
+    if method is not None and not callable(method):
+        raise PluginDeclarationError(label, f"declares {member} = {method!r}, which is not callable.")
+    return method
+
+
+def close_plugin(plugin: Any) -> None:
+    """Call ``plugin.close()`` when it has one; a coroutine it returns is run to completion."""
+    close = _optional_method(plugin, "close", _label("plugin", None, plugin))
+    if close is None:
+        return
+    result = close()
+    if inspect.isawaitable(result):
+
+        async def wait() -> None:
+            await result
+
+        run_async(wait())
+
+
+@dataclass(frozen=True, eq=False)
+class _Adapter:
+    name: str
+    """The name the run knows the plugin by (its registry name or ``pkg.mod:attr``)."""
+    impl: Any
+    """The plugin itself."""
+
+    @property
+    def label(self) -> str:
+        """How messages name the plugin: its seam and name."""
+        raise NotImplementedError
+
+    @property
+    def closes(self) -> bool:
+        """Whether the plugin declares ``close()`` (it holds resources to release)."""
+        return _optional_method(self.impl, "close", self.label) is not None
+
+    def close(self) -> None:
+        """The plugin's own ``close()`` (plain or async) when it has one."""
+        close_plugin(self.impl)
+
+
+@dataclass(frozen=True, eq=False)
+class AdvantagePlugin(_Adapter):
+    """An advantage estimator and its declarations."""
+
+    needs_values: bool = False
+    needs_groups: bool = False
+
+    @property
+    def label(self) -> str:
+        return _label("advantage", self.name, self.impl)
+
+    def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
+        return self.impl(inp)
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyLossPlugin(_Adapter):
+    """A policy loss and its declarations."""
+
+    needs_ref_logprobs: bool = False
+    needs_entropy: bool = False
+    supports_is_weights: bool = False
+    """Applies ``PolicyLossInput.is_weights`` (the sampler/trainer mismatch correction); optional, default False."""
+
+    @property
+    def label(self) -> str:
+        return _label("policy_loss", self.name, self.impl)
+
+    @property
+    def per_token_terms(self) -> bool:
+        """A term besides ``-A * ratio`` (a reference KL, an entropy bonus): a zero-advantage datum still counts."""
+        return self.needs_ref_logprobs or self.needs_entropy
+
+    def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
+        return self.impl(inp)
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutPlugin(_Adapter):
+    """A rollout plugin and its token budget."""
+
+    token_budget: int | None = None
+
+    @property
+    def label(self) -> str:
+        return _label("rollout", self.name, self.impl)
+
+    def __call__(self, request: Any) -> Any:
+        return self.impl(request)
+
+
+@dataclass(frozen=True, eq=False)
+class ToolPlugin(_Adapter):
+    """A tool and its optional members, read once."""
+
+    idempotent: bool = False
+    """Running a call twice is harmless: a call that failed for infrastructure reasons is retried."""
+    start_up_fn: Callable[[], Any] | None = None
+    step_metrics_fn: Callable[[], Mapping[str, float]] | None = None
+    reductions: Mapping[str, Reduction] = field(default_factory=dict)
+    """How each of the tool's step metrics combines over ranks (``step_metric_reductions()``; others: mean)."""
+
+    @property
+    def label(self) -> str:
+        return _label("tool", self.name, self.impl)
+
+    def schema(self) -> dict[str, Any]:
+        return self.impl.schema()
+
+    async def __call__(self, arguments: dict[str, Any]) -> Any:
+        return await self.impl(arguments)
+
+    def start_up(self) -> str | None:
+        """Start the tool's resources now and say how it runs (None: it declares no ``start_up()``)."""
+        return None if self.start_up_fn is None else str(self.start_up_fn())
+
+    def step_metrics(self) -> dict[str, float]:
+        """The tool's metrics of the step now ending (empty: it declares none)."""
+        return {} if self.step_metrics_fn is None else dict(self.step_metrics_fn())
+
+
+@dataclass(frozen=True, eq=False)
+class RewardPlugin(_Adapter):
+    """A reward component, its weight in the total, and its optional ``is_success``."""
+
+    weight: float = 1.0
+    is_success_fn: Callable[[float], bool] | None = None
+
+    @property
+    def label(self) -> str:
+        return _label("reward component", self.name, self.impl)
+
+    def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> Any:
+        return self.impl(trajectory, example)
+
+    def is_success(self, value: float) -> bool:
+        """Whether ``value`` means success (what an evaluation counts as correct).
+
+        Raises:
+            PluginDeclarationError: the component defines no ``is_success``.
+        """
+        if self.is_success_fn is None:
+            raise PluginDeclarationError(self.label, f"has no is_success(value) method, so an evaluation cannot tell a "
+                                         f"success from a failure by it.")
+        return bool(self.is_success_fn(value))
+
+
+def as_advantage(impl: Any, name: str = "") -> AdvantagePlugin:
+    """``impl`` with its declarations read (an :class:`AdvantagePlugin` is returned as it is)."""
+    if isinstance(impl, AdvantagePlugin):
+        return impl
+    label = _label("advantage", name, impl)
+    return AdvantagePlugin(name, impl, needs_values=_required_bool(impl, "needs_values", label),
+                           needs_groups=_required_bool(impl, "needs_groups", label))
+
+
+def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
+    """``impl`` with its declarations read (a :class:`PolicyLossPlugin` is returned as it is)."""
+    if isinstance(impl, PolicyLossPlugin):
+        return impl
+    label = _label("policy_loss", name, impl)
+    return PolicyLossPlugin(name, impl, needs_ref_logprobs=_required_bool(impl, "needs_ref_logprobs", label),
+                            needs_entropy=_required_bool(impl, "needs_entropy", label),
+                            supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label))
+
+
+def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
+    """``impl`` with its token budget read (a :class:`RolloutPlugin` is returned as it is)."""
+    if isinstance(impl, RolloutPlugin):
+        return impl
+    label = _label("rollout", name, impl)
+    if not hasattr(impl, "token_budget"):
+        raise PluginDeclarationError(label, f"does not declare token_budget (max tokens of one trajectory, or None); "
+                                     f"see docs/plugins.md.")
+    budget = impl.token_budget
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise PluginDeclarationError(label, f"declares token_budget={budget!r}; it must be a positive int or None.")
+    return RolloutPlugin(name, impl, token_budget=budget)
+
+
+def as_tool(impl: Any, name: str = "") -> ToolPlugin:
+    """``impl`` with its optional members read (a :class:`ToolPlugin` is returned as it is). ``name`` defaults to
+    the tool's own ``name``, the one the model calls."""
+    if isinstance(impl, ToolPlugin):
+        return impl
+    own = _optional(impl, "name", None)
+    label = _label("tool", name or own, impl)
+    if not isinstance(own, str) or not own:
+        raise PluginDeclarationError(label, f"has name {own!r}; a tool needs a non-empty name (the one the model calls).")
+    reductions_fn = _optional_method(impl, "step_metric_reductions", label)
+    declared = dict(reductions_fn()) if reductions_fn is not None else {}
+    bad = {k: v for k, v in declared.items() if v not in Reduction.__members__.values()}
+    if bad:  # an unknown one would silently become a mean over ranks
+        raise PluginDeclarationError(label, f"step_metric_reductions() returned {bad}; each value must be one of "
+                                     f"{[str(r) for r in Reduction]}.")
+    return ToolPlugin(own, impl, idempotent=_optional_bool(impl, "idempotent", False, label),
+                      start_up_fn=_optional_method(impl, "start_up", label),
+                      step_metrics_fn=_optional_method(impl, "step_metrics", label),
+                      reductions={k: Reduction(v) for k, v in declared.items()})
+
+
+def as_reward(impl: Any, name: str = "", weight: float = 1.0) -> RewardPlugin:
+    """``impl`` with its weight and optional ``is_success`` (a :class:`RewardPlugin` is returned as it is)."""
+    if isinstance(impl, RewardPlugin):
+        return impl
+    label = _label("reward component", name, impl)
+    if not callable(impl):
+        raise PluginDeclarationError(label, f"is a {type(impl).__name__}, not callable as component(trajectory, example).")
+    if not math.isfinite(float(weight)):
+        raise PluginDeclarationError(label, f"has weight {weight!r}; a weight must be a finite number.")
+    return RewardPlugin(name, impl, weight=float(weight), is_success_fn=_optional_method(impl, "is_success", label))

@@ -1,0 +1,112 @@
+"""What generates a run's turns, chosen once: HF ``generate`` on the training model, transformers' continuous
+batching, or vLLM (colocate or server), with the config's sampling settings; and the one factory of its backend."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend, VLLMBackend
+from trl_plugins.rollout.chat import ChatFormat
+from trl_plugins.types import LogprobSource, SamplingSettings
+
+__all__ = ["SamplerKind", "sampler_kind", "sampling_settings", "check_sampler_available", "make_backend"]
+
+
+class SamplerKind(enum.StrEnum):
+    """What generates the rollouts."""
+
+    HF_GENERATE = "hf_generate"
+    """HF ``generate`` on the training model (the default)."""
+    CONTINUOUS_BATCHING = "continuous_batching"
+    """transformers' continuous batching on the training model (``use_transformers_continuous_batching``)."""
+    VLLM_COLOCATE = "vllm_colocate"
+    """A vLLM engine in each training process (``use_vllm``, ``vllm_mode='colocate'``)."""
+    VLLM_SERVER = "vllm_server"
+    """A vLLM server on other devices (``use_vllm``, ``vllm_mode='server'``)."""
+
+    @property
+    def logprob_source(self) -> LogprobSource:
+        """What its behaviour log-probs are: the trainer's own, or vLLM's processed ones."""
+        return LogprobSource.PROCESSED if self.is_vllm else LogprobSource.TEMPERATURE_SCALED
+
+    @property
+    def is_vllm(self) -> bool:
+        return self in (SamplerKind.VLLM_COLOCATE, SamplerKind.VLLM_SERVER)
+
+    def describe(self, config: Any) -> str:
+        """One line for the banner."""
+        if self.is_vllm:
+            return f"vLLM ({config.vllm_mode} mode)"
+        if self is SamplerKind.CONTINUOUS_BATCHING:
+            keep = "kept" if config.continuous_batching_keep_cache else "freed"
+            return f"transformers continuous batching (KV cache {keep} between rollouts)"
+        return "HF generate"
+
+
+def sampler_kind(config: Any) -> SamplerKind:
+    """The sampler ``config`` asks for (``use_vllm`` and continuous batching exclude each other: the config refuses both)."""
+    if config.use_vllm:
+        return SamplerKind.VLLM_SERVER if config.vllm_mode == "server" else SamplerKind.VLLM_COLOCATE
+    if config.use_transformers_continuous_batching:
+        return SamplerKind.CONTINUOUS_BATCHING
+    return SamplerKind.HF_GENERATE
+
+
+def sampling_settings(config: Any, *, temperature: float | None = None) -> SamplingSettings:
+    """The config's sampling settings (``temperature`` overrides the config's)."""
+    return SamplingSettings(
+        temperature=config.temperature if temperature is None else temperature, top_p=config.top_p,
+        top_k=config.top_k or 0, min_p=config.min_p or 0.0, repetition_penalty=config.repetition_penalty,
+    )
+
+
+def check_sampler_available(kind: SamplerKind) -> None:
+    """Refuse vLLM before any model loads when it cannot be imported (and no stand-in for TRL's ``VLLMGeneration``
+    was installed, as the tests' fake does)."""
+    if not kind.is_vllm:
+        return
+    import trl.trainer.grpo_trainer as trl_grpo
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.import_utils import is_vllm_available
+
+    if trl_grpo.VLLMGeneration is VLLMGeneration and not is_vllm_available():
+        raise ValueError(
+            "use_vllm=True, but vLLM is not installed here. Install a version TRL 1.16 supports "
+            "(pip install 'vllm>=0.22,<=0.31') on the machine that generates (every training process in colocate "
+            "mode; in server mode the trainer needs it too, for TRL's client), or drop --use_vllm to generate with "
+            "HF generate."
+        )
+
+
+def make_backend(kind: SamplerKind, config: Any, chat: ChatFormat, *, model: Any = None, pad_token_id: int | None = None,
+                 accelerator: Any = None, vllm_generation: Any = None, temperature: float | None = None) -> GenerationBackend:
+    """The backend of sampler ``kind`` with the config's sampling settings (``temperature`` overrides the config's).
+
+    Args:
+        model: The policy HF generate or continuous batching samples from (possibly wrapped by Accelerate).
+        pad_token_id: HF generate's left padding.
+        vllm_generation: TRL's ``VLLMGeneration`` (the trainer's), for vLLM.
+    """
+    sampling = sampling_settings(config, temperature=temperature)
+    if kind.is_vllm:
+        client = None
+        if kind is SamplerKind.VLLM_SERVER and getattr(vllm_generation, "vllm_client", None) is None:
+            # TRL builds its client on the main process only; every rank sends its own turns.
+            from trl.generation import vllm_client as trl_client
+
+            base = config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}"
+            client = trl_client.VLLMClient(base_url=base, group_port=config.vllm_group_port,
+                                           connection_timeout=config.vllm_server_timeout)
+        return VLLMBackend(vllm_generation, stop_token_ids=chat.stop_token_ids, sampling=sampling, client=client,
+                           max_concurrency=config.vllm_max_concurrent_requests)
+    if kind is SamplerKind.CONTINUOUS_BATCHING:
+        from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
+
+        return ContinuousBatchingBackend(
+            model, stop_token_ids=chat.stop_token_ids, sampling=sampling,
+            config=continuous_batching_config(config.transformers_continuous_batching_config), accelerator=accelerator,
+            keep_cache=config.continuous_batching_keep_cache,
+        )
+    return HFGenerationBackend(model, pad_token_id=pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling,
+                               accelerator=accelerator)

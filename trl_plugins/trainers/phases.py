@@ -1,0 +1,281 @@
+"""One training step as phases that read top-down (glue: each phase calls the plain functions of
+:mod:`~trl_plugins.trainers.batch`, :mod:`~trl_plugins.trainers.update` and :mod:`~trl_plugins.trainers.critic`, and
+returns its metrics).
+
+Once per rollout batch (:meth:`StepRunner.roll_out` ... :meth:`StepRunner.old_logprobs`):
+
+1. **rollout**: the run's rollout plugin on this rank's rows (the sampler's weights brought up to date first);
+2. **scoring**: every reward component on every trajectory, then the verifier-failure rate over the ranks
+   (one all-reduce; the run stops on every rank alike above ``max_verifier_error_rate``);
+3. **datums**: why each trajectory is left out (:class:`~trl_plugins.types.LeftOutReason`, recorded on the batch), and
+   one datum per trajectory trained on;
+4. **reference log-probs** (``beta > 0``; forwards on every rank), the KL in the reward when asked;
+5. **values and advantages**: the critic's values (forwards on every rank) when the estimator ``needs_values``, then
+   the estimator (:func:`~trl_plugins.trainers.batch.assign_advantages`);
+6. **old log-probs** when the sampler/trainer mismatch correction applies (an all-reduce decides; forwards).
+
+Every step (:meth:`StepRunner.update` ... :meth:`StepRunner.merge_metrics`):
+
+7. **policy update**: the exact multi-rank update (:func:`~trl_plugins.trainers.update.policy_update`), unless
+   nothing is to be trained (counted over the ranks) or the critic is warming up;
+8. **critic update** (a critic's own exact step);
+9. **metrics**: every rank's figures and trajectory summaries gathered once, reduced by meaning.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from trl_plugins.rollout import RolloutCancelled, RolloutResult
+from trl_plugins.rollout.metrics import (
+    TrajectorySummary,
+    engine_metrics,
+    reduce_rank_metrics,
+    reward_metrics,
+    summarize,
+    trajectory_metrics,
+)
+from trl_plugins.run import Run
+from trl_plugins.trainers.batch import (
+    add_kl_penalty,
+    assign_advantages,
+    build_datums_for_update,
+    kl_per_token,
+    left_out_reasons,
+    rollout_rows,
+    score_trajectories,
+)
+from trl_plugins.trainers.critic import rollout_values, value_update
+from trl_plugins.trainers.ranks import all_reduce_sum, reduce_over_ranks
+from trl_plugins.trainers.update import datums_to_forward, mismatch_correction_applies, old_logprobs, policy_update, reference_logprobs
+from trl_plugins.types import Datum, LeftOutReason, StopReason, Trajectory
+
+__all__ = ["StepBatch", "StepRunner"]
+
+
+@dataclass
+class StepBatch:
+    """One rollout batch and everything decided about it: what the step trains on, and why not the rest.
+
+    The trainer keeps the last one (``MultiTurnGRPOTrainer.last_batch``): the trajectory viewer, the W&B tables and
+    tests read it.
+    """
+
+    policy_step: int
+    """The optimizer step whose weights sampled it."""
+    rows: list[dict]
+    """This rank's dataset rows (``rows[traj.group_id]``)."""
+    trajectories: list[Trajectory]
+    """Scored, with advantages."""
+    left_out: list[LeftOutReason | None]
+    """Per trajectory, why the update leaves it out (None: trained on)."""
+    datums: list[Datum]
+    """One per trajectory trained on (``datum.trajectory_index``), with advantages."""
+    forwarded: frozenset[int] = frozenset()
+    """Trajectory indices whose datum the update forwards (zero-advantage ones may be skipped)."""
+    update_skipped: str | None = None
+    """Why the last step on this batch made no policy update (None: it made one)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """This rank's rollout-side figures (engine, scoring, timings of the phases above)."""
+    summaries: list[TrajectorySummary] = field(default_factory=list)
+    """This rank's trajectory summaries (gathered over the ranks for the step's trajectory metrics)."""
+
+    @property
+    def masked(self) -> list[bool]:
+        """Per trajectory, whether the update leaves it out."""
+        return [r is not None for r in self.left_out]
+
+
+class StepRunner:
+    """The phases of a step for one run on one rank.
+
+    Args:
+        run: The run (plugins, config, chat format bound).
+        accelerator: The trainer's accelerator.
+        pad_token_id: Padding id for collation.
+        critic, critic_optimizer: The prepared critic and its optimizer when the estimator ``needs_values``.
+    """
+
+    def __init__(self, run: Run, accelerator: Any, *, pad_token_id: int, critic: Any = None, critic_optimizer: Any = None) -> None:
+        self.run, self.accelerator, self.pad_token_id = run, accelerator, pad_token_id
+        self.critic, self.critic_optimizer = critic, critic_optimizer
+        self.config = run.config
+
+    # -- once per rollout batch ----------------------------------------------------------------------
+
+    def roll_out(self, backend: Any, rows: list[dict], *, policy_step: int, seed: int, progress: bool,
+                 stop: Any) -> RolloutResult | None:
+        """1. This rank's trajectories (None: a stop request cancelled the rollout here)."""
+        try:
+            return rollout_rows(self.run, backend, rows, group_size=self.config.num_generations, seed=seed,
+                                policy_step=policy_step, progress=progress, stop=stop)
+        except RolloutCancelled:
+            return None
+
+    def score_and_decide(self, result: RolloutResult, rows: list[dict], *, policy_step: int) -> StepBatch:
+        """2-3. Scores (a collective: the verifier-failure rate over the ranks), left-out reasons and datums."""
+        c, trajs = self.config, result.trajectories
+        start = time.perf_counter()
+        failures = score_trajectories(self.run.rewards, trajs, rows, time_limit_s=c.reward_time_limit_s)
+        scoring_s = time.perf_counter() - start
+        example = next((t.error for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR), None)
+        metrics = self._check_verifier_failures(failures, len(trajs), example=example)
+        left_out = left_out_reasons(trajs, mask_truncated=c.truncated_policy == "mask",
+                                    min_valid_group_fraction=c.min_valid_group_fraction)
+        datums = build_datums_for_update(trajs, left_out, max_context_tokens=self.run.max_context_tokens)
+        metrics.update({**engine_metrics(result), "timing/scoring_s": scoring_s})
+        return StepBatch(policy_step, list(rows), trajs, left_out, datums, metrics=metrics)
+
+    def reference(self, batch: StepBatch, model: Any, context: Callable[[], Any] | None) -> None:
+        """4. Reference log-probs (``beta > 0``; every rank forwards), and the KL in the reward when asked."""
+        c = self.config
+        if not c.beta > 0:
+            return
+        start = time.perf_counter()
+        reference_logprobs(self.accelerator, model, batch.datums, c, pad_token_id=self.pad_token_id, context=context)
+        batch.metrics["timing/reference_s"] = time.perf_counter() - start
+        if c.kl_penalty == "reward" and self.critic is None:
+            add_kl_penalty(batch.trajectories, batch.datums, beta=c.beta, estimator=c.kl_estimator)
+
+    def advantages(self, batch: StepBatch) -> None:
+        """5. The critic's values (every rank forwards) when the estimator needs them, then the advantages."""
+        c, trajs, datums = self.config, batch.trajectories, batch.datums
+        if self.critic is None:
+            assign_advantages(self.run.advantage, trajs, datums)
+            return
+        start = time.perf_counter()
+        after = rollout_values(self.accelerator, self.critic, datums, c, pad_token_id=self.pad_token_id)
+        batch.metrics["timing/critic_values_s"] = time.perf_counter() - start
+        token_rewards = None
+        if c.beta > 0 and c.kl_penalty == "reward":
+            # Per token, as in classic PPO; the kl_penalty component is kept for the record with weight 0.
+            token_rewards = [-c.beta * kl_per_token(d, c.kl_estimator) for d in datums]
+            add_kl_penalty(trajs, datums, beta=0.0, estimator=c.kl_estimator)
+        world = self.accelerator.num_processes
+        assign_advantages(self.run.advantage, trajs, datums, bootstrap_values=after, token_rewards=token_rewards,
+                          all_reduce=(lambda t: all_reduce_sum(self.accelerator, t)) if world > 1 else None)
+
+    def old_logprobs(self, batch: StepBatch, policy: Any) -> None:
+        """6. The policy's own log-probs of the sampling weights (pi_old) when the mismatch correction applies (an
+        all-reduce decides, on every rank alike). Reused rollouts keep them."""
+        c = self.config
+        if not mismatch_correction_applies(self.accelerator, batch.trajectories, self.run.policy_loss, c):
+            return
+        start = time.perf_counter()
+        forwarded = [batch.datums[i] for i in datums_to_forward(batch.datums, self.run.policy_loss, c)]
+        old_logprobs(self.accelerator, policy, forwarded, c, pad_token_id=self.pad_token_id)
+        batch.metrics["timing/old_logprobs_s"] = time.perf_counter() - start
+
+    def summarise(self, batch: StepBatch) -> None:
+        """The batch's trajectory summaries and this rank's tools' step metrics."""
+        rank = self.accelerator.process_index
+        batch.summaries = [summarize(t, rank=rank, masked=m) for t, m in zip(batch.trajectories, batch.masked)]
+        batch.metrics["train/datums"] = float(len(batch.datums))
+        for tool in self.run.tools.values():
+            batch.metrics.update(tool.step_metrics())
+
+    # -- every step ------------------------------------------------------------------------------------
+
+    def update(self, batch: StepBatch, model: Any, optimizer: Any, *, global_step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """7. The policy update (or why none), and 8. the critic's; returns the loss and the update's metrics."""
+        c, run = self.config, self.run
+        metrics: dict[str, float] = {}
+        forwarded = datums_to_forward(batch.datums, run.policy_loss, c)
+        batch.forwarded = frozenset(batch.datums[i].trajectory_index for i in forwarded)
+        (total,) = reduce_over_ranks(self.accelerator, [float(len(forwarded))], "sum")
+        warmup = self.critic is not None and global_step < c.critic_warmup_steps
+        if self.critic is not None:
+            metrics["critic/warmup"] = float(warmup)
+        batch.update_skipped = ("the critic's warm-up, critic_warmup_steps" if warmup else
+                                "no trajectory to train on" if total == 0 else None)
+        if batch.update_skipped:
+            metrics["train/update_skipped"] = 1.0
+            loss = torch.zeros((), device=c.device)
+        else:
+            start = time.perf_counter()
+            result = policy_update(self.accelerator, model, optimizer, batch.datums, run.policy_loss, c,
+                                   pad_token_id=self.pad_token_id, step_optimizer=False)
+            metrics["timing/forward_backward_s"] = time.perf_counter() - start
+            metrics.update(_update_metrics(result))
+            loss = torch.tensor(result.loss, device=c.device)
+        if self.critic is not None:
+            start = time.perf_counter()
+            vr = value_update(self.accelerator, self.critic, self.critic_optimizer, batch.datums, c, vf_clip=c.vf_clip,
+                              vf_coef=c.vf_coef, max_grad_norm=c.max_grad_norm, pad_token_id=self.pad_token_id)
+            metrics.update({
+                "critic/value_loss": vr.loss, "critic/clip_frac": vr.clip_frac,
+                "critic/explained_variance": vr.explained_variance, "critic/returns_mean": vr.returns_mean,
+                "critic/returns_std": vr.returns_std, "critic/values_mean": vr.values_mean,
+                "timing/critic_update_s": time.perf_counter() - start,
+            })
+        return loss, metrics
+
+    def merge_metrics(self, metrics: Mapping[str, float], summaries: list[TrajectorySummary] | None,
+                      reductions: Mapping[str, str]) -> dict[str, float]:
+        """9. One gather per step: every rank's metrics and trajectory summaries. Trajectory metrics are computed over
+        the union of all ranks' trajectories; the rest is reduced by its meaning
+        (:func:`~trl_plugins.rollout.metrics.reduce_rank_metrics`). Every rank gets the same numbers."""
+        if self.accelerator.num_processes == 1:
+            per_rank, union = [dict(metrics)], summaries
+        else:
+            from accelerate.utils import gather_object
+
+            gathered = gather_object([(dict(metrics), summaries)])
+            per_rank = [m for m, _ in gathered]
+            union = None if summaries is None else [s for _, ss in gathered for s in (ss or [])]
+        out = reduce_rank_metrics(per_rank, reductions)
+        if union is not None:
+            out.update(trajectory_metrics(union))
+            out.update(reward_metrics(union, self.run.reward_names()))
+        return out
+
+    def _check_verifier_failures(self, failures: Mapping[str, int], num_trajectories: int, *,
+                                 example: str | None = None) -> dict[str, float]:
+        """Verifier error rates of the step over all ranks; stops the run (on every rank alike) above
+        ``max_verifier_error_rate``."""
+        names = [r.name for r in self.run.rewards]
+        counts = reduce_over_ranks(self.accelerator, [float(failures.get(name, 0)) for name in names] + [float(num_trajectories)],
+                                   "sum")
+        total = max(counts[-1], 1.0)
+        rates = {f"reward/verifier_error_rate/{name}": c / total for name, c in zip(names, counts)}
+        rate = sum(counts[:-1]) / total
+        limit = self.config.max_verifier_error_rate
+        if rate > limit:
+            worst = max(zip(names, counts), key=lambda item: item[1])[0]
+            raise RuntimeError(
+                f"{rate:.0%} of this step's trajectories failed a reward component (most: {worst!r}), over "
+                f"max_verifier_error_rate={limit}: the verifier looks broken, so the run stops instead of training on "
+                f"noise (e.g. {example or 'see the other ranks'}; every failure is logged as a 'verifier_error' "
+                f"warning). Fix the component or raise max_verifier_error_rate."
+            )
+        return {"reward/verifier_error_rate": rate, **rates}
+
+
+def _update_metrics(result: Any) -> dict[str, float]:
+    out = {
+        "train/update_skipped": 0.0,
+        "train/micro_batches": float(result.num_micro_batches),
+        "train/dummy_micro_batches": float(result.num_dummies),
+        "train/input_tokens": float(result.num_input_tokens),
+        "train/loss_tokens": float(result.num_loss_tokens),
+        "train/forward_tokens": float(result.num_padded_tokens),
+        "train/padding_efficiency": result.num_input_tokens / max(result.num_padded_tokens, 1),
+        "train/policy_loss": result.loss,
+        "train/forwarded_datums": float(result.num_forwarded),
+        "timing/packing_s": result.packing_s,
+    }
+    if result.reference is not None:
+        out.update({f"train/{k}": v for k, v in result.reference.items()})
+    if result.entropy is not None:
+        out["train/entropy"] = result.entropy
+    if result.stats is not None:
+        out.update({f"train/{k}": v for k, v in result.stats.summary().items()})
+    if result.ratio_quantiles:
+        out.update({f"train/{k}": v for k, v in result.ratio_quantiles.items()})
+    if result.mismatch is not None:
+        out.update({f"train/{k}": v for k, v in result.mismatch.items()})
+    return out

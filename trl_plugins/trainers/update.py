@@ -1,0 +1,418 @@
+"""One optimizer update from a batch of datums, exact on any number of ranks, and the no-gradient log-prob passes
+it reads (glue, no maths).
+
+Every rank calls :func:`policy_update` with the datums it holds (any number, any lengths). Its phases, each with
+its collectives at its edges:
+
+1. **denominators**: the global loss-token and sequence counts, over every datum given (zero-advantage ones
+   whose forward is skipped included), so skipping or splitting never rescales the gradient;
+2. **plan**: with ``rebalance_ranks`` every rank gathers every datum and builds one plan across all ranks with
+   the configured packer (``balanced`` is made for it), otherwise each packs its own;
+3. **pass**: the micro-batch loop (:mod:`~trl_plugins.trainers.micro_batches`): as many forward/backward passes
+   on every rank (zero-weight dummies where a rank has fewer), each loss normalised by the global denominators
+   and multiplied by the data-parallel size that DDP/DeepSpeed divide by, gradients synchronised once;
+4. **step**: exactly one optimizer step (or, ``step_optimizer=False``, left to the HF loop);
+5. **statistics**: the pass's figures merged over the ranks (:func:`~trl_plugins.trainers.ranks.merge_over_ranks`).
+
+The gradient therefore equals the gradient of the one-batch loss on all datums of all ranks.
+
+When the datums carry ``old_logprobs`` (the sampler/trainer mismatch correction: :func:`old_logprobs`,
+decided by :func:`mismatch_correction_applies`), the PPO ratio is anchored on them instead of the
+sampler's behaviour log-probs and each token's policy-gradient term is weighted by the bounded
+importance weight ``pi_old / pi_sampler`` (:func:`trl_plugins.algos.importance_weights`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
+from trl_plugins.modeling import micro_batch_logprobs
+from trl_plugins.packing import pack_for_ranks
+from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
+from trl_plugins.trainers.micro_batches import (
+    GradientSync,
+    ensure_packed_isolation,
+    forward_no_grad,
+    local_plan,
+    micro_batches,
+    pack_limits,
+)
+from trl_plugins.trainers.ranks import gather_values, is_deepspeed, merge_over_ranks, reduce_over_ranks
+from trl_plugins.types import (
+    Datum,
+    ImportanceSamplingMode,
+    KLEstimator,
+    LogprobSource,
+    MicroBatch,
+    MismatchStats,
+    PolicyLossInput,
+    PolicyLossStats,
+    Trajectory,
+)
+
+__all__ = [
+    "UpdateSettings", "UpdateResult", "policy_update", "reference_logprobs", "old_logprobs",
+    "mismatch_correction_applies", "datums_to_forward", "TRAINER_LOGPROB_SOURCE",
+]
+
+TRAINER_LOGPROB_SOURCE = LogprobSource.TEMPERATURE_SCALED
+"""What the trainer's own forward computes (``log_softmax(logits / temperature)``, :mod:`trl_plugins.modeling`)."""
+
+
+class UpdateSettings(Protocol):
+    """What the update reads from its config: fields of :class:`MultiTurnGRPOConfig`, which is where their defaults
+    and their validation live (any object with these attributes will do)."""
+
+    aggregation: str
+    packer: str
+    max_items_per_micro_batch: int
+    max_padded_tokens_per_micro_batch: int
+    padding_free: bool | None
+    rebalance_ranks: bool
+    norm_length: float | None
+    temperature: float
+    max_grad_norm: float | None
+    drop_zero_advantage: bool
+    # Read only when the datums carry old_logprobs (the mismatch correction applies):
+    vllm_importance_sampling_mode: str
+    vllm_importance_sampling_clip_min: float | None
+    vllm_importance_sampling_clip_max: float | None
+
+
+@dataclass
+class UpdateResult:
+    """What one update did (global numbers, identical on every rank)."""
+
+    loss: float
+    """The aggregated loss of the whole step (sum over micro-batches and ranks)."""
+    num_micro_batches: int
+    """Forward/backward passes per rank."""
+    num_dummies: int
+    """Zero-weight micro-batches over all ranks."""
+    num_loss_tokens: int
+    """Global loss tokens (the token-mean denominator)."""
+    num_sequences: int
+    """Global sequences with at least one loss token."""
+    num_padded_tokens: int
+    """Global padded area processed (dummies included)."""
+    num_input_tokens: int
+    """Global real input tokens."""
+    stats: PolicyLossStats | None
+    """Merged policy-loss statistics over all ranks (None when nothing was trained)."""
+    grad_norm: float | None = None
+    """Gradient norm before clipping, when clipping is on and known."""
+    packing_s: float = 0.0
+    """Wall time spent planning micro-batches on this rank."""
+    ratio_quantiles: dict[str, float] | None = None
+    """p10/p50/p90 of the importance ratio over the loss tokens of every rank (gathered: exact)."""
+    num_forwarded: int = 0
+    """Global datums that went through forward/backward (zero-advantage ones may be skipped)."""
+    reference: dict[str, float] | None = None
+    """Means over the forwarded loss tokens of KL(current || reference) per estimator (``kl_k1``,
+    ``kl_k2``, ``kl_k3``) and ``ref_logprob_gap`` (mean ``|log pi - log pi_ref|``), when the datums
+    carry reference log-probs."""
+    entropy: float | None = None
+    """Mean per-token entropy of the current policy over the forwarded loss tokens, when computed."""
+    mismatch: dict[str, float] | None = None
+    """Sampler/trainer mismatch over the forwarded loss tokens of every rank, when the datums carry
+    ``old_logprobs`` (:meth:`MismatchStats.summary`: ``is_mismatch_kl``, ``is_weight_mean``, ...)."""
+
+
+@dataclass
+class _PassSums:
+    """This rank's sums over one pass (every field a sum over the ranks: :func:`merge_over_ranks`)."""
+
+    loss: float = 0.0
+    dummies: float = 0.0
+    padded: float = 0.0
+    real: float = 0.0
+    forwarded_tokens: float = 0.0
+    kl_k1: float = 0.0
+    kl_k2: float = 0.0
+    kl_k3: float = 0.0
+    ref_logprob_gap: float = 0.0
+    entropy: float = 0.0
+
+
+@dataclass
+class _Pass:
+    """What one pass collected on this rank."""
+
+    sums: _PassSums = field(default_factory=_PassSums)
+    stats: PolicyLossStats | None = None
+    mismatch: MismatchStats | None = None
+    ratios: list[torch.Tensor] = field(default_factory=list)
+    steps: int = 0
+
+
+def datums_to_forward(datums: Sequence[Datum], policy_loss: Any, config: UpdateSettings) -> list[int]:
+    """Indices of the datums whose forward/backward can change the gradient.
+
+    With ``drop_zero_advantage``, a datum whose advantages are all 0 adds exactly 0 to a PPO-clip
+    loss and its gradient (``-A * ratio``), so it is skipped; it still counts in the global
+    denominators (:func:`policy_update`), so skipping never rescales the gradient. When the loss has
+    another per-token term (a reference KL, an entropy bonus: ``needs_ref_logprobs``/``needs_entropy``)
+    nothing can be skipped.
+    """
+    if not config.drop_zero_advantage or as_policy_loss(policy_loss).per_token_terms:
+        return list(range(len(datums)))
+    return [i for i, d in enumerate(datums) if any(a != 0.0 for a in d.advantages)]
+
+
+def _fill_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, field_name: str,
+                   *, pad_token_id: int, context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
+    temperature = config.temperature or 1.0
+
+    def forward(m: torch.nn.Module, mb: MicroBatch, device: Any) -> torch.Tensor:
+        return micro_batch_logprobs(m, mb, device, temperature=temperature)[0]
+
+    name = "the reference model" if field_name == "ref_logprobs" else "the policy"
+    for idx, lp in forward_no_grad(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context,
+                                   name=name):
+        for row, i in enumerate(idx):
+            n = datums[i].num_tokens
+            setattr(datums[i], field_name, [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)])
+
+
+def reference_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *,
+                       pad_token_id: int, context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
+    """Fill ``datum.ref_logprobs`` with the reference model's log-probs at the sampling temperature;
+    every rank must call it. Called once per rollout batch, so reused rollouts keep them.
+
+    Args:
+        model: The prepared reference model, or the policy when ``context`` disables its adapter (PEFT).
+        context: A factory of the context in which ``model`` is the reference (e.g. adapters off).
+    """
+    _fill_logprobs(accelerator, model, datums, config, "ref_logprobs", pad_token_id=pad_token_id, context=context)
+
+
+def old_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *,
+                 pad_token_id: int) -> None:
+    """Fill ``datum.old_logprobs`` with the policy's own no-gradient log-probs at the sampling temperature;
+    every rank must call it (same packing, same number of forwards per rank).
+
+    Call it once per rollout batch, before the first optimizer step on it: ``model`` then holds the
+    weights that sampled, so these are the trainer's numbers for the sampling policy (``pi_old``), and
+    reused rollouts (``num_iterations > 1``) keep them.
+
+    Args:
+        model: The prepared policy (DDP- or DeepSpeed-wrapped; with PEFT, adapters on).
+        datums: The datums the update will forward (:func:`datums_to_forward`).
+    """
+    _fill_logprobs(accelerator, model, datums, config, "old_logprobs", pad_token_id=pad_token_id)
+
+
+def mismatch_correction_applies(accelerator: Any, trajectories: Sequence[Trajectory], policy_loss: Any, config: Any) -> bool:
+    """Whether this rollout batch gets the sampler/trainer mismatch correction; the same answer on every rank.
+
+    It applies when ``vllm_importance_sampling_correction`` is on and either ``mismatch_correction_scope``
+    is ``"all"`` or any rank holds a trajectory whose log-probs are not the trainer's own
+    (``policy_version.logprob_source != TRAINER_LOGPROB_SOURCE``, e.g. vLLM's ``processed``). Every rank
+    must call it (one all-reduce in scope ``"foreign"``).
+
+    The run refuses, before any model loads, a loss without ``supports_is_weights`` wherever its sampler makes the
+    correction apply; a rollout plugin that brings foreign log-probs the run could not foresee is refused here.
+
+    Raises:
+        ValueError: it applies but the policy loss does not declare ``supports_is_weights`` (raised on
+            every rank alike).
+    """
+    if not config.vllm_importance_sampling_correction:
+        return False
+    if config.mismatch_correction_scope == "all":
+        applies = True
+    else:
+        foreign = any(t.policy_version is not None and t.policy_version.logprob_source != TRAINER_LOGPROB_SOURCE
+                      for t in trajectories)
+        (any_foreign,) = reduce_over_ranks(accelerator, [float(foreign)], "max")
+        applies = bool(any_foreign)
+    loss = as_policy_loss(policy_loss)
+    if applies and not loss.supports_is_weights:
+        raise ValueError(
+            f"the sampler/trainer mismatch correction applies to this batch (vllm_importance_sampling_correction=True, "
+            f"mismatch_correction_scope={config.mismatch_correction_scope!r}: its trajectories' log-probs are not the "
+            f"trainer's own), but {loss.label} does not declare supports_is_weights: it would drop the importance "
+            f"weights. Use policy_loss='ppo_clip', make the plugin apply PolicyLossInput.is_weights, or set "
+            f"vllm_importance_sampling_correction=False."
+        )
+    return applies
+
+
+def _denominators(accelerator: Any, datums: Sequence[Datum]) -> tuple[float, float]:
+    local_tokens = float(sum(d.num_loss_tokens for d in datums))
+    local_seqs = float(sum(d.num_loss_tokens > 0 for d in datums))
+    num_tokens, num_seqs = reduce_over_ranks(accelerator, [local_tokens, local_seqs], "sum")
+    return num_tokens, num_seqs
+
+
+def _check_inputs(datums: Sequence[Datum], loss: PolicyLossPlugin) -> tuple[bool, bool]:
+    with_ref = bool(datums) and all(d.ref_logprobs is not None for d in datums)
+    if loss.needs_ref_logprobs and datums and not with_ref:
+        raise ValueError("the policy loss reads reference log-probs but the datums carry none; call reference_logprobs() first.")
+    with_old = bool(datums) and all(d.old_logprobs is not None for d in datums)
+    if datums and not with_old and any(d.old_logprobs is not None for d in datums):
+        raise ValueError("some datums carry old_logprobs and some do not; call old_logprobs() on every datum the update forwards.")
+    if with_old and not loss.supports_is_weights:
+        raise ValueError(f"the datums carry old_logprobs (mismatch correction) but {loss.label} does not declare "
+                         f"supports_is_weights.")
+    return with_ref, with_old
+
+
+def _plan(accelerator: Any, datums: list[Datum], config: UpdateSettings) -> tuple[list[Datum], list[list[int]], float]:
+    """``(datums, this rank's micro-batches, planning seconds)``; with ``rebalance_ranks`` the datums are every
+    rank's (gathered, in rank order) and the plan spans the ranks."""
+    start = time.perf_counter()
+    world = accelerator.num_processes
+    if config.rebalance_ranks and world > 1:
+        from accelerate.utils import gather_object
+
+        datums = [d for part in gather_object([datums]) for d in part]
+        plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=world, **pack_limits(config))
+        batches = [list(mb) for mb in plan.ranks[accelerator.process_index]]
+    else:
+        batches = local_plan(datums, config)
+    return datums, batches, time.perf_counter() - start
+
+
+def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], batches: list[list[int]],
+              loss_fn: PolicyLossPlugin, config: UpdateSettings, *, pad_token_id: int, num_tokens: float, num_seqs: float,
+              any_ref: bool, is_mode: ImportanceSamplingMode | None) -> _Pass:
+    world, device = accelerator.num_processes, accelerator.device
+    temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
+    sync = GradientSync(accelerator, model)
+    out = _Pass()
+    ensure_packed_isolation(accelerator, model, config)
+    model.train()
+    for step in micro_batches(accelerator, datums, batches, pad_token_id=pad_token_id,
+                              padding_free=bool(config.padding_free), with_ref=any_ref):
+        mb, idx = step.batch, step.datum_indices
+        out.steps += 1
+        out.sums.dummies += not idx
+        out.sums.padded += mb.num_padded_tokens
+        out.sums.real += int(mb.attention_mask.sum())
+        mask = mb.action_mask.to(device)
+        with sync.context(step.last):
+            logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature, with_entropy=loss_fn.needs_entropy)
+            ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
+            # The PPO anchor: the sampler's log-probs, or with the mismatch correction the trainer's own
+            # (pi_old), the sampler-to-trainer gap then going into the importance weights.
+            anchor = mb.behaviour_logprobs.to(device) if mb.old_logprobs is None else mb.old_logprobs.to(device)
+            is_w = None
+            if mb.old_logprobs is not None:
+                is_w = importance_weights(anchor, mb.behaviour_logprobs.to(device), mask, is_mode,
+                                          clip_min=config.vllm_importance_sampling_clip_min,
+                                          clip_max=config.vllm_importance_sampling_clip_max)
+            result = loss_fn(PolicyLossInput(
+                logprobs=logp, behaviour_logprobs=anchor, advantages=mb.advantages.to(device), action_mask=mask,
+                ref_logprobs=ref if loss_fn.needs_ref_logprobs else None, entropy=entropy,
+                is_weights=None if is_w is None else is_w.weights,
+            ))
+            loss = aggregate(result.per_token_loss, mask, config.aggregation, num_tokens=num_tokens, num_sequences=num_seqs,
+                             norm_length=config.norm_length, dp_size=world) * mb.weight
+            sync.backward(loss)
+        out.sums.loss += float(loss.detach()) / world
+        if not idx:
+            continue
+        out.stats = result.stats if out.stats is None else out.stats.merge(result.stats)
+        if is_w is not None:
+            out.mismatch = is_w.stats if out.mismatch is None else out.mismatch.merge(is_w.stats)
+        out.ratios.append(importance_ratios(logp, anchor, mask).cpu())
+        out.sums.forwarded_tokens += float(sum(datums[i].num_loss_tokens for i in idx))
+        with torch.no_grad():
+            if ref is not None:
+                safe_ref = torch.where(mask.bool(), ref, logp.detach())
+                for est in KLEstimator:
+                    setattr(out.sums, f"kl_{est.value}",
+                            getattr(out.sums, f"kl_{est.value}") + float((kl_estimate(logp.detach(), safe_ref, est) * mask).sum()))
+                out.sums.ref_logprob_gap += float(((logp.detach() - safe_ref).abs() * mask).sum())
+            if entropy is not None:
+                out.sums.entropy += float((entropy.detach() * mask).sum())
+    sync.finish()
+    return out
+
+
+def policy_update(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    datums: Sequence[Datum],
+    policy_loss: Any,
+    config: UpdateSettings,
+    *,
+    pad_token_id: int,
+    step_optimizer: bool = True,
+) -> UpdateResult:
+    """Run one exact update on this rank's ``datums``; every rank must call it (collectives inside).
+
+    Args:
+        accelerator: The ``accelerate.Accelerator`` that prepared ``model`` and ``optimizer``.
+        model: The prepared (DDP- or DeepSpeed-wrapped) policy.
+        optimizer: The prepared optimizer.
+        datums: This rank's datums (may be empty).
+        policy_loss: A policy-loss plugin (its declarations are read: :func:`~trl_plugins.protocols.as_policy_loss`).
+        config: The run's config (:class:`UpdateSettings`): aggregation, packer and its limits, ``padding_free``,
+            ``rebalance_ranks``, ``norm_length``, the sampling ``temperature`` (log-probs are taken from
+            ``logits / temperature`` like the behaviour ones; 0, greedy, keeps the unscaled logits), ``max_grad_norm``
+            (clipping when > 0; skipped under DeepSpeed, which clips by its own config) and ``drop_zero_advantage``
+            (skip the forward of datums that add exactly 0: :func:`datums_to_forward`).
+        pad_token_id: Padding id for collation.
+        step_optimizer: Step and zero the optimizer here (DDP/single process). ``False`` when a caller
+            such as the HF Trainer loop clips and steps itself right after. Under DeepSpeed the engine
+            steps in the last backward either way.
+
+    Returns:
+        Global numbers of the update (the same on every rank).
+    """
+    loss_fn = as_policy_loss(policy_loss)
+    datums = list(datums)
+    # 1. denominators: every datum this step trains on, skipped zero-advantage ones included.
+    num_tokens, num_seqs = _denominators(accelerator, datums)
+    datums = [datums[i] for i in datums_to_forward(datums, loss_fn, config)]
+    with_ref, with_old = _check_inputs(datums, loss_fn)
+    # 2. plan.
+    datums, batches, packing_s = _plan(accelerator, datums, config)
+    forwarded, any_ref, any_old = reduce_over_ranks(
+        accelerator, [float(sum(len(idx) for idx in batches)), float(with_ref), float(with_old)], "sum")
+    any_ref, any_old = any_ref > 0, any_old > 0
+    is_mode = ImportanceSamplingMode(config.vllm_importance_sampling_mode) if any_old else None
+    # 3. pass.
+    done = _run_pass(accelerator, model, datums, batches, loss_fn, config, pad_token_id=pad_token_id, num_tokens=num_tokens,
+                     num_seqs=num_seqs, any_ref=any_ref, is_mode=is_mode)
+    # 4. step.
+    grad_norm = None
+    if not is_deepspeed(accelerator) and step_optimizer:
+        if config.max_grad_norm is not None and config.max_grad_norm > 0:
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    # 5. statistics over the ranks.
+    qs = (0.1, 0.5, 0.9)
+    all_r = gather_values(accelerator, torch.cat(done.ratios) if done.ratios else torch.zeros(0))
+    ratio_qs = {f"ratio_p{int(q * 100)}": v for q, v in zip(qs, quantiles(all_r, qs).tolist())} if all_r.numel() else None
+    sums = merge_over_ranks(accelerator, done.sums, _PassSums)
+    total = {f.name: float(getattr(sums, f.name)) for f in fields(_PassSums)}
+    denom = max(total["forwarded_tokens"], 1.0)
+    mismatch = merge_over_ranks(accelerator, done.mismatch, MismatchStats) if any_old else None
+    return UpdateResult(
+        loss=total["loss"],
+        num_micro_batches=done.steps,
+        num_dummies=int(total["dummies"]),
+        num_loss_tokens=int(num_tokens),
+        num_sequences=int(num_seqs),
+        num_padded_tokens=int(total["padded"]),
+        num_input_tokens=int(total["real"]),
+        stats=merge_over_ranks(accelerator, done.stats, PolicyLossStats),
+        grad_norm=grad_norm,
+        packing_s=packing_s,
+        ratio_quantiles=ratio_qs,
+        num_forwarded=int(forwarded),
+        reference={k: total[k] / denom for k in ("kl_k1", "kl_k2", "kl_k3", "ref_logprob_gap")} if any_ref else None,
+        entropy=total["entropy"] / denom if loss_fn.needs_entropy else None,
+        mismatch=None if mismatch is None else mismatch.summary(is_mode),
+    )
