@@ -185,24 +185,24 @@ def test_ppo_clip_hand_worked():
 def test_ppo_clip_is_inactive_on_policy_and_fires_off_policy():
     # On-policy (behaviour == current), nothing is clipped and the gradient is -A.
     logp = torch.full((1, 5), -1.0, dtype=torch.float64, requires_grad=True)
-    out = ppo_clip_loss(logp, logp.detach(), ADV, ONES)
+    out = ppo_clip_loss(logp, logp.detach(), ADV, ONES, clip_low=0.2, clip_high=0.28)
     out.per_token_loss.sum().backward()
     assert close(logp.grad, -ADV) and out.stats.summary()["clip_frac_high"] == 0.0
     # With behaviour log-probs from a different sampler, the clip acts.
-    out = ppo_clip_loss(RATIOS.log(), torch.zeros_like(RATIOS), ADV, ONES)
+    out = ppo_clip_loss(RATIOS.log(), torch.zeros_like(RATIOS), ADV, ONES, clip_low=0.2, clip_high=0.28)
     assert float(out.stats.clipped_high + out.stats.clipped_low) == 2
 
 
 def test_dual_clip_caps_negative_advantage_loss():
     logp = T([[math.log(5.0), math.log(5.0)]], dtype=torch.float64, requires_grad=True)
     adv = T([[-1.0, 1.0]], dtype=torch.float64)
-    out = ppo_clip_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(adv), dual_clip=3.0)
+    out = ppo_clip_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(adv), clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     # tok0: A=-1, r=5: max(5, 1.28) = 5 > 3 * 1 -> capped at 3 (no gradient).
     # tok1: A=+1, r=5: max(-5, -1.28) = -1.28 (ordinary clip; dual clip only touches A < 0).
     assert close(out.per_token_loss, [[3.0, -1.28]])
     assert float(out.stats.dual_clipped) == 1
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        ppo_clip_loss(logp, logp, adv, adv, dual_clip=0.5)
+        ppo_clip_loss(logp, logp, adv, adv, clip_low=0.2, clip_high=0.28, dual_clip=0.5)
 
 
 def test_ppo_clip_plugin_adds_kl_and_entropy_terms():

@@ -190,8 +190,6 @@ def test_clip_bounds_map_to_the_policy_loss(tmp_path):
         (dict(epsilon=0.1, policy_loss_kwargs={"clip_low": 0.3}), r"epsilon=0.1 means policy_loss_kwargs\['clip_low'\]=0.1"),
         (dict(epsilon_high=0.4, policy_loss_kwargs={"clip_high": 0.28}), "set only one of them"),
         (dict(delta=2.0, policy_loss_kwargs={"dual_clip": 3.0}), "set only one of them"),
-        # delta <= 1 + clip_high: TRL's clamp would also cut positive-advantage ratios, the dual clip does not.
-        (dict(delta=1.2), r"only when delta > 1 \+ clip_high = 1.28"),
         (dict(loss_type="grpo", aggregation="seq_mean_token_sum"), "aggregation='seq_mean_token_mean', but aggregation="),
         (dict(loss_type="dr_grpo", max_completion_length=256, norm_length=100.0), "norm_length=256.0, but norm_length=100.0"),
         (dict(scale_rewards="none", advantage_kwargs={"scale_by_std": True}), r"advantage_kwargs\['scale_by_std'\]=False"),
@@ -206,6 +204,18 @@ def test_clip_bounds_map_to_the_policy_loss(tmp_path):
 def test_mapping_conflicts_and_refusals(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(tmp_path, **overrides)
+
+
+def test_a_delta_at_or_below_the_upper_clip_bound_is_refused_by_the_loss_it_maps_onto(tmp_path):
+    # TRL's clamp at delta would also cut positive-advantage ratios, the dual clip does not; ppo_clip, whose
+    # clip_high default lives in its own signature only, refuses it when the run builds it.
+    from trl_plugins.run import resolve_run
+
+    with pytest.raises(ValueError, match=r"dual_clip=1.2 must be above 1 \+ clip_high = 1.28.*TRL's delta"):
+        resolve_run(_config(tmp_path, delta=1.2))
+    with pytest.raises(ValueError, match=r"dual_clip=1.35 must be above 1 \+ clip_high = 1.4"):
+        resolve_run(_config(tmp_path, delta=1.35, epsilon_high=0.4))
+    assert resolve_run(_config(tmp_path, delta=1.5)).policy_loss.impl.dual_clip == 1.5
 
 
 @pytest.mark.parametrize(

@@ -184,6 +184,7 @@ class PeriodicHeldOut(TrainerCallback):
     def evaluate(self, *, seed: int) -> dict[str, float]:
         """The held-out numbers of the current policy, summed over ranks."""
         from trl_plugins.evaluation import evaluate_policy
+        from trl_plugins.trainers.ranks import reduce_over_ranks
 
         trainer = self.trainer
         result, _ = evaluate_policy(
@@ -197,11 +198,7 @@ class PeriodicHeldOut(TrainerCallback):
         per_problem = [c / m for c, m in result.correct_by_problem.values()]
         sums = [n, result.accuracy * n, with_tool, (result.accuracy_with_tool or 0.0) * with_tool, result.truncated_frac * n,
                 len(per_problem), sum(per_problem), sum(a * a for a in per_problem)]
-        if trainer.accelerator.num_processes > 1:
-            import torch
-
-            sums = trainer.accelerator.reduce(torch.tensor(sums, dtype=torch.float64, device=trainer.accelerator.device),
-                                              reduction="sum").tolist()
+        sums = reduce_over_ranks(trainer.accelerator, sums, "sum")
         n, correct, with_tool, correct_with_tool, truncated, problems, acc_sum, acc_sq = sums
         out = {"heldout/accuracy": correct / n, "heldout/tool_call_rate": with_tool / n, "heldout/truncated_frac": truncated / n}
         if problems >= 2:  # sd of the per-problem accuracies / sqrt(problems) (equal samples per problem)

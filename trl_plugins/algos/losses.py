@@ -60,8 +60,8 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    clip_low: float,
+    clip_high: float,
     dual_clip: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> PolicyLossOutput:
@@ -192,6 +192,12 @@ class PPOClipLoss:
             raise ValueError(
                 f"ppo_clip needs 0 <= clip_low < 1 and clip_high >= 0 (ratio in [1-clip_low, 1+clip_high]); "
                 f"got clip_low={self.clip_low}, clip_high={self.clip_high}."
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0 + self.clip_high:
+            raise ValueError(
+                f"ppo_clip: dual_clip={self.dual_clip} must be above 1 + clip_high = {1.0 + self.clip_high}: at or below "
+                f"it the cap would stop negative-advantage tokens inside the clip range, not only far beyond it (TRL's "
+                f"delta maps onto dual_clip: raise delta, or lower epsilon_high/clip_high)."
             )
         self.kl_estimator = KLEstimator(self.kl_estimator)
 

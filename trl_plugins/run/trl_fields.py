@@ -128,20 +128,11 @@ def _map_epsilon_high(c: Any) -> None:
 
 
 def _map_delta(c: Any) -> None:
-    if c.delta is None:
-        return
-    # TRL clamps the ratio at delta; for negative advantages that is ppo_clip's dual clip at delta, and
-    # for positive ones it changes nothing only while delta lies above the upper clip bound.
-    from trl_plugins.registry import POLICY_LOSSES
-
-    params = plugin_params(POLICY_LOSSES.get(c.policy_loss)) or {}
-    clip_high = c.policy_loss_kwargs.get("clip_high", getattr(params.get("clip_high"), "default", None))
-    if clip_high is not None and c.delta <= 1.0 + clip_high:
-        raise ValueError(
-            f"delta={c.delta}: TRL's two-sided clip equals policy_loss_kwargs['dual_clip'] only when delta > "
-            f"1 + clip_high = {1.0 + clip_high}; raise delta or lower epsilon_high/clip_high."
-        )
-    _set_kwarg(c, "delta", "policy_loss", "dual_clip", c.delta)
+    # TRL clamps the ratio at delta; for negative advantages that is ppo_clip's dual clip at delta, and for positive
+    # ones it changes nothing while delta lies above the upper clip bound: ppo_clip itself refuses a dual clip at or
+    # below 1 + clip_high when it is built (its clip_high default lives in its signature only).
+    if c.delta is not None:
+        _set_kwarg(c, "delta", "policy_loss", "dual_clip", c.delta)
 
 
 _LOSS_TYPE_AGGREGATION = {
