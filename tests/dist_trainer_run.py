@@ -63,7 +63,7 @@ class Probe(TrainerCallback):
             f.write(json.dumps(record) + "\n")
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--output_dir", required=True)
@@ -92,7 +92,11 @@ def main() -> None:
     ap.add_argument("--vllm", choices=["colocate", "server"], default=None, help="generate with the fake vLLM "
                     "(tests/fake_vllm.py) through TRL's VLLMGeneration")
     ap.add_argument("--vllm_url", default=None, help="server mode: the fake server's base URL")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    """One trainer run as ``args`` describes; rank 0 writes its report to ``args.out``."""
     from datasets import Dataset
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -105,9 +109,19 @@ def main() -> None:
     if (args.beta and not args.lora) or args.gae or args.vllm:
         # TRL builds the reference from the policy's path; each rank writes its own identical copy (with LoRA
         # the reference is the policy with its adapter disabled: no copy). vLLM loads the policy by its path.
-        path = Path(args.output_dir) / f"policy-{os.environ.get('LOCAL_RANK', '0')}"
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # A later case of a --cases launch: transformers saves on rank 0 only once a process group exists.
+            path = Path(args.output_dir) / "policy"
+            if dist.get_rank() == 0:
+                model.save_pretrained(path)
+                tok.save_pretrained(path)
+            dist.barrier()
+        else:
+            path = Path(args.output_dir) / f"policy-{os.environ.get('LOCAL_RANK', '0')}"
+            model.save_pretrained(path)
+            tok.save_pretrained(path)
         model = str(path)
     rows = [{"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)]
     config = MultiTurnGRPOConfig(
@@ -179,6 +193,28 @@ def main() -> None:
             "steps": [r for r in records if "train/update_skipped" in r],
         }))
     trainer.accelerator.wait_for_everyone()
+
+
+def main() -> None:
+    """One run (the arguments above), or ``--cases FILE``: a JSON list of argument lists, run one after the other in
+    this launch (the launch's start-up, some 10-15 s of imports per rank, is paid once). A case that fails writes
+    ``<its --out>.error.rank<R>`` with the traceback and ends the launch (the other ranks are stopped by the
+    launcher)."""
+    if sys.argv[1:2] == ["--cases"]:
+        cases = json.loads(Path(sys.argv[2]).read_text())
+    else:
+        cases = [sys.argv[1:]]
+    for argv in cases:
+        args = parse(argv)
+        try:
+            run(args)
+        except BaseException:  # noqa: BLE001 - reported to the test, then the launch ends
+            import traceback
+
+            Path(f"{args.out}.error.rank{os.environ.get('RANK', '0')}").write_text(traceback.format_exc())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
     sys.stdout.flush()
     os._exit(0)
 

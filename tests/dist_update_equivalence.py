@@ -121,11 +121,9 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
         Path(args.out).write_text(json.dumps(report))
         print(json.dumps(report))
     accelerator.wait_for_everyone()
-    sys.stdout.flush()
-    os._exit(0)
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rebalance", action="store_true")
@@ -140,13 +138,20 @@ def main() -> None:
                     help="sampler/trainer mismatch correction in this ImportanceSamplingMode (bounds [0.8, 1.25] per token, "
                          "[1/3, 3] per sequence, so that some but not all bind): each rank "
                          "takes pi_old of its own datums with old_logprobs(), the noisy behaviour log-probs are the sampler's")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def main() -> None:
+    """One case (the arguments above), or ``--cases FILE``: a JSON list of argument lists, run one after the other
+    on one Accelerator in this launch (its start-up is paid once). A case that fails writes
+    ``<its --out>.error.rank<R>`` and ends the launch."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    cases = json.loads(Path(sys.argv[2]).read_text()) if sys.argv[1:2] == ["--cases"] else [sys.argv[1:]]
+    cases = [parse(argv) for argv in cases]
     # Built before the Accelerator: once DeepSpeed ZeRO-3 is configured, transformers builds models partitioned.
-    critics = [critic_with_a_head() for _ in range(3)] if args.critic else []
+    critics = {id(a): [critic_with_a_head() for _ in range(3)] for a in cases if a.critic}
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if deepspeed:
         accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
@@ -156,6 +161,25 @@ def main() -> None:
         ds.pop("train_batch_size", None)
     else:
         accelerator = Accelerator(cpu=True)
+    for args in cases:
+        try:
+            run_case(args, accelerator, deepspeed, critics.get(id(args), []))
+            # Release what the case prepared: accelerate steps the first DeepSpeed engine it wrapped otherwise.
+            accelerator.free_memory()
+        except BaseException:  # noqa: BLE001 - reported to the test, then the launch ends
+            import traceback
+
+            Path(f"{args.out}.error.rank{accelerator.process_index}").write_text(traceback.format_exc())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)  # avoids a rare gloo-thread abort at interpreter exit (see ENVIRONMENT notes)
+
+
+def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: list) -> None:
+    """One update (or, with ``--critic``, one critic update) on the ranks against a one-process plain-torch step;
+    rank 0 writes the report to ``args.out``."""
     world, rank = accelerator.num_processes, accelerator.process_index
     parts = all_datums(world)
     everything = [d for p in parts for d in p]
@@ -288,8 +312,6 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report))
         print(json.dumps(report))
     accelerator.wait_for_everyone()
-    sys.stdout.flush()
-    os._exit(0)  # avoids a rare gloo-thread abort at interpreter exit (see ENVIRONMENT notes)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
 """2-process DDP and ZeRO-3 on CPU through the real launcher: ranks with different numbers of datums
-and turns take one update that equals a 1-process plain-torch step on all the data."""
+and turns take one update that equals a 1-process plain-torch step on all the data.
+
+A launch costs 10-15 s of imports per rank before its first step, more than most cases take: the cases of each
+script run one after the other in one launch per accelerate config (``--cases``), each writing its own report,
+and the tests read them (:class:`CaseLaunches`). Runs that need a launch of their own (two "nodes", a vLLM
+server, signals) still get one."""
 
 from __future__ import annotations
 
@@ -21,20 +26,29 @@ SCRIPT = ROOT / "tests" / "dist_update_equivalence.py"
 MULTI_NODE_SCRIPT = ROOT / "tests" / "dist_multi_node.py"
 
 
-def launch(config: str, tmp_path: Path, *extra: str, timeout: int = 420) -> dict:
-    out = tmp_path / "report.json"
-    cmd = accelerate_launch(config, SCRIPT, "--out", str(out), *extra)
-    env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    # An outer timeout: a stuck gloo collective would otherwise hang the suite.
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+# -- one update on two ranks vs one process: one launch per backend ----------------------------------------------
+
+UPDATE_EXTRA = {"plain": (), "rebalance-seq-mean": ("--rebalance", "--aggregation", "seq_mean_token_mean"),
+                "kl-entropy": ("--kl",), "critic": ("--critic",), "token_truncate": ("--mismatch", "token_truncate"),
+                "sequence_mask": ("--mismatch", "sequence_mask")}
+UPDATE_CASES = {"cpu_ddp.yaml": ("plain", "rebalance-seq-mean", "kl-entropy", "critic", "token_truncate"),
+                "cpu_zero3.yaml": ("plain", "kl-entropy", "critic", "sequence_mask")}
+
+
+def update_cases(config: str, root: Path) -> dict[str, list[str]]:
+    """The cases of tests/dist_update_equivalence.py under ``config``, by name."""
+    return {name: ["--out", str(root / f"{name}.json"), *UPDATE_EXTRA[name]] for name in UPDATE_CASES[config]}
+
+
+@pytest.fixture(scope="module")
+def update_runs(tmp_path_factory) -> "CaseLaunches":
+    return CaseLaunches(tmp_path_factory.mktemp("update_runs"), SCRIPT, update_cases)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
-def test_two_ranks_critic_update_matches_one_process(config, tmp_path):
-    report = launch(config, tmp_path, "--critic")
+def test_two_ranks_critic_update_matches_one_process(config, update_runs):
+    report = update_runs(config, "critic")
     assert report["world"] == 2 and report["deepspeed"] == (config == "cpu_zero3.yaml")
     # Rollout-time values taken on the ranks (dummies under ZeRO-3) are the one-process ones.
     assert report["values_err"] < 1e-5 and report["after_err"] < 1e-5
@@ -45,26 +59,22 @@ def test_two_ranks_critic_update_matches_one_process(config, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "config,extra",
-    [
-        ("cpu_ddp.yaml", ()),
-        ("cpu_ddp.yaml", ("--rebalance", "--aggregation", "seq_mean_token_mean")),
-        ("cpu_zero3.yaml", ()),
-        ("cpu_ddp.yaml", ("--kl",)),
-        ("cpu_zero3.yaml", ("--kl",)),
-    ],
+    "config,case",
+    [("cpu_ddp.yaml", "plain"), ("cpu_ddp.yaml", "rebalance-seq-mean"), ("cpu_zero3.yaml", "plain"),
+     ("cpu_ddp.yaml", "kl-entropy"), ("cpu_zero3.yaml", "kl-entropy")],
     ids=["ddp", "ddp-rebalance-seq-mean", "zero3", "ddp-kl-entropy", "zero3-kl-entropy"],
 )
-def test_two_ranks_match_one_process(config, extra, tmp_path):
-    report = launch(config, tmp_path, *extra)
+def test_two_ranks_match_one_process(config, case, update_runs):
+    report = update_runs(config, case)
     assert report["world"] == 2 and report["deepspeed"] == (config == "cpu_zero3.yaml")
+    assert report["rebalance"] == (case == "rebalance-seq-mean")
     # The ranks held 3 and 7 datums: one rank ran zero-weight dummy micro-batches.
     assert report["dummies"] >= 1 and report["micro_batches"] >= 2
     assert report["clip_frac"] > 0.0  # behaviour != current: the clip really acted
     assert report["update_norm"] > 1e-3
     assert report["rel_err"] < 1e-5, report
     assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
-    if "--kl" in extra:
+    if case == "kl-entropy":
         # Zero-advantage datums are forwarded anyway (the KL and entropy terms reach them), and the reference
         # log-probs computed by the prepared (under ZeRO-3 sharded) reference model were the right ones.
         assert report["forwarded"] == 10 and report["kl_k3"] > 0 and report["entropy"] > 0 and report["ref_err"] < 1e-5
@@ -73,10 +83,10 @@ def test_two_ranks_match_one_process(config, extra, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("config,mode", [("cpu_ddp.yaml", "token_truncate"), ("cpu_zero3.yaml", "sequence_mask")],
                          ids=["ddp-token-truncate", "zero3-sequence-mask"])
-def test_two_ranks_mismatch_correction_matches_one_process(config, mode, tmp_path):
+def test_two_ranks_mismatch_correction_matches_one_process(config, mode, update_runs):
     # Ranks take pi_old of their own datums (3 and 7: different forward counts, dummies under ZeRO-3) and the
     # update weighted by the bounded pi_old / pi_sampler equals the one-process step.
-    report = launch(config, tmp_path, "--mismatch", mode)
+    report = update_runs(config, mode)
     assert report["world"] == 2 and report["dummies"] >= 1
     assert report["old_err"] < 1e-5
     bounded = report["mismatch"]["is_masked_frac" if mode.endswith("mask") else "is_truncated_frac"]
@@ -94,14 +104,106 @@ def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+# -- trainer runs: one launch per backend ------------------------------------------------------------------------
+# A launch costs 10-15 s of imports per rank before its first step, more than most runs here take. The trainer runs
+# of this file are cases of one launch per accelerate config (tests/dist_trainer_run.py --cases), run one after the
+# other in the same processes; each writes its own report.
+
+STEP = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed")
+"""Rollouts sampled row by row with per-row seeds (the same however the questions are split) and SGD (Adam's first
+step would hide a wrongly scaled gradient): one step on 2 ranks x 2 questions equals one on 1 rank x 4."""
+STEP_EXTRA = {"grpo": (), "reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2"),
+              "critic-gae-2-steps": ("--gae", "--max_steps", "2"),
+              "padding-free-critic-gae-2-steps": ("--padding_free", "--gae", "--max_steps", "2")}
+LORA_EXTRA = {"lora": (), "lora-reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2")}
+RESUME_EXTRA = {"grpo": (), "critic": ("--gae",)}
+
+
+def trainer_cases(config: str, root: Path) -> dict[str, list[str]]:
+    """Every trainer run this file makes under ``config``, by name, in the order they run (a resumed run after the
+    run whose checkpoint it takes)."""
+    def run(name: str, *extra: str) -> tuple[str, list[str]]:
+        return name, ["--out", str(root / f"{name}.json"), "--output_dir", str(root / name), *extra]
+
+    per_device = "8" if config == "cpu.yaml" else "4"
+    cases = []
+    if config != "cpu.yaml":
+        cases.append(run("real-steps", "--slot_reward"))
+    if config == "cpu_ddp.yaml":
+        cases.append(run("flaky", "--max_steps", "2", "--flaky", "--per_device", "8"))
+    if config == "cpu_zero3.yaml":
+        for kind, extra in RESUME_EXTRA.items():
+            cases.append(run(f"resume-{kind}-straight", "--max_steps", "2", "--params_out", str(root / f"resume-{kind}-straight.pt"), *extra))
+            cases.append(run(f"resume-{kind}-first", "--max_steps", "2", "--save_steps", "1", *extra))
+            cases.append(run(f"resume-{kind}-resumed", "--max_steps", "2", "--resume", str(root / f"resume-{kind}-first" / "checkpoint-1"),
+                             "--params_out", str(root / f"resume-{kind}-resumed.pt"), *extra))
+    for kind, extra in STEP_EXTRA.items():
+        cases.append(run(f"step-{kind}", "--per_device", per_device, "--params_out", str(root / f"step-{kind}.pt"), *STEP, *extra))
+    if config != "cpu_ddp.yaml":
+        for kind, extra in LORA_EXTRA.items():
+            cases.append(run(f"lora-{kind}", "--per_device", per_device, "--initial_out", str(root / f"lora-{kind}.init.pt"),
+                             "--params_out", str(root / f"lora-{kind}.pt"), *STEP, "--lora", *extra))
+    return dict(cases)
+
+
+class CaseLaunches:
+    """The cases of ``script`` under each accelerate config (``cases(config, folder)`` names them, in order),
+    launched once per config on first use: ``launches(config, name)`` is that case's report."""
+
+    def __init__(self, root: Path, script: Path, cases) -> None:
+        self.root, self.script, self.cases, self.reports = root, script, cases, {}
+
+    def folder(self, config: str) -> Path:
+        return self.root / config
+
+    def __call__(self, config: str, name: str) -> dict:
+        if config not in self.reports:
+            self.reports[config] = self._launch(config)
+        found = self.reports[config]
+        assert name in found, f"no case {name!r} of {self.script.name} under {config}"
+        outcome = found[name]
+        assert not isinstance(outcome, str), outcome
+        return outcome
+
+    def _launch(self, config: str) -> dict[str, dict | str]:
+        root = self.folder(config)
+        root.mkdir(parents=True, exist_ok=True)
+        cases = self.cases(config, root)
+        (root / "cases.json").write_text(json.dumps(list(cases.values())))
+        cmd = accelerate_launch(config, self.script, "--cases", str(root / "cases.json"))
+        env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        # An outer timeout: a stuck gloo collective would otherwise hang the suite.
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=hang_guard_s(120 + 60 * len(cases)))
+        log = proc.stdout[-3000:] + proc.stderr[-5000:]
+        out: dict[str, dict | str] = {}
+        for name in cases:
+            report = root / f"{name}.json"
+            # A rank whose peer crashed fails too ("Connection closed by peer"): the other rank's error is the cause.
+            errors = sorted((e.read_text() for e in root.glob(f"{name}.json.error.rank*")),
+                            key=lambda text: "Connection closed by peer" in text)
+            if errors:
+                out[name] = f"case {name!r} of {self.script.name} under {config} failed:\n{errors[0]}\n{log}"
+            elif report.exists():
+                out[name] = json.loads(report.read_text())
+            else:
+                out[name] = f"case {name!r} of {self.script.name} under {config} did not run (exit {proc.returncode}):\n{log}"
+        return out
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> CaseLaunches:
+    return CaseLaunches(tmp_path_factory.mktemp("trainer_runs"), ROOT / "tests" / "dist_trainer_run.py", trainer_cases)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
-def test_trainer_runs_real_steps_on_two_ranks(config, tmp_path):
+def test_trainer_runs_real_steps_on_two_ranks(config, trainer_runs):
     # Real MultiTurnGRPOTrainer steps: rollout (ZeRO-3: weights gathered once per rollout), scoring,
     # packing with dummies where a rank has fewer micro-batches, one update per step; no hang.
     # --slot_reward: the questions without "Explain" get a constant reward (zero-advantage groups, skipped), so
     # the ranks hold different numbers of datums and one of them runs dummy micro-batches.
-    report = launch_trainer(config, tmp_path, "run", "--output_dir", str(tmp_path / "run"), "--slot_reward")
+    report = trainer_runs(config, "real-steps")
     assert report["world"] == 2 and report["global_step"] == 3
     assert report["deepspeed"] == (config == "cpu_zero3.yaml")
     steps = report["steps"]
@@ -112,11 +214,10 @@ def test_trainer_runs_real_steps_on_two_ranks(config, tmp_path):
 
 
 @pytest.mark.slow
-def test_infrastructure_failures_on_two_ranks(tmp_path):
+def test_infrastructure_failures_on_two_ranks(trainer_runs):
     # A flaky tool and a verifier that raises and hangs, on 2 DDP ranks: the run completes, the failures are
     # counted over both ranks, and the ranks agree on the verifier-error rate (the stop threshold is global).
-    report = launch_trainer("cpu_ddp.yaml", tmp_path, "flaky", "--output_dir", str(tmp_path / "flaky"), "--max_steps", "2",
-                            "--flaky", "--per_device", "8")
+    report = trainer_runs("cpu_ddp.yaml", "flaky")
     assert report["world"] == 2 and report["global_step"] == 2
     for step in report["steps"]:
         assert step["rollout/stop/environment_error"] > 0 and step["rollout/stop/verifier_error"] > 0
@@ -125,45 +226,34 @@ def test_infrastructure_failures_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--gae",)], ids=["grpo", "critic"])
-def test_zero3_resume_reproduces_the_next_step(tmp_path, extra):
+@pytest.mark.parametrize("kind", list(RESUME_EXTRA), ids=list(RESUME_EXTRA))
+def test_zero3_resume_reproduces_the_next_step(trainer_runs, kind):
     # With --gae the saved parameters include the critic's (its own sharded engine, saved with its optimizer).
     import torch
 
-    straight = tmp_path / "straight.pt"
-    launch_trainer("cpu_zero3.yaml", tmp_path, "straight", "--output_dir", str(tmp_path / "a"), "--max_steps", "2",
-                   "--params_out", str(straight), *extra)
-    launch_trainer("cpu_zero3.yaml", tmp_path, "first", "--output_dir", str(tmp_path / "b"), "--max_steps", "2",
-                   "--save_steps", "1", *extra)
-    resumed = tmp_path / "resumed.pt"
-    report = launch_trainer("cpu_zero3.yaml", tmp_path, "resumed", "--output_dir", str(tmp_path / "c"), "--max_steps", "2",
-                            "--resume", str(tmp_path / "b" / "checkpoint-1"), "--params_out", str(resumed), *extra)
+    report = trainer_runs("cpu_zero3.yaml", f"resume-{kind}-resumed")
     assert report["global_step"] == 2
-    a, b = torch.load(straight), torch.load(resumed)
-    assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == bool(extra)
+    root = trainer_runs.folder("cpu_zero3.yaml")
+    a, b = torch.load(root / f"resume-{kind}-straight.pt"), torch.load(root / f"resume-{kind}-resumed.pt")
+    assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) == bool(RESUME_EXTRA[kind])
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2"), ("--gae", "--max_steps", "2"),
-                                   ("--padding_free", "--gae", "--max_steps", "2")],
-                         ids=["grpo", "reference-kl-2-steps", "critic-gae-2-steps", "padding-free-critic-gae-2-steps"])
-def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
-    # Rollouts sampled row by row with per-row seeds (identical however the questions are split), SGD
-    # (Adam's first step would hide a wrongly scaled gradient): one trainer step on 2 ranks x 2
-    # questions must equal one step on 1 rank x 4 questions. With beta, two steps (the KL to TRL's reference,
-    # sharded under ZeRO-3, has no gradient at step 1, where the policy is the reference).
+@pytest.mark.parametrize("kind", list(STEP_EXTRA), ids=list(STEP_EXTRA))
+def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
+    # One trainer step on 2 ranks x 2 questions must equal one step on 1 rank x 4 questions (STEP). With beta, two
+    # steps (the KL to TRL's reference, sharded under ZeRO-3, has no gradient at step 1, where the policy is the
+    # reference).
     import torch
 
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
-    common = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed")
+    extra = STEP_EXTRA[kind]
     params = {}
-    for config, per_device in (("cpu.yaml", "8"), ("cpu_ddp.yaml", "4"), ("cpu_zero3.yaml", "4")):
-        out = tmp_path / f"{config}.pt"
-        report = launch_trainer(config, tmp_path, config, "--output_dir", str(tmp_path / config), "--per_device", per_device,
-                                "--params_out", str(out), *common, *extra)
+    for config in ("cpu.yaml", "cpu_ddp.yaml", "cpu_zero3.yaml"):
+        report = trainer_runs(config, f"step-{kind}")
         assert report["steps"][0]["train/update_skipped"] == 0.0
         if "--beta" in extra:
             assert report["global_step"] == 2 and report["steps"][-1]["train/kl_k3"] > 0
@@ -171,7 +261,7 @@ def test_trainer_step_on_two_ranks_equals_one_process(tmp_path, extra):
             assert report["global_step"] == 2 and "critic/value_loss" in report["steps"][-1]
         if "--padding_free" in extra:  # the policy's and the critic's forwards processed exactly the real tokens
             assert all(s["train/forward_tokens"] == s["train/input_tokens"] for s in report["steps"])
-        params[config] = torch.load(out)
+        params[config] = torch.load(trainer_runs.folder(config) / f"step-{kind}.pt")
     initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
     reference = params["cpu.yaml"]
     update = sum(float((reference[k] - initial[k]).pow(2).sum()) for k in reference if k in initial) ** 0.5
@@ -212,27 +302,26 @@ def test_vllm_generation_on_two_ranks(config, mode, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--beta", "0.5", "--max_steps", "2")], ids=["lora", "lora-reference-kl-2-steps"])
-def test_lora_step_under_zero3_on_two_ranks_equals_one_process(tmp_path, extra):
+@pytest.mark.parametrize("kind", list(LORA_EXTRA), ids=list(LORA_EXTRA))
+def test_lora_step_under_zero3_on_two_ranks_equals_one_process(trainer_runs, kind):
     # A LoRA adapter (TRL wraps the policy from peft_config), per-row seeds and SGD as above: one step on
     # 2 ZeRO-3 ranks x 2 questions equals one step on 1 process x 4 questions, and only the adapter moves.
     # With beta, the reference is the (sharded) policy with its adapter disabled: at step 1 the fresh adapter
     # (lora_B = 0) leaves the policy exactly the base, at step 2 they differ, by the same amount on both setups.
     import torch
 
-    common = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed", "--lora")
+    extra = LORA_EXTRA[kind]
     initial, final, gaps = {}, {}, {}
-    for config, per_device in (("cpu.yaml", "8"), ("cpu_zero3.yaml", "4")):
-        report = launch_trainer(config, tmp_path, config, "--output_dir", str(tmp_path / config), "--per_device", per_device,
-                                "--initial_out", str(tmp_path / f"{config}.init.pt"),
-                                "--params_out", str(tmp_path / f"{config}.pt"), *common, *extra)
+    for config in ("cpu.yaml", "cpu_zero3.yaml"):
+        report = trainer_runs(config, f"lora-{kind}")
         assert report["steps"][0]["train/update_skipped"] == 0.0
         if "--beta" in extra:
             first, last = report["steps"][0], report["steps"][-1]
             assert report["global_step"] == 2 and first["train/ref_logprob_gap"] == 0.0
             gaps[config] = last["train/ref_logprob_gap"]
             assert gaps[config] > 1e-6 and last["train/kl_k2"] > 0
-        initial[config], final[config] = torch.load(tmp_path / f"{config}.init.pt"), torch.load(tmp_path / f"{config}.pt")
+        folder = trainer_runs.folder(config)
+        initial[config], final[config] = torch.load(folder / f"lora-{kind}.init.pt"), torch.load(folder / f"lora-{kind}.pt")
     if gaps:
         assert gaps["cpu_zero3.yaml"] == pytest.approx(gaps["cpu.yaml"], rel=1e-3)
     one, two = final["cpu.yaml"], final["cpu_zero3.yaml"]
