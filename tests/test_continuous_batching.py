@@ -250,9 +250,14 @@ def test_training_with_continuous_batching_is_training_with_hf_generate(tmp_path
     assert [r["rollout/action_tokens_mean"] for r in cb_steps] == [r["rollout/action_tokens_mean"] for r in hf_steps]
     assert all(r["train/behaviour_logprob_gap"] < 1e-5 and r["train/ratio_max"] < 1.0001 for r in cb_steps), cb_steps
     diff = max((a - b).abs().max().item() for a, b in zip(hf.model.parameters(), cbt.model.parameters()))
-    assert diff < 1e-4
-    assert max((a - b).abs().max().item() for a, b in zip(build_tiny_model(build_tokenizer("qwen2_5")).parameters(),
-                                                           cbt.model.parameters())) > 1e-2  # it did train
+    moved = max((a - b).abs().max().item() for a, b in zip(build_tiny_model(build_tokenizer("qwen2_5")).parameters(),
+                                                            cbt.model.parameters()))
+    assert moved > 1e-2  # it did train
+    # The two samplers' log-probs differ by float rounding only (< 1e-5 above), which Adam's per-weight normalisation
+    # can turn into ~1e-4 on a weight over three steps at lr 2e-2 (measured 1.2e-4 with two torch threads, less with
+    # one): the weights agree to 1% of how far training moved them; a sampler that trained on other tokens or
+    # log-probs would differ by the update itself.
+    assert diff < 1e-2 * moved, (diff, moved)
 
 
 def test_training_negative_control_stale_prefix_blocks_are_caught(tmp_path, monkeypatch):
