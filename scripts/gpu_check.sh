@@ -31,7 +31,8 @@ check() {  # check NAME TIMEOUT_S COMMAND...
 }
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('GPU', torch.cuda.get_device_name(0), 'torch', torch.__version__)" || exit 1
 
-check gpu-tests 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/
+# -o addopts: the GPU image may lack pytest-xdist, which the suite's addopts (-n auto) need.
+check gpu-tests 150 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts=-ra tests/
 check recipe-single-gpu-bf16 150 accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \
   --max_steps 4 --eval_problems 16 --output_dir /tmp/gc-recipe --bf16 true
 check zero3-one-gpu 120 accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 1 recipes/retool_ppo.py \
