@@ -67,7 +67,7 @@ def refuse_training_only_settings(script_args, training_args) -> None:
     Raises:
         SystemExit: ``--use_peft`` or ``--use_vllm`` was given.
     """
-    if getattr(script_args, "use_peft", False):
+    if script_args.use_peft:
         raise SystemExit("--use_peft trains a new LoRA adapter; retool_eval.py trains nothing. To evaluate a LoRA run, "
                          "pass its adapter folder (e.g. --model_name_or_path outputs/retool_ppo/final): it loads with "
                          "its base model. Drop --use_peft.")

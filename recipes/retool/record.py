@@ -79,12 +79,12 @@ def run_record(script_args: Any, training_args: Any) -> dict:
     a = training_args
     return {
         "config": {"script": resolved_config(script_args), "training": resolved_config(training_args),
-                   "files": list(getattr(script_args, "config_files", []))},
+                   "files": list(script_args.config_files)},
         "plugins": json_safe({
             "rollout": {"name": a.rollout, "kwargs": a.rollout_kwargs},
             "tools": [{"name": n, "kwargs": a.tool_kwargs.get(n, {})} for n in a.tools],
             "reward_components": [{"name": n, "weight": w, "kwargs": a.reward_component_kwargs.get(n, {}),
-                                   "weight_origin": getattr(script_args, "reward_weight_origins", {}).get(n)}
+                                   "weight_origin": script_args.reward_weight_origins.get(n)}
                                   for n, w in zip(a.reward_components, a.reward_component_weights)],
             "advantage": {"name": a.advantage, "kwargs": a.advantage_kwargs},
             "policy_loss": {"name": a.policy_loss, "kwargs": a.policy_loss_kwargs},

@@ -25,7 +25,7 @@ def resolve(script_args: Any, training_args: Any) -> Any:
 
     try:
         check_model_config(script_args, training_args)  # --use_peft, --lora_*, quantisation, ...
-        run = resolve_run(training_args, provenance=getattr(script_args, "provenance", None) or {},
+        run = resolve_run(training_args, provenance=script_args.provenance,
                           peft_config=peft_config_from(script_args))
     except (LookupError, ValueError, TypeError, RuntimeError) as exc:  # LookupError: the registry's unknown names
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
@@ -61,7 +61,7 @@ def distributed_mode(env: Mapping[str, str] | None = None, training_args: Any = 
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         return f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed"
-    deepspeed = getattr(training_args, "deepspeed", None)
+    deepspeed = training_args.deepspeed if training_args is not None else None
     if deepspeed:
         config = deepspeed if isinstance(deepspeed, dict) else _read_json(deepspeed)
         stage = (config or {}).get("zero_optimization", {}).get("stage")
@@ -81,9 +81,9 @@ def _read_json(path: str) -> dict | None:
 
 def precision(training_args: Any) -> str:
     """``bf16``, ``fp16`` or ``fp32`` (the trainer's mixed precision)."""
-    if getattr(training_args, "bf16", False):
+    if training_args.bf16:
         return "bf16"
-    if getattr(training_args, "fp16", False):
+    if training_args.fp16:
         return "fp16"
     return "fp32"
 
@@ -109,10 +109,10 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     tool_start_up = dict(tool_start_up or {})
     lines = ["=" * 72, "ReTool PPO: the run", "-" * 72]
     model = s.model_name_or_path or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
-    lines.append(f"model:        {model}" + (f"  [LoRA adapter, r={s.lora_r}]" if getattr(s, "use_peft", False) else ""))
+    lines.append(f"model:        {model}" + (f"  [LoRA adapter, r={s.lora_r}]" if s.use_peft else ""))
     lines.append(f"dataset:      {s.dataset_name or 'the bundled arithmetic task'}"
                  f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
-    if getattr(s, "config_files", None):
+    if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
     lines.append(f"rollout:      {a.rollout} {_kwargs(a.rollout_kwargs)}")
     for name in a.tools:
@@ -124,7 +124,7 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
         if name not in (a.system_prompt or ""):
             lines.append(f"                warning: system_prompt does not mention {name!r}; only its schema reaches the "
                          f"model, which may never call it (docs/plugins.md, 'Tools and the system prompt')")
-    origins = getattr(s, "reward_weight_origins", None) or {}
+    origins = s.reward_weight_origins
     weighted = []
     for name, weight in zip(a.reward_components, a.reward_component_weights):
         note = f" ({origins[name]})" if name in origins else ""
