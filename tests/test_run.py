@@ -155,8 +155,8 @@ def test_a_run_refuses_what_its_plugins_cannot_serve_before_any_model(tmp_path, 
         resolve_run(_config(tmp_path, max_context_tokens=300))
     with pytest.raises(ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'test_run:CountingAdvantage'"):
         resolve_run(_config(tmp_path, critic_learning_rate=1e-4))
-    with pytest.raises(ValueError, match="tool_kwargs\\['test_run:CountingTool'\\] for tools plugin 'test_run:CountingTool' has "
-                                         "unknown keys \\['text'\\]; it accepts \\[\\]"):
+    with pytest.raises(ValueError, match="tool_kwargs\\['test_run:CountingTool'\\]: tools plugin 'test_run:CountingTool' takes no "
+                                         "'text'; it accepts \\[\\]"):
         resolve_run(_config(tmp_path, tool_kwargs={"test_run:CountingTool": {"text": "x"}}))
 
 

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from trl_plugins.contracts._base import ContractError, _check, _declared, _pickles, _resolve
 from trl_plugins.protocols import Tool, as_tool
+from trl_plugins.tools.base import schema_problem
 from trl_plugins.tiny import build_tokenizer
 
 __all__ = ["check_tool_contract"]
@@ -16,30 +17,6 @@ __all__ = ["check_tool_contract"]
 
 _SAMPLE_VALUES = {"string": "1", "integer": 1, "number": 1.0, "boolean": True, "object": {}, "array": []}
 _WRONG_VALUES = {"string": 1, "integer": "1", "number": "1", "boolean": "yes", "object": "{}", "array": "[]"}
-
-
-def _schema_problem(schema: Any, name: str) -> str | None:
-    """Why ``schema`` is not an OpenAI function schema for the tool ``name``, or None."""
-    import json
-
-    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
-        return f"schema() returned {schema!r:.200}; it must be {{'type': 'function', 'function': {{...}}}}"
-    fn = schema["function"]
-    if fn.get("name") != name:
-        return f"schema()['function']['name'] is {fn.get('name')!r}, but the tool's name is {name!r}; the model calls it by the schema's"
-    if not isinstance(fn.get("description"), str) or not fn["description"].strip():
-        return "schema()['function'] has no 'description': the model is told what the tool does only there"
-    params = fn.get("parameters")
-    if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(params.get("properties", {}), dict):
-        return "schema()['function']['parameters'] must be a JSON-schema object: {'type': 'object', 'properties': {...}}"
-    props, required = params.get("properties", {}), params.get("required", [])
-    if not isinstance(required, list) or any(k not in props for k in required):
-        return f"schema()['function']['parameters']['required'] ({required!r}) must list keys of 'properties' ({sorted(props)})"
-    try:
-        json.dumps(schema)
-    except (TypeError, ValueError) as exc:
-        return f"schema() is not JSON (the chat template renders it as JSON): {exc}"
-    return None
 
 
 def check_tool_contract(
@@ -102,7 +79,7 @@ def check_tool_contract(
         name = declared.name
         label = f"{label} (name {name!r})" if isinstance(plugin, str) and plugin != name else label
         schema = tool.schema()
-        problem = _schema_problem(schema, name)
+        problem = schema_problem(schema, name)
         _check(problem is None, label, str(problem))
         _check(inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async (the rollout awaits it)")
         params = schema["function"]["parameters"]

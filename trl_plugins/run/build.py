@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from trl_plugins.protocols import AdvantagePlugin, PolicyLossPlugin, RewardPlugin, RolloutPlugin, ToolPlugin
 from trl_plugins.rollout.chat import ChatFormat, tokenizer_digest
 from trl_plugins.run.plugins import (
+    SettingError,
     build_advantage,
     build_policy_loss,
     build_rewards,
@@ -50,6 +51,14 @@ class RunSpec:
     def origin(self, name: str) -> str:
         """Where ``name``'s value came from (``"default"`` when no layer set it)."""
         return self.provenance.get(name, "default")
+
+    def explain(self, error: SettingError) -> SettingError:
+        """``error`` with where its setting's value came from, when the caller recorded it (``tool_kwargs['x']`` is
+        ``tool_kwargs``'s)."""
+        base = error.setting.split("[", 1)[0]
+        if base not in self.provenance:
+            return error
+        return SettingError(f"{error.setting} (from {self.provenance[base]})", error.what)
 
 
 class Run:
@@ -178,7 +187,10 @@ def resolve_run(config: Any, *, provenance: Mapping[str, str] | None = None, pef
     spec = RunSpec(config, dict(provenance or {}), peft_config)
     kind = sampler_kind(config)
     check_sampler_available(kind)
-    run = _build(spec, tools, reward_components)
+    try:
+        run = _build(spec, tools, reward_components)
+    except SettingError as exc:
+        raise spec.explain(exc) from exc.__cause__
     try:
         # vLLM's log-probs are never the trainer's own; scope 'all' corrects HF-generated batches too.
         always = kind.is_vllm or config.mismatch_correction_scope == "all"

@@ -11,7 +11,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from trl_plugins.run.plugins import plugin_params
+from trl_plugins.run.plugins import SettingError, plugin_params
 from trl_plugins.run.trl_fields import apply_trl_fields, is_set
 from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
 
@@ -163,7 +163,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(f"critic_learning_rate must be > 0, got {self.critic_learning_rate}.")
         from trl_plugins.registry import PACKERS
 
-        PACKERS.get(self.packer)  # an unknown packer is refused with "did you mean"
+        _lookup(PACKERS, self.packer, "packer")  # an unknown packer is refused with "did you mean"
         apply_trl_fields(self)  # every other TRL field: honoured, mapped or refused
 
     def resolve_padding_free(self, model: Any) -> bool:
@@ -191,7 +191,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(f"kl_penalty must be 'loss' or 'reward', got {self.kl_penalty!r}.")
         from trl_plugins.registry import POLICY_LOSSES
 
-        params = plugin_params(POLICY_LOSSES.get(self.policy_loss))
+        params = plugin_params(_lookup(POLICY_LOSSES, self.policy_loss, "policy_loss"))
         accepted = None if params is None else set(params)
         kwargs = self.policy_loss_kwargs
         given = float(kwargs.get("kl_coef", 0.0) or 0.0)
@@ -295,3 +295,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"trainer's own (vLLM); HF generate records the trainer's own, so they would be ignored. Set "
                 f"mismatch_correction_scope='all' to apply the correction to HF-generated batches too, or drop them."
             )
+
+
+def _lookup(registry: Any, name: str, setting: str) -> Any:
+    """``registry.get(name)``; an unknown name is refused naming ``setting`` (with the registry's "did you mean")."""
+    try:
+        return registry.get(name)
+    except LookupError as exc:
+        raise SettingError(setting, str(exc)) from None

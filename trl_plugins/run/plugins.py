@@ -8,8 +8,14 @@ provide, and budgets that cannot fit: the checks that a config alone cannot make
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import difflib
+import enum
 import inspect
-from typing import Any, Mapping
+import types
+import typing
+from typing import Any, Mapping, Sequence
 
 from trl_plugins.protocols import (
     AdvantagePlugin,
@@ -24,9 +30,10 @@ from trl_plugins.protocols import (
     as_tool,
 )
 from trl_plugins.registry import ADVANTAGES, REWARDS, ROLLOUTS, TOOLS, Registry
+from trl_plugins.tools.base import schema_problem
 from trl_plugins.types import AggregationMode
 
-__all__ = ["plugin_params", "construct", "build_tools", "build_rewards", "build_rollout", "build_advantage",
+__all__ = ["SettingError", "nearest", "fits", "check_kwargs", "describe_plugin", "plugin_params", "construct", "build_tools", "build_rewards", "build_rollout", "build_advantage",
            "build_policy_loss", "context_limit", "check_plugin_settings"]
 
 
@@ -42,68 +49,234 @@ def plugin_params(target: Any) -> Mapping[str, inspect.Parameter] | None:
     return {n: p for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def construct(registry: Registry[Any], name: str, kwargs: Mapping[str, Any], setting: str) -> Any:
-    """The plugin ``name`` of ``registry`` built with ``kwargs`` (``setting`` names them in errors).
+class SettingError(ValueError):
+    """A setting the run cannot use. The message names the setting, says what is wrong and what is accepted, and
+    the nearest accepted name; :func:`trl_plugins.run.resolve_run` adds where the value came from."""
+
+    def __init__(self, setting: str, what: str) -> None:
+        super().__init__(f"{setting}: {what}")
+        self.setting, self.what = setting, what
+
+
+def nearest(name: str, accepted: Sequence[str]) -> str:
+    """`` Did you mean 'x'?`` for the accepted name closest to ``name`` (empty when none is close)."""
+    close = difflib.get_close_matches(name, [str(a) for a in accepted], n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _annotations(target: Any) -> dict[str, Any]:
+    """The resolved annotations of a plugin's keyword parameters (empty when they cannot be resolved)."""
+    try:
+        if inspect.isclass(target):
+            hints = typing.get_type_hints(target) if dataclasses.is_dataclass(target) else typing.get_type_hints(target.__init__)
+        else:
+            hints = typing.get_type_hints(target)
+    except Exception:  # noqa: BLE001 - an annotation we cannot resolve is not checked
+        return {}
+    return {k: v for k, v in hints.items() if k != "return" and typing.get_origin(v) is not typing.ClassVar}
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if inspect.isclass(tp) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(str(m.value)) for m in tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    names = {bool: "a bool (true or false, unquoted)", int: "an integer", float: "a number", str: "a string",
+             dict: "a mapping", list: "a list", tuple: "a list"}
+    return names.get(typing.get_origin(tp) or tp, getattr(tp, "__name__", str(tp)))
+
+
+def fits(value: Any, tp: Any) -> bool | None:
+    """Whether ``value`` (as parsed from YAML or JSON) has the annotated type ``tp``: True, False, or None when the
+    annotation is one this check does not judge."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [fits(value, a) for a in args]
+        return True if any(v for v in verdicts) else (None if None in verdicts else False)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is typing.Literal:
+        return value in args
+    if inspect.isclass(tp) and issubclass(tp, enum.Enum):
+        return isinstance(value, tp) or value in {m.value for m in tp}
+    if origin in (list, tuple, collections.abc.Sequence) or tp in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin in (dict, collections.abc.Mapping) or tp is dict:
+        return isinstance(value, dict)
+    return None
+
+
+def check_kwargs(target: Any, kwargs: Mapping[str, Any], setting: str, plugin: str) -> None:
+    """``kwargs`` against the plugin's signature and annotations: an unknown key (with the accepted ones and the
+    nearest), or a value of another type than annotated (a string ``"false"`` where a bool is expected, say), is
+    refused. Nothing is checked for a plugin that takes ``**kwargs``.
 
     Raises:
-        LookupError: an unknown name (the registry's error, with "did you mean").
-        ValueError: a key the plugin does not take (the accepted keys are listed), or a value it refuses.
+        SettingError: naming the key, what it takes and what it got.
     """
-    target = registry.get(name)
     params = plugin_params(target)
-    if params is not None:
-        unknown = sorted(set(kwargs) - set(params))
-        if unknown:
-            raise ValueError(f"{setting} for {registry.seam} plugin {name!r} has unknown keys {unknown}; it accepts "
-                             f"{list(params)}.")
+    if params is None:
+        return
+    accepted = list(params)
+    for key in kwargs:
+        if key not in params:
+            raise SettingError(setting, f"{plugin} takes no {key!r}; it accepts {accepted}.{nearest(key, accepted)}")
+    hints = _annotations(target)
+    for key, value in kwargs.items():
+        tp = hints.get(key)
+        if tp is not None and fits(value, tp) is False:
+            quoted = " (quoted: write it without quotes)" if isinstance(value, str) and value.lower() in (
+                "true", "false", "null", "none") or _is_number(value) else ""
+            raise SettingError(f"{setting}[{key!r}]", f"{plugin} takes {_describe(tp)}, got {value!r} "
+                                                       f"({type(value).__name__}){quoted}.")
+
+
+def _is_number(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def construct(registry: Registry[Any], name: str, kwargs: Mapping[str, Any], setting: str, name_setting: str) -> Any:
+    """The plugin ``name`` of ``registry`` built with ``kwargs`` (``setting`` names the kwargs in errors,
+    ``name_setting`` the field that chose the plugin).
+
+    Raises:
+        SettingError: an unknown name (with the nearest and the known ones), a key the plugin does not take (with the
+            accepted keys), a value of the wrong type, or a value the plugin itself refuses.
+    """
+    try:
+        target = registry.get(name)
+    except LookupError as exc:
+        raise SettingError(name_setting, str(exc)) from None
+    label = f"{registry.seam} plugin {name!r}"
+    check_kwargs(target, kwargs, setting, label)
     try:
         return target(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{registry.seam} plugin {name!r} rejected its settings {dict(kwargs)}: {exc}. Fix {setting}.") from exc
+    except (TypeError, ValueError) as exc:
+        raise SettingError(setting, f"{label} refused {dict(kwargs)}: {exc}") from exc
+
+
+def check_keyed_kwargs(kwargs: Mapping[str, Any], names: Sequence[str], setting: str, names_setting: str) -> None:
+    """Per-plugin kwargs (``tool_kwargs``, ``reward_component_kwargs``) must be keyed by configured plugins: settings
+    for a misspelled or unconfigured name would otherwise be silently unused.
+
+    Raises:
+        SettingError: naming the key, the configured names and the nearest.
+    """
+    for key, value in kwargs.items():
+        if key not in names:
+            raise SettingError(setting, f"has settings for {key!r}, which is not among {names_setting} {list(names)}; "
+                                        f"they would be used by nothing.{nearest(key, names)}")
+        if not isinstance(value, Mapping):
+            raise SettingError(f"{setting}[{key!r}]", f"must be a mapping of the plugin's settings, got {value!r}.")
+
+
+def describe_plugin(plugin: Any, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What ``summary.json`` records of one built plugin (an adapter or the plugin itself): ``object`` (its
+    ``module:qualname``), the ``package`` that installed its module and its ``version`` (None for a module no
+    installed distribution provides: a local file), and ``kwargs``: every keyword the plugin takes, with the value in
+    force (the instance's own attribute where it has one, else what was given, else the default)."""
+    from importlib import metadata
+
+    impl = getattr(plugin, "impl", plugin)
+    target = impl if inspect.isfunction(impl) or inspect.isclass(impl) else type(impl)
+    module = getattr(target, "__module__", None) or ""
+    package = version = None
+    dists = metadata.packages_distributions().get(module.split(".")[0], [])
+    if dists:
+        package = dists[0]
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            version = None
+    given = dict(given or {})
+    resolved: dict[str, Any] = {}
+    for key, param in (plugin_params(target) or {}).items():
+        if hasattr(impl, key) and not inspect.isclass(impl) and not inspect.isfunction(impl):
+            resolved[key] = getattr(impl, key)
+        elif key in given:
+            resolved[key] = given[key]
+        elif param.default is not inspect.Parameter.empty:
+            resolved[key] = param.default
+    resolved.update({k: v for k, v in given.items() if k not in resolved})
+    return {"object": f"{module}:{getattr(target, '__qualname__', type(target).__name__)}", "package": package,
+            "version": version, "kwargs": resolved}
 
 
 def build_tools(config: Any, given: Mapping[str, Any] | None = None) -> dict[str, ToolPlugin]:
     """The configured tools by the name the model calls them (``tool.name``, which may differ from the configured
     plugin name, e.g. ``"pkg.module:Tool"``); ``given`` supplies instances instead of building them.
 
+    Each tool's schema is checked against its name (:func:`~trl_plugins.tools.base.schema_problem`: the model calls
+    a tool by the name its schema shows), without calling the tool.
+
     Raises:
         ValueError: a configured tool that ``given`` lacks, or two tools sharing a name.
+        SettingError: a tool whose schema is not an OpenAI function schema naming it.
     """
     if given is not None:
         missing = set(config.tools) - set(given)
         if missing:
             raise ValueError(f"tools {sorted(missing)} are configured but not provided.")
-        return {name: as_tool(tool, name) for name, tool in given.items()}
-    built = [as_tool(construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]"), name)
-             for name in config.tools]
-    tools = {tool.name: tool for tool in built}
-    if len(tools) != len(built):
-        raise ValueError(f"two configured tools share a name: {[t.name for t in built]}.")
+        tools = {name: as_tool(tool, name) for name, tool in given.items()}
+    else:
+        check_keyed_kwargs(config.tool_kwargs, config.tools, "tool_kwargs", "tools")
+        built = [as_tool(construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools"), name)
+                 for name in config.tools]
+        tools = {tool.name: tool for tool in built}
+        if len(tools) != len(built):
+            raise ValueError(f"two configured tools share a name: {[t.name for t in built]}.")
+    for tool in tools.values():
+        problem = schema_problem(tool.schema(), tool.name)
+        if problem is not None:
+            raise SettingError("tools", f"{tool.label}: {problem}.")
     return tools
 
 
 def build_rewards(config: Any, given: Mapping[str, Any] | None = None) -> list[RewardPlugin]:
     """The configured reward components with their weights, in config order (``given`` supplies instances)."""
     given = dict(given or {})
+    check_keyed_kwargs(config.reward_component_kwargs, config.reward_components, "reward_component_kwargs",
+                       "reward_components")
     return [as_reward(given[name] if name in given else
                       construct(REWARDS, name, config.reward_component_kwargs.get(name, {}),
-                                f"reward_component_kwargs[{name!r}]"), name, weight)
+                                f"reward_component_kwargs[{name!r}]", "reward_components"), name, weight)
             for name, weight in zip(config.reward_components, config.reward_component_weights)]
 
 
 def build_rollout(config: Any) -> RolloutPlugin:
-    return as_rollout(construct(ROLLOUTS, config.rollout, config.rollout_kwargs, "rollout_kwargs"), config.rollout)
+    return as_rollout(construct(ROLLOUTS, config.rollout, config.rollout_kwargs, "rollout_kwargs", "rollout"), config.rollout)
 
 
 def build_advantage(config: Any) -> AdvantagePlugin:
-    return as_advantage(construct(ADVANTAGES, config.advantage, config.advantage_kwargs, "advantage_kwargs"), config.advantage)
+    return as_advantage(construct(ADVANTAGES, config.advantage, config.advantage_kwargs, "advantage_kwargs", "advantage"),
+                        config.advantage)
 
 
 def build_policy_loss(config: Any) -> PolicyLossPlugin:
     from trl_plugins.registry import POLICY_LOSSES
 
-    return as_policy_loss(construct(POLICY_LOSSES, config.policy_loss, config.policy_loss_kwargs, "policy_loss_kwargs"),
-                          config.policy_loss)
+    return as_policy_loss(construct(POLICY_LOSSES, config.policy_loss, config.policy_loss_kwargs, "policy_loss_kwargs",
+                                    "policy_loss"), config.policy_loss)
 
 
 def context_limit(config: Any, rollout: RolloutPlugin) -> int | None:

@@ -29,7 +29,7 @@ from typing import Any
 
 from trl_plugins.protocols import Tool, close_plugin
 
-__all__ = ["ToolOutput", "Tool", "ClosingTool", "close_plugin", "check_arguments"]
+__all__ = ["ToolOutput", "Tool", "ClosingTool", "close_plugin", "check_arguments", "schema_problem"]
 
 
 @dataclass
@@ -82,4 +82,31 @@ def check_arguments(schema: dict[str, Any], arguments: Any) -> str | None:
         expected = _JSON_TYPES.get(props[key].get("type", ""))
         if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
             return f"argument {key!r} must be of type {props[key]['type']}, got {type(value).__name__}"
+    return None
+
+
+def schema_problem(schema: Any, name: str) -> str | None:
+    """Why ``schema`` is not an OpenAI function schema for the tool ``name``, or None. Cheap (no call of the tool):
+    the run checks every tool's schema when it is built, the contract check too."""
+    import json
+
+    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
+        return f"schema() returned {schema!r:.200}; it must be {{'type': 'function', 'function': {{...}}}}"
+    fn = schema["function"]
+    if fn.get("name") != name:
+        return (f"schema()['function']['name'] is {fn.get('name')!r}, but the tool's name is {name!r}. The model calls a "
+                f"tool by the name its schema shows, and the rollout finds the tool by its own name, so every call "
+                f"would find no tool: make the two the same")
+    if not isinstance(fn.get("description"), str) or not fn["description"].strip():
+        return "schema()['function'] has no 'description': the model is told what the tool does only there"
+    params = fn.get("parameters")
+    if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(params.get("properties", {}), dict):
+        return "schema()['function']['parameters'] must be a JSON-schema object: {'type': 'object', 'properties': {...}}"
+    props, required = params.get("properties", {}), params.get("required", [])
+    if not isinstance(required, list) or any(k not in props for k in required):
+        return f"schema()['function']['parameters']['required'] ({required!r}) must list keys of 'properties' ({sorted(props)})"
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        return f"schema() is not JSON (the chat template renders it as JSON): {exc}"
     return None
