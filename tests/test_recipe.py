@@ -65,7 +65,7 @@ def test_command_line_overrides_the_yaml_and_bad_values_are_named():
     retool_ppo = _recipe_module()
     script_args, args = retool_ppo.parse_args(["--max_steps", "3", "--eval_problems", "7", "--truncated_policy", "mask"])
     assert args.max_steps == 3 and script_args.eval_problems == 7 and args.truncated_policy == "mask"
-    with pytest.raises(ValueError, match="truncated_policy must be"):
+    with pytest.raises(SystemExit, match=r"before any model loads\): truncated_policy must be.*\[set by: truncated_policy in the command line\]"):
         retool_ppo.parse_args(["--truncated_policy", "ignore"])
 
 
@@ -495,7 +495,7 @@ def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_ov
 
 def test_a_negative_learning_rate_is_refused_when_the_config_is_parsed():
     retool_ppo = _recipe_module()
-    with pytest.raises(ValueError, match="learning_rate must be > 0, got -0.001"):
+    with pytest.raises(SystemExit, match="learning_rate must be > 0, got -0.001"):
         retool_ppo.parse_args(["--learning_rate=-1e-3"])
 
 
@@ -551,7 +551,7 @@ def test_a_split_that_cannot_be_held_out_is_refused_saying_what_to_do(tmp_path):
     with pytest.raises(ValueError, match=r"single file: it has no held-out split, and held_out_fraction is 0.*--held_out_fraction 0.1"):
         task_rows(none_held, "test", size=None)
     assert small.read_text() == before  # the data is untouched
-    with pytest.raises(ValueError, match=r"held_out_fraction must be in \[0, 1\), got 1.0"):
+    with pytest.raises(SystemExit, match=r"held_out_fraction must be in \[0, 1\), got 1.0\. \[set by: held_out_fraction in the command line\]"):
         retool_ppo.parse_args(["--held_out_fraction", "1"])
 
 

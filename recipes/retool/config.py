@@ -10,8 +10,10 @@ any file named before it): the layers then start from the dataclasses' defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -61,6 +63,9 @@ class ScriptArguments(ModelConfig):
     # Set by parse_args (not arguments): where the values came from, for the start-up banner and summary.json.
     config_files: list[str] = field(default_factory=list, init=False)
     """The YAML files layered under the command line, lowest first."""
+    dropped_kwargs: list[str] = field(default_factory=list, init=False)
+    """Plugin kwargs a lower layer wrote for another plugin than the one a higher layer chose, dropped (one line
+    each, for the banner and summary.json; see ``_kwargs_for_their_plugins``)."""
     reward_weight_origins: dict[str, str] = field(default_factory=dict, init=False)
     """Per reward component, where its weight came from when the components were changed without weights
     (empty when the weights were given with the components)."""
@@ -137,7 +142,7 @@ def _check_keys(layers: list[tuple[str, dict]], known: set[str]) -> None:
                              f"`python recipes/retool_ppo.py --help` lists the fields.")
 
 
-def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+def _command_line_values(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
     # Parse with every default suppressed: the namespace then holds only what argv set (abbreviations,
     # --flag=value and --no_flag included, as argparse reads them).
     saved = [(action, action.default) for action in parser._actions]
@@ -148,7 +153,73 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> 
     finally:
         for action, default in saved:
             action.default = default
-    return set(vars(namespace))
+    return vars(namespace)
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    return set(_command_line_values(parser, argv))
+
+
+PLUGIN_KWARGS = (("rollout", "rollout_kwargs"), ("advantage", "advantage_kwargs"), ("policy_loss", "policy_loss_kwargs"))
+"""A plugin's name field and the kwargs written for the plugin it names."""
+KEYED_KWARGS = (("tools", "tool_kwargs"), ("reward_components", "reward_component_kwargs"))
+"""A list of plugin names and the kwargs written per name."""
+
+
+def _kwargs_for_their_plugins(layers: list[tuple[str, dict]], cli: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Plugin kwargs stay with the plugin they were written for.
+
+    The recipe's YAML gives ``policy_loss_kwargs`` for ``ppo_clip``; a higher layer that sets ``--policy_loss
+    sym_ppo`` without restating ``policy_loss_kwargs`` would otherwise feed them to ``sym_ppo``. So when the plugin a
+    layer's kwargs were written for (the name in force at that layer) is not the one a higher layer chose, the
+    kwargs are dropped; for ``tool_kwargs`` / ``reward_component_kwargs`` (keyed by name) only the entries of names a
+    higher layer took out of the list are. Returns ``(the replacement values, one note per drop for the banner)``.
+    """
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+                for f in fields(MultiTurnGRPOConfig)}
+    stack = [(Path(path).name, values) for path, values in layers] + [("the command line", cli)]
+
+    def highest(name: str, upto: int | None = None) -> int | None:
+        found = [i for i, (_, values) in enumerate(stack[: None if upto is None else upto + 1]) if name in values]
+        return found[-1] if found else None
+
+    def value(name: str, at: int | None) -> Any:
+        return defaults[name] if at is None else stack[at][1][name]
+
+    replaced, notes = {}, []
+    for name_field, kwargs_field in PLUGIN_KWARGS + KEYED_KWARGS:
+        k_at, n_at = highest(kwargs_field), highest(name_field)
+        if k_at is None or n_at is None or n_at <= k_at:
+            continue  # the kwargs were written with (or over) the layer that chose the plugin
+        written_for, now = value(name_field, highest(name_field, k_at)), value(name_field, n_at)
+        written_in, chosen_in = stack[k_at][0], stack[n_at][0]
+        kwargs = stack[k_at][1][kwargs_field]
+        if (name_field, kwargs_field) in PLUGIN_KWARGS:
+            if now == written_for or not kwargs:
+                continue
+            replaced[kwargs_field] = {}
+            notes.append(f"{kwargs_field} {_json(kwargs)} from {written_in} were written for {name_field} {written_for!r}; "
+                         f"{chosen_in} chose {now!r}, so they are dropped (restate {kwargs_field} to pass settings to "
+                         f"{now!r})")
+            continue
+        if not isinstance(kwargs, dict):  # a JSON string from the command line is never below another layer
+            continue
+        kept = {k: v for k, v in kwargs.items() if k in list(now)}
+        if len(kept) == len(kwargs):
+            continue
+        replaced[kwargs_field] = kept
+        gone = sorted(set(kwargs) - set(kept))
+        notes.append(f"{kwargs_field} for {gone} from {written_in} dropped: {chosen_in} set {name_field} {list(now)} "
+                     f"without them")
+    return replaced, notes
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _weights_by_name(layers: list[tuple[str, dict]], cli: set[str], argv: list[str],
@@ -262,8 +333,8 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
     one gets 1.0 (``ScriptArguments.reward_weight_origins`` says which; the start-up banner prints it).
 
     Raises:
-        SystemExit: a config file cannot be read or sets a key that is no field (the key is named).
-        ValueError: a value the dataclasses refuse (their ``__post_init__`` checks).
+        SystemExit: a config file cannot be read or sets a key that is no field (the key is named), or a value the
+            dataclasses refuse (their ``__post_init__`` checks), with where each field the refusal names was set.
     """
     from retool.launch import cpu_defaults
     from trl_plugins.trainers import MultiTurnGRPOConfig  # noqa: F401 - built by the parser
@@ -290,18 +361,35 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
     parser.set_defaults_with_config(**merged)
     origins: dict[str, str] = {}
     provenance: dict[str, str] = {}
+    dropped: list[str] = []
     if not any(a in ("-h", "--help") for a in argv):
         weights, origins = _weights_by_name(layers, _given_on_command_line(parser, argv), argv, parser)
         if weights is not None:
             parser.set_defaults_with_config(reward_component_weights=weights)
+        replaced, dropped = _kwargs_for_their_plugins(layers, _command_line_values(parser, user_argv))
+        if replaced:
+            parser.set_defaults_with_config(**replaced)
         provenance = _provenance(layers, _given_on_command_line(parser, user_argv), _given_on_command_line(parser, defaults),
                                  reweighted=weights is not None)
-    outputs = tuple(parser.parse_args_into_dataclasses(argv))
+        for key in replaced:
+            provenance[key] = f"{provenance[key]}, less what was written for other plugins"
+    try:
+        outputs = tuple(parser.parse_args_into_dataclasses(argv))
+    except (ValueError, LookupError) as exc:  # a __post_init__ check: one line, with where the settings it names came from
+        raise SystemExit(f"configuration error (before any model loads): {exc}{_origins_of(str(exc), provenance)}") from exc
     script_args = next(o for o in outputs if isinstance(o, ScriptArguments))
     script_args.config_files = [path for path, _ in layers]
     script_args.reward_weight_origins = origins
+    script_args.dropped_kwargs = dropped
     script_args.provenance = provenance
     return outputs
+
+
+def _origins_of(message: str, provenance: dict[str, str]) -> str:
+    """`` [reward_components: the command line; reward_component_weights: retool_ppo.yaml]`` for the fields
+    ``message`` names that a layer set (empty when it names none)."""
+    named = [key for key in provenance if re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message)]
+    return f" [set by: {'; '.join(f'{key} in {provenance[key]}' for key in named)}]" if named else ""
 
 
 def _provenance(layers: list[tuple[str, dict]], cli: set[str], cpu: set[str], *, reweighted: bool) -> dict[str, str]:
