@@ -13,14 +13,23 @@ gets its default, never a surprise at step 1000.
 ==========================  ============================================  ==========================================
 seam                        required                                      optional (default)
 ==========================  ============================================  ==========================================
-advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``close()``
-policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False), ``close()``
+advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``step_metrics()``,
+                                                                          ``step_metric_reductions()``, ``close()``
+policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False),
+                                                                          ``step_metrics()``,
+                                                                          ``step_metric_reductions()``, ``close()``
 rollout                     ``token_budget`` (int or None)                ``close()``
 tool                        ``name``, ``schema()``, ``async __call__``    ``idempotent`` (False), ``start_up()``,
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
 reward component            ``__call__(trajectory, example)``             ``is_success(value)``, ``close()``
 ==========================  ============================================  ==========================================
+
+``step_metrics()`` returns ``{name: number}`` once per step (what happened since the last call) and
+``step_metric_reductions()`` ``{name: "sum" | "max" | "min" | "mean"}`` (how each combines over ranks; mean when not
+declared). A tool's metrics are logged under their own names; an advantage estimator's as ``advantage/<name>`` and a
+policy loss's as ``policy_loss/<name>`` (a policy loss runs once per micro-batch: it accumulates, and reports when
+asked).
 """
 
 from __future__ import annotations
@@ -204,11 +213,40 @@ class _Adapter:
     """The name the run knows the plugin by (its registry name or ``pkg.mod:attr``)."""
     impl: Any
     """The plugin itself."""
+    step_metrics_fn: Callable[[], Mapping[str, float]] | None = None
+    reductions: Mapping[str, Reduction] = field(default_factory=dict)
+    """How each of the plugin's step metrics combines over ranks (``step_metric_reductions()``; others: mean)."""
+
+    metric_prefix = ""
+    """Put before the names of the plugin's step metrics in the logs."""
 
     @property
     def label(self) -> str:
         """How messages name the plugin: its seam and name."""
         raise NotImplementedError
+
+    def step_metrics(self) -> dict[str, float]:
+        """The plugin's metrics of the step now ending, prefixed (empty: it declares none).
+
+        Raises:
+            PluginDeclarationError: it returned something else than ``{name: number}``.
+        """
+        if self.step_metrics_fn is None:
+            return {}
+        metrics = self.step_metrics_fn()
+        if not isinstance(metrics, Mapping):
+            raise PluginDeclarationError(self.label, f"step_metrics() returned a {type(metrics).__name__}; it must return "
+                                         f"{{name: number}}.")
+        bad = {k: v for k, v in metrics.items()
+               if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float))}
+        if bad:
+            raise PluginDeclarationError(self.label, f"step_metrics() returned {bad}; each must be a str name and a "
+                                         f"number.")
+        return {self.metric_prefix + k: float(v) for k, v in metrics.items()}
+
+    def metric_reductions(self) -> dict[str, str]:
+        """How the (prefixed) step metrics combine over ranks, as declared."""
+        return {self.metric_prefix + k: str(v) for k, v in self.reductions.items()}
 
     @property
     def closes(self) -> bool:
@@ -227,6 +265,8 @@ class AdvantagePlugin(_Adapter):
     needs_values: bool = False
     needs_groups: bool = False
 
+    metric_prefix = "advantage/"
+
     @property
     def label(self) -> str:
         return _label("advantage", self.name, self.impl)
@@ -243,6 +283,8 @@ class PolicyLossPlugin(_Adapter):
     needs_entropy: bool = False
     supports_is_weights: bool = False
     """Applies ``PolicyLossInput.is_weights`` (the sampler/trainer mismatch correction); optional, default False."""
+
+    metric_prefix = "policy_loss/"
 
     @property
     def label(self) -> str:
@@ -278,9 +320,6 @@ class ToolPlugin(_Adapter):
     idempotent: bool = False
     """Running a call twice is harmless: a call that failed for infrastructure reasons is retried."""
     start_up_fn: Callable[[], Any] | None = None
-    step_metrics_fn: Callable[[], Mapping[str, float]] | None = None
-    reductions: Mapping[str, Reduction] = field(default_factory=dict)
-    """How each of the tool's step metrics combines over ranks (``step_metric_reductions()``; others: mean)."""
 
     @property
     def label(self) -> str:
@@ -295,10 +334,6 @@ class ToolPlugin(_Adapter):
     def start_up(self) -> str | None:
         """Start the tool's resources now and say how it runs (None: it declares no ``start_up()``)."""
         return None if self.start_up_fn is None else str(self.start_up_fn())
-
-    def step_metrics(self) -> dict[str, float]:
-        """The tool's metrics of the step now ending (empty: it declares none)."""
-        return {} if self.step_metrics_fn is None else dict(self.step_metrics_fn())
 
 
 @dataclass(frozen=True, eq=False)
@@ -332,7 +367,8 @@ def as_advantage(impl: Any, name: str = "") -> AdvantagePlugin:
     if isinstance(impl, AdvantagePlugin):
         return impl
     label = _label("advantage", name, impl)
-    return AdvantagePlugin(name, impl, needs_values=_required_bool(impl, "needs_values", label),
+    return AdvantagePlugin(name, impl, **_metric_members(impl, label),
+                           needs_values=_required_bool(impl, "needs_values", label),
                            needs_groups=_required_bool(impl, "needs_groups", label))
 
 
@@ -341,7 +377,8 @@ def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
     if isinstance(impl, PolicyLossPlugin):
         return impl
     label = _label("policy_loss", name, impl)
-    return PolicyLossPlugin(name, impl, needs_ref_logprobs=_required_bool(impl, "needs_ref_logprobs", label),
+    return PolicyLossPlugin(name, impl, **_metric_members(impl, label),
+                            needs_ref_logprobs=_required_bool(impl, "needs_ref_logprobs", label),
                             needs_entropy=_required_bool(impl, "needs_entropy", label),
                             supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label))
 
@@ -369,16 +406,20 @@ def as_tool(impl: Any, name: str = "") -> ToolPlugin:
     label = _label("tool", name or own, impl)
     if not isinstance(own, str) or not own:
         raise PluginDeclarationError(label, f"has name {own!r}; a tool needs a non-empty name (the one the model calls).")
+    return ToolPlugin(own, impl, **_metric_members(impl, label), idempotent=_optional_bool(impl, "idempotent", False, label),
+                      start_up_fn=_optional_method(impl, "start_up", label))
+
+
+def _metric_members(impl: Any, label: str) -> dict[str, Any]:
+    """The optional ``step_metrics()`` and what ``step_metric_reductions()`` declares, checked."""
     reductions_fn = _optional_method(impl, "step_metric_reductions", label)
     declared = dict(reductions_fn()) if reductions_fn is not None else {}
     bad = {k: v for k, v in declared.items() if v not in Reduction.__members__.values()}
     if bad:  # an unknown one would silently become a mean over ranks
         raise PluginDeclarationError(label, f"step_metric_reductions() returned {bad}; each value must be one of "
                                      f"{[str(r) for r in Reduction]}.")
-    return ToolPlugin(own, impl, idempotent=_optional_bool(impl, "idempotent", False, label),
-                      start_up_fn=_optional_method(impl, "start_up", label),
-                      step_metrics_fn=_optional_method(impl, "step_metrics", label),
-                      reductions={k: Reduction(v) for k, v in declared.items()})
+    return {"step_metrics_fn": _optional_method(impl, "step_metrics", label),
+            "reductions": {k: Reduction(v) for k, v in declared.items()}}
 
 
 def as_reward(impl: Any, name: str = "", weight: float = 1.0) -> RewardPlugin:

@@ -92,9 +92,10 @@ def quantile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def trajectory_metrics(summaries: Sequence[TrajectorySummary]) -> dict[str, float]:
-    """Turns, tool calls, valid-call rate, tokens (mean and quantiles), stop-reason fractions, rewards,
-    advantages: over every summary given (on several ranks, the union of all ranks')."""
+def trajectory_metrics(summaries: Sequence[TrajectorySummary], tools: Sequence[str] = ()) -> dict[str, float]:
+    """Turns, tool calls (in all and per tool: ``rollout/tool_calls_mean/<tool>``, 0 for each of ``tools`` nobody
+    called), valid-call rate, tokens (mean and quantiles), stop-reason fractions, rewards, advantages: over every
+    summary given (on several ranks, the union of all ranks')."""
     n = max(len(summaries), 1)
     calls = sum(s.tool_calls for s in summaries)
     invalid = sum(s.stop_reason == StopReason.INVALID_ACTION.value for s in summaries)
@@ -120,13 +121,14 @@ def trajectory_metrics(summaries: Sequence[TrajectorySummary]) -> dict[str, floa
     for reason in StopReason:
         out[f"rollout/stop/{reason.value}"] = reasons.get(reason.value, 0) / n
     # Tool calls that failed for infrastructure reasons, per tool (of that tool's calls).
-    per_tool: dict[str, list[int]] = {}
+    per_tool: dict[str, list[int]] = {name: [0, 0] for name in tools}
     for s in summaries:
         for name, c, failed in s.calls_by_tool:
             counts = per_tool.setdefault(name, [0, 0])
             counts[0] += c
             counts[1] += failed
     for name, (c, failed) in per_tool.items():
+        out[f"rollout/tool_calls_mean/{name}"] = c / n
         out[f"rollout/environment_error_rate/{name}"] = failed / max(c, 1)
     latencies = [x for s in summaries for x in s.tool_latencies]
     if latencies:

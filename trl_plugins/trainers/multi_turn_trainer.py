@@ -140,8 +140,9 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         """Where every logged record goes, one JSON line per logging step."""
         self.last_batch: StepBatch | None = None
         """The last rollout batch: trajectories, datums, rows, and why the update left each out (the viewer reads it)."""
-        # How the tools' step_metrics() combine over ranks (what they declare).
-        self._metric_reductions = {k: str(v) for tool in run.tools.values() for k, v in tool.reductions.items()}
+        # How the plugins' step_metrics() combine over ranks (what they declare).
+        self._metric_reductions = {k: v for plugin in (*run.tools.values(), run.advantage, run.policy_loss)
+                                   for k, v in plugin.metric_reductions().items()}
         self._last_table_step = -1
 
     def generation_backend(self, *, temperature: float | None = None) -> Any:

@@ -212,6 +212,9 @@ class StepRunner:
                 "critic/returns_std": vr.returns_std, "critic/values_mean": vr.values_mean,
                 "timing/critic_update_s": time.perf_counter() - start,
             })
+        # What the advantage estimator and the policy loss report of this step (advantage/*, policy_loss/*).
+        metrics.update(run.advantage.step_metrics())
+        metrics.update(run.policy_loss.step_metrics())
         return loss, metrics
 
     def merge_metrics(self, metrics: Mapping[str, float], summaries: list[TrajectorySummary] | None,
@@ -229,7 +232,7 @@ class StepRunner:
             union = None if summaries is None else [s for _, ss in gathered for s in (ss or [])]
         out = reduce_rank_metrics(per_rank, reductions)
         if union is not None:
-            out.update(trajectory_metrics(union))
+            out.update(trajectory_metrics(union, tools=list(self.run.tools)))
             out.update(reward_metrics(union, self.run.reward_names()))
         return out
 
