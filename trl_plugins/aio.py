@@ -17,7 +17,11 @@ def run_async(coro: Coroutine[Any, Any, R]) -> R:
     thread with a loop of its own)."""
     try:
         asyncio.get_running_loop()
+        inside_a_loop = True
     except RuntimeError:
+        inside_a_loop = False
+    if not inside_a_loop:
+        # Outside the except block: an exception the coroutine raises must not be chained to "no running event loop".
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coro).result()

@@ -5,15 +5,19 @@ from worker threads, so tool calls and other trajectories go on meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from typing import Any, Iterator
 
 from trl_plugins.rollout.request import RolloutError, RolloutResult
 
-__all__ = ["Dispatcher", "ToolCounter", "concurrency", "watch"]
+__all__ = ["Dispatcher", "ToolCounter", "ToolFailures", "concurrency", "watch"]
+
+logger = logging.getLogger("trl_plugins.rollout.engine")  # the engine's: where tool failures were always logged
 
 
 def concurrency(backend: Any) -> int:
@@ -31,6 +35,37 @@ async def watch(stop: threading.Event) -> None:
 
 class _Abort(Exception):
     """A generate call raised a BaseException (e.g. KeyboardInterrupt); the rollout re-raises it at the end."""
+
+
+class ToolFailures:
+    """Tool failures, logged once per kind: the first failure of each ``(tool, kind)`` of a run at warning level with
+    its traceback, later ones at debug level; :meth:`flush` logs how many of each kind a rollout had, in one line.
+    (A tool that raises on every call would otherwise print a traceback per call.)"""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def record(self, tool: str, error: str, *, attempt: int, attempts: int, exc: BaseException | None = None) -> None:
+        """One failed call: ``error`` is the tool's infrastructure error (``"ValueError: ..."`` when it raised)."""
+        kind = type(exc).__name__ if exc is not None else error.split(":", 1)[0][:80]
+        key = (tool, kind)
+        self.counts[key] += 1
+        first = key not in self.seen
+        self.seen.add(key)
+        logger.log(logging.WARNING if first else logging.DEBUG, "tool %r failed (attempt %d of %d): %s%s", tool, attempt,
+                   attempts, error, "; the first of its kind: later ones are logged at debug level and counted once "
+                   "per rollout" if first else "", exc_info=exc)
+
+    def flush(self) -> None:
+        """Log this rollout's failures per kind (nothing when there were none) and start counting afresh."""
+        if self.counts:
+            logger.warning("tool failures in this rollout: %s", "; ".join(
+                f"{tool!r} {kind} x {n}" for (tool, kind), n in sorted(self.counts.items())))
+        self.counts.clear()
+
+    def __getstate__(self) -> dict:
+        return {"seen": set(), "counts": collections.Counter()}  # a copy (another process) logs its own first ones
 
 
 class ToolCounter:

@@ -18,13 +18,13 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trl_plugins.aio import run_async
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout.chat import TurnKind
-from trl_plugins.rollout.dispatch import Dispatcher, ToolCounter, concurrency, watch
+from trl_plugins.rollout.dispatch import Dispatcher, ToolCounter, ToolFailures, concurrency, watch
 from trl_plugins.rollout.request import (
     RolloutCancelled,
     RolloutError,
@@ -59,21 +59,23 @@ class _Live:
     tool_calls: int = 0
 
 
-async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0) -> ToolOutput:
+async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0, failures: ToolFailures | None = None) -> ToolOutput:
     """One tool call. A tool that raises has failed (an infrastructure error, not the model's); a call
-    that failed so is retried up to ``retries`` times when the tool declares itself ``idempotent``."""
+    that failed so is retried up to ``retries`` times when the tool declares itself ``idempotent``. Failures are
+    logged through ``failures`` (once per kind with a traceback, then counted)."""
     start = time.perf_counter()
     attempts = 1 + (retries if tool.idempotent else 0)
+    failures = failures if failures is not None else ToolFailures()
     for attempt in range(attempts):
+        raised = None
         try:
             out = await tool(arguments)
         except Exception as exc:  # a tool bug must not take the whole rollout down, nor be the policy's fault
-            logger.exception("tool %r raised", tool.name)
+            raised = exc
             out = ToolOutput(text="", ok=False, infra_error=f"{type(exc).__name__}: {exc}")
         if out.infra_error is None:
             break
-        logger.warning("tool %r failed (attempt %d of %d): %s", tool.name, attempt + 1, attempts,
-                       out.infra_error)
+        failures.record(tool.name, out.infra_error, attempt=attempt + 1, attempts=attempts, exc=raised)
     if not out.latency_s:
         out.latency_s = time.perf_counter() - start
     return out
@@ -105,6 +107,7 @@ class MultiTurnRollout:
     tool_retries: int = 1
     """Retries of a call that failed for infrastructure reasons, for tools that declare ``idempotent``
     (the code interpreter does); when they are used up the trajectory ends with ``environment_error``."""
+    _failures: ToolFailures = field(default_factory=ToolFailures, init=False, repr=False, compare=False)
 
     @property
     def token_budget(self) -> int:
@@ -172,6 +175,8 @@ class MultiTurnRollout:
                 pass
             bar.close()
             raise
+        finally:
+            self._failures.flush()
         bar.close()
         result.total_s = time.perf_counter() - start
         result.critical_path_s = max((critical_path(t) for t in result.trajectories), default=0.0)
@@ -257,7 +262,8 @@ class MultiTurnRollout:
                 turn.tool_call = ToolCall(name=parsed.tool_name or "", arguments=parsed.arguments)
                 return finish(StopReason.MAX_TOOL_CALLS)
             with tools.running():
-                out = await _call_tool(request.tools[parsed.tool_name], parsed.arguments, retries=self.tool_retries)
+                out = await _call_tool(request.tools[parsed.tool_name], parsed.arguments, retries=self.tool_retries,
+                                       failures=self._failures)
             if out.infra_error is not None:
                 # The tool failed, not the model: end here, without showing the model anything.
                 turn.tool_call = ToolCall(name=parsed.tool_name, arguments=parsed.arguments, output="", ok=False,
