@@ -99,8 +99,7 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     from retool.default_model import model_path_or_default
     from retool.evaluate import PeriodicHeldOut, evaluate_checkpoint, reusable_evaluation
     from retool.launch import ChildProcessError, available_cpus, configure_wandb, run_in_child
-    from retool.record import run_record
-    from retool.report import accuracy_gain, format_summary, plot_run, read_metrics
+    from retool.report import format_summary
     from retool.startup import check_chat_template, distributed_mode, format_banner
     from trl_plugins.run.lora import model_init_kwargs
     from trl_plugins.trainers import MultiTurnGRPOTrainer
@@ -177,10 +176,19 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
         trainer.add_callback(periodic)
     try:
         trainer.train(resume_from_checkpoint=resume)
-    except TrainingInterrupted as stopped:  # SIGINT / SIGTERM: a complete checkpoint is written, tools closed
-        say(str(stopped))
-        sys.stdout.flush()
-        raise SystemExit(stopped.exit_code) from None
+    except BaseException as exc:  # a stopped run still leaves its record: summary.json (with why) and the plot
+        if main_process:
+            try:
+                _write_summary(out_dir, script_args, training_args, trainer, model_path=model_path, before=before,
+                               after=None, start=start, stopped=exc)
+            except Exception as also:  # noqa: BLE001 - the stop is the news; say why its record is missing
+                print(f"summary.json of the stopped run could not be written: {type(also).__name__}: {also}",
+                      file=sys.stderr)
+        if isinstance(exc, TrainingInterrupted):  # SIGINT / SIGTERM: a complete checkpoint is written, tools closed
+            say(str(exc))
+            sys.stdout.flush()
+            raise SystemExit(exc.exit_code) from None
+        raise
     final_dir = out_dir / "final"
     trainer.save_model(str(final_dir))
     if main_process:
@@ -193,35 +201,51 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     if evaluate and main_process:
         say("Held-out evaluation after RL...")
         after = held_out(str(final_dir), "eval_after.json")
-    plot_path = None
     if main_process:
-        metrics = read_metrics(out_dir / "metrics.jsonl")
-        if script_args.plot and metrics:
-            plot_path = str(plot_run(metrics, out_dir / "retool_ppo.png", before=before, after=after,
-                                     reward_components=trainer.reward_names()))
-        wandb_dir = None
-        try:
-            import wandb
-
-            if wandb.run is not None:
-                if before and after:
-                    wandb.run.summary.update({"heldout/accuracy_before": before["accuracy"], "heldout/accuracy_after": after["accuracy"],
-                                              "heldout/tool_call_rate_before": before["tool_call_rate"],
-                                              "heldout/tool_call_rate_after": after["tool_call_rate"]})
-                wandb_dir = wandb.run.dir.removesuffix("/files")
-                wandb.finish()
-        except ImportError:
-            pass
-        summary = {"before": before, "after": after, "gain": accuracy_gain(before, after) if before and after else None,
-                   "steps": trainer.state.global_step, "wall_s": time.perf_counter() - start, "model": model_path,
-                   **run_record(script_args, training_args)}
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        paths = _write_summary(out_dir, script_args, training_args, trainer, model_path=model_path, before=before,
+                               after=after, start=start)
         print(format_summary(before, after, steps=trainer.state.global_step, wall_s=time.perf_counter() - start,
-                             paths={"checkpoint": str(final_dir), "metrics": str(out_dir / "metrics.jsonl"),
-                                    "plot": plot_path, "summary": str(out_dir / "summary.json"), "wandb": wandb_dir}),
-              flush=True)
+                             paths={"checkpoint": str(final_dir), **paths}), flush=True)
     state.wait_for_everyone()
     return 0
+
+
+def _write_summary(out_dir: Path, script_args: ScriptArguments, training_args, trainer, *, model_path: str,
+                   before: dict | None, after: dict | None, start: float, stopped: BaseException | None = None) -> dict:
+    """The plot, the W&B summary and ``summary.json``: also for a run that stopped (``stopped``: why, recorded
+    in ``summary.json["stopped"]``). Returns the paths written, for the closing summary."""
+    from retool.record import run_record
+    from retool.report import accuracy_gain, plot_run, read_metrics
+
+    metrics = read_metrics(out_dir / "metrics.jsonl") if (out_dir / "metrics.jsonl").is_file() else []
+    plot_path = None
+    if script_args.plot and metrics:
+        plot_path = str(plot_run(metrics, out_dir / "retool_ppo.png", before=before, after=after,
+                                 reward_components=trainer.reward_names()))
+    wandb_dir = None
+    try:
+        import wandb
+
+        if wandb.run is not None:
+            if before and after:
+                wandb.run.summary.update({"heldout/accuracy_before": before["accuracy"], "heldout/accuracy_after": after["accuracy"],
+                                          "heldout/tool_call_rate_before": before["tool_call_rate"],
+                                          "heldout/tool_call_rate_after": after["tool_call_rate"]})
+            wandb_dir = wandb.run.dir.removesuffix("/files")
+            wandb.finish(exit_code=0 if stopped is None else 1)
+    except ImportError:
+        pass
+    summary = {"before": before, "after": after, "gain": accuracy_gain(before, after) if before and after else None,
+               "steps": trainer.state.global_step, "wall_s": time.perf_counter() - start, "model": model_path,
+               "stopped": None if stopped is None else {"at_step": trainer.state.global_step,
+                                                         "why": f"{type(stopped).__name__}: {stopped}"},
+               **run_record(script_args, training_args, trainer.run)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if stopped is not None:
+        print(f"The run stopped at step {trainer.state.global_step} ({type(stopped).__name__}); what it did is in "
+              f"{out_dir / 'metrics.jsonl'} and {out_dir / 'summary.json'}.", flush=True)
+    return {"metrics": str(out_dir / "metrics.jsonl"), "plot": plot_path, "summary": str(out_dir / "summary.json"),
+            "wandb": wandb_dir}
 
 
 if __name__ == "__main__":

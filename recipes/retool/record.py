@@ -73,26 +73,35 @@ def git_state(root: str | Path = PROJECT_ROOT) -> dict[str, Any]:
     return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
-def run_record(script_args: Any, training_args: Any) -> dict:
+def run_record(script_args: Any, training_args: Any, run: Any = None) -> dict:
     """The reproducibility part of ``summary.json``: ``config`` (both argument classes, every field), ``plugins``
-    (each seam's choice and settings), ``seeds``, ``versions`` and ``git``."""
+    (each seam's choice and settings; with the built ``run``, each plugin's object, package, version and every
+    keyword in force, defaults included), ``seeds``, ``versions`` and ``git``."""
+    from trl_plugins.run.plugins import describe_plugin
+
     a = training_args
+
+    def built(plugin: Any, given: Any) -> dict:
+        return describe_plugin(plugin, given) if plugin is not None else {"kwargs": given}
+
+    tools = list(run.tools.values()) if run is not None else [None] * len(a.tools)
+    rewards = list(run.rewards) if run is not None else [None] * len(a.reward_components)
     return {
         "config": {"script": resolved_config(script_args), "training": resolved_config(training_args),
                    "files": list(script_args.config_files)},
         "plugins": json_safe({
-            "rollout": {"name": a.rollout, "kwargs": a.rollout_kwargs},
-            "tools": [{"name": n, "kwargs": a.tool_kwargs.get(n, {})} for n in a.tools],
-            "reward_components": [{"name": n, "weight": w, "kwargs": a.reward_component_kwargs.get(n, {}),
+            "rollout": {"name": a.rollout, **built(run and run.rollout, a.rollout_kwargs)},
+            "tools": [{"name": n, **built(t, a.tool_kwargs.get(n, {}))} for n, t in zip(a.tools, tools)],
+            "reward_components": [{"name": n, "weight": w, **built(r, a.reward_component_kwargs.get(n, {})),
                                    "weight_origin": script_args.reward_weight_origins.get(n)}
-                                  for n, w in zip(a.reward_components, a.reward_component_weights)],
-            "advantage": {"name": a.advantage, "kwargs": a.advantage_kwargs},
-            "policy_loss": {"name": a.policy_loss, "kwargs": a.policy_loss_kwargs},
+                                  for n, w, r in zip(a.reward_components, a.reward_component_weights, rewards)],
+            "advantage": {"name": a.advantage, **built(run and run.advantage, a.advantage_kwargs)},
+            "policy_loss": {"name": a.policy_loss, **built(run and run.policy_loss, a.policy_loss_kwargs)},
             "aggregation": a.aggregation,
             "packer": a.packer,
+            "dropped_kwargs": list(script_args.dropped_kwargs),
         }),
         "seeds": {"seed": a.seed, "data_seed": a.data_seed, "task_seed": script_args.task_seed},
         "versions": library_versions(),
         "git": git_state(),
     }
-
