@@ -470,3 +470,66 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
     first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line][2]
     assert first["rollout/stop/environment_error"] > 0.0
 
+
+class VaryingCalculatorScript(CalculatorScript):
+    """:class:`CalculatorScript` answering at three lengths, so that ``concise`` tells the samples of a group apart."""
+
+    answers = ("\\boxed{42}", "The answer is \\boxed{42}.", "Six times seven is forty-two, so the answer is \\boxed{42}.")
+
+
+def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monkeypatch):
+    # A config names the example's tool, reward, advantage and policy loss by their entry-point names, as the recipe's
+    # command line would; two steps on the tiny model, the calculator called by a scripted policy.
+    import json
+
+    import torch
+    from test_trainer import _config, _dataset
+
+    from trl_plugins.run import resolve_run
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    cispo = POLICY_LOSSES.get("cispo")
+    saw_entropy = []
+    cispo_call = cispo.__call__
+
+    def recording(self, inp):
+        saw_entropy.append(inp.entropy is not None)
+        return cispo_call(self, inp)
+
+    monkeypatch.setattr(cispo, "__call__", recording)
+    config = _config(tmp_path, tools=["calculator"], reward_components=["concise"],
+                     reward_component_kwargs={"concise": {"budget_tokens": 16}},
+                     advantage="rank", advantage_kwargs={"scale": 0.25},
+                     policy_loss="cispo", policy_loss_kwargs={"max_weight": 2.0, "entropy_coef": 0.01},
+                     rollout="test_example_plugin:VaryingCalculatorScript", rollout_kwargs={}, max_steps=2,
+                     system_prompt="Use the calculator tool.", final_answer_pattern=r"\\boxed\{")
+    run = resolve_run(config)
+    assert type(run.advantage.impl) is ADVANTAGES.get("rank") and run.advantage.impl.scale == 0.25
+    assert type(run.policy_loss.impl) is cispo and run.policy_loss.needs_entropy  # the property, read once
+    assert type(run.tools["calculator"].impl) is TOOLS.get("calculator")
+    assert [(r.name, type(r.impl)) for r in run.rewards] == [("concise", REWARDS.get("concise"))]
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = MultiTurnGRPOTrainer(model, train_dataset=_dataset(), processing_class=tok, run=run)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["calculator/calls"] == 4.0 and r["rollout/stop/final_answer"] == 1.0  # 4 trajectories, one call each
+        assert r["reward/concise"] < 0  # every trajectory samples more than 16 tokens
+        assert "train/entropy" in r  # needs_entropy: the trainer computed the entropy the loss asked for
+    # concise scored each trajectory; rank gave each, in its group of 2, 0.25 * (wins - losses) / 1.
+    trajs = trainer.last_batch.trajectories
+    for t in trajs:
+        (component,) = t.reward_components
+        assert component.name == "concise" and component.value == -(t.num_action_tokens - 16) / 16
+        (other,) = [o for o in trajs if o.group_id == t.group_id and o is not t]
+        assert t.advantage == 0.25 * ((t.reward > other.reward) - (t.reward < other.reward))
+    assert {t.advantage for t in trajs} == {-0.25, 0.25}  # the groups' answers differ in length: no tie
+    # cispo computed every micro-batch's loss, with the entropy its needs_entropy asked for.
+    assert saw_entropy and all(saw_entropy)
