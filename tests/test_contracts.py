@@ -341,7 +341,7 @@ def test_a_plain_callable_class_passes_the_pickled_copy_check():
     [
         (check_advantage_contract, _ForgetfulAdvantage(), r"advantages plugin _ForgetfulAdvantage: its pickled copy has other "
                                                           r"attributes: scale \(2.0 -> missing\). Plugins must pickle to an "
-                                                          r"equal copy: a plugin reaches another process .*\(a __getstate__ "
+                                                          r"equal copy: a plugin may be sent to another process .*\(a __getstate__ "
                                                           r"must not drop one"),
         (check_advantage_contract, _LambdaAdvantage(), r"advantages plugin _LambdaAdvantage: does not pickle \(.*lambda.*\). "
                                                        r"Plugins must pickle to an equal copy: .* not a closure or a lambda"),

@@ -380,7 +380,7 @@ def test_the_contract_checks_catch_a_broken_copy_of_the_example(example):
             return PolicyLossOutput(per_token_loss=out.per_token_loss - 0.1 * inp.logprobs, stats=out.stats)
 
     with pytest.raises(ContractError, match=r"advantages plugin LambdaRank: does not pickle .* Plugins must pickle to an "
-                                            r"equal copy: a plugin reaches another process"):
+                                            r"equal copy: a plugin may be sent to another process"):
         check_advantage_contract(LambdaRank())
     with pytest.raises(ContractError, match=r"policy_losses plugin UnmaskedCISPO: non-zero loss off the action mask"):
         check_policy_loss_contract(UnmaskedCISPO())

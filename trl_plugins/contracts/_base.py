@@ -38,8 +38,8 @@ def _check(ok: bool, label: str, what: str) -> None:
         raise ContractError(f"{label}: {what}")
 
 
-_WHY_PICKLE = ("Plugins must pickle to an equal copy: a plugin reaches another process (a child process, another rank) "
-               "as its pickled copy, which must compute what the original computes")
+_WHY_PICKLE = ("Plugins must pickle to an equal copy: a plugin may be sent to another process (a child process, "
+               "another rank) as its pickled copy, which must compute what the original computes")
 _MISSING = object()
 
 
