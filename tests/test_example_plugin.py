@@ -275,6 +275,8 @@ def test_cispo_loss_by_hand(example):
 
 
 def test_the_example_advantage_and_loss_declare_and_refuse(example):
+    import torch
+
     from trl_plugins.protocols import as_advantage, as_policy_loss
 
     rank, cispo = ADVANTAGES.get("rank"), POLICY_LOSSES.get("cispo")
@@ -297,10 +299,13 @@ def test_the_example_advantage_and_loss_declare_and_refuse(example):
     with pytest.raises(ValueError, match=r"cispo: entropy_coef must be a finite number >= 0"):
         cispo(entropy_coef=-0.1)
     with pytest.raises(ValueError, match=r"cispo with entropy_coef > 0 needs the per-token entropy"):
-        import torch
-
         cispo(entropy_coef=0.1)(PolicyLossInput(logprobs=torch.zeros(1, 2), behaviour_logprobs=torch.zeros(1, 2),
                                                 advantages=torch.ones(1, 2), action_mask=torch.ones(1, 2)))
+
+
+class ConstantReward:
+    def __call__(self, trajectory, example):
+        return 1.0
 
 
 def test_the_run_refuses_what_the_example_plugins_cannot_have(example, tmp_path):
@@ -311,17 +316,12 @@ def test_the_run_refuses_what_the_example_plugins_cannot_have(example, tmp_path)
 
     # rank's needs_values = False: critic settings are refused, since no critic would run.
     with pytest.raises(ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'rank' runs none"):
-        resolve_run(_config(tmp_path, advantage="rank", critic_learning_rate=1e-4), reward_components={"length": ConstantLength()})
+        resolve_run(_config(tmp_path, advantage="rank", critic_learning_rate=1e-4), reward_components={"length": ConstantReward()})
     # (needs_groups = True would refuse num_generations < 2, but TRL's GRPOConfig refuses that first, for every estimator.)
     # No reference-KL term in cispo: beta > 0 with the KL in the loss is refused when the config is built.
     with pytest.raises(ValueError, match=r"needs a policy loss that takes \['kl_coef', 'kl_estimator'.*policy_loss 'cispo' "
                                          r"does not"):
         _config(tmp_path, policy_loss="cispo", beta=0.1, kl_penalty="loss")
-
-
-class ConstantLength:
-    def __call__(self, trajectory, example):
-        return 1.0
 
 
 def test_the_packages_own_contract_tests_pass_on_the_installed_copy(example):
