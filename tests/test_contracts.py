@@ -278,6 +278,84 @@ def test_reward_contract_catches(plugin, message):
         check_reward_contract(plugin)
 
 
+class _PlainScaledAdvantage:
+    """A plain callable class, not a dataclass (so no __eq__), declaring its capabilities as class attributes."""
+
+    needs_values = False
+    needs_groups = False
+
+    def __init__(self, scale=2.0):
+        self.scale = scale
+        self.offsets = {"bias": torch.tensor([0.0])}  # nested state: compared value by value
+
+    def __call__(self, inp):
+        return AdvantageOutput(advantages=inp.rewards * self.scale + self.offsets["bias"])
+
+
+class _PlainLoss:
+    """A plain callable class policy loss; ``needs_entropy`` a property over its setting."""
+
+    needs_ref_logprobs = False
+
+    def __init__(self, entropy_coef=0.0):
+        self.entropy_coef = entropy_coef
+
+    @property
+    def needs_entropy(self):
+        return self.entropy_coef != 0.0
+
+    def __call__(self, inp):
+        on = inp.action_mask.bool()
+        loss = -torch.where(on, inp.advantages, 0.0) * torch.where(on, inp.logprobs, 0.0)
+        return PolicyLossOutput(per_token_loss=loss - self.entropy_coef * torch.where(on, inp.entropy, 0.0), stats=None)
+
+
+class _ForgetfulAdvantage(_PlainScaledAdvantage):
+    def __getstate__(self):  # leaves scale out: the copy in another process would compute with another scale
+        return {k: v for k, v in vars(self).items() if k != "scale"}
+
+
+class _LambdaAdvantage(_PlainScaledAdvantage):
+    def __init__(self):
+        super().__init__()
+        self.transform = lambda r: r  # a lambda does not pickle
+
+
+@dataclasses.dataclass
+class _SeededLoss(_PlainLoss):
+    """A dataclass whose == compares a random.Random, which compares by identity: never equal to its copy."""
+
+    rng: object = dataclasses.field(default_factory=lambda: __import__("random").Random(0))
+    entropy_coef: float = 0.0
+
+
+def test_a_plain_callable_class_passes_the_pickled_copy_check():
+    # No __eq__: the copy is compared by type and attributes (vars()), value by value, tensors by torch.equal.
+    check_advantage_contract(_PlainScaledAdvantage(scale=3.0))
+    check_policy_loss_contract(_PlainLoss())
+    check_policy_loss_contract(_PlainLoss(entropy_coef=0.1))
+
+
+@pytest.mark.parametrize(
+    "check, plugin, message",
+    [
+        (check_advantage_contract, _ForgetfulAdvantage(), r"advantages plugin _ForgetfulAdvantage: its pickled copy has other "
+                                                          r"attributes: scale \(2.0 -> missing\). Plugins must pickle to an "
+                                                          r"equal copy: a plugin may be sent to another process .*\(a __getstate__ "
+                                                          r"must not drop one"),
+        (check_advantage_contract, _LambdaAdvantage(), r"advantages plugin _LambdaAdvantage: does not pickle \(.*lambda.*\). "
+                                                       r"Plugins must pickle to an equal copy: .* not a closure or a lambda"),
+        (check_policy_loss_contract, _SeededLoss(), r"policy_losses plugin _SeededLoss: does not compare equal \(==\) to "
+                                                    r"its pickled copy. Plugins must pickle to an equal copy: .*"
+                                                    r"field\(compare=False\)"),
+    ],
+    ids=["getstate-drops-a-setting", "lambda-attribute", "dataclass-unequal-field"],
+)
+def test_the_pickled_copy_check_refuses_a_copy_that_differs(check, plugin, message):
+    with pytest.raises(ContractError, match=message):
+        check(plugin)
+
+
 def test_reward_contract_runs_the_trainers_own_rule():
     # The trainer stores what reward_value accepts and marks verifier_error what it refuses: the same rule.
     from trl_plugins.contracts import make_trajectory

@@ -1,5 +1,6 @@
 """docs/plugins.md stays true: its field tables are the dataclasses' fields, its config keys are
-MultiTurnGRPOConfig's, and the recipe's system prompt names every tool the recipe configures."""
+MultiTurnGRPOConfig's, the recipe's system prompt names every tool the recipe configures, and its example of how
+to declare capabilities runs, declares what the text says and pickles to an equal copy."""
 
 from __future__ import annotations
 
@@ -175,3 +176,68 @@ def test_recipe_system_prompt_names_every_configured_tool():
     assert not unnamed, (f"recipes/retool_ppo.yaml configures tools {unnamed} that its system_prompt does not mention; "
                          f"add a line saying what each is for (docs/plugins.md, 'Tools and the system prompt')")
     assert "a new tool needs a line in the system prompt" in " ".join(DOC.read_text(encoding="utf-8").lower().split())
+
+
+def _declaration_example() -> str:
+    """The python block of docs/plugins.md's "How to declare" paragraph."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index("**How to declare.**"):text.index("**The adapters.**")]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return block
+
+
+def _declaration_problems(block: str, monkeypatch) -> list[str]:
+    """What the declaration example gets wrong: run as a module, its classes read by the run's adapters and
+    pickled by the contract checks' own rule."""
+    import sys
+    import types
+
+    from trl_plugins.contracts import ContractError
+    from trl_plugins.contracts._base import _pickles
+    from trl_plugins.protocols import PluginDeclarationError, as_advantage, as_policy_loss
+
+    module = types.ModuleType("docs_plugins_declarations")  # a real module, so that pickle finds its classes
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(block, "docs/plugins.md", "exec"), module.__dict__)
+    rank, cispo = module.RankAdvantage, module.CISPOLoss
+    problems = []
+    try:
+        adv = as_advantage(rank(scale=0.5), "rank")
+        loss, bonus = as_policy_loss(cispo(), "cispo"), as_policy_loss(cispo(entropy_coef=0.01), "cispo")
+    except PluginDeclarationError as exc:
+        return [str(exc)]
+    if (adv.needs_values, adv.needs_groups) != (False, True):
+        problems.append(f"RankAdvantage declares needs_values={adv.needs_values}, needs_groups={adv.needs_groups}")
+    if (loss.needs_ref_logprobs, loss.needs_entropy, loss.supports_is_weights, bonus.needs_entropy) != (False, False, True, True):
+        problems.append("CISPOLoss's declarations are not the ones the text describes")
+    if [f.name for f in dataclasses.fields(cispo)] != ["max_weight", "entropy_coef"]:
+        problems.append(f"CISPOLoss's fields are {[f.name for f in dataclasses.fields(cispo)]}: a declaration became a "
+                        f"constructor argument")
+    if dataclasses.is_dataclass(rank) or rank.__eq__ is not object.__eq__:
+        problems.append("RankAdvantage is meant to be a plain class without __eq__")
+    for plugin in (rank(scale=0.5), cispo(max_weight=3.0)):
+        try:
+            _pickles(plugin, type(plugin).__name__)
+        except ContractError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def test_the_declaration_example_runs_and_declares_what_it_says(monkeypatch):
+    # A plain class with class attributes, a dataclass with ClassVars and a property: the adapters read each, and
+    # both pickle to an equal copy (the plain class compared by its attributes, the dataclass by ==).
+    assert _declaration_problems(_declaration_example(), monkeypatch) == []
+
+
+def test_the_declaration_check_can_fail(monkeypatch):
+    block = _declaration_example()
+    assert "needs_groups = True" in block and "needs_ref_logprobs: ClassVar[bool] = False" in block
+    assert "self.scale = float(scale)" in block
+    wrong_type = _declaration_problems(block.replace("needs_groups = True", 'needs_groups = "yes"'), monkeypatch)
+    assert wrong_type == ["advantage 'rank' declares needs_groups='yes'; it must be a bool (docs/plugins.md)."]
+    as_field = _declaration_problems(block.replace("needs_ref_logprobs: ClassVar[bool] = False",
+                                                   "needs_ref_logprobs: bool = False"), monkeypatch)
+    assert any("a declaration became a constructor argument" in p for p in as_field)
+    unpicklable = _declaration_problems(block.replace("self.scale = float(scale)",
+                                                      "self.scale = float(scale)\n        self.f = lambda x: x"), monkeypatch)
+    assert any("RankAdvantage: does not pickle" in p for p in unpicklable)
