@@ -100,7 +100,7 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     from retool.evaluate import PeriodicHeldOut, evaluate_checkpoint, reusable_evaluation
     from retool.launch import ChildProcessError, available_cpus, configure_wandb, run_in_child
     from retool.report import format_summary
-    from retool.startup import check_chat_template, distributed_mode, format_banner
+    from retool.startup import check_chat_template, check_plugins, distributed_mode, format_banner
     from trl_plugins.run.lora import model_init_kwargs
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
@@ -128,6 +128,10 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
         raise SystemExit(str(exc)) from exc
     for line in dict.fromkeys(said):  # a carved split is described once, not once per side
         say(line)
+    # Each plugin's cheap contract check (a reward returning NaN, a loss with gradient off the mask) on a pickled copy,
+    # with a real row: seconds, where a failure would otherwise come after the model loaded and a step ran.
+    for line in check_plugins(run, train_rows[0] if train_rows else None):
+        say(f"start-up checks: {line}")
 
     with state.main_process_first():  # only the main process builds the embedded default; the others find it cached
         model_path = model_path_or_default(script_args, training_args, rebuild=script_args.rebuild_embedded and main_process,
@@ -193,7 +197,7 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     trainer.save_model(str(final_dir))
     if main_process:
         tokenizer.save_pretrained(str(final_dir))
-        trainer.create_model_card(model_name=out_dir.name)  # output_dir/README.md, naming the base model
+        trainer.create_model_card(model_name=out_dir.name, model_path=str(final_dir))  # output_dir/README.md
         shutil.copy(out_dir / "README.md", final_dir / "README.md")
     state.wait_for_everyone()
 

@@ -222,11 +222,11 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     assert "retool_ppo.yaml < command line" in line("config files:")
     assert line("viewer:") == ("viewer:       /runs/a/trajectories/step-N.html every 10 steps (8 trajectories; "
                                "python -m trl_plugins.viewer redraws a saved batch)")
-    assert "warning: system_prompt does not mention" not in text  # the recipe's prompt names its tool
+    assert "warning:" not in text  # the recipe's prompt names its tool
     # A tool the system prompt does not name is flagged: only its schema reaches the model.
     _, bare = parse_args(["--system_prompt", "Solve it.", "--viewer_steps", "0"])
     text = format_banner(script_args, resolve_run(bare), world_size=1, device="cpu", distributed="single process")
-    assert "warning: system_prompt does not mention 'code_interpreter'" in text and "viewer:" not in text
+    assert "warning:      system_prompt does not mention the tool 'code_interpreter'" in text and "viewer:" not in text
     # A tool that has not started says when it will report.
     text = format_banner(script_args, run, world_size=1, device="cpu", distributed="single process")
     assert "reports how it runs when the tools start" in text
@@ -284,7 +284,7 @@ def test_the_model_card_names_a_base_model_loaded_from_a_local_folder(tmp_path):
     from trl.trainer.utils import generate_model_card
 
     from trl_plugins.trainers import MultiTurnGRPOTrainer
-    from trl_plugins.trainers.model_card import name_local_base_model
+    from trl_plugins.trainers.model_card import name_local_base_model, name_quick_start_model
 
     # The override calls TRL's with these parameters.
     assert list(inspect.signature(GRPOTrainer.create_model_card).parameters) == ["self", "model_name", "dataset_name", "tags"]
@@ -301,6 +301,12 @@ def test_the_model_card_names_a_base_model_loaded_from_a_local_folder(tmp_path):
     assert name_local_base_model(path, "/cache/embedded/abc/model")
     text = path.read_text()
     assert "fine-tuned version of the local model `/cache/embedded/abc/model`" in text and "[None]" not in text
+    # No Hub repo: TRL's quick-start said model="None"; it loads the trained model's folder instead.
+    assert 'model="None"' in text and "name_quick_start_model" in inspect.getsource(MultiTurnGRPOTrainer.create_model_card)
+    assert name_quick_start_model(path, "outputs/retool_ppo/final")
+    text = path.read_text()
+    assert 'pipeline("text-generation", model="outputs/retool_ppo/final"' in text and 'model="None"' not in text
+    assert not name_quick_start_model(path, "elsewhere") and path.read_text() == text  # filled once
     path = card("Qwen/Qwen2.5-1.5B-Instruct")  # a Hub id: TRL names and links it, left as it is
     before = path.read_text()
     assert not name_local_base_model(path, "Qwen/Qwen2.5-1.5B-Instruct") and path.read_text() == before

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Mapping
 
-__all__ = ["resolve", "check_chat_template", "distributed_mode", "evaluation_backend", "precision", "format_banner"]
+__all__ = ["resolve", "check_plugins", "check_chat_template", "distributed_mode", "evaluation_backend", "precision", "format_banner"]
 
 
 def resolve(script_args: Any, training_args: Any) -> Any:
@@ -35,6 +35,22 @@ def resolve(script_args: Any, training_args: Any) -> Any:
         run.close()
         raise SystemExit(f"configuration error (before any model loads): a tool could not start: {exc}") from exc
     return run
+
+
+def check_plugins(run: Any, example: Any) -> list[str]:
+    """Each reward's, the advantage's and the policy loss's contract check on a pickled copy, before any model loads
+    (:func:`trl_plugins.run.checks.startup_checks`; ``example`` is the first training row); returns what to print.
+
+    Raises:
+        SystemExit: a plugin failed its check (the message says how to skip it).
+    """
+    from trl_plugins.run.checks import startup_checks
+    from trl_plugins.run.plugins import SettingError
+
+    try:
+        return startup_checks(run, example)
+    except SettingError as exc:
+        raise SystemExit(f"configuration error (before any model loads): {run.spec.explain(exc)}") from exc
 
 
 def check_chat_template(tokenizer: Any, run: Any) -> None:
@@ -105,6 +121,8 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     """The start-up banner: every plugin in force with its settings, the sandbox's isolation, processes and
     precision, the generation backend, and where outputs go. Pure: everything comes in as arguments (the run, and
     what its tools reported when they started: :meth:`trl_plugins.run.Run.start_tools`)."""
+    from trl_plugins.run.checks import prompt_warnings
+
     a, s = run.config, script_args
     tool_start_up = dict(tool_start_up or {})
     lines = ["=" * 72, "ReTool PPO: the run", "-" * 72]
@@ -114,16 +132,18 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
                  f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
     if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
+    for note in s.dropped_kwargs:
+        lines.append(f"note:         {note}")
     lines.append(f"rollout:      {a.rollout} {_kwargs(a.rollout_kwargs)}")
-    for name in a.tools:
-        lines.append(f"tool:         {name} {_kwargs(a.tool_kwargs.get(name))}")
+    for configured, (name, tool) in zip(a.tools, run.tools.items()):
+        called = f" (the model calls it {name!r})" if configured != name else ""
+        lines.append(f"tool:         {configured} {_kwargs(a.tool_kwargs.get(configured))}{called}")
         if name in tool_start_up:
             lines.append(f"                {tool_start_up[name]}")
         else:
             lines.append("                (reports how it runs when the tools start)")
-        if name not in (a.system_prompt or ""):
-            lines.append(f"                warning: system_prompt does not mention {name!r}; only its schema reaches the "
-                         f"model, which may never call it (docs/plugins.md, 'Tools and the system prompt')")
+    for warning in prompt_warnings(a.system_prompt, run.tools):
+        lines.append(f"warning:      {warning}")
     origins = s.reward_weight_origins
     weighted = []
     for name, weight in zip(a.reward_components, a.reward_component_weights):
@@ -135,6 +155,9 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     lines.append(f"advantage:    {a.advantage} {_kwargs(a.advantage_kwargs)}")
     lines.append(f"policy loss:  {a.policy_loss} {_kwargs(a.policy_loss_kwargs)}, aggregation {a.aggregation}"
                  + (f", reference KL beta={a.beta:g} ({a.kl_estimator}, in the {a.kl_penalty})" if a.beta > 0 else ""))
+    skipped = "all" if "all" in a.skip_startup_checks else ", ".join(a.skip_startup_checks)
+    lines.append(f"checks:       each reward, the advantage and the policy loss run their contract check on a copy "
+                 f"before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else ""))
     padding_free = {None: "auto", True: "on", False: "off"}[a.padding_free]
     lines.append(f"packer:       {a.packer} (<= {a.max_items_per_micro_batch} rows, <= {a.max_padded_tokens_per_micro_batch}"
                  f" padded tokens per micro-batch; padding-free {padding_free})")

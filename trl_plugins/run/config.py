@@ -86,6 +86,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     viewer_steps: int = field(default=10, metadata={"help": "Every N steps write a trajectory viewer page: output_dir/trajectories/step-<N>.html (a self-contained HTML page, each token coloured by provenance with its log-prob, advantage and loss mask on hover) and step-<N>.json (the saved batch: trajectories and their datums; 'python -m trl_plugins.viewer' draws it again), also logged to W&B as HTML when W&B is on (0: never). docs/viewer.md."})
     viewer_trajectories: int = field(default=8, metadata={"help": "Trajectories per viewer page: the first N of the main process's batch (whole groups when N is a multiple of num_generations)."})
     resume_fallback: bool = field(default=False, metadata={"help": "When the checkpoint to resume from is damaged (a truncated or missing file, found before anything loads), resume from the previous complete checkpoint instead (the damaged one is moved to damaged-checkpoint-N-<time>/). Off: refuse, naming the damaged file."})
+    skip_startup_checks: list[str] = field(default_factory=list, metadata={"help": "Plugins whose contract check the recipe does not run at start-up (before any model loads, on a pickled copy): reward components, the advantage or the policy loss by their configured names, or 'all'. For an expensive or sampled check: a remote or model judge."})
     console_metrics: str = field(default="compact", metadata={"help": "What each logging step prints: 'compact' (one line: step, reward, components, tool calls, loss, KL, tokens/s, step time, memory) or 'full' (the HF Trainer's dict of every metric). metrics.jsonl and the loggers get every metric either way."})
 
     def __post_init__(self) -> None:
@@ -99,6 +100,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
         self.advantage_kwargs = _as_dict(self.advantage_kwargs, "advantage_kwargs")
         self.policy_loss_kwargs = _as_dict(self.policy_loss_kwargs, "policy_loss_kwargs")
         AggregationMode(self.aggregation)
+        if self.max_steps == 0:
+            raise SettingError("max_steps", "0 steps would train none, yet transformers would train one; give the number "
+                                            "of steps (or -1 to train num_train_epochs).")
         if self.truncated_policy not in ("wrong", "mask"):
             raise ValueError(f"truncated_policy must be 'wrong' or 'mask', got {self.truncated_policy!r}.")
         if self.per_device_train_batch_size % self.num_generations:
@@ -163,6 +167,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(f"critic_learning_rate must be > 0, got {self.critic_learning_rate}.")
         from trl_plugins.registry import PACKERS
 
+        from trl_plugins.run.checks import check_skip_names
+
+        check_skip_names(self)
         _lookup(PACKERS, self.packer, "packer")  # an unknown packer is refused with "did you mean"
         apply_trl_fields(self)  # every other TRL field: honoured, mapped or refused
 

@@ -5,11 +5,28 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["UNNAMED_BASE_MODEL", "name_local_base_model"]
+__all__ = ["UNNAMED_BASE_MODEL", "UNNAMED_QUICK_START", "name_local_base_model", "name_quick_start_model"]
 
 UNNAMED_BASE_MODEL = "[None](https://huggingface.co/None)"
 """What TRL's card template (``trl/templates/lm_model_card.md``) renders when it names no base model: TRL
 names one only when ``model.config._name_or_path`` is a Hub id, not a local folder."""
+
+
+UNNAMED_QUICK_START = 'model="None"'
+"""What the card's quick-start code says when the run pushes to no Hub repo (TRL fills in ``hub_model_id``)."""
+
+
+def name_quick_start_model(card_path: str | os.PathLike, model_path: str | None) -> bool:
+    """Make the card's quick-start load the trained model from ``model_path`` where TRL wrote ``model="None"``.
+    Returns True when the card was changed."""
+    path = Path(card_path)
+    if not model_path or not path.is_file():
+        return False
+    text = path.read_text()
+    if UNNAMED_QUICK_START not in text:
+        return False
+    path.write_text(text.replace(UNNAMED_QUICK_START, f"model={str(model_path)!r}".replace("'", '"')))
+    return True
 
 
 def name_local_base_model(card_path: str | os.PathLike, name_or_path: str | None) -> bool:

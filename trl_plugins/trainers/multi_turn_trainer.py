@@ -40,7 +40,7 @@ from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_ch
 from trl_plugins.trainers.console import use_compact_console
 from trl_plugins.trainers.critic import build_critic, prepare_critic
 from trl_plugins.trainers.memory import reset_peak_memory
-from trl_plugins.trainers.model_card import name_local_base_model
+from trl_plugins.trainers.model_card import name_local_base_model, name_quick_start_model
 from trl_plugins.trainers.phases import StepBatch, StepRunner
 from trl_plugins.trainers.resilience import Resilient
 
@@ -246,9 +246,13 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                 self._last_table_step = step
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: str | list[str] | None = None) -> None:
+                          tags: str | list[str] | None = None, *, model_path: str | None = None) -> None:
         """TRL's card (``output_dir/README.md``), naming the base model also when it was loaded from a local
-        folder: TRL names only Hub ids, which left "fine-tuned version of [None]"."""
+        folder (TRL names only Hub ids, which left "fine-tuned version of [None]"), and with a quick-start that loads
+        the trained model from ``model_path`` (default: ``output_dir``) when the run pushes to no Hub repo (TRL's
+        said ``model="None"``)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if self.is_world_process_zero():
-            name_local_base_model(os.path.join(self.args.output_dir, "README.md"), self.model.config._name_or_path)
+            card = os.path.join(self.args.output_dir, "README.md")
+            name_local_base_model(card, self.model.config._name_or_path)
+            name_quick_start_model(card, model_path or self.args.output_dir)
