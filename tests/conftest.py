@@ -67,11 +67,50 @@ def cpu_launch_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
+def tiny_recipe_inputs(tmp_path: Path, rows: int = 40) -> tuple[Path, Path]:
+    """``(model folder, data file)`` for running the recipe on a tiny model: a tiny Qwen2 with its tokenizer saved
+    locally, and ``rows`` questions "What is i + i?" as JSON lines."""
+    import json
+
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+
+    model_dir = tmp_path / "model"
+    tok = build_tokenizer("qwen2_5")
+    build_tiny_model(tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(rows)))
+    return model_dir, data
+
+
 def code_schema() -> dict:
     """The built-in code_interpreter's JSON schema (what the chat template shows the model)."""
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     return CodeInterpreter().schema()
+
+
+@pytest.fixture
+def no_model_no_eval(monkeypatch):
+    """main() may not load a model, build the embedded default or start an evaluation: each attempt is recorded
+    and stops the test."""
+    import transformers
+
+    import retool.default_model
+    import retool.launch
+
+    calls = []
+
+    def refuse(what):
+        def _refuse(*a, **k):
+            calls.append(what)
+            raise AssertionError(f"{what} was reached")
+        return _refuse
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse("model load"))
+    monkeypatch.setattr(retool.launch, "run_in_child", refuse("evaluation"))
+    monkeypatch.setattr(retool.default_model, "ensure_embedded_default", refuse("embedded default build"))
+    return calls
 
 
 @pytest.fixture

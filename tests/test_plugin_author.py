@@ -22,8 +22,8 @@ from trl_plugins.algos.advantages import GroupAdvantage
 from trl_plugins.algos.losses import PPOClipLoss
 from trl_plugins.tools.base import ToolOutput
 
+from conftest import tiny_recipe_inputs
 from test_recipe import _recipe_module
-from test_recipe_cli import no_model_no_eval  # noqa: F401 - the fixture
 from test_run import _config
 
 
@@ -491,15 +491,8 @@ class BreaksAtStepTwo:
 
 @pytest.mark.slow
 def test_a_run_that_stops_still_writes_its_metrics_and_summary(tmp_path, monkeypatch):
-    from trl_plugins.tiny import build_tiny_model, build_tokenizer
-
     retool_ppo = _recipe_module()
-    model_dir = tmp_path / "model"
-    tok = build_tokenizer("qwen2_5")
-    build_tiny_model(tok).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(40)))
+    model_dir, data = tiny_recipe_inputs(tmp_path)
     out = tmp_path / "out"
     argv = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out),
             "--report_to", "none", "--max_steps", "3", "--per_device_train_batch_size", "4", "--num_generations", "2",

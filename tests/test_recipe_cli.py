@@ -127,29 +127,6 @@ def test_help_lists_config_then_the_recipe_and_plugin_fields_before_trls():
 
 # -- start-up checks before any model loads (point 4) -----------------------------------------------------
 
-@pytest.fixture
-def no_model_no_eval(monkeypatch):
-    """main() may not load a model, build the embedded default or start an evaluation: each attempt is recorded
-    and stops the test."""
-    import transformers
-
-    import retool.default_model
-    import retool.launch
-
-    calls = []
-
-    def refuse(what):
-        def _refuse(*a, **k):
-            calls.append(what)
-            raise AssertionError(f"{what} was reached")
-        return _refuse
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse("model load"))
-    monkeypatch.setattr(retool.launch, "run_in_child", refuse("evaluation"))
-    monkeypatch.setattr(retool.default_model, "ensure_embedded_default", refuse("embedded default build"))
-    return calls
-
-
 def test_a_bad_plugin_kwarg_is_refused_before_any_model_load_or_evaluation(tmp_path, no_model_no_eval, capsys):
     retool_ppo = _recipe_module()
     out = tmp_path / "out"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_recipe_inputs
+
 from trl_plugins.algos.advantages import GroupAdvantage
 from trl_plugins.algos.losses import PPOClipLoss
 from trl_plugins.rollout import MultiTurnRollout
@@ -207,14 +209,8 @@ def test_the_recipe_resolves_its_run_once_for_the_trainer_and_the_periodic_evalu
     finally:
         sys.path.pop(0)
     import trl_plugins.run.build as build
-    from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
-    model_dir = tmp_path / "model"
-    tok = build_tokenizer("qwen2_5")
-    build_tiny_model(tok).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(40)))
+    model_dir, data = tiny_recipe_inputs(tmp_path)
     resolved = []
     original = build.resolve_run
     monkeypatch.setattr(build, "resolve_run", lambda *a, **k: resolved.append(1) or original(*a, **k))

@@ -357,8 +357,8 @@ class RewardPlugin(_Adapter):
             PluginDeclarationError: the component defines no ``is_success``.
         """
         if self.is_success_fn is None:
-            raise PluginDeclarationError(self.label, f"has no is_success(value) method, so an evaluation cannot tell a "
-                                         f"success from a failure by it.")
+            raise PluginDeclarationError(self.label, "has no is_success(value) method, so an evaluation cannot tell a "
+                                         "success from a failure by it.")
         return bool(self.is_success_fn(value))
 
 
@@ -389,8 +389,8 @@ def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
         return impl
     label = _label("rollout", name, impl)
     if not hasattr(impl, "token_budget"):
-        raise PluginDeclarationError(label, f"does not declare token_budget (max tokens of one trajectory, or None); "
-                                     f"see docs/plugins.md.")
+        raise PluginDeclarationError(label, "does not declare token_budget (max tokens of one trajectory, or None); "
+                                     "see docs/plugins.md.")
     budget = impl.token_budget
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise PluginDeclarationError(label, f"declares token_budget={budget!r}; it must be a positive int or None.")

@@ -156,8 +156,8 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     lines.append(f"policy loss:  {a.policy_loss} {_kwargs(a.policy_loss_kwargs)}, aggregation {a.aggregation}"
                  + (f", reference KL beta={a.beta:g} ({a.kl_estimator}, in the {a.kl_penalty})" if a.beta > 0 else ""))
     skipped = "all" if "all" in a.skip_startup_checks else ", ".join(a.skip_startup_checks)
-    lines.append(f"checks:       each reward, the advantage and the policy loss run their contract check on a copy "
-                 f"before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else ""))
+    lines.append("checks:       each reward, the advantage and the policy loss run their contract check on a copy "
+                 "before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else ""))
     padding_free = {None: "auto", True: "on", False: "off"}[a.padding_free]
     lines.append(f"packer:       {a.packer} (<= {a.max_items_per_micro_batch} rows, <= {a.max_padded_tokens_per_micro_batch}"
                  f" padded tokens per micro-batch; padding-free {padding_free})")
