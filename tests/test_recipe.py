@@ -137,7 +137,7 @@ _PROMPT_WITH_A_SECOND_TOOL = " Use the calculator tool for plain arithmetic."
 
 
 def test_changed_system_prompt_reuses_the_cached_embedded_default(tmp_path, monkeypatch):
-    import retool.default_model as default_model
+    from retool import default_model
     from retool.coldstart import DEFAULT_SYSTEM_PROMPT
 
     retool_ppo = _recipe_module()
@@ -152,7 +152,8 @@ def test_changed_system_prompt_reuses_the_cached_embedded_default(tmp_path, monk
     messages.clear()
     assert default_model.model_path_or_default(*retool_ppo.parse_args(embedded + changed), log=messages.append) == path
     assert not any("building" in m for m in messages), messages
-    assert any("the same build serves it" in m for m in messages) and any("using the cached model" in m for m in messages)
+    assert any("the same build serves it" in m for m in messages)
+    assert any("using the cached model" in m for m in messages)
     assert len(list((tmp_path / "embedded").iterdir())) == 1
 
     # Negative controls, on the settings alone (no build): where the prompt can reach the model (full attention),
@@ -186,11 +187,12 @@ def test_system_prompt_lies_beyond_the_embedded_models_reach():
     assert settings.receptive_field() == 96 < PROMPT_TO_ANSWER_MIN_TOKENS and not settings.sees_system_prompt()
     assert EmbeddedSettings(sliding_window=None).sees_system_prompt() and settings.sees_system_prompt(with_tools=False)
     # The bound: tokens after the system prompt up to the first written token, smallest schema, empty question.
-    smallest = {"type": "function", "function": {"name": "t", "description": "", "parameters": {"type": "object", "properties": {}}}}
+    smallest = {"type": "function",
+                "function": {"name": "t", "description": "", "parameters": {"type": "object", "properties": {}}}}
     for template in ("qwen2_5", "qwen3"):
         tok = embedded_tokenizer(replace(settings, template=template))
-        text = tok.apply_chat_template([{"role": "system", "content": "END-OF-PROMPT"}, {"role": "user", "content": ""}],
-                                       tools=[smallest], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "system", "content": "END-OF-PROMPT"}, {"role": "user", "content": ""}]
+        text = tok.apply_chat_template(messages, tools=[smallest], tokenize=False, add_generation_prompt=True)
         after = text[text.index("END-OF-PROMPT") + len("END-OF-PROMPT"):]
         assert len(tok(after, add_special_tokens=False)["input_ids"]) >= PROMPT_TO_ANSWER_MIN_TOKENS, template
 

@@ -306,7 +306,8 @@ def ensure_embedded_default(
     return entry / "model"
 
 
-def embedded_settings_for(script_args: Any, training_args: Any, *, log: Callable[[str], None] = print) -> EmbeddedSettings:
+def embedded_settings_for(script_args: Any, training_args: Any, *,
+                          log: Callable[[str], None] = print) -> EmbeddedSettings:
     """The embedded default a run uses: ``--embedded`` over the defaults, seeded with ``--task_seed``.
 
     The run's ``--system_prompt`` joins the settings (and so the cache key: a build of its own) only when it can
@@ -319,16 +320,16 @@ def embedded_settings_for(script_args: Any, training_args: Any, *, log: Callable
     if run_prompt == settings.system_prompt or "system_prompt" in json.loads(script_args.embedded or "{}"):
         return settings  # the build's own prompt, or one --embedded names
     if not settings.sees_system_prompt(with_tools=bool(training_args.tools)):
-        log(f"[embedded default] the run's system_prompt is not the one the embedded default was built with; the same "
-            f"build serves it: its attention sees {settings.receptive_field()} tokens back and the tool schemas put the "
-            f"system prompt at least {PROMPT_TO_ANSWER_MIN_TOKENS} tokens before anything the model writes, so only the "
-            f"tokenizer reads the prompt (byte-level: any text encodes). A build for this prompt: "
+        log(f"[embedded default] the run's system_prompt is not the one the embedded default was built with; the "
+            f"same build serves it: its attention sees {settings.receptive_field()} tokens back and the tool schemas "
+            f"put the system prompt at least {PROMPT_TO_ANSWER_MIN_TOKENS} tokens before anything the model writes, so "
+            f"only the tokenizer reads the prompt (byte-level: any text encodes). A build for this prompt: "
             f"--embedded '{{\"system_prompt\": ...}}' (minutes).")
         return settings
     # The prompt can reach this model (full attention, a wide window, no tools): its cold start must carry it.
-    reach = settings.receptive_field()
-    log("[embedded default] the run's system_prompt can reach this embedded default (its attention sees "
-        f"{f'{reach} tokens' if reach else 'the whole context'} back): it is built with that prompt, or read from the cache.")
+    reach = f"{settings.receptive_field()} tokens" if settings.receptive_field() else "the whole context"
+    log(f"[embedded default] the run's system_prompt can reach this embedded default (its attention sees {reach} "
+        f"back): it is built with that prompt, or read from the cache.")
     return EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, system_prompt=run_prompt)
 
 
@@ -338,7 +339,8 @@ def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool
     cache (what both entry points use)."""
     if script_args.model_name_or_path is not None:
         return script_args.model_name_or_path
-    return str(ensure_embedded_default(embedded_settings_for(script_args, training_args, log=log), rebuild=rebuild, log=log))
+    settings = embedded_settings_for(script_args, training_args, log=log)
+    return str(ensure_embedded_default(settings, rebuild=rebuild, log=log))
 
 
 def _main(argv: list[str] | None = None) -> int:
