@@ -132,6 +132,99 @@ def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
     assert not list((tmp_path / "embedded").glob("*.building-*"))  # no staging left behind
 
 
+# The docs' example of a changed prompt: the recipe's, plus a line for a second tool.
+_PROMPT_WITH_A_SECOND_TOOL = " Use the calculator tool for plain arithmetic."
+
+
+def test_changed_system_prompt_reuses_the_cached_embedded_default(tmp_path, monkeypatch):
+    from retool import default_model
+    from retool.coldstart import DEFAULT_SYSTEM_PROMPT
+
+    retool_ppo = _recipe_module()
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "run_in_child", lambda fn, *args, what, **kwargs: fn(*args, **kwargs))
+    embedded = ["--embedded", json.dumps(TINY_EMBEDDED)]
+    messages: list[str] = []
+    path = default_model.model_path_or_default(*retool_ppo.parse_args(embedded), log=messages.append)
+    assert any("building the tiny model" in m for m in messages)
+
+    changed = ["--system_prompt", DEFAULT_SYSTEM_PROMPT + _PROMPT_WITH_A_SECOND_TOOL]
+    messages.clear()
+    assert default_model.model_path_or_default(*retool_ppo.parse_args(embedded + changed), log=messages.append) == path
+    assert not any("building" in m for m in messages), messages
+    assert any("the same build serves it" in m for m in messages)
+    assert any("using the cached model" in m for m in messages)
+    assert len(list((tmp_path / "embedded").iterdir())) == 1
+
+    # Negative controls, on the settings alone (no build): where the prompt can reach the model (full attention),
+    # or where --embedded names a prompt, the prompt is part of the key.
+    def key(argv: list[str], embedded_settings: dict) -> str:
+        args = retool_ppo.parse_args(["--embedded", json.dumps(embedded_settings), *argv])
+        return default_model.embedded_settings_for(*args, log=lambda m: None).key()
+
+    assert key(changed, TINY_EMBEDDED) == key([], TINY_EMBEDDED)
+    full_attention = {**TINY_EMBEDDED, "sliding_window": None}
+    assert key(changed, full_attention) != key([], full_attention)
+    assert key([], {**TINY_EMBEDDED, "system_prompt": "Another."}) != key([], TINY_EMBEDDED)
+
+
+def test_system_prompt_lies_beyond_the_embedded_models_reach():
+    # Why a changed prompt may reuse the build: the tiny model's logits at every position it writes see
+    # receptive_field() = 2 layers x 48 = 96 tokens back, and the tools block puts the system prompt further away
+    # than that; so the cold start (cut to the receptive field) and the model's outputs ignore the prompt.
+    from dataclasses import replace
+
+    import torch
+
+    from retool.coldstart import DEFAULT_SYSTEM_PROMPT, cold_start_dataset, receptive_field, transcript
+    from retool.default_model import PROMPT_TO_ANSWER_MIN_TOKENS, EmbeddedSettings, embedded_tokenizer
+    from retool.task import arithmetic_problems
+    from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tiny import build_tiny_model
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    settings = EmbeddedSettings()
+    assert settings.receptive_field() == 96 < PROMPT_TO_ANSWER_MIN_TOKENS and not settings.sees_system_prompt()
+    assert EmbeddedSettings(sliding_window=None).sees_system_prompt() and settings.sees_system_prompt(with_tools=False)
+    # The bound: tokens after the system prompt up to the first written token, smallest schema, empty question.
+    smallest = {"type": "function",
+                "function": {"name": "t", "description": "", "parameters": {"type": "object", "properties": {}}}}
+    for template in ("qwen2_5", "qwen3"):
+        tok = embedded_tokenizer(replace(settings, template=template))
+        messages = [{"role": "system", "content": "END-OF-PROMPT"}, {"role": "user", "content": ""}]
+        text = tok.apply_chat_template(messages, tools=[smallest], tokenize=False, add_generation_prompt=True)
+        after = text[text.index("END-OF-PROMPT") + len("END-OF-PROMPT"):]
+        assert len(tok(after, add_special_tokens=False)["input_ids"]) >= PROMPT_TO_ANSWER_MIN_TOKENS, template
+
+    tokenizer = embedded_tokenizer(settings)
+    chat = ChatFormat(tokenizer, [CodeInterpreter().schema()])
+    prompts = (DEFAULT_SYSTEM_PROMPT, DEFAULT_SYSTEM_PROMPT + _PROMPT_WITH_A_SECOND_TOOL)
+    problems = arithmetic_problems(16, seed=0, split="train")
+
+    # The cold start's transcripts, cut to the receptive field, are the same token for token.
+    def rows(prompt: str, left_context: int | None) -> list:
+        data = cold_start_dataset(chat, problems, tool_fraction=0.7, system_prompt=prompt, left_context=left_context)
+        return [data["input_ids"], data["assistant_masks"]]
+
+    assert rows(prompts[0], settings.receptive_field()) == rows(prompts[1], settings.receptive_field())
+    assert rows(prompts[0], None) != rows(prompts[1], None)  # negative control: uncut, they differ
+
+    # The model's logits at every position it writes do not move when the prompt changes (random weights: the
+    # claim is about the architecture, whatever the training made of them).
+    def written_logits(model, prompt: str) -> torch.Tensor:
+        ids, mask = transcript(chat, problems[0], use_tool=True, system_prompt=prompt)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+        return logits[[i - 1 for i, m in enumerate(mask) if m]]
+
+    windowed = build_tiny_model(tokenizer, hidden_size=32, num_layers=settings.num_layers, seed=0,
+                                sliding_window=settings.sliding_window)
+    assert receptive_field(windowed.config) == settings.receptive_field()
+    torch.testing.assert_close(written_logits(windowed, prompts[0]), written_logits(windowed, prompts[1]))
+    full = build_tiny_model(tokenizer, hidden_size=32, num_layers=settings.num_layers, seed=0)  # negative control
+    assert not torch.allclose(written_logits(full, prompts[0]), written_logits(full, prompts[1]), atol=1e-4)
+
+
 _BUILD_WHEN_TOLD = """
 import json, sys, time
 from pathlib import Path

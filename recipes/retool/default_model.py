@@ -7,6 +7,12 @@ check is reported and rebuilt. Entries appear atomically (built aside, then rena
 build never leaves a half-written entry behind, and a build holds a lock on its key, so processes that
 ask for the same entry at once (several launches or test workers) build it once: the others wait for it.
 
+The run's ``--system_prompt`` is not a setting of the build where it cannot reach the model: the default's
+attention sees 96 tokens back (2 layers x a 48-token sliding window) and the chat template puts the tool schemas,
+well over that, between the system prompt and the first token the model writes. So a run with another prompt
+reuses the cached build (:func:`embedded_settings_for`); the prompt only meets the tokenizer, whose byte-level BPE
+encodes any text.
+
 Run ``python -m retool.default_model --help`` (from ``recipes/``) to build one by hand.
 """
 
@@ -29,11 +35,15 @@ from retool.coldstart import DEFAULT_SYSTEM_PROMPT
 from retool.launch import run_in_child
 
 __all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
-           "model_path_or_default"]
+           "model_path_or_default", "embedded_settings_for", "embedded_tokenizer", "PROMPT_TO_ANSWER_MIN_TOKENS"]
 
 BUILD_VERSION = 4
 """Bump when the build changes what it produces for the same settings."""
 _MANIFEST = "manifest.json"
+PROMPT_TO_ANSWER_MIN_TOKENS = 120
+"""Fewest tokens the chat template (``qwen2_5``, ``qwen3``) puts between the end of the system prompt and the first
+token the model writes when the run has a tool: the tools block's fixed text (123 with the smallest schema and an
+empty question; 178 with the code interpreter's schema). ``tests/test_recipe.py`` measures it."""
 
 
 class CacheError(RuntimeError):
@@ -70,6 +80,9 @@ class EmbeddedSettings:
     cold_start_learning_rate: float = 3e-3
     cold_start_batch_size: int = 32
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    """The system prompt the tokenizer is trained on (rendered with the tool schema) and the cold-start transcripts
+    carry. A run's own ``--system_prompt`` replaces it only when it could reach the model
+    (:meth:`sees_system_prompt`); to build for another prompt anyway: ``--embedded '{"system_prompt": ...}'``."""
 
     @classmethod
     def from_json(cls, text: str, **base) -> "EmbeddedSettings":
@@ -93,6 +106,19 @@ class EmbeddedSettings:
     def key(self) -> str:
         blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def receptive_field(self) -> int | None:
+        """How many positions back a logit can depend on: layers x sliding window (None: full attention)."""
+        return None if self.sliding_window is None else self.num_layers * self.sliding_window
+
+    def sees_system_prompt(self, *, with_tools: bool = True) -> bool:
+        """Whether the model's outputs can depend on the system prompt, i.e. whether the prompt can lie within the
+        receptive field of a token the model writes: always with full attention or without tools (nothing long
+        separates the prompt from the answer), else when the receptive field spans more than
+        :data:`PROMPT_TO_ANSWER_MIN_TOKENS`. Where it cannot, the cold start (cut to the receptive field) never holds
+        the prompt either."""
+        reach = self.receptive_field()
+        return reach is None or not with_tools or reach > PROMPT_TO_ANSWER_MIN_TOKENS
 
 
 def cache_root() -> Path:
@@ -128,6 +154,21 @@ def _verify(entry: Path) -> None:
             raise CacheError(f"checksum mismatch for {path}")
 
 
+def embedded_tokenizer(settings: EmbeddedSettings) -> Any:
+    """The embedded default's tokenizer: a byte-level BPE trained on the built-in corpus plus the system prompt and
+    the code interpreter's schema as the chat template renders them, so the text every prompt repeats costs few
+    tokens (any other text still encodes, byte by byte at worst)."""
+    from trl_plugins.tiny import build_tokenizer
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    bootstrap = build_tokenizer(settings.template, vocab_size=settings.vocab_size)
+    rendered = bootstrap.apply_chat_template(
+        [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": "What is 1 + 1?"}],
+        tools=[CodeInterpreter().schema()], tokenize=False, add_generation_prompt=True,
+    )
+    return build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=[rendered])
+
+
 def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, show_progress: bool = True) -> Path:
     """Build the tokenizer, the model and its cold start into ``out_dir`` (in this process).
 
@@ -140,7 +181,7 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     from retool.coldstart import cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft
     from retool.task import arithmetic_problems
     from trl_plugins.rollout import ChatFormat
-    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+    from trl_plugins.tiny import build_tiny_model
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     start = time.perf_counter()
@@ -149,13 +190,7 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     random.seed(settings.seed)
     torch.manual_seed(settings.seed)
     schema = CodeInterpreter().schema()
-    # Train the BPE on the text every prompt repeats (system prompt, tool schemas), so it costs few tokens.
-    bootstrap = build_tokenizer(settings.template, vocab_size=settings.vocab_size)
-    rendered = bootstrap.apply_chat_template(
-        [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": "What is 1 + 1?"}],
-        tools=[schema], tokenize=False, add_generation_prompt=True,
-    )
-    tokenizer = build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=[rendered])
+    tokenizer = embedded_tokenizer(settings)
     chat = ChatFormat(tokenizer, [schema])
     problems = arithmetic_problems(settings.cold_start_problems, seed=settings.seed, split="train")
     model = build_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
@@ -271,14 +306,40 @@ def ensure_embedded_default(
     return entry / "model"
 
 
+def embedded_settings_for(script_args: Any, training_args: Any, *,
+                          log: Callable[[str], None] = print) -> EmbeddedSettings:
+    """The embedded default a run uses: ``--embedded`` over the defaults, seeded with ``--task_seed``.
+
+    The run's ``--system_prompt`` joins the settings (and so the cache key: a build of its own) only when it can
+    reach the model (:meth:`EmbeddedSettings.sees_system_prompt`). Otherwise a run with another prompt reuses the
+    build made with ``EmbeddedSettings.system_prompt`` and ``log`` says so: the build would differ only by its
+    tokenizer's merges.
+    """
+    run_prompt = training_args.system_prompt or DEFAULT_SYSTEM_PROMPT
+    settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed)
+    if run_prompt == settings.system_prompt or "system_prompt" in json.loads(script_args.embedded or "{}"):
+        return settings  # the build's own prompt, or one --embedded names
+    if not settings.sees_system_prompt(with_tools=bool(training_args.tools)):
+        log(f"[embedded default] the run's system_prompt is not the one the embedded default was built with; the "
+            f"same build serves it: its attention sees {settings.receptive_field()} tokens back and the tool schemas "
+            f"put the system prompt at least {PROMPT_TO_ANSWER_MIN_TOKENS} tokens before anything the model writes, so "
+            f"only the tokenizer reads the prompt (byte-level: any text encodes). A build for this prompt: "
+            f"--embedded '{{\"system_prompt\": ...}}' (minutes).")
+        return settings
+    # The prompt can reach this model (full attention, a wide window, no tools): its cold start must carry it.
+    reach = f"{settings.receptive_field()} tokens" if settings.receptive_field() else "the whole context"
+    log(f"[embedded default] the run's system_prompt can reach this embedded default (its attention sees {reach} "
+        f"back): it is built with that prompt, or read from the cache.")
+    return EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, system_prompt=run_prompt)
+
+
 def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool = False,
                           log: Callable[[str], None] = print) -> str:
-    """``--model_name_or_path``, or the embedded default built from ``--embedded``, ``--task_seed`` and the
-    run's system prompt (what both entry points use)."""
+    """``--model_name_or_path``, or the embedded default of :func:`embedded_settings_for`, built or read from the
+    cache (what both entry points use)."""
     if script_args.model_name_or_path is not None:
         return script_args.model_name_or_path
-    settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed,
-                                          system_prompt=training_args.system_prompt or DEFAULT_SYSTEM_PROMPT)
+    settings = embedded_settings_for(script_args, training_args, log=log)
     return str(ensure_embedded_default(settings, rebuild=rebuild, log=log))
 
 
