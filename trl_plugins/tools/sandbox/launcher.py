@@ -347,7 +347,10 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
         if not started:
             detail = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit status {proc.returncode}"
             return {"error": f"the sandbox did not start ({detail})", "setup_log": stderr}
-        return {"stdout": stdout, "stderr": stderr, "exit_code": proc.returncode, "timed_out": timed_out,
+        # A call that ran out of time was killed by us: bwrap, whose child may die of the same kill a moment before
+        # bwrap itself does, would otherwise report it as its own exit status 128 + 9 (seen under load).
+        exit_code = -signal.SIGKILL if timed_out else proc.returncode
+        return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "timed_out": timed_out,
                 "truncated": t1 or t2, "oom_killed": oom_kills > 0}
     finally:
         for fd in (code_fd, out_fd, err_fd, status_r, status_w, *cgroup_fds):
