@@ -14,6 +14,7 @@ from trl_plugins.algos import (
     gae_advantages,
     group_advantages,
     kl_estimate,
+    kl_gradient_problem,
     local_denominators,
     masked_whiten,
     ppo_clip_loss,
@@ -331,3 +332,64 @@ def test_kl_importance_weight_multiplies_the_kl_term_by_the_ratio():
     (g_weighted,) = torch.autograd.grad(weighted[0, 1], logp)
     k3 = 0.5 - 1 + math.log(2)  # q/p = 0.5
     assert close(g_weighted[0, 1] - g_plain[0, 1], 0.1 * k3)
+
+
+def _expected_kl_term_gradient(estimator: str, weighted: bool, theta: torch.Tensor, behaviour: torch.Tensor,
+                               ref: torch.Tensor) -> torch.Tensor:
+    """Exact expectation, over tokens drawn from ``behaviour``, of the gradient of the loss's KL term (enumeration
+    over the vocabulary: sum_x b(x) * grad term(x)), with respect to the policy's logits ``theta``."""
+    theta = theta.clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, -1)
+    vocab = theta.numel()
+    rows = logp.expand(vocab, vocab).gather(1, torch.arange(vocab)[:, None])  # (V, 1): log pi(x) for each token x
+    behaviour_rows, ref_rows = behaviour[:, None], ref[:, None]
+    if kl_gradient_problem(estimator, weighted) is None:  # the loss's own term
+        loss = PPOClipLoss(kl_coef=1.0, kl_estimator=estimator, kl_importance_weight=weighted)
+        inp = PolicyLossInput(logprobs=rows, behaviour_logprobs=behaviour_rows, advantages=torch.zeros_like(rows),
+                              action_mask=torch.ones_like(rows), ref_logprobs=ref_rows)
+        per_token = loss(inp).per_token_loss[:, 0]
+    else:  # refused by the loss: the term as it would be
+        ratio = (rows - behaviour_rows).exp() if weighted else torch.ones_like(rows)
+        per_token = (kl_estimate(rows, ref_rows, estimator) * ratio)[:, 0]
+    (grad,) = torch.autograd.grad((behaviour.exp() * per_token).sum(), theta)
+    return grad
+
+
+def test_the_kl_terms_the_loss_accepts_follow_the_reverse_kl_gradient_exactly():
+    # Point 1 of issue 30, by exact enumeration over a 6-token vocabulary: the expected gradient of the KL term on
+    # behaviour samples must be grad KL(pi || ref). Weighted k1 and k3, unweighted k2: exact. Weighted k2 is 86%
+    # off here and unweighted k1 has zero expected gradient: both refused (unweighted k3 follows the forward KL, GRPO's
+    # usual term, and is kept).
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, dtype=torch.float64, generator=gen)
+    behaviour = torch.log_softmax(theta + 0.3 * torch.randn(6, dtype=torch.float64, generator=gen), -1)
+    ref = torch.log_softmax(torch.randn(6, dtype=torch.float64, generator=gen), -1)
+    t = theta.clone().requires_grad_(True)
+    p = torch.log_softmax(t, -1)
+    (truth,) = torch.autograd.grad((p.exp() * (p - ref)).sum(), t)  # grad KL(pi || ref)
+
+    def off(estimator: str, weighted: bool) -> float:
+        grad = _expected_kl_term_gradient(estimator, weighted, theta, behaviour, ref)
+        return float((grad - truth).norm() / truth.norm())
+
+    assert off("k1", True) < 1e-12 and off("k3", True) < 1e-12
+    # Unweighted k2 is exact on-policy (behaviour = pi), as its gradient is log(pi/ref) grad log pi.
+    assert float((_expected_kl_term_gradient("k2", False, theta, torch.log_softmax(theta, -1), ref) - truth).norm()) < 1e-12
+    assert off("k2", True) > 0.05  # the bias the loss refuses
+    assert float(_expected_kl_term_gradient("k1", False, theta, torch.log_softmax(theta, -1), ref).norm()) < 1e-12
+    for estimator, weighted, why in (("k2", True, "biased gradient"), ("k1", False, "zero expected gradient")):
+        with pytest.raises(ValueError, match=why):
+            PPOClipLoss(kl_coef=0.1, kl_estimator=estimator, kl_importance_weight=weighted)
+        assert kl_gradient_problem(estimator, weighted) is not None
+        PPOClipLoss(kl_coef=0.0, kl_estimator=estimator, kl_importance_weight=weighted)  # no KL term: nothing to refuse
+    assert all(kl_gradient_problem(e, w) is None for e, w in (("k1", True), ("k2", False), ("k3", True), ("k3", False)))
+
+
+def test_the_logged_approx_kl_is_accurate_for_tiny_log_ratios():
+    # train/approx_kl (k3 of behaviour vs current) cancelled to 0 or noise in float32 as r - 1 - log r.
+    behaviour = torch.full((1, 4), -3.0)
+    log_r = torch.tensor([[1e-5, -1e-5, 3e-5, -2e-6]])
+    out = ppo_clip_loss(behaviour + log_r, behaviour, torch.ones(1, 4), torch.ones(1, 4), clip_low=0.2, clip_high=0.28)
+    lr = (behaviour + log_r) - behaviour  # the log ratio float32 can represent
+    exact = float((lr.double().exp() - 1 - lr.double()).sum())
+    assert exact > 0 and abs(float(out.stats.approx_kl_sum) - exact) < 1e-3 * exact

@@ -114,6 +114,9 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(beta=0.1, policy_loss_kwargs={"kl_coef": 0.2}), "pass --beta 0.2"),
         (dict(beta=0.1, kl_penalty="reward", policy_loss_kwargs={"kl_coef": 0.1}), "--kl_penalty loss"),
         (dict(beta=0.1, kl_estimator="k1", policy_loss_kwargs={"kl_estimator": "k2"}), "set only --kl_estimator"),
+        # Estimator and weighting whose expected gradient is not KL(policy || reference)'s (tests/test_algos.py).
+        (dict(beta=0.1, kl_estimator="k2"), r"biased gradient.*Pass --use_bias_correction_kl false"),
+        (dict(beta=0.1, kl_estimator="k1", use_bias_correction_kl=False), r"zero expected gradient.*Pass --use_bias_correction_kl true"),
         (dict(entropy_coef=0.01, policy_loss_kwargs={"entropy_coef": 0.02}), "disagree"),
         (dict(aggregation="seq_mean_token_sum_norm"), "set norm_length"),
         (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),

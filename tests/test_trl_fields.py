@@ -166,8 +166,8 @@ def test_beta_and_use_bias_correction_kl_map_to_the_policy_losss_kl_term(tmp_pat
     assert _config(tmp_path, use_bias_correction_kl=True).policy_loss_kwargs == {}  # beta = 0: no KL term, as in TRL
     weighted = _config(tmp_path, beta=0.1).policy_loss_kwargs  # TRL's default: the ratio-weighted KL
     assert weighted == {"kl_coef": 0.1, "kl_estimator": "k3", "kl_importance_weight": True}
-    plain = _config(tmp_path, beta=0.1, use_bias_correction_kl=False, kl_estimator="k1").policy_loss_kwargs
-    assert plain == {"kl_coef": 0.1, "kl_estimator": "k1", "kl_importance_weight": False}
+    plain = _config(tmp_path, beta=0.1, use_bias_correction_kl=False, kl_estimator="k2").policy_loss_kwargs
+    assert plain == {"kl_coef": 0.1, "kl_estimator": "k2", "kl_importance_weight": False}
     assert _config(tmp_path, beta=0.1, kl_penalty="reward").policy_loss_kwargs == {}
     with pytest.raises(ValueError, match="set only --use_bias_correction_kl"):
         _config(tmp_path, beta=0.1, policy_loss_kwargs={"kl_importance_weight": False})

@@ -136,9 +136,9 @@ def test_skipping_zero_advantage_datums_leaves_the_gradient_unchanged(tiny_model
     assert rel_err(dropped, expected) > 0.1
 
 
-@pytest.mark.parametrize("kl_coef,entropy_coef,estimator", [(0.3, 0.0, "k3"), (0.3, 0.0, "k1"), (0.0, 0.05, "k3"),
-                                                          (0.2, 0.05, "k2")])
-def test_kl_and_entropy_terms_match_the_one_batch_loss(tiny_model_factory, kl_coef, entropy_coef, estimator):
+@pytest.mark.parametrize("kl_coef,entropy_coef,estimator,weighted", [(0.3, 0.0, "k3", False), (0.3, 0.0, "k1", True),
+                                                                   (0.0, 0.05, "k3", False), (0.2, 0.05, "k2", False)])
+def test_kl_and_entropy_terms_match_the_one_batch_loss(tiny_model_factory, kl_coef, entropy_coef, estimator, weighted):
     from trl_plugins.trainers.update import datums_to_forward, reference_logprobs
 
     model = tiny_model_factory(torch.float32)
@@ -156,7 +156,7 @@ def test_kl_and_entropy_terms_match_the_one_batch_loss(tiny_model_factory, kl_co
     direct = token_logprobs(ref_model, full.input_ids, full.attention_mask, full.target_ids)
     assert torch.allclose(full.ref_logprobs * full.action_mask, direct.detach() * full.action_mask, atol=1e-6)
 
-    loss_fn = PPOClipLoss(kl_coef=kl_coef, entropy_coef=entropy_coef, kl_estimator=estimator)
+    loss_fn = PPOClipLoss(kl_coef=kl_coef, entropy_coef=entropy_coef, kl_estimator=estimator, kl_importance_weight=weighted)
     # A per-token term other than the advantage: no datum may be skipped, even with drop_zero_advantage.
     assert datums_to_forward(datums, loss_fn, config) == list(range(10))
     got, result = _update(model, datums, loss_fn, config)

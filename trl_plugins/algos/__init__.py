@@ -16,7 +16,7 @@ from trl_plugins.algos.advantages import (
     rloo_advantages,
 )
 from trl_plugins.algos.aggregation import aggregate, local_denominators
-from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, ppo_clip_loss
+from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, kl_gradient_problem, ppo_clip_loss
 from trl_plugins.algos.mismatch import importance_weights
 from trl_plugins.algos.stats import importance_ratios, quantiles
 
@@ -34,6 +34,8 @@ __all__ = [
     "PPOClipLoss",
     "clipped_value_loss",
     "kl_estimate",
+    "kl_gradient_problem",
+    "kl_gradient_problem",
     "ppo_clip_loss",
     "importance_weights",
     "importance_ratios",

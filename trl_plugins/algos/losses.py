@@ -20,7 +20,7 @@ from trl_plugins.types import (
     ValueLossOutput,
 )
 
-__all__ = ["ppo_clip_loss", "clipped_value_loss", "kl_estimate", "PPOClipLoss"]
+__all__ = ["ppo_clip_loss", "clipped_value_loss", "kl_estimate", "kl_gradient_problem", "PPOClipLoss"]
 
 
 def kl_estimate(
@@ -48,10 +48,34 @@ def kl_estimate(
         return -log_r
     if est == KLEstimator.K2:
         return 0.5 * log_r.pow(2)
+    return _k3(log_r, clamp)
+
+
+def _k3(log_r: torch.Tensor, clamp: float) -> torch.Tensor:
+    """``exp(log_r) - 1 - log_r``, accurate near 0 and guarded above ``clamp``."""
     # exp(x) - 1 - x cancels to noise in float32 for small |x|, where k3 ~ x^2 / 2 is what gets logged: there
     # the Taylor series (error ~ x^5 / 120) is exact to float precision.
     series = log_r * log_r * (0.5 + log_r * (1.0 / 6.0 + log_r / 24.0))
     return torch.where(log_r.abs() < 1e-2, series, torch.expm1(log_r.clamp(max=clamp)) - log_r)
+
+
+def kl_gradient_problem(estimator: KLEstimator | str, importance_weighted: bool) -> str | None:
+    """Why a KL term in the loss would not follow the gradient of KL(policy || reference), or None when it does.
+
+    On tokens sampled from the behaviour policy ``b``, the loss term ``w * k`` with ``w = pi / b`` (the importance
+    ratio, differentiable) has expected gradient ``grad E_pi[k]``: exact for k1 and k3, whose expectations under
+    ``pi`` are the KL, but not for k2 (``E_pi[k2]`` is not the KL: 20% to 86% off in 6-token examples). Without
+    the weight the expected gradient is ``E_pi[grad k]``: exact for k2 (``grad k2 = log(pi/ref) grad log pi``), zero
+    for k1 (``E_pi[grad log pi] = 0``), and for k3 the gradient of the forward KL(reference || policy), GRPO's
+    usual choice (kept). ``tests/test_algos.py`` checks each by exact enumeration.
+    """
+    est = KLEstimator(estimator)
+    if est == KLEstimator.K2 and importance_weighted:
+        return ("k2 weighted by the importance ratio (use_bias_correction_kl, TRL's default) has a biased gradient: "
+                "E_pi[k2] is not the KL, so its gradient is not the KL's")
+    if est == KLEstimator.K1 and not importance_weighted:
+        return "k1 without the importance ratio has zero expected gradient (E_pi[grad log pi] = 0): the term does nothing"
+    return None
 
 
 def ppo_clip_loss(
@@ -114,7 +138,7 @@ def ppo_clip_loss(
             clipped_high=((r > 1.0 + clip_high) & (advantages > 0) & on).sum().to(mask.dtype),
             dual_clipped=(dual & on).sum().to(mask.dtype),
             # k3 estimate of KL(behaviour || current) from behaviour samples: ratio - 1 - log ratio.
-            approx_kl_sum=((r - 1.0 - lr) * mask).sum(),
+            approx_kl_sum=(_k3(lr, log_ratio_clamp) * mask).sum(),
             abs_log_ratio_sum=(lr.abs() * mask).sum(),
             ratio_sum=(r * mask).sum(),
             ratio_min=torch.where(on, r, torch.full_like(r, float("inf"))).min(),
@@ -181,9 +205,10 @@ class PPOClipLoss:
     kl_estimator: KLEstimator = KLEstimator.K3
     """KL estimator for the loss term."""
     kl_importance_weight: bool = False
-    """Multiply the KL term by the (differentiable) importance ratio pi/pi_behaviour, which makes its
-    gradient the unbiased reverse-KL gradient on behaviour samples (DeepSeek-V3.2; TRL's
-    ``use_bias_correction_kl``). Changes the gradient even on-policy, where the ratio is 1."""
+    """Multiply the KL term by the (differentiable) importance ratio pi/pi_behaviour, which makes the
+    gradient of k1 and k3 the unbiased reverse-KL gradient on behaviour samples (DeepSeek-V3.2; TRL's
+    ``use_bias_correction_kl``). Changes the gradient even on-policy, where the ratio is 1. Refused with k2
+    (biased) and required with k1 (zero expected gradient without it): :func:`kl_gradient_problem`."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (needs ``entropy``)."""
 
@@ -200,6 +225,10 @@ class PPOClipLoss:
                 f"delta maps onto dual_clip: raise delta, or lower epsilon_high/clip_high)."
             )
         self.kl_estimator = KLEstimator(self.kl_estimator)
+        problem = kl_gradient_problem(self.kl_estimator, self.kl_importance_weight) if self.kl_coef else None
+        if problem:
+            raise ValueError(f"ppo_clip: {problem}. Use kl_estimator='k3' (with or without kl_importance_weight), "
+                             f"k1 with kl_importance_weight=True, or k2 with kl_importance_weight=False.")
 
     @property
     def needs_ref_logprobs(self) -> bool:

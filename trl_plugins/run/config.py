@@ -11,6 +11,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from trl_plugins.algos.losses import kl_gradient_problem
 from trl_plugins.run.plugins import SettingError, plugin_params
 from trl_plugins.run.trl_fields import apply_trl_fields, is_set
 from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
@@ -210,6 +211,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"{'and --kl_penalty loss ' if self.kl_penalty != 'loss' else ''}and drop kl_coef from policy_loss_kwargs."
             )
         if self.beta > 0 and self.kl_penalty == "loss":
+            problem = kl_gradient_problem(self.kl_estimator, self.use_bias_correction_kl)
+            if problem:
+                fix = ("--use_bias_correction_kl false (unweighted k2's gradient is the reverse KL's)"
+                       if KLEstimator(self.kl_estimator) == KLEstimator.K2 else "--use_bias_correction_kl true")
+                raise ValueError(f"kl_estimator={self.kl_estimator!r} in the loss: {problem}. Pass {fix}, use "
+                                 f"--kl_estimator k3, or put the KL in the reward (--kl_penalty reward).")
             needed = {"kl_coef", "kl_estimator"} | ({"kl_importance_weight"} if self.use_bias_correction_kl else set())
             if accepted is not None and not needed <= accepted:
                 raise ValueError(
