@@ -426,3 +426,42 @@ def test_gae_plugin_equals_the_function_and_whitens_advantages_not_returns():
     assert torch.equal(white.returns, ret)
     assert_close(white.returns, RET)
     assert not torch.allclose(white.returns, (white.advantages + VALUES) * MASK)
+
+
+# ------------------------------------------------------------------ truncated trajectories under a critic
+
+
+@pytest.mark.parametrize("policy", ["wrong", "bootstrap"])
+def test_a_truncation_is_counted_once_under_a_critic(policy):
+    # Issue 30.2: two identical trajectories, both scored -1 (a wrong answer; a missing one, cut by the budget).
+    # 'wrong' (default): the truncation is an outcome, so both returns are -1 (it used to bootstrap on top of the -1,
+    # and hitting the budget scored -0.4, above a wrong answer). 'bootstrap': a time limit, so the truncated one's
+    # return is the critic's value of where it stopped, and its -1 is not counted.
+    import random
+
+    from trl_plugins.contracts import make_trajectory
+    from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
+    from trl_plugins.types import RewardComponent, StopReason
+
+    trajs = [make_trajectory(random.Random(3), num_turns=2, stop_reason=reason)
+             for reason in (StopReason.FINAL_ANSWER, StopReason.TOKEN_BUDGET)]
+    for t in trajs:
+        t.reward_components = [RewardComponent(name="correct", value=-1.0, weight=1.0)]
+    datums = build_datums_for_update(trajs, [None, None], max_context_tokens=None,
+                                     bootstrap_truncated=policy == "bootstrap")
+    assert datums[0].input_ids == datums[1].input_ids  # the same tokens, only the stop reason differs
+    for d in datums:
+        d.old_values = [0.25] * d.num_tokens
+    after = [0.6, 0.6]  # the critic's value of the state after the last token (read where a datum bootstraps)
+    gae = ADVANTAGES.get("gae")(gamma=1.0, lam=1.0, whiten=False)
+    assign_advantages(gae, trajs, datums, bootstrap_values=after)
+    last = max(i for i, m in enumerate(datums[0].action_mask) if m)
+    terminated, truncated = (d.returns[last] for d in datums)
+    assert terminated == pytest.approx(-1.0)
+    if policy == "wrong":
+        assert [d.bootstrap_mask for d in datums] == [0, 0]
+        assert truncated == pytest.approx(terminated) and datums[1].returns == datums[0].returns
+    else:
+        assert [d.bootstrap_mask for d in datums] == [0, 1]
+        assert truncated == pytest.approx(0.6)  # the bootstrapped value, without the -1
+        assert trajs[1].reward == -1.0  # the components are still stored (and logged) as scored

@@ -1033,3 +1033,44 @@ def test_reward_names_include_the_kl_penalty_when_the_kl_is_a_reward(tmp_path):
     assert names() == ["length"]
     assert names(beta=0.1, kl_penalty="reward") == ["length", "kl_penalty"]
     assert names(beta=0.1, kl_penalty="loss") == ["length"]
+
+
+def test_critic_value_pass_fits_the_micro_batch_budget_the_start_up_check_allows(tmp_path):
+    # Issue 30.3: trajectories cut by the token budget make datums of exactly budget - 1 tokens, and
+    # max_padded_tokens_per_micro_batch is exactly that. The critic's value pass used to forward every datum with
+    # one token more (the state after its last token) and died mid-step with a packing error. Under 'wrong' nothing
+    # is bootstrapped, so nothing more is forwarded; under 'bootstrap' the start-up check counts the extra token,
+    # and following its advice trains.
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    budget = 380  # prompts are ~340 tokens (system prompt with the tool schema)
+    rollout = {"max_turns": 2, "max_assistant_tokens": 80, "max_trajectory_tokens": budget}
+
+    def train(policy, max_padded):
+        out = tmp_path / f"{policy}-{max_padded}"
+        trainer = MultiTurnGRPOTrainer(
+            build_tiny_model(tok), _config(out, max_steps=1, advantage="gae", truncated_policy=policy, rollout_kwargs=rollout,
+                                           max_padded_tokens_per_micro_batch=max_padded),
+            train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+        trainer.train()
+        return trainer
+
+    trainer = train("wrong", budget - 1)
+    datums = trainer.last_batch.datums
+    assert max(d.num_tokens for d in datums) == budget - 1  # the longest datum is exactly the micro-batch budget
+    assert any(t.truncated for t in trainer.last_batch.trajectories) and not any(d.bootstrap_mask for d in datums)
+    with pytest.raises(ValueError, match=rf"the state after a truncated one's last token.*at least {budget}\b"):
+        train("bootstrap", budget - 1)
+    trainer = train("bootstrap", budget)
+    longest = [d for d in trainer.last_batch.datums if d.num_tokens == budget - 1]
+    assert longest and all(d.bootstrap_mask for d in longest)  # forwarded with budget tokens by the value pass
+
+
+def test_truncated_policy_bootstrap_needs_a_critic(tmp_path):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    with pytest.raises(ValueError, match=r"truncated_policy='bootstrap'.*runs no critic; use --advantage gae"):
+        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, truncated_policy="bootstrap"), train_dataset=_dataset(),
+                             processing_class=tok, reward_components={"length": TokenReward()})

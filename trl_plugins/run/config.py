@@ -63,7 +63,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     padding_free: bool | None = field(default=None, metadata={"help": "Micro-batches without padding: a micro-batch's datums are concatenated into one sequence with positions restarting per datum, and attention stays within each datum; max_padded_tokens_per_micro_batch then budgets tokens. None (auto): on when the policy's attention is flash-attention's variable-length kernel (flash_attention_2/3), off for sdpa/eager, whose block-diagonal mask costs the square of the packed length (measured slower on CPU: docs/benchmarks.md). Checked once per model at the first update (attention that ignores packed positions is refused). False: right-padded micro-batches, budgeted by padded area."})
     rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
-    truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (scored by the reward components, which treat them as wrong) or 'mask' (no advantage, left out of group statistics and the loss)."})
+    truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (an outcome: scored by the reward components, which treat them as wrong; with a critic their return is that reward, nothing bootstrapped), 'mask' (no advantage, left out of group statistics and the loss) or 'bootstrap' (a time limit, not an outcome: with a critic only, their outcome reward is not counted and GAE bootstraps from the critic's value of the state after their last token)."})
     reward_time_limit_s: float | None = field(default=30.0, metadata={"help": "Time limit of one reward component on one trajectory; past it the trajectory is a verifier_error (None: no limit)."})
     max_verifier_error_rate: float = field(default=0.5, metadata={"help": "Stop the run when more than this share of a step's trajectories (all ranks) fail a reward component: a broken verifier must not train silently."})
     min_valid_group_fraction: float = field(default=0.5, metadata={"help": "A group in which fewer than this share of members survived the infrastructure (no environment_error / verifier_error) is left out whole."})
@@ -104,8 +104,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
         if self.max_steps == 0:
             raise SettingError("max_steps", "0 steps would train none, yet transformers would train one; give the number "
                                             "of steps (or -1 to train num_train_epochs).")
-        if self.truncated_policy not in ("wrong", "mask"):
-            raise ValueError(f"truncated_policy must be 'wrong' or 'mask', got {self.truncated_policy!r}.")
+        if self.truncated_policy not in ("wrong", "mask", "bootstrap"):
+            raise ValueError(f"truncated_policy must be 'wrong', 'mask' or 'bootstrap', got {self.truncated_policy!r}.")
         if self.per_device_train_batch_size % self.num_generations:
             raise ValueError(
                 f"per_device_train_batch_size ({self.per_device_train_batch_size}) counts trajectories per rank and "

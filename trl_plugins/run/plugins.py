@@ -307,6 +307,12 @@ def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: Advant
                 f"{changed} configure the critic, but advantage {config.advantage!r} runs none (only an estimator that "
                 f"needs_values, such as 'gae', brings one); drop them or choose --advantage gae."
             )
+    if config.truncated_policy == "bootstrap" and not advantage.needs_values:
+        raise ValueError(
+            f"truncated_policy='bootstrap' replaces a truncated trajectory's outcome reward by the critic's value of where "
+            f"it stopped, but advantage {config.advantage!r} runs no critic; use --advantage gae, or truncated_policy "
+            f"'wrong' (score truncations as wrong) or 'mask' (leave them out)."
+        )
     if advantage.needs_groups and config.num_generations < 2:
         raise ValueError(f"advantage {config.advantage!r} is group-relative and needs num_generations >= 2, got "
                          f"{config.num_generations}.")
@@ -339,9 +345,13 @@ def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: Advant
             f"the rollout's token budget of {budget} makes datums of up to {budget - 1} tokens, over "
             f"max_context_tokens={context}; lower the rollout budget to {context + 1} or raise max_context_tokens."
         )
-    if context is not None and context > config.max_padded_tokens_per_micro_batch:
+    # The critic's value pass forwards a bootstrapped datum with one token more: the state after its last token.
+    longest = None if context is None else context + int(advantage.needs_values and config.truncated_policy == "bootstrap")
+    if longest is not None and longest > config.max_padded_tokens_per_micro_batch:
+        extra = (f" ({context} tokens plus the state after a truncated one's last token, which the critic's value pass "
+                 f"forwards under truncated_policy='bootstrap')" if longest > context else "")
         raise ValueError(
             f"a datum can have {context} tokens but max_padded_tokens_per_micro_batch is "
-            f"{config.max_padded_tokens_per_micro_batch}: the longest datum would fit in no micro-batch. Raise "
-            f"max_padded_tokens_per_micro_batch to at least {context} or lower the rollout budget."
+            f"{config.max_padded_tokens_per_micro_batch}: the longest forward{extra} would fit in no micro-batch. Raise "
+            f"max_padded_tokens_per_micro_batch to at least {longest} or lower the rollout budget."
         )

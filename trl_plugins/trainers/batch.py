@@ -209,14 +209,21 @@ def training_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool, m
 
 
 def build_datums_for_update(trajectories: Sequence[Trajectory], left_out: Sequence[Any], *,
-                            max_context_tokens: int | None) -> list[Datum]:
+                            max_context_tokens: int | None, bootstrap_truncated: bool = False) -> list[Datum]:
     """One datum per trajectory the update trains on (those ``left_out`` marks are skipped), advantages still 0.
 
     Zero-advantage datums are kept: they count in the loss denominators, and the update decides whether
-    their forward can be skipped (:func:`~trl_plugins.trainers.update.datums_to_forward`).
+    their forward can be skipped (:func:`~trl_plugins.trainers.update.datums_to_forward`). A truncated
+    trajectory's datum bootstraps (``bootstrap_mask`` 1) only with ``bootstrap_truncated``
+    (``truncated_policy='bootstrap'``); otherwise its truncation is an outcome, scored by the rewards, and
+    nothing is bootstrapped (counting both would score hitting the budget above a wrong answer).
     """
-    return [build_datum(traj, advantage=0.0, max_context_tokens=max_context_tokens, trajectory_index=i)
-            for i, traj in enumerate(trajectories) if not left_out[i]]
+    datums = [build_datum(traj, advantage=0.0, max_context_tokens=max_context_tokens, trajectory_index=i)
+              for i, traj in enumerate(trajectories) if not left_out[i]]
+    if not bootstrap_truncated:
+        for d in datums:
+            d.bootstrap_mask = 0
+    return datums
 
 
 def kl_per_token(datum: Datum, estimator: str) -> torch.Tensor:
@@ -283,7 +290,8 @@ def assign_advantages(
     estimator.
 
     The estimator sees the datums' trajectories only (left-out ones are not in its statistics): their total
-    rewards (float64) and group ids, and, when it ``needs_values``, the datums' action masks, rollout-time values
+    rewards (float64; 0 for a datum that bootstraps when the estimator ``needs_values``: the value after its last
+    token stands for the rest of the episode, its outcome reward is not counted on top) and group ids, and, when it ``needs_values``, the datums' action masks, rollout-time values
     (``old_values``), bootstrap mask and values (truncated trajectories bootstrap from the value after their last
     token), optional per-token rewards and ``all_reduce`` for global statistics. It returns per trajectory ``(N,)``
     (put on every action position of the datum) or per datum position ``(N, T)`` (with ``returns``, the value
@@ -301,7 +309,8 @@ def assign_advantages(
     n = len(datums)
     width = max((d.num_tokens for d in datums), default=0)
     inp = AdvantageInput(
-        rewards=torch.tensor([trajectories[d.trajectory_index].reward for d in datums], dtype=torch.float64),
+        rewards=torch.tensor([0.0 if advantage.needs_values and d.bootstrap_mask else trajectories[d.trajectory_index].reward
+                              for d in datums], dtype=torch.float64),
         group_ids=torch.tensor([trajectories[d.trajectory_index].group_id for d in datums], dtype=torch.long),
     )
     mask = _padded([d.action_mask for d in datums], width)

@@ -9,8 +9,8 @@ at 0), its backbone copied from the policy. ``V_t`` is read at datum position ``
 with its own AdamW and learning rate (``critic_learning_rate``), once per step, right after the policy.
 
 :func:`rollout_values` takes the values once per rollout batch (the clipped value loss's "old" values,
-plus the value of the state after each trajectory's last token, which a truncated trajectory
-bootstraps from); :func:`value_update` minimises the clipped value loss with the same global
+plus, for a datum that bootstraps (a truncated trajectory under ``truncated_policy='bootstrap'``), the value
+of the state after its last token); :func:`value_update` minimises the clipped value loss with the same global
 denominators, dummy micro-batches and single synchronisation as :func:`~trl_plugins.trainers.update.policy_update`,
 through the same micro-batch loop.
 """
@@ -122,23 +122,27 @@ def micro_batch_values(critic: torch.nn.Module, mb: MicroBatch, device: Any) -> 
 
 def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings,
                    *, pad_token_id: int) -> list[float]:
-    """Fill ``datum.old_values`` and return, per datum, the value of the state after its last token.
+    """Fill ``datum.old_values`` and return, per datum, the value of the state after its last token (0.0 for a datum
+    that does not bootstrap).
 
-    One forward per packed micro-batch over ``input_ids + [last target]`` (:func:`~trl_plugins.trainers.micro_batches.forward_no_grad`):
-    positions ``0..T-1`` are the datum's, position ``T`` is the state a truncated trajectory
-    bootstraps from. Every rank must call it.
+    One forward per packed micro-batch (:func:`~trl_plugins.trainers.micro_batches.forward_no_grad`); a datum with
+    ``bootstrap_mask`` 1 is forwarded as ``input_ids + [last target]``, so that position ``T`` is the state it
+    bootstraps from (the one token more that the start-up check counts), the others as they are. Every rank must
+    call it.
     """
-    extended = [Datum(input_ids=d.input_ids + d.target_ids[-1:], target_ids=d.target_ids + [pad_token_id],
-                      behaviour_logprobs=d.behaviour_logprobs + [0.0], advantages=d.advantages + [0.0],
-                      action_mask=d.action_mask + [0], sources=list(d.sources) + [d.sources[-1]]) for d in datums]
+    forwarded = [Datum(input_ids=d.input_ids + d.target_ids[-1:], target_ids=d.target_ids + [pad_token_id],
+                       behaviour_logprobs=d.behaviour_logprobs + [0.0], advantages=d.advantages + [0.0],
+                       action_mask=d.action_mask + [0], sources=list(d.sources) + [d.sources[-1]])
+                 if d.bootstrap_mask else d for d in datums]
     after = [0.0] * len(datums)
 
-    for idx, values in forward_no_grad(accelerator, critic, extended, config, micro_batch_values, pad_token_id=pad_token_id,
+    for idx, values in forward_no_grad(accelerator, critic, forwarded, config, micro_batch_values, pad_token_id=pad_token_id,
                                        name="the critic"):
         for row, i in enumerate(idx):
             n = datums[i].num_tokens
             datums[i].old_values = [float(v) for v in values[row, :n]]
-            after[i] = float(values[row, n])
+            if datums[i].bootstrap_mask:
+                after[i] = float(values[row, n])
     return after
 
 

@@ -126,7 +126,8 @@ class StepRunner:
         metrics = self._check_verifier_failures(failures, len(trajs), example=example)
         left_out = left_out_reasons(trajs, mask_truncated=c.truncated_policy == "mask",
                                     min_valid_group_fraction=c.min_valid_group_fraction)
-        datums = build_datums_for_update(trajs, left_out, max_context_tokens=self.run.max_context_tokens)
+        datums = build_datums_for_update(trajs, left_out, max_context_tokens=self.run.max_context_tokens,
+                                         bootstrap_truncated=c.truncated_policy == "bootstrap")
         metrics.update({**engine_metrics(result), "timing/scoring_s": scoring_s})
         return StepBatch(policy_step, list(rows), trajs, left_out, datums, metrics=metrics)
 

@@ -166,7 +166,8 @@ class AdvantageInput:
     """
 
     rewards: torch.Tensor
-    """``(N,)`` total reward of each trajectory."""
+    """``(N,)`` total reward of each trajectory; for an estimator that ``needs_values``, 0 where ``bootstrap_mask``
+    is 1 (the bootstrapped value stands for the rest of the episode)."""
     group_ids: torch.Tensor
     """``(N,)`` integer group of each trajectory."""
     action_mask: torch.Tensor | None = None
@@ -174,7 +175,7 @@ class AdvantageInput:
     values: torch.Tensor | None = None
     """``(N, T)`` critic value of the state before each position's target (gae)."""
     bootstrap_mask: torch.Tensor | None = None
-    """``(N,)`` 1 for truncated trajectories whose last state may be bootstrapped (gae)."""
+    """``(N,)`` 1 for truncated trajectories whose last state is bootstrapped (``truncated_policy='bootstrap'``; gae)."""
     bootstrap_values: torch.Tensor | None = None
     """``(N,)`` value of the state after the last token, used where ``bootstrap_mask`` is 1 (gae)."""
     token_rewards: torch.Tensor | None = None

@@ -312,7 +312,9 @@ class Datum:
     group_id: int = 0
     """Group of the source trajectory."""
     bootstrap_mask: int = 0
-    """0 when the source trajectory terminated, 1 when truncated (only the last datum of a split)."""
+    """1 when the return after the datum's last token is bootstrapped from the critic: a truncated trajectory
+    (:func:`~trl_plugins.datum.build_datum`; the trainer keeps it only under ``truncated_policy='bootstrap'``), or
+    any but the last datum of a split; else 0."""
     ref_logprobs: list[float] | None = None
     """Reference-model log-prob of ``target_ids[t]`` (same temperature as the behaviour ones), filled
     once per rollout batch when a reference KL is on; None otherwise."""
