@@ -101,7 +101,7 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     from retool.launch import ChildProcessError, available_cpus, configure_wandb, run_in_child
     from retool.report import format_summary
     from retool.startup import check_chat_template, check_plugins, distributed_mode, format_banner
-    from trl_plugins.run.lora import model_init_kwargs
+    from trl_plugins.run.lora import check_model_dropout, model_init_kwargs
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
 
@@ -140,6 +140,10 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     check_chat_template(tokenizer, run)
+    try:  # before the model loads: its config is enough to see dropout the update would train with
+        check_model_dropout(model_path, training_args)
+    except ValueError as exc:
+        raise SystemExit(f"configuration error (before the model loads): {exc}") from None
 
     from datasets import Dataset
 

@@ -1074,3 +1074,32 @@ def test_truncated_policy_bootstrap_needs_a_critic(tmp_path):
     with pytest.raises(ValueError, match=r"truncated_policy='bootstrap'.*runs no critic; use --advantage gae"):
         MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, truncated_policy="bootstrap"), train_dataset=_dataset(),
                              processing_class=tok, reward_components={"length": TokenReward()})
+
+
+def test_dropout_in_the_base_model_is_refused_or_removed_whole(tmp_path):
+    # Issue 30.4: lora_dropout > 0 is refused because dropout acts in the update's forward and not in generation; the
+    # base model's own dropout was not. TRL's disable_dropout_in_model zeroes nn.Dropout only, and Qwen2's attention
+    # reads attention_dropout from itself at forward time, so the ratios of exactly on-policy data spread (0.98-1.04).
+    from transformers import AutoModelForCausalLM
+
+    from trl_plugins.modeling import dropout_probabilities
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    config = build_tiny_model(tok).config
+    config.attention_dropout = 0.1
+    model = AutoModelForCausalLM.from_config(config)
+    path = tmp_path / "with-dropout"
+    model.save_pretrained(path)
+    for source in (model, str(path)):  # an instance, or a path (checked from its config, before it loads)
+        with pytest.raises(ValueError, match=r"attention_dropout=0\.1.*Pass --disable_dropout true"):
+            MultiTurnGRPOTrainer(source, _config(tmp_path), train_dataset=_dataset(), processing_class=tok,
+                                 reward_components={"length": TokenReward()})
+    model = AutoModelForCausalLM.from_pretrained(path)  # TRL loads the reference (beta > 0) from its path
+    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, max_steps=1, disable_dropout=True, beta=0.1),
+                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    assert dropout_probabilities(trainer.model) == {} and dropout_probabilities(trainer.ref_model) == {}
+    trainer.train()
+    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    # HF generate on the training model: one update on exactly on-policy data, ratios 1 up to float noise.
+    assert abs(record["train/ratio_max"] - 1.0) < 1e-4 and abs(record["train/ratio_min"] - 1.0) < 1e-4

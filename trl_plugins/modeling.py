@@ -15,7 +15,75 @@ __all__ = [
     "unpack",
     "PackedAttentionLeak",
     "check_packed_isolation",
+    "dropout_probabilities",
+    "disable_dropout",
 ]
+
+_HEAD_ONLY_DROPOUT = ("classifier_dropout",)
+"""Dropout of a classification head, which a causal LM does not have (the critic sets its own to 0)."""
+
+
+def _is_dropout(name: str) -> bool:
+    name = name.lower()
+    return ("dropout" in name or name.endswith("pdrop")) and name not in _HEAD_ONLY_DROPOUT
+
+
+def _config_dropout(config: Any, prefix: str = "config") -> dict[str, float]:
+    found: dict[str, float] = {}
+    for key, value in vars(config).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _is_dropout(key) and value > 0:
+            found[f"{prefix}.{key}"] = float(value)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config (e.g. text_config)
+            found.update(_config_dropout(value, f"{prefix}.{key}"))
+    return found
+
+
+def dropout_probabilities(model_or_config: Any) -> dict[str, float]:
+    """Every dropout probability above 0 that a model (or a model's config) would apply in training mode.
+
+    A config's fields (``attention_dropout``, ``hidden_dropout``, GPT-2's ``attn_pdrop``, ..., sub-configs
+    included), and for a model also its ``nn.Dropout`` modules and the float dropout attributes its modules read in
+    their forward (Qwen2's attention passes ``self.attention_dropout`` to the attention kernel: TRL's
+    ``disable_dropout_in_model`` sets only ``nn.Dropout.p`` and misses it).
+
+    Returns:
+        ``{where: p}``, e.g. ``{"config.attention_dropout": 0.1, "model.layers.0.self_attn.attention_dropout": 0.1}``.
+    """
+    if not isinstance(model_or_config, torch.nn.Module):
+        return _config_dropout(model_or_config)
+    found = _config_dropout(model_or_config.config) if hasattr(model_or_config, "config") else {}
+    for name, module in model_or_config.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            found[name or "(model)"] = float(module.p)
+        for key, value in vars(module).items():
+            if isinstance(value, float) and _is_dropout(key) and value > 0:
+                found[f"{name}.{key}" if name else key] = value
+    return found
+
+
+def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
+    """Set every dropout :func:`dropout_probabilities` finds in ``model`` to 0 (modules, module attributes, the
+    configs they read), so the training forward is the deterministic one the sampler ran. Returns what it changed."""
+    found = dropout_probabilities(model)
+    for module in model.modules():
+        config = vars(module).get("config")
+        if hasattr(config, "to_dict"):
+            _zero_config(config)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if isinstance(value, float) and _is_dropout(key) and value > 0:
+                setattr(module, key, 0.0)
+    return found
+
+
+def _zero_config(config: Any) -> None:
+    for key, value in list(vars(config).items()):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _is_dropout(key) and value > 0:
+            setattr(config, key, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            _zero_config(value)
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

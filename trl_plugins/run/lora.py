@@ -18,7 +18,7 @@ from typing import Any
 
 from trl_plugins.run.trl_fields import FieldKind, FieldRule
 
-__all__ = ["MODEL_FIELDS", "check_model_config", "check_peft_config", "check_peft_model", "peft_config_from",
+__all__ = ["MODEL_FIELDS", "check_model_config", "check_model_dropout", "check_peft_config", "check_peft_model", "peft_config_from",
            "model_init_kwargs", "render_table"]
 
 _H, _R = FieldKind.HONOURED, FieldKind.REFUSED
@@ -134,6 +134,36 @@ def check_peft_model(model: Any, config: Any, *, needs_values: bool = False) -> 
             "a critic (advantage with needs_values, e.g. 'gae') is initialised from the policy's weights, which a "
             "PeftModel instance does not expose as a plain backbone; pass the base model with peft_config (the critic "
             "then starts from the base, which the fresh adapter leaves unchanged), or merge the adapter first."
+        )
+
+
+def check_model_dropout(model_or_config: Any, config: Any) -> None:
+    """Refuse a policy that would train with dropout: ``lora_dropout``'s rule, for the base model's own dropout.
+
+    Args:
+        model_or_config: The policy, its ``PretrainedConfig`` (before it loads), or a path to load that config from.
+        config: The run's ``MultiTurnGRPOConfig``; with ``disable_dropout`` the trainer sets every dropout to 0
+            (:func:`trl_plugins.modeling.disable_dropout`), so there is nothing to refuse.
+
+    Raises:
+        ValueError: dropout above 0 with ``disable_dropout`` off (names where, and says to pass --disable_dropout).
+    """
+    from trl_plugins.modeling import dropout_probabilities
+
+    if config.disable_dropout or model_or_config is None:
+        return
+    if isinstance(model_or_config, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        model_or_config = AutoConfig.from_pretrained(model_or_config)
+    found = dropout_probabilities(model_or_config)
+    if found:
+        shown = ", ".join(f"{k}={v:g}" for k, v in list(found.items())[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ValueError(
+            f"the policy has dropout ({shown}) and disable_dropout is off: it would act in the update's forward but "
+            f"not in generation, so the on-policy ratio is no longer 1 and the clip acts on dropout noise (the reason "
+            f"lora_dropout is refused). Pass --disable_dropout true (every dropout of the policy, its reference and "
+            f"the critic set to 0, attention dropout included)."
         )
 
 

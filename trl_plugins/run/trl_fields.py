@@ -255,7 +255,7 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "shuffle_dataset": FieldRule(_H, "TRL's RepeatSampler shuffles the questions with seed."),
     "model_init_kwargs": FieldRule(_H, "TRL loads a policy given by name with them (ignored with TRL's warning for a model instance)."),
     "trust_remote_code": FieldRule(_H, "TRL passes it to model and tokenizer loading."),
-    "disable_dropout": FieldRule(_H, "TRL's __init__ disables dropout in the policy that our forward uses."),
+    "disable_dropout": FieldRule(_H, "True: every dropout of the policy, its reference and the critic set to 0, attention dropout included (TRL's disable_dropout_in_model sets nn.Dropout only). False (TRL's default) with any dropout in the policy's config or modules is refused, as lora_dropout is."),
     "cast_lm_head_to_fp32": FieldRule(_H, "TRL's __init__ casts the policy's lm_head to fp32; our forward and generation use that model."),
     "importance_sampling_level": FieldRule(_R, "'sequence' (GSPO): the policy losses here use token-level ratios; register a sequence-level policy-loss plugin."),
     "top_entropy_quantile": FieldRule(_R, "below 1: the update has no high-entropy token mask."),

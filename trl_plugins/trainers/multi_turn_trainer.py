@@ -33,7 +33,8 @@ from trl_plugins.rollout import derive_seed
 from trl_plugins.rollout.metrics import throughput_metrics
 from trl_plugins.run import Run, resolve_run
 from trl_plugins.run.config import MultiTurnGRPOConfig
-from trl_plugins.run.lora import check_peft_model
+from trl_plugins.modeling import disable_dropout
+from trl_plugins.run.lora import check_model_dropout, check_peft_model
 from trl_plugins.run.sampler import make_backend, sampling_settings
 from trl_plugins.trainers.callbacks import OptimizerTimer, PeakMemory, StopAtStepEnd, ViewerPages, log_trajectory_tables
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
@@ -109,12 +110,17 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self.run = run
         run.start_tools()  # e.g. the sandbox isolation in force, said before any model work
         check_peft_model(model, args, needs_values=run.advantage.needs_values)
+        check_model_dropout(model, args)  # dropout is refused unless disable_dropout, which then removes all of it
         # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
         critic = build_critic(model) if run.advantage.needs_values else None
         super().__init__(model=model, reward_funcs=[_ScoredByPlugins()], args=args, train_dataset=train_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                          peft_config=peft_config)
         run.bind_tokenizer(self.processing_class)
+        if args.disable_dropout:  # TRL's disable_dropout_in_model sets nn.Dropout only, not attention dropout
+            for module in (self.model, self.ref_model, critic):
+                if module is not None:
+                    disable_dropout(module)
         args.resolve_padding_free(self.accelerator.unwrap_model(self.model))  # auto: by the attention implementation
         # One sampler for the run, its model refreshed per rollout (Accelerate/DeepSpeed wrap it when training starts);
         # vLLM: TRL's __init__ built self.vllm_generation (colocate or server), turns go through it.
