@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
 
 SCHEMA = code_schema()
 CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers and label the sum.",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                                      "label": {"type": "string"}}, "required": ["a", "b", "label"]}}}
 G, O, A, P = TokenSource.GLUE, TokenSource.OBSERVATION, TokenSource.ACTION, TokenSource.PROMPT
 
 @pytest.fixture(scope="module", params=["qwen2_5", "qwen3"])
@@ -204,6 +208,49 @@ def test_glm_call_turns_stop_at_the_observation_token():
     assert chat.stop_tokens[0] == "<|observation|>"
 
 
+def _flagged_special(monkeypatch, family: str, token: str) -> str:
+    """A family whose ``token`` is flagged special, as some published tokenizers (and test fixtures) flag it."""
+    from trl_plugins.tiny import FAMILIES
+
+    spec = FAMILIES[family]
+    name = f"{family}_{token}_special"
+    monkeypatch.setitem(FAMILIES, name, dataclasses.replace(
+        spec, special=spec.special + (token,), added=tuple(t for t in spec.added if t != token)))
+    return name
+
+
+@pytest.mark.parametrize("template,family,flagged,tools,call_stop", [
+    ("gemma4_v2", "gemma4", '<|"|>', [SCHEMA], "<tool_call|>"),
+    ("glm4moe_training", "glm4", "</arg_value>", [ADD, SCHEMA], "<|observation|>"),
+])
+def test_stops_come_from_the_templates_structure_not_the_special_flags(monkeypatch, template, family, flagged,
+                                                                       tools, call_stop):
+    # Gemma 4 quotes a string argument with <|"|> and GLM closes each argument with </arg_value>: flagged special,
+    # either was taken as the first control token after the argument, cutting every call before its code (Gemma)
+    # or after its first argument (GLM), and the start-up check refused the template.
+    tok = build_tokenizer(template, family=_flagged_special(monkeypatch, family, flagged))
+    assert any(t.content == flagged and t.special for t in tok.added_tokens_decoder.values())  # the fixture flags it
+    chat = ChatFormat(tok, tools)
+    assert chat.stop_tokens[0] == call_stop and flagged not in chat.stop_tokens
+    chat.verify(["42\n", ""])
+    # A call as the template renders it, cut at the first stop token, holds every argument and parses back.
+    messages = [{"role": "user", "content": "q"}]
+    prompt = chat.initial_prompt_ids(messages)
+    for name, arguments in (("code_interpreter", {"code": "print(6 * 7)"}), ("add", {"a": 6, "b": 7, "label": "sum"})):
+        if name not in chat._schemas:
+            continue
+        call = {"type": "function", "id": "call_0", "function": {"name": name, "arguments": arguments}}
+        full = list(tok.apply_chat_template(messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                                       {"role": "tool", "name": name, "content": "42"}],
+                                            tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False))
+        end = next(j for j in range(len(prompt), len(full)) if full[j] in chat.stop_token_ids)
+        assert tok.convert_ids_to_tokens(full[end]) == call_stop
+        turn = tok.decode(full[len(prompt):end + 1], skip_special_tokens=False)
+        assert all(str(v) in turn for v in arguments.values()), turn  # not cut before the code or a later argument
+        parsed = chat.parse(prompt, full[len(prompt):end + 1])
+        assert parsed.kind == TurnKind.TOOL_CALL and parsed.arguments == arguments, parsed
+
+
 def test_stop_tokens_are_configurable_and_checked():
     tok = build_tokenizer("qwen2_5")
     chat = ChatFormat(tok, [SCHEMA], stop_tokens=["<|im_end|>", "<|endoftext|>"])
@@ -347,11 +394,6 @@ def test_tokenizer_digest_changes_with_the_template():
     a = ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA]).digest
     b = ChatFormat(build_tokenizer("qwen3"), [SCHEMA]).digest
     assert a != b and a == ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA]).digest
-
-
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers and label the sum.",
-       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
-                                                      "label": {"type": "string"}}, "required": ["a", "b", "label"]}}}
 
 
 @pytest.mark.parametrize("name", ["qwen2_5", "qwen3_6", "glm4moe", "llama3_1", "gemma4_v2", "nemotron_3_nano"])

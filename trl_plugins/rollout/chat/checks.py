@@ -10,7 +10,9 @@ import re
 from functools import lru_cache
 from typing import Any, Sequence
 
-from trl_plugins.rollout.chat.vocab import _A, _ARG, _OPTIONS, _T, ChatTemplateError, ToolTurn, TurnKind, _encode, _first_difference
+from trl_plugins.rollout.chat.vocab import (
+    _A, _ARG, _OPTIONS, _T, ChatTemplateError, ToolTurn, TurnKind, _encode, _first_difference,
+)
 from trl_plugins.types import TokenSource
 
 __all__ = ["TemplateChecks"]
@@ -100,6 +102,29 @@ class TemplateChecks:
                 f"without the call, so the history a deployed model sees would not hold its own calls. " + _OPTIONS
             )
 
+    def _inside_call_tokens(self, candidates: Sequence[str]) -> set[str]:
+        """Candidates the template renders inside a call (before its last argument): they cannot end the turn.
+
+        Probes a call to every configured tool with an argument placeholder per property, and a call with two
+        arguments (so a closing token repeated between arguments, GLM's ``</arg_value>``, shows up even for a
+        one-argument tool). What a tokenizer flags as special does not decide it: Gemma 4's string quote
+        ``<|"|>`` opens every string argument, so it lies before the first placeholder.
+        """
+        first = self._tool_name()
+        probes = [(first, {self._arg_key(first): _ARG, "probe_second_argument": _ARG + "_2"})]
+        for name, schema in self._schemas.items():
+            keys = list((schema.get("function", {}).get("parameters") or {}).get("properties") or [self._arg_key(name)])
+            probes.append((name, {key: f"{_ARG}_{k}" for k, key in enumerate(keys)}))
+        inside: set[str] = set()
+        for name, arguments in probes:
+            messages = [{"role": "user", "content": "question"},
+                        {"role": "assistant", "content": "", "tool_calls": [self._call(name, arguments)]}]
+            rendered = self._render(messages, add_generation_prompt=False)
+            start = _first_difference(rendered, self._generation_prompt_text)
+            last = rendered.rfind(_ARG)
+            inside |= {c for c in candidates if c in rendered[start:last]}
+        return inside
+
     def _derive_stops(self, stop_tokens: Sequence[str] | None) -> None:
         tok = self.tokenizer
         name = self._tool_name()
@@ -119,13 +144,17 @@ class TemplateChecks:
         else:
             stops, call_candidates = [], self._special
         self._final_stop = None
-        hit = self._first_special(rendered, rendered.index(_ARG) + len(_ARG), call_candidates)
+        # The call's stop is the first candidate after the call that the template never writes inside one.
+        inside = self._inside_call_tokens(call_candidates)
+        hit = self._first_special(rendered, rendered.index(_ARG) + len(_ARG), [c for c in call_candidates if c not in inside])
         if hit is None or hit[0] > rendered.index(_T):
             raise ChatTemplateError(
                 "the chat template ends a tool-call turn without a control token"
                 + (" from stop_tokens" if stop_tokens is not None else "")
                 + f" (after the call it renders {rendered[rendered.index(_ARG) + len(_ARG):rendered.index(_T)]!r} "
-                f"before the tool output), so generation cannot stop at the end of a call. Pass "
+                f"before the tool output"
+                + (f"; {sorted(inside)} also occur inside a call, so they cannot end one" if inside else "")
+                + "), so generation cannot stop at the end of a call. Pass "
                 f"stop_tokens=[...] naming the token that ends a call turn, or use another template. " + _OPTIONS
             )
         self._call_stop = hit[1]
