@@ -202,7 +202,7 @@ def test_llama3_tool_calls_parse():
 
 
 def test_glm_call_turns_stop_at_the_observation_token():
-    chat = ChatFormat(build_tokenizer("glm4moe"), [SCHEMA])
+    chat = ChatFormat(build_tokenizer("glm4moe_training"), [SCHEMA])
     tok = chat.tokenizer
     assert tok.convert_tokens_to_ids("<|observation|>") in chat.stop_token_ids
     assert chat.stop_tokens[0] == "<|observation|>"
@@ -282,6 +282,42 @@ def test_gemma4_is_accepted_with_a_note_about_text_before_calls():
     chat.verify(["42\n", ""])
 
 
+def test_diffusion_gemma_is_read_by_gemma4s_parser_and_replays_exactly():
+    # TRL ships no parser for Diffusion Gemma (it matches templates by exact text); it writes calls as Gemma 4 does.
+    from trl import chat_template_utils as ctu
+
+    with pytest.raises(ValueError, match="Unrecognized chat template"):  # TRL alone: no parser
+        ctu.add_response_schema(build_tokenizer("diffusion_gemma"))
+    for name in ("diffusion_gemma", "diffusion_gemma_training"):
+        chat = ChatFormat(build_tokenizer(name), [SCHEMA])  # the start-up check replays the template's own turns
+        gemma4 = ctu.add_response_schema(build_tokenizer("gemma4"))
+        assert chat.tokenizer.response_template == gemma4.response_template
+        assert chat.stop_tokens[0] == "<tool_call|>"
+        chat.verify(["42\n", "", "6\n\n"])
+    # With thinking on the template rewrites earlier reasoning: refused for that, not for want of a parser.
+    with pytest.raises(ChatTemplateError, match="not prefix-preserving"):
+        ChatFormat(build_tokenizer("diffusion_gemma"), [SCHEMA], enable_thinking=True)
+
+
+def test_glm_original_template_is_refused_for_its_unended_final_answer():
+    # GLM-4.5's template renders nothing after a final answer; <|user|> comes only with a next user message.
+    # It used to be accepted by expecting the model to emit <|user|> there and training it as an action.
+    tok = build_tokenizer("glm4moe")
+    text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "42"}],
+                                   tokenize=False)
+    assert text.endswith("42")  # what the template renders: nothing after the answer
+    with pytest.raises(ChatTemplateError, match=r"no control token after a final answer.*'<\|user\|>'.*"
+                                                r"training variant of this template passes"):
+        ChatFormat(tok, [SCHEMA])
+    # The training variant renders <|user|> after the answer itself (inside its generation block), so training
+    # it as the end of the answer trains what the template renders.
+    chat = ChatFormat(build_tokenizer("glm4moe_training"), [SCHEMA])
+    assert chat.stop_tokens == ["<|observation|>", "<|user|>", "<|endoftext|>"]
+    text = chat.tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "42"}],
+                                              tokenize=False)
+    assert text.endswith("42<|user|>")
+
+
 _MATRIX: dict[str, list] = {}  # template -> its rows, shared with the docs test
 
 
@@ -295,8 +331,12 @@ def _matrix_rows(name: str) -> list:
 def test_template_matrix_every_template_is_exact_or_refused(name):
     rows = _matrix_rows(name)
     assert rows and all(r.verdict in ("exact", "refused") for r in rows), [(r.thinking, r.reason) for r in rows]
-    if name in ("qwen2_5", "qwen3", "qwen3_instruct_2507", "llama3_1", "llama3_2", "qwen3_training", "glm4moe"):
+    if name in ("qwen2_5", "qwen3", "qwen3_instruct_2507", "llama3_1", "llama3_2", "qwen3_training", "glm4moe_training"):
         assert all(r.verdict == "exact" for r in rows if r.thinking != "off"), rows
+    if name.startswith("diffusion_gemma"):  # Gemma 4's parser; with thinking on, refused for rewriting reasoning
+        assert {r.thinking: r.verdict for r in rows} == {"default": "exact", "on": "refused", "off": "exact"}, rows
+    if name == "glm4moe":
+        assert all(r.verdict == "refused" and "after a final answer" in r.reason for r in rows), rows
 
 
 def test_matrix_checks_with_the_familys_own_special_tokens():
@@ -396,7 +436,7 @@ def test_tokenizer_digest_changes_with_the_template():
     assert a != b and a == ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA]).digest
 
 
-@pytest.mark.parametrize("name", ["qwen2_5", "qwen3_6", "glm4moe", "llama3_1", "gemma4_v2", "nemotron_3_nano"])
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3_6", "glm4moe_training", "llama3_1", "gemma4_v2", "nemotron_3_nano"])
 def test_a_tool_with_typed_arguments_is_checked_and_parsed_with_its_types(name):
     # The start-up check builds arguments that fit the schema (it used to send one code string, so every
     # template was refused for a tool whose arguments are not a single string).
