@@ -222,6 +222,7 @@ def _flagged_special(monkeypatch, family: str, token: str) -> str:
 @pytest.mark.parametrize("template,family,flagged,tools,call_stop", [
     ("gemma4_v2", "gemma4", '<|"|>', [SCHEMA], "<tool_call|>"),
     ("glm4moe_training", "glm4", "</arg_value>", [ADD, SCHEMA], "<|observation|>"),
+    ("glm4moe_training", "glm4", "</arg_value>", [SCHEMA], "<|observation|>"),  # one argument: accepted, cut wrong
 ])
 def test_stops_come_from_the_templates_structure_not_the_special_flags(monkeypatch, template, family, flagged,
                                                                        tools, call_stop):
