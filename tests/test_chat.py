@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from trl_plugins.types import StopReason, TokenSource, Trajectory, Turn
 
 SCHEMA = code_schema()
 CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers and label the sum.",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                                      "label": {"type": "string"}}, "required": ["a", "b", "label"]}}}
 G, O, A, P = TokenSource.GLUE, TokenSource.OBSERVATION, TokenSource.ACTION, TokenSource.PROMPT
 
 @pytest.fixture(scope="module", params=["qwen2_5", "qwen3"])
@@ -198,10 +202,54 @@ def test_llama3_tool_calls_parse():
 
 
 def test_glm_call_turns_stop_at_the_observation_token():
-    chat = ChatFormat(build_tokenizer("glm4moe"), [SCHEMA])
+    chat = ChatFormat(build_tokenizer("glm4moe_training"), [SCHEMA])
     tok = chat.tokenizer
     assert tok.convert_tokens_to_ids("<|observation|>") in chat.stop_token_ids
     assert chat.stop_tokens[0] == "<|observation|>"
+
+
+def _flagged_special(monkeypatch, family: str, token: str) -> str:
+    """A family whose ``token`` is flagged special, as some published tokenizers (and test fixtures) flag it."""
+    from trl_plugins.tiny import FAMILIES
+
+    spec = FAMILIES[family]
+    name = f"{family}_{token}_special"
+    monkeypatch.setitem(FAMILIES, name, dataclasses.replace(
+        spec, special=spec.special + (token,), added=tuple(t for t in spec.added if t != token)))
+    return name
+
+
+@pytest.mark.parametrize("template,family,flagged,tools,call_stop", [
+    ("gemma4_v2", "gemma4", '<|"|>', [SCHEMA], "<tool_call|>"),
+    ("glm4moe_training", "glm4", "</arg_value>", [ADD, SCHEMA], "<|observation|>"),
+    ("glm4moe_training", "glm4", "</arg_value>", [SCHEMA], "<|observation|>"),  # one argument: accepted, cut wrong
+])
+def test_stops_come_from_the_templates_structure_not_the_special_flags(monkeypatch, template, family, flagged,
+                                                                       tools, call_stop):
+    # Gemma 4 quotes a string argument with <|"|> and GLM closes each argument with </arg_value>: flagged special,
+    # either was taken as the first control token after the argument, cutting every call before its code (Gemma)
+    # or after its first argument (GLM), and the start-up check refused the template.
+    tok = build_tokenizer(template, family=_flagged_special(monkeypatch, family, flagged))
+    assert any(t.content == flagged and t.special for t in tok.added_tokens_decoder.values())  # the fixture flags it
+    chat = ChatFormat(tok, tools)
+    assert chat.stop_tokens[0] == call_stop and flagged not in chat.stop_tokens
+    chat.verify(["42\n", ""])
+    # A call as the template renders it, cut at the first stop token, holds every argument and parses back.
+    messages = [{"role": "user", "content": "q"}]
+    prompt = chat.initial_prompt_ids(messages)
+    for name, arguments in (("code_interpreter", {"code": "print(6 * 7)"}), ("add", {"a": 6, "b": 7, "label": "sum"})):
+        if name not in chat._schemas:
+            continue
+        call = {"type": "function", "id": "call_0", "function": {"name": name, "arguments": arguments}}
+        full = list(tok.apply_chat_template(messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                                       {"role": "tool", "name": name, "content": "42"}],
+                                            tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False))
+        end = next(j for j in range(len(prompt), len(full)) if full[j] in chat.stop_token_ids)
+        assert tok.convert_ids_to_tokens(full[end]) == call_stop
+        turn = tok.decode(full[len(prompt):end + 1], skip_special_tokens=False)
+        assert all(str(v) in turn for v in arguments.values()), turn  # not cut before the code or a later argument
+        parsed = chat.parse(prompt, full[len(prompt):end + 1])
+        assert parsed.kind == TurnKind.TOOL_CALL and parsed.arguments == arguments, parsed
 
 
 def test_stop_tokens_are_configurable_and_checked():
@@ -235,6 +283,42 @@ def test_gemma4_is_accepted_with_a_note_about_text_before_calls():
     chat.verify(["42\n", ""])
 
 
+def test_diffusion_gemma_is_read_by_gemma4s_parser_and_replays_exactly():
+    # TRL ships no parser for Diffusion Gemma (it matches templates by exact text); it writes calls as Gemma 4 does.
+    from trl import chat_template_utils as ctu
+
+    with pytest.raises(ValueError, match="Unrecognized chat template"):  # TRL alone: no parser
+        ctu.add_response_schema(build_tokenizer("diffusion_gemma"))
+    for name in ("diffusion_gemma", "diffusion_gemma_training"):
+        chat = ChatFormat(build_tokenizer(name), [SCHEMA])  # the start-up check replays the template's own turns
+        gemma4 = ctu.add_response_schema(build_tokenizer("gemma4"))
+        assert chat.tokenizer.response_template == gemma4.response_template
+        assert chat.stop_tokens[0] == "<tool_call|>"
+        chat.verify(["42\n", "", "6\n\n"])
+    # With thinking on the template rewrites earlier reasoning: refused for that, not for want of a parser.
+    with pytest.raises(ChatTemplateError, match="not prefix-preserving"):
+        ChatFormat(build_tokenizer("diffusion_gemma"), [SCHEMA], enable_thinking=True)
+
+
+def test_glm_original_template_is_refused_for_its_unended_final_answer():
+    # GLM-4.5's template renders nothing after a final answer; <|user|> comes only with a next user message.
+    # It used to be accepted by expecting the model to emit <|user|> there and training it as an action.
+    tok = build_tokenizer("glm4moe")
+    text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "42"}],
+                                   tokenize=False)
+    assert text.endswith("42")  # what the template renders: nothing after the answer
+    with pytest.raises(ChatTemplateError, match=r"no control token after a final answer.*'<\|user\|>'.*"
+                                                r"training variant of this template passes"):
+        ChatFormat(tok, [SCHEMA])
+    # The training variant renders <|user|> after the answer itself (inside its generation block), so training
+    # it as the end of the answer trains what the template renders.
+    chat = ChatFormat(build_tokenizer("glm4moe_training"), [SCHEMA])
+    assert chat.stop_tokens == ["<|observation|>", "<|user|>", "<|endoftext|>"]
+    text = chat.tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "42"}],
+                                              tokenize=False)
+    assert text.endswith("42<|user|>")
+
+
 _MATRIX: dict[str, list] = {}  # template -> its rows, shared with the docs test
 
 
@@ -248,8 +332,12 @@ def _matrix_rows(name: str) -> list:
 def test_template_matrix_every_template_is_exact_or_refused(name):
     rows = _matrix_rows(name)
     assert rows and all(r.verdict in ("exact", "refused") for r in rows), [(r.thinking, r.reason) for r in rows]
-    if name in ("qwen2_5", "qwen3", "qwen3_instruct_2507", "llama3_1", "llama3_2", "qwen3_training", "glm4moe"):
+    if name in ("qwen2_5", "qwen3", "qwen3_instruct_2507", "llama3_1", "llama3_2", "qwen3_training", "glm4moe_training"):
         assert all(r.verdict == "exact" for r in rows if r.thinking != "off"), rows
+    if name.startswith("diffusion_gemma"):  # Gemma 4's parser; with thinking on, refused for rewriting reasoning
+        assert {r.thinking: r.verdict for r in rows} == {"default": "exact", "on": "refused", "off": "exact"}, rows
+    if name == "glm4moe":
+        assert all(r.verdict == "refused" and "after a final answer" in r.reason for r in rows), rows
 
 
 def test_matrix_checks_with_the_familys_own_special_tokens():
@@ -349,12 +437,7 @@ def test_tokenizer_digest_changes_with_the_template():
     assert a != b and a == ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA]).digest
 
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers and label the sum.",
-       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
-                                                      "label": {"type": "string"}}, "required": ["a", "b", "label"]}}}
-
-
-@pytest.mark.parametrize("name", ["qwen2_5", "qwen3_6", "glm4moe", "llama3_1", "gemma4_v2", "nemotron_3_nano"])
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3_6", "glm4moe_training", "llama3_1", "gemma4_v2", "nemotron_3_nano"])
 def test_a_tool_with_typed_arguments_is_checked_and_parsed_with_its_types(name):
     # The start-up check builds arguments that fit the schema (it used to send one code string, so every
     # template was refused for a tool whose arguments are not a single string).

@@ -15,7 +15,7 @@ from trl_plugins.rollout.request import (
     derive_seed,
     questions_from_rows,
 )
-from trl_plugins.rollout.replay import ReplayReport, replay_logprobs
+from trl_plugins.rollout.replay import RenderReplayError, ReplayReport, replay_logprobs, replay_rendering
 
 __all__ = [
     "GenerationBackend",
@@ -38,4 +38,6 @@ __all__ = [
     "derive_seed",
     "ReplayReport",
     "replay_logprobs",
+    "RenderReplayError",
+    "replay_rendering",
 ]

@@ -10,7 +10,9 @@ import re
 from functools import lru_cache
 from typing import Any, Sequence
 
-from trl_plugins.rollout.chat.vocab import _A, _ARG, _OPTIONS, _T, ChatTemplateError, ToolTurn, TurnKind, _encode, _first_difference
+from trl_plugins.rollout.chat.vocab import (
+    _A, _ARG, _OPTIONS, _T, ChatTemplateError, ToolTurn, TurnKind, _encode, _first_difference,
+)
 from trl_plugins.types import TokenSource
 
 __all__ = ["TemplateChecks"]
@@ -29,6 +31,24 @@ def _training_originals() -> dict[str, str]:
             original = getattr(ctu, attr.replace("_training_chat_template", "_chat_template"), None)
             if isinstance(original, str):
                 out[getattr(ctu, attr)] = original
+    return out
+
+
+@lru_cache(maxsize=None)
+def _parser_templates() -> dict[str, str]:
+    """Templates TRL has no parser for -> the template whose parser reads their calls.
+
+    A TRL ``_training`` template parses like the original it patches; Diffusion Gemma writes calls, arguments and
+    tool responses as Gemma 4 does (its header, ``null`` arguments and reasoning gate differ), so Gemma 4's parser
+    reads it. The start-up check judges each: it replays the template's own turns through the parser.
+    """
+    from trl import chat_template_utils as ctu
+
+    out = dict(_training_originals())
+    gemma4 = getattr(ctu, "gemma4_chat_template", None)
+    for attr in ("diffusion_gemma_chat_template", "diffusion_gemma_training_chat_template"):
+        if isinstance(gemma4, str) and isinstance(getattr(ctu, attr, None), str):
+            out[getattr(ctu, attr)] = gemma4
     return out
 
 
@@ -64,9 +84,9 @@ class TemplateChecks:
 
             from trl.chat_template_utils import add_response_schema
 
-            original = _training_originals().get(tok.chat_template)
+            original = _parser_templates().get(tok.chat_template)
             try:
-                if original is not None:  # a TRL training template parses like the original it patches
+                if original is not None:  # parses like another template TRL knows
                     probe = SimpleNamespace(chat_template=original)
                     add_response_schema(probe)
                     for attr in ("response_template", "response_schema"):
@@ -100,6 +120,29 @@ class TemplateChecks:
                 f"without the call, so the history a deployed model sees would not hold its own calls. " + _OPTIONS
             )
 
+    def _inside_call_tokens(self, candidates: Sequence[str]) -> set[str]:
+        """Candidates the template renders inside a call (before its last argument): they cannot end the turn.
+
+        Probes a call to every configured tool with an argument placeholder per property, and a call with two
+        arguments (so a closing token repeated between arguments, GLM's ``</arg_value>``, shows up even for a
+        one-argument tool). What a tokenizer flags as special does not decide it: Gemma 4's string quote
+        ``<|"|>`` opens every string argument, so it lies before the first placeholder.
+        """
+        first = self._tool_name()
+        probes = [(first, {self._arg_key(first): _ARG, "probe_second_argument": _ARG + "_2"})]
+        for name, schema in self._schemas.items():
+            keys = list((schema.get("function", {}).get("parameters") or {}).get("properties") or [self._arg_key(name)])
+            probes.append((name, {key: f"{_ARG}_{k}" for k, key in enumerate(keys)}))
+        inside: set[str] = set()
+        for name, arguments in probes:
+            messages = [{"role": "user", "content": "question"},
+                        {"role": "assistant", "content": "", "tool_calls": [self._call(name, arguments)]}]
+            rendered = self._render(messages, add_generation_prompt=False)
+            start = _first_difference(rendered, self._generation_prompt_text)
+            last = rendered.rfind(_ARG)
+            inside |= {c for c in candidates if c in rendered[start:last]}
+        return inside
+
     def _derive_stops(self, stop_tokens: Sequence[str] | None) -> None:
         tok = self.tokenizer
         name = self._tool_name()
@@ -118,33 +161,50 @@ class TemplateChecks:
             call_candidates = stops
         else:
             stops, call_candidates = [], self._special
-        self._final_stop = None
-        hit = self._first_special(rendered, rendered.index(_ARG) + len(_ARG), call_candidates)
+        # The call's stop is the first candidate after the call that the template never writes inside one.
+        inside = self._inside_call_tokens(call_candidates)
+        hit = self._first_special(rendered, rendered.index(_ARG) + len(_ARG), [c for c in call_candidates if c not in inside])
         if hit is None or hit[0] > rendered.index(_T):
             raise ChatTemplateError(
                 "the chat template ends a tool-call turn without a control token"
                 + (" from stop_tokens" if stop_tokens is not None else "")
                 + f" (after the call it renders {rendered[rendered.index(_ARG) + len(_ARG):rendered.index(_T)]!r} "
-                f"before the tool output), so generation cannot stop at the end of a call. Pass "
+                f"before the tool output"
+                + (f"; {sorted(inside)} also occur inside a call, so they cannot end one" if inside else "")
+                + "), so generation cannot stop at the end of a call. Pass "
                 f"stop_tokens=[...] naming the token that ends a call turn, or use another template. " + _OPTIONS
             )
         self._call_stop = hit[1]
         if stop_tokens is None:
-            # What closes a final answer: as the last message, else (GLM renders nothing there) as the
-            # template closes it when the user speaks next.
             answer = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _A}]
-            end = None
-            for messages in (answer, answer + [{"role": "user", "content": "next"}]):
-                final = self._render(messages, add_generation_prompt=False)
-                end = self._first_special(final, final.index(_A) + len(_A), self._special) if _A in final else None
-                if end:
-                    break
-            self._final_stop = end[1] if end else None
+            final = self._render(answer, add_generation_prompt=False)
+            end = self._first_special(final, final.index(_A) + len(_A), self._special) if _A in final else None
+            if end is None and _A in final:
+                self._refuse_open_final_answer(answer, final)
             stops = [self._call_stop] + ([end[1]] if end else []) + ([tok.eos_token] if tok.eos_token else [])
         self.stop_tokens = list(dict.fromkeys(stops))
         """Token strings that end a turn."""
         self.stop_token_ids = sorted({tok.convert_tokens_to_ids(s) for s in self.stop_tokens})
         """Their ids (what a backend stops on)."""
+
+    def _refuse_open_final_answer(self, answer: list[dict], final: str) -> None:
+        """Refuse a template that renders no control token after a final answer (GLM-4.5's original).
+
+        Its only candidate is the token that opens the next user message: trained as the end of the answer, it
+        would be a token the template never renders after a final answer; left out, the model never learns to stop.
+        """
+        nxt = self._render(answer + [{"role": "user", "content": "next"}], add_generation_prompt=False)
+        opener = self._first_special(nxt, nxt.index(_A) + len(_A), self._special) if _A in nxt else None
+        tail = final[final.index(_A) + len(_A):]
+        raise ChatTemplateError(
+            "the chat template renders no control token after a final answer ("
+            + (f"only {tail!r}" if tail else "the conversation ends with the answer")
+            + ")"
+            + (f"; only a next user message brings one, {opener[1]!r}, which opens that message" if opener else "")
+            + ", so nothing ends the model's last turn: a stop token there would be trained as an action though the "
+            "template never renders it after the answer, and without one the model cannot learn to stop. "
+            + _training_alternative(type(self), self.tokenizer, self.tools, self.template_kwargs) + _OPTIONS
+        )
 
     def _generation_prompt_leaves_reasoning_open(self) -> bool:
         """Whether the model reasons before it answers, as far as the template tells.
@@ -237,10 +297,6 @@ class TemplateChecks:
             if output is not None:
                 messages.append(self._tool_message(name, output))
             expected = _encode(tok, self._render(messages, add_generation_prompt=output is not None, tools=tools))
-            if output is None and self._final_stop and not set(expected[len(prompt):]) & set(self.stop_token_ids):
-                # A template that renders nothing after a final answer (GLM): the model ends it with the token
-                # that opens the next user turn.
-                expected = expected + [tok.convert_tokens_to_ids(self._final_stop)]
             if expected[: len(prompt)] != prompt:
                 k = _first_difference(prompt, expected)
                 raise ChatTemplateError(
