@@ -146,14 +146,19 @@ def check_continuous_batching_memory(run: Any, model_path: str, *, dtype: Any = 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.generation.continuous_batching.utils import get_device_and_memory_breakdown
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from trl_plugins.rollout.continuous_batching import check_cache_fits
 
     model_config = AutoConfig.from_pretrained(model_path)
     if dtype is None or dtype == "auto":  # from_pretrained's "auto": the checkpoint's own
         dtype = getattr(model_config, "dtype", None) or torch.float32
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        # The class itself, not from_config: under ZeRO-3 that builds inside deepspeed.zero.Init, which cannot
+        # initialise meta tensors.
+        model = (model_class(model_config) if model_class is not None
+                 else AutoModelForCausalLM.from_config(model_config)).to(dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state = int(weights * (1 + 3 * trainable_fraction))
     _, _, reserved, allocated = get_device_and_memory_breakdown()
