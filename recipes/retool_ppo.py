@@ -100,7 +100,7 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     from retool.evaluate import PeriodicHeldOut, evaluate_checkpoint, reusable_evaluation
     from retool.launch import ChildProcessError, available_cpus, configure_wandb, run_in_child
     from retool.report import format_summary
-    from retool.startup import check_chat_template, check_plugins, distributed_mode, format_banner
+    from retool.startup import check_chat_template, check_plugins, check_sampler_memory, distributed_mode, format_banner
     from trl_plugins.run.lora import check_model_dropout, model_init_kwargs
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.interrupts import TrainingInterrupted
@@ -144,6 +144,9 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
         check_model_dropout(model_path, training_args)
     except ValueError as exc:
         raise SystemExit(f"configuration error (before the model loads): {exc}") from None
+    sampler_memory = check_sampler_memory(run, model_path, model_init_kwargs(script_args, training_args))
+    if sampler_memory:
+        say(f"start-up checks: {sampler_memory}")
 
     from datasets import Dataset
 

@@ -290,3 +290,169 @@ def test_a_lora_adapter_is_part_of_what_it_samples_from(setup):
     with policy.disable_adapter():
         base = hf.generate(prompts, [12] * len(prompts), seeds=list(range(len(prompts))))
     assert [s.token_ids for s in base] != [s.token_ids for s in want]  # the adapter changes what is sampled
+
+
+# -- the paged cache's size (issue 30.12) ---------------------------------------------------------------------------
+
+
+def test_the_cache_is_sized_from_the_workload():
+    from trl_plugins.rollout.continuous_batching import workload_cache_size
+
+    # The embedded default: 64 trajectories (per_device_train_batch_size) of up to 1,024 tokens, pages of 256:
+    # 64 * ceil(1024 / 256) = 256 blocks; a forward holds max(64, 1024) = 1024 tokens.
+    assert workload_cache_size(64, 1024) == {"num_blocks": 256, "max_batch_tokens": 1024}
+    # 3 trajectories of 100 tokens in pages of 16: 3 * ceil(100 / 16) = 3 * 7 = 21; max(3, 100) = 100 -> 128.
+    assert workload_cache_size(3, 100, page_size=16) == {"num_blocks": 21, "max_batch_tokens": 128}
+    # 512 trajectories of 20,000 tokens: 512 * ceil(20000 / 256) = 512 * 79 = 40,448; 20,000 -> at most 8,192.
+    assert workload_cache_size(512, 20000) == {"num_blocks": 40448, "max_batch_tokens": 8192}
+    # More trajectories than tokens: one decode token each, 300 -> 320.
+    assert workload_cache_size(300, 10, page_size=16)["max_batch_tokens"] == 320
+    with pytest.raises(ValueError, match="trajectories, tokens_per_trajectory and page_size >= 1"):
+        workload_cache_size(0, 1024)
+
+
+def test_what_the_user_sets_wins_over_the_workload_sizing():
+    sized = continuous_batching_config(None, trajectories=64, tokens_per_trajectory=1024)
+    assert (sized.num_blocks, sized.max_batch_tokens, sized.page_size) == (256, 1024, 256)
+    mixed = continuous_batching_config({"max_batch_tokens": 512}, trajectories=64, tokens_per_trajectory=1024)
+    assert (mixed.num_blocks, mixed.max_batch_tokens) == (256, 512)
+    paged = continuous_batching_config({"page_size": 32}, trajectories=64, tokens_per_trajectory=1024)
+    assert paged.num_blocks == 64 * 32  # 1024 / 32 pages each
+    assert continuous_batching_config(SMALL, trajectories=64, tokens_per_trajectory=1024).num_blocks == 64
+    # Without a workload, transformers' own (memory-sized) defaults stay: what the config check validates.
+    bare = continuous_batching_config(None)
+    assert bare.num_blocks is None and bare.max_batch_tokens is None
+
+
+def _embedded_shape():
+    # The embedded default's shape (~/.cache/trl-plugins/embedded/*/model/config.json), on the meta device.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=718, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+                         use_sliding_window=True, sliding_window=48, max_window_layers=0)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(config)
+
+
+def _memory(monkeypatch, total: int) -> None:
+    # What transformers sees: `total` bytes on the CPU, none of it in use.
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching import utils as cb_utils
+
+    def breakdown():
+        return torch.device("cpu"), total, 0, 0
+
+    monkeypatch.setattr(cb_utils, "get_device_and_memory_breakdown", breakdown)
+    monkeypatch.setattr(cb_cache, "get_device_and_memory_breakdown", breakdown)
+
+
+def test_the_default_sizing_that_died_on_a_fresh_machine_is_caught_with_its_figures(monkeypatch):
+    # Issue 30.12, by transformers' own accounting on the embedded default's shape: left to size itself, the first
+    # rollout's cache fills max_memory_percent (0.5) of what transformers sees (here 10.16 GB -> 5.08 GB: 265 blocks,
+    # 8,192 batch tokens); a later rollout rebuilds it from those memoized figures once training holds more memory
+    # (3.70 GB allowed), and transformers raised the bare "Memory footprint 5076953088 is more than available memory
+    # 3700285440" the issue quotes. 4.98 GB of it are attention masks: 2 masks x 4 bytes x 8192 x (265 * 256 + 8192).
+    from trl_plugins.rollout.continuous_batching import cache_footprint, check_cache_fits
+
+    model = _embedded_shape()
+    _memory(monkeypatch, 10_160_000_000)
+    first = cache_footprint(model, continuous_batching_config(None))
+    assert (first.max_batch_tokens, first.num_blocks) == (8192, 265) and first.fits
+    _memory(monkeypatch, 2 * 3_700_285_440)
+    memoized = continuous_batching_config({"max_batch_tokens": 8192, "num_blocks": 265})
+    again = cache_footprint(model, memoized)
+    assert again.total == 5_076_953_088 and again.available == 3_700_285_440 and not again.fits
+    assert again.masks == 2 * 4 * 8192 * (265 * 256 + 8192)
+    with pytest.raises(MemoryError, match=r"5\.08 GB \(4\.98 GB attention masks.*allows 3\.70 GB on cpu.*"
+                                          r"Set transformers_continuous_batching_config '\{\"max_batch_tokens\": 4096"):
+        check_cache_fits(model, memoized)
+    # Sized from the workload (64 trajectories x 1,024 tokens): 0.63 GB, the same whatever the memory.
+    sized = check_cache_fits(model, continuous_batching_config(None, trajectories=64, tokens_per_trajectory=1024))
+    assert (sized.max_batch_tokens, sized.num_blocks) == (1024, 256)
+    assert sized.masks == 2 * 4 * 1024 * (256 * 256 + 1024) and 0.6e9 < sized.total < 0.65e9
+
+
+@pytest.mark.parametrize("options", [SMALL, {"max_batch_tokens": 512, "num_blocks": 40}, {}])
+def test_the_footprint_is_the_one_transformers_checks(setup, monkeypatch, options):
+    # Equivalence with transformers' own check at the threshold: with exactly the footprint allowed the cache is
+    # built (and has the size reported); one byte less and transformers refuses it, and so do we.
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+    from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
+
+    from trl_plugins.rollout.continuous_batching import cache_footprint
+
+    _, _, model, _ = setup
+    config = continuous_batching_config(options)
+    _memory(monkeypatch, 600_000_000)
+    footprint = cache_footprint(model, config)
+    resolved = resolve_continuous_batching_config(model.config, config, None, True, model.device)
+
+    def build():
+        return cb_cache.PagedAttentionCache(model.config, resolved, model.device, DistributedHelper(None, 300.0),
+                                            dtype=model.dtype, model_supports_logits_to_keep=model._supports_logits_to_keep())
+
+    if not options:  # sized by transformers from the memory: fills it
+        assert footprint.fits and footprint.total > 0.9 * footprint.available
+        return
+    _memory(monkeypatch, 2 * footprint.total)  # max_memory_percent 0.5: exactly the footprint allowed
+    cache = build()
+    assert (cache.max_batch_tokens, cache.num_blocks) == (footprint.max_batch_tokens, footprint.num_blocks)
+    assert cache_footprint(model, config).fits
+    _memory(monkeypatch, 2 * footprint.total - 2)
+    with pytest.raises(MemoryError, match=f"Memory footprint {footprint.total} is more than available"):
+        build()
+    assert not cache_footprint(model, config).fits
+
+
+def test_a_cache_that_cannot_fit_is_refused_before_transformers_builds_it(setup, monkeypatch):
+    # At a rollout's start, with the figures and what to set, instead of transformers' bare MemoryError.
+    _, chat, model, prompts = setup
+    backend = cb(model, chat, SamplingSettings(temperature=0.0))
+    _memory(monkeypatch, 1_000_000)
+    with pytest.raises(MemoryError, match=r"the paged KV cache does not fit: max_batch_tokens=256, num_blocks=64.*"
+                                          r"transformers allows 0\.00 GB.*generate with HF generate"):
+        backend.generate(prompts[:1], [4], seeds=[0])
+    monkeypatch.undo()
+    assert len(backend.generate(prompts[:1], [4], seeds=[0])[0].token_ids) == 4  # the same backend, memory back
+
+
+def test_the_run_sizes_the_cache_of_training_and_of_evaluation_from_their_workloads(setup, tmp_path):
+    from trl_plugins.run import SamplerKind, resolve_run
+    from trl_plugins.run.sampler import make_backend
+
+    _, chat, model, _ = setup
+    run = resolve_run(_config(tmp_path, use_transformers_continuous_batching=True,
+                              rollout_kwargs={"max_trajectory_tokens": 300}))
+    train = make_backend(SamplerKind.CONTINUOUS_BATCHING, run.config, chat, model=model,
+                         token_budget=run.rollout.token_budget)
+    # per_device_train_batch_size 4 trajectories x ceil(300 / 256) = 2 blocks; max(4, 300) -> 320 batch tokens.
+    assert (train.config.num_blocks, train.config.max_batch_tokens) == (8, 320)
+    evaluation = make_backend(SamplerKind.CONTINUOUS_BATCHING, run.config, chat, model=model,
+                              token_budget=run.rollout.token_budget, trajectories=12 * 4)
+    assert (evaluation.config.num_blocks, evaluation.config.max_batch_tokens) == (96, 320)
+    run.close()
+
+
+def test_the_start_up_check_refuses_a_cache_that_will_not_fit_before_the_weights_load(setup, tmp_path, monkeypatch):
+    from trl_plugins.run import resolve_run
+    from trl_plugins.run.sampler import check_continuous_batching_memory
+
+    tok, _, model, _ = setup
+    model.save_pretrained(tmp_path / "model")
+    run = resolve_run(_config(tmp_path, use_transformers_continuous_batching=True,
+                              rollout_kwargs={"max_trajectory_tokens": 300}))
+    _memory(monkeypatch, 8_000_000_000)
+    line = check_continuous_batching_memory(run, str(tmp_path / "model"))
+    assert line.startswith("continuous-batching cache 0.01 GB of the 4.00 GB") and "max_batch_tokens=320, num_blocks=8" in line
+    # 4 trajectories x 300 tokens fit anywhere; a user's 8,192-token batch over 4,096 blocks does not fit in 1 GB.
+    big = resolve_run(_config(tmp_path, use_transformers_continuous_batching=True,
+                              transformers_continuous_batching_config={"max_batch_tokens": 8192, "num_blocks": 4096}))
+    _memory(monkeypatch, 1_000_000_000)
+    with pytest.raises(ValueError, match=r"does not fit: max_batch_tokens=8192, num_blocks=4096.*with the model and its "
+                                         r"training state \(~0\.00 GB, estimated\) loaded\. Set "):
+        check_continuous_batching_memory(big, str(tmp_path / "model"))
+    run.close()
+    big.close()

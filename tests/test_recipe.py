@@ -550,6 +550,28 @@ def test_main_command_generates_with_continuous_batching_under_zero3_on_two_proc
     assert all("heldout/accuracy" in r for r in steps)
 
 
+@pytest.mark.slow
+def test_main_command_generates_with_continuous_batching_sized_from_its_workload(tmp_path):
+    # Issue 30.12: `--use_transformers_continuous_batching true` and nothing else died within two steps on a fresh
+    # machine: transformers sized the paged cache to fill half the memory it saw at the first rollout, and every
+    # later rollout rebuilt it (the cache is not kept by default) from those figures with less memory free
+    # ("MemoryError: Memory footprint ... is more than available memory ..."). Sized from the run's workload it
+    # is checked before the model loads and rebuilt at the same small size every rollout: the starting model's
+    # evaluation, two steps, an evaluation after each, and the final evaluation all generate with it.
+    proc = _launch(tmp_path, "cpu.yaml", ["--report_to", "none", "--use_transformers_continuous_batching", "true"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # 8 trajectories (per_device_train_batch_size) x ceil(1024 / 256) pages = 32 blocks; max(8, 1024) batch tokens.
+    assert "start-up checks: continuous-batching cache" in proc.stdout
+    assert "(max_batch_tokens=1024, num_blocks=32)" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps  # per turn
+    assert all("heldout/accuracy" in r for r in steps)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["before"]["problems"] == 4 and summary["after"]["problems"] == 4
+
+
 def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_overwriting(tmp_path):
     # metrics.jsonl is appended to: a second run into the same folder would interleave its steps (1, 2, 1, 2).
     import subprocess

@@ -141,6 +141,35 @@ def test_a_refused_setting_names_its_field(tmp_path, name):
         _config(tmp_path, **{name: value, **EXTRA.get(name, {})})
 
 
+_SERVE = "set it where the server starts instead (trl vllm-serve {}) and drop it here"
+COLOCATE_ONLY = {  # a value off TRL's default, and what the refusal in server mode tells the user to do instead
+    "vllm_gpu_memory_utilization": (0.5, _SERVE.format("--gpu_memory_utilization")),
+    "vllm_max_model_length": (8192, _SERVE.format("--max_model_len")),
+    "vllm_model_impl": ("transformers", _SERVE.format("--vllm_model_impl")),
+    "vllm_enable_sleep_mode": (True, "a server keeps its own memory (trl vllm-serve has no sleep mode): drop it"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COLOCATE_ONLY))
+def test_a_colocate_only_vllm_setting_is_refused_in_server_mode_saying_what_to_do(tmp_path, name):
+    # Issue 30.13: in server mode vLLM runs in `trl vllm-serve`, which takes its own flags; TRL's client never passes
+    # these on, so a value set here would silently do nothing. Refused when the config is built, with what to do.
+    from trl import GRPOConfig
+
+    value, instead = COLOCATE_ONLY[name]
+    default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}[name]
+    assert value != default  # TRL 1.16: 0.3, None, "vllm", False
+    server = dict(use_vllm=True, vllm_mode="server")
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}") + ".*vllm_mode='server', where it would do "
+                                         "nothing: " + re.escape(instead) + r", or use vllm_mode='colocate'\."):
+        _config(tmp_path, **server, **{name: value})
+    # At TRL's default the field is not set: server mode accepts it, given or not.
+    assert getattr(_config(tmp_path, **server, **{name: default}), name) == default
+    assert getattr(_config(tmp_path, **server), name) == default
+    # In colocate mode it is honoured (passed to TRL's VLLMGeneration).
+    assert getattr(_config(tmp_path, use_vllm=True, vllm_mode="colocate", **{name: value}), name) == value
+
+
 def test_a_vllm_setting_of_the_other_mode_is_refused(tmp_path):
     # Colocate-only settings do nothing against a server (it has its own flags), and server-only ones nothing in
     # colocate mode: refused, not silently inert. In their own mode they are accepted.

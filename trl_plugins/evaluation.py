@@ -256,7 +256,8 @@ def evaluate_policy(
         if backend is None:
             kind = SamplerKind.CONTINUOUS_BATCHING if run.sampler is SamplerKind.CONTINUOUS_BATCHING else SamplerKind.HF_GENERATE
             backend = make_backend(kind, run.config, run.chat, model=model, pad_token_id=tokenizer.pad_token_id,
-                                   accelerator=accelerator, temperature=temperature)
+                                   accelerator=accelerator, temperature=temperature, token_budget=run.rollout.token_budget,
+                                   trajectories=min(len(rows), batch_questions) * samples)
         model.eval()
         from tqdm.auto import tqdm
 

@@ -69,6 +69,26 @@ def check_chat_template(tokenizer: Any, run: Any) -> None:
         raise SystemExit(f"configuration error (before any model loads): the chat template: {exc}") from exc
 
 
+def check_sampler_memory(run: Any, model_path: str, model_kwargs: Mapping[str, Any]) -> str | None:
+    """Whether the continuous-batching cache will fit (:func:`trl_plugins.run.sampler.check_continuous_batching_memory`),
+    once the model's path is known and before its weights load (and before the first evaluation generates with it);
+    returns the line to print, or None for another sampler.
+
+    Raises:
+        SystemExit: it will not fit (the message gives the figures and settings that fit).
+    """
+    from trl_plugins.run import SamplerKind
+    from trl_plugins.run.sampler import check_continuous_batching_memory
+
+    if run.sampler is not SamplerKind.CONTINUOUS_BATCHING:
+        return None
+    try:
+        return check_continuous_batching_memory(run, model_path, dtype=model_kwargs.get("dtype"),
+                                                trainable_fraction=0.0 if run.spec.peft_config is not None else 1.0)
+    except ValueError as exc:
+        raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
+
+
 def distributed_mode(env: Mapping[str, str] | None = None, training_args: Any = None) -> str:
     """How the processes share the model: ``DeepSpeed ZeRO-<stage>``, ``FSDP``, ``DDP`` or ``single process``
     (from accelerate launch's environment, or ``training_args.deepspeed``)."""

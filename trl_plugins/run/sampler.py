@@ -10,7 +10,8 @@ from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend,
 from trl_plugins.rollout.chat import ChatFormat
 from trl_plugins.types import LogprobSource, SamplingSettings
 
-__all__ = ["SamplerKind", "sampler_kind", "sampling_settings", "check_sampler_available", "make_backend"]
+__all__ = ["SamplerKind", "sampler_kind", "sampling_settings", "check_sampler_available", "make_backend",
+           "continuous_batching_options", "check_continuous_batching_memory"]
 
 
 class SamplerKind(enum.StrEnum):
@@ -80,13 +81,17 @@ def check_sampler_available(kind: SamplerKind) -> None:
 
 
 def make_backend(kind: SamplerKind, config: Any, chat: ChatFormat, *, model: Any = None, pad_token_id: int | None = None,
-                 accelerator: Any = None, vllm_generation: Any = None, temperature: float | None = None) -> GenerationBackend:
+                 accelerator: Any = None, vllm_generation: Any = None, temperature: float | None = None,
+                 token_budget: int | None = None, trajectories: int | None = None) -> GenerationBackend:
     """The backend of sampler ``kind`` with the config's sampling settings (``temperature`` overrides the config's).
 
     Args:
         model: The policy HF generate or continuous batching samples from (possibly wrapped by Accelerate).
         pad_token_id: HF generate's left padding.
         vllm_generation: TRL's ``VLLMGeneration`` (the trainer's), for vLLM.
+        token_budget: The rollout's ``token_budget`` (the most tokens of one trajectory; None: the model's context).
+        trajectories: Trajectories of one rollout on this process (default: ``per_device_train_batch_size``).
+            With ``token_budget`` they size the continuous-batching cache (:func:`continuous_batching_options`).
     """
     sampling = sampling_settings(config, temperature=temperature)
     if kind.is_vllm:
@@ -101,12 +106,64 @@ def make_backend(kind: SamplerKind, config: Any, chat: ChatFormat, *, model: Any
         return VLLMBackend(vllm_generation, stop_token_ids=chat.stop_token_ids, sampling=sampling, client=client,
                            max_concurrency=config.vllm_max_concurrent_requests)
     if kind is SamplerKind.CONTINUOUS_BATCHING:
-        from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
+        from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend
 
+        if token_budget is None:
+            token_budget = getattr(model, "module", model).config.max_position_embeddings
         return ContinuousBatchingBackend(
             model, stop_token_ids=chat.stop_token_ids, sampling=sampling,
-            config=continuous_batching_config(config.transformers_continuous_batching_config), accelerator=accelerator,
+            config=continuous_batching_options(config, token_budget, trajectories), accelerator=accelerator,
             keep_cache=config.continuous_batching_keep_cache,
         )
     return HFGenerationBackend(model, pad_token_id=pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling,
                                accelerator=accelerator)
+
+
+def continuous_batching_options(config: Any, token_budget: int, trajectories: int | None = None) -> Any:
+    """The run's ``ContinuousBatchingConfig``: ``transformers_continuous_batching_config``, with ``num_blocks`` and
+    ``max_batch_tokens`` that it leaves unset sized for ``trajectories`` (default: ``per_device_train_batch_size``,
+    one rollout on this process) of up to ``token_budget`` tokens each
+    (:func:`~trl_plugins.rollout.continuous_batching.workload_cache_size`)."""
+    from trl_plugins.rollout.continuous_batching import continuous_batching_config
+
+    return continuous_batching_config(config.transformers_continuous_batching_config,
+                                      trajectories=trajectories or config.per_device_train_batch_size,
+                                      tokens_per_trajectory=token_budget)
+
+
+def check_continuous_batching_memory(run: Any, model_path: str, *, dtype: Any = None, trainable_fraction: float = 1.0) -> str:
+    """Before the weights load: will the run's continuous-batching cache (:func:`continuous_batching_options`) fit in
+    the memory transformers will allow when it builds it at a rollout's start? Returns one line of figures for the
+    banner.
+
+    The model is built on the meta device from its config (nothing loads). The memory in use then is estimated as
+    what is in use now plus the training state: the weights, and for the trainable ``trainable_fraction`` of them a
+    gradient and AdamW's two moments (an upper bound under ZeRO, which shards them).
+
+    Raises:
+        ValueError: the cache does not fit, with the figures and settings that fit.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.generation.continuous_batching.utils import get_device_and_memory_breakdown
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from trl_plugins.rollout.continuous_batching import check_cache_fits
+
+    model_config = AutoConfig.from_pretrained(model_path)
+    if dtype is None or dtype == "auto":  # from_pretrained's "auto": the checkpoint's own
+        dtype = getattr(model_config, "dtype", None) or torch.float32
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    with torch.device("meta"):
+        # The class itself, not from_config: under ZeRO-3 that builds inside deepspeed.zero.Init, which cannot
+        # initialise meta tensors.
+        model = (model_class(model_config) if model_class is not None
+                 else AutoModelForCausalLM.from_config(model_config)).to(dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = int(weights * (1 + 3 * trainable_fraction))
+    _, _, reserved, allocated = get_device_and_memory_breakdown()
+    cb_config = continuous_batching_options(run.config, run.rollout.token_budget or model.config.max_position_embeddings)
+    footprint = check_cache_fits(model, cb_config, in_use=max(reserved, allocated) + state, error=ValueError,
+                                 when=f", with the model and its training state (~{state / 1e9:.2f} GB, estimated) loaded")
+    return (f"continuous-batching cache {footprint.total / 1e9:.2f} GB of the {footprint.available / 1e9:.2f} GB "
+            f"transformers will allow (max_batch_tokens={footprint.max_batch_tokens}, num_blocks={footprint.num_blocks})")

@@ -224,8 +224,9 @@ def _vllm_setting(name: str, mode: str | None) -> Callable[[Any], bool]:
     return ok
 
 
-_COLOCATE_ONLY = ("; refused when set without use_vllm or with vllm_mode='server', where it would do nothing (the "
-                  "server takes its own {flag}).")
+_COLOCATE_ONLY = ("; refused when set (off TRL's default) without use_vllm or with vllm_mode='server', where it would "
+                  "do nothing: {instead}, or use vllm_mode='colocate'.")
+_ON_THE_SERVER = "set it where the server starts instead (trl vllm-serve {flag}) and drop it here"
 _SERVER_ONLY = "; refused when set without use_vllm or with vllm_mode='colocate', where it would do nothing."
 
 
@@ -290,16 +291,16 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "num_generations_eval": FieldRule(_R, _EVAL + "."),
     "use_vllm": FieldRule(_H, "rollout turns are sampled by vLLM (VLLMBackend over TRL's VLLMGeneration), each turn submitted on its own; weights are pushed before each rollout."),
     "vllm_mode": FieldRule(_H, "'colocate' (vLLM in each training process) or 'server' (every rank sends its own turns to the server); refused when set without use_vllm.", ok=lambda c: c.vllm_mode in ("colocate", "server") and _vllm_setting("vllm_mode", None)(c)),
-    "vllm_model_impl": FieldRule(_H, "passed to vLLM by TRL's VLLMGeneration (colocate)" + _COLOCATE_ONLY.format(flag="--model-impl"), ok=_vllm_setting("vllm_model_impl", "colocate")),
-    "vllm_enable_sleep_mode": FieldRule(_H, "colocate: vLLM sleeps (level 2) after each rollout and its weights are pushed again before the next" + _COLOCATE_ONLY.format(flag="sleep mode"), ok=_vllm_setting("vllm_enable_sleep_mode", "colocate")),
+    "vllm_model_impl": FieldRule(_H, "passed to vLLM by TRL's VLLMGeneration (colocate)" + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--vllm_model_impl")), ok=_vllm_setting("vllm_model_impl", "colocate")),
+    "vllm_enable_sleep_mode": FieldRule(_H, "colocate: vLLM sleeps (level 2) after each rollout and its weights are pushed again before the next" + _COLOCATE_ONLY.format(instead="a server keeps its own memory (trl vllm-serve has no sleep mode): drop it"), ok=_vllm_setting("vllm_enable_sleep_mode", "colocate")),
     "vllm_structured_outputs_regex": FieldRule(_R, "one regex would constrain every turn of a multi-turn rollout alike (tool calls, answers); constrain turns in a rollout plugin instead."),
     "vllm_server_base_url": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_base_url", "server")),
     "vllm_server_host": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_host", "server")),
     "vllm_server_port": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_port", "server")),
     "vllm_server_timeout": FieldRule(_H, _VLLM + " (server): how long every rank waits for the server" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_timeout", "server")),
     "vllm_group_port": FieldRule(_H, _VLLM + " (server): the weight-update group" + _SERVER_ONLY, ok=_vllm_setting("vllm_group_port", "server")),
-    "vllm_gpu_memory_utilization": FieldRule(_H, _VLLM + " (colocate)" + _COLOCATE_ONLY.format(flag="--gpu-memory-utilization"), ok=_vllm_setting("vllm_gpu_memory_utilization", "colocate")),
-    "vllm_max_model_length": FieldRule(_H, _VLLM + " (colocate), refused at start-up when shorter than the rollout's token budget" + _COLOCATE_ONLY.format(flag="--max-model-len"), ok=_vllm_setting("vllm_max_model_length", "colocate")),
+    "vllm_gpu_memory_utilization": FieldRule(_H, _VLLM + " (colocate)" + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--gpu_memory_utilization")), ok=_vllm_setting("vllm_gpu_memory_utilization", "colocate")),
+    "vllm_max_model_length": FieldRule(_H, _VLLM + " (colocate), refused at start-up when shorter than the rollout's token budget" + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--max_model_len")), ok=_vllm_setting("vllm_max_model_length", "colocate")),
     "vllm_tensor_parallel_size": FieldRule(_R, "colocate tensor parallelism gathers the prompts of a rank group on every generate call, a collective per turn that per-trajectory turns cannot keep in step; keep 1, or use vllm_mode='server' with the server's own --tensor-parallel-size.", ok=lambda c: c.vllm_tensor_parallel_size == 1),
     "vllm_importance_sampling_correction": FieldRule(_H, "switch of the sampler/trainer mismatch correction (TIS/MIS, docs/training.md): old log-probs from the trainer's forward, loss weighted by pi_old/pi_sampler; applies to batches whose log-probs are not the trainer's own (vLLM), or to every batch with mismatch_correction_scope='all'.", owner=_IS_OWNER),
     "vllm_importance_sampling_mode": FieldRule(_H, "token_truncate, token_mask, sequence_truncate or sequence_mask, as in TRL; refused when set but the correction cannot apply (HF generate with mismatch_correction_scope='foreign', or correction off).", owner=_IS_OWNER),
@@ -307,7 +308,7 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "vllm_importance_sampling_clip_min": FieldRule(_H, "C_min of the importance weight, as in TRL (None: no lower bound); refused when set but the correction cannot apply.", owner=_IS_OWNER),
     "vllm_importance_sampling_cap": FieldRule(_H, "deprecated in TRL, whose __post_init__ copies it into vllm_importance_sampling_clip_max (same rules).", owner=_IS_OWNER),
     "use_transformers_continuous_batching": FieldRule(_H, "rollouts generate with transformers' continuous batching (ContinuousBatchingBackend): one request per turn, a trajectory's next turn submitted as soon as its tool returns; refused with use_vllm and with repetition_penalty != 1.", owner=_CB_OWNER),
-    "transformers_continuous_batching_config": FieldRule(_H, "ContinuousBatchingConfig keyword arguments (max_memory_percent defaults to 0.5, as in TRL), checked at start-up; return_logprobs, seed, per_request_processors and drop_unsupported_processors are refused (the backend sets them); refused without use_transformers_continuous_batching.", owner=_CB_OWNER),
+    "transformers_continuous_batching_config": FieldRule(_H, "ContinuousBatchingConfig keyword arguments (max_memory_percent defaults to 0.5, as in TRL; num_blocks and max_batch_tokens left unset are sized from the workload: per_device_train_batch_size trajectories x the rollout's token budget), checked at start-up (the recipe also checks that the cache fits before the model loads); return_logprobs, seed, per_request_processors and drop_unsupported_processors are refused (the backend sets them); refused without use_transformers_continuous_batching.", owner=_CB_OWNER),
     "use_transformers_paged": FieldRule(_H, "deprecated in TRL, whose __post_init__ turns it into use_transformers_continuous_batching=True (same rules).", owner=_CB_OWNER),
     "log_completions": FieldRule(_R, "TRL's single-turn completions table; trajectory_table_steps/_rows log multi-turn trajectories (the trainer refuses it too)."),
     "log_multimodal": FieldRule(_R, _LOGS + "."),

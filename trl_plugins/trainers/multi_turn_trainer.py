@@ -126,7 +126,8 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         # vLLM: TRL's __init__ built self.vllm_generation (colocate or server), turns go through it.
         self._sampler = make_backend(run.sampler, args, run.chat, model=self.model_wrapped,
                                      pad_token_id=self.processing_class.pad_token_id, accelerator=self.accelerator,
-                                     vllm_generation=self.vllm_generation if run.sampler.is_vllm else None)
+                                     vllm_generation=self.vllm_generation if run.sampler.is_vllm else None,
+                                     token_budget=run.rollout.token_budget)
         if critic is not None:
             if not self.is_deepspeed_enabled:  # DeepSpeed places (and under ZeRO-3 shards) it itself
                 critic.to(device=self.accelerator.device, dtype=next(self.model.parameters()).dtype)
