@@ -465,3 +465,74 @@ def test_a_parser_that_raises_on_a_sampled_turn_ends_that_trajectory_only(chat):
     broken, fine = result.trajectories
     assert broken.stop_reason == StopReason.INVALID_ACTION and "AttributeError" in broken.error
     assert fine.stop_reason == StopReason.FINAL_ANSWER
+
+
+class OddTool(FakeTool):
+    """Returns ``odd`` on its first call: as its ``ToolOutput.text``, or (``whole=True``) as the whole result."""
+
+    def __init__(self, odd, *, whole: bool = False) -> None:
+        super().__init__()
+        self.odd, self.whole = odd, whole
+
+    async def __call__(self, arguments):
+        number = self.calls + 1  # this call's number (calls run concurrently)
+        out = await super().__call__(arguments)
+        if number == 1:
+            return self.odd if self.whole else ToolOutput(text=self.odd, ok=True)
+        return out
+
+
+def observation_text(chat, turn) -> str:
+    new = turn.prompt_ids[len(turn.prompt_ids) - len(turn.prompt_sources):]
+    return chat.tokenizer.decode([t for t, s in zip(new, turn.prompt_sources) if s == TokenSource.OBSERVATION])
+
+
+@pytest.mark.parametrize("odd,shown", [
+    ("\ud800", "\ufffd"),                          # a lone high surrogate: the tokenizer raised TypeError on it
+    ("x\udc00y", "x\ufffdy"),                      # a lone low surrogate inside text
+    ("\ud83d\ude00 ok", "\U0001f600 ok"),          # a surrogate pair is the character it encodes
+    ("a\x00b\x1b[0m", "a\x00b\x1b[0m"),            # NUL and an escape are valid text: kept as they are
+])
+def test_tool_output_that_no_tokenizer_can_encode_becomes_valid_text(chat, odd, shown):
+    result, _, _ = run(chat, ["calls=1", "calls=1"], tool=OddTool(odd))
+    assert [t.stop_reason for t in result.trajectories] == [StopReason.FINAL_ANSWER] * 2
+    traj = next(t for t in result.trajectories if t.turns[0].tool_call.output != "ran print(0)")
+    # What is recorded is what the model saw: valid text (a saved viewer batch can write it as UTF-8).
+    assert traj.turns[0].tool_call.output == shown
+    shown.encode("utf-8")
+    assert observation_text(chat, traj.turns[1]).rstrip("\n") == shown
+    # ChatFormat.tool_turn, called directly, takes it too.
+    assert chat.tool_turn(traj.turns[0].completion_ids, odd).ids == chat.tool_turn(traj.turns[0].completion_ids, shown).ids
+
+
+@pytest.mark.parametrize("odd,whole,said", [
+    (b"42\n", False, "the tool returned ToolOutput.text of type bytes (b'42\\n'); it must be a str"),
+    (None, False, "the tool returned ToolOutput.text of type NoneType (None); it must be a str"),
+    ("42\n", True, "the tool returned str '42\\n', not a ToolOutput"),
+])
+def test_a_tool_that_returns_no_text_fails_its_own_trajectory_only(chat, odd, whole, said):
+    result, _, _ = run(chat, ["calls=1", "calls=1"], tool=OddTool(odd, whole=whole))
+    failed = [t for t in result.trajectories if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
+    assert len(failed) == 1 and failed[0].turns[-1].tool_call.infra_error == said
+    assert failed[0].error == f"tool 'code_interpreter': {said}"
+    assert [t.stop_reason for t in result.trajectories if t is not failed[0]] == [StopReason.FINAL_ANSWER]
+
+
+def test_a_tool_turn_that_cannot_be_built_fails_its_own_trajectory_only(chat, monkeypatch):
+    # Whatever else a template or tokenizer cannot take in a tool's output ends that trajectory, not the rollout.
+    real = ChatFormat.tool_turn
+
+    def picky(self, completion_ids, output, **kwargs):
+        if "print(0)" in output and "boom" not in picky.__dict__:
+            picky.boom = True
+            raise ValueError("cannot encode this")
+        return real(self, completion_ids, output, **kwargs)
+
+    monkeypatch.setattr(ChatFormat, "tool_turn", picky)
+    result, _, _ = run(chat, ["calls=1", "calls=1"])
+    reasons = sorted(t.stop_reason for t in result.trajectories)
+    assert reasons == [StopReason.ENVIRONMENT_ERROR, StopReason.FINAL_ANSWER]
+    failed = next(t for t in result.trajectories if t.world_failure)
+    assert failed.error == ("tool 'code_interpreter': its output could not be rendered and tokenised: "
+                            "ValueError: cannot encode this")
+    validate_trajectory(failed)

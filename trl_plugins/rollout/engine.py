@@ -35,7 +35,7 @@ from trl_plugins.rollout.request import (
     questions_from_rows,
 )
 from trl_plugins.protocols import ToolPlugin
-from trl_plugins.tools.base import ToolOutput
+from trl_plugins.tools.base import ToolOutput, valid_text
 from trl_plugins.types import (
     PolicyVersion,
     StopReason,
@@ -69,7 +69,7 @@ async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0, fai
     for attempt in range(attempts):
         raised = None
         try:
-            out = await tool(arguments)
+            out = _checked_output(await tool(arguments))
         except Exception as exc:  # a tool bug must not take the whole rollout down, nor be the policy's fault
             raised = exc
             out = ToolOutput(text="", ok=False, infra_error=f"{type(exc).__name__}: {exc}")
@@ -78,6 +78,19 @@ async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0, fai
         failures.record(tool.name, out.infra_error, attempt=attempt + 1, attempts=attempts, exc=raised)
     if not out.latency_s:
         out.latency_s = time.perf_counter() - start
+    return out
+
+
+def _checked_output(out: Any) -> ToolOutput:
+    """What a tool returned, checked at the seam: a :class:`ToolOutput` whose ``text`` is a ``str`` (else the tool
+    broke its contract: an infrastructure error saying so), with code points no tokenizer can encode replaced."""
+    if not isinstance(out, ToolOutput):
+        return ToolOutput(text="", ok=False, infra_error=f"the tool returned {type(out).__name__} {out!r:.60}, not a "
+                          f"ToolOutput")
+    if not isinstance(out.text, str):
+        return ToolOutput(text="", ok=False, latency_s=out.latency_s, infra_error=(
+            f"the tool returned ToolOutput.text of type {type(out.text).__name__} ({out.text!r:.60}); it must be a str"))
+    out.text = valid_text(out.text)
     return out
 
 
@@ -271,8 +284,18 @@ class MultiTurnRollout:
                 turn.tool_s = out.latency_s
                 st.traj.error = f"tool {parsed.tool_name!r}: {out.infra_error}"
                 return finish(StopReason.ENVIRONMENT_ERROR)
-            tool_turn = chat.tool_turn(turn.completion_ids, out.text, tool_name=parsed.tool_name,
-                                       arguments=parsed.arguments, max_tokens=self.max_tool_response_tokens)
+            try:
+                tool_turn = chat.tool_turn(turn.completion_ids, out.text, tool_name=parsed.tool_name,
+                                           arguments=parsed.arguments, max_tokens=self.max_tool_response_tokens)
+            except Exception as exc:  # output the template or tokenizer cannot take: this trajectory's world failed
+                logger.exception("building the tool turn from a tool's output raised; the trajectory ends as "
+                                 "environment_error")
+                error = f"its output could not be rendered and tokenised: {type(exc).__name__}: {exc}"
+                turn.tool_call = ToolCall(name=parsed.tool_name, arguments=parsed.arguments, output="", ok=False,
+                                          latency_s=out.latency_s, infra_error=error)
+                turn.tool_s = out.latency_s
+                st.traj.error = f"tool {parsed.tool_name!r}: {error}"
+                return finish(StopReason.ENVIRONMENT_ERROR)
             turn.tool_call = ToolCall(
                 name=parsed.tool_name,
                 arguments=parsed.arguments,

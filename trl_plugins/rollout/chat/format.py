@@ -36,7 +36,7 @@ from trl_plugins.rollout.chat.vocab import (
     _first_difference,
     tokenizer_digest,
 )
-from trl_plugins.tools.base import check_arguments
+from trl_plugins.tools.base import check_arguments, valid_text
 from trl_plugins.types import TokenSource
 
 __all__ = ["ChatFormat"]
@@ -198,10 +198,11 @@ class ChatFormat(TemplateChecks):
 
         The template renders the tool message with the (tail-truncated) output; everything from the stop
         token ending the call to the next generation prompt is tokenised as one piece, control-token text
-        inside the output as plain text. Closing tokens the sampler already produced are not repeated.
+        inside the output as plain text. Closing tokens the sampler already produced are not repeated. Code points
+        no tokenizer can encode (a lone surrogate) become U+FFFD first (:func:`~trl_plugins.tools.base.valid_text`).
         """
         name = tool_name or self._tool_name()
-        text, truncated = self._truncate(output, max_tokens)
+        text, truncated = self._truncate(valid_text(output), max_tokens)
         start, placeholder, before, after = self._layout(name)
         rendered = self._render(self._call_messages(name) + [self._tool_message(name, text)], add_generation_prompt=True)
         glue = rendered[start:]
