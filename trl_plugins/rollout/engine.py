@@ -116,7 +116,8 @@ class MultiTurnRollout:
     max_trajectory_tokens: int = 4096
     """Tokens per trajectory: first prompt, all completions, all tool messages."""
     max_tool_response_tokens: int = 512
-    """Tokens per tool response (the tail is kept)."""
+    """Tokens per tool response as they reach the model (the observation tokens of the rendered tool message,
+    control-token text spelled out); a longer response keeps its tail."""
     tool_retries: int = 1
     """Retries of a call that failed for infrastructure reasons, for tools that declare ``idempotent``
     (the code interpreter does); when they are used up the trajectory ends with ``environment_error``."""

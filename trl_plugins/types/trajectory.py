@@ -157,7 +157,8 @@ class ToolCall:
     timed_out: bool = False
     """True when the tool hit its time limit."""
     output_truncated: bool = False
-    """True when the response was cut to ``max_tool_response_tokens`` (the tail is kept)."""
+    """True when the response was cut to ``max_tool_response_tokens`` observation tokens, counted as they reach the
+    model (the tail is kept)."""
     latency_s: float = 0.0
     """Wall time of the call, seconds."""
     infra_error: str | None = None

@@ -44,6 +44,10 @@ __all__ = ["ChatFormat"]
 logger = logging.getLogger(__name__)
 
 
+def _observed(sources: Sequence[TokenSource]) -> int:
+    return sum(s == TokenSource.OBSERVATION for s in sources)
+
+
 class ChatFormat(TemplateChecks):
     """Token-in, token-out turn building and parsing for one tokenizer and chat template.
 
@@ -162,22 +166,6 @@ class ChatFormat(TemplateChecks):
             )
         )
 
-    def _truncate(self, text: str, max_tokens: int | None) -> tuple[str, bool]:
-        """Keep the tail of tool output longer than ``max_tokens`` tokens, behind a marker saying so."""
-        if max_tokens is None:
-            return text, False
-        ids = _encode(self.tokenizer, text)
-        if len(ids) <= max_tokens:
-            return text, False
-        # A marker tells the model output was cut; it may take at most a quarter of the budget.
-        marker = ""
-        for candidate in (f"[... {len(ids) - max_tokens} earlier tokens cut ...]\n", "[...]\n"):
-            if len(_encode(self.tokenizer, candidate)) <= max_tokens // 4:
-                marker = candidate
-                break
-        keep = max_tokens - len(_encode(self.tokenizer, marker))
-        return marker + self.tokenizer.decode(ids[len(ids) - keep:]), True
-
     @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool name)
     def _layout(self, name: str) -> tuple[int, str, int, int]:
         """Where the tool turn starts in the rendering of a call to ``name``, and the output's edges in it.
@@ -196,27 +184,76 @@ class ChatFormat(TemplateChecks):
                   arguments: dict | None = None, max_tokens: int | None = None) -> ToolTurn:
         """The tokens to append after a sampled completion that called ``tool_name`` and got ``output``.
 
-        The template renders the tool message with the (tail-truncated) output; everything from the stop
-        token ending the call to the next generation prompt is tokenised as one piece, control-token text
-        inside the output as plain text. Closing tokens the sampler already produced are not repeated. Code points
-        no tokenizer can encode (a lone surrogate) become U+FFFD first (:func:`~trl_plugins.tools.base.valid_text`).
+        The template renders the tool message with the output; everything from the stop token ending the call to
+        the next generation prompt is tokenised as one piece, control-token text inside the output as plain text.
+        Closing tokens the sampler already produced are not repeated. Code points no tokenizer can encode (a lone
+        surrogate) become U+FFFD first (:func:`~trl_plugins.tools.base.valid_text`). With ``max_tokens``, the
+        output's tokens as they reach the model (OBSERVATION tokens: after the template escaped or trimmed it, with
+        control-token text spelled out) are at most ``max_tokens``: a longer output keeps its tail behind a marker.
         """
         name = tool_name or self._tool_name()
-        text, truncated = self._truncate(valid_text(output), max_tokens)
-        start, placeholder, before, after = self._layout(name)
-        rendered = self._render(self._call_messages(name) + [self._tool_message(name, text)], add_generation_prompt=True)
-        glue = rendered[start:]
-        # The output as the template wrote it: what differs from the placeholder rendering.
-        lo = min(_first_difference(glue, placeholder), before)
-        hi = len(glue) - min(_first_difference(glue[::-1], placeholder[::-1]), after)
-        hi = max(hi, lo)
-        ids, sources = self._tokenize_turn(glue, lo, hi)
+        text = valid_text(output)
+        ids, sources = self._rendered_turn(name, text)
+        truncated = max_tokens is not None and _observed(sources) > max_tokens
+        if truncated:
+            ids, sources = self._cut_to_budget(name, text, max_tokens, _observed(sources))
         k = 0
         for n in range(min(len(ids), len(completion_ids)), 0, -1):
             if tuple(completion_ids[-n:]) == tuple(ids[:n]) and all(s == TokenSource.GLUE for s in sources[:n]):
                 k = n
                 break
         return ToolTurn(ids[k:], sources[k:], truncated)
+
+    def _rendered_turn(self, name: str, text: str) -> tuple[list[int], list[TokenSource]]:
+        """The whole tool turn after a call to ``name`` that returned ``text``, tokenised, with its provenance."""
+        start, placeholder, before, after = self._layout(name)
+        rendered = self._render(self._call_messages(name) + [self._tool_message(name, text)], add_generation_prompt=True)
+        glue = rendered[start:]
+        # The output as the template wrote it: what differs from the placeholder rendering.
+        lo = min(_first_difference(glue, placeholder), before)
+        hi = len(glue) - min(_first_difference(glue[::-1], placeholder[::-1]), after)
+        return self._tokenize_turn(glue, lo, max(hi, lo))
+
+    def _cut_to_budget(self, name: str, text: str, max_tokens: int, full: int) -> tuple[list[int], list[TokenSource]]:
+        """The tool turn whose output is the longest tail of ``text`` (behind a marker saying it was cut) that the
+        template renders in at most ``max_tokens`` OBSERVATION tokens; ``full`` is what the whole output took.
+
+        Counted on the rendered turn, not on the output alone: control-token text (``<|im_end|>``: one token as a
+        token, ~7 spelled out) and a template's escaping (JSON's ``\\n``) change how many tokens reach the model.
+        """
+        # A marker tells the model output was cut; it may take at most a quarter of the budget.
+        markers = [m for m in (f"[... {full - max_tokens} earlier tokens cut ...]\n", "[...]\n")
+                   if len(_encode(self.tokenizer, m)) <= max_tokens // 4] + [""]
+        for marker in markers:
+            turn = self._rendered_turn(name, marker)
+            if _observed(turn[1]) <= max_tokens:
+                break
+        fitting: dict[int, tuple[list[int], list[TokenSource]]] = {len(text): turn}
+
+        def fits(at: int) -> bool:
+            candidate = self._rendered_turn(name, marker + text[at:])
+            if _observed(candidate[1]) <= max_tokens:
+                fitting[at] = candidate
+            return at in fitting
+
+        # The tail kept is text[hi:], hi the smallest start found to fit: from the start the token rate of the whole
+        # output suggests, a bracket widened by doubling steps, then bisected (the whole text never fits: lo = 0).
+        guess = max(1, len(text) - len(text) * (max_tokens - _observed(turn[1])) // full)
+        step = max(1, (len(text) - guess) // 8)
+        if fits(guess):
+            hi, lo = guess, max(0, guess - step)
+            while lo > 0 and fits(lo):
+                hi, step = lo, step * 2
+                lo = max(0, lo - step)
+        else:
+            lo, hi = guess, min(len(text), guess + step)
+            while hi < len(text) and not fits(hi):
+                lo, step = hi, step * 2
+                hi = min(len(text), hi + step)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return fitting[hi]
 
     def _tokenize_turn(self, text: str, lo: int, hi: int) -> tuple[list[int], list[TokenSource]]:
         """Tokenise ``text`` as one piece, except that control-token text inside ``[lo, hi)`` is split."""
