@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -682,3 +683,31 @@ def test_the_rollout_declares_how_many_calls_of_a_turn_it_runs():
     Plain.tool_calls_per_turn = 0
     with pytest.raises(PluginDeclarationError, match=r"declares tool_calls_per_turn=0; it must be an int >= 1"):
         as_rollout(Plain(), "plain")
+
+
+def test_parallel_calls_wait_for_the_tools_own_concurrency_limit(parallel_chat):
+    # The code interpreter's sandbox runs at most max_concurrency calls at once: a turn's parallel calls queue
+    # behind it, never around it. With a limit of 1, each of three 0.4 s calls starts after the one before ended.
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    tok = parallel_chat.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    code = "import time; start = time.time(); time.sleep(0.4); print(repr(start))"
+
+    def script(prompt):
+        if "<tool_response>" in tok.decode(prompt):
+            body = "The answer is \\boxed{7}."
+        else:
+            call = json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
+            body = "".join(f"\n<tool_call>\n{call}\n</tool_call>" for _ in range(3))
+        return tok(body, add_special_tokens=False)["input_ids"] + [im_end]
+
+    q = RolloutQuestion("q", parallel_chat.initial_prompt_ids([{"role": "user", "content": "go"}]), 0)
+    with CodeInterpreter(mode="cold", max_concurrency=1, timeout_s=10.0) as tool:
+        result = MultiTurnRollout(max_tool_calls_per_turn=3)(RolloutRequest(
+            [q], 1, ScriptedBackend(script, stop_token_ids=parallel_chat.stop_token_ids), parallel_chat,
+            {"code_interpreter": tool}))
+    (traj,) = result.trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    starts = sorted(float(c.output) for c in traj.turns[0].tool_calls)
+    assert len(starts) == 3 and all(b - a >= 0.39 for a, b in zip(starts, starts[1:])), starts

@@ -189,6 +189,10 @@ class ChatFormat(TemplateChecks):
         rendered = self._rendering(names, _placeholders(len(names)))
         return rendered.index(self._call_stop, rendered.rindex(_ARG, 0, rendered.index(_placeholders(len(names))[0])) + len(_ARG))
 
+    @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool names)
+    def _placeholder_glue(self, names: tuple[str, ...]) -> str:
+        return self._glue(names, _placeholders(len(names)))
+
     def _glue(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
         """The template's rendering after a turn calling ``names`` whose tool messages hold ``outputs``, from the stop
         token ending the calls to the next generation prompt."""
@@ -238,7 +242,7 @@ class ChatFormat(TemplateChecks):
         wrote for it, trimmed or escaped), so text an output shares with the template's markup cannot confuse it.
         """
         current = list(_placeholders(len(names)))
-        previous = self._glue(names, current)
+        previous = self._placeholder_glue(names)
         regions = []
         for k, text in enumerate(texts):
             at = previous.index(current[k])
