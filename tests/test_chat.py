@@ -74,11 +74,13 @@ def test_verify_catches_an_observation_tokenised_apart(monkeypatch):
     chat.verify(["42\n"])
     original = chat._tokenize_turn
 
-    def apart(text, lo, hi):  # the old layout: output and glue tokenised separately
-        head, _ = original(text[:lo], 0, 0)
-        mid, _ = original(text[lo:hi], 0, hi - lo)
-        tail, _ = original(text[hi:], 0, 0)
-        return head + mid + tail, [G] * len(head) + [O] * len(mid) + [G] * len(tail)
+    def apart(text, regions):  # the old layout: output and glue tokenised separately
+        ((lo, hi),) = regions
+        head, _, _ = original(text[:lo], [])
+        mid, _, _ = original(text[lo:hi], [(0, hi - lo)])
+        tail, _, _ = original(text[hi:], [])
+        owners = [-1] * len(head) + [0] * len(mid) + [-1] * len(tail)
+        return head + mid + tail, [G] * len(head) + [O] * len(mid) + [G] * len(tail), owners
 
     monkeypatch.setattr(chat, "_tokenize_turn", apart)
     chat.verify(["42"])  # no newline at the edge: the two layouts agree
@@ -338,6 +340,12 @@ def test_template_matrix_every_template_is_exact_or_refused(name):
         assert {r.thinking: r.verdict for r in rows} == {"default": "exact", "on": "refused", "off": "exact"}, rows
     if name == "glm4moe":
         assert all(r.verdict == "refused" and "after a final answer" in r.reason for r in rows), rows
+    # Parallel calls: exact where models are trained on them and the template renders them; refused, saying why,
+    # where it cannot (Llama 3.x's raises; Gemma 4's turn stops at the token closing its first call).
+    if name in ("qwen2_5", "qwen3_instruct_2507", "qwen3_training", "glm4moe_training", "nemotron_3_nano"):
+        assert all(r.parallel == "exact" for r in rows if r.verdict == "exact"), rows
+    if name in ("llama3_1", "llama3_2", "gemma4"):
+        assert all(r.parallel == "refused" and r.parallel_reason for r in rows), rows
 
 
 def test_matrix_checks_with_the_familys_own_special_tokens():
@@ -375,14 +383,41 @@ def test_long_tool_output_keeps_the_tail(chat):
         return tok.decode([t for t, s in zip(turn.ids, turn.sources) if s == O])
 
     turn = chat.tool_turn([], text, max_tokens=40)
-    assert turn.truncated and abs(sum(s == O for s in turn.sources) - 40) <= 2
+    assert turn.truncated and 38 <= sum(s == O for s in turn.sources) <= 40
     assert observed(turn).startswith("[...")  # a short marker: the full one would eat the small budget
     assert observed(turn).endswith("Traceback: ZeroDivisionError")
     turn = chat.tool_turn([], text, max_tokens=400)
-    assert turn.truncated and abs(sum(s == O for s in turn.sources) - 400) <= 2
+    assert turn.truncated and 398 <= sum(s == O for s in turn.sources) <= 400
     assert re.match(r"\[\.\.\. \d+ earlier tokens cut \.\.\.\]\n", observed(turn))
     assert observed(turn).endswith("Traceback: ZeroDivisionError")
     assert not chat.tool_turn([], text, max_tokens=10_000).truncated
+
+
+@pytest.mark.parametrize("template", ["qwen2_5", "llama3_1", "glm4moe_training"])  # llama3_1 JSON-escapes the output
+@pytest.mark.parametrize("make_output", [
+    lambda controls: "<|im_end|>" * 700,               # one token as a token, ~7 spelled out as text
+    lambda controls: "".join(controls) * 300,          # the family's own control-token text
+    lambda controls: 'say "hi"\n\\' * 900,          # quotes, newlines, backslashes: escaped by a JSON template
+    lambda controls: "row\n" * 3000 + "RESULT=42",     # plain long output
+])
+def test_the_observation_budget_counts_the_tokens_that_reach_the_model(template, make_output):
+    chat = ChatFormat(build_tokenizer(template), [SCHEMA])
+    tok = chat.tokenizer
+    output = make_output(sorted(tok.get_added_vocab(), key=len, reverse=True)[:3])
+    turn = chat.tool_turn([chat.stop_token_ids[0]], output, max_tokens=512)
+    observed = [t for t, s in zip(turn.ids, turn.sources) if s == O]
+    # The output's tokens in the context (as the template rendered it, control-token text spelled out), never
+    # more than the budget; before, '<|im_end|>' x 700 put 4,877 tokens into a Qwen context (574 for Llama 3.1).
+    assert turn.truncated and 500 <= len(observed) <= 512
+    assert not set(observed) & chat._control_ids
+    # The tail is kept, behind the marker, as the template writes it.
+    whole = chat.tool_turn([chat.stop_token_ids[0]], output)
+    whole_text = tok.decode([t for t, s in zip(whole.ids, whole.sources) if s == O])
+    kept = tok.decode(observed)
+    assert kept.startswith("[... ") and whole_text.endswith(kept[kept.index("cut ...]") + len("cut ...]") + 3:])
+    # The glue around it is the template's: the turn is the whole turn's glue with a shorter observation.
+    glue = [t for t, s in zip(turn.ids, turn.sources) if s == G]
+    assert glue == [t for t, s in zip(whole.ids, whole.sources) if s == G]
 
 
 @pytest.mark.parametrize(
@@ -392,7 +427,10 @@ def test_long_tool_output_keeps_the_tail(chat):
         ("So the answer is \\boxed{42}.", TurnKind.FINAL_ANSWER, None),
         ("I do not know.", TurnKind.NO_TOOL_CALL, None),
         ('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "1"\n</tool_call>', TurnKind.INVALID, "malformed tool call"),
-        (f"{CALL}\n{CALL}", TurnKind.INVALID, "2 tool calls"),
+        (f"{CALL}\n{CALL}", TurnKind.TOOL_CALL, None),  # parallel calls: how many may run is the rollout's cap
+        (f"{CALL}\n{CALL}\nmore", TurnKind.INVALID, "text after the tool call"),
+        (f'{CALL}\n<tool_call>\n{{"name": "shell", "arguments": {{"cmd": "ls"}}}}\n</tool_call>', TurnKind.INVALID,
+         "unknown tool 'shell'"),
         (f"{CALL}\nand then more text", TurnKind.INVALID, "text after the tool call"),
         ('<tool_call>\n{"arguments": {"code": "print(6 * 7)"},"name":"code_interpreter"}\n</tool_call>', TurnKind.TOOL_CALL, None),
         ('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}} trailing}\n</tool_call>', TurnKind.INVALID, None),
@@ -413,6 +451,8 @@ def test_parse_assistant_turns(chat, text, kind, error):
         assert error in parsed.error
     if kind == TurnKind.TOOL_CALL:
         assert parsed.tool_name == "code_interpreter" and parsed.arguments == {"code": "print(6 * 7)"}
+        assert [(c.name, c.arguments) for c in parsed.calls] == [("code_interpreter", {"code": "print(6 * 7)"})] * max(
+            1, text.count(CALL))
 
 
 def test_without_a_final_answer_pattern_a_turn_without_a_call_is_the_final_answer(chat):

@@ -143,7 +143,7 @@ def test_clustered_standard_error_matches_a_hand_computation():
 def _tool_traj(qid, tools):
     from trl_plugins.types import ToolCall, Trajectory, Turn
 
-    turns = [Turn([1], [2], [-0.1], tool_call=ToolCall(name, {}, ok=True)) for name in tools]
+    turns = [Turn([1], [2], [-0.1], tool_calls=[ToolCall(name, {}, ok=True)]) for name in tools]
     turns.append(Turn([1], [3], [-0.1], text="\\boxed{1}"))
     return Trajectory(turns=turns, question_id=qid)
 

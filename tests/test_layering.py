@@ -219,7 +219,8 @@ def test_the_house_checkers_catch_a_big_room_and_a_cycle():
 
 
 CAPABILITIES = ("needs_values", "needs_groups", "needs_ref_logprobs", "needs_entropy", "supports_is_weights",
-                "token_budget", "idempotent", "start_up", "step_metrics", "step_metric_reductions", "is_success",
+                "token_budget", "tool_calls_per_turn", "idempotent", "start_up", "step_metrics", "step_metric_reductions",
+                "is_success",
                 "requires_lockstep", "max_concurrency", "sync_weights", "with_sampling")
 
 

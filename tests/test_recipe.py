@@ -83,7 +83,7 @@ def test_pass_at_k_matches_the_combinatorial_definition():
 def _traj(qid, calls, stop=StopReason.FINAL_ANSWER):
     turns = []
     for i in range(calls):
-        turns.append(Turn([1], [2], [-0.1], tool_call=ToolCall("code_interpreter", {"code": "1"}, ok=i != 1)))
+        turns.append(Turn([1], [2], [-0.1], tool_calls=[ToolCall("code_interpreter", {"code": "1"}, ok=i != 1)]))
     turns.append(Turn([1], [3], [-0.1], text="\\boxed{1}"))
     return Trajectory(turns=turns, question_id=qid, stop_reason=stop)
 

@@ -28,7 +28,7 @@ def _trajectory(chat, first: str, final: str) -> Trajectory:
     call = ToolCall("code_interpreter", {"code": "print(6 * 7)"}, output="42\n", ok=True)
     p2 = p1 + c1 + chat.tool_turn(c1, call.output, tool_name=call.name, arguments=call.arguments).ids
     c2 = tok(final, add_special_tokens=False)["input_ids"] + end
-    return Trajectory([Turn(p1, c1, [0.0] * len(c1), tool_call=call), Turn(p2, c2, [0.0] * len(c2))],
+    return Trajectory([Turn(p1, c1, [0.0] * len(c1), tool_calls=[call]), Turn(p2, c2, [0.0] * len(c2))],
                       stop_reason=StopReason.FINAL_ANSWER)
 
 

@@ -58,11 +58,11 @@ def _trajectories():
     call = ToolCall(name="code_interpreter", arguments={"code": "print(2 + 2)"}, output="4\n", ok=True)
     bad = ToolCall(name="code_interpreter", arguments={"code": "1/0"}, output="ZeroDivisionError", ok=False, timed_out=False)
     t1 = Trajectory(
-        turns=[Turn([1], [2], [0.0], text="<tool_call>...</tool_call>", tool_call=call),
+        turns=[Turn([1], [2], [0.0], text="<tool_call>...</tool_call>", tool_calls=[call]),
                Turn([1, 2, 3], [4], [0.0], text="So \\boxed{4}")],
         question_id="q0", group_id=0, sample_index=0, stop_reason=StopReason.FINAL_ANSWER,
         reward_components=[RewardComponent("correct", 1.0, 1.0), RewardComponent("format", 1.0, 0.1)], advantage=0.5)
-    t2 = Trajectory(turns=[Turn([5], [6], [0.0], text="try", tool_call=bad)], question_id="q1", group_id=1,
+    t2 = Trajectory(turns=[Turn([5], [6], [0.0], text="try", tool_calls=[bad])], question_id="q1", group_id=1,
                     sample_index=1, stop_reason=StopReason.VERIFIER_ERROR, error="reward component 'correct': boom")
     return [t1, t2]
 

@@ -14,7 +14,7 @@ from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 def traj(text: str, stop=StopReason.FINAL_ANSWER, *, tool_ok=None, prompt_len=10, completion_len=5) -> Trajectory:
     turns = []
     if tool_ok is not None:
-        turns.append(Turn([1] * prompt_len, [2] * 3, [-0.1] * 3, text="call", tool_call=ToolCall("code_interpreter", {"code": "1"}, "1", ok=tool_ok)))
+        turns.append(Turn([1] * prompt_len, [2] * 3, [-0.1] * 3, text="call", tool_calls=[ToolCall("code_interpreter", {"code": "1"}, "1", ok=tool_ok)]))
     turns.append(Turn([1] * prompt_len, [3] * completion_len, [-0.1] * completion_len, text=text + "<|im_end|>"))
     return Trajectory(turns=turns, stop_reason=stop)
 

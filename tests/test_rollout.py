@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -67,7 +68,12 @@ def scripted(chat: ChatFormat) -> ScriptedBackend:
         done = text.count("<tool_response>")
         if "ramble" in text:
             return tok(" word" * 200, add_special_tokens=False)["input_ids"]
-        if "invalid" in text:
+        if "par=" in text:  # parallel calls: N calls in the first turn, then the answer
+            n = int(re.search(r"par=(\d+)", text).group(1))
+            calls = "".join(f'\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "print({k})"}}}}\n</tool_call>'
+                            for k in range(n))
+            body = f"Step {done}.{calls}" if done == 0 else "The answer is \\boxed{7}."
+        elif "invalid" in text:
             body = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": \n</tool_call>'
         elif "shrug" in text:
             body = "I am not sure."
@@ -80,6 +86,11 @@ def scripted(chat: ChatFormat) -> ScriptedBackend:
         return tok(body, add_special_tokens=False)["input_ids"] + [im_end]
 
     return ScriptedBackend(script, stop_token_ids=chat.stop_token_ids)
+
+
+@pytest.fixture(scope="module")
+def parallel_chat():
+    return ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA], final_answer_pattern=r"\\boxed\{", calls_per_turn=4)
 
 
 def run(chat, directives, *, group_size=1, tool=None, **budgets):
@@ -465,3 +476,238 @@ def test_a_parser_that_raises_on_a_sampled_turn_ends_that_trajectory_only(chat):
     broken, fine = result.trajectories
     assert broken.stop_reason == StopReason.INVALID_ACTION and "AttributeError" in broken.error
     assert fine.stop_reason == StopReason.FINAL_ANSWER
+
+
+class OddTool(FakeTool):
+    """Returns ``odd`` on its first call: as its ``ToolOutput.text``, or (``whole=True``) as the whole result."""
+
+    def __init__(self, odd, *, whole: bool = False) -> None:
+        super().__init__()
+        self.odd, self.whole = odd, whole
+
+    async def __call__(self, arguments):
+        number = self.calls + 1  # this call's number (calls run concurrently)
+        out = await super().__call__(arguments)
+        if number == 1:
+            return self.odd if self.whole else ToolOutput(text=self.odd, ok=True)
+        return out
+
+
+def observation_text(chat, turn) -> str:
+    new = turn.prompt_ids[len(turn.prompt_ids) - len(turn.prompt_sources):]
+    return chat.tokenizer.decode([t for t, s in zip(new, turn.prompt_sources) if s == TokenSource.OBSERVATION])
+
+
+def observation_runs(chat, turn, *, ids: bool = False) -> list:
+    """The decoded runs of consecutive OBSERVATION tokens the turn's prompt adds (one per tool output), edges'
+    newlines (merged with the template's) stripped; with ``ids``, their token ids."""
+    new = turn.prompt_ids[len(turn.prompt_ids) - len(turn.prompt_sources):]
+    runs, current = [], []
+    for t, s in zip(new, turn.prompt_sources):
+        if s == TokenSource.OBSERVATION:
+            current.append(t)
+        elif current:
+            runs, current = runs + [current], []
+    runs += [current] if current else []
+    return runs if ids else [chat.tokenizer.decode(r).strip("\n") for r in runs]
+
+
+@pytest.mark.parametrize("odd,shown", [
+    ("\ud800", "\ufffd"),                          # a lone high surrogate: the tokenizer raised TypeError on it
+    ("x\udc00y", "x\ufffdy"),                      # a lone low surrogate inside text
+    ("\ud83d\ude00 ok", "\U0001f600 ok"),          # a surrogate pair is the character it encodes
+    ("a\x00b\x1b[0m", "a\x00b\x1b[0m"),            # NUL and an escape are valid text: kept as they are
+])
+def test_tool_output_that_no_tokenizer_can_encode_becomes_valid_text(chat, odd, shown):
+    result, _, _ = run(chat, ["calls=1", "calls=1"], tool=OddTool(odd))
+    assert [t.stop_reason for t in result.trajectories] == [StopReason.FINAL_ANSWER] * 2
+    traj = next(t for t in result.trajectories if t.turns[0].tool_call.output != "ran print(0)")
+    # What is recorded is what the model saw: valid text (a saved viewer batch can write it as UTF-8).
+    assert traj.turns[0].tool_call.output == shown
+    shown.encode("utf-8")
+    assert observation_text(chat, traj.turns[1]).rstrip("\n") == shown
+    # ChatFormat.tool_turn, called directly, takes it too.
+    assert chat.tool_turn(traj.turns[0].completion_ids, odd).ids == chat.tool_turn(traj.turns[0].completion_ids, shown).ids
+
+
+@pytest.mark.parametrize("odd,whole,said", [
+    (b"42\n", False, "the tool returned ToolOutput.text of type bytes (b'42\\n'); it must be a str"),
+    (None, False, "the tool returned ToolOutput.text of type NoneType (None); it must be a str"),
+    ("42\n", True, "the tool returned str '42\\n', not a ToolOutput"),
+])
+def test_a_tool_that_returns_no_text_fails_its_own_trajectory_only(chat, odd, whole, said):
+    result, _, _ = run(chat, ["calls=1", "calls=1"], tool=OddTool(odd, whole=whole))
+    failed = [t for t in result.trajectories if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
+    assert len(failed) == 1 and failed[0].turns[-1].tool_call.infra_error == said
+    assert failed[0].error == f"tool 'code_interpreter': {said}"
+    assert [t.stop_reason for t in result.trajectories if t is not failed[0]] == [StopReason.FINAL_ANSWER]
+
+
+def test_a_tool_turn_that_cannot_be_built_fails_its_own_trajectory_only(chat, monkeypatch):
+    # Whatever else a template or tokenizer cannot take in a tool's output ends that trajectory, not the rollout.
+    real = ChatFormat.tool_results_turn
+
+    def picky(self, completion_ids, results, **kwargs):
+        if "print(0)" in results[0][1] and "boom" not in picky.__dict__:
+            picky.boom = True
+            raise ValueError("cannot encode this")
+        return real(self, completion_ids, results, **kwargs)
+
+    monkeypatch.setattr(ChatFormat, "tool_results_turn", picky)
+    result, _, _ = run(chat, ["calls=1", "calls=1"])
+    reasons = sorted(t.stop_reason for t in result.trajectories)
+    assert reasons == [StopReason.ENVIRONMENT_ERROR, StopReason.FINAL_ANSWER]
+    failed = next(t for t in result.trajectories if t.world_failure)
+    assert failed.error == ("tool 'code_interpreter': its output could not be rendered and tokenised: "
+                            "ValueError: cannot encode this")
+    validate_trajectory(failed)
+
+
+class PerCodeTool(FakeTool):
+    """Echoes, except for the codes in ``special``: each returns its ``ToolOutput`` (a failure of the model's code, or
+    of the tool itself)."""
+
+    def __init__(self, delay: float = 0.0, special: dict | None = None) -> None:
+        super().__init__(delay)
+        self.special = special or {}
+
+    async def __call__(self, arguments):
+        out = await super().__call__(arguments)
+        return self.special.get(arguments["code"], out)
+
+
+def test_parallel_calls_run_concurrently_and_follow_the_template_token_for_token(parallel_chat):
+    chat, tok = parallel_chat, parallel_chat.tokenizer
+    tool = FakeTool(delay=0.3)
+    start = time.perf_counter()
+    result, _, _ = run(chat, ["par=3"], tool=tool, max_tool_calls_per_turn=4)
+    elapsed = time.perf_counter() - start
+    (traj,) = result.trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER and len(traj.turns) == 2
+    # Every call of the turn ran, at once: 3 calls of a 0.3 s tool took ~0.3 s, not 0.9 s.
+    assert [(c.name, c.arguments, c.output, c.ok) for c in traj.turns[0].tool_calls] == [
+        ("code_interpreter", {"code": f"print({k})"}, f"ran print({k})", True) for k in range(3)]
+    assert tool.calls == 3 and tool.peak == 3 and result.max_concurrent_tool_calls == 3
+    assert 0.3 <= traj.turns[0].tool_s < 0.6 and elapsed < 0.9
+    # Exact token-in, token-out: the next prompt is the template's own rendering of the conversation, its three tool
+    # messages in the order of the calls.
+    calls = [{"type": "function", "id": f"call_{k}", "function": {"name": "code_interpreter", "arguments": {"code": f"print({k})"}}}
+             for k in range(3)]
+    messages = [{"role": "user", "content": "par=3"}, {"role": "assistant", "content": "Step 0.", "tool_calls": calls},
+                *[{"role": "tool", "tool_call_id": f"call_{k}", "content": f"ran print({k})"} for k in range(3)]]
+    expected = tok.apply_chat_template(messages, tools=[SCHEMA], tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert traj.turns[1].prompt_ids == list(expected)
+    # Provenance: the outputs are OBSERVATION, in call order; the template's tags between them GLUE; nothing ACTION.
+    assert observation_runs(chat, traj.turns[1]) == [f"ran print({k})" for k in range(3)]
+    assert set(traj.turns[1].prompt_sources) == {TokenSource.GLUE, TokenSource.OBSERVATION}
+    d = build_datum(traj, advantage=1.0)
+    assert d.num_loss_tokens == sum(len(t.completion_ids) for t in traj.turns)
+    # Each call counts: in the trajectory and in the per-tool metric.
+    assert traj.num_tool_calls == 3
+    assert rollout_metrics(result)["rollout/tool_calls_mean/code_interpreter"] == 3.0
+
+
+def test_a_turn_over_the_per_turn_cap_is_an_invalid_action_and_runs_nothing(parallel_chat):
+    result, _, tool = run(parallel_chat, ["par=3"], max_tool_calls_per_turn=2)
+    (traj,) = result.trajectories
+    assert traj.stop_reason == StopReason.INVALID_ACTION and tool.calls == 0 and traj.num_tool_calls == 0
+    # The default cap is 1: a turn with two calls is invalid, as it always was.
+    result, _, tool = run(parallel_chat, ["par=2"])
+    assert result.trajectories[0].stop_reason == StopReason.INVALID_ACTION and tool.calls == 0
+    assert MultiTurnRollout().max_tool_calls_per_turn == 1
+    with pytest.raises(RolloutError, match="max_tool_calls_per_turn must be >= 1"):
+        MultiTurnRollout(max_tool_calls_per_turn=0)
+
+
+def test_max_tool_calls_counts_each_call_of_a_turn(parallel_chat):
+    # 3 calls in one turn would take the trajectory past max_tool_calls=2: none runs, and they are recorded.
+    result, _, tool = run(parallel_chat, ["par=3"], max_tool_calls=2, max_tool_calls_per_turn=4)
+    (traj,) = result.trajectories
+    assert traj.stop_reason == StopReason.MAX_TOOL_CALLS and tool.calls == 0
+    assert traj.num_tool_calls == 3 and all(c.output == "" and not c.ok for c in traj.turns[0].tool_calls)
+    result, _, tool = run(parallel_chat, ["par=3"], max_tool_calls=3, max_tool_calls_per_turn=4)
+    assert result.trajectories[0].stop_reason == StopReason.FINAL_ANSWER and tool.calls == 3
+
+
+def test_when_one_of_several_calls_fails_each_observation_says_so(parallel_chat):
+    # The model's code failing is an observation (the others go on); the tool itself failing is the world's failure.
+    code_error = ToolOutput(text="Traceback ...\nZeroDivisionError: division by zero", ok=False)
+    tool = PerCodeTool(special={"print(1)": code_error})
+    result, _, _ = run(parallel_chat, ["par=3"], tool=tool, max_tool_calls_per_turn=4)
+    (traj,) = result.trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER
+    assert [c.ok for c in traj.turns[0].tool_calls] == [True, False, True]
+    assert observation_runs(parallel_chat, traj.turns[1]) == [
+        "ran print(0)", "Traceback ...\nZeroDivisionError: division by zero", "ran print(2)"]
+    assert rollout_metrics(result)["rollout/tool_errors_mean"] == 1.0
+    broken = ToolOutput(text="", ok=False, infra_error="SandboxError: the server died")
+    result, _, _ = run(parallel_chat, ["par=3", "par=1"], tool=PerCodeTool(special={"print(2)": broken}),
+                       max_tool_calls_per_turn=4)
+    failed, other = result.trajectories
+    assert failed.stop_reason == StopReason.ENVIRONMENT_ERROR and other.stop_reason == StopReason.FINAL_ANSWER
+    assert failed.error == "tool 'code_interpreter': SandboxError: the server died"
+    assert [c.infra_error for c in failed.turns[-1].tool_calls] == [None, None, "SandboxError: the server died"]
+    assert [c.output for c in failed.turns[-1].tool_calls] == ["ran print(0)", "ran print(1)", ""]
+    validate_trajectory(failed)
+
+
+def test_each_parallel_output_has_its_own_observation_budget(parallel_chat):
+    long = ToolOutput(text="<|im_end|>" * 300 + "TAIL", ok=True)
+    result, _, _ = run(parallel_chat, ["par=2"], tool=PerCodeTool(special={"print(0)": long}), max_tool_calls_per_turn=2,
+                       max_tool_response_tokens=64)
+    (traj,) = result.trajectories
+    assert [c.output_truncated for c in traj.turns[0].tool_calls] == [True, False]
+    first, second = observation_runs(parallel_chat, traj.turns[1])
+    assert first.startswith("[...") and first.endswith("<|im_end|>TAIL") and second == "ran print(1)"
+    assert len(observation_runs(parallel_chat, traj.turns[1], ids=True)[0]) <= 64
+
+
+def test_a_cap_above_what_the_chat_format_was_checked_for_is_refused(chat):
+    with pytest.raises(RolloutError, match=r"max_tool_calls_per_turn=2, but the chat format was checked for 1 call\(s\) "
+                                           r"per turn.*ChatFormat\(\.\.\., calls_per_turn=2\)"):
+        run(chat, ["par=2"], max_tool_calls_per_turn=2)
+
+
+def test_the_rollout_declares_how_many_calls_of_a_turn_it_runs():
+    from trl_plugins.protocols import PluginDeclarationError, as_rollout
+
+    assert as_rollout(MultiTurnRollout(max_tool_calls_per_turn=3), "multi_turn").tool_calls_per_turn == 3
+
+    class Plain:  # a third-party rollout that declares nothing optional runs one call per turn
+        token_budget = None
+
+        def __call__(self, request):
+            raise AssertionError("not called")
+
+    assert as_rollout(Plain(), "plain").tool_calls_per_turn == 1
+    Plain.tool_calls_per_turn = 0
+    with pytest.raises(PluginDeclarationError, match=r"declares tool_calls_per_turn=0; it must be an int >= 1"):
+        as_rollout(Plain(), "plain")
+
+
+def test_parallel_calls_wait_for_the_tools_own_concurrency_limit(parallel_chat):
+    # The code interpreter's sandbox runs at most max_concurrency calls at once: a turn's parallel calls queue
+    # behind it, never around it. With a limit of 1, each of three 0.4 s calls starts after the one before ended.
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    tok = parallel_chat.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    code = "import time; start = time.time(); time.sleep(0.4); print(repr(start))"
+
+    def script(prompt):
+        if "<tool_response>" in tok.decode(prompt):
+            body = "The answer is \\boxed{7}."
+        else:
+            call = json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
+            body = "".join(f"\n<tool_call>\n{call}\n</tool_call>" for _ in range(3))
+        return tok(body, add_special_tokens=False)["input_ids"] + [im_end]
+
+    q = RolloutQuestion("q", parallel_chat.initial_prompt_ids([{"role": "user", "content": "go"}]), 0)
+    with CodeInterpreter(mode="cold", max_concurrency=1, timeout_s=10.0) as tool:
+        result = MultiTurnRollout(max_tool_calls_per_turn=3)(RolloutRequest(
+            [q], 1, ScriptedBackend(script, stop_token_ids=parallel_chat.stop_token_ids), parallel_chat,
+            {"code_interpreter": tool}))
+    (traj,) = result.trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    starts = sorted(float(c.output) for c in traj.turns[0].tool_calls)
+    assert len(starts) == 3 and all(b - a >= 0.39 for a, b in zip(starts, starts[1:])), starts

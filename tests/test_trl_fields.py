@@ -282,6 +282,23 @@ def test_docs_carry_the_rendered_table():
     assert render_table() in section, "docs/training.md is stale: paste trl_fields.render_table() into its last section"
 
 
+def test_the_rollouts_calls_per_turn_reach_the_runs_chat_format_and_a_template_that_cannot_is_refused(tmp_path):
+    from trl_plugins.rollout import ChatTemplateError
+    from trl_plugins.run import resolve_run
+    from trl_plugins.tiny import build_tokenizer
+
+    config = _config(tmp_path, rollout_kwargs={"max_tool_calls_per_turn": 3})
+    run = resolve_run(config)
+    assert run.rollout.tool_calls_per_turn == 3
+    assert run.bind_tokenizer(build_tokenizer("qwen2_5")).calls_per_turn == 3
+    # Llama 3.1's template raises on a turn with two calls: refused when the run is set up, saying what to do.
+    with pytest.raises(ChatTemplateError, match=r"cannot follow a turn with 3 calls token for token.*"
+                                                r"Set rollout_kwargs max_tool_calls_per_turn: 1"):
+        resolve_run(config).bind_tokenizer(build_tokenizer("llama3_1"))
+    # The default runs one call per turn, and every template that renders tool turns exactly is accepted.
+    assert resolve_run(_config(tmp_path)).bind_tokenizer(build_tokenizer("llama3_1")).calls_per_turn == 1
+
+
 def test_chat_template_kwargs_and_stop_tokens_reach_the_runs_chat_format(tmp_path):
     from trl_plugins.rollout import ChatTemplateError
     from trl_plugins.tiny import build_tokenizer

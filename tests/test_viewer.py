@@ -213,7 +213,7 @@ def test_saved_batch_round_trips_the_datums_and_says_what_the_update_did(batch_p
     assert [t["stop_reason"] for t in saved] == [str(t.stop_reason) for t in trajs]
     # Turn boundaries index the whole sequence: each turn's completion is where the datum says it is.
     t0, full = saved[0], saved[0]["tokens"]["ids"]
-    assert len(t0["turns"]) == 2 and t0["turns"][0]["tool_call"]["output"] == TOOL_TEXT
+    assert len(t0["turns"]) == 2 and t0["turns"][0]["tool_calls"][0]["output"] == TOOL_TEXT
     for turn, src in zip(t0["turns"], trajs[0].turns):
         assert full[turn["completion_start"]: turn["completion_end"]] == src.completion_ids
     assert t0["turns"][1]["prompt_start"] == t0["turns"][0]["completion_end"]
@@ -418,7 +418,7 @@ def test_the_trainer_writes_a_page_at_every_viewer_step_and_logs_it_to_wandb(tmp
         traj = trainer.last_batch.trajectories[i]
         assert t["question_id"] == traj.question_id and t["advantage"] == traj.advantage
         assert datum_from_dict(t["datum"]) == by_index[i]  # the update's own datum, advantages included
-        assert len(t["turns"]) == 2 and t["turns"][0]["tool_call"]["name"] == "code_interpreter"
+        assert len(t["turns"]) == 2 and t["turns"][0]["tool_calls"][0]["name"] == "code_interpreter"
         row = trainer.last_batch.rows[traj.group_id]  # the question and answer are the trajectory's own row's
         assert (t["question"], t["reference_answer"]) == (row["prompt"], row["answer"])
         assert t["question"] in "".join(t["tokens"]["strings"])

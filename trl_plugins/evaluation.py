@@ -131,7 +131,7 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
         raise ValueError(f"{len(trajectories)} trajectories but {len(correct)} correctness flags.")
     if not trajectories:
         raise ValueError("no trajectories to summarise.")
-    calls = [sum(t.tool_call is not None for t in traj.turns) for traj in trajectories]
+    calls = [traj.num_tool_calls for traj in trajectories]
     by_question: dict[Any, list[tuple[bool, int]]] = {}  # (correct, tool calls) of each sample
     for traj, ok, c in zip(trajectories, correct, calls):
         by_question.setdefault(traj.question_id, []).append((bool(ok), c))
@@ -140,12 +140,12 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
     if bad:
         raise ValueError(f"pass@k needs 1 <= k <= samples per question ({n}); got k={bad}.")
     groups = list(by_question.values())
-    errors = sum(1 for traj in trajectories for t in traj.turns if t.tool_call is not None and not t.tool_call.ok)
+    errors = sum(1 for traj in trajectories for t in traj.turns for c in t.tool_calls if not c.ok)
     by_tool: dict[str, int] = {}
     for traj in trajectories:
         for t in traj.turns:
-            if t.tool_call is not None:
-                by_tool[t.tool_call.name] = by_tool.get(t.tool_call.name, 0) + 1
+            for c in t.tool_calls:
+                by_tool[c.name] = by_tool.get(c.name, 0) + 1
     with_tool = [ok for ok, c in zip(correct, calls) if c > 0]
     without = [ok for ok, c in zip(correct, calls) if c == 0]
     total = len(trajectories)

@@ -18,7 +18,7 @@ advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``step
 policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False),
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
-rollout                     ``token_budget`` (int or None)                ``close()``
+rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1), ``close()``
 tool                        ``name``, ``schema()``, ``async __call__``    ``idempotent`` (False), ``start_up()``,
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
@@ -134,6 +134,8 @@ class Rollout(Protocol):
 
     token_budget: int | None
     """The most tokens one trajectory can hold, or None when unbounded."""
+    # Optional: ``tool_calls_per_turn`` (int >= 1, default 1), the most calls of one turn it runs (parallel calls);
+    # above 1 the run's chat format checks at start-up that the template renders that many exactly.
 
     def __call__(self, request: Any) -> Any: ...
 
@@ -301,9 +303,11 @@ class PolicyLossPlugin(_Adapter):
 
 @dataclass(frozen=True, eq=False)
 class RolloutPlugin(_Adapter):
-    """A rollout plugin and its token budget."""
+    """A rollout plugin, its token budget and how many calls of one turn it runs."""
 
     token_budget: int | None = None
+    tool_calls_per_turn: int = 1
+    """The most tool calls of one turn it runs (parallel calls); optional, default 1."""
 
     @property
     def label(self) -> str:
@@ -394,7 +398,11 @@ def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
     budget = impl.token_budget
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise PluginDeclarationError(label, f"declares token_budget={budget!r}; it must be a positive int or None.")
-    return RolloutPlugin(name, impl, token_budget=budget)
+    per_turn = _optional(impl, "tool_calls_per_turn", 1)
+    if isinstance(per_turn, bool) or not isinstance(per_turn, int) or per_turn < 1:
+        raise PluginDeclarationError(label, f"declares tool_calls_per_turn={per_turn!r}; it must be an int >= 1 (the "
+                                     f"most tool calls of one turn it runs).")
+    return RolloutPlugin(name, impl, token_budget=budget, tool_calls_per_turn=per_turn)
 
 
 def as_tool(impl: Any, name: str = "") -> ToolPlugin:

@@ -26,7 +26,7 @@ def _reward_cases() -> list[tuple[str, Trajectory]]:
             continue
         traj = make_trajectory(random.Random(3), num_turns=2, stop_reason=reason)
         traj.turns[0].text = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
-        traj.turns[0].tool_call = ToolCall("code_interpreter", {"code": "print(6 * 7)"}, output="42\n", ok=True)
+        traj.turns[0].tool_calls = [ToolCall("code_interpreter", {"code": "print(6 * 7)"}, output="42\n", ok=True)]
         traj.turns[-1].text = "The answer is \\boxed{42}."
         traj.turns[-1].truncated = reason == StopReason.TURN_LENGTH
         cases.append((f"stopped by {reason.value}", traj))
@@ -40,7 +40,7 @@ def _reward_cases() -> list[tuple[str, Trajectory]]:
     empty.turns[-1].completion_ids, empty.turns[-1].completion_logprobs, empty.turns[-1].text = [], [], ""
     cases.append(("with an empty last turn", empty))
     failed = make_trajectory(random.Random(7), num_turns=2, stop_reason=StopReason.INVALID_ACTION)
-    failed.turns[0].tool_call = ToolCall("code_interpreter", {"code": "1 / 0"}, output="ZeroDivisionError: division by zero")
+    failed.turns[0].tool_calls = [ToolCall("code_interpreter", {"code": "1 / 0"}, output="ZeroDivisionError: division by zero")]
     failed.turns[-1].text = "<tool_call>\n{not json"
     cases.append(("after a failed tool call, ending in a malformed one", failed))
     return cases

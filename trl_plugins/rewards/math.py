@@ -98,7 +98,7 @@ class ToolUseReward:
     """1 when at least one tool call ran successfully, else 0 (an optional shaping term)."""
 
     def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> float:
-        return 1.0 if any(t.tool_call is not None and t.tool_call.ok for t in trajectory.turns) else 0.0
+        return 1.0 if any(c.ok for t in trajectory.turns for c in t.tool_calls) else 0.0
 
 
 @REWARDS.register("overlong")

@@ -23,7 +23,7 @@ from typing import Any
 
 from trl_plugins.aio import run_async
 from trl_plugins.registry import ROLLOUTS
-from trl_plugins.rollout.chat import TurnKind
+from trl_plugins.rollout.chat import ParsedCall, TurnKind
 from trl_plugins.rollout.dispatch import Dispatcher, ToolCounter, ToolFailures, concurrency, watch
 from trl_plugins.rollout.request import (
     RolloutCancelled,
@@ -35,7 +35,7 @@ from trl_plugins.rollout.request import (
     questions_from_rows,
 )
 from trl_plugins.protocols import ToolPlugin
-from trl_plugins.tools.base import ToolOutput
+from trl_plugins.tools.base import ToolOutput, valid_text
 from trl_plugins.types import (
     PolicyVersion,
     StopReason,
@@ -69,7 +69,7 @@ async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0, fai
     for attempt in range(attempts):
         raised = None
         try:
-            out = await tool(arguments)
+            out = _checked_output(await tool(arguments))
         except Exception as exc:  # a tool bug must not take the whole rollout down, nor be the policy's fault
             raised = exc
             out = ToolOutput(text="", ok=False, infra_error=f"{type(exc).__name__}: {exc}")
@@ -81,33 +81,58 @@ async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0, fai
     return out
 
 
+def _checked_output(out: Any) -> ToolOutput:
+    """What a tool returned, checked at the seam: a :class:`ToolOutput` whose ``text`` is a ``str`` (else the tool
+    broke its contract: an infrastructure error saying so), with code points no tokenizer can encode replaced."""
+    if not isinstance(out, ToolOutput):
+        return ToolOutput(text="", ok=False, infra_error=f"the tool returned {type(out).__name__} {out!r:.60}, not a "
+                          f"ToolOutput")
+    if not isinstance(out.text, str):
+        return ToolOutput(text="", ok=False, latency_s=out.latency_s, infra_error=(
+            f"the tool returned ToolOutput.text of type {type(out.text).__name__} ({out.text!r:.60}); it must be a str"))
+    out.text = valid_text(out.text)
+    return out
+
+
 @ROLLOUTS.register("multi_turn")
 @dataclass
 class MultiTurnRollout:
     """Multi-turn tool-calling rollout with per-turn and per-trajectory budgets.
 
-    Stop reasons: a final answer, a turn without a tool call, or an invalid action terminate; a turn
-    cut at its ``max_new_tokens`` (``turn_length``, or ``token_budget`` when the trajectory budget was
-    the binding limit), a prompt that already fills ``max_trajectory_tokens`` (``token_budget``), the
-    ``max_turns``-th turn making a tool call (``max_turns``), or a tool call beyond
-    ``max_tool_calls`` (``max_tool_calls``) truncate. A tool response over
-    ``max_tool_response_tokens`` keeps its tail and the trajectory goes on.
+    Stop reasons: a final answer, a turn without a tool call, or an invalid action (a turn with more than
+    ``max_tool_calls_per_turn`` calls among them) terminate; a turn cut at its ``max_new_tokens``
+    (``turn_length``, or ``token_budget`` when the trajectory budget was the binding limit), a prompt that
+    already fills ``max_trajectory_tokens`` (``token_budget``), the ``max_turns``-th turn making a tool call
+    (``max_turns``), or a turn whose calls would take the trajectory past ``max_tool_calls``
+    (``max_tool_calls``) truncate. A tool response over ``max_tool_response_tokens`` keeps its tail and the
+    trajectory goes on. The calls of one turn (parallel calls) run concurrently, each tool's own concurrency
+    limit permitting, and their tool messages follow in the order the calls were written.
     """
 
     max_turns: int = 8
     """Assistant turns per trajectory."""
     max_tool_calls: int = 8
-    """Tool calls per trajectory."""
+    """Tool calls per trajectory (each call of a turn with parallel calls counts)."""
+    max_tool_calls_per_turn: int = 1
+    """Tool calls one assistant turn may make (parallel calls). A turn with more is an invalid action and none of
+    its calls runs. Above 1 the chat template must render that many calls of a turn exactly (checked at start-up
+    by the run's chat format; a template that cannot is refused, saying so)."""
     max_assistant_tokens: int = 512
     """Tokens per assistant turn."""
     max_trajectory_tokens: int = 4096
     """Tokens per trajectory: first prompt, all completions, all tool messages."""
     max_tool_response_tokens: int = 512
-    """Tokens per tool response (the tail is kept)."""
+    """Tokens per tool response as they reach the model (the observation tokens of the rendered tool message,
+    control-token text spelled out); a longer response keeps its tail."""
     tool_retries: int = 1
     """Retries of a call that failed for infrastructure reasons, for tools that declare ``idempotent``
     (the code interpreter does); when they are used up the trajectory ends with ``environment_error``."""
     _failures: ToolFailures = field(default_factory=ToolFailures, init=False, repr=False, compare=False)
+
+    @property
+    def tool_calls_per_turn(self) -> int:
+        """Capability: the most tool calls of one turn this rollout runs (``max_tool_calls_per_turn``)."""
+        return self.max_tool_calls_per_turn
 
     @property
     def token_budget(self) -> int:
@@ -115,7 +140,8 @@ class MultiTurnRollout:
         return self.max_trajectory_tokens
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tool_calls", "max_assistant_tokens", "max_trajectory_tokens", "max_tool_response_tokens"):
+        for name in ("max_turns", "max_tool_calls", "max_tool_calls_per_turn", "max_assistant_tokens", "max_trajectory_tokens",
+                     "max_tool_response_tokens"):
             if getattr(self, name) < 1:
                 raise RolloutError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.tool_retries < 0:
@@ -138,6 +164,14 @@ class MultiTurnRollout:
                     f"prompts longer than {self.max_trajectory_tokens - 1} tokens from the dataset."
                 )
         chat, backend = request.chat, request.backend
+        if self.max_tool_calls_per_turn > chat.calls_per_turn:
+            raise RolloutError(
+                f"max_tool_calls_per_turn={self.max_tool_calls_per_turn}, but the chat format was checked for "
+                f"{chat.calls_per_turn} call(s) per turn, so the tool messages of a turn with more calls may not be "
+                f"what the template renders. Build it with ChatFormat(..., calls_per_turn="
+                f"{self.max_tool_calls_per_turn}) (Run.bind_tokenizer does, from the rollout), or lower "
+                f"max_tool_calls_per_turn."
+            )
         if backend.requires_lockstep:
             raise RolloutError(
                 f"{type(backend).__name__} generates in lock-step across ranks (a collective per call), which the "
@@ -218,6 +252,17 @@ class MultiTurnRollout:
             if unfinished:
                 raise RolloutCancelled(f"a stop was requested with {unfinished} trajectory(ies) unfinished")
 
+    async def _run_calls(self, request: RolloutRequest, tools: ToolCounter, calls: list[ParsedCall]) -> list[ToolOutput]:
+        """Every call of one turn, concurrently (a tool's own concurrency limit may queue them), results in call
+        order."""
+
+        async def one(call: ParsedCall) -> ToolOutput:
+            with tools.running():
+                return await _call_tool(request.tools[call.name], call.arguments, retries=self.tool_retries,
+                                        failures=self._failures)
+
+        return list(await asyncio.gather(*(one(call) for call in calls)))
+
     async def _trajectory(self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live,
                           index: int, bar: Any) -> None:
         """One trajectory's turns: generate, parse, call the tool, build the next prompt, until it stops."""
@@ -258,32 +303,39 @@ class MultiTurnRollout:
                 return finish(StopReason.NO_TOOL_CALL)
             if parsed.kind != TurnKind.TOOL_CALL:
                 return finish(StopReason.INVALID_ACTION)
-            if st.tool_calls >= self.max_tool_calls:
-                turn.tool_call = ToolCall(name=parsed.tool_name or "", arguments=parsed.arguments)
+            calls = parsed.calls
+            if len(calls) > self.max_tool_calls_per_turn:
+                # Over the cap: the action as written cannot be carried out, so none of it is (see docs/rollout.md).
+                return finish(StopReason.INVALID_ACTION)
+            if st.tool_calls + len(calls) > self.max_tool_calls:
+                turn.tool_calls = [ToolCall(name=c.name, arguments=c.arguments) for c in calls]
                 return finish(StopReason.MAX_TOOL_CALLS)
-            with tools.running():
-                out = await _call_tool(request.tools[parsed.tool_name], parsed.arguments, retries=self.tool_retries,
-                                       failures=self._failures)
-            if out.infra_error is not None:
-                # The tool failed, not the model: end here, without showing the model anything.
-                turn.tool_call = ToolCall(name=parsed.tool_name, arguments=parsed.arguments, output="", ok=False,
-                                          latency_s=out.latency_s, infra_error=out.infra_error)
-                turn.tool_s = out.latency_s
-                st.traj.error = f"tool {parsed.tool_name!r}: {out.infra_error}"
+            outs = await self._run_calls(request, tools, calls)
+            turn.tool_s = max(out.latency_s for out in outs)
+            turn.tool_calls = [ToolCall(name=c.name, arguments=c.arguments, output=out.text, ok=out.ok,
+                                        timed_out=out.timed_out, latency_s=out.latency_s, infra_error=out.infra_error)
+                               for c, out in zip(calls, outs)]
+            failed = [call for call in turn.tool_calls if call.infra_error is not None]
+            if failed:
+                # A tool failed, not the model: end here, without showing the model anything.
+                for call in failed:
+                    call.output = ""
+                st.traj.error = "; ".join(f"tool {call.name!r}: {call.infra_error}" for call in failed)
                 return finish(StopReason.ENVIRONMENT_ERROR)
-            tool_turn = chat.tool_turn(turn.completion_ids, out.text, tool_name=parsed.tool_name,
-                                       arguments=parsed.arguments, max_tokens=self.max_tool_response_tokens)
-            turn.tool_call = ToolCall(
-                name=parsed.tool_name,
-                arguments=parsed.arguments,
-                output=out.text,
-                ok=out.ok,
-                timed_out=out.timed_out,
-                output_truncated=tool_turn.truncated,
-                latency_s=out.latency_s,
-            )
-            turn.tool_s = out.latency_s
-            st.tool_calls += 1
+            try:
+                tool_turn = chat.tool_results_turn(turn.completion_ids, [(c.name, out.text) for c, out in zip(calls, outs)],
+                                                   max_tokens=self.max_tool_response_tokens)
+            except Exception as exc:  # output the template or tokenizer cannot take: this trajectory's world failed
+                logger.exception("building the tool turn from a tool's output raised; the trajectory ends as "
+                                 "environment_error")
+                error = f"its output could not be rendered and tokenised: {type(exc).__name__}: {exc}"
+                for call in turn.tool_calls:
+                    call.output, call.ok, call.infra_error = "", False, error
+                st.traj.error = f"tool {turn.tool_calls[0].name!r}: {error}"
+                return finish(StopReason.ENVIRONMENT_ERROR)
+            for call, cut in zip(turn.tool_calls, tool_turn.truncated_outputs):
+                call.output_truncated = cut
+            st.tool_calls += len(calls)
             st.prompt = st.prompt + turn.completion_ids + tool_turn.ids
             st.sources = tool_turn.sources
             if len(st.traj.turns) >= self.max_turns:

@@ -54,11 +54,12 @@ class TrajectorySummary:
 def summarize(traj: Trajectory, *, rank: int = 0, masked: bool = False) -> TrajectorySummary:
     """The :class:`TrajectorySummary` of ``traj`` (scored or not; reward 0 before scoring)."""
     per_tool: dict[str, list[int]] = {}
-    for u in traj.turns:
-        if u.tool_call is not None and u.tool_call.output is not None:
-            counts = per_tool.setdefault(u.tool_call.name, [0, 0])
+    calls = [c for u in traj.turns for c in u.tool_calls]  # each call of a turn with parallel calls counts
+    for c in calls:
+        if c.output is not None:
+            counts = per_tool.setdefault(c.name, [0, 0])
             counts[0] += 1
-            counts[1] += u.tool_call.infra_error is not None
+            counts[1] += c.infra_error is not None
     return TrajectorySummary(
         group=(rank, traj.group_id),
         turns=len(traj.turns),
@@ -67,8 +68,8 @@ def summarize(traj: Trajectory, *, rank: int = 0, masked: bool = False) -> Traje
         terminated=traj.terminated,
         truncated=traj.truncated,
         world_failure=traj.world_failure,
-        tool_errors=sum(1 for u in traj.turns if u.tool_call and u.tool_call.output and not u.tool_call.ok),
-        outputs_truncated=sum(1 for u in traj.turns if u.tool_call and u.tool_call.output_truncated),
+        tool_errors=sum(1 for c in calls if c.output and not c.ok),
+        outputs_truncated=sum(1 for c in calls if c.output_truncated),
         tokens=traj.num_tokens,
         action_tokens=traj.num_action_tokens,
         calls_by_tool=tuple((k, v[0], v[1]) for k, v in sorted(per_tool.items())),
@@ -76,8 +77,7 @@ def summarize(traj: Trajectory, *, rank: int = 0, masked: bool = False) -> Traje
         components=tuple((c.name, float(c.value)) for c in traj.reward_components),
         advantage=float(traj.advantage or 0.0),
         masked=masked,
-        tool_latencies=tuple(float(u.tool_call.latency_s) for u in traj.turns if u.tool_call is not None
-                             and u.tool_call.output is not None),
+        tool_latencies=tuple(float(c.latency_s) for c in calls if c.output is not None),
     )
 
 

@@ -78,14 +78,13 @@ class RenderReplayError(ValueError):
 
 def conversation_messages(chat: Any, trajectory: Trajectory, messages: Sequence[dict]) -> list[dict]:
     """The trajectory as chat messages: ``messages`` (its first prompt's), then each assistant turn as the
-    tokenizer's parser reads it (content, reasoning, the call) and each tool call's output as a tool message."""
+    tokenizer's parser reads it (content, reasoning, the call) and each tool call's output as a tool message (one per call, in call order)."""
     out = [dict(m) for m in messages]
     for turn in trajectory.turns:
         parsed = _parse_message(chat, turn)
         out.append(parsed)
-        if turn.tool_call is not None:
-            out.append({"role": "tool", "name": turn.tool_call.name, "tool_call_id": "call_0",
-                        "content": turn.tool_call.output})
+        out.extend({"role": "tool", "name": call.name, "tool_call_id": f"call_{j}", "content": call.output}
+                   for j, call in enumerate(turn.tool_calls))
     return out
 
 
@@ -133,7 +132,7 @@ def replay_rendering(chat: Any, trajectory: Trajectory, messages: Sequence[dict]
             f"re-rendering differs in the tool turn after {where} (at token {k}: sampled {_show(tok, full, k)}, "
             f"rendered {_show(tok, rendered, k)})"
             + (": its output was cut to its tail, and the parsed conversation holds the whole output"
-               if turn.tool_call is not None and turn.tool_call.output_truncated else "")
+               if any(call.output_truncated for call in turn.tool_calls) else "")
             + ". Train from the trajectory's tokens (build_datum), not from a re-rendering.")
     stops = set(chat.stop_token_ids)
     sampled = tok.decode([t for t in turn.completion_ids if t not in stops], skip_special_tokens=False)
@@ -174,9 +173,9 @@ def _parse_message(chat: Any, turn: Any) -> dict:
     message = {"role": "assistant", "content": parsed.get("content") or ""}
     if _reasoning(parsed):
         message["reasoning_content"] = message["thinking"] = _reasoning(parsed)
-    if turn.tool_call is not None:
-        message["tool_calls"] = [{"type": "function", "id": "call_0", "function": {
-            "name": turn.tool_call.name, "arguments": turn.tool_call.arguments}}]
+    if turn.tool_calls:
+        message["tool_calls"] = [{"type": "function", "id": f"call_{j}", "function": {
+            "name": call.name, "arguments": call.arguments}} for j, call in enumerate(turn.tool_calls)]
     return message
 
 

@@ -7,6 +7,9 @@ constructed with the code interpreter's schema, and, where it accepts the templa
 replayed for each of :data:`REALISTIC_OUTPUTS` (:meth:`ChatFormat.verify`). A template is *exact* when
 every replay equals the template's own tokens; *refused* when ``ChatFormat`` raises at construction
 (the reason is the start of its message); anything else is a *mismatch*: a bug, which the test fails on.
+An exact template is then built again for two calls per turn (``calls_per_turn=2``: parallel calls) and, where
+it accepts them, replayed with every realistic output as parallel calls: its *parallel calls* are exact or
+refused (why, in short), and a mismatch there is a bug too.
 
 ``python -m trl_plugins.rollout.template_matrix`` prints the table that ``docs/rollout.md`` carries
 (``--write docs/rollout.md`` updates it there).
@@ -46,6 +49,10 @@ class TemplateVerdict:
     """Why refused (or where it departs, for a mismatch)."""
     stop_tokens: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    parallel: str = ""
+    """For an exact template, whether two calls in one turn are ``exact`` or ``refused`` (``""`` otherwise)."""
+    parallel_reason: str = ""
+    """Why parallel calls are refused."""
 
 
 def template_names() -> list[str]:
@@ -86,7 +93,28 @@ def check_template(tokenizer: Any, tools: list[dict], *, template: str = "", thi
     except ChatTemplateError as exc:
         return TemplateVerdict(template, thinking, "mismatch", f"all outputs in one conversation: {_short(str(exc))}",
                                chat.stop_tokens)
-    return TemplateVerdict(template, thinking, "exact", "", chat.stop_tokens, [_short(n) for n in chat.notes])
+    verdict = TemplateVerdict(template, thinking, "exact", "", chat.stop_tokens, [_short(n) for n in chat.notes])
+    try:
+        parallel = ChatFormat(tokenizer, tools, calls_per_turn=2, **template_kwargs)
+    except ChatTemplateError as exc:
+        verdict.parallel, verdict.parallel_reason = "refused", _parallel_reason(str(exc))
+        return verdict
+    try:
+        parallel.verify(list(outputs.values()), calls_per_turn=2)
+    except ChatTemplateError as exc:
+        return TemplateVerdict(template, thinking, "mismatch", f"parallel calls: {_short(str(exc))}", chat.stop_tokens)
+    verdict.parallel = "exact"
+    return verdict
+
+
+def _parallel_reason(message: str) -> str:
+    """The part of a parallel-call refusal that says what the template does (the rest is the same for every one)."""
+    reason = _short(message).split("token for token: ", 1)[-1].split(" Set rollout_kwargs")[0]
+    if "only supports single tool-calls" in reason:
+        return "the template raises 'This model only supports single tool-calls at once!'"
+    if "does not read back" in reason:
+        return "the parser reads back only the first call of a turn (the turn stops at the token closing a call)"
+    return reason[:200]
 
 
 def template_matrix(names: list[str] | None = None) -> list[TemplateVerdict]:
@@ -107,16 +135,19 @@ def template_matrix(names: list[str] | None = None) -> list[TemplateVerdict]:
 
 def render_matrix(rows: list[TemplateVerdict]) -> str:
     """The Markdown table for ``docs/rollout.md``."""
-    lines = ["| template | thinking | verdict | stop tokens, or why refused |", "|---|---|---|---|"]
+    lines = ["| template | thinking | verdict | parallel calls | stop tokens, or why refused |", "|---|---|---|---|---|"]
     for r in rows:
         detail = ", ".join(f"`{s}`" for s in r.stop_tokens) if r.verdict == "exact" else r.reason
         if r.notes:
             detail += " (note: exact only when a call turn has no text before the call)"
+        if r.parallel == "refused":
+            detail += f" (parallel calls refused: {r.parallel_reason})"
         detail = detail.replace("|", "\\|")
-        lines.append(f"| {r.template} | {r.thinking} | {r.verdict} | {detail} |")
+        lines.append(f"| {r.template} | {r.thinking} | {r.verdict} | {r.parallel or '-'} | {detail} |")
     exact = sum(r.verdict == "exact" for r in rows)
     lines.append("")
-    lines.append(f"{exact} of {len(rows)} settings exact, {sum(r.verdict == 'refused' for r in rows)} refused, "
+    lines.append(f"{exact} of {len(rows)} settings exact ({sum(r.parallel == 'exact' for r in rows)} of them with "
+                 f"parallel calls), {sum(r.verdict == 'refused' for r in rows)} refused, "
                  f"{sum(r.verdict == 'mismatch' for r in rows)} mismatched.")
     return "\n".join(lines)
 
@@ -126,7 +157,7 @@ def write_docs(path: str | Path) -> None:
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     table = render_matrix(template_matrix())
-    start = text.index(table.splitlines()[0])
+    start = text.index("| template | thinking | verdict |")
     end = text.index(" mismatched.", start) + len(" mismatched.")
     path.write_text(text[:start] + table + text[end:], encoding="utf-8")
 

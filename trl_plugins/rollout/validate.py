@@ -81,7 +81,7 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
             f"{where}: stop reason {traj.stop_reason.value!r} (the world failed, not the policy) without an error: "
             f"set Trajectory.error to what failed (the tool or reward component and the exception)."
         )
-    if traj.stop_reason == StopReason.ENVIRONMENT_ERROR and (last.tool_call is None or not last.tool_call.infra_error):
+    if traj.stop_reason == StopReason.ENVIRONMENT_ERROR and not any(c.infra_error for c in last.tool_calls):
         raise TrajectoryError(
             f"{where}: stop reason 'environment_error' but the last turn ({len(traj.turns) - 1}) has no tool call "
             f"that failed (ToolCall.infra_error); a tool failure ends the trajectory at that call."

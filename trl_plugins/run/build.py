@@ -91,7 +91,8 @@ class Run:
 
     def bind_tokenizer(self, tokenizer: Any) -> ChatFormat:
         """The run's chat format for ``tokenizer`` (its tools' schemas, ``final_answer_pattern``, ``stop_tokens``,
-        ``chat_template_kwargs``), built once and checked against the template.
+        ``chat_template_kwargs``, and the rollout's ``tool_calls_per_turn``), built once and checked against the
+        template (parallel calls too, when the rollout runs more than one call of a turn).
 
         Raises:
             ChatTemplateError: the chat template cannot be followed token for token (says why and what to use).
@@ -104,7 +105,8 @@ class Run:
                              "per tokenizer.")
         c = self.config
         self.chat = ChatFormat(tokenizer, [t.schema() for t in self.tools.values()], final_answer_pattern=c.final_answer_pattern,
-                               stop_tokens=c.stop_tokens, **(c.chat_template_kwargs or {}))
+                               stop_tokens=c.stop_tokens, calls_per_turn=self.rollout.tool_calls_per_turn,
+                               **(c.chat_template_kwargs or {}))
         return self.chat
 
     def start_tools(self) -> dict[str, str]:

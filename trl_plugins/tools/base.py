@@ -29,7 +29,7 @@ from typing import Any
 
 from trl_plugins.protocols import Tool, close_plugin
 
-__all__ = ["ToolOutput", "Tool", "ClosingTool", "close_plugin", "check_arguments", "schema_problem"]
+__all__ = ["ToolOutput", "Tool", "ClosingTool", "close_plugin", "check_arguments", "schema_problem", "valid_text"]
 
 
 @dataclass
@@ -37,7 +37,9 @@ class ToolOutput:
     """What a tool call returned."""
 
     text: str
-    """Text fed back to the model as the tool message."""
+    """Text fed back to the model as the tool message. Code points no tokenizer can encode (a lone surrogate) are
+    replaced by U+FFFD before it is tokenised (:func:`valid_text`); a value that is not a ``str`` is the tool's own
+    failure (the trajectory ends with ``environment_error``)."""
     ok: bool
     """True when the call succeeded."""
     timed_out: bool = False
@@ -47,6 +49,23 @@ class ToolOutput:
     infra_error: str | None = None
     """Set when the tool itself failed (not the model's code): why. The trajectory ends with
     ``environment_error`` instead of showing ``text`` to the model."""
+
+
+def valid_text(text: str) -> str:
+    """``text`` as text every tokenizer can encode: a lone surrogate (``"\\ud800"``, which UTF-8 cannot encode and
+    a tokenizer refuses) becomes U+FFFD, the replacement character, as ``errors="replace"`` would make it; a
+    surrogate pair becomes the character it encodes. Anything else, NUL and control characters included, is valid
+    Unicode and stays as it is. Pure; ``text`` itself is returned when it needs no change.
+
+    Raises:
+        TypeError: ``text`` is not a ``str``."""
+    if not isinstance(text, str):
+        raise TypeError(f"tool output must be a str, got {type(text).__name__} ({text!r:.60})")
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 class ClosingTool:

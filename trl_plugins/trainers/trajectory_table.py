@@ -50,10 +50,10 @@ def transcript(trajectory: Trajectory) -> str:
     parts = []
     for i, turn in enumerate(trajectory.turns, start=1):
         parts.append(f"[assistant {i}]\n{turn.text}")
-        call = turn.tool_call
-        if call is not None:
-            parts.append(f"[tool call {i}] {call.name} {_arguments(call.arguments)}")
-            parts.append(f"[tool output {i}] ({_outcome(call)})\n{call.output}")
+        for k, call in enumerate(turn.tool_calls):  # parallel calls are numbered within the turn: 2.1, 2.2
+            which = f"{i}" if len(turn.tool_calls) == 1 else f"{i}.{k + 1}"
+            parts.append(f"[tool call {which}] {call.name} {_arguments(call.arguments)}")
+            parts.append(f"[tool output {which}] ({_outcome(call)})\n{call.output}")
     return "\n".join(parts)
 
 
@@ -86,12 +86,13 @@ def trajectory_rows(trajectories: Sequence[Trajectory], rows: Sequence[Mapping[s
 
 def turn_rows(trajectories: Sequence[Trajectory], *, step: int, max_rows: int | None = None) -> list[list[Any]]:
     """One row per assistant turn of the first ``max_rows`` trajectories, in :data:`TURN_COLUMNS` order (the tool
-    columns empty, ``tool_ok`` None, for a turn without a tool call)."""
+    columns empty, ``tool_ok`` None, for a turn without a tool call; a turn with parallel calls lists their names,
+    arguments and outputs one per line, and ``tool_ok`` is whether every one succeeded)."""
     out = []
     for t in list(trajectories)[:max_rows]:
         for i, turn in enumerate(t.turns, start=1):
-            call = turn.tool_call
+            calls = turn.tool_calls
             out.append([step, t.question_id, t.sample_index, i, turn.text,
-                        call.name if call else "", _arguments(call.arguments) if call else "",
-                        call.output if call else "", call.ok if call else None])
+                        ", ".join(c.name for c in calls), "\n".join(_arguments(c.arguments) for c in calls),
+                        "\n".join(c.output for c in calls), all(c.ok for c in calls) if calls else None])
     return out

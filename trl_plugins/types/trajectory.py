@@ -34,7 +34,8 @@ class StopReason(enum.StrEnum):
     NO_TOOL_CALL = "no_tool_call"
     """Terminated: the turn ended naturally with neither a tool call nor a final answer."""
     INVALID_ACTION = "invalid_action"
-    """Terminated: a malformed tool call, several calls, or text after the call."""
+    """Terminated: a malformed tool call, more calls in one turn than ``max_tool_calls_per_turn``, or text after
+    the call."""
     TURN_LENGTH = "turn_length"
     """Truncated: the last turn hit its ``max_new_tokens`` before a stop token."""
     TOKEN_BUDGET = "token_budget"
@@ -157,7 +158,8 @@ class ToolCall:
     timed_out: bool = False
     """True when the tool hit its time limit."""
     output_truncated: bool = False
-    """True when the response was cut to ``max_tool_response_tokens`` (the tail is kept)."""
+    """True when the response was cut to ``max_tool_response_tokens`` observation tokens, counted as they reach the
+    model (the tail is kept)."""
     latency_s: float = 0.0
     """Wall time of the call, seconds."""
     infra_error: str | None = None
@@ -194,9 +196,16 @@ class Turn:
     queue_s: float = 0.0
     """Wall time this turn waited for the sampler before its call started, seconds."""
     tool_s: float = 0.0
-    """Wall time spent running the tool call this turn made, seconds (0 if none)."""
-    tool_call: ToolCall | None = None
-    """The tool call this turn made and its result, if any."""
+    """Wall time spent running the tool calls this turn made, seconds (0 if none; calls of one turn run
+    concurrently, so this is the slowest call's time, not their sum)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """The tool calls this turn made, in the order written (several when the model made parallel calls), each with
+    its result; empty if none."""
+
+    @property
+    def tool_call(self) -> ToolCall | None:
+        """The turn's first tool call (its only one, unless it made parallel calls), or None."""
+        return self.tool_calls[0] if self.tool_calls else None
 
     def sources(self) -> list[TokenSource]:
         """Provenance of each completion token."""
@@ -257,8 +266,8 @@ class Trajectory:
 
     @property
     def num_tool_calls(self) -> int:
-        """Tool calls made (run or not)."""
-        return sum(t.tool_call is not None for t in self.turns)
+        """Tool calls made (run or not), each call of a turn with parallel calls counted."""
+        return sum(len(t.tool_calls) for t in self.turns)
 
     @property
     def num_tokens(self) -> int:

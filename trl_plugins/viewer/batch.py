@@ -20,8 +20,9 @@ from trl_plugins.types import Datum, LeftOutReason, TokenSource, Trajectory
 
 __all__ = ["FORMAT", "UpdateRole", "ViewerError", "make_batch", "save_batch", "load_batch", "datum_from_dict"]
 
-FORMAT = "trl_plugins.viewer/1"
-"""Value of a saved batch's ``format`` key; :func:`load_batch` refuses anything else."""
+FORMAT = "trl_plugins.viewer/2"
+"""Value of a saved batch's ``format`` key; :func:`load_batch` refuses anything else. Format 2: a turn holds its
+``tool_calls`` (a list: several for parallel calls) where format 1 held one ``tool_call``."""
 
 _QUESTION_KEYS = ("prompt",)
 _ANSWER_KEYS = ("answer", "reference_answer", "solution", "ground_truth")
@@ -132,14 +133,11 @@ def _turns(traj: Trajectory) -> list[dict]:
     out, pos = [], 0
     for i, turn in enumerate(traj.turns):
         start = len(turn.prompt_ids)
-        call = None
-        if turn.tool_call is not None:
-            c = turn.tool_call
-            call = {"name": c.name, "arguments": _scalar(c.arguments), "output": _scalar(c.output), "ok": c.ok,
-                    "timed_out": c.timed_out, "output_truncated": c.output_truncated, "latency_s": _finite(c.latency_s),
-                    "infra_error": c.infra_error}
+        calls = [{"name": c.name, "arguments": _scalar(c.arguments), "output": _scalar(c.output), "ok": c.ok,
+                  "timed_out": c.timed_out, "output_truncated": c.output_truncated, "latency_s": _finite(c.latency_s),
+                  "infra_error": c.infra_error} for c in turn.tool_calls]
         out.append({"index": i, "prompt_start": pos, "completion_start": start, "completion_end": start + len(turn.completion_ids),
-                    "text": turn.text, "truncated": turn.truncated, "tool_call": call})
+                    "text": turn.text, "truncated": turn.truncated, "tool_calls": calls})
         pos = start + len(turn.completion_ids)
     return out
 
@@ -176,7 +174,7 @@ def make_batch(
     Returns:
         ``{"format", "step", "created", "num_trajectories", "trajectories": [...]}``; each trajectory holds
         its ids, stop reason, reward components, advantage, ``update_role``/``update_note``, ``turns`` (token
-        boundaries in the whole sequence, text, tool call), ``tokens`` (every id and its decoded string),
+        boundaries in the whole sequence, text, tool calls), ``tokens`` (every id and its decoded string),
         ``datum`` (or ``datum_error``) and ``datum_for_display``.
     """
     by_index = {d.trajectory_index: d for d in datums}

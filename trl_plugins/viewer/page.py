@@ -167,21 +167,22 @@ def _token_spans(t: Mapping[str, Any]) -> str:
 def _tool_calls(t: Mapping[str, Any]) -> str:
     rows = []
     for turn in t["turns"]:
-        c = turn.get("tool_call")
-        flags = ["cut at max_new_tokens"] if turn.get("truncated") else []
-        if c is None:
+        cut = ["cut at max_new_tokens"] if turn.get("truncated") else []
+        if not turn["tool_calls"]:
             rows.append(f"<tr><td>{turn['index'] + 1}</td><td colspan=3>no tool call"
-                        f"{' (' + ', '.join(flags) + ')' if flags else ''}</td></tr>")
+                        f"{' (' + ', '.join(cut) + ')' if cut else ''}</td></tr>")
             continue
-        flags += [name for name, on in (("ok", c["ok"]), ("timed out", c["timed_out"]),
-                                        ("output truncated", c["output_truncated"])) if on]
-        if not c["ok"]:
-            flags.append("failed")
-        if c.get("infra_error"):
-            flags.append(f"infrastructure error: {c['infra_error']}")
-        latency = "" if c.get("latency_s") is None else f", {c['latency_s']:.3f} s"
-        rows.append(f"<tr><td>{turn['index'] + 1}</td><td><b>{_esc(c['name'])}</b>{_esc(latency)}<br>{_esc(', '.join(flags))}</td>"
-                    f"<td><pre>{_esc(c['arguments'])}</pre></td><td><pre>{_esc(c['output'])}</pre></td></tr>")
+        for k, c in enumerate(turn["tool_calls"]):  # parallel calls: one row each, numbered within the turn
+            flags = cut + [name for name, on in (("ok", c["ok"]), ("timed out", c["timed_out"]),
+                                                 ("output truncated", c["output_truncated"])) if on]
+            if not c["ok"]:
+                flags.append("failed")
+            if c.get("infra_error"):
+                flags.append(f"infrastructure error: {c['infra_error']}")
+            latency = "" if c.get("latency_s") is None else f", {c['latency_s']:.3f} s"
+            which = f"{turn['index'] + 1}" + (f".{k + 1}" if len(turn["tool_calls"]) > 1 else "")
+            rows.append(f"<tr><td>{which}</td><td><b>{_esc(c['name'])}</b>{_esc(latency)}<br>{_esc(', '.join(flags))}</td>"
+                        f"<td><pre>{_esc(c['arguments'])}</pre></td><td><pre>{_esc(c['output'])}</pre></td></tr>")
     return ("<table class=calls><tr><th>turn</th><th>tool call</th><th>arguments</th><th>output</th></tr>"
             + "".join(rows) + "</table>")
 
@@ -256,7 +257,7 @@ def render_html(batch: Mapping[str, Any], *, max_trajectories: int | None = None
                '<label><input type="checkbox" id="shade"> shade sampled tokens by probability</label>')
     summary = "".join(
         f'<tr><td><a href="#traj-{t["index"]}">#{t["index"]}</a></td><td>{_esc(t["question_id"])}</td><td>{t["group_id"]}</td>'
-        f'<td>{t["sample_index"]}</td><td>{len(t["turns"])}</td><td>{sum(1 for x in t["turns"] if x.get("tool_call"))}</td>'
+        f'<td>{t["sample_index"]}</td><td>{len(t["turns"])}</td><td>{sum(len(x["tool_calls"]) for x in t["turns"])}</td>'
         f'<td>{_esc(t["stop_reason"])}</td><td>{_fmt(t["reward"], ".3f")}</td><td>{_fmt(t["advantage"], "+.3f")}</td>'
         f'<td>{_esc(t["update_role"].replace("_", " "))}</td></tr>' for t in trajs)
     meta = (f'{len(trajs)} of {batch.get("num_trajectories", len(trajs))} trajectories of the batch'

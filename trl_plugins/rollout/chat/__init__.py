@@ -2,6 +2,6 @@
 checks of the template (:mod:`.checks`) and the vocabulary they exchange (:mod:`.vocab`)."""
 
 from trl_plugins.rollout.chat.format import ChatFormat
-from trl_plugins.rollout.chat.vocab import ChatTemplateError, ParsedTurn, ToolTurn, TurnKind, tokenizer_digest
+from trl_plugins.rollout.chat.vocab import ChatTemplateError, ParsedCall, ParsedTurn, ToolTurn, TurnKind, tokenizer_digest
 
-__all__ = ["ChatTemplateError", "TurnKind", "ParsedTurn", "ToolTurn", "ChatFormat", "tokenizer_digest"]
+__all__ = ["ChatTemplateError", "TurnKind", "ParsedCall", "ParsedTurn", "ToolTurn", "ChatFormat", "tokenizer_digest"]

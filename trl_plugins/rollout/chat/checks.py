@@ -263,25 +263,43 @@ class TemplateChecks:
             raise errors[0]
         raise ChatTemplateError(f"with text before a tool call: {a} Without it: {b} {_OPTIONS}")
 
-    def verify(self, outputs: Sequence[str] = ("42\n", "")) -> None:
+    def verify(self, outputs: Sequence[str] = ("42\n", ""), *, calls_per_turn: int = 1) -> None:
         """Replay a conversation whose tool calls return ``outputs`` and check it against the template.
 
         Each next prompt must equal the template's tokens for the conversation so far; where an output
         holds control-token text (which the template would turn into control tokens) the text must be
-        the template's and no observation token may be a control token.
+        the template's and no observation token may be a control token. With ``calls_per_turn > 1`` each
+        call turn makes that many calls in one turn (parallel calls), every one returning its output.
 
         Raises:
             ChatTemplateError: where the incremental path departs from the template.
         """
         with_text = not any("text before a tool call" in n for n in self.notes)
-        self._replay_conversation(with_text=with_text, reasoning=self.reasoning, outputs=outputs)
+        self._replay_conversation(with_text=with_text, reasoning=self.reasoning, outputs=outputs,
+                                  calls_per_turn=calls_per_turn)
 
-    def _replay_conversation(self, *, with_text: bool, reasoning: bool, outputs: Sequence[str] = ("42\n", "")) -> None:
+    def _check_parallel_calls(self, calls_per_turn: int) -> None:
+        """Refuse a template that cannot render ``calls_per_turn`` calls in one turn token for token."""
+        try:
+            self.verify(("42\n", "6\n\n"), calls_per_turn=calls_per_turn)
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(
+                f"the rollout runs up to {calls_per_turn} tool calls of one turn (parallel calls), but this chat "
+                f"template cannot follow a turn with {calls_per_turn} calls token for token: "
+                f"{str(exc).removesuffix(' ' + _OPTIONS)} Set rollout_kwargs max_tool_calls_per_turn: 1 (a turn with "
+                f"several calls is then an invalid_action), or use a template whose parallel calls are exact "
+                f"(docs/rollout.md, 'Parallel tool calls')."
+            ) from exc
+
+    def _replay_conversation(self, *, with_text: bool, reasoning: bool, outputs: Sequence[str] = ("42\n", ""),
+                             calls_per_turn: int = 1) -> None:
         name = self._tool_name()
         reasoning = {"reasoning_content": "I compute it.", "thinking": "I compute it."} if reasoning else {}
         texts = ["Let me run it.", "Once more.", "And again."]
+        width = calls_per_turn
         turns = [({"role": "assistant", "content": texts[k % 3] if with_text else "",
-                   "tool_calls": [self._call(name, self._sample_arguments(name, k))], **reasoning}, out)
+                   "tool_calls": [self._call(name, self._sample_arguments(name, k * width + j), j) for j in range(width)],
+                   **reasoning}, out)
                  for k, out in enumerate(outputs)]
         turns.append(({"role": "assistant", "content": "The answer is \\boxed{42}.", **reasoning}, None))
         tools = self.tools or None
@@ -294,8 +312,9 @@ class TemplateChecks:
 
         for i, (turn, output) in enumerate(turns):
             messages.append(turn)
-            if output is not None:
-                messages.append(self._tool_message(name, output))
+            # Each call of a turn returns its own output (the first the one given, then numbered variants of it).
+            results = [] if output is None else [output] + [f"{j}: {output}" for j in range(1, width)]
+            messages += [self._tool_message(name, out, j) for j, out in enumerate(results)]
             expected = _encode(tok, self._render(messages, add_generation_prompt=output is not None, tools=tools))
             if expected[: len(prompt)] != prompt:
                 k = _first_difference(prompt, expected)
@@ -315,11 +334,11 @@ class TemplateChecks:
                 )
             completion = expected[len(prompt): end + 1]
             parsed = self.parse(prompt, completion)
-            want_args = turn.get("tool_calls", [{}])[0].get("function", {}).get("arguments")
+            want = [(name, c["function"]["arguments"]) for c in turn.get("tool_calls", [])]
             if output is None:
                 ok = parsed.kind in (TurnKind.FINAL_ANSWER, TurnKind.NO_TOOL_CALL)  # whatever the answer pattern
             else:
-                ok = parsed.kind == TurnKind.TOOL_CALL and parsed.tool_name == name and parsed.arguments == want_args
+                ok = parsed.kind == TurnKind.TOOL_CALL and [(c.name, c.arguments) for c in parsed.calls] == want
             if not ok:
                 raise ChatTemplateError(
                     f"the tool-call parser for this chat template does not read back the template's own assistant "
@@ -328,7 +347,7 @@ class TemplateChecks:
                 )
             if output is None:
                 return
-            tool_turn = self.tool_turn(completion, output, tool_name=name, arguments=want_args)
+            tool_turn = self.tool_results_turn(completion, [(name, out) for out in results])
             nxt = prompt + completion + tool_turn.ids
             forged = self._control_re is not None and self._control_re.search(output) is not None
             if forged and self._same_text_without_forged_controls(nxt, expected, len(prompt) + len(completion), tool_turn):

@@ -3,7 +3,8 @@
 A turn's prompt for turn ``i + 1`` is ``prompt_i + sampled_i + tool turn``: the tokens the sampler
 actually produced, then the *tool turn*: what the chat template itself renders after such a call (the
 closing of the assistant turn, the tool message with the output as the template writes it, trimmed or
-JSON-encoded if that is what it does, and the next generation prompt), tokenised as one piece, so that
+JSON-encoded if that is what it does (a message per call, in the order of the calls, for a turn with parallel
+calls), and the next generation prompt), tokenised as one piece, so that
 tokens merging across the output's edges (Qwen's ``\\n\\n``) come out as the template's tokenisation
 makes them. A closing token the sampler already produced (``<|im_end|>``) is not appended again:
 sampled, it is an ACTION and is trained; appended by us, it is GLUE and is not. The one deliberate
@@ -29,6 +30,7 @@ from trl_plugins.rollout.chat.vocab import (
     _OPTIONS,
     _T,
     ChatTemplateError,
+    ParsedCall,
     ParsedTurn,
     ToolTurn,
     TurnKind,
@@ -36,12 +38,17 @@ from trl_plugins.rollout.chat.vocab import (
     _first_difference,
     tokenizer_digest,
 )
-from trl_plugins.tools.base import check_arguments
+from trl_plugins.tools.base import check_arguments, valid_text
 from trl_plugins.types import TokenSource
 
 __all__ = ["ChatFormat"]
 
 logger = logging.getLogger(__name__)
+
+
+def _placeholders(n: int) -> tuple[str, ...]:
+    """A placeholder output per call of a turn with ``n`` calls, none a prefix of another."""
+    return (_T,) if n == 1 else tuple(f"{_T}_{k}_" for k in range(n))
 
 
 class ChatFormat(TemplateChecks):
@@ -59,6 +66,9 @@ class ChatFormat(TemplateChecks):
         stop_tokens: Token strings that end a turn. Default: eos, the first control token the template
             renders after a tool call (``<|im_end|>``, ``<|observation|>``, ``<|call|>``, ``<|eot_id|>``,
             ``<tool_call|>``) and the one it renders after a final answer.
+        calls_per_turn: The most tool calls of one turn the rollout runs (parallel calls). Above 1, the start-up
+            check also replays a conversation whose call turns make that many calls each (the template's own
+            rendering of them, parsed back and followed token for token), and refuses a template that cannot.
         template_kwargs: Extra ``apply_chat_template`` arguments (e.g. ``enable_thinking=False``).
 
     Raises:
@@ -73,8 +83,11 @@ class ChatFormat(TemplateChecks):
         final_answer_pattern: str | None = None,
         check_prefix: bool = True,
         stop_tokens: Sequence[str] | None = None,
+        calls_per_turn: int = 1,
         **template_kwargs: Any,
     ) -> None:
+        if isinstance(calls_per_turn, bool) or not isinstance(calls_per_turn, int) or calls_per_turn < 1:
+            raise ValueError(f"calls_per_turn must be an int >= 1, got {calls_per_turn!r}.")
         self.tokenizer = tokenizer
         self.tools = list(tools)
         self.template_kwargs = template_kwargs
@@ -95,8 +108,12 @@ class ChatFormat(TemplateChecks):
         self.reasoning = self._generation_prompt_leaves_reasoning_open()
         self.notes: list[str] = []
         """What the start-up check accepted with a caveat (also logged)."""
+        self.calls_per_turn = calls_per_turn
+        """The most calls of one turn the rollout may run; above 1 checked at construction (with ``check_prefix``)."""
         if check_prefix:
             self._check_exact()
+            if calls_per_turn > 1:
+                self._check_parallel_calls(calls_per_turn)
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -116,12 +133,12 @@ class ChatFormat(TemplateChecks):
             ) from exc
 
     @staticmethod
-    def _call(name: str, arguments: dict) -> dict:
-        return {"type": "function", "id": "call_0", "function": {"name": name, "arguments": arguments}}
+    def _call(name: str, arguments: dict, k: int = 0) -> dict:
+        return {"type": "function", "id": f"call_{k}", "function": {"name": name, "arguments": arguments}}
 
     @staticmethod
-    def _tool_message(name: str, content: str) -> dict:
-        return {"role": "tool", "name": name, "tool_call_id": "call_0", "content": content}
+    def _tool_message(name: str, content: str, k: int = 0) -> dict:
+        return {"role": "tool", "name": name, "tool_call_id": f"call_{k}", "content": content}
 
     def _tool_name(self) -> str:
         return next(iter(self._schemas), "probe_tool")  # only renders the template's own probes when no tool is configured
@@ -138,10 +155,10 @@ class ChatFormat(TemplateChecks):
         keys = list(params.get("required") or []) or list(props)[:1] or ["code"]
         return {key: samples.get((props.get(key) or {}).get("type"), f"print({k} * 7)") for key in keys}
 
-    def _call_messages(self, name: str) -> list[dict]:
-        """A question and an assistant turn calling ``name`` with the argument placeholder."""
-        return [{"role": "user", "content": "question"},
-                {"role": "assistant", "content": "", "tool_calls": [self._call(name, {self._arg_key(name): _ARG})]}]
+    def _call_messages(self, *names: str) -> list[dict]:
+        """A question and an assistant turn calling each of ``names`` (in one turn) with the argument placeholder."""
+        calls = [self._call(name, {self._arg_key(name): _ARG}, k) for k, name in enumerate(names)]
+        return [{"role": "user", "content": "question"}, {"role": "assistant", "content": "", "tool_calls": calls}]
 
     def _first_special(self, text: str, start: int, strings: Sequence[str]) -> tuple[int, str] | None:
         hits = [(at, s) for s in strings if (at := text.find(s, start)) >= 0]
@@ -162,98 +179,183 @@ class ChatFormat(TemplateChecks):
             )
         )
 
-    def _truncate(self, text: str, max_tokens: int | None) -> tuple[str, bool]:
-        """Keep the tail of tool output longer than ``max_tokens`` tokens, behind a marker saying so."""
-        if max_tokens is None:
-            return text, False
-        ids = _encode(self.tokenizer, text)
-        if len(ids) <= max_tokens:
-            return text, False
-        # A marker tells the model output was cut; it may take at most a quarter of the budget.
-        marker = ""
-        for candidate in (f"[... {len(ids) - max_tokens} earlier tokens cut ...]\n", "[...]\n"):
-            if len(_encode(self.tokenizer, candidate)) <= max_tokens // 4:
-                marker = candidate
-                break
-        keep = max_tokens - len(_encode(self.tokenizer, marker))
-        return marker + self.tokenizer.decode(ids[len(ids) - keep:]), True
+    def _rendering(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
+        messages = self._call_messages(*names) + [self._tool_message(n, o, k) for k, (n, o) in enumerate(zip(names, outputs))]
+        return self._render(messages, add_generation_prompt=True)
 
-    @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool name)
-    def _layout(self, name: str) -> tuple[int, str, int, int]:
-        """Where the tool turn starts in the rendering of a call to ``name``, and the output's edges in it.
+    @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool names)
+    def _turn_start(self, names: tuple[str, ...]) -> int:
+        """Where the tool turn starts in the rendering of a turn calling ``names``: at the stop token ending the calls."""
+        rendered = self._rendering(names, _placeholders(len(names)))
+        return rendered.index(self._call_stop, rendered.rindex(_ARG, 0, rendered.index(_placeholders(len(names))[0])) + len(_ARG))
 
-        Returns ``(start, placeholder_glue, before, after)``: the tool turn is ``rendering[start:]`` (from
-        the stop token ending the call), the placeholder output sits at ``before`` in ``placeholder_glue``
-        and ``after`` characters follow it.
-        """
-        rendered = self._render(self._call_messages(name) + [self._tool_message(name, _T)], add_generation_prompt=True)
-        start = rendered.index(self._call_stop, rendered.index(_ARG) + len(_ARG))
-        glue = rendered[start:]
-        at = glue.index(_T)
-        return start, glue, at, len(glue) - at - len(_T)
+    @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool names)
+    def _placeholder_glue(self, names: tuple[str, ...]) -> str:
+        return self._glue(names, _placeholders(len(names)))
+
+    def _glue(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
+        """The template's rendering after a turn calling ``names`` whose tool messages hold ``outputs``, from the stop
+        token ending the calls to the next generation prompt."""
+        return self._rendering(names, outputs)[self._turn_start(names):]
 
     def tool_turn(self, completion_ids: Sequence[int], output: str, *, tool_name: str | None = None,
                   arguments: dict | None = None, max_tokens: int | None = None) -> ToolTurn:
-        """The tokens to append after a sampled completion that called ``tool_name`` and got ``output``.
+        """The tokens to append after a sampled completion that called ``tool_name`` and got ``output``: the one-call
+        case of :meth:`tool_results_turn`."""
+        return self.tool_results_turn(completion_ids, [(tool_name or self._tool_name(), output)], max_tokens=max_tokens)
 
-        The template renders the tool message with the (tail-truncated) output; everything from the stop
-        token ending the call to the next generation prompt is tokenised as one piece, control-token text
-        inside the output as plain text. Closing tokens the sampler already produced are not repeated.
+    def tool_results_turn(self, completion_ids: Sequence[int], results: Sequence[tuple[str, str]], *,
+                          max_tokens: int | None = None) -> ToolTurn:
+        """The tokens to append after a sampled completion whose calls (one, or several in one turn) returned
+        ``results``: ``(tool name, output)`` per call, in the order of the calls.
+
+        The template renders a tool message per call, in that order, each with its output; everything from the stop
+        token ending the calls to the next generation prompt is tokenised as one piece, control-token text inside
+        the outputs as plain text. Closing tokens the sampler already produced are not repeated. Code points no
+        tokenizer can encode (a lone surrogate) become U+FFFD first (:func:`~trl_plugins.tools.base.valid_text`).
+        With ``max_tokens``, each output's tokens as they reach the model (its OBSERVATION tokens: after the
+        template escaped or trimmed it, with control-token text spelled out) are at most ``max_tokens``: a longer
+        output keeps its tail behind a marker.
         """
-        name = tool_name or self._tool_name()
-        text, truncated = self._truncate(output, max_tokens)
-        start, placeholder, before, after = self._layout(name)
-        rendered = self._render(self._call_messages(name) + [self._tool_message(name, text)], add_generation_prompt=True)
-        glue = rendered[start:]
-        # The output as the template wrote it: what differs from the placeholder rendering.
-        lo = min(_first_difference(glue, placeholder), before)
-        hi = len(glue) - min(_first_difference(glue[::-1], placeholder[::-1]), after)
-        hi = max(hi, lo)
-        ids, sources = self._tokenize_turn(glue, lo, hi)
+        names = tuple(name for name, _ in results)
+        texts = [valid_text(output) for _, output in results]
+        ids, sources, counts = self._rendered_turn(names, texts)
+        cut = [False] * len(texts)
+        while max_tokens is not None and any(c > max_tokens for c in counts):
+            k = next(k for k, c in enumerate(counts) if c > max_tokens)
+            texts[k] = self._cut_to_budget(names, texts, k, max_tokens, counts[k])
+            cut[k] = True
+            ids, sources, counts = self._rendered_turn(names, texts)
         k = 0
         for n in range(min(len(ids), len(completion_ids)), 0, -1):
             if tuple(completion_ids[-n:]) == tuple(ids[:n]) and all(s == TokenSource.GLUE for s in sources[:n]):
                 k = n
                 break
-        return ToolTurn(ids[k:], sources[k:], truncated)
+        return ToolTurn(ids[k:], sources[k:], any(cut), tuple(cut))
 
-    def _tokenize_turn(self, text: str, lo: int, hi: int) -> tuple[list[int], list[TokenSource]]:
-        """Tokenise ``text`` as one piece, except that control-token text inside ``[lo, hi)`` is split."""
+    def _rendered_turn(self, names: tuple[str, ...], texts: Sequence[str]) -> tuple[list[int], list[TokenSource], list[int]]:
+        """The whole tool turn after calls to ``names`` that returned ``texts``, tokenised, with its provenance and
+        each output's OBSERVATION tokens.
+
+        Where each output sits is found one output at a time: the rendering with outputs ``0..k`` filled in and the
+        rest placeholders differs from the one with ``0..k-1`` filled in only around output ``k`` (what the template
+        wrote for it, trimmed or escaped), so text an output shares with the template's markup cannot confuse it.
+        """
+        current = list(_placeholders(len(names)))
+        previous = self._placeholder_glue(names)
+        regions = []
+        for k, text in enumerate(texts):
+            at = previous.index(current[k])
+            after = len(previous) - at - len(current[k])
+            current[k] = text
+            glue = self._glue(names, current)
+            lo = min(_first_difference(glue, previous), at)
+            hi = len(glue) - min(_first_difference(glue[::-1], previous[::-1]), after)
+            regions.append((lo, max(hi, lo)))
+            previous = glue
+        ids, sources, owners = self._tokenize_turn(previous, regions)
+        counts = [0] * len(texts)
+        for src, owner in zip(sources, owners):
+            if src == TokenSource.OBSERVATION:
+                counts[owner] += 1
+        return ids, sources, counts
+
+    def _cut_to_budget(self, names: tuple[str, ...], texts: Sequence[str], k: int, max_tokens: int, full: int) -> str:
+        """The longest tail of ``texts[k]`` (behind a marker saying it was cut) that the template renders in at most
+        ``max_tokens`` OBSERVATION tokens in this tool turn; ``full`` is what the whole output took.
+
+        Counted on the rendered turn, not on the output alone: control-token text (``<|im_end|>``: one token as a
+        token, ~7 spelled out) and a template's escaping (JSON's ``\\n``) change how many tokens reach the model.
+        """
+        text = texts[k]
+
+        def count(candidate: str) -> int:
+            return self._rendered_turn(names, [*texts[:k], candidate, *texts[k + 1:]])[2][k]
+
+        # A marker tells the model output was cut; it may take at most a quarter of the budget.
+        markers = [m for m in (f"[... {full - max_tokens} earlier tokens cut ...]\n", "[...]\n")
+                   if len(_encode(self.tokenizer, m)) <= max_tokens // 4] + [""]
+        marker = next(m for m in markers if not m or count(m) <= max_tokens)
+        fitting = {len(text)}
+
+        def fits(at: int) -> bool:
+            if at not in fitting and count(marker + text[at:]) <= max_tokens:
+                fitting.add(at)
+            return at in fitting
+
+        # The tail kept is text[hi:], hi the smallest start found to fit: from the start the token rate of the whole
+        # output suggests, a bracket widened by doubling steps, then bisected (the whole text never fits: lo = 0).
+        guess = max(1, len(text) - len(text) * max_tokens // full)
+        step = max(1, (len(text) - guess) // 8)
+        if fits(guess):
+            hi, lo = guess, max(0, guess - step)
+            while lo > 0 and fits(lo):
+                hi, step = lo, step * 2
+                lo = max(0, lo - step)
+        else:
+            lo, hi = guess, min(len(text), guess + step)
+            while hi < len(text) and not fits(hi):
+                lo, step = hi, step * 2
+                hi = min(len(text), hi + step)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return marker + text[hi:]
+
+    def _tokenize_turn(self, text: str, regions: Sequence[tuple[int, int]]) -> tuple[list[int], list[TokenSource], list[int]]:
+        """Tokenise ``text`` as one piece, except that control-token text inside the output ``regions`` (``[lo, hi)``,
+        in order) is split. Returns the ids, their provenance and, per token, the region it holds output of (-1:
+        none)."""
         cuts = [0]
-        for m in self._control_re.finditer(text, lo, hi) if self._control_re else ():
-            cuts += [m.start(), m.start() + 1]
+        for lo, hi in regions:
+            for m in self._control_re.finditer(text, lo, hi) if self._control_re else ():
+                cuts += [m.start(), m.start() + 1]
         cuts.append(len(text))
         ids: list[int] = []
         sources: list[TokenSource] = []
+        owners: list[int] = []
         for a, b in zip(cuts, cuts[1:]):
             if a == b:
                 continue
             enc = self.tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
             for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):
                 ids.append(tid)
-                inside = a + s < hi and a + e > lo
-                sources.append(TokenSource.OBSERVATION if inside else TokenSource.GLUE)
-        leaked = [i for i, (t, src) in enumerate(zip(ids, sources)) if src == TokenSource.OBSERVATION and t in self._control_ids]
+                owner = next((r for r, (lo, hi) in enumerate(regions) if a + s < hi and a + e > lo), -1)
+                owners.append(owner)
+                sources.append(TokenSource.OBSERVATION if owner >= 0 else TokenSource.GLUE)
+        leaked = any(src == TokenSource.OBSERVATION and t in self._control_ids for t, src in zip(ids, sources))
         if leaked:  # a tokenizer that re-forms control tokens from pieces: escape the text instead
-            inner = self._control_re.sub(lambda m: m.group(0).replace("<", "< "), text[lo:hi])
-            return self._tokenize_turn(text[:lo] + inner + text[hi:], lo, lo + len(inner))
-        return ids, sources
+            pieces, escaped, end = [], [], 0
+            for lo, hi in regions:
+                inner = self._control_re.sub(lambda m: m.group(0).replace("<", "< "), text[lo:hi])
+                pieces.append(text[end:lo])
+                start = sum(map(len, pieces))
+                pieces.append(inner)
+                escaped.append((start, start + len(inner)))
+                end = hi
+            pieces.append(text[end:])
+            return self._tokenize_turn("".join(pieces), escaped)
+        return ids, sources, owners
 
     # -- parsing ------------------------------------------------------------------------------
 
     @lru_cache(maxsize=4096)  # noqa: B019 - a handful of distinct calls repeat across a group
-    def _canonical_call(self, name: str, arguments_json: str) -> str:
-        """How the template writes a call (up to the stop token that ends it), whitespace removed."""
+    def _canonical_call(self, calls_json: str) -> str:
+        """How the template writes the calls ``[[name, arguments], ...]`` of one turn (up to the stop token that ends
+        them), whitespace removed."""
         import json
 
-        arguments = json.loads(arguments_json)
+        calls = json.loads(calls_json)
+        names = tuple(name for name, _ in calls)
+        placeholders = _placeholders(len(calls))
         messages = [{"role": "user", "content": "question"},
-                    {"role": "assistant", "content": "", "tool_calls": [self._call(name, arguments)]},
-                    self._tool_message(name, _T)]
+                    {"role": "assistant", "content": "", "tool_calls": [self._call(n, a, k) for k, (n, a) in enumerate(calls)]},
+                    *[self._tool_message(n, p, k) for k, (n, p) in enumerate(zip(names, placeholders))]]
         rendered = self._render(messages, add_generation_prompt=True)
         start = _first_difference(rendered, self._generation_prompt_text)
-        stop = rendered.rfind(self._call_stop, start, rendered.index(_T))
-        call = rendered[start:stop if stop >= 0 else rendered.index(_T)]
+        end = rendered.index(placeholders[0])
+        stop = rendered.rfind(self._call_stop, start, end)
+        call = rendered[start:stop if stop >= 0 else end]
         marker = self._call_marker
         return re.sub(r"\s+", "", call[call.find(marker):] if marker and marker in call else call)
 
@@ -274,11 +376,14 @@ class ChatFormat(TemplateChecks):
         return max(hits)[1] if hits else segment.strip()
 
     def parse(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> ParsedTurn:
-        """Classify an assistant turn: one valid tool call, a final answer, no call, or invalid.
+        """Classify an assistant turn: valid tool calls (one, or several in one turn), a final answer, no call, or
+        invalid.
 
-        A call is valid only if the template writes the parsed call as the turn wrote it (whitespace
-        aside) and nothing but stop tokens follows it: text a parser skipped or cut short (an argument
-        ended at the first ``)``, text after the call) makes the turn invalid, never silently lost.
+        Calls are valid only if each names a known tool with arguments that fit its schema, the template writes the
+        parsed calls as the turn wrote them (whitespace aside; one call may also be a JSON object with its keys in
+        another order) and nothing but stop tokens follows them: text a parser skipped or cut short (an argument
+        ended at the first ``)``, text after the call) makes the turn invalid, never silently lost. How many calls
+        a turn may make is the rollout's to decide (``max_tool_calls_per_turn``).
         """
         import json
 
@@ -303,32 +408,36 @@ class ChatFormat(TemplateChecks):
             final = self.final_answer_re is None or self.final_answer_re.search(content) is not None
             kind = TurnKind.FINAL_ANSWER if final else TurnKind.NO_TOOL_CALL
             return ParsedTurn(kind, content=content)
-        if len(calls) > 1:
-            return ParsedTurn(TurnKind.INVALID, content=content, error=f"{len(calls)} tool calls; make one per turn")
         # The model wrote the JSON: a call may be any value (5, null, a list), a name any type.
-        call = calls[0]
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            return ParsedTurn(TurnKind.INVALID, content=content,
-                              error=f"malformed tool call: {call!r:.80} is not an object with a string name")
-        name, arguments = fn.get("name"), fn.get("arguments")
-        if name not in self._schemas:
-            known = ", ".join(self._schemas) or "none"
-            return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name, error=f"unknown tool {name!r} (tools: {known})")
-        problem = check_arguments(self._schemas[name], arguments)
-        if problem:
-            return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name, error=problem)
+        checked: list[ParsedCall] = []
+        for call in calls:
+            fn = call.get("function", call) if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                return ParsedTurn(TurnKind.INVALID, content=content,
+                                  error=f"malformed tool call: {call!r:.80} is not an object with a string name")
+            name, arguments = fn.get("name"), fn.get("arguments")
+            if name not in self._schemas:
+                known = ", ".join(self._schemas) or "none"
+                return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name,
+                                  error=f"unknown tool {name!r} (tools: {known})")
+            problem = check_arguments(self._schemas[name], arguments)
+            if problem:
+                return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name, error=problem)
+            checked.append(ParsedCall(name, dict(arguments)))
         for stop in self.stop_tokens:
             bare = bare.removesuffix(stop)
-        canonical = self._canonical_call(name, json.dumps(arguments, sort_keys=True))
-        if not bare.endswith(canonical) and not self._json_call_accounts_for(text, name, arguments):
+        canonical = self._canonical_call(json.dumps([[c.name, c.arguments] for c in checked], sort_keys=True))
+        name, arguments = checked[0].name, checked[0].arguments
+        single = len(checked) == 1 and self._json_call_accounts_for(text, name, arguments)
+        if not bare.endswith(canonical) and not single:
             at = bare.rfind(canonical[: max(1, len(canonical) // 2)])
+            written = ", ".join(f"{c.name}({json.dumps(c.arguments)})" for c in checked)
             what = ("text after the tool call" if canonical in bare else
                     "the call as written does not read back as parsed (the parser left part of it unaccounted "
-                    f"for: it understood {name}({json.dumps(arguments)}), which the template writes as "
+                    f"for: it understood {written}, which the template writes as "
                     f"{canonical[:120]!r}{' at ' + str(at) if at >= 0 else ''})")
             return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name, error=what)
-        return ParsedTurn(TurnKind.TOOL_CALL, content=content, tool_name=name, arguments=dict(arguments))
+        return ParsedTurn(TurnKind.TOOL_CALL, content=content, tool_name=name, arguments=arguments, calls=checked)
 
     def _json_call_accounts_for(self, text: str, name: str, arguments: Any) -> bool:
         """Whether the call, from its opening marker on, is one JSON object holding exactly the parsed call

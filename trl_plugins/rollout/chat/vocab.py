@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from trl_plugins.types import TokenSource
 
-__all__ = ["ChatTemplateError", "TurnKind", "ParsedTurn", "ToolTurn", "tokenizer_digest"]
+__all__ = ["ChatTemplateError", "TurnKind", "ParsedCall", "ParsedTurn", "ToolTurn", "tokenizer_digest"]
 
 _A = "ASSISTANT_SENTINEL_7f3a"
 _T = "TOOL_SENTINEL_9c2e"
@@ -25,13 +25,23 @@ class TurnKind(enum.StrEnum):
     """What an assistant turn did."""
 
     TOOL_CALL = "tool_call"
-    """Exactly one well-formed call to a known tool, and nothing after it."""
+    """Well-formed calls to known tools (one, or several in one turn), and nothing after them."""
     FINAL_ANSWER = "final_answer"
     """No tool call, and the text matches the final-answer pattern (any text when there is none)."""
     NO_TOOL_CALL = "no_tool_call"
     """No tool call and no final answer."""
     INVALID = "invalid"
-    """A malformed call, several calls, text after the call, an unknown tool or bad arguments."""
+    """A malformed call, text after the call, an unknown tool or bad arguments."""
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One well-formed call of an assistant turn."""
+
+    name: str
+    """The tool called."""
+    arguments: dict[str, Any]
+    """Its parsed arguments (they fit the tool's schema)."""
 
 
 @dataclass
@@ -43,9 +53,11 @@ class ParsedTurn:
     content: str = ""
     """Text content (without tool calls and reasoning)."""
     tool_name: str | None = None
-    """Tool called, for TOOL_CALL (and for INVALID when a name was readable)."""
+    """Tool called, for TOOL_CALL (the first call's; and for INVALID when a name was readable)."""
     arguments: dict[str, Any] = field(default_factory=dict)
-    """Parsed arguments, for TOOL_CALL."""
+    """Parsed arguments, for TOOL_CALL (the first call's)."""
+    calls: list[ParsedCall] = field(default_factory=list)
+    """Every call of a TOOL_CALL turn, in the order written."""
     error: str | None = None
     """Why the turn is INVALID."""
 
@@ -59,7 +71,9 @@ class ToolTurn:
     sources: list[TokenSource]
     """GLUE, or OBSERVATION for tokens holding tool output (a token straddling both is OBSERVATION)."""
     truncated: bool
-    """The output was cut to its tail."""
+    """An output was cut to its tail."""
+    truncated_outputs: tuple[bool, ...] = ()
+    """Per call of the turn, in order: whether its output was cut to its tail."""
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
