@@ -64,8 +64,9 @@ class ChatFormat(TemplateChecks):
             rendering of a three-turn tool conversation token for token (refusing a template that
             rewrites history); ``False`` skips that check.
         stop_tokens: Token strings that end a turn. Default: eos, the first control token the template
-            renders after a tool call (``<|im_end|>``, ``<|observation|>``, ``<|call|>``, ``<|eot_id|>``,
-            ``<tool_call|>``) and the one it renders after a final answer.
+            renders after a tool call that it never renders inside one (``<|im_end|>``, ``<|observation|>``,
+            ``<|call|>``, ``<|eot_id|>``, ``<tool_call|>``: found by probing a call to every tool, whatever the
+            tokenizer flags as special), and the one it renders after a final answer.
         calls_per_turn: The most tool calls of one turn the rollout runs (parallel calls). Above 1, the start-up
             check also replays a conversation whose call turns make that many calls each (the template's own
             rendering of them, parsed back and followed token for token), and refuses a template that cannot.
