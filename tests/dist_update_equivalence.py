@@ -25,6 +25,7 @@ from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators  # noqa
 from trl_plugins.datum import build_datum, collate  # noqa: E402
 from trl_plugins.modeling import token_logprobs  # noqa: E402
 from trl_plugins.trainers.update import policy_update  # noqa: E402
+from trl_plugins.types import StopReason  # noqa: E402
 
 LR = 0.5
 
@@ -36,7 +37,9 @@ def all_datums(world: int) -> list[list]:
     for c in counts:
         part = []
         for _ in range(c):
-            traj = make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=k // 2, sample_index=k % 2)
+            # Every third one cut by the budget: its datum bootstraps (the critic's value pass forwards one token more).
+            stop = StopReason.TOKEN_BUDGET if k % 3 == 0 else StopReason.FINAL_ANSWER
+            traj = make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=k // 2, sample_index=k % 2, stop_reason=stop)
             part.append(build_datum(traj, trajectory_index=k))
             k += 1
         out.append(part)
@@ -101,6 +104,7 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
         mb = collate(everything, list(range(len(everything))), pad_token_id=0)
         # The value after the last token: the critic on the whole sequence, read at its end.
         d0, (_, a0) = everything[0], gathered[0]
+        assert d0.bootstrap_mask == 1 and all(a == 0.0 for d, (_, a) in zip(everything, gathered) if not d.bootstrap_mask)
         full = torch.tensor([d0.input_ids + d0.target_ids[-1:]])
         with torch.no_grad():
             after_err = abs(float(critic_values(reference, full, torch.ones_like(full))[0, -1]) - a0)
