@@ -903,3 +903,54 @@ def test_the_seed_and_compare_tables_carry_standard_errors(tmp_path, script):
     # 0.5, 0.25: se 0.125).
     assert "0.500 ± 0.250" in proc.stdout and "0.875 ± 0.125" in proc.stdout and "+0.375 ± 0.125" in proc.stdout
     assert "| 0.500 |" in proc.stdout or "0.500 -> 1.000" in proc.stdout  # the older run: no ± to show
+
+
+class _TranscriptSampler:
+    """A causal LM that continues the transcripts it was given: one-hot on the true next token, except that where the
+    next token is a digit of the code (``spread_code``) or of the answer (``spread_answer``) every digit is equally
+    likely. Its "cache" is the token list so far."""
+
+    training = False
+
+    def __init__(self, transcripts, digits, *, spread_code=False, spread_answer=False):
+        self.transcripts, self.digits = transcripts, digits
+        self.spread_code, self.spread_answer = spread_code, spread_answer
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def __call__(self, input_ids, cache=None, use_cache=True, attention_mask=None):
+        import torch
+
+        ids = (cache or []) + input_ids[0].tolist()
+        full = next(t for t in self.transcripts if t[: len(ids)] == ids)
+        nxt = full[len(ids)]
+        logits = torch.full((2048,), -1e9)
+        in_answer = len(ids) > len(full) - 12  # the final turn, "The answer is \\boxed{NNNNN}." and its end
+        if nxt in self.digits and (self.spread_answer if in_answer else self.spread_code):
+            logits[list(self.digits)] = 0.0
+        else:
+            logits[nxt] = 0.0
+        return type("Out", (), {"logits": logits.view(1, 1, -1), "cache": ids})()
+
+
+def test_sampled_copy_rate_counts_a_problem_only_when_both_copies_sample_right():
+    from retool.coldstart import sampled_copy_rate, transcript
+    from retool.task import arithmetic_problems
+    from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tiny import build_tokenizer
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [CodeInterpreter().schema()])
+    problems = arithmetic_problems(6, seed=5)
+    transcripts = [transcript(chat, p, use_tool=True)[0] for p in problems]
+    digits = {tok.convert_tokens_to_ids(str(d)) for d in range(10)}
+    sharp = _TranscriptSampler(transcripts, digits)
+    assert sampled_copy_rate(sharp, chat, problems) == 1.0
+    # Every digit of one copy spread over 10 digits: a problem's copy samples right with probability 1e-7 or less.
+    for spread in ({"spread_code": True}, {"spread_answer": True}):
+        assert sampled_copy_rate(_TranscriptSampler(transcripts, digits, **spread), chat, problems) == 0.0

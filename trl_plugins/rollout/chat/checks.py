@@ -172,7 +172,7 @@ class TemplateChecks:
                 f"before the tool output"
                 + (f"; {sorted(inside)} also occur inside a call, so they cannot end one" if inside else "")
                 + "), so generation cannot stop at the end of a call. Pass "
-                f"stop_tokens=[...] naming the token that ends a call turn, or use another template. " + _OPTIONS
+                "stop_tokens=[...] naming the token that ends a call turn, or use another template. " + _OPTIONS
             )
         self._call_stop = hit[1]
         if stop_tokens is None:
