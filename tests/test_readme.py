@@ -1,7 +1,9 @@
-"""The README opens with the two set-up commands, and CI runs the test one verbatim."""
+"""The README opens with the two set-up commands, CI runs the test one verbatim, and its result table and ranges are
+what recorded runs of the main command printed."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -32,3 +34,58 @@ def test_cpu_constraints_pin_the_cpu_torch_wheel():
     pins = (ROOT / "constraints" / "cpu.txt").read_text()
     assert re.search(r"^torch==2\.13\.0$", pins, re.M)
     assert re.search(r"^trl==1\.16\.\d+$", pins, re.M)
+
+
+# -- the README's result: the table the command prints, and ranges that cover every machine recorded (issue 30.14)
+
+RECORDED = ROOT / "tests" / "assets" / "recorded_runs"
+README_RUN = "avx512_2threads.json"
+"""The recorded run whose printed table the README shows."""
+
+
+def _recorded_runs() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(RECORDED.glob("*.json"))}
+
+
+def _readme_result_block() -> list[str]:
+    blocks, current = [], None
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current = []
+            else:
+                blocks.append(current)
+                current = None
+        elif current is not None:
+            current.append(line)
+    return next(b for b in blocks if any("before RL" in line for line in b))
+
+
+def test_readme_table_is_what_the_command_prints_for_the_recorded_run():
+    from retool.report import format_summary
+
+    run = _recorded_runs()[README_RUN]
+    printed = format_summary(run["before"], run["after"], steps=run["steps"], wall_s=run["wall_s"], paths={}).splitlines()
+    # The printed summary between its header rule and its closing rule.
+    body = printed[printed.index("-" * 72) + 1: printed.index("=" * 72, printed.index("-" * 72))]
+    assert _readme_result_block() == body
+
+
+def _readme_ranges() -> dict[str, tuple[float, float]]:
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"accuracy went from (\d+)-(\d+)% to (\d+)-(\d+)% \(\+(\d+) to \+(\d+) points\)", text)
+    assert m, "the README states its ranges as 'accuracy went from A-B% to C-D% (+E to +F points)'"
+    a, b, c, d, e, f = map(float, m.groups())
+    return {"before": (a, b), "after": (c, d), "gain": (e, f)}
+
+
+def test_readme_ranges_cover_every_recorded_machine():
+    ranges = _readme_ranges()
+    runs = _recorded_runs()
+    assert len(runs) >= 3, "record the main command on more than one machine (tests/assets/recorded_runs/)"
+    for name, run in runs.items():
+        got = {"before": 100 * run["before"]["accuracy"], "after": 100 * run["after"]["accuracy"],
+               "gain": 100 * (run["after"]["accuracy"] - run["before"]["accuracy"])}
+        for key, value in got.items():
+            low, high = ranges[key]
+            assert low <= round(value) <= high, f"{name}: {key} {value:.1f} outside the README's {low:g}-{high:g}"
