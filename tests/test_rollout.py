@@ -150,6 +150,8 @@ def test_each_stop_reason(chat, directive, budgets, reason):
         assert len(traj.turns) == 3 and traj.turns[-1].tool_call.output == "" and not traj.turns[-1].tool_call.ok
     if reason == StopReason.TOKEN_BUDGET:
         assert traj.num_tokens <= 450
+    # The reason of an invalid action is kept on the trajectory (docs/rollout.md says so), and only there.
+    assert (traj.error is not None) == (reason == StopReason.INVALID_ACTION), traj.error
 
 
 def test_per_turn_budget_is_min_of_turn_and_trajectory_budget(chat):
@@ -611,6 +613,7 @@ def test_a_turn_over_the_per_turn_cap_is_an_invalid_action_and_runs_nothing(para
     result, _, tool = run(parallel_chat, ["par=3"], max_tool_calls_per_turn=2)
     (traj,) = result.trajectories
     assert traj.stop_reason == StopReason.INVALID_ACTION and tool.calls == 0 and traj.num_tool_calls == 0
+    assert traj.error == "the turn makes 3 tool calls, over max_tool_calls_per_turn=2: none of them ran"
     # The default cap is 1: a turn with two calls is invalid, as it always was.
     result, _, tool = run(parallel_chat, ["par=2"])
     assert result.trajectories[0].stop_reason == StopReason.INVALID_ACTION and tool.calls == 0

@@ -302,10 +302,13 @@ class MultiTurnRollout:
             if parsed.kind == TurnKind.NO_TOOL_CALL:
                 return finish(StopReason.NO_TOOL_CALL)
             if parsed.kind != TurnKind.TOOL_CALL:
+                st.traj.error = parsed.error or "the turn is neither a tool call nor an answer the parser could read"
                 return finish(StopReason.INVALID_ACTION)
             calls = parsed.calls
             if len(calls) > self.max_tool_calls_per_turn:
                 # Over the cap: the action as written cannot be carried out, so none of it is (see docs/rollout.md).
+                st.traj.error = (f"the turn makes {len(calls)} tool calls, over max_tool_calls_per_turn="
+                                 f"{self.max_tool_calls_per_turn}: none of them ran")
                 return finish(StopReason.INVALID_ACTION)
             if st.tool_calls + len(calls) > self.max_tool_calls:
                 turn.tool_calls = [ToolCall(name=c.name, arguments=c.arguments) for c in calls]

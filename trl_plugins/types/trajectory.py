@@ -235,7 +235,8 @@ class Trajectory:
     policy_version: PolicyVersion | None = None
     """Which policy sampled it."""
     error: str | None = None
-    """What failed in the world when the stop reason is a world failure (tool or component, exception)."""
+    """What failed in the world when the stop reason is a world failure (tool or component, exception); for
+    ``invalid_action``, why the turn was not a valid action (the parser's reason, or the per-turn call cap)."""
 
     @property
     def reward(self) -> float:
