@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -23,19 +23,41 @@ _HEAD_ONLY_DROPOUT = ("classifier_dropout",)
 """Dropout of a classification head, which a causal LM does not have (the critic sets its own to 0)."""
 
 
-def _is_dropout(name: str) -> bool:
+def _is_dropout(name: str, value: Any) -> bool:
     name = name.lower()
-    return ("dropout" in name or name.endswith("pdrop")) and name not in _HEAD_ONLY_DROPOUT
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            and ("dropout" in name or name.endswith("pdrop")) and name not in _HEAD_ONLY_DROPOUT)
 
 
-def _config_dropout(config: Any, prefix: str = "config") -> dict[str, float]:
-    found: dict[str, float] = {}
-    for key, value in vars(config).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and _is_dropout(key) and value > 0:
-            found[f"{prefix}.{key}"] = float(value)
-        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config (e.g. text_config)
-            found.update(_config_dropout(value, f"{prefix}.{key}"))
-    return found
+def _is_config(value: Any) -> bool:
+    return hasattr(value, "to_dict") and hasattr(value, "model_type")
+
+
+def _config_dropout(config: Any, where: str) -> Iterator[tuple[str, Any, str, float]]:
+    for key, value in list(vars(config).items()):
+        if _is_dropout(key, value):
+            yield f"{where}.{key}", config, key, float(value)
+        elif _is_config(value):  # a sub-config (e.g. text_config)
+            yield from _config_dropout(value, f"{where}.{key}")
+
+
+def _dropout_settings(model_or_config: Any) -> Iterator[tuple[str, Any, str, float]]:
+    """``(where, owner, attribute, p)`` for every dropout probability above 0: config fields (sub-configs included)
+    and, for a model, every module's config, its ``nn.Dropout.p`` and its float dropout attributes."""
+    if not isinstance(model_or_config, torch.nn.Module):
+        yield from _config_dropout(model_or_config, "config")
+        return
+    seen: set[int] = set()
+    for name, module in model_or_config.named_modules():
+        config = vars(module).get("config")
+        if _is_config(config) and id(config) not in seen:
+            seen.add(id(config))
+            yield from _config_dropout(config, f"{name}.config" if name else "config")
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            yield name or "(model)", module, "p", float(module.p)
+        for key, value in list(vars(module).items()):
+            if isinstance(value, float) and _is_dropout(key, value):
+                yield f"{name}.{key}" if name else key, module, key, value
 
 
 def dropout_probabilities(model_or_config: Any) -> dict[str, float]:
@@ -49,41 +71,16 @@ def dropout_probabilities(model_or_config: Any) -> dict[str, float]:
     Returns:
         ``{where: p}``, e.g. ``{"config.attention_dropout": 0.1, "model.layers.0.self_attn.attention_dropout": 0.1}``.
     """
-    if not isinstance(model_or_config, torch.nn.Module):
-        return _config_dropout(model_or_config)
-    found = _config_dropout(model_or_config.config) if hasattr(model_or_config, "config") else {}
-    for name, module in model_or_config.named_modules():
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
-            found[name or "(model)"] = float(module.p)
-        for key, value in vars(module).items():
-            if isinstance(value, float) and _is_dropout(key) and value > 0:
-                found[f"{name}.{key}" if name else key] = value
-    return found
+    return {where: p for where, _, _, p in _dropout_settings(model_or_config)}
 
 
 def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     """Set every dropout :func:`dropout_probabilities` finds in ``model`` to 0 (modules, module attributes, the
     configs they read), so the training forward is the deterministic one the sampler ran. Returns what it changed."""
-    found = dropout_probabilities(model)
-    for module in model.modules():
-        config = vars(module).get("config")
-        if hasattr(config, "to_dict"):
-            _zero_config(config)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for key, value in list(vars(module).items()):
-            if isinstance(value, float) and _is_dropout(key) and value > 0:
-                setattr(module, key, 0.0)
-    return found
-
-
-def _zero_config(config: Any) -> None:
-    for key, value in list(vars(config).items()):
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and _is_dropout(key) and value > 0:
-            setattr(config, key, 0.0)
-        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            _zero_config(value)
+    found = list(_dropout_settings(model))
+    for _, owner, key, _ in found:
+        setattr(owner, key, 0.0)
+    return {where: p for where, _, _, p in found}
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
