@@ -19,24 +19,22 @@ UNNAMED_QUICK_START = 'model="None"'
 def name_quick_start_model(card_path: str | os.PathLike, model_path: str | None) -> bool:
     """Make the card's quick-start load the trained model from ``model_path`` where TRL wrote ``model="None"``.
     Returns True when the card was changed."""
-    path = Path(card_path)
-    if not model_path or not path.is_file():
-        return False
-    text = path.read_text()
-    if UNNAMED_QUICK_START not in text:
-        return False
-    path.write_text(text.replace(UNNAMED_QUICK_START, f"model={str(model_path)!r}".replace("'", '"')))
-    return True
+    return bool(model_path) and _fill_in(card_path, UNNAMED_QUICK_START, f"model={str(model_path)!r}".replace("'", '"'))
 
 
 def name_local_base_model(card_path: str | os.PathLike, name_or_path: str | None) -> bool:
     """Name the base model in the card at ``card_path`` where TRL left it unnamed: a local folder is named by
     its path (no Hub link: it is not on the Hub). Returns True when the card was changed."""
+    return bool(name_or_path) and _fill_in(card_path, UNNAMED_BASE_MODEL, f"the local model `{name_or_path}`")
+
+
+def _fill_in(card_path: str | os.PathLike, placeholder: str, text: str) -> bool:
+    """Replace ``placeholder`` with ``text`` in the card at ``card_path``; False when there is no card or no placeholder."""
     path = Path(card_path)
-    if not name_or_path or not path.is_file():
+    if not path.is_file():
         return False
-    text = path.read_text()
-    if UNNAMED_BASE_MODEL not in text:
+    card = path.read_text()
+    if placeholder not in card:
         return False
-    path.write_text(text.replace(UNNAMED_BASE_MODEL, f"the local model `{name_or_path}`"))
+    path.write_text(card.replace(placeholder, text))
     return True
