@@ -1127,21 +1127,260 @@ def test_an_interpreter_in_a_virtualenv_under_tmp_still_runs(tmp_path, isolation
     # CI makes its virtualenv inside a fresh clone, which may sit under /tmp: the sandbox's /tmp is a private
     # tmpfs, and the interpreter's folders are bound into it afterwards, with parents the sandbox user can
     # traverse (bwrap would create them 0700 and the runner could not start).
+    # Round three: hidden paths inside such an interpreter prefix (reference answers next to the venv) were not
+    # hidden under bwrap (covered before the private /tmp and the re-bind, so underneath them) and made every
+    # call fail under unshare. A hidden folder and a hidden file, both.
     import subprocess
     import venv
 
     home = Path(tempfile.mkdtemp(prefix="trl-sandbox-venv-", dir="/tmp"))
     try:
-        venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True).create(home / "deep" / "venv")
-        python = home / "deep" / "venv" / "bin" / "python"
+        prefix = home / "deep" / "venv"
+        venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True).create(prefix)
+        (prefix / "answers").mkdir()
+        (prefix / "answers" / "ref.txt").write_text(SECRET)
+        (prefix / "key.txt").write_text(SECRET)
+        python = prefix / "bin" / "python"
         site = [p for p in sys.path if p.endswith("site-packages")]
+        code = ("import sys, os\n"
+                "def read(p):\n"
+                "    try:\n"
+                "        return open(p).read() or 'empty'\n"
+                "    except OSError as e:\n"
+                "        return type(e).__name__\n"
+                "print(sys.prefix, 6 * 7, read(sys.prefix + '/answers/ref.txt'), read(sys.prefix + '/key.txt'))")
         script = ("from trl_plugins.tools.sandbox import PythonSandbox\n"
-                  f"with PythonSandbox(mode={mode!r}, isolation={str(isolation)!r}, timeout_s=10.0, warm_imports=()) as sb:\n"
-                  "    r = sb.run('import sys; print(sys.prefix, 6 * 7)')\n"
-                  "print('RESULT', r.ok, r.stdout.strip())\n")
+                  f"with PythonSandbox(mode={mode!r}, isolation={str(isolation)!r}, timeout_s=10.0, warm_imports=(),\n"
+                  f"                   extra_hidden_paths=({str(prefix / 'answers')!r}, {str(prefix / 'key.txt')!r})) as sb:\n"
+                  f"    r = sb.run({code!r})\n"
+                  "print('RESULT', r.ok, r.stdout.strip(), r.stderr[-500:])\n")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *site])}
         proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        assert f"RESULT True {home / 'deep' / 'venv'} 42" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+        # A hidden folder is an empty one; a hidden file is /dev/null (bwrap binds it nodev: it cannot be opened).
+        assert (f"RESULT True {prefix} 42 FileNotFoundError empty" in proc.stdout
+                or f"RESULT True {prefix} 42 FileNotFoundError PermissionError" in proc.stdout), proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert SECRET not in proc.stdout
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Round three (issue 29): warm calls that share nothing, a narrower kernel surface, hidden paths
+# wherever the interpreter lives, one exit-status convention. Every namespaced isolation, cold and warm.
+# ---------------------------------------------------------------------------------------------------
+
+_MEMORY_SCAN = (
+    "def scan(pairs):\n"
+    "    # Occurrences of a + b in this process's readable memory, for each (a, b): the two halves are\n"
+    "    # never adjacent in this code, so a hit is memory this call did not write.\n"
+    "    hits = dict.fromkeys(pairs, 0)\n"
+    "    with open('/proc/self/maps') as f:\n"
+    "        regions = [line.split() for line in f.read().splitlines()]\n"
+    "    with open('/proc/self/mem', 'rb', 0) as mem:\n"
+    "        for fields in regions:\n"
+    "            if fields[1][0] != 'r' or fields[-1] in ('[vvar]', '[vsyscall]', '[vvar_vclock]'):\n"
+    "                continue\n"
+    "            lo, hi = (int(x, 16) for x in fields[0].split('-'))\n"
+    "            for start in range(lo, hi, 1 << 22):\n"
+    "                try:\n"
+    "                    mem.seek(start)\n"
+    "                    data = mem.read(min(hi, start + (1 << 22) + 64) - start)\n"
+    "                except (OSError, ValueError, OverflowError):\n"
+    "                    break\n"
+    "                for key, (a, b) in pairs.items():\n"
+    "                    i = data.find(a)\n"
+    "                    while i >= 0:\n"
+    "                        if i < (1 << 22) and data[i + len(a):i + len(a) + len(b)] == b:\n"
+    "                            hits[key] += 1\n"
+    "                        i = data.find(a, i + 1)\n"
+    "    return hits\n"
+)
+
+
+@requires_namespaces
+@pytest.mark.parametrize("isolation_mode", MODES, ids=_mode_id)
+def test_no_call_finds_an_earlier_calls_code_or_output_in_its_memory(isolation_mode):
+    # Round three: a warm server read each request (the code) and each result (the output) into its own heap
+    # and forked the next call from it; the next call read both back from /proc/self/mem, two calls later.
+    isolation, mode = isolation_mode
+    code_a, code_b, out_a, out_b, ctl_a, ctl_b = (uuid.uuid4().hex[:12] for _ in range(6))
+    padding = "# " + "x" * 2000 + "\n"  # model code and output of a few KB: freed to the C heap, not to pymalloc's pools
+    first = (f"secret = '{code_a}{code_b}'  # the code itself\n{padding}"
+             f"print('{out_a}' + '{out_b}' + '.' * 1500)  # only the output has both halves\n")
+    probe = _MEMORY_SCAN + (
+        f"control = '{ctl_a}' + '{ctl_b}'  # made by this call: must be found\n"
+        f"pairs = {{'code': (b'{code_a}', b'{code_b}'), 'output': (b'{out_a}', b'{out_b}'), 'control': (b'{ctl_a}', b'{ctl_b}')}}\n"
+        "hits = scan(pairs)\n"
+        "print(hits['code'], hits['output'], hits['control'] > 0)\n"
+    )
+    with _sandbox(mode, isolation, warm_imports=("math",), max_concurrency=1, timeout_s=30.0) as sb:
+        assert sb.run(first).stdout == f"{out_a}{out_b}{'.' * 1500}\n"
+        sb.run("print(sum(range(10)))")  # a call in between: the leak was found two calls back
+        result = sb.run(probe)
+    assert result.ok, result
+    assert result.stdout == "0 0 True\n", result  # "3 2 True" (code, output) in warm mode before
+
+
+_SYSCALL_CODE = (
+    "import ctypes, errno, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    "def call(nr, *args):\n"
+    "    ctypes.set_errno(0)\n"
+    "    ret = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) if isinstance(a, int) else a for a in args])\n"
+    "    if ret == 0 and nr == {clone}:\n"
+    "        os._exit(0)  # a clone that worked: the child leaves at once\n"
+    "    return 'ok' if ret >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))\n"
+)
+
+
+@requires_namespaces
+@pytest.mark.skipif(not SYSCALL_NR, reason="no system call numbers for this machine")
+def test_file_change_notifications_are_no_channel(any_sandbox, tmp_path):
+    # Round three: inotify, unprivileged fanotify and fcntl(F_NOTIFY) counted another call's (and the trainer's)
+    # opens of a shared read-only file exactly. All three are refused.
+    nr = runner.SYSCALLS[os.uname().machine]
+    code = _SYSCALL_CODE.format(clone=nr["clone"]) + (
+        "import fcntl\n"
+        f"print('inotify_init1', call({nr['inotify_init1']}, 0))\n"
+        f"print('inotify_add_watch', call({nr['inotify_add_watch']}, 3, b'/usr', 0xfff))\n"
+        f"print('fanotify_init', call({nr['fanotify_init']}, 0x200, 0))  # FAN_CLASS_NOTIF | FAN_REPORT_FID\n"
+        "fd = os.open('/usr', os.O_RDONLY)\n"
+        "try:\n"
+        "    fcntl.fcntl(fd, 1026, 0x1)  # F_NOTIFY, DN_ACCESS\n"
+        "    print('F_NOTIFY ok')\n"
+        "except OSError as e:\n"
+        "    print('F_NOTIFY', errno.errorcode[e.errno])\n"
+    )
+    result = any_sandbox.run(code)
+    assert result.ok, result
+    assert result.stdout.split("\n")[:4] == ["inotify_init1 EPERM", "inotify_add_watch EPERM", "fanotify_init EPERM",
+                                              "F_NOTIFY EPERM"], result
+    # Control: the same calls work for the test process (fanotify needs a recent kernel or privilege).
+    import ctypes
+    import fcntl
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(0)
+    assert fd >= 0
+    os.close(fd)
+    dir_fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.fcntl(dir_fd, 1026, 0x1)
+    finally:
+        os.close(dir_fd)
+
+
+@requires_namespaces
+@pytest.mark.skipif(not SYSCALL_NR, reason="no system call numbers for this machine")
+def test_kernel_surface_and_nested_namespaces_are_refused(any_sandbox):
+    # Round three: io_uring, user-mode userfaultfd, perf_event_open, bpf and nested user namespaces (with network,
+    # mount and time namespaces inside) were reachable. Threads and processes must still work: clone3 is refused
+    # with ENOSYS, so the C library falls back to clone, whose flags the filter reads.
+    nr = runner.SYSCALLS[os.uname().machine]
+    code = _SYSCALL_CODE.format(clone=nr["clone"]) + (
+        "params = ctypes.create_string_buffer(120)\n"
+        f"print('io_uring_setup', call({nr['io_uring_setup']}, 4, params))\n"
+        f"print('userfaultfd', call({nr['userfaultfd']}, 1))  # UFFD_USER_MODE_ONLY\n"
+        "attr = ctypes.create_string_buffer(128)\n"
+        "attr[4] = 128  # size; type 1 (software), config 0 (cpu clock)\n"
+        "attr[0] = 1\n"
+        f"print('perf_event_open', call({nr['perf_event_open']}, attr, 0, -1, -1, 0))\n"
+        f"print('bpf', call({nr['bpf']}, 0, ctypes.create_string_buffer(64), 64))\n"
+        f"print('unshare user', call({nr['unshare']}, 0x10000000))\n"
+        f"print('unshare user+net+mount', call({nr['unshare']}, 0x10000000 | 0x40000000 | 0x20000))\n"
+        f"print('unshare time', call({nr['unshare']}, 0x80))\n"
+        f"print('clone user', call({nr['clone']}, 0x10000000 | 17, 0, 0, 0, 0))\n"
+        f"print('clone3', call({nr['clone3']}, 0, 0))\n"
+        f"print('setns', call({nr['setns']}, 0, 0))\n"
+        "import subprocess, threading\n"
+        "box = []\n"
+        "t = threading.Thread(target=box.append, args=('thread ok',))\n"
+        "t.start(); t.join()\n"
+        "print(box[0])\n"
+        "print('subprocess', subprocess.run(['/bin/sh', '-c', 'echo $((6 * 7))'], capture_output=True, text=True).stdout.strip())\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(7)\n"
+        "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    result = any_sandbox.run(code)
+    assert result.ok, result
+    assert result.stdout.splitlines() == [
+        "io_uring_setup EPERM", "userfaultfd EPERM", "perf_event_open EPERM", "bpf EPERM", "unshare user EPERM",
+        "unshare user+net+mount EPERM", "unshare time EPERM", "clone user EPERM", "clone3 ENOSYS", "setns EPERM",
+        "thread ok", "subprocess 42", "fork 7"], result
+
+
+@requires_namespaces
+def test_signal_deaths_read_the_same_in_every_mode(any_sandbox):
+    # Round three: a signal death read as exit 128 + N with an empty stderr under bwrap cold, and as -N elsewhere;
+    # and an exit status of 137 must not read as a signal.
+    killed = any_sandbox.run("import os, signal\nprint('before', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\nprint('after')")
+    segv = any_sandbox.run("import ctypes\nctypes.string_at(0)")
+    exited = any_sandbox.run("import sys\nsys.exit(137)")
+    assert (killed.exit_code, killed.stdout, killed.timed_out) == (-signal.SIGKILL, "before\n", False), killed
+    assert "ProcessKilled: the process was terminated by SIGKILL" in killed.stderr, killed
+    assert segv.exit_code == -signal.SIGSEGV and "terminated by SIGSEGV" in segv.stderr, segv
+    assert exited.exit_code == 137 and "ProcessKilled" not in exited.stderr, exited
+
+
+@requires_namespaces
+def test_the_code_is_not_pid_1_so_signals_to_itself_work(any_sandbox):
+    # Round three: the code ran as PID 1 of its namespace in some modes, where signals without a handler are
+    # ignored: signal.alarm() never fired and kill(self) did nothing.
+    alarm = any_sandbox.run("import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(0.6)\nprint('alarm ignored')")
+    term = any_sandbox.run("import os, signal\nprint(os.getpid() != 1, flush=True)\nos.kill(os.getpid(), signal.SIGTERM)\nprint('term ignored')")
+    assert alarm.exit_code == -signal.SIGALRM and alarm.stdout == "", alarm
+    assert term.exit_code == -signal.SIGTERM and term.stdout == "True\n", term
+
+
+@requires_namespaces
+def test_many_threads_start_within_the_memory_limit(patient_sandbox):
+    # Round three: glibc gives each new thread a malloc arena of its own, reserving 64 MB of address space that
+    # RLIMIT_AS counts, until none is left for thread stacks: only ~15 threads started at 1 GB (16 of 4 MB at
+    # this sandbox's 256 MB). One arena serves them all.
+    code = (
+        "import threading\n"
+        "threading.stack_size(4 << 20)  # 48 stacks: 192 MB of the 256\n"
+        "go, held, errors = threading.Event(), [], []\n"
+        "def work():\n"
+        "    held.append([bytearray(20000) for _ in range(8)])  # malloc'd in this thread\n"
+        "    go.wait()\n"
+        "threads = []\n"
+        "for _ in range(48):\n"
+        "    t = threading.Thread(target=work)\n"
+        "    try:\n"
+        "        t.start()\n"
+        "    except Exception as e:\n"
+        "        errors.append(type(e).__name__)\n"
+        "        break\n"
+        "    threads.append(t)\n"
+        "go.set()\n"
+        "for t in threads:\n"
+        "    t.join()\n"
+        "print(len(threads), len(held), errors)\n"
+    )
+    result = patient_sandbox.run(code)
+    assert result.stdout == "48 48 []\n", result
+
+
+@requires_namespaces
+def test_the_runners_configuration_is_not_on_any_command_line(any_sandbox):
+    # Round three: the runner's configuration (where hidden paths are, the layout, descriptors) was its
+    # command line, readable in /proc/self/cmdline, and bwrap's arguments in the init's.
+    code = (
+        "import os\n"
+        "lines = []\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    if pid.isdigit():\n"
+        "        try:\n"
+        "            with open(f'/proc/{pid}/cmdline', 'rb') as f:\n"
+        "                lines.append(f.read())\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print(len(lines) > 0, any(b'\"memory_bytes\":' in c or b'--setenv' in c for c in lines))\n"
+    )
+    result = any_sandbox.run(code)
+    assert result.stdout == "True False\n", result

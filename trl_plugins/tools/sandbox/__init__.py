@@ -404,7 +404,7 @@ class PythonSandbox:
         server = self._pool.acquire()
         deadline = time.monotonic() + self.timeout_s + 2 * SETUP_GRACE_S
         try:
-            raw = server.call({"code": code, "timeout_s": self.timeout_s}, deadline)
+            raw = server.call(code, self.timeout_s, deadline)
         except ServerDied as e:
             self._pool.release(server, healthy=False)
             return {"error": f"the sandbox server died during this call ({e}); a fresh one will serve the next call"}

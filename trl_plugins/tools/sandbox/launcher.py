@@ -189,6 +189,9 @@ class Launcher:
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
             "NUMEXPR_NUM_THREADS": "1",
+            # glibc gives each new thread a malloc arena of its own (up to 8 per core), each reserving 64 MB of
+            # address space that RLIMIT_AS counts: ~15 threads started at 1 GB. One arena serves every thread.
+            "MALLOC_ARENA_MAX": "1",
         }
 
     def runner_config(self, role: str, limits: Limits, scratch: str, **extra) -> dict:
@@ -220,16 +223,25 @@ class Launcher:
         cfg.update(extra)
         return cfg
 
-    def argv(self, role: str, cfg: dict, scratch: str) -> list[str]:
-        interp = [sys.executable, "-I", "-u", "-c", runner_source(), json.dumps(cfg)]
+    def command(self, role: str, cfg: dict, scratch: str) -> tuple[list[str], list[int]]:
+        """The command line that starts a runner with ``cfg``, and the descriptors it reads (pass them to the
+        launch, close them after it). The configuration, and bwrap's arguments (which name every path shown and
+        hidden), travel in memfds: a command line is readable by any process that can see the pid, the code's
+        own included."""
+        cfg_fd = _memfd("sandbox-config", json.dumps(cfg).encode())
+        interp = [sys.executable, "-I", "-u", "-c", runner_source(), str(cfg_fd)]
         if self.isolation == Isolation.NONE:
-            return interp
+            return interp, [cfg_fd]
         if self.isolation == Isolation.UNSHARE:
             flags = ["--ipc", "--uts", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-            return [self.program, *flags, *([] if self.as_root else ["--map-root-user"]), "--", *interp]
+            return [self.program, *flags, *([] if self.as_root else ["--map-root-user"]), "--", *interp], [cfg_fd]
+        args = self._bwrap_args(role, cfg, scratch)
+        args_fd = _memfd("sandbox-bwrap-args", b"".join(a.encode() + b"\0" for a in args))
+        return [self.program, "--args", str(args_fd), "--", *interp], [cfg_fd, args_fd]
+
+    def _bwrap_args(self, role: str, cfg: dict, scratch: str) -> list[str]:
         disk = str(cfg["disk_bytes"])
-        args = [self.program, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-                "--unshare-cgroup-try"]
+        args = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         if not self.as_root:
             args.append("--unshare-user")
         args += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]
@@ -245,22 +257,31 @@ class Launcher:
                     out += ["--perms", "0755", "--dir", d]
             return out
 
+        def cover(path: str) -> list[str]:
+            if os.path.isdir(path):
+                return ["--size", "65536", "--tmpfs", path, "--remount-ro", path]
+            return ["--ro-bind", "/dev/null", path]
+
+        late_covers = [op[1] for op in self.layout if op[0] == "cover" and any(_under(op[1], p) for p in self.late)]
         for op in self.layout:  # the root is an empty tmpfs: only what is bound here is visible
+            if op[0] == "cover" and op[1] in late_covers:
+                continue
             args += parents(op[-1])
             if op[0] == "symlink":
                 args += ["--symlink", op[1], op[2]]
             elif op[0] == "ro-bind":
                 args += ["--ro-bind", op[1], op[1]]
-            elif os.path.isdir(op[1]):
-                args += ["--size", "65536", "--tmpfs", op[1], "--remount-ro", op[1]]
             else:
-                args += ["--ro-bind", "/dev/null", op[1]]
+                args += cover(op[1])
         args += ["--proc", "/proc", "--dev", "/dev"]
         for private in PRIVATE_TMPFS:
             args += ["--perms", "1777", "--size", disk, "--tmpfs", private]
             for p in self.late:
                 if _under(p, private):
                     args += parents(p, below=private) + ["--ro-bind", p, p]
+            for p in late_covers:  # hidden paths inside those: mounted over them, not underneath
+                if _under(p, private):
+                    args += cover(p)
         args += ["--dir", scratch, "--size", disk, "--tmpfs", scratch, "--remount-ro", "/", "--chdir", scratch]
         if self.as_root:
             caps = ["CAP_SETUID", "CAP_SETGID", "CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if role == "server" else [])
@@ -270,7 +291,7 @@ class Launcher:
         args.append("--clearenv")
         for key, value in self.env(scratch).items():
             args += ["--setenv", key, value]
-        return [*args, "--", *interp]
+        return args
 
     def popen_kwargs(self, scratch: str) -> dict:
         kwargs: dict = {"start_new_session": True, "close_fds": True, "cwd": "/", "env": self.env(scratch)}
@@ -288,6 +309,21 @@ class Launcher:
         if self.as_root:
             os.chown(path, SANDBOX_UID, SANDBOX_UID)
         return path
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)  # not close-on-exec: the launched process inherits it (pass_fds)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def exit_code_from(status: bytes) -> int | None:
+    """The code's exit code from the status pipe's ``X<wait status>`` line (written by the code's parent in the
+    sandbox), or None when there is none (the sandbox died first)."""
+    lines = status.decode(errors="replace").split("\n")[:-1]
+    wait_status = next((x[1:] for x in lines if x.startswith("X") and x[1:].isdigit()), None)
+    return None if wait_status is None else os.waitstatus_to_exitcode(int(wait_status))
 
 
 def call_cgroup(launcher: Launcher, limits: Limits) -> CallCgroup | None:
@@ -314,20 +350,26 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
         os.lseek(code_fd, 0, os.SEEK_SET)
         cfg = launcher.runner_config("cell", limits, scratch, code_fd=code_fd, status_fd=status_w,
                                      cgroup_fds=cgroup_fds)
-        proc = subprocess.Popen(
-            launcher.argv("cell", cfg, scratch),
-            stdin=subprocess.DEVNULL,
-            stdout=out_fd,
-            stderr=err_fd,
-            pass_fds=(code_fd, status_w, *cgroup_fds),
-            **launcher.popen_kwargs(scratch),
-        )
+        argv, launch_fds = launcher.command("cell", cfg, scratch)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out_fd,
+                stderr=err_fd,
+                pass_fds=(code_fd, status_w, *cgroup_fds, *launch_fds),
+                **launcher.popen_kwargs(scratch),
+            )
+        finally:
+            for fd in launch_fds:
+                os.close(fd)
         os.close(status_w)
         status_w = -1
         for fd in cgroup_fds:
             os.close(fd)
         cgroup_fds = []
-        started = wait_readable(status_r, SETUP_GRACE_S) and os.read(status_r, 16) == b"R"
+        status = os.read(status_r, 4096) if wait_readable(status_r, SETUP_GRACE_S) else b""
+        started = status.startswith(b"R\n")
         pidfd = os.pidfd_open(proc.pid)
         try:
             timed_out = started and not wait_readable(pidfd, limits.timeout_s)
@@ -337,6 +379,11 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
         finally:
             os.close(pidfd)
         proc.wait()
+        while wait_readable(status_r, 1.0):  # the rest: every writer is gone now
+            chunk = os.read(status_r, 4096)
+            if not chunk:
+                break
+            status += chunk
         oom_kills = 0
         if cgroup is not None:
             cgroup.kill_all()
@@ -345,11 +392,14 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
         (stdout, t1), (stderr, t2) = (read_tail(out_fd, mc, OUTPUT_FILE_LIMIT_BYTES),
                                       read_tail(err_fd, mc, OUTPUT_FILE_LIMIT_BYTES))
         if not started:
-            detail = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit status {proc.returncode}"
+            reported = status.decode(errors="replace")
+            detail = (reported[1:].strip() if reported.startswith("E") else stderr.strip().splitlines()[-1]
+                      if stderr.strip() else f"exit status {proc.returncode}")
             return {"error": f"the sandbox did not start ({detail})", "setup_log": stderr}
-        # A call that ran out of time was killed by us: bwrap, whose child may die of the same kill a moment before
-        # bwrap itself does, would otherwise report it as its own exit status 128 + 9 (seen under load).
-        exit_code = -signal.SIGKILL if timed_out else proc.returncode
+        # The code's exit code is what its parent in the sandbox saw (a signal death reads -N in every mode; bwrap
+        # itself would report 128 + N). A call that ran out of time was killed by us.
+        code_exit = exit_code_from(status)
+        exit_code = -signal.SIGKILL if timed_out else code_exit if code_exit is not None else proc.returncode
         return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "timed_out": timed_out,
                 "truncated": t1 or t2, "oom_killed": oom_kills > 0}
     finally:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -21,12 +22,15 @@ from trl_plugins.tools.sandbox.launcher import (
     kill_call,
     wait_readable,
 )
-from trl_plugins.tools.sandbox.runner import MESSAGE_HEADER, frame_message, read_tail
+from trl_plugins.tools.sandbox.runner import read_tail
 
 logger = logging.getLogger(__name__)
 
 SERVER_START_TIMEOUT_S = 120.0
 """How long a new server may take to import ``warm_imports`` and answer its first probe call."""
+
+MAX_ANSWER_BYTES = 1 << 16
+"""Largest message a server sends (an exit status, or why set-up failed)."""
 
 
 class ServerDied(Exception):
@@ -34,16 +38,23 @@ class ServerDied(Exception):
 
 
 class WarmServer:
-    """One pre-started runner in server role; serves one call at a time over length-prefixed JSON."""
+    """One pre-started runner in server role (a zygote): serves one call at a time over a socket.
 
-    def __init__(self, proc: subprocess.Popen, log_fd: int, private_dir: str | None, cgroup: CallCgroup | None,
-                 namespaced: bool):
+    A call sends a small JSON message (the time limit) with three descriptors made here: a memfd holding the
+    code, and the memfds the code's stdout and stderr go to. The server forks the call with them and answers
+    with the exit status only; this process reads the output itself. The server never holds call data.
+    """
+
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, log_fd: int, private_dir: str | None,
+                 cgroup: CallCgroup | None, namespaced: bool, max_output_chars: int):
         self.proc = proc
+        self.sock = sock
         self.log_fd = log_fd
         self.private_dir = private_dir
         self.cgroup = cgroup
         """The cgroup each call's processes join (one call at a time), or None."""
         self.namespaced = namespaced
+        self.max_output_chars = max_output_chars
         self.oom_kills = 0
         self.fresh_proc = False
         self.failed_imports: list[str] = []
@@ -55,39 +66,44 @@ class WarmServer:
         self.fresh_proc = bool(msg.get("fresh_proc"))
         self.failed_imports = list(msg.get("failed_imports", []))
 
-    def call(self, request: dict, deadline: float) -> dict:
+    def call(self, code: str, timeout_s: float, deadline: float) -> dict:
+        """Run ``code``; the raw result fields (stdout and stderr read here, from this process's memfds)."""
+        fds = [os.memfd_create("sandbox-code"), os.memfd_create("sandbox-stdout"), os.memfd_create("sandbox-stderr")]
         try:
-            self.proc.stdin.write(frame_message(request))
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError) as e:
-            raise ServerDied(f"could not send the request ({e})") from None
-        result = self._recv(deadline)
-        if self.cgroup is not None:  # one read per call (kept off the ~1 ms a warm call may cost here)
-            before, self.oom_kills = self.oom_kills, self.cgroup.oom_kills()
-            result["oom_killed"] = self.oom_kills > before
-            if not self.namespaced:  # what left the call's session; bwrap/unshare: the PID namespace took it
-                self.cgroup.kill_all()
-        return result
+            os.write(fds[0], code.encode("utf-8", "surrogatepass"))
+            os.lseek(fds[0], 0, os.SEEK_SET)
+            try:
+                socket.send_fds(self.sock, [json.dumps({"timeout_s": timeout_s}).encode()], fds)
+            except OSError as e:
+                raise ServerDied(f"could not send the request ({e})") from None
+            result = self._recv(deadline)
+            if self.cgroup is not None:  # one read per call (kept off the ~1 ms a warm call may cost here)
+                before, self.oom_kills = self.oom_kills, self.cgroup.oom_kills()
+                result["oom_killed"] = self.oom_kills > before
+                if not self.namespaced:  # what left the call's session; bwrap/unshare: the PID namespace took it
+                    self.cgroup.kill_all()
+            if not result.get("error"):
+                (result["stdout"], t1), (result["stderr"], t2) = (
+                    read_tail(fds[1], self.max_output_chars, OUTPUT_FILE_LIMIT_BYTES),
+                    read_tail(fds[2], self.max_output_chars, OUTPUT_FILE_LIMIT_BYTES))
+                result["truncated"] = t1 or t2
+            return result
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _recv(self, deadline: float) -> dict:
-        fd = self.proc.stdout.fileno()
-        head = MESSAGE_HEADER.size
-        buf = b""
-        need = head
-        header_done = False
-        while True:
-            while len(buf) < need:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not wait_readable(fd, remaining):
-                    raise TimeoutError("no answer from the sandbox server in time")
-                chunk = os.read(fd, max(65536, need - len(buf)))
-                if not chunk:
-                    raise ServerDied(self._death_note())
-                buf += chunk
-            if header_done:
-                return json.loads(buf[head:need])
-            need = head + MESSAGE_HEADER.unpack(buf[:head])[0]
-            header_done = True
+        fd = self.sock.fileno()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not wait_readable(fd, remaining):
+            raise TimeoutError("no answer from the sandbox server in time")
+        try:
+            data = self.sock.recv(MAX_ANSWER_BYTES)
+        except OSError as e:
+            raise ServerDied(f"{e}; {self._death_note()}") from None
+        if not data:
+            raise ServerDied(self._death_note())
+        return json.loads(data)
 
     def _death_note(self) -> str:
         try:
@@ -95,7 +111,7 @@ class WarmServer:
         except subprocess.TimeoutExpired:
             code = None
         log = read_tail(self.log_fd, 2000, OUTPUT_FILE_LIMIT_BYTES)[0].strip()
-        note = f"exit status {code}" if code is not None else "closed its pipe"
+        note = f"exit status {code}" if code is not None else "closed its socket"
         return note + (f"; log: {log.splitlines()[-1]}" if log else "")
 
     def log(self) -> str:
@@ -107,11 +123,10 @@ class WarmServer:
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             pass
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
         try:
             os.close(self.log_fd)
         except OSError:
@@ -166,26 +181,31 @@ class WarmPool:
         scratch = private_dir or self.launcher.scratch
         cgroup = call_cgroup(self.launcher, self.limits)
         cgroup_fds = cgroup.open_tasks() if cgroup is not None else []
+        host_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cfg = self.launcher.runner_config("server", self.limits, scratch, warm_imports=list(self.warm_imports),
-                                          cgroup_fds=cgroup_fds)
-        argv = self.launcher.argv("server", cfg, scratch)
+                                          cgroup_fds=cgroup_fds, proto_fd=server_end.fileno())
+        argv, launch_fds = self.launcher.command("server", cfg, scratch)
         log_fd = os.memfd_create("sandbox-server-log")
 
         def spawn() -> subprocess.Popen:
-            return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd,
-                                    pass_fds=cgroup_fds, **self.launcher.popen_kwargs(scratch))
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_fd,
+                                    pass_fds=(*cgroup_fds, *launch_fds, server_end.fileno()),
+                                    **self.launcher.popen_kwargs(scratch))
 
         try:
             proc = self._spawner.submit(spawn).result()
         except BaseException:
             os.close(log_fd)
+            host_end.close()
             if cgroup is not None:
                 cgroup.remove()
             raise
         finally:
-            for fd in cgroup_fds:
+            for fd in (*cgroup_fds, *launch_fds):
                 os.close(fd)
-        server = WarmServer(proc, log_fd, private_dir, cgroup, self.launcher.isolation != Isolation.NONE)
+            server_end.close()
+        server = WarmServer(proc, host_end, log_fd, private_dir, cgroup, self.launcher.isolation != Isolation.NONE,
+                            self.limits.max_output_chars)
         try:
             server.wait_ready(SERVER_START_TIMEOUT_S)
         except (ServerDied, TimeoutError) as e:

@@ -1,10 +1,11 @@
 """The runner: the program that runs INSIDE the sandbox, set up and then running the model's code.
 
-The launcher ships this file's text to a fresh interpreter (``python -I -u -c <text> <config JSON>``),
-so it uses only the standard library and nothing of the package it lives in. Roles (``cfg["role"]``):
-``"cell"`` runs one piece of code (cold mode); ``"server"`` imports ``warm_imports`` and then serves
-length-prefixed JSON requests on stdin/stdout, forking one child per call (warm mode). The host
-imports the output and message helpers from here too. See docs/sandbox.md.
+The launcher ships this file's text to a fresh interpreter (``python -I -u -c <text> <config fd>``; the
+configuration itself, a JSON dict, is read from that descriptor), so it uses only the standard library and
+nothing of the package it lives in. Roles (``cfg["role"]``): ``"cell"`` runs one piece of code (cold mode);
+``"server"`` imports ``warm_imports`` and then serves requests on a socket, forking one child per call (warm
+mode), with the code and output files passed as descriptors it never reads. The host imports the output
+helper from here too. See docs/sandbox.md.
 """
 
 import ctypes
@@ -12,7 +13,6 @@ import errno
 import json
 import os
 import resource
-import struct
 import sys
 
 # Modules used only by the cell or only by the server are imported where they are used, so a cold
@@ -30,20 +30,38 @@ SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 SYSCALLS = {
     # audit arch, then the numbers of the system calls the runner makes or denies, per machine.
     "x86_64": {"arch": 0xC000003E, "pivot_root": 155, "keyctl": 250, "add_key": 248, "request_key": 249,
-               "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "flock": 73, "fcntl": 72},
+               "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "flock": 73, "fcntl": 72,
+               "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254, "fanotify_init": 300,
+               "fanotify_mark": 301, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+               "userfaultfd": 323, "perf_event_open": 298, "bpf": 321, "setns": 308, "unshare": 272, "clone": 56,
+               "clone3": 435},
     "aarch64": {"arch": 0xC00000B7, "pivot_root": 41, "keyctl": 219, "add_key": 217, "request_key": 218,
-                "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "flock": 32, "fcntl": 25},
+                "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "flock": 32, "fcntl": 25,
+                "inotify_init1": 26, "inotify_add_watch": 27, "fanotify_init": 262, "fanotify_mark": 263,
+                "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "userfaultfd": 282,
+                "perf_event_open": 241, "bpf": 280, "setns": 268, "unshare": 97, "clone": 220, "clone3": 435},
 }
 """System call numbers by ``os.uname().machine``; elsewhere the unshare mode and the seccomp filter are unavailable."""
-FCNTL_LOCK_COMMANDS = (5, 6, 7, 36, 37, 38, 1024, 1025)
-"""F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_GETLEASE."""
-DENIED_ALWAYS = ("keyctl", "add_key", "request_key", "flock")
-"""Denied in every mode: the kernel keyrings (shared with the host and between calls) and file locks
-(a channel between concurrent calls through any file they can both open, read-only ones included);
-``fcntl`` lock commands are denied with them."""
+FCNTL_DENIED_COMMANDS = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
+"""F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_GETLEASE (file locks and
+leases) and F_NOTIFY (directory change notification)."""
+DENIED_ALWAYS = ("keyctl", "add_key", "request_key", "flock", "inotify_init", "inotify_init1", "inotify_add_watch",
+                 "fanotify_init", "fanotify_mark", "io_uring_setup", "io_uring_enter", "io_uring_register",
+                 "userfaultfd", "perf_event_open", "bpf", "setns")
+"""Denied (EPERM) in every mode: the kernel keyrings (shared with the host and between calls); file locks and
+file-change notifications (inotify, fanotify; with the ``fcntl`` commands above): channels between concurrent
+calls through any file they can both open, read-only ones included, that also count the trainer's own opens;
+and kernel surface model code never needs that is a frequent source of kernel escapes (io_uring, user-mode
+userfaultfd, perf events, bpf, joining namespaces)."""
 DENIED_WITHOUT_CGROUP = ("memfd_create", "memfd_secret", "shmget")
 """Denied when no per-call memory cgroup counts shared memory: anonymous files and System V segments
 are not bounded by ``RLIMIT_AS``."""
+CLONE_NEWCGROUP, CLONE_NEWTIME = 0x02000000, 0x00000080
+NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+"""``unshare`` and ``clone`` with any of these flags fail with EPERM where new namespaces are banned (``unshare``
+also with ``CLONE_NEWTIME``, which in ``clone`` is part of the exit signal); ``clone3``, whose flags sit in
+memory a filter cannot read, fails with ENOSYS, so the C library falls back to ``clone`` (threads, ``fork``,
+``posix_spawn`` work)."""
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 """The device nodes of the private ``/dev`` (what bubblewrap's ``--dev`` provides)."""
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
@@ -56,8 +74,6 @@ CELL_FILENAME = "<cell>"
 CHILD_MODULES = ("ast", "atexit", "builtins", "io", "linecache", "random", "shutil", "tempfile", "threading",
                  "traceback", "types")
 """What every warm call's child needs anyway: imported once by the server instead of once per call."""
-MESSAGE_HEADER = struct.Struct(">I")
-"""Length prefix of a protocol message (big-endian byte count of the JSON body that follows)."""
 
 
 def load_libc() -> ctypes.CDLL:
@@ -134,25 +150,32 @@ class SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
 
-def seccomp_program(deny: list[str]) -> SockFprog:
-    """A filter that makes the named system calls (and ``fcntl`` lock commands when ``flock`` is named)
-    fail with EPERM, and every system call of another ABI (i386 or x32 on x86_64) with ENOSYS.
-    Built once per server (~1 ms in Python), installed per call by :func:`install_seccomp`."""
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+def seccomp_program(deny: list[str], no_namespaces: bool) -> SockFprog:
+    """A filter that makes the named system calls and the ``fcntl`` commands of :data:`FCNTL_DENIED_COMMANDS`
+    fail with EPERM, new namespaces too when ``no_namespaces`` (see :data:`NAMESPACE_FLAGS`), and every system
+    call of another ABI (i386 or x32 on x86_64) with ENOSYS. Names this machine has no such call for are
+    skipped. Built once per server (~1 ms in Python), installed per call by :func:`install_seccomp`."""
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
     nrs = SYSCALLS.get(os.uname().machine)
     if nrs is None:  # refuse rather than run without the filter
         raise OSError(errno.ENOSYS, f"no seccomp filter for {os.uname().machine} (known: {', '.join(SYSCALLS)})")
-    eperm, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
+    allow, eperm, enosys = SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, nrs["arch"]), (ret, 0, 0, enosys), (ld, 0, 0, 0)]
     if nrs["arch"] == 0xC000003E:
         prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, enosys)]  # x32 system calls
-    for name in deny:
-        prog += [(jeq, 0, 1, nrs[name]), (ret, 0, 0, eperm)]
-    if "flock" in deny:  # fcntl(fd, cmd, ...): cmd is args[1], its low half at offset 24
-        prog += [(jeq, 0, 1 + 2 * len(FCNTL_LOCK_COMMANDS), nrs["fcntl"]), (ld, 0, 0, 24)]
-        for cmd in FCNTL_LOCK_COMMANDS:
-            prog += [(jeq, 0, 1, cmd), (ret, 0, 0, eperm)]
-    prog.append((ret, 0, 0, SECCOMP_RET_ALLOW))
+    for name in dict.fromkeys(deny):
+        if name in nrs:
+            prog += [(jeq, 0, 1, nrs[name]), (ret, 0, 0, eperm)]
+    # Blocks that read an argument end in a return of their own (the accumulator no longer holds the number).
+    # seccomp_data: nr at 0, arch at 4, instruction pointer at 8, args[i] at 16 + 8 i (the low half first).
+    if no_namespaces:
+        prog += [(jeq, 0, 1, nrs["clone3"]), (ret, 0, 0, enosys)]
+        for name, flags in (("unshare", NAMESPACE_FLAGS | CLONE_NEWTIME), ("clone", NAMESPACE_FLAGS)):
+            prog += [(jeq, 0, 4, nrs[name]), (ld, 0, 0, 16), (jset, 0, 1, flags), (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+    prog += [(jeq, 0, 1 + 2 * len(FCNTL_DENIED_COMMANDS), nrs["fcntl"]), (ld, 0, 0, 24)]  # fcntl(fd, cmd, ...)
+    for cmd in FCNTL_DENIED_COMMANDS:
+        prog += [(jeq, 0, 1, cmd), (ret, 0, 0, eperm)]
+    prog.append((ret, 0, 0, allow))
     filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
     program = SockFprog(len(prog), filters)
     program._keep = filters  # the pointer does not keep the array alive
@@ -194,6 +217,18 @@ def bind_ro(libc: ctypes.CDLL, fd: int, target: str) -> None:
     set_readonly(libc, target, True)
 
 
+def under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def cover(libc: ctypes.CDLL, target: str) -> None:
+    """Hide ``target``: an empty read-only-to-be tmpfs over a folder, /dev/null over a file."""
+    if os.path.isdir(target):
+        mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+    else:
+        mount(libc, "/dev/null", target, None, MS_BIND, None)
+
+
 def setup_unshare_fs(cfg: dict, libc: ctypes.CDLL) -> None:
     """Build the sandbox's file tree the way bubblewrap does, and pivot into it.
 
@@ -209,6 +244,7 @@ def setup_unshare_fs(cfg: dict, libc: ctypes.CDLL) -> None:
     new = "/tmp"  # any directory will do: the tmpfs mounted on it (in our namespace only) becomes the root
     mount(libc, "tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
     os.umask(0o022)
+    late_covers = [op for op in cfg["layout"] if op[0] == "cover" and any(under(op[1], p) for p in cfg["late"])]
     for op in cfg["layout"]:
         target = new + op[-1]
         if op[0] == "symlink":
@@ -216,11 +252,8 @@ def setup_unshare_fs(cfg: dict, libc: ctypes.CDLL) -> None:
             os.symlink(op[1], target)
         elif op[0] == "ro-bind":
             bind_ro(libc, handles[op[1]], target)
-        elif op[0] == "cover":
-            if os.path.isdir(target):
-                mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-            else:
-                mount(libc, "/dev/null", target, None, MS_BIND, None)
+        elif op[0] == "cover" and op not in late_covers:
+            cover(libc, target)
     os.makedirs(new + "/proc", mode=0o555)
     mount(libc, "proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     os.makedirs(new + "/dev", mode=0o755)
@@ -238,6 +271,8 @@ def setup_unshare_fs(cfg: dict, libc: ctypes.CDLL) -> None:
         mount(libc, "tmpfs", new + p, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={disk}")
     for p in cfg["late"]:  # interpreter paths under /tmp or /dev/shm (a virtualenv in /tmp)
         bind_ro(libc, handles[p], new + p)
+    for op in late_covers:  # hidden paths inside those: covered once they are there, not before
+        cover(libc, new + op[1])
     for fd in handles.values():
         os.close(fd)
     make_mount_point(new + cfg["scratch"], True)
@@ -386,46 +421,39 @@ def read_tail(fd: int, max_chars: int, limit_bytes: int) -> tuple[str, bool]:
     return marker.format(cut, note, len(tail)) + tail, True
 
 
-def frame_message(obj) -> bytes:
-    """``obj`` as one protocol message: a :data:`MESSAGE_HEADER` length prefix and the JSON body."""
-    data = json.dumps(obj).encode()
-    return MESSAGE_HEADER.pack(len(data)) + data
+def dup_high(fds: list[int]) -> list[int]:
+    """Copies of ``fds`` numbered above the standard descriptors and the ones being placed."""
+    import fcntl
+
+    return [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in fds]
 
 
-def send_message(fd: int, obj) -> None:
-    data = frame_message(obj)
-    while data:
-        data = data[os.write(fd, data):]
+def close_fds_except(keep: set[int]) -> None:
+    """Close every descriptor from 3 up that is not in ``keep`` (an inherited one the launcher left open)."""
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
 
 
-def recv_message(fd: int):
-    """The next message on ``fd``, or None at end of file."""
-
-    def exact(n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            chunk = os.read(fd, n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
-
-    head = exact(MESSAGE_HEADER.size)
-    if head is None:
-        return None
-    body = exact(MESSAGE_HEADER.unpack(head)[0])
-    return None if body is None else json.loads(body)
+def read_code(fd: int) -> str:
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8", "surrogatepass")
 
 
-def prepare_child_io(out_fd: int, err_fd: int, status_fd: int) -> None:
+def prepare_child_io(code_fd: int, out_fd: int, err_fd: int, status_fd: int) -> None:
+    """stdin /dev/null, stdout and stderr the call's output files, 3 the status pipe, 4 the code; nothing else."""
     import io
 
+    code_fd, out_fd, err_fd, status_fd = dup_high([code_fd, out_fd, err_fd, status_fd])
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     os.dup2(status_fd, 3)
-    os.closerange(4, 1 << 20)  # the server's protocol pipes and everything else
+    os.dup2(code_fd, 4)
+    close_fds_except({3, 4})  # the server's socket, its log and everything else
     streams = []
     for fd in (1, 2):
         raw = io.FileIO(fd, "w", closefd=False)
@@ -461,30 +489,33 @@ def mount_call_fs(cfg: dict, libc: ctypes.CDLL, scratch: str) -> bool:
         return False
 
 
-def call_child(req: dict, cfg: dict, libc: ctypes.CDLL, out_fd: int, err_fd: int, status_fd: int,
-               scratch: str) -> None:
+def report_error(fd: int, e: BaseException) -> None:
+    try:
+        os.write(fd, ("E" + f"{type(e).__name__}: {e}".replace("\n", " ") + "\n").encode())
+    except BaseException:
+        pass
+
+
+def call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: int, scratch: str) -> None:
+    """A warm call, forked from the server: set up, then run the code read from ``fds[0]`` (never the server's
+    memory: the server does not read call data). Writes ``R`` (or ``E<why>``) to the status pipe."""
     report_fd = [status_fd]
     try:
-        fresh_proc = setup_call_child(cfg, libc, out_fd, err_fd, status_fd, scratch, report_fd)
+        code = setup_call_child(cfg, libc, fds, status_fd, scratch, report_fd)
     except BaseException as e:
-        try:
-            os.write(report_fd[0], ("E" + f"{type(e).__name__}: {e}".replace("\n", " ") + "\n").encode())
-        except BaseException:
-            pass
+        report_error(report_fd[0], e)
         os._exit(125)
     # One line per write: pipe writes this small are atomic, whichever process writes first.
-    os.write(3, b"p\n" if fresh_proc else b"")
     os.write(3, b"R\n")
     os.close(3)
-    exit_like_interpreter(exec_cell(req["code"]))
+    exit_like_interpreter(exec_cell(code))
 
 
-def setup_call_child(cfg: dict, libc: ctypes.CDLL, out_fd: int, err_fd: int, status_fd: int, scratch: str,
-                     report_fd: list[int]) -> bool:
+def setup_call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: int, scratch: str,
+                     report_fd: list[int]) -> str:
     import atexit
 
-    fresh_proc = False
-    join_cgroups(cfg, close=False)  # before the fork below: the code's process starts inside the call's budget
+    join_cgroups(cfg, close=False)  # before the forks below: the code's process starts inside the call's budget
     if cfg["per_call_ns"]:
         # A nested user namespace grants the caps for the others without any privilege; the caller
         # stays outside the new PID namespace.
@@ -497,19 +528,52 @@ def setup_call_child(cfg: dict, libc: ctypes.CDLL, out_fd: int, err_fd: int, sta
         if pid:
             os.write(status_fd, f"P{pid}\n".encode())
             os._exit(0)
-        fresh_proc = mount_call_fs(cfg, libc, scratch)  # now PID 1 of the new namespace
+        # PID 1 of the new namespace: mounts, then stays its init; the code runs as its child (PID 2), where
+        # signals without a handler (alarm(), kill(self)) act as they do anywhere else.
+        if mount_call_fs(cfg, libc, scratch):
+            os.write(status_fd, b"p\n")
+        code_pid = os.fork()
+        if code_pid:
+            run_init(libc, code_pid, status_fd, drop=True)
     os.setsid()  # own session/group: kill(0, ...) from the code cannot reach the server
     os.chdir(scratch)
-    prepare_child_io(out_fd, err_fd, status_fd)
+    prepare_child_io(fds[0], fds[1], fds[2], status_fd)
     report_fd[0] = 3
+    code = read_code(4)
     drop_caps(libc)
     prctl(libc, PR_SET_DUMPABLE, 1)
     atexit._clear()
     reseed(cfg["rngs"])
     apply_limits(cfg)
-    if cfg["seccomp"] is not None:
-        install_seccomp(libc, cfg["seccomp"])
-    return fresh_proc
+    install_seccomp(libc, cfg["seccomp"])
+    return code
+
+
+def run_init(libc: ctypes.CDLL, code_pid: int, status_fd: int, drop: bool) -> None:
+    """Parent of the code's process (the init of the call's PID namespace where it has one): reap whatever
+    is re-parented here until the code's process ends, write its wait status (``X<status>``), exit. Never
+    returns. The code cannot signal it (an init ignores signals it has no handler for) nor trace it."""
+    import signal
+
+    try:
+        for sig in signal.valid_signals():  # Python's own SIGINT handler included
+            try:
+                if signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+                    signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError, TypeError):
+                pass
+        close_fds_except({status_fd})
+        if drop:
+            drop_caps(libc)
+        prctl(libc, PR_SET_DUMPABLE, 0)
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == code_pid:
+                os.write(status_fd, f"X{status}\n".encode())
+                break
+    except BaseException:
+        pass
+    os._exit(0)
 
 
 def find_rngs() -> list:
@@ -542,41 +606,60 @@ def reseed(rngs: list) -> None:
         np_random.seed()
 
 
-def serve_one(req: dict, cfg: dict, libc: ctypes.CDLL) -> dict:
-    """Run one request in a forked child; returns the result message for the host."""
+def status_lines(data: bytes) -> list[str]:
+    return data.decode(errors="replace").split("\n")[:-1]  # complete lines only
+
+
+def read_status(fd: int, until, timeout_s: float) -> bytes:
+    """What arrives on the status pipe ``fd`` until ``until(lines)`` holds, end of file, or ``timeout_s``."""
     import select
+    import time
+
+    data, deadline = b"", time.monotonic() + timeout_s
+    while not until(status_lines(data)):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 4096) if ready else b""
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def exit_status(lines: list[str]) -> int | None:
+    """The code's wait status from its parent's ``X<status>`` line, if it wrote one."""
+    return next((int(x[1:]) for x in lines if x.startswith("X") and x[1:].lstrip("-").isdigit()), None)
+
+
+def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL) -> dict:
+    """Run one call in a forked child: the code comes from ``fds[0]``, stdout and stderr go to ``fds[1:]``, all
+    three the host's, which this process never reads or writes. Returns the status message for the host."""
     import shutil
     import signal
     import tempfile
-    import time
 
-    out_fd, err_fd = os.memfd_create("stdout"), os.memfd_create("stderr")
     r, w = os.pipe()
     scratch, private_dir = cfg["scratch"], None
     if not cfg["per_call_ns"]:
         private_dir = scratch = tempfile.mkdtemp(dir=cfg["scratch"])
-    sys.stdout.flush()
-    sys.stderr.flush()
     child = os.fork()
     if child == 0:
         try:
             os.close(r)
-            call_child(req, cfg, libc, out_fd, err_fd, w, scratch)
+            call_child(cfg, libc, fds, w, scratch)
         finally:
             os._exit(125)
     os.close(w)
-    status, deadline = b"", time.monotonic() + cfg["setup_grace_s"]
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
-        chunk = os.read(r, 4096) if ready else b""
-        if not chunk:
-            break
-        status += chunk
-    os.close(r)
-    lines = status.decode(errors="replace").splitlines()
+    done = lambda lines: "R" in lines or any(x.startswith("E") for x in lines)  # noqa: E731
+    status = read_status(r, done, cfg["setup_grace_s"])
+    lines = status_lines(status)
     target = child
     if cfg["per_call_ns"]:
-        os.waitpid(child, 0)  # the intermediate process; the code's process is now ours (subreaper)
+        os.waitpid(child, 0)  # the intermediate process; the namespace's init is now ours (subreaper)
+        # It wrote P<pid> before it exited, but possibly after the init's child wrote R (both race after the fork).
+        has_pid = lambda lines: any(x.startswith("P") for x in lines)  # noqa: E731
+        if not has_pid(lines):
+            status += read_status(r, has_pid, 2.0)  # lines are written whole, and read whole
+            lines = status_lines(status)
         target = next((int(x[1:]) for x in lines if x.startswith("P")), child)
     result = {"fresh_proc": "p" in lines}
     if "R" not in lines:
@@ -590,6 +673,8 @@ def serve_one(req: dict, cfg: dict, libc: ctypes.CDLL) -> dict:
         errors = [x[1:] for x in lines if x.startswith("E")]
         result["error"] = errors[0] if errors else f"sandbox set-up did not complete ({lines!r}, wait status {st})"
     else:
+        import select
+
         pidfd = os.pidfd_open(target)
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
@@ -603,12 +688,14 @@ def serve_one(req: dict, cfg: dict, libc: ctypes.CDLL) -> dict:
                 pass
         _, st = os.waitpid(target, 0)
         os.close(pidfd)
-        result.update(exit_code=os.waitstatus_to_exitcode(st), timed_out=timed_out)
-        mc, lim = cfg["max_chars"], cfg["fsize_bytes"]
-        (result["stdout"], t1), (result["stderr"], t2) = read_tail(out_fd, mc, lim), read_tail(err_fd, mc, lim)
-        result["truncated"] = t1 or t2
-    os.close(out_fd)
-    os.close(err_fd)
+        # Every writer is gone now (the init exited, the code closed its copy before it ran): the rest is here.
+        code_status = exit_status(status_lines(status + read_status(r, lambda lines: False, 2.0)))
+        if timed_out:
+            exit_code = -signal.SIGKILL
+        else:
+            exit_code = os.waitstatus_to_exitcode(st if code_status is None else code_status)
+        result.update(exit_code=exit_code, timed_out=timed_out)
+    os.close(r)
     if private_dir is not None:
         shutil.rmtree(private_dir, ignore_errors=True)
     while True:  # orphans re-parented to us (we are a child subreaper)
@@ -621,14 +708,18 @@ def serve_one(req: dict, cfg: dict, libc: ctypes.CDLL) -> dict:
 
 
 def serve(cfg: dict, libc: ctypes.CDLL) -> None:
-    """Server role: import ``warm_imports``, report ready, then answer requests until stdin closes."""
+    """Server role (the zygote): import ``warm_imports``, report ready, then answer requests until the host
+    closes the socket. A request is a small JSON message (the time limit) carrying three descriptors (code,
+    stdout, stderr); the server forks the call with them and sends back only the exit status. Code and output
+    never enter its memory, so no later call, forked from it, can find an earlier call's in its own."""
     import gc
+    import socket
 
-    proto_in, proto_out = os.dup(0), os.dup(1)
+    sock = socket.socket(fileno=cfg["proto_fd"])
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
-    os.dup2(devnull, 1)  # stray prints of imported modules must not corrupt the protocol
-    prctl(libc, PR_SET_CHILD_SUBREAPER, 1)  # the code's process is re-parented to us
+    os.dup2(devnull, 1)  # stray prints of imported modules must not reach anything
+    prctl(libc, PR_SET_CHILD_SUBREAPER, 1)  # the call's init (or the code's process) is re-parented to us
     failed = []
     for name in CHILD_MODULES:
         __import__(name)
@@ -639,39 +730,70 @@ def serve(cfg: dict, libc: ctypes.CDLL) -> None:
             failed.append(f"{name}: {type(e).__name__}: {e}")
     gc.collect()
     cfg["rngs"] = find_rngs()
-    # The filter every call needs is the server's own (inherited by each forked call, ~1 ms saved per
-    # call); only the fallback's memfd/shm denial, which the server itself must not have, is per call.
-    install_seccomp(libc, seccomp_program(list(DENIED_ALWAYS)))
+    # The server's filter is inherited by every forked call; each call adds one after it has made its namespaces
+    # (new ones are banned from there on), with the fallback's memfd/shm denial, which the server must not have.
+    install_seccomp(libc, seccomp_program(list(DENIED_ALWAYS), no_namespaces=False))
     per_call = [name for name in seccomp_deny(cfg) if name not in DENIED_ALWAYS]
-    cfg["seccomp"] = seccomp_program(per_call) if per_call else None
+    cfg["seccomp"] = seccomp_program(per_call, no_namespaces=True)
     gc.freeze()  # fewer copy-on-write page faults in the forked children
-    probe = serve_one({"code": "pass", "timeout_s": 30.0}, cfg, libc)
-    if probe.get("error") or probe.get("exit_code") != 0:
-        send_message(proto_out, {"ready": False, "error": probe.get("error") or probe.get("stderr", "")})
+    probe = [os.memfd_create("probe-code"), os.memfd_create("probe-stdout"), os.memfd_create("probe-stderr")]
+    os.write(probe[0], b"pass")
+    os.lseek(probe[0], 0, os.SEEK_SET)
+    answer = serve_one({"timeout_s": 30.0}, probe, cfg, libc)
+    if answer.get("error") or answer.get("exit_code") != 0:
+        why = answer.get("error") or read_tail(probe[2], 2000, 1 << 20)[0] or f"exit status {answer.get('exit_code')}"
+        sock.send(json.dumps({"ready": False, "error": why}).encode())
         return
-    send_message(proto_out, {"ready": True, "failed_imports": failed, "fresh_proc": probe["fresh_proc"]})
+    for fd in probe:
+        os.close(fd)
+    sock.send(json.dumps({"ready": True, "failed_imports": failed, "fresh_proc": answer["fresh_proc"]}).encode())
     while True:
-        req = recv_message(proto_in)
-        if req is None:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 4096, 3)
+        except OSError:
             return
-        send_message(proto_out, serve_one(req, cfg, libc))
+        if not data:  # the host closed its end
+            return
+        try:
+            if len(fds) != 3:
+                raise ValueError(f"a request carries 3 descriptors (code, stdout, stderr), got {len(fds)}")
+            answer = serve_one(json.loads(data), fds, cfg, libc)
+        except Exception as e:
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(json.dumps(answer).encode())
 
 
 def run_cell(cfg: dict, libc: ctypes.CDLL) -> None:
-    """Cell role (cold mode): read the code from its memfd, apply the limits, say "R", run it, exit."""
-    with os.fdopen(cfg["code_fd"], "rb") as f:
-        code = f.read().decode("utf-8", "surrogatepass")
-    for stream in (sys.stdout, sys.stderr):  # as a warm call's streams: unencodable text is escaped
-        stream.reconfigure(errors="backslashreplace")
-    apply_limits(cfg)
-    install_seccomp(libc, seccomp_program(seccomp_deny(cfg)))
-    os.write(cfg["status_fd"], b"R")
-    os.close(cfg["status_fd"])
+    """Cell role (cold mode): read the code from its memfd, fork the process that applies the limits, says "R"
+    and runs it, and report that process's wait status (``X<status>``). Never returns."""
+    status_fd = cfg["status_fd"]
+    code = read_code(cfg["code_fd"])
+    program = seccomp_program(seccomp_deny(cfg), no_namespaces=True)
+    pid = os.fork()
+    if pid:
+        run_init(libc, pid, status_fd, drop=False)
+    try:
+        for stream in (sys.stdout, sys.stderr):  # as a warm call's streams: unencodable text is escaped
+            stream.reconfigure(errors="backslashreplace")
+        apply_limits(cfg)
+        install_seccomp(libc, program)
+        os.write(status_fd, b"R\n")
+        os.close(status_fd)
+    except BaseException as e:
+        report_error(status_fd, e)
+        os._exit(125)
     exit_like_interpreter(exec_cell(code))
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    # The configuration comes from a descriptor, not the command line: /proc/<pid>/cmdline is readable by the code.
+    with os.fdopen(int(sys.argv[1]), "rb") as f:
+        cfg = json.loads(f.read())
+    close_fds_except({cfg.get("code_fd", -1), cfg.get("status_fd", -1), cfg.get("proto_fd", -1),
+                      *cfg.get("cgroup_fds", ())})
     libc = load_libc()
     setup_process(cfg, libc)
     if cfg["role"] == "server":
