@@ -336,7 +336,6 @@ class _Service:
 
     async def execute(self, request: Request, code: str, limits: tuple[float, int, int]):
         """Run ``code`` under ``limits`` once admitted; returns the result and the seconds spent queued."""
-        self.count_client(request.headers.get(wire.CLIENT_HEADER))
         t0 = time.perf_counter()
         try:
             await self.admission.acquire()
@@ -344,6 +343,7 @@ class _Service:
             self.counters.refused_busy += 1
             raise
         queue_s = time.perf_counter() - t0
+        self.count_client(request.headers.get(wire.CLIENT_HEADER))  # calls admitted, not requests refused
         try:
             try:
                 sandbox = await self.sandbox_for(limits)
