@@ -111,7 +111,8 @@ def start_server(isolation: str, n: int, token: str) -> tuple[subprocess.Popen, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "trl_plugins.tools.sandbox.service", "--port", str(port), "--mode", "warm",
-           "--isolation", isolation, "--max-concurrency", str(n), "--queue-size", str(4 * n), "--log-level", "warning",
+           "--isolation", isolation, "--max-concurrency", str(n), "--queue-size", str(4 * n),
+           "--log-level", "warning",
            "--default-timeout-s", "30"]  # the client's limits: the server warms that sandbox at start-up
     proc = subprocess.Popen(cmd, env={**os.environ, "TRL_SANDBOX_TOKEN": token})
     url = f"http://127.0.0.1:{port}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
 
 import httpx
@@ -118,8 +118,8 @@ def remote_tool(server: Server, **kwargs) -> CodeInterpreter:
 
 def test_the_documented_command_is_what_the_module_fixture_ran_and_the_console_script_points_at_its_main(server):
     assert server.health()["mode"] == "warm"  # the doc's --mode warm, not a test flag
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    module, _, attr = scripts["trl-sandbox-server"].partition(":")
+    script = re.search(r'^trl-sandbox-server = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    module, _, attr = script.group(1).partition(":")
     assert (module, attr) == ("trl_plugins.tools.sandbox.service", "main")
     assert documented_command()[1:3] == ["-m", module]
 
@@ -343,24 +343,24 @@ def test_two_trainer_nodes_share_one_server_and_each_gets_only_its_own_outputs(s
 
 
 def test_admission_hands_a_freed_slot_to_the_first_waiter_and_refuses_beyond_the_queue():
-    from trl_plugins.tools.sandbox.service import _Admission, _Busy
+    from trl_plugins.tools.sandbox.admission import Admission, Busy
 
     async def scenario() -> list[str]:
-        gate = _Admission(running=1, queued=1, max_wait_s=0.2)
+        gate = Admission(running=1, queued=1, max_wait_s=0.2)
         await gate.acquire()  # running 1
         waiter = asyncio.ensure_future(gate.acquire())
         await asyncio.sleep(0)  # queued 1
         events = [f"running={gate.running} queued={gate.queued}"]
         try:
             await gate.acquire()
-        except _Busy as exc:
+        except Busy as exc:
             events.append("refused: " + str(exc).split(",")[0])
         gate.release()  # handed to the waiter: running stays 1
         await waiter
         events.append(f"running={gate.running} queued={gate.queued}")
         try:
             await gate.acquire()  # waits 0.2 s, nobody releases
-        except _Busy as exc:
+        except Busy as exc:
             events.append("timed out: " + str(exc))
         gate.release()
         events.append(f"running={gate.running} queued={gate.queued}")

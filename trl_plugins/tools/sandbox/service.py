@@ -45,6 +45,7 @@ from starlette.routing import Route
 import trl_plugins
 from trl_plugins.tools.sandbox import PythonSandbox, detect_isolation
 from trl_plugins.tools.sandbox import wire
+from trl_plugins.tools.sandbox.admission import Admission, Busy
 
 __all__ = ["ServiceConfig", "build_app", "main", "TOKEN_ENV", "MIN_TOKEN_CHARS"]
 
@@ -118,60 +119,10 @@ class ServiceConfig:
                 "default_output_chars": self.default_output_chars}
 
 
-class _Busy(Exception):
-    """The call was refused before it started (queue full, waited too long, no room for its limits)."""
-
-
 class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-class _Admission:
-    """At most ``running`` calls at once, at most ``queued`` waiting (FIFO), each waiting at most ``max_wait_s``.
-
-    A released slot is handed to the first waiter directly, so a waiter that times out can tell whether it got the
-    slot in the meantime (its future is done) and nothing is lost or taken twice."""
-
-    def __init__(self, running: int, queued: int, max_wait_s: float) -> None:
-        self.limit, self.queue_limit, self.max_wait_s = running, queued, max_wait_s
-        self.running = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiters)
-
-    async def acquire(self) -> None:
-        if self.running < self.limit and not self._waiters:
-            self.running += 1
-            return
-        if len(self._waiters) >= self.queue_limit:
-            raise _Busy(f"{self.running} calls running and {len(self._waiters)} queued, the most this server takes")
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.max_wait_s)
-        except asyncio.TimeoutError:
-            if waiter.done():
-                return  # the slot came just as the wait ended: it is ours
-            self._waiters.remove(waiter)
-            raise _Busy(f"waited {self.max_wait_s:g} s in the queue without a free slot") from None
-        except asyncio.CancelledError:
-            if waiter.done():
-                self.release()
-            else:
-                self._waiters.remove(waiter)
-            raise
-
-    def release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes on; ``running`` stays
-                return
-        self.running -= 1
 
 
 @dataclass
@@ -195,7 +146,7 @@ class _Service:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.token = config.token.encode()
-        self.admission = _Admission(config.max_concurrency, config.queue_size, config.max_queue_wait_s)
+        self.admission = Admission(config.max_concurrency, config.queue_size, config.max_queue_wait_s)
         self.counters = _Counters()
         self.per_client: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.sandboxes: collections.OrderedDict[tuple, PythonSandbox] = collections.OrderedDict()
@@ -236,7 +187,7 @@ class _Service:
             if len(self.sandboxes) >= self.config.max_limit_sets:
                 idle = next((k for k in self.sandboxes if not self.in_use[k]), None)
                 if idle is None:
-                    raise _Busy(f"all {self.config.max_limit_sets} limit sets are in use by running calls")
+                    raise Busy(f"all {self.config.max_limit_sets} limit sets are in use by running calls")
                 old = self.sandboxes.pop(idle)
                 await loop.run_in_executor(None, old.close)
             sandbox = await loop.run_in_executor(None, self._new_sandbox, limits)
@@ -339,7 +290,7 @@ class _Service:
         t0 = time.perf_counter()
         try:
             await self.admission.acquire()
-        except _Busy:
+        except Busy:
             self.counters.refused_busy += 1
             raise
         queue_s = time.perf_counter() - t0
@@ -347,7 +298,7 @@ class _Service:
         try:
             try:
                 sandbox = await self.sandbox_for(limits)
-            except _Busy:
+            except Busy:
                 self.counters.refused_busy += 1
                 raise
             self.in_use[limits] += 1
@@ -382,7 +333,7 @@ def _guarded(handler):
                                request.client.host if request.client else "?", exc)
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
             return _error(exc.status, str(exc), **headers)
-        except _Busy as exc:
+        except Busy as exc:
             return _error(503, f"busy, the call was not started: {exc}; retry later", **{"Retry-After": "1"})
 
     return endpoint
@@ -467,11 +418,15 @@ def _read_token(token_file: str | None) -> str:
             raise SystemExit(f"no token: set {TOKEN_ENV} or pass --token-file PATH (make one with "
                              f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
         return token
-    mode = os.stat(token_file).st_mode
+    try:
+        mode = os.stat(token_file).st_mode
+        with open(token_file) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"cannot read the token file: {exc}") from None
     if mode & (stat.S_IRGRP | stat.S_IROTH):
         logger.warning("sandbox service: the token file %s is readable by other users; chmod 600 it", token_file)
-    with open(token_file) as f:
-        return f.read().strip()
+    return token
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -22,8 +22,8 @@ from trl_plugins.tools.sandbox import ExecResult
 
 __all__ = [
     "SERVICE_NAME", "RUN_PATH", "HEALTH_PATH", "STATS_PATH", "SANDBOXFUSION_RUN_PATH", "SANDBOXFUSION_PING_PATH",
-    "CLIENT_HEADER", "PROTOCOLS", "CodeRejected", "WireError", "result_to_json", "result_from_json", "result_to_sandboxfusion",
-    "result_from_sandboxfusion", "sandboxfusion_request",
+    "CLIENT_HEADER", "PROTOCOLS", "CodeRejected", "WireError", "result_to_json", "result_from_json",
+    "result_to_sandboxfusion", "result_from_sandboxfusion", "sandboxfusion_request",
 ]
 
 SERVICE_NAME = "trl-plugins-sandbox"
@@ -107,7 +107,9 @@ def sandboxfusion_request(code: str, timeout_s: float, memory_mb: int) -> dict[s
 def _tail(text: str, max_chars: int) -> tuple[str, bool]:
     if len(text) <= max_chars:
         return text, False
-    return f"[sandbox: output truncated, {len(text) - max_chars:,} characters cut; the last {max_chars:,} characters follow]\n" + text[-max_chars:], True
+    marker = (f"[sandbox: output truncated, {len(text) - max_chars:,} characters cut; "
+              f"the last {max_chars:,} characters follow]")
+    return marker + "\n" + text[-max_chars:], True
 
 
 def result_from_sandboxfusion(body: Any, timeout_s: float, max_output_chars: int, latency_s: float) -> ExecResult:
