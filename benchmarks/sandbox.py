@@ -10,6 +10,12 @@ Throughput: ``--n`` calls of a 0.2 s sleep and of a short CPU task, run serially
 concurrently with ``arun`` + ``asyncio.gather``; ``speed-up`` = serial time / concurrent time. The
 CPU task cannot scale past the number of cores. The machine is small and noisy, so compare the
 ratios printed in the same run rather than absolute numbers across runs. Prints only; asserts nothing.
+
+Local warm vs the service (docs/sandbox_service.md; skipped with ``--no-service`` or without uvicorn): a
+server started on this machine (warm, ``--n`` calls at once) and a local warm sandbox run ``print(1)``
+``--service-calls`` times each, ``--n`` at a time, in ``--rounds`` rounds alternating the two (this machine is
+noisy). Printed: executions per second per core, p50/p99 of a call's latency under that load, and p50 of a call
+made alone (the HTTP round trip's own cost).
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
+import socket
+import subprocess
+import sys
 import time
 
 from trl_plugins.tools.sandbox import PythonSandbox, detect_isolation
@@ -96,10 +106,101 @@ def main(isolation: str, calls: int, n: int) -> None:
             print(f"{mode}: {total.calls} calls, {total.errors} errors, {total.timeouts} timeouts")
 
 
+def start_server(isolation: str, n: int, token: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "trl_plugins.tools.sandbox.service", "--port", str(port), "--mode", "warm",
+           "--isolation", isolation, "--max-concurrency", str(n), "--queue-size", str(4 * n),
+           "--log-level", "warning",
+           "--default-timeout-s", "30"]  # the client's limits: the server warms that sandbox at start-up
+    proc = subprocess.Popen(cmd, env={**os.environ, "TRL_SANDBOX_TOKEN": token})
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the sandbox server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the sandbox server did not start within 60 s")
+
+
+def loaded_round(sandbox, calls: int, n: int) -> tuple[float, list[float]]:
+    """``calls`` calls of ``print(1)``, ``n`` at a time: wall time and each call's latency."""
+
+    async def one(gate: asyncio.Semaphore) -> float:
+        async with gate:
+            t0 = time.perf_counter()
+            result = await sandbox.arun(TRIVIAL)
+            if not result.ok:
+                raise RuntimeError(f"benchmark call failed: {result.stderr}")
+            return time.perf_counter() - t0
+
+    async def all_calls() -> list[float]:
+        gate = asyncio.Semaphore(n)
+        return await asyncio.gather(*[one(gate) for _ in range(calls)])
+
+    t0 = time.perf_counter()
+    lat = asyncio.run(all_calls())
+    return time.perf_counter() - t0, lat
+
+
+def local_vs_service(isolation: str, n: int, calls: int, rounds: int) -> None:
+    try:
+        import uvicorn  # noqa: F401
+        from trl_plugins.tools.sandbox.remote import RemoteSandbox
+    except ImportError:
+        print("local warm vs service: skipped (pip install -e '.[server]' for uvicorn and starlette)")
+        return
+    token = secrets.token_urlsafe(32)
+    proc, url = start_server(isolation, n, token)
+    cores = os.cpu_count() or 1
+    try:
+        with PythonSandbox(mode="warm", isolation=isolation, max_concurrency=n, timeout_s=30.0) as local, \
+                RemoteSandbox(url, token, timeout_s=30.0, max_concurrency=n) as remote:
+            local.warm_up()
+            remote.connect()
+            sides = {"local warm": local, "service": remote}
+            for sandbox in sides.values():  # unmeasured: every warm server started, connections open
+                loaded_round(sandbox, 2 * n, n)
+            wall = {k: 0.0 for k in sides}
+            loaded = {k: [] for k in sides}
+            alone = {k: [] for k in sides}
+            for _ in range(rounds):  # alternate, so that both see the same noise
+                for name, sandbox in sides.items():
+                    seconds, lat = loaded_round(sandbox, calls, n)
+                    wall[name] += seconds
+                    loaded[name] += lat
+                    alone[name] += latencies(sandbox, TRIVIAL, max(5, calls // 4))
+            print(f"local warm vs service: print(1), {calls} calls x {rounds} rounds each, {n} at a time, "
+                  f"{cores} cores, server on this machine")
+            print(f"{'':<12}{'exec/s/core':>12}{'p50 ms':>9}{'p99 ms':>9}{'alone p50 ms':>14}")
+            for name in sides:
+                p50, _, p99, _ = percentiles(loaded[name])
+                print(f"{name:<12}{len(loaded[name]) / wall[name] / cores:>12.1f}{p50 * 1000:>9.1f}"
+                      f"{p99 * 1000:>9.1f}{percentiles(alone[name])[0] * 1000:>14.1f}")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "unshare", "none"])
     parser.add_argument("--calls", type=int, default=40, help="trivial calls per mode (warm runs twice as many)")
     parser.add_argument("--n", type=int, default=8, help="concurrent calls in the throughput test")
+    parser.add_argument("--no-service", action="store_true", help="skip the local warm vs service comparison")
+    parser.add_argument("--service-calls", type=int, default=80, help="calls per round and side in that comparison")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds in that comparison")
+    parser.add_argument("--service-only", action="store_true", help="run only the local warm vs service comparison")
     args = parser.parse_args()
-    main(args.isolation, args.calls, args.n)
+    if not args.service_only:
+        main(args.isolation, args.calls, args.n)
+        print()
+    if not args.no_service:
+        local_vs_service(args.isolation, args.n, args.service_calls, args.rounds)

@@ -205,5 +205,10 @@ def hide_answers(dataset_name: str | None, training_args: Any, say: Any = print)
     hide = answer_paths(dataset_name)
     if hide and "code_interpreter" in training_args.tools:
         tool_kw = training_args.tool_kwargs.setdefault("code_interpreter", {})
+        if tool_kw.get("backend") == "remote":
+            # What the code can read is the server's business (a client may not set hidden_paths): say so.
+            say(f"The sandbox server decides what model code can read: if it runs where these dataset files are, "
+                f"start it with --hidden-path for each of {', '.join(hide)}")
+            return
         tool_kw["hidden_paths"] = sorted({*tool_kw.get("hidden_paths", ()), *hide})
         say(f"Hidden from the sandbox (dataset files): {', '.join(tool_kw['hidden_paths'])}")
