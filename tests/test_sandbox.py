@@ -1384,3 +1384,18 @@ def test_the_runners_configuration_is_not_on_any_command_line(any_sandbox):
     )
     result = any_sandbox.run(code)
     assert result.stdout == "True False\n", result
+
+
+@pytest.mark.parametrize("isolation", [iso for iso, m in MODES if m == "warm"], ids=str)
+def test_without_an_init_program_a_fork_of_the_server_is_the_init(isolation, monkeypatch):
+    # A warm call's PID namespace gets `sleep` as its init (cheap: no copy of the server); where there is none the
+    # init is a fork of the server, which reports the code's wait status itself. Same behaviour either way.
+    monkeypatch.setattr(launcher, "init_program", lambda: None)
+    with _sandbox("warm", isolation, warm_imports=(), max_concurrency=1) as sb:
+        init = sb.run("print(open('/proc/1/cmdline', 'rb').read().split(b'\\0')[0].decode())")
+        alarm = sb.run("import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(0.6)\nprint('alarm ignored')")
+        segv = sb.run("import ctypes\nctypes.string_at(0)")
+        exited = sb.run("import sys\nsys.exit(3)")
+    assert init.ok and "sleep" not in init.stdout and init.stdout.strip(), init  # the server's interpreter
+    assert alarm.exit_code == -signal.SIGALRM and alarm.stdout == "", alarm
+    assert segv.exit_code == -signal.SIGSEGV and exited.exit_code == 3, (segv, exited)

@@ -524,17 +524,21 @@ def setup_call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: in
         check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
               "unshare per-call namespaces")
         write_id_maps(uid, gid)
+        # The first process made now is PID 1 of the new namespace, the code's process is not: signals without a
+        # handler (alarm(), kill(self)) act on it as anywhere else. PID 1 is the init program (``sleep``: a
+        # vfork and an exec, no copy of this big process; the code's process is then our second child) or,
+        # without one, a fork of this process that stays the code's parent (run_init).
+        init_pid = spawn_init(cfg["init_program"]) if cfg["init_program"] else None
         pid = os.fork()
         if pid:
-            os.write(status_fd, f"P{pid}\n".encode())
+            os.write(status_fd, f"P{pid}\n".encode() + (f"I{init_pid}\n".encode() if init_pid else b""))
             os._exit(0)
-        # PID 1 of the new namespace: mounts, then stays its init; the code runs as its child (PID 2), where
-        # signals without a handler (alarm(), kill(self)) act as they do anywhere else.
         if mount_call_fs(cfg, libc, scratch):
             os.write(status_fd, b"p\n")
-        code_pid = os.fork()
-        if code_pid:
-            run_init(libc, code_pid, status_fd, drop=True)
+        if init_pid is None:
+            code_pid = os.fork()
+            if code_pid:
+                run_init(libc, code_pid, status_fd, drop=True)
     os.setsid()  # own session/group: kill(0, ...) from the code cannot reach the server
     os.chdir(scratch)
     prepare_child_io(fds[0], fds[1], fds[2], status_fd)
@@ -547,6 +551,24 @@ def setup_call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: in
     apply_limits(cfg)
     install_seccomp(libc, cfg["seccomp"])
     return code
+
+
+def spawn_init(program: str) -> int:
+    """Start ``program`` (``sleep``) as the init of the PID namespace just made: it holds the namespace open and,
+    as an init, ignores every signal from inside it. It gets no descriptor of ours (close-on-exec for all) and
+    no capability (exec as a non-root user in the namespace clears them)."""
+    for name in os.listdir("/proc/self/fd"):  # the server's /proc: we are still outside the new PID namespace
+        if int(name) > 2:
+            try:
+                os.set_inheritable(int(name), False)
+            except OSError:
+                pass
+    devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1), (os.POSIX_SPAWN_DUP2, devnull, 2)]
+    try:
+        return os.posix_spawn(program, [program, "2147483647"], {}, file_actions=actions)
+    finally:
+        os.close(devnull)
 
 
 def run_init(libc: ctypes.CDLL, code_pid: int, status_fd: int, drop: bool) -> None:
@@ -630,6 +652,22 @@ def exit_status(lines: list[str]) -> int | None:
     return next((int(x[1:]) for x in lines if x.startswith("X") and x[1:].lstrip("-").isdigit()), None)
 
 
+def kill_and_reap(pid: int | None) -> int | None:
+    """SIGKILL our child ``pid`` and wait for it; its wait status, or None (no such child)."""
+    import signal
+
+    if pid is None:
+        return None
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return None
+
+
 def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL) -> dict:
     """Run one call in a forked child: the code comes from ``fds[0]``, stdout and stderr go to ``fds[1:]``, all
     three the host's, which this process never reads or writes. Returns the status message for the host."""
@@ -661,15 +699,14 @@ def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL) -> dict:
             status += read_status(r, has_pid, 2.0)  # lines are written whole, and read whole
             lines = status_lines(status)
         target = next((int(x[1:]) for x in lines if x.startswith("P")), child)
+    # The init program, our child too now: killed after the code's process, it takes the namespace's leftovers.
+    init = next((int(x[1:]) for x in lines if x.startswith("I")), None)
     result = {"fresh_proc": "p" in lines}
     if "R" not in lines:
         st = None
         if target != child or not cfg["per_call_ns"]:
-            try:
-                os.kill(target, signal.SIGKILL)
-                st = os.waitpid(target, 0)[1]
-            except (ProcessLookupError, ChildProcessError):
-                pass
+            st = kill_and_reap(target)
+        kill_and_reap(init)
         errors = [x[1:] for x in lines if x.startswith("E")]
         result["error"] = errors[0] if errors else f"sandbox set-up did not complete ({lines!r}, wait status {st})"
     else:
@@ -686,9 +723,11 @@ def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL) -> dict:
                 os.killpg(target, signal.SIGKILL)  # leftovers of the code's session
             except (ProcessLookupError, PermissionError):
                 pass
-        _, st = os.waitpid(target, 0)
+        _, st = os.waitpid(target, 0)  # first: the init's exit waits until every process of its namespace is reaped
         os.close(pidfd)
-        # Every writer is gone now (the init exited, the code closed its copy before it ran): the rest is here.
+        kill_and_reap(init)
+        # Every writer is gone now (the code closed its copy before it ran): the rest is here. Without an init
+        # program the code's parent wrote its wait status (X); otherwise the code's process was ours to wait for.
         code_status = exit_status(status_lines(status + read_status(r, lambda lines: False, 2.0)))
         if timed_out:
             exit_code = -signal.SIGKILL
