@@ -33,6 +33,7 @@ from trl_plugins.tools.sandbox import (
     SandboxStats,
     detect_isolation,
     launcher,
+    layout,
     runner,
 )
 
@@ -1024,7 +1025,7 @@ def test_only_the_interpreter_and_system_libraries_are_shown(any_sandbox, tmp_pa
     assert result.ok, result
     top, hidden, refused = result.stdout.splitlines()
     allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "tmp", "home"}
-    allowed |= {Path(p).parts[1] for p in launcher._interpreter_paths()}
+    allowed |= {Path(p).parts[1] for p in layout.interpreter_paths()}
     assert set(ast.literal_eval(top)) <= allowed, top
     assert (hidden, refused) == ("False False", "True")
 

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from trl_plugins.tools.sandbox.cgroups import (
     CgroupRoots,
     cgroup_roots,
 )
+from trl_plugins.tools.sandbox.layout import init_program, layout_for, under
 from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS, SYSCALLS, read_tail
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,6 @@ SETUP_GRACE_S = 30.0
 
 RUNNER_PATH = Path(__file__).with_name("runner.py")
 """The runner, whose text every sandboxed interpreter runs."""
-
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
-                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
-"""Host paths shown read-only in bwrap/unshare modes besides the interpreter's own (system libraries
-and tools; symbolic links stay links). Nothing else of the host is visible."""
 
 PROGRAM_ENV = {"bwrap": "TRL_SANDBOX_BWRAP", "unshare": "TRL_SANDBOX_UNSHARE"}
 """Environment variables that override where ``bwrap``/``unshare`` are (an absolute path), or hide them (empty)."""
@@ -89,33 +84,6 @@ def runner_source() -> str:
     return RUNNER_PATH.read_text()
 
 
-INIT_PROGRAMS = ("/usr/bin/sleep", "/bin/sleep")
-"""Candidates for the init of a warm call's PID namespace (shown in every sandbox: ``/usr`` is); without one, a
-fork of the server is the init (about 4 ms more per call, measured by benchmarks/sandbox_versions.py)."""
-
-
-def init_program() -> str | None:
-    return next((p for p in INIT_PROGRAMS if os.path.isfile(p) and os.access(p, os.X_OK)), None)
-
-
-def _interpreter_paths() -> list[str]:
-    # What the sandboxed interpreter must still see when its ancestors are hidden.
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.realpath(sys.executable)}
-    for scheme_vars in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
-        for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-            paths.add(sysconfig.get_path(key, vars=scheme_vars or None))
-    real = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)})
-    out: list[str] = []
-    for p in real:  # drop paths inside an already kept one
-        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
-            out.append(p)
-    return out
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def resolve_program(isolation: Isolation) -> str | None:
     """Absolute path of the program that ``isolation`` launches through (``bwrap``/``unshare``), or None.
 
@@ -130,36 +98,6 @@ def resolve_program(isolation: Isolation) -> str | None:
         return None
     found = os.path.abspath(found)
     return found if os.path.isfile(found) and os.access(found, os.X_OK) else None
-
-
-def _layout(extra_hidden: Sequence[str]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
-    """What the sandbox shows: ``(ops, late)``. ``ops`` in order: ``("symlink", target, path)``,
-    ``("ro-bind", path)``, ``("cover", path)`` (an extra hidden path inside a shown one); ``late``:
-    interpreter paths under ``/tmp`` or ``/dev/shm``, bound after those private tmpfs are mounted."""
-    interpreter = _interpreter_paths()
-    ops: list[tuple[str, ...]] = []
-    shown: list[str] = []
-    for p in SYSTEM_PATHS:
-        if os.path.islink(p):
-            ops.append(("symlink", os.readlink(p), p))
-        elif os.path.exists(p):
-            shown.append(p)
-    for p in interpreter:
-        if not any(_under(p, q) for q in shown):
-            shown = [q for q in shown if not _under(q, p)] + [p]
-    shown.sort()
-    late = tuple(p for p in shown if any(_under(p, t) for t in PRIVATE_TMPFS))
-    ops += [("ro-bind", p) for p in shown if p not in late]
-    covered: list[str] = []
-    for h in dict.fromkeys(os.path.realpath(p) for p in extra_hidden):
-        if not os.path.lexists(h) or not any(_under(h, q) for q in shown) or any(_under(h, c) for c in covered):
-            continue
-        if any(_under(k, h) for k in interpreter):
-            logger.warning("sandbox: not hiding %s because the interpreter lives there", h)
-            continue
-        covered.append(h)
-        ops.append(("cover", h))
-    return tuple(ops), late
 
 
 @dataclass(frozen=True)
@@ -180,7 +118,7 @@ class Launcher:
     def create(isolation: Isolation, extra_hidden: Sequence[str] = (), program: str | None = None,
                cgroups: bool = True) -> Launcher:
         as_root = os.geteuid() == 0
-        layout, late = _layout(extra_hidden) if isolation != Isolation.NONE else ((), ())
+        layout, late = layout_for(extra_hidden) if isolation != Isolation.NONE else ((), ())
         program = program or resolve_program(isolation)
         roots = cgroup_roots() if cgroups else None
         return Launcher(isolation, program, layout, late, SCRATCH, as_root, roots)
@@ -272,7 +210,7 @@ class Launcher:
                 return ["--size", "65536", "--tmpfs", path, "--remount-ro", path]
             return ["--ro-bind", "/dev/null", path]
 
-        late_covers = [op[1] for op in self.layout if op[0] == "cover" and any(_under(op[1], p) for p in self.late)]
+        late_covers = [op[1] for op in self.layout if op[0] == "cover" and any(under(op[1], p) for p in self.late)]
         for op in self.layout:  # the root is an empty tmpfs: only what is bound here is visible
             if op[0] == "cover" and op[1] in late_covers:
                 continue
@@ -287,10 +225,10 @@ class Launcher:
         for private in PRIVATE_TMPFS:
             args += ["--perms", "1777", "--size", disk, "--tmpfs", private]
             for p in self.late:
-                if _under(p, private):
+                if under(p, private):
                     args += parents(p, below=private) + ["--ro-bind", p, p]
             for p in late_covers:  # hidden paths inside those: mounted over them, not underneath
-                if _under(p, private):
+                if under(p, private):
                     args += cover(p)
         args += ["--dir", scratch, "--size", disk, "--tmpfs", scratch, "--remount-ro", "/", "--chdir", scratch]
         if self.as_root:
