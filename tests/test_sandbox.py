@@ -1315,6 +1315,16 @@ def test_kernel_surface_and_nested_namespaces_are_refused(any_sandbox):
 
 
 @requires_namespaces
+def test_a_denied_operation_says_so_after_the_traceback(any_sandbox):
+    # Round three: what the filter refuses is a plain EPERM to the code; when it ends the cell, a line says why.
+    result = any_sandbox.run("import fcntl, os\nfcntl.flock(os.open('/usr', os.O_RDONLY), fcntl.LOCK_SH)")
+    assert result.exit_code == 1 and "PermissionError: [Errno 1] Operation not permitted" in result.stderr, result
+    assert result.stderr.endswith(runner.DENIED_NOTE + "\n"), result
+    other = any_sandbox.run("open('/nonexistent/x')")  # any other OSError: no such line
+    assert "FileNotFoundError" in other.stderr and runner.DENIED_NOTE not in other.stderr, other
+
+
+@requires_namespaces
 def test_signal_deaths_read_the_same_in_every_mode(any_sandbox):
     # Round three: a signal death read as exit 128 + N with an empty stderr under bwrap cold, and as -N elsewhere;
     # and an exit status of 137 must not read as a signal.

@@ -83,6 +83,10 @@ class CodeInterpreter(ClosingTool):
         if self.backend == "local":
             if self.url is not None:
                 raise ValueError(f"url={self.url!r} is set but backend is 'local'; set backend='remote' to use it")
+            # Resolved here, so that what the run records (and repr shows) is what runs; None stays for remote,
+            # where these are the server's.
+            self.mode = self.mode or "warm"
+            self.isolation = self.isolation or "auto"
             return
         server_side = {k: v for k, v in (("mode", self.mode), ("isolation", self.isolation),
                                          ("hidden_paths", tuple(self.hidden_paths) or None)) if v is not None}
@@ -135,8 +139,8 @@ class CodeInterpreter(ClosingTool):
                     memory_mb=self.memory_mb,
                     max_output_chars=self.max_output_chars,
                     max_concurrency=self.max_concurrency,
-                    mode=self.mode or "warm",
-                    isolation=self.isolation or "auto",
+                    mode=self.mode,
+                    isolation=self.isolation,
                     extra_hidden_paths=tuple(self.hidden_paths),
                 )
         return self._sandbox

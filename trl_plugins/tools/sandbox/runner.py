@@ -56,6 +56,9 @@ userfaultfd, perf events, bpf, joining namespaces)."""
 DENIED_WITHOUT_CGROUP = ("memfd_create", "memfd_secret", "shmget")
 """Denied when no per-call memory cgroup counts shared memory: anonymous files and System V segments
 are not bounded by ``RLIMIT_AS``."""
+DENIED_NOTE = ("(The sandbox denies some operations: file locks and change notifications, new namespaces, io_uring, "
+               "perf events, bpf, userfaultfd, kernel keyrings.)")
+"""Printed after the traceback of code that died of an EPERM or ENOSYS error, which may be the seccomp filter's."""
 CLONE_NEWCGROUP, CLONE_NEWTIME = 0x02000000, 0x00000080
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 """``unshare`` and ``clone`` with any of these flags fail with EPERM where new namespaces are banned (``unshare``
@@ -378,6 +381,8 @@ def exec_cell(code: str) -> int:
             tb = tb.tb_next  # hide the runner's frames: the model sees only its own code
         try:
             traceback.print_exception(type(e), e, tb)
+            if isinstance(e, OSError) and e.errno in (errno.EPERM, errno.ENOSYS):
+                print(DENIED_NOTE, file=sys.stderr)
         except BaseException:
             pass
         return 1
