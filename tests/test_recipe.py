@@ -278,15 +278,35 @@ def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
     assert list((tmp_path / "embedded").iterdir()) == []
 
 
-def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = cpu_launch_env(TRL_PLUGINS_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline", WANDB_SILENT="true",
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory) -> Path:
+    """A cache holding the launches' tiny embedded default, built once, the way the recipe resolves and builds it:
+    for the launches that test something else than the build (the first two launches below build their own)."""
+    from retool.config import parse_args
+    from retool.default_model import embedded_settings_for, ensure_embedded_default
+
+    root = tmp_path_factory.mktemp("embedded-cache")
+    script_args, args = parse_args(["--output_dir", str(root / "out"), "--embedded", json.dumps(TINY_EMBEDDED),
+                                    "--report_to", "none"])
+    ensure_embedded_default(embedded_settings_for(script_args, args, log=lambda m: None), root=root, log=lambda m: None)
+    return root
+
+
+def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600, cache: Path | None = None
+            ) -> subprocess.CompletedProcess:
+    """Two steps of the main command on the tiny embedded default; built into a fresh cache, or read from
+    ``cache`` (:func:`built_cache`), which it must then find (one build per module is what it saves)."""
+    env = cpu_launch_env(TRL_PLUGINS_CACHE=str(cache or tmp_path / "cache"), WANDB_MODE="offline", WANDB_SILENT="true",
                          PYTHONUNBUFFERED="1")
     cmd = accelerate_launch(
         config, ROOT / "recipes" / "retool_ppo.py", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
         "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
         "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
         "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4", *extra)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
+    if cache is not None and proc.returncode == 0:
+        assert "using the cached model" in proc.stdout and "building the tiny model" not in proc.stdout, proc.stdout[-3000:]
+    return proc
 
 
 @pytest.mark.slow
@@ -327,9 +347,10 @@ def test_main_command_runs_two_steps_under_zero3_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_command_runs_actor_critic_with_gae(tmp_path):
+def test_main_command_runs_actor_critic_with_gae(tmp_path, built_cache):
     # Choosing a critic-based estimator brings the critic; its settings have defaults.
-    proc = _launch(tmp_path, "cpu.yaml", ["--advantage", "gae", "--report_to", "none", "--eval_problems", "0"])
+    proc = _launch(tmp_path, "cpu.yaml", ["--advantage", "gae", "--report_to", "none", "--eval_problems", "0"],
+                   cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/total" in r]
@@ -338,11 +359,11 @@ def test_main_command_runs_actor_critic_with_gae(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_command_trains_a_lora_adapter(tmp_path):
+def test_main_command_trains_a_lora_adapter(tmp_path, built_cache):
     # --use_peft through the real launcher: only the adapter is saved, and the held-out evaluation after RL
     # loads final/ (base + adapter) by its path.
     proc = _launch(tmp_path, "cpu.yaml", ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--report_to", "none",
-                                          "--eval_every_steps", "0"])
+                                          "--eval_every_steps", "0"], cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     final = tmp_path / "out" / "final"
     assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
@@ -533,14 +554,14 @@ def test_use_vllm_without_vllm_stops_the_recipe_before_anything_is_built(tmp_pat
 
 
 @pytest.mark.slow
-def test_main_command_generates_with_continuous_batching_under_zero3_on_two_processes(tmp_path):
+def test_main_command_generates_with_continuous_batching_under_zero3_on_two_processes(tmp_path, built_cache):
     # use_transformers_continuous_batching through the real launcher, on ZeRO-3-sharded weights (gathered once
     # per rollout, as for HF generate), with the manager and its cache kept between rollouts: the steps train,
     # the periodic and final evaluations generate with the same backend.
     proc = _launch(tmp_path, "cpu_zero3.yaml", ["--report_to", "none", "--use_transformers_continuous_batching",
                                                 "--transformers_continuous_batching_config",
                                                 '{"page_size": 32, "num_blocks": 256, "max_batch_tokens": 1024}',
-                                                "--continuous_batching_keep_cache"])
+                                                "--continuous_batching_keep_cache"], cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/total" in r]
@@ -551,14 +572,15 @@ def test_main_command_generates_with_continuous_batching_under_zero3_on_two_proc
 
 
 @pytest.mark.slow
-def test_main_command_generates_with_continuous_batching_sized_from_its_workload(tmp_path):
+def test_main_command_generates_with_continuous_batching_sized_from_its_workload(tmp_path, built_cache):
     # Issue 30.12: `--use_transformers_continuous_batching true` and nothing else died within two steps on a fresh
     # machine: transformers sized the paged cache to fill half the memory it saw at the first rollout, and every
     # later rollout rebuilt it (the cache is not kept by default) from those figures with less memory free
     # ("MemoryError: Memory footprint ... is more than available memory ..."). Sized from the run's workload it
     # is checked before the model loads and rebuilt at the same small size every rollout: the starting model's
     # evaluation, two steps, an evaluation after each, and the final evaluation all generate with it.
-    proc = _launch(tmp_path, "cpu.yaml", ["--report_to", "none", "--use_transformers_continuous_batching", "true"])
+    proc = _launch(tmp_path, "cpu.yaml", ["--report_to", "none", "--use_transformers_continuous_batching", "true"],
+                   cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # 8 trajectories (per_device_train_batch_size) x ceil(1024 / 256) pages = 32 blocks; max(8, 1024) batch tokens.
     assert "start-up checks: continuous-batching cache" in proc.stdout
@@ -794,7 +816,7 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard_errors(tmp_path):
+def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard_errors(tmp_path, built_cache):
     # --dataset_name arith.jsonl through the real launcher: 6 of its 60 rows are held out (said), training draws
     # from the other 54, and the before/after numbers carry standard errors and a paired gain.
     from retool.task import arithmetic_problems
@@ -802,7 +824,8 @@ def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_problems(60, seed=3)]
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none", "--eval_every_steps", "0"])
+    proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none", "--eval_every_steps", "0"],
+                   cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "held-out rows: 6 of the 60 rows of the file" in proc.stdout and "training uses the other 54" in proc.stdout
     assert proc.stdout.count("held-out rows:") == 1  # said once, before the model
