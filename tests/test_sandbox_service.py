@@ -374,3 +374,28 @@ def test_admission_hands_a_freed_slot_to_the_first_waiter_and_refuses_beyond_the
         "timed out: waited 0.2 s in the queue without a free slot",
         "running=0 queued=0",
     ]
+
+
+def test_a_busy_servers_retry_after_is_honoured_and_resends_are_a_step_metric(monkeypatch, token_env):
+    # The client waits as long as the server's Retry-After says (its own backoff only when that is shorter), and the
+    # code interpreter reports the step's resends as sandbox/retries (summed over ranks).
+    from trl_plugins.tools.sandbox import remote
+
+    answers = [httpx.Response(503, json={"error": "busy"}, headers={"Retry-After": "2"}),
+               httpx.Response(429, json={"error": "slow down"}, headers={"Retry-After": "not-a-number"}),
+               httpx.Response(200, json=wire.result_to_json(ExecResult(ok=True, stdout="42\n", stderr="", exit_code=0,
+                                                                        timed_out=False, latency_s=0.01), 0.0))]
+    waits: list[float] = []
+    monkeypatch.setattr(remote.time, "sleep", waits.append)
+    tool = CodeInterpreter(backend="remote", url="http://sandbox.invalid:8000", retries=3, retry_backoff_s=0.1)
+    client = tool.sandbox
+    client.health = {"caps": {}}  # as if start_up had run: no /health request
+    client._client = httpx.Client(transport=httpx.MockTransport(lambda request: answers.pop(0)))
+    out = run_async(tool({"code": "print(6 * 7)"}))
+    assert out.ok and out.text == "42\n" and out.infra_error is None, out
+    assert len(waits) == 2 and waits[0] >= 2.0 and waits[1] < 0.5, waits  # Retry-After: 2; then our 0.2 s backoff
+    metrics = tool.step_metrics()
+    assert metrics["sandbox/retries"] == 2.0 and metrics["sandbox/calls"] == 1.0
+    assert tool.step_metrics()["sandbox/retries"] == 0.0  # per step
+    assert tool.step_metric_reductions()["sandbox/retries"] == "sum"
+    tool.close()

@@ -176,10 +176,13 @@ class CodeInterpreter(ClosingTool):
         return ToolOutput(text=text, ok=result.ok, timed_out=result.timed_out, latency_s=result.latency_s)
 
     def step_metrics(self) -> dict[str, float]:
-        """The sandbox's statistics since the last call (``sandbox/*``); empty before the first call."""
+        """The sandbox's statistics since the last call (``sandbox/*``; remote: ``sandbox/retries`` too, the resends
+        of calls that found the server busy or unreachable); empty before the first call."""
         if self._sandbox is None:
             return {}
         metrics = self._sandbox.stats().to_metrics("sandbox/")
+        if self.backend == "remote":  # resends of calls that found the server busy or unreachable
+            metrics["sandbox/retries"] = float(self._sandbox.step_retries())
         self._sandbox.reset_step_stats()
         return metrics
 
@@ -187,7 +190,7 @@ class CodeInterpreter(ClosingTool):
         """How :meth:`step_metrics` combine over ranks: counts add up, the largest latency is the largest;
         the latency percentiles are each rank's, averaged (``rollout/tool_latency_*`` are exact)."""
         return {"sandbox/calls": "sum", "sandbox/successes": "sum", "sandbox/errors": "sum", "sandbox/timeouts": "sum",
-                "sandbox/latency_max_s": "max"}
+                "sandbox/retries": "sum", "sandbox/latency_max_s": "max"}
 
     def close(self) -> None:
         """Stop the sandbox's interpreters (remote: close the connections)."""

@@ -33,7 +33,11 @@ _MAX_BACKOFF_S = 8.0
 
 
 class _NotStarted(Exception):
-    """The request provably did not start a call: safe to send again."""
+    """The request provably did not start a call: safe to send again (after ``retry_after_s`` when the server said)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RemoteSandbox:
@@ -75,6 +79,7 @@ class RemoteSandbox:
         self.health: dict[str, Any] | None = None
         self.retried = 0
         """Resends so far (calls that found the server busy or unreachable)."""
+        self._step_retried = 0
         headers = {wire.CLIENT_HEADER: f"{socket.gethostname()}:{os.getpid()}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -210,7 +215,12 @@ class RemoteSandbox:
                     return self._failure(f"{exc}; gave up after {attempt + 1} tries", t0)
                 with self._stats_lock:
                     self.retried += 1
-                time.sleep(min(delay, _MAX_BACKOFF_S) * random.uniform(0.8, 1.2))
+                    self._step_retried += 1
+                # The server's Retry-After when it gave one (and it is sooner than the cap), else our backoff.
+                wait = min(delay, _MAX_BACKOFF_S) * random.uniform(0.8, 1.2)
+                if exc.retry_after_s is not None:
+                    wait = max(wait, min(exc.retry_after_s, _MAX_BACKOFF_S))
+                time.sleep(wait)
                 delay *= 2
         raise AssertionError("unreachable")
 
@@ -228,7 +238,8 @@ class RemoteSandbox:
                                  f"the call may have run", t0)
         status = response.status_code
         if status in _RETRYABLE_STATUS:
-            raise _NotStarted(f"the server was busy (HTTP {status}: {_message(response)})")
+            raise _NotStarted(f"the server was busy (HTTP {status}: {_message(response)})",
+                              _retry_after(response.headers.get("Retry-After")))
         if status == 413:
             raise CodeRejected(f"Error: the code is too long for the sandbox ({_message(response)}). Write shorter "
                                f"code.")
@@ -261,10 +272,16 @@ class RemoteSandbox:
         with self._stats_lock:
             return self._total.snapshot()
 
+    def step_retries(self) -> int:
+        """Resends since the last :meth:`reset_step_stats` (calls that found the server busy or unreachable)."""
+        with self._stats_lock:
+            return self._step_retried
+
     def reset_step_stats(self) -> None:
-        """Start a new step for :meth:`stats`."""
+        """Start a new step for :meth:`stats` and :meth:`step_retries`."""
         with self._stats_lock:
             self._step = _StatsAccumulator()
+            self._step_retried = 0
 
     def close(self) -> None:
         """Close the connections and worker threads; idempotent."""
@@ -282,6 +299,15 @@ class RemoteSandbox:
 
     def __repr__(self) -> str:
         return f"RemoteSandbox(url={self.url!r}, protocol={self.protocol!r}, timeout_s={self.timeout_s})"
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header given as a number of seconds; None otherwise (an HTTP date, absent)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < float("inf") else None
 
 
 def _message(response: httpx.Response) -> str:
