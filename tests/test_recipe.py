@@ -372,6 +372,24 @@ def test_main_command_trains_a_lora_adapter(tmp_path, built_cache):
     assert summary["steps"] == 2 and summary["after"]["problems"] == 4 and summary["after"]["model"] == str(final)
 
 
+def test_with_a_remote_sandbox_the_dataset_paths_are_named_for_the_server_not_added_to_the_tool(tmp_path):
+    # The client may not set hidden_paths (the server's setting): the recipe says which paths to start it with.
+    from types import SimpleNamespace
+
+    from retool.data import hide_answers
+
+    data = tmp_path / "answers.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 6 * 7?", "answer": "42"}) + "\n")
+    said: list[str] = []
+    remote = SimpleNamespace(tools=["code_interpreter"], tool_kwargs={"code_interpreter": {"backend": "remote"}})
+    hide_answers(str(data), remote, say=said.append)
+    assert remote.tool_kwargs == {"code_interpreter": {"backend": "remote"}}
+    assert len(said) == 1 and "--hidden-path" in said[0] and str(data.resolve()) in said[0], said
+    local = SimpleNamespace(tools=["code_interpreter"], tool_kwargs={})  # control: the local sandbox hides them
+    hide_answers(str(data), local, say=said.append)
+    assert str(data.resolve()) in local.tool_kwargs["code_interpreter"]["hidden_paths"]
+
+
 def test_embedded_settings_reject_bad_json_and_unknown_fields():
     from retool.default_model import EmbeddedSettings
 
