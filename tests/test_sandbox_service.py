@@ -145,10 +145,11 @@ def test_remote_settings_are_refused_where_they_belong_to_the_server():
 
 
 def test_start_up_fails_loudly_when_the_server_is_unreachable(token_env):
-    tool = CodeInterpreter(backend="remote", url=f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(RuntimeError, match="is unreachable"):
-        tool.start_up()
-    tool.close()
+    with refusing_port() as port:
+        tool = CodeInterpreter(backend="remote", url=f"http://127.0.0.1:{port.getsockname()[1]}")
+        with pytest.raises(RuntimeError, match="is unreachable"):
+            tool.start_up()
+        tool.close()
 
 
 # -- results through the server --------------------------------------------------------------------------------
@@ -251,31 +252,54 @@ def test_a_full_queue_answers_503_and_the_client_retries_until_a_slot_frees(serv
 # -- the server dies mid-call ------------------------------------------------------------------------------------
 
 
+def refusing_port() -> socket.socket:
+    """A socket bound to a free port that does not listen: connections to it are refused, and no other process can
+    take the port while the test holds it (a port merely found free may be taken by another test's server)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def test_a_server_killed_mid_call_gives_an_infra_error_never_a_hang(token_env):
     doomed = Server(["--mode", "cold", "--max-concurrency", "1"])
     try:
         with remote_tool(doomed, timeout_s=8.0, retries=1, retry_backoff_s=0.1) as tool:
             tool.start_up()
-            threading.Timer(0.5, lambda: os.kill(doomed.proc.pid, signal.SIGKILL)).start()
+            box: list = []
+            call = threading.Thread(target=lambda: box.append(
+                run_async(tool({"code": "import time\ntime.sleep(5)\nprint('finished')"}))))
+            call.start()
+            deadline = time.monotonic() + 30  # killed once the call runs (a fixed delay raced a loaded machine)
+            while doomed.health()["running"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(doomed.proc.pid, signal.SIGKILL)
             t0 = time.monotonic()
-            out = run_async(tool({"code": "import time\ntime.sleep(5)\nprint('finished')"}))
-            assert time.monotonic() - t0 < 3.0
+            call.join(20)
+            assert box and time.monotonic() - t0 < 3.0, box
+            out = box[0]
             assert not out.ok and out.infra_error and "broke during the call" in out.infra_error, out
-            # Now nothing listens: refused connections are retried (they never started), then reported.
-            out = run_async(tool({"code": "print(1)"}))
-            assert out.infra_error and "could not connect" in out.infra_error and "after 2 tries" in out.infra_error
     finally:
         doomed.stop()
+
+
+def test_refused_connections_are_retried_then_reported(token_env):
+    # Nothing listens: a refused connection never started a call, so it is resent (retries=1: 2 tries), then reported.
+    with refusing_port() as port:
+        url = f"http://127.0.0.1:{port.getsockname()[1]}"
+        with CodeInterpreter(backend="remote", url=url, retries=1, retry_backoff_s=0.05) as tool:
+            out = run_async(tool({"code": "print(1)"}))
+    assert out.infra_error and "could not connect" in out.infra_error and "after 2 tries" in out.infra_error, out
 
 
 def test_the_rollout_ends_such_a_call_as_environment_error(token_env):
     # The seam the local path uses: an infra_error from the tool, retried once as idempotent, then reported.
     from trl_plugins.rollout.engine import _call_tool
 
-    tool = CodeInterpreter(backend="remote", url=f"http://127.0.0.1:{free_port()}", retries=0)
-    out = run_async(_call_tool(tool, {"code": "print(1)"}, retries=1))
+    with refusing_port() as port:
+        tool = CodeInterpreter(backend="remote", url=f"http://127.0.0.1:{port.getsockname()[1]}", retries=0)
+        out = run_async(_call_tool(tool, {"code": "print(1)"}, retries=1))
+        tool.close()
     assert out.infra_error and "could not connect" in out.infra_error
-    tool.close()
 
 
 # -- SandboxFusion's API ---------------------------------------------------------------------------------------
