@@ -145,6 +145,44 @@ class _StatsAccumulator:
         )
 
 
+class CallStats:
+    """Thread-safe counts of a sandbox's calls: since the last :meth:`reset_step` and since construction, plus the
+    resends of calls that never started (a remote sandbox's). What :class:`PythonSandbox` and the remote client
+    report through ``stats()``, ``total_stats()`` and ``reset_step_stats()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step, self._total = _StatsAccumulator(), _StatsAccumulator()
+        self.retries = self._step_retries = 0
+
+    def add(self, result: ExecResult) -> None:
+        with self._lock:
+            self._step.add(result)
+            self._total.add(result)
+
+    def add_retry(self) -> None:
+        with self._lock:
+            self.retries += 1
+            self._step_retries += 1
+
+    def step(self) -> SandboxStats:
+        with self._lock:
+            return self._step.snapshot()
+
+    def total(self) -> SandboxStats:
+        with self._lock:
+            return self._total.snapshot()
+
+    def step_retries(self) -> int:
+        with self._lock:
+            return self._step_retries
+
+    def reset_step(self) -> None:
+        with self._lock:
+            self._step = _StatsAccumulator()
+            self._step_retries = 0
+
+
 def _signal_name(sig: int) -> str:
     try:
         return signal.Signals(sig).name
@@ -253,9 +291,7 @@ class PythonSandbox:
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
-        self._stats_lock = threading.Lock()
-        self._step = _StatsAccumulator()
-        self._total = _StatsAccumulator()
+        self._stats = CallStats()
         self._closed = False
         self._pool = WarmPool(self._launcher, self._limits, warm_imports, max_concurrency) if mode == "warm" else None
         self._finalizer = weakref.finalize(self, self._pool.close) if self._pool is not None else None
@@ -302,9 +338,7 @@ class PythonSandbox:
             t0 = time.perf_counter()
             raw = self._run_warm(code) if self._pool is not None else run_cold(self._launcher, self._limits, code)
             result = self._to_result(raw, time.perf_counter() - t0)
-        with self._stats_lock:
-            self._step.add(result)
-            self._total.add(result)
+        self._stats.add(result)
         return result
 
     async def arun(self, code: str) -> ExecResult:
@@ -351,18 +385,15 @@ class PythonSandbox:
 
     def stats(self) -> SandboxStats:
         """Statistics of the calls since the last :meth:`reset_step_stats` (or construction)."""
-        with self._stats_lock:
-            return self._step.snapshot()
+        return self._stats.step()
 
     def total_stats(self) -> SandboxStats:
         """Statistics of every call since construction (not affected by :meth:`reset_step_stats`)."""
-        with self._stats_lock:
-            return self._total.snapshot()
+        return self._stats.total()
 
     def reset_step_stats(self) -> None:
         """Start a new step: :meth:`stats` counts from here on; totals keep accumulating."""
-        with self._stats_lock:
-            self._step = _StatsAccumulator()
+        self._stats.reset_step()
 
     def close(self) -> None:
         """Stop the warm servers and worker threads. Further calls raise RuntimeError. Idempotent."""

@@ -26,8 +26,16 @@ from trl_plugins.tools.sandbox.cgroups import (
     CgroupRoots,
     cgroup_roots,
 )
-from trl_plugins.tools.sandbox.layout import init_program, layout_for, under
-from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS, SYSCALLS, read_tail
+from trl_plugins.tools.sandbox.layout import init_program, layout_for
+from trl_plugins.tools.sandbox.runner import (
+    PRIVATE_TMPFS,
+    SYSCALLS,
+    exit_status,
+    read_status,
+    read_tail,
+    status_lines,
+    under,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +184,7 @@ class Launcher:
         launch, close them after it). The configuration, and bwrap's arguments (which name every path shown and
         hidden), travel in memfds: a command line is readable by any process that can see the pid, the code's
         own included."""
-        cfg_fd = _memfd("sandbox-config", json.dumps(cfg).encode())
+        cfg_fd = memfd_with("sandbox-config", json.dumps(cfg).encode())
         interp = [sys.executable, "-I", "-u", "-c", runner_source(), str(cfg_fd)]
         if self.isolation == Isolation.NONE:
             return interp, [cfg_fd]
@@ -184,7 +192,7 @@ class Launcher:
             flags = ["--ipc", "--uts", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
             return [self.program, *flags, *([] if self.as_root else ["--map-root-user"]), "--", *interp], [cfg_fd]
         args = self._bwrap_args(role, cfg, scratch)
-        args_fd = _memfd("sandbox-bwrap-args", b"".join(a.encode() + b"\0" for a in args))
+        args_fd = memfd_with("sandbox-bwrap-args", b"".join(a.encode() + b"\0" for a in args))
         return [self.program, "--args", str(args_fd), "--", *interp], [cfg_fd, args_fd]
 
     def _bwrap_args(self, role: str, cfg: dict, scratch: str) -> list[str]:
@@ -259,19 +267,13 @@ class Launcher:
         return path
 
 
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, 0)  # not close-on-exec: the launched process inherits it (pass_fds)
+def memfd_with(name: str, data: bytes) -> int:
+    """A memfd holding ``data``, read from its start (close-on-exec: a launch inherits it through ``pass_fds``, a
+    warm server through the socket)."""
+    fd = os.memfd_create(name)
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
-
-
-def exit_code_from(status: bytes) -> int | None:
-    """The code's exit code from the status pipe's ``X<wait status>`` line (written by the code's parent in the
-    sandbox), or None when there is none (the sandbox died first)."""
-    lines = status.decode(errors="replace").split("\n")[:-1]
-    wait_status = next((x[1:] for x in lines if x.startswith("X") and x[1:].isdigit()), None)
-    return None if wait_status is None else os.waitstatus_to_exitcode(int(wait_status))
 
 
 def call_cgroup(launcher: Launcher, limits: Limits) -> CallCgroup | None:
@@ -290,12 +292,10 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
     scratch = private_dir or launcher.scratch
     cgroup = call_cgroup(launcher, limits)
     cgroup_fds = cgroup.open_tasks() if cgroup is not None else []
-    code_fd = os.memfd_create("sandbox-code")
+    code_fd = memfd_with("sandbox-code", code.encode("utf-8", "surrogatepass"))
     out_fd, err_fd = os.memfd_create("sandbox-stdout"), os.memfd_create("sandbox-stderr")
     status_r, status_w = os.pipe()
     try:
-        os.write(code_fd, code.encode("utf-8", "surrogatepass"))
-        os.lseek(code_fd, 0, os.SEEK_SET)
         cfg = launcher.runner_config("cell", limits, scratch, code_fd=code_fd, status_fd=status_w,
                                      cgroup_fds=cgroup_fds)
         argv, launch_fds = launcher.command("cell", cfg, scratch)
@@ -316,7 +316,7 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
         for fd in cgroup_fds:
             os.close(fd)
         cgroup_fds = []
-        status = os.read(status_r, 4096) if wait_readable(status_r, SETUP_GRACE_S) else b""
+        status = read_status(status_r, bool, SETUP_GRACE_S)  # until a first line
         started = status.startswith(b"R\n")
         pidfd = os.pidfd_open(proc.pid)
         try:
@@ -327,11 +327,7 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
         finally:
             os.close(pidfd)
         proc.wait()
-        while wait_readable(status_r, 1.0):  # the rest: every writer is gone now
-            chunk = os.read(status_r, 4096)
-            if not chunk:
-                break
-            status += chunk
+        status += read_status(status_r, lambda lines: False, 1.0)  # the rest: every writer is gone now
         oom_kills = 0
         if cgroup is not None:
             cgroup.kill_all()
@@ -346,8 +342,9 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
             return {"error": f"the sandbox did not start ({detail})", "setup_log": stderr}
         # The code's exit code is what its parent in the sandbox saw (a signal death reads -N in every mode; bwrap
         # itself would report 128 + N). A call that ran out of time was killed by us.
-        code_exit = exit_code_from(status)
-        exit_code = -signal.SIGKILL if timed_out else code_exit if code_exit is not None else proc.returncode
+        wait_status = exit_status(status_lines(status))
+        exit_code = (-signal.SIGKILL if timed_out else os.waitstatus_to_exitcode(wait_status) if wait_status is not None
+                     else proc.returncode)
         return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "timed_out": timed_out,
                 "truncated": t1 or t2, "oom_killed": oom_kills > 0}
     finally:

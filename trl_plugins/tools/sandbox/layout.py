@@ -9,7 +9,7 @@ import sys
 import sysconfig
 from collections.abc import Sequence
 
-from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS
+from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS, under
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,9 @@ def interpreter_paths() -> list[str]:
     real = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)})
     out: list[str] = []
     for p in real:  # drop paths inside an already kept one
-        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+        if not any(under(p, q) for q in out):
             out.append(p)
     return out
-
-
-def under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def layout_for(extra_hidden: Sequence[str]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:

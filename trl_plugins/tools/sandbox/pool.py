@@ -20,6 +20,7 @@ from trl_plugins.tools.sandbox.launcher import (
     Limits,
     call_cgroup,
     kill_call,
+    memfd_with,
     wait_readable,
 )
 from trl_plugins.tools.sandbox.runner import read_tail
@@ -68,10 +69,9 @@ class WarmServer:
 
     def call(self, code: str, timeout_s: float, deadline: float) -> dict:
         """Run ``code``; the raw result fields (stdout and stderr read here, from this process's memfds)."""
-        fds = [os.memfd_create("sandbox-code"), os.memfd_create("sandbox-stdout"), os.memfd_create("sandbox-stderr")]
+        fds = [memfd_with("sandbox-code", code.encode("utf-8", "surrogatepass")), os.memfd_create("sandbox-stdout"),
+               os.memfd_create("sandbox-stderr")]
         try:
-            os.write(fds[0], code.encode("utf-8", "surrogatepass"))
-            os.lseek(fds[0], 0, os.SEEK_SET)
             try:
                 socket.send_fds(self.sock, [json.dumps({"timeout_s": timeout_s}).encode()], fds)
             except OSError as e:

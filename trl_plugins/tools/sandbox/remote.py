@@ -16,13 +16,12 @@ import json
 import os
 import random
 import socket
-import threading
 import time
 from typing import Any
 
 import httpx
 
-from trl_plugins.tools.sandbox import ExecResult, SandboxStats, _StatsAccumulator
+from trl_plugins.tools.sandbox import CallStats, ExecResult, SandboxStats
 from trl_plugins.tools.sandbox import wire
 from trl_plugins.tools.sandbox.wire import PROTOCOLS, CodeRejected
 
@@ -77,9 +76,7 @@ class RemoteSandbox:
         self.max_request_bytes: int | None = None
         """The server's body limit (from ``/health``): longer code is refused here, before it is sent."""
         self.health: dict[str, Any] | None = None
-        self.retried = 0
-        """Resends so far (calls that found the server busy or unreachable)."""
-        self._step_retried = 0
+
         headers = {wire.CLIENT_HEADER: f"{socket.gethostname()}:{os.getpid()}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -88,9 +85,7 @@ class RemoteSandbox:
         self._client = httpx.Client(headers=headers, limits=httpx.Limits(
             max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=10.0))
         self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="remote-sandbox")
-        self._stats_lock = threading.Lock()
-        self._step = _StatsAccumulator()
-        self._total = _StatsAccumulator()
+        self._stats = CallStats()
         self._closed = False
 
     # -- start-up --------------------------------------------------------------------------------------------------
@@ -188,9 +183,7 @@ class RemoteSandbox:
                                f"wrapping; the server takes at most {self.max_request_bytes:,}). Write shorter code.")
         t0 = time.perf_counter()
         result = self._send(path, content, t0)
-        with self._stats_lock:
-            self._step.add(result)
-            self._total.add(result)
+        self._stats.add(result)
         return result
 
     async def arun(self, code: str) -> ExecResult:
@@ -213,9 +206,7 @@ class RemoteSandbox:
             except _NotStarted as exc:
                 if attempt == self.retries:
                     return self._failure(f"{exc}; gave up after {attempt + 1} tries", t0)
-                with self._stats_lock:
-                    self.retried += 1
-                    self._step_retried += 1
+                self._stats.add_retry()
                 # The server's Retry-After when it gave one (and it is sooner than the cap), else our backoff.
                 wait = min(delay, _MAX_BACKOFF_S) * random.uniform(0.8, 1.2)
                 if exc.retry_after_s is not None:
@@ -264,24 +255,24 @@ class RemoteSandbox:
 
     def stats(self) -> SandboxStats:
         """Statistics of this client's calls since the last :meth:`reset_step_stats` (service failures are errors)."""
-        with self._stats_lock:
-            return self._step.snapshot()
+        return self._stats.step()
 
     def total_stats(self) -> SandboxStats:
         """Statistics of every call since construction."""
-        with self._stats_lock:
-            return self._total.snapshot()
+        return self._stats.total()
+
+    @property
+    def retried(self) -> int:
+        """Resends so far (calls that found the server busy or unreachable)."""
+        return self._stats.retries
 
     def step_retries(self) -> int:
-        """Resends since the last :meth:`reset_step_stats` (calls that found the server busy or unreachable)."""
-        with self._stats_lock:
-            return self._step_retried
+        """Resends since the last :meth:`reset_step_stats`."""
+        return self._stats.step_retries()
 
     def reset_step_stats(self) -> None:
         """Start a new step for :meth:`stats` and :meth:`step_retries`."""
-        with self._stats_lock:
-            self._step = _StatsAccumulator()
-            self._step_retried = 0
+        self._stats.reset_step()
 
     def close(self) -> None:
         """Close the connections and worker threads; idempotent."""
