@@ -423,3 +423,14 @@ def test_a_busy_servers_retry_after_is_honoured_and_resends_are_a_step_metric(mo
     assert tool.step_metrics()["sandbox/retries"] == 0.0  # per step
     assert tool.step_metric_reductions()["sandbox/retries"] == "sum"
     tool.close()
+
+
+def test_the_token_is_read_from_the_variable_token_env_names(monkeypatch):
+    monkeypatch.delenv("TRL_SANDBOX_TOKEN", raising=False)
+    monkeypatch.delenv("MY_SANDBOX_TOKEN", raising=False)
+    tool = CodeInterpreter(backend="remote", url="http://127.0.0.1:1", token_env="MY_SANDBOX_TOKEN")
+    with pytest.raises(RuntimeError, match="token in the environment variable MY_SANDBOX_TOKEN"):
+        tool.sandbox
+    monkeypatch.setenv("MY_SANDBOX_TOKEN", TOKEN)
+    assert tool.sandbox._client.headers["Authorization"] == f"Bearer {TOKEN}"
+    tool.close()
