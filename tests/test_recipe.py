@@ -99,6 +99,15 @@ def test_summarise_counts_tool_use_accuracy_and_pass_at_k():
     assert result.truncated_frac == 0.25
     with pytest.raises(ValueError, match="pass@k needs"):
         summarise(trajs, [True] * 4, ks=(3,))
+    # Tool calls per solved sample, and recovery: of the samples shown a failed call, the share that still solved it.
+    assert result.tool_calls_per_solved == 1.0 and result.failed_call_frac == 0.25 and result.recovery_rate == 0.0
+    result = summarise(trajs, [True, False, True, False])
+    assert result.tool_calls_per_solved == 1.5 and result.recovery_rate == 1.0
+    assert summarise(trajs, [False] * 4).tool_calls_per_solved is None
+    infra = _traj("c", 2)
+    infra.turns[1].tool_calls[0].infra_error = "sandbox died"  # the infrastructure's failure: not the model's to recover
+    assert summarise([infra], [False]).recovery_rate is None and summarise([infra], [False]).failed_call_frac == 0.0
+    assert summarise([_traj("d", 1)], [True]).recovery_rate is None  # nothing failed
 
 
 def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):

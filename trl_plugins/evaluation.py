@@ -120,6 +120,13 @@ class EvalResult:
     evaluations of the same problems needs (:func:`paired_difference_se`)."""
     tool_calls_by_tool: dict[str, float] = field(default_factory=dict)
     """Tool calls per sample, by the name of the tool called."""
+    tool_calls_per_solved: float | None = None
+    """Tool calls per correct sample (None when none is correct)."""
+    failed_call_frac: float = 0.0
+    """Fraction of samples with at least one failed tool call (``ok=False``: an error the model was shown; the
+    infrastructure's failures are not counted here but in ``world_failure_frac``)."""
+    recovery_rate: float | None = None
+    """Of the samples with a failed tool call, the share that still ended correct (None when none failed)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,6 +156,9 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
     with_tool = [ok for ok, c in zip(correct, calls) if c > 0]
     without = [ok for ok, c in zip(correct, calls) if c == 0]
     total = len(trajectories)
+    solved_calls = [c for ok, c in zip(correct, calls) if ok]
+    failed = [bool(ok) for traj, ok in zip(trajectories, correct)
+              if any(not c.ok and c.infra_error is None for t in traj.turns for c in t.tool_calls)]
     per_problem_pass = {k: [pass_at_k(len(v), sum(ok for ok, _ in v), k) for v in groups] for k in ks}
 
     def se(keep: Any) -> float | None:  # of the accuracy of the samples whose tool calls ``keep`` selects
@@ -174,6 +184,9 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
         accuracy_without_tool_se=se(lambda c: c == 0) if without else None,
         correct_by_problem={str(q): [sum(ok for ok, _ in v), len(v)] for q, v in by_question.items()},
         tool_calls_by_tool={name: count / total for name, count in sorted(by_tool.items())},
+        tool_calls_per_solved=sum(solved_calls) / len(solved_calls) if solved_calls else None,
+        failed_call_frac=len(failed) / total,
+        recovery_rate=sum(failed) / len(failed) if failed else None,
     )
 
 

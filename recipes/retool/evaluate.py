@@ -133,6 +133,9 @@ def evaluate_checkpoint(
           + ", ".join(f"pass@{k} {pm(v, result.pass_at_k_se.get(k))}" for k, v in result.pass_at_k.items())
           + f", tool-call rate {result.tool_call_rate:.3f}, tool calls/sample {result.tool_calls_mean:.2f}"
           + (f" ({', '.join(f'{name} {v:.2f}' for name, v in by_tool.items())})" if len(by_tool) > 1 else "")
+          + ("" if result.tool_calls_per_solved is None else f", tool calls/solved {result.tool_calls_per_solved:.2f}")
+          + ("" if result.recovery_rate is None else
+             f", recovery after a failed call {result.recovery_rate:.3f} (of {result.failed_call_frac:.3f} of samples)")
           + " (± one standard error, clustered by problem)", flush=True)
     if output_json:
         with open(output_json, "w") as f:

@@ -133,6 +133,15 @@ def format_summary(before: dict | None, after: dict | None, *, steps: int, wall_
                                ("truncated", "truncated_frac", False)):
             cells = [_pct(r.get(key), r.get(f"{key}_se") if se else None) for r in (before, after)]
             lines.append(f"{label:28}{cells[0]:>16}{cells[1]:>16}")
+        if any(r.get("tool_calls_per_solved") is not None for r in (before, after)):
+            cells = ["n/a" if r.get("tool_calls_per_solved") is None else f"{r['tool_calls_per_solved']:.2f}"
+                     for r in (before, after)]
+            lines.append(f"{'tool calls per solved':28}{cells[0]:>16}{cells[1]:>16}")
+        if any(r.get("failed_call_frac") for r in (before, after)):
+            lines.append(f"{'samples with a failed call':28}{_pct(before.get('failed_call_frac')):>16}"
+                         f"{_pct(after.get('failed_call_frac')):>16}")
+            lines.append(f"{'  ... that still solved it':28}{_pct(before.get('recovery_rate')):>16}"
+                         f"{_pct(after.get('recovery_rate')):>16}")
         for k in sorted(after.get("pass_at_k", {}), key=int):
             if int(k) > 1:
                 cells = [_pct(r["pass_at_k"].get(k), (r.get("pass_at_k_se") or {}).get(k)) for r in (before, after)]
