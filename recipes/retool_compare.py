@@ -1,6 +1,8 @@
 """Compare algorithm variants of the main command over seeds; prints the tables of docs/results.md.
 
     python recipes/retool_compare.py --seeds 0 1 2 --out outputs/cmp [--variants grpo kl gae]
+    # on the lookup task: arguments after -- go to every run
+    python recipes/retool_compare.py --seeds 0 1 2 --out outputs/cmp_lookup --variants grpo -- --config recipes/retool_lookup.yaml
 
 Each (variant, seed) runs ``accelerate launch recipes/retool_ppo.py --seed S <variant args> --report_to
 none`` on the same embedded default (``--task_seed`` stays 0: one cold start, one task split; the seed
@@ -29,12 +31,21 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def _sem(xs: list[float]) -> float | None:
+    """Standard error of the mean over seeds (None for one seed)."""
+    if len(xs) < 2:
+        return None
+    m = _mean(xs)
+    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default="outputs/compare")
     parser.add_argument("--config_file", default=str(ROOT / "accelerate_configs" / "cpu.yaml"))
+    parser.add_argument("extra", nargs="*", help="Arguments passed on to every run of the recipe (after --).")
     args = parser.parse_args()
     out = Path(args.out)
     runs: dict[str, list[tuple[int, dict, Path]]] = {}
@@ -44,7 +55,7 @@ def main() -> int:
             if not (run_dir / "summary.json").is_file():
                 cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
                        str(ROOT / "recipes" / "retool_ppo.py"), "--seed", str(seed), "--output_dir", str(run_dir),
-                       "--report_to", "none", *VARIANTS[variant]]
+                       "--report_to", "none", *VARIANTS[variant], *args.extra]
                 print("$", " ".join(cmd), flush=True)
                 if subprocess.run(cmd, cwd=ROOT).returncode != 0:
                     print(f"{variant} seed {seed} failed; see its output above.", file=sys.stderr)
@@ -69,12 +80,23 @@ def main() -> int:
                   f"{with_se(b['accuracy_with_tool'], b.get('accuracy_with_tool_se'))} -> "
                   f"{with_se(a['accuracy_with_tool'], a.get('accuracy_with_tool_se'))} | {a['tool_call_rate']:.3f} | "
                   f"{with_se(a['pass_at_k']['4'], a.get('pass_at_k_se', {}).get('4'))} | {min(late):.3f} | {s['wall_s'] / 60:.1f} |")
-    print("\n| variant | mean gain | smallest gain | mean with-tool change | seeds where with-tool accuracy fell |")
+    print("\n| variant | mean gain ± se over seeds | smallest gain | mean with-tool change | seeds where with-tool accuracy fell |")
     print("|---|---|---|---|---|")
     for variant, rows in runs.items():
         gains = [s["after"]["accuracy"] - s["before"]["accuracy"] for _, s, _ in rows]
         tool = [s["after"]["accuracy_with_tool"] - s["before"]["accuracy_with_tool"] for _, s, _ in rows]
-        print(f"| {variant} | {_mean(gains):+.3f} | {min(gains):+.3f} | {_mean(tool):+.3f} | {sum(t < 0 for t in tool)} of {len(tool)} |")
+        print(f"| {variant} | {with_se(_mean(gains), _sem(gains), '+.3f')} | {min(gains):+.3f} | {_mean(tool):+.3f} | "
+              f"{sum(t < 0 for t in tool)} of {len(tool)} |")
+    if any(s["after"].get("recovery_rate") is not None for rows in runs.values() for _, s, _ in rows):
+        print("\n| variant | seed | tool calls per solved before -> after | samples with a failed call before -> after | "
+              "solved after a failed call before -> after |")
+        print("|---|---|---|---|---|")
+        for variant, rows in runs.items():
+            for seed, s, _ in rows:
+                b, a = s["before"], s["after"]
+                cell = lambda key, fmt: " -> ".join("n/a" if r.get(key) is None else f"{r[key]:{fmt}}" for r in (b, a))  # noqa: E731
+                print(f"| {variant} | {seed} | {cell('tool_calls_per_solved', '.2f')} | {cell('failed_call_frac', '.3f')} | "
+                      f"{cell('recovery_rate', '.3f')} |")
 
     import matplotlib
 

@@ -15,13 +15,24 @@ import json
 import random
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "transcript", "cold_start_dataset", "run_cold_start_sft", "copy_accuracy", "receptive_field"]
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "LOOKUP_SYSTEM_PROMPT", "TASKS", "transcript", "lookup_transcript", "full_transcript",
+           "cold_start_dataset", "run_cold_start_sft", "copy_accuracy", "sampled_copy_rate", "receptive_field"]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You solve maths problems. You may run Python with the code_interpreter tool: write one <tool_call> "
     "block and wait for its output. End with one line that gives the final answer as \\boxed{...}."
 )
 """System prompt of the recipe and of the cold-start transcripts."""
+
+LOOKUP_SYSTEM_PROMPT = (
+    "You solve maths problems. Read the number a key holds with the lookup tool and run Python with the "
+    "code_interpreter tool: write one <tool_call> block at a time and wait for its output. End with one line that "
+    "gives the final answer as \\boxed{...}."
+)
+"""System prompt of the lookup task (``recipes/retool_lookup.yaml``) and of its cold-start transcripts."""
+
+TASKS = ("arithmetic", "lookup")
+"""The bundled tasks (``--task``): ``arithmetic`` (:mod:`retool.task`) and ``lookup`` (:mod:`retool.lookup`)."""
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -60,6 +71,66 @@ def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str |
     return ids, mask
 
 
+def _call(tok: Any, name: str, arguments: dict) -> list[int]:
+    return _ids(tok, "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>") + [tok.eos_token_id]
+
+
+def lookup_transcript(chat: Any, problem: dict, *, lookup: bool, recover: bool, compute: bool,
+                      system_prompt: str | None = LOOKUP_SYSTEM_PROMPT) -> tuple[list[int], list[int]]:
+    """Token ids and assistant mask of one lookup problem (:func:`retool.lookup.lookup_problems`), as the rollout
+    would build it, on one of the paths a policy can take:
+
+    - ``lookup``: call ``lookup`` with the question's key (else answer at once, a guess);
+    - a moved key answers with an error naming the new key: ``recover`` looks that one up (else guess);
+    - ``compute``: run ``print(<number> * <number>)`` in the code interpreter and box its output (else box the
+      answer "in the head", a guess a tiny model cannot make).
+
+    Every tool message is what the tool itself prints (:class:`retool.lookup.LookupTool`, ``print``), so the errors
+    the transcripts recover from are the environment's, not scripted mistakes.
+    """
+    from retool.lookup import LookupTool
+
+    tok = chat.tokenizer
+    eos = tok.eos_token_id
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": problem["prompt"]}
+    ]
+    ids = chat.initial_prompt_ids(messages)
+    mask = [0] * len(ids)
+
+    def call(name: str, arguments: dict, output: str) -> None:
+        sampled = _call(tok, name, arguments)
+        glue = chat.tool_turn(sampled, output, tool_name=name, arguments=arguments).ids
+        ids.extend(sampled + glue)
+        mask.extend([1] * len(sampled) + [0] * len(glue))
+
+    answer = problem["answer"]
+    final = f"x * x = \\boxed{{{answer}}}."  # a guess
+    if lookup:
+        table = LookupTool()
+        key = problem["key"]
+        text, ok = table.lookup(key)
+        call("lookup", {"key": key}, text)
+        if not ok and recover:
+            key = problem["moved_to"]
+            text, ok = table.lookup(key)
+            call("lookup", {"key": key}, text)
+        if ok and compute:
+            call("code_interpreter", {"code": f"print({text} * {text})"}, f"{answer}\n")
+            final = f"The answer is \\boxed{{{answer}}}."
+        elif ok:
+            final = f"{text} * {text} = \\boxed{{{answer}}}."
+    out = _ids(tok, final) + [eos]
+    return ids + out, mask + [1] * len(out)
+
+
+def full_transcript(chat: Any, problem: dict, task: str, *, system_prompt: str | None) -> tuple[list[int], list[int]]:
+    """The transcript that uses every tool a problem of ``task`` needs (and recovers from every error)."""
+    if task == "lookup":
+        return lookup_transcript(chat, problem, lookup=True, recover=True, compute=True, system_prompt=system_prompt)
+    return transcript(chat, problem, use_tool=True, system_prompt=system_prompt)
+
+
 def receptive_field(model_config: Any) -> int | None:
     """How many positions back a token's logits can depend on: layers x window for a model whose every
     layer uses sliding-window attention, None (unbounded) otherwise."""
@@ -71,8 +142,14 @@ def receptive_field(model_config: Any) -> int | None:
 
 
 def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: float, seed: int = 0,
-                       system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, left_context: int | None = None):
+                       system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, left_context: int | None = None,
+                       task: str = "arithmetic", recovery_fraction: float = 0.5):
     """A pre-tokenised ``datasets.Dataset`` (``input_ids``, ``assistant_masks``) for TRL's SFTTrainer.
+
+    ``arithmetic``: ``tool_fraction`` of the transcripts call the tool, the others answer in the head. ``lookup``:
+    each transcript looks the key up with probability ``tool_fraction``, then computes with the code interpreter
+    with probability ``tool_fraction``; after a moved key's error it follows the move with probability
+    ``recovery_fraction`` (else it guesses). The other paths box a guess, so RL has choices to learn at every turn.
 
     ``left_context``: keep only this many tokens before the first assistant token. With the model's
     :func:`receptive_field` the loss and its gradient are unchanged (nothing further back reaches a
@@ -84,12 +161,20 @@ def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: fl
     """
     from datasets import Dataset
 
-    if not 0.0 <= tool_fraction <= 1.0:
-        raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}.")
+    for name, value in (("tool_fraction", tool_fraction), ("recovery_fraction", recovery_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}.")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
     rng = random.Random(f"cold-start/{seed}")
     rows = []
     for problem in problems:
-        ids, mask = transcript(chat, problem, use_tool=rng.random() < tool_fraction, system_prompt=system_prompt)
+        if task == "lookup":
+            ids, mask = lookup_transcript(chat, problem, lookup=rng.random() < tool_fraction,
+                                          recover=rng.random() < recovery_fraction, compute=rng.random() < tool_fraction,
+                                          system_prompt=system_prompt)
+        else:
+            ids, mask = transcript(chat, problem, use_tool=rng.random() < tool_fraction, system_prompt=system_prompt)
         if left_context is not None:
             cut = max(mask.index(1) - left_context, 0)
             ids, mask = ids[cut:], mask[cut:]
@@ -122,7 +207,9 @@ def run_cold_start_sft(model: Any, tokenizer: Any, dataset: Any, output_dir: str
         max_length=None,
         disable_tqdm=not show_progress,
         dataloader_num_workers=0,
-        activation_checkpointing=True,  # TRL's default, by its new name (the old one raises a FutureWarning)
+        # Off: recomputing activations saves memory a tiny model does not need and costs a third more time (the
+        # recomputed forward is the same arithmetic: same gradients, same build).
+        activation_checkpointing=False,
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
@@ -130,17 +217,19 @@ def run_cold_start_sft(model: Any, tokenizer: Any, dataset: Any, output_dir: str
 
 
 def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
-                  system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> float:
-    """Teacher-forced share of the digits a tool-using transcript copies that the model gets right.
+                  system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, task: str = "arithmetic") -> float:
+    """Teacher-forced share of the digits a tool-using transcript (:func:`full_transcript`) copies that the model
+    gets right.
 
     The digits are those the assistant writes: the expression in the code (copied from the question)
-    and the boxed answer (copied from the tool's output). A model that cannot copy scores ~0.1.
+    and the boxed answer (copied from the tool's output); for ``lookup`` also the keys and the number looked up.
+    A model that cannot copy scores ~0.1.
     """
     import torch
 
     tok = chat.tokenizer
     digits = {tok.convert_tokens_to_ids(str(d)) for d in range(10)}
-    rows = [transcript(chat, p, use_tool=True, system_prompt=system_prompt) for p in problems]
+    rows = [full_transcript(chat, p, task, system_prompt=system_prompt) for p in problems]
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
@@ -162,9 +251,11 @@ def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
 
 
 def sampled_copy_rate(model: Any, chat: Any, problems: Sequence[dict], *, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-                      seed: int = 0) -> float:
-    """Share of problems whose two copies a sample at temperature 1 gets right, each after the transcript up to it:
-    the expression into the code (from its first digit to its last) and the tool's output into the boxed answer.
+                      seed: int = 0, task: str = "arithmetic") -> float:
+    """Share of problems whose every copy a sample at temperature 1 gets right, each after the transcript up to it:
+    in each assistant turn of :func:`full_transcript`, the span from its first digit to its last (arithmetic: the
+    expression into the code and the tool's output into the boxed answer; lookup also the keys into the calls and
+    the number into the code).
 
     :func:`copy_accuracy` takes the likeliest token at each position, which can be right while the distribution is
     still spread: two builds of the same settings on one machine, one with AVX2 kernels, both scored 1.0 there and
@@ -191,12 +282,22 @@ def sampled_copy_rate(model: Any, chat: Any, problems: Sequence[dict], *, system
     hits = 0
     try:
         for problem in problems:
-            ids, mask = transcript(chat, problem, use_tool=True, system_prompt=system_prompt)
-            copied = [i for i, t in enumerate(ids) if mask[i] and t in digits]
-            turn_break = next(i for i in range(copied[0], len(ids)) if not mask[i])  # the call turn ends
-            code = [i for i in copied if i < turn_break]
-            answer = [i for i in copied if i > turn_break]
-            hits += sampled_right(ids, code[0], code[-1] + 1) and sampled_right(ids, answer[0], answer[-1] + 1)
+            ids, mask = full_transcript(chat, problem, task, system_prompt=system_prompt)
+            hits += all(sampled_right(ids, start, end) for start, end in _turn_digit_spans(ids, mask, digits))
     finally:
         model.train(was_training)
     return hits / max(len(problems), 1)
+
+
+def _turn_digit_spans(ids: Sequence[int], mask: Sequence[int], digits: set[int]) -> list[tuple[int, int]]:
+    """``(first, last + 1)`` of the digits of each assistant turn (a maximal run of ``mask``) that writes any."""
+    spans, turn = [], []
+    for i, m in enumerate([*mask, 0]):
+        if m:
+            turn.append(i)
+            continue
+        written = [j for j in turn if ids[j] in digits]
+        if written:
+            spans.append((written[0], written[-1] + 1))
+        turn = []
+    return spans

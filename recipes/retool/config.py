@@ -41,7 +41,8 @@ class ScriptArguments(ModelConfig):
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout: 0 (TRL's default 0.05 is refused: dropout in the update but not in generation biases every importance ratio)."})
-    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled arithmetic task."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled task named by --task."})
+    task: str = field(default="arithmetic", metadata={"help": "The bundled task (without --dataset_name), and the embedded default built for it: 'arithmetic' (one code call) or 'lookup' (a number behind a key, then arithmetic on it; some keys moved: recipes/retool_lookup.yaml sets it up)."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
     dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation; never the training split. A dataset without it (a single local file always) holds out held_out_fraction of the training split instead."})
@@ -78,6 +79,13 @@ class ScriptArguments(ModelConfig):
         super().__post_init__()
         if not 0 <= self.held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}.")
+        from retool.coldstart import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}.")
+        if self.dataset_name is not None and self.task != "arithmetic":
+            raise ValueError(f"task {self.task!r} names a bundled task, but dataset_name {self.dataset_name!r} replaces the "
+                             f"bundled tasks: drop one of them.")
 
 
 def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:

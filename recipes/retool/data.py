@@ -53,9 +53,10 @@ def load_task_rows(
     test_split: str = "test",
     held_out_fraction: float = 0.1,
     log: Callable[[str], None] | None = None,
+    task: str = "arithmetic",
 ) -> list[dict]:
     """Rows ``{"id", "prompt", "answer"}`` for training (``role="train"``) or the held-out evaluation
-    (``role="test"``): the bundled arithmetic task when ``dataset_name`` is None, else a Hub dataset or a
+    (``role="test"``): the bundled ``task`` (``arithmetic`` or ``lookup``) when ``dataset_name`` is None, else a Hub dataset or a
     local file/directory loaded with ``datasets.load_dataset``. A dotted column name reads a nested field
     (e.g. ``reward_model.ground_truth`` in DAPO-style sets).
 
@@ -76,9 +77,9 @@ def load_task_rows(
     if role not in ("train", "test"):
         raise ValueError(f"role must be 'train' or 'test', got {role!r}.")
     if dataset_name is None:
-        from retool.task import arithmetic_problems
+        from retool.task import bundled_problems
 
-        return arithmetic_problems(size or 1000, seed=seed, split=train_split if role == "train" else test_split)
+        return bundled_problems(task, size or 1000, seed=seed, split=train_split if role == "train" else test_split)
     import datasets
 
     path = Path(dataset_name)
@@ -157,7 +158,8 @@ def task_rows(script_args: Any, role: Literal["train", "test"], *, size: int | N
     a = script_args
     return load_task_rows(a.dataset_name, role, size=size, seed=a.task_seed, dataset_config=a.dataset_config,
                           prompt_column=a.prompt_column, answer_column=a.answer_column, train_split=a.dataset_train_split,
-                          test_split=a.dataset_test_split, held_out_fraction=a.held_out_fraction, log=log)
+                          test_split=a.dataset_test_split, held_out_fraction=a.held_out_fraction, log=log,
+                          task=getattr(a, "task", "arithmetic"))
 
 
 def _field(row: dict, column: str) -> Any:

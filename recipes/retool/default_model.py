@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from retool.coldstart import DEFAULT_SYSTEM_PROMPT
+from retool.coldstart import DEFAULT_SYSTEM_PROMPT, LOOKUP_SYSTEM_PROMPT, TASKS
 from retool.launch import run_in_child
 
-__all__ = ["EmbeddedSettings", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
+__all__ = ["EmbeddedSettings", "TASK_DEFAULTS", "task_schemas", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
            "model_path_or_default", "embedded_settings_for", "embedded_tokenizer", "PROMPT_TO_ANSWER_MIN_TOKENS"]
 
 BUILD_VERSION = 4
@@ -86,6 +86,14 @@ class EmbeddedSettings:
     """The system prompt the tokenizer is trained on (rendered with the tool schema) and the cold-start transcripts
     carry. A run's own ``--system_prompt`` replaces it only when it could reach the model
     (:meth:`sees_system_prompt`); to build for another prompt anyway: ``--embedded '{"system_prompt": ...}'``."""
+    task: str = "arithmetic"
+    """The bundled task the cold start teaches (:data:`~retool.coldstart.TASKS`); the run's ``--task``."""
+    cold_start_recovery_fraction: float = 0.5
+    """``lookup``: share of the transcripts meeting a moved key that follow the move (the others guess)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
 
     @classmethod
     def from_json(cls, text: str, **base) -> "EmbeddedSettings":
@@ -104,10 +112,20 @@ class EmbeddedSettings:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown embedded settings {unknown}; known: {sorted(known)}.")
-        return cls(**{**base, **raw})
+        if "task" in raw and raw["task"] != base.get("task", raw["task"]):
+            raise ValueError(f"embedded settings name task {raw['task']!r} but the run's task is {base['task']!r}: "
+                             f"choose the task with --task (its embedded default follows).")
+        task = raw.get("task", base.get("task", "arithmetic"))
+        if task not in TASK_DEFAULTS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
+        return cls(**{**TASK_DEFAULTS[task], **base, **raw, "task": task})
 
     def key(self) -> str:
-        blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        values = asdict(self)
+        for name, default in _ADDED_FIELDS.items():  # fields added later leave the keys of earlier builds as they were
+            if values[name] == default:
+                del values[name]
+        blob = json.dumps({"build_version": BUILD_VERSION, **values}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def receptive_field(self) -> int | None:
@@ -122,6 +140,30 @@ class EmbeddedSettings:
         the prompt either."""
         reach = self.receptive_field()
         return reach is None or not with_tools or reach > PROMPT_TO_ANSWER_MIN_TOKENS
+
+
+_ADDED_FIELDS = {"task": "arithmetic", "cold_start_recovery_fraction": 0.5}
+"""Fields added after builds were cached, with the value every earlier build had: left out of the key at it."""
+
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "arithmetic": {},
+    # Every copy of the lookup task reaches at most ~35 tokens back: the arithmetic task's window serves it. (A
+    # 160-token window, for a version whose second call copied from ~130 tokens back, did not learn to copy:
+    # docs/experiment_log.md.)
+    "lookup": {"system_prompt": LOOKUP_SYSTEM_PROMPT},
+}
+"""Per bundled task, the :class:`EmbeddedSettings` that differ from the arithmetic task's."""
+
+
+def task_schemas(task: str) -> list[dict]:
+    """The tool schemas a ``task`` run shows the model, in the order of its recipe's ``tools``."""
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    if task == "lookup":
+        from retool.lookup import LookupTool
+
+        return [LookupTool().schema(), CodeInterpreter().schema()]
+    return [CodeInterpreter().schema()]
 
 
 def cache_root() -> Path:
@@ -162,14 +204,20 @@ def embedded_tokenizer(settings: EmbeddedSettings) -> Any:
     the code interpreter's schema as the chat template renders them, so the text every prompt repeats costs few
     tokens (any other text still encodes, byte by byte at worst)."""
     from trl_plugins.tiny import build_tokenizer
-    from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     bootstrap = build_tokenizer(settings.template, vocab_size=settings.vocab_size)
+    question = "What is 1 + 1?" if settings.task == "arithmetic" else 'What is x * x, where x is the number under key "K417"?'
     rendered = bootstrap.apply_chat_template(
-        [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": "What is 1 + 1?"}],
-        tools=[CodeInterpreter().schema()], tokenize=False, add_generation_prompt=True,
+        [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": question}],
+        tools=task_schemas(settings.task), tokenize=False, add_generation_prompt=True,
     )
-    return build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=[rendered])
+    corpus = [rendered]
+    if settings.task == "lookup":  # the calls and errors every transcript repeats
+        corpus += ['<tool_call>\n{"name": "lookup", "arguments": {"key": "K417"}}\n</tool_call>',
+                   '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(182 * 182)"}}\n</tool_call>',
+                   "Error: key K417 was moved to K902; look up K902.", "The answer is \\boxed{33124}.",
+                   "x * x = \\boxed{33124}."]
+    return build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=corpus)
 
 
 def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, show_progress: bool = True) -> Path:
@@ -182,27 +230,27 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     import torch
 
     from retool.coldstart import cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft, sampled_copy_rate
-    from retool.task import arithmetic_problems
+    from retool.task import bundled_problems
     from trl_plugins.rollout import ChatFormat
     from trl_plugins.tiny import build_tiny_model
-    from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     random.seed(settings.seed)
     torch.manual_seed(settings.seed)
-    schema = CodeInterpreter().schema()
+    task = settings.task
     tokenizer = embedded_tokenizer(settings)
-    chat = ChatFormat(tokenizer, [schema])
-    problems = arithmetic_problems(settings.cold_start_problems, seed=settings.seed, split="train")
+    chat = ChatFormat(tokenizer, task_schemas(task))
+    problems = bundled_problems(task, settings.cold_start_problems, seed=settings.seed, split="train")
     model = build_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
                              num_heads=settings.num_heads, num_kv_heads=settings.num_kv_heads, seed=settings.seed,
                              sliding_window=settings.sliding_window)
     dataset = cold_start_dataset(chat, problems, tool_fraction=settings.cold_start_tool_fraction, seed=settings.seed,
-                                 system_prompt=settings.system_prompt, left_context=receptive_field(model.config))
-    print(f"[embedded default] cold-start SFT: {len(dataset)} transcripts "
-          f"({settings.cold_start_tool_fraction:.0%} call the tool), {settings.cold_start_epochs:g} epochs, "
+                                 system_prompt=settings.system_prompt, left_context=receptive_field(model.config),
+                                 task=task, recovery_fraction=settings.cold_start_recovery_fraction)
+    print(f"[embedded default] cold-start SFT ({task}): {len(dataset)} transcripts "
+          f"({settings.cold_start_tool_fraction:.0%} take each tool step), {settings.cold_start_epochs:g} epochs, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     model = run_cold_start_sft(
         model, tokenizer, dataset, str(out / "sft_run"), epochs=settings.cold_start_epochs,
@@ -210,8 +258,8 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
         seed=settings.seed, show_progress=show_progress,
     )
     # Copy check on problems the SFT set does not hold (same split, another seed).
-    check = arithmetic_problems(64, seed=settings.seed + 10_000, split="train")
-    copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt)
+    check = bundled_problems(task, 64, seed=settings.seed + 10_000, split="train")
+    copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt, task=task)
     epochs = settings.cold_start_epochs
     print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f} "
           f"(target {settings.cold_start_copy_target})", flush=True)
@@ -224,15 +272,15 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
             seed=settings.seed + extra, show_progress=show_progress,
         )
         epochs += 1
-        copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt)
+        copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt, task=task)
         print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f}", flush=True)
     if copy < settings.cold_start_copy_target:
         print(f"[embedded default] warning: the cold start copies only {copy:.0%} of digits right after {epochs:g} "
               f"epochs; RL will have little to reinforce. Try another --task_seed or raise "
               f"cold_start_max_extra_epochs in --embedded.", flush=True)
     # What the rollout does: sample. The likeliest-token check above passed builds whose samples copy far less well.
-    sampled = sampled_copy_rate(model, chat, check, system_prompt=settings.system_prompt, seed=settings.seed)
-    print(f"[embedded default] samples at temperature 1 copy both numbers right for {sampled:.0%} of the check "
+    sampled = sampled_copy_rate(model, chat, check, system_prompt=settings.system_prompt, seed=settings.seed, task=task)
+    print(f"[embedded default] samples at temperature 1 copy every number right for {sampled:.0%} of the check "
           f"problems", flush=True)
     if sampled < SAMPLED_COPY_WARNING:
         print(f"[embedded default] warning: below {SAMPLED_COPY_WARNING:.0%}, this build starts weak: its held-out "
@@ -328,8 +376,9 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     build made with ``EmbeddedSettings.system_prompt`` and ``log`` says so: the build would differ only by its
     tokenizer's merges.
     """
-    run_prompt = training_args.system_prompt or DEFAULT_SYSTEM_PROMPT
-    settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed)
+    task = getattr(script_args, "task", "arithmetic")
+    run_prompt = training_args.system_prompt or TASK_DEFAULTS[task].get("system_prompt", DEFAULT_SYSTEM_PROMPT)
+    settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, task=task)
     if run_prompt == settings.system_prompt or "system_prompt" in json.loads(script_args.embedded or "{}"):
         return settings  # the build's own prompt, or one --embedded names
     if not settings.sees_system_prompt(with_tools=bool(training_args.tools)):
@@ -343,7 +392,7 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     reach = f"{settings.receptive_field()} tokens" if settings.receptive_field() else "the whole context"
     log(f"[embedded default] the run's system_prompt can reach this embedded default (its attention sees {reach} "
         f"back): it is built with that prompt, or read from the cache.")
-    return EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, system_prompt=run_prompt)
+    return EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, task=task, system_prompt=run_prompt)
 
 
 def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool = False,

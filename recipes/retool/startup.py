@@ -10,6 +10,10 @@ from typing import Any, Mapping
 __all__ = ["resolve", "check_plugins", "check_chat_template", "distributed_mode", "evaluation_backend", "precision", "format_banner"]
 
 
+TASK_TOOLS = {"lookup": ("lookup", "code_interpreter")}
+"""Tools (by name) a bundled task's problems cannot be solved without."""
+
+
 def resolve(script_args: Any, training_args: Any) -> Any:
     """The run, resolved once before anything is built or loaded (:func:`trl_plugins.run.resolve_run`): TRL's
     ``ModelConfig`` fields honoured or refused, every plugin built with its kwargs and checked, the sampler picked,
@@ -29,6 +33,12 @@ def resolve(script_args: Any, training_args: Any) -> Any:
                           peft_config=peft_config_from(script_args))
     except (LookupError, ValueError, TypeError, RuntimeError) as exc:  # LookupError: the registry's unknown names
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
+    missing = [name for name in TASK_TOOLS.get(getattr(script_args, "task", "arithmetic"), ()) if name not in run.tools]
+    if missing:
+        run.close()
+        raise SystemExit(f"configuration error (before any model loads): task {script_args.task!r} needs the tool(s) "
+                         f"{missing} (the run has {sorted(run.tools)}): its problems cannot be solved without them. "
+                         f"Set --tools as recipes/retool_lookup.yaml does: --config recipes/retool_lookup.yaml.")
     try:
         run.start_tools()
     except (ValueError, TypeError, RuntimeError) as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-__all__ = ["arithmetic_problems", "SPLITS"]
+__all__ = ["arithmetic_problems", "bundled_problems", "SPLITS"]
 
 SPLITS = ("train", "test")
 
@@ -64,3 +64,19 @@ def arithmetic_problems(n: int, *, seed: int = 0, split: str = "train") -> list[
             "expression": expression,
         })
     return rows
+
+
+def bundled_problems(task: str, n: int, *, seed: int = 0, split: str = "train") -> list[dict]:
+    """``n`` problems of a bundled task's split: ``arithmetic`` (:func:`arithmetic_problems`) or ``lookup``
+    (:func:`retool.lookup.lookup_problems`).
+
+    Raises:
+        ValueError: an unknown task (naming the known ones), split or size.
+    """
+    if task == "arithmetic":
+        return arithmetic_problems(n, seed=seed, split=split)
+    if task == "lookup":
+        from retool.lookup import lookup_problems
+
+        return lookup_problems(n, seed=seed, split=split)
+    raise ValueError(f"no bundled task {task!r}; the bundled tasks are 'arithmetic' and 'lookup'.")
