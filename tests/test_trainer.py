@@ -1103,3 +1103,29 @@ def test_dropout_in_the_base_model_is_refused_or_removed_whole(tmp_path):
     record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
     # HF generate on the training model: one update on exactly on-policy data, ratios 1 up to float noise.
     assert abs(record["train/ratio_max"] - 1.0) < 1e-4 and abs(record["train/ratio_min"] - 1.0) < 1e-4
+
+
+@pytest.mark.parametrize("loss,kwargs", [("gspo", {}), ("turn_ppo", {}), ("turn_ppo", {"normalize": True}),
+                                         ])
+def test_span_ratio_losses_train_end_to_end_with_the_contracts_turn_ids(tmp_path, loss, kwargs, monkeypatch):
+    # The turn ids reach the loss through the real path (datum -> micro-batch -> PolicyLossInput), and the loss
+    # sees exactly the datum's turns: spy on what it receives.
+    from trl_plugins.algos import span_losses
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+    real = span_losses.span_ratio_loss
+
+    def spy(logprobs, behaviour, advantages, action_mask, span_ids, **kw):
+        seen.append((action_mask.detach().clone(), span_ids.detach().clone()))
+        return real(logprobs, behaviour, advantages, action_mask, span_ids, **kw)
+
+    monkeypatch.setattr(span_losses, "span_ratio_loss", spy)
+    trainer, records = _train(tmp_path, loss, tok, model, policy_loss=loss, policy_loss_kwargs=kwargs,
+                              rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600})
+    assert trainer.state.global_step == 2 and seen
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+    for mask, spans in seen:
+        assert (spans >= 0).eq(mask.bool()).all() if loss == "turn_ppo" else (spans == 0).all()

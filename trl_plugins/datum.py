@@ -57,6 +57,7 @@ def _to_datum(
     sources: list[TokenSource],
     logprobs: list[float],
     advantage: float,
+    turn_of: list[int],
     *,
     trajectory_index: int,
     group_id: int,
@@ -65,6 +66,7 @@ def _to_datum(
     target_sources = sources[1:]
     mask = [int(s == TokenSource.ACTION) for s in target_sources]
     return Datum(
+        turn_ids=[t if m else -1 for t, m in zip(turn_of[1:], mask)],
         input_ids=full[:-1],
         target_ids=full[1:],
         behaviour_logprobs=[lp if m else PLACEHOLDER_LOGPROB for lp, m in zip(logprobs[1:], mask)],
@@ -117,10 +119,11 @@ def build_datums(
             f"would have no context to be scored from."
         )
 
-    segments: list[tuple[list[int], list[TokenSource], list[float]]] = []
+    segments: list[tuple[list[int], list[TokenSource], list[float], list[int]]] = []
     full: list[int] = []
     sources: list[TokenSource] = []
     logprobs: list[float] = []
+    turn_of: list[int] = []  # per token of full: the turn whose completion it is, -1 for prompt tokens
     for i, turn in enumerate(traj.turns):
         prompt = turn.prompt_ids
         if i > 0 and (len(prompt) < len(full) or prompt[: len(full)] != full):
@@ -136,8 +139,8 @@ def build_datums(
                     f"(e.g. stripped reasoning). Build the next prompt from the sampled tokens, or "
                     f"pass on_prefix_mismatch='split' to train each consistent run separately."
                 )
-            segments.append((full, sources, logprobs))
-            full, sources, logprobs = [], [], []
+            segments.append((full, sources, logprobs, turn_of))
+            full, sources, logprobs, turn_of = [], [], [], []
         new = prompt[len(full):]
         if turn.prompt_sources is not None:
             new_sources = list(turn.prompt_sources)
@@ -150,12 +153,13 @@ def build_datums(
                 f"entries for {len(new)} new prompt tokens."
             )
         full = full + list(new) + list(turn.completion_ids)
+        turn_of = turn_of + [-1] * len(new) + [i] * len(turn.completion_ids)
         sources = sources + new_sources + turn.sources()
         logprobs = logprobs + [math.nan] * len(new) + list(turn.completion_logprobs)
-    segments.append((full, sources, logprobs))
+    segments.append((full, sources, logprobs, turn_of))
 
     datums = []
-    for s, (seg_full, seg_sources, seg_logprobs) in enumerate(segments):
+    for s, (seg_full, seg_sources, seg_logprobs, seg_turns) in enumerate(segments):
         last = s == len(segments) - 1
         bootstrap = int(traj.truncated) if last else 1
         datum = _to_datum(
@@ -163,6 +167,7 @@ def build_datums(
             seg_sources,
             seg_logprobs,
             float(adv),
+            seg_turns,
             trajectory_index=trajectory_index,
             group_id=traj.group_id,
             bootstrap_mask=bootstrap,
@@ -204,6 +209,8 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
     advantages = torch.zeros(shape, dtype=torch.float32)
     action_mask = torch.zeros(shape, dtype=torch.float32)
     optional = {}
+    with_turns = all(d.turn_ids is not None for d in rows)
+    turn_ids = torch.full(shape, -1, dtype=torch.long) if with_turns else None
     for name in ("ref_logprobs", "old_logprobs", "old_values", "returns"):
         present = [getattr(d, name) is not None for d in rows]
         if any(present) and not all(present):
@@ -217,6 +224,8 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         behaviour[r, :n] = torch.tensor(d.behaviour_logprobs, dtype=torch.float32)
         advantages[r, :n] = torch.tensor(d.advantages, dtype=torch.float32)
         action_mask[r, :n] = torch.tensor(d.action_mask, dtype=torch.float32)
+        if turn_ids is not None:
+            turn_ids[r, :n] = torch.tensor(d.turn_ids, dtype=torch.long)
         for name, tensor in optional.items():
             if tensor is not None:
                 tensor[r, :n] = torch.tensor(getattr(d, name), dtype=torch.float32)
@@ -229,6 +238,7 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         action_mask=action_mask,
         datum_indices=list(indices),
         position_ids=torch.cat([torch.arange(d.num_tokens) for d in rows])[None, :] if padding_free else None,
+        turn_ids=turn_ids,
         **optional,
     )
 
@@ -253,5 +263,6 @@ def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False, with_values:
         ref_logprobs=zeros.clone() if with_ref else None,
         old_values=zeros.clone() if with_values else None,
         returns=zeros.clone() if with_values else None,
+        turn_ids=torch.full_like(one, -1),
         weight=0.0,
     )

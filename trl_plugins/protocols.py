@@ -13,9 +13,11 @@ gets its default, never a surprise at step 1000.
 ==========================  ============================================  ==========================================
 seam                        required                                      optional (default)
 ==========================  ============================================  ==========================================
-advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``step_metrics()``,
+advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``needs_turn_ids`` (False),
+                                                                          ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
 policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False),
+                                                                          ``needs_turn_ids`` (False),
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
 rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1), ``close()``
@@ -266,6 +268,8 @@ class AdvantagePlugin(_Adapter):
 
     needs_values: bool = False
     needs_groups: bool = False
+    needs_turn_ids: bool = False
+    """Reads ``AdvantageInput.turn_ids`` (turn-level credit); optional, default False."""
 
     metric_prefix = "advantage/"
 
@@ -285,6 +289,8 @@ class PolicyLossPlugin(_Adapter):
     needs_entropy: bool = False
     supports_is_weights: bool = False
     """Applies ``PolicyLossInput.is_weights`` (the sampler/trainer mismatch correction); optional, default False."""
+    needs_turn_ids: bool = False
+    """Reads ``PolicyLossInput.turn_ids`` (a turn- or sequence-level ratio); optional, default False."""
 
     metric_prefix = "policy_loss/"
 
@@ -373,7 +379,8 @@ def as_advantage(impl: Any, name: str = "") -> AdvantagePlugin:
     label = _label("advantage", name, impl)
     return AdvantagePlugin(name, impl, **_metric_members(impl, label),
                            needs_values=_required_bool(impl, "needs_values", label),
-                           needs_groups=_required_bool(impl, "needs_groups", label))
+                           needs_groups=_required_bool(impl, "needs_groups", label),
+                           needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label))
 
 
 def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
@@ -384,7 +391,8 @@ def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
     return PolicyLossPlugin(name, impl, **_metric_members(impl, label),
                             needs_ref_logprobs=_required_bool(impl, "needs_ref_logprobs", label),
                             needs_entropy=_required_bool(impl, "needs_entropy", label),
-                            supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label))
+                            supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label),
+                            needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label))
 
 
 def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:

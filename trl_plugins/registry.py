@@ -294,7 +294,8 @@ ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rol
 TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter",))
 REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math",))
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
-POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",))
+POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",
+                                                                         "trl_plugins.algos.span_losses"))
 PACKERS: Registry[Any] = Registry("packers", builtin_modules=("trl_plugins.packing",))
 
 ALL_REGISTRIES: dict[str, Registry[Any]] = {

@@ -18,6 +18,7 @@ from trl_plugins.algos.advantages import (
 from trl_plugins.algos.aggregation import aggregate, local_denominators
 from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, kl_gradient_problem, ppo_clip_loss
 from trl_plugins.algos.mismatch import importance_weights
+from trl_plugins.algos.span_losses import GSPOLoss, TurnPPOLoss, span_ratio_loss
 from trl_plugins.algos.stats import importance_ratios, quantiles
 
 __all__ = [
@@ -35,8 +36,10 @@ __all__ = [
     "clipped_value_loss",
     "kl_estimate",
     "kl_gradient_problem",
-    "kl_gradient_problem",
     "ppo_clip_loss",
+    "GSPOLoss",
+    "TurnPPOLoss",
+    "span_ratio_loss",
     "importance_weights",
     "importance_ratios",
     "quantiles",

@@ -11,7 +11,17 @@ from trl_plugins.protocols import as_advantage, as_policy_loss
 from trl_plugins.contracts.fakes import plan_violations
 from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput
 
-__all__ = ["check_advantage_contract", "check_policy_loss_contract", "check_packer_contract"]
+__all__ = ["check_advantage_contract", "check_policy_loss_contract", "check_packer_contract", "turns_of"]
+
+
+def turns_of(mask: Any) -> Any:
+    """``(B, T)`` turn ids of a ``(B, T)`` action mask whose every run of 1s is one turn: 0, 1, ... along each row,
+    -1 off the mask (the layout of ``PolicyLossInput.turn_ids``)."""
+    import torch
+
+    on = mask.bool()
+    starts = on & ~torch.nn.functional.pad(on, (1, 0))[:, :-1]
+    return torch.where(on, starts.long().cumsum(1) - 1, torch.full_like(mask, -1, dtype=torch.long))
 
 
 def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -36,6 +46,7 @@ def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = Non
         bootstrap_mask=torch.tensor([0, 1, 0, 0, 1, 0]),
         bootstrap_values=torch.randn(_N, generator=g),
         token_rewards=torch.zeros(_N, _T),
+        turn_ids=turns_of(mask),
     )
     out = est(inp)
     _check(isinstance(out, AdvantageOutput), label, f"returned {type(out).__name__}, not AdvantageOutput")
@@ -64,6 +75,7 @@ def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = N
         action_mask=mask,
         ref_logprobs=logp.detach() + 0.1,
         entropy=torch.rand(_N, _T, generator=g),
+        turn_ids=turns_of(mask),
     )
     out = loss_fn(inp)
     _check(isinstance(out, PolicyLossOutput), label, f"returned {type(out).__name__}, not PolicyLossOutput")

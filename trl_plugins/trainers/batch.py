@@ -314,6 +314,13 @@ def assign_advantages(
         group_ids=torch.tensor([trajectories[d.trajectory_index].group_id for d in datums], dtype=torch.long),
     )
     mask = _padded([d.action_mask for d in datums], width)
+    if advantage.needs_turn_ids:
+        inp.action_mask = mask
+        inp.turn_ids = torch.full((n, width), -1, dtype=torch.long)
+        for row, d in enumerate(datums):
+            if d.turn_ids is None:
+                raise ValueError(f"{advantage.label} needs turn ids (needs_turn_ids), but datum {row} carries none.")
+            inp.turn_ids[row, : d.num_tokens] = torch.tensor(d.turn_ids, dtype=torch.long)
     if advantage.needs_values:
         inp.action_mask = mask
         inp.values = _padded([d.old_values for d in datums], width)

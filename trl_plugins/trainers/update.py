@@ -312,6 +312,7 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
                 logprobs=logp, behaviour_logprobs=anchor, advantages=mb.advantages.to(device), action_mask=mask,
                 ref_logprobs=ref if loss_fn.needs_ref_logprobs else None, entropy=entropy,
                 is_weights=None if is_w is None else is_w.weights,
+                turn_ids=_turn_ids(mb, device) if loss_fn.needs_turn_ids else None,
             ))
             loss = aggregate(result.per_token_loss, mask, config.aggregation, num_tokens=num_tokens, num_sequences=num_seqs,
                              norm_length=config.norm_length, dp_size=world) * mb.weight
@@ -416,3 +417,15 @@ def policy_update(
         entropy=total["entropy"] / denom if loss_fn.needs_entropy else None,
         mismatch=None if mismatch is None else mismatch.summary(is_mode),
     )
+
+
+def _turn_ids(mb: Any, device: Any) -> torch.Tensor:
+    """The micro-batch's turn ids on ``device`` for a loss that needs them.
+
+    Raises:
+        ValueError: datums built without turn ids (by hand, before they existed).
+    """
+    if mb.turn_ids is None:
+        raise ValueError("the policy loss needs turn ids (needs_turn_ids), but the micro-batch's datums carry none: "
+                         "build them with trl_plugins.datum.build_datums.")
+    return mb.turn_ids.to(device)

@@ -183,6 +183,10 @@ class AdvantageInput:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Sums a tensor over the data-parallel ranks, for batch statistics that must be global (e.g.
     whitening); None in one process. Every rank calls the estimator, so every rank must call it alike."""
+    turn_ids: torch.Tensor | None = None
+    """``(N, T)`` long, aligned with ``action_mask``: the assistant turn of each action position (0, 1, ... within
+    its trajectory), -1 elsewhere (``Datum.turn_ids``). Passed to an estimator that ``needs_turn_ids``, for
+    turn-level credit; None otherwise. Added after the first release: an estimator that ignores it is unchanged."""
 
 
 @dataclass
@@ -216,6 +220,12 @@ class PolicyLossInput:
     """Detached sampler/trainer importance weights ``pi_old / pi_sampler`` (truncated or masked) that
     multiply the policy-gradient term, when the mismatch correction applies (the trainer passes them
     only to a loss that declares ``supports_is_weights``); None otherwise."""
+    turn_ids: torch.Tensor | None = None
+    """``(B, T)`` long: the assistant turn of each action position within its row's trajectory (``Datum.turn_ids``),
+    -1 off the action mask and on padding. Each row is one datum, so ``(row, turn)`` names one span: the positions of
+    one action of the trajectory contract. Rows are never split across micro-batches, so a loss that combines a
+    span's or a row's tokens (a sequence- or turn-level ratio) stays exact under any packing. Passed to a loss that
+    ``needs_turn_ids``; None otherwise. Added after the first release: a loss that ignores it is unchanged."""
 
 
 @dataclass

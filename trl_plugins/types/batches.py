@@ -49,6 +49,9 @@ class MicroBatch:
     """1.0 for real micro-batches, 0.0 for dummies."""
     position_ids: torch.Tensor | None = None
     """Padding-free only: ``(1, N)`` long, each datum's positions ``0..n-1`` one after the other."""
+    turn_ids: torch.Tensor | None = None
+    """``(B, T)`` long: each action position's turn within its row's trajectory (``Datum.turn_ids``), -1 elsewhere
+    and on padding; None when a datum of the micro-batch carries none."""
 
     @property
     def num_padded_tokens(self) -> int:

@@ -337,6 +337,11 @@ class Datum:
     """Critic value of the state before ``target_ids[t]`` at rollout time (actor-critic runs)."""
     returns: list[float] | None = None
     """Value targets at each position, 0 off the action mask (actor-critic runs)."""
+    turn_ids: list[int] | None = None
+    """The assistant turn (index into the trajectory's ``turns``) whose completion holds ``target_ids[t]`` where
+    ``action_mask[t] == 1``; -1 elsewhere. One turn is one action of the trajectory contract: its positions form one
+    span, whose log-prob is the sum over them. Set by :func:`~trl_plugins.datum.build_datums`; None on datums built
+    by hand before it existed (their micro-batches carry no turn ids, and a loss that needs them refuses them)."""
 
     @property
     def num_tokens(self) -> int:
