@@ -1129,3 +1129,13 @@ def test_span_ratio_losses_train_end_to_end_with_the_contracts_turn_ids(tmp_path
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
     for mask, spans in seen:
         assert (spans >= 0).eq(mask.bool()).all() if loss == "turn_ppo" else (spans == 0).all()
+
+
+def test_turn_level_credit_trains_end_to_end(tmp_path):
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer, records = _train(tmp_path, "turn_group", tok, model, advantage="turn_group",
+                              advantage_kwargs={"step_weight": 0.5})
+    assert trainer.state.global_step == 2 and len(records) == 2
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))

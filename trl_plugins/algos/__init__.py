@@ -10,10 +10,12 @@ from trl_plugins.algos.advantages import (
     GAEAdvantage,
     GroupAdvantage,
     RLOOAdvantage,
+    TurnGroupAdvantage,
     gae_advantages,
     group_advantages,
     masked_whiten,
     rloo_advantages,
+    turn_group_advantages,
 )
 from trl_plugins.algos.aggregation import aggregate, local_denominators
 from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, kl_gradient_problem, ppo_clip_loss
@@ -30,6 +32,8 @@ __all__ = [
     "group_advantages",
     "masked_whiten",
     "rloo_advantages",
+    "TurnGroupAdvantage",
+    "turn_group_advantages",
     "aggregate",
     "local_denominators",
     "PPOClipLoss",

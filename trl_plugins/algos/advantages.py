@@ -24,6 +24,8 @@ __all__ = [
     "DrGRPOAdvantage",
     "RLOOAdvantage",
     "GAEAdvantage",
+    "turn_group_advantages",
+    "TurnGroupAdvantage",
 ]
 
 
@@ -251,3 +253,77 @@ class GAEAdvantage:
         if self.whiten:
             adv = masked_whiten(adv, inp.action_mask, all_reduce=inp.all_reduce)
         return AdvantageOutput(advantages=adv, returns=ret)
+
+
+def turn_group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    turn_ids: torch.Tensor,
+    turn_state_ids: torch.Tensor,
+    *,
+    step_weight: float = 1.0,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Turn-level credit with step groups of identical states (GiGPO: Feng et al. 2025, "Group-in-Group Policy
+    Optimization for LLM Agent Training", with gamma = 1 and the outcome reward as every step's return).
+
+    ``A(i, k) = A_episode(i) + step_weight * A_step(i, k)`` on the tokens of turn ``k`` of trajectory ``i``:
+    ``A_episode`` is the group advantage of :func:`group_advantages`; ``A_step`` the same formula over the *step
+    group* of the turn, every turn of the trajectory's group taken from the same state (``turn_state_ids``: equal token
+    prefixes). A step group of one turn, or whose returns are all equal, gets 0: a turn is credited beyond its
+    episode only against other turns made from where it stood. (The first turns of a group share the prompt, so
+    they form one step group with the episode's: ``(1 + step_weight) A_episode``.)
+
+    Returns:
+        ``(N, T)`` advantages, 0 off the action mask (float64 inside, returned in ``rewards.dtype``).
+    """
+    n, width = action_mask.shape
+    episode = group_advantages(rewards, group_ids, scale_by_std=scale_by_std, eps=eps).to(torch.float64)
+    on = action_mask.bool() & (turn_ids >= 0)
+    rows, cols = on.nonzero(as_tuple=True)
+    adv = torch.zeros(n, width, dtype=torch.float64, device=rewards.device)
+    adv[rows, cols] = episode[rows]
+    if rows.numel():
+        # One entry per (row, turn) span: its row and its state; the step group is (group, state).
+        spans, span_of = torch.unique(torch.stack([rows, turn_ids[rows, cols]]), dim=1, return_inverse=True)
+        span_rows = spans[0]
+        first = torch.full((spans.shape[1],), width, dtype=torch.long, device=rows.device).scatter_reduce(
+            0, span_of, cols, reduce="amin")
+        state = turn_state_ids[span_rows, first]
+        step_keys = torch.stack([group_ids.to(torch.long)[span_rows], state])
+        _, step_group = torch.unique(step_keys, dim=1, return_inverse=True)
+        step = group_advantages(rewards.to(torch.float64)[span_rows], step_group, scale_by_std=scale_by_std, eps=eps)
+        adv[rows, cols] += step_weight * step[span_of]
+    return adv.to(rewards.dtype)
+
+
+@ADVANTAGES.register("turn_group")
+@dataclass
+class TurnGroupAdvantage:
+    """Turn-level credit (GiGPO-style): the group advantage plus ``step_weight`` times a step-level one among the
+    group's turns taken from the same state (:func:`turn_group_advantages`)."""
+
+    needs_values: ClassVar[bool] = False
+    needs_groups: ClassVar[bool] = True
+    needs_turn_ids: ClassVar[bool] = True
+    """Capability: reads ``AdvantageInput.turn_ids`` and ``turn_state_ids``."""
+
+    step_weight: float = 1.0
+    """Weight of the step-level advantage (GiGPO's omega)."""
+    scale_by_std: bool = True
+    """Divide by the (episode or step) group's std, as ``group`` does."""
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.step_weight < 0:
+            raise ValueError(f"turn_group: step_weight must be >= 0 (0 is the group advantage), got {self.step_weight}.")
+
+    def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
+        if inp.turn_ids is None or inp.turn_state_ids is None or inp.action_mask is None:
+            raise ValueError("turn_group needs AdvantageInput.action_mask, turn_ids and turn_state_ids (the trainer "
+                             "passes them to an estimator that declares needs_turn_ids).")
+        return AdvantageOutput(advantages=turn_group_advantages(
+            inp.rewards, inp.group_ids, inp.action_mask, inp.turn_ids, inp.turn_state_ids,
+            step_weight=self.step_weight, scale_by_std=self.scale_by_std, eps=self.eps))

@@ -47,6 +47,7 @@ def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = Non
         bootstrap_values=torch.randn(_N, generator=g),
         token_rewards=torch.zeros(_N, _T),
         turn_ids=turns_of(mask),
+        turn_state_ids=torch.where(mask.bool(), turns_of(mask) + 10 * torch.tensor([0, 0, 1, 0, 1, 2])[:, None], -1),
     )
     out = est(inp)
     _check(isinstance(out, AdvantageOutput), label, f"returned {type(out).__name__}, not AdvantageOutput")

@@ -253,6 +253,33 @@ def add_kl_penalty(trajectories: Sequence[Trajectory], datums: Sequence[Datum], 
         traj.reward_components.append(RewardComponent(KL_PENALTY_COMPONENT, -total, beta))
 
 
+def turn_tensors(datums: Sequence[Datum], width: int, *, label: str = "the estimator") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(turn_ids, turn_state_ids)`` of ``datums``, each ``(N, width)`` long and -1 off the action positions: each
+    action position's turn (``Datum.turn_ids``) and an id of the state its turn was taken from, the datum's tokens up
+    to the turn's first sampled token, interned over ``datums`` (equal ids exactly for equal prefixes).
+
+    Raises:
+        ValueError: a datum without turn ids (built by hand), naming ``label``.
+    """
+    n = len(datums)
+    turn_ids = torch.full((n, width), -1, dtype=torch.long)
+    state_ids = torch.full((n, width), -1, dtype=torch.long)
+    states: dict[tuple[int, ...], int] = {}
+    for row, d in enumerate(datums):
+        if d.turn_ids is None:
+            raise ValueError(f"{label} needs turn ids (needs_turn_ids), but datum {row} carries none: build datums with "
+                             f"trl_plugins.datum.build_datums.")
+        turn_ids[row, : d.num_tokens] = torch.tensor(d.turn_ids, dtype=torch.long)
+        first: dict[int, int] = {}
+        for pos, k in enumerate(d.turn_ids):
+            if k >= 0 and k not in first:
+                first[k] = pos
+        for k, pos in first.items():
+            state = states.setdefault(tuple(d.input_ids[: pos + 1]), len(states))  # what the turn's first token saw
+            state_ids[row, : d.num_tokens][turn_ids[row, : d.num_tokens] == k] = state
+    return turn_ids, state_ids
+
+
 def _padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     out = torch.zeros(len(rows), width, dtype=torch.float64)
     for i, row in enumerate(rows):
@@ -316,11 +343,7 @@ def assign_advantages(
     mask = _padded([d.action_mask for d in datums], width)
     if advantage.needs_turn_ids:
         inp.action_mask = mask
-        inp.turn_ids = torch.full((n, width), -1, dtype=torch.long)
-        for row, d in enumerate(datums):
-            if d.turn_ids is None:
-                raise ValueError(f"{advantage.label} needs turn ids (needs_turn_ids), but datum {row} carries none.")
-            inp.turn_ids[row, : d.num_tokens] = torch.tensor(d.turn_ids, dtype=torch.long)
+        inp.turn_ids, inp.turn_state_ids = turn_tensors(datums, width, label=advantage.label)
     if advantage.needs_values:
         inp.action_mask = mask
         inp.values = _padded([d.old_values for d in datums], width)

@@ -187,6 +187,11 @@ class AdvantageInput:
     """``(N, T)`` long, aligned with ``action_mask``: the assistant turn of each action position (0, 1, ... within
     its trajectory), -1 elsewhere (``Datum.turn_ids``). Passed to an estimator that ``needs_turn_ids``, for
     turn-level credit; None otherwise. Added after the first release: an estimator that ignores it is unchanged."""
+    turn_state_ids: torch.Tensor | None = None
+    """``(N, T)`` long, with ``turn_ids``: at each action position, an id of the state its turn was taken from (the
+    datum's tokens before the turn's first sampled token); two turns share an id exactly when those token prefixes
+    are equal (ids are interned over the estimator's batch). -1 elsewhere. For step-level groups of turns taken from
+    the same state (GiGPO's anchor states); None unless the estimator ``needs_turn_ids``."""
 
 
 @dataclass
