@@ -10,7 +10,10 @@ sets RL sampling, data order and the evaluation draws). Variants:
 
 - ``grpo``: the recipe as configured (group advantages, PPO clip);
 - ``kl``: plus a k3 reference KL to the cold-start policy in the loss (``--beta 0.05``);
-- ``gae``: PPO with a critic (``--advantage gae``: the critic, GAE over action tokens, whitened).
+- ``gae``: PPO with a critic (``--advantage gae``: the critic, GAE over action tokens, whitened);
+- ``gspo``: one length-normalised ratio per sequence (``--policy_loss gspo``, with ``seq_mean_token_sum``);
+- ``turn_ppo``: one ratio per assistant turn, its summed log-ratio (``--policy_loss turn_ppo``);
+- ``turn_group``: turn-level credit, step groups of identical states (``--advantage turn_group``).
 
 Runs already finished (a ``summary.json`` in their folder) are not run again. Writes ``<out>/compare.png``.
 """
@@ -24,7 +27,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"grpo": [], "kl": ["--beta", "0.05"], "gae": ["--advantage", "gae"]}
+VARIANTS = {"grpo": [], "kl": ["--beta", "0.05"], "gae": ["--advantage", "gae"],
+            # The paper's mean over sequences (token_mean would divide each sequence's objective by the batch's tokens).
+            "gspo": ["--policy_loss", "gspo", "--aggregation", "seq_mean_token_sum"],
+            "turn_ppo": ["--policy_loss", "turn_ppo"],
+            "turn_group": ["--advantage", "turn_group"]}
 
 
 def _mean(xs: list[float]) -> float:
@@ -42,7 +49,7 @@ def _sem(xs: list[float]) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["grpo", "kl", "gae"], choices=list(VARIANTS))
     parser.add_argument("--out", default="outputs/compare")
     parser.add_argument("--config_file", default=str(ROOT / "accelerate_configs" / "cpu.yaml"))
     parser.add_argument("extra", nargs="*", help="Arguments passed on to every run of the recipe (after --).")
@@ -104,7 +111,7 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    colours = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green")))
+    colours = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
     for variant, per_seed in curves.items():
         for k, metrics in enumerate(per_seed):
             label = variant if k == 0 else None

@@ -89,3 +89,33 @@ def test_readme_ranges_cover_every_recorded_machine():
         for key, value in got.items():
             low, high = ranges[key]
             assert low <= round(value) <= high, f"{name}: {key} {value:.1f} outside the README's {low:g}-{high:g}"
+
+
+# -- the lookup task's claims (README and docs/results.md): the recorded cold start and seeds cover them
+
+LOOKUP = RECORDED / "lookup"
+
+
+def _lookup_claims() -> dict[str, float]:
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"Its cold start scores (\d+)-(\d+)% held-out pass@1 \(pass@8 (\d+)%\)", text)
+    n = re.search(r"RL takes it to (\d+)-(\d+)% \(\+(\d+) to \+(\d+) points on seeds 0-2, (\d+) steps\)", text)
+    assert m and n, "the README states the lookup task's cold start and RL result in the tested form"
+    return dict(zip(("before_lo", "before_hi", "pass8", "after_lo", "after_hi", "gain_lo", "gain_hi", "steps"),
+                    map(float, m.groups() + n.groups())))
+
+
+def test_the_lookup_tasks_readme_numbers_cover_its_recorded_runs():
+    claims = _lookup_claims()
+    seeds = [json.loads(p.read_text()) for p in sorted(LOOKUP.glob("seed*.json"))]
+    assert len(seeds) == 3
+    for run in seeds:
+        before, after = 100 * run["before"]["accuracy"], 100 * run["after"]["accuracy"]
+        assert claims["before_lo"] <= round(before) <= claims["before_hi"]
+        assert claims["after_lo"] <= round(after) <= claims["after_hi"]
+        assert claims["gain_lo"] <= round(after - before) <= claims["gain_hi"]
+        assert run["steps"] == claims["steps"] and run["wall_s"] < 15 * 60  # "+30 points within 15 minutes"
+        assert after - before >= 0.30 * 100
+    cold = json.loads((LOOKUP / "cold_start_8_samples.json").read_text())
+    assert round(100 * cold["pass_at_k"]["8"]) == claims["pass8"]
+    assert 15 <= 100 * cold["accuracy"] <= 40 and cold["pass_at_k"]["8"] >= 2 * cold["accuracy"]  # the gate

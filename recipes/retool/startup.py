@@ -158,7 +158,8 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     lines = ["=" * 72, "ReTool PPO: the run", "-" * 72]
     model = s.model_name_or_path or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
     lines.append(f"model:        {model}" + (f"  [LoRA adapter, r={s.lora_r}]" if s.use_peft else ""))
-    lines.append(f"dataset:      {s.dataset_name or 'the bundled arithmetic task'}"
+    bundled = f"the bundled {getattr(s, 'task', 'arithmetic')} task"
+    lines.append(f"dataset:      {s.dataset_name or bundled}"
                  f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
     if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
