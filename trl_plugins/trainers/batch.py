@@ -341,7 +341,7 @@ def assign_advantages(
         group_ids=torch.tensor([trajectories[d.trajectory_index].group_id for d in datums], dtype=torch.long),
     )
     mask = _padded([d.action_mask for d in datums], width)
-    if advantage.needs_turn_ids:
+    if getattr(advantage, "needs_turn_ids", False):
         inp.action_mask = mask
         inp.turn_ids, inp.turn_state_ids = turn_tensors(datums, width, label=advantage.label)
     if advantage.needs_values:

@@ -76,6 +76,8 @@ def _datum_to_dict(d: Datum) -> dict:
         value = getattr(d, name)
         if value is not None:
             out[name] = _floats(value)
+    if d.turn_ids is not None:
+        out["turn_ids"] = [int(k) for k in d.turn_ids]
     return out
 
 
