@@ -1123,9 +1123,9 @@ def test_span_ratio_losses_train_end_to_end_with_the_contracts_turn_ids(tmp_path
         return real(logprobs, behaviour, advantages, action_mask, span_ids, **kw)
 
     monkeypatch.setattr(span_losses, "span_ratio_loss", spy)
-    trainer, records = _train(tmp_path, loss, tok, model, policy_loss=loss, policy_loss_kwargs=kwargs,
+    trainer, records = _train(tmp_path, loss, tok, model, policy_loss=loss, policy_loss_kwargs=kwargs, max_steps=1,
                               rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600})
-    assert trainer.state.global_step == 2 and seen
+    assert trainer.state.global_step == 1 and seen
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
     for mask, spans in seen:
         assert (spans >= 0).eq(mask.bool()).all() if loss == "turn_ppo" else (spans == 0).all()
@@ -1136,6 +1136,6 @@ def test_turn_level_credit_trains_end_to_end(tmp_path):
     model = build_tiny_model(tok)
     before = [p.detach().clone() for p in model.parameters()]
     trainer, records = _train(tmp_path, "turn_group", tok, model, advantage="turn_group",
-                              advantage_kwargs={"step_weight": 0.5})
-    assert trainer.state.global_step == 2 and len(records) == 2
+                              advantage_kwargs={"step_weight": 0.5}, max_steps=1)
+    assert trainer.state.global_step == 1 and len(records) == 1
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
