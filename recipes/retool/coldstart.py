@@ -51,28 +51,36 @@ def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str |
     """
     tok = chat.tokenizer
     eos = tok.eos_token_id
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": problem["prompt"]}
-    ]
-    ids = chat.initial_prompt_ids(messages)
-    mask = [0] * len(ids)
+    ids, mask = _first_prompt(chat, problem, system_prompt)
     if use_tool:
         final = _ids(tok, f"The answer is \\boxed{{{problem['answer']}}}.") + [eos]
     else:  # "in the head": restate the expression, then the answer (a tiny model can only guess it)
         final = _ids(tok, f"{problem['expression']} = \\boxed{{{problem['answer']}}}.") + [eos]
     if use_tool:
-        call = {"name": tool_name, "arguments": {"code": f"print({problem['expression']})"}}
-        first = _ids(tok, "<tool_call>\n" + json.dumps(call) + "\n</tool_call>") + [eos]
-        glue = chat.tool_turn(first, f"{problem['answer']}\n", tool_name=tool_name, arguments=call["arguments"]).ids
-        ids += first + glue
-        mask += [1] * len(first) + [0] * len(glue)
+        _tool_step(chat, ids, mask, tool_name, {"code": f"print({problem['expression']})"}, f"{problem['answer']}\n")
     ids += final
     mask += [1] * len(final)
     return ids, mask
 
 
-def _call(tok: Any, name: str, arguments: dict) -> list[int]:
-    return _ids(tok, "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>") + [tok.eos_token_id]
+def _first_prompt(chat: Any, problem: dict, system_prompt: str | None) -> tuple[list[int], list[int]]:
+    """The rendered first prompt (system prompt, if any, and the question) and its all-zero assistant mask."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": problem["prompt"]}
+    ]
+    ids = chat.initial_prompt_ids(messages)
+    return ids, [0] * len(ids)
+
+
+def _tool_step(chat: Any, ids: list[int], mask: list[int], name: str, arguments: dict, output: str) -> None:
+    """Append one sampled tool-call turn (mask 1, its end-of-turn included) and the glue and tool message the rollout
+    adds after it (mask 0) to ``ids`` / ``mask``."""
+    tok = chat.tokenizer
+    sampled = _ids(tok, "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>")
+    sampled.append(tok.eos_token_id)
+    glue = chat.tool_turn(sampled, output, tool_name=name, arguments=arguments).ids
+    ids.extend(sampled + glue)
+    mask.extend([1] * len(sampled) + [0] * len(glue))
 
 
 def lookup_transcript(chat: Any, problem: dict, *, lookup: bool, recover: bool, compute: bool,
@@ -91,36 +99,24 @@ def lookup_transcript(chat: Any, problem: dict, *, lookup: bool, recover: bool, 
     from retool.lookup import LookupTool
 
     tok = chat.tokenizer
-    eos = tok.eos_token_id
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": problem["prompt"]}
-    ]
-    ids = chat.initial_prompt_ids(messages)
-    mask = [0] * len(ids)
-
-    def call(name: str, arguments: dict, output: str) -> None:
-        sampled = _call(tok, name, arguments)
-        glue = chat.tool_turn(sampled, output, tool_name=name, arguments=arguments).ids
-        ids.extend(sampled + glue)
-        mask.extend([1] * len(sampled) + [0] * len(glue))
-
+    ids, mask = _first_prompt(chat, problem, system_prompt)
     answer = problem["answer"]
     final = f"x * x = \\boxed{{{answer}}}."  # a guess
     if lookup:
         table = LookupTool()
         key = problem["key"]
         text, ok = table.lookup(key)
-        call("lookup", {"key": key}, text)
+        _tool_step(chat, ids, mask, "lookup", {"key": key}, text)
         if not ok and recover:
             key = problem["moved_to"]
             text, ok = table.lookup(key)
-            call("lookup", {"key": key}, text)
+            _tool_step(chat, ids, mask, "lookup", {"key": key}, text)
         if ok and compute:
-            call("code_interpreter", {"code": f"print({text} * {text})"}, f"{answer}\n")
+            _tool_step(chat, ids, mask, "code_interpreter", {"code": f"print({text} * {text})"}, f"{answer}\n")
             final = f"The answer is \\boxed{{{answer}}}."
         elif ok:
             final = f"{text} * {text} = \\boxed{{{answer}}}."
-    out = _ids(tok, final) + [eos]
+    out = _ids(tok, final) + [tok.eos_token_id]
     return ids + out, mask + [1] * len(out)
 
 
