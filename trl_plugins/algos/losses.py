@@ -20,7 +20,7 @@ from trl_plugins.types import (
     ValueLossOutput,
 )
 
-__all__ = ["ppo_clip_loss", "clipped_value_loss", "kl_estimate", "kl_gradient_problem", "PPOClipLoss"]
+__all__ = ["ppo_clip_loss", "clip_stats", "clipped_value_loss", "kl_estimate", "kl_gradient_problem", "PPOClipLoss"]
 
 
 def kl_estimate(
@@ -129,10 +129,24 @@ def ppo_clip_loss(
         dual = (advantages < 0) & (loss > cap)
         loss = torch.where(dual, cap, loss)
     loss = torch.where(on, loss, torch.zeros_like(loss))
+    stats = clip_stats(ratio, log_ratio, advantages, mask, clip_low=clip_low, clip_high=clip_high, dual=dual,
+                       log_ratio_clamp=log_ratio_clamp)
+    return PolicyLossOutput(per_token_loss=loss, stats=stats)
+
+
+def clip_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+               clip_low: float, clip_high: float, dual: torch.Tensor | None = None,
+               log_ratio_clamp: float = 20.0) -> PolicyLossStats:
+    """The detached :class:`PolicyLossStats` of a clipped surrogate over the tokens of ``mask``: ``ratio`` is the ratio
+    each token was clipped with (its own, or its span's), ``log_ratio`` the token's own log-ratio (for the k3 estimate
+    of KL(behaviour || current) and the log-prob gap), ``advantages`` the advantage whose sign says which bound cuts
+    the gradient, ``dual`` where a dual clip bound the loss."""
     with torch.no_grad():
+        on = mask.bool()
         r = ratio.detach()
         lr = log_ratio.detach()
-        stats = PolicyLossStats(
+        dual = torch.zeros_like(on) if dual is None else dual
+        return PolicyLossStats(
             num_tokens=mask.sum(),
             clipped_low=((r < 1.0 - clip_low) & (advantages < 0) & on).sum().to(mask.dtype),
             clipped_high=((r > 1.0 + clip_high) & (advantages > 0) & on).sum().to(mask.dtype),
@@ -144,7 +158,6 @@ def ppo_clip_loss(
             ratio_min=torch.where(on, r, torch.full_like(r, float("inf"))).min(),
             ratio_max=torch.where(on, r, torch.full_like(r, float("-inf"))).max(),
         )
-    return PolicyLossOutput(per_token_loss=loss, stats=stats)
 
 
 def clipped_value_loss(

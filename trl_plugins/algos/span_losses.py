@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_plugins.algos.losses import clip_stats
 from trl_plugins.registry import POLICY_LOSSES
-from trl_plugins.types import PolicyLossInput, PolicyLossOutput, PolicyLossStats
+from trl_plugins.types import PolicyLossInput, PolicyLossOutput
 
 __all__ = ["span_ratio_loss", "GSPOLoss", "TurnPPOLoss"]
 
@@ -94,22 +95,10 @@ def span_ratio_loss(
     unclipped = -advantages * token_ratio
     clipped = -advantages * token_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.where(on, torch.maximum(unclipped, clipped) / token_length, torch.zeros_like(logprobs))
-    with torch.no_grad():
-        r = token_ratio.detach()
-        token_lr = delta.detach()
-        mean_adv = (span_adv / safe_length)[key].reshape(span_ids.shape)
-        k3 = torch.expm1(token_lr.clamp(max=log_ratio_clamp)) - token_lr
-        stats = PolicyLossStats(
-            num_tokens=mask.sum(),
-            clipped_low=((r < 1.0 - clip_low) & (mean_adv < 0) & on).sum().to(mask.dtype),
-            clipped_high=((r > 1.0 + clip_high) & (mean_adv > 0) & on).sum().to(mask.dtype),
-            dual_clipped=torch.zeros((), dtype=mask.dtype, device=mask.device),
-            approx_kl_sum=(k3 * mask).sum(),
-            abs_log_ratio_sum=(token_lr.abs() * mask).sum(),
-            ratio_sum=(r * mask).sum(),
-            ratio_min=torch.where(on, r, torch.full_like(r, float("inf"))).min(),
-            ratio_max=torch.where(on, r, torch.full_like(r, float("-inf"))).max(),
-        )
+    # Which bound cuts a span's gradient follows the sign of its mean advantage (its own for outcome advantages).
+    mean_adv = (span_adv / safe_length)[key].reshape(span_ids.shape).detach()
+    stats = clip_stats(token_ratio, delta, mean_adv, mask, clip_low=clip_low, clip_high=clip_high,
+                       log_ratio_clamp=log_ratio_clamp)
     return PolicyLossOutput(per_token_loss=loss, stats=stats)
 
 
