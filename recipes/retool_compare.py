@@ -38,14 +38,6 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def _sem(xs: list[float]) -> float | None:
-    """Standard error of the mean over seeds (None for one seed)."""
-    if len(xs) < 2:
-        return None
-    m = _mean(xs)
-    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -70,6 +62,7 @@ def main() -> int:
             runs.setdefault(variant, []).append((seed, json.loads((run_dir / "summary.json").read_text()), run_dir))
 
     from retool.report import accuracy_gain, read_metrics, train_accuracy, with_se
+    from trl_plugins.evaluation import clustered_se  # with one "cluster" per seed: the standard error of the mean
 
     print("\n| variant | seed | held-out accuracy before -> after | gain | with-tool accuracy before -> after | "
           "tool-call rate after | pass@4 after | lowest train-batch accuracy, steps 10-40 | wall (min) |")
@@ -92,7 +85,7 @@ def main() -> int:
     for variant, rows in runs.items():
         gains = [s["after"]["accuracy"] - s["before"]["accuracy"] for _, s, _ in rows]
         tool = [s["after"]["accuracy_with_tool"] - s["before"]["accuracy_with_tool"] for _, s, _ in rows]
-        print(f"| {variant} | {with_se(_mean(gains), _sem(gains), '+.3f')} | {min(gains):+.3f} | {_mean(tool):+.3f} | "
+        print(f"| {variant} | {with_se(_mean(gains), clustered_se(gains, [1] * len(gains)), '+.3f')} | {min(gains):+.3f} | {_mean(tool):+.3f} | "
               f"{sum(t < 0 for t in tool)} of {len(tool)} |")
     if any(s["after"].get("recovery_rate") is not None for rows in runs.values() for _, s, _ in rows):
         print("\n| variant | seed | tool calls per solved before -> after | samples with a failed call before -> after | "

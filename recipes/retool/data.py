@@ -159,7 +159,7 @@ def task_rows(script_args: Any, role: Literal["train", "test"], *, size: int | N
     return load_task_rows(a.dataset_name, role, size=size, seed=a.task_seed, dataset_config=a.dataset_config,
                           prompt_column=a.prompt_column, answer_column=a.answer_column, train_split=a.dataset_train_split,
                           test_split=a.dataset_test_split, held_out_fraction=a.held_out_fraction, log=log,
-                          task=getattr(a, "task", "arithmetic"))
+                          task=a.task)
 
 
 def _field(row: dict, column: str) -> Any:

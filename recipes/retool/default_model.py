@@ -115,10 +115,8 @@ class EmbeddedSettings:
         if "task" in raw and raw["task"] != base.get("task", raw["task"]):
             raise ValueError(f"embedded settings name task {raw['task']!r} but the run's task is {base['task']!r}: "
                              f"choose the task with --task (its embedded default follows).")
-        task = raw.get("task", base.get("task", "arithmetic"))
-        if task not in TASK_DEFAULTS:
-            raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
-        return cls(**{**TASK_DEFAULTS[task], **base, **raw, "task": task})
+        task = raw.get("task", base.get("task", "arithmetic"))  # an unknown one is refused by __post_init__
+        return cls(**{**TASK_DEFAULTS.get(task, {}), **base, **raw, "task": task})
 
     def key(self) -> str:
         values = asdict(self)
@@ -376,7 +374,7 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     build made with ``EmbeddedSettings.system_prompt`` and ``log`` says so: the build would differ only by its
     tokenizer's merges.
     """
-    task = getattr(script_args, "task", "arithmetic")
+    task = script_args.task
     run_prompt = training_args.system_prompt or TASK_DEFAULTS[task].get("system_prompt", DEFAULT_SYSTEM_PROMPT)
     settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, task=task)
     if run_prompt == settings.system_prompt or "system_prompt" in json.loads(script_args.embedded or "{}"):

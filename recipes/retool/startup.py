@@ -33,7 +33,7 @@ def resolve(script_args: Any, training_args: Any) -> Any:
                           peft_config=peft_config_from(script_args))
     except (LookupError, ValueError, TypeError, RuntimeError) as exc:  # LookupError: the registry's unknown names
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
-    missing = [name for name in TASK_TOOLS.get(getattr(script_args, "task", "arithmetic"), ()) if name not in run.tools]
+    missing = [name for name in TASK_TOOLS.get(script_args.task, ()) if name not in run.tools]
     if missing:
         run.close()
         raise SystemExit(f"configuration error (before any model loads): task {script_args.task!r} needs the tool(s) "
@@ -158,8 +158,7 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     lines = ["=" * 72, "ReTool PPO: the run", "-" * 72]
     model = s.model_name_or_path or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
     lines.append(f"model:        {model}" + (f"  [LoRA adapter, r={s.lora_r}]" if s.use_peft else ""))
-    bundled = f"the bundled {getattr(s, 'task', 'arithmetic')} task"
-    lines.append(f"dataset:      {s.dataset_name or bundled}"
+    lines.append(f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
                  f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
     if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
