@@ -190,3 +190,27 @@ def test_every_number_a_solution_writes_is_within_the_models_attention_window(lo
         for start, end in runs:
             run, seen = ids[start:end], ids[max(start - window, 0):start]
             assert any(seen[k:k + len(run)] == run for k in range(len(seen))), (problem, start)
+
+
+def test_the_cold_starts_recovery_and_tool_fractions_decide_its_paths(lookup_chat):
+    # cold_start_recovery_fraction and cold_start_tool_fraction reach the lookup transcripts: 0 and 1 give none and
+    # all of the recoveries (a second lookup call after a moved key) and of the lookups.
+    from retool.coldstart import cold_start_dataset
+
+    chat, settings = lookup_chat
+    problems = [p for p in lookup_problems(60, seed=2) if p["moved_to"]]
+    lookup_id = chat.tokenizer.encode("lookup", add_special_tokens=False)
+
+    def lookups(ids: list[int]) -> int:
+        return sum(ids[i:i + len(lookup_id)] == lookup_id for i in range(len(ids)))
+
+    def counts(**kw) -> list[int]:
+        data = cold_start_dataset(chat, problems, task="lookup", system_prompt=settings.system_prompt, **kw)
+        first = [m.index(1) for m in data["assistant_masks"]]
+        return [lookups(list(ids)[start:]) for ids, start in zip(data["input_ids"], first)]
+
+    assert set(counts(tool_fraction=1.0, recovery_fraction=1.0)) == {2}
+    assert set(counts(tool_fraction=1.0, recovery_fraction=0.0)) == {1}
+    assert set(counts(tool_fraction=0.0, recovery_fraction=1.0)) == {0}
+    with pytest.raises(ValueError, match="recovery_fraction must be in"):
+        cold_start_dataset(chat, problems, task="lookup", tool_fraction=0.5, recovery_fraction=1.5)
