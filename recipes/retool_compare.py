@@ -13,7 +13,8 @@ sets RL sampling, data order and the evaluation draws). Variants:
 - ``gae``: PPO with a critic (``--advantage gae``: the critic, GAE over action tokens, whitened);
 - ``gspo``: one length-normalised ratio per sequence (``--policy_loss gspo``, with ``seq_mean_token_sum``);
 - ``turn_ppo``: one ratio per assistant turn, its summed log-ratio (``--policy_loss turn_ppo``);
-- ``turn_group``: turn-level credit, step groups of identical states (``--advantage turn_group``).
+- ``turn_group``: turn-level credit, step groups of identical states (``--advantage turn_group``);
+- ``dapo``: GRPO with DAPO's dynamic sampling on the ``correct`` component (``--dynamic_sampling true``).
 
 Runs already finished (a ``summary.json`` in their folder) are not run again. Writes ``<out>/compare.png``.
 """
@@ -31,7 +32,9 @@ VARIANTS = {"grpo": [], "kl": ["--beta", "0.05"], "gae": ["--advantage", "gae"],
             # The paper's mean over sequences (token_mean would divide each sequence's objective by the batch's tokens).
             "gspo": ["--policy_loss", "gspo", "--aggregation", "seq_mean_token_sum"],
             "turn_ppo": ["--policy_loss", "turn_ppo"],
-            "turn_group": ["--advantage", "turn_group"]}
+            "turn_group": ["--advantage", "turn_group"],
+            # DAPO compares accuracy: groups all right or all wrong are dropped, whatever their format rewards.
+            "dapo": ["--dynamic_sampling", "true", "--dynamic_sampling_metric", "correct"]}
 
 
 def _mean(xs: list[float]) -> float:
@@ -97,6 +100,19 @@ def main() -> int:
                 cell = lambda key, fmt: " -> ".join("n/a" if r.get(key) is None else f"{r[key]:{fmt}}" for r in (b, a))  # noqa: E731
                 print(f"| {variant} | {seed} | {cell('tool_calls_per_solved', '.2f')} | {cell('failed_call_frac', '.3f')} | "
                       f"{cell('recovery_rate', '.3f')} |")
+    sampled = {v: [(seed, read_metrics(d / "metrics.jsonl")) for seed, _, d in rows] for v, rows in runs.items()}
+    sampled = {v: rows for v, rows in sampled.items() if any("dynamic_sampling/draw_factor" in r for _, m in rows for r in m)}
+    if sampled:
+        print("\n| variant | seed | groups rolled out per step's groups (mean, max) | steps short of groups | "
+              "informative share of groups drawn, first 5 steps -> last 5 |")
+        print("|---|---|---|---|---|")
+        for variant, rows in sampled.items():
+            for seed, metrics in rows:
+                factors = [r["dynamic_sampling/draw_factor"] for r in metrics]
+                share = [r["dynamic_sampling/informative_frac"] for r in metrics]
+                print(f"| {variant} | {seed} | {_mean(factors):.2f}, {max(factors):.2f} | "
+                      f"{sum(r['dynamic_sampling/short_groups'] > 0 for r in metrics)} of {len(metrics)} | "
+                      f"{_mean(share[:5]):.2f} -> {_mean(share[-5:]):.2f} |")
 
     import matplotlib
 
@@ -104,7 +120,7 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    colours = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
+    colours = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink")))
     for variant, per_seed in curves.items():
         for k, metrics in enumerate(per_seed):
             label = variant if k == 0 else None

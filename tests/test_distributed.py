@@ -114,7 +114,8 @@ STEP = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed")
 step would hide a wrongly scaled gradient): one step on 2 ranks x 2 questions equals one on 1 rank x 4."""
 STEP_EXTRA = {"grpo": (), "reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2"),
               "critic-gae-2-steps": ("--gae", "--max_steps", "2"),
-              "padding-free-critic-gae-2-steps": ("--padding_free", "--gae", "--max_steps", "2")}
+              "padding-free-critic-gae-2-steps": ("--padding_free", "--gae", "--max_steps", "2"),
+              "dynamic-sampling": ("--dynamic_sampling", "3")}
 LORA_EXTRA = {"lora": (), "lora-reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2")}
 RESUME_EXTRA = {"grpo": (), "critic": ("--gae",)}
 
@@ -245,13 +246,13 @@ def test_zero3_resume_reproduces_the_next_step(trainer_runs, kind):
 def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
     # One trainer step on 2 ranks x 2 questions must equal one step on 1 rank x 4 questions (STEP). With beta, two
     # steps (the KL to TRL's reference, sharded under ZeRO-3, has no gradient at step 1, where the policy is the
-    # reference).
+    # reference). With dynamic sampling, the groups kept and the refill rounds' rows do not depend on the ranks.
     import torch
 
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
     extra = STEP_EXTRA[kind]
-    params = {}
+    params, drawn = {}, {}
     for config in ("cpu.yaml", "cpu_ddp.yaml", "cpu_zero3.yaml"):
         report = trainer_runs(config, f"step-{kind}")
         assert report["steps"][0]["train/update_skipped"] == 0.0
@@ -261,7 +262,12 @@ def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
             assert report["global_step"] == 2 and "critic/value_loss" in report["steps"][-1]
         if "--padding_free" in extra:  # the policy's and the critic's forwards processed exactly the real tokens
             assert all(s["train/forward_tokens"] == s["train/input_tokens"] for s in report["steps"])
+        if "--dynamic_sampling" in extra:  # equal-reward groups dropped, refill rounds split over the ranks
+            drawn[config] = {k: v for k, v in report["steps"][0].items() if k.startswith("dynamic_sampling/")}
+            assert drawn[config]["dynamic_sampling/rounds"] >= 2 and drawn[config]["dynamic_sampling/short_groups"] == 0
         params[config] = torch.load(trainer_runs.folder(config) / f"step-{kind}.pt")
+    if drawn:  # the same groups drawn and kept however many ranks
+        assert drawn["cpu_ddp.yaml"] == drawn["cpu_zero3.yaml"] == drawn["cpu.yaml"]
     initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
     reference = params["cpu.yaml"]
     update = sum(float((reference[k] - initial[k]).pow(2).sum()) for k in reference if k in initial) ** 0.5

@@ -1,5 +1,5 @@
 """PPO-family maths: advantages, policy/value losses, KL estimators, aggregation, sampler/trainer
-importance weights. Pure functions.
+importance weights, dynamic sampling's choice of groups. Pure functions.
 
 This package imports only torch, numpy, the standard library and ``trl_plugins.types`` /
 ``trl_plugins.registry`` (a test enforces it).
@@ -18,6 +18,7 @@ from trl_plugins.algos.advantages import (
     turn_group_advantages,
 )
 from trl_plugins.algos.aggregation import aggregate, local_denominators
+from trl_plugins.algos.dynamic_sampling import choose_groups, draw_rows, informative_groups, rank_share, refill_size
 from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, kl_gradient_problem, ppo_clip_loss
 from trl_plugins.algos.mismatch import importance_weights
 from trl_plugins.algos.span_losses import GSPOLoss, TurnPPOLoss, span_ratio_loss
@@ -36,6 +37,11 @@ __all__ = [
     "turn_group_advantages",
     "aggregate",
     "local_denominators",
+    "choose_groups",
+    "draw_rows",
+    "informative_groups",
+    "rank_share",
+    "refill_size",
     "PPOClipLoss",
     "clipped_value_loss",
     "kl_estimate",

@@ -12,7 +12,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from trl_plugins.algos.losses import kl_gradient_problem
-from trl_plugins.run.plugins import SettingError, plugin_params
+from trl_plugins.run.plugins import SettingError, nearest, plugin_params
 from trl_plugins.run.trl_fields import apply_trl_fields, is_set
 from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
 
@@ -67,6 +67,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
     reward_time_limit_s: float | None = field(default=30.0, metadata={"help": "Time limit of one reward component on one trajectory; past it the trajectory is a verifier_error (None: no limit)."})
     max_verifier_error_rate: float = field(default=0.5, metadata={"help": "Stop the run when more than this share of a step's trajectories (all ranks) fail a reward component: a broken verifier must not train silently."})
     min_valid_group_fraction: float = field(default=0.5, metadata={"help": "A group in which fewer than this share of members survived the infrastructure (no environment_error / verifier_error) is left out whole."})
+    dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: a group whose members trained on all got the same dynamic_sampling_metric (all right, all wrong) is dropped, and fresh groups (rows drawn at random from the training set) are rolled out until the step holds its number of groups, or dynamic_sampling_max_groups is reached (the step then trains on the groups it kept). The choice is global over the ranks. docs/training.md."})
+    dynamic_sampling_metric: str = field(default="reward", metadata={"help": "What dynamic sampling compares within a group: 'reward' (the weighted total) or the name of one reward component (e.g. 'correct', DAPO's accuracy)."})
+    dynamic_sampling_max_groups: float = field(default=3.0, metadata={"help": "The most groups dynamic sampling rolls out in a step, as a multiple of the step's groups (the first round included; >= 1)."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
     kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
     mismatch_correction_scope: str = field(default="foreign", metadata={"help": "Which rollout batches get the sampler/trainer mismatch correction (TRL's vllm_importance_sampling_correction, on by default): 'foreign' - batches with trajectories whose log-probs are not the trainer's own (logprob_source other than temperature_scaled, e.g. vLLM's processed); 'all' - every batch, HF generate included (old log-probs from a trainer forward). docs/training.md."})
@@ -143,6 +146,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"max_verifier_error_rate and min_valid_group_fraction are shares in [0, 1]; got "
                 f"{self.max_verifier_error_rate}, {self.min_valid_group_fraction}."
             )
+        self._check_dynamic_sampling()
         if self.reward_time_limit_s is not None and self.reward_time_limit_s <= 0:
             raise ValueError(f"reward_time_limit_s must be > 0 or None, got {self.reward_time_limit_s}.")
         if self.critic_warmup_steps < 0 or self.vf_clip <= 0 or self.vf_coef <= 0:
@@ -250,6 +254,23 @@ class MultiTurnGRPOConfig(GRPOConfig):
                     f"disagree; set one of them."
                 )
             kwargs["entropy_coef"] = self.entropy_coef
+
+    def _check_dynamic_sampling(self) -> None:
+        names = ("dynamic_sampling_metric", "dynamic_sampling_max_groups")
+        given = [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != self.__dataclass_fields__[n].default]
+        if not self.dynamic_sampling:
+            if given:
+                raise ValueError(f"{', '.join(given)} configure dynamic sampling, which is off: set dynamic_sampling=True, "
+                                 f"or drop them.")
+            return
+        metrics = ["reward", *self.reward_components]
+        if self.dynamic_sampling_metric not in metrics:
+            raise SettingError("dynamic_sampling_metric", f"{self.dynamic_sampling_metric!r} is neither 'reward' nor a "
+                                                          f"reward component of the run; use one of {metrics}."
+                                                          f"{nearest(self.dynamic_sampling_metric, metrics)}")
+        if not self.dynamic_sampling_max_groups >= 1:
+            raise ValueError(f"dynamic_sampling_max_groups={self.dynamic_sampling_max_groups}: the cap counts the step's "
+                             f"first round too, so it must be >= 1 (1: no refill, only the drop).")
 
     def _check_continuous_batching(self) -> None:
         # TRL's __post_init__ has already turned the deprecated use_transformers_paged into the new switch.

@@ -3,7 +3,8 @@
 The trainer receives a resolved :class:`~trl_plugins.run.Run` (or resolves one from its config): the plugins, the
 sampler and the chat format are built once, before TRL loads anything, and nothing here builds or checks them again.
 One step is one rollout batch and one optimizer update, as the phases of :mod:`~trl_plugins.trainers.phases`: roll
-out each question ``num_generations`` times, score, decide what is left out and build the datums, reference and
+out each question ``num_generations`` times, score, with ``dynamic_sampling`` drop the groups whose rewards are all
+equal and refill from the training set, decide what is left out and build the datums, reference and
 old log-probs, values and advantages, then the exact multi-rank update (the HF Trainer loop clips, steps the
 optimizer and the scheduler, logs and checkpoints as usual), the critic's, and the step's metrics. The PPO "old"
 log-probs are the sampler's behaviour log-probs stored on the trajectories, or, when the sampler/trainer mismatch
@@ -107,6 +108,11 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
             if peft_config is not None and peft_config is not run.spec.peft_config:
                 raise ValueError("peft_config differs from the run's: pass it to resolve_run().")
             args, peft_config = run.config, run.spec.peft_config
+        if args.dynamic_sampling and train_dataset is not None and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
+            raise ValueError(f"dynamic_sampling refills a step with rows drawn by index from the training set, but "
+                             f"train_dataset is a {type(train_dataset).__name__} (no length or indexing, e.g. streamed): "
+                             f"pass a datasets.Dataset (e.g. Dataset.from_list(list(stream.take(n)))), or set "
+                             f"dynamic_sampling=False.")
         self.run = run
         run.start_tools()  # e.g. the sandbox isolation in force, said before any model work
         check_peft_model(model, args, needs_values=run.advantage.needs_values)
@@ -203,15 +209,28 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
 
     def _roll_out(self, rows: list[dict]) -> StepBatch:
         """Phases 1-6 of :mod:`~trl_plugins.trainers.phases` on this rank's rows (collectives inside: every rank)."""
-        args, steps, step = self.args, self.step_runner, self.state.global_step
-        result = steps.roll_out(self.generation_backend(), rows, policy_step=step,
-                                seed=derive_seed(args.seed, step, self.accelerator.process_index),
-                                progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
-                                stop=self.stop_event)
-        # Every rank agrees here, before the step's first other collective, whether a stop was requested.
-        self._raise_if_stop_agreed()
-        assert result is not None  # a cancelled rollout means this rank asked for the stop
-        batch = steps.score_and_decide(result, rows, policy_step=step)
+        args, steps, step, rank = self.args, self.step_runner, self.state.global_step, self.accelerator.process_index
+        backend, offset = self.generation_backend(), [len(rows)]
+
+        def sample(part: list[dict], seed: int, id_offset: int = 0) -> tuple[Any, StepBatch]:
+            result = steps.roll_out(backend, part, policy_step=step, seed=seed, id_offset=id_offset,
+                                    progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
+                                    stop=self.stop_event)
+            # Every rank agrees here, before the round's first other collective, whether a stop was requested.
+            self._raise_if_stop_agreed()
+            assert result is not None  # a cancelled rollout means this rank asked for the stop
+            return result, steps.score(result, part, policy_step=step)
+
+        def refill(indices: list[int], round_index: int) -> tuple[Any, StepBatch]:
+            more = [self.train_dataset[i] for i in indices]
+            offset[0] += len(more)
+            return sample(more, derive_seed(args.seed, step, rank, "refill", round_index), id_offset=offset[0] - len(more))
+
+        result, batch = sample(rows, derive_seed(args.seed, step, rank))
+        if args.dynamic_sampling:
+            batch = steps.fill(result, batch, sample=refill, num_rows=len(self.train_dataset),
+                               seed=derive_seed(args.seed, step, "refill-rows"))
+        steps.build_datums(batch)
         steps.reference(batch, *self._reference_model())
         steps.advantages(batch)
         steps.old_logprobs(batch, self.model_wrapped)

@@ -6,7 +6,9 @@ Once per rollout batch (:meth:`StepRunner.roll_out` ... :meth:`StepRunner.old_lo
 
 1. **rollout**: the run's rollout plugin on this rank's rows (the sampler's weights brought up to date first);
 2. **scoring**: every reward component on every trajectory, then the verifier-failure rate over the ranks
-   (one all-reduce; the run stops on every rank alike above ``max_verifier_error_rate``);
+   (one all-reduce; the run stops on every rank alike above ``max_verifier_error_rate``); with ``dynamic_sampling``,
+   **fill** (DAPO): groups whose rewards are all equal are dropped and refill rounds (1-2 on fresh rows) run until the
+   step holds its number of groups over the ranks (one gather of flags per round);
 3. **datums**: why each trajectory is left out (:class:`~trl_plugins.types.LeftOutReason`, recorded on the batch), and
    one datum per trajectory trained on;
 4. **reference log-probs** (``beta > 0``; forwards on every rank), the KL in the reward when asked;
@@ -30,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from trl_plugins.algos.dynamic_sampling import choose_groups, draw_rows, informative_groups, rank_share, refill_size
 from trl_plugins.rollout import RolloutCancelled, RolloutResult
 from trl_plugins.rollout.metrics import (
     TrajectorySummary,
@@ -108,16 +111,22 @@ class StepRunner:
     # -- once per rollout batch ----------------------------------------------------------------------
 
     def roll_out(self, backend: Any, rows: list[dict], *, policy_step: int, seed: int, progress: bool,
-                 stop: Any) -> RolloutResult | None:
+                 stop: Any, id_offset: int = 0) -> RolloutResult | None:
         """1. This rank's trajectories (None: a stop request cancelled the rollout here)."""
         try:
             return rollout_rows(self.run, backend, rows, group_size=self.config.num_generations, seed=seed,
-                                policy_step=policy_step, progress=progress, stop=stop)
+                                policy_step=policy_step, id_offset=id_offset, progress=progress, stop=stop)
         except RolloutCancelled:
             return None
 
     def score_and_decide(self, result: RolloutResult, rows: list[dict], *, policy_step: int) -> StepBatch:
         """2-3. Scores (a collective: the verifier-failure rate over the ranks), left-out reasons and datums."""
+        batch = self.score(result, rows, policy_step=policy_step)
+        self.build_datums(batch)
+        return batch
+
+    def score(self, result: RolloutResult, rows: list[dict], *, policy_step: int) -> StepBatch:
+        """2. Scores (a collective: the verifier-failure rate over the ranks) and left-out reasons; no datums yet."""
         c, trajs = self.config, result.trajectories
         start = time.perf_counter()
         failures = score_trajectories(self.run.rewards, trajs, rows, time_limit_s=c.reward_time_limit_s)
@@ -126,10 +135,63 @@ class StepRunner:
         metrics = self._check_verifier_failures(failures, len(trajs), example=example)
         left_out = left_out_reasons(trajs, mask_truncated=c.truncated_policy == "mask",
                                     min_valid_group_fraction=c.min_valid_group_fraction)
-        datums = build_datums_for_update(trajs, left_out, max_context_tokens=self.run.max_context_tokens,
-                                         bootstrap_truncated=c.truncated_policy == "bootstrap")
         metrics.update({**engine_metrics(result), "timing/scoring_s": scoring_s})
-        return StepBatch(policy_step, list(rows), trajs, left_out, datums, metrics=metrics)
+        return StepBatch(policy_step, list(rows), trajs, left_out, [], metrics=metrics)
+
+    def build_datums(self, batch: StepBatch) -> None:
+        """3. One datum per trajectory the update trains on."""
+        c = self.config
+        batch.datums = build_datums_for_update(batch.trajectories, batch.left_out, max_context_tokens=self.run.max_context_tokens,
+                                               bootstrap_truncated=c.truncated_policy == "bootstrap")
+
+    def fill(self, result: RolloutResult, batch: StepBatch, *, sample: Callable[[list[int], int], tuple[RolloutResult, StepBatch]],
+             num_rows: int, seed: int) -> StepBatch:
+        """2b. Dynamic sampling (``dynamic_sampling``; :mod:`~trl_plugins.algos.dynamic_sampling`): keep the step's
+        first informative groups, drop the rest, and refill from the training set until the step holds as many groups
+        as its first round did over the ranks, or ``dynamic_sampling_max_groups`` is reached.
+
+        ``result`` and ``batch`` are this rank's first round, scored. ``sample(indices, round)`` rolls out and scores
+        the training rows ``indices`` (this rank's share of a refill round: every rank gets at least one row, so that
+        every rank generates in every round). Collectives inside (one gather of flags per round): every rank calls it. Returns the merged batch:
+        every trajectory drawn, those of dropped groups left out (``equal_rewards``, ``surplus``), with the
+        ``dynamic_sampling/*`` metrics; no datums yet.
+        """
+        c, acc = self.config, self.accelerator
+        world, rank = acc.num_processes, acc.process_index
+        (target,) = reduce_over_ranks(acc, [float(len(batch.rows))], "sum")
+        target = int(target)
+        budget = int(c.dynamic_sampling_max_groups * target + 1e-9)
+        rounds: list[_Round] = []
+        kept = drawn = informative = 0
+        while True:
+            flags = informative_groups(
+                [_metric_of(t, c.dynamic_sampling_metric) for t in batch.trajectories],
+                [t.group_id for t in batch.trajectories], [r is None for r in batch.left_out], len(batch.rows))
+            by_rank = _gather_lists(acc, flags)
+            keep = choose_groups(by_rank, target - kept)
+            rounds.append(_Round(result, batch, flags, keep[rank], sum(len(f) for f in by_rank)))
+            drawn += rounds[-1].groups
+            informative += sum(sum(f) for f in by_rank)
+            kept += sum(sum(k) for k in keep)
+            count = refill_size(missing=target - kept, drawn=drawn, informative=informative, per_round=target,
+                                budget=budget - drawn, minimum=world)
+            if count == 0:
+                break
+            share = rank_share(count, rank, world)
+            start = drawn - target  # refill rows drawn so far this step
+            indices = draw_rows(num_rows, start + share.start, len(share), seed=seed)
+            result, batch = sample(indices, len(rounds))
+        merged = _merge_rounds(rounds, self.config.num_generations)
+        merged.metrics.update({
+            "dynamic_sampling/rounds": float(len(rounds)),
+            "dynamic_sampling/groups_drawn": float(drawn),
+            "dynamic_sampling/draw_factor": drawn / max(target, 1),
+            "dynamic_sampling/informative_frac": informative / max(drawn, 1),
+            "dynamic_sampling/kept_groups": float(kept),
+            "dynamic_sampling/short_groups": float(target - kept),
+            "dynamic_sampling/surplus_groups": float(informative - kept),
+        })
+        return merged
 
     def reference(self, batch: StepBatch, model: Any, context: Callable[[], Any] | None) -> None:
         """4. Reference log-probs (``beta > 0``; every rank forwards), and the KL in the reward when asked."""
@@ -257,6 +319,69 @@ class StepRunner:
                 f"warning). Fix the component or raise max_verifier_error_rate."
             )
         return {"reward/verifier_error_rate": rate, **rates}
+
+
+def _metric_of(traj: Trajectory, metric: str) -> float:
+    """The value dynamic sampling compares: the weighted total reward, or one component's value (0 for a trajectory
+    without components: the world failed it, and it is left out anyway)."""
+    if metric == "reward" or not traj.reward_components:
+        return float(traj.reward)
+    return float(traj.reward_component(metric).value)
+
+
+def _gather_lists(accelerator: Any, flags: list[bool]) -> list[list[bool]]:
+    """Every rank's ``flags``, in rank order, on every rank."""
+    if accelerator.num_processes == 1:
+        return [list(flags)]
+    from accelerate.utils import gather_object
+
+    return [list(f) for f in gather_object([list(flags)])]
+
+
+@dataclass
+class _Round:
+    """One round of dynamic sampling on this rank."""
+
+    result: RolloutResult
+    batch: StepBatch
+    informative: list[bool]
+    """Per group of this rank's round, whether its rewards differ."""
+    keep: list[bool]
+    """Per group of this rank's round, whether the step keeps it."""
+    groups: int
+    """The round's groups over all ranks."""
+
+
+def _merge_rounds(rounds: list[_Round], group_size: int) -> StepBatch:
+    """One batch of this rank's rounds: rows and trajectories in round order (group ids renumbered), the dropped
+    groups' members left out, the engine metrics of the rounds as one rollout (their times add up), the verifier-error
+    rates over every round's trajectories (each round's rate is global: weighted by the round's trajectories over the
+    ranks) and the scoring time summed."""
+    rows: list[dict] = []
+    trajs: list[Trajectory] = []
+    left_out: list[LeftOutReason | None] = []
+    metrics: dict[str, float] = {"timing/scoring_s": 0.0}
+    total = sum(r.groups for r in rounds) * group_size
+    for r in rounds:
+        for traj, reason in zip(r.batch.trajectories, r.batch.left_out):
+            if reason is None and not r.keep[traj.group_id]:
+                reason = LeftOutReason.SURPLUS if r.informative[traj.group_id] else LeftOutReason.EQUAL_REWARDS
+            traj.group_id += len(rows)
+            trajs.append(traj)
+            left_out.append(reason)
+        rows += r.batch.rows
+        for key, value in r.batch.metrics.items():
+            if key.startswith("reward/verifier_error_rate"):
+                metrics[key] = metrics.get(key, 0.0) + value * r.groups * group_size / max(total, 1)
+        metrics["timing/scoring_s"] += r.batch.metrics.get("timing/scoring_s", 0.0)
+    results = [r.result for r in rounds]
+    merged = RolloutResult(
+        trajectories=trajs, rounds=sum(x.rounds for x in results), generation_s=sum(x.generation_s for x in results),
+        tools_s=sum(x.tools_s for x in results), total_s=sum(x.total_s for x in results),
+        critical_path_s=sum(x.critical_path_s for x in results),
+        max_concurrent_tool_calls=max(x.max_concurrent_tool_calls for x in results))
+    metrics.update(engine_metrics(merged))
+    return StepBatch(rounds[0].batch.policy_step, rows, trajs, left_out, [], metrics=metrics)
 
 
 def _update_metrics(result: Any) -> dict[str, float]:

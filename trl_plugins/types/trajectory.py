@@ -78,7 +78,8 @@ _WORLD_FAILURES = frozenset({StopReason.ENVIRONMENT_ERROR, StopReason.VERIFIER_E
 
 class LeftOutReason(enum.StrEnum):
     """Why a step's update leaves a trajectory out (no advantage, not in the group statistics, not trained on):
-    decided once, by the batch builder, and read by whoever reports it (metrics, the trajectory viewer)."""
+    decided once, by the batch builder (and dynamic sampling), and read by whoever reports it (metrics, the trajectory
+    viewer)."""
 
     WORLD_FAILURE = "world_failure"
     """The infrastructure failed it (``environment_error``, ``verifier_error``, ``cancelled``): not the policy's fault."""
@@ -86,6 +87,11 @@ class LeftOutReason(enum.StrEnum):
     """A budget cut it and ``truncated_policy='mask'`` leaves truncated trajectories out."""
     GROUP_TOO_SMALL = "group_too_small"
     """Too few members of its group survived the infrastructure to compare (``min_valid_group_fraction``)."""
+    EQUAL_REWARDS = "equal_rewards"
+    """Dynamic sampling dropped its group: the members trained on had one value of the metric (all right, all wrong),
+    so no group-relative signal (``dynamic_sampling``)."""
+    SURPLUS = "surplus"
+    """Dynamic sampling dropped its group, informative but drawn after the batch was full (``dynamic_sampling``)."""
 
 
 class LogprobSource(enum.StrEnum):

@@ -111,6 +111,8 @@ def _question(row: Mapping[str, Any]) -> str | None:
 _LEFT_OUT_NOTES = {
     LeftOutReason.TRUNCATED: "truncated, and truncated_policy='mask'",
     LeftOutReason.GROUP_TOO_SMALL: "too few members of its group survived the infrastructure (min_valid_group_fraction)",
+    LeftOutReason.EQUAL_REWARDS: "dynamic sampling dropped its group: its members' rewards were all equal",
+    LeftOutReason.SURPLUS: "dynamic sampling dropped its group: the batch was full before it was drawn",
 }
 
 
