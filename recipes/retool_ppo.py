@@ -53,11 +53,13 @@ def main(script_args: ScriptArguments, training_args) -> int:
 
     from retool.data import hide_answers
     from retool.evaluate import check_eval_settings
-    from retool.launch import claim_output_dir
+    from retool.launch import claim_output_dir, prepare_child
     from retool.startup import resolve
     from trl_plugins.trainers.checkpoints import resolve_resume
 
     start = time.perf_counter()
+    if _main_process() and script_args.eval_problems > 0:
+        prepare_child()  # the first evaluation's (or the embedded default's build's) interpreter imports meanwhile
     # Before anything is built or loaded, the run is resolved once: every setting checked, every plugin built with
     # its kwargs, the sampler picked, the tools started (the sandbox's isolation is probed). The trainer, the
     # periodic evaluation and (from its pickled spec) the before/after evaluation all use this run.
@@ -98,7 +100,7 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     from retool.data import task_rows
     from retool.default_model import model_path_or_default
     from retool.evaluate import PeriodicHeldOut, evaluate_checkpoint, reusable_evaluation
-    from retool.launch import ChildProcessError, available_cpus, configure_wandb, run_in_child
+    from retool.launch import ChildProcessError, available_cpus, configure_wandb, prepare_child, run_in_child
     from retool.report import format_summary
     from retool.startup import check_chat_template, check_plugins, check_sampler_memory, distributed_mode, format_banner
     from trl_plugins.run.lora import check_model_dropout, model_init_kwargs
@@ -147,6 +149,8 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     sampler_memory = check_sampler_memory(run, model_path, model_init_kwargs(script_args, training_args))
     if sampler_memory:
         say(f"start-up checks: {sampler_memory}")
+    if main_process and evaluate:
+        prepare_child()  # for the evaluation of the starting model, if the build took the first one
 
     from datasets import Dataset
 
@@ -158,10 +162,13 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     def held_out(checkpoint: str, name: str) -> dict:
         # In a clean child process: the evaluation never meets ZeRO-3's partitioned parameters.
         try:
-            return run_in_child(evaluate_checkpoint, checkpoint, script_args, run.spec, ks=ks, rows=heldout_rows,
-                                output_json=str(out_dir / name), what=f"the held-out evaluation of {checkpoint}")
+            result = run_in_child(evaluate_checkpoint, checkpoint, script_args, run.spec, ks=ks, rows=heldout_rows,
+                                  output_json=str(out_dir / name), what=f"the held-out evaluation of {checkpoint}")
         except ChildProcessError as exc:  # the child's own error, not a traceback of the parent's plumbing
             raise SystemExit(str(exc)) from None
+        if name == "eval_before.json":
+            prepare_child()  # the evaluation after RL's interpreter imports while the run trains
+        return result
 
     before = None
     if evaluate and main_process:

@@ -109,6 +109,7 @@ def no_model_no_eval(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse("model load"))
     monkeypatch.setattr(retool.launch, "run_in_child", refuse("evaluation"))
+    monkeypatch.setattr(retool.launch, "prepare_child", lambda *a, **k: None)  # no spare interpreter to start
     monkeypatch.setattr(retool.default_model, "ensure_embedded_default", refuse("embedded default build"))
     return calls
 

@@ -550,6 +550,57 @@ def test_run_in_child_passes_objects_and_returns_the_result(monkeypatch, capfd):
     assert "child says no" in capfd.readouterr().err
 
 
+def _whoami():
+    return {"pid": os.getpid(), "wandb_mode": os.environ.get("WANDB_MODE"), "rank": os.environ.get("RANK")}
+
+
+def test_a_spare_child_runs_the_next_job_as_a_fresh_child_would(monkeypatch, capfd):
+    # prepare_child starts the next child ahead (it imports, then waits); run_in_child hands it the job. The job sees
+    # the environment a child started now would get, errors come back the same way, and one spare serves one job.
+    import test_recipe
+    from retool import launch
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    launch.prepare_child(preload=("json",))
+    spare = launch._spare[0]
+    launch.prepare_child(preload=("json",))  # one at a time
+    assert launch._spare[0] is spare
+    monkeypatch.setenv("WANDB_MODE", "offline")  # set after the spare started, read at use: handed over with the job
+    out = launch.run_in_child(test_recipe._whoami, what="who")
+    assert out == {"pid": spare.pid, "wandb_mode": "offline", "rank": None} and launch._spare is None
+    assert spare.poll() == 0
+    # The next job without a spare: a child of its own.
+    assert launch.run_in_child(test_recipe._whoami, what="who")["pid"] != spare.pid
+    launch.prepare_child(preload=("json",))
+    with pytest.raises(launch.ChildProcessError, match="the failing job failed"):
+        launch.run_in_child(test_recipe._fail, what="the failing job")
+    assert "child says no" in capfd.readouterr().err
+    # A spare started before another change of the environment is not used: the job gets a child of its own.
+    launch.prepare_child(preload=("json",))
+    stale = launch._spare[0]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("SOMETHING_READ_AT_IMPORT", "x")
+    assert launch.run_in_child(test_recipe._whoami, what="who")["pid"] != stale.pid
+    assert stale.poll() is not None
+
+
+def test_an_unused_spare_child_ends_with_its_parent():
+    code = ("import sys; sys.path.insert(0, %r); from retool import launch; launch.prepare_child(preload=('json',)); "
+            "print(launch._spare[0].pid, flush=True)" % str(ROOT / "recipes"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(proc.stdout.split()[0])
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # a zombie is reaped by init, not us
+        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
+        if "zombie" in status:
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
 def test_evaluation_settings_are_refused_before_anything_is_built():
     from retool.evaluate import check_eval_settings
     from trl_plugins.run import resolve_run
