@@ -53,13 +53,11 @@ def main(script_args: ScriptArguments, training_args) -> int:
 
     from retool.data import hide_answers
     from retool.evaluate import check_eval_settings
-    from retool.launch import claim_output_dir, prepare_child
+    from retool.launch import claim_output_dir
     from retool.startup import resolve
     from trl_plugins.trainers.checkpoints import resolve_resume
 
     start = time.perf_counter()
-    if _main_process() and script_args.eval_problems > 0:
-        prepare_child()  # the first evaluation's (or the embedded default's build's) interpreter imports meanwhile
     # Before anything is built or loaded, the run is resolved once: every setting checked, every plugin built with
     # its kwargs, the sampler picked, the tools started (the sandbox's isolation is probed). The trainer, the
     # periodic evaluation and (from its pickled spec) the before/after evaluation all use this run.
@@ -108,6 +106,8 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     from trl_plugins.trainers.interrupts import TrainingInterrupted
 
     main_process = state.is_main_process
+    if main_process and script_args.eval_problems > 0:  # every setting has been checked: the run goes ahead
+        prepare_child()  # the first evaluation's (or the embedded default's build's) interpreter imports meanwhile
     if state.num_processes == 1 and not torch.cuda.is_available() and torch.get_num_threads() < available_cpus():
         # accelerate launch sets OMP_NUM_THREADS=1 where it counts one physical core; one process may use them all.
         say(f"CPU threads: {torch.get_num_threads()} -> {available_cpus()} (one process on {available_cpus()} cores)")

@@ -288,17 +288,20 @@ def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def built_cache(tmp_path_factory) -> Path:
-    """A cache holding the launches' tiny embedded default, built once, the way the recipe resolves and builds it:
-    for the launches that test something else than the build (the first two launches below build their own)."""
-    from retool.config import parse_args
-    from retool.default_model import embedded_settings_for, ensure_embedded_default
+def first_launch(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The main command on one process into a fresh cache (it builds the tiny embedded default there): its output
+    and its folder (``out/``, ``cache/``)."""
+    root = tmp_path_factory.mktemp("first-launch")
+    return _launch(root, "cpu.yaml", []), root
 
-    root = tmp_path_factory.mktemp("embedded-cache")
-    script_args, args = parse_args(["--output_dir", str(root / "out"), "--embedded", json.dumps(TINY_EMBEDDED),
-                                    "--report_to", "none"])
-    ensure_embedded_default(embedded_settings_for(script_args, args, log=lambda m: None), root=root, log=lambda m: None)
-    return root
+
+@pytest.fixture(scope="module")
+def built_cache(first_launch) -> Path:
+    """A cache holding the launches' tiny embedded default: the one the first launch built, the way the recipe
+    resolves and builds it (for the launches that test something else than the build)."""
+    proc, root = first_launch
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "cache"
 
 
 def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600, cache: Path | None = None
@@ -319,10 +322,10 @@ def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600, cache: 
 
 
 @pytest.mark.slow
-def test_main_command_runs_two_steps_on_one_process(tmp_path):
-    proc = _launch(tmp_path, "cpu.yaml", [])
+def test_main_command_runs_two_steps_on_one_process(first_launch):
+    proc, root = first_launch
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "out"
+    out = root / "out"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
     for key in ("before", "after"):
@@ -529,35 +532,25 @@ def test_cutting_the_prompt_to_the_receptive_field_leaves_the_sft_loss_unchanged
     assert too_short != pytest.approx(full, rel=1e-5, abs=1e-6)
 
 
-def _double(x):
-    return {"twice": 2 * x, "threads": os.environ.get("OMP_NUM_THREADS"), "rank": os.environ.get("RANK")}
-
-
-def _fail():
-    raise RuntimeError("child says no")
-
-
 def test_run_in_child_passes_objects_and_returns_the_result(monkeypatch, capfd):
-    import test_recipe
+    import child_jobs
     from retool.launch import ChildProcessError, available_cpus, run_in_child
 
     monkeypatch.setenv("RANK", "1")  # a distributed launch's variables do not reach the child
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
-    out = run_in_child(test_recipe._double, 21, what="doubling")
+    out = run_in_child(child_jobs.double, 21, what="doubling")
     assert out == {"twice": 42, "threads": str(available_cpus()), "rank": None}
-    with pytest.raises(ChildProcessError, match="the failing job failed"):
-        run_in_child(test_recipe._fail, what="the failing job")
-    assert "child says no" in capfd.readouterr().err
-
-
-def _whoami():
-    return {"pid": os.getpid(), "wandb_mode": os.environ.get("WANDB_MODE"), "rank": os.environ.get("RANK")}
+    with pytest.raises(ChildProcessError, match=r"the failing job failed in its child process: RuntimeError: child says no"):
+        run_in_child(child_jobs.fail, what="the failing job")
+    assert "child says no" in capfd.readouterr().err  # the child's traceback, on its stderr
+    with pytest.raises(ChildProcessError, match=r"its child process ended \(exit 3\) without a result or an error"):
+        run_in_child(child_jobs.exit_without_a_word, what="the silent job")
 
 
 def test_a_spare_child_runs_the_next_job_as_a_fresh_child_would(monkeypatch, capfd):
     # prepare_child starts the next child ahead (it imports, then waits); run_in_child hands it the job. The job sees
     # the environment a child started now would get, errors come back the same way, and one spare serves one job.
-    import test_recipe
+    import child_jobs
     from retool import launch
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
@@ -568,21 +561,21 @@ def test_a_spare_child_runs_the_next_job_as_a_fresh_child_would(monkeypatch, cap
     launch.prepare_child(preload=("json",))  # one at a time
     assert launch._spare[0] is spare
     monkeypatch.setenv("WANDB_MODE", "offline")  # set after the spare started, read at use: handed over with the job
-    out = launch.run_in_child(test_recipe._whoami, what="who")
+    out = launch.run_in_child(child_jobs.whoami, what="who")
     assert out == {"pid": spare.pid, "wandb_mode": "offline", "rank": None} and launch._spare is None
     assert spare.poll() == 0
     # The next job without a spare: a child of its own.
-    assert launch.run_in_child(test_recipe._whoami, what="who")["pid"] != spare.pid
+    assert launch.run_in_child(child_jobs.whoami, what="who")["pid"] != spare.pid
     launch.prepare_child(preload=("json",))
     with pytest.raises(launch.ChildProcessError, match="the failing job failed"):
-        launch.run_in_child(test_recipe._fail, what="the failing job")
+        launch.run_in_child(child_jobs.fail, what="the failing job")
     assert "child says no" in capfd.readouterr().err
     # A spare started before another change of the environment is not used: the job gets a child of its own.
     launch.prepare_child(preload=("json",))
     stale = launch._spare[0]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("SOMETHING_READ_AT_IMPORT", "x")
-    assert launch.run_in_child(test_recipe._whoami, what="who")["pid"] != stale.pid
+    assert launch.run_in_child(child_jobs.whoami, what="who")["pid"] != stale.pid
     assert stale.poll() is not None
 
 
@@ -865,21 +858,12 @@ def test_the_summary_shows_each_figure_with_its_standard_error_and_the_gain_with
 # --- A failed evaluation reports its own cause (point 4) ----------------------------------------------------
 
 
-def _exit_without_a_word():
-    os._exit(3)
-
-
 def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkeypatch):
-    import test_recipe
     from retool.evaluate import evaluate_checkpoint
     from trl_plugins.run import resolve_run
     from retool.launch import ChildProcessError, run_in_child
 
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
-    with pytest.raises(ChildProcessError, match=r"the failing job failed in its child process: RuntimeError: child says no"):
-        run_in_child(test_recipe._fail, what="the failing job")
-    with pytest.raises(ChildProcessError, match=r"its child process ended \(exit 3\) without a result or an error"):
-        run_in_child(test_recipe._exit_without_a_word, what="the silent job")
+    # (A failing and a silent job: test_run_in_child_passes_objects_and_returns_the_result.)
     # The recipe's own evaluation, of a checkpoint that is not there: the child's error names the folder, and
     # nothing guesses about dataset splits.
     retool_ppo = _recipe_module()
