@@ -340,7 +340,8 @@ def test_main_command_runs_two_steps_on_one_process(first_launch):
     assert all(0.0 <= r["heldout/accuracy"] <= 1.0 and 0.0 <= r["heldout/tool_call_rate"] <= 1.0 for r in steps)
     assert all(r["heldout/accuracy_se"] >= 0.0 for r in steps)  # with its standard error, clustered by problem
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B offline by default
-    assert "building the tiny model" in proc.stdout
+    # The banner comes before the embedded default is built (what the run will do, said before it spends compute).
+    assert 0 <= proc.stdout.index("ReTool PPO: the run") < proc.stdout.index("building the tiny model")
 
 
 @pytest.mark.slow
@@ -359,29 +360,23 @@ def test_main_command_runs_two_steps_under_zero3_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_command_runs_actor_critic_with_gae(tmp_path, built_cache):
-    # Choosing a critic-based estimator brings the critic; its settings have defaults.
-    proc = _launch(tmp_path, "cpu.yaml", ["--advantage", "gae", "--report_to", "none", "--eval_problems", "0"],
-                   cache=built_cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward/total" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all("critic/value_loss" in r and "critic/explained_variance" in r for r in steps)
-
-
-@pytest.mark.slow
-def test_main_command_trains_a_lora_adapter(tmp_path, built_cache):
-    # --use_peft through the real launcher: only the adapter is saved, and the held-out evaluation after RL
-    # loads final/ (base + adapter) by its path.
-    proc = _launch(tmp_path, "cpu.yaml", ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--report_to", "none",
-                                          "--eval_every_steps", "0"], cache=built_cache)
+def test_main_command_trains_a_lora_adapter_with_a_critic(tmp_path, built_cache):
+    # Two features through one real launch (each launch costs ~30 s of a 2-core machine):
+    # --use_peft: only the adapter is saved, and the held-out evaluation after RL loads final/ (base + adapter) by
+    # its path. --advantage gae: choosing a critic-based estimator brings the critic (a full one, from the base);
+    # its settings have defaults.
+    proc = _launch(tmp_path, "cpu.yaml", ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--advantage", "gae",
+                                          "--report_to", "none", "--eval_every_steps", "0"], cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     final = tmp_path / "out" / "final"
     assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
     assert not list(final.glob("model*.safetensors"))
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["after"]["problems"] == 4 and summary["after"]["model"] == str(final)
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all("critic/value_loss" in r and "critic/explained_variance" in r for r in steps)
 
 
 def test_with_a_remote_sandbox_the_dataset_paths_are_named_for_the_server_not_added_to_the_tool(tmp_path):
@@ -642,29 +637,6 @@ def test_main_command_generates_with_continuous_batching_under_zero3_on_two_proc
     assert all("heldout/accuracy" in r for r in steps)
 
 
-@pytest.mark.slow
-def test_main_command_generates_with_continuous_batching_sized_from_its_workload(tmp_path, built_cache):
-    # Issue 30.12: `--use_transformers_continuous_batching true` and nothing else died within two steps on a fresh
-    # machine: transformers sized the paged cache to fill half the memory it saw at the first rollout, and every
-    # later rollout rebuilt it (the cache is not kept by default) from those figures with less memory free
-    # ("MemoryError: Memory footprint ... is more than available memory ..."). Sized from the run's workload it
-    # is checked before the model loads and rebuilt at the same small size every rollout: the starting model's
-    # evaluation, two steps, an evaluation after each, and the final evaluation all generate with it.
-    proc = _launch(tmp_path, "cpu.yaml", ["--report_to", "none", "--use_transformers_continuous_batching", "true"],
-                   cache=built_cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # 8 trajectories (per_device_train_batch_size) x ceil(1024 / 256) pages = 32 blocks; max(8, 1024) batch tokens.
-    assert "start-up checks: continuous-batching cache" in proc.stdout
-    assert "(max_batch_tokens=1024, num_blocks=32)" in proc.stdout
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward/total" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps  # per turn
-    assert all("heldout/accuracy" in r for r in steps)
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["before"]["problems"] == 4 and summary["after"]["problems"] == 4
-
-
 def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_overwriting(tmp_path):
     # metrics.jsonl is appended to: a second run into the same folder would interleave its steps (1, 2, 1, 2).
     import subprocess
@@ -878,17 +850,27 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard_errors(tmp_path, built_cache):
-    # --dataset_name arith.jsonl through the real launcher: 6 of its 60 rows are held out (said), training draws
-    # from the other 54, and the before/after numbers carry standard errors and a paired gain.
+def test_main_command_on_a_single_file_with_continuous_batching_sized_from_its_workload(tmp_path, built_cache):
+    # Two features through one real launch (each launch costs ~30 s of a 2-core machine; they do not interact):
+    #
+    # --dataset_name arith.jsonl: 6 of its 60 rows are held out (said), training draws from the other 54, and the
+    # before/after numbers carry standard errors and a paired gain.
+    #
+    # Issue 30.12: `--use_transformers_continuous_batching true` and nothing else died within two steps on a fresh
+    # machine: transformers sized the paged cache to fill half the memory it saw at the first rollout, and every
+    # later rollout rebuilt it (the cache is not kept by default) from those figures with less memory free
+    # ("MemoryError: Memory footprint ... is more than available memory ..."). Sized from the run's workload it
+    # is checked before the model loads and rebuilt at the same small size every rollout: the starting model's
+    # evaluation, two steps, an evaluation after each, and the final evaluation all generate with it.
     from retool.task import arithmetic_problems
 
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_problems(60, seed=3)]
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none", "--eval_every_steps", "0"],
-                   cache=built_cache)
+    proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none",
+                                          "--use_transformers_continuous_batching", "true"], cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The file: its held-out rows, said once before the model; figures with standard errors and a paired gain.
     assert "held-out rows: 6 of the 60 rows of the file" in proc.stdout and "training uses the other 54" in proc.stdout
     assert proc.stdout.count("held-out rows:") == 1  # said once, before the model
     out = tmp_path / "out"
@@ -902,6 +884,17 @@ def test_main_command_on_a_single_file_holds_out_part_of_it_and_reports_standard
     table = next(line for line in proc.stdout.splitlines() if line.startswith("accuracy (pass@1)"))
     assert table.count("±") == 2, table
     assert "paired by problem; 95% interval" in proc.stdout
+    # Continuous batching: 8 trajectories (per_device_train_batch_size) x ceil(1024 / 256) pages = 32 blocks;
+    # max(8, 1024) batch tokens; one generate call per turn in training, and every evaluation generated with it.
+    assert "start-up checks: continuous-batching cache" in proc.stdout
+    assert "(max_batch_tokens=1024, num_blocks=32)" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps  # per turn
+    assert all("heldout/accuracy" in r for r in steps)
+
+
 def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path):
     # --resume_from_checkpoint latest with the newest checkpoint truncated: refused naming the file, before the
     # embedded default is built or any model loads; nothing in the output folder is touched.

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
+from conftest import accelerate_launch, cpu_launch_env, hang_guard_s, tiny_recipe_inputs
 
-from test_recipe import ROOT, TINY_EMBEDDED, _recipe_module
+from test_recipe import ROOT, _recipe_module
 
 
 def _write(path: Path, text: str) -> Path:
@@ -324,19 +324,22 @@ def test_the_plot_has_whole_step_ticks_and_a_line_per_reward_component(tmp_path,
 
 @pytest.mark.slow
 def test_the_recipe_with_a_small_override_file_prints_the_banner_and_records_the_run(tmp_path):
+    # A local model (no embedded default to build: tests/test_recipe.py's first launch checks that the banner comes
+    # before the build).
     override = _write(tmp_path / "small.yaml", "max_steps: 2\ntrain_size: 32\n")
+    model_dir, _ = tiny_recipe_inputs(tmp_path)
     env = cpu_launch_env(TRL_PLUGINS_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     cmd = accelerate_launch("cpu.yaml", ROOT / "recipes" / "retool_ppo.py", f"--config={override}",
-                            "--output_dir", str(tmp_path / "out"), "--embedded", json.dumps(TINY_EMBEDDED),
+                            "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(model_dir),
                             "--eval_problems", "0", "--per_device_train_batch_size", "8", "--num_generations", "4",
                             "--save_strategy", "no", "--report_to", "none", "--reward_components", "correct", "tool_use")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "out"
     stdout = proc.stdout
-    # The banner comes before the embedded default is built, and says how the sandbox runs code.
-    assert 0 <= stdout.index("ReTool PPO: the run") < stdout.index("building the tiny model")
-    assert "sandbox isolation=" in stdout and "tool_use x 1 (defaulted to 1.0" in stdout
+    # The banner says how the sandbox runs code.
+    assert "ReTool PPO: the run" in stdout and "sandbox isolation=" in stdout
+    assert not (tmp_path / "cache").exists()  # nothing built and "tool_use x 1 (defaulted to 1.0" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["config"]["training"]["max_steps"] == 2
     assert summary["config"]["script"]["train_size"] == 32 and summary["config"]["files"][-1] == str(override)
