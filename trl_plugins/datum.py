@@ -62,11 +62,14 @@ def _to_datum(
     trajectory_index: int,
     group_id: int,
     bootstrap_mask: int,
+    turn_steps: list[int | None],
 ) -> Datum:
     target_sources = sources[1:]
     mask = [int(s == TokenSource.ACTION) for s in target_sources]
+    known = all(step is not None for step in turn_steps)
     return Datum(
         turn_ids=[t if m else -1 for t, m in zip(turn_of[1:], mask)],
+        behaviour_steps=[turn_steps[t] if m and t >= 0 else -1 for t, m in zip(turn_of[1:], mask)] if known else None,
         input_ids=full[:-1],
         target_ids=full[1:],
         behaviour_logprobs=[lp if m else PLACEHOLDER_LOGPROB for lp, m in zip(logprobs[1:], mask)],
@@ -171,6 +174,7 @@ def build_datums(
             trajectory_index=trajectory_index,
             group_id=traj.group_id,
             bootstrap_mask=bootstrap,
+            turn_steps=traj.turn_policy_steps(),
         )
         if max_context_tokens is not None and datum.num_tokens > max_context_tokens:
             raise DatumError(

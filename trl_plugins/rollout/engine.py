@@ -287,6 +287,7 @@ class MultiTurnRollout:
                 truncated=not sample.finished,
                 generation_s=gen_s,
                 queue_s=queue_s,
+                policy_step=request.policy_step,  # the weights the backend sampled with (synced for this step)
             )
             st.traj.turns.append(turn)
             if not sample.finished:

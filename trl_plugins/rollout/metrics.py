@@ -19,7 +19,8 @@ from trl_plugins.protocols import Reduction
 from trl_plugins.rollout.request import RolloutResult
 from trl_plugins.types import StopReason, Trajectory
 
-__all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "reward_metrics", "engine_metrics",
+__all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "reward_metrics", "engine_metrics", "staleness_counts",
+           "staleness_metrics",
            "rollout_metrics", "reduce_rank_metrics", "quantile", "throughput_metrics", "THROUGHPUT"]
 
 
@@ -158,6 +159,41 @@ def reward_metrics(summaries: Sequence[TrajectorySummary], names: Sequence[str])
         by_group.setdefault(s.group, []).append(s.advantage)
     out["rollout/degenerate_group_rate"] = sum(all(a == 0.0 for a in v) for v in by_group.values()) / max(len(by_group), 1)
     return out
+
+
+STALENESS_BINS = 16
+"""Staleness counted per value 0 .. STALENESS_BINS - 2; the last bin holds everything older."""
+
+
+def staleness_counts(datums: Sequence[Any], step: int) -> list[float]:
+    """How many action tokens of ``datums`` are how stale at the update of optimizer step ``step``: bin ``k`` counts
+    the tokens sampled by the weights of step ``step - k`` (``Datum.behaviour_steps``; datums without them are not
+    counted), the last bin everything older. Counts add up over ranks."""
+    counts = [0.0] * STALENESS_BINS
+    for d in datums:
+        if d.behaviour_steps is None:
+            continue
+        for behaviour, m in zip(d.behaviour_steps, d.action_mask):
+            if m:
+                counts[min(max(step - behaviour, 0), STALENESS_BINS - 1)] += 1.0
+    return counts
+
+
+def staleness_metrics(counts: Sequence[float]) -> dict[str, float]:
+    """The staleness distribution of a step's trained tokens from :func:`staleness_counts` (summed over ranks): its
+    mean, 90th percentile and maximum in optimizer steps, and the share sampled by the weights being updated."""
+    total = sum(counts)
+    if not total:
+        return {}
+    seen = [k for k, c in enumerate(counts) if c]
+    running, p90 = 0.0, seen[-1]
+    for k, c in enumerate(counts):
+        running += c
+        if running >= 0.9 * total:
+            p90 = k
+            break
+    return {"train/staleness_mean": sum(k * c for k, c in enumerate(counts)) / total, "train/staleness_p90": float(p90),
+            "train/staleness_max": float(seen[-1]), "train/on_policy_token_frac": counts[0] / total}
 
 
 def engine_metrics(result: RolloutResult) -> dict[str, float]:

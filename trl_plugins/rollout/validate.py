@@ -21,7 +21,8 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
             wrong length; an ACTION token's behaviour log-prob is not finite; a non-ACTION token
             carries a log-prob; the trajectory is both terminated (stop reason) and truncated (its
             last turn hit ``max_new_tokens``); the stop reason says turn-length truncation but the
-            last turn was not cut.
+            last turn was not cut; a turn sampled by older weights than the trajectory's or an earlier turn's
+            (``Turn.policy_step``).
 
     Returns:
         A :class:`TrajectoryReport` with the bootstrap mask (0 terminated, 1 truncated).
@@ -69,6 +70,19 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
                     f"log-prob {lp}; only sampled tokens have one (store nan), otherwise provenance "
                     f"and log-probs are misaligned."
                 )
+    first = traj.policy_version.step if traj.policy_version is not None else None
+    previous = None
+    for i, step in enumerate(traj.turn_policy_steps()):
+        if step is None:
+            continue
+        if (first is not None and step < first) or (previous is not None and step < previous):
+            raise TrajectoryError(
+                f"{where}, turn {i}: sampled by the weights of step {step}, older than "
+                f"{'the trajectory' if previous is None else 'an earlier turn'} ({first if previous is None else previous}): "
+                f"weights only move forward within an episode. Record each turn's Turn.policy_step as the step of the "
+                f"weights that sampled it, and the trajectory's policy_version.step as its first turn's."
+            )
+        previous = step
     last = traj.turns[-1]
     if last.truncated and traj.stop_reason.is_terminated:
         raise TrajectoryError(

@@ -39,6 +39,8 @@ from trl_plugins.rollout.metrics import (
     engine_metrics,
     reduce_rank_metrics,
     reward_metrics,
+    staleness_counts,
+    staleness_metrics,
     summarize,
     trajectory_metrics,
 )
@@ -275,6 +277,9 @@ class StepRunner:
                 "critic/returns_std": vr.returns_std, "critic/values_mean": vr.values_mean,
                 "timing/critic_update_s": time.perf_counter() - start,
             })
+        # How stale the trained tokens are: optimizer steps between the weights that sampled each and these.
+        counts = reduce_over_ranks(self.accelerator, staleness_counts(batch.datums, global_step), "sum")
+        metrics.update(staleness_metrics(counts))
         # What the advantage estimator and the policy loss report of this step (advantage/*, policy_loss/*).
         metrics.update(run.advantage.step_metrics())
         metrics.update(run.policy_loss.step_metrics())

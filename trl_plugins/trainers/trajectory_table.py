@@ -15,7 +15,9 @@ from trl_plugins.types import Trajectory
 
 __all__ = ["trajectory_columns", "trajectory_rows", "transcript", "prompt_text", "TURN_COLUMNS", "turn_rows"]
 
-TURN_COLUMNS = ["step", "question_id", "sample", "turn", "assistant", "tool", "arguments", "tool_output", "tool_ok"]
+TURN_COLUMNS = ["step", "question_id", "sample", "turn", "assistant", "tool", "arguments", "tool_output", "tool_ok",
+                "policy_step"]
+"""``policy_step``: the optimizer step of the weights that sampled the turn."""
 
 
 def prompt_text(prompt: Any) -> str:
@@ -90,9 +92,9 @@ def turn_rows(trajectories: Sequence[Trajectory], *, step: int, max_rows: int | 
     arguments and outputs one per line, and ``tool_ok`` is whether every one succeeded)."""
     out = []
     for t in list(trajectories)[:max_rows]:
-        for i, turn in enumerate(t.turns, start=1):
+        for i, (turn, sampled_by) in enumerate(zip(t.turns, t.turn_policy_steps()), start=1):
             calls = turn.tool_calls
             out.append([step, t.question_id, t.sample_index, i, turn.text,
                         ", ".join(c.name for c in calls), "\n".join(_arguments(c.arguments) for c in calls),
-                        "\n".join(c.output for c in calls), all(c.ok for c in calls) if calls else None])
+                        "\n".join(c.output for c in calls), all(c.ok for c in calls) if calls else None, sampled_by])
     return out

@@ -207,6 +207,10 @@ class Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)
     """The tool calls this turn made, in the order written (several when the model made parallel calls), each with
     its result; empty if none."""
+    policy_step: int | None = None
+    """The optimizer step of the weights that sampled this turn (its span's behaviour version). Equal to the
+    trajectory's ``policy_version.step`` unless the weights changed in the middle of the episode; None when the
+    producer did not record it (the trajectory's version then stands for every turn)."""
 
     @property
     def tool_call(self) -> ToolCall | None:
@@ -286,6 +290,12 @@ class Trajectory:
         """Sampled (trainable) tokens over all turns."""
         return sum(s == TokenSource.ACTION for t in self.turns for s in t.sources())
 
+    def turn_policy_steps(self) -> list[int | None]:
+        """Per turn, the optimizer step of the weights that sampled it: the turn's own ``policy_step``, else the
+        trajectory's ``policy_version.step``, else None (not recorded)."""
+        default = self.policy_version.step if self.policy_version is not None else None
+        return [default if t.policy_step is None else t.policy_step for t in self.turns]
+
 
 @dataclass(frozen=True)
 class TrajectoryReport:
@@ -348,6 +358,11 @@ class Datum:
     ``action_mask[t] == 1``; -1 elsewhere. One turn is one action of the trajectory contract: its positions form one
     span, whose log-prob is the sum over them. Set by :func:`~trl_plugins.datum.build_datums`; None on datums built
     by hand before it existed (their micro-batches carry no turn ids, and a loss that needs them refuses them)."""
+
+    behaviour_steps: list[int] | None = None
+    """The optimizer step of the weights that sampled ``target_ids[t]`` where ``action_mask[t] == 1`` (its turn's,
+    :meth:`Trajectory.turn_policy_steps`); -1 elsewhere. None when the trajectory did not record it. The staleness of
+    a token at an update is the update's step minus this."""
 
     @property
     def num_tokens(self) -> int:

@@ -76,8 +76,10 @@ def _datum_to_dict(d: Datum) -> dict:
         value = getattr(d, name)
         if value is not None:
             out[name] = _floats(value)
-    if d.turn_ids is not None:
-        out["turn_ids"] = [int(k) for k in d.turn_ids]
+    for name in ("turn_ids", "behaviour_steps"):
+        value = getattr(d, name)
+        if value is not None:
+            out[name] = [int(k) for k in value]
     return out
 
 
@@ -141,7 +143,8 @@ def _turns(traj: Trajectory) -> list[dict]:
                   "timed_out": c.timed_out, "output_truncated": c.output_truncated, "latency_s": _finite(c.latency_s),
                   "infra_error": c.infra_error} for c in turn.tool_calls]
         out.append({"index": i, "prompt_start": pos, "completion_start": start, "completion_end": start + len(turn.completion_ids),
-                    "text": turn.text, "truncated": turn.truncated, "tool_calls": calls})
+                    "text": turn.text, "truncated": turn.truncated, "tool_calls": calls,
+                    "policy_step": traj.turn_policy_steps()[i]})
         pos = start + len(turn.completion_ids)
     return out
 

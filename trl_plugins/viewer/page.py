@@ -125,6 +125,7 @@ def _token_spans(t: Mapping[str, Any]) -> str:
     d, tokens = t["datum"], t["tokens"]
     ids, strings = tokens["ids"], tokens.get("strings")
     starts = {turn["completion_start"]: turn["index"] for turn in t["turns"]}
+    sampled_by = {turn["index"]: turn.get("policy_step") for turn in t["turns"]}
     observations = {turn["prompt_start"]: turn["index"] for turn in t["turns"] if turn["index"] > 0}
     prompt_end = t["turns"][0]["completion_start"] if t["turns"] else 0
     parts = []
@@ -138,7 +139,9 @@ def _token_spans(t: Mapping[str, Any]) -> str:
             parts.append(f'<span class="turn-mark obs" data-turn="{observations[pos]}">tool output and template glue, '
                          f'before turn {observations[pos] + 1}</span>')
         if pos in starts:
-            parts.append(f'<span class="turn-mark" data-turn="{starts[pos]}">assistant turn {starts[pos] + 1}</span>')
+            by = sampled_by.get(starts[pos])
+            parts.append(f'<span class="turn-mark" data-turn="{starts[pos]}">assistant turn {starts[pos] + 1}'
+                         + (f', sampled by the weights of step {by}' if by is not None else "") + '</span>')
         text = display_text(strings[pos]) if strings is not None else f"\u27e8{tok_id}\u27e9"
         nl = " nl" if "\n" in text else ""
         if pos == 0:
@@ -226,7 +229,9 @@ def _trajectory(t: Mapping[str, Any]) -> str:
     else:
         parts.append(f'<div class="note"><b>no datum:</b> {_esc(t.get("datum_error") or "none was built")}</div>')
         for turn in t["turns"]:
-            parts.append(f'<div class="tokens"><span class="turn-mark">assistant turn {turn["index"] + 1}</span>'
+            by = turn.get("policy_step")
+            parts.append(f'<div class="tokens"><span class="turn-mark">assistant turn {turn["index"] + 1}'
+                         + (f', sampled by the weights of step {by}' if by is not None else "") + '</span>'
                          f'{_esc(turn["text"])}</div>')
     if t["turns"]:
         parts.append(_tool_calls(t))
