@@ -100,8 +100,8 @@ def main() -> int:
                 cell = lambda key, fmt: " -> ".join("n/a" if r.get(key) is None else f"{r[key]:{fmt}}" for r in (b, a))  # noqa: E731
                 print(f"| {variant} | {seed} | {cell('tool_calls_per_solved', '.2f')} | {cell('failed_call_frac', '.3f')} | "
                       f"{cell('recovery_rate', '.3f')} |")
-    sampled = {v: [(seed, read_metrics(d / "metrics.jsonl")) for seed, _, d in rows] for v, rows in runs.items()}
-    sampled = {v: rows for v, rows in sampled.items() if any("dynamic_sampling/draw_factor" in r for _, m in rows for r in m)}
+    sampled = {v: list(zip([seed for seed, *_ in runs[v]], per_seed)) for v, per_seed in curves.items()
+               if any("dynamic_sampling/draw_factor" in r for metrics in per_seed for r in metrics)}
     if sampled:
         print("\n| variant | seed | groups rolled out per step's groups (mean, max) | steps short of groups | "
               "informative share of groups drawn, first 5 steps -> last 5 |")
@@ -120,7 +120,7 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    colours = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink")))
+    colours = {variant: f"C{k}" for k, variant in enumerate(VARIANTS)}  # matplotlib's default cycle, one per variant
     for variant, per_seed in curves.items():
         for k, metrics in enumerate(per_seed):
             label = variant if k == 0 else None

@@ -106,7 +106,8 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     from trl_plugins.trainers.interrupts import TrainingInterrupted
 
     main_process = state.is_main_process
-    if main_process and script_args.eval_problems > 0:  # every setting has been checked: the run goes ahead
+    evaluate = script_args.eval_problems > 0
+    if main_process and evaluate:  # every setting has been checked: the run goes ahead
         prepare_child()  # the first evaluation's (or the embedded default's build's) interpreter imports meanwhile
     if state.num_processes == 1 and not torch.cuda.is_available() and torch.get_num_threads() < available_cpus():
         # accelerate launch sets OMP_NUM_THREADS=1 where it counts one physical core; one process may use them all.
@@ -121,7 +122,6 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
 
     # The rows before any model: a missing column or split, or a held-out split that cannot be carved, stops here.
     # Training and every held-out evaluation split alike (retool.data.load_task_rows); the main process says how.
-    evaluate = script_args.eval_problems > 0
     said: list[str] = []
     try:
         train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append)
@@ -162,13 +162,10 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
     def held_out(checkpoint: str, name: str) -> dict:
         # In a clean child process: the evaluation never meets ZeRO-3's partitioned parameters.
         try:
-            result = run_in_child(evaluate_checkpoint, checkpoint, script_args, run.spec, ks=ks, rows=heldout_rows,
-                                  output_json=str(out_dir / name), what=f"the held-out evaluation of {checkpoint}")
+            return run_in_child(evaluate_checkpoint, checkpoint, script_args, run.spec, ks=ks, rows=heldout_rows,
+                                output_json=str(out_dir / name), what=f"the held-out evaluation of {checkpoint}")
         except ChildProcessError as exc:  # the child's own error, not a traceback of the parent's plumbing
             raise SystemExit(str(exc)) from None
-        if name == "eval_before.json":
-            prepare_child()  # the evaluation after RL's interpreter imports while the run trains
-        return result
 
     before = None
     if evaluate and main_process:
@@ -182,6 +179,7 @@ def _train(script_args: ScriptArguments, training_args, run, *, ks, resume, stat
         else:
             say(f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x {script_args.eval_samples} samples)...")
             before = held_out(model_path, "eval_before.json")
+            prepare_child()  # the evaluation after RL's interpreter imports while the run trains
     state.wait_for_everyone()
 
     model = AutoModelForCausalLM.from_pretrained(model_path, **model_init_kwargs(script_args, training_args))

@@ -165,12 +165,12 @@ def test_fill_keeps_informative_groups_and_refills_in_order():
     refills = {1: [[0, 0], [1, 0], [0, 1], [0, 1]]}
     asked = []
 
-    def sample(indices, round_index):
-        asked.append((list(indices), round_index))
+    def sample(indices, round_index, id_offset):
+        asked.append((list(indices), round_index, id_offset))
         return _round(refills[round_index], start=100 * round_index)
 
     batch = _runner().fill(*first, sample=sample, num_rows=50, seed=3)
-    assert asked == [(draw_rows(50, 0, 4, seed=3), 1)]
+    assert asked == [(draw_rows(50, 0, 4, seed=3), 1, 4)]  # question ids after the first round's 4 rows
     # 8 groups in the merged batch, their group ids renumbered in round order, one row each.
     assert len(batch.rows) == 8 and [t.group_id for t in batch.trajectories] == [g for g in range(8) for _ in range(2)]
     assert batch.rows[4] == {"prompt": "row 100"}
@@ -190,7 +190,7 @@ def test_fill_stops_at_the_cap_and_trains_on_what_it_kept():
     first = _round([[1, 1]] * 4, start=0)
     calls = []
 
-    def sample(indices, round_index):
+    def sample(indices, round_index, id_offset):
         calls.append(len(indices))
         return _round([[0, 0]] * len(indices), start=100 * round_index)
 

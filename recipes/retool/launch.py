@@ -86,13 +86,12 @@ def run_in_child(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -
         else:
             returncode = subprocess.run([sys.executable, "-m", "retool.launch", str(job), str(result)], env=child_env(),
                                         check=False).returncode
-        proc = subprocess.CompletedProcess([], returncode)
         outcome = pickle.loads(result.read_bytes()) if result.is_file() else None
-        if proc.returncode == 0 and outcome is not None and outcome[0] == "ok":
+        if returncode == 0 and outcome is not None and outcome[0] == "ok":
             return outcome[1]
         if outcome is not None and outcome[0] == "error":
             raise ChildProcessError(f"{what} failed in its child process: {outcome[1]} (the child's traceback is above).")
-        status = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        status = f"killed by signal {-returncode}" if returncode < 0 else f"exit {returncode}"
         raise ChildProcessError(f"{what} failed: its child process ended ({status}) without a result or an error; "
                                 f"its output is above.")
 

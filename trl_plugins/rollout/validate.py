@@ -70,19 +70,17 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
                     f"log-prob {lp}; only sampled tokens have one (store nan), otherwise provenance "
                     f"and log-probs are misaligned."
                 )
-    first = traj.policy_version.step if traj.policy_version is not None else None
-    previous = None
+    floor, of = (traj.policy_version.step if traj.policy_version is not None else None), "the trajectory"
     for i, step in enumerate(traj.turn_policy_steps()):
         if step is None:
             continue
-        if (first is not None and step < first) or (previous is not None and step < previous):
+        if floor is not None and step < floor:
             raise TrajectoryError(
-                f"{where}, turn {i}: sampled by the weights of step {step}, older than "
-                f"{'the trajectory' if previous is None else 'an earlier turn'} ({first if previous is None else previous}): "
-                f"weights only move forward within an episode. Record each turn's Turn.policy_step as the step of the "
-                f"weights that sampled it, and the trajectory's policy_version.step as its first turn's."
+                f"{where}, turn {i}: sampled by the weights of step {step}, older than {of} ({floor}): weights only "
+                f"move forward within an episode. Record each turn's Turn.policy_step as the step of the weights that "
+                f"sampled it, and the trajectory's policy_version.step as its first turn's."
             )
-        previous = step
+        floor, of = step, "an earlier turn"
     last = traj.turns[-1]
     if last.truncated and traj.stop_reason.is_terminated:
         raise TrajectoryError(

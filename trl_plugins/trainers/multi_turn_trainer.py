@@ -210,7 +210,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
     def _roll_out(self, rows: list[dict]) -> StepBatch:
         """Phases 1-6 of :mod:`~trl_plugins.trainers.phases` on this rank's rows (collectives inside: every rank)."""
         args, steps, step, rank = self.args, self.step_runner, self.state.global_step, self.accelerator.process_index
-        backend, offset = self.generation_backend(), [len(rows)]
+        backend = self.generation_backend()
 
         def sample(part: list[dict], seed: int, id_offset: int = 0) -> tuple[Any, StepBatch]:
             result = steps.roll_out(backend, part, policy_step=step, seed=seed, id_offset=id_offset,
@@ -221,10 +221,9 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
             assert result is not None  # a cancelled rollout means this rank asked for the stop
             return result, steps.score(result, part, policy_step=step)
 
-        def refill(indices: list[int], round_index: int) -> tuple[Any, StepBatch]:
-            more = [self.train_dataset[i] for i in indices]
-            offset[0] += len(more)
-            return sample(more, derive_seed(args.seed, step, rank, "refill", round_index), id_offset=offset[0] - len(more))
+        def refill(indices: list[int], round_index: int, id_offset: int) -> tuple[Any, StepBatch]:
+            return sample([self.train_dataset[i] for i in indices], derive_seed(args.seed, step, rank, "refill", round_index),
+                          id_offset=id_offset)
 
         result, batch = sample(rows, derive_seed(args.seed, step, rank))
         if args.dynamic_sampling:

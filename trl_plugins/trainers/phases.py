@@ -7,8 +7,8 @@ Once per rollout batch (:meth:`StepRunner.roll_out` ... :meth:`StepRunner.old_lo
 1. **rollout**: the run's rollout plugin on this rank's rows (the sampler's weights brought up to date first);
 2. **scoring**: every reward component on every trajectory, then the verifier-failure rate over the ranks
    (one all-reduce; the run stops on every rank alike above ``max_verifier_error_rate``); with ``dynamic_sampling``,
-   **fill** (DAPO): groups whose rewards are all equal are dropped and refill rounds (1-2 on fresh rows) run until the
-   step holds its number of groups over the ranks (one gather of flags per round);
+   **fill** (DAPO): groups whose rewards are all equal are dropped and refill rounds (phases 1-2 on fresh rows) run
+   until the step holds its number of groups over the ranks (one gather of flags per round);
 3. **datums**: why each trajectory is left out (:class:`~trl_plugins.types.LeftOutReason`, recorded on the batch), and
    one datum per trajectory trained on;
 4. **reference log-probs** (``beta > 0``; forwards on every rank), the KL in the reward when asked;
@@ -121,12 +121,6 @@ class StepRunner:
         except RolloutCancelled:
             return None
 
-    def score_and_decide(self, result: RolloutResult, rows: list[dict], *, policy_step: int) -> StepBatch:
-        """2-3. Scores (a collective: the verifier-failure rate over the ranks), left-out reasons and datums."""
-        batch = self.score(result, rows, policy_step=policy_step)
-        self.build_datums(batch)
-        return batch
-
     def score(self, result: RolloutResult, rows: list[dict], *, policy_step: int) -> StepBatch:
         """2. Scores (a collective: the verifier-failure rate over the ranks) and left-out reasons; no datums yet."""
         c, trajs = self.config, result.trajectories
@@ -146,15 +140,16 @@ class StepRunner:
         batch.datums = build_datums_for_update(batch.trajectories, batch.left_out, max_context_tokens=self.run.max_context_tokens,
                                                bootstrap_truncated=c.truncated_policy == "bootstrap")
 
-    def fill(self, result: RolloutResult, batch: StepBatch, *, sample: Callable[[list[int], int], tuple[RolloutResult, StepBatch]],
-             num_rows: int, seed: int) -> StepBatch:
+    def fill(self, result: RolloutResult, batch: StepBatch, *,
+             sample: Callable[[list[int], int, int], tuple[RolloutResult, StepBatch]], num_rows: int, seed: int) -> StepBatch:
         """2b. Dynamic sampling (``dynamic_sampling``; :mod:`~trl_plugins.algos.dynamic_sampling`): keep the step's
         first informative groups, drop the rest, and refill from the training set until the step holds as many groups
         as its first round did over the ranks, or ``dynamic_sampling_max_groups`` is reached.
 
-        ``result`` and ``batch`` are this rank's first round, scored. ``sample(indices, round)`` rolls out and scores
-        the training rows ``indices`` (this rank's share of a refill round: every rank gets at least one row, so that
-        every rank generates in every round). Collectives inside (one gather of flags per round): every rank calls it. Returns the merged batch:
+        ``result`` and ``batch`` are this rank's first round, scored. ``sample(indices, round, id_offset)`` rolls out
+        and scores the training rows ``indices``, this rank's share of a refill round (every rank gets at least one row,
+        so that every rank generates in every round), their question ids numbered from ``id_offset`` (the rows this rank
+        drew before). Collectives inside (one gather of flags per round): every rank calls it. Returns the merged batch:
         every trajectory drawn, those of dropped groups left out (``equal_rewards``, ``surplus``), with the
         ``dynamic_sampling/*`` metrics; no datums yet.
         """
@@ -182,7 +177,7 @@ class StepRunner:
             share = rank_share(count, rank, world)
             start = drawn - target  # refill rows drawn so far this step
             indices = draw_rows(num_rows, start + share.start, len(share), seed=seed)
-            result, batch = sample(indices, len(rounds))
+            result, batch = sample(indices, len(rounds), sum(len(r.batch.rows) for r in rounds))
         merged = _merge_rounds(rounds, self.config.num_generations)
         merged.metrics.update({
             "dynamic_sampling/rounds": float(len(rounds)),

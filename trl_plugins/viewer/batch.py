@@ -136,7 +136,7 @@ def _role(traj: Trajectory, datum: Datum | None, left_out: LeftOutReason | None,
 
 
 def _turns(traj: Trajectory) -> list[dict]:
-    out, pos = [], 0
+    out, pos, steps = [], 0, traj.turn_policy_steps()
     for i, turn in enumerate(traj.turns):
         start = len(turn.prompt_ids)
         calls = [{"name": c.name, "arguments": _scalar(c.arguments), "output": _scalar(c.output), "ok": c.ok,
@@ -144,7 +144,7 @@ def _turns(traj: Trajectory) -> list[dict]:
                   "infra_error": c.infra_error} for c in turn.tool_calls]
         out.append({"index": i, "prompt_start": pos, "completion_start": start, "completion_end": start + len(turn.completion_ids),
                     "text": turn.text, "truncated": turn.truncated, "tool_calls": calls,
-                    "policy_step": traj.turn_policy_steps()[i]})
+                    "policy_step": steps[i]})
         pos = start + len(turn.completion_ids)
     return out
 
