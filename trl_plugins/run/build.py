@@ -195,7 +195,8 @@ def resolve_run(config: Any, *, provenance: Mapping[str, str] | None = None, pef
         raise spec.explain(exc) from exc.__cause__
     try:
         # vLLM's log-probs are never the trainer's own; scope 'all' corrects HF-generated batches too.
-        always = kind.is_vllm or config.mismatch_correction_scope == "all"
+        always = (kind.is_vllm or config.mismatch_correction_scope == "all"
+                  or (config.async_replica and config.off_policy_objective == "decoupled"))  # async: stale tokens
         check_plugin_settings(config, run.rollout, run.advantage, run.policy_loss, correction_applies_always=always)
         check_peft_config(peft_config, config, needs_values=run.advantage.needs_values)
     except BaseException:

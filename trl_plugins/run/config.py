@@ -6,6 +6,7 @@ fields for their types and ranges, TRL's fields honoured, mapped onto the plugin
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,14 @@ class MultiTurnGRPOConfig(GRPOConfig):
     dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: a group whose members trained on all got the same dynamic_sampling_metric (all right, all wrong) is dropped, and fresh groups (rows drawn at random from the training set) are rolled out until the step holds its number of groups, or dynamic_sampling_max_groups is reached (the step then trains on the groups it kept). The choice is global over the ranks. docs/training.md."})
     dynamic_sampling_metric: str = field(default="reward", metadata={"help": "What dynamic sampling compares within a group: 'reward' (the weighted total) or the name of one reward component (e.g. 'correct', DAPO's accuracy)."})
     dynamic_sampling_max_groups: float = field(default=3.0, metadata={"help": "The most groups dynamic sampling rolls out in a step, as a multiple of the step's groups (the first round included; >= 1)."})
+    vllm_importance_sampling_mode: str | None = field(default=None, metadata={"help": "How the importance weights of the sampler/trainer mismatch correction are bounded: token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's modes). None: TRL's sequence_mask, or token_truncate with async_rollouts' decoupled objective (a per-token weight, as AReaL's: a whole sequence's ratio after an update is often outside the bounds)."})
+    async_rollouts: bool = field(default=False, metadata={"help": "Roll out the next steps' batches while this one trains: a generation replica of the policy (a process of its own, weights pushed after each update) samples up to max_staleness optimizer steps behind the weights being updated; the update corrects for it (off_policy_objective). 1 process or DDP, HF generate or continuous batching, on the CPU; the rest is refused at start-up. docs/training.md."})
+    max_staleness: int = field(default=1, metadata={"help": "async_rollouts: the most optimizer steps between the weights that sampled a token and the weights it trains (the replica waits rather than exceed it; nothing is dropped). 0: the synchronous loop, bit for bit."})
+    off_policy_objective: str = field(default="decoupled", metadata={"help": "async_rollouts: 'decoupled' - the PPO ratio against the proximal policy (the weights at the start of this update, recomputed by a forward) and the behaviour policy only in a truncated importance weight pi_prox / pi_behaviour (the vllm_importance_sampling_* bounds); 'behaviour' - the ratio against the behaviour log-probs directly (no forward; the clip then bounds the whole drift). docs/reference_equivalence.md."})
+    async_probe_tolerance: float | None = field(default=None, metadata={"help": "async_rollouts tripwire: after each weight push the replica's log-probs of a fixed probe sequence must match the trainer's within this (max abs difference per token); beyond it the run stops. None: 1e-3 for fp32 weights, 5e-2 for bf16/fp16. A negative value turns the check off."})
+    async_max_logprob_gap: float | None = field(default=2.0, metadata={"help": "async_rollouts tripwire (decoupled objective): the run stops when a step's mean |log pi_prox - log pi_behaviour| over its trained tokens (all ranks) exceeds this. None: off."})
+    async_min_importance_ess: float | None = field(default=0.2, metadata={"help": "async_rollouts tripwire (decoupled objective): the run stops when the effective sample size of a step's untruncated importance weights pi_prox / pi_behaviour, (sum w)^2 / (n sum w^2) over its trained tokens (all ranks), falls below this share. None: off."})
+    async_replica_threads: int | None = field(default=None, metadata={"help": "async_rollouts: torch threads of the generation replica process (None: half the cores, at least 1)."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
     kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
     mismatch_correction_scope: str = field(default="foreign", metadata={"help": "Which rollout batches get the sampler/trainer mismatch correction (TRL's vllm_importance_sampling_correction, on by default): 'foreign' - batches with trajectories whose log-probs are not the trainer's own (logprob_source other than temperature_scaled, e.g. vLLM's processed); 'all' - every batch, HF generate included (old log-probs from a trainer forward). docs/training.md."})
@@ -133,6 +142,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(f"vllm_max_concurrent_requests={self.vllm_max_concurrent_requests} is set but only server mode "
                              f"uses it: set use_vllm=True and vllm_mode='server', or drop it.")
         self._map_kl_and_entropy()
+        if self.vllm_importance_sampling_mode is None:
+            decoupled = self.async_replica and self.off_policy_objective == "decoupled" and self.vllm_importance_sampling_correction
+            self.vllm_importance_sampling_mode = "token_truncate" if decoupled else "sequence_mask"
         self._check_mismatch_correction()
         self._check_continuous_batching()
         if self.padding_free:
@@ -147,6 +159,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"{self.max_verifier_error_rate}, {self.min_valid_group_fraction}."
             )
         self._check_dynamic_sampling()
+        self._check_async_rollouts()
         if self.reward_time_limit_s is not None and self.reward_time_limit_s <= 0:
             raise ValueError(f"reward_time_limit_s must be > 0 or None, got {self.reward_time_limit_s}.")
         if self.critic_warmup_steps < 0 or self.vf_clip <= 0 or self.vf_coef <= 0:
@@ -272,6 +285,72 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(f"dynamic_sampling_max_groups={self.dynamic_sampling_max_groups}: the cap counts the step's "
                              f"first round too, so it must be >= 1 (1: no refill, only the drop).")
 
+    @property
+    def async_replica(self) -> bool:
+        """Whether a generation replica samples ahead of the update (``async_rollouts`` with ``max_staleness > 0``)."""
+        return bool(self.async_rollouts and self.max_staleness > 0)
+
+    def _check_async_rollouts(self) -> None:
+        names = ("max_staleness", "off_policy_objective", "async_probe_tolerance", "async_max_logprob_gap",
+                 "async_min_importance_ess", "async_replica_threads")
+        given = [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != self.__dataclass_fields__[n].default]
+        if not self.async_rollouts:
+            if given:
+                raise ValueError(f"{', '.join(given)} configure asynchronous rollouts, which are off: set "
+                                 f"async_rollouts=True, or drop them.")
+            return
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness}: it counts optimizer steps (0: the synchronous loop).")
+        if self.off_policy_objective not in ("decoupled", "behaviour"):
+            raise SettingError("off_policy_objective", f"{self.off_policy_objective!r} is not one of 'decoupled', "
+                                                       f"'behaviour'.{nearest(self.off_policy_objective, ['decoupled', 'behaviour'])}")
+        if self.async_replica_threads is not None and self.async_replica_threads < 1:
+            raise ValueError(f"async_replica_threads must be >= 1 or None, got {self.async_replica_threads}.")
+        if self.async_min_importance_ess is not None and not 0 <= self.async_min_importance_ess <= 1:
+            raise ValueError(f"async_min_importance_ess is a share in [0, 1] (or None: off), got {self.async_min_importance_ess}.")
+        if self.max_staleness == 0:
+            extra = [g for g in given if not g.startswith("max_staleness")]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} configure how stale rollouts are trained, but max_staleness=0 is the "
+                                 f"synchronous loop (no replica, nothing stale): drop them or set max_staleness >= 1.")
+            return
+        if self.off_policy_objective == "decoupled" and not self.vllm_importance_sampling_correction:
+            raise ValueError("off_policy_objective='decoupled' weighs stale tokens by the truncated importance weight "
+                             "pi_prox / pi_behaviour, which vllm_importance_sampling_correction=False turns off: turn it on, "
+                             "or set off_policy_objective='behaviour'.")
+        if (self.off_policy_objective == "decoupled" and self.vllm_importance_sampling_mode.endswith("truncate")
+                and self.vllm_importance_sampling_clip_min is None and self.vllm_importance_sampling_clip_max is None):
+            raise ValueError(f"the decoupled objective truncates its importance weights "
+                             f"(vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}) but neither "
+                             f"vllm_importance_sampling_clip_min nor vllm_importance_sampling_clip_max is set: set one.")
+        # Honour or refuse: what the replica path does not do yet is refused before anything loads.
+        missing = self.async_unavailable(os.environ)
+        if missing:
+            raise ValueError(f"async_rollouts with max_staleness={self.max_staleness} is not available with "
+                             f"{'; '.join(missing)}. Or set max_staleness=0 (the synchronous loop). docs/training.md says "
+                             f"what the asynchronous path supports.")
+
+    def async_unavailable(self, environ: Any) -> list[str]:
+        """What ``async_rollouts`` (with a replica) cannot do yet in this run, given the launcher's ``environ``; each
+        with what to use instead. Empty: available."""
+        missing = []
+        if self.use_vllm:
+            missing.append("vLLM (colocate or server mode): use HF generate or use_transformers_continuous_batching")
+        if self.num_iterations > 1:
+            missing.append(f"num_iterations={self.num_iterations} (several updates per rollout): use 1")
+        if self.dynamic_sampling:
+            missing.append("dynamic_sampling (its refill rounds sample within the step): set dynamic_sampling=False")
+        if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or self.deepspeed:
+            missing.append("DeepSpeed (ZeRO-2/3): launch with DDP (accelerate_configs/cpu_ddp.yaml) or one process")
+        world, local = environ.get("WORLD_SIZE"), environ.get("LOCAL_WORLD_SIZE")
+        if world and local and world != local:
+            missing.append(f"several machines (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}): run on one machine")
+        import torch
+
+        if not self.use_cpu and (torch.cuda.is_available() or torch.backends.mps.is_available()):
+            missing.append("an accelerator device (the replica is built and measured on the CPU only): set use_cpu=True")
+        return missing
+
     def _check_continuous_batching(self) -> None:
         # TRL's __post_init__ has already turned the deprecated use_transformers_paged into the new switch.
         if not self.use_transformers_continuous_batching:
@@ -323,7 +402,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
         given = [f"{n}={getattr(self, n)!r}" for n in names if is_set(self, n)]
         if given and not on:
             raise ValueError(f"{', '.join(given)} configure the mismatch correction, which vllm_importance_sampling_correction=False turns off; drop them or turn it on.")
-        if given and self.mismatch_correction_scope == "foreign" and not self.use_vllm:
+        if given and self.mismatch_correction_scope == "foreign" and not self.use_vllm and not self.async_replica:
             raise ValueError(
                 f"{', '.join(given)} configure the sampler/trainer mismatch correction, which in "
                 f"mismatch_correction_scope='foreign' applies only to trajectories whose log-probs are not the "

@@ -37,6 +37,7 @@ from trl_plugins.run.config import MultiTurnGRPOConfig
 from trl_plugins.modeling import disable_dropout
 from trl_plugins.run.lora import check_model_dropout, check_peft_model
 from trl_plugins.run.sampler import make_backend, sampling_settings
+from trl_plugins.trainers.async_rollouts import AsyncRollouts
 from trl_plugins.trainers.callbacks import OptimizerTimer, PeakMemory, StopAtStepEnd, ViewerPages, log_trajectory_tables
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
 from trl_plugins.trainers.console import use_compact_console
@@ -157,6 +158,10 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self._metric_reductions = {k: v for plugin in (*run.tools.values(), run.advantage, run.policy_loss)
                                    for k, v in plugin.metric_reductions().items()}
         self._last_table_step = -1
+        # async_rollouts: a generation replica samples the next batches while this one trains (docs/training.md).
+        self._async = AsyncRollouts(args, dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args),
+                                    sampler=run.sampler, pad_token_id=self.processing_class.pad_token_id,
+                                    token_budget=run.rollout.token_budget) if args.async_replica else None
 
     def generation_backend(self, *, temperature: float | None = None) -> Any:
         """The run's sampler (vLLM, transformers' continuous batching or HF generate on the training model) with the
@@ -191,7 +196,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         rows = list(inputs)[:: self.num_generations]  # TRL's sampler repeats each question G times
         fresh = self._step % self.num_iterations == 0 or self.last_batch is None
         if fresh:
-            self.last_batch = self._roll_out(rows)
+            self.last_batch = self._roll_out(rows) if self._async is None else self._roll_out_async(rows)
             metrics = dict(self.last_batch.metrics)
         else:
             self._raise_if_stop_agreed()
@@ -235,6 +240,41 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         steps.old_logprobs(batch, self.model_wrapped)
         steps.summarise(batch)
         return batch
+
+    def _roll_out_async(self, rows: list[dict]) -> StepBatch:
+        """Phases 1-6 with the rollout from the generation replica (:mod:`~trl_plugins.trainers.async_rollouts`): the
+        weights of this step pushed, the next batches queued, this step's rollout collected; the rest as
+        :meth:`_roll_out`, the old log-probs being the proximal policy's with the decoupled objective."""
+        args, steps, step, rank = self.args, self.step_runner, self.state.global_step, self.accelerator.process_index
+        upcoming = [list(b)[:: self.num_generations] for b in self._async.upcoming]
+        stop = self.stop_event
+        answer, metrics = self._async.roll_out(
+            step, rows, upcoming, self.accelerator.unwrap_model(self.model), group_size=self.num_generations,
+            seed=lambda s: derive_seed(args.seed, s, rank), cancelled=(lambda: stop.is_set()) if stop is not None else None)
+        self._raise_if_stop_agreed()  # every rank agrees here, as after a synchronous rollout
+        assert answer is not None  # a cancelled wait means this rank asked for the stop
+        batch = steps.score(answer.result, rows, policy_step=answer.policy_step)
+        batch.metrics.update(metrics)
+        steps.build_datums(batch)
+        steps.reference(batch, *self._reference_model())
+        steps.advantages(batch)
+        steps.old_logprobs(batch, self.model_wrapped)
+        steps.check_off_policy(batch)
+        steps.summarise(batch, tool_metrics=answer.tool_metrics)
+        return batch
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """As ``Trainer.get_batch_samples``; with ``async_rollouts`` the loader is read ``max_staleness`` batches
+        ahead, so that the replica can roll them out while this step trains (the batches and their order unchanged)."""
+        if self._async is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        steps_left = (self.state.max_steps - self.state.global_step) if self.state.max_steps > 0 else 1 << 30
+        return self._async.take(epoch_iterator, num_batches, steps_left), None
+
+    def _release_step_resources(self) -> None:
+        """Stop the generation replica (however training ends)."""
+        if self._async is not None:
+            self._async.close()
 
     def _reference_model(self) -> tuple[Any, Any]:
         """The reference on the datums: TRL's frozen reference model (prepared like the policy, so sharded under

@@ -56,7 +56,8 @@ from trl_plugins.trainers.batch import (
 )
 from trl_plugins.trainers.critic import rollout_values, value_update
 from trl_plugins.trainers.ranks import all_reduce_sum, reduce_over_ranks
-from trl_plugins.trainers.update import datums_to_forward, mismatch_correction_applies, old_logprobs, policy_update, reference_logprobs
+from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
+from trl_plugins.trainers.update import datums_to_forward, decoupled_objective, mismatch_correction_applies, old_logprobs, policy_update, reference_logprobs
 from trl_plugins.types import Datum, LeftOutReason, StopReason, Trajectory
 
 __all__ = ["StepBatch", "StepRunner"]
@@ -230,11 +231,25 @@ class StepRunner:
         old_logprobs(self.accelerator, policy, forwarded, c, pad_token_id=self.pad_token_id)
         batch.metrics["timing/old_logprobs_s"] = time.perf_counter() - start
 
-    def summarise(self, batch: StepBatch) -> None:
-        """The batch's trajectory summaries and this rank's tools' step metrics."""
+    def check_off_policy(self, batch: StepBatch) -> None:
+        """6b. With the decoupled objective (``async_rollouts``): the gap between the proximal and the behaviour
+        log-probs and the importance weights' effective sample size over every rank's trained tokens, against their
+        tripwires (one all-reduce; every rank stops alike)."""
+        if not decoupled_objective(self.config):
+            return
+        forwarded = [batch.datums[i] for i in datums_to_forward(batch.datums, self.run.policy_loss, self.config)]
+        totals = reduce_over_ranks(self.accelerator, off_policy_figures(forwarded), "sum")
+        batch.metrics.update(check_off_policy(self.config, totals))
+
+    def summarise(self, batch: StepBatch, *, tool_metrics: Mapping[str, float] | None = None) -> None:
+        """The batch's trajectory summaries and this rank's tools' step metrics (``tool_metrics``: those reported by
+        the process that ran the tools, the generation replica)."""
         rank = self.accelerator.process_index
         batch.summaries = [summarize(t, rank=rank, masked=m) for t, m in zip(batch.trajectories, batch.masked)]
         batch.metrics["train/datums"] = float(len(batch.datums))
+        if tool_metrics is not None:
+            batch.metrics.update(tool_metrics)
+            return
         for tool in self.run.tools.values():
             batch.metrics.update(tool.step_metrics())
 

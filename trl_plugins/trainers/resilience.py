@@ -99,7 +99,7 @@ class Resilient:
             if self._critic is not None:
                 load_critic(self.accelerator, self._critic, self._critic_optimizer, str(folder))
         die_with_launcher()
-        self._stop = StopSignals(on_hard_stop=self.run.close)
+        self._stop = StopSignals(on_hard_stop=self._hard_stop)
         try:
             with self._stop:
                 output = super().train(folder, *args, **kwargs)
@@ -115,7 +115,15 @@ class Resilient:
             raise
         finally:
             self._stop = None
+            self._release_step_resources()
             self.run.close()
+
+    def _release_step_resources(self) -> None:
+        """Release what a step holds beyond the run's plugins (a generation replica); however training ends."""
+
+    def _hard_stop(self) -> None:
+        self._release_step_resources()
+        self.run.close()
 
     def _prepare_resume(self, point: ResumePoint) -> None:
         """Say where the run resumes (log and stdout, main process); there, set damaged checkpoints aside and trim

@@ -208,6 +208,14 @@ def old_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datu
     _fill_logprobs(accelerator, model, datums, config, "old_logprobs", pad_token_id=pad_token_id)
 
 
+def decoupled_objective(config: Any) -> bool:
+    """Whether stale rollouts train with the decoupled PPO objective (``async_rollouts``, ``max_staleness > 0``,
+    ``off_policy_objective='decoupled'``): the old log-probs are the proximal policy's, recomputed by a forward of
+    the weights at the start of the update, and the behaviour log-probs enter only through the truncated importance
+    weight ``pi_prox / pi_behaviour`` (the mismatch correction's, on every batch)."""
+    return bool(getattr(config, "async_replica", False) and config.off_policy_objective == "decoupled")
+
+
 def mismatch_correction_applies(accelerator: Any, trajectories: Sequence[Trajectory], policy_loss: Any, config: Any) -> bool:
     """Whether this rollout batch gets the sampler/trainer mismatch correction; the same answer on every rank.
 
@@ -225,7 +233,7 @@ def mismatch_correction_applies(accelerator: Any, trajectories: Sequence[Traject
     """
     if not config.vllm_importance_sampling_correction:
         return False
-    if config.mismatch_correction_scope == "all":
+    if config.mismatch_correction_scope == "all" or decoupled_objective(config):
         applies = True
     else:
         foreign = any(t.policy_version is not None and t.policy_version.logprob_source != TRAINER_LOGPROB_SOURCE

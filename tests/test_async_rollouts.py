@@ -1,0 +1,354 @@
+"""Asynchronous rollouts (issue 27): the generation replica, pacing, the decoupled objective, tripwires, resume.
+
+The trainer runs here in-process on the tiny model (a few seconds each); the kill/resume test runs it in a child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from test_trainer import TokenReward, _config, _dataset
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
+
+HERE = os.path.dirname(__file__)
+
+
+def _trainer(tmp_path, n_rows=8, **overrides):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    torch.manual_seed(0)
+    model = build_tiny_model(tok)
+    overrides.setdefault("per_device_train_batch_size", 8)  # 4 questions x 2 per step: 2 steps per epoch of 8 rows
+    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, **overrides), train_dataset=_dataset(n_rows), processing_class=tok,
+                                   reward_components={"length": TokenReward()})
+    return trainer
+
+
+def _record_batches(trainer):
+    """Each fresh batch's step, rows and trajectories, as the step trains them."""
+    seen = []
+    score = trainer.step_runner.score
+
+    def recording(result, rows, *, policy_step):
+        batch = score(result, rows, policy_step=policy_step)
+        seen.append((trainer.state.global_step, [r["prompt"] for r in rows], batch))
+        return batch
+
+    trainer.step_runner.score = recording
+    return seen
+
+
+def _records(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "train/staleness_mean" in line]
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(max_staleness=2), "configure asynchronous rollouts, which are off"),
+    (dict(off_policy_objective="behaviour"), "configure asynchronous rollouts, which are off"),
+    (dict(async_rollouts=True, max_staleness=-1), "counts optimizer steps"),
+    (dict(async_rollouts=True, off_policy_objective="decouple"), "Did you mean 'decoupled'"),
+    (dict(async_rollouts=True, max_staleness=0, off_policy_objective="behaviour"), "max_staleness=0 is the synchronous loop"),
+    (dict(async_rollouts=True, vllm_importance_sampling_correction=False), "set off_policy_objective='behaviour'"),
+    (dict(async_rollouts=True, num_iterations=2), "num_iterations=2"),
+    (dict(async_rollouts=True, dynamic_sampling=True), "dynamic_sampling"),
+    (dict(async_rollouts=True, async_min_importance_ess=1.5), "share in"),
+    (dict(async_rollouts=True, async_replica_threads=0), "async_replica_threads"),
+    (dict(async_rollouts=True, vllm_importance_sampling_clip_max=None), "set one"),
+])
+def test_settings_are_honoured_or_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path, **overrides)
+
+
+def test_what_is_not_built_yet_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="not available with DeepSpeed.*Or set max_staleness=0"):
+        _config(tmp_path, async_rollouts=True)
+    _config(tmp_path, async_rollouts=True, max_staleness=0)  # the synchronous loop runs anywhere
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    # A multi-node launch (its environment cannot be faked here: TrainingArguments would connect to the other nodes).
+    c = _config(tmp_path, async_rollouts=True)
+    assert c.async_unavailable({}) == []
+    assert "several machines" in c.async_unavailable({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})[0]
+    assert c.async_unavailable({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == []
+
+
+def test_lora_and_span_losses_are_refused_when_the_run_is_resolved(tmp_path):
+    from peft import LoraConfig
+
+    from trl_plugins.run import resolve_run
+
+    with pytest.raises(ValueError, match="LoRA adapter"):
+        resolve_run(_config(tmp_path, async_rollouts=True), peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+                    reward_components={"length": TokenReward()})
+    # The decoupled objective weighs tokens by pi_prox / pi_behaviour: a loss that drops the weights cannot train it.
+    with pytest.raises(ValueError, match="supports_is_weights"):
+        resolve_run(_config(tmp_path, async_rollouts=True, policy_loss="gspo"), reward_components={"length": TokenReward()})
+    run = resolve_run(_config(tmp_path, async_rollouts=True, policy_loss="gspo", off_policy_objective="behaviour"),
+                      reward_components={"length": TokenReward()})
+    run.close()
+
+
+def test_the_decoupled_weight_is_per_token_unless_chosen():
+    from test_trainer import _config as cfg
+
+    assert cfg("/tmp/x", async_rollouts=True).vllm_importance_sampling_mode == "token_truncate"
+    assert cfg("/tmp/x", async_rollouts=True, vllm_importance_sampling_mode="sequence_mask").vllm_importance_sampling_mode == "sequence_mask"
+    assert cfg("/tmp/x").vllm_importance_sampling_mode == "sequence_mask"  # TRL's default elsewhere
+
+
+# -- the tripwires' figures by hand -----------------------------------------------------------------
+
+
+def test_off_policy_figures_by_hand():
+    from conftest import make_trajectory
+
+    from trl_plugins.datum import build_datum
+    from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
+    from test_trainer import _config as cfg
+
+    import random
+
+    datum = build_datum(make_trajectory(random.Random(0), num_turns=2))
+    on = [i for i, m in enumerate(datum.action_mask) if m]
+    assert len(on) >= 2
+    d = [0.0] * len(datum.action_mask)
+    d[on[0]], d[on[1]] = 0.5, -0.25
+    datum.old_logprobs = [b + x for b, x in zip(datum.behaviour_logprobs, d)]
+    n, gap, w_sum, w_sq = off_policy_figures([datum, build_datum(make_trajectory(random.Random(1), num_turns=2))])  # one without old log-probs
+    expect_w = [1.0] * (len(on) - 2) + [float(torch.exp(torch.tensor(0.5))), float(torch.exp(torch.tensor(-0.25)))]
+    assert n == len(on) and gap == pytest.approx(0.75)
+    assert w_sum == pytest.approx(sum(expect_w)) and w_sq == pytest.approx(sum(x * x for x in expect_w))
+    c = cfg("/tmp/x", async_rollouts=True)
+    out = check_off_policy(c, [n, gap, w_sum, w_sq])
+    assert out["async/logprob_gap"] == pytest.approx(0.75 / n)
+    assert out["async/importance_ess"] == pytest.approx(sum(expect_w) ** 2 / (n * sum(x * x for x in expect_w)))
+    from trl_plugins.trainers.async_rollouts import OffPolicyDrift
+
+    with pytest.raises(OffPolicyDrift, match=r"log-prob gap: .* over async_max_logprob_gap=0.01"):
+        check_off_policy(cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=0.01), [n, gap, w_sum, w_sq])
+    with pytest.raises(OffPolicyDrift, match=r"importance-weight ESS: .* under async_min_importance_ess=0.999"):
+        check_off_policy(cfg("/tmp/x", async_rollouts=True, async_min_importance_ess=0.999), [n, gap, w_sum, w_sq])
+    assert check_off_policy(cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=None, async_min_importance_ess=None),
+                            [n, gap, w_sum, w_sq])["async/logprob_gap"] > 0
+
+
+# -- the trainer ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
+    runs = []
+    for i, extra in enumerate([{}, dict(async_rollouts=True, max_staleness=0)]):
+        trainer = _trainer(tmp_path / str(i), max_steps=3, **extra)
+        trainer.train()
+        assert trainer._async is None
+        runs.append([p.detach().clone() for p in trainer.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,versions", [(1, [0, 0, 1, 3, 3, 4]), (2, [0, 0, 0, 3, 3, 3])])
+def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, k, versions):
+    # 12 rows, 4 per step (8 trajectories, groups of 2): 3 steps per epoch, 2 epochs. Each step trains the rows the
+    # synchronous loop would train at that step, sampled by the weights of step - k or newer: the read-ahead stays
+    # within an epoch (the HF loop makes the next epoch's loader only when this one ends), so the first batches of
+    # an epoch are queued when it starts, with the weights of that step.
+    sync = _trainer(tmp_path / "sync", n_rows=12, max_steps=6)
+    sync_seen = _record_batches(sync)
+    sync.train()
+    trainer = _trainer(tmp_path / "async", n_rows=12, max_steps=6, async_rollouts=True, max_staleness=k)
+    seen = _record_batches(trainer)
+    trainer.train()
+    assert [(s, rows) for s, rows, _ in seen] == [(s, rows) for s, rows, _ in sync_seen]
+    for epoch in range(2):
+        rows = [r for s, rs, _ in seen[3 * epoch: 3 * epoch + 3] for r in rs]
+        assert sorted(rows) == sorted(r["prompt"] for r in _dataset(12))
+    # Pacing: batch s is queued once the weights of step s - k are pushed; the replica runs queued batches in order.
+    assert [batch.policy_step for _, _, batch in seen] == versions
+    for step, _, batch in seen:
+        assert step - k <= batch.policy_step <= step
+        assert {s for t in batch.trajectories for s in t.turn_policy_steps()} == {batch.policy_step}
+    records = _records(tmp_path / "async")
+    assert [r["train/staleness_max"] for r in records] == [float(s - v) for s, v in enumerate(versions)]
+    assert [r["train/policy_version_lag"] for r in records] == [float(s - v) for s, v in enumerate(versions)]
+    assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
+    assert all(0 < r["async/importance_ess"] <= 1 for r in records)
+    assert trainer._async.replica is None  # stopped when training ended
+
+
+@pytest.mark.slow
+def test_the_replica_samples_what_the_trainer_would(tmp_path):
+    # Step 0 of an async run is sampled by the replica with the initial weights and step 0's seed: the same tokens
+    # as the synchronous loop's step 0 (sampled in-process), and log-probs equal to float precision.
+    sync = _trainer(tmp_path / "sync", max_steps=1)
+    a = _record_batches(sync)
+    sync.train()
+    trainer = _trainer(tmp_path / "async", max_steps=1, async_rollouts=True)
+    b = _record_batches(trainer)
+    trainer.train()
+    (_, _, mine), (_, _, theirs) = a[0], b[0]
+    assert [t.turns[i].completion_ids for t in mine.trajectories for i in range(len(t.turns))] == \
+           [t.turns[i].completion_ids for t in theirs.trajectories for i in range(len(t.turns))]
+    for t, u in zip(mine.trajectories, theirs.trajectories):
+        for x, y in zip(t.turns, u.turns):
+            assert x.completion_logprobs == pytest.approx(y.completion_logprobs, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_decoupled_objective_anchors_on_the_proximal_policy(tmp_path):
+    # At step 2 (k = 1) the tokens were sampled by the weights of step 1; the update's old log-probs are the
+    # weights of step 2's own (the proximal policy), its behaviour log-probs step 1's, and the importance weight
+    # is their ratio truncated at vllm_importance_sampling_clip_max, per token.
+    from trl_plugins.algos import importance_weights
+    from trl_plugins.trainers.update import decoupled_objective
+
+    trainer = _trainer(tmp_path, n_rows=12, max_steps=3, async_rollouts=True, max_staleness=1)
+    assert decoupled_objective(trainer.args)
+    snapshots = {}
+    update = trainer.step_runner.update
+
+    def capturing(batch, model, optimizer, *, global_step):
+        snapshots[global_step] = ({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, batch)
+        return update(batch, model, optimizer, global_step=global_step)
+
+    trainer.step_runner.update = capturing
+    trainer.train()
+    proximal, batch = snapshots[2]
+    assert batch.policy_step == 1
+    behaviour_weights, _ = snapshots[1]
+    tok = trainer.processing_class
+    model = build_tiny_model(tok)
+    checked = 0
+    for weights, field in ((proximal, "old_logprobs"), (behaviour_weights, "behaviour_logprobs")):
+        model.load_state_dict(weights)
+        for d in batch.datums:
+            if d.old_logprobs is None:
+                continue
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([d.input_ids])).logits[0].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(d.target_ids)[:, None])[:, 0]
+            mask = torch.tensor(d.action_mask, dtype=torch.bool)
+            assert torch.allclose(lp[mask], torch.tensor(getattr(d, field))[mask].float(), atol=1e-4), field
+            checked += 1
+    assert checked >= 2
+    d = next(d for d in batch.datums if d.old_logprobs is not None)
+    old, beh = torch.tensor([d.old_logprobs]), torch.tensor([d.behaviour_logprobs])
+    mask = torch.tensor([d.action_mask])
+    w = importance_weights(old, beh, mask, "token_truncate", clip_max=trainer.args.vllm_importance_sampling_clip_max).weights
+    expect = torch.where(mask.bool(), torch.exp(old - beh).clamp(max=3.0), torch.zeros_like(old))
+    assert torch.allclose(w, expect) and not torch.allclose(old[mask.bool()], beh[mask.bool()])
+
+
+@pytest.mark.slow
+def test_a_weight_push_that_does_nothing_stops_the_run(tmp_path, monkeypatch):
+    from trl_plugins.trainers import async_rollouts
+    from trl_plugins.trainers.async_rollouts import OffPolicyDrift
+
+    trainer = _trainer(tmp_path, max_steps=3, async_rollouts=True)
+    first = async_rollouts.cpu_state_dict(trainer.model)
+    monkeypatch.setattr(async_rollouts, "cpu_state_dict", lambda model: first)  # the replica keeps step 0's weights
+    with pytest.raises(OffPolicyDrift, match=r"weight-push probe: after the push of step 1's weights.*async_probe_tolerance=0.001"):
+        trainer.train()
+    assert trainer._async.replica is None
+
+
+@pytest.mark.slow
+def test_a_failing_replica_names_its_error_and_leaves_no_process(tmp_path):
+    from trl_plugins.trainers.replica import ReplicaError
+
+    trainer = _trainer(tmp_path, max_steps=2, async_rollouts=True, rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12,
+                                                                                     "max_trajectory_tokens": 600})
+    trainer._async.parts["rollout"] = None  # the replica cannot roll out
+    pids = []
+    real = trainer._async.roll_out
+
+    def spying(*a, **k):
+        try:
+            return real(*a, **k)
+        finally:
+            if trainer._async.replica is not None:
+                pids.append(trainer._async.replica.pid)
+
+    trainer._async.roll_out = spying
+    with pytest.raises(ReplicaError, match="the generation replica failed"):
+        trainer.train()
+    assert pids and not _alive(pids[0])
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie not yet reaped counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+_JOB = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from transformers import TrainerCallback
+    from test_async_rollouts import _trainer
+    from pathlib import Path
+
+    out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            batch = trainer.last_batch
+            with open(out / "trained.jsonl", "a") as f:
+                f.write(json.dumps({{"step": state.global_step, "rows": [r["prompt"] for r in batch.rows],
+                                    "replica": trainer._async.replica.pid}}) + "\\n")
+            if state.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = _trainer(out, n_rows=8, max_steps=6, async_rollouts=True, max_staleness=2, save_strategy="steps",
+                       save_steps=2)
+    trainer.add_callback(Record())
+    trainer.train(resume_from_checkpoint=kill_at < 0)
+""")
+
+
+@pytest.mark.slow
+def test_kill_9_in_the_middle_then_resume_trains_each_row_once(tmp_path):
+    # Killed at step 3 with the rows of steps 4-5 read ahead and in flight; resumed from checkpoint-2, every row is
+    # trained once per epoch (3 epochs of 2 steps), counted by the rows each final step trained.
+    script = tmp_path / "job.py"
+    script.write_text(_JOB.format(tests=HERE))
+    env = {**os.environ, "PYTHONPATH": HERE}
+    first = subprocess.run([sys.executable, str(script), str(tmp_path), "3"], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
+    replica = records[-1]["replica"]
+    deadline = time.time() + 10
+    while _alive(replica) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(replica), "the replica outlived its killed trainer"
+    second = subprocess.run([sys.executable, str(script), str(tmp_path), "-1"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
+    final = {}
+    for r in records:  # a step the kill cut short is trained again after the resume: the last record counts
+        final[r["step"]] = r["rows"]
+    assert sorted(final) == [1, 2, 3, 4, 5, 6]
+    everything = sorted(r["prompt"] for r in _dataset(8))
+    for epoch in range(3):
+        assert sorted(final[2 * epoch + 1] + final[2 * epoch + 2]) == everything
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 4, 5, 6]

@@ -1,0 +1,198 @@
+"""Asynchronous rollouts with bounded staleness (``async_rollouts``, ``max_staleness = k > 0``): the trainer's side.
+
+The trainer's dataloader is read ``k`` batches ahead (:meth:`AsyncRollouts.take`, called by the HF loop's
+``get_batch_samples``); each batch is handed to the generation replica (:mod:`~trl_plugins.trainers.replica`) as
+soon as the weights it may use exist. At step ``s`` the trainer pushes the weights of step ``s``, queues the batches of
+steps up to ``s + k``, and waits for step ``s``'s rollout, which the replica sampled with weights of step ``s - k`` or
+later; while step ``s`` trains, the replica rolls out the next ones. Pacing, not discarding: a batch is never queued
+before the weights it may use exist, so the replica waits instead of exceeding ``k``, and every batch the loader
+yields is trained once, at the step the synchronous loop would train it (the dataloader's order and epochs are
+unchanged).
+
+Resume: a checkpoint holds the steps trained; the rows read ahead and in flight were not trained, so the resumed HF
+loop (which skips the batches of the steps trained) reads and rolls them out again: each row is trained once per
+epoch, after SIGTERM or kill -9 alike.
+
+Tripwires (on by default, each configurable): after every push the replica's log-probs of a fixed probe sequence
+must match the trainer's (``async_probe_tolerance``); with the decoupled objective, the step's mean log-prob gap
+between the proximal and the behaviour policy (``async_max_logprob_gap``) and the importance weights' effective sample
+size (``async_min_importance_ess``) have bounds (:func:`off_policy_figures`). Crossing one stops the run with a message
+naming the check, the figure and the threshold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from trl_plugins.trainers.replica import GenerationReplica, ReplicaResult, cpu_state_dict, probe_logprobs, probe_tokens
+from trl_plugins.types import Datum
+
+__all__ = ["AsyncRollouts", "OffPolicyDrift", "off_policy_figures", "probe_tolerance"]
+
+
+class OffPolicyDrift(RuntimeError):
+    """A tripwire of the asynchronous path was crossed (the message names the check, the figure and the threshold)."""
+
+
+def probe_tolerance(config: Any, dtype: torch.dtype) -> float:
+    """``async_probe_tolerance``, or its default for ``dtype``: 1e-3 for fp32 weights, 5e-2 for bf16/fp16."""
+    if config.async_probe_tolerance is not None:
+        return float(config.async_probe_tolerance)
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+def off_policy_figures(datums: Sequence[Datum]) -> list[float]:
+    """Sums over the action tokens of ``datums`` that carry old (proximal) log-probs, to be summed over ranks:
+    ``[n, sum |d|, sum w, sum w^2]`` with ``d = old - behaviour`` and ``w = exp(d)`` (untruncated; the exponent
+    clamped to +-20 as the importance weights' is)."""
+    n = gap = w_sum = w_sq = 0.0
+    for d in datums:
+        if d.old_logprobs is None:
+            continue
+        mask = torch.tensor(d.action_mask, dtype=torch.bool)
+        if not mask.any():
+            continue
+        old = torch.as_tensor(d.old_logprobs, dtype=torch.float64)[mask]
+        behaviour = torch.tensor(d.behaviour_logprobs, dtype=torch.float64)[mask]
+        diff = old - behaviour
+        w = torch.exp(diff.clamp(-20.0, 20.0))
+        n += float(mask.sum())
+        gap += float(diff.abs().sum())
+        w_sum += float(w.sum())
+        w_sq += float((w * w).sum())
+    return [n, gap, w_sum, w_sq]
+
+
+class AsyncRollouts:
+    """The trainer's side of asynchronous rollouts on one rank.
+
+    Args:
+        config: The run's ``MultiTurnGRPOConfig`` (``async_replica`` true).
+        parts: What the replica's rollout needs (``rollout``, ``tools``, ``chat``, ``config``).
+        sampler: The run's sampler kind.
+        pad_token_id: HF generate's padding id.
+        token_budget: The rollout's token budget.
+    """
+
+    def __init__(self, config: Any, parts: dict[str, Any], *, sampler: Any, pad_token_id: int | None,
+                 token_budget: int | None) -> None:
+        self.config, self.parts, self.sampler = config, parts, sampler
+        self.pad_token_id, self.token_budget = pad_token_id, token_budget
+        self.replica: GenerationReplica | None = None
+        self._iterator: Iterator | None = None
+        self._ahead: deque = deque()
+        self.upcoming: list[Any] = []
+        """The batches read ahead: those of the next steps, in order."""
+        self._queued_up_to = -1
+        self._trainer_probes: dict[int, torch.Tensor] = {}
+        self._probe: torch.Tensor | None = None
+        self._tolerance = 0.0
+
+    # -- the data, read ahead ------------------------------------------------------------------------
+
+    def take(self, epoch_iterator: Iterator, num_batches: int, steps_left: int) -> list[Any]:
+        """This step's batch from ``epoch_iterator``, after reading up to ``max_staleness`` more (not beyond
+        ``steps_left`` steps, nor beyond the epoch). A new epoch's iterator starts a new read-ahead."""
+        if num_batches != 1:
+            raise ValueError(f"async_rollouts takes one batch per step, got {num_batches} (gradient_accumulation_steps stays 1).")
+        if epoch_iterator is not self._iterator:
+            self._iterator, self._ahead = epoch_iterator, deque()
+        want = 1 + max(0, min(self.config.max_staleness, steps_left - 1))
+        while len(self._ahead) < want:
+            try:
+                self._ahead.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        batch = [self._ahead.popleft()] if self._ahead else []
+        self.upcoming = list(self._ahead)
+        return batch
+
+    # -- the rollout of a step -------------------------------------------------------------------------
+
+    def roll_out(self, step: int, rows: list[dict], upcoming: Sequence[list[dict]], model: torch.nn.Module, *,
+                 group_size: int, seed: Callable[[int], int],
+                 cancelled: Callable[[], bool] | None = None) -> tuple[ReplicaResult | None, dict[str, float]]:
+        """Step ``step``'s rollout of ``rows`` (None: ``cancelled`` while waiting), after pushing the weights of
+        ``step`` (``model``, unwrapped) and queueing ``upcoming`` (the rows of steps ``step + 1, ...``). ``seed(s)``
+        is step ``s``'s rollout seed. Returns the replica's result and the step's ``async/*`` metrics.
+
+        Raises:
+            OffPolicyDrift: the replica's probe log-probs after a push differ from the trainer's beyond the tolerance.
+            ReplicaError: the replica failed.
+        """
+        c = self.config
+        if self.replica is None:
+            self._probe = probe_tokens(model.config.vocab_size)
+            self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
+            self._trainer_probes[step] = probe_logprobs(model, self._probe)
+            self.replica = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
+                                             pad_token_id=self.pad_token_id, token_budget=self.token_budget,
+                                             probe=self._probe, threads=c.async_replica_threads)
+            self._queued_up_to = step - 1
+        elif self.replica.pushed_step != step:
+            self._trainer_probes[step] = probe_logprobs(model, self._probe)
+            self.replica.push_weights(step, cpu_state_dict(model))
+        # Queue each batch once, no further ahead than the weights just pushed allow.
+        for offset, part in enumerate([rows, *upcoming][: c.max_staleness + 1]):
+            key = step + offset
+            if key > self._queued_up_to:
+                self.replica.submit(key, part, group_size=group_size, seed=seed(key))
+                self._queued_up_to = key
+        start = time.perf_counter()
+        result = self.replica.result(step, cancelled=cancelled)
+        metrics = {"async/wait_s": time.perf_counter() - start, "async/queued_ahead": float(self._queued_up_to - step)}
+        if result is None:
+            return None, metrics
+        metrics["async/probe_max_diff"] = self._check_probes(result.probes)
+        return result, metrics
+
+    def _check_probes(self, probes: dict[int, torch.Tensor]) -> float:
+        worst = 0.0
+        for pushed, theirs in sorted(probes.items()):
+            mine = self._trainer_probes.pop(pushed)
+            diff = float((mine - theirs).abs().max())
+            worst = max(worst, diff)
+            if self._tolerance >= 0 and not diff <= self._tolerance:
+                raise OffPolicyDrift(
+                    f"weight-push probe: after the push of step {pushed}'s weights, the generation replica's log-probs of "
+                    f"the fixed probe sequence differ from the trainer's by {diff:.3g} (max over {mine.numel()} tokens), "
+                    f"over async_probe_tolerance={self._tolerance:g}: the replica is not sampling with the weights it "
+                    f"says it has (a weight sync that did nothing?). The run stops rather than train on them; if the "
+                    f"gap is numerical (another dtype or kernel), raise async_probe_tolerance (a negative value turns "
+                    f"the check off).")
+        return worst
+
+    def close(self) -> None:
+        """Stop the replica (rollouts in flight are abandoned; a resume rolls their rows out again)."""
+        if self.replica is not None:
+            self.replica.close()
+            self.replica = None
+        self._ahead, self.upcoming, self._iterator = deque(), [], None
+
+
+def check_off_policy(config: Any, totals: Sequence[float]) -> dict[str, float]:
+    """The decoupled objective's tripwires on the step's summed :func:`off_policy_figures` (all ranks): its
+    ``async/*`` metrics, or :class:`OffPolicyDrift` naming the check crossed."""
+    n, gap, w_sum, w_sq = totals
+    if n == 0:
+        return {}
+    mean_gap = gap / n
+    ess = (w_sum * w_sum) / (n * w_sq) if w_sq > 0 else 1.0
+    limit = config.async_max_logprob_gap
+    if limit is not None and mean_gap > limit:
+        raise OffPolicyDrift(
+            f"log-prob gap: this step's mean |log pi_prox - log pi_behaviour| over {int(n)} trained tokens is "
+            f"{mean_gap:.3g}, over async_max_logprob_gap={limit:g}: the weights that sampled them are too far from the "
+            f"ones being trained (max_staleness={config.max_staleness}) or the replica's log-probs are wrong. Lower "
+            f"max_staleness or the learning rate, or raise async_max_logprob_gap (None turns the check off).")
+    floor = config.async_min_importance_ess
+    if floor is not None and ess < floor:
+        raise OffPolicyDrift(
+            f"importance-weight ESS: this step's effective sample size of pi_prox / pi_behaviour over {int(n)} trained "
+            f"tokens is {ess:.3g}, under async_min_importance_ess={floor:g}: a few tokens carry the update. Lower "
+            f"max_staleness or the learning rate, or lower async_min_importance_ess (None turns the check off).")
+    return {"async/logprob_gap": mean_gap, "async/importance_ess": ess}

@@ -1,0 +1,272 @@
+"""A generation replica: a copy of the policy in a process of its own that rolls out while the trainer trains.
+
+With ``async_rollouts`` and no separate generation server (HF generate or continuous batching on one machine) the
+trainer cannot sample and update at once with one copy of the weights, and on a CPU a thread would share the
+interpreter lock with the update. :class:`GenerationReplica` starts a child process (``spawn``) with its own copy of
+the policy, the run's rollout plugin, tools and chat format, and a sampler of the run's kind on that copy. The parent
+talks to it through two queues, in order:
+
+- ``push_weights(step, state_dict)``: the weights after ``step`` optimizer steps (CPU tensors, passed through shared
+  memory). The replica loads them before its next rollout and answers with its log-probs of the fixed probe sequence,
+  so that the trainer can check that the push did what it says (:func:`probe_logprobs`);
+- ``submit(key, rows, ...)``: roll out ``rows`` (as :func:`trl_plugins.trainers.batch.rollout_rows`) with the newest
+  weights it loaded; the trajectories record that step;
+- ``result(key)``: wait for that rollout (in submission order), with the probe answers that came before it and the
+  tools' step metrics of the rollout.
+
+Rollouts run one after another, in submission order: the trainer decides how far ahead of its weights they may run
+(``max_staleness``). The child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and a parent check while idle), so
+a killed trainer leaves no replica behind. Memory: a second copy of the policy's weights, plus one copy per push in
+flight (shared memory, released once loaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import sys
+import traceback
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+__all__ = ["GenerationReplica", "ReplicaError", "ReplicaResult", "probe_logprobs", "probe_tokens"]
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaError(RuntimeError):
+    """The generation replica failed (its traceback is in the message) or exited."""
+
+
+@dataclasses.dataclass
+class ReplicaResult:
+    """One rollout of the replica."""
+
+    result: Any
+    """The :class:`~trl_plugins.rollout.RolloutResult`."""
+    policy_step: int
+    """The step of the weights it sampled with."""
+    tool_metrics: dict[str, float]
+    """The tools' ``step_metrics()`` after the rollout (the tools run in the replica)."""
+    probes: dict[int, torch.Tensor]
+    """Probe log-probs by pushed step, for the pushes the replica loaded before this rollout."""
+
+
+def probe_tokens(vocab_size: int, length: int = 32, seed: int = 1234) -> torch.Tensor:
+    """A fixed token sequence both sides score after each push (``(length,)`` ids in ``[0, vocab_size)``)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator)
+
+
+@torch.no_grad()
+def probe_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """``model``'s log-probs of each next token of ``tokens`` (``(length - 1,)`` float32, on the CPU)."""
+    device = next(model.parameters()).device
+    ids = tokens.to(device)[None]
+    logits = model(input_ids=ids).logits.float()[0, :-1]
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+
+def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of ``model``'s state dict (what one push sends; the training weights are never shared)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+class GenerationReplica:
+    """The parent's handle on a generation replica process.
+
+    Args:
+        model: The policy (unwrapped); its class, config and current weights build the replica's copy.
+        policy_step: The optimizer step of ``model``'s current weights.
+        parts: What the rollout needs: ``rollout``, ``tools``, ``chat`` and ``config`` (the run's; pickled).
+        sampler: The run's :class:`~trl_plugins.run.sampler.SamplerKind` (HF generate or continuous batching).
+        pad_token_id: HF generate's padding id.
+        token_budget: The rollout's token budget (sizes a continuous-batching cache).
+        probe: The probe tokens (:func:`probe_tokens`).
+        threads: torch threads in the replica (None: half the cores, at least 1).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, policy_step: int, parts: Mapping[str, Any], sampler: Any,
+                 pad_token_id: int | None, token_budget: int | None, probe: torch.Tensor, threads: int | None = None) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._jobs = ctx.Queue()
+        self._results = ctx.Queue()
+        init = dict(model_class=type(model), model_config=model.config,
+                    generation_config=getattr(model, "generation_config", None),
+                    dtype=next(model.parameters()).dtype, state=cpu_state_dict(model), policy_step=policy_step,
+                    parts=dict(parts), sampler=sampler, pad_token_id=pad_token_id, token_budget=token_budget,
+                    probe=probe, threads=threads or max(1, (os.cpu_count() or 2) // 2), parent=os.getpid())
+        self._process = ctx.Process(target=_serve, args=(self._jobs, self._results, init), daemon=True,
+                                    name="trl-plugins-replica")
+        with _main_not_rerun():
+            self._process.start()
+        self._pending: list[Any] = []
+        self._probes: dict[int, torch.Tensor] = {}
+        self.pushed_step = policy_step
+        self.closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def push_weights(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Send the weights of ``step`` (a CPU state dict of its own: :func:`cpu_state_dict`)."""
+        self._jobs.put(("weights", step, dict(state)))
+        self.pushed_step = step
+
+    def submit(self, key: Any, rows: Sequence[Mapping[str, Any]], *, group_size: int, seed: int, id_offset: int = 0) -> None:
+        """Queue a rollout of ``rows`` (each ``group_size`` times), answered by :meth:`result` with ``key``."""
+        self._jobs.put(("rollout", key, [dict(r) for r in rows], group_size, seed, id_offset))
+        self._pending.append(key)
+
+    @property
+    def pending(self) -> list[Any]:
+        """Keys submitted and not yet collected, oldest first."""
+        return list(self._pending)
+
+    def result(self, key: Any, *, cancelled: Callable[[], bool] | None = None) -> ReplicaResult | None:
+        """Wait for the rollout ``key`` (the oldest pending one). None: ``cancelled()`` turned true while waiting
+        (the rollout is then abandoned: close the replica).
+
+        Raises:
+            ReplicaError: the replica failed or exited.
+        """
+        if not self._pending or self._pending[0] != key:
+            raise ValueError(f"rollout {key!r} is not the oldest pending one (pending: {self._pending}).")
+        while True:
+            try:
+                message = self._results.get(timeout=0.2)
+            except queue.Empty:
+                if cancelled is not None and cancelled():
+                    return None
+                if not self._process.is_alive():
+                    raise ReplicaError(f"the generation replica (pid {self._process.pid}) exited with code "
+                                       f"{self._process.exitcode} without an error message.") from None
+                continue
+            kind = message[0]
+            if kind == "error":
+                self.close()
+                raise ReplicaError(f"the generation replica failed:\n{message[1]}")
+            if kind == "probe":
+                self._probes[message[1]] = message[2]
+                continue
+            _, got, result, step, tool_metrics = message
+            if got != key:  # results come in submission order
+                raise ReplicaError(f"the generation replica answered {got!r} while {key!r} was due.")
+            self._pending.pop(0)
+            probes, self._probes = self._probes, {}
+            return ReplicaResult(result, step, tool_metrics, probes)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the replica (rollouts in flight are abandoned) and wait for it to exit; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._jobs.put(("stop",))
+        except (OSError, ValueError):
+            pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout)
+        for q in (self._jobs, self._results):
+            q.cancel_join_thread()
+            q.close()
+
+
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Start a ``spawn`` child without re-running the parent's ``__main__`` (multiprocessing runs the main script
+    again in the child unless it is guarded by ``if __name__ == "__main__"``, which a user's training script may not be;
+    the replica needs nothing from it). Objects sent to it must then be importable, not defined in ``__main__``."""
+    main = sys.modules.get("__main__")
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    try:
+        for name in saved:
+            if name == "__spec__":
+                main.__spec__ = None
+            else:
+                del main.__dict__[name]
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
+    """The replica's loop (in the child process)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop (Ctrl-C reaches the group)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        torch.set_num_threads(init["threads"])
+        from trl_plugins.run.sampler import make_backend
+        from trl_plugins.trainers.batch import rollout_rows
+
+        model = init["model_class"](init["model_config"])
+        if init["generation_config"] is not None:
+            model.generation_config = init["generation_config"]
+        model.to(init["dtype"])
+        model.load_state_dict(init["state"])
+        model.eval()
+        step = init["policy_step"]
+        parts = SimpleNamespace(**init["parts"])
+        for tool in parts.tools.values():
+            tool.start_up()
+        backend = make_backend(init["sampler"], parts.config, parts.chat, model=model, pad_token_id=init["pad_token_id"],
+                               token_budget=init["token_budget"])
+        probe = init["probe"]
+        results.put(("probe", step, probe_logprobs(model, probe)))
+    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+        results.put(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                message = jobs.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != init["parent"]:
+                    return
+                continue
+            if message[0] == "stop":
+                return
+            if message[0] == "weights":
+                _, step, state = message
+                model.load_state_dict(state)
+                del state
+                results.put(("probe", step, probe_logprobs(model, probe)))
+                continue
+            _, key, rows, group_size, seed, id_offset = message
+            result = rollout_rows(parts, backend, rows, group_size=group_size, seed=seed, policy_step=step,
+                                  id_offset=id_offset)
+            tool_metrics = {}
+            for tool in parts.tools.values():
+                tool_metrics.update(tool.step_metrics())
+            results.put(("rollout", key, result, step, tool_metrics))
+    except BaseException:  # noqa: BLE001
+        results.put(("error", traceback.format_exc()))
+    finally:
+        for tool in parts.tools.values():
+            try:
+                tool.close()
+            except Exception:  # noqa: BLE001 - the replica is exiting
+                logger.exception("closing tool %s in the replica failed", getattr(tool, "label", tool))
