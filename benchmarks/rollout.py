@@ -61,10 +61,14 @@ def script_text(prompt_text: str, calls: int, row: int = 0, vary: bool = False) 
 
 
 class ForceScript:
-    """Logits processor that forces each row to emit its scripted completion, then ``<|im_end|>``."""
+    """Logits processor that forces each row to emit its scripted completion, then ``<|im_end|>``.
 
-    def __init__(self, tokenizer, calls: int, vary: bool = False) -> None:
-        self.tok, self.calls, self.vary = tokenizer, calls, vary
+    ``keys``: what picks each row's plan (with ``vary``); default the row's place in the batch. Our sampler's
+    per-row seeds (a function of the step, question and sample) make the plan follow the trajectory, however its
+    turns are batched (streaming rollouts batch differently)."""
+
+    def __init__(self, tokenizer, calls: int, vary: bool = False, keys=None) -> None:
+        self.tok, self.calls, self.vary, self.keys = tokenizer, calls, vary, keys
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.start, self.targets = None, None
 
@@ -75,7 +79,7 @@ class ForceScript:
             self.targets = []
             for r, row in enumerate(input_ids.tolist()):
                 text = self.tok.decode([t for t in row if t != pad])
-                body = script_text(text, self.calls, r, self.vary)
+                body = script_text(text, self.calls, r if self.keys is None else int(self.keys[r]) % 1_000_003, self.vary)
                 self.targets.append(self.tok(body, add_special_tokens=False)["input_ids"] + [self.im_end])
         k = input_ids.shape[1] - self.start
         forced = torch.full_like(scores, float("-inf"))
@@ -141,6 +145,45 @@ def patch_generate(model, tokenizer, calls: int, vary: bool = False) -> None:
         return original(*args, **kwargs)
 
     model.generate = generate
+
+
+def scripted_model(model, calls: int, vary: bool = False):
+    """``model`` (a tiny Qwen2) as a :class:`ScriptedQwen2`: the script is in its class and config, so a copy built
+    from them (the asynchronous generation replica) plays it too; plans keyed on our sampler's per-row seeds."""
+    model.__class__ = ScriptedQwen2
+    model.config.script_calls, model.config.script_vary = calls, vary
+    return model
+
+
+def _scripted_class():
+    from transformers import Qwen2ForCausalLM
+
+    class ScriptedQwen2(Qwen2ForCausalLM):
+        """A Qwen2 whose ``generate`` plays :class:`ForceScript` (see :func:`scripted_model`)."""
+
+        def generate(self, *args, **kwargs):
+            from transformers import LogitsProcessorList
+
+            given = kwargs.get("logits_processor") or []
+            seeds = next((p.seeds.tolist() for p in given if hasattr(p, "seeds")), None)
+            script = ForceScript(_tokenizer(), self.config.script_calls, self.config.script_vary, keys=seeds)
+            kwargs["logits_processor"] = LogitsProcessorList([script])
+            return super().generate(*args, **kwargs)
+
+    ScriptedQwen2.__module__, ScriptedQwen2.__qualname__ = __name__, "ScriptedQwen2"
+    return ScriptedQwen2
+
+
+_TOKENIZER = []
+
+
+def _tokenizer():
+    if not _TOKENIZER:
+        _TOKENIZER.append(build_tokenizer("qwen2_5"))
+    return _TOKENIZER[0]
+
+
+ScriptedQwen2 = _scripted_class()
 
 
 class SleepTool:

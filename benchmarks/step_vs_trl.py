@@ -46,8 +46,13 @@ def _reward(completions=None, **kwargs):
     return [float(i % 3) for i in range(len(completions))]
 
 
-def run_ours(args, padding_free: bool | None) -> dict:
-    from rollout import SleepTool, patch_generate
+ASYNC_ROWS = {  # which -> (max_staleness, streaming)
+    "ours-async1-overlap": (1, False), "ours-async1": (1, True), "ours-async2": (2, True),
+}
+
+
+def run_ours(args, padding_free: bool | None, async_row: tuple[int, bool] | None = None) -> dict:
+    from rollout import SleepTool, scripted_model
 
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
@@ -62,9 +67,10 @@ def run_ours(args, padding_free: bool | None) -> dict:
 
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
-    patch_generate(model, tok, args.calls, vary=True)
+    scripted_model(model, args.calls, vary=True)  # in its class: the async replica plays the same script
+    extra = {} if async_row is None else dict(async_rollouts=True, max_staleness=async_row[0], async_streaming=async_row[1])
     with tempfile.TemporaryDirectory() as out:
-        config = MultiTurnGRPOConfig(
+        config = MultiTurnGRPOConfig(**extra,
             output_dir=out, per_device_train_batch_size=args.questions * args.group, num_generations=args.group,
             max_steps=args.steps, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
             disable_tqdm=True, seed=0, reward_components=["r"], max_items_per_micro_batch=args.micro_batch,
@@ -96,6 +102,8 @@ def run_ours(args, padding_free: bool | None) -> dict:
         "crit_ratio": [r["rollout/critical_path_ratio"] for r in steps],
         "peak_rss_mb": [r["memory/peak_rss_mb"] for r in steps],
         "tool_calls": [r["rollout/tool_calls_mean"] for r in steps],
+        "staleness": [r.get("train/staleness_mean", 0.0) for r in steps],
+        "wait_s": [r.get("async/wait_s", float("nan")) for r in steps],
     }
 
 
@@ -171,23 +179,27 @@ def child(args) -> None:
     warnings.filterwarnings("ignore")
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(2 if args.which == "ours-2threads" else 1)
     if args.which == "trl":
         result = run_trl(args)
     else:
-        result = run_ours(args, padding_free=True if args.which == "ours-pf" else None)
+        result = run_ours(args, padding_free=True if args.which == "ours-pf" else None, async_row=ASYNC_ROWS.get(args.which))
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
 
+WARMUP = 2
+"""Steps left out of the means: the first steps build caches and, with async_rollouts, start the replica."""
+
+
 def mean_after_first(values):
-    tail = values[1:] if len(values) > 1 else values
+    tail = values[WARMUP:] if len(values) > WARMUP else values
     return sum(tail) / max(len(tail), 1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12, help="steps per row (means leave out the first 2: steady state)")
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--calls", type=int, default=3, help="most tool calls per trajectory (each picks 0..calls)")
@@ -195,13 +207,19 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (TRL per_device_train_batch_size)")
     ap.add_argument("--padding-free", choices=["on", "off", "both"], default="both",
                     help="our rows: forced padding-free (on), the default config (off), or both")
-    ap.add_argument("--which", choices=["ours", "ours-pf", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--async-rows", choices=["on", "off"], default="on",
+                    help="also run async_rollouts rows: k=1 overlap only (one batch at a time), k=1 and k=2 with "
+                         "streaming, and the synchronous default with 2 threads (the replica is a second process: "
+                         "a second core)")
+    ap.add_argument("--which", choices=["ours", "ours-pf", "ours-2threads", "trl", *ASYNC_ROWS], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.which:
         child(args)
         return
     results = {}
     ours = {"on": ["ours-pf"], "off": ["ours"], "both": ["ours", "ours-pf"]}[args.padding_free]
+    if args.async_rows == "on":
+        ours = [*ours, "ours-2threads", *ASYNC_ROWS]
     for which in (*ours, "trl"):
         cmd = [sys.executable, __file__, "--which", which, *sys.argv[1:]]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -211,7 +229,8 @@ def main() -> None:
         results[which] = json.loads(line[len("RESULT "):])
     n = args.questions * args.group
     print(f"{args.questions} questions x group {args.group} = {n} trajectories/step, 0-{args.calls} tool calls each, "
-          f"tool {args.tool_s} s/call, {args.steps} steps (means exclude the first), tiny Qwen2 on CPU, 1 thread")
+          f"tool {args.tool_s} s/call, {args.steps} steps (means exclude the first {WARMUP}), tiny Qwen2 on CPU, 1 thread "
+          f"per process (ours 2threads: 2; async rows: trainer + replica process, 1 thread each)")
     header = (f"{'trainer':<12} {'step s':>7} {'rollout s':>10} {'train s':>8} {'real tok':>9} {'processed':>10} "
               f"{'/ real':>7} {'wall/crit':>10} {'peak RSS MB':>12}")
     print(header)
@@ -227,6 +246,13 @@ def main() -> None:
         r = results[which]
         print(f"{which}: speed-up per step (TRL / {which}) {m(trl['step_s']) / m(r['step_s']):.2f}x; tokens processed "
               f"(TRL / {which}) {m(trl['padded_tokens']) / max(m(r['padded_tokens']), 1):.2f}x")
+    if "ours" in results:
+        base = results["ours"]
+        for which in [w for w in ours if w.startswith("ours-async") or w == "ours-2threads"]:
+            r = results[which]
+            print(f"{which}: speed-up per step over ours (synchronous) {m(base['step_s']) / m(r['step_s']):.2f}x; "
+                  f"tool calls/trajectory {m(r['tool_calls']):.2f} (ours {m(base['tool_calls']):.2f}); staleness "
+                  f"{m(r['staleness']):.2f} steps; trainer waited {m(r['wait_s']) if which != 'ours-2threads' else 0:.2f} s/step")
 
 
 if __name__ == "__main__":

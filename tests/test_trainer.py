@@ -167,6 +167,12 @@ def test_pinned_trl_surface():
     assert list(inspect.signature(rotate_checkpoints).parameters)[:4] == ["output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"]
     assert "rotate_checkpoints(" in inspect.getsource(Trainer._save_checkpoint)
     assert list(inspect.signature(Trainer.train).parameters)[:2] == ["self", "resume_from_checkpoint"]
+    # async_rollouts reads the loader ahead through get_batch_samples: the HF loop takes each step's batches from it,
+    # one iterator per epoch (skipped to the resume point before it is made).
+    assert list(inspect.signature(Trainer.get_batch_samples).parameters) == ["self", "epoch_iterator", "num_batches", "device"]
+    run_epoch = inspect.getsource(Trainer._run_epoch)
+    assert "self.get_batch_samples(epoch_iterator, num_batches, self.args.device)" in run_epoch
+    assert run_epoch.index("skip_first_batches(") < run_epoch.index("epoch_iterator = iter(train_dataloader)")
     init = inspect.signature(GRPOTrainer.__init__).parameters
     for name in ("model", "reward_funcs", "args", "train_dataset", "processing_class", "callbacks", "optimizers", "peft_config"):
         assert name in init, name

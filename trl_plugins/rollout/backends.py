@@ -37,6 +37,9 @@ class Sample:
     """Behaviour log-prob of each sampled token."""
     finished: bool
     """True when it ended on a stop token; False when cut at ``max_new_tokens``."""
+    policy_step: int | None = None
+    """The optimizer step of the weights that sampled it, when the backend's weights can change during a rollout
+    (an asynchronous replica); None: the rollout's ``policy_step``."""
 
 
 class GenerationBackend(Protocol):

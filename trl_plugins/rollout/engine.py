@@ -287,7 +287,9 @@ class MultiTurnRollout:
                 truncated=not sample.finished,
                 generation_s=gen_s,
                 queue_s=queue_s,
-                policy_step=request.policy_step,  # the weights the backend sampled with (synced for this step)
+                # The weights the backend sampled with: synced for this rollout, or stamped per call by a backend whose
+                # weights change during it (an asynchronous replica).
+                policy_step=request.policy_step if sample.policy_step is None else sample.policy_step,
             )
             st.traj.turns.append(turn)
             if not sample.finished:

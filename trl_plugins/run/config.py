@@ -75,6 +75,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     async_rollouts: bool = field(default=False, metadata={"help": "Roll out the next steps' batches while this one trains: a generation replica of the policy (a process of its own, weights pushed after each update) samples up to max_staleness optimizer steps behind the weights being updated; the update corrects for it (off_policy_objective). 1 process or DDP, HF generate or continuous batching, on the CPU; the rest is refused at start-up. docs/training.md."})
     max_staleness: int = field(default=1, metadata={"help": "async_rollouts: the most optimizer steps between the weights that sampled a token and the weights it trains (the replica waits rather than exceed it; nothing is dropped). 0: the synchronous loop, bit for bit."})
     off_policy_objective: str = field(default="decoupled", metadata={"help": "async_rollouts: 'decoupled' - the PPO ratio against the proximal policy (the weights at the start of this update, recomputed by a forward) and the behaviour policy only in a truncated importance weight pi_prox / pi_behaviour (the vllm_importance_sampling_* bounds); 'behaviour' - the ratio against the behaviour log-probs directly (no forward; the clip then bounds the whole drift). docs/reference_equivalence.md."})
+    async_streaming: bool | None = field(default=None, metadata={"help": "async_rollouts: the replica rolls out every batch it may (up to max_staleness ahead) at once, so a batch's trajectories start while the one before finishes its stragglers and throughput follows the average trajectory, not the longest; weights pushed during a rollout are loaded between generate calls and each turn records the step that sampled it. False: one batch after another (overlap with the update only). None: on with HF generate; continuous batching runs one batch at a time (True is refused there)."})
     async_probe_tolerance: float | None = field(default=None, metadata={"help": "async_rollouts tripwire: after each weight push the replica's log-probs of a fixed probe sequence must match the trainer's within this (max abs difference per token); beyond it the run stops. None: 1e-3 for fp32 weights, 5e-2 for bf16/fp16. A negative value turns the check off."})
     async_max_logprob_gap: float | None = field(default=2.0, metadata={"help": "async_rollouts tripwire (decoupled objective): the run stops when a step's mean |log pi_prox - log pi_behaviour| over its trained tokens (all ranks) exceeds this. None: off."})
     async_min_importance_ess: float | None = field(default=0.2, metadata={"help": "async_rollouts tripwire (decoupled objective): the run stops when the effective sample size of a step's untruncated importance weights pi_prox / pi_behaviour, (sum w)^2 / (n sum w^2) over its trained tokens (all ranks), falls below this share. None: off."})
@@ -291,7 +292,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
         return bool(self.async_rollouts and self.max_staleness > 0)
 
     def _check_async_rollouts(self) -> None:
-        names = ("max_staleness", "off_policy_objective", "async_probe_tolerance", "async_max_logprob_gap",
+        names = ("max_staleness", "off_policy_objective", "async_streaming", "async_probe_tolerance", "async_max_logprob_gap",
                  "async_min_importance_ess", "async_replica_threads")
         given = [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != self.__dataclass_fields__[n].default]
         if not self.async_rollouts:
@@ -318,6 +319,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError("off_policy_objective='decoupled' weighs stale tokens by the truncated importance weight "
                              "pi_prox / pi_behaviour, which vllm_importance_sampling_correction=False turns off: turn it on, "
                              "or set off_policy_objective='behaviour'.")
+        if self.async_streaming and self.use_transformers_continuous_batching:
+            raise ValueError("async_streaming=True rolls out several batches at once, which the replica does with HF "
+                             "generate only (continuous batching's manager serves one rollout at a time): set "
+                             "async_streaming=False or leave it unset, or use HF generate.")
+        if self.async_streaming is None:
+            self.async_streaming = not self.use_transformers_continuous_batching
         if (self.off_policy_objective == "decoupled" and self.vllm_importance_sampling_mode.endswith("truncate")
                 and self.vllm_importance_sampling_clip_min is None and self.vllm_importance_sampling_clip_max is None):
             raise ValueError(f"the decoupled objective truncates its importance weights "

@@ -131,7 +131,8 @@ class AsyncRollouts:
             self._trainer_probes[step] = probe_logprobs(model, self._probe)
             self.replica = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
                                              pad_token_id=self.pad_token_id, token_budget=self.token_budget,
-                                             probe=self._probe, threads=c.async_replica_threads)
+                                             probe=self._probe, threads=c.async_replica_threads,
+                                             streaming=bool(c.async_streaming))
             self._queued_up_to = step - 1
         elif self.replica.pushed_step != step:
             self._trainer_probes[step] = probe_logprobs(model, self._probe)

@@ -29,6 +29,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import traceback
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -90,10 +91,15 @@ class GenerationReplica:
         token_budget: The rollout's token budget (sizes a continuous-batching cache).
         probe: The probe tokens (:func:`probe_tokens`).
         threads: torch threads in the replica (None: half the cores, at least 1).
+        streaming: Roll out every queued batch at once (each in a thread of its own, their generate calls one at a
+            time, weights loaded between calls and each turn stamped with the step it was sampled by), so that a
+            batch's trajectories start while the one before finishes its stragglers. False: one batch after another,
+            weights loaded between batches.
     """
 
     def __init__(self, model: torch.nn.Module, *, policy_step: int, parts: Mapping[str, Any], sampler: Any,
-                 pad_token_id: int | None, token_budget: int | None, probe: torch.Tensor, threads: int | None = None) -> None:
+                 pad_token_id: int | None, token_budget: int | None, probe: torch.Tensor, threads: int | None = None,
+                 streaming: bool = False) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -103,12 +109,14 @@ class GenerationReplica:
                     generation_config=getattr(model, "generation_config", None),
                     dtype=next(model.parameters()).dtype, state=cpu_state_dict(model), policy_step=policy_step,
                     parts=dict(parts), sampler=sampler, pad_token_id=pad_token_id, token_budget=token_budget,
-                    probe=probe, threads=threads or max(1, (os.cpu_count() or 2) // 2), parent=os.getpid())
+                    probe=probe, threads=threads or max(1, (os.cpu_count() or 2) // 2), parent=os.getpid(),
+                    streaming=streaming)
         self._process = ctx.Process(target=_serve, args=(self._jobs, self._results, init), daemon=True,
                                     name="trl-plugins-replica")
         with _main_not_rerun():
             self._process.start()
         self._pending: list[Any] = []
+        self._done: dict[Any, ReplicaResult] = {}
         self._probes: dict[int, torch.Tensor] = {}
         self.pushed_step = policy_step
         self.closed = False
@@ -133,15 +141,15 @@ class GenerationReplica:
         return list(self._pending)
 
     def result(self, key: Any, *, cancelled: Callable[[], bool] | None = None) -> ReplicaResult | None:
-        """Wait for the rollout ``key`` (the oldest pending one). None: ``cancelled()`` turned true while waiting
-        (the rollout is then abandoned: close the replica).
+        """Wait for the rollout ``key`` (the oldest pending one; with ``streaming`` later ones may finish first and are
+        kept). None: ``cancelled()`` turned true while waiting (the rollout is then abandoned: close the replica).
 
         Raises:
             ReplicaError: the replica failed or exited.
         """
         if not self._pending or self._pending[0] != key:
             raise ValueError(f"rollout {key!r} is not the oldest pending one (pending: {self._pending}).")
-        while True:
+        while key not in self._done:
             try:
                 message = self._results.get(timeout=0.2)
             except queue.Empty:
@@ -159,11 +167,13 @@ class GenerationReplica:
                 self._probes[message[1]] = message[2]
                 continue
             _, got, result, step, tool_metrics = message
-            if got != key:  # results come in submission order
-                raise ReplicaError(f"the generation replica answered {got!r} while {key!r} was due.")
-            self._pending.pop(0)
-            probes, self._probes = self._probes, {}
-            return ReplicaResult(result, step, tool_metrics, probes)
+            if got not in self._pending:
+                raise ReplicaError(f"the generation replica answered {got!r}, which is not pending ({self._pending}).")
+            self._done[got] = ReplicaResult(result, step, tool_metrics, {})
+        self._pending.pop(0)
+        answer = self._done.pop(key)
+        answer.probes, self._probes = self._probes, {}
+        return answer
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the replica (rollouts in flight are abandoned) and wait for it to exit; idempotent."""
@@ -212,11 +222,37 @@ def _die_with_parent() -> None:
             pass
 
 
+class _Versioned:
+    """The replica's sampler as the rollouts see it: one generate call at a time, each sample stamped with the step of
+    the weights that made it (weights are loaded under the same lock, between calls)."""
+
+    def __init__(self, backend: Any, lock: threading.Lock, version: list[int]) -> None:
+        self._backend, self._lock, self._version = backend, lock, version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        # The replica's model is a plain module (nothing to unwrap or gather); concurrent rollouts must not share the
+        # inner backend's per-session state.
+        yield None
+
+    def generate(self, prompts: Any, max_new_tokens: Any, *, seeds: Any) -> list[Any]:
+        with self._lock:
+            step = self._version[0]
+            samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
+        for sample in samples:
+            sample.policy_step = step
+        return samples
+
+
 def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
     """The replica's loop (in the child process)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop (Ctrl-C reaches the group)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    parts = None
     try:
         torch.set_num_threads(init["threads"])
         from trl_plugins.run.sampler import make_backend
@@ -228,17 +264,33 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
         model.to(init["dtype"])
         model.load_state_dict(init["state"])
         model.eval()
-        step = init["policy_step"]
+        version = [init["policy_step"]]
         parts = SimpleNamespace(**init["parts"])
         for tool in parts.tools.values():
             tool.start_up()
         backend = make_backend(init["sampler"], parts.config, parts.chat, model=model, pad_token_id=init["pad_token_id"],
                                token_budget=init["token_budget"])
+        lock = threading.Lock()
+        if init["streaming"]:
+            backend = _Versioned(backend, lock, version)
         probe = init["probe"]
-        results.put(("probe", step, probe_logprobs(model, probe)))
+        results.put(("probe", version[0], probe_logprobs(model, probe)))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
         results.put(("error", traceback.format_exc()))
         return
+
+    def roll_out(key: Any, rows: Any, group_size: int, seed: int, id_offset: int) -> None:
+        start = version[0]  # the trajectories' version; with streaming later turns may be newer (stamped per call)
+        try:
+            result = rollout_rows(parts, backend, rows, group_size=group_size, seed=seed, policy_step=start,
+                                  id_offset=id_offset)
+            tool_metrics = {}
+            for tool in parts.tools.values():
+                tool_metrics.update(tool.step_metrics())
+            results.put(("rollout", key, result, start, tool_metrics))
+        except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+            results.put(("error", traceback.format_exc()))
+
     try:
         while True:
             try:
@@ -251,17 +303,18 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
                 return
             if message[0] == "weights":
                 _, step, state = message
-                model.load_state_dict(state)
+                with lock:
+                    model.load_state_dict(state)
+                    version[0] = step
                 del state
                 results.put(("probe", step, probe_logprobs(model, probe)))
                 continue
             _, key, rows, group_size, seed, id_offset = message
-            result = rollout_rows(parts, backend, rows, group_size=group_size, seed=seed, policy_step=step,
-                                  id_offset=id_offset)
-            tool_metrics = {}
-            for tool in parts.tools.values():
-                tool_metrics.update(tool.step_metrics())
-            results.put(("rollout", key, result, step, tool_metrics))
+            if init["streaming"]:
+                threading.Thread(target=roll_out, args=(key, rows, group_size, seed, id_offset), daemon=True,
+                                 name=f"rollout-{key}").start()
+            else:
+                roll_out(key, rows, group_size, seed, id_offset)
     except BaseException:  # noqa: BLE001
         results.put(("error", traceback.format_exc()))
     finally:
