@@ -5,7 +5,8 @@
 Runs ``benchmarks/step_vs_trl.py``'s workload (a scripted tool-calling policy on the tiny local Qwen2, a
 0.2 s sleep tool) at several sizes, each trainer in its own process: the batch (questions x group 4) at a
 fixed 0-3 tool calls, then the trajectory length (0-N tool calls, each with reasoning text) at a fixed 16
-trajectories. Prints one row per run (step time, real tokens, tokens the training forward processed) and
+trajectories. With ``--async-rows on`` (default) also ours with ``async_rollouts`` (``max_staleness`` 1 and 2,
+streaming; a second process: the generation replica). Prints one row per run (step time, real tokens, tokens the training forward processed) and
 draws step time and tokens processed against the real tokens of the step, for ours and TRL. Wall-clock on
 a shared machine: read the ratios within one run of this script.
 """
@@ -20,6 +21,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+WARMUP = 2
+TRAINERS = {"ours": ("o-", "C0", "ours"), "ours-async1": ("^-", "C2", "ours, async k=1"),
+            "ours-async2": ("v-", "C3", "ours, async k=2"), "trl": ("s--", "C1", "TRL GRPOTrainer")}
 
 
 def run(which: str, questions: int, calls: int, steps: int) -> dict:
@@ -31,8 +35,8 @@ def run(which: str, questions: int, calls: int, steps: int) -> dict:
         sys.exit(f"{which} q={questions} calls={calls} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     r = json.loads(line[len("RESULT "):])
 
-    def mean(v):
-        tail = v[1:] if len(v) > 1 else v
+    def mean(v):  # steady state: the first steps build caches and start the replica
+        tail = v[WARMUP:] if len(v) > WARMUP else v
         return sum(tail) / len(tail)
 
     return {"step_s": mean(r["step_s"]), "train_s": mean(r["train_s"]), "real": mean(r["real_tokens"]),
@@ -42,7 +46,8 @@ def run(which: str, questions: int, calls: int, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(HERE.parent / "docs" / "benchmarks.png"))
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help=f"steps per run (means leave out the first {WARMUP})")
+    ap.add_argument("--async-rows", choices=["on", "off"], default="on", help="also ours with async_rollouts (k=1, 2)")
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8], help="questions per step (group 4)")
     ap.add_argument("--calls", type=int, nargs="+", default=[1, 3, 6], help="most tool calls per trajectory")
     ap.add_argument("--replot", action="store_true", help="draw the plot again from the .json next to --out")
@@ -52,14 +57,14 @@ def main() -> None:
         plot(json.loads(Path(args.out).with_suffix(".json").read_text()), args.out)
         return
     rows = []
-    print(f"{'sweep':<7} {'traj':>5} {'calls':>6} {'trainer':<8} {'step s':>7} {'train s':>8} {'real tok':>9} "
+    print(f"{'sweep':<7} {'traj':>5} {'calls':>6} {'trainer':<12} {'step s':>7} {'train s':>8} {'real tok':>9} "
           f"{'processed':>10} {'/ real':>7}")
     for sweep, points in sweeps.items():
         for questions, calls in points:
-            for which in ("ours", "trl"):
+            for which in [w for w in TRAINERS if args.async_rows == "on" or "async" not in w]:
                 r = run(which, questions, calls, args.steps)
                 rows.append({"sweep": sweep, "trajectories": questions * 4, "calls": calls, "trainer": which, **r})
-                print(f"{sweep:<7} {questions * 4:>5} {calls:>6} {which:<8} {r['step_s']:>7.2f} {r['train_s']:>8.2f} "
+                print(f"{sweep:<7} {questions * 4:>5} {calls:>6} {which:<12} {r['step_s']:>7.2f} {r['train_s']:>8.2f} "
                       f"{r['real']:>9.0f} {r['processed']:>10.0f} {r['processed'] / max(r['real'], 1):>7.3f}", flush=True)
     Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out)
@@ -75,8 +80,10 @@ def plot(rows: list[dict], out: str) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
     for col, (sweep, key, xlabel) in enumerate([("batch", "trajectories", "trajectories per step (0-3 tool calls each)"),
                                                ("length", "calls", "most tool calls per trajectory (16 trajectories)")]):
-        for which, style, color, label in (("ours", "o-", "C0", "ours"), ("trl", "s--", "C1", "TRL GRPOTrainer")):
+        for which, (style, color, label) in TRAINERS.items():
             pts = [r for r in rows if r["sweep"] == sweep and r["trainer"] == which]
+            if not pts:
+                continue
             x = [r[key] for r in pts]
             axes[0][col].plot(x, [r["step_s"] for r in pts], style, color=color, label=label)
             axes[1][col].plot(x, [r["processed"] for r in pts], style, color=color, label=f"{label}: processed")

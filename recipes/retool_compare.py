@@ -14,7 +14,9 @@ sets RL sampling, data order and the evaluation draws). Variants:
 - ``gspo``: one length-normalised ratio per sequence (``--policy_loss gspo``, with ``seq_mean_token_sum``);
 - ``turn_ppo``: one ratio per assistant turn, its summed log-ratio (``--policy_loss turn_ppo``);
 - ``turn_group``: turn-level credit, step groups of identical states (``--advantage turn_group``);
-- ``dapo``: GRPO with DAPO's dynamic sampling on the ``correct`` component (``--dynamic_sampling true``).
+- ``dapo``: GRPO with DAPO's dynamic sampling on the ``correct`` component (``--dynamic_sampling true``);
+- ``async1``, ``async2``: GRPO with asynchronous rollouts, ``max_staleness`` 1 and 2 (the decoupled objective,
+  streaming; ``--async_rollouts true --max_staleness K``).
 
 Runs already finished (a ``summary.json`` in their folder) are not run again. Writes ``<out>/compare.png``.
 """
@@ -34,7 +36,9 @@ VARIANTS = {"grpo": [], "kl": ["--beta", "0.05"], "gae": ["--advantage", "gae"],
             "turn_ppo": ["--policy_loss", "turn_ppo"],
             "turn_group": ["--advantage", "turn_group"],
             # DAPO compares accuracy: groups all right or all wrong are dropped, whatever their format rewards.
-            "dapo": ["--dynamic_sampling", "true", "--dynamic_sampling_metric", "correct"]}
+            "dapo": ["--dynamic_sampling", "true", "--dynamic_sampling_metric", "correct"],
+            "async1": ["--async_rollouts", "true", "--max_staleness", "1"],
+            "async2": ["--async_rollouts", "true", "--max_staleness", "2"]}
 
 
 def _mean(xs: list[float]) -> float:
@@ -100,6 +104,20 @@ def main() -> int:
                 cell = lambda key, fmt: " -> ".join("n/a" if r.get(key) is None else f"{r[key]:{fmt}}" for r in (b, a))  # noqa: E731
                 print(f"| {variant} | {seed} | {cell('tool_calls_per_solved', '.2f')} | {cell('failed_call_frac', '.3f')} | "
                       f"{cell('recovery_rate', '.3f')} |")
+    stale = {v: per_seed for v, per_seed in curves.items()
+             if any(r.get("train/staleness_mean", 0) > 0 for metrics in per_seed for r in metrics)}
+    if stale:
+        print("\n| variant | mean staleness of trained tokens (steps) | on-policy token share | mean gain ± se over seeds | "
+              "step wall (s, mean) |")
+        print("|---|---|---|---|---|")
+        for variant, per_seed in curves.items():
+            records = [r for metrics in per_seed for r in metrics if "train/staleness_mean" in r]
+            gains = [s["after"]["accuracy"] - s["before"]["accuracy"] for _, s, _ in runs[variant]]
+            steps = [r["timing/step_s"] for r in records if "timing/step_s" in r]
+            print(f"| {variant} | {_mean([r['train/staleness_mean'] for r in records]) if records else 0:.2f} | "
+                  f"{_mean([r['train/on_policy_token_frac'] for r in records]) if records else 1:.2f} | "
+                  f"{with_se(_mean(gains), clustered_se(gains, [1] * len(gains)), '+.3f')} | "
+                  f"{_mean(steps) if steps else float('nan'):.2f} |")
     sampled = {v: list(zip([seed for seed, *_ in runs[v]], per_seed)) for v, per_seed in curves.items()
                if any("dynamic_sampling/draw_factor" in r for metrics in per_seed for r in metrics)}
     if sampled:

@@ -73,17 +73,17 @@ def test_settings_are_honoured_or_refused(tmp_path, overrides, message):
         _config(tmp_path, **overrides)
 
 
-def test_what_is_not_built_yet_is_refused_before_anything_loads(tmp_path, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(ValueError, match="not available with DeepSpeed.*Or set max_staleness=0"):
-        _config(tmp_path, async_rollouts=True)
-    _config(tmp_path, async_rollouts=True, max_staleness=0)  # the synchronous loop runs anywhere
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
-    # A multi-node launch (its environment cannot be faked here: TrainingArguments would connect to the other nodes).
+def test_what_is_not_built_yet_is_refused_before_anything_loads(tmp_path):
     c = _config(tmp_path, async_rollouts=True)
     assert c.async_unavailable({}) == []
+    # A multi-node launch (its environment cannot be faked here: TrainingArguments would connect to the other nodes).
     assert "several machines" in c.async_unavailable({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})[0]
     assert c.async_unavailable({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == []
+    c.use_vllm = True  # (vLLM itself is not installed here)
+    assert "vLLM" in c.async_unavailable({})[0]
+    with pytest.raises(ValueError, match=r"not available with num_iterations=2.*Or set max_staleness=0"):
+        _config(tmp_path, async_rollouts=True, num_iterations=2)
+    _config(tmp_path, async_rollouts=True, max_staleness=0, num_iterations=2)  # the synchronous loop does it
 
 
 def test_lora_and_span_losses_are_refused_when_the_run_is_resolved(tmp_path):
@@ -308,40 +308,53 @@ _JOB = textwrap.dedent("""
     from test_async_rollouts import _trainer
     from pathlib import Path
 
-    out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+    out, mode, at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 
     class Record(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if mode == "term" and state.global_step == at:  # stop while the trainer waits for step at + 1's rollout
+                os.kill(os.getpid(), signal.SIGTERM)
+
         def on_step_end(self, args, state, control, **kwargs):
             batch = trainer.last_batch
             with open(out / "trained.jsonl", "a") as f:
                 f.write(json.dumps({{"step": state.global_step, "rows": [r["prompt"] for r in batch.rows],
                                     "replica": trainer._async.replica.pid}}) + "\\n")
-            if state.global_step == kill_at:
+            if mode == "kill" and state.global_step == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     trainer = _trainer(out, n_rows=8, max_steps=6, async_rollouts=True, max_staleness=2, save_strategy="steps",
                        save_steps=2)
     trainer.add_callback(Record())
-    trainer.train(resume_from_checkpoint=kill_at < 0)
+    trainer.train(resume_from_checkpoint=mode == "resume")
 """)
 
 
 @pytest.mark.slow
-def test_kill_9_in_the_middle_then_resume_trains_each_row_once(tmp_path):
-    # Killed at step 3 with the rows of steps 4-5 read ahead and in flight; resumed from checkpoint-2, every row is
-    # trained once per epoch (3 epochs of 2 steps), counted by the rows each final step trained.
+@pytest.mark.parametrize("mode,code,order", [
+    ("kill", -signal.SIGKILL, [1, 2, 3, 3, 4, 5, 6]),  # killed after step 3: resumed from checkpoint-2
+    ("term", 1, [1, 2, 3, 4, 5, 6]),  # SIGTERM while waiting for step 4's rollout: step 3 saved, resumed from it
+])
+def test_a_stop_in_the_middle_then_resume_trains_each_row_once(tmp_path, mode, code, order):
+    # Stopped with the rows of the next steps read ahead and in flight in the replica (max_staleness 2); resumed, every
+    # row is trained once per epoch (3 epochs of 2 steps), counted by the rows each final step trained, and no
+    # replica outlives its trainer.
     script = tmp_path / "job.py"
     script.write_text(_JOB.format(tests=HERE))
     env = {**os.environ, "PYTHONPATH": HERE}
-    first = subprocess.run([sys.executable, str(script), str(tmp_path), "3"], env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    first = subprocess.run([sys.executable, str(script), str(tmp_path), mode, "3"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == code, first.stderr[-3000:]
+    if mode == "term":  # TrainingInterrupted (a script's own exit code; the recipe turns it into 143)
+        assert "training stopped on SIGTERM after step 3; resume with" in first.stderr
     records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
     replica = records[-1]["replica"]
     deadline = time.time() + 10
     while _alive(replica) and time.time() < deadline:
         time.sleep(0.2)
-    assert not _alive(replica), "the replica outlived its killed trainer"
-    second = subprocess.run([sys.executable, str(script), str(tmp_path), "-1"], env=env, capture_output=True, text=True, timeout=300)
+    assert not _alive(replica), "the replica outlived its stopped trainer"
+    second = subprocess.run([sys.executable, str(script), str(tmp_path), "resume", "-1"], env=env, capture_output=True,
+                            text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
     final = {}
@@ -351,35 +364,4 @@ def test_kill_9_in_the_middle_then_resume_trains_each_row_once(tmp_path):
     everything = sorted(r["prompt"] for r in _dataset(8))
     for epoch in range(3):
         assert sorted(final[2 * epoch + 1] + final[2 * epoch + 2]) == everything
-    assert [r["step"] for r in records] == [1, 2, 3, 3, 4, 5, 6]
-
-
-def test_turns_record_the_weights_that_sampled_them_when_weights_change_mid_trajectory():
-    # The replica's sampler with streaming: each generate call is stamped with the step of the weights loaded then.
-    # A tool that "pushes new weights" while it runs moves every later turn to the next step; the trajectory keeps
-    # the version it started with, its turns say which weights sampled each, and its datum carries them per token.
-    import threading
-
-    from test_rollout import SCHEMA, FakeTool, scripted
-    from trl_plugins.datum import build_datum
-    from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest
-    from trl_plugins.trainers.replica import _Versioned
-    chat = ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA], final_answer_pattern=r"\\boxed\{")
-    version, lock = [5], threading.Lock()
-
-    class Pushing(FakeTool):
-        async def __call__(self, arguments):
-            with lock:
-                version[0] += 1  # the trainer's next weights arrive while the call runs
-            return await super().__call__(arguments)
-
-    backend = _Versioned(scripted(chat), lock, version)
-    q = RolloutQuestion("q0", chat.initial_prompt_ids([{"role": "user", "content": "calls=2"}]), group_id=0)
-    result = MultiTurnRollout()(RolloutRequest([q], 1, backend, chat, {"code_interpreter": Pushing()}, policy_step=5, seed=0))
-    (traj,) = result.trajectories
-    assert traj.policy_version.step == 5
-    assert traj.turn_policy_steps() == [5, 6, 7]
-    datum = build_datum(traj, advantage=1.0)
-    steps = [s for s, m in zip(datum.behaviour_steps, datum.action_mask) if m]
-    assert steps and sorted(set(steps)) == [5, 6, 7]
-    assert all(s == -1 for s, m in zip(datum.behaviour_steps, datum.action_mask) if not m)
+    assert [r["step"] for r in records] == order

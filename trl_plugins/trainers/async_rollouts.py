@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -113,12 +113,15 @@ class AsyncRollouts:
 
     # -- the rollout of a step -------------------------------------------------------------------------
 
-    def roll_out(self, step: int, rows: list[dict], upcoming: Sequence[list[dict]], model: torch.nn.Module, *,
+    def roll_out(self, step: int, rows: list[dict], upcoming: Sequence[list[dict]],
+                 full_weights: Callable[[], ContextManager[torch.nn.Module]], *,
                  group_size: int, seed: Callable[[int], int],
                  cancelled: Callable[[], bool] | None = None) -> tuple[ReplicaResult | None, dict[str, float]]:
         """Step ``step``'s rollout of ``rows`` (None: ``cancelled`` while waiting), after pushing the weights of
-        ``step`` (``model``, unwrapped) and queueing ``upcoming`` (the rows of steps ``step + 1, ...``). ``seed(s)``
-        is step ``s``'s rollout seed. Returns the replica's result and the step's ``async/*`` metrics.
+        ``step`` and queueing ``upcoming`` (the rows of steps ``step + 1, ...``). ``full_weights()`` enters the
+        unwrapped policy with its full weights (under ZeRO-3 gathered: a collective, so every rank calls this at the
+        same point of the step); ``seed(s)`` is step ``s``'s rollout seed. Returns the replica's result and the
+        step's ``async/*`` metrics.
 
         Raises:
             OffPolicyDrift: the replica's probe log-probs after a push differ from the trainer's beyond the tolerance.
@@ -126,17 +129,20 @@ class AsyncRollouts:
         """
         c = self.config
         if self.replica is None:
-            self._probe = probe_tokens(model.config.vocab_size)
-            self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
-            self._trainer_probes[step] = probe_logprobs(model, self._probe)
-            self.replica = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
-                                             pad_token_id=self.pad_token_id, token_budget=self.token_budget,
-                                             probe=self._probe, threads=c.async_replica_threads,
-                                             streaming=bool(c.async_streaming))
+            with full_weights() as model:
+                self._probe = probe_tokens(model.config.vocab_size)
+                self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
+                self._trainer_probes[step] = probe_logprobs(model, self._probe)
+                self.replica = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
+                                                 pad_token_id=self.pad_token_id, token_budget=self.token_budget,
+                                                 probe=self._probe, threads=c.async_replica_threads,
+                                                 streaming=bool(c.async_streaming))
             self._queued_up_to = step - 1
         elif self.replica.pushed_step != step:
-            self._trainer_probes[step] = probe_logprobs(model, self._probe)
-            self.replica.push_weights(step, cpu_state_dict(model))
+            with full_weights() as model:
+                self._trainer_probes[step] = probe_logprobs(model, self._probe)
+                state = cpu_state_dict(model)
+            self.replica.push_weights(step, state)
         # Queue each batch once, no further ahead than the weights just pushed allow.
         for offset, part in enumerate([rows, *upcoming][: c.max_staleness + 1]):
             key = step + offset

@@ -31,6 +31,7 @@ import torch
 from trl import GRPOTrainer
 
 from trl_plugins.rollout import derive_seed
+from trl_plugins.rollout.backends import unwrapped_for_generation
 from trl_plugins.rollout.metrics import throughput_metrics
 from trl_plugins.run import Run, resolve_run
 from trl_plugins.run.config import MultiTurnGRPOConfig
@@ -249,7 +250,8 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         upcoming = [list(b)[:: self.num_generations] for b in self._async.upcoming]
         stop = self.stop_event
         answer, metrics = self._async.roll_out(
-            step, rows, upcoming, self.accelerator.unwrap_model(self.model), group_size=self.num_generations,
+            step, rows, upcoming, lambda: unwrapped_for_generation(self.model_wrapped, self.accelerator),
+            group_size=self.num_generations,
             seed=lambda s: derive_seed(args.seed, s, rank), cancelled=(lambda: stop.is_set()) if stop is not None else None)
         self._raise_if_stop_agreed()  # every rank agrees here, as after a synchronous rollout
         assert answer is not None  # a cancelled wait means this rank asked for the stop
