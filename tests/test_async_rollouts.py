@@ -86,20 +86,61 @@ def test_what_is_not_built_yet_is_refused_before_anything_loads(tmp_path):
     _config(tmp_path, async_rollouts=True, max_staleness=0, num_iterations=2)  # the synchronous loop does it
 
 
-def test_lora_and_span_losses_are_refused_when_the_run_is_resolved(tmp_path):
-    from peft import LoraConfig
-
+def test_span_losses_are_refused_with_the_decoupled_objective(tmp_path):
     from trl_plugins.run import resolve_run
 
-    with pytest.raises(ValueError, match="LoRA adapter"):
-        resolve_run(_config(tmp_path, async_rollouts=True), peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
-                    reward_components={"length": TokenReward()})
     # The decoupled objective weighs tokens by pi_prox / pi_behaviour: a loss that drops the weights cannot train it.
     with pytest.raises(ValueError, match="supports_is_weights"):
         resolve_run(_config(tmp_path, async_rollouts=True, policy_loss="gspo"), reward_components={"length": TokenReward()})
     run = resolve_run(_config(tmp_path, async_rollouts=True, policy_loss="gspo", off_policy_objective="behaviour"),
                       reward_components={"length": TokenReward()})
     run.close()
+
+
+def test_a_lora_push_is_the_merged_base_model():
+    # The replica runs the plain base model: the push is the base weights with the active adapter merged, under the
+    # base model's names, computed without touching the training weights.
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from trl_plugins.trainers.replica import base_model, cpu_state_dict
+
+    tok = build_tokenizer("qwen2_5")
+    torch.manual_seed(0)
+    model = get_peft_model(build_tiny_model(tok), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # a trained adapter (B starts at 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = cpu_state_dict(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing merged in place
+    merged = copy.deepcopy(model).merge_and_unload()
+    assert set(state) == set(merged.state_dict())
+    assert all(torch.allclose(state[k], v, atol=1e-6) for k, v in merged.state_dict().items())
+    assert not torch.allclose(state["model.layers.0.self_attn.q_proj.weight"],
+                              before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    assert type(base_model(model)) is type(merged)
+
+
+@pytest.mark.slow
+def test_async_rollouts_train_a_lora_adapter(tmp_path):
+    from peft import LoraConfig
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    torch.manual_seed(0)
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, per_device_train_batch_size=8, max_steps=3,
+                                                                   async_rollouts=True, learning_rate=5e-2),
+                                   train_dataset=_dataset(12), processing_class=tok, reward_components={"length": TokenReward()},
+                                   peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trainer.train()
+    records = _records(tmp_path)
+    # The adapter moved, each push reached the replica (probe), and the last steps trained 1-step-stale tokens.
+    assert [r["train/staleness_max"] for r in records] == [0.0, 1.0, 1.0]
+    assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
+    assert any(float(p.detach().abs().max()) > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
 
 
 def test_the_decoupled_weight_is_per_token_unless_chosen():

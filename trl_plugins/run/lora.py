@@ -112,15 +112,7 @@ def check_peft_config(peft_config: Any, config: Any, *, needs_values: bool = Fal
         ValueError: what cannot work, why, and what to set instead.
     """
     if peft_config is not None:
-        _refuse_async(config)
         _check_lora(peft_config, config)
-
-
-def _refuse_async(config: Any) -> None:
-    if getattr(config, "async_replica", False):
-        raise ValueError(f"async_rollouts with max_staleness={config.max_staleness} is not available with a LoRA adapter "
-                         f"yet (the replica would need adapter-only pushes): train without use_peft, or set "
-                         f"max_staleness=0 (the synchronous loop).")
 
 
 def check_peft_model(model: Any, config: Any, *, needs_values: bool = False) -> None:
@@ -134,7 +126,6 @@ def check_peft_model(model: Any, config: Any, *, needs_values: bool = False) -> 
 
     if isinstance(model, (str, os.PathLike, type(None))) or not is_peft_model(model):
         return
-    _refuse_async(config)
     for pc in model.peft_config.values():
         if pc is not None:
             _check_lora(pc, config)

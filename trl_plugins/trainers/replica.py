@@ -74,16 +74,51 @@ def probe_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain model a replica copies: ``model`` itself, or a PEFT model's base (whose class and config build it)."""
+    from accelerate.utils import is_peft_model
+
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of ``model``'s state dict (what one push sends; the training weights are never shared)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    """A detached CPU copy of ``model``'s state dict (what one push sends; the training weights are never shared).
+
+    A PEFT model gives its base model's state with the active LoRA adapters merged in (``W + get_delta_weight``,
+    computed aside: the training weights are not merged and unmerged in place, which would move them by rounding),
+    under the base model's names, adapter-only weights left out: the replica runs the plain base model."""
+    from accelerate.utils import is_peft_model
+
+    if not is_peft_model(model):
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and not module.disable_adapters and not module.merged:
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    key = f"{name}.base_layer.weight"
+                    delta = module.get_delta_weight(adapter).detach()
+                    deltas[key] = deltas[key] + delta if key in deltas else delta
+    prefix = getattr(model, "prefix", "lora_")
+    out = {}
+    for name, value in model.state_dict().items():
+        if prefix in name or "original_module" in name:
+            continue
+        tensor = value.detach().to("cpu", copy=True)
+        if name in deltas:
+            tensor += deltas[name].to(device=tensor.device, dtype=tensor.dtype)
+        out[name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")] = tensor
+    return out
 
 
 class GenerationReplica:
     """The parent's handle on a generation replica process.
 
     Args:
-        model: The policy (unwrapped); its class, config and current weights build the replica's copy.
+        model: The policy (unwrapped); its class, config and current weights build the replica's copy (a PEFT
+            model's base class and config, with the adapters merged into the weights: :func:`cpu_state_dict`).
         policy_step: The optimizer step of ``model``'s current weights.
         parts: What the rollout needs: ``rollout``, ``tools``, ``chat`` and ``config`` (the run's; pickled).
         sampler: The run's :class:`~trl_plugins.run.sampler.SamplerKind` (HF generate or continuous batching).
@@ -105,9 +140,10 @@ class GenerationReplica:
         ctx = mp.get_context("spawn")
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
-        init = dict(model_class=type(model), model_config=model.config,
-                    generation_config=getattr(model, "generation_config", None),
-                    dtype=next(model.parameters()).dtype, state=cpu_state_dict(model), policy_step=policy_step,
+        base = base_model(model)
+        init = dict(model_class=type(base), model_config=base.config,
+                    generation_config=getattr(base, "generation_config", None),
+                    dtype=next(base.parameters()).dtype, state=cpu_state_dict(model), policy_step=policy_step,
                     parts=dict(parts), sampler=sampler, pad_token_id=pad_token_id, token_budget=token_budget,
                     probe=probe, threads=threads or max(1, (os.cpu_count() or 2) // 2), parent=os.getpid(),
                     streaming=streaming)
