@@ -215,6 +215,14 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, k, ver
     seen = _record_batches(trainer)
     trainer.train()
     assert [(s, rows) for s, rows, _ in seen] == [(s, rows) for s, rows, _ in sync_seen]
+    # Step 0 was sampled by the replica with the initial weights and step 0's seed: the synchronous loop's tokens
+    # (sampled in-process), with log-probs equal to float precision.
+    (_, _, mine), (_, _, theirs) = sync_seen[0], seen[0]
+    assert [u.completion_ids for t in theirs.trajectories for u in t.turns] == \
+           [u.completion_ids for t in mine.trajectories for u in t.turns]
+    for t, u in zip(mine.trajectories, theirs.trajectories):
+        for x, y in zip(t.turns, u.turns):
+            assert x.completion_logprobs == pytest.approx(y.completion_logprobs, abs=1e-5)
     for epoch in range(2):
         rows = [r for s, rs, _ in seen[3 * epoch: 3 * epoch + 3] for r in rs]
         assert sorted(rows) == sorted(r["prompt"] for r in _dataset(12))
@@ -229,24 +237,6 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, k, ver
     assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
     assert all(0 < r["async/importance_ess"] <= 1 for r in records)
     assert trainer._async.replica is None  # stopped when training ended
-
-
-@pytest.mark.slow
-def test_the_replica_samples_what_the_trainer_would(tmp_path):
-    # Step 0 of an async run is sampled by the replica with the initial weights and step 0's seed: the same tokens
-    # as the synchronous loop's step 0 (sampled in-process), and log-probs equal to float precision.
-    sync = _trainer(tmp_path / "sync", max_steps=1)
-    a = _record_batches(sync)
-    sync.train()
-    trainer = _trainer(tmp_path / "async", max_steps=1, async_rollouts=True)
-    b = _record_batches(trainer)
-    trainer.train()
-    (_, _, mine), (_, _, theirs) = a[0], b[0]
-    assert [t.turns[i].completion_ids for t in mine.trajectories for i in range(len(t.turns))] == \
-           [t.turns[i].completion_ids for t in theirs.trajectories for i in range(len(t.turns))]
-    for t, u in zip(mine.trajectories, theirs.trajectories):
-        for x, y in zip(t.turns, u.turns):
-            assert x.completion_logprobs == pytest.approx(y.completion_logprobs, abs=1e-5)
 
 
 @pytest.mark.slow
@@ -361,48 +351,47 @@ _JOB = textwrap.dedent("""
             with open(out / "trained.jsonl", "a") as f:
                 f.write(json.dumps({{"step": state.global_step, "rows": [r["prompt"] for r in batch.rows],
                                     "replica": trainer._async.replica.pid}}) + "\\n")
-            if mode == "kill" and state.global_step == at:
+            if mode.endswith("kill") and state.global_step == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     trainer = _trainer(out, n_rows=8, max_steps=6, async_rollouts=True, max_staleness=2, save_strategy="steps",
                        save_steps=2)
     trainer.add_callback(Record())
-    trainer.train(resume_from_checkpoint=mode == "resume")
+    trainer.train(resume_from_checkpoint=mode.startswith("resume"))
 """)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,code,order", [
-    ("kill", -signal.SIGKILL, [1, 2, 3, 3, 4, 5, 6]),  # killed after step 3: resumed from checkpoint-2
-    ("term", 1, [1, 2, 3, 4, 5, 6]),  # SIGTERM while waiting for step 4's rollout: step 3 saved, resumed from it
-])
-def test_a_stop_in_the_middle_then_resume_trains_each_row_once(tmp_path, mode, code, order):
-    # Stopped with the rows of the next steps read ahead and in flight in the replica (max_staleness 2); resumed, every
-    # row is trained once per epoch (3 epochs of 2 steps), counted by the rows each final step trained, and no
-    # replica outlives its trainer.
+def test_stops_in_the_middle_then_resumes_train_each_row_once(tmp_path):
+    # With the rows of the next steps read ahead and in flight in the replica (max_staleness 2): SIGTERM while the
+    # trainer waits for step 2's rollout (the stop saves step 1), resumed from it; kill -9 after step 3 (no checkpoint
+    # since step 2's), resumed again to the end. Every row is trained once per epoch (3 epochs of 2 steps), counted
+    # by the rows each final step trained, and no replica outlives its trainer.
     script = tmp_path / "job.py"
     script.write_text(_JOB.format(tests=HERE))
     env = {**os.environ, "PYTHONPATH": HERE}
-    first = subprocess.run([sys.executable, str(script), str(tmp_path), mode, "3"], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert first.returncode == code, first.stderr[-3000:]
-    if mode == "term":  # TrainingInterrupted (a script's own exit code; the recipe turns it into 143)
-        assert "training stopped on SIGTERM after step 3; resume with" in first.stderr
+
+    def launch(mode, at, code):
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode, str(at)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == code, proc.stderr[-3000:]
+        records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
+        replica = records[-1]["replica"]
+        deadline = time.time() + 10
+        while _alive(replica) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _alive(replica), f"the replica outlived its trainer ({mode})"
+        return proc
+
+    term = launch("term", 1, 1)  # TrainingInterrupted (a script's own exit code; the recipe turns it into 143)
+    assert "training stopped on SIGTERM after step 1; resume with" in term.stderr
+    launch("resume-kill", 3, -signal.SIGKILL)  # killed after step 3's record: checkpoint-2 is the latest
+    launch("resume", -1, 0)
     records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
-    replica = records[-1]["replica"]
-    deadline = time.time() + 10
-    while _alive(replica) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not _alive(replica), "the replica outlived its stopped trainer"
-    second = subprocess.run([sys.executable, str(script), str(tmp_path), "resume", "-1"], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert second.returncode == 0, second.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 4, 5, 6]
     final = {}
     for r in records:  # a step the kill cut short is trained again after the resume: the last record counts
         final[r["step"]] = r["rows"]
-    assert sorted(final) == [1, 2, 3, 4, 5, 6]
     everything = sorted(r["prompt"] for r in _dataset(8))
     for epoch in range(3):
         assert sorted(final[2 * epoch + 1] + final[2 * epoch + 2]) == everything
-    assert [r["step"] for r in records] == order
