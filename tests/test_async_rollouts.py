@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from test_trainer import TokenReward, _config, _dataset
+from test_vllm import _same_weights, _train, patched, saved  # noqa: F401 - fixtures
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
 HERE = os.path.dirname(__file__)
@@ -395,3 +396,43 @@ def test_stops_in_the_middle_then_resumes_train_each_row_once(tmp_path):
     everything = sorted(r["prompt"] for r in _dataset(8))
     for epoch in range(3):
         assert sorted(final[2 * epoch + 1] + final[2 * epoch + 2]) == everything
+
+
+@pytest.mark.slow
+def test_async_rollouts_against_a_vllm_server(tmp_path, saved, patched):
+    # vLLM server mode: no replica; the rollouts run on threads of the trainer against the (fake) server, each push
+    # waits for the requests in flight, every turn says which weights sampled it, and the server's probe continuation
+    # scores the same under the trainer's weights after every push.
+    import fake_vllm as fake
+
+    path = saved[0]
+    with fake.FakeVLLMServer(path) as server:
+        trainer, seen = _train(tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url, max_steps=3,
+                               async_rollouts=True)
+        # 4 rows, 2 per step: steps 0 and 2 start an epoch (sampled by their own step's weights), step 1 was queued
+        # with step 0's weights (its later turns may have come after the push of step 1's).
+        records = _records(tmp_path)
+        assert [r["train/policy_version_lag"] for r in records] == [0.0, 1.0, 0.0]
+        assert records[0]["train/staleness_max"] == 0.0 and records[1]["train/staleness_max"] in (0.0, 1.0)
+        assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
+        assert all(r["async/importance_ess"] > 0.2 for r in records)
+        last = trainer.last_batch.trajectories
+        assert all(t.policy_version.step == 2 and t.turn_policy_steps() == [2] * len(t.turns) for t in last)
+        assert not seen  # no rollout in the trainer's own phases
+        trainer.generation_backend().sync_weights(trainer.state.global_step)  # the evaluation's path: a drained push
+        assert _same_weights(server.engine.model, trainer)
+    assert trainer._async.replica is None
+
+
+@pytest.mark.slow
+def test_a_server_whose_logprobs_are_off_stops_the_run_at_the_probe(tmp_path, saved, patched):
+    # Negative control of the server's probe: a server whose log-probs are 0.5 off the trainer's is caught at the
+    # first push, before any step trains on its tokens.
+    import fake_vllm as fake
+
+    from trl_plugins.trainers.async_rollouts import OffPolicyDrift
+
+    with fake.FakeVLLMServer(saved[0], logprob_shift=0.5) as server:
+        with pytest.raises(OffPolicyDrift, match=r"weight-push probe: after the push of step 0's weights.* by 0.5"):
+            _train(tmp_path, saved[0], vllm_mode="server", vllm_server_base_url=server.base_url, max_steps=1,
+                   async_rollouts=True)

@@ -72,7 +72,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     dynamic_sampling_metric: str = field(default="reward", metadata={"help": "What dynamic sampling compares within a group: 'reward' (the weighted total) or the name of one reward component (e.g. 'correct', DAPO's accuracy)."})
     dynamic_sampling_max_groups: float = field(default=3.0, metadata={"help": "The most groups dynamic sampling rolls out in a step, as a multiple of the step's groups (the first round included; >= 1)."})
     vllm_importance_sampling_mode: str | None = field(default=None, metadata={"help": "How the importance weights of the sampler/trainer mismatch correction are bounded: token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's modes). None: TRL's sequence_mask, or token_truncate with async_rollouts' decoupled objective (a per-token weight, as AReaL's: a whole sequence's ratio after an update is often outside the bounds)."})
-    async_rollouts: bool = field(default=False, metadata={"help": "Roll out the next steps' batches while this one trains: a generation replica of the policy (a process of its own, weights pushed after each update) samples up to max_staleness optimizer steps behind the weights being updated; the update corrects for it (off_policy_objective). 1 process, DDP or ZeRO-2/3, full or LoRA; HF generate or continuous batching; on the CPU; the rest is refused at start-up. docs/training.md."})
+    async_rollouts: bool = field(default=False, metadata={"help": "Roll out the next steps' batches while this one trains: a generation replica of the policy (a process of its own, weights pushed after each update) samples up to max_staleness optimizer steps behind the weights being updated; the update corrects for it (off_policy_objective). 1 process, DDP or ZeRO-2/3, full or LoRA; HF generate or continuous batching on the CPU, or a vLLM server (no replica: rollouts on threads against it); the rest is refused at start-up. docs/training.md."})
     max_staleness: int = field(default=1, metadata={"help": "async_rollouts: the most optimizer steps between the weights that sampled a token and the weights it trains (the replica waits rather than exceed it; nothing is dropped). 0: the synchronous loop, bit for bit."})
     off_policy_objective: str = field(default="decoupled", metadata={"help": "async_rollouts: 'decoupled' - the PPO ratio against the proximal policy (the weights at the start of this update, recomputed by a forward) and the behaviour policy only in a truncated importance weight pi_prox / pi_behaviour (the vllm_importance_sampling_* bounds); 'behaviour' - the ratio against the behaviour log-probs directly (no forward; the clip then bounds the whole drift). docs/reference_equivalence.md."})
     async_streaming: bool | None = field(default=None, metadata={"help": "async_rollouts: the replica rolls out every batch it may (up to max_staleness ahead) at once, so a batch's trajectories start while the one before finishes its stragglers and throughput follows the average trajectory, not the longest; weights pushed during a rollout are loaded between generate calls and each turn records the step that sampled it. False: one batch after another (overlap with the update only). None: on with HF generate; continuous batching runs one batch at a time (True is refused there)."})
@@ -341,8 +341,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
         """What ``async_rollouts`` (with a replica) cannot do yet in this run, given the launcher's ``environ``; each
         with what to use instead. Empty: available."""
         missing = []
-        if self.use_vllm:
-            missing.append("vLLM (colocate or server mode): use HF generate or use_transformers_continuous_batching")
+        if self.use_vllm and self.vllm_mode != "server":
+            missing.append("vLLM colocate mode (the engine shares the trainer's device and process): use "
+                           "vllm_mode='server', HF generate or use_transformers_continuous_batching")
         if self.num_iterations > 1:
             missing.append(f"num_iterations={self.num_iterations} (several updates per rollout): use 1")
         if self.dynamic_sampling:
@@ -352,8 +353,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
             missing.append(f"several machines (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}): run on one machine")
         import torch
 
-        if not self.use_cpu and (torch.cuda.is_available() or torch.backends.mps.is_available()):
-            missing.append("an accelerator device (the replica is built and measured on the CPU only): set use_cpu=True")
+        if not self.use_vllm and not self.use_cpu and (torch.cuda.is_available() or torch.backends.mps.is_available()):
+            missing.append("an accelerator device with a generation replica (built and measured on the CPU only): set "
+                           "use_cpu=True, or generate with a vLLM server (vllm_mode='server')")
         return missing
 
     def _check_continuous_batching(self) -> None:

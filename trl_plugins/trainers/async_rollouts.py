@@ -22,6 +22,9 @@ naming the check, the figure and the threshold.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import threading
 import time
 from collections import deque
 from typing import Any, Callable, ContextManager, Iterator, Sequence
@@ -67,6 +70,163 @@ def off_policy_figures(datums: Sequence[Datum]) -> list[float]:
     return [n, gap, w_sum, w_sq]
 
 
+class _ReadWriteLock:
+    """Many generate calls at once (readers), or one weight push (the writer) once those in flight have finished;
+    a waiting push holds new calls back."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = self._waiting = False
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writing or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting = True
+            while self._writing or self._readers:
+                self._cond.wait()
+            self._waiting, self._writing = False, True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+class _ServerView:
+    """The server backend as rollouts of this process see it: each generate call runs between weight pushes (never
+    across one) and its samples are stamped with the step of the weights the server then held; ``sync_weights`` is
+    the producer's drained push."""
+
+    def __init__(self, producer: "ServerRollouts", backend: Any, *, pushes: bool) -> None:
+        self._producer, self._backend, self._pushes = producer, backend, pushes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def with_sampling(self, sampling: Any) -> "_ServerView":
+        return _ServerView(self._producer, self._backend.with_sampling(sampling), pushes=self._pushes)
+
+    def sync_weights(self, policy_step: int) -> None:
+        # A queued rollout samples with whatever weights the server holds (its turns say which); anything else in the
+        # process (an evaluation) brings the server to its step through the drained push.
+        if self._pushes and policy_step != self._producer.pushed_step:
+            self._producer.push(policy_step)
+
+    def generate(self, prompts: Any, max_new_tokens: Any, *, seeds: Any) -> list[Any]:
+        with self._producer.lock.read():
+            step = self._producer.pushed_step
+            samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
+        for sample in samples:
+            sample.policy_step = step
+        return samples
+
+
+class ServerRollouts:
+    """vLLM server mode (the server keeps generating): rollouts run on threads of the trainer's process, every
+    queued batch at once, their turns as requests to the server; a weight push waits for the requests in flight to
+    finish and holds new ones back (so every turn is sampled by one version, stamped on it), then pushes through
+    TRL (a collective: every rank at the same point of its step). After each push the server samples a probe
+    continuation and the trainer scores it: the two log-probs must match.
+
+    Args:
+        backend: The run's ``VLLMBackend`` in server mode.
+        parts: What the rollout needs (``rollout``, ``tools``, ``chat``, ``config``).
+    """
+
+    def __init__(self, backend: Any, parts: dict[str, Any]) -> None:
+        from types import SimpleNamespace
+
+        self.lock = _ReadWriteLock()
+        self.parts = SimpleNamespace(**parts)
+        self._backend = backend
+        self.pushed_step = -1
+        self.probe_due = False
+        c = parts["config"]  # streaming: every queued batch at once; else one after another
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=c.max_staleness + 1 if c.async_streaming else 1,
+                                                           thread_name_prefix="async-rollout")
+        self._futures: dict[Any, concurrent.futures.Future] = {}
+        self._pending: list[Any] = []
+        self._probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stop = threading.Event()
+        self._full_weights: Callable[[], ContextManager[torch.nn.Module]] | None = None
+
+    def view(self, sampling: Any = None, *, pushes: bool = True) -> _ServerView:
+        return _ServerView(self, self._backend if sampling is None else self._backend.with_sampling(sampling), pushes=pushes)
+
+    def push(self, step: int, full_weights: Callable[[], ContextManager[torch.nn.Module]] | None = None) -> None:
+        """Bring the server to the weights of ``step`` once the requests in flight have finished; then probe."""
+        if full_weights is not None:
+            self._full_weights = full_weights
+        with self.lock.write():
+            if step != self.pushed_step:
+                self._backend.sync_weights(step)
+                self.pushed_step = step
+            self.probe_due = self._full_weights is None
+            if self._full_weights is not None:
+                self._probe(step)
+
+    def _probe(self, step: int) -> None:
+        from trl_plugins.types import SamplingSettings
+
+        prompt = self.parts.chat.initial_prompt_ids([{"role": "user", "content": "Probe: say something."}])
+        (sample,) = self._backend.with_sampling(SamplingSettings(temperature=1.0)).generate([prompt], [16], seeds=[1234])
+        ids = torch.tensor([list(prompt) + list(sample.token_ids)])
+        with self._full_weights() as model, torch.no_grad():
+            logits = model(input_ids=ids.to(next(model.parameters()).device)).logits.float()[0, len(prompt) - 1: -1].cpu()
+        mine = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        self._probes[step] = (torch.tensor(sample.logprobs, dtype=torch.float32), mine)
+
+    def submit(self, key: Any, rows: Sequence[dict], *, group_size: int, seed: int, id_offset: int = 0) -> None:
+        from trl_plugins.trainers.batch import rollout_rows
+
+        start = self.pushed_step
+        view = self.view(pushes=False)
+
+        def job() -> tuple[Any, int, dict[str, float]]:
+            result = rollout_rows(self.parts, view, list(rows), group_size=group_size, seed=seed, policy_step=start,
+                                  id_offset=id_offset, stop=self._stop)
+            return result, start, {}
+
+        self._futures[key] = self._pool.submit(job)
+        self._pending.append(key)
+
+    def result(self, key: Any, *, cancelled: Callable[[], bool] | None = None) -> ReplicaResult | None:
+        future = self._futures[key]
+        while True:
+            try:
+                result, start, tool_metrics = future.result(timeout=0.2)
+                break
+            except concurrent.futures.TimeoutError:
+                if cancelled is not None and cancelled():
+                    return None
+        del self._futures[key]
+        self._pending.remove(key)
+        tool_metrics = {}
+        for tool in self.parts.tools.values():
+            tool_metrics.update(tool.step_metrics())
+        probes, self._probes = self._probes, {}
+        return ReplicaResult(result, start, tool_metrics, probes)
+
+    def close(self) -> None:
+        self._stop.set()  # rollouts in flight end as cancelled
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 class AsyncRollouts:
     """The trainer's side of asynchronous rollouts on one rank.
 
@@ -79,10 +239,12 @@ class AsyncRollouts:
     """
 
     def __init__(self, config: Any, parts: dict[str, Any], *, sampler: Any, pad_token_id: int | None,
-                 token_budget: int | None) -> None:
+                 token_budget: int | None, server_backend: Any = None) -> None:
         self.config, self.parts, self.sampler = config, parts, sampler
         self.pad_token_id, self.token_budget = pad_token_id, token_budget
-        self.replica: GenerationReplica | None = None
+        self.server = ServerRollouts(server_backend, parts) if server_backend is not None else None
+        """vLLM server mode: rollouts on threads of this process against the server (no replica)."""
+        self.replica: GenerationReplica | ServerRollouts | None = None
         self._iterator: Iterator | None = None
         self._ahead: deque = deque()
         self.upcoming: list[Any] = []
@@ -128,7 +290,15 @@ class AsyncRollouts:
             ReplicaError: the replica failed.
         """
         c = self.config
-        if self.replica is None:
+        if self.server is not None:
+            if self.replica is None:
+                self.replica = self.server
+                with full_weights() as model:
+                    self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
+                self._queued_up_to = step - 1
+            if self.server.pushed_step != step or self.server.probe_due:
+                self.server.push(step, full_weights)
+        elif self.replica is None:
             with full_weights() as model:
                 self._probe = probe_tokens(model.config.vocab_size)
                 self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
@@ -157,10 +327,13 @@ class AsyncRollouts:
         metrics["async/probe_max_diff"] = self._check_probes(result.probes)
         return result, metrics
 
-    def _check_probes(self, probes: dict[int, torch.Tensor]) -> float:
+    def _check_probes(self, probes: dict[int, Any]) -> float:
         worst = 0.0
         for pushed, theirs in sorted(probes.items()):
-            mine = self._trainer_probes.pop(pushed)
+            if isinstance(theirs, tuple):  # the server's probe: (its log-probs, the trainer's)
+                theirs, mine = theirs
+            else:
+                mine = self._trainer_probes.pop(pushed)
             diff = float((mine - theirs).abs().max())
             worst = max(worst, diff)
             if self._tolerance >= 0 and not diff <= self._tolerance:
@@ -172,6 +345,11 @@ class AsyncRollouts:
                     f"gap is numerical (another dtype or kernel), raise async_probe_tolerance (a negative value turns "
                     f"the check off).")
         return worst
+
+    def generation_backend(self, sampling: Any) -> Any:
+        """vLLM server mode: the backend anything else in this process samples with (e.g. a periodic evaluation),
+        whose weight sync goes through the same drained push as the rollouts'. None: the trainer's own."""
+        return None if self.server is None else self.server.view(sampling)
 
     def close(self) -> None:
         """Stop the replica (rollouts in flight are abandoned; a resume rolls their rows out again)."""

@@ -160,16 +160,21 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                                    for k, v in plugin.metric_reductions().items()}
         self._last_table_step = -1
         # async_rollouts: a generation replica samples the next batches while this one trains (docs/training.md).
+        # vLLM server mode: no replica, the rollouts run on threads of this process against the server.
         self._async = AsyncRollouts(args, dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args),
                                     sampler=run.sampler, pad_token_id=self.processing_class.pad_token_id,
-                                    token_budget=run.rollout.token_budget) if args.async_replica else None
+                                    token_budget=run.rollout.token_budget,
+                                    server_backend=self._sampler.with_sampling(sampling_settings(args))
+                                    if run.sampler.is_vllm else None) if args.async_replica else None
 
     def generation_backend(self, *, temperature: float | None = None) -> Any:
         """The run's sampler (vLLM, transformers' continuous batching or HF generate on the training model) with the
         config's sampling settings; ``temperature`` overrides the config's (e.g. 0 for greedy evaluation)."""
         if not self.run.sampler.is_vllm:
             self._sampler.model = self.model_wrapped  # Accelerate/DeepSpeed wrap it when training starts
-        return self._sampler.with_sampling(sampling_settings(self.args, temperature=temperature))
+        sampling = sampling_settings(self.args, temperature=temperature)
+        shared = self._async.generation_backend(sampling) if self._async is not None else None
+        return shared if shared is not None else self._sampler.with_sampling(sampling)
 
     def reward_names(self) -> list[str]:
         """The reward components the run logs as ``reward/<name>`` (:meth:`~trl_plugins.run.Run.reward_names`)."""
