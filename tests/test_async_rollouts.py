@@ -77,11 +77,10 @@ def test_settings_are_honoured_or_refused(tmp_path, overrides, message):
 def test_what_is_not_built_yet_is_refused_before_anything_loads(tmp_path):
     c = _config(tmp_path, async_rollouts=True)
     assert c.async_unavailable({}) == []
-    # A multi-node launch (its environment cannot be faked here: TrainingArguments would connect to the other nodes).
-    assert "several machines" in c.async_unavailable({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})[0]
-    assert c.async_unavailable({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == []
-    c.use_vllm = True  # (vLLM itself is not installed here)
-    assert "vLLM" in c.async_unavailable({})[0]
+    c.use_vllm, c.vllm_mode = True, "colocate"  # (vLLM itself is not installed here)
+    assert "vLLM colocate mode" in c.async_unavailable({})[0]
+    c.vllm_mode = "server"
+    assert c.async_unavailable({}) == []
     with pytest.raises(ValueError, match=r"not available with num_iterations=2.*Or set max_staleness=0"):
         _config(tmp_path, async_rollouts=True, num_iterations=2)
     _config(tmp_path, async_rollouts=True, max_staleness=0, num_iterations=2)  # the synchronous loop does it

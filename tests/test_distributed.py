@@ -448,6 +448,24 @@ def test_two_nodes_match_one_process(config, tmp_path):
 
 
 @pytest.mark.slow
+def test_async_rollouts_on_two_nodes_equal_one_process(trainer_runs, tmp_path):
+    """Asynchronous rollouts on two "nodes" (two launchers, one DDP rank each): each rank's generation replica runs on
+    its own node; 3 steps equal the 1-process run of the same case."""
+    import torch
+
+    report, ranks = launch_two_nodes("cpu_ddp.yaml", tmp_path, "--trainer", "--output_dir", str(tmp_path / "run"),
+                                     "--per_device", "4", "--params_out", str(tmp_path / "async.pt"), *STEP, *ASYNC)
+    assert [r["GROUP_RANK"] for r in ranks] == ["0", "1"] and all(r["LOCAL_WORLD_SIZE"] == "1" for r in ranks)
+    assert report["global_step"] == 3 and [s["train/staleness_max"] for s in report["steps"]] == [0.0, 1.0, 1.0]
+    trainer_runs("cpu.yaml", "step-async")
+    reference = torch.load(trainer_runs.folder("cpu.yaml") / "step-async.pt")
+    params = torch.load(tmp_path / "async.pt")
+    diff = sum(float((params[k] - reference[k]).pow(2).sum()) for k in reference) ** 0.5
+    scale = sum(float(v.pow(2).sum()) for v in reference.values()) ** 0.5
+    assert diff / scale < 1e-6, diff
+
+
+@pytest.mark.slow
 def test_multi_node_zero3_config_launches_two_nodes_of_eight(tmp_path):
     """accelerate_configs/multi_node_zero3.yaml itself, launched as the docs say (the config, --machine_rank,
     --main_process_ip/port) on two "nodes" of this machine with a script that records its environment and
