@@ -64,7 +64,6 @@ def _records(tmp_path):
     (dict(async_rollouts=True, max_staleness=0, off_policy_objective="behaviour"), "max_staleness=0 is the synchronous loop"),
     (dict(async_rollouts=True, vllm_importance_sampling_correction=False), "set off_policy_objective='behaviour'"),
     (dict(async_rollouts=True, num_iterations=2), "num_iterations=2"),
-    (dict(async_rollouts=True, dynamic_sampling=True), "dynamic_sampling"),
     (dict(async_rollouts=True, async_min_importance_ess=1.5), "share in"),
     (dict(async_rollouts=True, async_replica_threads=0), "async_replica_threads"),
     (dict(async_rollouts=True, vllm_importance_sampling_clip_max=None), "set one"),
@@ -435,3 +434,32 @@ def test_a_server_whose_logprobs_are_off_stops_the_run_at_the_probe(tmp_path, sa
         with pytest.raises(OffPolicyDrift, match=r"weight-push probe: after the push of step 0's weights.* by 0.5"):
             _train(tmp_path, saved[0], vllm_mode="server", vllm_server_base_url=server.base_url, max_steps=1,
                    async_rollouts=True)
+
+
+class HalfConstantReward(TokenReward):
+    """Constant for even questions (their groups carry no signal: dynamic sampling drops them)."""
+
+    def __call__(self, trajectory, example) -> float:
+        return 1.0 if int(example["prompt"].split()[2]) % 2 == 0 else super().__call__(trajectory, example)
+
+
+@pytest.mark.slow
+def test_async_rollouts_with_dynamic_sampling_refill_in_the_trainer(tmp_path):
+    # The first round comes from the replica (1 step stale); the refill rounds replacing the dropped groups are sampled
+    # in the trainer by this step's weights: the step holds its groups, and its tokens mix staleness 1 and 0.
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    torch.manual_seed(0)
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, per_device_train_batch_size=8, max_steps=3,
+                                                                   async_rollouts=True, dynamic_sampling=True),
+                                   train_dataset=_dataset(12), processing_class=tok,
+                                   reward_components={"length": HalfConstantReward()})
+    trainer.train()
+    records = _records(tmp_path)
+    assert all(r["dynamic_sampling/rounds"] >= 2 and r["dynamic_sampling/kept_groups"] >= 2 for r in records)
+    assert records[1]["train/staleness_max"] == 1.0 and 0.0 < records[1]["train/on_policy_token_frac"] < 1.0
+    batch = trainer.last_batch
+    first_round = {t.policy_version.step for t in batch.trajectories[:8]}
+    refills = {t.policy_version.step for t in batch.trajectories[8:]}
+    assert first_round == {1} and refills == {2}

@@ -346,8 +346,6 @@ class MultiTurnGRPOConfig(GRPOConfig):
                            "vllm_mode='server', HF generate or use_transformers_continuous_batching")
         if self.num_iterations > 1:
             missing.append(f"num_iterations={self.num_iterations} (several updates per rollout): use 1")
-        if self.dynamic_sampling:
-            missing.append("dynamic_sampling (its refill rounds sample within the step): set dynamic_sampling=False")
         import torch
 
         if not self.use_vllm and not self.use_cpu and (torch.cuda.is_available() or torch.backends.mps.is_available()):

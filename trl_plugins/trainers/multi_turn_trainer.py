@@ -218,9 +218,10 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self.record_metrics(merged)
         return loss
 
-    def _roll_out(self, rows: list[dict]) -> StepBatch:
-        """Phases 1-6 of :mod:`~trl_plugins.trainers.phases` on this rank's rows (collectives inside: every rank)."""
-        args, steps, step, rank = self.args, self.step_runner, self.state.global_step, self.accelerator.process_index
+    def _sampler_for_step(self) -> Any:
+        """``sample(rows, seed, id_offset)``: phases 1-2 on ``rows`` with the run's sampler in this process, sampled by
+        this step's weights (collectives inside: every rank)."""
+        args, steps, step = self.args, self.step_runner, self.state.global_step
         backend = self.generation_backend()
 
         def sample(part: list[dict], seed: int, id_offset: int = 0) -> tuple[Any, StepBatch]:
@@ -232,14 +233,26 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
             assert result is not None  # a cancelled rollout means this rank asked for the stop
             return result, steps.score(result, part, policy_step=step)
 
+        return sample
+
+    def _fill(self, result: Any, batch: StepBatch, sample: Any) -> StepBatch:
+        """Dynamic sampling's refill rounds (``dynamic_sampling``), sampled by ``sample`` in this process."""
+        args, step, rank = self.args, self.state.global_step, self.accelerator.process_index
+
         def refill(indices: list[int], round_index: int, id_offset: int) -> tuple[Any, StepBatch]:
             return sample([self.train_dataset[i] for i in indices], derive_seed(args.seed, step, rank, "refill", round_index),
                           id_offset=id_offset)
 
+        return self.step_runner.fill(result, batch, sample=refill, num_rows=len(self.train_dataset),
+                                     seed=derive_seed(args.seed, step, "refill-rows"))
+
+    def _roll_out(self, rows: list[dict]) -> StepBatch:
+        """Phases 1-6 of :mod:`~trl_plugins.trainers.phases` on this rank's rows (collectives inside: every rank)."""
+        args, steps, step, rank = self.args, self.step_runner, self.state.global_step, self.accelerator.process_index
+        sample = self._sampler_for_step()
         result, batch = sample(rows, derive_seed(args.seed, step, rank))
         if args.dynamic_sampling:
-            batch = steps.fill(result, batch, sample=refill, num_rows=len(self.train_dataset),
-                               seed=derive_seed(args.seed, step, "refill-rows"))
+            batch = self._fill(result, batch, sample)
         steps.build_datums(batch)
         steps.reference(batch, *self._reference_model())
         steps.advantages(batch)
@@ -261,6 +274,8 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self._raise_if_stop_agreed()  # every rank agrees here, as after a synchronous rollout
         assert answer is not None  # a cancelled wait means this rank asked for the stop
         batch = steps.score(answer.result, rows, policy_step=answer.policy_step)
+        if args.dynamic_sampling:  # refill rounds in this process, by this step's weights (on-policy)
+            batch = self._fill(answer.result, batch, self._sampler_for_step())
         batch.metrics.update(metrics)
         steps.build_datums(batch)
         steps.reference(batch, *self._reference_model())

@@ -247,11 +247,13 @@ class StepRunner:
         rank = self.accelerator.process_index
         batch.summaries = [summarize(t, rank=rank, masked=m) for t, m in zip(batch.trajectories, batch.masked)]
         batch.metrics["train/datums"] = float(len(batch.datums))
-        if tool_metrics is not None:
-            batch.metrics.update(tool_metrics)
-            return
+        local: dict[str, float] = {}
         for tool in self.run.tools.values():
-            batch.metrics.update(tool.step_metrics())
+            local.update(tool.step_metrics())
+        if tool_metrics is not None and local:  # both processes ran tools (async refill rounds): combined by meaning
+            reductions = {k: v for tool in self.run.tools.values() for k, v in tool.metric_reductions().items()}
+            local = reduce_rank_metrics([dict(tool_metrics), local], reductions)
+        batch.metrics.update(local if local or tool_metrics is None else tool_metrics)
 
     # -- every step ------------------------------------------------------------------------------------
 
