@@ -113,7 +113,7 @@ def main() -> int:
         for variant, per_seed in curves.items():
             records = [r for metrics in per_seed for r in metrics if "train/staleness_mean" in r]
             gains = [s["after"]["accuracy"] - s["before"]["accuracy"] for _, s, _ in runs[variant]]
-            steps = [r["timing/step_s"] for r in records if "timing/step_s" in r]
+            steps = [r["timing/step_s"] for metrics in per_seed for r in metrics if "timing/step_s" in r]
             print(f"| {variant} | {_mean([r['train/staleness_mean'] for r in records]) if records else 0:.2f} | "
                   f"{_mean([r['train/on_policy_token_frac'] for r in records]) if records else 1:.2f} | "
                   f"{with_se(_mean(gains), clustered_se(gains, [1] * len(gains)), '+.3f')} | "

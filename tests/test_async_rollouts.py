@@ -235,7 +235,7 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, k, ver
     assert [r["train/policy_version_lag"] for r in records] == [float(s - v) for s, v in enumerate(versions)]
     assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
     assert all(0 < r["async/importance_ess"] <= 1 for r in records)
-    assert trainer._async.replica is None  # stopped when training ended
+    assert trainer._async.producer is None  # stopped when training ended
 
 
 @pytest.mark.slow
@@ -293,7 +293,7 @@ def test_a_weight_push_that_does_nothing_stops_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(async_rollouts, "cpu_state_dict", lambda model: first)  # the replica keeps step 0's weights
     with pytest.raises(OffPolicyDrift, match=r"weight-push probe: after the push of step 1's weights.*async_probe_tolerance=0.001"):
         trainer.train()
-    assert trainer._async.replica is None
+    assert trainer._async.producer is None
 
 
 @pytest.mark.slow
@@ -310,8 +310,8 @@ def test_a_failing_replica_names_its_error_and_leaves_no_process(tmp_path):
         try:
             return real(*a, **k)
         finally:
-            if trainer._async.replica is not None:
-                pids.append(trainer._async.replica.pid)
+            if trainer._async.producer is not None:
+                pids.append(trainer._async.producer.pid)
 
     trainer._async.roll_out = spying
     with pytest.raises(ReplicaError, match="the generation replica failed"):
@@ -349,7 +349,7 @@ _JOB = textwrap.dedent("""
             batch = trainer.last_batch
             with open(out / "trained.jsonl", "a") as f:
                 f.write(json.dumps({{"step": state.global_step, "rows": [r["prompt"] for r in batch.rows],
-                                    "replica": trainer._async.replica.pid}}) + "\\n")
+                                    "replica": trainer._async.producer.pid}}) + "\\n")
             if mode.endswith("kill") and state.global_step == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -419,7 +419,7 @@ def test_async_rollouts_against_a_vllm_server(tmp_path, saved, patched):
         assert not seen  # no rollout in the trainer's own phases
         trainer.generation_backend().sync_weights(trainer.state.global_step)  # the evaluation's path: a drained push
         assert _same_weights(server.engine.model, trainer)
-    assert trainer._async.replica is None
+    assert trainer._async.producer is None
 
 
 @pytest.mark.slow

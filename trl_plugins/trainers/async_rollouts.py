@@ -18,6 +18,9 @@ must match the trainer's (``async_probe_tolerance``); with the decoupled objecti
 between the proximal and the behaviour policy (``async_max_logprob_gap``) and the importance weights' effective sample
 size (``async_min_importance_ess``) have bounds (:func:`off_policy_figures`). Crossing one stops the run with a message
 naming the check, the figure and the threshold.
+
+With a vLLM server (``vllm_mode='server'``) there is no replica: :class:`ServerRollouts` runs the rollouts on threads
+of the trainer's process against the server, and a push drains the requests in flight first.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 from trl_plugins.trainers.replica import GenerationReplica, ReplicaResult, cpu_state_dict, probe_logprobs, probe_tokens
 from trl_plugins.types import Datum
 
-__all__ = ["AsyncRollouts", "OffPolicyDrift", "off_policy_figures", "probe_tolerance"]
+__all__ = ["AsyncRollouts", "OffPolicyDrift", "ServerRollouts", "check_off_policy", "off_policy_figures", "probe_tolerance"]
 
 
 class OffPolicyDrift(RuntimeError):
@@ -244,7 +247,8 @@ class AsyncRollouts:
         self.pad_token_id, self.token_budget = pad_token_id, token_budget
         self.server = ServerRollouts(server_backend, parts) if server_backend is not None else None
         """vLLM server mode: rollouts on threads of this process against the server (no replica)."""
-        self.replica: GenerationReplica | ServerRollouts | None = None
+        self.producer: GenerationReplica | ServerRollouts | None = None
+        """What rolls out: the replica process, or the server threads; None until the first step (and once closed)."""
         self._iterator: Iterator | None = None
         self._ahead: deque = deque()
         self.upcoming: list[Any] = []
@@ -291,36 +295,36 @@ class AsyncRollouts:
         """
         c = self.config
         if self.server is not None:
-            if self.replica is None:
-                self.replica = self.server
+            if self.producer is None:
+                self.producer = self.server
                 with full_weights() as model:
                     self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
                 self._queued_up_to = step - 1
             if self.server.pushed_step != step or self.server.probe_due:
                 self.server.push(step, full_weights)
-        elif self.replica is None:
+        elif self.producer is None:
             with full_weights() as model:
                 self._probe = probe_tokens(model.config.vocab_size)
                 self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
                 self._trainer_probes[step] = probe_logprobs(model, self._probe)
-                self.replica = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
+                self.producer = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
                                                  pad_token_id=self.pad_token_id, token_budget=self.token_budget,
                                                  probe=self._probe, threads=c.async_replica_threads,
                                                  streaming=bool(c.async_streaming))
             self._queued_up_to = step - 1
-        elif self.replica.pushed_step != step:
+        elif self.producer.pushed_step != step:
             with full_weights() as model:
                 self._trainer_probes[step] = probe_logprobs(model, self._probe)
                 state = cpu_state_dict(model)
-            self.replica.push_weights(step, state)
+            self.producer.push_weights(step, state)
         # Queue each batch once, no further ahead than the weights just pushed allow.
         for offset, part in enumerate([rows, *upcoming][: c.max_staleness + 1]):
             key = step + offset
             if key > self._queued_up_to:
-                self.replica.submit(key, part, group_size=group_size, seed=seed(key))
+                self.producer.submit(key, part, group_size=group_size, seed=seed(key))
                 self._queued_up_to = key
         start = time.perf_counter()
-        result = self.replica.result(step, cancelled=cancelled)
+        result = self.producer.result(step, cancelled=cancelled)
         metrics = {"async/wait_s": time.perf_counter() - start, "async/queued_ahead": float(self._queued_up_to - step)}
         if result is None:
             return None, metrics
@@ -353,9 +357,9 @@ class AsyncRollouts:
 
     def close(self) -> None:
         """Stop the replica (rollouts in flight are abandoned; a resume rolls their rows out again)."""
-        if self.replica is not None:
-            self.replica.close()
-            self.replica = None
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
         self._ahead, self.upcoming, self._iterator = deque(), [], None
 
 
