@@ -84,7 +84,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--padding_free", action="store_true", help="padding-free micro-batches (the default is auto: off for sdpa)")
     ap.add_argument("--dynamic_sampling", type=float, default=0.0, help="DAPO dynamic sampling with this "
                     "dynamic_sampling_max_groups (0: off)")
-    ap.add_argument("--async_k", type=int, default=0, help="async_rollouts with this max_staleness (0: off)")
+    ap.add_argument("--async_k", type=int, default=None, help="async_rollouts with this max_staleness (0: the synchronous loop)")
     ap.add_argument("--gae", action="store_true", help="actor-critic: advantage gae, the critic built from the saved policy")
     ap.add_argument("--slow_tool", action="store_true", help="a scripted policy whose calls sleep 1 s in the real sandbox")
     ap.add_argument("--markers", default=None, help="write <markers>/<what>-step<N>-rank<R> as the run reaches rollouts "
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> None:
         **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}),
         **({"rollout": "test_trainer:SlowToolRollout"} if args.slow_tool else {}),
         **({"dynamic_sampling": True, "dynamic_sampling_max_groups": args.dynamic_sampling} if args.dynamic_sampling else {}),
-        **({"async_rollouts": True, "max_staleness": args.async_k} if args.async_k else {}),
+        **({"async_rollouts": True, "max_staleness": args.async_k} if args.async_k is not None else {}),
         learning_rate=5e-3, seed=0, disable_tqdm=True, **({"padding_free": True} if args.padding_free else {}),
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,

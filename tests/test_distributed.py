@@ -115,7 +115,8 @@ step would hide a wrongly scaled gradient): one step on 2 ranks x 2 questions eq
 STEP_EXTRA = {"grpo": (), "reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2"),
               "critic-gae-2-steps": ("--gae", "--max_steps", "2"),
               "padding-free-critic-gae-2-steps": ("--padding_free", "--gae", "--max_steps", "2"),
-              "dynamic-sampling": ("--dynamic_sampling", "3")}
+              "dynamic-sampling": ("--dynamic_sampling", "3"),
+              "async-staleness-0": ("--async_k", "0")}
 LORA_EXTRA = {"lora": (), "lora-reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2")}
 RESUME_EXTRA = {"grpo": (), "critic": ("--gae",)}
 ASYNC = ("--async_k", "1", "--max_steps", "3")
@@ -281,6 +282,10 @@ def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
     for config in ("cpu_ddp.yaml", "cpu_zero3.yaml"):
         diff = sum(float((params[config][k] - reference[k]).pow(2).sum()) for k in reference) ** 0.5
         assert diff / update < 1e-5, (config, diff, update)
+    if kind == "async-staleness-0":  # async_rollouts with max_staleness 0 is the synchronous loop, bit for bit
+        for config in ("cpu.yaml", "cpu_ddp.yaml", "cpu_zero3.yaml"):
+            grpo = torch.load(trainer_runs.folder(config) / "step-grpo.pt")
+            assert all(torch.equal(params[config][k], grpo[k]) for k in grpo), config
 
 
 @pytest.mark.slow
