@@ -189,29 +189,34 @@ def test_off_policy_figures_by_hand():
 # -- the trainer ------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def synchronous_twin(tmp_path_factory):
+    """The synchronous loop on the async tests' workload (12 rows, 4 per step: 3 steps per epoch, 6 steps): each
+    step's rows and batch, and the final parameters."""
+    trainer = _trainer(tmp_path_factory.mktemp("sync"), n_rows=12, max_steps=6)
+    seen = _record_batches(trainer)
+    trainer.train()
+    return seen, [p.detach().clone() for p in trainer.model.parameters()]
+
+
 @pytest.mark.slow
-def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
-    runs = []
-    for i, extra in enumerate([{}, dict(async_rollouts=True, max_staleness=0)]):
-        trainer = _trainer(tmp_path / str(i), max_steps=3, **extra)
-        trainer.train()
-        assert trainer._async is None
-        runs.append([p.detach().clone() for p in trainer.model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(tmp_path, synchronous_twin):
+    trainer = _trainer(tmp_path, n_rows=12, max_steps=6, async_rollouts=True, max_staleness=0)
+    trainer.train()
+    assert trainer._async is None
+    assert all(torch.equal(a, b.detach()) for a, b in zip(synchronous_twin[1], trainer.model.parameters()))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k,versions", [(1, [0, 0, 1, 3, 3, 4]), (2, [0, 0, 0, 3, 3, 3])])
-def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, k, versions):
-    # 12 rows, 4 per step (8 trajectories, groups of 2): 3 steps per epoch, 2 epochs. Each step trains the rows the
-    # synchronous loop would train at that step, sampled by the weights of step - k or newer: the read-ahead stays
-    # within an epoch (the HF loop makes the next epoch's loader only when this one ends), so the first batches of
-    # an epoch are queued when it starts, with the weights of that step.
-    sync = _trainer(tmp_path / "sync", n_rows=12, max_steps=6)
-    sync_seen = _record_batches(sync)
-    sync.train()
-    trainer = _trainer(tmp_path / "async", n_rows=12, max_steps=6, async_rollouts=True, max_staleness=k)
+def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, synchronous_twin, k, versions):
+    # 2 epochs of 3 steps. Each step trains the rows the synchronous loop would train at that step, sampled by the
+    # weights of step - k or newer: the read-ahead stays within an epoch (the HF loop makes the next epoch's loader
+    # only when this one ends), so the first batches of an epoch are queued when it starts, with that step's weights.
+    sync_seen, _ = synchronous_twin
+    trainer = _trainer(tmp_path, n_rows=12, max_steps=6, async_rollouts=True, max_staleness=k)
     seen = _record_batches(trainer)
+    snapshots = _capture_updates(trainer)
     trainer.train()
     assert [(s, rows) for s, rows, _ in seen] == [(s, rows) for s, rows, _ in sync_seen]
     # Step 0 was sampled by the replica with the initial weights and step 0's seed: the synchronous loop's tokens
@@ -230,24 +235,18 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, k, ver
     for step, _, batch in seen:
         assert step - k <= batch.policy_step <= step
         assert {s for t in batch.trajectories for s in t.turn_policy_steps()} == {batch.policy_step}
-    records = _records(tmp_path / "async")
+    records = _records(tmp_path)
     assert [r["train/staleness_max"] for r in records] == [float(s - v) for s, v in enumerate(versions)]
     assert [r["train/policy_version_lag"] for r in records] == [float(s - v) for s, v in enumerate(versions)]
     assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
     assert all(0 < r["async/importance_ess"] <= 1 for r in records)
     assert trainer._async.producer is None  # stopped when training ended
+    if k == 1:
+        _check_decoupled_objective(trainer, snapshots, step=2)
 
 
-@pytest.mark.slow
-def test_the_decoupled_objective_anchors_on_the_proximal_policy(tmp_path):
-    # At step 2 (k = 1) the tokens were sampled by the weights of step 1; the update's old log-probs are the
-    # weights of step 2's own (the proximal policy), its behaviour log-probs step 1's, and the importance weight
-    # is their ratio truncated at vllm_importance_sampling_clip_max, per token.
-    from trl_plugins.algos import importance_weights
-    from trl_plugins.trainers.update import decoupled_objective
-
-    trainer = _trainer(tmp_path, n_rows=12, max_steps=3, async_rollouts=True, max_staleness=1)
-    assert decoupled_objective(trainer.args)
+def _capture_updates(trainer):
+    """The weights at the start of each update and the batch it trains, by step."""
     snapshots = {}
     update = trainer.step_runner.update
 
@@ -256,12 +255,21 @@ def test_the_decoupled_objective_anchors_on_the_proximal_policy(tmp_path):
         return update(batch, model, optimizer, global_step=global_step)
 
     trainer.step_runner.update = capturing
-    trainer.train()
-    proximal, batch = snapshots[2]
-    assert batch.policy_step == 1
-    behaviour_weights, _ = snapshots[1]
-    tok = trainer.processing_class
-    model = build_tiny_model(tok)
+    return snapshots
+
+
+def _check_decoupled_objective(trainer, snapshots, step):
+    # At `step` the tokens were sampled by the weights of step - 1; the update's old log-probs are the weights of
+    # `step`'s own (the proximal policy), its behaviour log-probs step - 1's, and the importance weight is their ratio
+    # truncated at vllm_importance_sampling_clip_max, per token.
+    from trl_plugins.algos import importance_weights
+    from trl_plugins.trainers.update import decoupled_objective
+
+    assert decoupled_objective(trainer.args)
+    proximal, batch = snapshots[step]
+    assert batch.policy_step == step - 1
+    behaviour_weights, _ = snapshots[step - 1]
+    model = build_tiny_model(trainer.processing_class)
     checked = 0
     for weights, field in ((proximal, "old_logprobs"), (behaviour_weights, "behaviour_logprobs")):
         model.load_state_dict(weights)
