@@ -185,6 +185,8 @@ def child(args) -> None:
     else:
         result = run_ours(args, padding_free=True if args.which == "ours-pf" else None, async_row=ASYNC_ROWS.get(args.which))
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # The async rows' generation replica is a child process, reaped when training ends: its peak RSS.
+    result["replica_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
 
@@ -250,7 +252,8 @@ def main() -> None:
         base = results["ours"]
         for which in [w for w in ours if w.startswith("ours-async") or w == "ours-2threads"]:
             r = results[which]
-            print(f"{which}: speed-up per step over ours (synchronous) {m(base['step_s']) / m(r['step_s']):.2f}x; "
+            replica = f"; replica peak RSS {r['replica_rss_mb']:.0f} MB" if which.startswith("ours-async") else ""
+            print(f"{which}: speed-up per step over ours (synchronous) {m(base['step_s']) / m(r['step_s']):.2f}x{replica}; "
                   f"tool calls/trajectory {m(r['tool_calls']):.2f} (ours {m(base['tool_calls']):.2f}); staleness "
                   f"{m(r['staleness']):.2f} steps; trainer waited {m(r['wait_s']) if which != 'ours-2threads' else 0:.2f} s/step")
 
