@@ -248,16 +248,23 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
 
     def _roll_out(self, rows: list[dict]) -> StepBatch:
         """Phases 1-6 of :mod:`~trl_plugins.trainers.phases` on this rank's rows (collectives inside: every rank)."""
-        args, steps, step, rank = self.args, self.step_runner, self.state.global_step, self.accelerator.process_index
+        args, step, rank = self.args, self.state.global_step, self.accelerator.process_index
         sample = self._sampler_for_step()
         result, batch = sample(rows, derive_seed(args.seed, step, rank))
         if args.dynamic_sampling:
             batch = self._fill(result, batch, sample)
+        return self._after_rollout(batch)
+
+    def _after_rollout(self, batch: StepBatch, *, tool_metrics: Any = None) -> StepBatch:
+        """Phases 3-6 on a scored batch: datums, reference, values and advantages, old (proximal) log-probs and the
+        decoupled objective's tripwires, summaries (``tool_metrics``: those of the process that ran the tools)."""
+        steps = self.step_runner
         steps.build_datums(batch)
         steps.reference(batch, *self._reference_model())
         steps.advantages(batch)
         steps.old_logprobs(batch, self.model_wrapped)
-        steps.summarise(batch)
+        steps.check_off_policy(batch)
+        steps.summarise(batch, tool_metrics=tool_metrics)
         return batch
 
     def _roll_out_async(self, rows: list[dict]) -> StepBatch:
@@ -277,13 +284,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         if args.dynamic_sampling:  # refill rounds in this process, by this step's weights (on-policy)
             batch = self._fill(answer.result, batch, self._sampler_for_step())
         batch.metrics.update(metrics)
-        steps.build_datums(batch)
-        steps.reference(batch, *self._reference_model())
-        steps.advantages(batch)
-        steps.old_logprobs(batch, self.model_wrapped)
-        steps.check_off_policy(batch)
-        steps.summarise(batch, tool_metrics=answer.tool_metrics)
-        return batch
+        return self._after_rollout(batch, tool_metrics=answer.tool_metrics)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         """As ``Trainer.get_batch_samples``; with ``async_rollouts`` the loader is read ``max_staleness`` batches
