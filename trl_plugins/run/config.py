@@ -269,9 +269,12 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 )
             kwargs["entropy_coef"] = self.entropy_coef
 
+    def _off_default(self, *names: str) -> list[str]:
+        """``name=value`` of each of this config's own fields ``names`` set off its default (what a user gave)."""
+        return [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != self.__dataclass_fields__[n].default]
+
     def _check_dynamic_sampling(self) -> None:
-        names = ("dynamic_sampling_metric", "dynamic_sampling_max_groups")
-        given = [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != self.__dataclass_fields__[n].default]
+        given = self._off_default("dynamic_sampling_metric", "dynamic_sampling_max_groups")
         if not self.dynamic_sampling:
             if given:
                 raise ValueError(f"{', '.join(given)} configure dynamic sampling, which is off: set dynamic_sampling=True, "
@@ -292,9 +295,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
         return bool(self.async_rollouts and self.max_staleness > 0)
 
     def _check_async_rollouts(self) -> None:
-        names = ("max_staleness", "off_policy_objective", "async_streaming", "async_probe_tolerance", "async_max_logprob_gap",
-                 "async_min_importance_ess", "async_replica_threads")
-        given = [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != self.__dataclass_fields__[n].default]
+        given = self._off_default("max_staleness", "off_policy_objective", "async_streaming", "async_probe_tolerance",
+                                  "async_max_logprob_gap", "async_min_importance_ess", "async_replica_threads")
         if not self.async_rollouts:
             if given:
                 raise ValueError(f"{', '.join(given)} configure asynchronous rollouts, which are off: set "
