@@ -163,7 +163,9 @@ class ServerRollouts:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=c.max_staleness + 1 if c.async_streaming else 1,
                                                            thread_name_prefix="async-rollout")
         self._futures: dict[Any, concurrent.futures.Future] = {}
-        self._pending: list[Any] = []
+        self._starts: dict[Any, int] = {}
+        self.dtype: torch.dtype | None = None
+        """The trainer's weights' dtype, seen at the last probe (it sets the probe's tolerance)."""
         self._probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stop = threading.Event()
         self._full_weights: Callable[[], ContextManager[torch.nn.Module]] | None = None
@@ -188,10 +190,9 @@ class ServerRollouts:
 
         prompt = self.parts.chat.initial_prompt_ids([{"role": "user", "content": "Probe: say something."}])
         (sample,) = self._backend.with_sampling(SamplingSettings(temperature=1.0)).generate([prompt], [16], seeds=[1234])
-        ids = torch.tensor([list(prompt) + list(sample.token_ids)])
-        with self._full_weights() as model, torch.no_grad():
-            logits = model(input_ids=ids.to(next(model.parameters()).device)).logits.float()[0, len(prompt) - 1: -1].cpu()
-        mine = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        with self._full_weights() as model:
+            mine = probe_logprobs(model, torch.tensor(list(prompt) + list(sample.token_ids)))[len(prompt) - 1:]
+            self.dtype = next(model.parameters()).dtype
         self._probes[step] = (torch.tensor(sample.logprobs, dtype=torch.float32), mine)
 
     def submit(self, key: Any, rows: Sequence[dict], *, group_size: int, seed: int, id_offset: int = 0) -> None:
@@ -200,26 +201,22 @@ class ServerRollouts:
         start = self.pushed_step
         view = self.view(pushes=False)
 
-        def job() -> tuple[Any, int, dict[str, float]]:
-            result = rollout_rows(self.parts, view, list(rows), group_size=group_size, seed=seed, policy_step=start,
-                                  id_offset=id_offset, stop=self._stop)
-            return result, start, {}
-
-        self._futures[key] = self._pool.submit(job)
-        self._pending.append(key)
+        self._futures[key] = self._pool.submit(rollout_rows, self.parts, view, list(rows), group_size=group_size,
+                                               seed=seed, policy_step=start, id_offset=id_offset, stop=self._stop)
+        self._starts[key] = start
 
     def result(self, key: Any, *, cancelled: Callable[[], bool] | None = None) -> ReplicaResult | None:
         future = self._futures[key]
         while True:
             try:
-                result, start, tool_metrics = future.result(timeout=0.2)
+                result = future.result(timeout=0.2)
                 break
             except concurrent.futures.TimeoutError:
                 if cancelled is not None and cancelled():
                     return None
         del self._futures[key]
-        self._pending.remove(key)
-        tool_metrics = {}
+        start = self._starts.pop(key)
+        tool_metrics: dict[str, float] = {}
         for tool in self.parts.tools.values():
             tool_metrics.update(tool.step_metrics())
         probes, self._probes = self._probes, {}
@@ -245,7 +242,7 @@ class AsyncRollouts:
                  token_budget: int | None, server_backend: Any = None) -> None:
         self.config, self.parts, self.sampler = config, parts, sampler
         self.pad_token_id, self.token_budget = pad_token_id, token_budget
-        self.server = ServerRollouts(server_backend, parts) if server_backend is not None else None
+        self._server_backend = server_backend
         """vLLM server mode: rollouts on threads of this process against the server (no replica)."""
         self.producer: GenerationReplica | ServerRollouts | None = None
         """What rolls out: the replica process, or the server threads; None until the first step (and once closed)."""
@@ -256,7 +253,7 @@ class AsyncRollouts:
         self._queued_up_to = -1
         self._trainer_probes: dict[int, torch.Tensor] = {}
         self._probe: torch.Tensor | None = None
-        self._tolerance = 0.0
+        self._dtype: torch.dtype | None = None
 
     # -- the data, read ahead ------------------------------------------------------------------------
 
@@ -294,24 +291,20 @@ class AsyncRollouts:
             ReplicaError: the replica failed.
         """
         c = self.config
-        if self.server is not None:
-            if self.producer is None:
-                self.producer = self.server
-                with full_weights() as model:
-                    self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
-                self._queued_up_to = step - 1
-            if self.server.pushed_step != step or self.server.probe_due:
-                self.server.push(step, full_weights)
+        if self._server_backend is not None:
+            server = self._server()
+            if server.pushed_step != step or server.probe_due:
+                server.push(step, full_weights)
+            self._dtype = server.dtype
         elif self.producer is None:
             with full_weights() as model:
                 self._probe = probe_tokens(model.config.vocab_size)
-                self._tolerance = probe_tolerance(c, next(model.parameters()).dtype)
+                self._dtype = next(model.parameters()).dtype
                 self._trainer_probes[step] = probe_logprobs(model, self._probe)
                 self.producer = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
                                                  pad_token_id=self.pad_token_id, token_budget=self.token_budget,
                                                  probe=self._probe, threads=c.async_replica_threads,
                                                  streaming=bool(c.async_streaming))
-            self._queued_up_to = step - 1
         elif self.producer.pushed_step != step:
             with full_weights() as model:
                 self._trainer_probes[step] = probe_logprobs(model, self._probe)
@@ -331,7 +324,14 @@ class AsyncRollouts:
         metrics["async/probe_max_diff"] = self._check_probes(result.probes)
         return result, metrics
 
+    def _server(self) -> ServerRollouts:
+        """vLLM server mode's producer, made on first use (a step, or a sampler asked for before the first)."""
+        if self.producer is None:
+            self.producer = ServerRollouts(self._server_backend, self.parts)
+        return self.producer
+
     def _check_probes(self, probes: dict[int, Any]) -> float:
+        tolerance = probe_tolerance(self.config, self._dtype)
         worst = 0.0
         for pushed, theirs in sorted(probes.items()):
             if isinstance(theirs, tuple):  # the server's probe: (its log-probs, the trainer's)
@@ -340,11 +340,11 @@ class AsyncRollouts:
                 mine = self._trainer_probes.pop(pushed)
             diff = float((mine - theirs).abs().max())
             worst = max(worst, diff)
-            if self._tolerance >= 0 and not diff <= self._tolerance:
+            if tolerance >= 0 and not diff <= tolerance:
                 raise OffPolicyDrift(
                     f"weight-push probe: after the push of step {pushed}'s weights, the generation replica's log-probs of "
                     f"the fixed probe sequence differ from the trainer's by {diff:.3g} (max over {mine.numel()} tokens), "
-                    f"over async_probe_tolerance={self._tolerance:g}: the replica is not sampling with the weights it "
+                    f"over async_probe_tolerance={tolerance:g}: the replica is not sampling with the weights it "
                     f"says it has (a weight sync that did nothing?). The run stops rather than train on them; if the "
                     f"gap is numerical (another dtype or kernel), raise async_probe_tolerance (a negative value turns "
                     f"the check off).")
@@ -353,7 +353,7 @@ class AsyncRollouts:
     def generation_backend(self, sampling: Any) -> Any:
         """vLLM server mode: the backend anything else in this process samples with (e.g. a periodic evaluation),
         whose weight sync goes through the same drained push as the rollouts'. None: the trainer's own."""
-        return None if self.server is None else self.server.view(sampling)
+        return None if self._server_backend is None else self._server().view(sampling)
 
     def close(self) -> None:
         """Stop the replica (rollouts in flight are abandoned; a resume rolls their rows out again)."""
@@ -361,6 +361,7 @@ class AsyncRollouts:
             self.producer.close()
             self.producer = None
         self._ahead, self.upcoming, self._iterator = deque(), [], None
+        self._queued_up_to, self._trainer_probes = -1, {}  # a later train() starts afresh
 
 
 def check_off_policy(config: Any, totals: Sequence[float]) -> dict[str, float]:

@@ -67,11 +67,12 @@ def probe_tokens(vocab_size: int, length: int = 32, seed: int = 1234) -> torch.T
 
 @torch.no_grad()
 def probe_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """``model``'s log-probs of each next token of ``tokens`` (``(length - 1,)`` float32, on the CPU)."""
-    device = next(model.parameters()).device
-    ids = tokens.to(device)[None]
-    logits = model(input_ids=ids).logits.float()[0, :-1]
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+    """``model``'s log-probs of each next token of ``tokens`` (``(length - 1,)`` float32, on the CPU): the trainer's
+    own log-prob function (:func:`trl_plugins.modeling.token_logprobs`) on one row."""
+    from trl_plugins.modeling import token_logprobs
+
+    ids = tokens.to(next(model.parameters()).device)[None]
+    return token_logprobs(model, ids[:, :-1], torch.ones_like(ids[:, :-1]), ids[:, 1:])[0].float().cpu()
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
