@@ -34,7 +34,14 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
-from trl_plugins.trainers.replica import GenerationReplica, ReplicaResult, cpu_state_dict, probe_logprobs, probe_tokens
+from trl_plugins.trainers.replica import (
+    GenerationReplica,
+    ReplicaResult,
+    StampedSampler,
+    cpu_state_dict,
+    probe_logprobs,
+    probe_tokens,
+)
 from trl_plugins.types import Datum
 
 __all__ = ["AsyncRollouts", "OffPolicyDrift", "ServerRollouts", "check_off_policy", "off_policy_figures", "probe_tolerance"]
@@ -110,16 +117,14 @@ class _ReadWriteLock:
                 self._cond.notify_all()
 
 
-class _ServerView:
-    """The server backend as rollouts of this process see it: each generate call runs between weight pushes (never
-    across one) and its samples are stamped with the step of the weights the server then held; ``sync_weights`` is
+class _ServerView(StampedSampler):
+    """The server backend as samplers of this process see it: each generate call runs between weight pushes (never
+    across one, the push's read-write lock) and is stamped with the step the server then held; ``sync_weights`` is
     the producer's drained push."""
 
     def __init__(self, producer: "ServerRollouts", backend: Any, *, pushes: bool) -> None:
-        self._producer, self._backend, self._pushes = producer, backend, pushes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+        super().__init__(backend, producer.lock.read, lambda: producer.pushed_step)
+        self._producer, self._pushes = producer, pushes
 
     def with_sampling(self, sampling: Any) -> "_ServerView":
         return _ServerView(self._producer, self._backend.with_sampling(sampling), pushes=self._pushes)
@@ -129,14 +134,6 @@ class _ServerView:
         # process (an evaluation) brings the server to its step through the drained push.
         if self._pushes and policy_step != self._producer.pushed_step:
             self._producer.push(policy_step)
-
-    def generate(self, prompts: Any, max_new_tokens: Any, *, seeds: Any) -> list[Any]:
-        with self._producer.lock.read():
-            step = self._producer.pushed_step
-            samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
-        for sample in samples:
-            sample.policy_step = step
-        return samples
 
 
 class ServerRollouts:

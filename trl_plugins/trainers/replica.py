@@ -32,7 +32,7 @@ import sys
 import threading
 import traceback
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
@@ -259,29 +259,37 @@ def _die_with_parent() -> None:
             pass
 
 
-class _Versioned:
-    """The replica's sampler as the rollouts see it: one generate call at a time, each sample stamped with the step of
-    the weights that made it (weights are loaded under the same lock, between calls)."""
+class StampedSampler:
+    """A sampler whose weights can change during a rollout, as the rollout sees it: each generate call runs under
+    ``guard()`` (weights are never loaded during one) and its samples are stamped with ``step()``, the step of the
+    weights then held (the engine records it as the turn's ``policy_step``). Everything else is the sampler's."""
 
-    def __init__(self, backend: Any, lock: threading.Lock, version: list[int]) -> None:
-        self._backend, self._lock, self._version = backend, lock, version
+    def __init__(self, backend: Any, guard: Callable[[], ContextManager[Any]], step: Callable[[], int]) -> None:
+        self._backend, self._guard, self._step = backend, guard, step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
+
+    def generate(self, prompts: Any, max_new_tokens: Any, *, seeds: Any) -> list[Any]:
+        with self._guard():
+            step = self._step()
+            samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
+        for sample in samples:
+            sample.policy_step = step
+        return samples
+
+
+class _ReplicaSampler(StampedSampler):
+    """The replica's sampler with streaming: one generate call at a time (weights are loaded under the same lock)."""
+
+    def __init__(self, backend: Any, lock: threading.Lock, version: list[int]) -> None:
+        super().__init__(backend, lambda: lock, lambda: version[0])
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         # The replica's model is a plain module (nothing to unwrap or gather); concurrent rollouts must not share the
         # inner backend's per-session state.
         yield None
-
-    def generate(self, prompts: Any, max_new_tokens: Any, *, seeds: Any) -> list[Any]:
-        with self._lock:
-            step = self._version[0]
-            samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
-        for sample in samples:
-            sample.policy_step = step
-        return samples
 
 
 def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
@@ -309,7 +317,7 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
                                token_budget=init["token_budget"])
         lock = threading.Lock()
         if init["streaming"]:
-            backend = _Versioned(backend, lock, version)
+            backend = _ReplicaSampler(backend, lock, version)
         probe = init["probe"]
         results.put(("probe", version[0], probe_logprobs(model, probe)))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
