@@ -472,3 +472,36 @@ def test_async_rollouts_with_dynamic_sampling_refill_in_the_trainer(tmp_path):
     first_round = {t.policy_version.step for t in batch.trajectories[:8]}
     refills = {t.policy_version.step for t in batch.trajectories[8:]}
     assert first_round == {1} and refills == {2}
+
+
+def test_turns_record_the_weights_that_sampled_them_when_weights_change_mid_trajectory():
+    # A sampler whose weights change during a rollout (the replica's with streaming, the vLLM server's): each generate
+    # call is stamped with the step of the weights loaded then.
+    # A tool that "pushes new weights" while it runs moves every later turn to the next step; the trajectory keeps
+    # the version it started with, its turns say which weights sampled each, and its datum carries them per token.
+    import threading
+
+    from test_rollout import SCHEMA, FakeTool, scripted
+    from trl_plugins.datum import build_datum
+    from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest
+    from trl_plugins.trainers.replica import StampedSampler
+
+    chat = ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA], final_answer_pattern=r"\\boxed\{")
+    version, lock = [5], threading.Lock()
+
+    class Pushing(FakeTool):
+        async def __call__(self, arguments):
+            with lock:
+                version[0] += 1  # the trainer's next weights arrive while the call runs
+            return await super().__call__(arguments)
+
+    backend = StampedSampler(scripted(chat), lambda: lock, lambda: version[0])
+    q = RolloutQuestion("q0", chat.initial_prompt_ids([{"role": "user", "content": "calls=2"}]), group_id=0)
+    result = MultiTurnRollout()(RolloutRequest([q], 1, backend, chat, {"code_interpreter": Pushing()}, policy_step=5, seed=0))
+    (traj,) = result.trajectories
+    assert traj.policy_version.step == 5
+    assert traj.turn_policy_steps() == [5, 6, 7]
+    datum = build_datum(traj, advantage=1.0)
+    steps = [s for s, m in zip(datum.behaviour_steps, datum.action_mask) if m]
+    assert steps and sorted(set(steps)) == [5, 6, 7]
+    assert all(s == -1 for s, m in zip(datum.behaviour_steps, datum.action_mask) if not m)
