@@ -1,7 +1,7 @@
 """Launched by tests/test_distributed.py under `accelerate launch` (2 processes, DDP or ZeRO-3 on CPU).
 
 Rank r holds its own datums (3 on rank 0, 7 on rank 1, 1-4 turns each, so the ranks pack different
-numbers of micro-batches). One `policy_update` with SGD must move the parameters exactly as one
+numbers of micro-batches; pairs share their prompt, as a group's trajectories do, one pair across the ranks). One `policy_update` with SGD must move the parameters exactly as one
 plain-torch step on the one-batch loss over all 10 datums does. Rank 0 writes the relative error.
 """
 
@@ -34,12 +34,14 @@ def all_datums(world: int) -> list[list]:
     rng = random.Random(7)
     counts = [3, 7] if world == 2 else [10]
     out, k = [], 0
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(8, 30))] for _ in range(sum(counts))]
     for c in counts:
         part = []
         for _ in range(c):
             # Every third one cut by the budget: its datum bootstraps (the critic's value pass forwards one token more).
             stop = StopReason.TOKEN_BUDGET if k % 3 == 0 else StopReason.FINAL_ANSWER
-            traj = make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=k // 2, sample_index=k % 2, stop_reason=stop)
+            traj = make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=k // 2, sample_index=k % 2, stop_reason=stop,
+                                   prompt=prompts[k // 2])
             part.append(build_datum(traj, trajectory_index=k))
             k += 1
         out.append(part)
@@ -81,7 +83,8 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
     world, rank = accelerator.num_processes, accelerator.process_index
     config = SimpleNamespace(aggregation="token_mean", packer="ffd", max_items_per_micro_batch=2,
                              max_padded_tokens_per_micro_batch=400, rebalance_ranks=False, norm_length=None,
-                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False)
+                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False,
+                             shared_prefix=args.shared_prefix)
     trained, reference, initial = critics
     critic, optimizer = prepare_critic(accelerator, trained, learning_rate=LR, optimizer_cls=torch.optim.SGD)
     mine = parts[rank]
@@ -142,6 +145,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="sampler/trainer mismatch correction in this ImportanceSamplingMode (bounds [0.8, 1.25] per token, "
                          "[1/3, 3] per sequence, so that some but not all bind): each rank "
                          "takes pi_old of its own datums with old_logprobs(), the noisy behaviour log-probs are the sampler's")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="the shared-prefix layout on the ranks (each pair's prompt forwarded once per micro-batch); the "
+                         "one-process reference stays the padded layout")
     return ap.parse_args(argv)
 
 
@@ -212,7 +218,7 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
                              rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None,
                              drop_zero_advantage=args.kl, vllm_importance_sampling_mode=args.mismatch,
                              vllm_importance_sampling_clip_min=bounds[0], vllm_importance_sampling_clip_max=bounds[1],
-                             padding_free=False)
+                             padding_free=False, shared_prefix=args.shared_prefix)
     model = tiny_qwen2()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -246,6 +252,8 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
         from trl_plugins.types import PolicyLossInput
 
         ref_lp, ref_err = None, 0.0
+        for d in everything:  # rank 0's own datums carry its old log-probs
+            d.old_logprobs = None
         if args.kl:
             for d in everything:
                 d.ref_logprobs = None
@@ -259,8 +267,6 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
             ref_err = float(((ranks_lp - ref_lp) * full.action_mask).abs().max())
             for d in everything:
                 d.ref_logprobs = None
-        for d in everything:  # rank 0's own datums carry its old log-probs
-            d.old_logprobs = None
         mb = collate(everything, list(range(len(everything))), pad_token_id=0)
         n_tok, n_seq = local_denominators(mb.action_mask)
         logp, entropy = token_logprobs_and_entropy(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
@@ -306,6 +312,8 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
             "dummies": result.num_dummies,
             "loss_tokens": result.num_loss_tokens,
             "forwarded": result.num_forwarded,
+            "computed_tokens": result.num_computed_tokens,
+            "input_tokens": result.num_input_tokens,
             "ref_err": ref_err,
             "kl_k3": result.reference["kl_k3"] if result.reference else None,
             "entropy": result.entropy,

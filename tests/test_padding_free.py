@@ -176,9 +176,11 @@ def test_a_packer_without_the_capability_is_refused(tmp_path, isolated_registrie
     assert MultiTurnGRPOConfig(**kwargs).padding_free is None  # auto: resolved to False for this packer
 
 
-def test_training_steps_are_the_same_in_both_layouts(tmp_path):
-    # The trainer end to end (rollout, datums, packing, update): two steps padding-free and two padded give
-    # the same losses and weights (SGD: Adam would amplify float noise in near-zero gradients); the padding-free run's forward processes exactly the real tokens.
+def test_training_steps_are_the_same_in_every_layout(tmp_path):
+    # The trainer end to end (rollout, datums, packing, update): two steps padding-free, two padded and two in the
+    # shared-prefix layout give the same losses and weights (SGD: Adam would amplify float noise in near-zero
+    # gradients); the padding-free run's forward processes exactly the real tokens, the shared-prefix run's computes
+    # fewer (each group's prompt once per micro-batch).
     import json
 
     from datasets import Dataset
@@ -190,21 +192,26 @@ def test_training_steps_are_the_same_in_both_layouts(tmp_path):
     rows = Dataset.from_list([{"prompt": q, "answer": "0"} for q in questions])
 
     runs = {}
-    for padding_free in (True, False):
+    for layout, (padding_free, shared_prefix) in {"free": (True, False), "padded": (False, False),
+                                                  "shared": (False, None)}.items():  # None: auto, on for sdpa
         tok = build_tokenizer("qwen2_5")
-        out = tmp_path / str(padding_free)
-        trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(out, padding_free=padding_free, learning_rate=0.5, max_items_per_micro_batch=4, optim="sgd"),
+        out = tmp_path / layout
+        trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(out, padding_free=padding_free, shared_prefix=shared_prefix,
+                                                                      learning_rate=0.5, max_items_per_micro_batch=4, optim="sgd"),
                                        train_dataset=rows, processing_class=tok, reward_components={"length": TokenReward()})
+        assert trainer.args.shared_prefix is (layout == "shared")
         trainer.train()
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[padding_free] = (trainer, [r for r in steps if "reward/total" in r])
-    (free, free_steps), (padded, padded_steps) = runs[True], runs[False]
-    assert [r["train/policy_loss"] for r in free_steps] == pytest.approx([r["train/policy_loss"] for r in padded_steps],
-                                                                          abs=1e-6)
-    assert [r["reward/total"] for r in free_steps] == [r["reward/total"] for r in padded_steps]
-    assert all(r["train/forward_tokens"] == r["train/input_tokens"] for r in free_steps)
-    assert all(r["train/forward_tokens"] > r["train/input_tokens"] for r in padded_steps)
-    assert max((a - b).abs().max().item() for a, b in zip(free.model.parameters(), padded.model.parameters())) < 1e-5
+        runs[layout] = (trainer, [r for r in steps if "reward/total" in r])
+    padded, padded_steps = runs["padded"]
+    for layout in ("free", "shared"):
+        trainer, steps = runs[layout]
+        assert [r["train/policy_loss"] for r in steps] == pytest.approx([r["train/policy_loss"] for r in padded_steps], abs=1e-6)
+        assert [r["reward/total"] for r in steps] == [r["reward/total"] for r in padded_steps]
+        assert max((a - b).abs().max().item() for a, b in zip(trainer.model.parameters(), padded.model.parameters())) < 1e-5
+    assert all(r["train/forward_tokens"] == r["train/input_tokens"] == r["train/computed_tokens"] for r in runs["free"][1])
+    assert all(r["train/forward_tokens"] > r["train/input_tokens"] == r["train/computed_tokens"] for r in padded_steps)
+    assert all(r["train/computed_tokens"] < r["train/input_tokens"] for r in runs["shared"][1])
 
 
 def test_auto_is_on_for_flash_attention_and_off_for_dense_masks(tmp_path, isolated_registries):

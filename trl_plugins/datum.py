@@ -20,16 +20,20 @@ from typing import Sequence
 
 import torch
 
+from trl_plugins.packing.prefix_trees import prefix_trees
 from trl_plugins.types import (
     PLACEHOLDER_LOGPROB,
     Datum,
     MicroBatch,
+    PrefixTree,
+    SharedPrefixLayout,
     TokenSource,
     Trajectory,
     TrajectoryError,
 )
 
-__all__ = ["PrefixMismatch", "DatumError", "build_datums", "build_datum", "collate", "dummy_micro_batch"]
+__all__ = ["PrefixMismatch", "DatumError", "build_datums", "build_datum", "collate", "dummy_micro_batch",
+           "shared_prefix_layout"]
 
 
 class PrefixMismatch(enum.StrEnum):
@@ -194,15 +198,65 @@ def build_datum(traj: Trajectory, **kwargs) -> Datum:
     return build_datums(traj, **kwargs)[0]
 
 
-def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: int, padding_free: bool = False) -> MicroBatch:
+def shared_prefix_layout(rows: Sequence[Sequence[int]], *, pad_token_id: int,
+                         trees: Sequence[PrefixTree] | None = None) -> SharedPrefixLayout:
+    """The :class:`~trl_plugins.types.SharedPrefixLayout` of a micro-batch whose datums read ``rows`` (their
+    ``input_ids``, in row order): each prefix that ``trees`` share (default: :func:`~trl_plugins.packing.prefix_trees`
+    of the rows, the fewest tokens) forwarded once, every row's remaining tokens as its branch."""
+    trees = prefix_trees(rows) if trees is None else trees
+    shared = [t for t in trees if t.prefix_len > 0]
+    width = max((t.prefix_len for t in shared), default=1)  # one 1-token placeholder row when nothing is shared
+    branch = max(1, max(len(rows[r]) - t.prefix_len for t in trees for r in t.members))
+    k_rows, b_rows, longest = max(len(shared), 1), len(rows), max(len(r) for r in rows)
+    prefix_ids = torch.full((k_rows, width), pad_token_id, dtype=torch.long)
+    prefix_mask = torch.zeros((k_rows, width), dtype=torch.long)
+    prefix_positions = torch.zeros((k_rows, width), dtype=torch.long)
+    if not shared:
+        prefix_mask[0, -1] = 1  # the placeholder attends to itself (a fully masked row can give NaN)
+    branch_ids = torch.full((b_rows, branch), pad_token_id, dtype=torch.long)
+    branch_mask = torch.zeros((b_rows, width + branch), dtype=torch.long)
+    branch_positions = torch.zeros((b_rows, branch), dtype=torch.long)
+    row_prefix = torch.zeros(b_rows, dtype=torch.long)
+    index = torch.zeros((b_rows, longest), dtype=torch.long)
+    prefix_of = {}
+    for k, tree in enumerate(shared):
+        n = tree.prefix_len
+        prefix_ids[k, width - n:] = torch.tensor(rows[tree.members[0]][:n], dtype=torch.long)
+        prefix_mask[k, width - n:] = 1
+        prefix_positions[k, width - n:] = torch.arange(n)
+        prefix_of.update({r: k for r in tree.members})
+    flat_branch = k_rows * width
+    for tree in trees:
+        n = tree.prefix_len
+        for r in tree.members:
+            own = rows[r][n:]
+            branch_ids[r, : len(own)] = torch.tensor(own, dtype=torch.long)
+            branch_mask[r, width + torch.arange(len(own))] = 1
+            branch_positions[r] = n + torch.arange(branch)
+            if n:
+                k = prefix_of[r]
+                row_prefix[r] = k
+                branch_mask[r, :width] = prefix_mask[k]
+                index[r, :n] = k * width + width - n + torch.arange(n)
+            index[r, n : len(rows[r])] = flat_branch + r * branch + torch.arange(len(own))
+    return SharedPrefixLayout(prefix_ids=prefix_ids, prefix_mask=prefix_mask, prefix_positions=prefix_positions,
+                              branch_ids=branch_ids, branch_mask=branch_mask, branch_positions=branch_positions,
+                              row_prefix=row_prefix, index=index)
+
+
+def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: int, padding_free: bool = False,
+            shared_prefix: bool = False) -> MicroBatch:
     """Right-pad ``datums[i] for i in indices`` into a :class:`MicroBatch`; with ``padding_free`` also give it
-    the position ids of the datums concatenated (the model then sees no padding; see :class:`MicroBatch`).
+    the position ids of the datums concatenated (the model then sees no padding; see :class:`MicroBatch`); with
+    ``shared_prefix`` its :func:`shared_prefix_layout` (each prefix its datums share forwarded once).
 
     Raises:
-        ValueError: if ``indices`` is empty (use :func:`dummy_micro_batch`).
+        ValueError: if ``indices`` is empty (use :func:`dummy_micro_batch`), or both layouts are asked for.
     """
     if not indices:
         raise ValueError("cannot collate an empty micro-batch; use dummy_micro_batch() instead.")
+    if padding_free and shared_prefix:
+        raise ValueError("padding_free and shared_prefix are two layouts of a micro-batch; ask for one.")
     rows = [datums[i] for i in indices]
     width = max(d.num_tokens for d in rows)
     shape = (len(rows), width)
@@ -243,16 +297,18 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         datum_indices=list(indices),
         position_ids=torch.cat([torch.arange(d.num_tokens) for d in rows])[None, :] if padding_free else None,
         turn_ids=turn_ids,
+        shared_prefix=shared_prefix_layout([d.input_ids for d in rows], pad_token_id=pad_token_id) if shared_prefix else None,
         **optional,
     )
 
 
-def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False, with_values: bool = False) -> MicroBatch:
+def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False, with_values: bool = False,
+                      shared_prefix: bool = False) -> MicroBatch:
     """A one-token, zero-weight micro-batch for ranks that have fewer real ones than the others.
 
     It has one attended token (a fully masked row can give NaN attention) and an all-zero action
     mask, so its loss and gradient are exactly zero while its forward/backward still take part in
-    every collective.
+    every collective (``shared_prefix``: in that layout, whose two forwards every micro-batch runs).
     """
     one = torch.full((1, 1), pad_token_id, dtype=torch.long)
     zeros = torch.zeros((1, 1), dtype=torch.float32)
@@ -269,4 +325,5 @@ def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False, with_values:
         returns=zeros.clone() if with_values else None,
         turn_ids=torch.full_like(one, -1),
         weight=0.0,
+        shared_prefix=shared_prefix_layout([[pad_token_id]], pad_token_id=pad_token_id) if shared_prefix else None,
     )

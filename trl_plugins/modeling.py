@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -15,6 +16,10 @@ __all__ = [
     "unpack",
     "PackedAttentionLeak",
     "check_packed_isolation",
+    "SharedPrefixUnsupported",
+    "shared_prefix_outputs",
+    "gather_positions",
+    "check_shared_prefix",
     "dropout_probabilities",
     "disable_dropout",
 ]
@@ -171,7 +176,10 @@ def unpack(values: torch.Tensor, mb: Any) -> torch.Tensor:
 
 def micro_batch_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float = 1.0,
                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`token_logprobs_and_entropy` of a micro-batch in either layout, returned as ``(B, T)``."""
+    """:func:`token_logprobs_and_entropy` of a micro-batch in any layout (padded, padding-free, shared-prefix),
+    returned as ``(B, T)``."""
+    if mb.shared_prefix is not None:
+        return _shared_prefix_logprobs(model, mb, device, temperature=temperature, with_entropy=with_entropy)
     inputs = model_inputs(mb, device)
     targets = mb.target_ids if mb.position_ids is None else mb.target_ids[mb.attention_mask.bool()][None, :]
     logp, entropy = token_logprobs_and_entropy(
@@ -221,4 +229,180 @@ def check_packed_isolation(model: torch.nn.Module, device: Any, *, vocab_size: i
             f"{tolerance:.3g}). Set padding_free=False (right-padded micro-batches), or load the model with an "
             f"attention implementation that honours packed position ids (sdpa, eager, flash_attention_2)."
         )
+    return gap
+
+
+# -- the shared-prefix layout ----------------------------------------------------------------------
+
+
+class SharedPrefixUnsupported(ValueError):
+    """The model cannot run the shared-prefix layout (its forward ignores the key/value states it is given, or keeps
+    no gradient through them); the message says what to do."""
+
+
+def _cache_layer_types() -> tuple[type, type]:
+    from transformers.cache_utils import DynamicLayer
+
+    class Captured(DynamicLayer):
+        """Keeps the states of the forward it is given (the prefix's); stores nothing across calls, so the replay of
+        an activation-checkpointed layer in the backward finds the same (it overwrites them with equal ones)."""
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            self.keys, self.values, self.is_initialized = key_states, value_states, True
+            return key_states, value_states
+
+        def get_seq_length(self) -> int:
+            return 0
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return query_length, 0
+
+    class Prefixed(DynamicLayer):
+        """The prefix's states in front of each forward's own, without storing the result: a pure function of its
+        inputs, so activation checkpointing may replay it."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            super().__init__()
+            self.keys, self.values, self.is_initialized = keys, values, True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    return Captured, Prefixed
+
+
+@contextlib.contextmanager
+def _states_through_checkpointing(model: torch.nn.Module) -> Iterator[None]:
+    # transformers' activation-checkpointed layers drop a cache they are passed (a cache that stores would be written
+    # twice by the backward's replay); ours store nothing, so each layer is told it may keep it, for these forwards.
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            vars(layer).pop("_can_checkpoint_with_cache", None)
+
+
+def _first_forward_module(model: torch.nn.Module) -> torch.nn.Module:
+    # Under DDP one forward per backward goes through the wrapper (it readies the gradient reduction); the prefix
+    # forward runs on the module inside, its gradients reaching the same parameters in the same backward.
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def shared_prefix_outputs(model: torch.nn.Module, layout: Any, device: Any) -> torch.Tensor:
+    """The model's ``.logits`` (next-token logits, or a critic's values) at every position of a micro-batch in the
+    shared-prefix layout (:class:`~trl_plugins.types.SharedPrefixLayout`), flattened as ``cat(prefix (K * P),
+    branch (B * Tb))``; :func:`gather_positions` puts them in the datums' ``(B, T)`` layout.
+
+    Two forwards: the prefixes, keeping their key/value states; the branches, each reading its prefix's states
+    (gradients flow back into them) with a mask over its prefix columns and its own tokens, at positions continuing
+    from its prefix (a sliding window applies by position, as in one sequence). Works under activation checkpointing
+    (non-reentrant), DDP and DeepSpeed; every rank runs both forwards for every micro-batch.
+
+    Raises:
+        SharedPrefixUnsupported: the forward kept no states, or (training) no gradient through them.
+    """
+    from transformers.cache_utils import Cache
+
+    captured_type, prefixed_type = _cache_layer_types()
+    width = layout.prefix_ids.shape[1]
+    with _states_through_checkpointing(model):
+        captured = Cache(layer_class_to_replicate=captured_type)
+        prefix = _first_forward_module(model)(
+            input_ids=layout.prefix_ids.to(device), attention_mask=layout.prefix_mask.to(device),
+            position_ids=layout.prefix_positions.to(device), cache=captured, use_cache=False).logits
+        states = [(layer.keys, layer.values) for layer in captured.layers]
+        if not states or any(k is None or k.shape[-2] != width for k, _ in states):
+            raise SharedPrefixUnsupported(
+                f"shared_prefix: {type(model).__name__}'s forward kept no key/value states of the prefix (it ignores "
+                f"the cache it is passed). Set shared_prefix=False.")
+        if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()) and not states[0][0].requires_grad:
+            raise SharedPrefixUnsupported(
+                "shared_prefix: the prefix's key/value states carry no gradient (reentrant activation checkpointing "
+                "computes them without one, and the branches' gradient would never reach the prefix). Set "
+                "activation_checkpointing_kwargs={'use_reentrant': False}, or shared_prefix=False.")
+        rows = layout.row_prefix.to(device)
+        reused = Cache(layers=[prefixed_type(k.index_select(0, rows), v.index_select(0, rows)) for k, v in states])
+        branch = model(input_ids=layout.branch_ids.to(device), attention_mask=layout.branch_mask.to(device),
+                       position_ids=layout.branch_positions.to(device), cache=reused, use_cache=False).logits
+    return torch.cat([prefix.flatten(0, 1), branch.flatten(0, 1)])
+
+
+def gather_positions(flat: torch.Tensor, mb: Any) -> torch.Tensor:
+    """Per-position values of :func:`shared_prefix_outputs` (``(N,)``) in the micro-batch's ``(B, T)`` layout, 0 on
+    padding (differentiable)."""
+    values = flat[mb.shared_prefix.index.to(flat.device)]
+    return torch.where(mb.attention_mask.to(flat.device).bool(), values, torch.zeros_like(values))
+
+
+def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float,
+                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = shared_prefix_outputs(model, mb.shared_prefix, device)
+    if temperature != 1.0:
+        logits = logits / temperature
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    log_z = torch.logsumexp(z, dim=-1)
+    index = mb.shared_prefix.index.to(device)
+    # The target differs between branches at a prefix's last position, so the picked logit is gathered per datum
+    # position (the normaliser, per forwarded position).
+    picked = z[index, mb.target_ids.to(device)]
+    real = mb.attention_mask.to(device).bool()
+    logp = torch.where(real, picked - log_z[index], torch.zeros_like(picked))
+    if not with_entropy:
+        return logp, None
+    return logp, gather_positions(log_z - (torch.softmax(z, dim=-1) * z).sum(dim=-1), mb)
+
+
+@torch.no_grad()
+def check_shared_prefix(model: torch.nn.Module, device: Any, *, vocab_size: int, name: str = "the model") -> float:
+    """Check that ``model`` gives the same outputs in the shared-prefix layout as forwarding each sequence whole;
+    return the largest gap. Two trees (20 tokens shared by sequences 4 and 11 longer, 7 by sequences 3 and 6 longer,
+    so one prefix is left-padded) and a sequence that shares nothing, against the same five right-padded; fp32 to 1e-4
+    of their scale (5e-2 in half precision). Every rank must call it (a forward is a collective under ZeRO-3).
+
+    Raises:
+        SharedPrefixUnsupported: the outputs differ (attention that ignores the prefix's states or the positions
+            it is given), or the forward kept no states.
+    """
+    from trl_plugins.datum import shared_prefix_layout
+
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1, max(vocab_size, 2), (n,), generator=gen).tolist()
+
+    rows = []
+    for shared, extra in ((tokens(20), (4, 11)), (tokens(7), (3, 6))):
+        rows += [shared + tokens(n) for n in extra]
+    rows.append(tokens(9))
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)], mask[r, : len(row)] = torch.tensor(row), 1
+    layout = shared_prefix_layout(rows, pad_token_id=0)
+    was_training = model.training
+    model.eval()
+    try:
+        whole = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        tree = shared_prefix_outputs(model, layout, device)[layout.index.to(device)]
+    finally:
+        model.train(was_training)
+    real = mask.to(device).bool()
+    scale = 1.0 + float(whole[real].float().abs().max())
+    gap = float((tree[real].float() - whole[real].float()).abs().max())
+    tolerance = (1e-4 if whole.dtype == torch.float32 else 5e-2) * scale
+    if not gap <= tolerance:
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise SharedPrefixUnsupported(
+            f"shared_prefix: {name} (attention implementation {impl!r}) gives outputs {gap:.3g} away from forwarding "
+            f"each sequence whole when a shared prefix is forwarded once (tolerance {tolerance:.3g}): its attention "
+            f"does not read the prefix's key/value states with the mask and positions it is given. Set "
+            f"shared_prefix=False, or load the model with sdpa or eager attention.")
     return gap

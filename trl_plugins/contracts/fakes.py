@@ -19,13 +19,15 @@ def make_trajectory(
     sample_index: int = 0,
     advantage: float | None = None,
     stop_reason: StopReason = StopReason.FINAL_ANSWER,
+    prompt: Sequence[int] | None = None,
 ) -> Trajectory:
-    """A prefix-consistent multi-turn trajectory with random tokens, log-probs and provenance."""
+    """A prefix-consistent multi-turn trajectory with random tokens, log-probs and provenance; ``prompt``: its first
+    prompt (a group's trajectories share it), else random."""
     turns = []
     history: list[int] = []
     for i in range(num_turns):
         if i == 0:
-            new = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
+            new = list(prompt) if prompt is not None else [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
             new_sources = [TokenSource.PROMPT] * len(new)
         else:
             obs = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 10))]

@@ -4,6 +4,8 @@
 of indices into ``lengths``; ``restore_order(batches, per_batch_values)`` puts per-item results back in
 input order. ``pack_for_ranks`` returns a :class:`~trl_plugins.types.PackPlan` with the same number of
 micro-batches on every data-parallel rank. Strategies come from :data:`trl_plugins.registry.PACKERS`.
+``prefix_trees(sequences)`` finds the items that share leading tokens, for the shared-prefix layout
+(:mod:`.prefix_trees`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from trl_plugins.packing.packers import (
     optimal,
     padded_area,
 )
+from trl_plugins.packing.prefix_trees import pack_trees, prefix_trees, tree_area, tree_tokens
 from trl_plugins.registry import PACKERS
-from trl_plugins.types import PackPlan
+from trl_plugins.types import PackPlan, PrefixTree
 
 __all__ = [
     "PackingError",
@@ -31,6 +34,11 @@ __all__ = [
     "padded_area",
     "micro_batch_cost",
     "supports_padding_free",
+    "supports_prefix_trees",
+    "prefix_trees",
+    "pack_trees",
+    "tree_area",
+    "tree_tokens",
     "check_limits",
     "ffd",
     "optimal",
@@ -40,22 +48,34 @@ __all__ = [
 V = TypeVar("V")
 
 
+def _declares(strategy: str, capability: str) -> bool:
+    declared = getattr(PACKERS.get(strategy), capability, False)
+    if not isinstance(declared, bool):
+        raise PackingError(f"packer {strategy!r} declares {capability}={declared!r}; it must be a bool.")
+    return declared
+
+
 def supports_padding_free(strategy: str) -> bool:
     """Whether the named packer declares ``supports_padding_free = True`` (it budgets tokens for padding-free
-    micro-batches); a packer that does not declare it budgets padded area only. The packer seam's one capability,
-    read here and nowhere else."""
-    declared = getattr(PACKERS.get(strategy), "supports_padding_free", False)
-    if not isinstance(declared, bool):
-        raise PackingError(f"packer {strategy!r} declares supports_padding_free={declared!r}; it must be a bool.")
-    return declared
+    micro-batches); a packer that does not declare it budgets padded area only. Read here and nowhere else."""
+    return _declares(strategy, "supports_padding_free")
+
+
+def supports_prefix_trees(strategy: str) -> bool:
+    """Whether the named packer declares ``supports_prefix_trees = True``: it takes ``prefix_trees=`` and keeps a
+    tree's members together, budgeting the shared-prefix layout's area. A packer that does not declare it gets the
+    lengths alone (the trainer then shares what it finds within each micro-batch). Read here and nowhere else."""
+    return _declares(strategy, "supports_prefix_trees")
 
 
 def pack_for_ranks(
     lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int, world_size: int,
-    padding_free: bool = False,
+    padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None,
 ) -> PackPlan:
     """Pack ``lengths`` into micro-batches for ``world_size`` ranks with the named strategy; with
-    ``padding_free`` the budget is tokens (the packer must declare ``supports_padding_free``).
+    ``padding_free`` the budget is tokens (the packer must declare ``supports_padding_free``). ``prefix_trees``
+    (the shared-prefix layout) reach a packer that declares ``supports_prefix_trees``; any other packer is called
+    on the lengths alone, as before.
 
     Raises:
         PackingError: bad limits, an item longer than ``max_padded_tokens``, or ``padding_free`` with a packer
@@ -63,6 +83,12 @@ def pack_for_ranks(
         trl_plugins.registry.RegistryError: unknown strategy.
     """
     packer = PACKERS.get(strategy)
+    if prefix_trees is not None and padding_free:
+        raise PackingError("prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; "
+                           "pass one of them.")
+    if prefix_trees is not None and supports_prefix_trees(strategy):
+        return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,
+                      prefix_trees=list(prefix_trees))
     if not padding_free:
         return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size)
     if not supports_padding_free(strategy):

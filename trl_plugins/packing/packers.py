@@ -14,6 +14,12 @@ Every packer has one call contract::
     packer(lengths, *, max_items, max_padded_tokens, world_size=1[, padding_free=False]) -> PackPlan
 
 and is registered in :data:`trl_plugins.registry.PACKERS`.
+
+Shared-prefix layout: a packer that declares ``supports_prefix_trees = True`` also takes
+``prefix_trees=[PrefixTree, ...]`` (which items share which leading tokens, :mod:`.prefix_trees`) and must keep a
+tree's members in one micro-batch where the limits allow, budgeting ``max_padded_tokens`` by
+:func:`~trl_plugins.packing.prefix_trees.tree_area`. A packer that does not declare it is called as before, on the
+lengths alone; the trainer then shares the prefixes it finds within each of its micro-batches.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from typing import Sequence
 
 import numpy as np
 
+from trl_plugins.packing.prefix_trees import pack_trees
 from trl_plugins.registry import PACKERS
-from trl_plugins.types import PackPlan
+from trl_plugins.types import PackPlan, PrefixTree
 
 __all__ = ["PackingError", "ffd", "optimal", "balanced", "check_limits", "padded_area", "micro_batch_cost"]
 
@@ -241,7 +248,7 @@ def _plan_score(plan: PackPlan, lengths: Sequence[int], padding_free: bool = Fal
 
 @PACKERS.register("ffd")
 def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1,
-        padding_free: bool = False) -> PackPlan:
+        padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None) -> PackPlan:
     """First-fit decreasing by padded area (the reference heuristic); ``padding_free``: by tokens.
 
     With ``world_size > 1`` the micro-batches are spread over ranks, largest area first onto the
@@ -254,6 +261,8 @@ def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world
         PackingError: bad limits, or an item longer than ``max_padded_tokens``.
     """
     check_limits(lengths, max_items, max_padded_tokens, world_size)
+    if prefix_trees is not None:
+        return _with_trees(lengths, prefix_trees, max_items, max_padded_tokens, world_size, padding_free, "ffd")
     if padding_free:
         return _distribute_batches(lengths, _token_batches(lengths, max_items, max_padded_tokens), world_size, padding_free=True)
     return _distribute_batches(lengths, _ffd_batches(lengths, max_items, max_padded_tokens), world_size)
@@ -261,7 +270,7 @@ def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world
 
 @PACKERS.register("optimal")
 def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1,
-            padding_free: bool = False) -> PackPlan:
+            padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None) -> PackPlan:
     """Fewest micro-batches, then least padded area: exact, by a DP over the sorted lengths.
 
     ``padding_free``: fewest micro-batches by tokens (the tokens are then the same for every grouping); bin
@@ -274,6 +283,8 @@ def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, w
         PackingError: bad limits, or an item longer than ``max_padded_tokens``.
     """
     check_limits(lengths, max_items, max_padded_tokens, world_size)
+    if prefix_trees is not None:
+        return _with_trees(lengths, prefix_trees, max_items, max_padded_tokens, world_size, padding_free, "optimal")
     if padding_free:
         return _distribute_batches(lengths, _fewest_token_batches(lengths, max_items, max_padded_tokens), world_size,
                                    padding_free=True)
@@ -283,7 +294,7 @@ def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, w
 @PACKERS.register("balanced")
 def balanced(
     lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1, area_tolerance: float = 0.01,
-    padding_free: bool = False,
+    padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None,
 ) -> PackPlan:
     """Per-rank micro-batches minimising the slowest rank's padded area.
 
@@ -303,6 +314,8 @@ def balanced(
         PackingError: bad limits, or an item longer than ``max_padded_tokens``.
     """
     check_limits(lengths, max_items, max_padded_tokens, world_size)
+    if prefix_trees is not None:
+        return _with_trees(lengths, prefix_trees, max_items, max_padded_tokens, world_size, padding_free, "balanced")
     if padding_free:
         return _balanced_tokens(lengths, max_items, max_padded_tokens, world_size)
     if world_size == 1:
@@ -347,5 +360,21 @@ def _balanced_tokens(lengths: Sequence[int], max_items: int, budget: int, world_
     return min(candidates, key=lambda p: _plan_score(p, lengths, padding_free=True)[:2])
 
 
+def _with_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], max_items: int, max_padded_tokens: int,
+                world_size: int, padding_free: bool, strategy: str) -> PackPlan:
+    if padding_free:
+        raise PackingError("prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; "
+                           "pass one of them.")
+    members = sorted(i for t in trees for i in t.members)
+    if members != list(range(len(lengths))):
+        raise PackingError(f"prefix_trees must partition the {len(lengths)} items (each index in exactly one tree).")
+    for t in trees:
+        if t.prefix_len < 0 or any(t.prefix_len > lengths[i] for i in t.members):
+            raise PackingError(f"prefix tree {t} has a prefix longer than one of its members (or negative).")
+    return pack_trees(lengths, trees, max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,
+                      strategy=strategy)
+
+
 for _packer in (ffd, optimal, balanced):
     _packer.supports_padding_free = True  # type: ignore[attr-defined]
+    _packer.supports_prefix_trees = True  # type: ignore[attr-defined]

@@ -20,6 +20,11 @@ from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimat
 __all__ = ["MultiTurnGRPOConfig"]
 
 
+_REENTRANT = ("shared_prefix=True needs non-reentrant activation checkpointing (the prefix's key/value states must carry "
+              "the branches' gradient back): set activation_checkpointing_kwargs={'use_reentrant': False} (TRL forces "
+              "reentrant for PEFT under ZeRO-3), activation_checkpointing=False, or shared_prefix=False.")
+
+
 def _as_dict(value: Any, name: str) -> dict:
     if value is None:
         return {}
@@ -62,6 +67,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     max_items_per_micro_batch: int = field(default=32, metadata={"help": "Rows per micro-batch."})
     max_padded_tokens_per_micro_batch: int = field(default=64_000, metadata={"help": "Padded area per micro-batch."})
     padding_free: bool | None = field(default=None, metadata={"help": "Micro-batches without padding: a micro-batch's datums are concatenated into one sequence with positions restarting per datum, and attention stays within each datum; max_padded_tokens_per_micro_batch then budgets tokens. None (auto): on when the policy's attention is flash-attention's variable-length kernel (flash_attention_2/3), off for sdpa/eager, whose block-diagonal mask costs the square of the packed length (measured slower on CPU: docs/benchmarks.md). Checked once per model at the first update (attention that ignores packed positions is refused). False: right-padded micro-batches, budgeted by padded area."})
+    shared_prefix: bool | None = field(default=None, metadata={"help": "Forward each prefix that datums share (the prompt of a group's trajectories) once per micro-batch: the prefix's key/value states are kept and each datum's remaining tokens attend to them, gradients flowing back into the prefix; the packer keeps a group together (packers that declare supports_prefix_trees; others are called as before and sharing is found within their micro-batches). Log-probs, values and gradients equal the padded layout's (tests/test_shared_prefix.py). None (auto): on for sdpa and eager attention with right-padded micro-batches (measured faster on CPU: docs/benchmarks.md), off with padding_free, flash-attention or reentrant activation checkpointing. Checked once per model at the first update (a model whose forward ignores the states is refused). True with padding_free=True, or with reentrant activation checkpointing, is refused."})
     rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (an outcome: scored by the reward components, which treat them as wrong; with a critic their return is that reward, nothing bootstrapped), 'mask' (no advantage, left out of group statistics and the loss) or 'bootstrap' (a time limit, not an outcome: with a critic only, their outcome reward is not counted and GAE bootstraps from the critic's value of the state after their last token)."})
@@ -148,6 +154,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
             self.vllm_importance_sampling_mode = "token_truncate" if decoupled else "sequence_mask"
         self._check_mismatch_correction()
         self._check_continuous_batching()
+        if self.shared_prefix and self.padding_free:
+            raise ValueError("shared_prefix=True and padding_free=True are two layouts of a micro-batch: set one of them "
+                             "(shared_prefix forwards each shared prompt once; padding_free drops the padding).")
+        if self.shared_prefix and self.reentrant_checkpointing():
+            raise ValueError(_REENTRANT)
         if self.padding_free:
             from trl_plugins.packing import supports_padding_free
 
@@ -201,6 +212,26 @@ class MultiTurnGRPOConfig(GRPOConfig):
             impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
             self.padding_free = "flash_attention" in impl and supports_padding_free(self.packer)
         return self.padding_free
+
+    def reentrant_checkpointing(self) -> bool:
+        """Whether the policy's activation checkpointing is reentrant (``use_reentrant=True`` in its kwargs; TRL sets it
+        for PEFT under ZeRO-3): it computes a layer's key/value states without a gradient, so the shared-prefix
+        layout cannot train through them."""
+        on = self.activation_checkpointing or self.gradient_checkpointing
+        kwargs = {**(self.gradient_checkpointing_kwargs or {}), **(self.activation_checkpointing_kwargs or {})}
+        return bool(on) and bool(kwargs.get("use_reentrant", False))
+
+    def resolve_shared_prefix(self, model: Any) -> bool:
+        """Settle ``shared_prefix=None`` (auto) for ``model``, after :meth:`resolve_padding_free`: on for sdpa and eager
+        attention in right-padded micro-batches without reentrant activation checkpointing; an explicit value is kept
+        (True is refused where it cannot work: reentrant checkpointing that TRL switched on after the config).
+        Returns (and stores) the choice."""
+        if self.shared_prefix is None:
+            impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+            self.shared_prefix = impl in ("sdpa", "eager") and not self.padding_free and not self.reentrant_checkpointing()
+        elif self.shared_prefix and self.reentrant_checkpointing():
+            raise ValueError(_REENTRANT)
+        return self.shared_prefix
 
     def _map_kl_and_entropy(self) -> None:
         """TRL's ``beta``, ``use_bias_correction_kl`` and ``entropy_coef`` set the policy loss's ``kl_coef``,

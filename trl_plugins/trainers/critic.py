@@ -25,8 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from trl_plugins.algos import aggregate, clipped_value_loss
-from trl_plugins.modeling import model_inputs, unpack
-from trl_plugins.trainers.micro_batches import GradientSync, ensure_packed_isolation, forward_no_grad, local_plan, micro_batches
+from trl_plugins.modeling import gather_positions, model_inputs, shared_prefix_outputs, unpack
+from trl_plugins.trainers.micro_batches import (GradientSync, ensure_packed_isolation, forward_no_grad, local_plan,
+                                                micro_batches, shared_prefix_on)
 from trl_plugins.trainers.ranks import is_deepspeed, merge_over_ranks, reduce_over_ranks
 from trl_plugins.trainers.update import UpdateSettings
 from trl_plugins.types import Datum, MicroBatch
@@ -116,7 +117,12 @@ def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
 
 def micro_batch_values(critic: torch.nn.Module, mb: MicroBatch, device: Any) -> torch.Tensor:
-    """:func:`critic_values` of a micro-batch in either layout (:func:`~trl_plugins.modeling.model_inputs`), ``(B, T)``."""
+    """:func:`critic_values` of a micro-batch in any layout (:func:`~trl_plugins.modeling.model_inputs`; the
+    shared-prefix one: :func:`~trl_plugins.modeling.shared_prefix_outputs`), ``(B, T)``, 0 on padding in the
+    padding-free and shared-prefix layouts."""
+    if mb.shared_prefix is not None:
+        values = gather_positions(shared_prefix_outputs(critic, mb.shared_prefix, device)[..., 0], mb)
+        return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
     return unpack(critic_values(critic, **model_inputs(mb, device)), mb)
 
 
@@ -211,7 +217,8 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
     ensure_packed_isolation(accelerator, critic, config, name="the critic")
     critic.train()
     for step in micro_batches(accelerator, datums, local_plan(datums, config), pad_token_id=pad_token_id,
-                              padding_free=bool(config.padding_free), with_values=True):
+                              padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config),
+                              with_values=True):
         mb = step.batch
         steps += 1
         mask = mb.action_mask.to(device)

@@ -19,13 +19,19 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from trl_plugins.datum import collate, dummy_micro_batch
-from trl_plugins.modeling import check_packed_isolation
-from trl_plugins.packing import pack_for_ranks
+from trl_plugins.modeling import check_packed_isolation, check_shared_prefix
+from trl_plugins.packing import pack_for_ranks, prefix_trees
 from trl_plugins.trainers.ranks import is_deepspeed, reduce_over_ranks
 from trl_plugins.types import Datum, MicroBatch
 
-__all__ = ["MicroBatchStep", "micro_batches", "local_plan", "pack_limits", "GradientSync", "ensure_packed_isolation",
-           "forward_no_grad"]
+__all__ = ["MicroBatchStep", "micro_batches", "local_plan", "plan_for_ranks", "pack_limits", "shared_prefix_on",
+           "GradientSync", "ensure_packed_isolation", "forward_no_grad"]
+
+
+def shared_prefix_on(config: Any) -> bool:
+    """Whether micro-batches take the shared-prefix layout: ``config.shared_prefix`` once settled (a config without
+    the field, e.g. a caller's namespace that predates it, keeps the padded layout)."""
+    return bool(getattr(config, "shared_prefix", False))
 
 
 def pack_limits(config: Any) -> dict[str, Any]:
@@ -34,10 +40,18 @@ def pack_limits(config: Any) -> dict[str, Any]:
             "padding_free": bool(config.padding_free)}
 
 
+def plan_for_ranks(datums: Sequence[Datum], config: Any, world_size: int) -> list[list[list[int]]]:
+    """Micro-batches of ``datums`` (indices) for ``world_size`` ranks, planned by the configured packer; in the
+    shared-prefix layout the packer is given the datums' prefix trees (the datums that begin alike)."""
+    trees = prefix_trees([d.input_ids for d in datums]) if shared_prefix_on(config) else None
+    plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=world_size,
+                          prefix_trees=trees, **pack_limits(config))
+    return [[list(mb) for mb in rank] for rank in plan.ranks]
+
+
 def local_plan(datums: Sequence[Datum], config: Any) -> list[list[int]]:
     """This rank's micro-batches of ``datums`` (indices), planned by the configured packer on this rank alone."""
-    return [list(mb) for mb in pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=1,
-                                              **pack_limits(config)).ranks[0]]
+    return plan_for_ranks(datums, config, 1)[0]
 
 
 @dataclass
@@ -55,18 +69,21 @@ class MicroBatchStep:
 
 
 def micro_batches(accelerator: Any, datums: Sequence[Datum], batches: Sequence[Sequence[int]], *, pad_token_id: int,
-                  padding_free: bool, with_ref: bool = False, with_values: bool = False) -> Iterator[MicroBatchStep]:
+                  padding_free: bool, shared_prefix: bool = False, with_ref: bool = False,
+                  with_values: bool = False) -> Iterator[MicroBatchStep]:
     """This rank's ``batches`` of ``datums``, collated, then dummies up to the most micro-batches any rank has.
 
     A collective (one all-reduce, before the first step): every rank iterates it to the end, in step.
+    ``shared_prefix``: the shared-prefix layout (dummies too: its two forwards run on every micro-batch).
     ``with_ref``/``with_values`` give the dummies the reference log-probs / critic fields the real ones carry.
     """
     (steps,) = reduce_over_ranks(accelerator, [len(batches)], "max")
     steps = int(steps)
     padded = [list(b) for b in batches] + [[] for _ in range(steps - len(batches))]
     for k, idx in enumerate(padded):
-        mb = (collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free) if idx
-              else dummy_micro_batch(pad_token_id=pad_token_id, with_ref=with_ref, with_values=with_values))
+        mb = (collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free, shared_prefix=shared_prefix)
+              if idx else dummy_micro_batch(pad_token_id=pad_token_id, with_ref=with_ref, with_values=with_values,
+                                            shared_prefix=shared_prefix))
         yield MicroBatchStep(k, idx, mb, last=k == steps - 1)
 
 
@@ -116,18 +133,22 @@ class GradientSync:
 
 _PACKING_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 """Models whose attention was found to keep packed datums apart (checked once per model)."""
+_SHARING_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+"""Models found to give the same outputs in the shared-prefix layout (checked once per model)."""
 
 
 def ensure_packed_isolation(accelerator: Any, model: torch.nn.Module, config: Any, *, name: str = "the policy") -> None:
-    """With padding-free micro-batches, check once per model that its attention keeps packed datums apart
-    (:func:`~trl_plugins.modeling.check_packed_isolation`); every rank must call it (a forward)."""
-    if not config.padding_free:
-        return
+    """Check once per model that its forward honours the micro-batch layout: with padding-free micro-batches that its
+    attention keeps packed datums apart (:func:`~trl_plugins.modeling.check_packed_isolation`), in the shared-prefix
+    layout that its outputs equal the padded layout's (:func:`~trl_plugins.modeling.check_shared_prefix`). Every rank
+    must call it (a forward)."""
+    layout = [(config.padding_free, _PACKING_CHECKED, check_packed_isolation),
+              (shared_prefix_on(config), _SHARING_CHECKED, check_shared_prefix)]
     inner = accelerator.unwrap_model(model) if accelerator is not None else model
-    if inner in _PACKING_CHECKED:
-        return
-    check_packed_isolation(model, accelerator.device, vocab_size=int(inner.config.vocab_size), name=name)
-    _PACKING_CHECKED.add(inner)
+    for on, checked, check in layout:
+        if on and inner not in checked:
+            check(model, accelerator.device, vocab_size=int(inner.config.vocab_size), name=name)
+            checked.add(inner)
 
 
 @torch.no_grad()
@@ -158,7 +179,7 @@ def forward_no_grad(
         with context() if context is not None else contextlib.nullcontext():
             ensure_packed_isolation(accelerator, model, config, name=name)
             for step in micro_batches(accelerator, datums, local_plan(datums, config), pad_token_id=pad_token_id,
-                                      padding_free=bool(config.padding_free)):
+                                      padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config)):
                 result = forward(model, step.batch, accelerator.device)
                 if step.datum_indices:
                     out.append((step.datum_indices, result.float().cpu()))

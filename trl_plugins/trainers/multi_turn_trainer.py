@@ -130,6 +130,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                 if module is not None:
                     disable_dropout(module)
         args.resolve_padding_free(self.accelerator.unwrap_model(self.model))  # auto: by the attention implementation
+        args.resolve_shared_prefix(self.accelerator.unwrap_model(self.model))  # after TRL settled the checkpointing
         # One sampler for the run, its model refreshed per rollout (Accelerate/DeepSpeed wrap it when training starts);
         # vLLM: TRL's __init__ built self.vllm_generation (colocate or server), turns go through it.
         self._sampler = make_backend(run.sampler, args, run.chat, model=self.model_wrapped,

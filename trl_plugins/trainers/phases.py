@@ -409,7 +409,10 @@ def _update_metrics(result: Any) -> dict[str, float]:
         "train/input_tokens": float(result.num_input_tokens),
         "train/loss_tokens": float(result.num_loss_tokens),
         "train/forward_tokens": float(result.num_padded_tokens),
-        "train/padding_efficiency": result.num_input_tokens / max(result.num_padded_tokens, 1),
+        # Real tokens the forwards computed (each shared prefix once in the shared-prefix layout), per input token.
+        "train/computed_tokens": float(result.num_computed_tokens),
+        "train/computed_per_input_token": result.num_computed_tokens / max(result.num_input_tokens, 1),
+        "train/padding_efficiency": result.num_computed_tokens / max(result.num_padded_tokens, 1),
         "train/policy_loss": result.loss,
         "train/forwarded_datums": float(result.num_forwarded),
         "timing/packing_s": result.packing_s,

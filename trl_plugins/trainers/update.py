@@ -33,7 +33,6 @@ import torch
 
 from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
 from trl_plugins.modeling import micro_batch_logprobs
-from trl_plugins.packing import pack_for_ranks
 from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
 from trl_plugins.trainers.micro_batches import (
     GradientSync,
@@ -41,7 +40,8 @@ from trl_plugins.trainers.micro_batches import (
     forward_no_grad,
     local_plan,
     micro_batches,
-    pack_limits,
+    plan_for_ranks,
+    shared_prefix_on,
 )
 from trl_plugins.trainers.ranks import gather_values, is_deepspeed, merge_over_ranks, reduce_over_ranks
 from trl_plugins.types import (
@@ -103,6 +103,9 @@ class UpdateResult:
     """Global padded area processed (dummies included)."""
     num_input_tokens: int
     """Global real input tokens."""
+    num_computed_tokens: int
+    """Global real tokens the forwards computed: :attr:`num_input_tokens` less the repeats of each shared prefix in
+    the shared-prefix layout (dummies' included)."""
     stats: PolicyLossStats | None
     """Merged policy-loss statistics over all ranks (None when nothing was trained)."""
     grad_norm: float | None = None
@@ -132,6 +135,7 @@ class _PassSums:
     dummies: float = 0.0
     padded: float = 0.0
     real: float = 0.0
+    computed: float = 0.0
     forwarded_tokens: float = 0.0
     kl_k1: float = 0.0
     kl_k2: float = 0.0
@@ -281,8 +285,7 @@ def _plan(accelerator: Any, datums: list[Datum], config: UpdateSettings) -> tupl
         from accelerate.utils import gather_object
 
         datums = [d for part in gather_object([datums]) for d in part]
-        plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=world, **pack_limits(config))
-        batches = [list(mb) for mb in plan.ranks[accelerator.process_index]]
+        batches = plan_for_ranks(datums, config, world)[accelerator.process_index]
     else:
         batches = local_plan(datums, config)
     return datums, batches, time.perf_counter() - start
@@ -298,12 +301,14 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
     ensure_packed_isolation(accelerator, model, config)
     model.train()
     for step in micro_batches(accelerator, datums, batches, pad_token_id=pad_token_id,
-                              padding_free=bool(config.padding_free), with_ref=any_ref):
+                              padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config),
+                              with_ref=any_ref):
         mb, idx = step.batch, step.datum_indices
         out.steps += 1
         out.sums.dummies += not idx
         out.sums.padded += mb.num_padded_tokens
         out.sums.real += int(mb.attention_mask.sum())
+        out.sums.computed += mb.num_forwarded_tokens
         mask = mb.action_mask.to(device)
         with sync.context(step.last):
             logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature, with_entropy=loss_fn.needs_entropy)
@@ -416,6 +421,7 @@ def policy_update(
         num_sequences=int(num_seqs),
         num_padded_tokens=int(total["padded"]),
         num_input_tokens=int(total["real"]),
+        num_computed_tokens=int(total["computed"]),
         stats=merge_over_ranks(accelerator, done.stats, PolicyLossStats),
         grad_norm=grad_norm,
         packing_s=packing_s,

@@ -27,7 +27,7 @@ from trl_plugins.types.algos import (
     merge_stats,
     stat_reductions,
 )
-from trl_plugins.types.batches import MicroBatch, PackPlan
+from trl_plugins.types.batches import MicroBatch, PackPlan, PrefixTree, SharedPrefixLayout
 from trl_plugins.types.trajectory import (
     PLACEHOLDER_LOGPROB,
     LeftOutReason,
@@ -75,4 +75,6 @@ __all__ = [
     "stat_reductions",
     "MicroBatch",
     "PackPlan",
+    "PrefixTree",
+    "SharedPrefixLayout",
 ]

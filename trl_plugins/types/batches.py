@@ -6,7 +6,60 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MicroBatch", "PackPlan"]
+__all__ = ["MicroBatch", "PackPlan", "PrefixTree", "SharedPrefixLayout"]
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    """Items that begin with the same tokens: the shared-prefix layout forwards those ``prefix_len`` tokens once and
+    each member's remaining tokens (its *branch*) attending to them.
+
+    ``prefix_len == 0`` for an item that shares nothing (a tree of one): it is forwarded whole, as a branch."""
+
+    prefix_len: int
+    """Leading tokens every member has in common (at most the shortest member's length)."""
+    members: tuple[int, ...]
+    """Indices of the items (into the list the trees were found in), in order."""
+
+
+@dataclass
+class SharedPrefixLayout:
+    """How a micro-batch is forwarded with each shared prefix once (:mod:`trl_plugins.modeling`).
+
+    Two forwards, on every micro-batch and every rank alike: the ``K`` prefixes, left-padded to ``P`` so that each
+    ends where its branches begin, keeping their key/value states; then the ``B`` branches (right-padded to ``Tb``),
+    each attending to its own tree's prefix states (gradients flow back into them) and to itself, at positions
+    continuing from its prefix. A datum's per-position outputs are gathered from both forwards' outputs, flattened
+    as ``cat(prefix (K * P), branch (B * Tb))``, by :attr:`index`.
+    """
+
+    prefix_ids: torch.Tensor
+    """``(K, P)`` long, left-padded (a micro-batch with no shared prefix has one 1-token placeholder row)."""
+    prefix_mask: torch.Tensor
+    """``(K, P)`` long, 1 on real prefix tokens."""
+    prefix_positions: torch.Tensor
+    """``(K, P)`` long, ``0..n-1`` on a prefix's ``n`` real tokens (0 on padding)."""
+    branch_ids: torch.Tensor
+    """``(B, Tb)`` long, one row per datum (row order of the micro-batch), right-padded; may be all padding."""
+    branch_mask: torch.Tensor
+    """``(B, P + Tb)`` long: the branch forward's mask, the row's prefix columns (all 0 for a datum that shares
+    nothing) then its own tokens."""
+    branch_positions: torch.Tensor
+    """``(B, Tb)`` long, positions continuing from the row's prefix length."""
+    row_prefix: torch.Tensor
+    """``(B,)`` long: the prefix row each datum's branch reads (any row when it shares nothing: its mask hides it)."""
+    index: torch.Tensor
+    """``(B, T)`` long: where each datum position's output lies in the flattened outputs (0 on padding)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens the two forwards compute: each shared prefix once, then every branch."""
+        return int(self.prefix_mask.sum()) + int(self.branch_mask[:, self.prefix_ids.shape[1]:].sum())
+
+    @property
+    def area(self) -> int:
+        """Positions the two forwards process, padding included: ``K * P + B * Tb``."""
+        return int(self.prefix_ids.numel() + self.branch_ids.numel())
 
 
 @dataclass
@@ -52,11 +105,24 @@ class MicroBatch:
     turn_ids: torch.Tensor | None = None
     """``(B, T)`` long: each action position's turn within its row's trajectory (``Datum.turn_ids``), -1 elsewhere
     and on padding; None when a datum of the micro-batch carries none."""
+    shared_prefix: SharedPrefixLayout | None = None
+    """The shared-prefix layout (:class:`SharedPrefixLayout`): each prefix its datums share forwarded once; the
+    ``(B, T)`` tensors above stay what the loss side reads."""
 
     @property
     def num_padded_tokens(self) -> int:
-        """Tokens the forward pass processes: ``B * T`` (the padded area), or ``N`` padding-free."""
+        """Tokens the forward passes process: ``B * T`` (the padded area), ``N`` padding-free, or the shared-prefix
+        layout's two areas."""
+        if self.shared_prefix is not None:
+            return self.shared_prefix.area
         return int(self.input_ids.numel()) if self.position_ids is None else int(self.position_ids.numel())
+
+    @property
+    def num_forwarded_tokens(self) -> int:
+        """Real tokens the forward computes: every datum's, or each shared prefix once in the shared-prefix layout."""
+        if self.shared_prefix is not None:
+            return self.shared_prefix.num_tokens
+        return int(self.attention_mask.sum())
 
 
 @dataclass
