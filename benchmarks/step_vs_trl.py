@@ -1,6 +1,6 @@
 """One training step, ours vs TRL's GRPOTrainer, on the same multi-turn tool-calling workload.
 
-    python benchmarks/step_vs_trl.py [--steps 3] [--questions 4] [--group 4] [--calls 2] [--tool-s 0.2]
+    python benchmarks/step_vs_trl.py [--steps 3] [--questions 4] [--group 4] [--calls 2] [--tool-s 0.2] [--prompt-words 0]
 
 Both trainers get the same tiny local Qwen2 model, the same questions, the same group size and the
 same tool (sleeps ``--tool-s`` per call). The policy is *scripted*: a logits processor forces each
@@ -14,9 +14,12 @@ generation and tool calls), and the peak RSS of a step (the high-water mark is r
 
 TRL pads every micro-batch to the longest prompt and the longest completion of the whole batch; we
 pack one prefix-merged datum per trajectory into micro-batches: ``ours`` is the default config
-(``padding_free`` auto: right-padded micro-batches packed by padded area with this sdpa model on CPU),
-``ours pf`` forces padding-free micro-batches (``--padding-free on`` runs only that row, ``off`` only the
-default, ``both`` the two).
+(``padding_free`` and ``shared_prefix`` auto: with this sdpa model on CPU, right-padded micro-batches in the
+shared-prefix layout, each group's prompt forwarded once per micro-batch), ``ours unshared`` the same with
+``shared_prefix=False`` (every datum forwarded whole), ``ours pf`` forces padding-free micro-batches
+(``--padding-free on`` runs only that row, ``off`` only the first two, ``both`` the three). ``computed`` counts the
+real tokens the training forwards computed (each shared prefix once): below the real tokens when prefixes are
+shared. ``--prompt-words N`` lengthens every question by N words of context (a long prompt).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _dataset(n: int):
+def _dataset(n: int, words: int = 0):
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}],
+    context = " ".join(f"fact{k % 97} holds;" for k in range(words))
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"{context} Question {i}: what is 123 * 456 + 789?".strip()}],
                                "answer": "56877"} for i in range(n * 50)])
 
 
@@ -51,7 +55,8 @@ ASYNC_ROWS = {  # which -> (max_staleness, streaming)
 }
 
 
-def run_ours(args, padding_free: bool | None, async_row: tuple[int, bool] | None = None) -> dict:
+def run_ours(args, padding_free: bool | None, async_row: tuple[int, bool] | None = None,
+             shared_prefix: bool | None = None) -> dict:
     from rollout import SleepTool, scripted_model
 
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
@@ -74,11 +79,11 @@ def run_ours(args, padding_free: bool | None, async_row: tuple[int, bool] | None
             output_dir=out, per_device_train_batch_size=args.questions * args.group, num_generations=args.group,
             max_steps=args.steps, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
             disable_tqdm=True, seed=0, reward_components=["r"], max_items_per_micro_batch=args.micro_batch,
-            max_padded_tokens_per_micro_batch=64_000, padding_free=padding_free,
+            max_padded_tokens_per_micro_batch=64_000, padding_free=padding_free, shared_prefix=shared_prefix,
             rollout_kwargs={"max_turns": args.calls + 2, "max_tool_calls": args.calls + 1, "max_assistant_tokens": 128,
                             "max_trajectory_tokens": 4096},
         )
-        trainer = MultiTurnGRPOTrainer(model, config, train_dataset=_dataset(args.questions), processing_class=tok,
+        trainer = MultiTurnGRPOTrainer(model, config, train_dataset=_dataset(args.questions, args.prompt_words), processing_class=tok,
                                        tools={"code_interpreter": SleepTool(args.tool_s)}, reward_components={"r": Reward()})
         step_times = []
         original = trainer.training_step
@@ -99,6 +104,7 @@ def run_ours(args, padding_free: bool | None, async_row: tuple[int, bool] | None
         "train_s": [r.get("timing/forward_backward_s", 0.0) for r in steps],
         "padded_tokens": [r.get("train/forward_tokens", 0.0) for r in steps],
         "real_tokens": [r.get("train/input_tokens", 0.0) for r in steps],
+        "computed_tokens": [r.get("train/computed_tokens", 0.0) for r in steps],
         "crit_ratio": [r["rollout/critical_path_ratio"] for r in steps],
         "peak_rss_mb": [r["memory/peak_rss_mb"] for r in steps],
         "tool_calls": [r["rollout/tool_calls_mean"] for r in steps],
@@ -133,7 +139,7 @@ def run_trl(args) -> dict:
             max_completion_length=1024, max_steps=args.steps, use_cpu=True, bf16=False, report_to=[],
             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_tool_calling_iterations=args.calls + 1,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=config, train_dataset=_dataset(args.questions),
+        trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=config, train_dataset=_dataset(args.questions, args.prompt_words),
                               processing_class=tok, tools=[code_interpreter])
         gen_times, padded, real, step_times, peaks = [], [], [], [], []
         original_gen = trainer._generate_and_score_completions
@@ -169,6 +175,7 @@ def run_trl(args) -> dict:
         "train_s": [s - g for s, g in zip(per_step, gen_times)],
         "padded_tokens": padded,
         "real_tokens": real,
+        "computed_tokens": padded,  # every row forwarded to the batch's width
         "crit_ratio": [float("nan")] * len(per_step),
         "peak_rss_mb": peaks,
         "tool_calls": [float("nan")] * len(per_step),
@@ -183,7 +190,8 @@ def child(args) -> None:
     if args.which == "trl":
         result = run_trl(args)
     else:
-        result = run_ours(args, padding_free=True if args.which == "ours-pf" else None, async_row=ASYNC_ROWS.get(args.which))
+        result = run_ours(args, padding_free=True if args.which == "ours-pf" else None, async_row=ASYNC_ROWS.get(args.which),
+                          shared_prefix=False if args.which in ("ours-pf", "ours-unshared") else None)
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     # The async rows' generation replica is a child process, reaped when training ends: its peak RSS.
     result["replica_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -207,19 +215,21 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3, help="most tool calls per trajectory (each picks 0..calls)")
     ap.add_argument("--tool-s", type=float, default=0.2)
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (TRL per_device_train_batch_size)")
+    ap.add_argument("--prompt-words", type=int, default=0, help="words of context added to every question (long prompts)")
     ap.add_argument("--padding-free", choices=["on", "off", "both"], default="both",
                     help="our rows: forced padding-free (on), the default config (off), or both")
     ap.add_argument("--async-rows", choices=["on", "off"], default="on",
                     help="also run async_rollouts rows: k=1 overlap only (one batch at a time), k=1 and k=2 with "
                          "streaming, and the synchronous default with 2 threads (the replica is a second process: "
                          "a second core)")
-    ap.add_argument("--which", choices=["ours", "ours-pf", "ours-2threads", "trl", *ASYNC_ROWS], help=argparse.SUPPRESS)
+    ap.add_argument("--which", choices=["ours", "ours-unshared", "ours-pf", "ours-2threads", "trl", *ASYNC_ROWS],
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.which:
         child(args)
         return
     results = {}
-    ours = {"on": ["ours-pf"], "off": ["ours"], "both": ["ours", "ours-pf"]}[args.padding_free]
+    ours = {"on": ["ours-pf"], "off": ["ours", "ours-unshared"], "both": ["ours", "ours-unshared", "ours-pf"]}[args.padding_free]
     if args.async_rows == "on":
         ours = [*ours, "ours-2threads", *ASYNC_ROWS]
     for which in (*ours, "trl"):
@@ -233,21 +243,29 @@ def main() -> None:
     print(f"{args.questions} questions x group {args.group} = {n} trajectories/step, 0-{args.calls} tool calls each, "
           f"tool {args.tool_s} s/call, {args.steps} steps (means exclude the first {WARMUP}), tiny Qwen2 on CPU, 1 thread "
           f"per process (ours 2threads: 2; async rows: trainer + replica process, 1 thread each)")
-    header = (f"{'trainer':<12} {'step s':>7} {'rollout s':>10} {'train s':>8} {'real tok':>9} {'processed':>10} "
-              f"{'/ real':>7} {'wall/crit':>10} {'peak RSS MB':>12}")
+    header = (f"{'trainer':<14} {'step s':>7} {'rollout s':>10} {'train s':>8} {'real tok':>9} {'computed':>9} {'/ real':>7} "
+              f"{'processed':>10} {'/ real':>7} {'wall/crit':>10} {'peak RSS MB':>12}")
     print(header)
     print("-" * len(header))
     m = mean_after_first
     for which, r in results.items():
         name = which.replace("-", " ")
-        print(f"{name:<12} {m(r['step_s']):>7.2f} {m(r['rollout_s']):>10.2f} {m(r['train_s']):>8.2f} "
-              f"{m(r['real_tokens']):>9.0f} {m(r['padded_tokens']):>10.0f} {m(r['padded_tokens']) / max(m(r['real_tokens']), 1):>7.3f} "
+        real = max(m(r['real_tokens']), 1)
+        print(f"{name:<14} {m(r['step_s']):>7.2f} {m(r['rollout_s']):>10.2f} {m(r['train_s']):>8.2f} "
+              f"{m(r['real_tokens']):>9.0f} {m(r['computed_tokens']):>9.0f} {m(r['computed_tokens']) / real:>7.3f} "
+              f"{m(r['padded_tokens']):>10.0f} {m(r['padded_tokens']) / real:>7.3f} "
               f"{m(r['crit_ratio']):>10.2f} {max(r['peak_rss_mb'][1:] or r['peak_rss_mb']):>12.0f}")
     trl = results["trl"]
     for which in ours:
         r = results[which]
         print(f"{which}: speed-up per step (TRL / {which}) {m(trl['step_s']) / m(r['step_s']):.2f}x; tokens processed "
               f"(TRL / {which}) {m(trl['padded_tokens']) / max(m(r['padded_tokens']), 1):.2f}x")
+    if "ours" in results and "ours-unshared" in results:
+        a, b = results["ours-unshared"], results["ours"]
+        print(f"ours (shared prefix) / ours unshared: computed per real token "
+              f"{(m(b['computed_tokens']) / m(b['real_tokens'])) / (m(a['computed_tokens']) / m(a['real_tokens'])):.2f}x, "
+              f"train time per real token {(m(b['train_s']) / m(b['real_tokens'])) / (m(a['train_s']) / m(a['real_tokens'])):.2f}x, "
+              f"peak RSS {max(b['peak_rss_mb'][1:] or b['peak_rss_mb']) / max(a['peak_rss_mb'][1:] or a['peak_rss_mb']):.2f}x")
     if "ours" in results:
         base = results["ours"]
         for which in [w for w in ours if w.startswith("ours-async") or w == "ours-2threads"]:

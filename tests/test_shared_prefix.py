@@ -20,7 +20,8 @@ from conftest import make_trajectory, rel_err
 from trl_plugins.algos import PPOClipLoss
 from trl_plugins.datum import build_datum, collate, shared_prefix_layout
 from trl_plugins.modeling import SharedPrefixUnsupported, check_shared_prefix, micro_batch_logprobs, shared_prefix_outputs
-from trl_plugins.packing import (pack_for_ranks, prefix_trees, supports_prefix_trees, tree_area, tree_tokens)
+from trl_plugins.packing import (layout_trees, pack_for_ranks, prefix_lengths, prefix_trees, supports_prefix_trees,
+                                 tree_area, tree_tokens)
 from trl_plugins.types import PrefixTree
 
 
@@ -119,6 +120,56 @@ def test_the_layout_rebuilds_every_datum_from_its_prefix_and_branch():
     assert layout.num_tokens == tree_tokens(lengths, trees) < sum(lengths)
     assert layout.area == tree_area(lengths, trees)
     assert layout.prefix_ids.shape[0] == 3  # one prefix per group; the lone datum is a branch of its own
+
+
+def test_a_long_datum_is_forwarded_whole_rather_than_widening_every_branch():
+    # 8 datums sharing 50 tokens, 7 with 10-token branches and one with a 150-token branch: as a member of the tree it
+    # pads all 8 branch rows to 150; forwarded whole (a prefix row of its own) it recomputes the 50 shared tokens.
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 200) for _ in range(50)]
+    rows = [shared + [rng.randrange(3, 200) for _ in range(150 if k == 3 else 10)] for k in range(8)]
+    lengths = [len(r) for r in rows]
+    trees = prefix_trees(rows)
+    assert trees == [PrefixTree(50, tuple(range(8)))]
+    forwarded, used = layout_trees(lengths, trees)
+    assert sorted((t.members, p) for t, p in zip(forwarded, used)) == [((0, 1, 2, 4, 5, 6, 7), 50), ((3,), 200)]
+    layout = shared_prefix_layout(rows, pad_token_id=0)
+    assert layout.area == tree_area(lengths, trees) == 2 * 200 + 8 * 10 < 50 + 8 * 150
+    assert layout.num_tokens == 50 + 7 * 10 + 200
+    model = _model("qwen2_sliding_sdpa")
+    padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
+    with torch.no_grad():
+        a, b = micro_batch_logprobs(model, padded, "cpu")[0], micro_batch_logprobs(model, mine, "cpu")[0]
+    assert (a - b)[padded.attention_mask.bool()].abs().max() < 1e-5
+
+
+def test_a_long_lone_datum_becomes_a_prefix_row_rather_than_widening_every_branch():
+    # 8 datums sharing 200 tokens with 10-token branches, and one 210-token datum sharing nothing: as a branch it
+    # would pad all 9 branch rows to 210; as a prefix row of its own it costs one row of the prefix forward.
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 200) for _ in range(200)]
+    rows = [shared + [rng.randrange(3, 200) for _ in range(10)] for _ in range(8)] + [[1] * 210]
+    lengths = [len(r) for r in rows]
+    trees = prefix_trees(rows)
+    assert prefix_lengths(lengths, trees) == [200, 210]
+    layout = shared_prefix_layout(rows, pad_token_id=0)
+    assert layout.prefix_ids.shape == (2, 210) and layout.branch_ids.shape == (9, 10)
+    assert layout.area == tree_area(lengths, trees) == 2 * 210 + 9 * 10 < 1 * 200 + 9 * 210
+    model = _model("qwen2_sliding_sdpa")
+    padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
+    with torch.no_grad():
+        a, b = micro_batch_logprobs(model, padded, "cpu")[0], micro_batch_logprobs(model, mine, "cpu")[0]
+    assert (a - b)[padded.attention_mask.bool()].abs().max() < 1e-5
+
+
+def collate_rows(rows, shared_prefix=False):
+    """Token rows as datums (every position a loss position), collated."""
+    from trl_plugins.types import Datum, TokenSource
+
+    datums = [Datum(input_ids=r[:-1], target_ids=r[1:], behaviour_logprobs=[0.0] * (len(r) - 1),
+                    advantages=[1.0] * (len(r) - 1), action_mask=[1] * (len(r) - 1),
+                    sources=[TokenSource.ACTION] * (len(r) - 1)) for r in rows]
+    return collate(datums, list(range(len(datums))), pad_token_id=0, shared_prefix=shared_prefix)
 
 
 # -- equal outputs and gradients ----------------------------------------------------------------------------------
@@ -324,10 +375,14 @@ def test_packers_keep_each_tree_together_within_the_limits(strategy, world_size)
         assert shared_prefix_layout([datums[i].input_ids for i in mb], pad_token_id=0).area <= budget
     for tree in trees:  # a group of 4 fits a micro-batch of 5 rows: it is never cut
         assert len({home[i] for i in tree.members}) == 1, tree
-    # The plan shares as the trees do: the micro-batches compute no more than the trees say.
+    # The plan shares as the trees do: each micro-batch computes what its trees, as forwarded, say.
+    for mb in (mb for rank in plan.ranks for mb in rank if mb):
+        rows = [datums[i].input_ids for i in mb]
+        forwarded, _ = layout_trees([len(r) for r in rows], prefix_trees(rows))
+        assert shared_prefix_layout(rows, pad_token_id=0).num_tokens == tree_tokens([len(r) for r in rows], forwarded)
     computed = sum(shared_prefix_layout([datums[i].input_ids for i in mb], pad_token_id=0).num_tokens
                    for rank in plan.ranks for mb in rank if mb)
-    assert computed == tree_tokens(lengths, trees)
+    assert computed < sum(lengths)
 
 
 def test_a_packer_that_does_not_declare_prefix_trees_is_called_as_before(isolated_registries):

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from trl_plugins.packing.prefix_trees import prefix_trees
+from trl_plugins.packing.prefix_trees import layout_trees, prefix_trees
 from trl_plugins.types import (
     PLACEHOLDER_LOGPROB,
     Datum,
@@ -202,11 +202,15 @@ def shared_prefix_layout(rows: Sequence[Sequence[int]], *, pad_token_id: int,
                          trees: Sequence[PrefixTree] | None = None) -> SharedPrefixLayout:
     """The :class:`~trl_plugins.types.SharedPrefixLayout` of a micro-batch whose datums read ``rows`` (their
     ``input_ids``, in row order): each prefix that ``trees`` share (default: :func:`~trl_plugins.packing.prefix_trees`
-    of the rows, the fewest tokens) forwarded once, every row's remaining tokens as its branch."""
-    trees = prefix_trees(rows) if trees is None else trees
-    shared = [t for t in trees if t.prefix_len > 0]
-    width = max((t.prefix_len for t in shared), default=1)  # one 1-token placeholder row when nothing is shared
-    branch = max(1, max(len(rows[r]) - t.prefix_len for t in trees for r in t.members))
+    of the rows, the fewest tokens) forwarded once, every row's remaining tokens as its branch; a datum that shares
+    nothing is a branch or a prefix row of its own, and a datum whose branch would widen all the others is forwarded
+    whole, whichever gives the smaller area (:func:`~trl_plugins.packing.prefix_trees.layout_trees`)."""
+    # As forwarded: a lone datum a branch or a prefix row of its own, a datum whose branch would widen every row
+    # forwarded whole (layout_trees).
+    trees, used = layout_trees([len(r) for r in rows], prefix_trees(rows) if trees is None else trees)
+    shared = [(t, n) for t, n in zip(trees, used) if n > 0]
+    width = max((n for _, n in shared), default=1)  # one 1-token placeholder row when no prefix is forwarded
+    branch = max(1, max(len(rows[r]) - n for t, n in zip(trees, used) for r in t.members))
     k_rows, b_rows, longest = max(len(shared), 1), len(rows), max(len(r) for r in rows)
     prefix_ids = torch.full((k_rows, width), pad_token_id, dtype=torch.long)
     prefix_mask = torch.zeros((k_rows, width), dtype=torch.long)
@@ -219,19 +223,17 @@ def shared_prefix_layout(rows: Sequence[Sequence[int]], *, pad_token_id: int,
     row_prefix = torch.zeros(b_rows, dtype=torch.long)
     index = torch.zeros((b_rows, longest), dtype=torch.long)
     prefix_of = {}
-    for k, tree in enumerate(shared):
-        n = tree.prefix_len
+    for k, (tree, n) in enumerate(shared):
         prefix_ids[k, width - n:] = torch.tensor(rows[tree.members[0]][:n], dtype=torch.long)
         prefix_mask[k, width - n:] = 1
         prefix_positions[k, width - n:] = torch.arange(n)
         prefix_of.update({r: k for r in tree.members})
     flat_branch = k_rows * width
-    for tree in trees:
-        n = tree.prefix_len
+    for tree, n in zip(trees, used):
         for r in tree.members:
             own = rows[r][n:]
             branch_ids[r, : len(own)] = torch.tensor(own, dtype=torch.long)
-            branch_mask[r, width + torch.arange(len(own))] = 1
+            branch_mask[r, width : width + len(own)] = 1
             branch_positions[r] = n + torch.arange(branch)
             if n:
                 k = prefix_of[r]

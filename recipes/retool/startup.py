@@ -188,9 +188,10 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     skipped = "all" if "all" in a.skip_startup_checks else ", ".join(a.skip_startup_checks)
     lines.append("checks:       each reward, the advantage and the policy loss run their contract check on a copy "
                  "before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else ""))
-    padding_free = {None: "auto", True: "on", False: "off"}[a.padding_free]
+    state = {None: "auto", True: "on", False: "off"}
     lines.append(f"packer:       {a.packer} (<= {a.max_items_per_micro_batch} rows, <= {a.max_padded_tokens_per_micro_batch}"
-                 f" padded tokens per micro-batch; padding-free {padding_free})")
+                 f" padded tokens per micro-batch; padding-free {state[a.padding_free]}; shared prefix "
+                 f"{state[a.shared_prefix]})")
     lines.append(f"batch:        {a.per_device_train_batch_size} trajectories per process per step "
                  f"({a.per_device_train_batch_size // a.num_generations} questions x {a.num_generations}), "
                  f"{world_size * a.per_device_train_batch_size} per step in all; max_steps {a.max_steps}, "

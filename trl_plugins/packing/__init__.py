@@ -21,7 +21,8 @@ from trl_plugins.packing.packers import (
     optimal,
     padded_area,
 )
-from trl_plugins.packing.prefix_trees import pack_trees, prefix_trees, tree_area, tree_tokens
+from trl_plugins.packing.prefix_trees import (layout_trees, pack_trees, prefix_lengths, prefix_trees, tree_area,
+                                              tree_tokens)
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan, PrefixTree
 
@@ -36,6 +37,8 @@ __all__ = [
     "supports_padding_free",
     "supports_prefix_trees",
     "prefix_trees",
+    "prefix_lengths",
+    "layout_trees",
     "pack_trees",
     "tree_area",
     "tree_tokens",

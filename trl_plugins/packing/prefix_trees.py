@@ -8,8 +8,8 @@ the built-in packers' planner when they are given trees (the packer seam's ``pre
 
 Cost model: a micro-batch holding trees ``(P_k, members_k)`` runs two forwards, the prefixes left-padded to the
 longest ``P`` and the branches right-padded to the longest branch ``Tb``: ``K * P + B * Tb`` positions, with
-``K`` the trees that share a prefix (``P_k > 0``) and ``B`` the items. A tree of one (``P_k = 0``) costs its
-item's length as a branch. Pure functions of token ids and lengths.
+``K`` the prefix rows and ``B`` the items. An item that shares nothing (a tree of one) is forwarded as a branch or
+as a prefix row of its own, whichever costs less (:func:`prefix_lengths`). Pure functions of token ids and lengths.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Sequence
 
 from trl_plugins.types import PackPlan, PrefixTree
 
-__all__ = ["prefix_trees", "tree_area", "tree_tokens", "pack_trees"]
+__all__ = ["prefix_trees", "prefix_lengths", "layout_trees", "tree_area", "tree_tokens", "pack_trees"]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -72,15 +72,71 @@ def tree_tokens(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> int:
     return sum(t.prefix_len + sum(lengths[i] - t.prefix_len for i in t.members) for t in trees)
 
 
-def tree_area(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> int:
-    """Positions one micro-batch holding ``trees`` processes, padding included: ``K * P + B * Tb`` (module doc)."""
+def prefix_lengths(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> list[int]:
+    """The prefix each tree is forwarded with in one micro-batch: a shared tree its ``prefix_len``; an item that shares
+    nothing either 0 (forwarded as a branch) or its whole length (as a prefix row of its own, its branch empty),
+    whichever keeps the area smallest. A lone long item as a branch would widen every row of the branch forward; the
+    longest lone items go to prefix rows, up to the cut that minimises the area."""
     shared = [t.prefix_len for t in trees if t.prefix_len > 0]
-    branch = max((lengths[i] - t.prefix_len for t in trees for i in t.members), default=0)
-    return len(shared) * max(shared, default=0) + sum(len(t.members) for t in trees) * max(branch, 1)
+    branch = max((lengths[i] - t.prefix_len for t in trees if t.prefix_len > 0 for i in t.members), default=0)
+    lone = sorted((k for k, t in enumerate(trees) if t.prefix_len == 0), key=lambda k: (-lengths[trees[k].members[0]], k))
+    alone = [lengths[trees[k].members[0]] for k in lone]
+    rows = sum(len(t.members) for t in trees)
+    best_cut, best_area = 0, None
+    for cut in range(len(lone) + 1):  # alone[:cut] as prefix rows (longest first), the rest as branches
+        width = max(shared + alone[:cut], default=0)
+        area = (len(shared) + cut) * width + rows * max([branch, 1] + alone[cut:])
+        if best_area is None or area < best_area:
+            best_cut, best_area = cut, area
+    used = [t.prefix_len for t in trees]
+    for k in lone[:best_cut]:
+        used[k] = lengths[trees[k].members[0]]
+    return used
+
+
+def _area(lengths: Sequence[int], trees: Sequence[PrefixTree], used: Sequence[int]) -> int:
+    prefixes = [p for p in used if p > 0]
+    branch = max((lengths[i] - p for t, p in zip(trees, used) for i in t.members), default=0)
+    return len(prefixes) * max(prefixes, default=0) + sum(len(t.members) for t in trees) * max(branch, 1)
+
+
+def layout_trees(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> tuple[list[PrefixTree], list[int]]:
+    """The trees as one micro-batch forwards them, with each one's prefix length (:func:`prefix_lengths`).
+
+    Every branch row is padded to the longest branch, so one long trajectory would widen them all: while the member
+    with the longest branch can leave its tree and lower the area (it is then forwarded whole, most often as a prefix
+    row of its own, recomputing the prefix it shared), it does. Minimises area greedily: only the longest branch sets
+    the branch forward's width.
+    """
+    trees = list(trees)
+    used = prefix_lengths(lengths, trees)
+    area = _area(lengths, trees, used)
+    while True:
+        shared = [(lengths[i] - p, k, i) for k, (t, p) in enumerate(zip(trees, used)) if t.prefix_len > 0
+                  for i in t.members]
+        if not shared:
+            break
+        _, k, i = max(shared)
+        rest = tuple(m for m in trees[k].members if m != i)
+        moved = trees[:k] + trees[k + 1:] + [PrefixTree(trees[k].prefix_len if len(rest) > 1 else 0, rest),
+                                             PrefixTree(0, (i,))]
+        moved_used = prefix_lengths(lengths, moved)
+        moved_area = _area(lengths, moved, moved_used)
+        if moved_area >= area:
+            break
+        trees, used, area = moved, moved_used, moved_area
+    return trees, used
+
+
+def tree_area(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> int:
+    """Positions one micro-batch holding ``trees`` processes, padding included: ``K * P + B * Tb`` (module doc), the
+    trees as :func:`layout_trees` forwards them."""
+    return _area(lengths, *layout_trees(lengths, trees))
 
 
 class _Bin:
-    """An open micro-batch's aggregates, enough to price adding a tree in O(1)."""
+    """An open micro-batch's aggregates, enough to price adding a tree in O(1): an upper bound of its
+    :func:`tree_area` (lone items priced as branches)."""
 
     __slots__ = ("trees", "shared", "width", "rows", "branch")
 

@@ -14,7 +14,8 @@ class PrefixTree:
     """Items that begin with the same tokens: the shared-prefix layout forwards those ``prefix_len`` tokens once and
     each member's remaining tokens (its *branch*) attending to them.
 
-    ``prefix_len == 0`` for an item that shares nothing (a tree of one): it is forwarded whole, as a branch."""
+    ``prefix_len == 0`` for an item that shares nothing (a tree of one): it is forwarded whole, as a branch or as a
+    prefix row of its own, whichever costs less."""
 
     prefix_len: int
     """Leading tokens every member has in common (at most the shortest member's length)."""
@@ -42,8 +43,8 @@ class SharedPrefixLayout:
     branch_ids: torch.Tensor
     """``(B, Tb)`` long, one row per datum (row order of the micro-batch), right-padded; may be all padding."""
     branch_mask: torch.Tensor
-    """``(B, P + Tb)`` long: the branch forward's mask, the row's prefix columns (all 0 for a datum that shares
-    nothing) then its own tokens."""
+    """``(B, P + Tb)`` long: the branch forward's mask, the row's prefix columns (all 0 for a datum forwarded whole as
+    a branch) then its own tokens."""
     branch_positions: torch.Tensor
     """``(B, Tb)`` long, positions continuing from the row's prefix length."""
     row_prefix: torch.Tensor
