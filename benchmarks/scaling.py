@@ -58,9 +58,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, nargs="+", default=[1, 3, 6], help="most tool calls per trajectory")
     ap.add_argument("--groups", type=int, nargs="*", default=[4, 8, 16], help="group sizes at 16 trajectories (none: skip)")
     ap.add_argument("--prompt-words", type=int, nargs="+", default=[0, 150], help="words of context per question")
+    ap.add_argument("--sweeps", nargs="+", choices=["batch", "length", "group"], default=["batch", "length", "group"],
+                    help="the sweeps to run; the rows of the others are kept from the .json next to --out")
     ap.add_argument("--replot", action="store_true", help="draw the plot again from the .json next to --out")
     args = ap.parse_args()
-    sweeps = {"batch": [(q, 3) for q in args.batches], "length": [(4, c) for c in args.calls]}
+    sweeps = {name: points for name, points in {"batch": [(q, 3) for q in args.batches],
+                                                "length": [(4, c) for c in args.calls]}.items() if name in args.sweeps}
     if args.replot:
         plot(json.loads(Path(args.out).with_suffix(".json").read_text()), args.out)
         return
@@ -81,11 +84,14 @@ def main() -> None:
         for questions, calls in points:
             for which in [w for w in TRAINERS if w != "ours-unshared" and (args.async_rows == "on" or "async" not in w)]:
                 show(sweep, questions, calls, 4, 0, which)
-    for words in args.prompt_words if args.groups else []:
+    for words in args.prompt_words if args.groups and "group" in args.sweeps else []:
         for group in args.groups:
             for which in GROUP_SWEEP:
                 show("group", 16 // group, 3, group, words, which)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    saved = Path(args.out).with_suffix(".json")
+    kept = [r for r in json.loads(saved.read_text()) if r["sweep"] not in args.sweeps] if saved.exists() else []
+    rows = kept + rows
+    saved.write_text(json.dumps(rows, indent=1))
     plot(rows, args.out)
 
 

@@ -109,3 +109,39 @@ def test_cuda_padding_free_log_probs_equal_the_padded_layout(attn):
     real = padded.attention_mask.bool().to("cuda")
     assert (a - b)[real].abs().max() < (1e-4 if dtype == torch.float32 else 5e-2)
     check_packed_isolation(model, "cuda", vocab_size=len(tok))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_cuda_shared_prefix_log_probs_and_gradients_equal_the_padded_layout(attn):
+    # The shared-prefix layout on the GPU: the prefixes' key/value states read by the branches (sdpa's masked kernel,
+    # or flash-attention's padded path), log-probs and gradients against the padded layout's.
+    import importlib.util
+    import random
+
+    from conftest import make_trajectory
+    from trl_plugins.datum import build_datum, collate
+    from trl_plugins.modeling import check_shared_prefix, micro_batch_logprobs
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    tok = build_tokenizer("qwen2_5")
+    dtype = torch.bfloat16 if attn.startswith("flash") else torch.float32
+    model = build_tiny_model(tok, attn_implementation=attn, sliding_window=16).to("cuda", dtype=dtype).train()
+    rng = random.Random(0)
+    datums = []
+    for g in range(3):
+        prompt = [rng.randrange(3, len(tok)) for _ in range(40)]
+        datums += [build_datum(make_trajectory(rng, num_turns=rng.randint(1, 3), vocab=len(tok), prompt=prompt),
+                               advantage=1.0, trajectory_index=len(datums)) for _ in range(4)]
+    idx = list(range(len(datums)))
+    padded, shared = collate(datums, idx, pad_token_id=0), collate(datums, idx, pad_token_id=0, shared_prefix=True)
+    a = micro_batch_logprobs(model, padded, "cuda")[0]
+    b = micro_batch_logprobs(model, shared, "cuda")[0]
+    real = padded.attention_mask.bool().to("cuda")
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (a - b)[real].abs().max() < tol
+    params = list(model.parameters())
+    ga = torch.autograd.grad((a * padded.action_mask.cuda()).sum(), params)
+    gb = torch.autograd.grad((b * shared.action_mask.cuda()).sum(), params)
+    assert max(float((x - y).norm() / y.norm().clamp(min=1e-30)) for x, y in zip(gb, ga)) < (1e-4 if dtype == torch.float32 else 5e-2)
+    check_shared_prefix(model, "cuda", vocab_size=len(tok))

@@ -189,6 +189,15 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temper
     return unpack(logp, mb), None if entropy is None else unpack(entropy, mb)
 
 
+def _output_gap(model: torch.nn.Module, got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, Any]:
+    """``(largest gap, tolerance, attention implementation)`` of a layout check: 1e-4 of the outputs' scale in fp32,
+    5e-2 in half precision."""
+    scale = 1.0 + float(want.float().abs().max())
+    gap = float((got.float() - want.float()).abs().max())
+    tolerance = (1e-4 if want.dtype == torch.float32 else 5e-2) * scale
+    return gap, tolerance, getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 class PackedAttentionLeak(ValueError):
     """The model's attention does not keep packed sequences apart: padding-free micro-batches would mix datums."""
 
@@ -218,11 +227,8 @@ def check_packed_isolation(model: torch.nn.Module, device: Any, *, vocab_size: i
         alone = model(input_ids=second[None, :].to(device), attention_mask=None, use_cache=False).logits[0]
     finally:
         model.train(was_training)
-    scale = 1.0 + float(alone.float().abs().max())
-    gap = float((packed.float() - alone.float()).abs().max())
-    tolerance = (1e-4 if packed.dtype == torch.float32 else 5e-2) * scale
+    gap, tolerance, impl = _output_gap(model, packed, alone)
     if not gap <= tolerance:
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise PackedAttentionLeak(
             f"padding-free micro-batches: {name} (attention implementation {impl!r}) does not keep packed sequences "
             f"apart - a sequence packed after another gets outputs {gap:.3g} away from its own (tolerance "
@@ -395,11 +401,8 @@ def check_shared_prefix(model: torch.nn.Module, device: Any, *, vocab_size: int,
     finally:
         model.train(was_training)
     real = mask.to(device).bool()
-    scale = 1.0 + float(whole[real].float().abs().max())
-    gap = float((tree[real].float() - whole[real].float()).abs().max())
-    tolerance = (1e-4 if whole.dtype == torch.float32 else 5e-2) * scale
+    gap, tolerance, impl = _output_gap(model, tree[real], whole[real])
     if not gap <= tolerance:
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise SharedPrefixUnsupported(
             f"shared_prefix: {name} (attention implementation {impl!r}) gives outputs {gap:.3g} away from forwarding "
             f"each sequence whole when a shared prefix is forwarded once (tolerance {tolerance:.3g}): its attention "

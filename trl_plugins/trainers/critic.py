@@ -26,7 +26,7 @@ import torch
 
 from trl_plugins.algos import aggregate, clipped_value_loss
 from trl_plugins.modeling import gather_positions, model_inputs, shared_prefix_outputs, unpack
-from trl_plugins.trainers.micro_batches import (GradientSync, ensure_packed_isolation, forward_no_grad, local_plan,
+from trl_plugins.trainers.micro_batches import (GradientSync, ensure_layout_checked, forward_no_grad, local_plan,
                                                 micro_batches, shared_prefix_on)
 from trl_plugins.trainers.ranks import is_deepspeed, merge_over_ranks, reduce_over_ranks
 from trl_plugins.trainers.update import UpdateSettings
@@ -214,7 +214,7 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
     sync = GradientSync(accelerator, critic, engine=True)
     loss_total = clipped = 0.0
     steps = 0
-    ensure_packed_isolation(accelerator, critic, config, name="the critic")
+    ensure_layout_checked(accelerator, critic, config, name="the critic")
     critic.train()
     for step in micro_batches(accelerator, datums, local_plan(datums, config), pad_token_id=pad_token_id,
                               padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config),

@@ -25,7 +25,7 @@ from trl_plugins.trainers.ranks import is_deepspeed, reduce_over_ranks
 from trl_plugins.types import Datum, MicroBatch
 
 __all__ = ["MicroBatchStep", "micro_batches", "local_plan", "plan_for_ranks", "pack_limits", "shared_prefix_on",
-           "GradientSync", "ensure_packed_isolation", "forward_no_grad"]
+           "GradientSync", "ensure_layout_checked", "forward_no_grad"]
 
 
 def shared_prefix_on(config: Any) -> bool:
@@ -137,7 +137,7 @@ _SHARING_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 """Models found to give the same outputs in the shared-prefix layout (checked once per model)."""
 
 
-def ensure_packed_isolation(accelerator: Any, model: torch.nn.Module, config: Any, *, name: str = "the policy") -> None:
+def ensure_layout_checked(accelerator: Any, model: torch.nn.Module, config: Any, *, name: str = "the policy") -> None:
     """Check once per model that its forward honours the micro-batch layout: with padding-free micro-batches that its
     attention keeps packed datums apart (:func:`~trl_plugins.modeling.check_packed_isolation`), in the shared-prefix
     layout that its outputs equal the padded layout's (:func:`~trl_plugins.modeling.check_shared_prefix`). Every rank
@@ -177,7 +177,7 @@ def forward_no_grad(
     model.eval()
     try:
         with context() if context is not None else contextlib.nullcontext():
-            ensure_packed_isolation(accelerator, model, config, name=name)
+            ensure_layout_checked(accelerator, model, config, name=name)
             for step in micro_batches(accelerator, datums, local_plan(datums, config), pad_token_id=pad_token_id,
                                       padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config)):
                 result = forward(model, step.batch, accelerator.device)

@@ -36,7 +36,7 @@ from trl_plugins.modeling import micro_batch_logprobs
 from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
 from trl_plugins.trainers.micro_batches import (
     GradientSync,
-    ensure_packed_isolation,
+    ensure_layout_checked,
     forward_no_grad,
     local_plan,
     micro_batches,
@@ -74,6 +74,7 @@ class UpdateSettings(Protocol):
     max_items_per_micro_batch: int
     max_padded_tokens_per_micro_batch: int
     padding_free: bool | None
+    shared_prefix: bool | None  # a namespace without it keeps the padded layout (micro_batches.shared_prefix_on)
     rebalance_ranks: bool
     norm_length: float | None
     temperature: float
@@ -298,7 +299,7 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
     temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
     sync = GradientSync(accelerator, model)
     out = _Pass()
-    ensure_packed_isolation(accelerator, model, config)
+    ensure_layout_checked(accelerator, model, config)
     model.train()
     for step in micro_batches(accelerator, datums, batches, pad_token_id=pad_token_id,
                               padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config),
