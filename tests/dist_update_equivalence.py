@@ -135,6 +135,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rebalance", action="store_true")
     ap.add_argument("--aggregation", default="token_mean")
+    ap.add_argument("--aggregations", default=None,
+                    help="comma-separated aggregation modes: one update each, chained on the same engines (the report "
+                         "lists them under 'steps')")
     ap.add_argument("--critic", action="store_true",
                     help="the critic's value_update (SGD) instead of the policy's: rollout values from the prepared "
                          "critic on each rank, random returns, clipped value loss")
@@ -211,23 +214,43 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
         critic_check(args, accelerator, parts, everything, deepspeed, critics)
         return
     loss_fn = PPOClipLoss(kl_coef=0.3, entropy_coef=0.05) if args.kl else PPOClipLoss()
+    model = tiny_qwen2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ref_model = None
+    if args.kl:
+        from trl.models.utils import prepare_deepspeed
+
+        ref_model = perturbed(tiny_qwen2())
+        ref_model = prepare_deepspeed(ref_model, accelerator) if deepspeed else accelerator.prepare_model(ref_model, evaluation_mode=True)
+    # --aggregations chains several updates on the same engines: each is checked against one plain-torch step from
+    # the reference's weights after the previous one (which matched the ranks' to the tolerance).
+    aggregations = args.aggregations.split(",") if args.aggregations else [args.aggregation]
+    reports = [one_update(args, accelerator, deepspeed, parts, everything, model, optimizer, ref_model, reference,
+                          loss_fn, aggregation) for aggregation in aggregations]
+    if accelerator.is_main_process:
+        report = reports[0] if not args.aggregations else {**reports[0], "steps": reports}
+        Path(args.out).write_text(json.dumps(report))
+        print(json.dumps(report))
+    accelerator.wait_for_everyone()
+
+
+def one_update(args, accelerator, deepspeed: bool, parts, everything, model, optimizer, ref_model, reference, loss_fn,
+               aggregation: str) -> dict | None:
+    """One update of ``model`` on the ranks' datums with ``aggregation`` against one plain-torch SGD step of
+    ``reference`` (rank 0, which it steps too); rank 0 returns the report."""
+    world, rank = accelerator.num_processes, accelerator.process_index
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
     bounds = (0.8, 1.25) if (args.mismatch or "").startswith("token") else (1 / 3, 3.0)
-    config = SimpleNamespace(aggregation=args.aggregation, packer="balanced" if args.rebalance else "ffd",
+    config = SimpleNamespace(aggregation=aggregation, packer="balanced" if args.rebalance else "ffd",
                              max_items_per_micro_batch=2, max_padded_tokens_per_micro_batch=400,
                              rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None,
                              drop_zero_advantage=args.kl, vllm_importance_sampling_mode=args.mismatch,
                              vllm_importance_sampling_clip_min=bounds[0], vllm_importance_sampling_clip_max=bounds[1],
                              padding_free=False, shared_prefix=args.shared_prefix)
-    model = tiny_qwen2()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    model, optimizer = accelerator.prepare(model, optimizer)
     if args.kl:
-        from trl.models.utils import prepare_deepspeed
         from trl_plugins.trainers.update import reference_logprobs
 
-        ref_model = perturbed(tiny_qwen2())
-        ref_model = prepare_deepspeed(ref_model, accelerator) if deepspeed else accelerator.prepare_model(ref_model, evaluation_mode=True)
         # Each rank scores its own datums (ranks run different numbers of micro-batches: dummies under ZeRO-3).
         reference_logprobs(accelerator, ref_model, parts[rank], config, pad_token_id=0)
     if args.mismatch:
@@ -235,8 +258,13 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
 
         # Each rank its own datums, before the update (ranks run different numbers of forwards: dummies).
         old_logprobs(accelerator, model, parts[rank], config, pad_token_id=0)
+    start = None
+    if args.aggregations:  # the ranks' weights before this update (a collective under ZeRO-3; copies, not views)
+        start = {k: v.detach().clone() for k, v in (accelerator.get_state_dict(model) or {}).items()}
     result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0)
     state = accelerator.get_state_dict(model)
+    if start is None:
+        start = {k: v.detach().clone() for k, v in reference.state_dict().items()} if accelerator.is_main_process else None
     if args.mismatch:
         from accelerate.utils import gather_object
 
@@ -286,19 +314,23 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
                                       clip_min=bounds[0], clip_max=bounds[1]).weights
         out = loss_fn(PolicyLossInput(logp, anchor, mb.advantages, mb.action_mask,
                                       ref_logprobs=ref_lp, entropy=entropy, is_weights=is_w))
-        loss = aggregate(out.per_token_loss, mb.action_mask, args.aggregation, num_tokens=n_tok, num_sequences=n_seq, norm_length=64)
+        loss = aggregate(out.per_token_loss, mb.action_mask, aggregation, num_tokens=n_tok, num_sequences=n_seq, norm_length=64)
         loss.backward()
+        before = {k: v.detach().clone() for k, v in reference.state_dict().items()}
         ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
         ref_opt.step()
+        reference.zero_grad(set_to_none=True)
         ref_state = reference.state_dict()
-        before = tiny_qwen2().state_dict()
         num = den = moved = 0.0
         for name, ref_param in ref_state.items():
-            got = state[name].float()
-            num += float((got - ref_param).pow(2).sum())
-            den += float((ref_param - before[name]).pow(2).sum())
-            moved += float((got - before[name]).pow(2).sum())
-        report = {
+            # The ranks' step against the reference's (from where each stood: a chained update starts from weights
+            # that matched to the tolerance, not bit for bit).
+            got, ref_step = state[name].float() - start[name].float(), ref_param - before[name]
+            num += float((got - ref_step).pow(2).sum())
+            den += float(ref_step.pow(2).sum())
+            moved += float(got.pow(2).sum())
+        return {
+            "aggregation": aggregation,
             "world": world,
             "deepspeed": deepspeed,
             "rebalance": args.rebalance,
@@ -321,9 +353,7 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
             "mismatch": result.mismatch,
             "clip_frac": (result.stats.summary()["clip_frac_low"] + result.stats.summary()["clip_frac_high"]) if result.stats else 0.0,
         }
-        Path(args.out).write_text(json.dumps(report))
-        print(json.dumps(report))
-    accelerator.wait_for_everyone()
+    return None
 
 
 if __name__ == "__main__":

@@ -32,12 +32,13 @@ UPDATE_EXTRA = {"plain": (), "rebalance-seq-mean": ("--rebalance", "--aggregatio
                 "kl-entropy": ("--kl",), "critic": ("--critic",), "token_truncate": ("--mismatch", "token_truncate"),
                 "sequence_mask": ("--mismatch", "sequence_mask")}
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-# The shared-prefix layout with every term on (reference KL, entropy, importance weights), per aggregation mode.
-UPDATE_EXTRA.update({f"shared-{a}": ("--shared-prefix", "--kl", "--mismatch", "token_truncate", "--aggregation", a)
-                     for a in AGGREGATIONS})
-UPDATE_EXTRA.update({"shared-critic": ("--shared-prefix", "--critic"),
+# The shared-prefix layout with every term on (reference KL, entropy, importance weights): one update per aggregation
+# mode, chained on the same engines (each against a one-process step from where the last one left the weights).
+UPDATE_EXTRA.update({"shared": ("--shared-prefix", "--kl", "--mismatch", "token_truncate", "--aggregations",
+                                ",".join(AGGREGATIONS)),
+                     "shared-critic": ("--shared-prefix", "--critic"),
                      "shared-rebalance": ("--shared-prefix", "--rebalance", "--aggregation", "seq_mean_token_mean")})
-SHARED = tuple(f"shared-{a}" for a in AGGREGATIONS) + ("shared-critic",)
+SHARED = ("shared", "shared-critic")
 UPDATE_CASES = {"cpu_ddp.yaml": ("plain", "rebalance-seq-mean", "kl-entropy", "critic", "token_truncate", *SHARED,
                                  "shared-rebalance"),
                 "cpu_zero3.yaml": ("plain", "kl-entropy", "critic", "sequence_mask", *SHARED)}
@@ -72,7 +73,9 @@ def test_two_ranks_in_the_shared_prefix_layout_match_one_padded_process(config, 
     # Each pair's prompt forwarded once per micro-batch on the ranks (micro-batches of 2 rows, so pairs stay together
     # or are cut), with the reference KL, the entropy bonus and token-level importance weights: the update is the
     # one-process padded one, and so are the reference and old log-probs the ranks took in that layout.
-    report = update_runs(config, f"shared-{aggregation}")
+    launch = update_runs(config, "shared")
+    report = launch["steps"][AGGREGATIONS.index(aggregation)]
+    assert report["aggregation"] == aggregation
     assert report["world"] == 2 and report["deepspeed"] == (config == "cpu_zero3.yaml")
     assert report["update_norm"] > 1e-4 and report["rel_err"] < 1e-5, report
     assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
