@@ -145,16 +145,38 @@ def test_a_long_datum_is_forwarded_whole_rather_than_widening_every_branch():
 
 def test_a_long_lone_datum_becomes_a_prefix_row_rather_than_widening_every_branch():
     # 8 datums sharing 200 tokens with 10-token branches, and one 210-token datum sharing nothing: as a branch it
-    # would pad all 9 branch rows to 210; as a prefix row of its own it costs one row of the prefix forward.
+    # would pad all 9 branch rows to 210; as a prefix row of its own (its first 200 tokens, the prefixes' width, its
+    # last 10 a branch) it costs one row of the prefix forward.
     rng = random.Random(0)
     shared = [rng.randrange(3, 200) for _ in range(200)]
     rows = [shared + [rng.randrange(3, 200) for _ in range(10)] for _ in range(8)] + [[1] * 210]
     lengths = [len(r) for r in rows]
     trees = prefix_trees(rows)
-    assert prefix_lengths(lengths, trees) == [200, 210]
+    assert prefix_lengths(lengths, trees) == [200, 200]
     layout = shared_prefix_layout(rows, pad_token_id=0)
-    assert layout.prefix_ids.shape == (2, 210) and layout.branch_ids.shape == (9, 10)
-    assert layout.area == tree_area(lengths, trees) == 2 * 210 + 9 * 10 < 1 * 200 + 9 * 210
+    assert layout.prefix_ids.shape == (2, 200) and layout.branch_ids.shape == (9, 10)
+    assert layout.area == tree_area(lengths, trees) == 2 * 200 + 9 * 10 < 1 * 200 + 9 * 210
+    model = _model("qwen2_sliding_sdpa")
+    padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
+    with torch.no_grad():
+        a, b = micro_batch_logprobs(model, padded, "cpu")[0], micro_batch_logprobs(model, mine, "cpu")[0]
+    assert (a - b)[padded.attention_mask.bool()].abs().max() < 1e-5
+
+
+def test_a_prefix_longer_than_the_others_is_cut_where_its_rest_fits_the_branch_width():
+    # Group A shares 100 tokens (30-token branches); group B is 4 identical 120-token trajectories (a solved task's
+    # group): forwarding B's 120 shared tokens whole would widen every prefix row to 120; its last 20 fit the
+    # 30-token branch width already paid for.
+    rng = random.Random(2)
+    head = [rng.randrange(3, 200) for _ in range(100)]
+    rows = [head + [rng.randrange(3, 200) for _ in range(30)] for _ in range(4)]
+    rows += [[7] * 120 for _ in range(4)]
+    lengths = [len(r) for r in rows]
+    trees = prefix_trees(rows)
+    assert sorted(t.prefix_len for t in trees) == [100, 120]
+    assert sorted(prefix_lengths(lengths, trees)) == [100, 100]
+    layout = shared_prefix_layout(rows, pad_token_id=0)
+    assert layout.area == tree_area(lengths, trees) == 2 * 100 + 8 * 30 < 2 * 120 + 8 * 30
     model = _model("qwen2_sliding_sdpa")
     padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
     with torch.no_grad():

@@ -73,24 +73,34 @@ def tree_tokens(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> int:
 
 
 def prefix_lengths(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> list[int]:
-    """The prefix each tree is forwarded with in one micro-batch: a shared tree its ``prefix_len``; an item that shares
-    nothing either 0 (forwarded as a branch) or its whole length (as a prefix row of its own, its branch empty),
-    whichever keeps the area smallest. A lone long item as a branch would widen every row of the branch forward; the
-    longest lone items go to prefix rows, up to the cut that minimises the area."""
-    shared = [t.prefix_len for t in trees if t.prefix_len > 0]
-    branch = max((lengths[i] - t.prefix_len for t in trees if t.prefix_len > 0 for i in t.members), default=0)
+    """The prefix each tree is forwarded with in one micro-batch, chosen to keep its area ``K * P + B * Tb`` smallest.
+
+    The prefix forward's width ``W`` and the branch width trade off: a tree forwards ``min(prefix_len, W)`` tokens as
+    its prefix (the rest of what its members share goes with their branches: forwarded once per member, but a long
+    prefix no longer widens every prefix row); an item that shares nothing forwards either nothing (it is a branch,
+    whole) or ``min(length, W)`` as a prefix row of its own (its tail a branch), the longest ones first. Every
+    candidate ``W`` (each tree's prefix length, each lone item's length) and cut of the lone items is priced;
+    ``O(n^2)`` for ``n`` trees.
+    """
+    shared = [k for k, t in enumerate(trees) if t.prefix_len > 0]
     lone = sorted((k for k, t in enumerate(trees) if t.prefix_len == 0), key=lambda k: (-lengths[trees[k].members[0]], k))
     alone = [lengths[trees[k].members[0]] for k in lone]
     rows = sum(len(t.members) for t in trees)
-    best_cut, best_area = 0, None
-    for cut in range(len(lone) + 1):  # alone[:cut] as prefix rows (longest first), the rest as branches
-        width = max(shared + alone[:cut], default=0)
-        area = (len(shared) + cut) * width + rows * max([branch, 1] + alone[cut:])
-        if best_area is None or area < best_area:
-            best_cut, best_area = cut, area
-    used = [t.prefix_len for t in trees]
-    for k in lone[:best_cut]:
-        used[k] = lengths[trees[k].members[0]]
+    best: tuple[int, int, int] | None = None  # (area, W, cut)
+    for width in sorted({0, *(trees[k].prefix_len for k in shared), *alone}):
+        heads = [min(trees[k].prefix_len, width) for k in shared]
+        branch = max((lengths[i] - h for k, h in zip(shared, heads) for i in trees[k].members), default=0)
+        for cut in range(len(alone) + 1 if width else 1):  # alone[:cut] as prefix rows (longest first)
+            used_width = max(heads + [min(alone[0], width)] if cut else heads, default=0)
+            tail = max(alone[0] - width, 0) if cut else 0
+            widest = max([branch, tail, 1] + alone[cut:cut + 1])
+            area = (len(heads) + cut) * used_width + rows * widest
+            if best is None or area < best[0]:
+                best = (area, width, cut)
+    _, width, cut = best  # type: ignore[misc]
+    used = [min(t.prefix_len, width) for t in trees]
+    for k in lone[:cut]:
+        used[k] = min(lengths[trees[k].members[0]], width)
     return used
 
 
