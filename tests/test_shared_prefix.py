@@ -431,6 +431,22 @@ def test_a_packer_that_does_not_declare_prefix_trees_is_called_as_before(isolate
     assert mb.num_forwarded_tokens < sum(datums[i].num_tokens for i in plan.ranks[0][0])
 
 
+def test_the_packer_contract_checks_what_supports_prefix_trees_promises(isolated_registries):
+    # A packer that declares the capability but packs by length alone splits trees that fit one micro-batch: the
+    # public contract check says so. The built-ins pass it (tests/test_contracts.py runs it on every packer).
+    from trl_plugins.contracts import ContractError, check_packer_contract
+
+    def by_length(lengths, *, max_items, max_padded_tokens, world_size=1, prefix_trees=None):
+        return pack_for_ranks(lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens,
+                              world_size=world_size)
+
+    by_length.supports_prefix_trees = True
+    with pytest.raises(ContractError, match="fits one micro-batch but was split|shared-prefix area"):
+        check_packer_contract(by_length)
+    for name in ("ffd", "optimal", "balanced"):
+        check_packer_contract(name)
+
+
 def test_bad_trees_are_refused_naming_the_problem():
     from trl_plugins.packing import PackingError
 

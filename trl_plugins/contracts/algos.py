@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from trl_plugins.contracts._base import _N, _T, _check, _declared, _pickles, _resolve
 from trl_plugins.protocols import as_advantage, as_policy_loss
-from trl_plugins.contracts.fakes import plan_violations
+from trl_plugins.contracts.fakes import plan_violations, tree_plan_violations
 from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput
 
 __all__ = ["check_advantage_contract", "check_policy_loss_contract", "check_packer_contract", "turns_of"]
@@ -90,7 +90,9 @@ def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = N
 
 
 def check_packer_contract(plugin: Any) -> None:
-    """A packer: a valid partition within both limits, the same micro-batch count on every rank."""
+    """A packer: a valid partition within both limits, the same micro-batch count on every rank; one that declares
+    ``supports_prefix_trees``, also with ``prefix_trees=``: the shared-prefix layout's area within the budget and every
+    tree that fits one micro-batch kept together."""
     from trl_plugins.registry import PACKERS
 
     label = f"packer {plugin!r}" if isinstance(plugin, str) else f"packer {plugin.__name__}"
@@ -101,4 +103,20 @@ def check_packer_contract(plugin: Any) -> None:
         plan = packer(lengths, max_items=7, max_padded_tokens=1500, world_size=world_size)
         problems = plan_violations(plan, lengths, 7, 1500, world_size)
         _check(not problems, label, f"world_size {world_size}: {problems}")
+    declared = getattr(packer, "supports_prefix_trees", False)
+    _check(isinstance(declared, bool), label, f"declares supports_prefix_trees={declared!r}; it must be a bool")
+    if declared:
+        # Groups of 1-6 items sharing 5-40 leading tokens, and lone items; budgets that cut some trees.
+        from trl_plugins.packing import prefix_trees
+
+        for world_size in (1, 3):
+            rows = []
+            for _ in range(rng.randint(0, 12)):
+                shared = [rng.randrange(3, 50) for _ in range(rng.randint(5, 40))]
+                rows += [shared + [rng.randrange(3, 50) for _ in range(rng.randint(1, 60))] for _ in range(rng.randint(1, 6))]
+            trees = prefix_trees(rows)
+            plan = packer([len(r) for r in rows], max_items=7, max_padded_tokens=300, world_size=world_size,
+                          prefix_trees=trees)
+            problems = tree_plan_violations(plan, rows, trees, 7, 300, world_size)
+            _check(not problems, label, f"with prefix_trees, world_size {world_size}: {problems}")
     _check(pickle.loads(pickle.dumps(packer)) is packer, label, "does not pickle by reference (define it at module level)")

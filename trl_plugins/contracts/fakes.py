@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import Any, Sequence
 
 from trl_plugins.types import PackPlan, StopReason, TokenSource, Trajectory, Turn
 
@@ -68,4 +68,37 @@ def plan_violations(plan: PackPlan, lengths: Sequence[int], max_items: int, max_
                 problems.append(f"rank {r} mb {k}: {len(mb)} items > {max_items}")
             if padded_area(lengths, mb) > max_padded_tokens:
                 problems.append(f"rank {r} mb {k}: area {padded_area(lengths, mb)} > {max_padded_tokens}")
+    return problems
+
+
+def tree_plan_violations(plan: PackPlan, rows: Sequence[Sequence[int]], trees: Sequence[Any], max_items: int,
+                         max_padded_tokens: int, world_size: int) -> list[str]:
+    """Everything wrong with a plan made with ``prefix_trees=trees`` for items whose tokens are ``rows``: a partition
+    with equal micro-batch counts, rows and the shared-prefix layout's area (as ``collate`` forms it) within the
+    limits, and every tree that fits one micro-batch kept in one."""
+    from trl_plugins.packing import prefix_trees, tree_area
+
+    lengths = [len(r) for r in rows]
+    problems = []
+    if plan.world_size != world_size:
+        problems.append(f"{plan.world_size} ranks, expected {world_size}")
+    if len({len(r) for r in plan.ranks}) > 1:
+        problems.append(f"unequal micro-batch counts {[len(r) for r in plan.ranks]}")
+    if sorted(i for r in plan.ranks for mb in r for i in mb) != list(range(len(lengths))):
+        problems.append("not a partition of the items")
+    home = {}
+    for r, rank in enumerate(plan.ranks):
+        for k, mb in enumerate(rank):
+            home.update({i: (r, k) for i in mb})
+            sub = [rows[i] for i in mb]
+            area = tree_area([len(x) for x in sub], prefix_trees(sub)) if mb else 0
+            if len(mb) > max_items:
+                problems.append(f"rank {r} mb {k}: {len(mb)} items > {max_items}")
+            if area > max_padded_tokens:
+                problems.append(f"rank {r} mb {k}: shared-prefix area {area} > {max_padded_tokens}")
+    for tree in trees:
+        fits = len(tree.members) <= max_items and tree_area(lengths, [tree]) <= max_padded_tokens
+        if fits and len({home.get(i) for i in tree.members}) > 1:
+            problems.append(f"a tree of {len(tree.members)} items sharing {tree.prefix_len} tokens fits one "
+                            f"micro-batch but was split")
     return problems
