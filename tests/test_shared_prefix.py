@@ -232,6 +232,26 @@ def test_gradients_flow_through_the_prefix_under_activation_checkpointing():
     assert not any("_can_checkpoint_with_cache" in vars(m) for m in model.modules())  # restored
 
 
+def test_a_lora_adapter_on_the_queries_only_trains_through_the_prefix():
+    # Adapters on q_proj alone: the first layer's keys and values need no gradient (nothing upstream trains), the
+    # second layer's do; the adapters' gradients equal the padded layout's, under activation checkpointing.
+    from peft import LoraConfig, get_peft_model
+
+    base = _model("qwen2_sliding_sdpa")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    model.train()
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    datums = group_datums(seed=4)
+    idx = list(range(len(datums)))
+    padded, shared = collate(datums, idx, pad_token_id=0), collate(datums, idx, pad_token_id=0, shared_prefix=True)
+    (micro_batch_logprobs(reference, padded, "cpu")[0] * padded.action_mask).sum().backward()
+    (micro_batch_logprobs(model, shared, "cpu")[0] * shared.action_mask).sum().backward()
+    trained = [(a, b) for a, b in zip(reference.parameters(), model.parameters()) if a.requires_grad]
+    assert trained and all(b.grad is not None for _, b in trained)
+    assert max(rel_err(b.grad, a.grad) for a, b in trained) < 1e-5
+
+
 def test_reentrant_activation_checkpointing_is_refused():
     model = _model("qwen2_sdpa").train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})

@@ -293,6 +293,20 @@ def _states_through_checkpointing(model: torch.nn.Module) -> Iterator[None]:
             vars(layer).pop("_can_checkpoint_with_cache", None)
 
 
+def _reentrant_checkpointing(model: torch.nn.Module) -> bool:
+    # A layer checkpointed with use_reentrant=True (transformers' partial of torch's checkpoint) runs its forward
+    # without a graph: the states it computes would carry no gradient back from the branches. (Whether the states
+    # require a gradient cannot tell: with adapters on some projections only, the first layer's keys need none.)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing and layer.training:
+            func = getattr(layer, "_gradient_checkpointing_func", None)
+            if getattr(func, "keywords", {}).get("use_reentrant", False):
+                return True
+    return False
+
+
 def _first_forward_module(model: torch.nn.Module) -> torch.nn.Module:
     # Under DDP one forward per backward goes through the wrapper (it readies the gradient reduction); the prefix
     # forward runs on the module inside, its gradients reaching the same parameters in the same backward.
@@ -328,7 +342,7 @@ def shared_prefix_outputs(model: torch.nn.Module, layout: Any, device: Any) -> t
             raise SharedPrefixUnsupported(
                 f"shared_prefix: {type(model).__name__}'s forward kept no key/value states of the prefix (it ignores "
                 f"the cache it is passed). Set shared_prefix=False.")
-        if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()) and not states[0][0].requires_grad:
+        if torch.is_grad_enabled() and _reentrant_checkpointing(model):
             raise SharedPrefixUnsupported(
                 "shared_prefix: the prefix's key/value states carry no gradient (reentrant activation checkpointing "
                 "computes them without one, and the branches' gradient would never reach the prefix). Set "
