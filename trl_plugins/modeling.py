@@ -18,6 +18,7 @@ __all__ = [
     "check_packed_isolation",
     "SharedPrefixUnsupported",
     "shared_prefix_outputs",
+    "take_positions",
     "gather_positions",
     "check_shared_prefix",
     "dropout_probabilities",
@@ -315,10 +316,12 @@ def _first_forward_module(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def shared_prefix_outputs(model: torch.nn.Module, layout: Any, device: Any) -> torch.Tensor:
+def shared_prefix_outputs(model: torch.nn.Module, layout: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's ``.logits`` (next-token logits, or a critic's values) at every position of a micro-batch in the
-    shared-prefix layout (:class:`~trl_plugins.types.SharedPrefixLayout`), flattened as ``cat(prefix (K * P),
-    branch (B * Tb))``; :func:`gather_positions` puts them in the datums' ``(B, T)`` layout.
+    shared-prefix layout (:class:`~trl_plugins.types.SharedPrefixLayout`): the prefix forward's ``(K * P, ...)`` and
+    the branch forward's ``(B * Tb, ...)``, the two parts of the flat positions ``layout.index`` points into (kept
+    apart: concatenating the logits would copy the largest activation); :func:`take_positions` and
+    :func:`gather_positions` put them in the datums' ``(B, T)`` layout.
 
     Two forwards: the prefixes, keeping their key/value states; the branches, each reading its prefix's states
     (gradients flow back into them) with a mask over its prefix columns and its own tokens, at positions continuing
@@ -351,32 +354,45 @@ def shared_prefix_outputs(model: torch.nn.Module, layout: Any, device: Any) -> t
         reused = Cache(layers=[prefixed_type(k.index_select(0, rows), v.index_select(0, rows)) for k, v in states])
         branch = model(input_ids=layout.branch_ids.to(device), attention_mask=layout.branch_mask.to(device),
                        position_ids=layout.branch_positions.to(device), cache=reused, use_cache=False).logits
-    return torch.cat([prefix.flatten(0, 1), branch.flatten(0, 1)])
+    return prefix.flatten(0, 1), branch.flatten(0, 1)
 
 
-def gather_positions(flat: torch.Tensor, mb: Any) -> torch.Tensor:
-    """Per-position values of :func:`shared_prefix_outputs` (``(N,)``) in the micro-batch's ``(B, T)`` layout, 0 on
-    padding (differentiable)."""
-    values = flat[mb.shared_prefix.index.to(flat.device)]
-    return torch.where(mb.attention_mask.to(flat.device).bool(), values, torch.zeros_like(values))
+def take_positions(parts: tuple[torch.Tensor, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """``cat(parts)[index]`` without concatenating: rows of the prefix part where ``index`` points below its length,
+    of the branch part after it (differentiable; ``index`` of any shape, the rows' trailing dims kept)."""
+    prefix, branch = parts
+    index = index.to(prefix.device)
+    n = prefix.shape[0]
+    from_prefix = (index < n).reshape(index.shape + (1,) * (prefix.dim() - 1))
+    return torch.where(from_prefix, prefix[index.clamp(max=n - 1)], branch[(index - n).clamp(min=0)])
+
+
+def gather_positions(parts: tuple[torch.Tensor, torch.Tensor], mb: Any) -> torch.Tensor:
+    """Per-position values of the two forwards (:func:`shared_prefix_outputs`, each part ``(n,)``) in the micro-batch's
+    ``(B, T)`` layout, 0 on padding (differentiable)."""
+    values = take_positions(parts, mb.shared_prefix.index)
+    return torch.where(mb.attention_mask.to(values.device).bool(), values, torch.zeros_like(values))
 
 
 def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float,
                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = shared_prefix_outputs(model, mb.shared_prefix, device)
+    parts = shared_prefix_outputs(model, mb.shared_prefix, device)
     if temperature != 1.0:
-        logits = logits / temperature
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    log_z = torch.logsumexp(z, dim=-1)
-    index = mb.shared_prefix.index.to(device)
+        parts = tuple(p / temperature for p in parts)
+    z = tuple(p.float() if p.dtype in (torch.float16, torch.bfloat16) else p for p in parts)
+    log_z = tuple(torch.logsumexp(p, dim=-1) for p in z)
+    index, targets = mb.shared_prefix.index.to(device), mb.target_ids.to(device)
     # The target differs between branches at a prefix's last position, so the picked logit is gathered per datum
     # position (the normaliser, per forwarded position).
-    picked = z[index, mb.target_ids.to(device)]
+    n = z[0].shape[0]
+    from_prefix = index < n
+    picked = torch.where(from_prefix, z[0][index.clamp(max=n - 1), targets], z[1][(index - n).clamp(min=0), targets])
     real = mb.attention_mask.to(device).bool()
-    logp = torch.where(real, picked - log_z[index], torch.zeros_like(picked))
+    logp = torch.where(real, picked - take_positions(log_z, index), torch.zeros_like(picked))
     if not with_entropy:
         return logp, None
-    return logp, gather_positions(log_z - (torch.softmax(z, dim=-1) * z).sum(dim=-1), mb)
+    entropy = tuple(lz - (torch.softmax(p, dim=-1) * p).sum(dim=-1) for lz, p in zip(log_z, z))
+    return logp, gather_positions(entropy, mb)
 
 
 @torch.no_grad()
@@ -411,7 +427,7 @@ def check_shared_prefix(model: torch.nn.Module, device: Any, *, vocab_size: int,
     model.eval()
     try:
         whole = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-        tree = shared_prefix_outputs(model, layout, device)[layout.index.to(device)]
+        tree = take_positions(shared_prefix_outputs(model, layout, device), layout.index)
     finally:
         model.train(was_training)
     real = mask.to(device).bool()

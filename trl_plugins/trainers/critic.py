@@ -121,7 +121,7 @@ def micro_batch_values(critic: torch.nn.Module, mb: MicroBatch, device: Any) -> 
     shared-prefix one: :func:`~trl_plugins.modeling.shared_prefix_outputs`), ``(B, T)``, 0 on padding in the
     padding-free and shared-prefix layouts."""
     if mb.shared_prefix is not None:
-        values = gather_positions(shared_prefix_outputs(critic, mb.shared_prefix, device)[..., 0], mb)
+        values = gather_positions(tuple(part[..., 0] for part in shared_prefix_outputs(critic, mb.shared_prefix, device)), mb)
         return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
     return unpack(critic_values(critic, **model_inputs(mb, device)), mb)
 
