@@ -21,8 +21,8 @@ from trl_plugins.packing.packers import (
     optimal,
     padded_area,
 )
-from trl_plugins.packing.prefix_trees import (layout_trees, pack_trees, prefix_lengths, prefix_trees, tree_area,
-                                              tree_tokens)
+from trl_plugins.packing.prefix_trees import (BOTH_LAYOUTS, layout_trees, pack_trees, prefix_lengths, prefix_trees,
+                                              tree_area, tree_tokens)
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan, PrefixTree
 
@@ -87,8 +87,7 @@ def pack_for_ranks(
     """
     packer = PACKERS.get(strategy)
     if prefix_trees is not None and padding_free:
-        raise PackingError("prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; "
-                           "pass one of them.")
+        raise PackingError(BOTH_LAYOUTS)
     if prefix_trees is not None and supports_prefix_trees(strategy):
         return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,
                       prefix_trees=list(prefix_trees))

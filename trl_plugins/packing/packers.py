@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from trl_plugins.packing.prefix_trees import pack_trees
+from trl_plugins.packing.prefix_trees import BOTH_LAYOUTS, pack_trees
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan, PrefixTree
 
@@ -363,8 +363,7 @@ def _balanced_tokens(lengths: Sequence[int], max_items: int, budget: int, world_
 def _with_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], max_items: int, max_padded_tokens: int,
                 world_size: int, padding_free: bool, strategy: str) -> PackPlan:
     if padding_free:
-        raise PackingError("prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; "
-                           "pass one of them.")
+        raise PackingError(BOTH_LAYOUTS)
     members = sorted(i for t in trees for i in t.members)
     if members != list(range(len(lengths))):
         raise PackingError(f"prefix_trees must partition the {len(lengths)} items (each index in exactly one tree).")

@@ -18,6 +18,9 @@ from typing import Sequence
 
 from trl_plugins.types import PackPlan, PrefixTree
 
+BOTH_LAYOUTS = ("prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; pass one "
+                "of them.")
+
 __all__ = ["prefix_trees", "prefix_lengths", "layout_trees", "tree_area", "tree_tokens", "pack_trees"]
 
 

@@ -166,7 +166,7 @@ def forward_no_grad(
     """One no-gradient, eval-mode pass of ``model`` over ``datums``, packed like the update; every rank must call it.
 
     Args:
-        forward: ``forward(model, micro_batch, device) -> (B, T)`` (either layout: :mod:`trl_plugins.modeling`).
+        forward: ``forward(model, micro_batch, device) -> (B, T)`` (any layout: :mod:`trl_plugins.modeling`).
         context: A factory of the context the pass runs in (e.g. PEFT adapters off).
 
     Returns:

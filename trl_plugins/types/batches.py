@@ -74,7 +74,10 @@ class MicroBatch:
     ``(1, N)`` sequence (``input_ids[attention_mask == 1]``, row after row) with positions restarting at
     0 for each datum, and attends within each datum only; its per-token outputs are put back into the
     ``(B, T)`` layout (:func:`trl_plugins.modeling.micro_batch_logprobs`), so the loss side is the same in
-    both layouts.
+    every layout.
+
+    *Shared-prefix* (``shared_prefix`` set, :class:`SharedPrefixLayout`): each prefix its datums share is forwarded
+    once and the rest of every datum attends to its states; outputs come back in the ``(B, T)`` layout likewise.
     """
 
     input_ids: torch.Tensor
