@@ -507,6 +507,10 @@ def test_auto_turns_on_where_it_pays_and_explicit_values_are_honoured_or_refused
         _grpo(tmp_path, shared_prefix=True, padding_free=True)
     with pytest.raises(ValueError, match="use_reentrant"):
         _grpo(tmp_path, shared_prefix=True, activation_checkpointing_kwargs={"use_reentrant": True})
+    # shared_prefix=True on flash-attention: padding_free's auto gives way (both on would fail at the first collate).
+    asked = _grpo(tmp_path, shared_prefix=True)
+    assert asked.resolve_padding_free(flash) is False and asked.resolve_shared_prefix(flash) is True
+    assert _grpo(tmp_path).resolve_padding_free(flash) is True
     later = _grpo(tmp_path, shared_prefix=True)
     later.gradient_checkpointing_kwargs = {"use_reentrant": True}  # what TRL does for PEFT under ZeRO-3
     with pytest.raises(ValueError, match="use_reentrant"):

@@ -67,7 +67,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     max_items_per_micro_batch: int = field(default=32, metadata={"help": "Rows per micro-batch."})
     max_padded_tokens_per_micro_batch: int = field(default=64_000, metadata={"help": "Padded area per micro-batch."})
     padding_free: bool | None = field(default=None, metadata={"help": "Micro-batches without padding: a micro-batch's datums are concatenated into one sequence with positions restarting per datum, and attention stays within each datum; max_padded_tokens_per_micro_batch then budgets tokens. None (auto): on when the policy's attention is flash-attention's variable-length kernel (flash_attention_2/3), off for sdpa/eager, whose block-diagonal mask costs the square of the packed length (measured slower on CPU: docs/benchmarks.md). Checked once per model at the first update (attention that ignores packed positions is refused). False: right-padded micro-batches, budgeted by padded area."})
-    shared_prefix: bool | None = field(default=None, metadata={"help": "Forward each prefix that datums share (the prompt of a group's trajectories) once per micro-batch: the prefix's key/value states are kept and each datum's remaining tokens attend to them, gradients flowing back into the prefix; the packer keeps a group together (packers that declare supports_prefix_trees; others are called as before and sharing is found within their micro-batches). Log-probs, values and gradients equal the padded layout's (tests/test_shared_prefix.py). None (auto): on for sdpa and eager attention with right-padded micro-batches (measured faster on CPU: docs/benchmarks.md), off with padding_free, flash-attention or reentrant activation checkpointing. Checked once per model at the first update (a model whose forward ignores the states is refused). True with padding_free=True, or with reentrant activation checkpointing, is refused."})
+    shared_prefix: bool | None = field(default=None, metadata={"help": "Forward each prefix that datums share (the prompt of a group's trajectories) once per micro-batch: the prefix's key/value states are kept and each datum's remaining tokens attend to them, gradients flowing back into the prefix; the packer keeps a group together (packers that declare supports_prefix_trees; others are called as before and sharing is found within their micro-batches). Log-probs, values and gradients equal the padded layout's (tests/test_shared_prefix.py). None (auto): on for sdpa and eager attention with right-padded micro-batches (measured faster on CPU: docs/benchmarks.md), off with padding_free, flash-attention or reentrant activation checkpointing. Checked once per model at the first update (a model whose forward ignores the states is refused). True keeps padding_free's auto off (the two layouts are exclusive); True with padding_free=True, or with reentrant activation checkpointing, is refused."})
     rebalance_ranks: bool = field(default=False, metadata={"help": "Gather every rank's datums and plan them across ranks with the packer ('balanced' is made for it)."})
     max_context_tokens: int | None = field(default=None, metadata={"help": "Training context limit (default: rollout budget)."})
     truncated_policy: str = field(default="wrong", metadata={"help": "Truncated trajectories: 'wrong' (an outcome: scored by the reward components, which treat them as wrong; with a critic their return is that reward, nothing bootstrapped), 'mask' (no advantage, left out of group statistics and the loss) or 'bootstrap' (a time limit, not an outcome: with a critic only, their outcome reward is not counted and GAE bootstraps from the critic's value of the state after their last token)."})
@@ -205,12 +205,14 @@ class MultiTurnGRPOConfig(GRPOConfig):
 
     def resolve_padding_free(self, model: Any) -> bool:
         """Settle ``padding_free=None`` (auto) for ``model``: on for flash-attention's variable-length kernels, and
-        only when the packer can budget tokens; an explicit value is kept. Returns (and stores) the choice."""
+        only when the packer can budget tokens and ``shared_prefix=True`` did not ask for the other layout; an
+        explicit value is kept. Returns (and stores) the choice."""
         if self.padding_free is None:
             from trl_plugins.packing import supports_padding_free
 
             impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
-            self.padding_free = "flash_attention" in impl and supports_padding_free(self.packer)
+            self.padding_free = ("flash_attention" in impl and supports_padding_free(self.packer)
+                                 and self.shared_prefix is not True)
         return self.padding_free
 
     def reentrant_checkpointing(self) -> bool:
