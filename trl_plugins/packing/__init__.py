@@ -19,10 +19,11 @@ from trl_plugins.packing.packers import (
     ffd,
     micro_batch_cost,
     optimal,
+    pack_trees,
     padded_area,
 )
-from trl_plugins.packing.prefix_trees import (BOTH_LAYOUTS, layout_trees, pack_trees, prefix_lengths, prefix_trees,
-                                              tree_area, tree_tokens)
+from trl_plugins.packing.prefix_trees import (BOTH_LAYOUTS, layout_trees, prefix_lengths, prefix_trees, tree_area,
+                                              tree_tokens)
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan, PrefixTree
 

@@ -29,11 +29,11 @@ from typing import Sequence
 
 import numpy as np
 
-from trl_plugins.packing.prefix_trees import BOTH_LAYOUTS, pack_trees
+from trl_plugins.packing.prefix_trees import BOTH_LAYOUTS, tree_area
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan, PrefixTree
 
-__all__ = ["PackingError", "ffd", "optimal", "balanced", "check_limits", "padded_area", "micro_batch_cost"]
+__all__ = ["PackingError", "ffd", "optimal", "balanced", "check_limits", "padded_area", "micro_batch_cost", "pack_trees"]
 
 
 class PackingError(ValueError):
@@ -358,6 +358,115 @@ def _balanced_tokens(lengths: Sequence[int], max_items: int, budget: int, world_
         ranks.append([[items[k] for k in b] for b in _fewest_token_batches([lengths[i] for i in items], max_items, budget)])
     candidates.append(_equalise(ranks))
     return min(candidates, key=lambda p: _plan_score(p, lengths, padding_free=True)[:2])
+
+
+class _Bin:
+    """An open micro-batch's aggregates, enough to price adding a tree in O(1): an upper bound of its
+    :func:`tree_area` (lone items priced as branches)."""
+
+    __slots__ = ("trees", "shared", "width", "rows", "branch")
+
+    def __init__(self) -> None:
+        self.trees: list[PrefixTree] = []
+        self.shared = self.width = self.rows = self.branch = 0
+
+    def area_with(self, tree: PrefixTree, branch: int) -> int:
+        shared = self.shared + (tree.prefix_len > 0)
+        return shared * max(self.width, tree.prefix_len) + (self.rows + len(tree.members)) * max(self.branch, branch, 1)
+
+    def add(self, tree: PrefixTree, branch: int) -> None:
+        self.trees.append(tree)
+        self.shared += tree.prefix_len > 0
+        self.width = max(self.width, tree.prefix_len)
+        self.rows += len(tree.members)
+        self.branch = max(self.branch, branch)
+
+    @property
+    def area(self) -> int:
+        return self.shared * self.width + self.rows * max(self.branch, 1)
+
+    def items(self) -> list[int]:
+        return [i for t in self.trees for i in t.members]
+
+
+def _tree_chunks(lengths: Sequence[int], trees: Sequence[PrefixTree], max_items: int, budget: int) -> list[PrefixTree]:
+    # A tree too big for one micro-batch is cut into chunks with the same prefix (each forwards it again): members
+    # longest branch first, each chunk as full as the limits allow. A member alone always fits (its area is at most
+    # its length, which the caller checked against the budget).
+    out = []
+    for tree in trees:
+        chunk: list[int] = []
+        for i in sorted(tree.members, key=lambda i: (-lengths[i], i)):
+            candidate = PrefixTree(tree.prefix_len, tuple(chunk + [i]))
+            if chunk and (len(candidate.members) > max_items or tree_area(lengths, [candidate]) > budget):
+                out.append(_chunk(tree.prefix_len, chunk))
+                chunk = []
+            chunk.append(i)
+        out.append(_chunk(tree.prefix_len, chunk))
+    return out
+
+
+def _chunk(prefix_len: int, members: list[int]) -> PrefixTree:
+    # A chunk of one member shares nothing: it is forwarded whole, as a branch.
+    return PrefixTree(prefix_len if len(members) > 1 else 0, tuple(sorted(members)))
+
+
+def _tree_bins(lengths: Sequence[int], chunks: Sequence[PrefixTree], max_items: int, budget: int, *,
+               best_fit: bool) -> list[_Bin]:
+    # First-fit (or best-fit: the fullest) decreasing by a chunk's own area.
+    bins: list[_Bin] = []
+    for chunk in sorted(chunks, key=lambda c: (-tree_area(lengths, [c]), c.members[0])):
+        branch = max(lengths[i] - chunk.prefix_len for i in chunk.members)
+        fits = [b for b in bins if b.rows + len(chunk.members) <= max_items and b.area_with(chunk, branch) <= budget]
+        if fits:
+            target = max(fits, key=lambda b: b.area) if best_fit else fits[0]
+        else:
+            target = _Bin()
+            bins.append(target)
+        target.add(chunk, branch)
+    return bins
+
+
+def _tree_plan_score(plan: PackPlan, lengths: Sequence[int], trees_of: dict[int, PrefixTree]) -> tuple[int, int, int]:
+    areas = []
+    for rank in plan.ranks:
+        total = 0
+        for mb in rank:
+            if mb:
+                inside = {trees_of[i] for i in mb}
+                total += tree_area(lengths, list(inside))
+        areas.append(total)
+    return max(areas, default=0), plan.num_micro_batches, sum(areas)
+
+
+def pack_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], *, max_items: int, max_padded_tokens: int,
+               world_size: int = 1, strategy: str = "optimal") -> PackPlan:
+    """Micro-batches that keep each tree's members together, budgeted by
+    :func:`~trl_plugins.packing.prefix_trees.tree_area`: the built-in packers' planner given ``prefix_trees``.
+
+    Trees that do not fit one micro-batch are cut into chunks sharing the prefix. ``strategy``: ``"ffd"`` first-fit
+    decreasing by area; ``"optimal"`` the better of first-fit and best-fit (fewest micro-batches, then least area);
+    ``"balanced"`` also tries spreading chunks over the ranks before packing each rank, and keeps the plan whose
+    slowest rank processes the least. Across ranks micro-batches go largest first to the least-loaded rank, and
+    short ranks get dummies. The caller checks the limits (:func:`~trl_plugins.packing.check_limits`).
+    """
+    chunks = _tree_chunks(lengths, trees, max_items, max_padded_tokens)
+    trees_of = {i: c for c in chunks for i in c.members}
+    plans = [_tree_bins(lengths, chunks, max_items, max_padded_tokens, best_fit=False)]
+    if strategy != "ffd":
+        plans.append(_tree_bins(lengths, chunks, max_items, max_padded_tokens, best_fit=True))
+    bins = min(plans, key=lambda p: (len(p), sum(b.area for b in p)))
+    batches = [b.items() for b in bins]
+    if world_size == 1:
+        return PackPlan(ranks=[batches])
+    candidates = [_equalise([[batches[k] for k in sorted(ks)] for ks in _lpt_assign([b.area for b in bins], world_size)])]
+    if strategy == "balanced":
+        per_rank = []
+        for ks in _lpt_assign([tree_area(lengths, [c]) for c in chunks], world_size):
+            mine = [chunks[k] for k in sorted(ks)]
+            per_rank.append([b.items() for b in _tree_bins(lengths, mine, max_items, max_padded_tokens, best_fit=True)])
+        candidates.append(_equalise(per_rank))
+    return min(candidates, key=lambda p: _tree_plan_score(p, lengths, trees_of))
 
 
 def _with_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], max_items: int, max_padded_tokens: int,

@@ -1,10 +1,10 @@
-"""Shared prefixes: which items begin with the same tokens, and micro-batches that keep them together.
+"""Shared prefixes: which items begin with the same tokens, and what a micro-batch of them costs.
 
 The G trajectories of a group begin with the same prompt; the shared-prefix layout
 (:class:`~trl_plugins.types.SharedPrefixLayout`) forwards such a prefix once per micro-batch and each item's
 remaining tokens (its *branch*) attending to it. :func:`prefix_trees` finds the trees (each a prefix length and its
-members) that save the most tokens; :func:`tree_area` is a micro-batch's cost in that layout; :func:`pack_trees` is
-the built-in packers' planner when they are given trees (the packer seam's ``prefix_trees`` keyword).
+members) that save the most tokens; :func:`tree_area` is a micro-batch's cost in that layout, by which
+:func:`~trl_plugins.packing.packers.pack_trees` (the built-in packers given the seam's ``prefix_trees``) budgets.
 
 Cost model: a micro-batch holding trees ``(P_k, members_k)`` runs two forwards, the prefixes left-padded to the
 longest ``P`` and the branches right-padded to the longest branch ``Tb``: ``K * P + B * Tb`` positions, with
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trl_plugins.types import PackPlan, PrefixTree
+from trl_plugins.types import PrefixTree
 
 BOTH_LAYOUTS = ("prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; pass one "
                 "of them.")
 
-__all__ = ["prefix_trees", "prefix_lengths", "layout_trees", "tree_area", "tree_tokens", "pack_trees"]
+__all__ = ["prefix_trees", "prefix_lengths", "layout_trees", "tree_area", "tree_tokens"]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -145,128 +145,3 @@ def tree_area(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> int:
     """Positions one micro-batch holding ``trees`` processes, padding included: ``K * P + B * Tb`` (module doc), the
     trees as :func:`layout_trees` forwards them."""
     return _area(lengths, *layout_trees(lengths, trees))
-
-
-class _Bin:
-    """An open micro-batch's aggregates, enough to price adding a tree in O(1): an upper bound of its
-    :func:`tree_area` (lone items priced as branches)."""
-
-    __slots__ = ("trees", "shared", "width", "rows", "branch")
-
-    def __init__(self) -> None:
-        self.trees: list[PrefixTree] = []
-        self.shared = self.width = self.rows = self.branch = 0
-
-    def area_with(self, tree: PrefixTree, branch: int) -> int:
-        shared = self.shared + (tree.prefix_len > 0)
-        return shared * max(self.width, tree.prefix_len) + (self.rows + len(tree.members)) * max(self.branch, branch, 1)
-
-    def add(self, tree: PrefixTree, branch: int) -> None:
-        self.trees.append(tree)
-        self.shared += tree.prefix_len > 0
-        self.width = max(self.width, tree.prefix_len)
-        self.rows += len(tree.members)
-        self.branch = max(self.branch, branch)
-
-    @property
-    def area(self) -> int:
-        return self.shared * self.width + self.rows * max(self.branch, 1)
-
-    def items(self) -> list[int]:
-        return [i for t in self.trees for i in t.members]
-
-
-def _chunks(lengths: Sequence[int], trees: Sequence[PrefixTree], max_items: int, budget: int) -> list[PrefixTree]:
-    # A tree too big for one micro-batch is cut into chunks with the same prefix (each forwards it again): members
-    # longest branch first, each chunk as full as the limits allow. A member alone always fits (its area is at most
-    # its length, which the caller checked against the budget).
-    out = []
-    for tree in trees:
-        chunk: list[int] = []
-        for i in sorted(tree.members, key=lambda i: (-lengths[i], i)):
-            candidate = PrefixTree(tree.prefix_len, tuple(chunk + [i]))
-            if chunk and (len(candidate.members) > max_items or tree_area(lengths, [candidate]) > budget):
-                out.append(_chunk(tree.prefix_len, chunk))
-                chunk = []
-            chunk.append(i)
-        out.append(_chunk(tree.prefix_len, chunk))
-    return out
-
-
-def _chunk(prefix_len: int, members: list[int]) -> PrefixTree:
-    # A chunk of one member shares nothing: it is forwarded whole, as a branch.
-    return PrefixTree(prefix_len if len(members) > 1 else 0, tuple(sorted(members)))
-
-
-def _bins(lengths: Sequence[int], chunks: Sequence[PrefixTree], max_items: int, budget: int, *,
-          best_fit: bool) -> list[_Bin]:
-    # First-fit (or best-fit: the fullest) decreasing by a chunk's own area.
-    bins: list[_Bin] = []
-    for chunk in sorted(chunks, key=lambda c: (-tree_area(lengths, [c]), c.members[0])):
-        branch = max(lengths[i] - chunk.prefix_len for i in chunk.members)
-        fits = [b for b in bins if b.rows + len(chunk.members) <= max_items and b.area_with(chunk, branch) <= budget]
-        if fits:
-            target = max(fits, key=lambda b: b.area) if best_fit else fits[0]
-        else:
-            target = _Bin()
-            bins.append(target)
-        target.add(chunk, branch)
-    return bins
-
-
-def _assign(costs: Sequence[int], world_size: int) -> list[list[int]]:
-    # Largest first onto the least-loaded rank (ties: fewer micro-batches, lower rank).
-    loads = [(0, 0, r) for r in range(world_size)]
-    out: list[list[int]] = [[] for _ in range(world_size)]
-    for k in sorted(range(len(costs)), key=lambda k: -costs[k]):
-        loads.sort()
-        load, count, r = loads[0]
-        out[r].append(k)
-        loads[0] = (load + costs[k], count + 1, r)
-    return out
-
-
-def _equalised(per_rank: list[list[list[int]]]) -> PackPlan:
-    most = max((len(r) for r in per_rank), default=0)
-    return PackPlan(ranks=[r + [[] for _ in range(most - len(r))] for r in per_rank])
-
-
-def _score(plan: PackPlan, lengths: Sequence[int], trees_of: dict[int, PrefixTree]) -> tuple[int, int, int]:
-    areas = []
-    for rank in plan.ranks:
-        total = 0
-        for mb in rank:
-            if mb:
-                inside = {trees_of[i] for i in mb}
-                total += tree_area(lengths, list(inside))
-        areas.append(total)
-    return max(areas, default=0), plan.num_micro_batches, sum(areas)
-
-
-def pack_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], *, max_items: int, max_padded_tokens: int,
-               world_size: int = 1, strategy: str = "optimal") -> PackPlan:
-    """Micro-batches that keep each tree's members together, budgeted by :func:`tree_area`.
-
-    Trees that do not fit one micro-batch are cut into chunks sharing the prefix. ``strategy``: ``"ffd"`` first-fit
-    decreasing by area; ``"optimal"`` the better of first-fit and best-fit (fewest micro-batches, then least area);
-    ``"balanced"`` also tries spreading chunks over the ranks before packing each rank, and keeps the plan whose
-    slowest rank processes the least. Across ranks micro-batches go largest first to the least-loaded rank, and
-    short ranks get dummies. The caller checks the limits (:func:`~trl_plugins.packing.check_limits`).
-    """
-    chunks = _chunks(lengths, trees, max_items, max_padded_tokens)
-    trees_of = {i: c for c in chunks for i in c.members}
-    plans = [_bins(lengths, chunks, max_items, max_padded_tokens, best_fit=False)]
-    if strategy != "ffd":
-        plans.append(_bins(lengths, chunks, max_items, max_padded_tokens, best_fit=True))
-    bins = min(plans, key=lambda p: (len(p), sum(b.area for b in p)))
-    batches = [b.items() for b in bins]
-    if world_size == 1:
-        return PackPlan(ranks=[batches])
-    candidates = [_equalised([[batches[k] for k in sorted(ks)] for ks in _assign([b.area for b in bins], world_size)])]
-    if strategy == "balanced":
-        per_rank = []
-        for ks in _assign([tree_area(lengths, [c]) for c in chunks], world_size):
-            mine = [chunks[k] for k in sorted(ks)]
-            per_rank.append([b.items() for b in _bins(lengths, mine, max_items, max_padded_tokens, best_fit=True)])
-        candidates.append(_equalised(per_rank))
-    return min(candidates, key=lambda p: _score(p, lengths, trees_of))
