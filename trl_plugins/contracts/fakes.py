@@ -50,18 +50,23 @@ def make_trajectory(
     )
 
 
-def plan_violations(plan: PackPlan, lengths: Sequence[int], max_items: int, max_padded_tokens: int, world_size: int) -> list[str]:
-    """Everything wrong with a plan; empty when it is a valid partition within the limits."""
-    from trl_plugins.packing import padded_area
-
+def _shape_violations(plan: PackPlan, n: int, world_size: int) -> list[str]:
+    # What any plan must be: world_size ranks with as many micro-batches each, a partition of the n items.
     problems = []
     if plan.world_size != world_size:
         problems.append(f"{plan.world_size} ranks, expected {world_size}")
     if len({len(r) for r in plan.ranks}) > 1:
         problems.append(f"unequal micro-batch counts {[len(r) for r in plan.ranks]}")
-    flat = sorted(i for r in plan.ranks for mb in r for i in mb)
-    if flat != list(range(len(lengths))):
+    if sorted(i for r in plan.ranks for mb in r for i in mb) != list(range(n)):
         problems.append("not a partition of the items")
+    return problems
+
+
+def plan_violations(plan: PackPlan, lengths: Sequence[int], max_items: int, max_padded_tokens: int, world_size: int) -> list[str]:
+    """Everything wrong with a plan; empty when it is a valid partition within the limits."""
+    from trl_plugins.packing import padded_area
+
+    problems = _shape_violations(plan, len(lengths), world_size)
     for r, rank in enumerate(plan.ranks):
         for k, mb in enumerate(rank):
             if len(mb) > max_items:
@@ -79,13 +84,7 @@ def tree_plan_violations(plan: PackPlan, rows: Sequence[Sequence[int]], trees: S
     from trl_plugins.packing import prefix_trees, tree_area
 
     lengths = [len(r) for r in rows]
-    problems = []
-    if plan.world_size != world_size:
-        problems.append(f"{plan.world_size} ranks, expected {world_size}")
-    if len({len(r) for r in plan.ranks}) > 1:
-        problems.append(f"unequal micro-batch counts {[len(r) for r in plan.ranks]}")
-    if sorted(i for r in plan.ranks for mb in r for i in mb) != list(range(len(lengths))):
-        problems.append("not a partition of the items")
+    problems = _shape_violations(plan, len(lengths), world_size)
     home = {}
     for r, rank in enumerate(plan.ranks):
         for k, mb in enumerate(rank):
