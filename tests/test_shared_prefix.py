@@ -136,11 +136,7 @@ def test_a_long_datum_is_forwarded_whole_rather_than_widening_every_branch():
     layout = shared_prefix_layout(rows, pad_token_id=0)
     assert layout.area == tree_area(lengths, trees) == 2 * 200 + 8 * 10 < 50 + 8 * 150
     assert layout.num_tokens == 50 + 7 * 10 + 200
-    model = _model("qwen2_sliding_sdpa")
-    padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
-    with torch.no_grad():
-        a, b = micro_batch_logprobs(model, padded, "cpu")[0], micro_batch_logprobs(model, mine, "cpu")[0]
-    assert (a - b)[padded.attention_mask.bool()].abs().max() < 1e-5
+    assert_same_log_probs(rows)
 
 
 def test_a_long_lone_datum_becomes_a_prefix_row_rather_than_widening_every_branch():
@@ -156,11 +152,7 @@ def test_a_long_lone_datum_becomes_a_prefix_row_rather_than_widening_every_branc
     layout = shared_prefix_layout(rows, pad_token_id=0)
     assert layout.prefix_ids.shape == (2, 200) and layout.branch_ids.shape == (9, 10)
     assert layout.area == tree_area(lengths, trees) == 2 * 200 + 9 * 10 < 1 * 200 + 9 * 210
-    model = _model("qwen2_sliding_sdpa")
-    padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
-    with torch.no_grad():
-        a, b = micro_batch_logprobs(model, padded, "cpu")[0], micro_batch_logprobs(model, mine, "cpu")[0]
-    assert (a - b)[padded.attention_mask.bool()].abs().max() < 1e-5
+    assert_same_log_probs(rows)
 
 
 def test_a_prefix_longer_than_the_others_is_cut_where_its_rest_fits_the_branch_width():
@@ -177,6 +169,11 @@ def test_a_prefix_longer_than_the_others_is_cut_where_its_rest_fits_the_branch_w
     assert sorted(prefix_lengths(lengths, trees)) == [100, 100]
     layout = shared_prefix_layout(rows, pad_token_id=0)
     assert layout.area == tree_area(lengths, trees) == 2 * 100 + 8 * 30 < 2 * 120 + 8 * 30
+    assert_same_log_probs(rows)
+
+
+def assert_same_log_probs(rows):
+    """The layout chosen for ``rows`` gives the padded layout's log-probs (a sliding-window model)."""
     model = _model("qwen2_sliding_sdpa")
     padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
     with torch.no_grad():

@@ -99,7 +99,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     Returns:
         ``(B, T)`` log-probs, in float32 at least.
     """
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logits = _at_least_float32(logits)
     picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -144,10 +144,17 @@ def token_logprobs_and_entropy(
     logp = selective_log_softmax(logits, target_ids)
     if not with_entropy:
         return logp, None
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    log_z = torch.logsumexp(z, dim=-1)
-    entropy = log_z - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-    return logp, entropy
+    z = _at_least_float32(logits)
+    return logp, _entropy(z, torch.logsumexp(z, dim=-1))
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _entropy(z: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
+    # H = logsumexp(z) - sum softmax(z) z, per position, from the logits and their logsumexp.
+    return log_z - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
 # -- padding-free micro-batches --------------------------------------------------------------------
@@ -379,7 +386,7 @@ def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, tem
     parts = shared_prefix_outputs(model, mb.shared_prefix, device)
     if temperature != 1.0:
         parts = tuple(p / temperature for p in parts)
-    z = tuple(p.float() if p.dtype in (torch.float16, torch.bfloat16) else p for p in parts)
+    z = tuple(_at_least_float32(p) for p in parts)
     log_z = tuple(torch.logsumexp(p, dim=-1) for p in z)
     index, targets = mb.shared_prefix.index.to(device), mb.target_ids.to(device)
     # The target differs between branches at a prefix's last position, so the picked logit is gathered per datum
@@ -391,8 +398,7 @@ def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, tem
     logp = torch.where(real, picked - take_positions(log_z, index), torch.zeros_like(picked))
     if not with_entropy:
         return logp, None
-    entropy = tuple(lz - (torch.softmax(p, dim=-1) * p).sum(dim=-1) for lz, p in zip(log_z, z))
-    return logp, gather_positions(entropy, mb)
+    return logp, gather_positions(tuple(_entropy(p, lz) for p, lz in zip(z, log_z)), mb)
 
 
 @torch.no_grad()
