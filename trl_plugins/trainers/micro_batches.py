@@ -20,7 +20,7 @@ import torch
 
 from trl_plugins.datum import collate, dummy_micro_batch
 from trl_plugins.modeling import check_packed_isolation, check_shared_prefix
-from trl_plugins.packing import pack_for_ranks, prefix_trees
+from trl_plugins.packing import pack_for_ranks, prefix_trees, supports_prefix_trees
 from trl_plugins.trainers.ranks import is_deepspeed, reduce_over_ranks
 from trl_plugins.types import Datum, MicroBatch
 
@@ -42,8 +42,9 @@ def pack_limits(config: Any) -> dict[str, Any]:
 
 def plan_for_ranks(datums: Sequence[Datum], config: Any, world_size: int) -> list[list[list[int]]]:
     """Micro-batches of ``datums`` (indices) for ``world_size`` ranks, planned by the configured packer; in the
-    shared-prefix layout the packer is given the datums' prefix trees (the datums that begin alike)."""
-    trees = prefix_trees([d.input_ids for d in datums]) if shared_prefix_on(config) else None
+    shared-prefix layout a packer that takes them is given the datums' prefix trees (the datums that begin alike)."""
+    wanted = shared_prefix_on(config) and supports_prefix_trees(config.packer)
+    trees = prefix_trees([d.input_ids for d in datums]) if wanted else None
     plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=world_size,
                           prefix_trees=trees, **pack_limits(config))
     return [[list(mb) for mb in rank] for rank in plan.ranks]
