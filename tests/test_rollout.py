@@ -284,9 +284,10 @@ def test_world_failures_must_say_what_failed():
     traj.error = "reward component 'correct': TimeoutError"
     validate_trajectory(traj)
     env = make_trajectory(random.Random(0), num_turns=2, stop_reason=StopReason.ENVIRONMENT_ERROR)
-    env.error = "tool 'x': boom"
-    with pytest.raises(TrajectoryError, match="no tool call that failed"):
+    with pytest.raises(TrajectoryError, match="without an error"):
         validate_trajectory(env)
+    env.error = "the agent raised RuntimeError: boom"  # an agent's failure behind the endpoint: no tool call failed
+    validate_trajectory(env)
 
 
 def test_prompt_over_budget_is_a_clear_error(chat):

@@ -100,11 +100,13 @@ def build_datums(
         traj: A finished trajectory (see :func:`trl_plugins.rollout.validate.validate_trajectory`).
         advantage: Scalar advantage put on every action position; defaults to ``traj.advantage``.
         max_context_tokens: Training context limit on the shifted length ``len(full) - 1``.
-        on_prefix_mismatch: ``"error"`` (default) or ``"split"`` into several datums.
+        on_prefix_mismatch: ``"error"`` (default) or ``"split"`` into several datums. A turn marked
+            ``segment_start`` (its producer rendered the conversation afresh) starts a new datum either way.
         trajectory_index: Stored on the datum to find its trajectory again.
 
     Returns:
-        One datum, or one per prefix-consistent run of turns with ``on_prefix_mismatch="split"``.
+        One datum per segment (:attr:`~trl_plugins.types.Trajectory.num_segments`), or one per prefix-consistent run
+        of turns with ``on_prefix_mismatch="split"``.
 
     Raises:
         DatumError: no advantage; an empty first prompt; a later prompt that does not extend what
@@ -133,7 +135,10 @@ def build_datums(
     turn_of: list[int] = []  # per token of full: the turn whose completion it is, -1 for prompt tokens
     for i, turn in enumerate(traj.turns):
         prompt = turn.prompt_ids
-        if i > 0 and (len(prompt) < len(full) or prompt[: len(full)] != full):
+        if i > 0 and turn.segment_start:  # the producer declared a fresh rendering: a datum of its own
+            segments.append((full, sources, logprobs, turn_of))
+            full, sources, logprobs, turn_of = [], [], [], []
+        elif i > 0 and (len(prompt) < len(full) or prompt[: len(full)] != full):
             k = _first_difference(full, prompt)
             if mode == PrefixMismatch.ERROR:
                 got = prompt[k] if k < len(prompt) else "<end of prompt>"
@@ -193,9 +198,17 @@ def build_datums(
 
 
 def build_datum(traj: Trajectory, **kwargs) -> Datum:
-    """The single datum of a prefix-consistent trajectory (``on_prefix_mismatch="error"``)."""
+    """The single datum of a prefix-consistent trajectory of one segment (``on_prefix_mismatch="error"``).
+
+    Raises:
+        DatumError: as :func:`build_datums`, and for a trajectory of several segments (use :func:`build_datums`).
+    """
     kwargs["on_prefix_mismatch"] = PrefixMismatch.ERROR
-    return build_datums(traj, **kwargs)[0]
+    datums = build_datums(traj, **kwargs)
+    if len(datums) > 1:
+        raise DatumError(f"trajectory {kwargs.get('trajectory_index', 0)} (question {traj.question_id!r}) has "
+                         f"{len(datums)} segments (turns marked segment_start); build_datums gives one datum each.")
+    return datums[0]
 
 
 def shared_prefix_layout(rows: Sequence[Sequence[int]], *, pad_token_id: int,

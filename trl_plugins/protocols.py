@@ -314,6 +314,9 @@ class RolloutPlugin(_Adapter):
     token_budget: int | None = None
     tool_calls_per_turn: int = 1
     """The most tool calls of one turn it runs (parallel calls); optional, default 1."""
+    agent_conversation: bool = False
+    """The conversation is written by an agent (its own system prompt, messages and tools), not from the run's
+    ``tools`` and ``system_prompt``, which the run then refuses; optional, default False."""
 
     @property
     def label(self) -> str:
@@ -410,7 +413,8 @@ def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
     if isinstance(per_turn, bool) or not isinstance(per_turn, int) or per_turn < 1:
         raise PluginDeclarationError(label, f"declares tool_calls_per_turn={per_turn!r}; it must be an int >= 1 (the "
                                      f"most tool calls of one turn it runs).")
-    return RolloutPlugin(name, impl, token_budget=budget, tool_calls_per_turn=per_turn)
+    return RolloutPlugin(name, impl, token_budget=budget, tool_calls_per_turn=per_turn,
+                         agent_conversation=_optional_bool(impl, "agent_conversation", False, label))
 
 
 def as_tool(impl: Any, name: str = "") -> ToolPlugin:

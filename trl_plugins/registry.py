@@ -290,9 +290,9 @@ class Registry(Generic[T]):
         return f"Registry({self.seam!r}, {len(self._entries)} entries)"
 
 
-ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine",))
+ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine", "trl_plugins.rollout.endpoint.agent"))
 TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter",))
-REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math",))
+REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent"))
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
 POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",
                                                                          "trl_plugins.algos.span_losses"))

@@ -43,6 +43,8 @@ class RolloutQuestion:
     """The rendered first prompt (``ChatFormat.initial_prompt_ids``)."""
     group_id: int
     """Group id for group-relative advantages."""
+    row: Mapping[str, Any] | None = None
+    """The dataset row it came from, for a rollout that hands it on (an agent behind the endpoint gets it)."""
 
 
 def questions_from_rows(chat: Any, rows: Sequence[Mapping[str, Any]], system_prompt: str | None = None,
@@ -58,7 +60,7 @@ def questions_from_rows(chat: Any, rows: Sequence[Mapping[str, Any]], system_pro
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         qid = str(row.get("id", row.get("question_id", id_offset + k)))
-        out.append(RolloutQuestion(qid, chat.initial_prompt_ids(system + messages), group_id=k))
+        out.append(RolloutQuestion(qid, chat.initial_prompt_ids(system + messages), group_id=k, row=row))
     return out
 
 

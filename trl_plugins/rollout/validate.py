@@ -44,8 +44,11 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
                 f"{where}, turn {i}: {n} completion tokens but {len(turn.completion_sources)} "
                 f"completion_sources."
             )
+        if turn.segment_start and i == 0:
+            raise TrajectoryError(f"{where}, turn 0: marked segment_start; a first turn starts the trajectory's first "
+                                  f"segment by itself (segment_start marks a later turn whose prompt starts afresh).")
         if turn.prompt_sources is not None:
-            prev = 0 if i == 0 else len(traj.turns[i - 1].prompt_ids) + len(traj.turns[i - 1].completion_ids)
+            prev = 0 if i == 0 or turn.segment_start else len(traj.turns[i - 1].prompt_ids) + len(traj.turns[i - 1].completion_ids)
             expected = len(turn.prompt_ids) - prev
             if len(turn.prompt_sources) != expected:
                 raise TrajectoryError(
@@ -92,11 +95,6 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
         raise TrajectoryError(
             f"{where}: stop reason {traj.stop_reason.value!r} (the world failed, not the policy) without an error: "
             f"set Trajectory.error to what failed (the tool or reward component and the exception)."
-        )
-    if traj.stop_reason == StopReason.ENVIRONMENT_ERROR and not any(c.infra_error for c in last.tool_calls):
-        raise TrajectoryError(
-            f"{where}: stop reason 'environment_error' but the last turn ({len(traj.turns) - 1}) has no tool call "
-            f"that failed (ToolCall.infra_error); a tool failure ends the trajectory at that call."
         )
     if traj.stop_reason == StopReason.TURN_LENGTH and not last.truncated:
         raise TrajectoryError(

@@ -327,6 +327,13 @@ def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: Advant
             f"policy_loss {config.policy_loss!r} reads reference log-probs, and the reference model is built only "
             f"when beta > 0; set --beta (the KL coefficient) instead of kl_coef in policy_loss_kwargs."
         )
+    if rollout.agent_conversation and (config.tools or config.system_prompt):
+        given = [f"tools={config.tools}"] * bool(config.tools) + [f"system_prompt={config.system_prompt!r:.60}"] * bool(config.system_prompt)
+        raise ValueError(
+            f"rollout {config.rollout!r} runs an agent that writes its own conversation (its system prompt and tools), "
+            f"so {' and '.join(given)} would be used by nothing: set tools: [] and system_prompt: null, and give the "
+            f"agent its prompt and tools in its own code."
+        )
     budget = rollout.token_budget
     if AggregationMode(config.aggregation) == AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM and not (config.norm_length or 0) > 0:
         raise ValueError(

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from trl_plugins.algos import kl_estimate
-from trl_plugins.datum import build_datum
+from trl_plugins.datum import build_datums
 from trl_plugins.protocols import AdvantagePlugin, RewardPlugin
 from trl_plugins.rewards import reward_value
 from trl_plugins.rollout import ChatFormat, RolloutRequest, RolloutResult, questions_from_rows
@@ -143,7 +143,9 @@ def score_trajectories(rewards: Sequence[RewardPlugin], trajectories: Sequence[T
     A component that raises, returns anything but one finite number (:func:`~trl_plugins.rewards.reward_value`) or
     runs past ``time_limit_s`` does not stop the run and does not score the trajectory as wrong: the trajectory gets
     ``StopReason.VERIFIER_ERROR``, ``error`` naming the component and the exception, and no reward components.
-    Trajectories the environment already failed (``environment_error``) are not scored.
+    Trajectories the environment already failed (``environment_error``) are not scored. Components the rollout
+    recorded (an agent's returned reward: :mod:`trl_plugins.rewards.agent`) that no configured component replaces
+    stay, with weight 0: the configured components win.
 
     Args:
         rewards: The run's reward components (``run.rewards``).
@@ -152,12 +154,15 @@ def score_trajectories(rewards: Sequence[RewardPlugin], trajectories: Sequence[T
         Verifier failures per component name.
     """
     components_of = list(rewards)
+    configured = {component.name for component in components_of}
     failures: dict[str, int] = {}
     for traj in trajectories:
         if traj.world_failure:
             traj.reward_components = []
             continue
         row = rows[traj.group_id]
+        # What the rollout recorded (an agent's returned reward): kept for the record, counted by no weight.
+        recorded = [RewardComponent(c.name, c.value, 0.0) for c in traj.reward_components if c.name not in configured]
         components = []
         for component in components_of:
             name, weight = component.name, component.weight
@@ -172,7 +177,7 @@ def score_trajectories(rewards: Sequence[RewardPlugin], trajectories: Sequence[T
                 components = []
                 break
             components.append(RewardComponent(name, value, weight))
-        traj.reward_components = components
+        traj.reward_components = components + recorded if components else []
     return failures
 
 
@@ -210,19 +215,25 @@ def training_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool, m
 
 def build_datums_for_update(trajectories: Sequence[Trajectory], left_out: Sequence[Any], *,
                             max_context_tokens: int | None, bootstrap_truncated: bool = False) -> list[Datum]:
-    """One datum per trajectory the update trains on (those ``left_out`` marks are skipped), advantages still 0.
+    """One datum per segment of each trajectory the update trains on (those ``left_out`` marks are skipped; a
+    trajectory is one segment unless an agent rewrote its history: :attr:`~trl_plugins.types.Trajectory.num_segments`),
+    advantages still 0.
 
     Zero-advantage datums are kept: they count in the loss denominators, and the update decides whether
     their forward can be skipped (:func:`~trl_plugins.trainers.update.datums_to_forward`). A truncated
-    trajectory's datum bootstraps (``bootstrap_mask`` 1) only with ``bootstrap_truncated``
+    trajectory's last datum bootstraps (``bootstrap_mask`` 1) only with ``bootstrap_truncated``
     (``truncated_policy='bootstrap'``); otherwise its truncation is an outcome, scored by the rewards, and
-    nothing is bootstrapped (counting both would score hitting the budget above a wrong answer).
+    nothing is bootstrapped (counting both would score hitting the budget above a wrong answer). Every segment but
+    the last bootstraps: the episode goes on after it.
     """
-    datums = [build_datum(traj, advantage=0.0, max_context_tokens=max_context_tokens, trajectory_index=i)
-              for i, traj in enumerate(trajectories) if not left_out[i]]
-    if not bootstrap_truncated:
-        for d in datums:
-            d.bootstrap_mask = 0
+    datums = []
+    for i, traj in enumerate(trajectories):
+        if left_out[i]:
+            continue
+        own = build_datums(traj, advantage=0.0, max_context_tokens=max_context_tokens, trajectory_index=i)
+        if not bootstrap_truncated:
+            own[-1].bootstrap_mask = 0
+        datums += own
     return datums
 
 
@@ -246,9 +257,11 @@ def add_kl_penalty(trajectories: Sequence[Trajectory], datums: Sequence[Datum], 
     ``-beta * sum_t KL_t``. (With a critic the penalty goes in per token instead, and the component is
     stored with weight 0 for the record.)
     """
-    for d in datums:
-        total = float(kl_per_token(d, estimator).sum())
-        traj = trajectories[d.trajectory_index]
+    totals: dict[int, float] = {}
+    for d in datums:  # a trajectory of several segments sums over all of them
+        totals[d.trajectory_index] = totals.get(d.trajectory_index, 0.0) + float(kl_per_token(d, estimator).sum())
+    for index, total in totals.items():
+        traj = trajectories[index]
         traj.reward_components = [c for c in traj.reward_components if c.name != KL_PENALTY_COMPONENT]
         traj.reward_components.append(RewardComponent(KL_PENALTY_COMPONENT, -total, beta))
 
@@ -304,6 +317,30 @@ def _checked(plugin: AdvantagePlugin, what: str, tensor: Any, shapes: list[tuple
     return tensor
 
 
+def _assign_to_segments(advantage: AdvantagePlugin, trajectories: Sequence[Trajectory], datums: Sequence[Datum]) -> None:
+    """Outcome advantages where a trajectory has several datums (segments): the estimator sees one row per trajectory
+    (its last segment), so its group statistics count every trajectory once, and each segment gets its trajectory's
+    advantage on every action position."""
+    if getattr(advantage, "needs_turn_ids", False):
+        raise ValueError(
+            f"{advantage.label} credits turns by their place in a datum, but this batch has trajectories of several "
+            f"segments (an agent rewrote its history, so their turns are spread over datums); use an outcome "
+            f"estimator (group, rloo, dr_grpo) or gae, or keep the agent from rewriting its history.")
+    last = {d.trajectory_index: d for d in datums}
+    rows = list(last.values())
+    assign_advantages(advantage, trajectories, rows)
+    for d in rows:
+        on = [a for a, m in zip(d.advantages, d.action_mask) if m]
+        if any(a != on[0] for a in on):
+            raise ValueError(
+                f"{advantage.label} returned per-position advantages, which cannot be spread over a trajectory of "
+                f"several segments (an agent rewrote its history); use an estimator with one advantage per "
+                f"trajectory, or gae.")
+    for d in datums:
+        a = trajectories[d.trajectory_index].advantage
+        d.advantages = [a if m else 0.0 for m in d.action_mask]
+
+
 def assign_advantages(
     advantage: AdvantagePlugin,
     trajectories: Sequence[Trajectory],
@@ -323,12 +360,17 @@ def assign_advantages(
     token), optional per-token rewards and ``all_reduce`` for global statistics. It returns per trajectory ``(N,)``
     (put on every action position of the datum) or per datum position ``(N, T)`` (with ``returns``, the value
     targets, when it ``needs_values``). ``traj.advantage`` is the trajectory's advantage, or the mean over its action
-    tokens (for the logs); left-out trajectories get 0. Every rank must call it when the estimator
+    tokens (for the logs); left-out trajectories get 0. A trajectory of several segments (datums): an outcome
+    estimator sees it once (its last segment) and every segment gets its advantage; an estimator that
+    ``needs_values`` sees each segment, every one but the last bootstrapping from the value where it ends. Every rank must call it when the estimator
     ``needs_values`` (``all_reduce`` may be collective).
 
     Raises:
         ValueError: the plugin returned the wrong shapes, no returns where needed, or non-finite numbers (names it).
     """
+    if not advantage.needs_values and len({d.trajectory_index for d in datums}) < len(datums):
+        _assign_to_segments(advantage, trajectories, datums)
+        return
     for traj in trajectories:
         traj.advantage = 0.0
     if not datums and not advantage.needs_values:

@@ -46,7 +46,8 @@ class StopReason(enum.StrEnum):
     """Truncated: the maximum number of tool calls was reached."""
     ENVIRONMENT_ERROR = "environment_error"
     """The world failed, not the policy: a tool or its sandbox failed (set-up, crash, plugin exception,
-    host resources), as opposed to the model's code raising. ``Trajectory.error`` says what."""
+    host resources), as opposed to the model's code raising, or an agent behind the endpoint raised, hung or broke
+    its contract for a reason other than the model's output. ``Trajectory.error`` says what."""
     VERIFIER_ERROR = "verifier_error"
     """The world failed, not the policy: a reward component raised or timed out while scoring it.
     ``Trajectory.error`` names the component and the exception."""
@@ -211,6 +212,11 @@ class Turn:
     """The optimizer step of the weights that sampled this turn (its span's behaviour version). Equal to the
     trajectory's ``policy_version.step`` unless the weights changed in the middle of the episode; None when the
     producer did not record it (the trajectory's version then stands for every turn)."""
+    segment_start: bool = False
+    """This turn's prompt does not continue the turns before it: its producer rendered the conversation afresh (an
+    agent behind the endpoint rewrote its history). The trajectory's tokens start a new *segment* here, trained as a
+    datum of its own (:func:`~trl_plugins.datum.build_datums`); ``prompt_sources`` then covers the whole prompt. Never
+    set on a first turn."""
 
     @property
     def tool_call(self) -> ToolCall | None:
@@ -289,6 +295,11 @@ class Trajectory:
     def num_action_tokens(self) -> int:
         """Sampled (trainable) tokens over all turns."""
         return sum(s == TokenSource.ACTION for t in self.turns for s in t.sources())
+
+    @property
+    def num_segments(self) -> int:
+        """Prefix-consistent runs of turns (each becomes one datum): 1, plus one per turn that starts a segment."""
+        return 1 + sum(t.segment_start for t in self.turns[1:])
 
     def turn_policy_steps(self) -> list[int | None]:
         """Per turn, the optimizer step of the weights that sampled it: the turn's own ``policy_step``, else the

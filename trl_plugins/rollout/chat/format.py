@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from trl_plugins.rollout.chat.checks import TemplateChecks
 from trl_plugins.rollout.chat.vocab import (
+    _A,
     _ARG,
     _OPTIONS,
     _T,
@@ -115,6 +116,15 @@ class ChatFormat(TemplateChecks):
             self._check_exact()
             if calls_per_turn > 1:
                 self._check_parallel_calls(calls_per_turn)
+
+    def for_tools(self, tools: Sequence[dict]) -> "ChatFormat":
+        """This format with other tool schemas: the same tokenizer, template arguments, final-answer pattern, stop
+        tokens and calls per turn, checked against the template as at construction (itself when the tools are its
+        own)."""
+        if list(tools) == self.tools:
+            return self
+        return ChatFormat(self.tokenizer, tools, final_answer_pattern=self.final_answer_re.pattern if self.final_answer_re else None,
+                          stop_tokens=self.stop_tokens, calls_per_turn=self.calls_per_turn, **self.template_kwargs)
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -233,6 +243,60 @@ class ChatFormat(TemplateChecks):
                 k = n
                 break
         return ToolTurn(ids[k:], sources[k:], any(cut), tuple(cut))
+
+    def messages_turn(self, completion_ids: Sequence[int], called: Sequence[str], messages: Sequence[dict], *,
+                      max_tokens: int | None = None) -> ToolTurn:
+        """The tokens to append after a sampled completion (which called the tools ``called``, in order; none for a
+        plain reply) when the conversation goes on with ``messages``: tool results, user or system messages, each a
+        chat message whose ``content`` is a string (a tool message also names its tool).
+
+        When ``messages`` are exactly one tool message per call, in the order of the calls, this is
+        :meth:`tool_results_turn` (``max_tokens`` applies to each output). Otherwise the template's own rendering of
+        ``messages`` after such a turn, from the stop token that ends it to the next generation prompt, is tokenised
+        as one piece: each message's content OBSERVATION (control-token text as plain text), the template's markup
+        GLUE; ``max_tokens`` is not applied there (the trajectory's token budget still is).
+
+        Raises:
+            ChatTemplateError: the template renders no stop token between the turn and the messages.
+        """
+        if called and len(messages) == len(called) and all(
+                m.get("role") == "tool" and m.get("name") == n for m, n in zip(messages, called)):
+            return self.tool_results_turn(completion_ids, [(n, m.get("content") or "") for n, m in zip(called, messages)],
+                                          max_tokens=max_tokens)
+        if called:
+            probe, anchor = self._call_messages(*called), _ARG
+        else:
+            probe, anchor = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _A}], _A
+        slots = _placeholders(len(messages))
+        texts = [valid_text(m.get("content") or "") for m in messages]
+
+        def render(contents: Sequence[str]) -> str:
+            return self._render(probe + [{**m, "content": c} for m, c in zip(messages, contents)], add_generation_prompt=True)
+
+        previous = render(slots)
+        first = previous.index(slots[0])
+        hit = self._first_special(previous, previous.rindex(anchor, 0, first) + len(anchor), self.stop_tokens)
+        if hit is None or hit[0] > first:
+            raise ChatTemplateError(f"the chat template renders no stop token ({', '.join(self.stop_tokens)}) between an "
+                                    f"assistant turn and the messages after it, so they cannot continue its tokens.")
+        start = hit[0]
+        current, regions = list(slots), []
+        for k, text in enumerate(texts):  # as in _rendered_turn: each content's region is where filling it in changed
+            at = previous.index(current[k])
+            after = len(previous) - at - len(current[k])
+            current[k] = text
+            rendered = render(current)
+            lo = min(_first_difference(rendered, previous), at)
+            hi = len(rendered) - min(_first_difference(rendered[::-1], previous[::-1]), after)
+            regions.append((lo - start, max(hi, lo) - start))
+            previous = rendered
+        ids, sources, _ = self._tokenize_turn(previous[start:], regions)
+        k = 0
+        for n in range(min(len(ids), len(completion_ids)), 0, -1):
+            if tuple(completion_ids[-n:]) == tuple(ids[:n]) and all(s == TokenSource.GLUE for s in sources[:n]):
+                k = n
+                break
+        return ToolTurn(ids[k:], sources[k:], False, tuple(False for _ in messages))
 
     def _rendered_turn(self, names: tuple[str, ...], texts: Sequence[str]) -> tuple[list[int], list[TokenSource], list[int]]:
         """The whole tool turn after calls to ``names`` that returned ``texts``, tokenised, with its provenance and

@@ -1,0 +1,366 @@
+"""Train agents written against the OpenAI API: the rollout plugin ``agent_endpoint``.
+
+For each trajectory it runs the user's agent (``async def agent(client, row)``, a plain function run off the event
+loop, or a command) against a local HTTP endpoint that speaks the chat-completions API. Each request is matched
+against the trajectory's recorded tokens and served by the run's sampler through the same dispatcher the built-in
+rollout uses (:mod:`.session`), so an agent that sends back what it was given trains exactly the tokens the built-in
+rollout would. The agent's return value (and a ``reward`` in the row) are recorded as reward components; the run's
+configured components score the trajectory (``agent_reward`` reads the agent's). docs/agents.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import importlib
+import inspect
+import json
+import math
+import os
+import secrets
+import shlex
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+from trl_plugins.aio import run_async
+from trl_plugins.registry import ROLLOUTS
+from trl_plugins.rewards.agent import AGENT_REWARD, ROW_REWARD
+from trl_plugins.rollout.chat import ChatFormat, TurnKind
+from trl_plugins.rollout.dispatch import Dispatcher, concurrency, watch
+from trl_plugins.rollout.endpoint.api import check_request
+from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
+from trl_plugins.rollout.endpoint.session import Budgets, Session
+from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
+from trl_plugins.rollout.validate import validate_trajectory
+from trl_plugins.types import PolicyVersion, RewardComponent, StopReason, TokenSource, Trajectory, Turn
+
+__all__ = ["AgentEndpointRollout", "AGENT_REWARD", "ROW_REWARD", "record_rewards"]
+
+
+
+class AgentFailed(Exception):
+    """The agent broke its contract (a command's exit status or output, a return value of the wrong kind)."""
+
+
+def _load(spec: str) -> Callable[..., Any]:
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise RolloutError(f"agent={spec!r}: name it as 'package.module:function'.")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise RolloutError(f"agent={spec!r} cannot be imported: {type(exc).__name__}: {exc}. Name an importable "
+                           f"'package.module:function' (its folder on PYTHONPATH).") from exc
+    if not callable(obj):
+        raise RolloutError(f"agent={spec!r} is a {type(obj).__name__}, not a function agent(client, row).")
+    return obj
+
+
+@ROLLOUTS.register("agent_endpoint")
+@dataclass
+class AgentEndpointRollout:
+    """Each trajectory is one run of an agent against an OpenAI-compatible endpoint on ``127.0.0.1``.
+
+    The agent is ``agent`` (``'package.module:function'``: ``async def f(client, row)`` gets an ``openai.AsyncOpenAI``
+    client, a plain ``def f(client, row)`` an ``openai.OpenAI`` one and runs on a worker thread) or ``command`` (run
+    with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``TRL_PLUGINS_ROW`` set, the row as JSON on stdin; the last line
+    of its stdout, JSON, is its return value). Every trajectory has its own session in the endpoint's address and the
+    run's token is the API key; a request without it, or for no live trajectory, is refused. The budgets are the
+    built-in rollout's, applied to the agent's turns. Stop reasons: as the built-in rollout for what the model did
+    (an invalid action, a budget); ``final_answer``/``no_tool_call`` from the last turn when the agent returns;
+    ``environment_error`` when the agent raises, exits non-zero, returns something else than None, a number or a
+    mapping of numbers, runs past ``agent_time_limit_s``, or a request waits past ``request_time_limit_s``, unless the
+    trajectory had already ended because of the model's output (then that stop reason stands).
+    """
+
+    agent: str | Callable[..., Any] | None = None
+    """``'package.module:function'`` (or the function itself): ``[async] def agent(client, row) -> reward``."""
+    command: str | list | None = None
+    """A command (a list of arguments, or one string split as a shell would) run per trajectory instead."""
+    max_turns: int = 8
+    """Assistant turns per trajectory."""
+    max_tool_calls: int = 8
+    """Tool calls per trajectory (each call of a turn with parallel calls counts)."""
+    max_tool_calls_per_turn: int = 1
+    """Tool calls one assistant turn may make; a turn with more is an invalid action."""
+    max_assistant_tokens: int = 512
+    """Tokens per assistant turn (a request's ``max_tokens`` may lower it)."""
+    max_trajectory_tokens: int = 4096
+    """Tokens per trajectory, over all its segments' last prompt and completion."""
+    max_tool_response_tokens: int = 512
+    """Tokens per tool result as they reach the model; a longer one keeps its tail."""
+    agent_time_limit_s: float | None = 600.0
+    """Wall time one agent run may take; past it the trajectory ends as ``environment_error``."""
+    request_time_limit_s: float | None = 300.0
+    """Wall time one request may wait for its reply (queueing and generation)."""
+    max_concurrent_agents: int | None = None
+    """Agents running at once (None: every trajectory of the rollout)."""
+    agent_conversation: ClassVar[bool] = True
+    """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
+    _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
+
+    @property
+    def tool_calls_per_turn(self) -> int:
+        return self.max_tool_calls_per_turn
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_trajectory_tokens
+
+    def __post_init__(self) -> None:
+        if (self.agent is None) == (self.command is None):
+            raise RolloutError("agent_endpoint needs exactly one of agent ('package.module:function') and command.")
+        if isinstance(self.agent, str):
+            _load(self.agent)  # now, at start-up: a typo must not wait for the first rollout
+        if isinstance(self.command, str):
+            self.command = shlex.split(self.command)
+        if self.command is not None and (not self.command or not all(isinstance(a, str) for a in self.command)):
+            raise RolloutError(f"command={self.command!r}: give a non-empty list of strings (or one string).")
+        for name in ("max_turns", "max_tool_calls", "max_tool_calls_per_turn", "max_assistant_tokens",
+                     "max_trajectory_tokens", "max_tool_response_tokens"):
+            if getattr(self, name) < 1:
+                raise RolloutError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("agent_time_limit_s", "request_time_limit_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise RolloutError(f"{name} must be > 0 seconds (or null for none), got {value}.")
+        if self.max_concurrent_agents is not None and self.max_concurrent_agents < 1:
+            raise RolloutError(f"max_concurrent_agents must be >= 1 (or null), got {self.max_concurrent_agents}.")
+
+    def _budgets(self) -> Budgets:
+        return Budgets(self.max_turns, self.max_tool_calls, self.max_tool_calls_per_turn, self.max_assistant_tokens,
+                       self.max_trajectory_tokens, self.max_tool_response_tokens, self.request_time_limit_s)
+
+    def __call__(self, request: RolloutRequest) -> RolloutResult:
+        """Run the agent ``group_size`` times per question.
+
+        Raises:
+            RolloutError: a bad request, or a backend that generates in lock-step across ranks.
+            RolloutCancelled: ``request.stop`` was set; ``rollout_result`` holds what was done.
+        """
+        if request.group_size < 1:
+            raise RolloutError(f"group_size must be >= 1, got {request.group_size}.")
+        if request.backend.requires_lockstep:
+            raise RolloutError(f"{type(request.backend).__name__} generates in lock-step across ranks (a collective per "
+                               f"call), which agents running on their own cannot follow.")
+        chat, backend = request.chat, request.backend
+        version = PolicyVersion(step=request.policy_step, tokenizer_digest=chat.digest, sampling=backend.sampling,
+                                logprob_source=backend.logprob_source)
+        result = RolloutResult(trajectories=[])
+        for q in request.questions:
+            for slot in range(request.group_size):
+                result.trajectories.append(Trajectory(turns=[], question_id=q.question_id, group_id=q.group_id,
+                                                      sample_index=slot, policy_version=version))
+        start = time.perf_counter()
+        try:
+            with backend.session():
+                run_async(self._run(request, result))
+        except BaseException as exc:
+            for traj in result.trajectories:
+                if traj.stop_reason is None:
+                    traj.stop_reason = StopReason.CANCELLED
+                    traj.error = f"the rollout was interrupted: {type(exc).__name__}"
+            _close_turnless(request, result)
+            try:
+                exc.rollout_result = result  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            raise
+        result.total_s = time.perf_counter() - start
+        result.critical_path_s = max((sum(t.generation_s + t.tool_s for t in traj.turns) for traj in result.trajectories),
+                                     default=0.0)
+        _close_turnless(request, result)
+        for traj in result.trajectories:
+            validate_trajectory(traj)
+        return result
+
+    async def _run(self, request: RolloutRequest, result: RolloutResult) -> None:
+        loop = asyncio.get_running_loop()
+        formats: dict[str, ChatFormat] = {}
+        sessions: dict[str, Session] = {}
+        budgets = self._budgets()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency(request.backend), thread_name_prefix="generate")
+        agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, len(result.trajectories) or 1),
+                                                           thread_name_prefix="agent")
+        dispatcher = Dispatcher(request.backend, loop, pool, result)
+        server = JsonServer(lambda http: self._serve(http, sessions, request))
+        await server.start()
+        limit = asyncio.Semaphore(self.max_concurrent_agents or max(1, len(result.trajectories)))
+
+        def chat_for(tools: list[dict]) -> ChatFormat:
+            key = json.dumps(tools, sort_keys=True)
+            if key not in formats:
+                try:
+                    formats[key] = request.chat.for_tools(tools)
+                except Exception as exc:
+                    raise HttpError(400, f"the chat template cannot take these tools: {type(exc).__name__}: {exc}",
+                                    param="tools") from exc
+            return formats[key]
+
+        group = request.group_size
+        tasks = []
+        for index, traj in enumerate(result.trajectories):
+            q = request.questions[index // group]
+            key = secrets.token_urlsafe(16)
+            session = Session(key, index, traj, budgets, chat_for, dispatcher.generate, request.seed, request.policy_step)
+            sessions[key] = session
+            base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
+            tasks.append(asyncio.ensure_future(self._one(session, dict(q.row or {}), base_url, sessions, limit, agent_pool)))
+        watcher = asyncio.ensure_future(watch(request.stop)) if request.stop is not None else None
+        try:
+            pending: set = set(tasks) | ({watcher} if watcher else set())
+            while pending - {watcher}:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await server.close()
+            await dispatcher.drain()
+            pool.shutdown(wait=True)
+            agent_pool.shutdown(wait=False, cancel_futures=True)
+        if dispatcher.fatal is not None:
+            raise dispatcher.fatal
+        unfinished = sum(t.stop_reason is None for t in result.trajectories)
+        if unfinished:
+            raise RolloutCancelled(f"a stop was requested with {unfinished} agent run(s) unfinished")
+
+    async def _serve(self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest) -> tuple[int, Any]:
+        given = http.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+            raise HttpError(401, "missing or wrong API key: use the key this run gave the agent (OPENAI_API_KEY for a "
+                                 "command).", kind="authentication_error", code="invalid_api_key")
+        parts = http.path.split("?", 1)[0].split("/")
+        if len(parts) < 4 or parts[1] != "s" or parts[3] != "v1":
+            raise HttpError(404, f"no such endpoint {http.path!r}: use the base URL the run gave the agent "
+                                 f"(http://127.0.0.1:<port>/s/<session>/v1).", code="not_found")
+        session = sessions.get(parts[2])
+        if session is None:
+            raise HttpError(404, "no live trajectory has this session key (it finished, or never existed): each agent "
+                                 "run uses the base URL it was given, while it runs.", code="unknown_session")
+        route = "/".join(parts[4:])
+        if http.method == "GET" and route == "models":
+            return 200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trl-plugins"}]}
+        if http.method != "POST" or route != "chat/completions":
+            raise HttpError(404, f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions "
+                                 f"(and GET /models).", code="not_found")
+        body = check_request(http.json(), sampling=request.backend.sampling, max_assistant_tokens=self.max_assistant_tokens,
+                             calls_per_turn=self.max_tool_calls_per_turn)
+        return 200, await session.complete(body)
+
+    async def _one(self, session: Session, row: dict, base_url: str, sessions: dict[str, Session],
+                   limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor) -> None:
+        async with limit:
+            try:
+                value = await asyncio.wait_for(self._invoke(row, base_url, agent_pool), self.agent_time_limit_s)
+            except asyncio.TimeoutError:
+                session.end(StopReason.ENVIRONMENT_ERROR, f"the agent ran past agent_time_limit_s={self.agent_time_limit_s}")
+            except asyncio.CancelledError:
+                session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
+                raise
+            except Exception as exc:  # noqa: BLE001 - the agent's failure ends its trajectory, not the rollout
+                session.end(StopReason.ENVIRONMENT_ERROR, f"the agent failed: {type(exc).__name__}: {exc}"[:2000])
+            else:
+                problem = record_rewards(session.traj, value, row)
+                if problem is not None:
+                    session.end(StopReason.ENVIRONMENT_ERROR, problem)
+                elif not session.traj.turns:
+                    session.end(StopReason.ENVIRONMENT_ERROR, "the agent returned without asking the model anything")
+                else:
+                    final = session.last_kind == TurnKind.FINAL_ANSWER and not session.traj.turns[-1].tool_calls
+                    session.end(StopReason.FINAL_ANSWER if final else StopReason.NO_TOOL_CALL)
+            finally:
+                sessions.pop(session.key, None)
+                if session.traj.stop_reason is None:
+                    session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
+
+    async def _invoke(self, row: dict, base_url: str, agent_pool: concurrent.futures.Executor) -> Any:
+        if self.command is not None:
+            return await self._command(row, base_url)
+        fn = _load(self.agent) if isinstance(self.agent, str) else self.agent
+        try:
+            import openai
+        except ImportError as exc:
+            raise RolloutError("agent_endpoint runs agents with the openai SDK: pip install 'trl-plugins[agents]'.") from exc
+        timeout = None if self.request_time_limit_s is None else self.request_time_limit_s + 30.0
+        if inspect.iscoroutinefunction(fn):
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=self._token, max_retries=0, timeout=timeout)
+            try:
+                return await fn(client, row)
+            finally:
+                await client.close()
+
+        def run() -> Any:
+            with openai.OpenAI(base_url=base_url, api_key=self._token, max_retries=0, timeout=timeout) as client:
+                return fn(client, row)
+
+        return await asyncio.get_running_loop().run_in_executor(agent_pool, run)
+
+    async def _command(self, row: dict, base_url: str) -> Any:
+        encoded = json.dumps(row, default=str)
+        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self._token, "TRL_PLUGINS_ROW": encoded}
+        proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                    env=env, start_new_session=True)
+        try:
+            out, err = await proc.communicate(encoded.encode())
+        except BaseException:  # a time limit or a stop: the command and everything it started go
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip()[-1500:]
+            raise AgentFailed(f"the agent command exited with status {proc.returncode}: {tail or '(no stderr)'}")
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            return None
+        try:
+            return json.loads(lines[-1])
+        except ValueError:
+            raise AgentFailed(f"the agent command's last line of stdout is not JSON: {lines[-1][:200]!r}; print its "
+                              f"result (a number, a mapping of numbers, or null) as JSON on the last line.") from None
+
+
+def record_rewards(traj: Trajectory, value: Any, row: Mapping[str, Any]) -> str | None:
+    """The agent's return value and the row's ``reward`` as reward components of weight 0 (``agent_return``,
+    ``agent_return/<key>`` for the other keys of a returned mapping, ``row_reward``): recorded, counted only when a
+    configured component reads them (``agent_reward``). Returns what is wrong with ``value`` (None: nothing)."""
+    components = []
+    items = {"reward": value} if not isinstance(value, Mapping) else dict(value)
+    for key, number in items.items():
+        if number is None and not isinstance(value, Mapping):
+            continue
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            return (f"the agent returned {value!r:.200}; an agent returns None, a finite number (its reward) or a mapping "
+                    f"of names to finite numbers ('reward', and other components to record)")
+        components.append(RewardComponent(AGENT_REWARD if key == "reward" else f"{AGENT_REWARD}/{key}", float(number), 0.0))
+    reward = row.get("reward")
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward):
+        components.append(RewardComponent(ROW_REWARD, float(reward), 0.0))
+    traj.reward_components = components
+    return None
+
+
+def _close_turnless(request: RolloutRequest, result: RolloutResult) -> None:
+    """A trajectory whose agent failed before its first request still records its question: one turn holding the
+    question's prompt and nothing sampled (the contract needs a turn; a world failure trains nothing)."""
+    group = request.group_size
+    for index, traj in enumerate(result.trajectories):
+        if not traj.turns:
+            prompt = list(request.questions[index // group].prompt_ids)
+            traj.turns.append(Turn(prompt_ids=prompt, completion_ids=[], completion_logprobs=[],
+                                   prompt_sources=[TokenSource.PROMPT] * len(prompt)))
+            if traj.stop_reason is None or not traj.stop_reason.is_world_failure:
+                traj.stop_reason, traj.error = StopReason.ENVIRONMENT_ERROR, traj.error or "the agent asked the model nothing"

@@ -1,0 +1,223 @@
+"""The OpenAI chat-completions request as the agent endpoint honours it: every parameter either honoured or refused
+with an error that says what to send instead, messages normalised for matching, and the response body."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from trl_plugins.rollout.endpoint.http import HttpError
+from trl_plugins.types import SamplingSettings
+
+__all__ = ["ChatRequest", "check_request", "normalise_messages", "template_messages", "completion_body"]
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Parameters that change nothing when absent or at their neutral value: (name, accepted values, what to do instead).
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "one choice per request: send n=1 (or omit it) and call again for more samples"),
+    "stream": ((False,), "non-streaming responses only: omit stream or send stream=false"),
+    "stream_options": ((), "streaming is not served: omit stream_options"),
+    "logprobs": ((False,), "the endpoint records the behaviour log-probs itself and returns none: omit logprobs"),
+    "top_logprobs": ((), "no log-probs are returned: omit top_logprobs"),
+    "stop": (([],), "turns end at the chat template's stop tokens: omit stop"),
+    "seed": ((), "sampling seeds are the run's (one per trajectory and turn): omit seed"),
+    "presence_penalty": ((0, 0.0), "the run samples without penalties: omit presence_penalty"),
+    "frequency_penalty": ((0, 0.0), "the run samples without penalties: omit frequency_penalty"),
+    "logit_bias": (({},), "the run samples from the policy unchanged: omit logit_bias"),
+    "response_format": (({"type": "text"},), "plain text only: omit response_format"),
+    "store": ((False,), "nothing is stored: omit store"),
+}
+_RECORDED = ("model", "user", "metadata")
+_ACCEPTED = ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens", "max_completion_tokens",
+             *_SAMPLING, *_NEUTRAL, *_RECORDED)
+
+
+@dataclass
+class ChatRequest:
+    """A checked request."""
+
+    messages: list[dict]
+    """Normalised (:func:`normalise_messages`)."""
+    tools: list[dict]
+    """Function tools in OpenAI's format, as sent."""
+    max_tokens: int | None
+    """The agent's cap on the reply's tokens (None: the rollout's ``max_assistant_tokens``)."""
+    model: str
+    """The model name the agent asked for (echoed back)."""
+
+
+def check_request(body: Any, *, sampling: SamplingSettings, max_assistant_tokens: int, calls_per_turn: int) -> ChatRequest:
+    """``body`` checked against what the endpoint honours.
+
+    Raises:
+        HttpError: 400 naming the parameter, what the run does and what to send instead.
+    """
+    if not isinstance(body, dict):
+        raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
+    for key in body:
+        if key not in _ACCEPTED:
+            raise HttpError(400, f"the endpoint does not honour {key!r}; it accepts {sorted(_ACCEPTED)}. Omit it.",
+                            param=key, code="unsupported_parameter")
+    for key, (accepted, instead) in _NEUTRAL.items():
+        value = body.get(key)
+        if value is not None and not any(value == a and type(value) is type(a) or
+                                         isinstance(a, float) and value == a for a in accepted):
+            raise HttpError(400, f"{key}={value!r} is not honoured: {instead}.", param=key, code="unsupported_parameter")
+    for key in _SAMPLING:
+        value, run = body.get(key), getattr(sampling, key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isclose(value, run, abs_tol=1e-9):
+            raise HttpError(400, f"{key}={value!r}, but this run samples with {key}={run} (its sampling settings are "
+                                 f"recorded with every trajectory and its log-probs): omit {key} or send {run}.",
+                            param=key, code="unsupported_parameter")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto"):
+        raise HttpError(400, f"tool_choice={choice!r} is not honoured: the model chooses (tool_choice 'auto'; the policy "
+                             f"is trained on what it chose, so it is not forced or forbidden). Omit tool_choice or send "
+                             f"'auto'; to forbid calls, send no tools.", param="tool_choice", code="unsupported_parameter")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise HttpError(400, f"parallel_tool_calls must be a bool, got {parallel!r}.", param="parallel_tool_calls")
+    if parallel is False and calls_per_turn > 1:
+        raise HttpError(400, f"parallel_tool_calls=false is not honoured: this run lets a turn make up to "
+                             f"{calls_per_turn} calls (the rollout's max_tool_calls_per_turn) and cannot keep the model "
+                             f"to one. Omit it, or set max_tool_calls_per_turn: 1 in rollout_kwargs.",
+                        param="parallel_tool_calls", code="unsupported_parameter")
+    limits = {k: body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None}
+    if len(set(limits.values())) > 1:
+        raise HttpError(400, f"max_tokens and max_completion_tokens disagree ({limits}): send one.", param="max_tokens")
+    max_tokens = next(iter(limits.values()), None)
+    if max_tokens is not None:
+        key = next(iter(limits))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_assistant_tokens:
+            raise HttpError(400, f"{key}={max_tokens!r}: this run's turns take at most {max_assistant_tokens} tokens "
+                                 f"(rollout_kwargs max_assistant_tokens); send an integer from 1 to "
+                                 f"{max_assistant_tokens}, or omit it.", param=key, code="unsupported_parameter")
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
+        raise HttpError(400, "tools must be a list of function tools, each {'type': 'function', 'function': {'name': "
+                             "..., 'parameters': {...}}}.", param="tools")
+    model = body.get("model")
+    return ChatRequest(normalise_messages(body.get("messages")), tools, max_tokens, model if isinstance(model, str) else "")
+
+
+def _is_function_tool(tool: Any) -> bool:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    return (isinstance(fn, dict) and tool.get("type") == "function" and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("parameters", {}), dict))
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise HttpError(400, f"{where}: content part of type {kind!r} is not supported; send text (a string, "
+                                     f"or parts of type 'text').", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise HttpError(400, f"{where}: content must be a string or a list of text parts, got {type(content).__name__}.",
+                    param="messages")
+
+
+def _arguments(raw: Any) -> Any:
+    """Arguments as a value (a JSON string parsed), so that re-serialised arguments compare equal."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def normalise_messages(messages: Any) -> list[dict]:
+    """Chat messages in one canonical form for matching: ``role``, ``content`` (a string), and ``tool_calls``
+    (``id``, ``name``, parsed ``arguments``), ``tool_call_id`` or ``name`` where given. Keys the SDK sends empty
+    (``refusal: null``, ``annotations: []``) are dropped.
+
+    Raises:
+        HttpError: not a non-empty list of chat messages, an unknown role or key, or non-text content.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, "messages must be a non-empty list of chat messages.", param="messages")
+    out = []
+    for k, raw in enumerate(messages):
+        where = f"messages[{k}]"
+        if not isinstance(raw, dict):
+            raise HttpError(400, f"{where} is not an object.", param="messages")
+        role = raw.get("role")
+        if role not in ("system", "user", "assistant", "tool"):
+            hint = " (send its text as a system message)" if role == "developer" else ""
+            raise HttpError(400, f"{where} has role {role!r}; the chat template takes system, user, assistant and tool "
+                                 f"messages{hint}.", param="messages")
+        message: dict[str, Any] = {"role": role, "content": _text(raw.get("content"), where)}
+        known = {"role", "content", "tool_calls", "tool_call_id", "name", "refusal", "annotations", "audio",
+                 "function_call"}
+        extra = [key for key, value in raw.items() if key not in known and value not in (None, [], {}, "")]
+        if extra or any(raw.get(key) not in (None, [], {}, "") for key in ("refusal", "audio", "function_call")):
+            keys = extra or [key for key in ("refusal", "audio", "function_call") if raw.get(key)]
+            raise HttpError(400, f"{where} carries {keys}, which the endpoint does not render; drop them.",
+                            param="messages")
+        if isinstance(raw.get("name"), str) and raw["name"]:
+            message["name"] = raw["name"]
+        if role == "assistant" and raw.get("tool_calls"):
+            calls = raw["tool_calls"]
+            if not isinstance(calls, list):
+                raise HttpError(400, f"{where}.tool_calls must be a list.", param="messages")
+            message["tool_calls"] = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise HttpError(400, f"{where}.tool_calls[{j}] is not a function call with a name.",
+                                    param="messages")
+                message["tool_calls"].append({"id": str(call.get("id") or ""), "name": fn["name"],
+                                              "arguments": _arguments(fn.get("arguments"))})
+        if role == "tool":
+            if not isinstance(raw.get("tool_call_id"), str):
+                raise HttpError(400, f"{where} is a tool message without a tool_call_id.", param="messages")
+            message["tool_call_id"] = raw["tool_call_id"]
+        out.append(message)
+    return out
+
+
+def template_messages(messages: Sequence[dict]) -> list[dict]:
+    """Normalised messages as the chat template takes them: calls with their arguments as objects, and each tool
+    message named after the call it answers (found by ``tool_call_id``)."""
+    names: dict[str, str] = {}
+    out = []
+    for m in messages:
+        rendered: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls"):
+            rendered["tool_calls"] = [{"type": "function", "id": c["id"], "function": {
+                "name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]]
+            names.update({c["id"]: c["name"] for c in m["tool_calls"]})
+        if m["role"] == "tool":
+            rendered["tool_call_id"] = m["tool_call_id"]
+            rendered["name"] = m.get("name") or names.get(m["tool_call_id"], "")
+        elif m.get("name"):
+            rendered["name"] = m["name"]
+        out.append(rendered)
+    return out
+
+
+def completion_body(*, completion_id: str, model: str, content: str | None, calls: Sequence[dict], finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice; ``calls`` are ``{"id", "name", "arguments"}`` (arguments an object,
+    sent as its JSON)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+            "name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}} for c in calls]
+    return {
+        "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }

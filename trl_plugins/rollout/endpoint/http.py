@@ -1,0 +1,133 @@
+"""A small HTTP/1.1 JSON server on the rollout's own event loop (h11 parses the protocol): what the agent endpoint
+speaks. Bound to the loopback interface only; keep-alive connections, one request at a time per connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import h11
+
+__all__ = ["HttpError", "HttpRequest", "JsonServer"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Largest request body accepted (a conversation of many long tool outputs stays far below it)."""
+
+
+class HttpError(Exception):
+    """An error response: its status and an OpenAI-style error body (``message``, ``type``, ``code``, ``param``)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class HttpRequest:
+    """One request as the handler sees it."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    """Lower-cased names."""
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body or b"null")
+        except ValueError as exc:
+            raise HttpError(400, f"the request body is not JSON: {exc}") from None
+
+
+Handler = Callable[[HttpRequest], Awaitable[tuple[int, Any]]]
+
+
+class JsonServer:
+    """Serves ``handler(request) -> (status, JSON-able body)`` on ``127.0.0.1``; a raised :class:`HttpError` becomes its
+    error response, any other exception a 500 saying what it was (and is logged)."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._connection, host="127.0.0.1", port=0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            for task in list(self._connections):
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            await self.server.wait_closed()
+            self.server = None
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_BODY_BYTES)
+        try:
+            while True:
+                request = await self._read(conn, reader)
+                if request is None:
+                    return
+                try:
+                    status, body = await self.handler(request)
+                except HttpError as exc:
+                    status, body = exc.status, exc.body()
+                except Exception as exc:  # noqa: BLE001 - the endpoint's own bug: say it, keep serving
+                    logger.exception("the agent endpoint failed to serve %s %s", request.method, request.path)
+                    status, body = 500, HttpError(500, f"the endpoint failed: {type(exc).__name__}: {exc}",
+                                                  kind="server_error").body()
+                data = json.dumps(body).encode()
+                headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+                writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+                writer.write(conn.send(h11.Data(data=data)))
+                writer.write(conn.send(h11.EndOfMessage()))
+                await writer.drain()
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (h11.RemoteProtocolError, ConnectionError, h11.LocalProtocolError):
+            return
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    @staticmethod
+    async def _read(conn: h11.Connection, reader: asyncio.StreamReader) -> HttpRequest | None:
+        head: h11.Request | None = None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await reader.read(65536)
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                return None
+            if isinstance(event, h11.Request):
+                head = event
+            elif isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > MAX_BODY_BYTES:
+                    raise h11.RemoteProtocolError("request body too large")
+                chunks.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
+                return HttpRequest(head.method.decode(), head.target.decode("latin-1"), headers, b"".join(chunks))
