@@ -47,6 +47,11 @@ __all__ = ["ChatFormat"]
 logger = logging.getLogger(__name__)
 
 
+_PROBE_SCHEMA = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+"""What a format without tools checks its template with (an exact template is exact whatever the tool)."""
+
+
 def _placeholders(n: int) -> tuple[str, ...]:
     """A placeholder output per call of a turn with ``n`` calls, none a prefix of another."""
     return (_T,) if n == 1 else tuple(f"{_T}_{k}_" for k in range(n))
@@ -112,7 +117,10 @@ class ChatFormat(TemplateChecks):
         """What the start-up check accepted with a caveat (also logged)."""
         self.calls_per_turn = calls_per_turn
         """The most calls of one turn the rollout may run; above 1 checked at construction (with ``check_prefix``)."""
-        if check_prefix:
+        if check_prefix and not self.tools:  # nothing to call: the template is checked with a probe tool instead
+            ChatFormat(tokenizer, [_PROBE_SCHEMA], final_answer_pattern=final_answer_pattern, stop_tokens=self.stop_tokens,
+                       calls_per_turn=calls_per_turn, **template_kwargs)
+        elif check_prefix:
             self._check_exact()
             if calls_per_turn > 1:
                 self._check_parallel_calls(calls_per_turn)
@@ -462,6 +470,8 @@ class ChatFormat(TemplateChecks):
         if parsed is None:
             return ParsedTurn(TurnKind.INVALID, content=text, error="the turn could not be parsed")
         content = parsed.get("content") or ""
+        reasoning = parsed.get("reasoning_content")
+        reasoning = reasoning if isinstance(reasoning, str) else ""
         calls = parsed.get("tool_calls") or []
         if not isinstance(calls, list):
             calls = [calls]
@@ -472,7 +482,7 @@ class ChatFormat(TemplateChecks):
                 return ParsedTurn(TurnKind.INVALID, content=content, error="an unterminated or malformed tool call")
             final = self.final_answer_re is None or self.final_answer_re.search(content) is not None
             kind = TurnKind.FINAL_ANSWER if final else TurnKind.NO_TOOL_CALL
-            return ParsedTurn(kind, content=content)
+            return ParsedTurn(kind, content=content, reasoning=reasoning)
         # The model wrote the JSON: a call may be any value (5, null, a list), a name any type.
         checked: list[ParsedCall] = []
         for call in calls:
@@ -502,7 +512,8 @@ class ChatFormat(TemplateChecks):
                     f"for: it understood {written}, which the template writes as "
                     f"{canonical[:120]!r}{' at ' + str(at) if at >= 0 else ''})")
             return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name, error=what)
-        return ParsedTurn(TurnKind.TOOL_CALL, content=content, tool_name=name, arguments=arguments, calls=checked)
+        return ParsedTurn(TurnKind.TOOL_CALL, content=content, tool_name=name, arguments=arguments, calls=checked,
+                          reasoning=reasoning)
 
     def _json_call_accounts_for(self, text: str, name: str, arguments: Any) -> bool:
         """Whether the call, from its opening marker on, is one JSON object holding exactly the parsed call

@@ -58,6 +58,8 @@ class ParsedTurn:
     """Parsed arguments, for TOOL_CALL (the first call's)."""
     calls: list[ParsedCall] = field(default_factory=list)
     """Every call of a TOOL_CALL turn, in the order written."""
+    reasoning: str = ""
+    """The turn's reasoning (a ``<think>`` block), as the template's response parser separates it; empty if none."""
     error: str | None = None
     """Why the turn is INVALID."""
 

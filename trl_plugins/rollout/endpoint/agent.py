@@ -149,6 +149,10 @@ class AgentEndpointRollout:
             raise RolloutError(f"{type(request.backend).__name__} generates in lock-step across ranks (a collective per "
                                f"call), which agents running on their own cannot follow.")
         chat, backend = request.chat, request.backend
+        if self.max_tool_calls_per_turn > chat.calls_per_turn:
+            raise RolloutError(f"max_tool_calls_per_turn={self.max_tool_calls_per_turn}, but the chat format was checked "
+                               f"for {chat.calls_per_turn} call(s) per turn; build it with ChatFormat(..., calls_per_turn="
+                               f"{self.max_tool_calls_per_turn}) (Run.bind_tokenizer does), or lower max_tool_calls_per_turn.")
         version = PolicyVersion(step=request.policy_step, tokenizer_digest=chat.digest, sampling=backend.sampling,
                                 logprob_source=backend.logprob_source)
         result = RolloutResult(trajectories=[])
@@ -212,11 +216,13 @@ class AgentEndpointRollout:
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
             tasks.append(asyncio.ensure_future(self._one(session, dict(q.row or {}), base_url, sessions, limit, agent_pool)))
         watcher = asyncio.ensure_future(watch(request.stop)) if request.stop is not None else None
+        stopped = False
         try:
             pending: set = set(tasks) | ({watcher} if watcher else set())
             while pending - {watcher}:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if watcher in done:
+                    stopped = True
                     break
         finally:
             for task in tasks:
@@ -230,8 +236,8 @@ class AgentEndpointRollout:
             agent_pool.shutdown(wait=False, cancel_futures=True)
         if dispatcher.fatal is not None:
             raise dispatcher.fatal
-        unfinished = sum(t.stop_reason is None for t in result.trajectories)
-        if unfinished:
+        unfinished = sum(t.stop_reason in (None, StopReason.CANCELLED) for t in result.trajectories)
+        if stopped and unfinished:
             raise RolloutCancelled(f"a stop was requested with {unfinished} agent run(s) unfinished")
 
     async def _serve(self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest) -> tuple[int, Any]:

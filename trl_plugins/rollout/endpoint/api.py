@@ -159,7 +159,7 @@ def normalise_messages(messages: Any) -> list[dict]:
                                  f"messages{hint}.", param="messages")
         message: dict[str, Any] = {"role": role, "content": _text(raw.get("content"), where)}
         known = {"role", "content", "tool_calls", "tool_call_id", "name", "refusal", "annotations", "audio",
-                 "function_call"}
+                 "function_call", "reasoning_content"}
         extra = [key for key, value in raw.items() if key not in known and value not in (None, [], {}, "")]
         if extra or any(raw.get(key) not in (None, [], {}, "") for key in ("refusal", "audio", "function_call")):
             keys = extra or [key for key in ("refusal", "audio", "function_call") if raw.get(key)]
@@ -167,6 +167,8 @@ def normalise_messages(messages: Any) -> list[dict]:
                             param="messages")
         if isinstance(raw.get("name"), str) and raw["name"]:
             message["name"] = raw["name"]
+        if role == "assistant" and raw.get("reasoning_content"):
+            message["reasoning_content"] = _text(raw["reasoning_content"], f"{where}.reasoning_content")
         if role == "assistant" and raw.get("tool_calls"):
             calls = raw["tool_calls"]
             if not isinstance(calls, list):
@@ -194,6 +196,8 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
     out = []
     for m in messages:
         rendered: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        if m.get("reasoning_content"):
+            rendered["reasoning_content"] = m["reasoning_content"]
         if m.get("tool_calls"):
             rendered["tool_calls"] = [{"type": "function", "id": c["id"], "function": {
                 "name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]]
@@ -208,10 +212,12 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
 
 
 def completion_body(*, completion_id: str, model: str, content: str | None, calls: Sequence[dict], finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, completion_tokens: int, reasoning: str = "") -> dict[str, Any]:
     """A ``chat.completion`` object with one choice; ``calls`` are ``{"id", "name", "arguments"}`` (arguments an object,
-    sent as its JSON)."""
+    sent as its JSON); ``reasoning`` goes in ``reasoning_content`` (as vLLM's servers send it) when there is one."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
             "name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}} for c in calls]

@@ -158,19 +158,21 @@ class Session:
         self.messages, self.tools, self.tokens = request.messages, request.tools, prompt + sample.token_ids
         plain = tok.decode(sample.token_ids, skip_special_tokens=True)
         calls: list[dict] = []
+        reasoning = ""
         if not sample.finished:
             self.end(StopReason.TURN_LENGTH if budget == cap else StopReason.TOKEN_BUDGET)
             content, finish = plain, "length"
         else:
-            content, finish, calls = self._read_turn(chat, turn, plain)
-        self.reply = {"role": "assistant", "content": content or "", **({"tool_calls": calls} if calls else {})}
+            content, finish, calls, reasoning = self._read_turn(chat, turn, plain)
+        self.reply = {"role": "assistant", "content": content or "", **({"tool_calls": calls} if calls else {}),
+                      **({"reasoning_content": reasoning} if reasoning else {})}
         self.replied_at = time.perf_counter()
         return completion_body(completion_id=f"chatcmpl-{self.index}-{len(turns)}", model=request.model,
                                content=content if content or not calls else None, calls=calls, finish_reason=finish,
-                               prompt_tokens=len(prompt), completion_tokens=len(sample.token_ids))
+                               prompt_tokens=len(prompt), completion_tokens=len(sample.token_ids), reasoning=reasoning)
 
-    def _read_turn(self, chat: ChatFormat, turn: Turn, plain: str) -> tuple[str, str, list[dict]]:
-        """Parse a finished turn as the built-in rollout does: ``(content, finish_reason, calls)``; an invalid action
+    def _read_turn(self, chat: ChatFormat, turn: Turn, plain: str) -> tuple[str, str, list[dict], str]:
+        """Parse a finished turn as the built-in rollout does: ``(content, finish_reason, calls, reasoning)``; an invalid action
         or a budget spent ends the trajectory (the reply still goes back to the agent)."""
         b = self.budgets
         try:
@@ -178,17 +180,17 @@ class Session:
         except Exception as exc:  # a parser bug on odd model output must not take the rollout down
             logger.exception("parsing a sampled turn raised; the trajectory ends as invalid_action")
             self.end(StopReason.INVALID_ACTION, f"the turn could not be parsed: {type(exc).__name__}: {exc}")
-            return plain, "stop", []
+            return plain, "stop", [], ""
         self.last_kind = parsed.kind
         if parsed.kind in (TurnKind.FINAL_ANSWER, TurnKind.NO_TOOL_CALL):
-            return parsed.content, "stop", []
+            return parsed.content, "stop", [], parsed.reasoning
         if parsed.kind != TurnKind.TOOL_CALL:
             self.end(StopReason.INVALID_ACTION, parsed.error or "the turn is neither a tool call nor an answer")
-            return plain, "stop", []
+            return plain, "stop", [], ""
         if len(parsed.calls) > b.max_tool_calls_per_turn:
             self.end(StopReason.INVALID_ACTION, f"the turn makes {len(parsed.calls)} tool calls, over "
                                                 f"max_tool_calls_per_turn={b.max_tool_calls_per_turn}")
-            return plain, "stop", []
+            return plain, "stop", [], ""
         k = len(self.traj.turns) - 1
         calls = [{"id": f"call_{k}_{j}", "name": c.name, "arguments": c.arguments}
                  for j, c in enumerate(parsed.calls)]
@@ -199,7 +201,7 @@ class Session:
             self.tool_calls += len(calls)
             if len(self.traj.turns) >= b.max_turns:
                 self.end(StopReason.MAX_TURNS)
-        return parsed.content, "tool_calls", calls
+        return parsed.content, "tool_calls", calls, parsed.reasoning
 
     def _extension(self, request: ChatRequest) -> list[dict] | None:
         """The new messages when ``request`` extends the conversation so far, else None (a first request, or a
@@ -230,7 +232,7 @@ class Session:
 def _same_reply(sent: dict, ours: dict) -> bool:
     """Whether ``sent`` is our reply ``ours`` as the agent sends it back: content, and each call's id, name and
     arguments as values (the SDK may re-serialise them)."""
-    if sent["role"] != "assistant" or sent["content"] != ours["content"]:
+    if sent["role"] != "assistant" or sent["content"] != ours["content"] or sent.get("reasoning_content") != ours.get("reasoning_content"):
         return False
     a, b = sent.get("tool_calls") or [], ours.get("tool_calls") or []
     return len(a) == len(b) and all(x["id"] == y["id"] and x["name"] == y["name"] and _value(x["arguments"]) == _value(y["arguments"])

@@ -1,0 +1,463 @@
+"""The agent endpoint (rollout plugin ``agent_endpoint``): the real ``openai`` client against the real server, driven
+by scripted samples, compared token for token with the built-in rollout; history rewrites; refusals; failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from conftest import code_schema
+
+from trl_plugins.datum import build_datums
+from trl_plugins.registry import REWARDS, ROLLOUTS
+from trl_plugins.rollout import (
+    ChatFormat,
+    MultiTurnRollout,
+    RolloutCancelled,
+    RolloutQuestion,
+    RolloutRequest,
+    ScriptedBackend,
+)
+from trl_plugins.rollout.endpoint import AgentEndpointRollout
+from trl_plugins.tiny import build_tokenizer
+from trl_plugins.tools.base import ToolOutput
+from trl_plugins.types import StopReason, TokenSource
+
+SCHEMA = code_schema()
+
+
+class EchoTool:
+    """The built-in rollout's side of the comparison: what the agents below compute for a call."""
+
+    name = "code_interpreter"
+
+    def schema(self) -> dict:
+        return SCHEMA
+
+    async def __call__(self, arguments: dict) -> ToolOutput:
+        return ToolOutput(text=run_code(arguments), ok=True)
+
+
+def run_code(arguments: dict) -> str:
+    return f"ran {arguments['code']}"
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA], final_answer_pattern=r"\\boxed\{", calls_per_turn=2)
+
+
+def policy(chat: ChatFormat, *, delay: float = 0.0) -> ScriptedBackend:
+    """Scripted samples driven by the question: ``calls=N`` tool calls then ``\\boxed{7}``; ``think`` opens each turn
+    with a reasoning block; ``badjson`` writes a malformed call; ``par=N`` makes N calls in one turn; ``ramble`` never
+    stops."""
+    tok = chat.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def script(prompt: list[int]) -> list[int]:
+        if delay:
+            import time
+
+            time.sleep(delay)
+        text = tok.decode(prompt)
+        done = text.count("<tool_response>")
+        question = re.findall(r"user\n(.*?)<\|im_end\|>", text, re.DOTALL)[0]
+        think = "<think>I should compute.</think>\n" if "think" in question else ""
+        if "ramble" in question:
+            return tok(" word" * 300, add_special_tokens=False)["input_ids"]
+        if "badjson" in question:
+            body = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": \n</tool_call>'
+        elif "par=" in question and done == 0:
+            n = int(re.search(r"par=(\d+)", question).group(1))
+            body = "".join(f'\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "print({k})"}}}}\n</tool_call>'
+                           for k in range(n))
+        else:
+            wanted = int((re.search(r"calls=(\d+)", question) or re.search("(0)", "0")).group(1))
+            if done < wanted:
+                body = (f'{think}Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": '
+                        f'"print({done})"}}}}\n</tool_call>')
+            else:
+                follow = text.count("Are you sure?")
+                body = f"{think}The answer is \\boxed{{{7 + follow}}}."
+        return tok(body, add_special_tokens=False)["input_ids"] + [im_end]
+
+    return ScriptedBackend(script, stop_token_ids=chat.stop_token_ids)
+
+
+def questions(chat: ChatFormat, prompts: list[str]) -> list[RolloutQuestion]:
+    return [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i, row={"prompt": p})
+            for i, p in enumerate(prompts)]
+
+
+def request(chat, prompts, *, group_size=1, backend=None, **kwargs) -> RolloutRequest:
+    return RolloutRequest(questions(chat, prompts), group_size, backend or policy(chat), chat,
+                          {"code_interpreter": EchoTool()}, policy_step=2, seed=5, **kwargs)
+
+
+async def tool_agent(client, row):
+    """A plain OpenAI-SDK agent: call the model, run each tool call it makes, send the result back, until it answers."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    while True:
+        response = await client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA])
+        message = response.choices[0].message
+        messages.append(message)  # the SDK's own message object, re-serialised by the SDK
+        if not message.tool_calls:
+            return 1.0 if "\\boxed{7}" in (message.content or "") else 0.0
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": run_code(json.loads(call.function.arguments))})
+
+
+def sync_tool_agent(client, row):
+    """:func:`tool_agent` with the blocking client (run on a worker thread)."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    while True:
+        message = client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA]).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return {"reward": 1.0 if "\\boxed{7}" in (message.content or "") else 0.0, "turns": len(messages)}
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": run_code(json.loads(call.function.arguments))})
+
+
+COMMAND_AGENT = textwrap.dedent('''
+    import json, os, sys
+    import openai
+    row = json.load(sys.stdin)
+    client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment
+    schema = json.loads(sys.argv[1])
+    messages = [{"role": "user", "content": row["prompt"]}]
+    while True:
+        message = client.chat.completions.create(model="policy", messages=messages, tools=[schema]).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            print("some log line")
+            print(json.dumps({"reward": 1.0 if "\\\\boxed{7}" in message.content else 0.0}))
+            break
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": "ran " + json.loads(call.function.arguments)["code"]})
+''')
+
+
+def test_the_plugin_is_registered_with_its_reward():
+    assert ROLLOUTS.get("agent_endpoint") is AgentEndpointRollout
+    assert REWARDS.get("agent_reward").__name__ == "AgentReward"
+
+
+@pytest.mark.parametrize("kind", ["async", "sync", "command"])
+def test_an_openai_sdk_agent_trains_exactly_the_tokens_of_the_built_in_rollout(chat, kind, tmp_path):
+    prompts = ["calls=2", "calls=0", "par=2 calls=1"]
+    built_in = MultiTurnRollout(max_tool_calls_per_turn=2)(request(chat, prompts, group_size=2))
+    if kind == "command":
+        script = tmp_path / "agent.py"
+        script.write_text(COMMAND_AGENT)
+        endpoint = AgentEndpointRollout(command=[sys.executable, str(script), json.dumps(SCHEMA)], max_tool_calls_per_turn=2)
+    else:
+        endpoint = AgentEndpointRollout(agent=tool_agent if kind == "async" else sync_tool_agent, max_tool_calls_per_turn=2)
+    served = endpoint(request(chat, prompts, group_size=2))
+    assert len(served.trajectories) == 6
+    for a, b in zip(built_in.trajectories, served.trajectories, strict=True):
+        assert (b.question_id, b.group_id, b.sample_index) == (a.question_id, a.group_id, a.sample_index)
+        assert b.stop_reason == a.stop_reason == StopReason.FINAL_ANSWER, b.error
+        assert b.policy_version == a.policy_version
+        assert len(b.turns) == len(a.turns) and b.num_segments == 1
+        for ta, tb in zip(a.turns, b.turns):
+            assert tb.prompt_ids == ta.prompt_ids
+            assert tb.completion_ids == ta.completion_ids and tb.completion_logprobs == ta.completion_logprobs
+            assert tb.prompt_sources == ta.prompt_sources
+            assert [(c.name, c.arguments, c.output) for c in tb.tool_calls] == [
+                (c.name, c.arguments, c.output) for c in ta.tool_calls]
+            assert tb.policy_step == ta.policy_step == 2
+        (da,), (db,) = build_datums(a, advantage=1.0), build_datums(b, advantage=1.0)
+        assert db == da
+        assert b.reward_components[0].name == "agent_return" and b.reward_components[0].value == 1.0
+        assert b.reward_components[0].weight == 0.0  # recorded: agent_reward (or another component) decides
+    assert any(len(t.turns[0].tool_calls) == 2 for t in served.trajectories)  # parallel calls were served too
+
+
+def test_an_edited_earlier_message_starts_a_segment_and_trains_only_what_was_sampled(chat):
+    async def editing_agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        call = first.tool_calls[0]
+        messages += [first, {"role": "tool", "tool_call_id": call.id, "content": "ran print(0)"}]
+        messages[0] = {"role": "user", "content": row["prompt"] + " (edited)"}  # the agent rewrites its history
+        second = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        messages += [second, {"role": "tool", "tool_call_id": second.tool_calls[0].id, "content": "ran print(1)"}]
+        await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])  # extends the new segment
+        return 1.0
+
+    (traj,) = AgentEndpointRollout(agent=editing_agent)(request(chat, ["calls=2"])).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER
+    assert [t.segment_start for t in traj.turns] == [False, True, False] and traj.num_segments == 2
+    tok = chat.tokenizer
+    assert "(edited)" in tok.decode(traj.turns[1].prompt_ids) and "(edited)" not in tok.decode(traj.turns[0].prompt_ids)
+    # The re-rendered segment holds the first reply again, as context: never an action.
+    assert set(traj.turns[1].prompt_sources) == {TokenSource.PROMPT}
+    first, second = build_datums(traj, advantage=1.0)
+    assert (first.bootstrap_mask, second.bootstrap_mask) == (1, 0)
+    sampled = [traj.turns[0].completion_ids, traj.turns[1].completion_ids + traj.turns[2].completion_ids]
+    for datum, tokens in zip((first, second), sampled):
+        trained = [t for t, m in zip(datum.target_ids, datum.action_mask) if m]
+        assert trained == tokens  # exactly the sampled tokens, each once
+        assert all(lp == -0.5 for lp, m in zip(datum.behaviour_logprobs, datum.action_mask) if m)
+
+
+def test_a_dropped_think_block_is_a_rewrite(chat):
+    async def stripping_agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+            kept = message.model_dump(exclude_none=True)
+            assert kept.pop("reasoning_content") == "I should compute."  # the agent drops the reasoning it was given
+            messages.append(kept)
+            if not message.tool_calls:
+                return 1.0
+            for call in message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "ran print(0)"})
+
+    (traj,) = AgentEndpointRollout(agent=stripping_agent)(request(chat, ["think calls=1"])).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    assert [t.segment_start for t in traj.turns] == [False, True]
+    assert "<think>" not in chat.tokenizer.decode(traj.turns[1].prompt_ids)
+    assert sum(d.num_loss_tokens for d in build_datums(traj, advantage=1.0)) == traj.num_action_tokens
+
+
+def test_a_template_that_drops_old_thinking_is_not_a_rewrite():
+    chat = ChatFormat(build_tokenizer("qwen3"), [SCHEMA], final_answer_pattern=r"\\boxed\{")
+    (traj,) = AgentEndpointRollout(agent=tool_agent)(request(chat, ["think calls=1"])).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER and traj.num_segments == 1
+    # Qwen3's template would drop the first turn's <think> from the history; the endpoint continues its tokens.
+    assert "<think>I should compute.</think>" in chat.tokenizer.decode(traj.turns[1].prompt_ids)
+    assert traj.turns[1].prompt_ids[:len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids)] == (
+        traj.turns[0].prompt_ids + traj.turns[0].completion_ids)
+
+
+def test_a_user_follow_up_continues_the_tokens_as_the_template_renders_them(chat):
+    async def doubting_agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(2):
+            message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+            messages += [message, {"role": "user", "content": "Are you sure?"}]
+        return 1.0
+
+    (traj,) = AgentEndpointRollout(agent=doubting_agent)(request(chat, ["calls=0"])).trajectories
+    assert traj.num_segments == 1 and len(traj.turns) == 2
+    second = traj.turns[1]
+    tok = chat.tokenizer
+    conversation = [{"role": "user", "content": "calls=0"}, {"role": "assistant", "content": "The answer is \\boxed{7}."},
+                    {"role": "user", "content": "Are you sure?"}]
+    rendered = tok.apply_chat_template(conversation, tools=[SCHEMA], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(second.prompt_ids) == rendered
+    added = second.prompt_ids[len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids):]
+    observed = [t for t, s in zip(added, second.prompt_sources) if s == TokenSource.OBSERVATION]
+    assert tok.decode(observed) == "Are you sure?"
+    assert "boxed{8}" in traj.turns[1].text  # the policy saw the follow-up
+
+
+def test_a_malformed_tool_call_is_the_policys_invalid_action(chat):
+    seen = {}
+
+    async def agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        seen["message"] = message
+        messages.append(message)
+        messages.append({"role": "user", "content": "go on"})
+        await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])  # refused: it has ended
+
+    (traj,) = AgentEndpointRollout(agent=agent)(request(chat, ["badjson"])).trajectories
+    assert traj.stop_reason == StopReason.INVALID_ACTION  # not environment_error: the agent raised because of it
+    assert "malformed" in traj.error or "unterminated" in traj.error
+    assert seen["message"].tool_calls is None and "<tool_call>" in seen["message"].content
+    assert len(traj.turns) == 1 and traj.num_action_tokens == len(traj.turns[0].completion_ids)
+
+
+def test_budgets_end_trajectories_as_the_built_in_rollout_does(chat):
+    for prompts, budgets in ((["ramble"], {"max_assistant_tokens": 40}), (["calls=5"], {"max_turns": 2}),
+                             (["calls=5"], {"max_tool_calls": 1})):
+        built_in = MultiTurnRollout(**budgets)(request(chat, prompts))
+        served = AgentEndpointRollout(agent=tool_agent, **budgets)(request(chat, prompts))
+        (a,), (b,) = built_in.trajectories, served.trajectories
+        assert b.stop_reason == a.stop_reason, (budgets, b.error)
+        assert [t.prompt_ids + t.completion_ids for t in b.turns] == [t.prompt_ids + t.completion_ids for t in a.turns]
+
+
+def test_requests_are_refused_with_what_to_send_instead(chat):
+    outcomes = {}
+
+    async def agent(client, row):
+        import openai
+
+        base = dict(model="m", messages=[{"role": "user", "content": row["prompt"]}], tools=[SCHEMA])
+        for name, extra in {"n": {"n": 2}, "stream": {"stream": True}, "logprobs": {"logprobs": True},
+                            "tool_choice": {"tool_choice": "required"}, "temperature": {"temperature": 0.3},
+                            "max_tokens": {"max_tokens": 10_000}, "seed": {"seed": 1},
+                            "unknown": {"extra_body": {"guided_json": {}}}}.items():
+            try:
+                await client.chat.completions.create(**base, **extra)
+            except openai.BadRequestError as exc:
+                outcomes[name] = exc.body["message"] if isinstance(exc.body, dict) else str(exc)
+        ok = await client.chat.completions.create(**base, temperature=1.0, max_tokens=64, tool_choice="auto")
+        outcomes["ok"] = ok.choices[0].finish_reason
+        return 1.0
+
+    (traj,) = AgentEndpointRollout(agent=agent)(request(chat, ["calls=0"])).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER and len(traj.turns) == 1  # refusals sampled nothing
+    assert outcomes.pop("ok") == "stop"
+    assert set(outcomes) == {"n", "stream", "logprobs", "tool_choice", "temperature", "max_tokens", "seed", "unknown"}
+    assert "send n=1" in outcomes["n"] and "omit stream" in outcomes["stream"]
+    assert "samples with temperature=1.0" in outcomes["temperature"] and "from 1 to 512" in outcomes["max_tokens"]
+    assert "'guided_json'" in outcomes["unknown"] and "tool_choice 'auto'" in outcomes["tool_choice"]
+
+
+def test_a_request_without_the_key_or_a_live_session_is_refused(chat):
+    import httpx
+
+    statuses = {}
+
+    async def agent(client, row):
+        base = str(client.base_url).rstrip("/")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient() as http:
+            statuses["no key"] = (await http.post(f"{base}/chat/completions", json=body)).status_code
+            statuses["wrong key"] = (await http.post(f"{base}/chat/completions", json=body,
+                                                     headers={"authorization": "Bearer nope"})).status_code
+            other = re.sub(r"/s/[^/]+/", "/s/not-a-session/", base)
+            reply = await http.post(f"{other}/chat/completions", json=body, headers={"authorization": f"Bearer {client.api_key}"})
+            statuses["unknown session"] = reply.status_code
+            statuses["says"] = reply.json()["error"]["code"]
+            statuses["models"] = (await http.get(f"{base}/models", headers={"authorization": f"Bearer {client.api_key}"})).status_code
+        statuses["host"] = client.base_url.host
+        return await tool_agent(client, row)
+
+    (traj,) = AgentEndpointRollout(agent=agent)(request(chat, ["calls=0"])).trajectories
+    assert statuses == {"no key": 401, "wrong key": 401, "unknown session": 404, "says": "unknown_session",
+                        "models": 200, "host": "127.0.0.1"}
+    assert traj.stop_reason == StopReason.FINAL_ANSWER
+
+
+def test_a_finished_trajectorys_session_is_closed(chat):
+    kept = {}
+
+    async def agent(client, row):
+        kept["client"] = client.base_url, client.api_key
+        return await tool_agent(client, row)
+
+    async def late(client, row):
+        import openai
+
+        base_url, key = kept["client"]
+        async with openai.AsyncOpenAI(base_url=str(base_url), api_key=key, max_retries=0) as old:
+            try:
+                await old.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            except openai.APIStatusError as exc:
+                kept["late"] = exc.status_code
+            except openai.APIConnectionError:
+                kept["late"] = "closed"  # that rollout's server is gone altogether
+        return await tool_agent(client, row)
+
+    rollout = AgentEndpointRollout(agent=agent)
+    rollout(request(chat, ["calls=0"]))
+    rollout.agent = late
+    rollout(request(chat, ["calls=0"]))
+    assert kept["late"] in (404, "closed")
+
+
+def test_agents_that_raise_hang_or_return_junk_end_as_environment_errors(chat):
+    async def raises(client, row):
+        await tool_agent(client, row)
+        raise RuntimeError("the agent's own bug")
+
+    async def hangs(client, row):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}],
+                                             tools=[SCHEMA])
+        await asyncio.sleep(60)
+
+    async def junk(client, row):
+        await tool_agent(client, row)
+        return "yes"
+
+    async def silent(client, row):
+        return 1.0
+
+    def blocks(client, row):  # a synchronous agent stuck in its own code
+        threading.Event().wait(60)
+
+    for agent, says in ((raises, "RuntimeError: the agent's own bug"), (hangs, "agent_time_limit_s=0.5"),
+                        (junk, "the agent returned 'yes'"), (silent, "without asking the model anything"),
+                        (blocks, "agent_time_limit_s=0.5")):
+        (traj,) = AgentEndpointRollout(agent=agent, agent_time_limit_s=0.5)(request(chat, ["calls=1"])).trajectories
+        assert traj.stop_reason == StopReason.ENVIRONMENT_ERROR and says in traj.error, (agent.__name__, traj.error)
+        assert traj.turns  # the question is on record (a turn with nothing sampled when the agent never asked)
+
+
+def test_a_slow_reply_ends_its_trajectory_at_the_request_time_limit(chat):
+    (traj,) = AgentEndpointRollout(agent=tool_agent, request_time_limit_s=0.2)(
+        request(chat, ["calls=1"], backend=policy(chat, delay=0.5))).trajectories
+    assert traj.stop_reason == StopReason.ENVIRONMENT_ERROR and "request_time_limit_s=0.2" in traj.error
+
+
+def test_a_command_that_fails_is_an_environment_error(chat, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text("import sys; print('not json'); sys.exit(0)\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys; sys.stderr.write('boom'); sys.exit(3)\n")
+    (a,) = AgentEndpointRollout(command=f"{sys.executable} {script}")(request(chat, ["calls=0"])).trajectories
+    (b,) = AgentEndpointRollout(command=[sys.executable, str(bad)])(request(chat, ["calls=0"])).trajectories
+    assert a.stop_reason == b.stop_reason == StopReason.ENVIRONMENT_ERROR
+    assert "not JSON" in a.error and "status 3: boom" in b.error
+
+
+def test_many_agents_are_in_flight_at_once(chat):
+    state = {"now": 0, "peak": 0}
+
+    async def agent(client, row):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        try:
+            await asyncio.sleep(0.05)  # the agent's own work (a tool) while others ask the model
+            return await tool_agent(client, row)
+        finally:
+            state["now"] -= 1
+
+    result = AgentEndpointRollout(agent=agent)(request(chat, ["calls=1"] * 4, group_size=4))
+    assert state["peak"] == 16 and all(t.stop_reason == StopReason.FINAL_ANSWER for t in result.trajectories)
+    assert result.rounds < 2 * 16  # turns of different agents shared generate calls
+    state["peak"] = 0
+    AgentEndpointRollout(agent=agent, max_concurrent_agents=3)(request(chat, ["calls=1"] * 4, group_size=2))
+    assert state["peak"] == 3
+
+
+def test_a_stop_request_cancels_the_agents(chat):
+    stop = threading.Event()
+
+    async def agent(client, row):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}],
+                                             tools=[SCHEMA])
+        stop.set()
+        await asyncio.sleep(30)
+
+    with pytest.raises(RolloutCancelled) as caught:
+        AgentEndpointRollout(agent=agent)(request(chat, ["calls=1"], stop=stop))
+    (traj,) = caught.value.rollout_result.trajectories
+    assert traj.stop_reason == StopReason.CANCELLED
+
+
+def test_bad_settings_are_refused_at_construction():
+    from trl_plugins.rollout import RolloutError
+
+    with pytest.raises(RolloutError, match="exactly one of agent"):
+        AgentEndpointRollout()
+    with pytest.raises(RolloutError, match="cannot be imported"):
+        AgentEndpointRollout(agent="no_such_module_xyz:agent")
+    with pytest.raises(RolloutError, match="agent_time_limit_s must be > 0"):
+        AgentEndpointRollout(agent=tool_agent, agent_time_limit_s=0)
