@@ -5,6 +5,7 @@ are valid partitions, capabilities declared, plugins pickle. Each check is also 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -33,7 +34,23 @@ def test_packer_plugins(name):
 
 @pytest.mark.parametrize("name", REWARDS.names())
 def test_reward_plugins(name):
-    check_reward_contract(name)
+    # agent_reward scores with what the agent returned, else the row's reward: this row gives one.
+    example = {"answer": "42", "prompt": "What is 6 * 7?", "reward": 0.5} if name == "agent_reward" else None
+    check_reward_contract(name, example=example)
+
+
+async def echo_agent(client, row):
+    """An OpenAI-SDK agent for the contract's scripted policy: it offers the echo tool and runs its calls."""
+    schema = {"type": "function", "function": {"name": "echo", "description": "Echo the text.", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    messages = [{"role": "user", "content": row["prompt"]}]
+    while True:
+        message = (await client.chat.completions.create(model="m", messages=messages, tools=[schema])).choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            return 1.0
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.loads(call.function.arguments)["text"] + "\n"})
 
 
 @pytest.mark.parametrize("name", TOOLS.names())
@@ -44,7 +61,7 @@ def test_tool_plugins(name):
 
 @pytest.mark.parametrize("name", ROLLOUTS.names())
 def test_rollout_plugins(name):
-    check_rollout_contract(name)
+    check_rollout_contract(name, {"agent": echo_agent} if name == "agent_endpoint" else None)
 
 
 def test_third_party_plugins_meet_the_contract(isolated_registries, monkeypatch):

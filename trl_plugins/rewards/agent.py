@@ -29,9 +29,11 @@ class AgentReward:
     score is unknown, not zero)."""
 
     def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> float:
-        for name in (AGENT_REWARD, ROW_REWARD):
-            for component in trajectory.reward_components:
-                if component.name == name:
-                    return component.value
+        for component in trajectory.reward_components:
+            if component.name == AGENT_REWARD:
+                return component.value
+        reward = example.get("reward")
+        if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+            return float(reward)
         raise ValueError("the agent returned no reward and the row has no 'reward': return a number from the agent, or "
                          "configure a reward component that scores the trajectory.")

@@ -91,6 +91,11 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _placeholders(n: int) -> tuple[str, ...]:
+    """A placeholder output per call of a turn with ``n`` calls, none a prefix of another."""
+    return (_T,) if n == 1 else tuple(f"{_T}_{k}_" for k in range(n))
+
+
 def _first_difference(a: Sequence, b: Sequence) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
