@@ -461,3 +461,128 @@ def test_bad_settings_are_refused_at_construction():
         AgentEndpointRollout(agent="no_such_module_xyz:agent")
     with pytest.raises(RolloutError, match="agent_time_limit_s must be > 0"):
         AgentEndpointRollout(agent=tool_agent, agent_time_limit_s=0)
+
+
+# -- segments in the update ------------------------------------------------------------------------------------------
+
+def _segmented(reward: float, *, group_id: int = 0, sample_index: int = 0, split: bool = True):
+    """A 3-turn trajectory whose second turn starts a segment (``split``), or the same tokens as one segment."""
+    from trl_plugins.types import RewardComponent, Trajectory, Turn
+
+    first = Turn(prompt_ids=[5, 6, 7], completion_ids=[8, 9], completion_logprobs=[-0.1, -0.2],
+                 prompt_sources=[TokenSource.PROMPT] * 3)
+    if split:  # the agent rewrote its history: the second turn's prompt is rendered afresh
+        second_prompt = [5, 6, 70, 8, 9, 11]
+        second = Turn(prompt_ids=second_prompt, completion_ids=[12], completion_logprobs=[-0.3],
+                      prompt_sources=[TokenSource.PROMPT] * 6, segment_start=True)
+    else:
+        second_prompt = [5, 6, 7, 8, 9, 11]
+        second = Turn(prompt_ids=second_prompt, completion_ids=[12], completion_logprobs=[-0.3],
+                      prompt_sources=[TokenSource.OBSERVATION])
+    third = Turn(prompt_ids=second_prompt + [12, 13], completion_ids=[14, 15], completion_logprobs=[-0.4, -0.5],
+                 prompt_sources=[TokenSource.OBSERVATION])
+    return Trajectory(turns=[first, second, third], group_id=group_id, sample_index=sample_index,
+                      stop_reason=StopReason.FINAL_ANSWER, reward_components=[RewardComponent("correct", reward)])
+
+
+def test_segments_share_their_trajectorys_advantage_and_count_once_in_its_group():
+    from trl_plugins.algos.advantages import GroupAdvantage  # noqa: F401 - registered as "group"
+    from trl_plugins.registry import ADVANTAGES
+    from trl_plugins.protocols import as_advantage
+    from trl_plugins.rollout.validate import validate_trajectory
+    from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
+    from trl_plugins.types import AdvantageInput
+
+    group = as_advantage(ADVANTAGES.get("group")(), "group")
+    split = [_segmented(1.0), _segmented(0.0, sample_index=1), _segmented(0.0, sample_index=2, split=False)]
+    whole = [_segmented(1.0, split=False), _segmented(0.0, sample_index=1, split=False), _segmented(0.0, sample_index=2, split=False)]
+    for traj in split:
+        validate_trajectory(traj)
+    datums = build_datums_for_update(split, [None] * 3, max_context_tokens=None)
+    assert [d.trajectory_index for d in datums] == [0, 0, 1, 1, 2]
+    assign_advantages(group, split, datums)
+    reference = build_datums_for_update(whole, [None] * 3, max_context_tokens=None)
+    assign_advantages(group, whole, reference)
+    # Each trajectory once in its group: the advantages of the unsplit batch, on every segment.
+    assert [t.advantage for t in split] == [t.advantage for t in whole]
+    for d in datums:
+        a = split[d.trajectory_index].advantage
+        assert d.advantages == [a if m else 0.0 for m in d.action_mask]
+    # Negative control: had each segment counted as a member, the group mean would be 2/4 with four rows.
+    doubled = group(AdvantageInput(rewards=torch_tensor([1.0, 1.0, 0.0, 0.0, 0.0]), group_ids=torch_tensor([0] * 5)))
+    assert float(doubled.advantages[0]) != split[0].advantage
+    # Every sampled token is trained once, in the segment that holds it.
+    assert sum(d.num_loss_tokens for d in datums[:2]) == split[0].num_action_tokens == 5
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float64 if isinstance(values[0], float) else torch.long)
+
+
+def test_segments_bootstrap_between_them_and_sum_their_kl():
+    from trl_plugins.trainers.batch import add_kl_penalty, build_datums_for_update
+
+    traj = _segmented(1.0)
+    traj.stop_reason = StopReason.TURN_LENGTH
+    traj.turns[-1].truncated = True
+    datums = build_datums_for_update([traj], [None], max_context_tokens=None)
+    assert [d.bootstrap_mask for d in datums] == [1, 0]  # the episode goes on after the first; its end is an outcome
+    datums = build_datums_for_update([traj], [None], max_context_tokens=None, bootstrap_truncated=True)
+    assert [d.bootstrap_mask for d in datums] == [1, 1]
+    for d in datums:  # reference log-probs 0.1 above the behaviour ones: k1 KL of -0.1 per action token
+        d.ref_logprobs = [lp + 0.1 if m else 0.0 for lp, m in zip(d.behaviour_logprobs, d.action_mask)]
+    add_kl_penalty([traj], datums, beta=0.5, estimator="k1")
+    (kl,) = [c for c in traj.reward_components if c.name == "kl_penalty"]
+    assert kl.value == pytest.approx(0.1 * 5) and kl.weight == 0.5  # both segments' 2 + 3 action tokens
+
+
+def test_the_configured_rewards_win_and_the_agents_is_recorded():
+    from trl_plugins.protocols import as_reward
+    from trl_plugins.rollout.endpoint import record_rewards
+    from trl_plugins.trainers.batch import score_trajectories
+    from trl_plugins.types import Trajectory
+
+    def trajectory(value, row):
+        traj = _segmented(0.0)
+        traj.reward_components = []
+        assert record_rewards(traj, value, row) is None
+        return traj
+
+    returned = as_reward(REWARDS.get("agent_reward")(), "agent_reward")
+    length = as_reward(lambda traj, row: 0.25, "length", weight=2.0)
+    both = trajectory({"reward": 1.0, "steps": 3}, {"reward": 0.5})
+    score_trajectories([length], [both], [{"reward": 0.5}])
+    assert [(c.name, c.value, c.weight) for c in both.reward_components] == [
+        ("length", 0.25, 2.0), ("agent_return", 1.0, 0.0), ("agent_return/steps", 3.0, 0.0), ("row_reward", 0.5, 0.0)]
+    assert both.reward == 0.5
+    rows = [{"reward": 0.5}, {}]
+    from_agent, from_row, neither = trajectory(1.0, rows[0]), trajectory(None, rows[0]), trajectory(None, rows[1])
+    for traj, group in ((from_agent, 0), (from_row, 0), (neither, 1)):
+        traj.group_id = group
+    failures = score_trajectories([returned], [from_agent, from_row, neither], rows)
+    assert (from_agent.reward, from_row.reward) == (1.0, 0.5)
+    assert neither.stop_reason == StopReason.VERIFIER_ERROR and failures == {"agent_reward": 1}  # unknown, not 0
+    assert record_rewards(Trajectory(turns=[]), "yes", {}) is not None
+    assert record_rewards(Trajectory(turns=[]), {"reward": float("nan")}, {}) is not None
+
+
+def test_a_run_refuses_the_tools_and_system_prompt_an_agent_would_not_use(tmp_path):
+    from trl_plugins.run import resolve_run
+    from trl_plugins.trainers import MultiTurnGRPOConfig
+
+    def config(**overrides):
+        kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1, use_cpu=True,
+                      report_to=[], save_strategy="no", bf16=False, rollout="agent_endpoint",
+                      rollout_kwargs={"agent": "test_agent_endpoint:tool_agent"}, reward_components=["agent_reward"])
+        kwargs.update(overrides)
+        return MultiTurnGRPOConfig(**kwargs)
+
+    with pytest.raises(ValueError, match=r"tools=\['code_interpreter'\] would be used by nothing: set tools: \[\]"):
+        resolve_run(config())
+    with pytest.raises(ValueError, match="system_prompt='Be brief.' would be used by nothing"):
+        resolve_run(config(tools=[], system_prompt="Be brief."))
+    run = resolve_run(config(tools=[]))
+    assert run.rollout.agent_conversation and run.rollout.token_budget == 4096
+    run.bind_tokenizer(build_tokenizer("qwen2_5"))  # a run without tools still checks its template
