@@ -197,10 +197,14 @@ def staleness_metrics(counts: Sequence[float]) -> dict[str, float]:
 
 
 def engine_metrics(result: RolloutResult) -> dict[str, float]:
-    """What this rank's rollout engine did: timings, generate calls, most concurrent tool calls, and how far
-    the rollout's wall time is from its critical path (the longest trajectory's own generation + tool chain)."""
+    """What this rank's rollout engine did: timings, generate calls, most concurrent tool calls, segments per trajectory,
+    and how far the rollout's wall time is from its critical path (the longest trajectory's own generation + tool
+    chain)."""
     turns = [turn for traj in result.trajectories for turn in traj.turns]
+    n = max(len(result.trajectories), 1)
     return {
+        # Datums per trajectory: above 1 where an agent behind the endpoint rewrote its history (Turn.segment_start).
+        "rollout/segments_per_trajectory": sum(t.num_segments for t in result.trajectories) / n if result.trajectories else 1.0,
         "rollout/max_concurrent_tool_calls": float(result.max_concurrent_tool_calls),
         "rollout/generate_calls": float(result.rounds),
         "rollout/critical_path_s": result.critical_path_s,

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import hmac
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -21,6 +23,7 @@ import os
 import secrets
 import shlex
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
@@ -46,11 +49,25 @@ class AgentFailed(Exception):
 
 
 def _load(spec: str) -> Callable[..., Any]:
-    module, _, attr = spec.partition(":")
+    """The agent ``spec`` names: ``'package.module:function'``, or ``'path/to/file.py:function'`` (relative to the
+    working directory)."""
+    module, _, attr = spec.rpartition(":")
     if not module or not attr:
-        raise RolloutError(f"agent={spec!r}: name it as 'package.module:function'.")
+        raise RolloutError(f"agent={spec!r}: name it as 'package.module:function' or 'path/to/file.py:function'.")
     try:
-        obj: Any = importlib.import_module(module)
+        if module.endswith(".py"):
+            path = os.path.abspath(module)
+            name = "trl_plugins_agent_" + hashlib.sha256(path.encode()).hexdigest()[:12]
+            obj: Any = sys.modules.get(name)
+            if obj is None:
+                if not os.path.isfile(path):
+                    raise ImportError(f"no file {path}")
+                loader = importlib.util.spec_from_file_location(name, path)
+                obj = importlib.util.module_from_spec(loader)
+                sys.modules[name] = obj
+                loader.loader.exec_module(obj)
+        else:
+            obj = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
@@ -79,7 +96,8 @@ class AgentEndpointRollout:
     """
 
     agent: str | Callable[..., Any] | None = None
-    """``'package.module:function'`` (or the function itself): ``[async] def agent(client, row) -> reward``."""
+    """``'package.module:function'`` or ``'path/to/file.py:function'`` (or the function itself):
+    ``[async] def agent(client, row) -> reward``."""
     command: str | list | None = None
     """A command (a list of arguments, or one string split as a shell would) run per trajectory instead."""
     max_turns: int = 8
