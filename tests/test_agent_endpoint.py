@@ -390,7 +390,7 @@ def test_agents_that_raise_hang_or_return_junk_end_as_environment_errors(chat):
         return 1.0
 
     def blocks(client, row):  # a synchronous agent stuck in its own code
-        threading.Event().wait(60)
+        threading.Event().wait(3)  # past the limit; the thread ends on its own (a pool thread is joined at exit)
 
     for agent, says in ((raises, "RuntimeError: the agent's own bug"), (hangs, "agent_time_limit_s=0.5"),
                         (junk, "the agent returned 'yes'"), (silent, "without asking the model anything"),
@@ -586,3 +586,83 @@ def test_a_run_refuses_the_tools_and_system_prompt_an_agent_would_not_use(tmp_pa
     run = resolve_run(config(tools=[]))
     assert run.rollout.agent_conversation and run.rollout.token_budget == 4096
     run.bind_tokenizer(build_tokenizer("qwen2_5"))  # a run without tools still checks its template
+
+
+async def rewriting_agent(client, row):
+    """Runs the tool calls, but edits its first message before every later request: each later turn is a segment."""
+    import random
+
+    messages = [{"role": "user", "content": row["prompt"]}]
+    while True:
+        message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            return random.random()  # rewards that differ within a group: advantages that are not 0
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))})
+        messages[0] = {"role": "user", "content": messages[0]["content"] + " (edited)"}
+
+
+class ScriptedAgentRollout(AgentEndpointRollout):
+    """The endpoint with the scripted policy of this file instead of the model (the trainer still updates the model
+    on those tokens)."""
+
+    def __call__(self, request):
+        import dataclasses
+
+        return super().__call__(dataclasses.replace(request, backend=policy(request.chat)))
+
+
+def test_the_trainer_trains_every_segment_with_its_trajectorys_advantage(tmp_path):
+    import torch
+    from datasets import Dataset
+
+    from trl_plugins.tiny import build_tiny_model
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    config = MultiTurnGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1, use_cpu=True,
+        report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True, bf16=False,
+        rollout="test_agent_endpoint:ScriptedAgentRollout", tools=[], reward_components=["agent_reward"],
+        rollout_kwargs={"agent": "test_agent_endpoint:rewriting_agent", "max_trajectory_tokens": 1000},
+        max_padded_tokens_per_micro_batch=8000, max_items_per_micro_batch=4, final_answer_pattern=r"\\boxed\{")
+    data = Dataset.from_list([{"prompt": "calls=1", "answer": "7"}, {"prompt": "calls=2", "answer": "7"}])
+    trainer = MultiTurnGRPOTrainer(model, config, train_dataset=data, processing_class=tok)
+    trainer.train()
+    batch = trainer.last_batch
+    assert all(t.stop_reason == StopReason.FINAL_ANSWER for t in batch.trajectories)
+    segments = [t.num_segments for t in batch.trajectories]
+    assert sorted(set(segments)) == [2, 3] and len(batch.datums) == sum(segments)  # one datum per segment
+    for d in batch.datums:
+        traj = batch.trajectories[d.trajectory_index]
+        assert traj.advantage != 0.0 and set(d.advantages) == {traj.advantage, 0.0}
+    # Each trajectory's sampled tokens are trained once over its segments.
+    for i, traj in enumerate(batch.trajectories):
+        assert sum(d.num_loss_tokens for d in batch.datums if d.trajectory_index == i) == traj.num_action_tokens
+    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    assert record["rollout/segments_per_trajectory"] == pytest.approx(sum(segments) / len(segments))
+    assert record["train/datums"] == sum(segments)
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_the_example_config_resolves_before_any_model_loads(monkeypatch):
+    from pathlib import Path
+
+    from trl_plugins.run import resolve_run
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the config names the agent by its path from the repository root
+    monkeypatch.syspath_prepend(str(root / "recipes"))
+    from retool.config import parse_args
+
+    _, training_args = parse_args(["--config", "examples/openai_agent/retool_agent.yaml"])
+    run = resolve_run(training_args)
+    assert run.rollout.name == "agent_endpoint" and run.rollout.agent_conversation
+    assert run.rollout.impl.agent == "examples/openai_agent/agent.py:solve" and run.rollout.token_budget == 1024
+    import importlib
+
+    agent = importlib.import_module(run.rollout.impl.__module__)._load(run.rollout.impl.agent)
+    assert agent.__name__ == "solve" and agent.__globals__["CODE_TOOL"] == SCHEMA  # what the model was cold-started with

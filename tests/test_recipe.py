@@ -31,7 +31,8 @@ def _recipe_module():
     return retool_ppo
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "examples").rglob("*.yaml")),
+                         ids=lambda p: p.name)
 def test_every_recipe_yaml_loads_and_validates(path):
     retool_ppo = _recipe_module()
     values = yaml.safe_load(path.read_text())
