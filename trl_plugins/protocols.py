@@ -138,6 +138,8 @@ class Rollout(Protocol):
     """The most tokens one trajectory can hold, or None when unbounded."""
     # Optional: ``tool_calls_per_turn`` (int >= 1, default 1), the most calls of one turn it runs (parallel calls);
     # above 1 the run's chat format checks at start-up that the template renders that many exactly.
+    # ``agent_conversation`` (bool, default False): an agent writes the conversation, so the run refuses its own
+    # ``tools`` and ``system_prompt``.
 
     def __call__(self, request: Any) -> Any: ...
 

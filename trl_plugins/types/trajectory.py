@@ -32,7 +32,8 @@ class StopReason(enum.StrEnum):
     FINAL_ANSWER = "final_answer"
     """Terminated: the model gave a final answer (e.g. a ``\\boxed{}`` line) and no tool call."""
     NO_TOOL_CALL = "no_tool_call"
-    """Terminated: the turn ended naturally with neither a tool call nor a final answer."""
+    """Terminated: the turn ended naturally with neither a tool call nor a final answer, or an agent behind the
+    endpoint ended the episode after a turn whose calls it did not answer."""
     INVALID_ACTION = "invalid_action"
     """Terminated: a malformed tool call, more calls in one turn than ``max_tool_calls_per_turn``, or text after
     the call."""
