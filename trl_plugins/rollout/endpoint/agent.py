@@ -216,6 +216,9 @@ class AgentEndpointRollout:
         server = JsonServer(lambda incoming: self._serve(incoming, sessions, request))
         await server.start()
         http = _HttpClients(connections=len(result.trajectories))
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(result.trajectories), desc="agents", unit="traj", disable=not request.progress, leave=False)
         limit = asyncio.Semaphore(self.max_concurrent_agents or max(1, len(result.trajectories)))
 
         def chat_for(tools: list[dict]) -> ChatFormat:
@@ -236,8 +239,9 @@ class AgentEndpointRollout:
             session = Session(key, index, traj, budgets, chat_for, dispatcher.generate, request.seed, request.policy_step)
             sessions[key] = session
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
-            tasks.append(asyncio.ensure_future(self._one(session, dict(q.row or {}), base_url, sessions, limit, agent_pool,
-                                                         http)))
+            task = asyncio.ensure_future(self._one(session, dict(q.row or {}), base_url, sessions, limit, agent_pool, http))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
         watcher = asyncio.ensure_future(watch(request.stop)) if request.stop is not None else None
         stopped = False
         try:
@@ -256,6 +260,7 @@ class AgentEndpointRollout:
             await http.close()
             await server.close()
             await dispatcher.drain()
+            bar.close()
             pool.shutdown(wait=True)
             agent_pool.shutdown(wait=False, cancel_futures=True)
         if dispatcher.fatal is not None:
