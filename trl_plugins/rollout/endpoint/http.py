@@ -103,6 +103,8 @@ class JsonServer:
                 conn.start_next_cycle()
         except (h11.RemoteProtocolError, ConnectionError, h11.LocalProtocolError):
             return
+        except asyncio.CancelledError:  # the server is closing (asyncio's own callback must not see a cancelled task)
+            return
         finally:
             self._connections.discard(task)
             writer.close()
