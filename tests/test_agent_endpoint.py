@@ -429,8 +429,15 @@ def test_many_agents_are_in_flight_at_once(chat):
         finally:
             state["now"] -= 1
 
-    result = AgentEndpointRollout(agent=agent)(request(chat, ["calls=1"] * 4, group_size=4))
+    pools = set()
+
+    async def sharing(client, row):
+        pools.add(id(client._client))  # the HTTP pool under the SDK client
+        return await agent(client, row)
+
+    result = AgentEndpointRollout(agent=sharing)(request(chat, ["calls=1"] * 4, group_size=4))
     assert state["peak"] == 16 and all(t.stop_reason == StopReason.FINAL_ANSWER for t in result.trajectories)
+    assert len(pools) == 1  # one connection pool for the rollout's 16 agents
     assert result.rounds < 2 * 16  # turns of different agents shared generate calls
     state["peak"] = 0
     AgentEndpointRollout(agent=agent, max_concurrent_agents=3)(request(chat, ["calls=1"] * 4, group_size=2))
@@ -666,3 +673,29 @@ def test_the_example_config_resolves_before_any_model_loads(monkeypatch):
 
     agent = importlib.import_module(run.rollout.impl.__module__)._load(run.rollout.impl.agent)
     assert agent.__name__ == "solve" and agent.__globals__["CODE_TOOL"] == SCHEMA  # what the model was cold-started with
+
+
+def test_an_agent_that_ends_after_unanswered_calls_ends_as_no_tool_call(chat):
+    async def impatient(client, row):
+        message = (await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}],
+                                                        tools=[SCHEMA])).choices[0].message
+        assert message.tool_calls and response_reason(message) == "tool_calls"
+        return 0.0
+
+    def response_reason(message):
+        return "tool_calls" if message.tool_calls else "stop"
+
+    (traj,) = AgentEndpointRollout(agent=impatient)(request(chat, ["calls=2"])).trajectories
+    assert traj.stop_reason == StopReason.NO_TOOL_CALL and traj.terminated
+    assert traj.turns[0].tool_calls[0].arguments == {"code": "print(0)"} and traj.turns[0].tool_calls[0].output == ""
+
+
+def test_turn_level_credit_refuses_segmented_trajectories():
+    from trl_plugins.protocols import as_advantage
+    from trl_plugins.registry import ADVANTAGES
+    from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
+
+    trajs = [_segmented(1.0), _segmented(0.0, sample_index=1)]
+    datums = build_datums_for_update(trajs, [None, None], max_context_tokens=None)
+    with pytest.raises(ValueError, match="trajectories of several segments .* use an outcome estimator"):
+        assign_advantages(as_advantage(ADVANTAGES.get("turn_group")(), "turn_group"), trajs, datums)

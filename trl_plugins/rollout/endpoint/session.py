@@ -69,8 +69,6 @@ class Session:
     tool_calls: int = 0
     last_kind: TurnKind | None = None
     replied_at: float = 0.0
-    requests: int = 0
-    rewrites: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -99,12 +97,11 @@ class Session:
                               f"conversation cannot go on. Return from the agent.", code="trajectory_ended")
 
     async def _complete(self, request: ChatRequest) -> dict[str, Any]:
+        self._record_tool_outputs(request.messages)  # also when it ended at that turn: what the tools returned
         if self.ended:
             raise self._refuse_ended()
-        self.requests += 1
         chat = self.chat_for(request.tools)
         turns, b = self.traj.turns, self.budgets
-        self._record_tool_outputs(request.messages)
         new = self._extension(request)
         if new is not None:
             last = turns[-1]
@@ -126,7 +123,6 @@ class Session:
                 raise HttpError(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
                                 param="messages") from exc
             sources, segment_start = [TokenSource.PROMPT] * len(prompt), bool(turns)
-            self.rewrites += segment_start
         if len(turns) >= b.max_turns:
             self.end(StopReason.MAX_TURNS)
             raise self._refuse_ended()
@@ -223,6 +219,8 @@ class Session:
             return
         last = self.traj.turns[-1]
         by_id = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
+        if last.tool_s or not any(issued["id"] in by_id for issued in self.reply["tool_calls"]):
+            return  # recorded already, or not answered here
         for call, issued in zip(last.tool_calls, self.reply["tool_calls"]):
             if issued["id"] in by_id:
                 call.output, call.ok = by_id[issued["id"]], True
