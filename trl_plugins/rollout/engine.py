@@ -23,6 +23,7 @@ from typing import Any
 
 from trl_plugins.aio import run_async
 from trl_plugins.registry import ROLLOUTS
+from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ParsedCall, TurnKind
 from trl_plugins.rollout.dispatch import Dispatcher, ToolCounter, ToolFailures, concurrency, watch
 from trl_plugins.rollout.request import (
@@ -96,7 +97,7 @@ def _checked_output(out: Any) -> ToolOutput:
 
 @ROLLOUTS.register("multi_turn")
 @dataclass
-class MultiTurnRollout:
+class MultiTurnRollout(TrajectoryBudgets):
     """Multi-turn tool-calling rollout with per-turn and per-trajectory budgets.
 
     Stop reasons: a final answer, a turn without a tool call, or an invalid action (a turn with more than
@@ -109,41 +110,13 @@ class MultiTurnRollout:
     limit permitting, and their tool messages follow in the order the calls were written.
     """
 
-    max_turns: int = 8
-    """Assistant turns per trajectory."""
-    max_tool_calls: int = 8
-    """Tool calls per trajectory (each call of a turn with parallel calls counts)."""
-    max_tool_calls_per_turn: int = 1
-    """Tool calls one assistant turn may make (parallel calls). A turn with more is an invalid action and none of
-    its calls runs. Above 1 the chat template must render that many calls of a turn exactly (checked at start-up
-    by the run's chat format; a template that cannot is refused, saying so)."""
-    max_assistant_tokens: int = 512
-    """Tokens per assistant turn."""
-    max_trajectory_tokens: int = 4096
-    """Tokens per trajectory: first prompt, all completions, all tool messages."""
-    max_tool_response_tokens: int = 512
-    """Tokens per tool response as they reach the model (the observation tokens of the rendered tool message,
-    control-token text spelled out); a longer response keeps its tail."""
     tool_retries: int = 1
     """Retries of a call that failed for infrastructure reasons, for tools that declare ``idempotent``
     (the code interpreter does); when they are used up the trajectory ends with ``environment_error``."""
     _failures: ToolFailures = field(default_factory=ToolFailures, init=False, repr=False, compare=False)
 
-    @property
-    def tool_calls_per_turn(self) -> int:
-        """Capability: the most tool calls of one turn this rollout runs (``max_tool_calls_per_turn``)."""
-        return self.max_tool_calls_per_turn
-
-    @property
-    def token_budget(self) -> int:
-        """Capability: the most tokens one trajectory can hold (first prompt, completions, tool messages)."""
-        return self.max_trajectory_tokens
-
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tool_calls", "max_tool_calls_per_turn", "max_assistant_tokens", "max_trajectory_tokens",
-                     "max_tool_response_tokens"):
-            if getattr(self, name) < 1:
-                raise RolloutError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        super().__post_init__()
         if self.tool_retries < 0:
             raise RolloutError(f"tool_retries must be >= 0, got {self.tool_retries}.")
 
@@ -164,14 +137,7 @@ class MultiTurnRollout:
                     f"prompts longer than {self.max_trajectory_tokens - 1} tokens from the dataset."
                 )
         chat, backend = request.chat, request.backend
-        if self.max_tool_calls_per_turn > chat.calls_per_turn:
-            raise RolloutError(
-                f"max_tool_calls_per_turn={self.max_tool_calls_per_turn}, but the chat format was checked for "
-                f"{chat.calls_per_turn} call(s) per turn, so the tool messages of a turn with more calls may not be "
-                f"what the template renders. Build it with ChatFormat(..., calls_per_turn="
-                f"{self.max_tool_calls_per_turn}) (Run.bind_tokenizer does, from the rollout), or lower "
-                f"max_tool_calls_per_turn."
-            )
+        self.check_chat(chat)
         if backend.requires_lockstep:
             raise RolloutError(
                 f"{type(backend).__name__} generates in lock-step across ranks (a collective per call), which the "

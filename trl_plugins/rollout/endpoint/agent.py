@@ -31,11 +31,12 @@ from typing import Any, Callable, ClassVar, Mapping
 from trl_plugins.aio import run_async
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rewards.agent import AGENT_REWARD, ROW_REWARD
+from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.dispatch import Dispatcher, concurrency, watch
 from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
-from trl_plugins.rollout.endpoint.session import Budgets, Session
+from trl_plugins.rollout.endpoint.session import Session
 from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.types import PolicyVersion, RewardComponent, StopReason, TokenSource, Trajectory, Turn
@@ -80,7 +81,7 @@ def _load(spec: str) -> Callable[..., Any]:
 
 @ROLLOUTS.register("agent_endpoint")
 @dataclass
-class AgentEndpointRollout:
+class AgentEndpointRollout(TrajectoryBudgets):
     """Each trajectory is one run of an agent against an OpenAI-compatible endpoint on ``127.0.0.1``.
 
     The agent is ``agent`` (``'package.module:function'``: ``async def f(client, row)`` gets an ``openai.AsyncOpenAI``
@@ -100,18 +101,6 @@ class AgentEndpointRollout:
     ``[async] def agent(client, row) -> reward``."""
     command: str | list | None = None
     """A command (a list of arguments, or one string split as a shell would) run per trajectory instead."""
-    max_turns: int = 8
-    """Assistant turns per trajectory."""
-    max_tool_calls: int = 8
-    """Tool calls per trajectory (each call of a turn with parallel calls counts)."""
-    max_tool_calls_per_turn: int = 1
-    """Tool calls one assistant turn may make; a turn with more is an invalid action."""
-    max_assistant_tokens: int = 512
-    """Tokens per assistant turn (a request's ``max_tokens`` may lower it)."""
-    max_trajectory_tokens: int = 4096
-    """Tokens per trajectory, over all its segments' last prompt and completion."""
-    max_tool_response_tokens: int = 512
-    """Tokens per tool result as they reach the model; a longer one keeps its tail."""
     agent_time_limit_s: float | None = 600.0
     """Wall time one agent run may take; past it the trajectory ends as ``environment_error``."""
     request_time_limit_s: float | None = 300.0
@@ -122,15 +111,8 @@ class AgentEndpointRollout:
     """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
     _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
 
-    @property
-    def tool_calls_per_turn(self) -> int:
-        return self.max_tool_calls_per_turn
-
-    @property
-    def token_budget(self) -> int:
-        return self.max_trajectory_tokens
-
     def __post_init__(self) -> None:
+        super().__post_init__()
         if (self.agent is None) == (self.command is None):
             raise RolloutError("agent_endpoint needs exactly one of agent ('package.module:function') and command.")
         if self.agent is not None and importlib.util.find_spec("openai") is None:
@@ -142,20 +124,12 @@ class AgentEndpointRollout:
             self.command = shlex.split(self.command)
         if self.command is not None and (not self.command or not all(isinstance(a, str) for a in self.command)):
             raise RolloutError(f"command={self.command!r}: give a non-empty list of strings (or one string).")
-        for name in ("max_turns", "max_tool_calls", "max_tool_calls_per_turn", "max_assistant_tokens",
-                     "max_trajectory_tokens", "max_tool_response_tokens"):
-            if getattr(self, name) < 1:
-                raise RolloutError(f"{name} must be >= 1, got {getattr(self, name)}.")
         for name in ("agent_time_limit_s", "request_time_limit_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise RolloutError(f"{name} must be > 0 seconds (or null for none), got {value}.")
         if self.max_concurrent_agents is not None and self.max_concurrent_agents < 1:
             raise RolloutError(f"max_concurrent_agents must be >= 1 (or null), got {self.max_concurrent_agents}.")
-
-    def _budgets(self) -> Budgets:
-        return Budgets(self.max_turns, self.max_tool_calls, self.max_tool_calls_per_turn, self.max_assistant_tokens,
-                       self.max_trajectory_tokens, self.max_tool_response_tokens, self.request_time_limit_s)
 
     def __call__(self, request: RolloutRequest) -> RolloutResult:
         """Run the agent ``group_size`` times per question.
@@ -170,10 +144,7 @@ class AgentEndpointRollout:
             raise RolloutError(f"{type(request.backend).__name__} generates in lock-step across ranks (a collective per "
                                f"call), which agents running on their own cannot follow.")
         chat, backend = request.chat, request.backend
-        if self.max_tool_calls_per_turn > chat.calls_per_turn:
-            raise RolloutError(f"max_tool_calls_per_turn={self.max_tool_calls_per_turn}, but the chat format was checked "
-                               f"for {chat.calls_per_turn} call(s) per turn; build it with ChatFormat(..., calls_per_turn="
-                               f"{self.max_tool_calls_per_turn}) (Run.bind_tokenizer does), or lower max_tool_calls_per_turn.")
+        self.check_chat(chat)
         version = PolicyVersion(step=request.policy_step, tokenizer_digest=chat.digest, sampling=backend.sampling,
                                 logprob_source=backend.logprob_source)
         result = RolloutResult(trajectories=[])
@@ -208,7 +179,6 @@ class AgentEndpointRollout:
         loop = asyncio.get_running_loop()
         formats: dict[str, ChatFormat] = {}
         sessions: dict[str, Session] = {}
-        budgets = self._budgets()
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency(request.backend), thread_name_prefix="generate")
         agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, len(result.trajectories) or 1),
                                                            thread_name_prefix="agent")
@@ -236,7 +206,8 @@ class AgentEndpointRollout:
         for index, traj in enumerate(result.trajectories):
             q = request.questions[index // group]
             key = secrets.token_urlsafe(16)
-            session = Session(key, index, traj, budgets, chat_for, dispatcher.generate, request.seed, request.policy_step)
+            session = Session(key, index, traj, self, self.request_time_limit_s, chat_for, dispatcher.generate, request.seed,
+                              request.policy_step)
             sessions[key] = session
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
             task = asyncio.ensure_future(self._one(session, dict(q.row or {}), base_url, sessions, limit, agent_pool, http))

@@ -14,34 +14,21 @@ never trained: a re-rendered earlier reply is context.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.endpoint.api import ChatRequest, completion_body, template_messages
 from trl_plugins.rollout.endpoint.http import HttpError
 from trl_plugins.rollout.request import derive_seed
 from trl_plugins.types import StopReason, TokenSource, ToolCall, Trajectory, Turn
 
-__all__ = ["Budgets", "Session"]
+__all__ = ["Session"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """The rollout's budgets, as the built-in rollout applies them."""
-
-    max_turns: int
-    max_tool_calls: int
-    max_tool_calls_per_turn: int
-    max_assistant_tokens: int
-    max_trajectory_tokens: int
-    max_tool_response_tokens: int
-    request_time_limit_s: float | None
 
 
 @dataclass
@@ -52,7 +39,9 @@ class Session:
     index: int
     """The trajectory's place in the rollout (its sampling seeds derive from it, as in the built-in rollout)."""
     traj: Trajectory
-    budgets: Budgets
+    budgets: TrajectoryBudgets
+    """The rollout's budgets, applied as the built-in rollout applies them."""
+    request_time_limit_s: float | None
     chat_for: Callable[[list[dict]], ChatFormat]
     """The chat format for a request's tools."""
     generate: Callable[[list[int], int, int], Any]
@@ -137,10 +126,10 @@ class Session:
         budget = min(cap, room)
         seed = derive_seed(self.seed, self.index, len(turns))
         try:
-            sample, gen_s, queue_s = await asyncio.wait_for(self.generate(prompt, budget, seed), b.request_time_limit_s)
+            sample, gen_s, queue_s = await asyncio.wait_for(self.generate(prompt, budget, seed), self.request_time_limit_s)
         except asyncio.TimeoutError:
             self.end(StopReason.ENVIRONMENT_ERROR, f"the model did not answer within request_time_limit_s="
-                                                   f"{b.request_time_limit_s}")
+                                                   f"{self.request_time_limit_s}")
             raise HttpError(504, str(self.traj.error), code="timeout", kind="server_error") from None
         if self.ended:  # ended while it waited (the agent's time limit, a stop request)
             raise self._refuse_ended()
@@ -233,14 +222,4 @@ def _same_reply(sent: dict, ours: dict) -> bool:
     if sent["role"] != "assistant" or sent["content"] != ours["content"] or sent.get("reasoning_content") != ours.get("reasoning_content"):
         return False
     a, b = sent.get("tool_calls") or [], ours.get("tool_calls") or []
-    return len(a) == len(b) and all(x["id"] == y["id"] and x["name"] == y["name"] and _value(x["arguments"]) == _value(y["arguments"])
-                                    for x, y in zip(a, b))
-
-
-def _value(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
+    return a == b  # normalised: ids, names and arguments as values (normalise_messages parsed them)
