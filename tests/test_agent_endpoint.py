@@ -699,3 +699,19 @@ def test_turn_level_credit_refuses_segmented_trajectories():
     datums = build_datums_for_update(trajs, [None, None], max_context_tokens=None)
     with pytest.raises(ValueError, match="trajectories of several segments .* use an outcome estimator"):
         assign_advantages(as_advantage(ADVANTAGES.get("turn_group")(), "turn_group"), trajs, datums)
+
+
+def test_an_agent_file_loads_whole_for_rollouts_on_several_threads(tmp_path):
+    # An asynchronous run's replica rolls out batches on several threads at once: none may see the file half-run.
+    import concurrent.futures
+
+    from trl_plugins.rollout.endpoint.agent import _load
+
+    path = tmp_path / "slow_agent.py"
+    path.write_text("import time\nfrom dataclasses import dataclass\n\n"
+                    "time.sleep(0.3)  # a slow import: the window a second loader fell into\n\n"
+                    "@dataclass\nclass Settings:  # a dataclass looks its module up while the file runs\n    turns: 'int' = 3\n\n"
+                    "async def solve(client, row):\n    return float(Settings().turns)\n")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda _: _load(f"{path}:solve"), range(4)))
+    assert len({id(fn) for fn in loaded}) == 1 and loaded[0].__name__ == "solve"

@@ -18,12 +18,14 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import secrets
 import shlex
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
@@ -43,6 +45,11 @@ from trl_plugins.types import PolicyVersion, RewardComponent, StopReason, TokenS
 
 __all__ = ["AgentEndpointRollout", "AGENT_REWARD", "ROW_REWARD", "record_rewards"]
 
+logger = logging.getLogger(__name__)
+
+
+
+_LOADING = threading.Lock()
 
 
 class AgentFailed(Exception):
@@ -59,14 +66,19 @@ def _load(spec: str) -> Callable[..., Any]:
         if module.endswith(".py"):
             path = os.path.abspath(module)
             name = "trl_plugins_agent_" + hashlib.sha256(path.encode()).hexdigest()[:12]
-            obj: Any = sys.modules.get(name)
-            if obj is None:
-                if not os.path.isfile(path):
-                    raise ImportError(f"no file {path}")
-                loader = importlib.util.spec_from_file_location(name, path)
-                obj = importlib.util.module_from_spec(loader)
-                sys.modules[name] = obj
-                loader.loader.exec_module(obj)
+            with _LOADING:  # rollouts on several threads (an asynchronous run's replica) must not see it half-run
+                obj: Any = sys.modules.get(name)
+                if obj is None:
+                    if not os.path.isfile(path):
+                        raise ImportError(f"no file {path}")
+                    loader = importlib.util.spec_from_file_location(name, path)
+                    obj = importlib.util.module_from_spec(loader)
+                    sys.modules[name] = obj  # while it runs too (a dataclass in it looks its module up)
+                    try:
+                        loader.loader.exec_module(obj)
+                    except BaseException:
+                        del sys.modules[name]
+                        raise
         else:
             obj = importlib.import_module(module)
         for part in attr.split("."):
@@ -110,6 +122,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
     agent_conversation: ClassVar[bool] = True
     """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
     _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
+    _failures_seen: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -201,6 +214,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
                                     param="tools") from exc
             return formats[key]
 
+        fn = _load(self.agent) if isinstance(self.agent, str) else self.agent  # once per rollout (None: a command)
         group = request.group_size
         tasks = []
         for index, traj in enumerate(result.trajectories):
@@ -210,7 +224,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
                               request.policy_step)
             sessions[key] = session
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
-            task = asyncio.ensure_future(self._one(session, dict(q.row or {}), base_url, sessions, limit, agent_pool, http))
+            task = asyncio.ensure_future(self._one(fn, session, dict(q.row or {}), base_url, sessions, limit, agent_pool,
+                                                   http))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         watcher = asyncio.ensure_future(watch(request.stop)) if request.stop is not None else None
@@ -263,11 +278,12 @@ class AgentEndpointRollout(TrajectoryBudgets):
                              calls_per_turn=self.max_tool_calls_per_turn)
         return 200, await session.complete(body)
 
-    async def _one(self, session: Session, row: dict, base_url: str, sessions: dict[str, Session],
-                   limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor, http: _HttpClients) -> None:
+    async def _one(self, fn: Callable[..., Any] | None, session: Session, row: dict, base_url: str,
+                   sessions: dict[str, Session], limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor,
+                   http: _HttpClients) -> None:
         async with limit:
             try:
-                value = await asyncio.wait_for(self._invoke(row, base_url, agent_pool, http), self.agent_time_limit_s)
+                value = await asyncio.wait_for(self._invoke(fn, row, base_url, agent_pool, http), self.agent_time_limit_s)
             except asyncio.TimeoutError:
                 session.end(StopReason.ENVIRONMENT_ERROR, f"the agent ran past agent_time_limit_s={self.agent_time_limit_s}")
             except asyncio.CancelledError:
@@ -275,6 +291,13 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 raise
             except Exception as exc:  # noqa: BLE001 - the agent's failure ends its trajectory, not the rollout
                 session.end(StopReason.ENVIRONMENT_ERROR, f"the agent failed: {type(exc).__name__}: {exc}"[:2000])
+                kind = type(exc).__name__
+                if kind not in self._failures_seen:  # the first of each kind with its traceback, the rest counted
+                    self._failures_seen.add(kind)
+                    logger.warning("an agent failed (its trajectory ends as environment_error; later %s failures are "
+                                   "logged at debug level): %s", kind, exc, exc_info=exc)
+                else:
+                    logger.debug("an agent failed: %s: %s", kind, exc)
             else:
                 problem = record_rewards(session.traj, value, row)
                 if problem is not None:
@@ -289,10 +312,10 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 if session.traj.stop_reason is None:
                     session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
 
-    async def _invoke(self, row: dict, base_url: str, agent_pool: concurrent.futures.Executor, http: _HttpClients) -> Any:
-        if self.command is not None:
+    async def _invoke(self, fn: Callable[..., Any] | None, row: dict, base_url: str, agent_pool: concurrent.futures.Executor,
+                      http: _HttpClients) -> Any:
+        if fn is None:
             return await self._command(row, base_url)
-        fn = _load(self.agent) if isinstance(self.agent, str) else self.agent
         import openai
 
         timeout = None if self.request_time_limit_s is None else self.request_time_limit_s + 30.0
