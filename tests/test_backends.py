@@ -162,3 +162,27 @@ def test_hf_session_unwraps_a_prepared_model(setup):
     reference = HFGenerationBackend(build_tiny_model(tok), pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
                                     sampling=SamplingSettings(temperature=0.0)).generate([prompts[0]], [6], seeds=[0])[0]
     assert inside.token_ids == reference.token_ids
+
+
+def test_hf_generate_in_a_session_never_syncs_ranks_per_token(setup, monkeypatch):
+    # Under ZeRO-3 with several processes transformers defaults to synced_gpus (an all-reduce of a "finished" flag every
+    # token): ranks that take different turns would pair unrelated generate calls (a collective mismatch, seen with
+    # 2 processes and the agent endpoint). Inside a session the weights are whole on each rank: no syncing.
+    import transformers.generation.utils as generation
+
+    tok, chat, model, prompts = setup
+    be = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
+                             sampling=SamplingSettings(temperature=1.0))
+    seen = []
+    original = generation.GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("synced_gpus", "default"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(generation.GenerationMixin, "generate", spy)
+    monkeypatch.setattr(generation, "is_deepspeed_zero3_enabled", lambda: True)  # what a ZeRO-3 launch looks like
+    with be.session():
+        be.generate([prompts[0]], [4], seeds=[0])
+    be.generate([prompts[0]], [4], seeds=[0])  # outside a session: transformers decides (a partitioned model needs it)
+    assert seen == [False, "default"]

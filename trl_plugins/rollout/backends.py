@@ -261,6 +261,11 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
                 generation_config=self._generation_config(int(budget_t.max())),
                 logits_processor=LogitsProcessorList(processors),
                 stopping_criteria=StoppingCriteriaList([_RowBudget(width, budget_t)]),
+                # Inside a session the weights are whole on this rank (gathered under ZeRO-3): it generates on its own.
+                # transformers' default under ZeRO-3 with several processes (synced_gpus) all-reduces a "finished" flag
+                # every token, pairing unrelated generate calls of ranks that take different turns (a collective
+                # mismatch, or a hang, as soon as their numbers of calls differ).
+                **({"synced_gpus": False} if self._active is not None else {}),
             )
         finally:
             model.train(was_training)
