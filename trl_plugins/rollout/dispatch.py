@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from trl_plugins.rollout.request import RolloutError, RolloutResult
 
-__all__ = ["Dispatcher", "ToolCounter", "ToolFailures", "concurrency", "watch"]
+__all__ = ["Dispatcher", "ToolCounter", "ToolFailures", "concurrency", "settle", "watch"]
 
 logger = logging.getLogger("trl_plugins.rollout.engine")  # the engine's: where tool failures were always logged
 
@@ -31,6 +31,29 @@ def concurrency(backend: Any) -> int:
 async def watch(stop: threading.Event) -> None:
     while not stop.is_set():
         await asyncio.sleep(0.05)
+
+
+async def settle(tasks: list[asyncio.Future], stop: threading.Event | None) -> bool:
+    """Wait until every task is done, one raises, or ``stop`` is set; then cancel the tasks left and wait for them.
+    Returns whether the stop ended the wait (the rollouts' one loop over their trajectories' coroutines)."""
+    watcher = asyncio.ensure_future(watch(stop)) if stop is not None else None
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending | ({watcher} if watcher else set()),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                return True
+            pending.discard(watcher)
+            if any(t.exception() is not None for t in done if not t.cancelled()):
+                return False
+        return False
+    finally:
+        for task in tasks:
+            task.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Abort(Exception):

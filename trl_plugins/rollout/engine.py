@@ -25,7 +25,7 @@ from trl_plugins.aio import run_async
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ParsedCall, TurnKind
-from trl_plugins.rollout.dispatch import Dispatcher, ToolCounter, ToolFailures, concurrency, watch
+from trl_plugins.rollout.dispatch import Dispatcher, ToolCounter, ToolFailures, concurrency, settle
 from trl_plugins.rollout.request import (
     RolloutCancelled,
     RolloutError,
@@ -193,21 +193,9 @@ class MultiTurnRollout(TrajectoryBudgets):
             tools = ToolCounter(result)
             tasks = [asyncio.ensure_future(self._trajectory(request, dispatcher, tools, st, index, bar))
                      for index, st in enumerate(live)]
-            watcher = asyncio.ensure_future(watch(request.stop)) if request.stop is not None else None
             try:
-                pending: set = set(tasks) | ({watcher} if watcher else set())
-                while pending:
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    if watcher in done or any(t.done() and t.exception() is not None for t in done if t is not watcher):
-                        break
-                    if not (pending - {watcher}):
-                        break
+                await settle(tasks, request.stop)
             finally:
-                for task in tasks:
-                    task.cancel()
-                if watcher is not None:
-                    watcher.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
                 await dispatcher.drain()  # a generate call cannot be interrupted: let it finish first
             if dispatcher.fatal is not None:
                 raise dispatcher.fatal

@@ -35,7 +35,7 @@ from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rewards.agent import AGENT_REWARD, ROW_REWARD
 from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ChatFormat, TurnKind
-from trl_plugins.rollout.dispatch import Dispatcher, concurrency, watch
+from trl_plugins.rollout.dispatch import Dispatcher, concurrency, settle
 from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
 from trl_plugins.rollout.endpoint.session import Session
@@ -228,21 +228,10 @@ class AgentEndpointRollout(TrajectoryBudgets):
                                                    http))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
-        watcher = asyncio.ensure_future(watch(request.stop)) if request.stop is not None else None
         stopped = False
         try:
-            pending: set = set(tasks) | ({watcher} if watcher else set())
-            while pending - {watcher}:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if watcher in done:
-                    stopped = True
-                    break
+            stopped = await settle(tasks, request.stop)
         finally:
-            for task in tasks:
-                task.cancel()
-            if watcher is not None:
-                watcher.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             await http.close()
             await server.close()
             await dispatcher.drain()
