@@ -121,11 +121,18 @@ class ChatFormat(TemplateChecks, TurnParsing):
     def for_tools(self, tools: Sequence[dict]) -> "ChatFormat":
         """This format with other tool schemas: the same tokenizer, template arguments, final-answer pattern, stop
         tokens and calls per turn, checked against the template as at construction (itself when the tools are its
-        own)."""
+        own). Built once per tool set and kept: a run's agents send the same tools at every step."""
         if list(tools) == self.tools:
             return self
-        return ChatFormat(self.tokenizer, tools, final_answer_pattern=self.final_answer_re.pattern if self.final_answer_re else None,
-                          stop_tokens=self.stop_tokens, calls_per_turn=self.calls_per_turn, **self.template_kwargs)
+        import json
+
+        key = json.dumps(list(tools), sort_keys=True)
+        cache = self.__dict__.setdefault("_for_tools", {})
+        if key not in cache:
+            cache[key] = ChatFormat(self.tokenizer, tools, final_answer_pattern=self.final_answer_re.pattern
+                                    if self.final_answer_re else None, stop_tokens=self.stop_tokens,
+                                    calls_per_turn=self.calls_per_turn, **self.template_kwargs)
+        return cache[key]
 
     # -- rendering ----------------------------------------------------------------------------
 

@@ -190,7 +190,6 @@ class AgentEndpointRollout(TrajectoryBudgets):
 
     async def _run(self, request: RolloutRequest, result: RolloutResult) -> None:
         loop = asyncio.get_running_loop()
-        formats: dict[str, ChatFormat] = {}
         sessions: dict[str, Session] = {}
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency(request.backend), thread_name_prefix="generate")
         agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, len(result.trajectories) or 1),
@@ -205,14 +204,11 @@ class AgentEndpointRollout(TrajectoryBudgets):
         limit = asyncio.Semaphore(self.max_concurrent_agents or max(1, len(result.trajectories)))
 
         def chat_for(tools: list[dict]) -> ChatFormat:
-            key = json.dumps(tools, sort_keys=True)
-            if key not in formats:
-                try:
-                    formats[key] = request.chat.for_tools(tools)
-                except Exception as exc:
-                    raise HttpError(400, f"the chat template cannot take these tools: {type(exc).__name__}: {exc}",
-                                    param="tools") from exc
-            return formats[key]
+            try:
+                return request.chat.for_tools(tools)
+            except Exception as exc:
+                raise HttpError(400, f"the chat template cannot take these tools: {type(exc).__name__}: {exc}",
+                                param="tools") from exc
 
         fn = _load(self.agent) if isinstance(self.agent, str) else self.agent  # once per rollout (None: a command)
         group = request.group_size
