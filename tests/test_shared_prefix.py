@@ -214,17 +214,24 @@ def test_log_probs_entropy_and_gradients_equal_the_padded_layout(arch):
     assert check_shared_prefix(model, "cpu", vocab_size=200) < 1e-5
 
 
-def test_gradients_flow_through_the_prefix_under_activation_checkpointing():
-    # Checkpointed layers drop a cache they are passed unless told they may keep it; ours store nothing, so the
-    # backward's replay is exact. A prefix that got no gradient from its branches would show here.
-    model = _model("qwen2_sliding_sdpa").train()
+def _backward_both_layouts(model, *, seed):
+    """Backward the summed action log-probs of a group's datums through ``model`` under (non-reentrant) activation
+    checkpointing in the shared-prefix layout, and through an unchanged copy in the padded one; returns the copy."""
     reference = copy.deepcopy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    datums = group_datums(seed=3)
+    datums = group_datums(seed=seed)
     idx = list(range(len(datums)))
     padded, shared = collate(datums, idx, pad_token_id=0), collate(datums, idx, pad_token_id=0, shared_prefix=True)
     (micro_batch_logprobs(reference, padded, "cpu")[0] * padded.action_mask).sum().backward()
     (micro_batch_logprobs(model, shared, "cpu")[0] * shared.action_mask).sum().backward()
+    return reference
+
+
+def test_gradients_flow_through_the_prefix_under_activation_checkpointing():
+    # Checkpointed layers drop a cache they are passed unless told they may keep it; ours store nothing, so the
+    # backward's replay is exact. A prefix that got no gradient from its branches would show here.
+    model = _model("qwen2_sliding_sdpa").train()
+    reference = _backward_both_layouts(model, seed=3)
     assert max(rel_err(b.grad, a.grad) for a, b in zip(reference.parameters(), model.parameters())) < 1e-5
     assert not any("_can_checkpoint_with_cache" in vars(m) for m in model.modules())  # restored
 
@@ -237,13 +244,7 @@ def test_a_lora_adapter_on_the_queries_only_trains_through_the_prefix():
     base = _model("qwen2_sliding_sdpa")
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
     model.train()
-    reference = copy.deepcopy(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    datums = group_datums(seed=4)
-    idx = list(range(len(datums)))
-    padded, shared = collate(datums, idx, pad_token_id=0), collate(datums, idx, pad_token_id=0, shared_prefix=True)
-    (micro_batch_logprobs(reference, padded, "cpu")[0] * padded.action_mask).sum().backward()
-    (micro_batch_logprobs(model, shared, "cpu")[0] * shared.action_mask).sum().backward()
+    reference = _backward_both_layouts(model, seed=4)
     trained = [(a, b) for a, b in zip(reference.parameters(), model.parameters()) if a.requires_grad]
     assert trained and all(b.grad is not None for _, b in trained)
     assert max(rel_err(b.grad, a.grad) for a, b in trained) < 1e-5
