@@ -715,3 +715,11 @@ def test_an_agent_file_loads_whole_for_rollouts_on_several_threads(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         loaded = list(pool.map(lambda _: _load(f"{path}:solve"), range(4)))
     assert len({id(fn) for fn in loaded}) == 1 and loaded[0].__name__ == "solve"
+
+
+def test_a_format_per_tool_set_is_built_once(chat):
+    other = {"type": "function", "function": {"name": "echo", "description": "Echo.", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    first = chat.for_tools([other])
+    assert first is chat.for_tools([json.loads(json.dumps(other))]) and first.tools == [other]  # kept across rollouts
+    assert chat.for_tools(chat.tools) is chat and chat.for_tools([SCHEMA, other]) is not first
