@@ -39,6 +39,7 @@ from trl_plugins.rollout.dispatch import Dispatcher, concurrency, settle
 from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
 from trl_plugins.rollout.endpoint.session import Session
+from trl_plugins.rollout.engine import critical_path
 from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.types import PolicyVersion, RewardComponent, StopReason, TokenSource, Trajectory, Turn
@@ -181,8 +182,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 pass
             raise
         result.total_s = time.perf_counter() - start
-        result.critical_path_s = max((sum(t.generation_s + t.tool_s for t in traj.turns) for traj in result.trajectories),
-                                     default=0.0)
+        result.critical_path_s = max((critical_path(t) for t in result.trajectories), default=0.0)
         _close_turnless(request, result)
         for traj in result.trajectories:
             validate_trajectory(traj)
