@@ -42,6 +42,24 @@ def pytest_configure(config):
         threads = max(1, round(1 / _workers_per_cpu()))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+    _pin_worker(config)
+
+
+def _pin_worker(config) -> None:
+    """With one xdist worker per core, worker ``gwN`` and everything it starts run on core N only.
+
+    The processes a test starts size their threads from the cores they may use, as they should on a machine of their
+    own: the recipe's single process and its child evaluations take every core (``retool.launch.available_cpus``),
+    a launch's ranks their share. On the suite's shared cores each such thread spins against the other worker's:
+    measured here, a torch-bound test module took 4x the CPU time with two threads per worker as with one. Pinned,
+    each worker's processes see one core and run one thread each. ``TRL_PLUGINS_TEST_PIN=0`` turns this off."""
+    if not hasattr(config, "workerinput") or os.environ.get("TRL_PLUGINS_TEST_PIN", "1") == "0":
+        return
+    if not hasattr(os, "sched_setaffinity") or _workers_per_cpu() != 1:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index = int(config.workerinput["workerid"].removeprefix("gw"))
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
 
 
 SLOW_TEST_COST_S = 30.0

@@ -114,6 +114,14 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _usable_cpus() -> int:
+    """The cores this process may run on (its affinity: a container's or ``taskset``'s share), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 2
+
+
 class GenerationReplica:
     """The parent's handle on a generation replica process.
 
@@ -126,7 +134,7 @@ class GenerationReplica:
         pad_token_id: HF generate's padding id.
         token_budget: The rollout's token budget (sizes a continuous-batching cache).
         probe: The probe tokens (:func:`probe_tokens`).
-        threads: torch threads in the replica (None: half the cores, at least 1).
+        threads: torch threads in the replica (None: half the cores this process may run on, at least 1).
         streaming: Roll out every queued batch at once (each in a thread of its own, their generate calls one at a
             time, weights loaded between calls and each turn stamped with the step it was sampled by), so that a
             batch's trajectories start while the one before finishes its stragglers. False: one batch after another,
@@ -146,7 +154,7 @@ class GenerationReplica:
                     generation_config=getattr(base, "generation_config", None),
                     dtype=next(base.parameters()).dtype, state=cpu_state_dict(model), policy_step=policy_step,
                     parts=dict(parts), sampler=sampler, pad_token_id=pad_token_id, token_budget=token_budget,
-                    probe=probe, threads=threads or max(1, (os.cpu_count() or 2) // 2), parent=os.getpid(),
+                    probe=probe, threads=threads or max(1, _usable_cpus() // 2), parent=os.getpid(),
                     streaming=streaming)
         self._process = ctx.Process(target=_serve, args=(self._jobs, self._results, init), daemon=True,
                                     name="trl-plugins-replica")
