@@ -38,7 +38,6 @@ from trl_plugins.tools.sandbox.launcher import (
     MAX_PROCESSES,
     OUTPUT_FILE_LIMIT_BYTES,
     SANDBOX_UID,
-    SETUP_GRACE_S,
     Isolation,
     Launcher,
     Limits,
@@ -227,7 +226,8 @@ class PythonSandbox:
 
     Args:
         timeout_s: wall-clock limit per call in seconds (counted from when the code starts); the
-            process tree is SIGKILLed at the limit. ``RLIMIT_CPU`` is set to ``ceil(timeout_s) + 1``.
+            process tree is SIGKILLed at the limit, and the call returns by ``timeout_s + KILL_GRACE_S``
+            (3 s) whatever its processes do. ``RLIMIT_CPU`` is set to ``ceil(timeout_s) + 1``.
         memory_mb: address space the code may map on top of what is loaded when it starts (the bare
             interpreter in cold mode; interpreter plus ``warm_imports`` in warm mode).
         max_output_chars: how many characters of stdout and of stderr (each) are kept; longer
@@ -433,15 +433,11 @@ class PythonSandbox:
 
     def _run_warm(self, code: str) -> dict:
         server = self._pool.acquire()
-        deadline = time.monotonic() + self.timeout_s + 2 * SETUP_GRACE_S
         try:
-            raw = server.call(code, self.timeout_s, deadline)
+            raw = server.call(code, self.timeout_s)  # a server that overran its call is killed there (server.lost)
         except ServerDied as e:
             self._pool.release(server, healthy=False)
             return {"error": f"the sandbox server died during this call ({e}); a fresh one will serve the next call"}
-        except TimeoutError:
-            self._pool.release(server, healthy=False)
-            return {"stdout": "", "stderr": "", "exit_code": -signal.SIGKILL, "timed_out": True, "truncated": False}
         self._pool.release(server, healthy=True)
         return raw
 

@@ -54,6 +54,15 @@ MAX_OPEN_FILES = 256
 SETUP_GRACE_S = 30.0
 """Interpreter start plus namespace set-up; a safety net, not the code's budget."""
 
+KILL_GRACE_S = 3.0
+"""How long past its limit a call may take to be stopped: every call returns by ``timeout_s + KILL_GRACE_S`` after
+its code started, whatever its processes do (the output written until then kept). A warm server gives its
+call's processes a third of it to be reaped (``REAP_GRACE_S``); one that has not answered by the end is killed,
+with everything it runs."""
+
+REAP_GRACE_S = KILL_GRACE_S / 3
+"""How long a warm server waits for a stopped call's processes to be reaped before it reports itself stuck."""
+
 RUNNER_PATH = Path(__file__).with_name("runner.py")
 """The runner, whose text every sandboxed interpreter runs."""
 
@@ -172,6 +181,7 @@ class Launcher:
             "disk_bytes": limits.disk_mb << 20,
             "max_chars": limits.max_output_chars,
             "setup_grace_s": SETUP_GRACE_S,
+            "reap_grace_s": REAP_GRACE_S,
         }
         if role == "server":
             if self.isolation == Isolation.BWRAP and self.as_root:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -14,7 +15,9 @@ import time
 
 from trl_plugins.tools.sandbox.cgroups import CallCgroup
 from trl_plugins.tools.sandbox.launcher import (
+    KILL_GRACE_S,
     OUTPUT_FILE_LIMIT_BYTES,
+    SETUP_GRACE_S,
     Isolation,
     Launcher,
     Limits,
@@ -42,8 +45,9 @@ class WarmServer:
     """One pre-started runner in server role (a zygote): serves one call at a time over a socket.
 
     A call sends a small JSON message (the time limit) with three descriptors made here: a memfd holding the
-    code, and the memfds the code's stdout and stderr go to. The server forks the call with them and answers
-    with the exit status only; this process reads the output itself. The server never holds call data.
+    code, and the memfds the code's stdout and stderr go to. The server forks the call with them, says when the
+    code starts (``{"started": true}``) and answers with the exit status only; this process reads the output
+    itself. The server never holds call data.
     """
 
     def __init__(self, proc: subprocess.Popen, sock: socket.socket, log_fd: int, private_dir: str | None,
@@ -59,6 +63,9 @@ class WarmServer:
         self.oom_kills = 0
         self.fresh_proc = False
         self.failed_imports: list[str] = []
+        self.lost = False
+        """The server was killed (it did not answer in time, or said its call's processes were stuck)."""
+        self._killed = False
 
     def wait_ready(self, timeout_s: float) -> None:
         msg = self._recv(time.monotonic() + timeout_s)
@@ -67,8 +74,16 @@ class WarmServer:
         self.fresh_proc = bool(msg.get("fresh_proc"))
         self.failed_imports = list(msg.get("failed_imports", []))
 
-    def call(self, code: str, timeout_s: float, deadline: float) -> dict:
-        """Run ``code``; the raw result fields (stdout and stderr read here, from this process's memfds)."""
+    def call(self, code: str, timeout_s: float) -> dict:
+        """Run ``code``; the raw result fields (stdout and stderr read here, from this process's memfds).
+
+        Returns by ``timeout_s + KILL_GRACE_S`` after the code started (set-up: ``SETUP_GRACE_S``): a server that
+        has not answered by then is killed with everything it runs (:attr:`lost`), and the call is reported as
+        timed out with the output it wrote until then.
+
+        Raises:
+            ServerDied: the server exited or closed its socket.
+        """
         fds = [memfd_with("sandbox-code", code.encode("utf-8", "surrogatepass")), os.memfd_create("sandbox-stdout"),
                os.memfd_create("sandbox-stderr")]
         try:
@@ -76,8 +91,18 @@ class WarmServer:
                 socket.send_fds(self.sock, [json.dumps({"timeout_s": timeout_s}).encode()], fds)
             except OSError as e:
                 raise ServerDied(f"could not send the request ({e})") from None
-            result = self._recv(deadline)
-            if self.cgroup is not None:  # one read per call (kept off the ~1 ms a warm call may cost here)
+            try:
+                result = self._recv(time.monotonic() + SETUP_GRACE_S)
+                if result.get("started"):
+                    result = self._recv(time.monotonic() + timeout_s + KILL_GRACE_S)
+            except TimeoutError:
+                self.lost = True
+                self.kill()  # its PID namespace, the call's nested in it, dies with it; its cgroup is emptied
+                result = {"exit_code": -signal.SIGKILL, "timed_out": True}
+            if result.get("stuck"):  # processes of the call it could not reap in time: nothing it runs may stay
+                self.lost = True
+                self.kill()
+            if self.cgroup is not None and not self._killed:  # one read per call (off the ~1 ms a warm call costs)
                 before, self.oom_kills = self.oom_kills, self.cgroup.oom_kills()
                 result["oom_killed"] = self.oom_kills > before
                 if not self.namespaced:  # what left the call's session; bwrap/unshare: the PID namespace took it
@@ -118,6 +143,10 @@ class WarmServer:
         return read_tail(self.log_fd, 4000, OUTPUT_FILE_LIMIT_BYTES)[0]
 
     def kill(self) -> None:
+        """Kill the server and everything it runs, and free what it holds; idempotent."""
+        if self._killed:
+            return  # its pid may be another process's by now
+        self._killed = True
         kill_call(self.proc.pid)
         try:
             self.proc.wait(timeout=5.0)
@@ -170,7 +199,7 @@ class WarmPool:
 
     def release(self, server: WarmServer, healthy: bool) -> None:
         with self._lock:
-            if healthy and not self._closed and server.proc.poll() is None:
+            if healthy and not server.lost and not self._closed and server.proc.poll() is None:
                 self._idle.append(server)
                 return
             self._count -= 1

@@ -657,28 +657,59 @@ def exit_status(lines: list[str]) -> int | None:
     return next((int(x[1:]) for x in lines if x.startswith("X") and x[1:].lstrip("-").isdigit()), None)
 
 
-def kill_and_reap(pid: int | None) -> int | None:
-    """SIGKILL our child ``pid`` and wait for it; its wait status, or None (no such child)."""
-    import signal
+def reap(statuses: dict[int, int], pids: list[int], deadline: float) -> bool:
+    """Reap our children until every one of ``pids`` is reaped or ``deadline`` (``time.monotonic()``) passes; wait
+    statuses land in ``statuses``. Returns whether every one was reaped.
 
-    if pid is None:
-        return None
+    Any child is reaped, not only ``pids``: a process the code cloned with ``CLONE_PARENT`` is a child of the code's
+    parent, this server, and the init of the call's PID namespace cannot finish exiting before every process of
+    its namespace is reaped, so waiting for the init alone would wait for ever (it waited for us, we for it)."""
+    import select
+    import time
+
+    poller, watched = select.poll(), {}
+    for pid in pids:
+        if pid not in statuses:
+            try:
+                watched[pid] = os.pidfd_open(pid)  # not reaped yet: the pid is still that child's
+                poller.register(watched[pid], select.POLLIN)
+            except OSError:
+                pass
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        return os.waitpid(pid, 0)[1]
-    except ChildProcessError:
-        return None
+        while True:
+            while True:
+                try:
+                    pid, st = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    return all(p in statuses for p in pids)
+                if pid == 0:
+                    break
+                statuses[pid] = st
+                if pid in watched:
+                    fd = watched.pop(pid)
+                    poller.unregister(fd)
+                    os.close(fd)
+            if all(p in statuses for p in pids):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # A watched exit wakes us at once; a leftover's (which the init's exit may wait for) within 10 ms.
+            poller.poll(max(1, min(10, int(left * 1000) + 1)))
+    finally:
+        for fd in watched.values():
+            os.close(fd)
 
 
-def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL) -> dict:
+def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL, started=None) -> dict:
     """Run one call in a forked child: the code comes from ``fds[0]``, stdout and stderr go to ``fds[1:]``, all
-    three the host's, which this process never reads or writes. Returns the status message for the host."""
+    three the host's, which this process never reads or writes. ``started()`` is called when the code starts.
+    Returns the status message for the host: at most ``req["timeout_s"] + cfg["reap_grace_s"]`` after the code
+    started, whatever its processes do (``"stuck": True`` when they were not all gone by then)."""
     import shutil
     import signal
     import tempfile
+    import time
 
     r, w = os.pipe()
     scratch, private_dir = cfg["scratch"], None
@@ -692,52 +723,64 @@ def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL) -> dict:
         finally:
             os._exit(125)
     os.close(w)
+    grace = cfg["reap_grace_s"]
     done = lambda lines: "R" in lines or any(x.startswith("E") for x in lines)  # noqa: E731
     status = read_status(r, done, cfg["setup_grace_s"])
     lines = status_lines(status)
-    target = child
-    if cfg["per_call_ns"]:
-        os.waitpid(child, 0)  # the intermediate process; the namespace's init is now ours (subreaper)
-        # It wrote P<pid> before it exited, but possibly after the init's child wrote R (both race after the fork).
-        has_pid = lambda lines: any(x.startswith("P") for x in lines)  # noqa: E731
-        if not has_pid(lines):
-            status += read_status(r, has_pid, 2.0)  # lines are written whole, and read whole
-            lines = status_lines(status)
-        target = next((int(x[1:]) for x in lines if x.startswith("P")), child)
-    # The init program, our child too now: killed after the code's process, it takes the namespace's leftovers.
+    if cfg["per_call_ns"] and "R" in lines and not any(x.startswith("P") for x in lines):
+        # The intermediate writes P<pid> (and I<pid>) right before it exits, possibly after the code's process
+        # wrote R (both race after the fork). Lines are written whole, and read whole.
+        status += read_status(r, lambda lines: any(x.startswith("P") for x in lines), grace)
+        lines = status_lines(status)
+    # In bwrap/unshare modes the code's process and the namespace's init are the intermediate's children, ours (a
+    # subreaper) once it exits; neither can be reaped by anyone else, so their pids stay theirs until we reap them.
+    target = next((int(x[1:]) for x in lines if x.startswith("P")), child)
     init = next((int(x[1:]) for x in lines if x.startswith("I")), None)
+    ours = list(dict.fromkeys(p for p in (child, target, init) if p is not None))
+    statuses: dict[int, int] = {}
     result = {"fresh_proc": "p" in lines}
     if "R" not in lines:
-        st = None
-        if target != child or not cfg["per_call_ns"]:
-            st = kill_and_reap(target)
-        kill_and_reap(init)
+        for pid in ours:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not reap(statuses, ours, time.monotonic() + grace):
+            result["stuck"] = True
         errors = [x[1:] for x in lines if x.startswith("E")]
-        result["error"] = errors[0] if errors else f"sandbox set-up did not complete ({lines!r}, wait status {st})"
+        result["error"] = errors[0] if errors else (f"sandbox set-up did not complete ({lines!r}, wait status "
+                                                    f"{statuses.get(target)})")
     else:
         import select
 
         pidfd = os.pidfd_open(target)
+        if started is not None:
+            started()
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
         timed_out = not poller.poll(max(0, int(req["timeout_s"] * 1000)))
         if timed_out:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
         if not cfg["per_call_ns"]:
             try:
                 os.killpg(target, signal.SIGKILL)  # leftovers of the code's session
             except (ProcessLookupError, PermissionError):
                 pass
-        _, st = os.waitpid(target, 0)  # first: the init's exit waits until every process of its namespace is reaped
-        os.close(pidfd)
-        kill_and_reap(init)
+        if init is not None:  # its death takes whatever the code left in its namespace
+            os.kill(init, signal.SIGKILL)
+        if not reap(statuses, ours, time.monotonic() + grace):
+            result["stuck"] = True
         # Every writer is gone now (the code closed its copy before it ran): the rest is here. Without an init
         # program the code's parent wrote its wait status (X); otherwise the code's process was ours to wait for.
-        code_status = exit_status(status_lines(status + read_status(r, lambda lines: False, 2.0)))
+        tail = read_status(r, lambda lines: False, 0.0 if result.get("stuck") else 2.0)
+        code_status = exit_status(status_lines(status + tail))
+        if code_status is None:
+            code_status = statuses.get(target)
         if timed_out:
             exit_code = -signal.SIGKILL
         else:
-            exit_code = os.waitstatus_to_exitcode(st if code_status is None else code_status)
+            exit_code = None if code_status is None else os.waitstatus_to_exitcode(code_status)
         result.update(exit_code=exit_code, timed_out=timed_out)
     os.close(r)
     if private_dir is not None:
@@ -760,6 +803,13 @@ def serve(cfg: dict, libc: ctypes.CDLL) -> None:
     import socket
 
     sock = socket.socket(fileno=cfg["proto_fd"])
+
+    def started() -> None:  # the host's clock for the limit starts here
+        try:
+            sock.send(b'{"started": true}')
+        except OSError:
+            pass  # the host is gone; the call still ends at its limit
+
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)  # stray prints of imported modules must not reach anything
@@ -801,7 +851,7 @@ def serve(cfg: dict, libc: ctypes.CDLL) -> None:
         try:
             if len(fds) != 3:
                 raise ValueError(f"a request carries 3 descriptors (code, stdout, stderr), got {len(fds)}")
-            answer = serve_one(json.loads(data), fds, cfg, libc)
+            answer = serve_one(json.loads(data), fds, cfg, libc, started)
         except Exception as e:
             answer = {"error": f"{type(e).__name__}: {e}"}
         finally:
