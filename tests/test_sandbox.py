@@ -692,6 +692,85 @@ def test_killing_the_supervisor_fails_and_the_sandbox_stays_usable(sandbox, code
     assert sandbox.run("print('alive')").stdout == "alive\n"
 
 
+_REACH_INIT = (
+    "import ctypes, os, signal, time\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.ptrace.restype = ctypes.c_long\n"
+    "libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]\n"
+    "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
+    "print('uid', os.getuid(), 'caps', int(status['CapEff'], 16), 'no_new_privs', status['NoNewPrivs'].strip())\n"
+    "def reach(pid):\n"
+    "    try:\n"
+    "        mem = open(f'/proc/{pid}/mem', 'r+b', buffering=0)\n"
+    "    except OSError as e:\n"
+    "        wrote = type(e).__name__\n"
+    "    else:\n"
+    "        with mem:  # the same bytes back: a write that succeeds changes nothing\n"
+    "            start = int(open(f'/proc/{pid}/maps').readline().split('-')[0], 16)\n"
+    "            mem.seek(start)\n"
+    "            data = mem.read(8)\n"
+    "            mem.seek(start)\n"
+    "            wrote = f'wrote {mem.write(data)}'\n"
+    "    if libc.ptrace(16, pid, None, None) == 0:  # PTRACE_ATTACH\n"
+    "        os.waitpid(pid, 0x40000000)  # __WALL: until it stops\n"
+    "        libc.ptrace(17, pid, None, None)  # PTRACE_DETACH\n"
+    "        attached = 'attached'\n"
+    "    else:\n"
+    "        attached = os.strerror(ctypes.get_errno())\n"
+    "    return wrote, attached\n"
+    "print('init', *reach(1))\n"
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    time.sleep(10)\n"
+    "    os._exit(0)\n"
+    "print('control', *reach(child))  # the checker can fail: the code's own child is reachable\n"
+    "os.kill(child, signal.SIGKILL)\n"
+)
+
+
+def _check_init_unreachable(result: ExecResult, uid: int | None) -> None:
+    lines = result.stdout.splitlines()
+    assert result.ok and len(lines) == 3, result
+    who, caps, no_new_privs = lines[0].split()[1::2]
+    assert (caps, no_new_privs) == ("0", "1") and (uid is None or who == str(uid)), result
+    assert lines[1] == "init PermissionError Operation not permitted", result  # "init wrote 8 attached" before
+    assert lines[2] == "control wrote 8 attached", result
+
+
+@requires_namespaces
+def test_the_calls_init_can_be_neither_written_nor_traced(any_sandbox):
+    # Round four: a warm call's PID-namespace init was a `sleep` exec'd as the call's uid, dumpable again after
+    # exec: the code opened /proc/1/mem read-write, wrote it and PTRACE_ATTACHed it (0), the init holding none of
+    # the call's limits and one of its two filters. Cold mode refused both, as every mode must.
+    _check_init_unreachable(any_sandbox.run(_REACH_INIT), None)
+
+
+_AS_ROOT_INSIDE = {
+    # The line that writes the code's uid/gid maps, and the same maps with uid and gid 0 inside: the code then runs
+    # as root of its user namespace (capabilities dropped, no_new_privs), which the sandbox itself never does.
+    "cold": ('check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")\n        write_id_maps(uid, gid)\n',
+             'check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")\n        '),
+    "warm": ('"unshare per-call namespaces")\n        write_id_maps(uid, gid)\n', '"unshare per-call namespaces")\n        '),
+}
+_ROOT_MAPS = ("[open(f'/proc/self/{n}', 'w').write(t) for n, t in (('uid_map', f'0 {uid} 1\\n'), "
+              "('setgroups', 'deny\\n'), ('gid_map', f'0 {gid} 1\\n'))]\n")
+
+
+@requires_namespaces
+@pytest.mark.parametrize("isolation_mode", MODES, ids=_mode_id)
+def test_the_calls_init_stays_unreachable_from_root_inside_the_namespace(isolation_mode, monkeypatch):
+    # Round four: non-dumpable alone does not stop a process holding CAP_SYS_PTRACE in the init's user namespace, so
+    # the same check as root of the code's user namespace, capabilities dropped and no_new_privs set.
+    isolation, mode = isolation_mode
+    old, new = _AS_ROOT_INSIDE[mode]
+    source = launcher.runner_source()
+    assert source.count(old) == 1  # the patch below still applies
+    monkeypatch.setattr(launcher, "runner_source", lambda: source.replace(old, new + _ROOT_MAPS))
+    with _sandbox(mode, isolation, warm_imports=(), max_concurrency=1) as sb:
+        result = sb.run(_REACH_INIT)
+    _check_init_unreachable(result, 0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Concurrency, statistics, lifecycle, validation.
 # ---------------------------------------------------------------------------------------------------
@@ -1553,6 +1632,8 @@ def test_without_an_init_program_a_fork_of_the_server_is_the_init(isolation, mon
         alarm = sb.run("import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(0.6)\nprint('alarm ignored')")
         segv = sb.run("import ctypes\nctypes.string_at(0)")
         exited = sb.run("import sys\nsys.exit(3)")
+        reach = sb.run(_REACH_INIT)
     assert init.ok and "sleep" not in init.stdout and init.stdout.strip(), init  # the server's interpreter
+    _check_init_unreachable(reach, None)  # non-dumpable, without capabilities: as unreachable as the exec-only sleep
     assert alarm.exit_code == -signal.SIGALRM and alarm.stdout == "", alarm
     assert segv.exit_code == -signal.SIGSEGV and exited.exit_code == 3, (segv, exited)

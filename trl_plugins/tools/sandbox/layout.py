@@ -19,11 +19,20 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
 and tools; symbolic links stay links). Nothing else of the host is visible."""
 
 INIT_PROGRAMS = ("/usr/bin/sleep", "/bin/sleep")
-"""Candidates for the init of a warm call's PID namespace (shown in every sandbox: ``/usr`` is); without one, a
-fork of the server is the init (about 4 ms more per call, measured by benchmarks/sandbox_versions.py)."""
+"""Candidates for the init of a warm call's PID namespace (shown in every sandbox: ``/usr`` is), started from an
+exec-only copy (``runner.exec_only_copy``); without one, a fork of the server is the init (about 4 ms more per
+call, measured by benchmarks/sandbox_versions.py)."""
 
 
 def init_program() -> str | None:
+    """The init program of warm calls, or None for the forked init: also where ``fs.suid_dumpable`` is 1, under
+    which an exec-only copy would stay dumpable, so reachable from the call."""
+    try:
+        with open("/proc/sys/fs/suid_dumpable") as f:
+            if f.read().strip() == "1":
+                return None
+    except OSError:
+        pass
     return next((p for p in INIT_PROGRAMS if os.path.isfile(p) and os.access(p, os.X_OK)), None)
 
 

@@ -62,6 +62,8 @@ class WarmServer:
         self.max_output_chars = max_output_chars
         self.oom_kills = 0
         self.fresh_proc = False
+        self.forked_init: str | None = None
+        """Why warm calls get a forked init instead of the exec-only ``sleep`` (None: they do not)."""
         self.failed_imports: list[str] = []
         self.lost = False
         """The server was killed (it did not answer in time, or said its call's processes were stuck)."""
@@ -72,6 +74,7 @@ class WarmServer:
         if not msg.get("ready"):
             raise ServerDied(msg.get("error", "server reported not ready"))
         self.fresh_proc = bool(msg.get("fresh_proc"))
+        self.forked_init = msg.get("forked_init")
         self.failed_imports = list(msg.get("failed_imports", []))
 
     def call(self, code: str, timeout_s: float) -> dict:
@@ -246,6 +249,8 @@ class WarmPool:
             self.fresh_proc = server.fresh_proc
             if not server.fresh_proc and self.launcher.isolation != Isolation.NONE:
                 logger.info("sandbox: warm calls keep the server's /proc view (no fresh /proc per call here)")
+            if server.forked_init and self.launcher.isolation != Isolation.NONE:
+                logger.info("sandbox: warm calls get a forked init (a few ms more per call): %s", server.forked_init)
         if server.failed_imports and not self._warned_imports:
             self._warned_imports = True
             logger.warning("sandbox: warm_imports that failed to import: %s", "; ".join(server.failed_imports))

@@ -129,20 +129,30 @@ def write_id_maps(uid: int, gid: int) -> None:
             f.write(text)
 
 
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
 def drop_caps(libc: ctypes.CDLL) -> None:
     for cap in range(64):  # bounding set: nothing can be regained through exec of a file with caps
         if prctl(libc, PR_CAPBSET_DROP, cap) != 0 and ctypes.get_errno() == errno.EINVAL:  # past the last cap
             break
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-    check(libc.capset(ctypes.byref(Header(LINUX_CAPABILITY_VERSION_3, 0)), (Data * 2)()), "capset")
+    check(libc.capset(ctypes.byref(CapHeader(LINUX_CAPABILITY_VERSION_3, 0)), (CapData * 2)()), "capset")
     libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     check(prctl(libc, PR_SET_NO_NEW_PRIVS, 1), "PR_SET_NO_NEW_PRIVS")
+
+
+def set_effective_caps(libc: ctypes.CDLL, on: bool) -> None:
+    """Raise (``on``) or clear the effective capability set; the permitted set stays as it is."""
+    header, data = CapHeader(LINUX_CAPABILITY_VERSION_3, 0), (CapData * 2)()
+    check(libc.capget(ctypes.byref(header), data), "capget")
+    for half in data:
+        half.effective = half.permitted if on else 0
+    check(libc.capset(ctypes.byref(header), data), "capset")
 
 
 class SockFilter(ctypes.Structure):
@@ -530,10 +540,10 @@ def setup_call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: in
               "unshare per-call namespaces")
         write_id_maps(uid, gid)
         # The first process made now is PID 1 of the new namespace, the code's process is not: signals without a
-        # handler (alarm(), kill(self)) act on it as anywhere else. PID 1 is the init program (``sleep``: a
-        # vfork and an exec, no copy of this big process; the code's process is then our second child) or,
-        # without one, a fork of this process that stays the code's parent (run_init).
-        init_pid = spawn_init(cfg["init_program"]) if cfg["init_program"] else None
+        # handler (alarm(), kill(self)) act on it as anywhere else. PID 1 is the init program (an exec-only copy
+        # of ``sleep``: a vfork and an exec, no copy of this big process; the code's process is then our second
+        # child) or, without one, a fork of this process that stays the code's parent (run_init).
+        init_pid = spawn_init(libc, cfg["init_program"], cfg["init_fd"]) if cfg.get("init_fd") is not None else None
         pid = os.fork()
         if pid:
             os.write(status_fd, f"P{pid}\n".encode() + (f"I{init_pid}\n".encode() if init_pid else b""))
@@ -558,10 +568,31 @@ def setup_call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: in
     return code
 
 
-def spawn_init(program: str) -> int:
-    """Start ``program`` (``sleep``) as the init of the PID namespace just made: it holds the namespace open and,
-    as an init, ignores every signal from inside it. It gets no descriptor of ours (close-on-exec for all) and
-    no capability (exec as a non-root user in the namespace clears them)."""
+def exec_only_copy(program: str) -> int:
+    """A read-only descriptor of an in-memory copy of ``program`` whose mode is 0111: executable, readable by
+    nobody. Exec of a file its caller cannot read leaves the new process non-dumpable (the kernel's
+    ``would_dump``), so an init started from it cannot be opened through ``/proc/<pid>/mem``, nor traced, by the
+    call's code, which runs as the same uid in the same user namespace but holds no capability there. (An exec of
+    a readable file, ``/usr/bin/sleep`` itself, made the init dumpable again.) No writable descriptor stays open:
+    exec refuses a file open for writing."""
+    with open(program, "rb") as f:
+        data = f.read()
+    rw = os.memfd_create("sandbox-init", os.MFD_CLOEXEC)
+    try:
+        os.write(rw, data)
+        ro = os.open(f"/proc/self/fd/{rw}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(rw)
+    os.fchmod(ro, 0o111)
+    return ro
+
+
+def spawn_init(libc: ctypes.CDLL, program: str, exec_fd: int) -> int:
+    """Start ``program`` (``sleep``), from its exec-only copy ``exec_fd`` (:func:`exec_only_copy`), as the init of
+    the PID namespace just made: it holds the namespace open and, as an init, ignores every signal from inside it.
+    It gets no descriptor of ours (close-on-exec for all) and no capability (exec as a non-root user in the
+    namespace clears them). It is spawned with no effective capability: with CAP_DAC_READ_SEARCH (ours in the
+    new user namespace, which maps the copy's owner) the exec would find the copy readable and leave it dumpable."""
     for name in os.listdir("/proc/self/fd"):  # the server's /proc: we are still outside the new PID namespace
         if int(name) > 2:
             try:
@@ -570,9 +601,11 @@ def spawn_init(program: str) -> int:
                 pass
     devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1), (os.POSIX_SPAWN_DUP2, devnull, 2)]
+    set_effective_caps(libc, False)
     try:
-        return os.posix_spawn(program, [program, "2147483647"], {}, file_actions=actions)
+        return os.posix_spawn(f"/proc/self/fd/{exec_fd}", [program, "2147483647"], {}, file_actions=actions)
     finally:
+        set_effective_caps(libc, True)  # for the code's process: its mounts, then it drops them all
         os.close(devnull)
 
 
@@ -829,18 +862,23 @@ def serve(cfg: dict, libc: ctypes.CDLL) -> None:
     install_seccomp(libc, seccomp_program(list(DENIED_ALWAYS), no_namespaces=False))
     per_call = [name for name in seccomp_deny(cfg) if name not in DENIED_ALWAYS]
     cfg["seccomp"] = seccomp_program(per_call, no_namespaces=True)
+    cfg["init_fd"], init_note = None, "no init program"
+    if cfg["init_program"]:
+        try:
+            cfg["init_fd"] = exec_only_copy(cfg["init_program"])
+        except OSError as e:
+            init_note = f"no exec-only copy of {cfg['init_program']} ({e})"
     gc.freeze()  # fewer copy-on-write page faults in the forked children
-    probe = [os.memfd_create("probe-code"), os.memfd_create("probe-stdout"), os.memfd_create("probe-stderr")]
-    os.write(probe[0], b"pass")
-    os.lseek(probe[0], 0, os.SEEK_SET)
-    answer = serve_one({"timeout_s": 30.0}, probe, cfg, libc)
-    if answer.get("error") or answer.get("exit_code") != 0:
-        why = answer.get("error") or read_tail(probe[2], 2000, 1 << 20)[0] or f"exit status {answer.get('exit_code')}"
+    why = probe_call(cfg, libc)
+    if why is not None and cfg["init_fd"] is not None:  # e.g. vm.memfd_noexec forbids executing the copy
+        os.close(cfg["init_fd"])
+        cfg["init_fd"], init_note = None, f"the exec-only init failed: {why}"
+        why = probe_call(cfg, libc)
+    if why is not None:
         sock.send(json.dumps({"ready": False, "error": why}).encode())
         return
-    for fd in probe:
-        os.close(fd)
-    sock.send(json.dumps({"ready": True, "failed_imports": failed, "fresh_proc": answer["fresh_proc"]}).encode())
+    sock.send(json.dumps({"ready": True, "failed_imports": failed, "fresh_proc": cfg["fresh_proc"],
+                          "forked_init": None if cfg["init_fd"] is not None else init_note}).encode())
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, 4096, 3)
@@ -858,6 +896,24 @@ def serve(cfg: dict, libc: ctypes.CDLL) -> None:
             for fd in fds:
                 os.close(fd)
         sock.send(json.dumps(answer).encode())
+
+
+def probe_call(cfg: dict, libc: ctypes.CDLL) -> str | None:
+    """Run ``pass`` as a call; None if it worked (``cfg["fresh_proc"]`` then says whether it got a fresh /proc),
+    else why not."""
+    probe = [os.memfd_create("probe-code"), os.memfd_create("probe-stdout"), os.memfd_create("probe-stderr")]
+    try:
+        os.write(probe[0], b"pass")
+        os.lseek(probe[0], 0, os.SEEK_SET)
+        answer = serve_one({"timeout_s": 30.0}, probe, cfg, libc)
+        if answer.get("error") or answer.get("exit_code") != 0:
+            return (answer.get("error") or read_tail(probe[2], 2000, 1 << 20)[0]
+                    or f"exit status {answer.get('exit_code')}")
+        cfg["fresh_proc"] = answer["fresh_proc"]
+        return None
+    finally:
+        for fd in probe:
+            os.close(fd)
 
 
 def run_cell(cfg: dict, libc: ctypes.CDLL) -> None:
