@@ -354,18 +354,32 @@ def test_main_command_runs_two_steps_on_one_process(first_launch):
 
 
 @pytest.mark.slow
-def test_main_command_runs_two_steps_under_zero3_on_two_processes(tmp_path):
-    proc = _launch(tmp_path, "cpu_zero3.yaml", ["--report_to", "none"])
+def test_main_command_under_zero3_on_two_processes_builds_once_and_generates_with_continuous_batching(tmp_path):
+    # One launch for two things (each 2-process launch costs ~70 s of a 2-core machine; they do not interact):
+    #
+    # ZeRO-3 on two processes into a fresh cache: only the main process builds the embedded default (one build
+    # message, one cache entry), the two steps train, and the periodic evaluation runs on both ranks (2 problems
+    # each, full weights gathered) and is summed.
+    #
+    # use_transformers_continuous_batching through the real launcher, on ZeRO-3-sharded weights (gathered once per
+    # rollout, as for HF generate), with the manager and its cache kept between rollouts: the steps train, the
+    # periodic and final evaluations generate with the same backend. (HF generate under ZeRO-3 is the trainer's
+    # default path, run in tests/test_distributed.py's launches.)
+    proc = _launch(tmp_path, "cpu_zero3.yaml", ["--report_to", "none", "--use_transformers_continuous_batching",
+                                                "--transformers_continuous_batching_config",
+                                                '{"page_size": 32, "num_blocks": 256, "max_batch_tokens": 1024}',
+                                                "--continuous_batching_keep_cache"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["after"]["problems"] == 4
-    # Only the main process built the embedded default: one build message, one cache entry.
     assert proc.stdout.count("building the tiny model") == 1
     assert len([p for p in (tmp_path / "cache" / "embedded").iterdir()]) == 1
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "reward/total" in r] == [1, 2]
-    # The periodic evaluation ran on both ranks (2 problems each, full weights gathered) and was summed.
-    assert all("heldout/accuracy" in r for r in records if "reward/total" in r)
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all("heldout/accuracy" in r for r in steps)
+    # One generate call per turn: a per-request backend (turns_mean is over all ranks, generate_calls the max).
+    assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps
 
 
 @pytest.mark.slow
@@ -616,41 +630,38 @@ def test_evaluation_settings_are_refused_before_anything_is_built():
         check_eval_settings(script_args, resolve_run(args))
 
 
-def test_use_vllm_without_vllm_stops_the_recipe_before_anything_is_built(tmp_path):
-    # The main command with --use_vllm on a machine without vLLM: the message, not a cold start then an ImportError.
-    import subprocess
-    import sys
+def _refusal(argv: list[str], monkeypatch) -> str:
+    """The main command's refusal of ``argv``: the message of the ``SystemExit`` it stops with, run in this process.
 
-    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--use_vllm", "true", "--output_dir", str(tmp_path / "out")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode != 0 and "vLLM is not installed here" in proc.stderr
+    What the four "stops before anything is built" tests check is that the refusal comes first, so they need no
+    interpreter of their own (~10 s of imports each): ``main`` runs here as ``python recipes/retool_ppo.py`` would
+    run it, with the spare child interpreter it starts ahead for the first evaluation (``prepare_child``: it only
+    imports) left out, and the environment and torch's thread count put back."""
+    import torch
+
+    retool_ppo = _recipe_module()
+    monkeypatch.setattr("retool.launch.prepare_child", lambda *a, **k: None)
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            retool_ppo.main(*retool_ppo.parse_args(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    assert isinstance(stop.value.code, str), stop.value  # the message, not an exit status after a traceback
+    return stop.value.code
+
+
+def test_use_vllm_without_vllm_stops_the_recipe_before_anything_is_built(tmp_path, monkeypatch):
+    # The main command with --use_vllm on a machine without vLLM: the message, not a cold start then an ImportError.
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    assert "vLLM is not installed here" in _refusal(["--use_vllm", "true", "--output_dir", str(tmp_path / "out")], monkeypatch)
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
-def test_main_command_generates_with_continuous_batching_under_zero3_on_two_processes(tmp_path, built_cache):
-    # use_transformers_continuous_batching through the real launcher, on ZeRO-3-sharded weights (gathered once
-    # per rollout, as for HF generate), with the manager and its cache kept between rollouts: the steps train,
-    # the periodic and final evaluations generate with the same backend.
-    proc = _launch(tmp_path, "cpu_zero3.yaml", ["--report_to", "none", "--use_transformers_continuous_batching",
-                                                "--transformers_continuous_batching_config",
-                                                '{"page_size": 32, "num_blocks": 256, "max_batch_tokens": 1024}',
-                                                "--continuous_batching_keep_cache"], cache=built_cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward/total" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    # One generate call per turn: a per-request backend (turns_mean is over all ranks, generate_calls the max).
-    assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps
-    assert all("heldout/accuracy" in r for r in steps)
-
-
-def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_overwriting(tmp_path):
+def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_overwriting(tmp_path, monkeypatch):
     # metrics.jsonl is appended to: a second run into the same folder would interleave its steps (1, 2, 1, 2).
-    import subprocess
-    import sys
-
     from retool.launch import claim_output_dir
 
     out = tmp_path / "out"
@@ -675,10 +686,8 @@ def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_ov
 
     # The main command stops on it before anything is built (no embedded default, no evaluation).
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--output_dir", str(out), "--report_to", "none"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode != 0 and "already holds files of an earlier run" in proc.stderr, proc.stderr[-2000:]
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    assert "already holds files of an earlier run" in _refusal(["--output_dir", str(out), "--report_to", "none"], monkeypatch)
     assert not (tmp_path / "cache").exists()
 
 
@@ -788,17 +797,12 @@ def test_naming_the_training_split_as_the_held_out_split_is_refused():
     assert check_eval_settings(script_args, resolve_run(args)) == [1, 4]  # no held-out evaluation: nothing to refuse
 
 
-def test_the_recipe_stops_on_a_file_too_small_to_hold_out_before_building_anything(tmp_path):
-    import subprocess
-    import sys
-
+def test_the_recipe_stops_on_a_file_too_small_to_hold_out_before_building_anything(tmp_path, monkeypatch):
     small = _write_jsonl(tmp_path / "small.jsonl", ["What is 1 + 1?", "What is 2 + 2?"])
-    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--dataset_name", str(small), "--report_to", "none",
-                           "--output_dir", str(tmp_path / "out")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode != 0 and "leaves none held out" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr  # the message, not a stack
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    refusal = _refusal(["--dataset_name", str(small), "--report_to", "none", "--output_dir", str(tmp_path / "out")],
+                       monkeypatch)
+    assert "leaves none held out" in refusal, refusal
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 
@@ -904,12 +908,9 @@ def test_main_command_on_a_single_file_with_continuous_batching_sized_from_its_w
     assert all("heldout/accuracy" in r for r in steps)
 
 
-def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path):
+def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path, monkeypatch):
     # --resume_from_checkpoint latest with the newest checkpoint truncated: refused naming the file, before the
     # embedded default is built or any model loads; nothing in the output folder is touched.
-    import subprocess
-    import sys
-
     from test_checkpoints import fake_checkpoint, snapshot, truncate
 
     out = tmp_path / "out"
@@ -918,12 +919,9 @@ def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path
     truncate(out / "checkpoint-2" / "model.safetensors")
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     before = snapshot(out)
-    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--output_dir", str(out), "--report_to", "none",
-                           "--resume_from_checkpoint", "Latest"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert f"{out / 'checkpoint-2' / 'model.safetensors'}: " in proc.stderr and "--resume_fallback true" in proc.stderr, proc.stderr[-2000:]
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    refusal = _refusal(["--output_dir", str(out), "--report_to", "none", "--resume_from_checkpoint", "Latest"], monkeypatch)
+    assert f"{out / 'checkpoint-2' / 'model.safetensors'}: " in refusal and "--resume_fallback true" in refusal, refusal
     assert snapshot(out) == before and not (tmp_path / "cache").exists()
 
 
