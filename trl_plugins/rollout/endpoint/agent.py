@@ -23,7 +23,6 @@ import math
 import os
 import secrets
 import shlex
-import signal
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.dispatch import Dispatcher, concurrency, settle
 from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
+from trl_plugins.rollout.endpoint.runs import AgentFailed, AgentLoop, let_go, run_command
 from trl_plugins.rollout.endpoint.session import Session
 from trl_plugins.rollout.engine import critical_path
 from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
@@ -51,10 +51,6 @@ logger = logging.getLogger(__name__)
 
 
 _LOADING = threading.Lock()
-
-
-class AgentFailed(Exception):
-    """The agent broke its contract (a command's exit status or output, a return value of the wrong kind)."""
 
 
 def _load(spec: str) -> Callable[..., Any]:
@@ -211,6 +207,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
                                 param="tools") from exc
 
         fn = _load(self.agent) if isinstance(self.agent, str) else self.agent  # once per rollout (None: a command)
+        agent_loop = AgentLoop() if fn is not None and inspect.iscoroutinefunction(fn) else None
         group = request.group_size
         tasks = []
         for index, traj in enumerate(result.trajectories):
@@ -221,14 +218,16 @@ class AgentEndpointRollout(TrajectoryBudgets):
             sessions[key] = session
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
             task = asyncio.ensure_future(self._one(fn, session, dict(q.row or {}), base_url, sessions, limit, agent_pool,
-                                                   http))
+                                                   agent_loop, http))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         stopped = False
         try:
             stopped = await settle(tasks, request.stop)
         finally:
-            await http.close()
+            if agent_loop is not None:
+                await agent_loop.close(http.close_async)
+            http.close_sync()
             await server.close()
             await dispatcher.drain()
             bar.close()
@@ -265,15 +264,27 @@ class AgentEndpointRollout(TrajectoryBudgets):
 
     async def _one(self, fn: Callable[..., Any] | None, session: Session, row: dict, base_url: str,
                    sessions: dict[str, Session], limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor,
-                   http: _HttpClients) -> None:
+                   agent_loop: AgentLoop | None, http: _HttpClients) -> None:
         async with limit:
+            run, cancel = self._invoke(fn, row, base_url, agent_pool, agent_loop, http)
             try:
-                value = await asyncio.wait_for(self._invoke(fn, row, base_url, agent_pool, http), self.agent_time_limit_s)
-            except asyncio.TimeoutError:
-                session.end(StopReason.ENVIRONMENT_ERROR, f"the agent ran past agent_time_limit_s={self.agent_time_limit_s}")
-            except asyncio.CancelledError:
-                session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
-                raise
+                try:
+                    await asyncio.wait({run}, timeout=self.agent_time_limit_s)
+                except asyncio.CancelledError:  # a stop: the agent goes, as at its limit
+                    session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
+                    sessions.pop(session.key, None)
+                    await let_go(run, cancel)
+                    raise
+                if not run.done():
+                    # Its trajectory ends first, so that whatever it asks or returns from now on counts for nothing;
+                    # it is not waited for past the grace (an agent may catch its cancellation and run on).
+                    session.end(StopReason.ENVIRONMENT_ERROR, f"the agent ran past agent_time_limit_s={self.agent_time_limit_s}")
+                    sessions.pop(session.key, None)
+                    await let_go(run, cancel)
+                    return
+                if run.cancelled():  # by the agent's own code: a failure of its own
+                    raise AgentFailed("the agent's run was cancelled by the agent itself")
+                value = run.result()
             except Exception as exc:  # noqa: BLE001 - the agent's failure ends its trajectory, not the rollout
                 session.end(StopReason.ENVIRONMENT_ERROR, f"the agent failed: {type(exc).__name__}: {exc}"[:2000])
                 kind = type(exc).__name__
@@ -297,46 +308,27 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 if session.traj.stop_reason is None:
                     session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
 
-    async def _invoke(self, fn: Callable[..., Any] | None, row: dict, base_url: str, agent_pool: concurrent.futures.Executor,
-                      http: _HttpClients) -> Any:
+    def _invoke(self, fn: Callable[..., Any] | None, row: dict, base_url: str, agent_pool: concurrent.futures.Executor,
+                agent_loop: AgentLoop | None, http: _HttpClients) -> tuple[asyncio.Future, Callable[[], None]]:
+        """Start the agent: a future (of this loop) that ends when the agent does, and a function that cancels it (a
+        command's processes are killed; an ``async def`` agent gets CancelledError; a thread cannot be stopped)."""
         if fn is None:
-            return await self._command(row, base_url)
+            env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self._token,
+                   "TRL_PLUGINS_ROW": json.dumps(row, default=str)}
+            task = asyncio.ensure_future(run_command(self.command, row, env))
+            return task, task.cancel
         import openai
 
         timeout = None if self.request_time_limit_s is None else self.request_time_limit_s + 30.0
         settings = dict(base_url=base_url, api_key=self._token, max_retries=0, timeout=timeout)
-        if inspect.iscoroutinefunction(fn):
-            return await fn(openai.AsyncOpenAI(**settings, http_client=http.shared(asynchronous=True)), row)
+        if agent_loop is not None:
+            async def run() -> Any:  # on the agents' loop, where its client's connections live
+                return await fn(openai.AsyncOpenAI(**settings, http_client=http.shared(asynchronous=True)), row)
+
+            return agent_loop.start(run())
         client = openai.OpenAI(**settings, http_client=http.shared(asynchronous=False))
-        return await asyncio.get_running_loop().run_in_executor(agent_pool, fn, client, row)
-
-    async def _command(self, row: dict, base_url: str) -> Any:
-        encoded = json.dumps(row, default=str)
-        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self._token, "TRL_PLUGINS_ROW": encoded}
-        proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                    env=env, start_new_session=True)
-        try:
-            out, err = await proc.communicate(encoded.encode())
-        except BaseException:  # a time limit or a stop: the command and everything it started go
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
-            raise
-        if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip()[-1500:]
-            raise AgentFailed(f"the agent command exited with status {proc.returncode}: {tail or '(no stderr)'}")
-        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
-        if not lines:
-            return None
-        try:
-            return json.loads(lines[-1])
-        except ValueError:
-            raise AgentFailed(f"the agent command's last line of stdout is not JSON: {lines[-1][:200]!r}; print its "
-                              f"result (a number, a mapping of numbers, or null) as JSON on the last line.") from None
-
+        future = asyncio.get_running_loop().run_in_executor(agent_pool, fn, client, row)
+        return future, future.cancel
 
 class _HttpClients:
     """One HTTP connection pool per rollout that every agent's client shares (a client of its own costs ~27 ms of
@@ -356,10 +348,16 @@ class _HttpClients:
             self.clients[asynchronous] = kind(limits=limits)
         return self.clients[asynchronous]
 
-    async def close(self) -> None:
-        for asynchronous, client in self.clients.items():
-            await client.aclose() if asynchronous else client.close()
-        self.clients.clear()
+    def close_sync(self) -> None:
+        """Close the blocking pool (the plain agents'); the async one is closed on the agents' loop."""
+        client = self.clients.pop(False, None)
+        if client is not None:
+            client.close()
+
+    async def close_async(self) -> None:
+        client = self.clients.pop(True, None)
+        if client is not None:
+            await client.aclose()
 
 
 def record_rewards(traj: Trajectory, value: Any, row: Mapping[str, Any]) -> str | None:
