@@ -505,3 +505,134 @@ def test_turns_record_the_weights_that_sampled_them_when_weights_change_mid_traj
     steps = [s for s, m in zip(datum.behaviour_steps, datum.action_mask) if m]
     assert steps and sorted(set(steps)) == [5, 6, 7]
     assert all(s == -1 for s, m in zip(datum.behaviour_steps, datum.action_mask) if not m)
+
+
+# -- a stop that reaches the replica too (issue 50.12) -----------------------------------------------------------
+
+
+def _refused():
+    raise ConnectionRefusedError(111, "Connection refused")
+
+
+class _HalfShared:
+    """An answer whose tensors' owner has died: unpickling it asks the dead replica for them (torch's file-descriptor
+    sharing connects to the sender), as a batch the replica left half-shared when a SIGTERM killed it."""
+
+    def __reduce__(self):
+        return _refused, ()
+
+
+class _Replica:
+    """The replica process as the trainer sees it: alive until ``die()``, then dead of ``signum``."""
+
+    def __init__(self):
+        self.pid, self.exitcode, self.alive = 4242, None, True
+
+    def is_alive(self):
+        return self.alive
+
+    def die(self, signum=signal.SIGTERM):
+        self.alive, self.exitcode = False, -signum
+
+    def join(self, timeout=None):
+        pass
+
+    kill = join
+
+
+def _replica_waiting_for(key):
+    """A GenerationReplica handle whose rollout ``key`` is pending, on a real queue, without a process behind it."""
+    import torch.multiprocessing as mp
+
+    from trl_plugins.trainers.replica import GenerationReplica
+
+    ctx = mp.get_context("spawn")
+    handle = GenerationReplica.__new__(GenerationReplica)
+    handle._jobs, handle._results, handle._process = ctx.Queue(), ctx.Queue(), _Replica()
+    handle._pending, handle._done, handle._probes, handle.closed, handle.pushed_step = [key], {}, {}, False, key
+    return handle
+
+
+def _fail(handle, error):
+    if error == "half-shared":
+        handle._results.put(("rollout", 5, _HalfShared(), 5, {}))
+    elif error == "error message":  # its rollout failed first (a tool killed by the same signal), then it died
+        handle._results.put(("error", "Traceback (most recent call last):\n  ...\nBrokenPipeError: [Errno 32] Broken pipe"))
+    handle._process.die()
+
+
+@pytest.mark.parametrize("error", ["half-shared", "error message", "exited"])
+@pytest.mark.parametrize("phase", ["update", "rollout", "between"])
+def test_a_replica_that_dies_of_the_stop_signal_is_the_stop(phase, error):
+    # A SIGTERM to the process group kills the replica (SIG_DFL) and asks the trainer to stop. The trainer then meets
+    # the replica's end as it reads step 5's answer: "update", the signal came during the previous update (the stop is
+    # pending before the read); "rollout", it comes while the trainer waits; "between", the replica's failure is read
+    # before the trainer's handler has run (the stop arrives 0.3 s later). Each way result() is None (the trainer
+    # then stops as documented: "training stopped on SIGTERM after step N"), not a ReplicaError or the
+    # ConnectionRefusedError of the half-shared answer ("The run stopped at step 5 (ConnectionRefusedError)").
+    import threading
+
+    handle = _replica_waiting_for(5)
+    stop = threading.Event()
+    if phase == "update":
+        stop.set()
+        _fail(handle, error)
+        timer = None
+    elif phase == "rollout":
+        def signal_arrives():
+            stop.set()
+            _fail(handle, error)
+        timer = threading.Timer(0.3, signal_arrives)
+    else:
+        _fail(handle, error)
+        timer = threading.Timer(0.3, stop.set)  # after the first 0.2 s poll of an empty queue
+    if timer is not None:
+        timer.start()
+    try:
+        assert handle.result(5, cancelled=stop.is_set) is None
+    finally:
+        if timer is not None:
+            timer.cancel()
+        handle.close()
+
+
+@pytest.mark.parametrize("error", ["half-shared", "error message", "exited"])
+def test_a_replica_that_fails_without_a_stop_is_an_error(error, monkeypatch):
+    # The negative control: no stop asked for, the same failure is the replica's error, named, after the grace.
+    from trl_plugins.trainers import replica
+    from trl_plugins.trainers.replica import ReplicaError
+
+    monkeypatch.setattr(replica, "STOP_GRACE_S", 0.2)
+
+    says = {"half-shared": r"ConnectionRefusedError.*was killed by SIGTERM", "error message": "BrokenPipeError",
+            "exited": "was killed by SIGTERM without an error message"}[error]
+    handle = _replica_waiting_for(5)
+    _fail(handle, error)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ReplicaError, match=says):
+            handle.result(5, cancelled=lambda: False)
+        assert 0.2 <= time.monotonic() - start < 0.2 + 1.0  # it waited the grace for a stop, no longer
+    finally:
+        handle.close()
+
+
+@pytest.mark.parametrize("stopping", [True, False])
+def test_a_server_rollout_that_fails_while_a_stop_is_pending_is_the_stop(stopping, monkeypatch):
+    # vLLM server mode: the rollouts run on threads of the trainer against a server that the same SIGTERM may kill.
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from trl_plugins.trainers import replica
+    from trl_plugins.trainers.async_rollouts import ServerRollouts
+
+    monkeypatch.setattr(replica, "STOP_GRACE_S", 0.2)
+    server = ServerRollouts.__new__(ServerRollouts)
+    failed = concurrent.futures.Future()
+    failed.set_exception(ConnectionRefusedError(111, "Connection refused"))
+    server._futures, server._starts, server._probes, server.parts = {5: failed}, {5: 4}, {}, SimpleNamespace(tools={})
+    if stopping:
+        assert server.result(5, cancelled=lambda: True) is None
+    else:
+        with pytest.raises(ConnectionRefusedError):
+            server.result(5, cancelled=lambda: False)

@@ -41,6 +41,7 @@ from trl_plugins.trainers.replica import (
     cpu_state_dict,
     probe_logprobs,
     probe_tokens,
+    stop_pending,
 )
 from trl_plugins.types import Datum
 
@@ -211,6 +212,10 @@ class ServerRollouts:
             except concurrent.futures.TimeoutError:
                 if cancelled is not None and cancelled():
                     return None
+            except Exception:
+                if stop_pending(cancelled):  # the server died of the same signal: the stop, not a failure
+                    return None
+                raise
         del self._futures[key]
         start = self._starts.pop(key)
         tool_metrics: dict[str, float] = {}

@@ -30,6 +30,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from types import SimpleNamespace
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
@@ -43,6 +44,24 @@ logger = logging.getLogger(__name__)
 
 class ReplicaError(RuntimeError):
     """The generation replica failed (its traceback is in the message) or exited."""
+
+
+STOP_GRACE_S = 1.0
+"""How long a failure of the generation replica waits for a stop request before it is raised: a SIGTERM sent to the
+run's process group reaches the replica too, which dies of it at once, while the trainer's handler may run a moment
+after the failure is seen."""
+
+
+def stop_pending(cancelled: Callable[[], bool] | None) -> bool:
+    """Whether ``cancelled()`` is true now or turns true within :data:`STOP_GRACE_S` (False at once without it)."""
+    if cancelled is None:
+        return False
+    deadline = time.monotonic() + STOP_GRACE_S
+    while not cancelled():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @dataclasses.dataclass
@@ -187,10 +206,12 @@ class GenerationReplica:
 
     def result(self, key: Any, *, cancelled: Callable[[], bool] | None = None) -> ReplicaResult | None:
         """Wait for the rollout ``key`` (the oldest pending one; with ``streaming`` later ones may finish first and are
-        kept). None: ``cancelled()`` turned true while waiting (the rollout is then abandoned: close the replica).
+        kept). None: ``cancelled()`` turned true while waiting (the rollout is then abandoned: close the replica), or
+        the replica failed while a stop was pending or within :data:`STOP_GRACE_S` after (it died of the same signal,
+        or left an answer half-shared): the stop, not a failure.
 
         Raises:
-            ReplicaError: the replica failed or exited.
+            ReplicaError: the replica failed or exited, and no stop was asked for.
         """
         if not self._pending or self._pending[0] != key:
             raise ValueError(f"rollout {key!r} is not the oldest pending one (pending: {self._pending}).")
@@ -201,12 +222,23 @@ class GenerationReplica:
                 if cancelled is not None and cancelled():
                     return None
                 if not self._process.is_alive():
-                    raise ReplicaError(f"the generation replica (pid {self._process.pid}) exited with code "
-                                       f"{self._process.exitcode} without an error message.") from None
+                    if stop_pending(cancelled):
+                        return None
+                    raise ReplicaError(f"the generation replica (pid {self._process.pid}) {self._how_it_ended()} "
+                                       f"without an error message.") from None
                 continue
+            except Exception as exc:  # noqa: BLE001 - an answer it left half-shared: its tensors' owner is gone
+                if stop_pending(cancelled):
+                    return None
+                raise ReplicaError(f"reading the generation replica's answer failed ({type(exc).__name__}: {exc}); the "
+                                   f"replica (pid {self._process.pid}) {self._how_it_ended()}.") from exc
             kind = message[0]
             if kind == "error":
                 self.close()
+                if stop_pending(cancelled):
+                    logger.info("the generation replica failed while a stop was pending (the stop stands): %s",
+                                message[1].strip().splitlines()[-1:])
+                    return None
                 raise ReplicaError(f"the generation replica failed:\n{message[1]}")
             if kind == "probe":
                 self._probes[message[1]] = message[2]
@@ -219,6 +251,17 @@ class GenerationReplica:
         answer = self._done.pop(key)
         answer.probes, self._probes = self._probes, {}
         return answer
+
+    def _how_it_ended(self) -> str:
+        code = self._process.exitcode
+        if code is None:
+            return "still runs"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"exited with code {code}"
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the replica (rollouts in flight are abandoned) and wait for it to exit; idempotent."""
