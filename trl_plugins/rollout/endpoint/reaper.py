@@ -93,11 +93,14 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, _stop)
     status = None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 or libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            err = ctypes.get_errno()
-            sys.stderr.write(f"the agent endpoint cannot run the command under a subreaper (prctl: {os.strerror(err)}; "
-                             f"Linux 3.4 or later needed)\n")
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (AttributeError, OSError):  # not Linux
+            prctl = None
+        if prctl is None or prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 or prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            why = os.strerror(ctypes.get_errno()) if prctl is not None else "no prctl on this system"
+            sys.stderr.write(f"the agent endpoint cannot run the command under a subreaper (prctl: {why}; Linux 3.4 or "
+                             f"later needed)\n")
             os._exit(SETUP_FAILED)
         if os.getppid() != parent:  # the rollout died before the death signal was armed
             os._exit(SETUP_FAILED)
