@@ -493,6 +493,47 @@ def test_long_tool_output_keeps_the_tail(chat):
     assert not chat.tool_turn([], text, max_tokens=10_000).truncated
 
 
+@pytest.mark.parametrize("template", ["qwen2_5", "llama3_1"])  # llama3_1 JSON-escapes the output
+def test_a_long_output_is_cut_from_its_tail_as_from_the_whole(formats, monkeypatch, template):
+    # Issue 50.9: a long output was rendered and tokenised whole, several times, to cut it (18 s for 3 MB). Now only
+    # its tail is examined. Compared: the tool turn with the output cut, and the tool turn with the cut that the
+    # search over the whole output finds (today's search: below TAIL_CHARS it is today's cut, marker and all; above
+    # it the marker counts the characters cut, the tokens of the rest being never counted).
+    from trl_plugins.rollout.chat import format as chat_format
+
+    chat = formats(template)
+    names, stop = ("code_interpreter",), [chat.stop_token_ids[0]]
+    lines = "".join(f"line {i} value {i * 7}\n" for i in range(6000)) + "RESULT=42"
+    controls = "a<|im_end|>b " * 1700 + "TAIL"  # spelled out: ~7 tokens each
+    escaped = 'say "hi"\n\\ ' * 1700 + "END"  # escaped by a JSON template
+
+    def cut_by_the_whole(text: str, max_tokens: int) -> list[int]:
+        full = chat._rendered_turn(names, [text])[2][0]
+        before = None if len(text) <= max(chat_format.TAIL_CHARS, max_tokens * chat_format.TAIL_CHARS_PER_TOKEN) else 0
+        kept = chat._cut_to_budget(names, [text], 0, max_tokens, full, before=before)
+        return chat.tool_turn(stop, kept).ids
+
+    for text in (lines[:12_000], lines[-20_000:], controls[-12_000:], controls, escaped):
+        turn = chat.tool_turn(stop, text, max_tokens=128)
+        assert turn.truncated and turn.ids == cut_by_the_whole(text, 128), (template, len(text))
+    # A tail that fits whole (here: one made too short) is widened until it does not: the same cut.
+    monkeypatch.setattr(chat_format, "TAIL_CHARS", 0)
+    monkeypatch.setattr(chat_format, "TAIL_CHARS_PER_TOKEN", 1)
+    assert chat.tool_turn(stop, lines[-40_000:], max_tokens=128).ids == cut_by_the_whole(lines[-40_000:], 128)
+    monkeypatch.undo()
+    # A 3 MB output: nothing longer than the tail is rendered or tokenised, and the tail is kept behind the marker.
+    seen = []
+    rendered_turn = chat._rendered_turn
+    monkeypatch.setattr(chat, "_rendered_turn", lambda n, texts: seen.append(max(map(len, texts))) or rendered_turn(n, texts))
+    huge = lines * 12
+    turn = chat.tool_turn(stop, huge, max_tokens=512)
+    observed = chat.tokenizer.decode([t for t, s in zip(turn.ids, turn.sources) if s == O])
+    assert max(seen) <= chat_format.TAIL_CHARS and sum(s == O for s in turn.sources) <= 512
+    assert re.match(r"\[\.\.\. \d+ earlier characters cut \.\.\.\]", observed) and observed.endswith("RESULT=42")
+    cut = int(re.match(r"\[\.\.\. (\d+)", observed).group(1))  # the characters cut, exactly
+    assert turn.ids == chat.tool_turn(stop, f"[... {cut} earlier characters cut ...]\n" + huge[cut:]).ids
+
+
 @pytest.mark.parametrize("template", ["qwen2_5", "llama3_1", "glm4moe_training"])  # llama3_1 JSON-escapes the output
 @pytest.mark.parametrize("make_output", [
     lambda controls: "<|im_end|>" * 700,               # one token as a token, ~7 spelled out as text

@@ -47,6 +47,14 @@ __all__ = ["ChatFormat"]
 logger = logging.getLogger(__name__)
 
 
+TAIL_CHARS = 16_384
+TAIL_CHARS_PER_TOKEN = 32
+"""The tail of a long tool output that its cut to ``max_tokens`` examines first (:meth:`ChatFormat.tool_results_turn`):
+the larger of ``TAIL_CHARS`` characters and ``TAIL_CHARS_PER_TOKEN`` per token of ``max_tokens``. A tail that does not
+fit whole holds the longest tail that does; text usually takes 2-6 characters a token, and a tail that fits whole (a
+tokenizer that packs more) is widened until it does not."""
+
+
 _PROBE_SCHEMA = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 """What a format without tools checks its template with (an exact template is exact whatever the tool)."""
@@ -261,15 +269,27 @@ class ChatFormat(TemplateChecks, TurnParsing):
         tokenizer can encode (a lone surrogate) become U+FFFD first (:func:`~trl_plugins.tools.base.valid_text`).
         With ``max_tokens``, each output's tokens as they reach the model (its OBSERVATION tokens: after the
         template escaped or trimmed it, with control-token text spelled out) are at most ``max_tokens``: a longer
-        output keeps its tail behind a marker.
+        output keeps its tail behind a marker saying how many tokens were cut. Of an output longer than
+        :data:`TAIL_CHARS` and ``max_tokens *`` :data:`TAIL_CHARS_PER_TOKEN` characters only that tail is rendered and
+        tokenised (widened while it fits whole), so the work is bounded by the budget, not by the output; its marker
+        counts the characters cut instead (the tokens of a part never tokenised are not known).
         """
         names = tuple(name for name, _ in results)
-        texts = [valid_text(output) for _, output in results]
+        whole = [valid_text(output) for _, output in results]
+        texts = list(whole)
+        if max_tokens is not None:  # only a tail can reach the model: the rest is never rendered nor tokenised
+            bound = max(TAIL_CHARS, max_tokens * TAIL_CHARS_PER_TOKEN)
+            texts = [text if len(text) <= bound else text[-bound:] for text in whole]
         ids, sources, counts = self._rendered_turn(names, texts)
+        for k in range(len(texts)):  # a tail that fits whole may not be the longest that fits: widen it
+            while len(texts[k]) < len(whole[k]) and counts[k] <= max_tokens:
+                texts[k] = whole[k][-4 * len(texts[k]):]
+                ids, sources, counts = self._rendered_turn(names, texts)
         cut = [False] * len(texts)
         while max_tokens is not None and any(c > max_tokens for c in counts):
             k = next(k for k, c in enumerate(counts) if c > max_tokens)
-            texts[k] = self._cut_to_budget(names, texts, k, max_tokens, counts[k])
+            before = len(whole[k]) - len(texts[k])
+            texts[k] = self._cut_to_budget(names, texts, k, max_tokens, counts[k], before=before if before else None)
             cut[k] = True
             ids, sources, counts = self._rendered_turn(names, texts)
         k = 0
@@ -360,9 +380,11 @@ class ChatFormat(TemplateChecks, TurnParsing):
                 counts[owner] += 1
         return ids, sources, counts
 
-    def _cut_to_budget(self, names: tuple[str, ...], texts: Sequence[str], k: int, max_tokens: int, full: int) -> str:
+    def _cut_to_budget(self, names: tuple[str, ...], texts: Sequence[str], k: int, max_tokens: int, full: int,
+                       before: int | None = None) -> str:
         """The longest tail of ``texts[k]`` (behind a marker saying it was cut) that the template renders in at most
-        ``max_tokens`` OBSERVATION tokens in this tool turn; ``full`` is what the whole output took.
+        ``max_tokens`` OBSERVATION tokens in this tool turn; ``full`` is what ``texts[k]`` took. With ``before`` (how
+        many characters of the output precede ``texts[k]``, never tokenised) the marker counts characters cut.
 
         Counted on the rendered turn, not on the output alone: control-token text (``<|im_end|>``: one token as a
         token, ~7 spelled out) and a template's escaping (JSON's ``\\n``) change how many tokens reach the model.
@@ -372,9 +394,13 @@ class ChatFormat(TemplateChecks, TurnParsing):
         def count(candidate: str) -> int:
             return self._rendered_turn(names, [*texts[:k], candidate, *texts[k + 1:]])[2][k]
 
-        # A marker tells the model output was cut; it may take at most a quarter of the budget.
-        markers = [m for m in (f"[... {full - max_tokens} earlier tokens cut ...]\n", "[...]\n")
-                   if len(_encode(self.tokenizer, m)) <= max_tokens // 4] + [""]
+        def counted(at: int) -> str:
+            return f"[... {(before or 0) + at} earlier characters cut ...]\n"
+
+        # A marker tells the model output was cut; it may take at most a quarter of the budget. Counting characters,
+        # its number is known once the cut is: the search runs with the largest it can be, then it is set.
+        first = counted(len(text)) if before is not None else f"[... {full - max_tokens} earlier tokens cut ...]\n"
+        markers = [m for m in (first, "[...]\n") if len(_encode(self.tokenizer, m)) <= max_tokens // 4] + [""]
         marker = next(m for m in markers if not m or count(m) <= max_tokens)
         fitting = {len(text)}
 
@@ -400,6 +426,10 @@ class ChatFormat(TemplateChecks, TurnParsing):
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        if before is not None and marker == first:
+            while hi < len(text) and count(counted(hi) + text[hi:]) > max_tokens:
+                hi += 1
+            marker = counted(hi)
         return marker + text[hi:]
 
     def _tokenize_turn(self, text: str, regions: Sequence[tuple[int, int]]) -> tuple[list[int], list[TokenSource], list[int]]:

@@ -95,9 +95,9 @@ class Session:
         if new is not None:
             last = turns[-1]
             called = [c["name"] for c in (self.reply or {}).get("tool_calls", [])]
-            try:
-                cont = chat.messages_turn(last.completion_ids, called, template_messages(self.messages + [self.reply] + new)[-len(new):],
-                                          max_tokens=b.max_tool_response_tokens)
+            try:  # off the loop, which every agent shares: cutting a long output takes a while
+                cont = await asyncio.to_thread(chat.messages_turn, last.completion_ids, called, template_messages(
+                    self.messages + [self.reply] + new)[-len(new):], max_tokens=b.max_tool_response_tokens)
             except Exception as exc:  # output the template or tokenizer cannot take: the world's failure
                 self.end(StopReason.ENVIRONMENT_ERROR, f"the messages after turn {len(turns) - 1} could not be rendered "
                                                        f"and tokenised: {type(exc).__name__}: {exc}")
@@ -107,11 +107,13 @@ class Session:
             prompt, sources, segment_start = self.tokens + cont.ids, list(cont.sources), False
         else:
             try:
-                prompt = chat.initial_prompt_ids(template_messages(request.messages))
+                prompt = await asyncio.to_thread(chat.initial_prompt_ids, template_messages(request.messages))
             except Exception as exc:
                 raise HttpError(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
                                 param="messages") from exc
             sources, segment_start = [TokenSource.PROMPT] * len(prompt), bool(turns)
+        if self.ended:  # ended while its tokens were built (the agent's time limit, a stop request)
+            raise self._refuse_ended()
         if len(turns) >= b.max_turns:
             self.end(StopReason.MAX_TURNS)
             raise self._refuse_ended()
