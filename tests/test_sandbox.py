@@ -33,6 +33,7 @@ from trl_plugins.tools.sandbox import (
     SandboxStats,
     detect_isolation,
     launcher,
+    probing,
     layout,
     pool,
     runner,
@@ -47,7 +48,7 @@ try:
     STRONGEST: Isolation | None = detect_isolation()
     NO_ISOLATION_REASON = ""
 except RuntimeError as e:  # pragma: no cover - machines without namespaces: rlimits only, asked for explicitly
-    STRONGEST = Isolation.NONE if launcher.probe(Isolation.NONE) is None else None
+    STRONGEST = Isolation.NONE if probing.probe(Isolation.NONE) is None else None
     NO_ISOLATION_REASON = str(e)
 
 pytestmark = pytest.mark.skipif(STRONGEST is None, reason=f"no sandbox isolation works here: {NO_ISOLATION_REASON}")
@@ -59,7 +60,7 @@ requires_bwrap = pytest.mark.skipif(
     STRONGEST != Isolation.BWRAP, reason="bubblewrap is not available here (apt-get install -y bubblewrap)"
 )
 ALT_ISOLATIONS = [
-    iso for iso in (Isolation.UNSHARE,) if STRONGEST not in (None, iso) and launcher.probe(iso) is None
+    iso for iso in (Isolation.UNSHARE,) if STRONGEST not in (None, iso) and probing.probe(iso) is None
 ]
 
 
@@ -176,12 +177,12 @@ def test_reports_the_isolation_in_force(sandbox, record_property):
 
 @requires_bwrap
 def test_bwrap_is_preferred_when_it_works():
-    assert launcher.probe(Isolation.BWRAP) is None
+    assert probing.probe(Isolation.BWRAP) is None
     assert detect_isolation() == Isolation.BWRAP
 
 
 def test_logs_the_isolation_once(monkeypatch, caplog):
-    monkeypatch.setattr(launcher, "_logged_isolations", set())
+    monkeypatch.setattr(probing, "_logged_isolations", set())
     with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
         _sandbox("cold").close()
         _sandbox("cold").close()
@@ -191,15 +192,15 @@ def test_logs_the_isolation_once(monkeypatch, caplog):
 
 def test_isolation_none_warns_what_is_missing(monkeypatch, caplog):
     # NONE may not be constructible here (root + interpreter under /root), so call the logger directly.
-    monkeypatch.setattr(launcher, "_logged_isolations", set())
+    monkeypatch.setattr(probing, "_logged_isolations", set())
     with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
-        launcher.log_isolation_once(Isolation.NONE, "cold")
+        probing.log_isolation_once(Isolation.NONE, "cold")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "apt-get install -y bubblewrap" in warnings[0] and "NO filesystem" in warnings[0]
 
 
 def test_isolation_none_refuses_clearly_when_it_cannot_drop_root():
-    reason = launcher.probe(Isolation.NONE)
+    reason = probing.probe(Isolation.NONE)
     if reason is None:
         with _sandbox("cold", Isolation.NONE) as sb:
             assert sb.run("print(6 * 7)").stdout == "42\n"
@@ -883,7 +884,7 @@ def test_constructor_validation(kwargs, message):
 
 
 def test_explicit_isolation_that_does_not_work_is_an_error(monkeypatch):
-    monkeypatch.setattr(launcher, "probe", lambda iso, program=None: "bwrap not found on PATH (install bubblewrap: ...)")
+    monkeypatch.setattr(probing, "probe", lambda iso, program=None: "bwrap not found on PATH (install bubblewrap: ...)")
     with pytest.raises(RuntimeError, match="isolation 'bwrap' does not work on this machine: bwrap not found"):
         PythonSandbox(isolation="bwrap")
 
@@ -1245,10 +1246,10 @@ def test_hiding_bwrap_falls_back_to_unshare(monkeypatch, caplog):
     # How CI runs the unshare fallback besides bwrap: TRL_SANDBOX_BWRAP="" hides bubblewrap. Round four: the
     # fallback was logged at INFO only; now one WARNING per process says why and what differs. (This test failed
     # where bwrap is not installed: the probe's cached "not found on PATH" answered for the variable.)
-    if launcher.probe(Isolation.UNSHARE, launcher.resolve_program(Isolation.UNSHARE)) is not None:
+    if probing.probe(Isolation.UNSHARE, launcher.resolve_program(Isolation.UNSHARE)) is not None:
         pytest.skip("unshare does not work here")
     monkeypatch.setenv("TRL_SANDBOX_BWRAP", "")
-    monkeypatch.setattr(launcher, "_fallback_warned", False, raising=False)
+    monkeypatch.setattr(probing, "_fallback_warned", False, raising=False)
     assert launcher.resolve_program(Isolation.BWRAP) is None
     with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
         assert detect_isolation() == Isolation.UNSHARE
@@ -1264,12 +1265,12 @@ def test_hiding_bwrap_falls_back_to_unshare(monkeypatch, caplog):
 def test_without_bwrap_on_path_the_fallback_warns_once(monkeypatch, caplog, tmp_path):
     # Round four: a fresh machine without bubblewrap (here: a PATH holding only unshare) fell back silently.
     unshare = launcher.resolve_program(Isolation.UNSHARE)
-    if unshare is None or launcher.probe(Isolation.UNSHARE, unshare) is not None:
+    if unshare is None or probing.probe(Isolation.UNSHARE, unshare) is not None:
         pytest.skip("unshare does not work here")
     (tmp_path / "unshare").symlink_to(unshare)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("TRL_SANDBOX_BWRAP", raising=False)
-    monkeypatch.setattr(launcher, "_fallback_warned", False, raising=False)
+    monkeypatch.setattr(probing, "_fallback_warned", False, raising=False)
     with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
         assert detect_isolation() == Isolation.UNSHARE
         assert detect_isolation() == Isolation.UNSHARE
@@ -1291,20 +1292,20 @@ def test_without_bwrap_on_path_the_fallback_warns_once(monkeypatch, caplog, tmp_
     ids=["apparmor-user", "root-no-namespaces", "debian-userns-clone"],
 )
 def test_the_refusal_names_the_fix_that_applies(sysctls, as_root, bwrap, expected):
-    fixes = launcher.namespace_fixes(sysctls.get, as_root, bwrap)
+    fixes = probing.namespace_fixes(sysctls.get, as_root, bwrap)
     text = " ".join(fixes)
     for part in expected:
         assert part in text, (part, fixes)
     if as_root:
         assert "apparmor" not in text.lower(), fixes
-    assert launcher.namespace_fixes({}.get, True, "/usr/bin/bwrap") == []  # nothing known is in the way: no fix
+    assert probing.namespace_fixes({}.get, True, "/usr/bin/bwrap") == []  # nothing known is in the way: no fix
 
 
 def test_auto_refusal_says_which_known_fix_applies(monkeypatch):
     # Round four: with neither bwrap nor unshare working the refusal said only "make user namespaces available".
-    monkeypatch.setattr(launcher, "probe", lambda isolation, program=None: f"{isolation.value} is broken in this test")
-    monkeypatch.setattr(launcher, "read_sysctl", {"kernel.apparmor_restrict_unprivileged_userns": "1"}.get)
-    monkeypatch.setattr(launcher.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(probing, "probe", lambda isolation, program=None: f"{isolation.value} is broken in this test")
+    monkeypatch.setattr(probing, "read_sysctl", {"kernel.apparmor_restrict_unprivileged_userns": "1"}.get)
+    monkeypatch.setattr(probing.os, "geteuid", lambda: 1000)
     with pytest.raises(RuntimeError) as refused:
         detect_isolation()
     assert "kernel.apparmor_restrict_unprivileged_userns=1" in str(refused.value)
@@ -1317,10 +1318,10 @@ def test_auto_refuses_to_run_without_isolation(monkeypatch, caplog):
     def fake_probe(isolation, program=None):
         return None if isolation == Isolation.NONE else f"{isolation.value} is broken in this test"
 
-    monkeypatch.setattr(launcher, "probe", fake_probe)
+    monkeypatch.setattr(probing, "probe", fake_probe)
     with pytest.raises(RuntimeError, match="pass isolation='none' explicitly"):
         PythonSandbox(isolation="auto")
-    monkeypatch.setattr(launcher, "_logged_isolations", set())
+    monkeypatch.setattr(probing, "_logged_isolations", set())
     with caplog.at_level(logging.INFO, logger=sandbox_module.__name__):
         sb = PythonSandbox(isolation="none", mode="cold")  # asked for explicitly: allowed, with a warning
     sb.close()

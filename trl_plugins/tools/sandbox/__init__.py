@@ -32,7 +32,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from trl_plugins.tools.sandbox import launcher
+from trl_plugins.tools.sandbox import launcher, probing
 from trl_plugins.tools.sandbox.launcher import (
     MAX_OPEN_FILES,
     MAX_PROCESSES,
@@ -41,9 +41,9 @@ from trl_plugins.tools.sandbox.launcher import (
     Isolation,
     Launcher,
     Limits,
-    detect_isolation,
     run_cold,
 )
+from trl_plugins.tools.sandbox.probing import detect_isolation
 from trl_plugins.tools.sandbox.pool import ServerDied, WarmPool, WarmServer
 
 __all__ = [
@@ -295,7 +295,7 @@ class PythonSandbox:
         self._closed = False
         self._pool = WarmPool(self._launcher, self._limits, warm_imports, max_concurrency) if mode == "warm" else None
         self._finalizer = weakref.finalize(self, self._pool.close) if self._pool is not None else None
-        launcher.log_isolation_once(self.isolation, mode)
+        probing.log_isolation_once(self.isolation, mode)
 
     @staticmethod
     def _resolve_isolation(isolation: str | Isolation) -> tuple[Isolation, str | None]:
@@ -310,7 +310,7 @@ class PythonSandbox:
             choices = ", ".join(repr(i.value) for i in Isolation)
             raise ValueError(f"isolation must be 'auto' or one of {choices}, got {isolation!r}") from None
         program = launcher.resolve_program(resolved)
-        reason = launcher.probe(resolved, program)
+        reason = probing.probe(resolved, program)
         if reason is not None:
             raise RuntimeError(f"isolation {resolved.value!r} does not work on this machine: {reason}. "
                                f"Use isolation='auto' to take the strongest that does.")
