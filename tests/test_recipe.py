@@ -382,26 +382,6 @@ def test_main_command_under_zero3_on_two_processes_builds_once_and_generates_wit
     assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps
 
 
-@pytest.mark.slow
-def test_main_command_trains_a_lora_adapter_with_a_critic(tmp_path, built_cache):
-    # Two features through one real launch (each launch costs ~30 s of a 2-core machine):
-    # --use_peft: only the adapter is saved, and the held-out evaluation after RL loads final/ (base + adapter) by
-    # its path. --advantage gae: choosing a critic-based estimator brings the critic (a full one, from the base);
-    # its settings have defaults.
-    proc = _launch(tmp_path, "cpu.yaml", ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--advantage", "gae",
-                                          "--report_to", "none", "--eval_every_steps", "0"], cache=built_cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    final = tmp_path / "out" / "final"
-    assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
-    assert not list(final.glob("model*.safetensors"))
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["after"]["problems"] == 4 and summary["after"]["model"] == str(final)
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward/total" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all("critic/value_loss" in r and "critic/explained_variance" in r for r in steps)
-
-
 def test_with_a_remote_sandbox_the_dataset_paths_are_named_for_the_server_not_added_to_the_tool(tmp_path):
     # The client may not set hidden_paths (the server's setting): the recipe says which paths to start it with.
     from types import SimpleNamespace
@@ -863,8 +843,14 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_main_command_on_a_single_file_with_continuous_batching_sized_from_its_workload(tmp_path, built_cache):
-    # Two features through one real launch (each launch costs ~30 s of a 2-core machine; they do not interact):
+def test_main_command_on_a_single_file_with_continuous_batching_trains_a_lora_adapter_with_a_critic(
+        tmp_path, built_cache):
+    # Four features through one real launch (each launch costs ~30 s of a 2-core machine; they do not interact,
+    # except that every generation of the LoRA policy, before, during and after RL, goes through the paged cache):
+    #
+    # --use_peft: only the adapter is saved, and the held-out evaluation after RL loads final/ (base + adapter) by
+    # its path. --advantage gae: choosing a critic-based estimator brings the critic (a full one, from the base);
+    # its settings have defaults.
     #
     # --dataset_name arith.jsonl: 6 of its 60 rows are held out (said), training draws from the other 54, and the
     # before/after numbers carry standard errors and a paired gain.
@@ -881,8 +867,14 @@ def test_main_command_on_a_single_file_with_continuous_batching_sized_from_its_w
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none",
-                                          "--use_transformers_continuous_batching", "true"], cache=built_cache)
+                                          "--use_transformers_continuous_batching", "true",
+                                          "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--advantage", "gae"],
+                   cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The adapter alone saved, and the evaluation after RL read it from final/.
+    final = tmp_path / "out" / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
+    assert not list(final.glob("model*.safetensors"))
     # The file: its held-out rows, said once before the model; figures with standard errors and a paired gain.
     assert "held-out rows: 6 of the 60 rows of the file" in proc.stdout and "training uses the other 54" in proc.stdout
     assert proc.stdout.count("held-out rows:") == 1  # said once, before the model
@@ -906,6 +898,8 @@ def test_main_command_on_a_single_file_with_continuous_batching_sized_from_its_w
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["rollout/generate_calls"] >= r["rollout/turns_mean"] * 8 - 1e-6 for r in steps), steps  # per turn
     assert all("heldout/accuracy" in r for r in steps)
+    assert summary["steps"] == 2 and summary["after"]["model"] == str(final)
+    assert all("critic/value_loss" in r and "critic/explained_variance" in r for r in steps)
 
 
 def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path, monkeypatch):
