@@ -125,6 +125,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                          peft_config=peft_config)
         run.bind_tokenizer(self.processing_class)
+        run.bind_version(self.model)  # after TRL's PEFT wrap: the adapter set is on the model now
         if args.disable_dropout:  # TRL's disable_dropout_in_model sets nn.Dropout only, not attention dropout
             for module in (self.model, self.ref_model, critic):
                 if module is not None:
