@@ -290,3 +290,25 @@ def test_the_trainer_refuses_trajectories_of_another_run_version_and_the_differe
         _check_result("r", RolloutResult([traj]), questions, 1, run.chat.digest, run.version.digest)
     assert version_differences(lora, run.version) == [
         "adapters: [{'name': 'default', 'kind': 'LORA', 'rank': 8, 'targets': ('q_proj', 'v_proj')}] (saved) vs [] (current)"]
+
+
+def test_a_lora_policy_records_its_adapter_set_and_its_sampler_digests_the_adapted_weights():
+    from peft import LoraConfig, get_peft_model
+
+    from trl_plugins.rollout import HFGenerationBackend
+    from trl_plugins.run.version import run_version
+    from trl_plugins.tiny import build_tiny_model
+
+    tok = build_tokenizer("qwen2_5")
+    base = build_tiny_model(tok)
+    plain = run_version(tokenizer_digest="t", tool_schemas=[SCHEMA], model=base, sampler="hf_generate")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    version = run_version(tokenizer_digest="t", tool_schemas=[SCHEMA], model=model, sampler="hf_generate")
+    assert plain.adapters == () and [(a.name, a.kind, a.rank, a.targets) for a in version.adapters] == [
+        ("default", "LORA", 4, ("q_proj", "v_proj"))]
+    assert version.digest != plain.digest
+    backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=[0])
+    before = backend.weights_digest()
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)  # an adapter update
+    assert before is not None and backend.weights_digest() != before

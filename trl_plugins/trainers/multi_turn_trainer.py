@@ -163,7 +163,8 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self._last_table_step = -1
         # async_rollouts: a generation replica samples the next batches while this one trains (docs/training.md).
         # vLLM server mode: no replica, the rollouts run on threads of this process against the server.
-        self._async = AsyncRollouts(args, dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args),
+        self._async = AsyncRollouts(args, dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args,
+                                         version=run.version),
                                     sampler=run.sampler, pad_token_id=self.processing_class.pad_token_id,
                                     token_budget=run.rollout.token_budget,
                                     server_backend=self._sampler.with_sampling(sampling_settings(args))
