@@ -7,6 +7,7 @@ step 1's weights) is replayed clean with its own checkpoint; each drift made on 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -94,7 +95,7 @@ def _config(out, **overrides):
                   report_to=[], save_strategy="steps", save_steps=1, logging_steps=1, learning_rate=5e-2, seed=0,
                   disable_tqdm=True, bf16=False, rollout="test_batch_replay:ScoredScriptRollout", rollout_kwargs={},
                   reward_components=["digit"], max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2,
-                  viewer_steps=2, viewer_trajectories=4, system_prompt="Answer in \\boxed{}.")
+                  viewer_steps=2, viewer_trajectories=4, system_prompt="Answer in \\boxed{}.", replay_every_steps=1)
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
@@ -114,6 +115,14 @@ def trained(tmp_path_factory):
                                    processing_class=tok, tools={"code_interpreter": EchoTool()},
                                    reward_components={"digit": BoxedDigit()})
     trainer.train()
+    # The tripwire's negative control, while the trainer's accelerator is live (a later config resets its state):
+    # the last batch was sampled by step 1's weights, the model now holds step 2's.
+    moved = copy.deepcopy(trainer.last_batch)
+    moved.metrics = {}
+    for traj in moved.trajectories:
+        traj.policy_version = dataclasses.replace(traj.policy_version, step=2)
+    trainer.step_runner.replay_gap(moved, trainer.model_wrapped, step=2)
+    trainer.moved_weights_gap = moved.metrics
     return out, trainer
 
 
@@ -312,3 +321,14 @@ def test_a_lora_policy_records_its_adapter_set_and_its_sampler_digests_the_adapt
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)  # an adapter update
     assert before is not None and backend.weights_digest() != before
+
+
+def test_the_replay_tripwire_logs_the_gap_each_step_and_sees_weights_that_moved(trained):
+    out, trainer = trained
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["replay/logprob_gap_max"] for r in records if "replay/logprob_gap_max" in r]
+    assert len(gaps) == 2 and max(gaps) < 1e-4  # the behaviour log-probs are the sampling weights' own
+    moved = trainer.moved_weights_gap  # step 1's tokens under step 2's weights (the fixture)
+    assert moved["replay/logprob_gap_max"] > 1e-3 and moved["replay/logprob_gap_mean"] > 0
+    with pytest.raises(ValueError, match="replay_every_steps must be >= 0"):
+        _config(out, replay_every_steps=-1)

@@ -267,6 +267,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         steps.reference(batch, *self._reference_model())
         steps.advantages(batch)
         steps.old_logprobs(batch, self.model_wrapped)
+        steps.replay_gap(batch, self.model_wrapped, step=self.state.global_step)
         steps.check_off_policy(batch)
         steps.summarise(batch, tool_metrics=tool_metrics)
         return batch
