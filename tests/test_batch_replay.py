@@ -332,3 +332,21 @@ def test_the_replay_tripwire_logs_the_gap_each_step_and_sees_weights_that_moved(
     assert moved["replay/logprob_gap_max"] > 1e-3 and moved["replay/logprob_gap_mean"] > 0
     with pytest.raises(ValueError, match="replay_every_steps must be >= 0"):
         _config(out, replay_every_steps=-1)
+
+
+def test_the_viewer_shows_the_version_and_flags_a_run_of_another_version(trained, saved, tmp_path):
+    from trl_plugins.viewer.cli import main as viewer_main
+
+    out, trainer = trained
+    page = tmp_path / "page.html"
+    assert viewer_main([str(out / "trajectories" / "step-000002.json"), "-o", str(page), "--beside",
+                        str(out / "checkpoint-1")]) == 0
+    text = page.read_text()
+    assert f"version <b>{trainer.run.version.digest}</b>" in text and "version-mismatch\">" not in text
+    other = copy.deepcopy(saved)
+    other["version"]["dtype"] = "bfloat16"
+    other["version"]["digest"] = "0123456789abcdef"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert viewer_main([str(out / "trajectories" / "step-000002.json"), "-o", str(page), "--beside",
+                        str(tmp_path / "other.json")]) == 0
+    assert "dtype: float32 (saved) vs bfloat16 (current)" in page.read_text()
