@@ -350,3 +350,25 @@ def test_the_viewer_shows_the_version_and_flags_a_run_of_another_version(trained
     assert viewer_main([str(out / "trajectories" / "step-000002.json"), "-o", str(page), "--beside",
                         str(tmp_path / "other.json")]) == 0
     assert "dtype: float32 (saved) vs bfloat16 (current)" in page.read_text()
+
+
+def test_another_packing_of_the_saved_datums_gives_the_same_masks_and_denominators(saved):
+    from trl_plugins.datum import collate
+    from trl_plugins.packing import PACKERS
+    from trl_plugins.viewer import datum_from_dict
+
+    datums = [datum_from_dict(t["datum"]) for t in saved["trajectories"]]
+    lengths = [len(d.input_ids) for d in datums]
+    seen = []
+    for packer, max_items in (("ffd", 1), ("balanced", 4)):
+        plan = PACKERS.get(packer)(lengths, max_items=max_items, max_padded_tokens=4000)
+        rows = {}
+        for mb in plan.ranks[0]:
+            batch = collate(datums, mb, pad_token_id=0)
+            for row, i in enumerate(mb):
+                rows[i] = batch.action_mask[row, : lengths[i]].tolist()
+        seen.append((len(plan.ranks[0]), rows, sum(map(sum, rows.values())), len(rows)))
+    (n_a, rows_a, tokens_a, seqs_a), (n_b, rows_b, tokens_b, seqs_b) = seen
+    assert n_a == 4 and n_b < n_a  # two packings indeed: 4 micro-batches of one, fewer of several
+    assert rows_a == rows_b == {i: list(d.action_mask) for i, d in enumerate(datums)}
+    assert (tokens_a, seqs_a) == (tokens_b, seqs_b) == (sum(sum(d.action_mask) for d in datums), 4)
