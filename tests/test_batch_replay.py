@@ -372,3 +372,17 @@ def test_another_packing_of_the_saved_datums_gives_the_same_masks_and_denominato
     assert n_a == 4 and n_b < n_a  # two packings indeed: 4 micro-batches of one, fewer of several
     assert rows_a == rows_b == {i: list(d.action_mask) for i, d in enumerate(datums)}
     assert (tokens_a, seqs_a) == (tokens_b, seqs_b) == (sum(sum(d.action_mask) for d in datums), 4)
+
+
+def test_a_long_tool_output_is_saved_whole_and_shown_cut(saved):
+    from trl_plugins.viewer import make_batch, render_html
+    from trl_plugins.viewer.replay import saved_trajectory
+
+    traj = saved_trajectory(saved["trajectories"][0])
+    long = "x" * 9000 + "END"
+    traj.turns[0].tool_calls[0].output = long
+    again = make_batch([traj], [], rows=[{"prompt": "p", "answer": "y" * 5000}])
+    assert again["trajectories"][0]["turns"][0]["tool_calls"][0]["output"] == long  # format 3 cuts nothing
+    assert again["trajectories"][0]["row"]["answer"] == "y" * 5000
+    page = render_html(again)
+    assert "END" not in page and "[9003 chars; whole in the saved batch]" in page

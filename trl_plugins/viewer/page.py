@@ -5,6 +5,7 @@ reward components and the trajectory's role in the update."""
 from __future__ import annotations
 
 import html
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -36,6 +37,15 @@ def display_text(token: str) -> str:
 
 def _esc(value: Any) -> str:
     return html.escape(display_text("" if value is None else str(value)), quote=True)
+
+
+_SHOWN_CHARS = 4000
+"""A tool output, its arguments or a row field longer than this is shown cut on the page (the saved batch keeps it whole)."""
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return _esc(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + f"... [{len(text)} chars; whole in the saved batch]")
 
 
 def _num(x: Any) -> str:
@@ -185,7 +195,7 @@ def _tool_calls(t: Mapping[str, Any]) -> str:
             latency = "" if c.get("latency_s") is None else f", {c['latency_s']:.3f} s"
             which = f"{turn['index'] + 1}" + (f".{k + 1}" if len(turn["tool_calls"]) > 1 else "")
             rows.append(f"<tr><td>{which}</td><td><b>{_esc(c['name'])}</b>{_esc(latency)}<br>{_esc(', '.join(flags))}</td>"
-                        f"<td><pre>{_esc(c['arguments'])}</pre></td><td><pre>{_esc(c['output'])}</pre></td></tr>")
+                        f"<td><pre>{_shown(c['arguments'])}</pre></td><td><pre>{_shown(c['output'])}</pre></td></tr>")
     return ("<table class=calls><tr><th>turn</th><th>tool call</th><th>arguments</th><th>output</th></tr>"
             + "".join(rows) + "</table>")
 
@@ -206,10 +216,10 @@ def _trajectory(t: Mapping[str, Any]) -> str:
     if t.get("question") is not None:
         parts.append(f'<div class="qa"><b>question:</b> {_esc(t["question"])}</div>')
     if t.get("reference_answer") is not None:
-        parts.append(f'<div class="qa"><b>reference answer:</b> {_esc(t["reference_answer"])}</div>')
+        parts.append(f'<div class="qa"><b>reference answer:</b> {_shown(t["reference_answer"])}</div>')
     if t.get("example"):
-        fields = ", ".join(f"{k}={v}" for k, v in t["example"].items())
-        parts.append(f'<div class="qa"><b>row:</b> {_esc(fields)}</div>')
+        fields = ", ".join(f"{k}={_shown(v)}" for k, v in t["example"].items())
+        parts.append(f'<div class="qa"><b>row:</b> {fields}</div>')
     comps = t["reward_components"]
     if comps:
         body = "".join(f'<tr data-component="{_esc(c["name"])}"><td>{_esc(c["name"])}</td><td>{_fmt(c["value"], ".4f")}</td>'
