@@ -386,3 +386,14 @@ def test_a_long_tool_output_is_saved_whole_and_shown_cut(saved):
     assert again["trajectories"][0]["row"]["answer"] == "y" * 5000
     page = render_html(again)
     assert "END" not in page and "[9003 chars; whole in the saved batch]" in page
+
+
+def test_a_changed_tool_schema_is_refused(trained, saved):
+    class Described(EchoTool):
+        def schema(self):
+            return {**SCHEMA, "function": {**SCHEMA["function"], "description": "Run Python 3.12."}}
+
+    run = _run(tools=Described())
+    with pytest.raises(ReplayRefused, match=r"tool schemas digest: \w+ \(saved\) vs \w+ \(current\)"):
+        replay_batch(saved, trained[1].processing_class, run=run)
+    assert replay_batch(saved, trained[1].processing_class, run=_run()).ok

@@ -206,7 +206,7 @@ def _version_gate(batch: Mapping[str, Any], tokenizer: Any, run: Any, *, tools: 
     if saved["tokenizer_digest"] != now:
         out.append(f"tokenizer/chat-template digest: {saved['tokenizer_digest']} (saved) vs {now} (current): the saved "
                    f"ids mean other text with this tokenizer, or the template renders other tokens")
-    if run is not None and run.chat is not None:
+    if run is not None:
         current = tool_schemas_digest(run.chat.tools)
         if current != saved["tool_schemas_digest"]:
             out.append(f"tool schemas digest: {saved['tool_schemas_digest']} (saved) vs {current} (current): the model "
@@ -387,6 +387,8 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
     if (tools or rewards) and run is None:
         raise ValueError("tools=True and rewards=True re-run the run's plugins: pass run= (resolve_run(config)).")
     report = ReplayReport()
+    if run is not None and run.chat is None:
+        run.bind_tokenizer(tokenizer)  # its tool schemas as the model would now be shown them
     changed = _version_gate(batch, tokenizer, run, tools=tools, rewards=rewards)
     if changed and not anyway:
         raise ReplayRefused("the saved batch was made with another version than the current one:\n  - "
