@@ -293,7 +293,8 @@ def first_launch(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """The main command on one process into a fresh cache (it builds the tiny embedded default there): its output
     and its folder (``out/``, ``cache/``)."""
     root = tmp_path_factory.mktemp("first-launch")
-    return _launch(root, "cpu.yaml", []), root
+    # It also saves checkpoint-1 and step 2's batch (sampled by step 1's weights): the replay's check of a real run.
+    return _launch(root, "cpu.yaml", ["--viewer_steps", "2", "--save_strategy", "steps", "--save_steps", "1"]), root
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +352,10 @@ def test_main_command_runs_two_steps_on_one_process(first_launch):
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B offline by default
     # The banner comes before the embedded default is built (what the run will do, said before it spends compute).
     assert 0 <= proc.stdout.index("ReTool PPO: the run") < proc.stdout.index("building the tiny model")
+    # Its saved batch replays clean with the checkpoint that sampled it (docs/replay.md).
+    from trl_plugins.viewer.replay_cli import main as replay
+
+    assert replay([str(out / "trajectories" / "step-000002.json"), "--checkpoint", str(out / "checkpoint-1")]) == 0
 
 
 @pytest.mark.slow

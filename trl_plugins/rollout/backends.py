@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from trl_plugins.rollout.sampling import _SeededSampling
+from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.types import LogprobSource, SamplingSettings
 
 __all__ = ["Sample", "GenerationBackend", "BackendBase", "HFGenerationBackend", "VLLMBackend", "ScriptedBackend", "cut_sample"]
@@ -77,6 +78,11 @@ class GenerationBackend(Protocol):
         """Release what the sampler holds between rollouts; idempotent."""
         ...
 
+    def weights_digest(self) -> str | None:
+        """:func:`~trl_plugins.rollout.weights.weights_digest` of the weights it samples with now (after
+        ``sync_weights``); None when they cannot be read from this process (a vLLM engine or server, ZeRO-3)."""
+        ...
+
 
 class BackendBase:
     """The defaults of :class:`GenerationBackend`'s members: one call at a time, no lock-step, weights shared with
@@ -101,6 +107,9 @@ class BackendBase:
 
     def close(self) -> None:
         return None
+
+    def weights_digest(self) -> str | None:
+        return weights_digest(getattr(self, "model", None))  # a sampler on the training model holds it as .model
 
 
 def check_generate_args(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], seeds: Sequence[int]) -> bool:

@@ -27,6 +27,7 @@ from trl_plugins.run.plugins import (
     context_limit,
 )
 from trl_plugins.run.sampler import SamplerKind, check_sampler_available, sampler_kind
+from trl_plugins.types import RunVersion
 
 __all__ = ["RunSpec", "Run", "resolve_run", "build_run", "KL_PENALTY_COMPONENT"]
 
@@ -72,6 +73,7 @@ class Run:
         sampler: What generates the turns.
         max_context_tokens: The longest datum a trajectory can make (None: unbounded).
         chat: The chat format, once :meth:`bind_tokenizer` has built it.
+        version: The run-level policy version, once :meth:`bind_version` has recorded it.
     """
 
     def __init__(self, spec: RunSpec, *, rollout: RolloutPlugin, tools: dict[str, ToolPlugin], rewards: list[RewardPlugin],
@@ -82,6 +84,7 @@ class Run:
         self.sampler = sampler
         self.max_context_tokens = context_limit(spec.config, rollout)
         self.chat: ChatFormat | None = None
+        self.version: RunVersion | None = None
         self._tool_start_up: dict[str, str] | None = None
 
     @property
@@ -108,6 +111,20 @@ class Run:
                                stop_tokens=c.stop_tokens, calls_per_turn=self.rollout.tool_calls_per_turn,
                                **(c.chat_template_kwargs or {}))
         return self.chat
+
+    def bind_version(self, model: Any) -> RunVersion:
+        """Record the run-level policy version of ``model`` (its dtype, quantization and adapters), the chat format,
+        the sampler, the tool schemas and every reward component's and tool's version
+        (:func:`~trl_plugins.run.version.run_version`); once, after :meth:`bind_tokenizer`. Every trajectory the
+        run rolls out refers to it by digest (``PolicyVersion.run_digest``)."""
+        if self.chat is None:
+            raise ValueError("bind_tokenizer() first: the version records the chat format's digest.")
+        if self.version is None:
+            from trl_plugins.run.version import run_version
+
+            self.version = run_version(tokenizer_digest=self.chat.digest, tool_schemas=self.chat.tools, model=model,
+                                       sampler=self.sampler, rewards=self.rewards, tools=self.tools)
+        return self.version
 
     def start_tools(self) -> dict[str, str]:
         """Start every tool that declares ``start_up()`` (the code interpreter probes its sandbox's isolation) and

@@ -105,6 +105,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     progress_rollout: bool = field(default=True, metadata={"help": "Progress bar of trajectories within a rollout (off with disable_tqdm)."})
     trajectory_table_steps: int = field(default=10, metadata={"help": "Log a W&B table of sample trajectories every N steps (0: never)."})
     trajectory_table_rows: int = field(default=8, metadata={"help": "Trajectories per table."})
+    replay_every_steps: int = field(default=0, metadata={"help": "Every N steps recompute, with the weights that sampled them, the log-probs of up to 2 of each rank's trajectories sampled at this step and log the gap to their behaviour log-probs (replay/logprob_gap_max, replay/logprob_gap_mean, over all ranks): a tripwire for sampler/trainer drift. 0: off. docs/replay.md."})
     viewer_steps: int = field(default=10, metadata={"help": "Every N steps write a trajectory viewer page: output_dir/trajectories/step-<N>.html (a self-contained HTML page, each token coloured by provenance with its log-prob, advantage and loss mask on hover) and step-<N>.json (the saved batch: trajectories and their datums; 'python -m trl_plugins.viewer' draws it again), also logged to W&B as HTML when W&B is on (0: never). docs/viewer.md."})
     viewer_trajectories: int = field(default=8, metadata={"help": "Trajectories per viewer page: the first N of the main process's batch (whole groups when N is a multiple of num_generations)."})
     resume_fallback: bool = field(default=False, metadata={"help": "When the checkpoint to resume from is damaged (a truncated or missing file, found before anything loads), resume from the previous complete checkpoint instead (the damaged one is moved to damaged-checkpoint-N-<time>/). Off: refuse, naming the damaged file."})
@@ -186,6 +187,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"need critic_warmup_steps >= 0, vf_clip > 0 and vf_coef > 0; got {self.critic_warmup_steps}, "
                 f"{self.vf_clip}, {self.vf_coef}."
             )
+        if self.replay_every_steps < 0:
+            raise ValueError(f"replay_every_steps must be >= 0 (0: off), got {self.replay_every_steps}.")
         if self.viewer_steps < 0 or self.viewer_trajectories < 0:
             raise ValueError(f"viewer_steps and viewer_trajectories must be >= 0 (viewer_steps=0 writes no pages), got "
                              f"{self.viewer_steps} and {self.viewer_trajectories}.")

@@ -10,6 +10,7 @@ and the error names the plugin.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -50,7 +51,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], group_size: int, digest: str) -> None:
+def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], group_size: int, digest: str,
+                  run_digest: str | None = None) -> None:
     where = f"rollout plugin {rollout_name!r}"
     if not isinstance(result, RolloutResult):
         raise TrajectoryError(f"{where} returned {type(result).__name__}; a rollout returns a RolloutResult.")
@@ -69,6 +71,13 @@ def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], grou
                 f"trajectory for question {traj.question_id!r} was tokenised with tokenizer/chat-template digest "
                 f"{got}, but the trainer's is {digest}: its token ids mean something else here. "
                 f"Roll out with the trainer's tokenizer and chat template."
+            )
+        if run_digest is not None and version.run_digest is not None and version.run_digest != run_digest:
+            raise TrajectoryError(
+                f"trajectory for question {traj.question_id!r} was sampled under run version {version.run_digest}, but "
+                f"the trainer's is {run_digest}: its producer has another adapter set, precision, sampler, package, "
+                f"tool schema or plugin version (RunVersion). Roll out with the trainer's run, or compare the two "
+                f"records with trl_plugins.run.version.version_differences."
             )
         try:
             validate_trajectory(traj)
@@ -104,11 +113,31 @@ def rollout_rows(
     chat: ChatFormat = run.chat
     questions = questions_from_rows(chat, rows, run.config.system_prompt, id_offset=id_offset)
     backend.sync_weights(policy_step)
+    weights = backend.weights_digest()  # after the sync: what samples this rollout
     request = RolloutRequest(questions, group_size, backend, chat, run.tools, policy_step=policy_step, seed=seed,
                              progress=progress, stop=stop)
     result = run.rollout(request)
-    _check_result(run.rollout.name, result, questions, group_size, chat.digest)
+    run_digest = None if run.version is None else run.version.digest
+    _check_result(run.rollout.name, result, questions, group_size, chat.digest, run_digest)
+    _stamp_versions(result.trajectories, weights, run_digest, policy_step)
     return result
+
+
+def _stamp_versions(trajectories: Sequence[Trajectory], weights: str | None, run_digest: str | None, step: int) -> None:
+    """Fill what the producer left unset of each trajectory's version: the digest of the weights after the sync
+    (only for a trajectory sampled at that step: an async replica's other steps keep theirs) and the run's record."""
+    stamped: dict[int, Any] = {}
+    for traj in trajectories:
+        v = traj.policy_version
+        if v is None:
+            continue
+        new = (v.weights_digest if v.weights_digest is not None or v.step != step else weights,
+               v.run_digest if v.run_digest is not None else run_digest)
+        if new == (v.weights_digest, v.run_digest):
+            continue
+        if id(v) not in stamped:
+            stamped[id(v)] = dataclasses.replace(v, weights_digest=new[0], run_digest=new[1])
+        traj.policy_version = stamped[id(v)]
 
 
 class VerifierTimeout(Exception):

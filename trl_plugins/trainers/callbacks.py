@@ -85,11 +85,21 @@ class ViewerPages(TrainerCallback):
                 args.output_dir, step, batch.trajectories, batch.datums, trainer.processing_class,
                 log_to_wandb="wandb" in (args.report_to or []), rows=batch.rows, left_out=batch.left_out,
                 forwarded=batch.forwarded, update_skipped=batch.update_skipped, max_trajectories=args.viewer_trajectories,
+                version=trainer.run.version, tool_schemas=trainer.run.chat.tools, chat_settings=chat_settings(trainer.run),
             )
         except Exception:  # a diagnostic page must not end a run that has trained fine: said loudly, training goes on
             logger.exception("trajectory viewer: the page of step %d could not be written (training continues)", step)
             return
         logger.info("trajectory viewer: %s (batch: %s)", html_path, json_path)
+
+
+def chat_settings(run: Any) -> dict[str, Any]:
+    """What a replay needs to rebuild ``run``'s chat format and each turn's prompt (a saved batch's ``chat``)."""
+    c, chat = run.config, run.chat
+    return {"system_prompt": c.system_prompt, "final_answer_pattern": c.final_answer_pattern,
+            "stop_tokens": list(chat.stop_tokens), "calls_per_turn": chat.calls_per_turn,
+            "chat_template_kwargs": dict(chat.template_kwargs),
+            "max_tool_response_tokens": getattr(run.rollout.impl, "max_tool_response_tokens", None)}
 
 
 def log_trajectory_tables(trainer: Any, step: int) -> bool:

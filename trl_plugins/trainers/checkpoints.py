@@ -66,12 +66,15 @@ def _files(folder: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def mark_complete(folder: str, *, global_step: int, tokenizer_digest: str) -> None:
+def mark_complete(folder: str, *, global_step: int, tokenizer_digest: str, version: Any = None) -> None:
     """Write the completion marker into ``folder`` atomically (temporary file, then rename), with the size of
-    every file in it (call it once every rank has finished writing)."""
+    every file in it (call it once every rank has finished writing) and the run's version (a
+    :class:`~trl_plugins.types.RunVersion`, saved as a dict with its ``digest``; a replay checks it)."""
     tmp = os.path.join(folder, COMPLETE_MARKER + ".tmp")
+    record = None if version is None else {**version.to_dict(), "digest": version.digest}
     with open(tmp, "w") as f:
-        json.dump({"global_step": global_step, "tokenizer_digest": tokenizer_digest, "files": _files(folder)}, f)
+        json.dump({"global_step": global_step, "tokenizer_digest": tokenizer_digest, "version": record,
+                   "files": _files(folder)}, f)
     os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
 
 

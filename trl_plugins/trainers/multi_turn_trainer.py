@@ -125,6 +125,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                          peft_config=peft_config)
         run.bind_tokenizer(self.processing_class)
+        run.bind_version(self.model)  # after TRL's PEFT wrap: the adapter set is on the model now
         if args.disable_dropout:  # TRL's disable_dropout_in_model sets nn.Dropout only, not attention dropout
             for module in (self.model, self.ref_model, critic):
                 if module is not None:
@@ -162,7 +163,8 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self._last_table_step = -1
         # async_rollouts: a generation replica samples the next batches while this one trains (docs/training.md).
         # vLLM server mode: no replica, the rollouts run on threads of this process against the server.
-        self._async = AsyncRollouts(args, dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args),
+        self._async = AsyncRollouts(args, dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args,
+                                         version=run.version),
                                     sampler=run.sampler, pad_token_id=self.processing_class.pad_token_id,
                                     token_budget=run.rollout.token_budget,
                                     server_backend=self._sampler.with_sampling(sampling_settings(args))
@@ -265,6 +267,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         steps.reference(batch, *self._reference_model())
         steps.advantages(batch)
         steps.old_logprobs(batch, self.model_wrapped)
+        steps.replay_gap(batch, self.model_wrapped, step=self.state.global_step)
         steps.check_off_policy(batch)
         steps.summarise(batch, tool_metrics=tool_metrics)
         return batch

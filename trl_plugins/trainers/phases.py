@@ -27,6 +27,7 @@ Every step (:meth:`StepRunner.update` ... :meth:`StepRunner.merge_metrics`):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -67,6 +68,9 @@ from trl_plugins.trainers.ranks import all_reduce_sum, reduce_over_ranks
 from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
 from trl_plugins.trainers.update import datums_to_forward, decoupled_objective, mismatch_correction_applies, old_logprobs, policy_update, reference_logprobs
 from trl_plugins.types import Datum, LeftOutReason, StopReason, Trajectory
+
+REPLAY_SAMPLE = 2
+"""Datums per rank whose log-probs ``replay_every_steps`` recomputes."""
 
 __all__ = ["StepBatch", "StepRunner"]
 
@@ -251,6 +255,24 @@ class StepRunner:
         forwarded = [batch.datums[i] for i in datums_to_forward(batch.datums, self.run.policy_loss, self.config)]
         totals = reduce_over_ranks(self.accelerator, off_policy_figures(forwarded), "sum")
         batch.metrics.update(check_off_policy(self.config, totals))
+
+    def replay_gap(self, batch: StepBatch, policy: Any, *, step: int) -> None:
+        """6c. Every ``replay_every_steps`` steps: the log-probs of up to :data:`REPLAY_SAMPLE` of this rank's datums
+        sampled at ``step`` recomputed by ``policy`` (the weights that sampled them: before the update) and their
+        gap to the behaviour log-probs, max and mean over every rank's action tokens (``replay/*``). Every rank
+        calls it (a forward pass per rank, two all-reduces)."""
+        every = self.config.replay_every_steps
+        if not every or step % every:
+            return
+        sample = [dataclasses.replace(d, old_logprobs=None) for d in batch.datums
+                  if (v := batch.trajectories[d.trajectory_index].policy_version) is not None and v.step == step]
+        sample = sample[:REPLAY_SAMPLE]
+        old_logprobs(self.accelerator, policy, sample, self.config, pad_token_id=self.pad_token_id)
+        gaps = [abs(o - b) for d in sample for o, b, m in zip(d.old_logprobs, d.behaviour_logprobs, d.action_mask) if m]
+        (largest,) = reduce_over_ranks(self.accelerator, [max(gaps, default=0.0)], "max")
+        total, count = reduce_over_ranks(self.accelerator, [float(sum(gaps)), float(len(gaps))], "sum")
+        batch.metrics["replay/logprob_gap_max"] = largest
+        batch.metrics["replay/logprob_gap_mean"] = total / count if count else 0.0
 
     def summarise(self, batch: StepBatch, *, tool_metrics: Mapping[str, float] | None = None) -> None:
         """The batch's trajectory summaries and this rank's tools' step metrics (``tool_metrics``: those reported by

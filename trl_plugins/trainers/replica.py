@@ -148,7 +148,7 @@ class GenerationReplica:
         model: The policy (unwrapped); its class, config and current weights build the replica's copy (a PEFT
             model's base class and config, with the adapters merged into the weights: :func:`cpu_state_dict`).
         policy_step: The optimizer step of ``model``'s current weights.
-        parts: What the rollout needs: ``rollout``, ``tools``, ``chat`` and ``config`` (the run's; pickled).
+        parts: What the rollout needs: ``rollout``, ``tools``, ``chat``, ``config`` and ``version`` (the run's; pickled).
         sampler: The run's :class:`~trl_plugins.run.sampler.SamplerKind` (HF generate or continuous batching).
         pad_token_id: HF generate's padding id.
         token_budget: The rollout's token budget (sizes a continuous-batching cache).

@@ -99,7 +99,8 @@ class Resilient:
             save_critic(self.accelerator, self._critic, self._critic_optimizer, folder)
             self.accelerator.wait_for_everyone()  # the marker lists every rank's files
         if self.args.should_save:
-            mark_complete(folder, global_step=self.state.global_step, tokenizer_digest=self.run.chat.digest)
+            mark_complete(folder, global_step=self.state.global_step, tokenizer_digest=self.run.chat.digest,
+                          version=self.run.version)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
 

@@ -28,6 +28,7 @@ from trl_plugins.types.algos import (
     stat_reductions,
 )
 from trl_plugins.types.batches import MicroBatch, PackPlan, PrefixTree, SharedPrefixLayout
+from trl_plugins.types.version import AdapterSpec, RunVersion
 from trl_plugins.types.trajectory import (
     PLACEHOLDER_LOGPROB,
     LeftOutReason,
@@ -53,6 +54,8 @@ __all__ = [
     "LogprobSource",
     "SamplingSettings",
     "PolicyVersion",
+    "AdapterSpec",
+    "RunVersion",
     "RewardComponent",
     "ToolCall",
     "Turn",

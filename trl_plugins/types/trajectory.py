@@ -136,11 +136,16 @@ class PolicyVersion:
     tokenizer_digest: str
     """Digest of the tokenizer vocabulary and chat template; a mismatch with the trainer's is an error."""
     weights_digest: str | None = None
-    """Optional digest of the weights, when the step alone is not enough (e.g. after a reload)."""
+    """Digest of a fixed sample of the sampler's weights taken after its last sync
+    (:data:`~trl_plugins.run.version.WEIGHTS_SAMPLE` says which values); None when the producer could not read them
+    (a vLLM server, a ZeRO-3 shard)."""
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     """Sampling settings of the rollout."""
     logprob_source: LogprobSource = LogprobSource.TEMPERATURE_SCALED
     """Distribution the behaviour log-probs were taken from."""
+    run_digest: str | None = None
+    """:attr:`RunVersion.digest` of the run-level record (adapters, precision, sampler and package versions, tool
+    schemas, plugin versions), stored once per run; None when the producer did not record one."""
 
 
 @dataclass(frozen=True)

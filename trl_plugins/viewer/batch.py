@@ -16,18 +16,23 @@ from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence
 
 from trl_plugins.datum import DatumError, build_datum
-from trl_plugins.types import Datum, LeftOutReason, TokenSource, Trajectory
+from trl_plugins.types import Datum, LeftOutReason, PolicyVersion, RunVersion, TokenSource, Trajectory
 
-__all__ = ["FORMAT", "UpdateRole", "ViewerError", "make_batch", "save_batch", "load_batch", "datum_from_dict"]
+__all__ = ["FORMAT", "READABLE_FORMATS", "UpdateRole", "ViewerError", "make_batch", "save_batch", "load_batch", "datum_from_dict"]
 
-FORMAT = "trl_plugins.viewer/2"
-"""Value of a saved batch's ``format`` key; :func:`load_batch` refuses anything else. Format 2: a turn holds its
-``tool_calls`` (a list: several for parallel calls) where format 1 held one ``tool_call``."""
+FORMAT = "trl_plugins.viewer/3"
+"""Value of a saved batch's ``format`` key. Format 3 holds the full dataset rows, tool arguments and outputs (format 2
+cut each at 4,000 characters), the tool schemas the model was shown, the run's version (``version``: a
+:class:`~trl_plugins.types.RunVersion` dict, with its ``digest``) and each trajectory's ``policy_version``.
+:func:`load_batch` also reads format 2 (``version`` and ``tool_schemas`` then None: a replay can re-derive its tokens
+and datums, but not check the run's version, and a cut tool output cannot be compared); format 2 held
+``tool_calls`` (a list) where format 1 held one ``tool_call``, which is refused."""
+
+READABLE_FORMATS = ("trl_plugins.viewer/2", FORMAT)
+"""The formats :func:`load_batch` reads."""
 
 _QUESTION_KEYS = ("prompt",)
 _ANSWER_KEYS = ("answer", "reference_answer", "solution", "ground_truth")
-_MAX_FIELD_CHARS = 4000
-
 
 
 class UpdateRole(enum.StrEnum):
@@ -95,8 +100,12 @@ def _scalar(value: Any) -> Any:
         return value
     if isinstance(value, float):
         return _finite(value)
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= _MAX_FIELD_CHARS else text[:_MAX_FIELD_CHARS] + f"... [{len(text)} chars]"
+    if isinstance(value, str) or value is None:
+        return value
+    try:  # JSON-ready values are kept whole (format 3 cuts nothing); anything else is written as its JSON text
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        return json.dumps(value, default=str)
 
 
 def _question(row: Mapping[str, Any]) -> str | None:
@@ -145,7 +154,7 @@ def _turns(traj: Trajectory) -> list[dict]:
                   "infra_error": c.infra_error} for c in turn.tool_calls]
         out.append({"index": i, "prompt_start": pos, "completion_start": start, "completion_end": start + len(turn.completion_ids),
                     "text": turn.text, "truncated": turn.truncated, "tool_calls": calls,
-                    "policy_step": steps[i]})
+                    "policy_step": steps[i], "segment_start": turn.segment_start})
         pos = start + len(turn.completion_ids)
     return out
 
@@ -161,6 +170,9 @@ def make_batch(
     forwarded: Collection[int] | None = None,
     max_trajectories: int | None = None,
     update_skipped: str | None = None,
+    version: RunVersion | None = None,
+    tool_schemas: Sequence[Mapping[str, Any]] | None = None,
+    chat_settings: Mapping[str, Any] | None = None,
 ) -> dict:
     """A saved batch (a JSON-ready dict) of the first ``max_trajectories`` of ``trajectories``.
 
@@ -178,9 +190,14 @@ def make_batch(
         max_trajectories: Keep only the first N (``None``: all).
         update_skipped: Why the step made no policy update at all (``None``: it made one); every trajectory the
             update would have taken is then marked ``update_skipped``.
+        version: The run's version (``Run.version``), saved whole with its digest (None: not recorded).
+        tool_schemas: The tool schemas the model was shown (``ChatFormat.tools``).
+        chat_settings: What rebuilds the run's chat format and turns (``system_prompt``, ``final_answer_pattern``,
+            ``stop_tokens``, ``calls_per_turn``, ``chat_template_kwargs``, ``max_tool_response_tokens``): a replay
+            re-derives every turn's prompt from them.
 
     Returns:
-        ``{"format", "step", "created", "num_trajectories", "trajectories": [...]}``; each trajectory holds
+        ``{"format", "step", "created", "version", "tool_schemas", "chat", "num_trajectories", "trajectories": [...]}``; each trajectory holds
         its ids, stop reason, reward components, advantage, ``update_role``/``update_note``, ``turns`` (token
         boundaries in the whole sequence, text, tool calls), ``tokens`` (every id and its decoded string),
         ``datum`` (or ``datum_error``) and ``datum_for_display``.
@@ -208,6 +225,7 @@ def make_batch(
             "reward_components": [{"name": c.name, "value": _finite(c.value), "weight": _finite(c.weight)}
                                   for c in traj.reward_components],
             "policy_step": None if traj.policy_version is None else traj.policy_version.step,
+            "policy_version": _policy_version(traj.policy_version),
             "update_role": str(role), "update_note": note, "left_out": None if reason is None else str(reason),
             "turns": _turns(traj),
             "datum": None if datum is None else _datum_to_dict(datum), "datum_for_display": for_display, "datum_error": error,
@@ -215,6 +233,7 @@ def make_batch(
         if rows is not None and 0 <= traj.group_id < len(rows):
             row = rows[traj.group_id]
             entry["question"] = _question(row)
+            entry["row"] = _scalar(dict(row))  # whole: a replay renders the prompt and scores the answer from it
             answer = next((row[k] for k in _ANSWER_KEYS if k in row), None)
             entry["reference_answer"] = None if answer is None else _scalar(answer)
             entry["example"] = {k: _scalar(v) for k, v in row.items() if k not in _QUESTION_KEYS + _ANSWER_KEYS}
@@ -226,8 +245,18 @@ def make_batch(
         out.append(entry)
     return {
         "format": FORMAT, "step": step, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "version": None if version is None else {**version.to_dict(), "digest": version.digest},
+        "tool_schemas": None if tool_schemas is None else _scalar(list(tool_schemas)),
+        "chat": None if chat_settings is None else _scalar(dict(chat_settings)),
         "num_trajectories": len(trajectories), "trajectories": out,
     }
+
+
+def _policy_version(v: PolicyVersion | None) -> dict | None:
+    if v is None:
+        return None
+    return {"step": v.step, "tokenizer_digest": v.tokenizer_digest, "weights_digest": v.weights_digest,
+            "run_digest": v.run_digest, "sampling": dataclasses.asdict(v.sampling), "logprob_source": str(v.logprob_source)}
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> list[str] | None:
@@ -273,9 +302,13 @@ def load_batch(path: str | os.PathLike) -> dict:
     except json.JSONDecodeError as exc:
         raise ViewerError(f"{p} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); was it cut short "
                           f"or edited? Write it again with save_batch() or take another step's file.") from None
-    if not isinstance(batch, dict) or batch.get("format") != FORMAT:
+    if not isinstance(batch, dict) or batch.get("format") not in READABLE_FORMATS:
         got = batch.get("format") if isinstance(batch, dict) else type(batch).__name__
-        raise ViewerError(f"{p} is not a saved trajectory batch: its format is {got!r}, expected {FORMAT!r}.")
+        raise ViewerError(f"{p} is not a saved trajectory batch: its format is {got!r}, expected one of "
+                          f"{list(READABLE_FORMATS)}.")
+    batch.setdefault("version", None)  # format 2 recorded neither
+    batch.setdefault("tool_schemas", None)
+    batch.setdefault("chat", None)
     if not isinstance(batch.get("trajectories"), list):
         raise ViewerError(f"{p} has no 'trajectories' list; the file is damaged.")
     for i, t in enumerate(batch["trajectories"]):

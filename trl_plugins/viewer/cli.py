@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -13,6 +14,22 @@ from trl_plugins.viewer.page import render_html
 __all__ = ["main"]
 
 
+def _beside(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        marker = p / "checkpoint_complete.json"
+        if not marker.is_file():
+            raise ViewerError(f"{p} has no checkpoint_complete.json: give a complete checkpoint-N folder or a saved batch")
+        version = json.loads(marker.read_text()).get("version")
+    else:
+        version = load_batch(p).get("version")
+    if version is None:
+        raise ViewerError(f"{p} records no version (written before versions were saved): nothing to compare with")
+    return version
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trl_plugins.viewer BATCH.json [-o OUT.html] [--max-trajectories N]``; exit 2 on bad input."""
     parser = argparse.ArgumentParser(prog="python -m trl_plugins.viewer",
@@ -20,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("batch", help="a saved batch, e.g. output_dir/trajectories/step-000010.json")
     parser.add_argument("-o", "--output", help="the page to write (default: the batch's path with .html)")
     parser.add_argument("--max-trajectories", type=int, default=None, help="draw only the first N trajectories")
+    parser.add_argument("--beside", help="a checkpoint folder (its checkpoint_complete.json) or another saved batch: the "
+                        "page flags every field of the batch's version that differs from that run's")
     args = parser.parse_args(argv)
     if args.max_trajectories is not None and args.max_trajectories < 1:
         parser.error(f"--max-trajectories must be >= 1, got {args.max_trajectories}")
@@ -29,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"the output {out} is the batch itself; give another -o")
     try:
         batch = load_batch(source)
-        page = render_html(batch, max_trajectories=args.max_trajectories)
+        page = render_html(batch, max_trajectories=args.max_trajectories, beside=_beside(args.beside))
     except ViewerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

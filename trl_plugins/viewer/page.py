@@ -5,6 +5,7 @@ reward components and the trajectory's role in the update."""
 from __future__ import annotations
 
 import html
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -38,6 +39,15 @@ def _esc(value: Any) -> str:
     return html.escape(display_text("" if value is None else str(value)), quote=True)
 
 
+_SHOWN_CHARS = 4000
+"""A tool output, its arguments or a row field longer than this is shown cut on the page (the saved batch keeps it whole)."""
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return _esc(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + f"... [{len(text)} chars; whole in the saved batch]")
+
+
 def _num(x: Any) -> str:
     return "" if x is None else repr(float(x))
 
@@ -49,7 +59,7 @@ def _fmt(x: Any, spec: str = "+.3f") -> str:
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:#1d2127;background:#f6f7f9}
 header{background:#22303f;color:#fff;padding:12px 20px}header h1{font-size:18px;margin:0 0 4px}
-header .meta{opacity:.8;font-size:13px}main{padding:12px 20px 80px}
+header .meta{opacity:.8;font-size:13px}.version{font-size:13px;margin:6px 0}.version-mismatch{background:#fde2e1;border:1px solid #d1321f;padding:6px 10px;margin:6px 0;font-size:13px}main{padding:12px 20px 80px}
 .legend{display:flex;flex-wrap:wrap;gap:14px;align-items:center;background:#fff;border:1px solid #d8dde3;
  border-radius:6px;padding:8px 12px;margin:10px 0}.sw{display:inline-block;width:14px;height:14px;border-radius:3px;
  vertical-align:-2px;margin-right:4px;border:1px solid #0002}
@@ -185,7 +195,7 @@ def _tool_calls(t: Mapping[str, Any]) -> str:
             latency = "" if c.get("latency_s") is None else f", {c['latency_s']:.3f} s"
             which = f"{turn['index'] + 1}" + (f".{k + 1}" if len(turn["tool_calls"]) > 1 else "")
             rows.append(f"<tr><td>{which}</td><td><b>{_esc(c['name'])}</b>{_esc(latency)}<br>{_esc(', '.join(flags))}</td>"
-                        f"<td><pre>{_esc(c['arguments'])}</pre></td><td><pre>{_esc(c['output'])}</pre></td></tr>")
+                        f"<td><pre>{_shown(c['arguments'])}</pre></td><td><pre>{_shown(c['output'])}</pre></td></tr>")
     return ("<table class=calls><tr><th>turn</th><th>tool call</th><th>arguments</th><th>output</th></tr>"
             + "".join(rows) + "</table>")
 
@@ -206,10 +216,10 @@ def _trajectory(t: Mapping[str, Any]) -> str:
     if t.get("question") is not None:
         parts.append(f'<div class="qa"><b>question:</b> {_esc(t["question"])}</div>')
     if t.get("reference_answer") is not None:
-        parts.append(f'<div class="qa"><b>reference answer:</b> {_esc(t["reference_answer"])}</div>')
+        parts.append(f'<div class="qa"><b>reference answer:</b> {_shown(t["reference_answer"])}</div>')
     if t.get("example"):
-        fields = ", ".join(f"{k}={v}" for k, v in t["example"].items())
-        parts.append(f'<div class="qa"><b>row:</b> {_esc(fields)}</div>')
+        fields = ", ".join(f"{k}={_shown(v)}" for k, v in t["example"].items())
+        parts.append(f'<div class="qa"><b>row:</b> {fields}</div>')
     comps = t["reward_components"]
     if comps:
         body = "".join(f'<tr data-component="{_esc(c["name"])}"><td>{_esc(c["name"])}</td><td>{_fmt(c["value"], ".4f")}</td>'
@@ -239,13 +249,41 @@ def _trajectory(t: Mapping[str, Any]) -> str:
     return "".join(parts)
 
 
-def render_html(batch: Mapping[str, Any], *, max_trajectories: int | None = None, title: str | None = None) -> str:
+def _version_html(batch: Mapping[str, Any], beside: Mapping[str, Any] | None) -> str:
+    from trl_plugins.run.version import version_differences
+    from trl_plugins.types import RunVersion
+
+    v = batch.get("version")
+    if v is None:
+        return '<div class="version">version: not saved (a format-2 batch)</div>'
+    adapters = ", ".join(f'{a["name"]} ({a["kind"]} r={a["rank"]} on {"/".join(a["targets"])})' for a in v["adapters"]) or "none"
+    plugins = ", ".join(f"{k} {val}" for k, val in sorted(v["plugin_versions"].items())) or "none"
+    out = (f'<div class="version">version <b>{_esc(v["digest"])}</b>: sampler {_esc(v["sampler"])}, {_esc(v["dtype"])}'
+           f'{", quantization " + _esc(v["quantization"]) if v.get("quantization") else ""}, adapters {_esc(adapters)}, '
+           f'tokenizer {_esc(v["tokenizer_digest"])}, tool schemas {_esc(v["tool_schemas_digest"])}, plugins {_esc(plugins)}</div>')
+    problems = []
+    others = sorted({str(t["policy_version"]["run_digest"]) for t in batch["trajectories"]
+                     if t.get("policy_version") and t["policy_version"].get("run_digest") not in (None, v["digest"])})
+    if others:
+        problems.append(f"trajectories of other run versions in this batch: {', '.join(others)}")
+    if beside is not None and beside.get("digest") != v["digest"]:
+        problems += version_differences(RunVersion.from_dict(v), RunVersion.from_dict(beside)) or ["the digests differ"]
+    if problems:
+        out += ('<div class="version-mismatch"><b>version differs from the run it is opened beside:</b><ul>'
+                + "".join(f"<li>{_esc(p)}</li>" for p in problems) + "</ul></div>")
+    return out
+
+
+def render_html(batch: Mapping[str, Any], *, max_trajectories: int | None = None, title: str | None = None,
+                beside: Mapping[str, Any] | None = None) -> str:
     """A self-contained HTML page (inline CSS and JS, no external resources) of a saved batch.
 
     Args:
         batch: What :func:`make_batch` returns or :func:`load_batch` reads.
         max_trajectories: Draw only the first N.
         title: Page title (default: the step).
+        beside: The version record (a ``RunVersion`` dict with its ``digest``) of the run the page is opened beside:
+            each field that differs from the batch's is listed in a warning (``.version-mismatch``).
 
     Returns:
         The page. Its script sets ``body[data-ready="1"]`` once it ran, and collects JS errors into
@@ -273,6 +311,7 @@ def render_html(batch: Mapping[str, Any], *, max_trajectories: int | None = None
         f"<title>{_esc(title)}</title><style>{_CSS}</style><script>{_HEAD_SCRIPT}</script></head>"
         f'<body data-ready="0" data-js-errors="0"><header><h1>{_esc(title)}</h1><div class="meta">{meta}</div></header><main>'
         '<div id="js-errors" hidden></div>'
+        + _version_html(batch, beside) +
         f'<div class="legend">{legend}</div>'
         "<table class=summary><tr><th>#</th><th>question</th><th>group</th><th>sample</th><th>turns</th><th>tool calls</th>"
         f"<th>stop reason</th><th>reward</th><th>advantage</th><th>update</th></tr>{summary}</table>"

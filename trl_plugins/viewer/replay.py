@@ -1,0 +1,444 @@
+"""Replay a saved batch: re-derive what was trained from its saved tokens and name the first difference.
+
+:func:`replay_batch` runs, per trajectory, the checks a saved batch (format 3) allows, and reports for each the first
+thing that differs and where (trajectory, turn, token index, the token text on both sides):
+
+1. **rendering**: the first prompt rendered again from the saved row (and the saved system prompt) with the current
+   tokenizer and chat template, and every later turn's prompt rebuilt as ``previous prompt + previous completion +
+   the tool turn`` (:meth:`~trl_plugins.rollout.ChatFormat.tool_results_turn` of the saved tool outputs);
+2. **logprobs** (a model given): each action token's log-prob recomputed with a plain forward and compared with the
+   saved behaviour log-prob (max and p99 of the difference; tokens beyond the tolerance, which depends on the saved
+   precision and sampler: :func:`default_tolerance`). Only trajectories sampled at the model's step are compared;
+3. **tools** (``tools=True``): every call of an idempotent tool run again, its output compared and its observation
+   tokens re-derived from the new output (a tool that is not idempotent is skipped, and said);
+4. **rewards** (``rewards=True``): every reward component recomputed and compared with the saved value;
+5. **datum**: the datum built again (:func:`~trl_plugins.datum.build_datum`) from the trajectory the saved tokens,
+   turns and behaviour log-probs describe, compared field by field (ids, mask, sources, log-probs, advantages).
+
+Before any check it compares the saved version with the current one and refuses (:class:`ReplayRefused`, naming what
+changed) when the tokenizer digest, the tool schemas or a verifier's (reward component's) or tool's version differ;
+``anyway=True`` runs the comparison regardless, and the report says so on every line.
+
+A format-2 file (before the version was saved) replays with what it holds: no version to check, the first prompt
+rebuilt from the saved question alone (one user message, no system prompt) and tool outputs that were cut at 4,000
+characters, so a long output cannot be compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from trl_plugins.datum import DatumError, build_datum
+from trl_plugins.modeling import token_logprobs
+from trl_plugins.rollout.chat import ChatFormat, tokenizer_digest
+from trl_plugins.run.version import plugin_version, tool_schemas_digest
+from trl_plugins.types import (
+    LogprobSource,
+    PolicyVersion,
+    RewardComponent,
+    SamplingSettings,
+    StopReason,
+    TokenSource,
+    ToolCall,
+    Trajectory,
+    Turn,
+)
+from trl_plugins.viewer.batch import datum_from_dict
+
+__all__ = ["Difference", "ReplayReport", "ReplayRefused", "replay_batch", "saved_trajectory", "default_tolerance",
+           "CHECKS"]
+
+CHECKS = ("version", "rendering", "logprobs", "tools", "rewards", "datum")
+"""The checks a replay reports, in the order it runs them."""
+
+
+class ReplayRefused(ValueError):
+    """The saved batch was made with another tokenizer, tool schemas or verifier: says what changed and how to go on."""
+
+
+@dataclass
+class Difference:
+    """The first thing that differs in one check of one trajectory."""
+
+    check: str
+    """One of :data:`CHECKS`."""
+    trajectory: int | None
+    """Its index in the saved batch (None: the batch as a whole)."""
+    what: str
+    """What differs, in words."""
+    turn: int | None = None
+    """Assistant turn (0-based) the difference is in or before."""
+    token: int | None = None
+    """Token index in the trajectory's whole sequence."""
+    saved: str | None = None
+    """The saved side (a token's text, a value)."""
+    current: str | None = None
+    """The re-derived side."""
+
+    def line(self) -> str:
+        where = ", ".join(f"{k} {v}" for k, v in (("trajectory", self.trajectory), ("turn", self.turn),
+                                                  ("token", self.token)) if v is not None)
+        sides = "" if self.saved is None and self.current is None else f": saved {self.saved}, now {self.current}"
+        return f"[{self.check}] {where + ': ' if where else ''}{self.what}{sides}"
+
+
+@dataclass
+class ReplayReport:
+    """What a replay compared and found."""
+
+    differences: list[Difference] = field(default_factory=list)
+    """The first difference per trajectory and check."""
+    compared: dict[str, int] = field(default_factory=dict)
+    """Per check, how many trajectories it compared."""
+    notes: list[str] = field(default_factory=list)
+    """What was not compared, and why (skipped trajectories, a format-2 file's limits)."""
+    ran_anyway: list[str] = field(default_factory=list)
+    """The version differences the replay was told to run despite (``anyway``); empty when it found none."""
+    logprobs: dict[str, float] | None = None
+    """``max_abs_diff``, ``p99_abs_diff``, ``tolerance``, ``num_tokens``, ``beyond`` (None: not compared)."""
+
+    @property
+    def ok(self) -> bool:
+        """Everything compared equal (within tolerance), and no version difference was overridden."""
+        return not self.differences and not self.ran_anyway
+
+    def render(self) -> str:
+        """The report as text: one line per check, then each difference."""
+        label = "RAN DESPITE VERSION DIFFERENCES (--anyway): " if self.ran_anyway else ""
+        lines = [f"{label}{d}" for d in self.ran_anyway]
+        for check in CHECKS:
+            if check in self.compared:
+                found = [d for d in self.differences if d.check == check]
+                lines.append(f"{check}: {self.compared[check]} trajectories compared, "
+                             + (f"{len(found)} differ" if found else "all equal"))
+        if self.logprobs is not None:
+            lp = self.logprobs
+            lines.append(f"logprobs: max |saved - recomputed| {lp['max_abs_diff']:.3g}, p99 {lp['p99_abs_diff']:.3g} over "
+                         f"{int(lp['num_tokens'])} action tokens; {int(lp['beyond'])} beyond the tolerance "
+                         f"{lp['tolerance']:.3g}")
+        lines += [("  " + label if label else "  ") + d.line() for d in self.differences]
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append("replay: " + ("everything compared equal" if self.ok else "DIFFERENCES FOUND" if self.differences
+                                   else "equal, but only because version differences were overridden"))
+        return "\n".join(lines)
+
+
+def default_tolerance(version: Mapping[str, Any] | None, logprob_source: str | None) -> float:
+    """The largest log-prob difference a replay accepts: 1e-4 for fp32 weights sampled by the trainer's own
+    forward (what CPU fp32 agrees to), 1e-2 for half precision or a vLLM sampler (``processed`` log-probs)."""
+    dtype = (version or {}).get("dtype") or "float32"
+    if logprob_source == str(LogprobSource.PROCESSED) or dtype not in ("float32", "float64"):
+        return 1e-2
+    return 1e-4
+
+
+def _text(tokenizer: Any, ids: Sequence[int], k: int) -> str | None:
+    return None if k >= len(ids) else repr(tokenizer.decode([ids[k]], skip_special_tokens=False))
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if k == len(a) == len(b) else k
+
+
+def _nan(x: Any) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def saved_trajectory(entry: Mapping[str, Any]) -> Trajectory:
+    """The :class:`~trl_plugins.types.Trajectory` a saved batch's entry describes: each turn's prompt and completion
+    cut from the saved token ids at the saved turn boundaries, behaviour log-probs and provenance from the saved
+    datum (position ``p``'s are at datum index ``p - 1``), tool calls, stop reason, reward components, version.
+
+    Raises:
+        ValueError: the entry holds no datum (it could not be built when the batch was saved) or a segmented turn.
+    """
+    datum = entry.get("datum")
+    if datum is None:
+        raise ValueError(f"no datum was saved ({entry.get('datum_error') or 'none recorded'})")
+    ids = list(entry["tokens"]["ids"])
+    logprobs = [math.nan] + [_nan(x) for x in datum["behaviour_logprobs"]]
+    sources = [TokenSource[entry.get("first_source", "prompt").upper()]] + [TokenSource[s.upper()] for s in datum["sources"]]
+    turns, added = [], 0  # added: where the tokens this turn's prompt adds begin
+    for t in entry["turns"]:
+        start, end = t["completion_start"], t["completion_end"]
+        if t.get("segment_start") or start < added:
+            raise ValueError("it has a segmented turn (a rewritten conversation), which the replay does not rebuild")
+        calls = [ToolCall(name=c["name"], arguments=c["arguments"], output=c["output"] or "", ok=bool(c["ok"]),
+                          timed_out=bool(c["timed_out"]), output_truncated=bool(c["output_truncated"]),
+                          infra_error=c.get("infra_error")) for c in t["tool_calls"]]
+        turn = Turn(prompt_ids=ids[:start], completion_ids=ids[start:end], completion_logprobs=logprobs[start:end],
+                    text=t["text"], prompt_sources=sources[added:start], completion_sources=sources[start:end],
+                    truncated=bool(t["truncated"]), tool_calls=calls, policy_step=t.get("policy_step"))
+        turns.append(turn)
+        added = end
+    pv = entry.get("policy_version")
+    version = None if pv is None else PolicyVersion(
+        step=pv["step"], tokenizer_digest=pv["tokenizer_digest"], weights_digest=pv.get("weights_digest"),
+        sampling=SamplingSettings(**pv["sampling"]), logprob_source=LogprobSource(pv["logprob_source"]),
+        run_digest=pv.get("run_digest"))
+    return Trajectory(
+        turns=turns, question_id=entry["question_id"], group_id=entry["group_id"], sample_index=entry["sample_index"],
+        stop_reason=None if entry.get("stop_reason") is None else StopReason(entry["stop_reason"]),
+        reward_components=[RewardComponent(c["name"], _nan(c["value"]), _nan(c["weight"])) for c in entry["reward_components"]],
+        advantage=entry.get("advantage"), policy_version=version, error=entry.get("error"))
+
+
+def _messages(batch: Mapping[str, Any], entry: Mapping[str, Any]) -> list[dict]:
+    chat = batch.get("chat") or {}
+    system = [{"role": "system", "content": chat["system_prompt"]}] if chat.get("system_prompt") else []
+    row = entry.get("row")
+    prompt = row.get("prompt") if isinstance(row, Mapping) else entry.get("question")
+    return system + ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or []))
+
+
+def _version_gate(batch: Mapping[str, Any], tokenizer: Any, run: Any, *, tools: bool, rewards: bool) -> list[str]:
+    saved = batch.get("version")
+    if saved is None:
+        return []
+    out = []
+    now = tokenizer_digest(tokenizer)
+    if saved["tokenizer_digest"] != now:
+        out.append(f"tokenizer/chat-template digest: {saved['tokenizer_digest']} (saved) vs {now} (current): the saved "
+                   f"ids mean other text with this tokenizer, or the template renders other tokens")
+    if run is not None:
+        current = tool_schemas_digest(run.chat.tools)
+        if current != saved["tool_schemas_digest"]:
+            out.append(f"tool schemas digest: {saved['tool_schemas_digest']} (saved) vs {current} (current): the model "
+                       f"was shown other tools than the run now has")
+    versions = saved.get("plugin_versions") or {}
+    plugins = [(f"reward/{r.name}", r) for r in (run.rewards if run is not None and rewards else [])]
+    plugins += [(f"tool/{n}", t) for n, t in (run.tools.items() if run is not None and tools else [])]
+    for key, plugin in plugins:
+        if key in versions and versions[key] != plugin_version(plugin):
+            out.append(f"{key} version: {versions[key]} (saved) vs {plugin_version(plugin)} (current)")
+    return out
+
+
+def _chat(batch: Mapping[str, Any], tokenizer: Any, run: Any) -> ChatFormat:
+    if run is not None and run.chat is not None and run.chat.tokenizer is tokenizer:
+        return run.chat
+    c = batch.get("chat") or {}
+    return ChatFormat(tokenizer, batch.get("tool_schemas") or [], final_answer_pattern=c.get("final_answer_pattern"),
+                      stop_tokens=c.get("stop_tokens"), calls_per_turn=c.get("calls_per_turn") or 1,
+                      **(c.get("chat_template_kwargs") or {}))
+
+
+def _rerun_tools(run: Any, traj: Trajectory, i: int, report: ReplayReport) -> list[list[str]]:
+    from trl_plugins.rollout.engine import _call_tool
+
+    outputs: list[list[str]] = []
+    for t, turn in enumerate(traj.turns):
+        mine = []
+        for call in turn.tool_calls:
+            tool = run.tools.get(call.name)
+            if tool is None or not tool.idempotent or call.infra_error:
+                why = ("the run has no such tool" if tool is None else "it is not idempotent" if not tool.idempotent
+                       else "it failed in the infrastructure")
+                report.notes.append(f"trajectory {i}, turn {t}: tool call {call.name!r} not re-run ({why}); its saved "
+                                    f"output stands")
+                mine.append(call.output)
+                continue
+            out = asyncio.run(_call_tool(tool, dict(call.arguments)))
+            mine.append(out.text)
+        outputs.append(mine)
+    return outputs
+
+
+def _check_rendering(chat: ChatFormat, batch: Mapping[str, Any], entry: Mapping[str, Any], traj: Trajectory, i: int,
+                     outputs: list[list[str]] | None, check: str) -> Difference | None:
+    tok = chat.tokenizer
+    turns = traj.turns
+    first = chat.initial_prompt_ids(_messages(batch, entry))
+    k = _first_difference(turns[0].prompt_ids, first)
+    if k is not None:
+        return Difference(check, i, "the first prompt renders differently", 0, k, _text(tok, turns[0].prompt_ids, k),
+                          _text(tok, first, k))
+    mtr = (batch.get("chat") or {}).get("max_tool_response_tokens")
+    for t in range(1, len(turns)):
+        prev = turns[t - 1]
+        results = [(c.name, outputs[t - 1][j] if outputs else c.output) for j, c in enumerate(prev.tool_calls)]
+        if outputs and check == "tools":
+            for j, c in enumerate(prev.tool_calls):
+                if outputs[t - 1][j] != c.output:
+                    expected = prev.prompt_ids + prev.completion_ids + chat.tool_results_turn(
+                        prev.completion_ids, results, max_tokens=mtr).ids
+                    k = _first_difference(turns[t].prompt_ids, expected)
+                    return Difference(check, i, f"tool call {j} ({c.name!r}) returned {outputs[t - 1][j][:80]!r} where "
+                                      f"it returned {c.output[:80]!r}", t - 1, k,
+                                      None if k is None else _text(tok, turns[t].prompt_ids, k),
+                                      None if k is None else _text(tok, expected, k))
+            continue
+        if not results:
+            continue  # a turn after one without calls is the rollout's own continuation: nothing to re-derive
+        expected = prev.prompt_ids + prev.completion_ids + chat.tool_results_turn(prev.completion_ids, results,
+                                                                                   max_tokens=mtr).ids
+        k = _first_difference(turns[t].prompt_ids, expected)
+        if k is not None:
+            return Difference(check, i, f"the tool turn after turn {t - 1} renders differently", t, k,
+                              _text(tok, turns[t].prompt_ids, k), _text(tok, expected, k))
+    return None
+
+
+def _turn_of(traj: Trajectory, position: int) -> int:
+    return next((t for t in range(len(traj.turns) - 1, -1, -1) if len(traj.turns[t].prompt_ids) <= position), 0)
+
+
+@torch.no_grad()
+def _check_logprobs(model: Any, tok: Any, entries: list[tuple[int, Mapping, Trajectory]], tolerance: float,
+                    report: ReplayReport) -> None:
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    diffs = []
+    try:
+        for i, entry, traj in entries:
+            d = entry["datum"]
+            sampling = traj.policy_version.sampling if traj.policy_version else SamplingSettings()
+            ids = torch.tensor([d["input_ids"]], device=device)
+            lp = token_logprobs(model, ids, torch.ones_like(ids), torch.tensor([d["target_ids"]], device=device),
+                                temperature=sampling.temperature or 1.0)[0].double().cpu()
+            saved = torch.tensor([_nan(x) for x in d["behaviour_logprobs"]], dtype=torch.float64)
+            mask = torch.tensor(d["action_mask"], dtype=torch.bool)
+            gap = (lp - saved).abs()
+            gap[~mask] = 0.0
+            diffs.append(gap[mask])
+            beyond = torch.nonzero(gap > tolerance).flatten()
+            if len(beyond):
+                j = int(beyond[0])
+                report.differences.append(Difference(
+                    "logprobs", i, f"log-prob of action token {_text(tok, entry['tokens']['ids'], j + 1)} differs by "
+                    f"{float(gap[j]):.3g} (> {tolerance:.3g}; {len(beyond)} such tokens)", _turn_of(traj, j + 1), j + 1,
+                    f"{float(saved[j]):.6f}", f"{float(lp[j]):.6f}"))
+    finally:
+        model.train(was_training)
+    every = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+    report.logprobs = {"max_abs_diff": float(every.max()) if len(every) else 0.0,
+                       "p99_abs_diff": float(torch.quantile(every, 0.99)) if len(every) else 0.0,
+                       "tolerance": tolerance, "num_tokens": float(len(every)),
+                       "beyond": float((every > tolerance).sum())}
+
+
+def _check_rewards(run: Any, batch: Mapping[str, Any], entry: Mapping[str, Any], traj: Trajectory, i: int) -> Difference | None:
+    from trl_plugins.rewards import reward_value
+
+    row = entry.get("row")
+    if not isinstance(row, Mapping):
+        return Difference("rewards", i, "no dataset row was saved (a format-2 file): the components cannot be recomputed")
+    saved = {c.name: c.value for c in traj.reward_components}
+    for component in run.rewards:
+        if component.name not in saved:
+            return Difference("rewards", i, f"component {component.name!r} was not saved", None, None, "absent", "present")
+        value = reward_value(component(traj, row))
+        if not math.isclose(value, saved[component.name], rel_tol=1e-9, abs_tol=1e-12):
+            return Difference("rewards", i, f"component {component.name!r} scores it differently", None, None,
+                              repr(saved[component.name]), repr(value))
+    return None
+
+
+def _check_datum(entry: Mapping[str, Any], traj: Trajectory, i: int, tok: Any) -> Difference | None:
+    saved = datum_from_dict(entry["datum"])
+    try:
+        rebuilt = build_datum(traj, advantage=traj.advantage if traj.advantage is not None else 0.0, trajectory_index=i)
+    except (DatumError, ValueError) as exc:
+        return Difference("datum", i, f"the datum can no longer be built ({exc})")
+    per_token_advantage = len({a for a, m in zip(saved.advantages, saved.action_mask) if m}) > 1  # a critic's GAE
+    ids = entry["tokens"]["ids"]
+    for name in ("input_ids", "target_ids", "action_mask", "sources", "behaviour_logprobs", "advantages"):
+        if name == "advantages" and per_token_advantage:
+            continue
+        a, b = list(getattr(saved, name)), list(getattr(rebuilt, name))
+        same = [x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+                or (x is None and isinstance(y, float) and math.isnan(y)) for x, y in zip(a, b)]
+        if len(a) != len(b) or not all(same):
+            k = same.index(False) if not all(same) else min(len(a), len(b))
+            return Difference("datum", i, f"{name} differs (token {_text(tok, ids, k + 1)})", _turn_of(traj, k + 1), k + 1,
+                              repr(a[k]) if k < len(a) else "end", repr(b[k]) if k < len(b) else "end")
+    return None
+
+
+def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None, model_step: int | None = None,
+                 run: Any = None, tools: bool = False, rewards: bool = False, anyway: bool = False,
+                 tolerance: float | None = None) -> ReplayReport:
+    """Re-derive a saved batch (:func:`~trl_plugins.viewer.load_batch`) and report the first difference per
+    trajectory and check (module docstring).
+
+    Args:
+        batch: The saved batch.
+        tokenizer: The current tokenizer (its chat template is the current one).
+        model: Weights to recompute the behaviour log-probs with (None: not compared).
+        model_step: The optimizer step of ``model`` (0: the base model); only trajectories sampled at that step are
+            compared, the others are named in the notes. None with ``anyway``: every trajectory.
+        run: The current run (:class:`~trl_plugins.run.Run`, tokenizer bound): its tool schemas and plugin versions
+            are checked, and its tools and reward components re-run with ``tools``/``rewards``.
+        tools, rewards: Re-run the idempotent tool calls / the reward components (need ``run``).
+        anyway: Compare even when the version differs; the report is then never ``ok``.
+        tolerance: Largest accepted log-prob difference (None: :func:`default_tolerance`).
+
+    Raises:
+        ReplayRefused: the version differs (and not ``anyway``), or ``model_step`` matches no trajectory's step.
+        ValueError: ``tools``/``rewards`` without a run.
+    """
+    if (tools or rewards) and run is None:
+        raise ValueError("tools=True and rewards=True re-run the run's plugins: pass run= (resolve_run(config)).")
+    report = ReplayReport()
+    if run is not None and run.chat is None:
+        run.bind_tokenizer(tokenizer)  # its tool schemas as the model would now be shown them
+    changed = _version_gate(batch, tokenizer, run, tools=tools, rewards=rewards)
+    if changed and not anyway:
+        raise ReplayRefused("the saved batch was made with another version than the current one:\n  - "
+                            + "\n  - ".join(changed) + "\nReplay with the run's own tokenizer, tools and components "
+                            "(e.g. --checkpoint of that run), or pass --anyway to compare regardless (labelled).")
+    report.ran_anyway = changed
+    if batch.get("version") is None:
+        report.notes.append(f"{batch.get('format')}: no version was saved, so none was checked; the first prompt is "
+                            f"rebuilt from the saved question alone and tool outputs over 4,000 characters were cut")
+    chat = _chat(batch, tokenizer, run)
+    entries = []
+    for i, entry in enumerate(batch["trajectories"]):
+        try:
+            entries.append((i, entry, saved_trajectory(entry)))
+        except ValueError as exc:
+            report.notes.append(f"trajectory {i} not replayed: {exc}")
+    version_of = {i: traj.policy_version for i, _, traj in entries}
+    checks: list[tuple[str, Any]] = [("rendering", None)]
+    if tools:
+        checks.append(("tools", None))
+    for check, _ in checks:
+        report.compared[check] = len(entries)
+        for i, entry, traj in entries:
+            outputs = _rerun_tools(run, traj, i, report) if check == "tools" else None
+            found = _check_rendering(chat, batch, entry, traj, i, outputs, check)
+            if found is not None:
+                report.differences.append(found)
+    if model is not None:
+        steps = sorted({v.step for v in version_of.values() if v is not None})
+        chosen = [(i, e, t) for i, e, t in entries if model_step is None or (t.policy_version and t.policy_version.step == model_step)]
+        if not chosen and not anyway:
+            raise ReplayRefused(f"the weights given are step {model_step}, but the batch was sampled at step(s) {steps}: "
+                                f"a batch is sampled by the weights of its trajectories' policy_step, not those of the "
+                                f"step that trained on it. Give checkpoint-{steps[0] if steps else 'N'} (the base model "
+                                f"for step 0), or pass --anyway to measure the gap to these weights.")
+        if not chosen:
+            report.ran_anyway.append(f"weights of step {model_step} compared with tokens sampled at step(s) {steps}")
+            chosen = entries
+        for i, _, t in entries:
+            if (i, _, t) not in chosen:
+                report.notes.append(f"trajectory {i} sampled at step {t.policy_version.step if t.policy_version else '?'}: "
+                                    f"its log-probs are not compared with step {model_step}'s weights")
+        pv = next((t.policy_version for _, _, t in chosen if t.policy_version), None)
+        tol = tolerance if tolerance is not None else default_tolerance(batch.get("version"),
+                                                                         None if pv is None else str(pv.logprob_source))
+        report.compared["logprobs"] = len(chosen)
+        _check_logprobs(model, tokenizer, chosen, tol, report)
+    if rewards:
+        report.compared["rewards"] = len(entries)
+        report.differences += [d for i, e, t in entries if (d := _check_rewards(run, batch, e, t, i)) is not None]
+    report.compared["datum"] = len(entries)
+    report.differences += [d for i, e, t in entries if (d := _check_datum(e, t, i, tokenizer)) is not None]
+    return report
