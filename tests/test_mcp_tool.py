@@ -7,6 +7,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,7 +48,7 @@ def _call(tool, args):
 
 @pytest.fixture(scope="module")
 def toy():
-    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=2)})
+    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=2, session="shared")})
     by_name = {t.name: t for t in tools.member_tools()}
     yield tools, by_name
     tools.close()
@@ -78,11 +79,11 @@ def test_one_run_tool_per_mcp_tool_with_its_schema(toy):
     assert fn["description"] == "Add two integers."
     assert fn["parameters"]["required"] == ["a", "b"] and fn["parameters"]["properties"]["a"]["type"] == "integer"
     line = tools.start_up()
-    assert line.startswith("1 MCP server(s), 10 tool(s): toy (stdio: ") and "protocol 2026-07-28" in line
+    assert line.startswith("1 MCP server(s), 10 tool(s): toy (stdio, shared: ") and "protocol 2026-07-28" in line
 
 
 def test_build_tools_expands_the_set_and_include_exclude():
-    config = SimpleNamespace(tools=["mcp"], tool_kwargs={"mcp": {"mcpServers": {"toy": _stdio()},
+    config = SimpleNamespace(tools=["mcp"], tool_kwargs={"mcp": {"mcpServers": {"toy": _stdio(session="shared")},
                                                                  "include": ["add", "greet", "fail"], "exclude": ["fail"]}})
     built = build_tools(config)
     try:
@@ -108,13 +109,14 @@ def test_observations_text_structured_is_error_and_dropped_image(toy):
 
 
 def test_hung_and_crashed_server_are_infra_errors_and_the_next_call_works():
-    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=1)})
+    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=1, session="shared")})
     t = {x.name: x for x in tools.member_tools()}
     try:
         hung = _call(t["hang"], {})
         assert hung.infra_error and "did not answer a call of 'hang' within 1 s" in hung.infra_error
         crashed = _call(t["crash"], {})
-        assert crashed.infra_error and crashed.infra_error.startswith("MCP server 'toy' (stdio: ")
+        assert crashed.infra_error and crashed.infra_error.startswith(
+            "MCP server 'toy' (stdio, shared: ") and "closed the connection (it exited or crashed) during a call of 'crash'" in crashed.infra_error
         assert _call(t["add"], {"a": 1, "b": 1}).text == "2"  # a new process answers
         assert t["crash"].idempotent is False  # not declared: never retried
     finally:
@@ -129,7 +131,7 @@ def test_server_that_cannot_start_is_refused_with_its_stderr():
 
 
 def test_name_clash_refused_or_prefixed():
-    two = {"a": _stdio(), "b": _stdio()}
+    two = {"a": _stdio(session="shared"), "b": _stdio(session="shared")}
     with pytest.raises(ValueError, match="servers 'a' and 'b' both offer a tool 'add'; set prefix_tools"):
         McpTools(mcpServers=two).member_tools()
     tools = McpTools(mcpServers=two, prefix_tools=True, include=["a__add", "b__add"])
@@ -173,3 +175,132 @@ def test_config_errors_are_clear(tmp_path):
     path = tmp_path / "mcp.json"
     path.write_text('{"mcpServers": {"toy": {"command": "python", "args": ["x.py"]}}}')
     assert McpTools(config=str(path))._servers[0].args == ("x.py",)
+
+
+def test_per_trajectory_sessions_never_share_state_and_leave_nothing(tmp_path):
+    from trl_plugins.protocols import as_tool, tool_episode
+
+    (tmp_path / "repo.txt").write_text("r")
+    tools = McpTools(mcpServers={"toy": {"command": sys.executable, "args": [TOY, "stdio", "{workdir}"], "cwd": "/",
+                                         "copy": str(tmp_path / "repo.txt")}}, include=["remember", "recall"])
+    t = {x.name: as_tool(x) for x in tools.member_tools()}
+    assert tools.live_sessions() == 0  # listed at start-up, then stopped: each trajectory starts its own
+    seen = {}
+
+    async def trajectory(word: str) -> None:
+        async with tool_episode(t.values()):
+            assert (await t["remember"]({"word": word})).text == "ok"
+            await asyncio.sleep(0.2)  # both trajectories' servers are up at once
+            seen[word] = (await t["recall"]({})).text
+            seen[word + "_pids"] = _children()
+
+    async def both() -> None:
+        await asyncio.gather(trajectory("a"), trajectory("b"))
+
+    try:
+        before, dirs = _children(), set(Path(tempfile.gettempdir()).glob("mcp-toy-*"))
+        asyncio.run(both())
+        # Its own process (memory), its own directory (the file; {workdir} in args), each with the copy.
+        assert seen["a"] == "a|a|memory.txt,repo.txt" and seen["b"] == "b|b|memory.txt,repo.txt"
+        assert len(seen["a_pids"] - before) >= 2 and tools.sessions_started == 2
+        assert tools.live_sessions() == 0 and not ((seen["a_pids"] | seen["b_pids"]) - before) & _children()
+        assert set(Path(tempfile.gettempdir()).glob("mcp-toy-*")) == dirs  # the working directories are gone
+    finally:
+        tools.close()
+
+
+def test_no_server_outlives_a_killed_trainer(tmp_path):
+    """A process holding a stdio server is killed with SIGKILL: the server (under the reaper) dies with it."""
+    import os
+    import signal
+
+    script = tmp_path / "trainer.py"
+    script.write_text(f"""
+import sys, time
+from trl_plugins.tools.mcp.plugin import McpTools
+tools = McpTools(mcpServers={{"toy": {{"command": sys.executable, "args": [{TOY!r}], "session": "shared"}}}})
+tools.member_tools()
+print("ready", flush=True)
+time.sleep(60)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        below = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(int(d.name)) == proc.pid]
+        assert below, "the server process was not found"
+        server_pids = below + [p for b in below for p in _kids(b)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in server_pids):
+            time.sleep(0.05)
+        assert not [p for p in server_pids if _alive(p)]
+    finally:
+        proc.kill()
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _kids(pid: int) -> list[int]:
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(int(d.name)) == pid]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error():
+    """The real engine with a scripted policy: the template shows the MCP tools, an observation's tokens are the
+    tool's text, arguments breaking the schema are invalid_action, a server dying mid-call ends only its trajectory
+    (environment_error: per-trajectory processes), and every trajectory's server is stopped at its end."""
+    from trl_plugins.protocols import as_tool
+    from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend
+    from trl_plugins.tiny import build_tokenizer
+    from trl_plugins.types import StopReason, TokenSource
+
+    tools = McpTools(mcpServers={"toy": _stdio()}, include=["add", "crash"])
+    members = {t.name: as_tool(t) for t in tools.member_tools()}
+    tok = build_tokenizer("qwen2_5")
+    chat = ChatFormat(tok, [t.schema() for t in members.values()])
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"] + [im_end]
+
+    calls = {"add": '{"name": "add", "arguments": {"a": 2, "b": 3}}', "bad": '{"name": "add", "arguments": {"a": [2], "b": 3}}',
+             "crash": '{"name": "crash", "arguments": {}}'}
+    firsts = {k: chat.initial_prompt_ids([{"role": "user", "content": " ".join([k] * (i + 1))}])
+              for i, k in enumerate(calls)}
+    assert all(f'"name": "{n}"' in tok.decode(firsts["add"]) for n in ("add", "crash"))  # the model is shown them
+    by_len = {len(v): k for k, v in firsts.items()}
+    assert len(by_len) == 3
+
+    def policy(prompt: list[int]) -> list[int]:
+        if len(prompt) in by_len:
+            return ids(f"<tool_call>\n{calls[by_len[len(prompt)]]}\n</tool_call>")
+        return ids("The answer is \\boxed{5}.")
+
+    backend = ScriptedBackend(policy, stop_token_ids=chat.stop_token_ids)
+    questions = [RolloutQuestion(k, firsts[k], group_id=i) for i, k in enumerate(calls)]
+    try:
+        before = _children()
+        result = MultiTurnRollout(max_turns=3, max_trajectory_tokens=2048)(RolloutRequest(questions, 1, backend, chat, members))
+        add, bad, crash = result.trajectories
+        assert add.stop_reason == StopReason.FINAL_ANSWER
+        observation = [t for t, s in zip(add.turns[1].prompt_ids[-len(add.turns[1].prompt_sources):],
+                                         add.turns[1].prompt_sources) if s == TokenSource.OBSERVATION]
+        assert tok.decode(observation) == "5"
+        assert bad.stop_reason == StopReason.INVALID_ACTION and "argument 'a' must be of type integer" in bad.error
+        assert crash.stop_reason == StopReason.ENVIRONMENT_ERROR and "exited or crashed" in crash.error
+        assert tools.live_sessions() == 0 and not (_children() - before)
+    finally:
+        tools.close()

@@ -70,15 +70,18 @@ async def ask(question: str, ctx: Context) -> str:
     return str(result)
 
 
-@app.tool(description="Remember a word.")
+@app.tool(description="Remember a word (in the process and in ./memory.txt).")
 def remember(word: str) -> str:
     _memory.append(word)
+    with open("memory.txt", "a") as f:
+        f.write(word + "\n")
     return "ok"
 
 
-@app.tool(description="Words remembered.")
+@app.tool(description="Words remembered: the process's, then the file's, and the files in the working directory.")
 def recall() -> str:
-    return ",".join(_memory)
+    kept = open("memory.txt").read().split() if os.path.exists("memory.txt") else []
+    return f"{','.join(_memory)}|{','.join(kept)}|{','.join(sorted(os.listdir('.')))}"
 
 
 if __name__ == "__main__":
@@ -89,4 +92,6 @@ if __name__ == "__main__":
         print("cannot open the database: /nonexistent.db", file=sys.stderr, flush=True)
         sys.exit(2)
     else:
+        if len(sys.argv) > 2:  # stdio DIR: work there
+            os.chdir(sys.argv[2])
         app.run()

@@ -13,7 +13,7 @@ STDIO_KEYS = frozenset({"command", "args", "env", "cwd"})
 """A stdio server's keys, as MCP clients write them."""
 HTTP_KEYS = frozenset({"url", "headers"})
 """A streamable HTTP server's keys."""
-OUR_KEYS = frozenset({"idempotent", "max_concurrency", "timeout_s", "protocol", "type"})
+OUR_KEYS = frozenset({"idempotent", "max_concurrency", "timeout_s", "protocol", "type", "session", "copy"})
 """Keys this client adds (``type`` is accepted as clients write it: ``"stdio"``, ``"http"``/``"streamable-http"``)."""
 
 
@@ -42,6 +42,14 @@ class ServerSpec:
     """Calls to this server that may run at once."""
     timeout_s: float = 30.0
     """Wall-clock limit of one call; a call past it is an infrastructure failure (a hung server)."""
+    session: str = "shared"
+    """``"per_trajectory"`` (stdio only; the default there): each trajectory gets its own process, started at its
+    first call in a private working directory and stopped when the trajectory ends, so no trajectory sees another's
+    state. ``"shared"`` (HTTP's only choice): one session for every trajectory, for a stateless server."""
+    copy: str | None = None
+    """``per_trajectory``: a file or directory copied into each trajectory's working directory (a directory's
+    contents), e.g. the repository a git server works on; ``{workdir}`` in ``args``, ``env`` or ``cwd`` is that
+    directory, which is also the default ``cwd``."""
     protocol: str = "auto"
     """``"auto"`` (ask ``server/discover`` for the stateless 2026-07-28 revision, fall back to the ``initialize``
     handshake), ``"legacy"`` (the handshake only) or a modern revision such as ``"2026-07-28"`` (no probe)."""
@@ -54,9 +62,19 @@ class ServerSpec:
     def is_idempotent(self, tool: str) -> bool:
         return self.idempotent is True or (isinstance(self.idempotent, tuple) and tool in self.idempotent)
 
+    def in_workdir(self, workdir: str) -> "ServerSpec":
+        """This server with ``{workdir}`` replaced in its args, env and cwd (default cwd: ``workdir``)."""
+        import dataclasses
+
+        def sub(text: str) -> str:
+            return text.replace("{workdir}", workdir)
+
+        return dataclasses.replace(self, args=tuple(sub(a) for a in self.args), env={k: sub(v) for k, v in self.env.items()},
+                                   cwd=sub(self.cwd) if self.cwd is not None else workdir)
+
     def describe(self) -> str:
         if self.command is not None:
-            return f"stdio: {' '.join([self.command, *self.args])}"
+            return f"stdio, {self.session}: {' '.join([self.command, *self.args])}"
         return f"streamable HTTP: {self.url}"
 
 
@@ -102,6 +120,17 @@ def _server(name: str, raw: Any) -> ServerSpec:
     if not isinstance(from_protocol, str):
         raise ValueError(f"{where}['protocol'] must be 'auto', 'legacy' or a revision such as '2026-07-28'")
     common["protocol"] = from_protocol
+    session = raw.get("session", "per_trajectory" if has_cmd else "shared")
+    if session not in ("per_trajectory", "shared"):
+        raise ValueError(f"{where}['session'] must be 'per_trajectory' or 'shared', got {session!r}")
+    if has_url and session != "shared":
+        raise ValueError(f"{where} is an HTTP server, shared by every trajectory (its state is the server's to keep "
+                         f"apart); remove session, or run it as a stdio server for a process per trajectory")
+    copy = raw.get("copy")
+    if copy is not None and (session != "per_trajectory" or not isinstance(copy, str) or not os.path.exists(copy)):
+        raise ValueError(f"{where}['copy'] is {copy!r}: it must name an existing file or directory, and only a "
+                         f"per_trajectory server has a working directory to copy it into")
+    common.update(session=session, copy=copy)
     if has_url:
         url = raw["url"]
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -113,7 +142,7 @@ def _server(name: str, raw: Any) -> ServerSpec:
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise ValueError(f"{where}['args'] must be a list of strings, got {args!r:.200}")
     cwd = raw.get("cwd")
-    if cwd is not None and (not isinstance(cwd, str) or not os.path.isdir(cwd)):
+    if cwd is not None and (not isinstance(cwd, str) or ("{workdir}" not in cwd and not os.path.isdir(cwd))):
         raise ValueError(f"{where}['cwd'] is {cwd!r}, not a directory here")
     return ServerSpec(name, command=command, args=tuple(args), env=_strings(raw.get("env", {}), f"{where}['env']"),
                       cwd=cwd, **common)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any, Awaitable, TypeVar
 
 from trl_plugins.tools.mcp.config import ServerSpec
@@ -21,6 +24,8 @@ T = TypeVar("T")
 
 STDERR_TAIL_LINES = 20
 """Lines of a stdio server's stderr quoted when it fails."""
+REAPER = Path(__file__).resolve().parents[2] / "rollout" / "endpoint" / "reaper.py"
+"""The agent endpoint's reaper script, run by path (not imported): no stdio server outlives the run."""
 _REFUSAL = "trl_plugins: this training run answers no {what} request"
 
 
@@ -88,7 +93,11 @@ class ServerConnection:
         if self.spec.command is not None:
             from mcp.client.stdio import StdioServerParameters, stdio_client
 
-            params = StdioServerParameters(command=self.spec.command, args=list(self.spec.args),
+            # Under the reaper (standard library only): the server and what it starts die with this process, a kill -9
+            # included (PR_SET_PDEATHSIG follows the spawning thread: the loop thread, alive as long as the process).
+            params = StdioServerParameters(command=sys.executable,
+                                           args=["-I", "-S", str(REAPER), str(os.getpid()), "--", self.spec.command,
+                                                 *self.spec.args],
                                            env=dict(self.spec.env) or None, cwd=self.spec.cwd)
             return stdio_client(params, errlog=self._errlog)
         if not self.spec.headers:
@@ -187,7 +196,9 @@ class ServerConnection:
                 if "trl_plugins: this training run answers no" in str(exc):
                     raise InputRequested(str(exc)) from exc
                 self.client = None  # the next call opens a new session (a crashed stdio server is restarted)
-                raise ServerFailed(self.failure(f"answered a call of {name!r} with a protocol error", exc)) from exc
+                what = ("closed the connection (it exited or crashed)" if "Connection closed" in str(exc) else
+                        "answered with a protocol error")
+                raise ServerFailed(self.failure(f"{what} during a call of {name!r}", exc)) from exc
             except Exception as exc:  # noqa: BLE001 - transport, crash, a result that breaks the schema
                 self.client = None
                 raise ServerFailed(self.failure(f"failed during a call of {name!r}", exc)) from exc

@@ -37,6 +37,28 @@ def observation_text(result: Any) -> str:
     return "\n".join(parts)
 
 
+def _workdir(spec: ServerSpec) -> str:
+    """A new private working directory for one session of ``spec``, holding a copy of ``spec.copy``."""
+    import os
+    import shutil
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix=f"mcp-{spec.name}-")
+    if spec.copy is not None:
+        if os.path.isdir(spec.copy):
+            shutil.copytree(spec.copy, workdir, dirs_exist_ok=True, symlinks=True)
+        else:
+            shutil.copy2(spec.copy, workdir)
+    return workdir
+
+
+def _remove(workdirs: Any) -> None:
+    import shutil
+
+    for workdir in workdirs:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def _check_input_schema(server: str, tool: Any) -> dict[str, Any]:
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
@@ -100,6 +122,9 @@ class McpTool:
         return {f"mcp/{self.name}/{k}": r for k, r in
                 (("calls", "sum"), ("errors", "sum"), ("infra_errors", "sum"), ("latency_max_s", "max"))}
 
+    async def end_episode(self, key: Any) -> None:
+        await self.owner.end_episode(key)
+
     def close(self) -> None:
         self.owner.close()
 
@@ -138,6 +163,12 @@ class McpTools(ClosingTool):
     _loop: Any = field(default=None, init=False, repr=False)
     _conns: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _episodes: dict[Any, dict[str, Any]] = field(default_factory=dict, init=False, repr=False)
+    _scratch: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _protocols: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
+    """Per-trajectory sessions: by episode key, by server, (connection, working directory); loop thread only."""
+    sessions_started: int = field(default=0, init=False, repr=False)
+    """Per-trajectory server processes started so far."""
 
     def __post_init__(self) -> None:
         self._servers = load_servers(self.mcpServers, self.config)
@@ -166,13 +197,16 @@ class McpTools(ClosingTool):
 
         from trl_plugins.tools.mcp.connection import ServerConnection
 
-        conns = {s.name: ServerConnection(s) for s in self._servers}
+        scratch = {s.name: _workdir(s) for s in self._servers if s.session == "per_trajectory"}
+        conns = {s.name: ServerConnection(s.in_workdir(scratch[s.name]) if s.name in scratch else s) for s in self._servers}
         results = await asyncio.gather(*(c.open(self.start_timeout_s) for c in conns.values()), return_exceptions=True)
         failed = [str(r) for r in results if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(c.close() for c in conns.values()))
+            _remove(scratch.values())
             raise RuntimeError("\n".join(failed))
         self._conns = conns
+        self._scratch = scratch
 
     def member_tools(self) -> list[McpTool]:
         """One tool per MCP tool of the servers, in server then listing order; the first call connects.
@@ -187,6 +221,8 @@ class McpTools(ClosingTool):
             loop.run(self._open_all())
             listed = {name: loop.run(conn.list_tools()) for name, conn in self._conns.items()}
             self._tools = self._make_tools(listed)
+            self._protocols = {name: conn.protocol_version for name, conn in self._conns.items()}
+            loop.run(self._close_probes())
         except BaseException:
             self.close()
             raise
@@ -222,15 +258,59 @@ class McpTools(ClosingTool):
         tools = self.member_tools()
         lines = []
         for spec in self._servers:
-            conn = self._conns.get(spec.name)
             names = [t.name for t in tools if t.server == spec.name]
-            lines.append(f"{spec.name} ({spec.describe()}, protocol {conn.protocol_version if conn else '?'}): "
+            lines.append(f"{spec.name} ({spec.describe()}, protocol {self._protocols.get(spec.name)}): "
                          f"{', '.join(names) or 'no tool used'}")
         return f"{len(self._servers)} MCP server(s), {len(tools)} tool(s): " + "; ".join(lines)
 
     # -- calls ------------------------------------------------------------------------------------------------
 
+    async def _close_probes(self) -> None:
+        """The per-trajectory servers were started once to list their tools; each trajectory starts its own."""
+        for name in list(self._scratch):
+            await self._conns.pop(name).close()
+        _remove(self._scratch.values())
+        self._scratch = {}
+
+    async def _episode_connection(self, spec: ServerSpec, key: Any) -> Any:
+        import asyncio
+
+        from trl_plugins.tools.mcp.connection import ServerConnection
+
+        sessions = self._episodes.setdefault(key, {})
+        entry = sessions.get(spec.name)
+        if entry is None:  # the episode's first call of this server: its own process in its own directory
+            workdir = _workdir(spec)
+            conn = ServerConnection(spec.in_workdir(workdir))
+            entry = sessions[spec.name] = (conn, workdir, asyncio.ensure_future(conn.open(self.start_timeout_s)))
+            self.sessions_started += 1
+        conn, _, opened = entry
+        await asyncio.shield(opened)  # parallel calls of one turn wait for the one start
+        return conn
+
+    async def _end_episode_on_loop(self, key: Any) -> None:
+        for conn, workdir, opened in self._episodes.pop(key, {}).values():
+            if not opened.done():
+                opened.cancel()
+            await conn.close()
+            _remove([workdir])
+
+    async def end_episode(self, key: Any) -> None:
+        """Stop the per-trajectory servers of the trajectory ``key`` and delete their working directories."""
+        loop = self._loop
+        if loop is not None and key in self._episodes:
+            await loop.arun(self._end_episode_on_loop(key))
+
+    def live_sessions(self) -> int:
+        """Per-trajectory server processes running now."""
+        return sum(len(v) for v in self._episodes.values())
+
     async def _connection(self, server: str) -> Any:
+        spec = next(s for s in self._servers if s.name == server)
+        if spec.session == "per_trajectory":
+            from trl_plugins.protocols import current_episode
+
+            return await self._episode_connection(spec, current_episode.get())
         conn = self._conns.get(server)
         if conn is None:
             raise RuntimeError("the mcp tool is closed")
@@ -279,6 +359,10 @@ class McpTools(ClosingTool):
 
         async def close_all() -> None:
             await asyncio.gather(*(c.close() for c in conns.values()), return_exceptions=True)
+            for key in list(self._episodes):
+                await self._end_episode_on_loop(key)
+            _remove(self._scratch.values())  # a start-up that failed after the probes started
+            self._scratch = {}
 
         try:
             loop.run(close_all(), timeout=30)
@@ -288,7 +372,7 @@ class McpTools(ClosingTool):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_tools=None, _loop=None, _conns={}, _lock=None)
+        state.update(_tools=None, _loop=None, _conns={}, _lock=None, _episodes={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
