@@ -109,7 +109,7 @@ def test_observations_text_structured_is_error_and_dropped_image(toy):
 
 
 def test_hung_and_crashed_server_are_infra_errors_and_the_next_call_works():
-    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=1, session="shared")})
+    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=1, session="shared", idempotent=["add"])})
     t = {x.name: x for x in tools.member_tools()}
     try:
         hung = _call(t["hang"], {})
@@ -118,7 +118,9 @@ def test_hung_and_crashed_server_are_infra_errors_and_the_next_call_works():
         assert crashed.infra_error and crashed.infra_error.startswith(
             "MCP server 'toy' (stdio, shared: ") and "closed the connection (it exited or crashed) during a call of 'crash'" in crashed.infra_error
         assert _call(t["add"], {"a": 1, "b": 1}).text == "2"  # a new process answers
-        assert t["crash"].idempotent is False  # not declared: never retried
+        garbage = _call(t["garbage"], {})  # a line that is not JSON-RPC: the call gets no answer
+        assert garbage.infra_error and "did not answer a call of 'garbage'" in garbage.infra_error
+        assert t["crash"].idempotent is False and t["add"].idempotent is True  # as declared: only 'add' is retried
     finally:
         before = _children()
         tools.close()
@@ -138,6 +140,18 @@ def test_name_clash_refused_or_prefixed():
     try:
         t = {x.name: x for x in tools.member_tools()}
         assert list(t) == ["a__add", "b__add"] and _call(t["b__add"], {"a": 4, "b": 4}).text == "8"
+    finally:
+        tools.close()
+
+
+@pytest.mark.parametrize("protocol", ["auto", "legacy"])
+def test_elicitation_ends_the_call_as_the_tools_failure(protocol):
+    tools = McpTools(mcpServers={"toy": _stdio(session="shared", protocol=protocol)}, include=["ask"])
+    try:
+        (ask,) = tools.member_tools()
+        out = _call(ask, {"question": "which?"})
+        assert (out.ok, out.infra_error) == (False, None) and "asked for input from the client" in out.text
+        assert tools.input_requests() == 1
     finally:
         tools.close()
 

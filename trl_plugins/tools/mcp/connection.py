@@ -195,6 +195,10 @@ class ServerConnection:
             except MCPError as exc:
                 if "trl_plugins: this training run answers no" in str(exc):
                     raise InputRequested(str(exc)) from exc
+                if any(m in str(exc) for m in ("'elicitation/create'", "'sampling/createMessage'")):
+                    # 2026-07-28 over stdio: the server's request never reached us (no back-channel); still its ask
+                    self.input_requests += 1
+                    raise InputRequested(str(exc)) from exc
                 self.client = None  # the next call opens a new session (a crashed stdio server is restarted)
                 what = ("closed the connection (it exited or crashed)" if "Connection closed" in str(exc) else
                         "answered with a protocol error")
