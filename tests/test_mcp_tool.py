@@ -79,7 +79,7 @@ def test_one_run_tool_per_mcp_tool_with_its_schema(toy):
     assert fn["description"] == "Add two integers."
     assert fn["parameters"]["required"] == ["a", "b"] and fn["parameters"]["properties"]["a"]["type"] == "integer"
     line = tools.start_up()
-    assert line.startswith("1 MCP server(s), 10 tool(s): toy (stdio, shared: ") and "protocol 2026-07-28" in line
+    assert line.startswith("1 MCP server(s), 10 tool(s): MCP server 'toy' (stdio, shared: ") and "protocol 2026-07-28" in line
 
 
 def test_build_tools_expands_the_set_and_include_exclude():
@@ -318,3 +318,21 @@ def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error(
         assert tools.live_sessions() == 0 and not (_children() - before)
     finally:
         tools.close()
+
+
+def test_docs_example_parses_and_its_key_table_is_the_configs():
+    import re
+
+    import yaml
+
+    from trl_plugins.tools.mcp.config import OUR_KEYS, load_servers
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tools.md").read_text()
+    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    raw = example["tool_kwargs"]["mcp"]["mcpServers"]
+    raw["notes"]["copy"] = __file__  # the example's seed_notes/ is not here
+    servers = {s.name: s for s in load_servers(raw, None)}
+    assert servers["time"].session == "shared" and servers["notes"].session == "per_trajectory"
+    assert servers["docs"].transport == "http" and servers["docs"].headers == {"Authorization": "Bearer ..."}
+    table = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    assert table == OUR_KEYS - {"type"}

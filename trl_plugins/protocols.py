@@ -360,6 +360,9 @@ class ToolPlugin(_Adapter):
     idempotent: bool = False
     """Running a call twice is harmless: a call that failed for infrastructure reasons is retried."""
     start_up_fn: Callable[[], Any] | None = None
+    configured: str | None = None
+    """The configured tool plugin it came from (``config.tools``' entry; a tool set such as ``mcp`` gives several
+    tools); None for a tool given as an instance."""
     end_episode_fn: Callable[[Any], Any] | None = None
     """``end_episode(key)``: the trajectory ``key`` (:data:`current_episode` during its calls) has ended; the tool
     releases what it kept for it (a per-trajectory server process). Plain or ``async``."""

@@ -245,7 +245,8 @@ def build_tools(config: Any, given: Mapping[str, Any] | None = None) -> dict[str
             impl = construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools")
             # A tool set (the mcp plugin) is as many tools as it lists at start-up, each shown to the model.
             members = impl.member_tools() if callable(getattr(type(impl), "member_tools", None)) else [impl]
-            built.extend(as_tool(m, m.name if m is not impl else name) for m in members)
+            built.extend(dataclasses.replace(as_tool(m, m.name if m is not impl else name), configured=name)
+                         for m in members)
         tools = {tool.name: tool for tool in built}
         if len(tools) != len(built):
             raise ValueError(f"two configured tools share a name: {[t.name for t in built]}.")

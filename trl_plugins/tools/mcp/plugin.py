@@ -122,6 +122,10 @@ class McpTool:
         return {f"mcp/{self.name}/{k}": r for k, r in
                 (("calls", "sum"), ("errors", "sum"), ("infra_errors", "sum"), ("latency_max_s", "max"))}
 
+    def start_up(self) -> str:
+        """Its server, how it is reached and the protocol revision spoken (the servers connect if not yet)."""
+        return self.owner.server_line(self.server)
+
     async def end_episode(self, key: Any) -> None:
         await self.owner.end_episode(key)
 
@@ -253,14 +257,19 @@ class McpTools(ClosingTool):
             raise ValueError(f"the mcp tool's servers offer no tool after include/exclude (they list {sorted(seen)})")
         return tools
 
+    def server_line(self, server: str) -> str:
+        """``server``, how it is reached and the protocol revision it speaks (connecting first if not yet)."""
+        self.member_tools()
+        spec = next(s for s in self._servers if s.name == server)
+        return f"MCP server {spec.name!r} ({spec.describe()}, protocol {self._protocols.get(spec.name)})"
+
     def start_up(self) -> str:
         """Connect (if not yet) and say which servers serve which tools, over which protocol revision."""
         tools = self.member_tools()
         lines = []
         for spec in self._servers:
             names = [t.name for t in tools if t.server == spec.name]
-            lines.append(f"{spec.name} ({spec.describe()}, protocol {self._protocols.get(spec.name)}): "
-                         f"{', '.join(names) or 'no tool used'}")
+            lines.append(f"{self.server_line(spec.name)}: {', '.join(names) or 'no tool used'}")
         return f"{len(self._servers)} MCP server(s), {len(tools)} tool(s): " + "; ".join(lines)
 
     # -- calls ------------------------------------------------------------------------------------------------
