@@ -48,7 +48,7 @@ def _call(tool, args):
 
 @pytest.fixture(scope="module")
 def toy():
-    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=2, session="shared")})
+    tools = McpTools(mcpServers={"toy": _stdio(timeout_s=2, session="shared", max_concurrency=2)})
     by_name = {t.name: t for t in tools.member_tools()}
     yield tools, by_name
     tools.close()
@@ -74,12 +74,13 @@ def http_server():
 
 def test_one_run_tool_per_mcp_tool_with_its_schema(toy):
     tools, by_name = toy
-    assert list(by_name) == ["add", "greet", "fail", "crash", "hang", "garbage", "picture", "ask", "remember", "recall"]
+    assert list(by_name) == ["add", "greet", "fail", "crash", "hang", "garbage", "picture", "ask", "nap", "remember",
+                             "recall"]
     fn = by_name["add"].schema()["function"]
     assert fn["description"] == "Add two integers."
     assert fn["parameters"]["required"] == ["a", "b"] and fn["parameters"]["properties"]["a"]["type"] == "integer"
     line = tools.start_up()
-    assert line.startswith("1 MCP server(s), 10 tool(s): MCP server 'toy' (stdio, shared: ") and "protocol 2026-07-28" in line
+    assert line.startswith("1 MCP server(s), 11 tool(s): MCP server 'toy' (stdio, shared: ") and "protocol 2026-07-28" in line
 
 
 def test_build_tools_expands_the_set_and_include_exclude():
@@ -106,6 +107,16 @@ def test_observations_text_structured_is_error_and_dropped_image(toy):
     assert _call(t["picture"], {}).text == "a red dot\n[an image was dropped: image/png]"
     m = t["add"].step_metrics()
     assert m["mcp/add/calls"] == 1 and m["mcp/add/infra_errors"] == 0 and t["add"].step_metrics() == {}
+
+
+def test_calls_to_a_server_run_within_its_concurrency_limit(toy):
+    _, t = toy
+
+    async def six() -> list:
+        return await asyncio.gather(*(t["nap"]({"seconds": 0.2}) for _ in range(6)))
+
+    outs = asyncio.run(six())
+    assert max(int(o.text) for o in outs) == 2  # max_concurrency=2: the server never saw a third call at once
 
 
 def test_hung_and_crashed_server_are_infra_errors_and_the_next_call_works():

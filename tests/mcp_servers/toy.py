@@ -70,6 +70,20 @@ async def ask(question: str, ctx: Context) -> str:
     return str(result)
 
 
+_running = {"now": 0, "peak": 0}
+
+
+@app.tool(description="Sleep a little; returns how many calls of it ran at once at most so far.")
+async def nap(seconds: float) -> str:
+    import asyncio
+
+    _running["now"] += 1
+    _running["peak"] = max(_running["peak"], _running["now"])
+    await asyncio.sleep(seconds)
+    _running["now"] -= 1
+    return str(_running["peak"])
+
+
 @app.tool(description="Remember a word (in the process and in ./memory.txt).")
 def remember(word: str) -> str:
     _memory.append(word)
