@@ -234,8 +234,10 @@ def test_per_trajectory_sessions_never_share_state_and_leave_nothing(tmp_path):
         tools.close()
 
 
-def test_no_server_outlives_a_killed_trainer(tmp_path):
-    """A process holding a stdio server is killed with SIGKILL: the server (under the reaper) dies with it."""
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_no_server_outlives_a_killed_trainer(tmp_path, sig):
+    """A process holding a stdio server dies of SIGKILL or SIGTERM (no handler, no close()): the server (under the
+    reaper) dies with it."""
     import os
     import signal
 
@@ -254,7 +256,7 @@ time.sleep(60)
         below = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(int(d.name)) == proc.pid]
         assert below, "the server process was not found"
         server_pids = below + [p for b in below for p in _kids(b)]
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, getattr(signal, sig))
         proc.wait(10)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_alive(p) for p in server_pids):
