@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +58,9 @@ async def echo_agent(client, row):
 @pytest.mark.parametrize("name", TOOLS.names())
 def test_tool_plugins(name):
     kwargs = {"mode": "cold"} if name == "code_interpreter" else None  # cold: no pool of warm interpreters to start
+    if name == "mcp":  # a real stdio server (tests/mcp_servers/toy.py), two of its tools
+        kwargs = {"mcpServers": {"toy": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_servers" / "toy.py")]}},
+                  "include": ["add", "greet"]}
     check_tool_contract(name, kwargs)
 
 

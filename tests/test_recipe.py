@@ -1038,3 +1038,26 @@ def test_sampled_copy_rate_counts_a_problem_only_when_both_copies_sample_right()
     # Every digit of one copy spread over 10 digits: a problem's copy samples right with probability 1e-7 or less.
     for spread in ({"spread_code": True}, {"spread_answer": True}):
         assert sampled_copy_rate(_TranscriptSampler(transcripts, digits, **spread), chat, problems) == 0.0
+
+
+@pytest.mark.slow
+def test_the_mcp_time_layer_trains_two_steps_with_a_real_mcp_server(tmp_path, built_cache):
+    """recipes/retool_mcp_time.yaml: mcp-server-time (from the package registry) started at the run's build, its two
+    tools shown beside the code interpreter, two steps trained, and the server gone when the run ends."""
+    pytest.importorskip("mcp_server_time")
+    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "recipes" / "retool_mcp_time.yaml"),
+                                          "--report_to", "none", "--eval_every_steps", "0"], cache=built_cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(the model calls it 'get_current_time')" in proc.stdout and "(the model calls it 'convert_time')" in proc.stdout
+    assert "MCP server 'time' (stdio, shared: mcp-server-time --local-timezone UTC, protocol 2026-07-28)" in proc.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    left = [d for d in Path("/proc").iterdir() if d.name.isdigit() and b"mcp-server-time" in _cmdline(d)]
+    assert not left, "the MCP server outlived the run"
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return b""

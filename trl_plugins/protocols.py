@@ -36,9 +36,12 @@ asked).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
+import logging
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -199,6 +202,28 @@ def _optional_method(impl: Any, member: str, label: str) -> Callable[..., Any] |
     return method
 
 
+current_episode: ContextVar[Any] = ContextVar("trl_plugins_current_episode", default=None)
+"""The trajectory a tool call belongs to (a key unique in the process), set by the rollout around each trajectory's
+turns; None outside one. A tool that keeps state per trajectory keys it by this and frees it in ``end_episode``."""
+
+
+@contextlib.asynccontextmanager
+async def tool_episode(tools: Any) -> Any:
+    """Run a trajectory's turns as one episode of ``tools`` (ToolPlugins): :data:`current_episode` set to a new key
+    inside, and every tool's ``end_episode(key)`` awaited on the way out, however the trajectory ended."""
+    key = object()
+    token = current_episode.set(key)
+    try:
+        yield key
+    finally:
+        current_episode.reset(token)
+        for tool in tools:
+            try:
+                await tool.end_episode(key)
+            except Exception:  # noqa: BLE001 - a tool's cleanup must not end the rollout
+                logging.getLogger(__name__).exception("%s: end_episode failed", tool.label)
+
+
 def close_plugin(plugin: Any) -> None:
     """Call ``plugin.close()`` when it has one; a coroutine it returns is run to completion."""
     close = _optional_method(plugin, "close", _label("plugin", None, plugin))
@@ -335,10 +360,23 @@ class ToolPlugin(_Adapter):
     idempotent: bool = False
     """Running a call twice is harmless: a call that failed for infrastructure reasons is retried."""
     start_up_fn: Callable[[], Any] | None = None
+    configured: str | None = None
+    """The configured tool plugin it came from (``config.tools``' entry; a tool set such as ``mcp`` gives several
+    tools); None for a tool given as an instance."""
+    end_episode_fn: Callable[[Any], Any] | None = None
+    """``end_episode(key)``: the trajectory ``key`` (:data:`current_episode` during its calls) has ended; the tool
+    releases what it kept for it (a per-trajectory server process). Plain or ``async``."""
 
     @property
     def label(self) -> str:
         return _label("tool", self.name, self.impl)
+
+    async def end_episode(self, key: Any) -> None:
+        """Tell the tool the trajectory ``key`` ended (nothing when it declares no ``end_episode``)."""
+        if self.end_episode_fn is not None:
+            result = self.end_episode_fn(key)
+            if inspect.isawaitable(result):
+                await result
 
     def schema(self) -> dict[str, Any]:
         return self.impl.schema()
@@ -429,7 +467,8 @@ def as_tool(impl: Any, name: str = "") -> ToolPlugin:
     if not isinstance(own, str) or not own:
         raise PluginDeclarationError(label, f"has name {own!r}; a tool needs a non-empty name (the one the model calls).")
     return ToolPlugin(own, impl, **_metric_members(impl, label), idempotent=_optional_bool(impl, "idempotent", False, label),
-                      start_up_fn=_optional_method(impl, "start_up", label))
+                      start_up_fn=_optional_method(impl, "start_up", label),
+                      end_episode_fn=_optional_method(impl, "end_episode", label))
 
 
 def _metric_members(impl: Any, label: str) -> dict[str, Any]:

@@ -291,7 +291,7 @@ class Registry(Generic[T]):
 
 
 ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine", "trl_plugins.rollout.endpoint.agent"))
-TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter",))
+TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter", "trl_plugins.tools.mcp.plugin"))
 REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent"))
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
 POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",

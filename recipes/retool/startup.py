@@ -312,9 +312,17 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     for note in s.dropped_kwargs:
         lines.append(f"note:         {note}")
     lines.append(f"rollout:      {a.rollout} {_kwargs(a.rollout_kwargs)}")
-    for configured, (name, tool) in zip(a.tools, run.tools.items()):
+    pairs = list(zip(a.tools, run.tools.items()))
+    if all(t.configured for t in run.tools.values()):  # a tool set (mcp) is several tools: each under its plugin
+        pairs = [(t.configured, (n, t)) for n, t in run.tools.items()]
+    previous = None
+    for configured, (name, tool) in pairs:
         called = f" (the model calls it {name!r})" if configured != name else ""
-        lines.append(f"tool:         {configured} {_kwargs(a.tool_kwargs.get(configured))}{called}")
+        if configured == previous:
+            lines.append(f"              {'':{len(configured)}} {called.strip()}")
+        else:
+            lines.append(f"tool:         {configured} {_kwargs(a.tool_kwargs.get(configured))}{called}")
+        previous = configured
         if name in tool_start_up:
             lines.append(f"                {tool_start_up[name]}")
         else:

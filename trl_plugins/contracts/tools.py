@@ -54,6 +54,15 @@ def check_tool_contract(
     from trl_plugins.tools.base import ToolOutput, check_arguments, close_plugin
 
     label, tool = _resolve(TOOLS, plugin, kwargs)
+    if callable(getattr(type(tool), "member_tools", None)):  # a tool set (mcp): each member is a tool of the run
+        try:
+            members = tool.member_tools()
+            _check(members, label, "member_tools() listed no tool")
+            for member in members:
+                check_tool_contract(member, arguments=arguments, concurrent_calls=concurrent_calls)
+        finally:
+            close_plugin(tool)
+        return
 
     async def call(args: dict, times: int = 1) -> list[Any]:
         return list(await asyncio.gather(*(tool(dict(args)) for _ in range(times))))

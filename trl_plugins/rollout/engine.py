@@ -35,7 +35,7 @@ from trl_plugins.rollout.request import (
     derive_seed,
     questions_from_rows,
 )
-from trl_plugins.protocols import ToolPlugin
+from trl_plugins.protocols import ToolPlugin, tool_episode
 from trl_plugins.tools.base import ToolOutput, valid_text
 from trl_plugins.types import (
     PolicyVersion,
@@ -219,6 +219,12 @@ class MultiTurnRollout(TrajectoryBudgets):
 
     async def _trajectory(self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live,
                           index: int, bar: Any) -> None:
+        """One trajectory, one episode of the tools (a tool's per-trajectory state is freed when it ends)."""
+        async with tool_episode(request.tools.values()):
+            await self._turns(request, dispatcher, tools, st, index, bar)
+
+    async def _turns(self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live,
+                     index: int, bar: Any) -> None:
         """One trajectory's turns: generate, parse, call the tool, build the next prompt, until it stops."""
         chat = request.chat
 

@@ -240,8 +240,13 @@ def build_tools(config: Any, given: Mapping[str, Any] | None = None) -> dict[str
         tools = {name: as_tool(tool, name) for name, tool in given.items()}
     else:
         check_keyed_kwargs(config.tool_kwargs, config.tools, "tool_kwargs", "tools")
-        built = [as_tool(construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools"), name)
-                 for name in config.tools]
+        built = []
+        for name in config.tools:
+            impl = construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools")
+            # A tool set (the mcp plugin) is as many tools as it lists at start-up, each shown to the model.
+            members = impl.member_tools() if callable(getattr(type(impl), "member_tools", None)) else [impl]
+            built.extend(dataclasses.replace(as_tool(m, m.name if m is not impl else name), configured=name)
+                         for m in members)
         tools = {tool.name: tool for tool in built}
         if len(tools) != len(built):
             raise ValueError(f"two configured tools share a name: {[t.name for t in built]}.")

@@ -24,6 +24,8 @@ lifecycle. :class:`ClosingTool` adds context-manager use (``with MyTool() as too
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +87,9 @@ _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean":
 
 
 def check_arguments(schema: dict[str, Any], arguments: Any) -> str | None:
-    """Why ``arguments`` do not fit the tool's JSON schema (required keys, primitive types), or None."""
+    """Why ``arguments`` do not fit the tool's JSON schema, or None: required keys and primitive types first (their
+    messages), then the whole schema as JSON Schema 2020-12 (``jsonschema``). A mismatch is the model's invalid
+    call (``invalid_action``), never the tool's failure."""
     params = schema.get("function", schema).get("parameters", {})
     if not isinstance(arguments, dict):
         return f"arguments must be a JSON object, got {type(arguments).__name__}"
@@ -101,7 +105,25 @@ def check_arguments(schema: dict[str, Any], arguments: Any) -> str | None:
         expected = _JSON_TYPES.get(props[key].get("type", ""))
         if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
             return f"argument {key!r} must be of type {props[key]['type']}, got {type(value).__name__}"
-    return None
+    return _json_schema_problem(params, arguments)
+
+
+def _json_schema_problem(params: dict[str, Any], arguments: dict[str, Any]) -> str | None:
+    """The first way ``arguments`` break the parameters as JSON Schema 2020-12 (nesting, enums, ``anyOf``,
+    ``$defs``), or None; the primitive checks above have passed."""
+    validator = _validator(json.dumps(params, sort_keys=True))
+    error = next(iter(sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))), None)
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"arguments do not match the tool's schema{' at ' + repr(where) if where else ''}: {error.message}"
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(params_json: str) -> Any:
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(json.loads(params_json))
 
 
 def schema_problem(schema: Any, name: str) -> str | None:
