@@ -89,6 +89,7 @@ def test_a_dry_run_at_a_filled_output_dir_refuses_it_or_says_what_would_move_and
     assert retool_ppo.main(script_args, args) == 0
     said = capsys.readouterr().out
     assert f"would move the earlier run's 2 file(s) to {out}/previous-" in said and "nothing was moved" in said
+    assert "start-up checks: update memory: ~" in said and "for the full logits" in said  # the update's memory check
     assert "ReTool PPO: the run (dry run" in said and "dry run: every start-up check passed" in said
     assert _listing(out) == listed  # no previous-<time>/, nothing renamed
     assert not (tmp_path / "cache").exists()
@@ -108,6 +109,41 @@ def test_a_dry_run_refuses_a_bad_chat_template_with_the_runs_refusal(tmp_path, n
         retool_ppo.main(script_args, args)
     assert no_child_no_tracker == []
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dry_run_refuses_an_update_that_cannot_fit_the_machines_memory(tmp_path, monkeypatch, no_child_no_tracker):
+    retool_ppo = _recipe_module()
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    # 10^9 positions per micro-batch: the layers' activations alone are far over any machine's memory.
+    script_args, args = retool_ppo.parse_args(["--dry_run", "true", "--output_dir", str(tmp_path / "out"),
+                                               "--report_to", "none", "--max_padded_tokens_per_micro_batch", "1000000000"])
+    with pytest.raises(SystemExit, match="before any model loads.*the update will not fit.*GB of activations for a "
+                                         "1000000000-token micro-batch.*Lower max_padded_tokens_per_micro_batch"):
+        retool_ppo.main(script_args, args)
+    assert no_child_no_tracker == [] and not (tmp_path / "out").exists()
+
+
+def test_the_update_memory_estimate_by_hand():
+    from types import SimpleNamespace
+
+    from trl_plugins.run.update_memory import check_update_memory, update_memory
+
+    # 1,000 tokens, H 8, I 16, 2 layers, fp32: a layer keeps 1000 x (10*8 + 4*16) x 4 = 576,000 bytes; checkpointed,
+    # 2 x 1000 x 8 x 4 = 64,000 of layer inputs plus one layer recomputed = 640,000; the head's chunk of 10 x V 100 in
+    # 4 float32 copies = 16,000 (the full logits: 1000 x 100 x 16 = 1,600,000).
+    est = update_memory(tokens=1000, hidden=8, intermediate=16, num_layers=2, vocab=100, chunk=10, bytes_per_value=4,
+                        checkpointing=True)
+    assert (est.layers, est.head, est.full_logits, est.total) == (640_000, 16_000, 1_600_000, 656_000)
+    assert update_memory(tokens=1000, hidden=8, intermediate=16, num_layers=2, vocab=100, chunk=10, bytes_per_value=4,
+                         checkpointing=False).layers == 1_152_000
+    args = SimpleNamespace(bf16=False, fp16=False, logprob_chunk_size=10, logprob_chunk_memory_mb=256,
+                           activation_checkpointing=True, max_padded_tokens_per_micro_batch=1000)
+    config = SimpleNamespace(hidden_size=8, vocab_size=100, intermediate_size=16, num_hidden_layers=2)
+    # + 10,000 bytes of weights, trainable: x4 (gradient, two AdamW moments) = 40,000; 696,000 in all.
+    assert "of 0.00 GB free" in check_update_memory(args, config, weights_bytes=10_000, trainable_fraction=1.0,
+                                                   free=(696_000, "free"))
+    with pytest.raises(ValueError, match="will not fit"):
+        check_update_memory(args, config, weights_bytes=10_000, trainable_fraction=1.0, free=(695_999, "free"))
 
 
 def test_a_dry_run_with_an_unknown_plugin_exits_non_zero_with_the_refusal(tmp_path):

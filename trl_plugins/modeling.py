@@ -7,6 +7,10 @@ from typing import Any, Iterator
 
 import torch
 
+from trl_plugins.dropout import disable_dropout, dropout_probabilities
+from trl_plugins.chunked_head import (auto_chunk_size, chunkable, chunked_logprobs_and_entropy,
+                                      hidden_states_instead_of_logits)
+
 __all__ = [
     "token_logprobs",
     "token_logprobs_and_entropy",
@@ -24,70 +28,6 @@ __all__ = [
     "dropout_probabilities",
     "disable_dropout",
 ]
-
-_HEAD_ONLY_DROPOUT = ("classifier_dropout",)
-"""Dropout of a classification head, which a causal LM does not have (the critic sets its own to 0)."""
-
-
-def _is_dropout(name: str, value: Any) -> bool:
-    name = name.lower()
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-            and ("dropout" in name or name.endswith("pdrop")) and name not in _HEAD_ONLY_DROPOUT)
-
-
-def _is_config(value: Any) -> bool:
-    return hasattr(value, "to_dict") and hasattr(value, "model_type")
-
-
-def _config_dropout(config: Any, where: str) -> Iterator[tuple[str, Any, str, float]]:
-    for key, value in list(vars(config).items()):
-        if _is_dropout(key, value):
-            yield f"{where}.{key}", config, key, float(value)
-        elif _is_config(value):  # a sub-config (e.g. text_config)
-            yield from _config_dropout(value, f"{where}.{key}")
-
-
-def _dropout_settings(model_or_config: Any) -> Iterator[tuple[str, Any, str, float]]:
-    """``(where, owner, attribute, p)`` for every dropout probability above 0: config fields (sub-configs included)
-    and, for a model, every module's config, its ``nn.Dropout.p`` and its float dropout attributes."""
-    if not isinstance(model_or_config, torch.nn.Module):
-        yield from _config_dropout(model_or_config, "config")
-        return
-    seen: set[int] = set()
-    for name, module in model_or_config.named_modules():
-        config = vars(module).get("config")
-        if _is_config(config) and id(config) not in seen:
-            seen.add(id(config))
-            yield from _config_dropout(config, f"{name}.config" if name else "config")
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
-            yield name or "(model)", module, "p", float(module.p)
-        for key, value in list(vars(module).items()):
-            if isinstance(value, float) and _is_dropout(key, value):
-                yield f"{name}.{key}" if name else key, module, key, value
-
-
-def dropout_probabilities(model_or_config: Any) -> dict[str, float]:
-    """Every dropout probability above 0 that a model (or a model's config) would apply in training mode.
-
-    A config's fields (``attention_dropout``, ``hidden_dropout``, GPT-2's ``attn_pdrop``, ..., sub-configs
-    included), and for a model also its ``nn.Dropout`` modules and the float dropout attributes its modules read in
-    their forward (Qwen2's attention passes ``self.attention_dropout`` to the attention kernel: TRL's
-    ``disable_dropout_in_model`` sets only ``nn.Dropout.p`` and misses it).
-
-    Returns:
-        ``{where: p}``, e.g. ``{"config.attention_dropout": 0.1, "model.layers.0.self_attn.attention_dropout": 0.1}``.
-    """
-    return {where: p for where, _, _, p in _dropout_settings(model_or_config)}
-
-
-def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
-    """Set every dropout :func:`dropout_probabilities` finds in ``model`` to 0 (modules, module attributes, the
-    configs they read), so the training forward is the deterministic one the sampler ran. Returns what it changed."""
-    found = list(_dropout_settings(model))
-    for _, owner, key, _ in found:
-        setattr(owner, key, 0.0)
-    return {where: p for where, _, _, p in found}
-
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[..., index]`` without materialising the full log-softmax twice.
@@ -132,13 +72,31 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     position_ids: torch.Tensor | None = None,
+    needed: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` and, with ``with_entropy``, the entropy of the whole next-token
     distribution at each position, ``H_t = logsumexp(z) - sum softmax(z) z`` with ``z = logits / temperature``
     (the distribution the tokens were sampled from), both ``(B, T)``; the entropy carries the gradient.
-    ``position_ids`` (with ``attention_mask=None``): packed sequences, see :func:`micro_batch_logprobs`."""
+    ``position_ids`` (with ``attention_mask=None``): packed sequences, see :func:`micro_batch_logprobs`.
+
+    The forward stops at the final hidden states and the output projection runs ``chunk_size`` positions at a time
+    (:mod:`trl_plugins.chunked_head`; None: :func:`~trl_plugins.chunked_head.auto_chunk_size`), only at the
+    ``needed`` positions (``(B, T)`` bool; None: every position), the others 0. A model whose logits are more than
+    its head's output (soft-capping, logit scaling) takes the full logits (:func:`~trl_plugins.chunked_head.chunkable`).
+    """
     kwargs = {} if position_ids is None else {"position_ids": position_ids}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+    if not chunkable(model):
+        return _full_logits_logprobs(model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                           **kwargs).logits, target_ids, temperature, with_entropy)
+    with hidden_states_instead_of_logits(model) as head:
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+    return _scatter_chunked(head, hidden.flatten(0, -2), target_ids, needed, temperature=temperature,
+                            with_entropy=with_entropy, chunk_size=chunk_size)
+
+
+def _full_logits_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float,
+                          with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     if temperature != 1.0:
         logits = logits / temperature
     logp = selective_log_softmax(logits, target_ids)
@@ -146,6 +104,29 @@ def token_logprobs_and_entropy(
         return logp, None
     z = _at_least_float32(logits)
     return logp, _entropy(z, torch.logsumexp(z, dim=-1))
+
+
+def _scatter_chunked(head: torch.nn.Module, rows: torch.Tensor, target_ids: torch.Tensor, needed: torch.Tensor | None,
+                     *, temperature: float, with_entropy: bool, chunk_size: int | None,
+                     row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # rows: (n, H) hidden states; position (b, t) reads rows[row_index[b, t]] (default: the flat position itself).
+    shape = target_ids.shape
+    needed = torch.ones(shape, dtype=torch.bool, device=rows.device) if needed is None else needed.to(rows.device).bool()
+    flat = needed.reshape(-1)
+    if not bool(flat.any()):  # keep the graph (and every head parameter's gradient, 0) for a micro-batch with none
+        flat = torch.zeros_like(flat)
+        flat[0] = True
+    where = flat.nonzero().squeeze(-1)
+    source = where if row_index is None else row_index.to(rows.device).reshape(-1)[where]
+    size = chunk_size or auto_chunk_size(int(getattr(head, "out_features", 0) or head.weight.shape[0]))
+    logp, entropy = chunked_logprobs_and_entropy(head, rows[source], target_ids.to(rows.device).reshape(-1)[where],
+                                                 temperature=temperature, with_entropy=with_entropy, chunk_size=size)
+    keep = needed.reshape(-1)[where].to(logp.dtype)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(flat.shape).index_put((where,), values * keep).reshape(shape)
+
+    return scatter(logp), None if entropy is None else scatter(entropy)
 
 
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
@@ -183,16 +164,22 @@ def unpack(values: torch.Tensor, mb: Any) -> torch.Tensor:
 
 
 def micro_batch_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float = 1.0,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         with_entropy: bool = False, needed: torch.Tensor | None = None,
+                         chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs_and_entropy` of a micro-batch in any layout (padded, padding-free, shared-prefix),
-    returned as ``(B, T)``."""
+    returned as ``(B, T)``; ``needed`` (``(B, T)``, e.g. the action mask; None: every real position) says where
+    log-probs and entropies are computed, 0 elsewhere."""
+    real = mb.attention_mask.bool()
+    needed = real if needed is None else needed.bool() & real
     if mb.shared_prefix is not None:
-        return _shared_prefix_logprobs(model, mb, device, temperature=temperature, with_entropy=with_entropy)
+        return _shared_prefix_logprobs(model, mb, device, temperature=temperature, with_entropy=with_entropy,
+                                       needed=needed, chunk_size=chunk_size)
     inputs = model_inputs(mb, device)
-    targets = mb.target_ids if mb.position_ids is None else mb.target_ids[mb.attention_mask.bool()][None, :]
+    targets = mb.target_ids if mb.position_ids is None else mb.target_ids[real][None, :]
     logp, entropy = token_logprobs_and_entropy(
         model, inputs["input_ids"], inputs["attention_mask"], targets.to(device), temperature=temperature,
         with_entropy=with_entropy, position_ids=inputs.get("position_ids"),
+        needed=needed if mb.position_ids is None else needed[real][None, :], chunk_size=chunk_size,
     )
     return unpack(logp, mb), None if entropy is None else unpack(entropy, mb)
 
@@ -382,7 +369,21 @@ def gather_positions(parts: tuple[torch.Tensor, torch.Tensor], mb: Any) -> torch
 
 
 def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float,
-                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            with_entropy: bool, needed: torch.Tensor,
+                            chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not chunkable(model):
+        return _shared_prefix_full_logits(model, mb, device, temperature=temperature, with_entropy=with_entropy)
+    with hidden_states_instead_of_logits(model) as head:
+        parts = shared_prefix_outputs(model, mb.shared_prefix, device)
+    # A prefix's last position is read by each of its branches, each with its own target: the hidden row is taken
+    # per datum position (the chunks run over those), so a chunk may end anywhere inside a branch.
+    rows = torch.cat(parts)
+    return _scatter_chunked(head, rows, mb.target_ids, needed, temperature=temperature, with_entropy=with_entropy,
+                            chunk_size=chunk_size, row_index=mb.shared_prefix.index)
+
+
+def _shared_prefix_full_logits(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float,
+                               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     parts = shared_prefix_outputs(model, mb.shared_prefix, device)
     if temperature != 1.0:
         parts = tuple(p / temperature for p in parts)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 __all__ = ["StartUp", "start_up", "DRY_RUN_UNCHECKED", "resolve", "check_plugins", "check_chat_template",
-           "check_sampler_memory", "distributed_mode", "evaluation_backend", "precision", "format_banner"]
+           "check_sampler_memory", "check_update_fits", "distributed_mode", "evaluation_backend", "precision", "format_banner"]
 
 
 TASK_TOOLS = {"lookup": ("lookup", "code_interpreter")}
@@ -180,6 +180,7 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
         sampler_memory = check_sampler_memory(run, model_path, model_init_kwargs(script_args, training_args))
         if sampler_memory:
             say(f"start-up checks: {sampler_memory}")
+        say(f"start-up checks: {check_update_fits(run, model_path, training_args)}")
     if main_process and evaluate and not dry_run:
         prepare_child()  # for the evaluation of the starting model, if the build took the first one
     if dry_run:
@@ -239,6 +240,32 @@ def check_sampler_memory(run: Any, model_path: str, model_kwargs: Mapping[str, A
     try:
         return check_continuous_batching_memory(run, model_path, dtype=model_kwargs.get("dtype"),
                                                 trainable_fraction=0.0 if run.spec.peft_config is not None else 1.0)
+    except ValueError as exc:
+        raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
+
+
+def check_update_fits(run: Any, model_path: str, training_args: Any) -> str:
+    """The update's largest activation against the free memory (:func:`trl_plugins.run.update_memory.check_update_memory`),
+    from the model's config and the run's limits, before the weights load; returns the line to print.
+
+    Raises:
+        SystemExit: it will not fit (the message gives the figures and what to change).
+    """
+    from transformers import AutoConfig
+
+    from trl_plugins.run.update_memory import check_update_memory
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = getattr(config, "text_config", None) or config
+    hidden, vocab, layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
+    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    # Parameters: the embeddings (twice untied) and, per layer, attention's 4 H x H and the MLP's 3 H x I.
+    params = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2) + layers * (
+        4 * hidden * hidden + 3 * hidden * intermediate)
+    value_bytes = 2 if (training_args.bf16 or training_args.fp16) else 4
+    try:
+        return check_update_memory(training_args, config, weights_bytes=params * value_bytes,
+                                   trainable_fraction=0.0 if run.spec.peft_config is not None else 1.0)
     except ValueError as exc:
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
 

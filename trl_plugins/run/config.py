@@ -89,6 +89,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
     async_min_importance_ess: float | None = field(default=0.2, metadata={"help": "async_rollouts tripwire (decoupled objective): the run stops when the effective sample size of a step's untruncated importance weights pi_prox / pi_behaviour, (sum w)^2 / (n sum w^2) over its trained tokens (all ranks), falls below this share. None: off."})
     async_replica_threads: int | None = field(default=None, metadata={"help": "async_rollouts: torch threads of the generation replica process (None: half the cores, at least 1)."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
+    logprob_chunk_size: int | None = field(default=None, metadata={"help": "Positions per chunk of the output projection when log-probs and entropies are computed (every pass: update, old/reference/proximal log-probs, replay): the forward stops at the final hidden states and at most this many positions' vocabulary-wide logits exist at once (recomputed per chunk in the backward). None: chosen from the vocabulary so a chunk's float32 tensors take about logprob_chunk_memory_mb. docs/training.md, long trajectories."})
+    logprob_chunk_memory_mb: int = field(default=256, metadata={"help": "With logprob_chunk_size=None: the memory (MiB) one chunk's vocabulary-wide float32 tensors may take (4 copies of chunk x vocabulary); Qwen2.5's vocabulary gives 110 positions."})
     kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
     mismatch_correction_scope: str = field(default="foreign", metadata={"help": "Which rollout batches get the sampler/trainer mismatch correction (TRL's vllm_importance_sampling_correction, on by default): 'foreign' - batches with trajectories whose log-probs are not the trainer's own (logprob_source other than temperature_scaled, e.g. vLLM's processed); 'all' - every batch, HF generate included (old log-probs from a trainer forward). docs/training.md."})
     kl_penalty: str = field(default="loss", metadata={"help": "Where the reference KL (beta > 0) enters: 'loss' (GRPO: beta * KL per action token, aggregated like the policy loss) or 'reward' (classic PPO: a 'kl_penalty' reward component -sum_t KL_t with weight beta)."})
@@ -116,6 +118,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
         if self.gradient_checkpointing is None and self.activation_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default; its old name would raise a FutureWarning
         super().__post_init__()
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be a positive number of positions or None (chosen from the "
+                             f"vocabulary and logprob_chunk_memory_mb), got {self.logprob_chunk_size}")
+        if self.logprob_chunk_memory_mb < 1:
+            raise ValueError(f"logprob_chunk_memory_mb must be at least 1, got {self.logprob_chunk_memory_mb}")
         self.rollout_kwargs = _as_dict(self.rollout_kwargs, "rollout_kwargs")
         self.tool_kwargs = _as_dict(self.tool_kwargs, "tool_kwargs")
         self.chat_template_kwargs = _as_dict(self.chat_template_kwargs, "chat_template_kwargs") or None

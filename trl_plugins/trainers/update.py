@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
+from trl_plugins.chunked_head import logprob_chunk_size
 from trl_plugins.modeling import micro_batch_logprobs
 from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
 from trl_plugins.trainers.micro_batches import (
@@ -81,6 +82,8 @@ class UpdateSettings(Protocol):
     temperature: float
     max_grad_norm: float | None
     drop_zero_advantage: bool
+    # Optional (a namespace without them gets chunks chosen from the vocabulary, 256 MiB each):
+    # logprob_chunk_size: int | None; logprob_chunk_memory_mb: int
     # Read only when the datums carry old_logprobs (the mismatch correction applies):
     vllm_importance_sampling_mode: str
     vllm_importance_sampling_clip_min: float | None
@@ -178,7 +181,8 @@ def _fill_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Da
     temperature = config.temperature or 1.0
 
     def forward(m: torch.nn.Module, mb: MicroBatch, device: Any) -> torch.Tensor:
-        return micro_batch_logprobs(m, mb, device, temperature=temperature)[0]
+        return micro_batch_logprobs(m, mb, device, temperature=temperature, needed=mb.action_mask,
+                                    chunk_size=logprob_chunk_size(m, config))[0]
 
     name = "the reference model" if field_name == "ref_logprobs" else "the policy"
     for idx, lp in forward_no_grad(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context,
@@ -303,6 +307,7 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
     sync = GradientSync(accelerator, model)
     out = _Pass()
     ensure_layout_checked(accelerator, model, config)
+    chunk_size = logprob_chunk_size(model, config)
     model.train()
     for step in micro_batches(accelerator, datums, batches, pad_token_id=pad_token_id,
                               padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config),
@@ -315,7 +320,8 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
         out.sums.computed += mb.num_forwarded_tokens
         mask = mb.action_mask.to(device)
         with sync.context(step.last):
-            logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature, with_entropy=loss_fn.needs_entropy)
+            logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature, with_entropy=loss_fn.needs_entropy,
+                                                 needed=mb.action_mask, chunk_size=chunk_size)
             ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
             # The PPO anchor: the sampler's log-probs, or with the mismatch correction the trainer's own
             # (pi_old), the sampler-to-trainer gap then going into the importance weights.
