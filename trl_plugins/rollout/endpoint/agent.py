@@ -53,6 +53,20 @@ logger = logging.getLogger(__name__)
 _LOADING = threading.Lock()
 
 
+_UNFORCED_LOGGED: set[str] = set()
+
+
+def count_unforced(result: RolloutResult, kind: str) -> None:
+    """Count a ``tool_choice`` served unforced (``endpoint/tool_choice_unforced``); log the first of each kind."""
+    key = "endpoint/tool_choice_unforced"
+    result.counters[key] = result.counters.get(key, 0.0) + 1.0
+    if kind not in _UNFORCED_LOGGED:
+        _UNFORCED_LOGGED.add(kind)
+        logger.warning("an agent sent tool_choice=%r; it is served as 'auto' (the model chooses: forcing it would "
+                       "constrain sampling or render the turn without tools). Counted as %s; set "
+                       "refuse_unforced_tool_choice: true to refuse it instead.", kind, key)
+
+
 def _load(spec: str) -> Callable[..., Any]:
     """The agent ``spec`` names: ``'package.module:function'``, or ``'path/to/file.py:function'`` (relative to the
     working directory)."""
@@ -116,6 +130,9 @@ class AgentEndpointRollout(TrajectoryBudgets):
     """Wall time one request may wait for its reply (queueing and generation)."""
     max_concurrent_agents: int | None = None
     """Agents running at once (None: every trajectory of the rollout)."""
+    refuse_unforced_tool_choice: bool = False
+    """Refuse (400) a ``tool_choice`` of ``none``, ``required`` or a named function instead of serving it as
+    ``auto`` (the model chooses; counted as ``endpoint/tool_choice_unforced``, logged once). docs/agents.md."""
     agent_conversation: ClassVar[bool] = True
     """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
     _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
@@ -191,7 +208,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
         agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, len(result.trajectories) or 1),
                                                            thread_name_prefix="agent")
         dispatcher = Dispatcher(request.backend, loop, pool, result)
-        server = JsonServer(lambda incoming: self._serve(incoming, sessions, request))
+        server = JsonServer(lambda incoming: self._serve(incoming, sessions, request, result))
         await server.start()
         http = _HttpClients(connections=len(result.trajectories))
         from tqdm.auto import tqdm
@@ -239,7 +256,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
         if stopped and unfinished:
             raise RolloutCancelled(f"a stop was requested with {unfinished} agent run(s) unfinished")
 
-    async def _serve(self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest) -> tuple[int, Any]:
+    async def _serve(self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest,
+                     result: RolloutResult) -> tuple[int, Any]:
         given = http.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
             raise HttpError(401, "missing or wrong API key: use the key this run gave the agent (OPENAI_API_KEY for a "
@@ -259,7 +277,10 @@ class AgentEndpointRollout(TrajectoryBudgets):
             raise HttpError(404, f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions "
                                  f"(and GET /models).", code="not_found")
         body = check_request(http.json(), sampling=request.backend.sampling, max_assistant_tokens=self.max_assistant_tokens,
-                             calls_per_turn=self.max_tool_calls_per_turn)
+                             calls_per_turn=self.max_tool_calls_per_turn,
+                             refuse_unforced_tool_choice=self.refuse_unforced_tool_choice)
+        if body.tool_choice_unforced is not None:
+            count_unforced(result, body.tool_choice_unforced)
         return 200, await session.complete(body)
 
     async def _one(self, fn: Callable[..., Any] | None, session: Session, row: dict, base_url: str,
