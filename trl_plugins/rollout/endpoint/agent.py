@@ -39,6 +39,7 @@ from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
 from trl_plugins.rollout.endpoint.runs import AgentFailed, AgentLoop, let_go, run_command
 from trl_plugins.rollout.endpoint.session import Session
+from trl_plugins.rollout.endpoint.streams import chat_stream
 from trl_plugins.rollout.engine import critical_path
 from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
 from trl_plugins.rollout.validate import validate_trajectory
@@ -281,7 +282,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
                              refuse_unforced_tool_choice=self.refuse_unforced_tool_choice)
         if body.tool_choice_unforced is not None:
             count_unforced(result, body.tool_choice_unforced)
-        return 200, await session.complete(body)
+        reply = await session.complete(body)
+        return 200, chat_stream(reply, include_usage=body.include_usage) if body.stream else reply
 
     async def _one(self, fn: Callable[..., Any] | None, session: Session, row: dict, base_url: str,
                    sessions: dict[str, Session], limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor,

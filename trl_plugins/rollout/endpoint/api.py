@@ -18,8 +18,6 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Parameters that change nothing when absent or at their neutral value: (name, accepted values, what to do instead).
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "one choice per request: send n=1 (or omit it) and call again for more samples"),
-    "stream": ((False,), "non-streaming responses only: omit stream or send stream=false"),
-    "stream_options": ((), "streaming is not served: omit stream_options"),
     "logprobs": ((False,), "the endpoint records the behaviour log-probs itself and returns none: omit logprobs"),
     "top_logprobs": ((), "no log-probs are returned: omit top_logprobs"),
     "seed": ((), "sampling seeds are the run's (one per trajectory and turn): omit seed"),
@@ -30,7 +28,7 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "store": ((False,), "nothing is stored: omit store"),
 }
 _RECORDED = ("model", "user", "metadata")
-_ACCEPTED = ("messages", "tools", "tool_choice", "stop", "parallel_tool_calls", "max_tokens", "max_completion_tokens",
+_ACCEPTED = ("messages", "tools", "tool_choice", "stop", "stream", "stream_options", "parallel_tool_calls", "max_tokens", "max_completion_tokens",
              *_SAMPLING, *_NEUTRAL, *_RECORDED)
 
 
@@ -50,6 +48,10 @@ class ChatRequest:
     """Stop strings: the turn ends at the first token whose text completes one (:mod:`trl_plugins.rollout.stops`)."""
     tool_choice_unforced: str | None = None
     """A ``tool_choice`` other than ``auto`` that was accepted without being forced (its value, for the count)."""
+    stream: bool = False
+    """Answer with server-sent events (a replay of the finished turn)."""
+    include_usage: bool = False
+    """``stream_options.include_usage``: a last chunk with the usage."""
 
 
 MAX_STOP = 4
@@ -112,8 +114,26 @@ def check_request(body: Any, *, sampling: SamplingSettings, max_assistant_tokens
                                  f"(rollout_kwargs max_assistant_tokens); send an integer from 1 to "
                                  f"{max_assistant_tokens}, or omit it.", param=key, code="unsupported_parameter")
     model = body.get("model")
+    stream, usage = check_stream(body)
     return ChatRequest(normalise_messages(body.get("messages")), tools, max_tokens, model if isinstance(model, str) else "",
-                       stop=check_stop(body.get("stop")), tool_choice_unforced=unforced)
+                       stop=check_stop(body.get("stop")), tool_choice_unforced=unforced, stream=stream,
+                       include_usage=usage)
+
+
+def check_stream(body: dict) -> tuple[bool, bool]:
+    """``(stream, include_usage)`` from ``stream`` and ``stream_options``."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise HttpError(400, f"stream must be a bool, got {_shown(stream)}.", param="stream")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise HttpError(400, "stream_options is only for stream=true: omit it or send stream=true.", param="stream_options")
+    if not isinstance(options, dict) or not all(isinstance(v, bool) for v in options.values()) or not set(options) <= {
+            "include_usage", "include_obfuscation"}:
+        raise HttpError(400, f"stream_options={_shown(options)}: send {{'include_usage': bool}} (include_obfuscation is "
+                             f"accepted and ignored: the stream is local).", param="stream_options")
+    return True, options.get("include_usage", False)
 
 
 def check_stop(stop: Any) -> tuple[str, ...]:
