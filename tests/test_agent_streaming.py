@@ -74,12 +74,12 @@ def test_a_streaming_agent_trains_the_tokens_a_non_streaming_one_does(chat, stre
         assert a.reward_components == b.reward_components
     assert len(SEEN) == sum(len(t.turns) for t in plain)
     if streaming is sdk_stream_agent:
-        kinds, completion = SEEN[0]
+        kinds, completion = next((k, c) for k, c in SEEN if c.id == "chatcmpl-0-1")  # trajectory 0's first turn
         assert "chunk" in kinds and "tool_calls.function.arguments.done" in kinds
         assert completion.usage.completion_tokens == len(streamed[0].turns[0].completion_ids)
         assert completion.choices[0].finish_reason == "tool_calls"
     else:
-        chunks = SEEN[0]
+        chunks = next(c for c in SEEN if c[0].id == "chatcmpl-0-1")
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
         assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
 

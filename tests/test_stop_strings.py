@@ -199,5 +199,5 @@ def test_tool_choice_other_than_auto_is_served_unforced_counted_and_logged_once(
     assert outcomes[:4] == ["stop"] * 4  # served as auto: the model chose (it answered)
     assert result.counters == {"endpoint/tool_choice_unforced": 4.0}
     assert rollout_metrics(result)["endpoint/tool_choice_unforced"] == 4.0
-    logged = [r.getMessage() for r in caplog.records if "tool_choice=" in r.getMessage()]
+    logged = [r.getMessage() for r in caplog.records if "served as 'auto'" in r.getMessage()]
     assert len(logged) == 3 and all("refuse_unforced_tool_choice" in m for m in logged)  # once per kind

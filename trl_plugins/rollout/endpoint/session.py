@@ -61,6 +61,8 @@ class Session:
     tool_calls: int = 0
     last_kind: TurnKind | None = None
     replied_at: float = 0.0
+    response_id: str | None = None
+    """The id of the last Responses-API reply (what ``previous_response_id`` may name)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
