@@ -298,8 +298,8 @@ def test_requests_are_refused_with_what_to_send_instead(chat):
         import openai
 
         base = dict(model="m", messages=[{"role": "user", "content": row["prompt"]}], tools=[SCHEMA])
-        for name, extra in {"n": {"n": 2}, "stream": {"stream": True}, "logprobs": {"logprobs": True},
-                            "tool_choice": {"tool_choice": "required"}, "temperature": {"temperature": 0.3},
+        for name, extra in {"n": {"n": 2}, "logprobs": {"logprobs": True},
+                            "tool_choice": {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "temperature": {"temperature": 0.3},
                             "max_tokens": {"max_tokens": 10_000}, "seed": {"seed": 1},
                             "unknown": {"extra_body": {"guided_json": {}}},
                             # JSON integers are unbounded: math.isclose overflowed on them (a 500)
@@ -327,11 +327,11 @@ def test_requests_are_refused_with_what_to_send_instead(chat):
     assert outcomes.pop("deep") == (400, "nested_too_deeply")
     params = {name: param for name, (_, param) in outcomes.items()}
     outcomes = {name: message for name, (message, _) in outcomes.items()}
-    assert set(outcomes) == {"n", "stream", "logprobs", "tool_choice", "temperature", "max_tokens", "seed", "unknown",
+    assert set(outcomes) == {"n", "logprobs", "tool_choice", "temperature", "max_tokens", "seed", "unknown",
                              "huge temperature", "huge top_p"}
-    assert "send n=1" in outcomes["n"] and "omit stream" in outcomes["stream"]
+    assert "send n=1" in outcomes["n"]
     assert "samples with temperature=1.0" in outcomes["temperature"] and "from 1 to 512" in outcomes["max_tokens"]
-    assert "'guided_json'" in outcomes["unknown"] and "tool_choice 'auto'" in outcomes["tool_choice"]
+    assert "'guided_json'" in outcomes["unknown"] and "not among the tools" in outcomes["tool_choice"]
     assert params["huge temperature"] == "temperature" and params["huge top_p"] == "top_p"
     assert "temperature=10000000000000000000... (401 characters)" in outcomes["huge temperature"]
 

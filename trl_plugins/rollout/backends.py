@@ -22,10 +22,12 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from trl_plugins.rollout.sampling import _SeededSampling
+from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.types import LogprobSource, SamplingSettings
 
-__all__ = ["Sample", "GenerationBackend", "BackendBase", "HFGenerationBackend", "VLLMBackend", "ScriptedBackend", "cut_sample"]
+__all__ = ["Sample", "GenerationBackend", "BackendBase", "HFGenerationBackend", "VLLMBackend", "ScriptedBackend", "cut_sample",
+           "cut_at_stop"]
 
 
 @dataclass
@@ -161,6 +163,26 @@ def cut_sample(token_ids: Sequence[int], logprobs: Sequence[float], max_new_toke
     return Sample(ids, lps, finished=False)
 
 
+def cut_at_stop(sample: Sample, stop: StopStrings | None) -> Sample:
+    """``sample`` ended at its first stop string (:class:`~trl_plugins.rollout.stops.StopStrings`), finished; as
+    it is when no stop occurs."""
+    at = stop.cut(sample.token_ids) if stop else None
+    if at is None:
+        return sample
+    k = at[0] + 1
+    return Sample(sample.token_ids[:k], sample.logprobs[:k], finished=True, policy_step=sample.policy_step)
+
+
+class _RowStop:
+    # Ends each row of an HF generate call at its first stop string (rows with none never end here).
+    def __init__(self, start: int, stops: Sequence[StopStrings | None]) -> None:
+        self.start, self.stops = start, stops
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        done = [bool(s) and s.hit(input_ids[r, self.start:].tolist()) for r, s in enumerate(self.stops)]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 class _RowBudget:
     # Stops each row of an HF generate call at its own budget (rows finish independently).
     def __init__(self, start: int, budgets: torch.Tensor) -> None:
@@ -237,18 +259,24 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
             return_dict_in_generate=True,
         )
 
+    stop_strings = True
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int]) -> list[Sample]:
+                 seeds: Sequence[int], stop: Sequence[StopStrings | None] | None = None) -> list[Sample]:
+        """As :meth:`GenerationBackend.generate`; ``stop[i]`` ends row ``i`` at its first stop string."""
         if not check_generate_args(prompts, max_new_tokens, seeds):
             return []
+        stops = list(stop) if stop is not None else [None] * len(prompts)
         step = self.max_batch_size or len(prompts)
         out: list[Sample] = []
         for k in range(0, len(prompts), step):
-            out += self._generate_chunk(prompts[k : k + step], max_new_tokens[k : k + step], seeds[k : k + step])
+            out += self._generate_chunk(prompts[k : k + step], max_new_tokens[k : k + step], seeds[k : k + step],
+                                        stops[k : k + step])
         return out
 
-    def _generate_chunk(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], seeds: Sequence[int]) -> list[Sample]:
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], seeds: Sequence[int],
+                        stops: Sequence[StopStrings | None]) -> list[Sample]:
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         model = self._active if self._active is not None else self.model
@@ -269,7 +297,8 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
                 attention_mask=attention_mask.to(device),
                 generation_config=self._generation_config(int(budget_t.max())),
                 logits_processor=LogitsProcessorList(processors),
-                stopping_criteria=StoppingCriteriaList([_RowBudget(width, budget_t)]),
+                stopping_criteria=StoppingCriteriaList([_RowBudget(width, budget_t)]
+                                                       + ([_RowStop(width, stops)] if any(stops) else [])),
                 # Inside a session the weights are whole on this rank (gathered under ZeRO-3): it generates on its own.
                 # transformers' default under ZeRO-3 with several processes (synced_gpus) all-reduces a "finished" flag
                 # every token, pairing unrelated generate calls of ranks that take different turns (a collective
@@ -284,9 +313,8 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
             logits = logits / self.sampling.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
         stop = set(self.stop_token_ids)
-        return [
-            cut_sample(sampled[r].tolist(), logprobs[r].tolist(), int(budgets[r]), stop) for r in range(len(prompts))
-        ]
+        return [cut_at_stop(cut_sample(sampled[r].tolist(), logprobs[r].tolist(), int(budgets[r]), stop), stops[r])
+                for r in range(len(prompts))]
 
 
 @dataclass
@@ -392,11 +420,19 @@ class VLLMBackend(BackendBase):
             "ignore_eos": True,
         }
 
+    stop_strings = True
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int]) -> list[Sample]:
+                 seeds: Sequence[int], stop: Sequence[StopStrings | None] | None = None) -> list[Sample]:
+        """As :meth:`GenerationBackend.generate`; ``stop[i]`` goes to vLLM as row ``i``'s ``stop`` (its text kept in
+        the output), and the sample is cut at the first token whose text holds one (as the endpoint matches it)."""
         if not check_generate_args(prompts, max_new_tokens, seeds):
             return []
+        stops = list(stop) if stop is not None else [None] * len(prompts)
         params = [self._params(b, seed) for b, seed in zip(max_new_tokens, seeds)]
+        for kw, s in zip(params, stops):
+            if s:
+                kw.update(stop=list(s.strings), include_stop_str_in_output=True)
         rows: list[tuple[list[int], list[float] | None]] = []
         if self.mode == "colocate":
             from trl.generation import vllm_generation as trl_vllm
@@ -420,11 +456,11 @@ class VLLMBackend(BackendBase):
                 rows.append((list(out["completion_ids"][0]), None if lps is None else [lp[0] for lp in lps[0]]))
         stop = set(self.stop_token_ids)
         samples = []
-        for (ids, lps), budget in zip(rows, max_new_tokens):
+        for (ids, lps), budget, s in zip(rows, max_new_tokens, stops):
             if lps is None or any(lp is None for lp in lps):
                 raise RuntimeError("vLLM returned no log-probs for a sampled token; the behaviour log-probs are needed "
                                    "(TRL builds VLLMGeneration with logprobs=0, a server must allow --max-logprobs).")
-            samples.append(cut_sample(ids, lps, budget, stop))
+            samples.append(cut_at_stop(cut_sample(ids, lps, budget, stop), s))
         return samples
 
 

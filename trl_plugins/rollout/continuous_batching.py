@@ -35,7 +35,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from trl_plugins.rollout.backends import BackendBase, Sample, check_generate_args, cut_sample, unwrapped_for_generation
+from trl_plugins.rollout.backends import (
+    BackendBase,
+    Sample,
+    check_generate_args,
+    cut_at_stop,
+    cut_sample,
+    unwrapped_for_generation,
+)
 from trl_plugins.rollout.cb_cache import (
     CacheFootprint,
     cache_footprint,
@@ -44,6 +51,7 @@ from trl_plugins.rollout.cb_cache import (
     workload_cache_size,
 )
 from trl_plugins.rollout.sampling import _Warp, gumbel_from_keys, seeded_row_keys
+from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.types import SamplingSettings
 
 __all__ = ["ContinuousBatchingBackend", "continuous_batching_config", "workload_cache_size", "CacheFootprint",
@@ -91,7 +99,7 @@ class _SeededCBSampler:
         seeds, positions = [], []
         for future in requests_with_new_token:
             state = future.state
-            seed, prompt_len = self.rows[state.request_id]
+            seed, prompt_len = self.rows.get(state.request_id, (0, 0))  # a row cancelled at a stop string: its last forward
             seeds.append(seed)
             positions.append(state.position_offset - prompt_len)  # 0 for the turn's first sampled token
         if not seeds:
@@ -161,6 +169,8 @@ class ContinuousBatchingBackend(BackendBase):
         self._shared: dict[str, Any] = {"manager": None, "sampler": None, "model": None, "lock": threading.Lock()}
         self._ids = itertools.count()
         self._futures: dict[str, Any] = {}
+        self._stops: dict[str, StopStrings] = {}
+        """The stop strings of live requests that have them (streamed, cancelled at the first)."""
         self._pump = threading.Lock()
         self._active: Any = None
         """The running manager, inside ``session()``."""
@@ -274,9 +284,16 @@ class ContinuousBatchingBackend(BackendBase):
                     break
                 out = manager.get_result(timeout=0.05)
                 if out is not None:
-                    waiting = self._futures.pop(out.request_id, None)
-                    if waiting is not None and not waiting.done():
-                        waiting.set_result(out)
+                    waiting = self._futures.get(out.request_id)
+                    if waiting is None or waiting.done():
+                        continue  # answered already (a streamed request's steps after its stop)
+                    if not out.is_finished():
+                        stop = self._stops.get(out.request_id)
+                        if stop is None or not stop.hit(out.generated_tokens):
+                            continue  # a streamed step of a request with stop strings that holds none yet
+                        manager.cancel_request(out.request_id)  # at a stop string: this step is its output
+                    del self._futures[out.request_id]
+                    waiting.set_result(out)
                 elif not manager.is_running():
                     error = manager.background_thread_status.fatal_error
                     raise RuntimeError(f"the continuous-batching generation loop stopped ({error!r}); see its log above.")
@@ -284,8 +301,12 @@ class ContinuousBatchingBackend(BackendBase):
                 self._pump.release()
         return fut.result()
 
+    stop_strings = True
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int]) -> list[Sample]:
+                 seeds: Sequence[int], stop: Sequence[StopStrings | None] | None = None) -> list[Sample]:
+        """As :meth:`GenerationBackend.generate`. A row with stop strings (``stop[i]``) is streamed: the first step
+        whose tokens hold one cancels the request (the manager has no stop strings) and is its sample."""
         import concurrent.futures
 
         if not check_generate_args(prompts, max_new_tokens, seeds):
@@ -293,16 +314,19 @@ class ContinuousBatchingBackend(BackendBase):
         manager = self._active
         if manager is None:
             with self.session():
-                return self.generate(prompts, max_new_tokens, seeds=seeds)
+                return self.generate(prompts, max_new_tokens, seeds=seeds, stop=stop)
         sampler = self._shared["sampler"]
+        stops = list(stop) if stop is not None else [None] * len(prompts)
         pending = []
-        for prompt, budget, seed in zip(prompts, max_new_tokens, seeds):
+        for prompt, budget, seed, row_stop in zip(prompts, max_new_tokens, seeds, stops):
             rid = f"trl_plugins-{next(self._ids)}"
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._futures[rid] = fut
             sampler.rows[rid] = (int(seed), len(prompt))
+            if row_stop is not None:
+                self._stops[rid] = row_stop
             added = manager.add_request(list(prompt), request_id=rid, max_new_tokens=int(budget),
-                                        eos_token_id=self.stop_token_ids)
+                                        eos_token_id=self.stop_token_ids, streaming=row_stop is not None)
             if added is None:
                 raise RuntimeError("the continuous-batching manager refused a request (it is stopping); see its log.")
             pending.append((rid, fut, int(budget)))
@@ -316,9 +340,11 @@ class ContinuousBatchingBackend(BackendBase):
                 if len(out.logprobs) != len(out.generated_tokens):
                     raise RuntimeError(f"continuous batching returned {len(out.logprobs)} log-probs for "
                                        f"{len(out.generated_tokens)} tokens (request {rid}).")
-                samples.append(cut_sample(out.generated_tokens, out.logprobs, budget, stop))
+                samples.append(cut_at_stop(cut_sample(out.generated_tokens, out.logprobs, budget, stop),
+                                           self._stops.get(rid)))
         finally:
             for rid, _, _ in pending:
                 sampler.rows.pop(rid, None)
+                self._stops.pop(rid, None)
                 self._futures.pop(rid, None)
         return samples

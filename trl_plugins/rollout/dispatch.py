@@ -124,16 +124,18 @@ class Dispatcher:
                  result: RolloutResult) -> None:
         self.backend, self.loop, self.pool, self.result = backend, loop, pool, result
         self.limit = concurrency(backend)
-        self.ready: list[tuple[list[int], int, int, asyncio.Future, float]] = []
+        self.ready: list[tuple[list[int], int, int, asyncio.Future, float, Any]] = []
         self.in_flight: set[asyncio.Future] = set()
         self.kick_scheduled = False
         self.busy_since = 0.0
         self.fatal: BaseException | None = None
 
-    def generate(self, prompt: list[int], budget: int, seed: int) -> asyncio.Future:
-        """A future of ``(sample, generation_s, queue_s)``."""
+    def generate(self, prompt: list[int], budget: int, seed: int, stop: Any = None) -> asyncio.Future:
+        """A future of ``(sample, generation_s, queue_s)``. ``stop`` (a :class:`~trl_plugins.rollout.backends.
+        StopStrings`) goes to a backend that declares ``stop_strings = True``, which may end the turn there; the
+        caller cuts the sample at the stop either way."""
         fut = self.loop.create_future()
-        self.ready.append((prompt, budget, seed, fut, time.perf_counter()))
+        self.ready.append((prompt, budget, seed, fut, time.perf_counter(), stop))
         if not self.kick_scheduled:  # after the other coroutines that are ready in this loop pass have queued too
             self.kick_scheduled = True
             self.loop.call_soon(self._kick)
@@ -151,7 +153,7 @@ class Dispatcher:
                 self.busy_since = time.perf_counter()
             t0 = time.perf_counter()
             call = self.loop.run_in_executor(self.pool, _generate_call, self.backend, [r[0] for r in batch],
-                                             [r[1] for r in batch], [r[2] for r in batch])
+                                             [r[1] for r in batch], [r[2] for r in batch], [r[5] for r in batch])
             self.in_flight.add(call)
             self.result.rounds += 1
             call.add_done_callback(lambda f, batch=batch, t0=t0: self._done(f, batch, t0))
@@ -162,7 +164,7 @@ class Dispatcher:
         if not self.in_flight:
             self.result.generation_s += now - self.busy_since
         outcome = call.result() if not call.cancelled() else _Abort("cancelled")
-        for k, (_, _, _, fut, queued) in enumerate(batch):
+        for k, (_, _, _, fut, queued, _) in enumerate(batch):
             if fut.done():
                 continue
             if isinstance(outcome, BaseException):
@@ -178,10 +180,14 @@ class Dispatcher:
             await asyncio.wait(set(self.in_flight))
 
 
-def _generate_call(backend: Any, prompts: list[list[int]], budgets: list[int], seeds: list[int]) -> Any:
+def _generate_call(backend: Any, prompts: list[list[int]], budgets: list[int], seeds: list[int],
+                   stops: list[Any] | None = None) -> Any:
     """One backend call in a worker thread; any exception comes back as the value (checked by ``_done``)."""
     try:
-        samples = backend.generate(prompts, budgets, seeds=seeds)
+        if stops and any(stops) and getattr(backend, "stop_strings", False):
+            samples = backend.generate(prompts, budgets, seeds=seeds, stop=stops)
+        else:
+            samples = backend.generate(prompts, budgets, seeds=seeds)
         if len(samples) != len(prompts):
             raise RolloutError(f"{type(backend).__name__}.generate returned {len(samples)} samples for "
                                f"{len(prompts)} prompts; it must return one per prompt, in order.")

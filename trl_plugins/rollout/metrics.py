@@ -213,6 +213,7 @@ def engine_metrics(result: RolloutResult) -> dict[str, float]:
         "timing/rollout_s": result.total_s,
         "timing/generation_s": result.generation_s,
         "timing/tools_s": result.tools_s,
+        **result.counters,
     }
 
 
@@ -243,7 +244,7 @@ def throughput_metrics(values: Mapping[str, Sequence[float]]) -> dict[str, float
     return out
 
 
-_SUM = ("train/datums",)
+_SUM = ("train/datums", "endpoint/tool_choice_unforced", "endpoint/text_format_unforced")
 _MAX = ("rollout/generate_calls", "rollout/max_concurrent_tool_calls", "rollout/critical_path_s",
         "rollout/critical_path_ratio", "rollout/queue_s_mean")
 METRIC_REDUCTIONS = tuple(str(r) for r in Reduction)

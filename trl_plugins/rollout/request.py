@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from trl_plugins.rollout.backends import GenerationBackend
@@ -112,3 +112,6 @@ class RolloutResult:
     ``total_s`` cannot go below however turns are scheduled."""
     max_concurrent_tool_calls: int = 0
     """Most tool calls that ran at once."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """Counts a rollout plugin keeps (e.g. ``endpoint/tool_choice_unforced``), logged as metrics of those names and
+    summed over rounds and ranks."""

@@ -450,7 +450,8 @@ def _merge_rounds(rounds: list[_Round], group_size: int) -> StepBatch:
         trajectories=trajs, rounds=sum(x.rounds for x in results), generation_s=sum(x.generation_s for x in results),
         tools_s=sum(x.tools_s for x in results), total_s=sum(x.total_s for x in results),
         critical_path_s=sum(x.critical_path_s for x in results),
-        max_concurrent_tool_calls=max(x.max_concurrent_tool_calls for x in results))
+        max_concurrent_tool_calls=max(x.max_concurrent_tool_calls for x in results),
+        counters={k: sum(x.counters.get(k, 0.0) for x in results) for x in results for k in x.counters})
     metrics.update(engine_metrics(merged))
     return StepBatch(rounds[0].batch.policy_step, rows, trajs, left_out, [], metrics=metrics)
 

@@ -38,7 +38,9 @@ from trl_plugins.rollout.dispatch import Dispatcher, concurrency, settle
 from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
 from trl_plugins.rollout.endpoint.runs import AgentFailed, AgentLoop, let_go, run_command
+from trl_plugins.rollout.endpoint.responses import chat_body, response_body, response_stream
 from trl_plugins.rollout.endpoint.session import Session
+from trl_plugins.rollout.endpoint.streams import chat_stream
 from trl_plugins.rollout.engine import critical_path
 from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
 from trl_plugins.rollout.validate import validate_trajectory
@@ -51,6 +53,20 @@ logger = logging.getLogger(__name__)
 
 
 _LOADING = threading.Lock()
+
+
+_UNFORCED_LOGGED: set[str] = set()
+
+
+def count_unforced(result: RolloutResult, kind: str, key: str = "endpoint/tool_choice_unforced") -> None:
+    """Count a ``tool_choice`` (or Responses ``text.format``) served unforced under ``key``; log the first of each
+    kind."""
+    result.counters[key] = result.counters.get(key, 0.0) + 1.0
+    if kind not in _UNFORCED_LOGGED:
+        _UNFORCED_LOGGED.add(kind)
+        logger.warning("an agent sent tool_choice (or text.format) %r; it is served as 'auto' (the model chooses: forcing "
+                       "it would constrain sampling or render the turn without tools). Counted as %s; set "
+                       "refuse_unforced_tool_choice: true to refuse it instead.", kind, key)
 
 
 def _load(spec: str) -> Callable[..., Any]:
@@ -116,6 +132,9 @@ class AgentEndpointRollout(TrajectoryBudgets):
     """Wall time one request may wait for its reply (queueing and generation)."""
     max_concurrent_agents: int | None = None
     """Agents running at once (None: every trajectory of the rollout)."""
+    refuse_unforced_tool_choice: bool = False
+    """Refuse (400) a ``tool_choice`` of ``none``, ``required`` or a named function instead of serving it as
+    ``auto`` (the model chooses; counted as ``endpoint/tool_choice_unforced``, logged once). docs/agents.md."""
     agent_conversation: ClassVar[bool] = True
     """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
     _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
@@ -191,7 +210,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
         agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, len(result.trajectories) or 1),
                                                            thread_name_prefix="agent")
         dispatcher = Dispatcher(request.backend, loop, pool, result)
-        server = JsonServer(lambda incoming: self._serve(incoming, sessions, request))
+        server = JsonServer(lambda incoming: self._serve(incoming, sessions, request, result))
         await server.start()
         http = _HttpClients(connections=len(result.trajectories))
         from tqdm.auto import tqdm
@@ -239,7 +258,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
         if stopped and unfinished:
             raise RolloutCancelled(f"a stop was requested with {unfinished} agent run(s) unfinished")
 
-    async def _serve(self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest) -> tuple[int, Any]:
+    async def _serve(self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest,
+                     result: RolloutResult) -> tuple[int, Any]:
         given = http.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
             raise HttpError(401, "missing or wrong API key: use the key this run gave the agent (OPENAI_API_KEY for a "
@@ -255,12 +275,47 @@ class AgentEndpointRollout(TrajectoryBudgets):
         route = "/".join(parts[4:])
         if http.method == "GET" and route == "models":
             return 200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trl-plugins"}]}
-        if http.method != "POST" or route != "chat/completions":
-            raise HttpError(404, f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions "
-                                 f"(and GET /models).", code="not_found")
-        body = check_request(http.json(), sampling=request.backend.sampling, max_assistant_tokens=self.max_assistant_tokens,
-                             calls_per_turn=self.max_tool_calls_per_turn)
-        return 200, await session.complete(body)
+        if http.method != "POST" or route not in ("chat/completions", "responses"):
+            raise HttpError(404, f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions, "
+                                 f"POST /responses (and GET /models).", code="not_found")
+        raw, echo = (http.json(), None) if route == "chat/completions" else chat_body(http.json())
+        body = check_request(raw, sampling=request.backend.sampling, max_assistant_tokens=self.max_assistant_tokens,
+                             calls_per_turn=self.max_tool_calls_per_turn,
+                             refuse_unforced_tool_choice=self.refuse_unforced_tool_choice)
+        if echo is not None:
+            self._responses_history(session, body, echo, result)
+        if body.tool_choice_unforced is not None:
+            count_unforced(result, body.tool_choice_unforced)
+        reply = await session.complete(body)
+        if echo is None:
+            return 200, chat_stream(reply, include_usage=body.include_usage) if body.stream else reply
+        response = response_body(reply, echo, response_id=f"resp_{session.index}_{len(session.traj.turns)}",
+                                 model=body.model, sampling=request.backend.sampling)
+        session.response_id = response["id"]
+        return 200, response_stream(response) if body.stream else response
+
+    def _responses_history(self, session: Session, body: Any, echo: dict, result: RolloutResult) -> None:
+        """``previous_response_id``: the conversation is the session's record (its last request and reply), then the
+        new input; ``text.format`` other than text: served unforced (or refused, as ``tool_choice``)."""
+        if echo["format_unforced"] and self.refuse_unforced_tool_choice:
+            raise HttpError(400, f"text.format {echo['text']['format'].get('type')!r} is not honoured "
+                                 f"(refuse_unforced_tool_choice is set): forcing a JSON output would constrain sampling, "
+                                 f"so the behaviour log-probs would not be the policy's. Omit text.format.", param="text")
+        if echo["format_unforced"]:
+            count_unforced(result, "text.format", key="endpoint/text_format_unforced")
+        prev = echo["previous_response_id"]
+        if prev is None:
+            return
+        if prev != session.response_id or session.messages is None or session.reply is None:
+            raise HttpError(400, f"previous_response_id={prev!r} is not this session's last response "
+                                 f"({session.response_id!r}): only the last one is kept. Send the whole conversation as "
+                                 f"input (with store=false) instead.", param="previous_response_id")
+        prior = [*session.messages, session.reply]
+        new = body.messages
+        if echo["instructions"]:
+            system, new = new[0], new[1:]
+            prior = [system, *prior[1:]] if prior[0]["role"] == "system" else [system, *prior]
+        body.messages = prior + new
 
     async def _one(self, fn: Callable[..., Any] | None, session: Session, row: dict, base_url: str,
                    sessions: dict[str, Session], limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor,

@@ -12,17 +12,14 @@ from typing import Any, Sequence
 from trl_plugins.rollout.endpoint.http import HttpError
 from trl_plugins.types import SamplingSettings
 
-__all__ = ["ChatRequest", "check_request", "normalise_messages", "template_messages", "completion_body"]
+__all__ = ["ChatRequest", "check_request", "check_stop", "check_tool_choice", "normalise_messages", "template_messages", "completion_body"]
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Parameters that change nothing when absent or at their neutral value: (name, accepted values, what to do instead).
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "one choice per request: send n=1 (or omit it) and call again for more samples"),
-    "stream": ((False,), "non-streaming responses only: omit stream or send stream=false"),
-    "stream_options": ((), "streaming is not served: omit stream_options"),
     "logprobs": ((False,), "the endpoint records the behaviour log-probs itself and returns none: omit logprobs"),
     "top_logprobs": ((), "no log-probs are returned: omit top_logprobs"),
-    "stop": (([],), "turns end at the chat template's stop tokens: omit stop"),
     "seed": ((), "sampling seeds are the run's (one per trajectory and turn): omit seed"),
     "presence_penalty": ((0, 0.0), "the run samples without penalties: omit presence_penalty"),
     "frequency_penalty": ((0, 0.0), "the run samples without penalties: omit frequency_penalty"),
@@ -31,7 +28,7 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "store": ((False,), "nothing is stored: omit store"),
 }
 _RECORDED = ("model", "user", "metadata")
-_ACCEPTED = ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens", "max_completion_tokens",
+_ACCEPTED = ("messages", "tools", "tool_choice", "stop", "stream", "stream_options", "parallel_tool_calls", "max_tokens", "max_completion_tokens",
              *_SAMPLING, *_NEUTRAL, *_RECORDED)
 
 
@@ -47,10 +44,28 @@ class ChatRequest:
     """The agent's cap on the reply's tokens (None: the rollout's ``max_assistant_tokens``)."""
     model: str
     """The model name the agent asked for (echoed back)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the turn ends at the first token whose text completes one (:mod:`trl_plugins.rollout.stops`)."""
+    tool_choice_unforced: str | None = None
+    """A ``tool_choice`` other than ``auto`` that was accepted without being forced (its value, for the count)."""
+    stream: bool = False
+    """Answer with server-sent events (a replay of the finished turn)."""
+    include_usage: bool = False
+    """``stream_options.include_usage``: a last chunk with the usage."""
 
 
-def check_request(body: Any, *, sampling: SamplingSettings, max_assistant_tokens: int, calls_per_turn: int) -> ChatRequest:
+MAX_STOP = 4
+"""Stop strings per request (the OpenAI API's limit)."""
+
+
+def check_request(body: Any, *, sampling: SamplingSettings, max_assistant_tokens: int, calls_per_turn: int,
+                  refuse_unforced_tool_choice: bool = False) -> ChatRequest:
     """``body`` checked against what the endpoint honours.
+
+    ``tool_choice`` ``auto`` is honoured; ``none``, ``required`` and a named function are accepted without being
+    forced (the model chooses, as with ``auto``: forcing would either constrain sampling, so the behaviour log-probs
+    would not be the policy's, or render the turn without tools, a new segment), unless
+    ``refuse_unforced_tool_choice``.
 
     Raises:
         HttpError: 400 naming the parameter, what the run does and what to send instead.
@@ -74,11 +89,12 @@ def check_request(body: Any, *, sampling: SamplingSettings, max_assistant_tokens
             raise HttpError(400, f"{key}={_shown(value)}, but this run samples with {key}={run} (its sampling settings are "
                                  f"recorded with every trajectory and its log-probs): omit {key} or send {run}.",
                             param=key, code="unsupported_parameter")
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto"):
-        raise HttpError(400, f"tool_choice={choice!r} is not honoured: the model chooses (tool_choice 'auto'; the policy "
-                             f"is trained on what it chose, so it is not forced or forbidden). Omit tool_choice or send "
-                             f"'auto'; to forbid calls, send no tools.", param="tool_choice", code="unsupported_parameter")
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
+        raise HttpError(400, "tools must be a list of function tools, each {'type': 'function', 'function': {'name': "
+                             "..., 'parameters': {...}}}.", param="tools")
+    unforced = check_tool_choice(body.get("tool_choice"), [t["function"]["name"] for t in tools],
+                                 refuse=refuse_unforced_tool_choice)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise HttpError(400, f"parallel_tool_calls must be a bool, got {parallel!r}.", param="parallel_tool_calls")
@@ -97,12 +113,72 @@ def check_request(body: Any, *, sampling: SamplingSettings, max_assistant_tokens
             raise HttpError(400, f"{key}={_shown(max_tokens)}: this run's turns take at most {max_assistant_tokens} tokens "
                                  f"(rollout_kwargs max_assistant_tokens); send an integer from 1 to "
                                  f"{max_assistant_tokens}, or omit it.", param=key, code="unsupported_parameter")
-    tools = body.get("tools") or []
-    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
-        raise HttpError(400, "tools must be a list of function tools, each {'type': 'function', 'function': {'name': "
-                             "..., 'parameters': {...}}}.", param="tools")
     model = body.get("model")
-    return ChatRequest(normalise_messages(body.get("messages")), tools, max_tokens, model if isinstance(model, str) else "")
+    stream, usage = check_stream(body)
+    return ChatRequest(normalise_messages(body.get("messages")), tools, max_tokens, model if isinstance(model, str) else "",
+                       stop=check_stop(body.get("stop")), tool_choice_unforced=unforced, stream=stream,
+                       include_usage=usage)
+
+
+def check_stream(body: dict) -> tuple[bool, bool]:
+    """``(stream, include_usage)`` from ``stream`` and ``stream_options``."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise HttpError(400, f"stream must be a bool, got {_shown(stream)}.", param="stream")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise HttpError(400, "stream_options is only for stream=true: omit it or send stream=true.", param="stream_options")
+    if not isinstance(options, dict) or not all(isinstance(v, bool) for v in options.values()) or not set(options) <= {
+            "include_usage", "include_obfuscation"}:
+        raise HttpError(400, f"stream_options={_shown(options)}: send {{'include_usage': bool}} (include_obfuscation is "
+                             f"accepted and ignored: the stream is local).", param="stream_options")
+    return True, options.get("include_usage", False)
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """``stop`` (None, a string, or a list of up to :data:`MAX_STOP` non-empty strings) as a tuple."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(x, str) and x for x in stops):
+        raise HttpError(400, f"stop={_shown(stop)}: send a non-empty string or a list of at most {MAX_STOP} non-empty "
+                             f"strings (or omit it).", param="stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def check_tool_choice(choice: Any, names: Sequence[str], *, refuse: bool) -> str | None:
+    """None for ``auto`` (or absent); the value's name (``none``, ``required``, ``function``) when it is accepted
+    without being forced.
+
+    Raises:
+        HttpError: a malformed value, a named function that is not among the tools, or any value but ``auto`` with
+            ``refuse``.
+    """
+    if choice is None or choice == "auto":
+        return None
+    if isinstance(choice, dict):  # chat: {"type": "function", "function": {"name": ...}}; Responses: flat "name"
+        fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        name = fn.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise HttpError(400, f"tool_choice={_shown(choice)} is not a function choice: send 'auto', 'none', "
+                                 f"'required' or {{'type': 'function', 'function': {{'name': ...}}}}.", param="tool_choice")
+        if name not in names:
+            raise HttpError(400, f"tool_choice names {name!r}, which is not among the tools {list(names)}.",
+                            param="tool_choice")
+        kind = "function"
+    elif choice in ("none", "required"):
+        kind = choice
+    else:
+        raise HttpError(400, f"tool_choice={_shown(choice)}: send 'auto', 'none', 'required' or a named function.",
+                        param="tool_choice")
+    if refuse:
+        raise HttpError(400, f"tool_choice={_shown(choice)} is not honoured (refuse_unforced_tool_choice is set): the "
+                             f"model chooses (tool_choice 'auto'; forcing would constrain sampling, so the behaviour "
+                             f"log-probs would not be the policy's, or render the turn without tools). Omit tool_choice "
+                             f"or send 'auto'; to forbid calls, send no tools.", param="tool_choice",
+                        code="unsupported_parameter")
+    return kind
 
 
 def _close(value: int | float, run: float) -> bool:

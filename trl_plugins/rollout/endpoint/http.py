@@ -13,7 +13,7 @@ import h11
 
 from trl_plugins.http_framing import framing_problem, request_head
 
-__all__ = ["HttpError", "HttpRequest", "JsonServer"]
+__all__ = ["EventStream", "HttpError", "HttpRequest", "JsonServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,22 @@ class HttpRequest:
         return value
 
 
+@dataclass
+class EventStream:
+    """A server-sent-events body, written whole (a replay of a finished turn): each event an optional ``event:`` line
+    and its JSON as one ``data:`` line; ``data: [DONE]`` last where ``done`` (chat completions end so)."""
+
+    events: list[tuple[str | None, Any]]
+    done: bool = False
+
+    def encode(self) -> bytes:
+        parts = [(f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+                 for name, data in self.events]
+        if self.done:
+            parts.append("data: [DONE]\n\n")
+        return "".join(parts).encode()
+
+
 def json_depth(value: Any) -> int:
     """How deeply ``value`` nests (a scalar 0, ``[]`` 1); walks iteratively, stopping past :data:`MAX_JSON_DEPTH`."""
     deepest, stack = 0, [(value, 0)]
@@ -85,7 +101,7 @@ class _AmbiguousFraming(Exception):
 
 
 class JsonServer:
-    """Serves ``handler(request) -> (status, JSON-able body)`` on ``127.0.0.1``; a raised :class:`HttpError` becomes its
+    """Serves ``handler(request) -> (status, JSON-able body or EventStream)`` on ``127.0.0.1``; a raised :class:`HttpError` becomes its
     error response, any other exception a 500 saying what it was (and is logged)."""
 
     def __init__(self, handler: Handler) -> None:
@@ -135,8 +151,11 @@ class JsonServer:
                     logger.exception("the agent endpoint failed to serve %s %s", request.method, request.path)
                     status, body = 500, HttpError(500, f"the endpoint failed: {type(exc).__name__}: {exc}",
                                                   kind="server_error").body()
-                data = json.dumps(body).encode()
-                headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+                if isinstance(body, EventStream):
+                    data, kind = body.encode(), "text/event-stream; charset=utf-8"
+                else:
+                    data, kind = json.dumps(body).encode(), "application/json"
+                headers = [("content-type", kind), ("content-length", str(len(data)))]
                 writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
                 writer.write(conn.send(h11.Data(data=data)))
                 writer.write(conn.send(h11.EndOfMessage()))

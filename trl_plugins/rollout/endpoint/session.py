@@ -14,6 +14,7 @@ never trained: a re-rendered earlier reply is context.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.endpoint.api import ChatRequest, completion_body, template_messages
 from trl_plugins.rollout.endpoint.http import HttpError
+from trl_plugins.rollout.backends import Sample
 from trl_plugins.rollout.request import derive_seed
+from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.types import StopReason, TokenSource, ToolCall, Trajectory, Turn
 
 __all__ = ["Session"]
@@ -44,8 +47,8 @@ class Session:
     request_time_limit_s: float | None
     chat_for: Callable[[list[dict]], ChatFormat]
     """The chat format for a request's tools."""
-    generate: Callable[[list[int], int, int], Any]
-    """The dispatcher's ``generate(prompt, budget, seed)``."""
+    generate: Callable[..., Any]
+    """The dispatcher's ``generate(prompt, budget, seed, stop)``."""
     seed: int
     policy_step: int
     messages: list[dict] | None = None
@@ -58,6 +61,8 @@ class Session:
     tool_calls: int = 0
     last_kind: TurnKind | None = None
     replied_at: float = 0.0
+    response_id: str | None = None
+    """The id of the last Responses-API reply (what ``previous_response_id`` may name)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -127,15 +132,24 @@ class Session:
         cap = min(b.max_assistant_tokens, request.max_tokens or b.max_assistant_tokens)
         budget = min(cap, room)
         seed = derive_seed(self.seed, self.index, len(turns))
+        tok = chat.tokenizer
+        decode = functools.partial(tok.decode, skip_special_tokens=True)
+        stops = StopStrings(request.stop, decode) if request.stop else None
         try:
-            sample, gen_s, queue_s = await asyncio.wait_for(self.generate(prompt, budget, seed), self.request_time_limit_s)
+            sample, gen_s, queue_s = await asyncio.wait_for(self.generate(prompt, budget, seed, stops),
+                                                            self.request_time_limit_s)
         except asyncio.TimeoutError:
             self.end(StopReason.ENVIRONMENT_ERROR, f"the model did not answer within request_time_limit_s="
                                                    f"{self.request_time_limit_s}")
             raise HttpError(504, str(self.traj.error), code="timeout", kind="server_error") from None
         if self.ended:  # ended while it waited (the agent's time limit, a stop request)
             raise self._refuse_ended()
-        tok = chat.tokenizer
+        plain = decode(sample.token_ids)
+        stopped = stops.cut(sample.token_ids, plain) if stops else None
+        if stopped is not None:  # what the backend sampled past the stop is not the turn's (none, where it ended there)
+            k, at = stopped
+            sample = Sample(sample.token_ids[:k + 1], sample.logprobs[:k + 1], finished=True, policy_step=sample.policy_step)
+            plain = decode(sample.token_ids)[:at]
         turn = Turn(prompt_ids=prompt, completion_ids=sample.token_ids, completion_logprobs=sample.logprobs,
                     text=tok.decode(sample.token_ids, skip_special_tokens=False), prompt_sources=sources,
                     truncated=not sample.finished, generation_s=gen_s, queue_s=queue_s,
@@ -143,7 +157,6 @@ class Session:
                     segment_start=segment_start)
         turns.append(turn)
         self.messages, self.tools, self.tokens = request.messages, request.tools, prompt + sample.token_ids
-        plain = tok.decode(sample.token_ids, skip_special_tokens=True)
         calls: list[dict] = []
         reasoning = ""
         if not sample.finished:
@@ -151,6 +164,9 @@ class Session:
             content, finish = plain, "length"
         else:
             content, finish, calls, reasoning = self._read_turn(chat, turn, plain)
+            if stopped is not None and not calls:  # the text before the stop, as the OpenAI API returns it
+                at = stops.first(content)
+                content = content[:at] if at >= 0 else content
         self.reply = {"role": "assistant", "content": content or "", **({"tool_calls": calls} if calls else {}),
                       **({"reasoning_content": reasoning} if reasoning else {})}
         self.replied_at = time.perf_counter()
