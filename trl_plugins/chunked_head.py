@@ -124,7 +124,10 @@ def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, ta
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start: start + chunk_size], targets[start: start + chunk_size]
         if grad:
-            lp, ent = checkpoint(_chunk, head, h, t, temperature, with_entropy, use_reentrant=False)
+            # determinism_check off: under ZeRO-3 the head's weight is a partitioned parameter, gathered by its
+            # module's hooks for the recompute and released again before torch would compare it with the forward's.
+            lp, ent = checkpoint(_chunk, head, h, t, temperature, with_entropy, use_reentrant=False,
+                                 determinism_check="none")
         else:
             lp, ent = _chunk(head, h, t, temperature, with_entropy)
         logps.append(lp)
