@@ -445,7 +445,11 @@ def test_lora_step_under_zero3_on_two_ranks_equals_one_process(trainer_runs, kin
         folder = trainer_runs.folder(config)
         initial[config], final[config] = torch.load(folder / f"lora-{kind}.init.pt"), torch.load(folder / f"lora-{kind}.pt")
     if gaps:
-        assert gaps["cpu_zero3.yaml"] == pytest.approx(gaps["cpu.yaml"], rel=1e-3)
+        # The gap is a mean of |log pi - log pi_ref| ~ 3e-5, each a difference of float32 log-probs of magnitude ~1-10
+        # (rounding ~1e-6 per token, summed in another order on 2 sharded ranks with the chunked head): rel 1e-3 is
+        # 3e-8, at that noise floor (1.5e-3 seen once on this machine). The gap is the adapter's whole effect after
+        # one step, so another reference or update moves it far more than 1e-2.
+        assert gaps["cpu_zero3.yaml"] == pytest.approx(gaps["cpu.yaml"], rel=1e-2)
     one, two = final["cpu.yaml"], final["cpu_zero3.yaml"]
     assert one.keys() == two.keys() == initial["cpu.yaml"].keys()
     adapter = [k for k in one if ".lora_" in k]

@@ -25,6 +25,7 @@ PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # 442 on every architecture
+MOUNT_ATTR_NODEV = 0x4
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 SYSCALLS = {
@@ -105,14 +106,14 @@ def mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None
     check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
-def set_readonly(libc: ctypes.CDLL, path: str, recursive: bool) -> None:
-    # mount_setattr(2) (Linux >= 5.12): flips the read-only flag of a whole mount tree at once, in
-    # our mount namespace only.
+def set_readonly(libc: ctypes.CDLL, path: str, recursive: bool, extra: int = 0) -> None:
+    # mount_setattr(2) (Linux >= 5.12): flips the read-only flag (and ``extra`` MOUNT_ATTR_* flags) of a whole
+    # mount tree at once, in our mount namespace only.
     class MountAttr(ctypes.Structure):
         _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
                     ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
-    attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    attr = MountAttr(MOUNT_ATTR_RDONLY | extra, 0, 0, 0)
     flags = AT_RECURSIVE if recursive else 0
     ret = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(flags),
                        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
@@ -235,11 +236,15 @@ def under(path: str, root: str) -> bool:
 
 
 def cover(libc: ctypes.CDLL, target: str) -> None:
-    """Hide ``target``: an empty read-only-to-be tmpfs over a folder, /dev/null over a file."""
+    """Hide ``target``: an empty read-only-to-be tmpfs over a folder, /dev/null over a file.
+
+    The file's /dev/null is bound read-only and ``nodev``, as bubblewrap's ``--ro-bind /dev/null`` lands on its
+    ``nodev`` root: opening the hidden file fails (EACCES) in both modes, rather than reading empty here."""
     if os.path.isdir(target):
         mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
     else:
         mount(libc, "/dev/null", target, None, MS_BIND, None)
+        set_readonly(libc, target, False, MOUNT_ATTR_NODEV)
 
 
 def setup_unshare_fs(cfg: dict, libc: ctypes.CDLL) -> None:
