@@ -211,34 +211,75 @@ def test_an_edited_earlier_message_starts_a_segment_and_trains_only_what_was_sam
         assert all(lp == -0.5 for lp, m in zip(datum.behaviour_logprobs, datum.action_mask) if m)
 
 
-def test_a_dropped_think_block_is_a_rewrite(chat):
-    async def stripping_agent(client, row):
+def resending_agent(*, drop_reasoning=False, own_ids=False, null_content=False, reorder_arguments=False, extra_key=False):
+    """An agent that sends our replies back as some frameworks do: without their reasoning, with call ids of its own,
+    ``content: null`` for an empty one, arguments re-serialised (other key order and whitespace; ``extra_key``: with a
+    key the call did not have); its tools answer its own ids."""
+    async def agent(client, row):
         messages = [{"role": "user", "content": row["prompt"]}]
-        while True:
+        for turn in range(8):
             message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
-            kept = message.model_dump(exclude_none=True)
-            assert kept.pop("reasoning_content") == "I should compute."  # the agent drops the reasoning it was given
-            messages.append(kept)
+            sent = message.model_dump(exclude_none=True)
+            if drop_reasoning:
+                assert sent.pop("reasoning_content") == "I should compute."
+            if null_content and message.tool_calls:
+                assert not sent.get("content")
+                sent["content"] = None
+            for k, call in enumerate(sent.get("tool_calls", [])):
+                if own_ids:
+                    call["id"] = f"agent-{turn}-{k}"
+                if reorder_arguments or extra_key:
+                    args = {"z": 1, **json.loads(call["function"]["arguments"])} if extra_key else json.loads(call["function"]["arguments"])
+                    call["function"]["arguments"] = json.dumps(dict(reversed(list(args.items()))), indent=2)
+            messages.append(sent)
             if not message.tool_calls:
                 return 1.0
-            for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": "ran print(0)"})
+            for call in sent["tool_calls"]:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "ran print(0)"})
 
-    (traj,) = AgentEndpointRollout(agent=stripping_agent)(request(chat, ["think calls=1"])).trajectories
-    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    return agent
+
+
+def continues(traj) -> bool:
+    """Each turn's prompt starts with the previous turn's prompt and completion, token for token."""
+    return all(b.prompt_ids[:len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
+               for a, b in zip(traj.turns, traj.turns[1:]))
+
+
+def test_a_reply_sent_back_re_serialised_with_its_own_call_ids_continues_the_segment(chat):
+    # Frameworks re-serialise the reply: content null for a call that had none, arguments with other key order and
+    # whitespace, call ids of their own (two parallel calls, each answered by the agent's id). Only the arguments'
+    # values count: an extra key is another call, a rewrite.
+    same = resending_agent(own_ids=True, null_content=True, reorder_arguments=True)
+    (traj,) = AgentEndpointRollout(agent=same, max_tool_calls_per_turn=2)(request(chat, ["par=2"])).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER and traj.num_segments == 1 and continues(traj), traj.error
+    assert [c.output for c in traj.turns[0].tool_calls] == ["ran print(0)", "ran print(0)"]  # found by the agent's ids
+    (traj,) = AgentEndpointRollout(agent=resending_agent(own_ids=True))(request(chat, ["calls=2"])).trajectories
+    assert traj.num_segments == 1 and continues(traj) and all(c.output for t in traj.turns for c in t.tool_calls)
+    changed = resending_agent(extra_key=True)
+    (traj,) = AgentEndpointRollout(agent=changed)(request(chat, ["calls=1"])).trajectories
     assert [t.segment_start for t in traj.turns] == [False, True]
-    assert "<think>" not in chat.tokenizer.decode(traj.turns[1].prompt_ids)
+
+
+@pytest.mark.parametrize("family,restore,segments,counter", [
+    ("qwen2_5", False, 1, None),  # its template never renders reasoning_content: the same tokens either way
+    ("qwen3", False, 2, "endpoint/reasoning_dropped_rewrites"),  # it renders the reasoning after the last user message
+    ("qwen3", True, 1, "endpoint/reasoning_restored"),
+])
+def test_a_reply_sent_back_without_its_reasoning_continues_only_where_the_template_drops_it(family, restore, segments,
+                                                                                          counter):
+    chat = ChatFormat(build_tokenizer(family), [SCHEMA], final_answer_pattern=r"\\boxed\{")
+    rollout = AgentEndpointRollout(agent=resending_agent(drop_reasoning=True), restore_dropped_reasoning=restore)
+    result = rollout(request(chat, ["think calls=1"]))
+    (traj,) = result.trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    assert traj.num_segments == segments and continues(traj) == (segments == 1)
+    second = chat.tokenizer.decode(traj.turns[1].prompt_ids)
+    # Continued: the sampled reasoning stays in the context; rewritten: the history as the framework sends it.
+    assert ("<think>" in second) == (segments == 1)
+    if counter is not None:
+        assert result.counters.get(counter) == 1.0
     assert sum(d.num_loss_tokens for d in build_datums(traj, advantage=1.0)) == traj.num_action_tokens
-
-
-def test_a_template_that_drops_old_thinking_is_not_a_rewrite():
-    chat = ChatFormat(build_tokenizer("qwen3"), [SCHEMA], final_answer_pattern=r"\\boxed\{")
-    (traj,) = AgentEndpointRollout(agent=tool_agent)(request(chat, ["think calls=1"])).trajectories
-    assert traj.stop_reason == StopReason.FINAL_ANSWER and traj.num_segments == 1
-    # Qwen3's template would drop the first turn's <think> from the history; the endpoint continues its tokens.
-    assert "<think>I should compute.</think>" in chat.tokenizer.decode(traj.turns[1].prompt_ids)
-    assert traj.turns[1].prompt_ids[:len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids)] == (
-        traj.turns[0].prompt_ids + traj.turns[0].completion_ids)
 
 
 def test_a_user_follow_up_continues_the_tokens_as_the_template_renders_them(chat):
@@ -1018,3 +1059,53 @@ def test_a_command_ends_with_its_own_process_and_takes_what_it_started(chat, tmp
                     os.kill(int((tmp_path / name).read_text()), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def test_command_agents_run_a_few_per_core_each_within_its_own_limit(chat, monkeypatch, tmp_path):
+    # A process per trajectory starts an interpreter and imports its framework (seconds of CPU): 64 started at once on
+    # 2 cores ran into their time limit. By default a few run per usable core; each one's limit counts from its start.
+    import time
+
+    from trl_plugins.rollout.endpoint import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "usable_cores", lambda: 1)
+    log = tmp_path / "log"
+    command = ["sh", "-c", f'echo "start $(date +%s.%N)" >> {log}; sleep 0.3; echo "end $(date +%s.%N)" >> {log}']
+    rollout = AgentEndpointRollout(command=command, agent_time_limit_s=0.8)
+    assert rollout.concurrency(6) == agent_module.COMMAND_AGENTS_PER_CORE == 2
+    assert AgentEndpointRollout(command=command, max_concurrent_agents=5).concurrency(6) == 5
+    assert AgentEndpointRollout(agent=tool_agent).concurrency(6) == 6
+    start = time.perf_counter()
+    result = rollout(request(chat, ["calls=0"], group_size=6))
+    took = time.perf_counter() - start
+    events = sorted((float(t), kind) for kind, t in (line.split() for line in log.read_text().splitlines()))
+    running = peak = 0
+    for _, kind in events:
+        running += 1 if kind == "start" else -1
+        peak = max(peak, running)
+    assert len(events) == 12 and peak == 2
+    # Three waves of 0.3 s: past one agent's limit in all, none past its own (they end asking the model nothing).
+    assert took > 0.8 and all("agent_time_limit_s" not in (t.error or "") for t in result.trajectories)
+    assert all(t.error == "the agent returned without asking the model anything" for t in result.trajectories)
+    line = rollout.describe()
+    assert "at most 2 at once (2 per usable core x 1; max_concurrent_agents sets it)" in line
+    assert "each within agent_time_limit_s=0.8 from its own start" in line
+
+
+def test_the_banner_says_how_many_agents_run_at_once_and_their_limit(tmp_path):
+    from retool.config import parse_args
+    from retool.startup import format_banner
+
+    from trl_plugins.run import resolve_run
+
+    layer = tmp_path / "agent.yaml"
+    layer.write_text("rollout: agent_endpoint\nrollout_kwargs:\n  command: python agent.py\ntools: []\ntool_kwargs: {}\n"
+                     "system_prompt: null\n")
+    script_args, args = parse_args(["--config", str(layer), "--output_dir", str(tmp_path / "o"), "--report_to", "none"])
+    run = resolve_run(args, provenance=script_args.provenance)
+    try:
+        banner = format_banner(script_args, run, world_size=1, device="cpu", distributed="single process")
+    finally:
+        run.close()
+    assert f"command 'python agent.py': at most {run.rollout.impl.concurrency(10**6)} at once" in banner
+    assert "each within agent_time_limit_s=600 from its own start" in banner

@@ -339,6 +339,9 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     for note in s.dropped_kwargs:
         lines.append(f"note:         {note}")
     lines.append(f"rollout:      {a.rollout} {_kwargs(a.rollout_kwargs)}")
+    describe = getattr(getattr(run.rollout, "impl", run.rollout), "describe", None)
+    if callable(describe):
+        lines.append(f"                {describe()}")
     pairs = list(zip(a.tools, run.tools.items()))
     if all(t.configured for t in run.tools.values()):  # a tool set (mcp) is several tools: each under its plugin
         pairs = [(t.configured, (n, t)) for n, t in run.tools.items()]

@@ -161,6 +161,12 @@ class ChatFormat(TemplateChecks, TurnParsing):
                 f"It does not support tool turns the way this rollout uses them. " + _OPTIONS
             ) from exc
 
+    def renders_alike(self, a: list[dict], b: list[dict]) -> bool:
+        """Whether the template renders two conversations (with this format's tools, a generation prompt after) to
+        the same text: e.g. whether it shows an earlier assistant turn's reasoning at all."""
+        tools = list(self.tools) or None
+        return self._render(a, add_generation_prompt=True, tools=tools) == self._render(b, add_generation_prompt=True, tools=tools)
+
     @staticmethod
     def _call(name: str, arguments: dict, k: int = 0) -> dict:
         return {"type": "function", "id": f"call_{k}", "function": {"name": name, "arguments": arguments}}

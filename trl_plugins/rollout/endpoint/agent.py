@@ -104,6 +104,14 @@ def _load(spec: str) -> Callable[..., Any]:
     return obj
 
 
+COMMAND_AGENTS_PER_CORE = 2
+"""``command`` agents running at once per usable core, where ``max_concurrent_agents`` is not set."""
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @ROLLOUTS.register("agent_endpoint")
 @dataclass
 class AgentEndpointRollout(TrajectoryBudgets):
@@ -131,10 +139,19 @@ class AgentEndpointRollout(TrajectoryBudgets):
     request_time_limit_s: float | None = 300.0
     """Wall time one request may wait for its reply (queueing and generation)."""
     max_concurrent_agents: int | None = None
-    """Agents running at once (None: every trajectory of the rollout)."""
+    """Agents running at once. None: every trajectory of the rollout for ``agent``; for ``command``,
+    :data:`COMMAND_AGENTS_PER_CORE` per usable core (a process per trajectory starts an interpreter and imports its
+    framework, seconds of CPU each: 64 started at once on 2 cores ran into their limit). Each agent's time limit counts
+    from its own start, not from the rollout's."""
     refuse_unforced_tool_choice: bool = False
     """Refuse (400) a ``tool_choice`` of ``none``, ``required`` or a named function instead of serving it as
     ``auto`` (the model chooses; counted as ``endpoint/tool_choice_unforced``, logged once). docs/agents.md."""
+    restore_dropped_reasoning: bool = False
+    """An earlier reply sent back without its reasoning, where the chat template would render that reasoning (Qwen3-style
+    templates keep it after the last user message), continues the segment with the reasoning restored from the record
+    (counted ``endpoint/reasoning_restored``), instead of a rewrite (a new segment: what the model sees when the
+    framework serves it; counted ``endpoint/reasoning_dropped_rewrites``). Training then sees reasoning the deployed
+    framework drops. Where the template drops it anyway, the segment continues either way. docs/agents.md."""
     agent_conversation: ClassVar[bool] = True
     """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
     _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
@@ -159,6 +176,28 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 raise RolloutError(f"{name} must be > 0 seconds (or null for none), got {value}.")
         if self.max_concurrent_agents is not None and self.max_concurrent_agents < 1:
             raise RolloutError(f"max_concurrent_agents must be >= 1 (or null), got {self.max_concurrent_agents}.")
+
+    def concurrency(self, trajectories: int) -> int:
+        """Agents running at once in a rollout of ``trajectories``."""
+        if self.max_concurrent_agents is not None:
+            return self.max_concurrent_agents
+        if self.command is not None:
+            return max(1, min(trajectories, COMMAND_AGENTS_PER_CORE * usable_cores()))
+        return max(1, trajectories)
+
+    def describe(self) -> str:
+        """The start-up line: how many agents run at once and how long each may take."""
+        kind = f"command {shlex.join(self.command)!r}" if self.command is not None else f"agent {self.agent!r}"
+        if self.max_concurrent_agents is not None:
+            at_once = f"at most {self.max_concurrent_agents} at once (max_concurrent_agents)"
+        elif self.command is not None:
+            cores = usable_cores()
+            at_once = (f"at most {COMMAND_AGENTS_PER_CORE * cores} at once ({COMMAND_AGENTS_PER_CORE} per usable core x "
+                       f"{cores}; max_concurrent_agents sets it)")
+        else:
+            at_once = "every trajectory of a rollout at once (max_concurrent_agents limits it)"
+        limit = "no time limit" if self.agent_time_limit_s is None else f"agent_time_limit_s={self.agent_time_limit_s:g}"
+        return f"{kind}: {at_once}; each within {limit} from its own start"
 
     def __call__(self, request: RolloutRequest) -> RolloutResult:
         """Run the agent ``group_size`` times per question.
@@ -207,7 +246,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
         loop = asyncio.get_running_loop()
         sessions: dict[str, Session] = {}
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency(request.backend), thread_name_prefix="generate")
-        agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, len(result.trajectories) or 1),
+        at_once = self.concurrency(len(result.trajectories))
+        agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, at_once),
                                                            thread_name_prefix="agent")
         dispatcher = Dispatcher(request.backend, loop, pool, result)
         server = JsonServer(lambda incoming: self._serve(incoming, sessions, request, result))
@@ -216,7 +256,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(result.trajectories), desc="agents", unit="traj", disable=not request.progress, leave=False)
-        limit = asyncio.Semaphore(self.max_concurrent_agents or max(1, len(result.trajectories)))
+        limit = asyncio.Semaphore(at_once)
 
         def chat_for(tools: list[dict]) -> ChatFormat:
             try:
@@ -233,7 +273,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
             q = request.questions[index // group]
             key = secrets.token_urlsafe(16)
             session = Session(key, index, traj, self, self.request_time_limit_s, chat_for, dispatcher.generate, request.seed,
-                              request.policy_step)
+                              request.policy_step, restore_dropped_reasoning=self.restore_dropped_reasoning,
+                              counters=result.counters)
             sessions[key] = session
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
             task = asyncio.ensure_future(self._one(fn, session, dict(q.row or {}), base_url, sessions, limit, agent_pool,
