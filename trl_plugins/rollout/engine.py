@@ -250,6 +250,7 @@ class MultiTurnRollout(TrajectoryBudgets):
                 # The weights the backend sampled with: synced for this rollout, or stamped per call by a backend whose
                 # weights change during it (an asynchronous replica).
                 policy_step=request.policy_step if sample.policy_step is None else sample.policy_step,
+                seed=seed,
             )
             st.traj.turns.append(turn)
             if not sample.finished:
