@@ -267,6 +267,11 @@ def test_a_format_2_file_replays_what_it_can_and_says_what_it_cannot(trained, sa
     report = replay_batch(load_batch(path), trained[1].processing_class)
     assert any("no version was saved" in n for n in report.notes)
     assert [d.check for d in report.differences][:1] == ["rendering"]  # no system prompt saved: the first prompt differs
+    model, _, _ = load_checkpoint(trained[0] / "checkpoint-1")
+    with pytest.raises(ReplayRefused, match=r"trajectory 0: no version was saved \(a format-2 file\)"):
+        replay_batch(load_batch(path), trained[1].processing_class, model=model, resample=True)
+    with pytest.raises(SystemExit):  # the command line: --resample needs the weights
+        main([str(path), "--tokenizer", str(trained[0] / "checkpoint-1"), "--resample"])
 
 
 def test_the_weights_digest_reads_its_stated_sample_and_ignores_a_wrapper():
@@ -457,6 +462,18 @@ def test_a_tool_reports_the_versions_of_what_it_runs_on_and_the_replay_refuses_w
         replay_batch(moved, trained[1].processing_class, run=run, tools=True)
     tool.server = "time-server 0.9"
     assert replay_batch(moved, trained[1].processing_class, run=run, tools=True).ok
+    unrecorded = copy.deepcopy(saved)  # a batch saved before the tool's version was recorded: nothing to compare
+    del unrecorded["version"]["plugin_versions"]["tool/code_interpreter"]
+    assert replay_batch(unrecorded, trained[1].processing_class, run=run, tools=True).ok
+    # versions() is read after start_up(): a tool set learns its servers' versions when it connects.
+    class Connecting(Served):
+        server = None
+
+        def start_up(self):
+            self.server = "time-server 0.9"
+            return "connected"
+
+    assert replay_batch(moved, trained[1].processing_class, run=_run(tools=Connecting()), tools=True).ok
     tool.versions = lambda: ["time-server 1.0"]  # not a mapping
     with pytest.raises(PluginDeclarationError, match=r"tool 'code_interpreter' declares versions"):
         plugin_versions("tool/code_interpreter", run.tools["code_interpreter"])
