@@ -80,12 +80,16 @@ class _ScoredScript(BackendBase):
 class ScoredScriptRollout:
     token_budget = 600
 
-    def __init__(self, **kwargs):
-        self.inner = MultiTurnRollout(max_turns=3, max_assistant_tokens=40, max_trajectory_tokens=600, tool_retries=0)
+    def __init__(self, max_turns=3, **kwargs):
+        self.inner = MultiTurnRollout(max_turns=max_turns, max_assistant_tokens=40, max_trajectory_tokens=600,
+                                      tool_retries=0)
 
     def __call__(self, request):
         request.backend = _ScoredScript(request.backend.model, request.chat.tokenizer)
         return self.inner(request)
+
+    def rederive_stop(self, trajectory, chat):
+        return self.inner.rederive_stop(trajectory, chat)
 
 
 def _config(out, **overrides):
@@ -131,8 +135,8 @@ def saved(trained):
     return load_batch(trained[0] / "trajectories" / "step-000002.json")
 
 
-def _run(tools=None, rewards=None):
-    run = resolve_run(_config("unused"), tools={"code_interpreter": tools or EchoTool()},
+def _run(tools=None, rewards=None, **overrides):
+    run = resolve_run(_config("unused", **overrides), tools={"code_interpreter": tools or EchoTool()},
                       reward_components={"digit": rewards or BoxedDigit()})
     return run
 
@@ -141,7 +145,8 @@ def test_the_version_is_complete_in_the_saved_batch_and_the_checkpoint(trained, 
     out, trainer = trained
     version = trainer.run.version
     assert saved["format"] == "trl_plugins.viewer/3" and saved["version"]["digest"] == version.digest
-    assert saved["version"]["plugin_versions"] == {"reward/digit": "1", "tool/code_interpreter": "1"}
+    assert saved["version"]["plugin_versions"] == {"reward/digit": "1", "tool/code_interpreter": "1",
+                                                   "rollout/test_batch_replay:ScoredScriptRollout": None}
     assert saved["version"]["sampler"] == "hf_generate" and saved["version"]["dtype"] == "float32"
     assert saved["version"]["packages"]["torch"] == torch.__version__ and saved["tool_schemas"] == [SCHEMA]
     row = saved["trajectories"][0]["row"]  # whole rows
@@ -165,7 +170,8 @@ def test_a_saved_batch_replays_clean_with_its_own_checkpoint(trained, capsys):
     assert "logprobs: 4 trajectories compared, all equal" in text and "datum: 4 trajectories compared" in text
     report = replay_batch(load_batch(batch), load_checkpoint(out / "checkpoint-1")[1], run=_run(), tools=True,
                           rewards=True)
-    assert report.ok and report.compared == {"rendering": 4, "tools": 4, "rewards": 4, "datum": 4}, report.render()
+    assert report.ok and report.compared == {"rendering": 4, "tools": 4, "rewards": 4, "stop_reason": 4, "datum": 4}, \
+        report.render()
 
 
 def test_a_checkpoint_one_step_later_is_refused_and_its_gap_reported_anyway(trained, saved, capsys):
@@ -261,6 +267,11 @@ def test_a_format_2_file_replays_what_it_can_and_says_what_it_cannot(trained, sa
     report = replay_batch(load_batch(path), trained[1].processing_class)
     assert any("no version was saved" in n for n in report.notes)
     assert [d.check for d in report.differences][:1] == ["rendering"]  # no system prompt saved: the first prompt differs
+    model, _, _ = load_checkpoint(trained[0] / "checkpoint-1")
+    with pytest.raises(ReplayRefused, match=r"trajectory 0: no version was saved \(a format-2 file\)"):
+        replay_batch(load_batch(path), trained[1].processing_class, model=model, resample=True)
+    with pytest.raises(SystemExit):  # the command line: --resample needs the weights
+        main([str(path), "--tokenizer", str(trained[0] / "checkpoint-1"), "--resample"])
 
 
 def test_the_weights_digest_reads_its_stated_sample_and_ignores_a_wrapper():
@@ -397,3 +408,146 @@ def test_a_changed_tool_schema_is_refused(trained, saved):
     with pytest.raises(ReplayRefused, match=r"tool schemas digest: \w+ \(saved\) vs \w+ \(current\)"):
         replay_batch(saved, trained[1].processing_class, run=run)
     assert replay_batch(saved, trained[1].processing_class, run=_run()).ok
+
+
+# -- the stop reason, re-derived from the saved turns (--rewards) ---------------------------------------------------
+
+
+def test_the_stop_reason_is_re_derived_from_the_turns_and_a_changed_rule_is_named_at_its_turn(trained, saved):
+    tok = trained[1].processing_class
+    report = replay_batch(saved, tok, run=_run(), rewards=True)
+    assert report.ok and report.compared["stop_reason"] == 4, report.render()
+    assert {t["stop_reason"] for t in saved["trajectories"]} == {"final_answer"}  # a tool call, then \boxed{}
+    # The rules changed (max_turns 3 -> 1): every trajectory now ends after its tool call, at turn 0.
+    found = [d for d in replay_batch(saved, tok, run=_run(rollout_kwargs={"max_turns": 1}), rewards=True).differences
+             if d.check == "stop_reason"]
+    assert [(d.trajectory, d.turn, d.saved, d.current) for d in found] == [(i, 0, "another turn", "max_turns")
+                                                                           for i in range(4)]
+    # A saved stop reason that its turns do not give (negative control of the comparison itself).
+    damaged = copy.deepcopy(saved)
+    damaged["trajectories"][2]["stop_reason"] = "no_tool_call"
+    [d] = [d for d in replay_batch(damaged, tok, run=_run(), rewards=True).differences if d.check == "stop_reason"]
+    assert (d.trajectory, d.turn, d.saved, d.current) == (2, 1, "no_tool_call", "final_answer"), d.line()
+
+
+# -- versions of every plugin, and the hook a tool set fills (an MCP server's name and version) ---------------------
+
+
+def test_a_tool_reports_the_versions_of_what_it_runs_on_and_the_replay_refuses_when_they_moved(trained, saved):
+    from trl_plugins.protocols import PluginDeclarationError
+    from trl_plugins.run.version import plugin_version, plugin_versions, run_version
+
+    class Served(EchoTool):
+        server = "time-server 1.0"
+
+        def versions(self):
+            return {"server/time": self.server}
+
+    tool = Served()
+    assert plugin_versions("tool/code_interpreter", tool) == {"tool/code_interpreter": "1",
+                                                             "tool/code_interpreter/server/time": "time-server 1.0"}
+    run = _run(tools=tool)
+    run.bind_tokenizer(trained[1].processing_class)
+    version = run_version(tokenizer_digest="t", tool_schemas=[SCHEMA], model=trained[1].model, sampler="hf_generate",
+                          tools=run.tools, rollout=run.rollout)
+    assert version.plugin_versions["tool/code_interpreter/server/time"] == "time-server 1.0"
+    assert "rollout/test_batch_replay:ScoredScriptRollout" in version.plugin_versions
+    # The saved batch knew no server: a part that appeared is a change; the tools' check refuses, saying which.
+    with pytest.raises(ReplayRefused, match=r"tool/code_interpreter/server/time version: absent \(saved\) vs "
+                                            r"time-server 1.0 \(current\): the tool changed"):
+        replay_batch(saved, trained[1].processing_class, run=run, tools=True)
+    moved = copy.deepcopy(saved)
+    moved["version"]["plugin_versions"]["tool/code_interpreter/server/time"] = "time-server 0.9"
+    with pytest.raises(ReplayRefused, match=r"server/time version: time-server 0.9 \(saved\) vs time-server 1.0"):
+        replay_batch(moved, trained[1].processing_class, run=run, tools=True)
+    tool.server = "time-server 0.9"
+    assert replay_batch(moved, trained[1].processing_class, run=run, tools=True).ok
+    unrecorded = copy.deepcopy(saved)  # a batch saved before the tool's version was recorded: nothing to compare
+    del unrecorded["version"]["plugin_versions"]["tool/code_interpreter"]
+    assert replay_batch(unrecorded, trained[1].processing_class, run=run, tools=True).ok
+    # versions() is read after start_up(): a tool set learns its servers' versions when it connects.
+    class Connecting(Served):
+        server = None
+
+        def start_up(self):
+            self.server = "time-server 0.9"
+            return "connected"
+
+    assert replay_batch(moved, trained[1].processing_class, run=_run(tools=Connecting()), tools=True).ok
+    tool.versions = lambda: ["time-server 1.0"]  # not a mapping
+    with pytest.raises(PluginDeclarationError, match=r"tool 'code_interpreter' declares versions"):
+        plugin_versions("tool/code_interpreter", run.tools["code_interpreter"])
+    # A plugin of an installed distribution that declares no version gets the distribution's.
+    from importlib import metadata
+
+    assert plugin_version(MultiTurnRollout()) == f"trl-plugins {metadata.version('trl-plugins')}"
+
+
+# -- --resample: the seeded turns drawn again ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    """A batch really sampled by HF generate from a tiny random model (seeded, temperature 1), saved and read back,
+    with the model, tokenizer and run that sampled it."""
+    from trl_plugins.rollout import HFGenerationBackend
+    from trl_plugins.tiny import build_tiny_model
+    from trl_plugins.trainers.batch import rollout_rows
+    from trl_plugins.trainers.callbacks import chat_settings
+    from trl_plugins.viewer import make_batch
+
+    tok = build_tokenizer("qwen2_5")
+    torch.manual_seed(0)
+    model = build_tiny_model(tok)
+    run = _run(rollout="multi_turn", rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 6,
+                                                     "max_trajectory_tokens": 600})
+    chat = run.bind_tokenizer(tok)
+    run.bind_version(model)
+    backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids)
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(2)]
+    result = rollout_rows(run, backend, rows, group_size=2, seed=7)
+    batch = make_batch(result.trajectories, [], tok, rows=rows, version=run.version, tool_schemas=chat.tools,
+                       chat_settings=chat_settings(run))
+    return model, tok, chat, json.loads(json.dumps(batch))
+
+
+def test_resampling_a_batch_with_its_own_weights_draws_every_token_again(sampled):
+    model, tok, _, batch = sampled
+    assert all(t["seed"] is not None for e in batch["trajectories"] for t in e["turns"])
+    report = replay_batch(batch, tok, model=model, model_step=0, resample=True)
+    assert report.ok and report.compared["resample"] == 4, report.render()
+
+
+def test_a_turn_drawn_from_another_seed_is_named_at_its_first_differing_token(sampled):
+    from trl_plugins.rollout import HFGenerationBackend
+
+    model, tok, chat, batch = sampled
+    damaged = copy.deepcopy(batch)
+    turn = damaged["trajectories"][1]["turns"][0]
+    turn["seed"] += 1
+    ids = damaged["trajectories"][1]["tokens"]["ids"]
+    prompt, completion = ids[: turn["completion_start"]], ids[turn["completion_start"]: turn["completion_end"]]
+    (other,) = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids).generate(
+        [prompt], [len(completion)], seeds=[turn["seed"]])
+    k = next(j for j, (a, b) in enumerate(zip(completion, other.token_ids + [None] * len(completion))) if a != b)
+    report = replay_batch(damaged, tok, model=model, model_step=0, resample=True)
+    [found] = [d for d in report.differences if d.check == "resample"]
+    assert (found.trajectory, found.turn, found.token) == (1, 0, len(prompt) + k), found.line()
+    assert found.saved == repr(tok.decode([completion[k]])) and found.current != found.saved
+
+
+def test_a_batch_that_cannot_be_resampled_says_what_it_lacks_per_trajectory(sampled):
+    model, tok, _, batch = sampled
+    unseeded = copy.deepcopy(batch)
+    for t in unseeded["trajectories"][0]["turns"]:
+        t["seed"] = None
+    report = replay_batch(unseeded, tok, model=model, model_step=0, resample=True)
+    assert report.compared["resample"] == 3 and "trajectory 0 not resampled: no sampling seed was saved for turn(s) " \
+        "[0]" in report.render()
+    vllm = copy.deepcopy(batch)
+    vllm["version"]["sampler"] = "vllm_server"
+    with pytest.raises(ReplayRefused, match=r"(?s)no trajectory of this batch can be regenerated.*trajectory 3: it was "
+                                            r"sampled by vllm_server, whose seeded draws are made inside the vLLM engine"):
+        replay_batch(vllm, tok, model=model, model_step=0, resample=True)
+    with pytest.raises(ValueError, match="resample=True regenerates the turns with the weights"):
+        replay_batch(batch, tok, resample=True)

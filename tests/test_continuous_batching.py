@@ -258,6 +258,11 @@ def test_training_with_continuous_batching_is_training_with_hf_generate(tmp_path
     # one): the weights agree to 1% of how far training moved them; a sampler that trained on other tokens or
     # log-probs would differ by the update itself.
     assert diff < 1e-2 * moved, (diff, moved)
+    # The version fields, filled for both samplers: the kind, and the digest of the weights that sampled each batch.
+    for trainer, kind in ((hf, "hf_generate"), (cbt, "continuous_batching")):
+        v = trainer.last_batch.trajectories[0].policy_version
+        assert trainer.run.version.sampler == kind and v.run_digest == trainer.run.version.digest
+        assert v.weights_digest is not None and len(v.weights_digest) == 16
 
 
 def test_training_negative_control_stale_prefix_blocks_are_caught(tmp_path, monkeypatch):

@@ -352,10 +352,12 @@ def test_main_command_runs_two_steps_on_one_process(first_launch):
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B offline by default
     # The banner comes before the embedded default is built (what the run will do, said before it spends compute).
     assert 0 <= proc.stdout.index("ReTool PPO: the run") < proc.stdout.index("building the tiny model")
-    # Its saved batch replays clean with the checkpoint that sampled it (docs/replay.md).
+    # Its saved batch replays clean with the checkpoint that sampled it (docs/replay.md): every seeded turn drawn
+    # again, the rewards recomputed and the stop reasons re-derived.
     from trl_plugins.viewer.replay_cli import main as replay
 
-    assert replay([str(out / "trajectories" / "step-000002.json"), "--checkpoint", str(out / "checkpoint-1")]) == 0
+    assert replay([str(out / "trajectories" / "step-000002.json"), "--checkpoint", str(out / "checkpoint-1"),
+                   "--resample", "--rewards"]) == 0
 
 
 @pytest.mark.slow

@@ -196,7 +196,14 @@ def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, p
 
     path = saved[0]
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer, _ = _train(tmp_path, path, peft_config=lora, vllm_mode="colocate")
+    trainer, seen = _train(tmp_path, path, peft_config=lora, vllm_mode="colocate")
+    # The version records the adapter set and the sampler, and every trajectory refers to it; vLLM's weights are
+    # in the engine, so no weights digest is claimed (docs/replay.md).
+    version = trainer.run.version
+    assert version.sampler == "vllm_colocate" and [(a.kind, a.rank, a.targets) for a in version.adapters] == [
+        ("LORA", 4, ("q_proj", "v_proj"))]
+    assert all(t.policy_version.run_digest == version.digest and t.policy_version.weights_digest is None
+               for trajs in seen for t in trajs)
     engine = trainer.vllm_generation.llm.engine.model
     trainer.generation_backend().sync_weights(trainer.state.global_step)
     with torch.no_grad():
@@ -218,6 +225,10 @@ def test_trainer_server_mode_sends_turns_from_the_rank_and_pushes_weights(tmp_pa
                                vllm_max_concurrent_requests=3)
         turns = sum(len(t.turns) for trajs in seen for t in trajs)
         assert server.engine.requests == turns  # one request per turn
+        version = trainer.run.version  # the version fields, filled for a server sampler
+        assert version.sampler == "vllm_server" and version.packages["trl"] and all(
+            t.policy_version.run_digest == version.digest and t.policy_version.weights_digest is None
+            and t.turns[0].seed is not None for trajs in seen for t in trajs)
         assert trainer.generation_backend().max_concurrency == 3
         trainer.generation_backend().sync_weights(trainer.state.global_step)
         assert _same_weights(server.engine.model, trainer)

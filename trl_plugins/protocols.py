@@ -20,7 +20,8 @@ policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supp
                                                                           ``needs_turn_ids`` (False),
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
-rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1), ``close()``
+rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1),
+                                                                          ``rederive_stop()``, ``close()``
 tool                        ``name``, ``schema()``, ``async __call__``    ``idempotent`` (False), ``start_up()``,
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
@@ -142,7 +143,9 @@ class Rollout(Protocol):
     # Optional: ``tool_calls_per_turn`` (int >= 1, default 1), the most calls of one turn it runs (parallel calls);
     # above 1 the run's chat format checks at start-up that the template renders that many exactly.
     # ``agent_conversation`` (bool, default False): an agent writes the conversation, so the run refuses its own
-    # ``tools`` and ``system_prompt``.
+    # ``tools`` and ``system_prompt``. ``rederive_stop(trajectory, chat)``: where and why its rules end a saved
+    # trajectory (the replay compares it with the saved stop reason). ``version`` (str) and ``versions()`` (any
+    # plugin): see :func:`trl_plugins.run.version.plugin_versions`.
 
     def __call__(self, request: Any) -> Any: ...
 
@@ -344,6 +347,10 @@ class RolloutPlugin(_Adapter):
     agent_conversation: bool = False
     """The conversation is written by an agent (its own system prompt, messages and tools), not from the run's
     ``tools`` and ``system_prompt``, which the run then refuses; optional, default False."""
+    rederive_stop_fn: Callable[[Any, Any], Any] | None = None
+    """``rederive_stop(trajectory, chat) -> (turn, StopReason | None)``: where and why its rules end a saved
+    trajectory (what ``python -m trl_plugins.replay --rewards`` compares with the saved stop reason); optional,
+    None: the replay says it cannot re-derive this rollout's stop reasons."""
 
     @property
     def label(self) -> str:
@@ -454,7 +461,8 @@ def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
         raise PluginDeclarationError(label, f"declares tool_calls_per_turn={per_turn!r}; it must be an int >= 1 (the "
                                      f"most tool calls of one turn it runs).")
     return RolloutPlugin(name, impl, token_budget=budget, tool_calls_per_turn=per_turn,
-                         agent_conversation=_optional_bool(impl, "agent_conversation", False, label))
+                         agent_conversation=_optional_bool(impl, "agent_conversation", False, label),
+                         rederive_stop_fn=_optional_method(impl, "rederive_stop", label))
 
 
 def as_tool(impl: Any, name: str = "") -> ToolPlugin:

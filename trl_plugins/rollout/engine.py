@@ -184,6 +184,41 @@ class MultiTurnRollout(TrajectoryBudgets):
             validate_trajectory(traj)
         return result
 
+    def rederive_stop(self, trajectory: Trajectory, chat: Any) -> tuple[int, StopReason | None]:
+        """Replay capability: where and why these rules end ``trajectory``, from its saved turns (tokens, truncation,
+        tool calls with their saved outputs) alone: ``(t, reason)``, the last turn they keep and the stop after it,
+        or ``(last turn, None)`` when they would sample another turn. The stops the world decides around the
+        rollout (``cancelled``, ``verifier_error``) are not derived here. ``chat`` is the run's chat format (its
+        parser decides what a turn did)."""
+        calls_so_far, turns = 0, trajectory.turns
+        for t, turn in enumerate(turns):
+            if len(turn.prompt_ids) >= self.max_trajectory_tokens:
+                return t - 1, StopReason.TOKEN_BUDGET
+            budget = min(self.max_assistant_tokens, self.max_trajectory_tokens - len(turn.prompt_ids))
+            if turn.truncated:
+                return t, StopReason.TURN_LENGTH if budget == self.max_assistant_tokens else StopReason.TOKEN_BUDGET
+            try:
+                parsed = chat.parse(turn.prompt_ids, turn.completion_ids)
+            except Exception:  # noqa: BLE001 - what the rollout does with a parser that raises
+                return t, StopReason.INVALID_ACTION
+            if parsed.kind in (TurnKind.FINAL_ANSWER, TurnKind.NO_TOOL_CALL):
+                return t, StopReason(str(parsed.kind))
+            if parsed.kind != TurnKind.TOOL_CALL or len(parsed.calls) > self.max_tool_calls_per_turn:
+                return t, StopReason.INVALID_ACTION
+            if calls_so_far + len(parsed.calls) > self.max_tool_calls:
+                return t, StopReason.MAX_TOOL_CALLS
+            if any(c.infra_error is not None for c in turn.tool_calls):
+                return t, StopReason.ENVIRONMENT_ERROR
+            calls_so_far += len(parsed.calls)
+            if t + 1 >= self.max_turns:
+                return t, StopReason.MAX_TURNS
+            if t + 1 == len(turns):  # the prompt the next turn would have had: over the budget is a stop
+                results = [(c.name, c.output) for c in turn.tool_calls]
+                glue = chat.tool_results_turn(turn.completion_ids, results, max_tokens=self.max_tool_response_tokens)
+                if len(turn.prompt_ids) + len(turn.completion_ids) + len(glue.ids) >= self.max_trajectory_tokens:
+                    return t, StopReason.TOKEN_BUDGET
+        return len(turns) - 1, None
+
     async def _run(self, request: RolloutRequest, result: RolloutResult, live: list[_Live], bar: Any) -> None:
         """Every trajectory on its own coroutine; generation through one :class:`~trl_plugins.rollout.dispatch.Dispatcher`."""
         loop = asyncio.get_running_loop()
@@ -250,6 +285,7 @@ class MultiTurnRollout(TrajectoryBudgets):
                 # The weights the backend sampled with: synced for this rollout, or stamped per call by a backend whose
                 # weights change during it (an asynchronous replica).
                 policy_step=request.policy_step if sample.policy_step is None else sample.policy_step,
+                seed=seed,
             )
             st.traj.turns.append(turn)
             if not sample.finished:

@@ -114,7 +114,7 @@ class Run:
 
     def bind_version(self, model: Any) -> RunVersion:
         """Record the run-level policy version of ``model`` (its dtype, quantization and adapters), the chat format,
-        the sampler, the tool schemas and every reward component's and tool's version
+        the sampler, the tool schemas and the version of every reward component, tool and the rollout
         (:func:`~trl_plugins.run.version.run_version`); once, after :meth:`bind_tokenizer`. Every trajectory the
         run rolls out refers to it by digest (``PolicyVersion.run_digest``)."""
         if self.chat is None:
@@ -123,7 +123,7 @@ class Run:
             from trl_plugins.run.version import run_version
 
             self.version = run_version(tokenizer_digest=self.chat.digest, tool_schemas=self.chat.tools, model=model,
-                                       sampler=self.sampler, rewards=self.rewards, tools=self.tools)
+                                       sampler=self.sampler, rewards=self.rewards, tools=self.tools, rollout=self.rollout)
         return self.version
 
     def start_tools(self) -> dict[str, str]:

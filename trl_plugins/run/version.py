@@ -12,11 +12,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from trl_plugins.protocols import PluginDeclarationError
 from trl_plugins.rollout.weights import WEIGHTS_SAMPLE, weights_digest
 from trl_plugins.types import AdapterSpec, RunVersion
 
-__all__ = ["WEIGHTS_SAMPLE", "weights_digest", "plugin_version", "tool_schemas_digest", "run_version",
-           "version_differences"]
+__all__ = ["WEIGHTS_SAMPLE", "weights_digest", "plugin_version", "plugin_versions", "tool_schemas_digest",
+           "run_version", "version_differences"]
 
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft", "vllm", "trl_plugins")
 
@@ -36,6 +37,30 @@ def plugin_version(plugin: Any) -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def plugin_versions(key: str, plugin: Any) -> dict[str, str | None]:
+    """The versions a plugin records under ``key`` (``"reward/<name>"``, ``"tool/<name>"``, ``"rollout/<name>"``):
+    ``{key: plugin_version(plugin)}``, plus ``{key + "/" + part: version}`` for each part its optional
+    ``versions()`` names: what it runs on that has a version of its own (an MCP tool: the server it talks to, by
+    the name and version the server reported). ``versions()`` is read when the run's version is recorded, after
+    the tools' ``start_up()``; a value ``None`` is an unversioned part.
+
+    Raises:
+        PluginDeclarationError: ``versions`` is not a method, or returns other than ``{str: str | None}``.
+    """
+    out = {key: plugin_version(plugin)}
+    impl = getattr(plugin, "impl", plugin)
+    method = getattr(impl, "versions", None)
+    if method is None:
+        return out
+    parts = method() if callable(method) else method
+    if not callable(method) or not isinstance(parts, Mapping) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in parts.items()):
+        raise PluginDeclarationError(getattr(plugin, "label", key), f"declares versions = {parts!r}; it must be a method returning "
+                                     f"{{part: version string or None}} (docs/replay.md).")
+    out.update({f"{key}/{part}": v for part, v in sorted(parts.items())})
+    return out
 
 
 def tool_schemas_digest(schemas: Sequence[Mapping[str, Any]]) -> str:
@@ -69,7 +94,8 @@ def _adapters(model: Any) -> tuple[AdapterSpec, ...]:
 
 
 def run_version(*, tokenizer_digest: str, tool_schemas: Sequence[Mapping[str, Any]], model: Any, sampler: str,
-                rewards: Sequence[Any] = (), tools: Mapping[str, Any] | None = None) -> RunVersion:
+                rewards: Sequence[Any] = (), tools: Mapping[str, Any] | None = None,
+                rollout: Any = None) -> RunVersion:
     """The run-level record of a run whose policy is ``model`` (unwrapped or not; PEFT adapters read from it).
 
     Args:
@@ -79,14 +105,20 @@ def run_version(*, tokenizer_digest: str, tool_schemas: Sequence[Mapping[str, An
         sampler: The sampler's kind (``SamplerKind`` value).
         rewards: The reward components (each with ``name``).
         tools: The tools by the name the model calls them.
+        rollout: The rollout plugin (the environment; with ``name``), None: not recorded.
     """
     inner = getattr(model, "module", model)
     params = next(iter(inner.parameters()), None) if isinstance(inner, torch.nn.Module) else None
     quant = getattr(getattr(inner, "config", None), "quantization_config", None)
     quant_method = None if quant is None else str(getattr(quant, "quant_method", None) or
                                                  (quant.get("quant_method") if isinstance(quant, Mapping) else quant))
-    versions = {f"reward/{r.name}": plugin_version(r) for r in rewards}
-    versions.update({f"tool/{name}": plugin_version(t) for name, t in (tools or {}).items()})
+    versions: dict[str, str | None] = {}
+    for r in rewards:
+        versions.update(plugin_versions(f"reward/{r.name}", r))
+    for name, t in (tools or {}).items():
+        versions.update(plugin_versions(f"tool/{name}", t))
+    if rollout is not None:
+        versions.update(plugin_versions(f"rollout/{rollout.name}", rollout))
     return RunVersion(
         tokenizer_digest=tokenizer_digest, dtype=str(params.dtype).removeprefix("torch.") if params is not None else "",
         quantization=quant_method, adapters=_adapters(inner), sampler=str(sampler), packages=_package_versions(),

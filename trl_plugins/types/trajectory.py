@@ -222,6 +222,10 @@ class Turn:
     """The optimizer step of the weights that sampled this turn (its span's behaviour version). Equal to the
     trajectory's ``policy_version.step`` unless the weights changed in the middle of the episode; None when the
     producer did not record it (the trajectory's version then stands for every turn)."""
+    seed: int | None = None
+    """The seed the sampler drew this turn with (the multi-turn rollout's ``derive_seed(request seed, trajectory,
+    turn)``): with the same weights, prompt and sampling settings a seeded sampler draws the same tokens again,
+    which ``python -m trl_plugins.replay --resample`` checks. None when the producer did not record one."""
     segment_start: bool = False
     """This turn's prompt does not continue the turns before it: its producer rendered the conversation afresh (an
     agent behind the endpoint rewrote its history). The trajectory's tokens start a new *segment* here, trained as a

@@ -154,7 +154,7 @@ def _turns(traj: Trajectory) -> list[dict]:
                   "infra_error": c.infra_error} for c in turn.tool_calls]
         out.append({"index": i, "prompt_start": pos, "completion_start": start, "completion_end": start + len(turn.completion_ids),
                     "text": turn.text, "truncated": turn.truncated, "tool_calls": calls,
-                    "policy_step": steps[i], "segment_start": turn.segment_start})
+                    "policy_step": steps[i], "seed": turn.seed, "segment_start": turn.segment_start})
         pos = start + len(turn.completion_ids)
     return out
 

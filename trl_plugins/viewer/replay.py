@@ -9,14 +9,18 @@ thing that differs and where (trajectory, turn, token index, the token text on b
 2. **logprobs** (a model given): each action token's log-prob recomputed with a plain forward and compared with the
    saved behaviour log-prob (max and p99 of the difference; tokens beyond the tolerance, which depends on the saved
    precision and sampler: :func:`default_tolerance`). Only trajectories sampled at the model's step are compared;
+   with ``resample=True`` each seeded turn is also regenerated from its saved prompt, seed and sampling settings
+   (HF generate and continuous-batching batches) and the first token drawn differently is named;
 3. **tools** (``tools=True``): every call of an idempotent tool run again, its output compared and its observation
    tokens re-derived from the new output (a tool that is not idempotent is skipped, and said);
-4. **rewards** (``rewards=True``): every reward component recomputed and compared with the saved value;
+4. **rewards** (``rewards=True``): every reward component recomputed and compared with the saved value, and the
+   stop reason re-derived from the saved turns by the rollout's rules (its ``rederive_stop``);
 5. **datum**: the datum built again (:func:`~trl_plugins.datum.build_datum`) from the trajectory the saved tokens,
    turns and behaviour log-probs describe, compared field by field (ids, mask, sources, log-probs, advantages).
 
 Before any check it compares the saved version with the current one and refuses (:class:`ReplayRefused`, naming what
-changed) when the tokenizer digest, the tool schemas or a verifier's (reward component's) or tool's version differ;
+changed) when the tokenizer digest, the tool schemas or a verifier's (reward component's), tool's or (with
+``rewards``) the rollout's version differ;
 ``anyway=True`` runs the comparison regardless, and the report says so on every line.
 
 A format-2 file (before the version was saved) replays with what it holds: no version to check, the first prompt
@@ -36,7 +40,7 @@ import torch
 from trl_plugins.datum import DatumError, build_datum
 from trl_plugins.modeling import token_logprobs
 from trl_plugins.rollout.chat import ChatFormat, tokenizer_digest
-from trl_plugins.run.version import plugin_version, tool_schemas_digest
+from trl_plugins.run.version import plugin_versions, tool_schemas_digest
 from trl_plugins.types import (
     LogprobSource,
     PolicyVersion,
@@ -53,7 +57,7 @@ from trl_plugins.viewer.batch import datum_from_dict
 __all__ = ["Difference", "ReplayReport", "ReplayRefused", "replay_batch", "saved_trajectory", "default_tolerance",
            "CHECKS"]
 
-CHECKS = ("version", "rendering", "logprobs", "tools", "rewards", "datum")
+CHECKS = ("version", "rendering", "logprobs", "resample", "tools", "rewards", "stop_reason", "datum")
 """The checks a replay reports, in the order it runs them."""
 
 
@@ -174,7 +178,8 @@ def saved_trajectory(entry: Mapping[str, Any]) -> Trajectory:
                           infra_error=c.get("infra_error")) for c in t["tool_calls"]]
         turn = Turn(prompt_ids=ids[:start], completion_ids=ids[start:end], completion_logprobs=logprobs[start:end],
                     text=t["text"], prompt_sources=sources[added:start], completion_sources=sources[start:end],
-                    truncated=bool(t["truncated"]), tool_calls=calls, policy_step=t.get("policy_step"))
+                    truncated=bool(t["truncated"]), tool_calls=calls, policy_step=t.get("policy_step"),
+                    seed=t.get("seed"))
         turns.append(turn)
         added = end
     pv = entry.get("policy_version")
@@ -214,9 +219,18 @@ def _version_gate(batch: Mapping[str, Any], tokenizer: Any, run: Any, *, tools: 
     versions = saved.get("plugin_versions") or {}
     plugins = [(f"reward/{r.name}", r) for r in (run.rewards if run is not None and rewards else [])]
     plugins += [(f"tool/{n}", t) for n, t in (run.tools.items() if run is not None and tools else [])]
-    for key, plugin in plugins:
-        if key in versions and versions[key] != plugin_version(plugin):
-            out.append(f"{key} version: {versions[key]} (saved) vs {plugin_version(plugin)} (current)")
+    if run is not None and rewards:  # the stop reason is re-derived by the rollout's rules
+        plugins.append((f"rollout/{run.rollout.name}", run.rollout))
+    why = {"reward": "the verifier changed: it may score the same trajectory differently",
+           "tool": "the tool changed: its outputs may differ", "rollout": "the rollout's rules changed"}
+    for root, plugin in plugins:
+        if root not in versions:
+            continue  # saved before this plugin's version was recorded
+        current = plugin_versions(root, plugin)
+        for key in sorted({k for k in (*versions, *current) if k == root or k.startswith(root + "/")}):
+            a, b = versions.get(key, "absent"), current.get(key, "absent")
+            if a != b:
+                out.append(f"{key} version: {a} (saved) vs {b} (current): {why[root.split('/')[0]]}")
     return out
 
 
@@ -341,6 +355,75 @@ def _check_rewards(run: Any, batch: Mapping[str, Any], entry: Mapping[str, Any],
     return None
 
 
+_WORLD_STOPS = (StopReason.CANCELLED, StopReason.VERIFIER_ERROR)
+
+
+def _check_stop(run: Any, chat: ChatFormat, traj: Trajectory, i: int, report: ReplayReport) -> Difference | None:
+    """The stop reason the rollout's rules give the saved turns, against the saved one (None: equal, or not
+    derivable, which a note says)."""
+    saved, last = traj.stop_reason, len(traj.turns) - 1
+    if saved in _WORLD_STOPS:
+        report.notes.append(f"trajectory {i}: its stop reason {saved} was set by the world around the rollout, not by "
+                            f"its turns: not re-derived")
+        return None
+    turn, reason = run.rollout.rederive_stop_fn(traj, chat)
+    if turn < last:
+        return Difference("stop_reason", i, f"the rollout's rules now end it after turn {turn} ({reason}), but it went "
+                          f"on to turn {last} and ended {saved}", max(turn, 0), None, "another turn", str(reason))
+    if reason != saved:
+        return Difference("stop_reason", i, "the stop reason re-derived from its saved turns differs", last, None,
+                          str(saved), "another turn" if reason is None else str(reason))
+    return None
+
+
+_RESAMPLERS = ("hf_generate", "continuous_batching")
+"""Samplers whose seeded draws :func:`_check_resample` reproduces: both draw a turn's tokens from its seed and the
+token's index alone (:mod:`trl_plugins.rollout.sampling`), in the training process."""
+
+
+def _why_not_resampled(batch: Mapping[str, Any], traj: Trajectory) -> str | None:
+    version = batch.get("version")
+    if version is None:
+        return "no version was saved (a format-2 file), so the sampler that drew it is unknown"
+    if version.get("sampler") not in _RESAMPLERS:
+        return (f"it was sampled by {version.get('sampler') or 'an unrecorded sampler'}, whose seeded draws are made "
+                f"inside the vLLM engine; only {' and '.join(_RESAMPLERS)} batches are regenerated (with transformers)")
+    if traj.policy_version is None:
+        return "no policy version was saved, so its sampling settings are unknown"
+    missing = [t for t, turn in enumerate(traj.turns) if turn.seed is None]
+    if missing:
+        return (f"no sampling seed was saved for turn(s) {missing} (a batch saved before seeds were recorded, or a "
+                f"rollout that does not record Turn.seed)")
+    return None
+
+
+def _check_resample(model: Any, chat: ChatFormat, entries: list[tuple[int, Mapping, Trajectory]], step: int | None,
+                    report: ReplayReport) -> None:
+    from trl_plugins.rollout.backends import HFGenerationBackend
+
+    tok = chat.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else chat.stop_token_ids[0]
+    for i, _, traj in entries:
+        backend = HFGenerationBackend(model, pad_token_id=pad, stop_token_ids=chat.stop_token_ids,
+                                      sampling=traj.policy_version.sampling)
+        steps = traj.turn_policy_steps()
+        for t, turn in enumerate(traj.turns):
+            if step is not None and steps[t] != step:
+                report.notes.append(f"trajectory {i}, turn {t}: sampled at step {steps[t]}, not resampled with step "
+                                    f"{step}'s weights")
+                continue
+            if not turn.completion_ids:
+                continue
+            (sample,) = backend.generate([turn.prompt_ids], [len(turn.completion_ids)], seeds=[turn.seed])
+            k = _first_difference(turn.completion_ids, sample.token_ids)
+            if k is not None:
+                report.differences.append(Difference(
+                    "resample", i, f"turn {t} draws other tokens from its seed {turn.seed}", t,
+                    len(turn.prompt_ids) + k, _text(tok, turn.completion_ids, k) or "end",
+                    _text(tok, sample.token_ids, k) or "end"))
+                break  # later turns' prompts follow the saved tokens, not these
+
+
 def _check_datum(entry: Mapping[str, Any], traj: Trajectory, i: int, tok: Any) -> Difference | None:
     saved = datum_from_dict(entry["datum"])
     try:
@@ -363,8 +446,8 @@ def _check_datum(entry: Mapping[str, Any], traj: Trajectory, i: int, tok: Any) -
 
 
 def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None, model_step: int | None = None,
-                 run: Any = None, tools: bool = False, rewards: bool = False, anyway: bool = False,
-                 tolerance: float | None = None) -> ReplayReport:
+                 run: Any = None, tools: bool = False, rewards: bool = False, resample: bool = False,
+                 anyway: bool = False, tolerance: float | None = None) -> ReplayReport:
     """Re-derive a saved batch (:func:`~trl_plugins.viewer.load_batch`) and report the first difference per
     trajectory and check (module docstring).
 
@@ -376,19 +459,28 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
             compared, the others are named in the notes. None with ``anyway``: every trajectory.
         run: The current run (:class:`~trl_plugins.run.Run`, tokenizer bound): its tool schemas and plugin versions
             are checked, and its tools and reward components re-run with ``tools``/``rewards``.
-        tools, rewards: Re-run the idempotent tool calls / the reward components (need ``run``).
+        tools, rewards: Re-run the idempotent tool calls / the reward components and re-derive the stop reasons
+            (need ``run``).
+        resample: Regenerate each seeded turn with ``model`` (needed) from its saved prompt, seed and sampling
+            settings, and name the first token that differs.
         anyway: Compare even when the version differs; the report is then never ``ok``.
         tolerance: Largest accepted log-prob difference (None: :func:`default_tolerance`).
 
     Raises:
-        ReplayRefused: the version differs (and not ``anyway``), or ``model_step`` matches no trajectory's step.
-        ValueError: ``tools``/``rewards`` without a run.
+        ReplayRefused: the version differs (and not ``anyway``), ``model_step`` matches no trajectory's step, or
+            ``resample`` and no trajectory holds what regenerating it needs (each one's missing piece named).
+        ValueError: ``tools``/``rewards`` without a run, ``resample`` without a model.
     """
     if (tools or rewards) and run is None:
         raise ValueError("tools=True and rewards=True re-run the run's plugins: pass run= (resolve_run(config)).")
+    if resample and model is None:
+        raise ValueError("resample=True regenerates the turns with the weights that sampled them: pass model= (the "
+                         "checkpoint of the batch's policy_step).")
     report = ReplayReport()
     if run is not None and run.chat is None:
         run.bind_tokenizer(tokenizer)  # its tool schemas as the model would now be shown them
+    if run is not None and tools:
+        run.start_tools()  # a tool's versions() may need it started (an MCP server reports its version on connect)
     changed = _version_gate(batch, tokenizer, run, tools=tools, rewards=rewards)
     if changed and not anyway:
         raise ReplayRefused("the saved batch was made with another version than the current one:\n  - "
@@ -424,6 +516,7 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
                                 f"a batch is sampled by the weights of its trajectories' policy_step, not those of the "
                                 f"step that trained on it. Give checkpoint-{steps[0] if steps else 'N'} (the base model "
                                 f"for step 0), or pass --anyway to measure the gap to these weights.")
+        at_step = model_step if chosen else None  # None: every turn is compared with these weights (anyway)
         if not chosen:
             report.ran_anyway.append(f"weights of step {model_step} compared with tokens sampled at step(s) {steps}")
             chosen = entries
@@ -436,9 +529,26 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
                                                                          None if pv is None else str(pv.logprob_source))
         report.compared["logprobs"] = len(chosen)
         _check_logprobs(model, tokenizer, chosen, tol, report)
+        if resample:
+            why = {i: _why_not_resampled(batch, t) for i, _, t in chosen}
+            able = [(i, e, t) for i, e, t in chosen if why[i] is None]
+            if not able:
+                raise ReplayRefused("--resample: no trajectory of this batch can be regenerated deterministically:\n  - "
+                                    + "\n  - ".join(f"trajectory {i}: {w}" for i, w in why.items())
+                                    + "\nReplay without --resample (the log-prob check compares these weights with "
+                                    "the saved tokens all the same).")
+            report.notes += [f"trajectory {i} not resampled: {w}" for i, w in why.items() if w is not None]
+            report.compared["resample"] = len(able)
+            _check_resample(model, chat, able, at_step, report)
     if rewards:
         report.compared["rewards"] = len(entries)
         report.differences += [d for i, e, t in entries if (d := _check_rewards(run, batch, e, t, i)) is not None]
+        if run.rollout.rederive_stop_fn is None:
+            report.notes.append(f"{run.rollout.label} declares no rederive_stop(trajectory, chat): the stop reasons are "
+                                f"not re-derived")
+        else:
+            report.compared["stop_reason"] = len(entries)
+            report.differences += [d for i, _, t in entries if (d := _check_stop(run, chat, t, i, report)) is not None]
     report.compared["datum"] = len(entries)
     report.differences += [d for i, e, t in entries if (d := _check_datum(e, t, i, tokenizer)) is not None]
     return report

@@ -1,5 +1,5 @@
-"""``python -m trl_plugins.replay BATCH.json [--checkpoint DIR] [--tools] [--rewards]`` (also ``trl-plugins-replay``):
-re-derive a saved batch and name the first difference (:func:`~trl_plugins.viewer.replay.replay_batch`).
+"""``python -m trl_plugins.replay BATCH.json [--checkpoint DIR] [--tools] [--rewards] [--resample]`` (also
+``trl-plugins-replay``): re-derive a saved batch and name the first difference (:func:`~trl_plugins.viewer.replay.replay_batch`).
 
 Exit status: 0 when everything compared equal within tolerance, 1 when something differs (or was compared only
 because ``--anyway`` overrode a version difference), 2 when the replay refused or could not run (bad input, another
@@ -69,7 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "model for step 0): its log-probs are compared, its tokenizer is the current one")
     parser.add_argument("--tokenizer", help="the tokenizer folder to re-render with (default: the checkpoint's)")
     parser.add_argument("--tools", action="store_true", help="re-run the idempotent tool calls and compare their outputs")
-    parser.add_argument("--rewards", action="store_true", help="recompute every reward component")
+    parser.add_argument("--rewards", action="store_true", help="recompute every reward component and re-derive each "
+                        "trajectory's stop reason from its turns")
+    parser.add_argument("--resample", action="store_true", help="regenerate each seeded turn with --checkpoint's weights "
+                        "and the saved sampling settings and name the first token that differs (HF generate and "
+                        "continuous-batching batches; a trajectory that lacks what it needs is named, with what)")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="largest accepted log-prob difference (default: 1e-4 for fp32, 1e-2 for bf16/fp16 or vLLM)")
     parser.add_argument("--anyway", action="store_true", help="compare even when the tokenizer, the tool schemas, a "
@@ -77,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.tools or args.rewards) and not args.checkpoint:
         parser.error("--tools and --rewards rebuild the run's plugins from --checkpoint's training_args.bin: give it")
+    if args.resample and not args.checkpoint:
+        parser.error("--resample regenerates the turns with the weights that sampled them: give --checkpoint")
     if not args.checkpoint and not args.tokenizer:
         parser.error("give --checkpoint (its tokenizer and weights) or --tokenizer (re-render and rebuild only)")
     model = step = run = None
@@ -91,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tools or args.rewards:
             run = _run_from_checkpoint(Path(args.checkpoint), tokenizer)
         report = replay_batch(batch, tokenizer, model=model, model_step=step, run=run, tools=args.tools,
-                              rewards=args.rewards, anyway=args.anyway, tolerance=args.tolerance)
+                              rewards=args.rewards, resample=args.resample, anyway=args.anyway, tolerance=args.tolerance)
     except (ViewerError, ReplayRefused, FileNotFoundError, ValueError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
