@@ -212,6 +212,8 @@ def run(args: argparse.Namespace) -> None:
             "world": trainer.accelerator.num_processes, "deepspeed": deepspeed, "vllm_weights_match": vllm_match,
             "global_step": trainer.state.global_step, "checksum": checksum,
             "steps": [r for r in records if "train/update_skipped" in r],
+            # The weights digest of the last batch's trajectories (under ZeRO-3: taken in the rollout's own gather).
+            "weights_digests": sorted({str(t.policy_version.weights_digest) for t in trainer.last_batch.trajectories}),
         }))
     trainer.accelerator.wait_for_everyone()
 

@@ -338,10 +338,11 @@ def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
 
     extra = STEP_EXTRA[kind]
     configs = STEP_CONFIGS.get(kind, ("cpu.yaml", "cpu_ddp.yaml", "cpu_zero3.yaml"))
-    params, drawn = {}, {}
+    params, drawn, digests = {}, {}, {}
     for config in configs:
         report = trainer_runs(config, f"step-{kind}")
         assert report["steps"][0]["train/update_skipped"] == 0.0
+        digests[config] = report["weights_digests"]
         if "--beta" in extra:
             assert report["global_step"] == 2 and report["steps"][-1]["train/kl_k3"] > 0
         if "--gae" in extra:  # advantages whitened over both ranks' tokens; the critic's update is exact too
@@ -359,7 +360,12 @@ def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
         params[config] = torch.load(trainer_runs.folder(config) / f"step-{kind}.pt")
     if drawn:  # the same groups drawn and kept however many ranks
         assert all(d == drawn["cpu.yaml"] for d in drawn.values()), drawn
-    initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
+    start = build_tiny_model(build_tokenizer("qwen2_5"))
+    if kind == "grpo":  # one step: sampled by the initial weights, whose digest every setup reads (ZeRO-3 in its gather)
+        from trl_plugins.rollout.weights import weights_digest
+
+        assert all(d == [weights_digest(start)] for d in digests.values()), digests
+    initial = {k: v.float() for k, v in start.state_dict().items()}
     reference = params["cpu.yaml"]
     update = sum(float((reference[k] - initial[k]).pow(2).sum()) for k in reference if k in initial) ** 0.5
     assert update > 1e-4

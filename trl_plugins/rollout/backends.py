@@ -105,13 +105,16 @@ class BackendBase:
         return other
 
     def sync_weights(self, policy_step: int) -> None:
+        self._session_digest = None
         return None
 
     def close(self) -> None:
         return None
 
     def weights_digest(self) -> str | None:
-        return weights_digest(getattr(self, "model", None))  # a sampler on the training model holds it as .model
+        # A sampler on the training model holds it as .model; under ZeRO-3 its weights are readable only inside the
+        # rollout's own gather, where the session took the digest (no gather of its own: a few ms of reads).
+        return weights_digest(getattr(self, "model", None)) or getattr(self, "_session_digest", None)
 
 
 def check_generate_args(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], seeds: Sequence[int]) -> bool:
@@ -234,6 +237,7 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
     def session(self) -> Iterator[torch.nn.Module]:
         """Unwrap (and under ZeRO-3 gather) the model once for a whole multi-turn rollout."""
         with unwrapped_for_generation(self.model, self.accelerator) as unwrapped:
+            self._session_digest = weights_digest(unwrapped)  # readable here also under ZeRO-3 (gathered)
             self._active = unwrapped
             try:
                 yield unwrapped

@@ -35,6 +35,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.rollout.backends import (
     BackendBase,
     Sample,
@@ -236,6 +237,7 @@ class ContinuousBatchingBackend(BackendBase):
     def session(self) -> Iterator[torch.nn.Module]:
         """Unwrap (and under ZeRO-3 gather) the model, start the manager for the rollout, stop it after."""
         with unwrapped_for_generation(self.model, self.accelerator) as unwrapped, self._shared["lock"]:
+            self._session_digest = weights_digest(unwrapped)  # readable here also under ZeRO-3 (gathered)
             was_training = unwrapped.training
             manager = self._manager_for(unwrapped)
             self.close()  # the previous rollout's background stop frees its cache first

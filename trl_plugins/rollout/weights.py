@@ -20,9 +20,9 @@ not told apart (an update changes every trained tensor's values almost everywher
 def weights_digest(model: Any) -> str | None:
     """16 hex digits of :data:`WEIGHTS_SAMPLE` for ``model`` (an ``nn.Module``, possibly wrapped by DDP/Accelerate).
 
-    Returns None when the weights are not in this process to read: a ZeRO-3 parameter holds only its shard here
-    (its full value needs a gather per tensor, a collective the rollout does not make), and a model without
-    parameters (a vLLM server's weights live in the server).
+    Returns None when the weights are not in this process to read: a ZeRO-3 parameter outside a gather holds only
+    its shard here (inside the rollout's own gather, ``unwrapped_for_generation``, it holds the full value and is
+    read like any), and a model without parameters (a vLLM server's weights live in the server).
     """
     if not isinstance(model, torch.nn.Module):
         return None
@@ -32,8 +32,8 @@ def weights_digest(model: Any) -> str | None:
         return None
     with torch.no_grad():
         for name, p in named:
-            if hasattr(p, "ds_id"):  # DeepSpeed ZeRO-3: only this rank's shard is here
-                return None
+            if hasattr(p, "ds_id") and getattr(getattr(p, "ds_status", None), "name", None) != "AVAILABLE":
+                return None  # DeepSpeed ZeRO-3 outside a gather: only this rank's shard is here
             flat = p.detach().reshape(-1)
             k = min(_SAMPLE_PER_TENSOR, flat.numel())  # integer spacing: float indices round past the end of 1e8+ tensors
             idx = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)

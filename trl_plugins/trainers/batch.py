@@ -113,10 +113,10 @@ def rollout_rows(
     chat: ChatFormat = run.chat
     questions = questions_from_rows(chat, rows, run.config.system_prompt, id_offset=id_offset)
     backend.sync_weights(policy_step)
-    weights = backend.weights_digest()  # after the sync: what samples this rollout
     request = RolloutRequest(questions, group_size, backend, chat, run.tools, policy_step=policy_step, seed=seed,
                              progress=progress, stop=stop)
     result = run.rollout(request)
+    weights = backend.weights_digest()  # after the sync (and, under ZeRO-3, taken in the rollout's gather): what sampled
     run_digest = None if run.version is None else run.version.digest
     _check_result(run.rollout.name, result, questions, group_size, chat.digest, run_digest)
     _stamp_versions(result.trajectories, weights, run_digest, policy_step)
