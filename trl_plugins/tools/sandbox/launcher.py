@@ -131,9 +131,9 @@ class Launcher:
 
     @staticmethod
     def create(isolation: Isolation, extra_hidden: Sequence[str] = (), program: str | None = None,
-               cgroups: bool = True) -> Launcher:
+               cgroups: bool = True, extra_shown: Sequence[str] = ()) -> Launcher:
         as_root = os.geteuid() == 0
-        layout, late = layout_for(extra_hidden) if isolation != Isolation.NONE else ((), ())
+        layout, late = layout_for(extra_hidden, extra_shown) if isolation != Isolation.NONE else ((), ())
         program = program or resolve_program(isolation)
         roots = cgroup_roots() if cgroups else None
         return Launcher(isolation, program, layout, late, SCRATCH, as_root, roots)
