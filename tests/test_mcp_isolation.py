@@ -128,6 +128,21 @@ def test_sandboxed_server_cannot_read_write_or_connect_outside_its_directory(hos
 
 
 @needs_isolation
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_network_only_where_configured(host, isolation):
+    """``network: true`` keeps the host's network: the connection the default refuses (the test above) goes through."""
+    _, _, port = host
+    tools = McpTools(mcpServers={"files": _files({"isolation": isolation, "readable": [SERVERS], "network": True})},
+                     include=["connect", "read"])
+    try:
+        t = {x.name: x for x in tools.member_tools()}
+        assert _call(t["connect"], {"port": port}) == "ok"
+        assert _call(t["read"], {"path": str(REPO / "pyproject.toml")}) == "ERR FileNotFoundError"  # files: as before
+    finally:
+        tools.close()
+
+
+@needs_isolation
 def test_sandboxed_per_trajectory_server_works_in_its_seeded_directory(tmp_path):
     from trl_plugins.protocols import as_tool, tool_episode
 
@@ -158,7 +173,8 @@ def test_sandboxed_per_trajectory_server_works_in_its_seeded_directory(tmp_path)
 
 @pytest.mark.parametrize("sandbox,extra,error", [
     ({"isolation": "none"}, {}, "'none' isolates nothing: leave sandbox out"),
-    ({"network": True}, {}, r"unknown keys \['network'\].*has no network"),
+    ({"net": True}, {}, r"unknown keys \['net'\]; it takes"),
+    ({"network": "yes"}, {}, r"\['network'\] must be true or false"),
     ({"readable": ["relative/dir"]}, {}, "must be a list of absolute paths"),
     ({"readable": ["/"]}, {}, "shows '/', the whole host"),
     ({"memory_mb": 8}, {}, r"\['memory_mb'\] must be an integer >= 64"),

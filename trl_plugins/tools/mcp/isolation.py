@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["SandboxSpec", "SandboxedLaunch", "parse_sandbox", "SANDBOX_KEYS", "LAUNCH_ENV", "EXEC_SCRIPT"]
 
-SANDBOX_KEYS = frozenset({"isolation", "readable", "hidden", "memory_mb", "disk_mb"})
+SANDBOX_KEYS = frozenset({"isolation", "readable", "hidden", "memory_mb", "disk_mb", "network"})
 """The keys of a server's ``sandbox`` object."""
 LAUNCH_ENV = "TRL_MCP_SANDBOX_LAUNCH"
 """The environment variable that carries the launch to :data:`EXEC_SCRIPT` (removed there before the launch)."""
@@ -49,6 +49,9 @@ class SandboxSpec:
     """Address space of each of the server's processes (``RLIMIT_AS``) and, where cgroups work, of all of them."""
     disk_mb: int = 256
     """Size of each private tmpfs: its writable directory, ``/tmp`` and ``/dev/shm``; also the largest file."""
+    network: bool = False
+    """Keep the host's network (its loopback included: the trainer's own services). Off: a network namespace of its
+    own, with no interface up."""
 
 
 def parse_sandbox(raw: Any, where: str) -> SandboxSpec | None:
@@ -66,8 +69,7 @@ def parse_sandbox(raw: Any, where: str) -> SandboxSpec | None:
         raise ValueError(f"{what} must be true, false or an object with keys {sorted(SANDBOX_KEYS)}, got {raw!r:.200}")
     unknown = set(raw) - SANDBOX_KEYS
     if unknown:
-        raise ValueError(f"{what} has unknown keys {sorted(unknown)}; it takes {sorted(SANDBOX_KEYS)}. A sandboxed "
-                         f"server has no network (run one that needs it as an HTTP server)")
+        raise ValueError(f"{what} has unknown keys {sorted(unknown)}; it takes {sorted(SANDBOX_KEYS)}")
     isolation = raw.get("isolation", "auto")
     if isolation not in ("auto", "bwrap", "unshare"):
         raise ValueError(f"{what}['isolation'] must be 'auto', 'bwrap' or 'unshare', got {isolation!r}"
@@ -89,7 +91,10 @@ def parse_sandbox(raw: Any, where: str) -> SandboxSpec | None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{what}[{key!r}] must be an integer >= {minimum} (MB), got {value!r}")
         limits[key] = value
-    return SandboxSpec(isolation, paths["readable"], paths["hidden"], **limits)
+    network = raw.get("network", False)
+    if not isinstance(network, bool):
+        raise ValueError(f"{what}['network'] must be true or false, got {network!r}")
+    return SandboxSpec(isolation, paths["readable"], paths["hidden"], **limits, network=network)
 
 
 def resolve_isolation(name: str, server: str) -> tuple[Any, str | None]:
@@ -148,7 +153,7 @@ class SandboxedLaunch:
         self.isolation = isolation
         self.workdir = cwd or SCRATCH
         shown = [*sandbox.readable, *([copy] if copy is not None else [])]
-        launcher = Launcher.create(isolation, sandbox.hidden, program, extra_shown=shown)
+        launcher = Launcher.create(isolation, sandbox.hidden, program, extra_shown=shown, network=sandbox.network)
         limits = Limits(timeout_s=1.0, memory_mb=sandbox.memory_mb, max_output_chars=256, disk_mb=sandbox.disk_mb)
         self.cgroup = call_cgroup(launcher, limits)
         # Descriptor numbers for the runner's configuration, reserved here so that none is one the launch's memfds
