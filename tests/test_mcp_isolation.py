@@ -23,6 +23,7 @@ from trl_plugins.tools.sandbox import launcher, probing  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SERVERS = str(REPO / "tests" / "mcp_servers")
 FILES = str(REPO / "tests" / "mcp_servers" / "files.py")
+TOY = str(REPO / "tests" / "mcp_servers" / "toy.py")
 SECRET = "sk-trl-mcp-" + uuid.uuid4().hex
 ISOLATIONS = [i.value for i in (launcher.Isolation.BWRAP, launcher.Isolation.UNSHARE)
               if probing.probe(i, launcher.resolve_program(i)) is None]
@@ -87,6 +88,7 @@ def test_unsandboxed_control_reaches_the_host(host):
         assert _call(t["read"], {"path": str(secret)}) == SECRET
         assert _call(t["write"], {"path": str(planted), "text": "x"}) == "ok" and planted.exists()
         assert _call(t["connect"], {"port": port}) == "ok"
+        assert "MCPServer" in _call(t["read"], {"path": TOY})
     finally:
         tools.close()
 
@@ -96,7 +98,8 @@ def test_unsandboxed_control_reaches_the_host(host):
 def test_sandboxed_server_cannot_read_write_or_connect_outside_its_directory(host, isolation):
     secret, planted, port = host
     me, before = time.time(), _below(os.getpid())
-    tools = McpTools(mcpServers={"files": _files({"isolation": isolation, "readable": [SERVERS]})})
+    tools = McpTools(mcpServers={"files": _files({"isolation": isolation, "readable": [SERVERS], "hidden": [TOY],
+                                                         "memory_mb": 512})})
     try:
         t = {x.name: x for x in tools.member_tools()}
         processes = _below(os.getpid()) - before  # the reaper and everything below it
@@ -106,6 +109,8 @@ def test_sandboxed_server_cannot_read_write_or_connect_outside_its_directory(hos
         assert _call(t["read"], {"path": str(secret)}) == "ERR FileNotFoundError"  # the host's /tmp is not there
         assert _call(t["read"], {"path": str(REPO / "pyproject.toml")}) == "ERR FileNotFoundError"  # nor the checkout
         assert "MCPServer" in _call(t["read"], {"path": FILES})  # what `readable` shows, read-only
+        assert "MCPServer" not in _call(t["read"], {"path": TOY})  # but not what `hidden` hides there (/dev/null)
+        assert _call(t["alloc"], {"mb": 1024}) == "ERR MemoryError"  # memory_mb: its address space
         assert _call(t["write"], {"path": str(planted), "text": "x"}).startswith("ERR") and not planted.exists()
         beside = Path(SERVERS) / f"planted-{me}.txt"
         assert _call(t["write"], {"path": str(beside), "text": "x"}) == "ERR OSError" and not beside.exists()  # EROFS

@@ -39,6 +39,15 @@ def connect(port: int) -> str:
         return f"ERR {type(exc).__name__}"
 
 
+@app.tool(description="Allocate mb megabytes and let them go.")
+def alloc(mb: int) -> str:
+    try:
+        bytearray(mb << 20)
+        return "ok"
+    except MemoryError as exc:
+        return f"ERR {type(exc).__name__}"
+
+
 @app.tool(description="The working directory and its files.")
 def where() -> str:
     return f"{os.getcwd()}|{','.join(sorted(os.listdir('.')))}"
