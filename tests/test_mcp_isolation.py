@@ -205,3 +205,34 @@ def test_refused_at_start_up_where_no_isolation_works(monkeypatch):
     monkeypatch.setattr(probing, "detect_isolation", nothing_works)
     with pytest.raises(RuntimeError, match="is to run sandboxed, but no sandbox isolation works here: bwrap: not found"):
         McpTools(mcpServers={"files": _files(True)}).member_tools()
+
+
+@needs_isolation
+def test_no_sandboxed_process_outlives_a_killed_trainer(tmp_path):
+    """A process holding a sandboxed server dies of SIGKILL (no close()): the reaper takes the sandbox with it."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "trainer.py"
+    server = _files({"isolation": ISOLATIONS[0], "readable": [SERVERS]})
+    script.write_text(f"""
+import time
+from trl_plugins.tools.mcp.plugin import McpTools
+tools = McpTools(mcpServers={{"files": {server!r}}})
+tools.member_tools()
+print("ready", flush=True)
+time.sleep(60)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        processes = _below(proc.pid)
+        assert len(processes) >= 3  # the reaper, the launch (bwrap or unshare), the runner, the server
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in processes):
+            time.sleep(0.05)
+        assert not [p for p in processes if _alive(p)]
+    finally:
+        proc.kill()
