@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["SandboxSpec", "SandboxedLaunch", "parse_sandbox", "SANDBOX_KEYS", "LAUNCH_ENV", "EXEC_SCRIPT"]
+
+logger = logging.getLogger(__name__)
+_announced: set[tuple[str, str]] = set()
 
 SANDBOX_KEYS = frozenset({"isolation", "readable", "hidden", "memory_mb", "disk_mb", "network"})
 """The keys of a server's ``sandbox`` object."""
@@ -151,6 +155,10 @@ class SandboxedLaunch:
 
         isolation, program = resolve_isolation(sandbox.isolation, name)
         self.isolation = isolation
+        if (name, isolation.value) not in _announced:  # once per server: a per-trajectory one starts many times
+            _announced.add((name, isolation.value))
+            logger.info("MCP server %r runs sandboxed: isolation=%s, network %s, memory %d MB, disk %d MB", name,
+                        isolation.value, "on" if sandbox.network else "off", sandbox.memory_mb, sandbox.disk_mb)
         self.workdir = cwd or SCRATCH
         shown = [*sandbox.readable, *([copy] if copy is not None else [])]
         launcher = Launcher.create(isolation, sandbox.hidden, program, extra_shown=shown, network=sandbox.network)
