@@ -96,8 +96,8 @@ def launch_overhead(isolation: str, n: int) -> None:
         run(launch.argv(), {**os.environ, **launch.env})
         launch.release()
         boxed.append(time.perf_counter() - start)
-    print(f"launch of `python -c pass`, {isolation}: {statistics.median(boxed) * 1e3:.0f} ms sandboxed (cgroup made and "
-          f"removed) vs {statistics.median(plain) * 1e3:.0f} ms (medians of {n})")
+    print(f"launch of `python -c pass`, {isolation}: {statistics.median(boxed) * 1e3:.0f} ms sandboxed (cgroup made "
+          f"and removed) vs {statistics.median(plain) * 1e3:.0f} ms (medians of {n})")
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, TypeVar
 
 from trl_plugins.tools.mcp.config import ServerSpec
+from trl_plugins.tools.mcp.isolation import SandboxUnavailable
 
 __all__ = ["LoopThread", "ServerConnection", "ServerFailed", "InputRequested", "STDERR_TAIL_LINES"]
 
@@ -165,6 +166,8 @@ class ServerConnection:
             await asyncio.wait_for(asyncio.shield(ready), timeout_s)
         except BaseException as exc:
             await self.close()
+            if isinstance(exc, SandboxUnavailable):  # the machine's, not the server's: said as it is
+                raise ServerFailed(str(exc)) from exc
             raise ServerFailed(self.failure(f"could not be started or answer within {timeout_s:g} s", exc)) from exc
 
     def failure(self, what: str, exc: BaseException | None = None) -> str:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxSpec", "SandboxedLaunch", "parse_sandbox", "SANDBOX_KEYS", "LAUNCH_ENV", "EXEC_SCRIPT"]
+__all__ = ["SandboxSpec", "SandboxedLaunch", "SandboxUnavailable", "parse_sandbox", "SANDBOX_KEYS", "LAUNCH_ENV",
+           "EXEC_SCRIPT"]
 
 logger = logging.getLogger(__name__)
 _announced: set[tuple[str, str]] = set()
@@ -35,6 +36,10 @@ EXEC_SCRIPT = Path(__file__).with_name("sandbox_exec.py")
 """Puts the launch's descriptors in place and executes it (standard library only, run by path)."""
 _ENV_LIMIT = 120_000
 """Bytes one environment variable may hold, less a margin (Linux: ``MAX_ARG_STRLEN``, 128 KiB)."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The isolation a sandboxed server asks for does not work on this machine (the message says why and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -106,21 +111,21 @@ def resolve_isolation(name: str, server: str) -> tuple[Any, str | None]:
     launches through, as the code interpreter resolves them (probed once per process).
 
     Raises:
-        RuntimeError: no isolation works here, or the one named does not (with the sandbox's probe reason)."""
+        SandboxUnavailable: no isolation works here, or the one named does not (with the sandbox's probe reason)."""
     from trl_plugins.tools.sandbox.launcher import Isolation, resolve_program
     from trl_plugins.tools.sandbox.probing import detect_isolation, probe
 
     try:
         isolation = detect_isolation() if name == "auto" else Isolation(name)
     except RuntimeError as exc:
-        raise RuntimeError(f"MCP server {server!r} is to run sandboxed, but {exc}. Without a sandbox it would run "
-                           f"with the trainer's user, files and network: remove 'sandbox' only if that is acceptable"
-                           ) from exc
+        raise SandboxUnavailable(f"MCP server {server!r} is to run sandboxed, but {exc}. Without a sandbox it would "
+                                 f"run with the trainer's user, files and network: remove 'sandbox' only if that is "
+                                 f"acceptable") from exc
     program = resolve_program(isolation)
     reason = probe(isolation, program) if name != "auto" else None
     if reason is not None:
-        raise RuntimeError(f"MCP server {server!r} asks for sandbox isolation {name!r}, which does not work on this "
-                           f"machine: {reason}. Use isolation: auto for the strongest that does")
+        raise SandboxUnavailable(f"MCP server {server!r} asks for sandbox isolation {name!r}, which does not work on "
+                                 f"this machine: {reason}. Use isolation: auto for the strongest that does")
     return isolation, program
 
 
@@ -147,7 +152,8 @@ class SandboxedLaunch:
         name: the server's name, for messages.
 
     Raises:
-        RuntimeError: no isolation works here (the probe's reason), or the cgroup cannot be made."""
+        SandboxUnavailable: no isolation works here (the probe's reason).
+        RuntimeError: the cgroup cannot be made, or the launch is too large."""
 
     def __init__(self, command: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
                  copy: str | None, sandbox: SandboxSpec, name: str) -> None:
