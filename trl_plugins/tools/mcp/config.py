@@ -7,13 +7,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from trl_plugins.tools.mcp.isolation import SandboxSpec, parse_sandbox
+
 __all__ = ["ServerSpec", "load_servers", "STDIO_KEYS", "HTTP_KEYS", "OUR_KEYS"]
 
 STDIO_KEYS = frozenset({"command", "args", "env", "cwd"})
 """A stdio server's keys, as MCP clients write them."""
 HTTP_KEYS = frozenset({"url", "headers"})
 """A streamable HTTP server's keys."""
-OUR_KEYS = frozenset({"idempotent", "max_concurrency", "timeout_s", "protocol", "type", "session", "copy"})
+OUR_KEYS = frozenset({"idempotent", "max_concurrency", "timeout_s", "protocol", "type", "session", "copy", "sandbox"})
 """Keys this client adds (``type`` is accepted as clients write it: ``"stdio"``, ``"http"``/``"streamable-http"``)."""
 
 
@@ -53,6 +55,9 @@ class ServerSpec:
     protocol: str = "auto"
     """``"auto"`` (ask ``server/discover`` for the stateless 2026-07-28 revision, fall back to the ``initialize``
     handshake), ``"legacy"`` (the handshake only) or a modern revision such as ``"2026-07-28"`` (no probe)."""
+    sandbox: SandboxSpec | None = None
+    """Stdio: run the server inside the project's sandbox (:mod:`trl_plugins.tools.mcp.isolation`); None: as the
+    trainer's user, with its files and network."""
 
     @property
     def transport(self) -> str:
@@ -74,7 +79,8 @@ class ServerSpec:
 
     def describe(self) -> str:
         if self.command is not None:
-            return f"stdio, {self.session}: {' '.join([self.command, *self.args])}"
+            boxed = f", sandboxed ({self.sandbox.isolation})" if self.sandbox is not None else ""
+            return f"stdio, {self.session}{boxed}: {' '.join([self.command, *self.args])}"
         return f"streamable HTTP: {self.url}"
 
 
@@ -132,6 +138,9 @@ def _server(name: str, raw: Any) -> ServerSpec:
                          f"per_trajectory server has a working directory to copy it into")
     common.update(session=session, copy=copy)
     if has_url:
+        if raw.get("sandbox"):
+            raise ValueError(f"{where} is an HTTP server: the sandbox runs stdio servers (the process it starts); "
+                             f"isolate an HTTP server where it runs, or start it as a stdio server")
         url = raw["url"]
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"{where}['url'] must be an http(s) URL, got {url!r}")
@@ -144,8 +153,12 @@ def _server(name: str, raw: Any) -> ServerSpec:
     cwd = raw.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or ("{workdir}" not in cwd and not os.path.isdir(cwd))):
         raise ValueError(f"{where}['cwd'] is {cwd!r}, not a directory here")
+    sandbox = parse_sandbox(raw.get("sandbox"), where)
+    if sandbox is not None and cwd not in (None, "{workdir}"):
+        raise ValueError(f"{where}['cwd'] is {cwd!r}, but a sandboxed server works in its own writable directory "
+                         f"({{workdir}}); show it host files read-only with sandbox: {{readable: [...]}}")
     return ServerSpec(name, command=command, args=tuple(args), env=_strings(raw.get("env", {}), f"{where}['env']"),
-                      cwd=cwd, **common)
+                      cwd=cwd, sandbox=sandbox, **common)
 
 
 def load_servers(mcp_servers: Mapping[str, Any] | None, config: str | None) -> list[ServerSpec]:

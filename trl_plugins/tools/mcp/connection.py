@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, TypeVar
 
 from trl_plugins.tools.mcp.config import ServerSpec
+from trl_plugins.tools.mcp.isolation import SandboxUnavailable
 
 __all__ = ["LoopThread", "ServerConnection", "ServerFailed", "InputRequested", "STDERR_TAIL_LINES"]
 
@@ -76,6 +77,8 @@ class ServerConnection:
         self._holder: asyncio.Task | None = None
         self._errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") if spec.command else None
         self._semaphore = asyncio.Semaphore(spec.max_concurrency)
+        self._sandboxed: Any = None
+        """The sandboxed start of this session's server (``sandbox:``), released when the session ends."""
 
     def stderr_tail(self) -> str:
         """The last :data:`STDERR_TAIL_LINES` lines the server wrote to stderr ('' for HTTP)."""
@@ -93,12 +96,17 @@ class ServerConnection:
         if self.spec.command is not None:
             from mcp.client.stdio import StdioServerParameters, stdio_client
 
+            command, env, cwd = [self.spec.command, *self.spec.args], dict(self.spec.env) or None, self.spec.cwd
+            if self.spec.sandbox is not None:  # inside the project's sandbox (isolation.py)
+                from trl_plugins.tools.mcp.isolation import SandboxedLaunch
+
+                self._sandboxed = SandboxedLaunch.of(self.spec)
+                command, env, cwd = self._sandboxed.argv(), self._sandboxed.env, None
             # Under the reaper (standard library only): the server and what it starts die with this process, a kill -9
             # included (PR_SET_PDEATHSIG follows the spawning thread: the loop thread, alive as long as the process).
             params = StdioServerParameters(command=sys.executable,
-                                           args=["-I", "-S", str(REAPER), str(os.getpid()), "--", self.spec.command,
-                                                 *self.spec.args],
-                                           env=dict(self.spec.env) or None, cwd=self.spec.cwd)
+                                           args=["-I", "-S", str(REAPER), str(os.getpid()), "--", *command],
+                                           env=env, cwd=cwd)
             return stdio_client(params, errlog=self._errlog)
         if not self.spec.headers:
             return self.spec.url
@@ -143,6 +151,8 @@ class ServerConnection:
                 logger.warning("MCP server %r's session ended: %s", self.spec.name, exc)
         finally:
             self.client = None
+            if self._sandboxed is not None:  # the process is stopped: nothing may be left in its cgroup
+                self._sandboxed.release()
 
     async def open(self, timeout_s: float) -> None:
         """Start (stdio) or reach (HTTP) the server and negotiate the protocol.
@@ -156,6 +166,8 @@ class ServerConnection:
             await asyncio.wait_for(asyncio.shield(ready), timeout_s)
         except BaseException as exc:
             await self.close()
+            if isinstance(exc, SandboxUnavailable):  # the machine's, not the server's: said as it is
+                raise ServerFailed(str(exc)) from exc
             raise ServerFailed(self.failure(f"could not be started or answer within {timeout_s:g} s", exc)) from exc
 
     def failure(self, what: str, exc: BaseException | None = None) -> str:

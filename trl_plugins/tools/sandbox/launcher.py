@@ -128,15 +128,18 @@ class Launcher:
     as_root: bool
     cgroups: CgroupRoots | None
     """Where per-call cgroups are made; None: rlimits plus the seccomp fallback (docs/sandbox.md)."""
+    network: bool = False
+    """Keep the host's network namespace in a launch (a sandboxed MCP server that asks for it); warm calls make a
+    network namespace of their own all the same."""
 
     @staticmethod
     def create(isolation: Isolation, extra_hidden: Sequence[str] = (), program: str | None = None,
-               cgroups: bool = True) -> Launcher:
+               cgroups: bool = True, extra_shown: Sequence[str] = (), network: bool = False) -> Launcher:
         as_root = os.geteuid() == 0
-        layout, late = layout_for(extra_hidden) if isolation != Isolation.NONE else ((), ())
+        layout, late = layout_for(extra_hidden, extra_shown) if isolation != Isolation.NONE else ((), ())
         program = program or resolve_program(isolation)
         roots = cgroup_roots() if cgroups else None
-        return Launcher(isolation, program, layout, late, SCRATCH, as_root, roots)
+        return Launcher(isolation, program, layout, late, SCRATCH, as_root, roots, network)
 
     def env(self, scratch: str) -> dict[str, str]:
         bin_dir = os.path.dirname(sys.executable)
@@ -197,7 +200,8 @@ class Launcher:
         if self.isolation == Isolation.NONE:
             return interp, [cfg_fd]
         if self.isolation == Isolation.UNSHARE:
-            flags = ["--ipc", "--uts", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+            flags = ["--ipc", "--uts", *([] if self.network else ["--net"]), "--pid", "--fork", "--kill-child",
+                     "--mount-proc"]
             return [self.program, *flags, *([] if self.as_root else ["--map-root-user"]), "--", *interp], [cfg_fd]
         args = self._bwrap_args(role, cfg, scratch)
         args_fd = memfd_with("sandbox-bwrap-args", b"".join(a.encode() + b"\0" for a in args))
@@ -205,7 +209,8 @@ class Launcher:
 
     def _bwrap_args(self, role: str, cfg: dict, scratch: str) -> list[str]:
         disk = str(cfg["disk_bytes"])
-        args = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        args = ["--unshare-ipc", "--unshare-pid", *([] if self.network else ["--unshare-net"]), "--unshare-uts",
+                "--unshare-cgroup-try"]
         if not self.as_root:
             args.append("--unshare-user")
         args += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]

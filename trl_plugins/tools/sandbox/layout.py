@@ -50,10 +50,13 @@ def interpreter_paths() -> list[str]:
     return out
 
 
-def layout_for(extra_hidden: Sequence[str]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+def layout_for(extra_hidden: Sequence[str], extra_shown: Sequence[str] = ()) -> tuple[tuple[tuple[str, ...], ...],
+                                                                                    tuple[str, ...]]:
     """What the sandbox shows: ``(ops, late)``. ``ops`` in order: ``("symlink", target, path)``,
     ``("ro-bind", path)``, ``("cover", path)`` (an extra hidden path inside a shown one); ``late``:
-    interpreter paths under ``/tmp`` or ``/dev/shm``, bound after those private tmpfs are mounted."""
+    interpreter paths under ``/tmp`` or ``/dev/shm``, bound after those private tmpfs are mounted.
+    ``extra_shown``: existing host paths shown read-only besides the system's and the interpreter's (a sandboxed
+    MCP server's own files); the hidden paths inside them stay hidden."""
     interpreter = interpreter_paths()
     ops: list[tuple[str, ...]] = []
     shown: list[str] = []
@@ -62,7 +65,7 @@ def layout_for(extra_hidden: Sequence[str]) -> tuple[tuple[tuple[str, ...], ...]
             ops.append(("symlink", os.readlink(p), p))
         elif os.path.exists(p):
             shown.append(p)
-    for p in interpreter:
+    for p in [*interpreter, *(os.path.realpath(q) for q in extra_shown if os.path.exists(q))]:
         if not any(under(p, q) for q in shown):
             shown = [q for q in shown if not under(q, p)] + [p]
     shown.sort()
