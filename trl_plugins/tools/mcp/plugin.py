@@ -20,6 +20,16 @@ logger = logging.getLogger(__name__)
 _DROPPED = {"image": "an image", "audio": "audio", "resource_link": "a resource link", "resource": "an embedded resource"}
 
 
+def _placeholder(block: Any) -> str:
+    """``[an image was dropped: image/png]``, ``[a resource link was dropped: file:///x.pdf (application/pdf)]``."""
+    kind = getattr(block, "type", None)
+    inner = getattr(block, "resource", None)  # an embedded resource: its contents carry the uri and type
+    uri = getattr(block, "uri", None) or getattr(inner, "uri", None)
+    mime = getattr(block, "mime_type", None) or getattr(inner, "mime_type", None)
+    detail = f"{uri} ({mime})" if uri and mime else str(uri or mime or "")
+    return f"[{_DROPPED.get(kind, f'a {kind} block')} was dropped{': ' + detail if detail else ''}]"
+
+
 def observation_text(result: Any) -> str:
     """What the model sees of a ``CallToolResult``: its text blocks joined by newlines when it has any, else its
     ``structuredContent`` as JSON; an image, audio or resource block becomes a placeholder naming what was dropped."""
@@ -29,8 +39,7 @@ def observation_text(result: Any) -> str:
         if kind == "text":
             parts.append(block.text)
         else:
-            detail = getattr(block, "mime_type", None) or getattr(block, "uri", None) or ""
-            parts.append(f"[{_DROPPED.get(kind, f'a {kind} block')} was dropped{': ' + str(detail) if detail else ''}]")
+            parts.append(_placeholder(block))
     has_text = any(getattr(b, "type", None) == "text" for b in result.content or [])
     if not has_text and result.structured_content is not None:
         return json.dumps(result.structured_content, ensure_ascii=False)

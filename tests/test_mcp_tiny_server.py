@@ -1,0 +1,67 @@
+"""The ``mcp`` tool plugin against tests/mcp_servers/tiny.py, a real stdio MCP server written with the standard
+library only (it starts in ~70 ms, so a hundred per-trajectory sessions are cheap), and against the SDK's server
+(tests/mcp_servers/toy.py) where the 2026-07-28 revision is needed: dropped media, the servers' versions in the
+run version, no leftovers after many trajectories."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from trl_plugins.protocols import as_tool, tool_episode  # noqa: E402
+from trl_plugins.tools.mcp.plugin import McpTools  # noqa: E402
+
+HERE = Path(__file__).parent / "mcp_servers"
+TINY, TOY = str(HERE / "tiny.py"), str(HERE / "toy.py")
+
+
+def _tiny(*extra: str, **kw) -> dict:
+    return {"command": sys.executable, "args": ["-I", "-S", TINY, *extra], **kw}
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "stat").read_text().split(") ", 1)[1].split()[1] == me:
+                    out.add(int(d.name))
+            except (OSError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _fds() -> list[str]:
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def test_a_result_of_only_media_is_a_placeholder_naming_what_was_dropped():
+    """MCP gives a tool no way to declare that its output is only images, audio or resources (docs/tools.md), so
+    nothing is refused at start-up: each such result is shown to the model as a placeholder (token-exact text)."""
+    tools = McpTools(mcpServers={"tiny": _tiny(session="shared")}, include=["media"])
+    try:
+        (media,) = tools.member_tools()
+        seen = {kind: asyncio.run(media({"kind": kind})) for kind in ("image", "audio", "resource_link", "resource")}
+    finally:
+        tools.close()
+    assert {k: (o.text, o.ok, o.infra_error) for k, o in seen.items()} == {
+        "image": ("[an image was dropped: image/png]", True, None),
+        "audio": ("[audio was dropped: audio/wav]", True, None),
+        "resource_link": ("[a resource link was dropped: file:///srv/report.pdf (application/pdf)]", True, None),
+        "resource": ("[an embedded resource was dropped: file:///srv/notes.txt (text/plain)]", True, None),
+    }
