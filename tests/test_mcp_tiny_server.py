@@ -65,3 +65,34 @@ def test_a_result_of_only_media_is_a_placeholder_naming_what_was_dropped():
         "resource_link": ("[a resource link was dropped: file:///srv/report.pdf (application/pdf)]", True, None),
         "resource": ("[an embedded resource was dropped: file:///srv/notes.txt (text/plain)]", True, None),
     }
+
+
+@pytest.mark.slow
+def test_a_hundred_trajectories_leave_no_process_no_descriptor_no_directory():
+    """100 trajectories, 10 at a time, each with its own server process (per_trajectory) ended with the
+    trajectory: afterwards no server or reaper process runs, this process holds the descriptors it held before,
+    and no working directory is left."""
+    tools = McpTools(mcpServers={"tiny": _tiny()}, include=["pid"])
+    (pid,) = [as_tool(t) for t in tools.member_tools()]
+
+    async def trajectory() -> int:
+        async with tool_episode([pid]):
+            out = await pid({})
+            assert out.ok, out.infra_error
+            return int(out.text)
+
+    async def batch(n: int) -> list[int]:
+        return await asyncio.gather(*(trajectory() for _ in range(n)))
+
+    try:
+        asyncio.run(batch(2))  # the client's loop thread and its first session's one-off state exist from here on
+        earlier, fds = _children(), _fds()
+        dirs = set(Path(tempfile.gettempdir()).glob("mcp-tiny-*"))
+        servers = [p for _ in range(10) for p in asyncio.run(batch(10))]
+        assert len(set(servers)) == 100 and tools.sessions_started == 102 and tools.live_sessions() == 0
+        assert not (_children() - earlier), "a reaper outlived its trajectory"
+        assert not [p for p in servers if _alive(p)], "a server outlived its trajectory"
+        assert _fds() == fds, "descriptors leaked"
+        assert set(Path(tempfile.gettempdir()).glob("mcp-tiny-*")) == dirs
+    finally:
+        tools.close()
