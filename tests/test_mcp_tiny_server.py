@@ -67,6 +67,26 @@ def test_a_result_of_only_media_is_a_placeholder_naming_what_was_dropped():
     }
 
 
+def test_each_servers_name_and_version_is_its_tools_declared_version():
+    """The handshake's serverInfo (tiny) and the 2026-07-28 discover stamp (toy, whose MCPServer has an empty
+    version), with the revision spoken: what the run version records per tool (``plugin_version``)."""
+    from trl_plugins.run.version import plugin_version
+
+    tools = McpTools(mcpServers={"tiny": _tiny("tinyserve", "1.2.3", session="shared"),
+                                 "toy": {"command": sys.executable, "args": [TOY], "session": "shared"}},
+                     include=["echo", "add"])
+    try:
+        members = {t.name: as_tool(t) for t in tools.member_tools()}
+        expected = {"tiny": "tinyserve 1.2.3 (MCP server 'tiny', protocol 2025-11-25)",
+                    "toy": "toy (no version) (MCP server 'toy', protocol 2026-07-28)"}
+        assert tools.server_versions() == expected
+        assert {n: plugin_version(t) for n, t in members.items()} == {"echo": expected["tiny"], "add": expected["toy"]}
+    finally:
+        tools.close()
+    assert tools.server_versions() == expected  # kept after close: recording it does not restart the servers
+    assert tools._loop is None
+
+
 @pytest.mark.slow
 def test_a_hundred_trajectories_leave_no_process_no_descriptor_no_directory():
     """100 trajectories, 10 at a time, each with its own server process (per_trajectory) ended with the
