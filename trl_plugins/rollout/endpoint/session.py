@@ -64,6 +64,10 @@ class Session:
     response_id: str | None = None
     """The id of the last Responses-API reply (what ``previous_response_id`` may name)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    episode: object = field(default_factory=object)
+    """The trajectory's episode key for the run's tools it calls (``tools/call``; ``current_episode``)."""
+    episode_used: bool = False
+    """Whether it called one (its tools' ``end_episode`` runs when the agent's run ends)."""
 
     @property
     def ended(self) -> bool:
