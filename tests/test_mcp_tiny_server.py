@@ -119,8 +119,8 @@ def test_a_hundred_trajectories_leave_no_process_no_descriptor_no_directory():
 
 
 def _echo_policy(chat):
-    """Scripted samples: ``calls=N``: N turns each calling echo (``par``: two calls in the first turn), then an
-    answer."""
+    """Scripted samples: ``calls=N``: N turns each calling echo (``par``: two calls in the first turn; ``oops``: the
+    tool oops instead), then an answer."""
     import re
 
     from trl_plugins.rollout import ScriptedBackend
@@ -135,8 +135,9 @@ def _echo_policy(chat):
         wanted = int(re.search(r"calls=(\d+)", question).group(1))
         if done < wanted:
             n = 2 if "par" in question and done == 0 else 1
-            body = "".join(f'\n<tool_call>\n{{"name": "echo", "arguments": {{"text": "said {done + j}"}}}}'
-                           f'\n</tool_call>' for j in range(n))
+            calls = (['{"name": "oops", "arguments": {"why": "no"}}'] if "oops" in question else
+                     [f'{{"name": "echo", "arguments": {{"text": "said {done + j}"}}}}' for j in range(n)])
+            body = "".join(f"\n<tool_call>\n{c}\n</tool_call>" for c in calls)
         else:
             body = "The answer is \\boxed{7}."
         return tok(body, add_special_tokens=False)["input_ids"] + [im_end]
@@ -171,11 +172,11 @@ def test_an_endpoint_agent_gets_the_mcp_tools_and_trains_the_built_in_rollouts_t
     from trl_plugins.tiny import build_tokenizer
     from trl_plugins.types import StopReason, TokenSource
 
-    tools = McpTools(mcpServers={"tiny": _tiny()}, include=["echo"])
+    tools = McpTools(mcpServers={"tiny": _tiny()}, include=["echo", "oops"])
     members = {t.name: t for t in tools.member_tools()}
     chat = ChatFormat(build_tokenizer("qwen2_5"), [t.schema() for t in members.values()],
                       final_answer_pattern=r"\\boxed\{", calls_per_turn=2)
-    prompts = ["calls=1", "par calls=2", "calls=0"]
+    prompts = ["calls=1", "par calls=2", "calls=0", "oops calls=1"]
 
     def request():
         qs = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i, row={"prompt": p})
@@ -187,20 +188,22 @@ def test_an_endpoint_agent_gets_the_mcp_tools_and_trains_the_built_in_rollouts_t
         built_in = MultiTurnRollout(max_tool_calls_per_turn=2)(request())
         started = tools.sessions_started
         served = AgentEndpointRollout(agent=_mcp_agent, max_tool_calls_per_turn=2)(request())
-        assert tools.sessions_started - started == 2  # the two trajectories that called: a server each
+        assert tools.sessions_started - started == 3  # the three trajectories that called: a server each
         assert tools.live_sessions() == 0 and not (_children() - earlier)
         for a, b in zip(built_in.trajectories, served.trajectories, strict=True):
             assert b.stop_reason == a.stop_reason == StopReason.FINAL_ANSWER, b.error
             assert [t.prompt_ids for t in b.turns] == [t.prompt_ids for t in a.turns]
             assert [t.prompt_sources for t in b.turns] == [t.prompt_sources for t in a.turns]
             assert [t.completion_ids for t in b.turns] == [t.completion_ids for t in a.turns]
-            assert [[(c.name, c.arguments, c.output) for c in t.tool_calls] for t in b.turns] == [
-                [(c.name, c.arguments, c.output) for c in t.tool_calls] for t in a.turns]
+            assert [[(c.name, c.arguments, c.output, c.ok) for c in t.tool_calls] for t in b.turns] == [
+                [(c.name, c.arguments, c.output, c.ok) for c in t.tool_calls] for t in a.turns]
             assert build_datums(b, advantage=1.0) == build_datums(a, advantage=1.0)
         par = served.trajectories[1].turns[1]
         observed = [t for t, s in zip(par.prompt_ids[-len(par.prompt_sources):], par.prompt_sources)
                     if s == TokenSource.OBSERVATION]
         assert chat.tokenizer.decode(observed) == "said 0said 1"  # both parallel calls' outputs, nothing else
+        failed = served.trajectories[3].turns[0].tool_calls[0]
+        assert (failed.output, failed.ok) == ("failed: no", False)  # isError: an observation, recorded not ok
     finally:
         tools.close()
 

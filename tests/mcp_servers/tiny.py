@@ -4,7 +4,8 @@ It speaks the ``initialize`` handshake revisions (newline-delimited JSON-RPC on 
 ``server/discover`` with "method not found", so a client in ``auto`` mode falls back to the handshake, as it does
 with any older server. ``python -I -S tiny.py [NAME VERSION]`` (default ``tiny 0.4.2``): the ``serverInfo`` it
 announces. Tools: echo (its text back), media (a result holding only an image, audio, a resource link or an
-embedded resource), pid (the server's process id)."""
+embedded resource), pid (the server's process id),
+oops (an isError result)."""
 
 import json
 import os
@@ -18,6 +19,8 @@ TOOLS = [
      "inputSchema": {"type": "object", "properties": {"kind": {"enum": ["image", "audio", "resource_link", "resource"]}},
                      "required": ["kind"]}},
     {"name": "pid", "description": "The server's process id.", "inputSchema": {"type": "object", "properties": {}}},
+    {"name": "oops", "description": "Always an error result (isError).",
+     "inputSchema": {"type": "object", "properties": {"why": {"type": "string"}}, "required": ["why"]}},
 ]
 MEDIA = {
     "image": {"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"},
@@ -43,6 +46,8 @@ def _result(method, params):
             return {"content": [{"type": "text", "text": args.get("text", "")}], "isError": False}
         if name == "media":
             return {"content": [MEDIA[args["kind"]]], "isError": False}
+        if name == "oops":
+            return {"content": [{"type": "text", "text": f"failed: {args.get('why', '')}"}], "isError": True}
         if name == "pid":
             return {"content": [{"type": "text", "text": str(os.getpid())}], "isError": False}
     return None

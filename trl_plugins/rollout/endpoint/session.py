@@ -68,6 +68,8 @@ class Session:
     """The trajectory's episode key for the run's tools it calls (``tools/call``; ``current_episode``)."""
     episode_used: bool = False
     """Whether it called one (its tools' ``end_episode`` runs when the agent's run ends)."""
+    tool_ok: dict[str, bool] = field(default_factory=dict)
+    """``ok`` of the run's tools' answers by the ``tool_call_id`` the agent named, recorded with the outputs."""
 
     @property
     def ended(self) -> bool:
@@ -234,7 +236,7 @@ class Session:
             return  # recorded already, or not answered here
         for call, issued in zip(last.tool_calls, self.reply["tool_calls"]):
             if issued["id"] in by_id:
-                call.output, call.ok = by_id[issued["id"]], True
+                call.output, call.ok = by_id[issued["id"]], self.tool_ok.pop(issued["id"], True)
         last.tool_s = time.perf_counter() - self.replied_at
 
 

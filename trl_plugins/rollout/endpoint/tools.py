@@ -79,6 +79,8 @@ async def serve_tools(method: str, route: str, body: Any, session: Session, tool
     if out.infra_error is not None:
         session.end(StopReason.ENVIRONMENT_ERROR, f"tool {tool.name!r}: {out.infra_error}")
         raise HttpError(502, str(session.traj.error), code="tool_failed", kind="server_error")
+    if isinstance(body.get("tool_call_id"), str):  # the model's call: its record gets the tool's ok
+        session.tool_ok[body["tool_call_id"]] = bool(out.ok)
     return {"content": valid_text(out.text), "ok": bool(out.ok)}
 
 
