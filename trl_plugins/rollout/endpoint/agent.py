@@ -41,6 +41,7 @@ from trl_plugins.rollout.endpoint.runs import AgentFailed, AgentLoop, let_go, ru
 from trl_plugins.rollout.endpoint.responses import chat_body, response_body, response_stream
 from trl_plugins.rollout.endpoint.session import Session
 from trl_plugins.rollout.endpoint.streams import chat_stream
+from trl_plugins.rollout.endpoint.tools import end_tool_episode, serve_tools
 from trl_plugins.rollout.engine import critical_path
 from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
 from trl_plugins.rollout.validate import validate_trajectory
@@ -278,7 +279,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
             sessions[key] = session
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
             task = asyncio.ensure_future(self._one(fn, session, dict(q.row or {}), base_url, sessions, limit, agent_pool,
-                                                   agent_loop, http))
+                                                   agent_loop, http, request.tools))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         stopped = False
@@ -316,9 +317,13 @@ class AgentEndpointRollout(TrajectoryBudgets):
         route = "/".join(parts[4:])
         if http.method == "GET" and route == "models":
             return 200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trl-plugins"}]}
+        if route == "tools" or route.startswith("tools/"):
+            return 200, await serve_tools(http.method, route, http.json() if http.method == "POST" else None, session,
+                                          request.tools)
         if http.method != "POST" or route not in ("chat/completions", "responses"):
             raise HttpError(404, f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions, "
-                                 f"POST /responses (and GET /models).", code="not_found")
+                                 f"POST /responses, GET /models and the run's tools (GET /tools, POST /tools/call).",
+                            code="not_found")
         raw, echo = (http.json(), None) if route == "chat/completions" else chat_body(http.json())
         body = check_request(raw, sampling=request.backend.sampling, max_assistant_tokens=self.max_assistant_tokens,
                              calls_per_turn=self.max_tool_calls_per_turn,
@@ -360,7 +365,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
 
     async def _one(self, fn: Callable[..., Any] | None, session: Session, row: dict, base_url: str,
                    sessions: dict[str, Session], limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor,
-                   agent_loop: AgentLoop | None, http: _HttpClients) -> None:
+                   agent_loop: AgentLoop | None, http: _HttpClients, tools: Mapping[str, Any]) -> None:
         async with limit:
             run, cancel = self._invoke(fn, row, base_url, agent_pool, agent_loop, http)
             try:
@@ -403,6 +408,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 sessions.pop(session.key, None)
                 if session.traj.stop_reason is None:
                     session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
+                await end_tool_episode(session, tools)  # its per-trajectory tool servers stop with it
 
     def _invoke(self, fn: Callable[..., Any] | None, row: dict, base_url: str, agent_pool: concurrent.futures.Executor,
                 agent_loop: AgentLoop | None, http: _HttpClients) -> tuple[asyncio.Future, Callable[[], None]]:

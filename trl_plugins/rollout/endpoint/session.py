@@ -74,6 +74,12 @@ class Session:
     counters: dict[str, float] | None = None
     """The rollout's counters (``endpoint/reasoning_restored``, ``endpoint/reasoning_dropped_rewrites``)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    episode: object = field(default_factory=object)
+    """The trajectory's episode key for the run's tools it calls (``tools/call``; ``current_episode``)."""
+    episode_used: bool = False
+    """Whether it called one (its tools' ``end_episode`` runs when the agent's run ends)."""
+    tool_ok: dict[str, bool] = field(default_factory=dict)
+    """``ok`` of the run's tools' answers by the ``tool_call_id`` the agent named, recorded with the outputs."""
 
     @property
     def ended(self) -> bool:
@@ -265,7 +271,7 @@ class Session:
             return  # recorded already, or not answered here
         for call, i in zip(last.tool_calls, ids):
             if i in by_id:
-                call.output, call.ok = by_id[i], True
+                call.output, call.ok = by_id[i], self.tool_ok.pop(i, True)
         last.tool_s = time.perf_counter() - self.replied_at
 
 

@@ -76,6 +76,8 @@ class ServerConnection:
         self._stop: asyncio.Event | None = None
         self._holder: asyncio.Task | None = None
         self._errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") if spec.command else None
+        self._tail = ""
+        """The stderr tail kept when the session closed (its file is closed then: no descriptor per ended session)."""
         self._semaphore = asyncio.Semaphore(spec.max_concurrency)
         self._sandboxed: Any = None
         """The sandboxed start of this session's server (``sandbox:``), released when the session ends."""
@@ -83,7 +85,7 @@ class ServerConnection:
     def stderr_tail(self) -> str:
         """The last :data:`STDERR_TAIL_LINES` lines the server wrote to stderr ('' for HTTP)."""
         if self._errlog is None:
-            return ""
+            return self._tail
         try:
             self._errlog.flush()
             self._errlog.seek(0)
@@ -230,6 +232,9 @@ class ServerConnection:
                 self._holder.cancel()
             self._holder = None
         self.client = None
+        if self._errlog is not None:  # a failure message may still quote it; the descriptor goes now
+            self._tail, errlog, self._errlog = self.stderr_tail(), self._errlog, None
+            errlog.close()
 
 
 def _unwrap(exc: BaseException) -> str:

@@ -20,6 +20,16 @@ logger = logging.getLogger(__name__)
 _DROPPED = {"image": "an image", "audio": "audio", "resource_link": "a resource link", "resource": "an embedded resource"}
 
 
+def _placeholder(block: Any) -> str:
+    """``[an image was dropped: image/png]``, ``[a resource link was dropped: file:///x.pdf (application/pdf)]``."""
+    kind = getattr(block, "type", None)
+    inner = getattr(block, "resource", None)  # an embedded resource: its contents carry the uri and type
+    uri = getattr(block, "uri", None) or getattr(inner, "uri", None)
+    mime = getattr(block, "mime_type", None) or getattr(inner, "mime_type", None)
+    detail = f"{uri} ({mime})" if uri and mime else str(uri or mime or "")
+    return f"[{_DROPPED.get(kind, f'a {kind} block')} was dropped{': ' + detail if detail else ''}]"
+
+
 def observation_text(result: Any) -> str:
     """What the model sees of a ``CallToolResult``: its text blocks joined by newlines when it has any, else its
     ``structuredContent`` as JSON; an image, audio or resource block becomes a placeholder naming what was dropped."""
@@ -29,12 +39,18 @@ def observation_text(result: Any) -> str:
         if kind == "text":
             parts.append(block.text)
         else:
-            detail = getattr(block, "mime_type", None) or getattr(block, "uri", None) or ""
-            parts.append(f"[{_DROPPED.get(kind, f'a {kind} block')} was dropped{': ' + str(detail) if detail else ''}]")
+            parts.append(_placeholder(block))
     has_text = any(getattr(b, "type", None) == "text" for b in result.content or [])
     if not has_text and result.structured_content is not None:
         return json.dumps(result.structured_content, ensure_ascii=False)
     return "\n".join(parts)
+
+
+def _identity(info: Any) -> str:
+    """A server's ``Implementation`` (``serverInfo``) as ``"name version"``."""
+    if info is None:
+        return "anonymous"
+    return f"{info.name} {info.version}" if info.version else f"{info.name} (no version)"
 
 
 def _workdir(spec: ServerSpec) -> str:
@@ -95,6 +111,13 @@ class McpTool:
     def schema(self) -> dict[str, Any]:
         return {"type": "function",
                 "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+    @property
+    def version(self) -> str:
+        """Its server's name and version as the server announced them, with the protocol revision spoken, e.g.
+        ``"tinyserve 1.2.3 (MCP server 'tiny', protocol 2025-11-25)"``: the run version records it per tool
+        (``plugin_versions["tool/<name>"]``), so a server upgraded between runs is named when they are compared."""
+        return self.owner.server_versions()[self.server]
 
     async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
         # The rollout refuses such a call before (invalid_action); a caller that did not check gets the model's error.
@@ -171,6 +194,8 @@ class McpTools(ClosingTool):
     _scratch: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _protocols: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
     """Per-trajectory sessions: by episode key, by server, (connection, working directory); loop thread only."""
+    _identities: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    """What each server announced (``serverInfo``) at start-up, as ``"name version"``: see :meth:`server_versions`."""
     sessions_started: int = field(default=0, init=False, repr=False)
     """Per-trajectory server processes started so far."""
 
@@ -226,6 +251,7 @@ class McpTools(ClosingTool):
             listed = {name: loop.run(conn.list_tools()) for name, conn in self._conns.items()}
             self._tools = self._make_tools(listed)
             self._protocols = {name: conn.protocol_version for name, conn in self._conns.items()}
+            self._identities = {name: _identity(conn.client.server_info) for name, conn in self._conns.items()}
             loop.run(self._close_probes())
         except BaseException:
             self.close()
@@ -256,6 +282,17 @@ class McpTools(ClosingTool):
         if not tools:
             raise ValueError(f"the mcp tool's servers offer no tool after include/exclude (they list {sorted(seen)})")
         return tools
+
+    def server_versions(self) -> dict[str, str]:
+        """Each server (its key under ``mcpServers``) -> its announced name and version and the protocol revision,
+        ``"<name> <version> (MCP server '<key>', protocol <revision>)"``; ``"<name> (no version)"`` for an empty
+        version, ``"anonymous"`` for a server that sent no ``serverInfo`` (optional under the 2026-07-28 revision,
+        a ``_meta`` stamp of ``server/discover``; required by the ``initialize`` handshake). Connects if never yet
+        (a closed set keeps what its servers announced)."""
+        if not self._identities:
+            self.member_tools()
+        return {s.name: f"{self._identities[s.name]} (MCP server {s.name!r}, protocol {self._protocols[s.name]})"
+                for s in self._servers}
 
     def server_line(self, server: str) -> str:
         """``server``, how it is reached and the protocol revision it speaks (connecting first if not yet)."""
