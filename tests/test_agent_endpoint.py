@@ -770,6 +770,16 @@ def test_the_configured_rewards_win_and_the_agents_is_recorded():
     assert record_rewards(Trajectory(turns=[]), {"reward": float("nan")}, {}) is not None
 
 
+class OwnToolsAgentRollout:
+    """A rollout whose agent writes its own conversation and is offered nothing of the run's."""
+
+    token_budget = 512
+    agent_conversation = True
+
+    def __call__(self, request):
+        raise AssertionError("not run")
+
+
 def test_a_run_refuses_the_tools_and_system_prompt_an_agent_would_not_use(tmp_path):
     from trl_plugins.run import resolve_run
     from trl_plugins.trainers import MultiTurnGRPOConfig
@@ -781,10 +791,16 @@ def test_a_run_refuses_the_tools_and_system_prompt_an_agent_would_not_use(tmp_pa
         kwargs.update(overrides)
         return MultiTurnGRPOConfig(**kwargs)
 
-    with pytest.raises(ValueError, match=r"tools=\['code_interpreter'\] would be used by nothing: set tools: \[\]"):
-        resolve_run(config())
+    # agent_endpoint offers the run's tools to its agents (GET tools, POST tools/call): it takes them.
+    run = resolve_run(config(tools=["code_interpreter"], tool_kwargs={"code_interpreter": {"isolation": "none"}}))
+    assert run.rollout.offers_tools and list(run.tools) == ["code_interpreter"]
+    run.close()
     with pytest.raises(ValueError, match="system_prompt='Be brief.' would be used by nothing"):
         resolve_run(config(tools=[], system_prompt="Be brief."))
+    # A rollout whose agent is offered nothing would leave them unused: refused, naming them.
+    own = dict(rollout="test_agent_endpoint:OwnToolsAgentRollout", rollout_kwargs={})
+    with pytest.raises(ValueError, match=r"tools=\['code_interpreter'\] would be used by nothing: set tools: \[\]"):
+        resolve_run(config(**own, tools=["code_interpreter"]))
     run = resolve_run(config(tools=[]))
     assert run.rollout.agent_conversation and run.rollout.token_budget == 4096
     run.bind_tokenizer(build_tokenizer("qwen2_5"))  # a run without tools still checks its template

@@ -347,6 +347,9 @@ class RolloutPlugin(_Adapter):
     agent_conversation: bool = False
     """The conversation is written by an agent (its own system prompt, messages and tools), not from the run's
     ``tools`` and ``system_prompt``, which the run then refuses; optional, default False."""
+    offers_tools: bool = False
+    """With ``agent_conversation``: the run's ``tools`` are offered to the agent (which may send them as a request's
+    tools), so the run takes them and refuses only ``system_prompt``; optional, default False."""
     rederive_stop_fn: Callable[[Any, Any], Any] | None = None
     """``rederive_stop(trajectory, chat) -> (turn, StopReason | None)``: where and why its rules end a saved
     trajectory (what ``python -m trl_plugins.replay --rewards`` compares with the saved stop reason); optional,
@@ -462,6 +465,7 @@ def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
                                      f"most tool calls of one turn it runs).")
     return RolloutPlugin(name, impl, token_budget=budget, tool_calls_per_turn=per_turn,
                          agent_conversation=_optional_bool(impl, "agent_conversation", False, label),
+                         offers_tools=_optional_bool(impl, "offers_tools", False, label),
                          rederive_stop_fn=_optional_method(impl, "rederive_stop", label))
 
 

@@ -332,12 +332,15 @@ def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: Advant
             f"policy_loss {config.policy_loss!r} reads reference log-probs, and the reference model is built only "
             f"when beta > 0; set --beta (the KL coefficient) instead of kl_coef in policy_loss_kwargs."
         )
-    if rollout.agent_conversation and (config.tools or config.system_prompt):
-        given = [f"tools={config.tools}"] * bool(config.tools) + [f"system_prompt={config.system_prompt!r:.60}"] * bool(config.system_prompt)
+    unused_tools = bool(config.tools) and not rollout.offers_tools
+    if rollout.agent_conversation and (unused_tools or config.system_prompt):
+        given = [f"tools={config.tools}"] * unused_tools + [f"system_prompt={config.system_prompt!r:.60}"] * bool(config.system_prompt)
+        offered = (" (its tools may be the run's: the agent asks for them, docs/agents.md#the-runs-tools)"
+                   if rollout.offers_tools else "")
         raise ValueError(
-            f"rollout {config.rollout!r} runs an agent that writes its own conversation (its system prompt and tools), "
-            f"so {' and '.join(given)} would be used by nothing: set tools: [] and system_prompt: null, and give the "
-            f"agent its prompt and tools in its own code."
+            f"rollout {config.rollout!r} runs an agent that writes its own conversation (its system prompt and "
+            f"tools){offered}, so {' and '.join(given)} would be used by nothing: set "
+            f"{'tools: [] and ' * unused_tools}system_prompt: null, and give the agent its prompt in its own code."
         )
     budget = rollout.token_budget
     if AggregationMode(config.aggregation) == AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM and not (config.norm_length or 0) > 0:

@@ -155,6 +155,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
     framework drops. Where the template drops it anyway, the segment continues either way. docs/agents.md."""
     agent_conversation: ClassVar[bool] = True
     """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
+    offers_tools: ClassVar[bool] = True
+    """Capability: the run's ``tools`` are offered to the agent (``GET <base_url>/tools``, ``POST <base_url>/tools/call``)."""
     _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
     _failures_seen: set = field(default_factory=set, init=False, repr=False, compare=False)
 
