@@ -203,8 +203,14 @@ def test_config_errors_are_clear(tmp_path):
     assert McpTools(config=str(path))._servers[0].args == ("x.py",)
 
 
-def test_per_trajectory_sessions_never_share_state_and_leave_nothing(tmp_path):
+def test_per_trajectory_sessions_never_share_state_and_leave_nothing(tmp_path, monkeypatch):
     from trl_plugins.protocols import as_tool, tool_episode
+
+    # The working directories go to a temporary folder of this test's own: another test (or run) on the machine may
+    # make mcp-toy-* folders in the shared one meanwhile.
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
 
     (tmp_path / "repo.txt").write_text("r")
     tools = McpTools(mcpServers={"toy": {"command": sys.executable, "args": [TOY, "stdio", "{workdir}"], "cwd": "/",
@@ -219,18 +225,20 @@ def test_per_trajectory_sessions_never_share_state_and_leave_nothing(tmp_path):
             await asyncio.sleep(0.2)  # both trajectories' servers are up at once
             seen[word] = (await t["recall"]({})).text
             seen[word + "_pids"] = _children()
+            seen[word + "_dirs"] = set(private.glob("mcp-toy-*"))
 
     async def both() -> None:
         await asyncio.gather(trajectory("a"), trajectory("b"))
 
     try:
-        before, dirs = _children(), set(Path(tempfile.gettempdir()).glob("mcp-toy-*"))
+        before, dirs = _children(), set(private.glob("mcp-toy-*"))
         asyncio.run(both())
         # Its own process (memory), its own directory (the file; {workdir} in args), each with the copy.
         assert seen["a"] == "a|a|memory.txt,repo.txt" and seen["b"] == "b|b|memory.txt,repo.txt"
         assert len(seen["a_pids"] - before) >= 2 and tools.sessions_started == 2
         assert tools.live_sessions() == 0 and not ((seen["a_pids"] | seen["b_pids"]) - before) & _children()
-        assert set(Path(tempfile.gettempdir()).glob("mcp-toy-*")) == dirs  # the working directories are gone
+        assert dirs == set() and len(seen["a_dirs"]) == 2  # both trajectories' working directories, while they ran
+        assert set(private.glob("mcp-toy-*")) == set()  # gone
     finally:
         tools.close()
 
