@@ -358,3 +358,71 @@ def test_docs_example_parses_and_its_key_table_is_the_configs():
     assert servers["docs"].transport == "http" and servers["docs"].headers == {"Authorization": "Bearer ..."}
     table = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
     assert table == OUR_KEYS - {"type"}
+
+
+def _marked(mark: str) -> set[int]:
+    """Processes whose environment holds ``TOY_MARK=mark`` (a test's servers, wherever they were started)."""
+    import os
+
+    found = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"TOY_MARK={mark}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                    found.add(int(d.name))
+            except OSError:
+                pass
+    found.discard(os.getpid())
+    return found
+
+
+def _below_a_spawned_process(pid: int) -> bool:
+    """Whether an ancestor of ``pid`` is a process multiprocessing spawned (the generation replica)."""
+    import os
+
+    while pid > 1 and pid != os.getpid():
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[1])
+            if b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+        except (OSError, ValueError):
+            return False
+    return False
+
+
+@pytest.mark.slow
+def test_mcp_tools_start_in_the_asynchronous_replica_and_leave_nothing(tmp_path):
+    # Asynchronous rollouts sample in a spawned replica process that gets the run's tools pickled: the MCP tool set
+    # must be started there (its shared server running while steps train) and leave no server when training ends.
+    import uuid
+
+    from transformers import TrainerCallback
+
+    from test_trainer import TokenReward, _config, _dataset
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    mark = uuid.uuid4().hex
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append({pid: _below_a_spawned_process(pid) for pid in _marked(mark)})
+
+    tok = build_tokenizer("qwen2_5")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    config = _config(tmp_path, per_device_train_batch_size=8, max_steps=2, async_rollouts=True, tools=["mcp"],
+                     tool_kwargs={"mcp": {"mcpServers": {"toy": _stdio(session="shared", env={"TOY_MARK": mark})},
+                                          "include": ["add"]}})
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), config, train_dataset=_dataset(8), processing_class=tok,
+                                   reward_components={"length": TokenReward()})
+    trainer.add_callback(Look())
+    trainer.train()
+    assert len(seen) == 2 and all(seen), seen  # a server of the run's running at each step
+    # ... the replica's own: a server below the spawned replica process, not below the trainer's process alone.
+    assert any(spawned for pids in seen for spawned in pids.values()), seen
+    deadline = time.monotonic() + 10
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _marked(mark)

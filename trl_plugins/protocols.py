@@ -21,7 +21,8 @@ policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supp
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
 rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1),
-                                                                          ``rederive_stop()``, ``close()``
+                                                                          ``agent_conversation``, ``offers_tools``
+                                                                          (False), ``rederive_stop()``, ``close()``
 tool                        ``name``, ``schema()``, ``async __call__``    ``idempotent`` (False), ``start_up()``,
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
@@ -37,16 +38,14 @@ asked).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import inspect
-import logging
 import math
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
 from trl_plugins.aio import run_async
+from trl_plugins.episodes import current_episode, tool_episode  # the tool seam's episodes, re-exported
 
 if TYPE_CHECKING:  # annotations only: the seams' own modules import this one
     from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput, Trajectory
@@ -70,6 +69,8 @@ __all__ = [
     "as_tool",
     "as_reward",
     "close_plugin",
+    "current_episode",
+    "tool_episode",
 ]
 
 
@@ -203,28 +204,6 @@ def _optional_method(impl: Any, member: str, label: str) -> Callable[..., Any] |
     if method is not None and not callable(method):
         raise PluginDeclarationError(label, f"declares {member} = {method!r}, which is not callable.")
     return method
-
-
-current_episode: ContextVar[Any] = ContextVar("trl_plugins_current_episode", default=None)
-"""The trajectory a tool call belongs to (a key unique in the process), set by the rollout around each trajectory's
-turns; None outside one. A tool that keeps state per trajectory keys it by this and frees it in ``end_episode``."""
-
-
-@contextlib.asynccontextmanager
-async def tool_episode(tools: Any) -> Any:
-    """Run a trajectory's turns as one episode of ``tools`` (ToolPlugins): :data:`current_episode` set to a new key
-    inside, and every tool's ``end_episode(key)`` awaited on the way out, however the trajectory ended."""
-    key = object()
-    token = current_episode.set(key)
-    try:
-        yield key
-    finally:
-        current_episode.reset(token)
-        for tool in tools:
-            try:
-                await tool.end_episode(key)
-            except Exception:  # noqa: BLE001 - a tool's cleanup must not end the rollout
-                logging.getLogger(__name__).exception("%s: end_episode failed", tool.label)
 
 
 def close_plugin(plugin: Any) -> None:
