@@ -108,6 +108,19 @@ def test_each_row_keeps_the_whole_entry_json_ready(rows):
         assert json.loads(json.dumps(row)) == row  # what the viewer's batches save and a replay reads back
 
 
+def test_metadata_json_cannot_hold_is_refused_when_the_rows_are_made(monkeypatch):
+    # A saved row is JSON: a set in the metadata would come back as its text and the scorer would read another entry.
+    from retool.reasoning_gym_task import ReasoningGymTask
+
+    task = parse_task_kwargs(TASKS["chain_sum"])
+    entries = [{"question": f"q{i}", "answer": "1", "metadata": {"source_dataset": "chain_sum", "seen": {1, 2}}}
+               for i in range(5)]
+    monkeypatch.setattr(ReasoningGymTask, "composite", lambda self, seed, size: entries)
+    with pytest.raises(ValueError, match=r"the metadata of chain_sum's entries holds a value JSON cannot hold .*"
+                                         r"could not be scored again"):
+        reasoning_gym_problems(task, 2, seed=0, split="test")
+
+
 @pytest.mark.parametrize("name", list(TASKS))
 def test_the_reward_is_the_datasets_own_score_answer(rows, name):
     reward = ReasoningGymReward()
@@ -218,6 +231,7 @@ def test_a_dry_run_of_the_reasoning_gym_recipe_checks_everything_and_refuses_it_
     with pytest.raises(SystemExit, match=r"answer_format='boxed'.*final_answer_pattern='<answer>' does not match it"):
         retool_ppo.main(script_args, args)
     script_args, args = retool_ppo.parse_args(common)
+    assert pickle.loads(pickle.dumps(script_args)).reasoning_gym_task == script_args.reasoning_gym_task  # to children
     assert retool_ppo.main(script_args, args) == 0
     said = capsys.readouterr().out
     assert "dataset:      reasoning-gym: chain_sum (100%" in said
