@@ -196,6 +196,8 @@ def _recipe():
     ('{"datasets": {"chain_sum": {"weight": 0}}}', r"datasets.chain_sum.weight must be a positive number"),
     ('{"datasets": {"chain_sum": {"weight": -1.0}, "basic_arithmetic": {}}}', r"datasets.chain_sum.weight must be a positive number"),
     ('{"datasets": {"chain_sum": {"config": {"seed": 3}}}}', r"sets \['seed'\]: the run sets them \(seed from --task_seed\)"),
+    ('{"datasets": {"chain_sum": {"weigth": 2}}}', r"datasets.chain_sum takes \['config', 'weight'\]; got \['weigth'\]"),
+    ('{"datasets": {"chain_sum": {"weight": Infinity}}}', r"datasets.chain_sum.weight must be a positive number"),
     ('{"dataset": {"chain_sum": {}}}', r"take \['datasets', 'held_out_pool'\]; got \['dataset'\]"),
     ('{}', r"needs task_kwargs naming at least one reasoning-gym dataset"),
 ])
@@ -231,6 +233,7 @@ def test_a_dry_run_of_the_reasoning_gym_recipe_checks_everything_and_refuses_it_
     with pytest.raises(SystemExit, match=r"answer_format='boxed'.*final_answer_pattern='<answer>' does not match it"):
         retool_ppo.main(script_args, args)
     script_args, args = retool_ppo.parse_args(common)
+    assert script_args.success_component == "reasoning_gym"  # what the held-out accuracy and pass@k count by
     assert pickle.loads(pickle.dumps(script_args)).reasoning_gym_task == script_args.reasoning_gym_task  # to children
     assert retool_ppo.main(script_args, args) == 0
     said = capsys.readouterr().out
