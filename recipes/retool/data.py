@@ -80,7 +80,7 @@ def load_task_rows(
     if role not in ("train", "test"):
         raise ValueError(f"role must be 'train' or 'test', got {role!r}.")
     if dataset_name is None and task == "reasoning_gym":
-        from retool.reasoning_gym_task import reasoning_gym_problems
+        from retool.reasoning_gym_task import TRAIN_SEED_OFFSET, reasoning_gym_problems
 
         if reasoning_gym is None:
             raise ValueError("task 'reasoning_gym' needs its datasets (ScriptArguments.reasoning_gym_task, from --task_kwargs).")
@@ -88,7 +88,7 @@ def load_task_rows(
         if log:
             log(f"{'training' if role == 'train' else 'held-out'} rows: {len(rows)} reasoning-gym questions of "
                 f"{reasoning_gym.describe()} (" + ("seeds from task_seed, each question once" if role == "test" else
-                f"seeds from task_seed + 10^9, none of the {reasoning_gym.held_out_pool}-item held-out pool's questions") + ")")
+                f"seeds from task_seed + {TRAIN_SEED_OFFSET:,}, none of the {reasoning_gym.held_out_pool}-item held-out pool's questions") + ")")
         return rows
     if dataset_name is None:
         from retool.task import bundled_problems
