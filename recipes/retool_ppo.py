@@ -113,7 +113,8 @@ def _train(script_args: ScriptArguments, training_args, run, checked, *, start: 
     if evaluate and main_process:
         # A resumed run reuses the evaluation its first start made of the same starting model on the same problems.
         before = reusable_evaluation(out_dir / "eval_before.json", model=model_path, rows=heldout_rows,
-                                     samples=script_args.eval_samples, temperature=script_args.eval_temperature) \
+                                     samples=script_args.eval_samples, temperature=script_args.eval_temperature,
+                                   success_component=script_args.success_component) \
             if training_args.resume_from_checkpoint else None
         if before is not None:
             say(f"Held-out evaluation of the starting model: reused from {out_dir / 'eval_before.json'} (resumed run; "
@@ -130,7 +131,8 @@ def _train(script_args: ScriptArguments, training_args, run, checked, *, start: 
     if evaluate and script_args.eval_every_steps > 0:
         # The first of the held-out rows (a seeded draw: the same ones a separate load of that size gives).
         periodic = PeriodicHeldOut(trainer, heldout_rows[: script_args.eval_every_problems], every=script_args.eval_every_steps,
-                                   samples=script_args.eval_samples, temperature=script_args.eval_temperature)
+                                   samples=script_args.eval_samples, temperature=script_args.eval_temperature,
+                                   success_component=script_args.success_component)
         trainer.add_callback(periodic)
     try:
         # A run that went to its end without one policy update is saved, evaluated and summarised as any, then exits 1.

@@ -38,6 +38,10 @@ def test_packer_plugins(name):
 def test_reward_plugins(name):
     # agent_reward scores with what the agent returned, else the row's reward: this row gives one.
     example = {"answer": "42", "prompt": "What is 6 * 7?", "reward": 0.5} if name == "agent_reward" else None
+    if name == "reasoning_gym":  # scores reasoning-gym entries: a row with the entry's metadata (source_dataset)
+        rg = pytest.importorskip("reasoning_gym")
+        entry = rg.create_dataset("chain_sum", size=1, seed=0)[0]
+        example = {"prompt": entry["question"], "answer": "42", "metadata": {**entry["metadata"], "source_dataset": "chain_sum"}}
     check_reward_contract(name, example=example)
 
 

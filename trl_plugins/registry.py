@@ -292,7 +292,8 @@ class Registry(Generic[T]):
 
 ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine", "trl_plugins.rollout.endpoint.agent"))
 TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter", "trl_plugins.tools.mcp.plugin"))
-REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent"))
+REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent",
+                                                              "trl_plugins.rewards.reasoning_gym"))
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
 POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",
                                                                          "trl_plugins.algos.span_losses"))

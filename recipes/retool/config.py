@@ -42,7 +42,9 @@ class ScriptArguments(ModelConfig):
     model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout: 0 (TRL's default 0.05 is refused: dropout in the update but not in generation biases every importance ratio)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled task named by --task."})
-    task: str = field(default="arithmetic", metadata={"help": "The bundled task (without --dataset_name), and the embedded default built for it: 'arithmetic' (one code call) or 'lookup' (a number behind a key, then arithmetic on it; some keys moved: recipes/retool_lookup.yaml sets it up)."})
+    task: str = field(default="arithmetic", metadata={"help": "The bundled task (without --dataset_name), and the embedded default built for it: 'arithmetic' (one code call) or 'lookup' (a number behind a key, then arithmetic on it; some keys moved: recipes/retool_lookup.yaml sets it up); or 'reasoning_gym': reasoning-gym's datasets named by --task_kwargs (recipes/retool_reasoning_gym.yaml; docs/environments.md), on the arithmetic task's embedded default."})
+    task_kwargs: dict | str | None = field(default=None, metadata={"help": "--task reasoning_gym only: the datasets, e.g. '{\"datasets\": {\"chain_sum\": {\"weight\": 1.0, \"config\": {\"min_terms\": 3}}}}' (several: a composite mixed by weight; each config takes the dataset's own fields), and optionally held_out_pool (default 1000). Checked against reasoning-gym when the config is parsed."})
+    success_component: str | None = field(default=None, metadata={"help": "The reward component whose is_success(value) counts a held-out sample correct (accuracy, pass@k); default: the task's ('reasoning_gym' for --task reasoning_gym, else 'correct')."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
     dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation; never the training split. A dataset without it (a single local file always) holds out held_out_fraction of the training split instead."})
@@ -62,6 +64,8 @@ class ScriptArguments(ModelConfig):
     dry_run: bool = field(default=False, metadata={"help": "Run every start-up check (settings, plugins and their contract checks, tools and their schemas, the data, the chat template, dropout, memory, output_dir, the checkpoint to resume) and print the start-up lines, then exit: 0, or non-zero with the refusal. Trains and evaluates nothing, writes or moves nothing in output_dir, starts no tracker and loads no weights (the embedded default: the cached build, else only the tokenizer and model config its build makes). docs/recipe.md, 'Checking a config'."})
     wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})
     plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
+    reasoning_gym_task: Any = field(default=None, init=False)
+    """``--task reasoning_gym``: its ``task_kwargs`` checked (:class:`retool.reasoning_gym_task.ReasoningGymTask`)."""
     # Set by parse_args (not arguments): where the values came from, for the start-up banner and summary.json.
     config_files: list[str] = field(default_factory=list, init=False)
     """The YAML files layered under the command line, lowest first."""
@@ -81,12 +85,22 @@ class ScriptArguments(ModelConfig):
         if not 0 <= self.held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}.")
         from retool.coldstart import TASKS
+        from retool.reasoning_gym_task import TASK as REASONING_GYM
 
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}.")
+        if self.task not in (*TASKS, REASONING_GYM):
+            raise ValueError(f"task must be one of {[*TASKS, REASONING_GYM]}, got {self.task!r}.")
         if self.dataset_name is not None and self.task != "arithmetic":
             raise ValueError(f"task {self.task!r} names a bundled task, but dataset_name {self.dataset_name!r} replaces the "
                              f"bundled tasks: drop one of them.")
+        if self.task == REASONING_GYM:
+            from retool.reasoning_gym_task import parse_task_kwargs
+
+            self.reasoning_gym_task = parse_task_kwargs(self.task_kwargs if self.task_kwargs is not None else {})
+        elif self.task_kwargs not in (None, "", {}, "{}"):
+            raise ValueError(f"task_kwargs are the settings of --task reasoning_gym; task {self.task!r} takes none: drop "
+                             f"task_kwargs or set --task reasoning_gym.")
+        if self.success_component is None:
+            self.success_component = "reasoning_gym" if self.task == REASONING_GYM else "correct"
 
 
 def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:

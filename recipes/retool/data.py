@@ -54,15 +54,18 @@ def load_task_rows(
     held_out_fraction: float = 0.1,
     log: Callable[[str], None] | None = None,
     task: str = "arithmetic",
+    reasoning_gym: Any = None,
 ) -> list[dict]:
     """Rows ``{"id", "prompt", "answer"}`` for training (``role="train"``) or the held-out evaluation
-    (``role="test"``): the bundled ``task`` (``arithmetic`` or ``lookup``) when ``dataset_name`` is None, else a Hub dataset or a
+    (``role="test"``): the bundled ``task`` (``arithmetic`` or ``lookup``; ``reasoning_gym``: the datasets of
+    ``reasoning_gym``, a :class:`retool.reasoning_gym_task.ReasoningGymTask`) when ``dataset_name`` is None, else a Hub dataset or a
     local file/directory loaded with ``datasets.load_dataset``. A dotted column name reads a nested field
     (e.g. ``reward_model.ground_truth`` in DAPO-style sets).
 
     Which rows (the two roles never share a row):
 
     - the bundled task: its ``train_split`` / ``test_split`` (disjoint by construction);
+    - reasoning-gym: disjoint seed ranges, de-duplicated by question (:func:`retool.reasoning_gym_task.reasoning_gym_problems`);
     - a dataset with a split named ``test_split``: that split, and ``train_split`` for training;
     - a dataset without it, or a single local file (one split): ``held_out_fraction`` of the rows of
       ``train_split`` (the whole file) are held out (:func:`held_out_mask`), the others train.
@@ -76,6 +79,17 @@ def load_task_rows(
     """
     if role not in ("train", "test"):
         raise ValueError(f"role must be 'train' or 'test', got {role!r}.")
+    if dataset_name is None and task == "reasoning_gym":
+        from retool.reasoning_gym_task import TRAIN_SEED_OFFSET, reasoning_gym_problems
+
+        if reasoning_gym is None:
+            raise ValueError("task 'reasoning_gym' needs its datasets (ScriptArguments.reasoning_gym_task, from --task_kwargs).")
+        rows = reasoning_gym_problems(reasoning_gym, size or 1000, seed=seed, split="train" if role == "train" else "test")
+        if log:
+            log(f"{'training' if role == 'train' else 'held-out'} rows: {len(rows)} reasoning-gym questions of "
+                f"{reasoning_gym.describe()} (" + ("seeds from task_seed, each question once" if role == "test" else
+                f"seeds from task_seed + {TRAIN_SEED_OFFSET:,}, none of the {reasoning_gym.held_out_pool}-item held-out pool's questions") + ")")
+        return rows
     if dataset_name is None:
         from retool.task import bundled_problems
 
@@ -159,7 +173,7 @@ def task_rows(script_args: Any, role: Literal["train", "test"], *, size: int | N
     return load_task_rows(a.dataset_name, role, size=size, seed=a.task_seed, dataset_config=a.dataset_config,
                           prompt_column=a.prompt_column, answer_column=a.answer_column, train_split=a.dataset_train_split,
                           test_split=a.dataset_test_split, held_out_fraction=a.held_out_fraction, log=log,
-                          task=a.task)
+                          task=a.task, reasoning_gym=a.reasoning_gym_task)
 
 
 def _field(row: dict, column: str) -> Any:

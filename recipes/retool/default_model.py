@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 from retool.coldstart import DEFAULT_SYSTEM_PROMPT, LOOKUP_SYSTEM_PROMPT, TASKS
 from retool.launch import run_in_child
 
-__all__ = ["EmbeddedSettings", "TASK_DEFAULTS", "task_schemas", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
+__all__ = ["EmbeddedSettings", "TASK_DEFAULTS", "EMBEDDED_FOR", "task_schemas", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
            "model_path_or_default", "model_for_dry_run", "embedded_settings_for", "embedded_tokenizer",
            "embedded_stand_in", "PROMPT_TO_ANSWER_MIN_TOKENS"]
 
@@ -152,6 +152,12 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "lookup": {"system_prompt": LOOKUP_SYSTEM_PROMPT},
 }
 """Per bundled task, the :class:`EmbeddedSettings` that differ from the arithmetic task's."""
+
+
+EMBEDDED_FOR = {"reasoning_gym": "arithmetic"}
+"""Tasks without an embedded default of their own, and the bundled task whose build serves them: a reasoning-gym run
+starts from the arithmetic task's (its cold start teaches calling the code interpreter and boxing the answer; the
+same cached build, no cold start of its own)."""
 
 
 def task_schemas(task: str) -> list[dict]:
@@ -395,7 +401,10 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     build made with ``EmbeddedSettings.system_prompt`` and ``log`` says so: the build would differ only by its
     tokenizer's merges.
     """
-    task = script_args.task
+    task = EMBEDDED_FOR.get(script_args.task, script_args.task)
+    if task != script_args.task:
+        log(f"[embedded default] task {script_args.task!r} has no embedded default of its own: the {task} task's serves "
+            f"it (--model_name_or_path for another model).")
     run_prompt = training_args.system_prompt or TASK_DEFAULTS[task].get("system_prompt", DEFAULT_SYSTEM_PROMPT)
     settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, task=task)
     if run_prompt == settings.system_prompt or "system_prompt" in json.loads(script_args.embedded or "{}"):

@@ -39,8 +39,8 @@ def check_eval_settings(script_args: Any, run: Any, ks: Sequence[int] | None = N
 
     Raises:
         SystemExit: the held-out split named as the training split, greedy decoding with several
-            samples, a k outside [1, eval_samples], or reward components without the ``correct`` one
-            the evaluation counts by.
+            samples, a k outside [1, eval_samples], or reward components without the one the evaluation
+            counts by (``success_component``: ``correct``, or ``reasoning_gym`` for that task).
     """
     from trl_plugins.evaluation import check_success_component
 
@@ -55,7 +55,7 @@ def check_eval_settings(script_args: Any, run: Any, ks: Sequence[int] | None = N
         )
     if script_args.eval_problems > 0:
         try:
-            check_success_component(run)
+            check_success_component(run, script_args.success_component)
         except ValueError as exc:
             raise SystemExit(f"{exc} Or skip the held-out evaluation with --eval_problems 0.") from exc
     samples = script_args.eval_samples
@@ -110,6 +110,7 @@ def evaluate_checkpoint(
         result, trajectories = evaluate_policy(
             model, tokenizer, rows, run, samples=script_args.eval_samples, temperature=temperature, ks=ks,
             seed=run.config.seed, batch_questions=batch_questions, progress=progress,
+            success_component=script_args.success_component,
         )
     finally:
         if owned:
@@ -174,8 +175,10 @@ class PeriodicHeldOut(TrainerCallback):
     compare on the same draws.
     """
 
-    def __init__(self, trainer: Any, rows: Sequence[dict], *, every: int, samples: int, temperature: float) -> None:
+    def __init__(self, trainer: Any, rows: Sequence[dict], *, every: int, samples: int, temperature: float,
+                 success_component: str = "correct") -> None:
         self.trainer, self.every, self.samples, self.temperature = trainer, every, samples, temperature
+        self.success_component = success_component
         world = trainer.accelerator.num_processes
         usable = len(rows) - len(rows) % world  # equal shares: every rank runs the same collectives
         self.rows = list(rows[trainer.accelerator.process_index:usable:world])
@@ -194,6 +197,7 @@ class PeriodicHeldOut(TrainerCallback):
             trainer.model_wrapped, trainer.processing_class, self.rows, trainer.run, samples=self.samples,
             temperature=self.temperature, seed=seed, batch_questions=len(self.rows), accelerator=trainer.accelerator,
             backend=trainer.generation_backend(temperature=self.temperature), policy_step=trainer.state.global_step,
+            success_component=self.success_component,
         )
         n = result.problems * result.samples
         with_tool = result.tool_call_rate * n

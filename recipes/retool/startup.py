@@ -48,6 +48,14 @@ def resolve(script_args: Any, training_args: Any) -> Any:
         raise SystemExit(f"configuration error (before any model loads): task {script_args.task!r} needs the tool(s) "
                          f"{missing} (the run has {sorted(run.tools)}): its problems cannot be solved without them. "
                          f"Set --tools as recipes/retool_lookup.yaml does: --config recipes/retool_lookup.yaml.")
+    if script_args.reasoning_gym_task is not None:
+        from retool.reasoning_gym_task import check_run
+
+        try:
+            check_run(run)
+        except ValueError as exc:
+            run.close()
+            raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
     try:
         run.start_tools()
     except (ValueError, TypeError, RuntimeError) as exc:
@@ -332,8 +340,12 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
              "-" * 72]
     model = s.model_name_or_path or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
     lines.append(f"model:        {model}" + (f"  [LoRA adapter, r={s.lora_r}]" if s.use_peft else ""))
-    lines.append(f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
-                 f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
+    if s.reasoning_gym_task is not None:
+        lines.append(f"dataset:      reasoning-gym: {s.reasoning_gym_task.describe()} (held-out rows from task_seed, "
+                     f"training rows from other seeds, none sharing a question)")
+    else:
+        lines.append(f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
+                     f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
     if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
     for note in s.dropped_kwargs:

@@ -5,7 +5,8 @@ Contract: a component is constructed with its own settings and called as
 from (its reference answer, for instance). The trainer stores each component on the trajectory as a
 :class:`~trl_plugins.types.RewardComponent` with its configured weight; the trajectory's reward is the
 weighted sum. Built-ins (:mod:`trl_plugins.rewards.math`): ``correct`` (math-verify on the last
-``\\boxed{}``), ``format``, ``tool_use`` and ``overlong``.
+``\\boxed{}``), ``format``, ``tool_use`` and ``overlong``; ``agent_reward`` (:mod:`trl_plugins.rewards.agent`) and
+``reasoning_gym`` (:mod:`trl_plugins.rewards.reasoning_gym`: a reasoning-gym dataset's own ``score_answer``).
 """
 
 from __future__ import annotations

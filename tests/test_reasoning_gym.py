@@ -1,0 +1,245 @@
+"""``--task reasoning_gym``: reasoning-gym's datasets as rows (disjoint training and held-out questions, composites mixed
+by weight, the whole entry kept), the ``reasoning_gym`` reward (the dataset's own ``score_answer``), and refusals of
+bad ``task_kwargs`` when the config is parsed, before any model loads."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+reasoning_gym = pytest.importorskip("reasoning_gym")
+
+from trl_plugins.rewards.reasoning_gym import ReasoningGymReward  # noqa: E402
+from trl_plugins.types import StopReason, Trajectory, Turn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+from retool.reasoning_gym_task import parse_task_kwargs, reasoning_gym_problems  # noqa: E402
+
+TASKS = {
+    "chain_sum": {"datasets": {"chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 4}}}},
+    "basic_arithmetic": {"datasets": {"basic_arithmetic": {"weight": 1.0, "config": {}}}},
+    "composite": {"datasets": {"chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 4}},
+                               "basic_arithmetic": {"weight": 1.0, "config": {}}}},
+}
+
+
+def traj(text: str, stop=StopReason.FINAL_ANSWER) -> Trajectory:
+    return Trajectory(turns=[Turn([1] * 10, [3] * 5, [-0.1] * 5, text=text + "<|im_end|>")], stop_reason=stop)
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, tuple[list[dict], list[dict]]]:
+    """Per task: (300 training rows, 100 held-out rows), task_seed 0."""
+    out = {}
+    for name, kwargs in TASKS.items():
+        task = parse_task_kwargs(kwargs)
+        out[name] = (reasoning_gym_problems(task, 300, seed=0, split="train"),
+                     reasoning_gym_problems(task, 100, seed=0, split="test"))
+    return out
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_training_and_held_out_rows_never_share_a_question(rows, name):
+    train, test = rows[name]
+    assert len(train) == 300 and len(test) == 100
+    train_q, test_q = [r["prompt"] for r in train], [r["prompt"] for r in test]
+    assert len(set(train_q)) == 300 and len(set(test_q)) == 100  # each question once
+    assert not set(train_q) & set(test_q)
+    # Training leaves out the whole held-out pool (1000 items), not only the 100 asked for: a later evaluation with more
+    # held-out problems still meets no training question.
+    from retool.reasoning_gym_task import _held_out_pool
+
+    task = parse_task_kwargs(TASKS[name])
+    assert not set(train_q) & {r["prompt"] for r in _held_out_pool(task, 0)}
+    # The same seed gives the same rows (a run and its evaluation child load them alike); ids are unique.
+    assert reasoning_gym_problems(task, 100, seed=0, split="test") == test
+    assert len({r["id"] for r in train + test}) == 400
+
+
+def test_two_seeds_of_one_dataset_share_almost_every_item_which_the_split_avoids():
+    # Negative control: reasoning-gym's item i is Random(seed + i), so seeds 0 and 1 give the same items shifted by one;
+    # held-out and training rows made by seeds alone would overlap nearly whole.
+    a = reasoning_gym.create_dataset("chain_sum", size=50, seed=0)
+    b = reasoning_gym.create_dataset("chain_sum", size=50, seed=1)
+    shared = {a[i]["question"] for i in range(50)} & {b[i]["question"] for i in range(50)}
+    assert len(shared) >= 45
+
+
+def test_too_few_distinct_questions_are_refused_with_the_numbers():
+    # 1-digit terms, exactly 2 of them, no negation: at most 10 * 10 * 2 = 200 questions; 1000 held-out items take
+    # nearly all of them, so 300 training questions outside them cannot exist.
+    task = parse_task_kwargs({"datasets": {"chain_sum": {"config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                                      "max_digits": 1, "allow_negation": False}}}})
+    with pytest.raises(ValueError, match=r"300 asked for, but 6000 items .* hold only \d+ distinct questions outside the "
+                                         r"\d+ held-out ones.*Lower --train_size"):
+        reasoning_gym_problems(task, 300, seed=0, split="train")
+    with pytest.raises(ValueError, match=r"held-out rows: 500 asked for, but the held-out pool .* holds \d+ distinct "
+                                         r"questions. Lower --eval_problems"):
+        reasoning_gym_problems(task, 500, seed=0, split="test")
+
+
+def test_a_composites_weights_set_each_datasets_share():
+    # 2000 rows at weights 3:1: the share of chain_sum is binomial around 0.75 with sd sqrt(0.75 * 0.25 / 2000) = 0.0097;
+    # 4 sd = 0.039 (the draw is seeded, so this is a check of the mixing, not a flaky test). Reversed weights: 0.25.
+    for weights, share in (((3.0, 1.0), 0.75), ((1.0, 3.0), 0.25)):
+        task = parse_task_kwargs({"datasets": {"chain_sum": {"weight": weights[0]},
+                                               "basic_arithmetic": {"weight": weights[1]}}})
+        train = reasoning_gym_problems(task, 2000, seed=0, split="train")
+        got = sum(r["metadata"]["source_dataset"] == "chain_sum" for r in train) / len(train)
+        assert abs(got - share) < 0.039, (weights, got)
+
+
+def test_each_row_keeps_the_whole_entry_json_ready(rows):
+    train, test = rows["composite"]
+    data = parse_task_kwargs(TASKS["composite"]).composite(0, 1000)
+    first = test[0]
+    entry = data[0]  # the held-out pool's first item is the first held-out row
+    assert first["prompt"] == entry["question"] and first["answer"] == entry["answer"]
+    assert first["metadata"] == json.loads(json.dumps(entry["metadata"]))
+    assert first["metadata"]["source_dataset"] in ("chain_sum", "basic_arithmetic")
+    assert first["reasoning_gym_config"] == TASKS["composite"]["datasets"][first["metadata"]["source_dataset"]]["config"]
+    assert {r["metadata"]["source_dataset"] for r in train} == {"chain_sum", "basic_arithmetic"}
+    for row in train[:20] + test[:20]:
+        assert json.loads(json.dumps(row)) == row  # what the viewer's batches save and a replay reads back
+
+
+def test_metadata_json_cannot_hold_is_refused_when_the_rows_are_made(monkeypatch):
+    # A saved row is JSON: a set in the metadata would come back as its text and the scorer would read another entry.
+    from retool.reasoning_gym_task import ReasoningGymTask
+
+    task = parse_task_kwargs(TASKS["chain_sum"])
+    entries = [{"question": f"q{i}", "answer": "1", "metadata": {"source_dataset": "chain_sum", "seen": {1, 2}}}
+               for i in range(5)]
+    monkeypatch.setattr(ReasoningGymTask, "composite", lambda self, seed, size: entries)
+    with pytest.raises(ValueError, match=r"the metadata of chain_sum's entries holds a value JSON cannot hold .*"
+                                         r"could not be scored again"):
+        reasoning_gym_problems(task, 2, seed=0, split="test")
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_the_reward_is_the_datasets_own_score_answer(rows, name):
+    reward = ReasoningGymReward()
+    data = parse_task_kwargs(TASKS[name]).composite(0, 1000)  # the generating dataset: score_answer by source_dataset
+    for row in rows[name][1][:10]:
+        entry = {"question": row["prompt"], "answer": row["answer"], "metadata": row["metadata"]}
+        oracle = str(row["answer"])
+        cases = {
+            f"so \\boxed{{{oracle}}}": oracle,  # right
+            f"\\boxed{{{oracle}1}}": oracle + "1",  # wrong
+            f"the answer is {oracle}": None,  # malformed: no box
+            f"\\boxed{{{oracle} apples}}": f"{oracle} apples",  # contains the oracle: partial credit (base scorer)
+        }
+        for text, answer in cases.items():
+            expected = data.score_answer(answer, entry)
+            assert reward(traj(text), row) == expected, (text, expected)
+        assert reward(traj(f"\\boxed{{{oracle}}}"), row) == 1.0
+        assert reward.is_success(1.0) and not reward.is_success(reward(traj(f"\\boxed{{{oracle} apples}}"), row))
+        partial = reward(traj(f"\\boxed{{{oracle} apples}}"), row)
+        assert 0 < partial < 1  # len(oracle) / len(answer): partial credit is the reward as it is
+        # Truncated: no final answer, scored as none.
+        assert reward(traj(f"\\boxed{{{oracle}}}", StopReason.TURN_LENGTH), row) == data.score_answer(None, entry)
+    tagged = ReasoningGymReward(answer_format="answer_tag")
+    row = rows[name][1][0]
+    assert tagged(traj(f"<answer>{row['answer']}</answer>"), row) == 1.0
+    assert tagged(traj(f"\\boxed{{{row['answer']}}}"), row) == 0.0  # the other format is no answer here
+
+
+def test_the_reward_reports_reasoning_gyms_version_and_rescores_a_saved_row(rows):
+    from importlib import metadata
+
+    from trl_plugins.protocols import as_reward
+    from trl_plugins.run.version import plugin_versions
+    from trl_plugins.viewer.batch import _scalar
+    from trl_plugins.viewer.replay import _check_rewards
+
+    plugin = as_reward(ReasoningGymReward(), "reasoning_gym")
+    assert plugin_versions("reward/reasoning_gym", plugin) == {
+        "reward/reasoning_gym": f"reasoning-gym {metadata.version('reasoning-gym')}"}
+    row = rows["composite"][1][0]
+    t = traj(f"\\boxed{{{row['answer']} apples}}")
+    from trl_plugins.types import RewardComponent
+
+    t.reward_components = [RewardComponent("reasoning_gym", plugin(t, row), 1.0)]
+    saved = json.loads(json.dumps({"row": _scalar(dict(row))}))  # as save_batch writes the row, read back
+
+    class _Run:
+        rewards = [plugin]
+
+    assert _check_rewards(_Run(), {}, saved, t, 0) is None  # the saved row scores the same again
+    t.reward_components = [RewardComponent("reasoning_gym", 0.5, 1.0)]
+    assert _check_rewards(_Run(), {}, saved, t, 0) is not None  # negative control: another saved value differs
+    assert pickle.loads(pickle.dumps(ReasoningGymReward())) == ReasoningGymReward()
+
+
+def test_a_row_without_reasoning_gyms_metadata_is_named():
+    with pytest.raises(KeyError, match="needs the entry's metadata with 'source_dataset'"):
+        ReasoningGymReward()(traj("\\boxed{1}"), {"prompt": "What is 1?", "answer": "1"})
+    with pytest.raises(ValueError, match="answer_format must be one of"):
+        ReasoningGymReward(answer_format="json")
+
+
+def _recipe():
+    from test_recipe import _recipe_module
+
+    return _recipe_module()
+
+
+@pytest.mark.parametrize("task_kwargs,message", [
+    ('{"datasets": {"chain_summ": {"weight": 1.0}}}', r"dataset 'chain_summ', which reasoning-gym .* does not have. Did you mean 'chain_sum'"),
+    ('{"datasets": {"chain_sum": {"config": {"min_term": 3}}}}', r"no field\(s\) \['min_term'\] in reasoning-gym's ChainSumConfig \(did you mean 'min_term' -> 'min_terms'\?\)"),
+    ('{"datasets": {"chain_sum": {"config": {"min_terms": 5, "max_terms": 2}}}}', r"refused by reasoning-gym's ChainSumConfig"),
+    ('{"datasets": {"chain_sum": {"weight": 0}}}', r"datasets.chain_sum.weight must be a positive number"),
+    ('{"datasets": {"chain_sum": {"weight": -1.0}, "basic_arithmetic": {}}}', r"datasets.chain_sum.weight must be a positive number"),
+    ('{"datasets": {"chain_sum": {"config": {"seed": 3}}}}', r"sets \['seed'\]: the run sets them \(seed from --task_seed\)"),
+    ('{"datasets": {"chain_sum": {"weigth": 2}}}', r"datasets.chain_sum takes \['config', 'weight'\]; got \['weigth'\]"),
+    ('{"datasets": {"chain_sum": {"weight": Infinity}}}', r"datasets.chain_sum.weight must be a positive number"),
+    ('{"dataset": {"chain_sum": {}}}', r"take \['datasets', 'held_out_pool'\]; got \['dataset'\]"),
+    ('{}', r"needs task_kwargs naming at least one reasoning-gym dataset"),
+])
+def test_bad_task_kwargs_are_refused_when_the_config_is_parsed(task_kwargs, message, no_model_no_eval):
+    retool_ppo = _recipe()
+    with pytest.raises(SystemExit, match=r"configuration error \(before any model loads\): .*" + message):
+        retool_ppo.parse_args(["--task", "reasoning_gym", "--task_kwargs", task_kwargs])
+    assert no_model_no_eval == []
+
+
+def test_task_kwargs_for_another_task_are_refused():
+    with pytest.raises(SystemExit, match="task_kwargs are the settings of --task reasoning_gym; task 'arithmetic' takes none"):
+        _recipe().parse_args(["--task_kwargs", json.dumps(TASKS["chain_sum"])])
+
+
+def test_a_dry_run_of_the_reasoning_gym_recipe_checks_everything_and_refuses_it_without_its_reward(
+        tmp_path, monkeypatch, no_model_no_eval, capsys):
+    import retool.launch
+    import wandb
+
+    from conftest import refusing
+
+    monkeypatch.setattr(retool.launch, "prepare_child", refusing(no_model_no_eval, "a spare child interpreter"))
+    monkeypatch.setattr(wandb, "init", refusing(no_model_no_eval, "wandb.init"))
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))  # empty: the embedded default stands in
+    retool_ppo = _recipe()
+    common = ["--config", str(ROOT / "recipes" / "retool_reasoning_gym.yaml"), "--dry_run", "true", "--report_to", "none",
+              "--output_dir", str(tmp_path / "out"), "--train_size", "64", "--eval_problems", "8"]
+    script_args, args = retool_ppo.parse_args(common + ["--reward_components", "correct", "format"])
+    with pytest.raises(SystemExit, match=r"before any model loads.*reward_components must include 'reasoning_gym'"):
+        retool_ppo.main(script_args, args)
+    script_args, args = retool_ppo.parse_args(common + ["--final_answer_pattern", "<answer>"])
+    with pytest.raises(SystemExit, match=r"answer_format='boxed'.*final_answer_pattern='<answer>' does not match it"):
+        retool_ppo.main(script_args, args)
+    script_args, args = retool_ppo.parse_args(common)
+    assert script_args.success_component == "reasoning_gym"  # what the held-out accuracy and pass@k count by
+    assert pickle.loads(pickle.dumps(script_args)).reasoning_gym_task == script_args.reasoning_gym_task  # to children
+    assert retool_ppo.main(script_args, args) == 0
+    said = capsys.readouterr().out
+    assert "dataset:      reasoning-gym: chain_sum (100%" in said
+    assert "rewards:      reasoning_gym x 1" in said
+    assert "training rows: 64 reasoning-gym questions" in said and "held-out rows: 8 reasoning-gym questions" in said
+    assert "task 'reasoning_gym' has no embedded default of its own: the arithmetic task's serves it" in said
+    assert "start-up checks: passed their contract checks" in said and "dry run: every start-up check passed" in said
+    assert no_model_no_eval == [] and not (tmp_path / "out").exists()
