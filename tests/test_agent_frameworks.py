@@ -82,7 +82,11 @@ def example(framework: str, fn: str, module: str, monkeypatch):
     async def run_python(code: str) -> str:
         return run_code({"code": code})
 
-    monkeypatch.setitem(agent.__globals__, "run_python", run_python)
+    def run_python_sync(code: str) -> str:  # smolagents' tools are plain functions
+        return run_code({"code": code})
+
+    sync = not __import__("inspect").iscoroutinefunction(agent.__globals__["run_python"])
+    monkeypatch.setitem(agent.__globals__, "run_python", run_python_sync if sync else run_python)
     return agent
 
 
@@ -173,3 +177,26 @@ def test_pydantic_ai_typed_output_runs_on_the_responses_api_with_tool_choice_ser
     assert result.counters == {"endpoint/tool_choice_unforced": float(len(ours))}
     # the answer is the output tool's call, which the agent does not answer: the turn ends the trajectory as a call
     check_trajectories(chat, result.trajectories, wire, stop_reason=StopReason.NO_TOOL_CALL)
+
+
+
+def test_smolagents_tool_calling_agent_sends_stop_and_required_and_rewrites_every_turn(chat, wire, monkeypatch):
+    agent = example("smolagents", "solve", "smolagents", monkeypatch)
+    result, ours = two_rollouts(chat, agent, wire)
+    assert {route for route, _ in ours} == {"chat/completions"} and not any(body.get("stream") for _, body in ours)
+    assert all(body["stop"] == ["Observation:", "Calling tools:"] and body["tool_choice"] == "required" for _, body in ours)
+    assert result.counters == {"endpoint/tool_choice_unforced": float(len(ours))}
+    # earlier turns come back as text ("Calling tools: [...]" as the assistant, "Observation: ..." as the user), not as
+    # our reply's tool calls: every turn is a rewrite, a segment of its own
+    resent = [m for _, body in ours for m in body["messages"][2:]]
+    assert any(m["role"] == "user" and m["content"][0]["text"] == "Observation:\nran print(0)" for m in resent)
+    assert any(m["role"] == "assistant" and "Calling tools:" in m["content"][0]["text"] for m in resent)
+    assert not any(m["role"] == "tool" or m.get("tool_calls") for m in resent)
+    tok = chat.tokenizer
+    for traj, prompt in zip(result.trajectories, PROMPTS):
+        calls = int(prompt[6])
+        assert traj.error is None and traj.stop_reason == StopReason.NO_TOOL_CALL  # it answers by its final_answer call
+        assert {c.name: c.value for c in traj.reward_components}["agent_return"] == 1.0
+        assert len(traj.turns) == traj.num_segments == calls + 1 and all(t.segment_start for t in traj.turns[1:])
+        assert all(f"ran print({k})" in tok.decode(traj.turns[-1].prompt_ids) for k in range(calls))
+
