@@ -200,3 +200,23 @@ def test_smolagents_tool_calling_agent_sends_stop_and_required_and_rewrites_ever
         assert len(traj.turns) == traj.num_segments == calls + 1 and all(t.segment_start for t in traj.turns[1:])
         assert all(f"ran print({k})" in tok.decode(traj.turns[-1].prompt_ids) for k in range(calls))
 
+
+
+@pytest.mark.parametrize("framework,module,rewards", [("openai_agents_sdk", "agents", ["correct", "format"]),
+                                                      ("langgraph", "langgraph", ["correct", "format"]),
+                                                      ("pydantic_ai", "pydantic_ai", ["agent_reward"]),
+                                                      ("smolagents", "smolagents", ["agent_reward"])])
+def test_each_framework_config_resolves_before_any_model_loads(monkeypatch, framework, module, rewards):
+    pytest.importorskip(module)
+    from trl_plugins.run import resolve_run
+
+    monkeypatch.chdir(ROOT)  # the config names the agent by its path from the repository root
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from retool.config import parse_args
+
+    _, training_args = parse_args(["--config", f"examples/agents/{framework}/retool_agent.yaml"])
+    run = resolve_run(training_args)
+    assert run.rollout.name == "agent_endpoint" and run.rollout.agent_conversation
+    assert run.rollout.impl.agent == f"examples/agents/{framework}/agent.py:solve"
+    assert list(training_args.reward_components) == rewards
+    assert callable(_load(run.rollout.impl.agent))
