@@ -7,7 +7,9 @@ Each framework is skipped where it is not installed (the ``agents`` and ``dev`` 
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import re
 from pathlib import Path
 
@@ -41,6 +43,8 @@ def script_for(chat):
         done = len(set(re.findall(r"ran print\((\d+)\)", text)))
         if done < int(re.search(r"calls=(\d+)", question).group(1)):
             body = f"Step {done}.\n" + call("code_interpreter", {"code": f"print({done})"})
+            if "observe" in question:  # the model goes on to write the observation itself
+                body += "\nObservation: ran print(9)"
         elif '"name": "final_result"' in text:
             body = call("final_result", {"answer": "7"})
         elif '"name": "final_answer"' in text:
@@ -85,7 +89,7 @@ def example(framework: str, fn: str, module: str, monkeypatch):
     def run_python_sync(code: str) -> str:  # smolagents' tools are plain functions
         return run_code({"code": code})
 
-    sync = not __import__("inspect").iscoroutinefunction(agent.__globals__["run_python"])
+    sync = not inspect.iscoroutinefunction(agent.__globals__["run_python"])
     monkeypatch.setitem(agent.__globals__, "run_python", run_python_sync if sync else run_python)
     return agent
 
@@ -112,7 +116,7 @@ def chat_tools(route: str, body: dict) -> tuple[str, list[dict]]:
         if "instructions" in body:
             return body["instructions"], tools
         system = body["input"][0]  # pydantic-ai: a system message item
-        assert system["role"] in ("system", "developer"), system
+        assert system["role"] == "system", system
         content = system["content"]
         return (content if isinstance(content, str) else "".join(p["text"] for p in content)), tools
     return body["messages"][0]["content"], body["tools"]
@@ -148,9 +152,10 @@ def check_trajectories(chat, got, wire, *, stop_reason=StopReason.FINAL_ANSWER):
 @pytest.mark.parametrize("fn", ["solve", "solve_streamed"])
 def test_openai_agents_sdk_runs_on_the_responses_api_streaming_or_not(chat, wire, monkeypatch, fn):
     agent = example("openai_agents_sdk", fn, "agents", monkeypatch)
-    assert __import__("os").environ["OPENAI_AGENTS_DISABLE_TRACING"] == "1"  # set by the example: no trace uploads
+    assert os.environ["OPENAI_AGENTS_DISABLE_TRACING"] == "1"  # set by the example: no trace uploads
     result, ours = two_rollouts(chat, agent, wire)
     assert {route for route, _ in ours} == {"responses"}  # the SDK's default: the Responses API
+    assert not any("previous_response_id" in body for _, body in ours)  # the whole conversation, every turn
     assert {bool(body.get("stream")) for _, body in ours} == {fn == "solve_streamed"}
     assert not any("tool_choice" in body or "stop" in body for _, body in ours)
     check_trajectories(chat, result.trajectories, wire)
@@ -200,6 +205,18 @@ def test_smolagents_tool_calling_agent_sends_stop_and_required_and_rewrites_ever
         assert len(traj.turns) == traj.num_segments == calls + 1 and all(t.segment_start for t in traj.turns[1:])
         assert all(f"ran print({k})" in tok.decode(traj.turns[-1].prompt_ids) for k in range(calls))
 
+
+
+
+def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(chat, wire, monkeypatch):
+    agent = example("smolagents", "solve", "smolagents", monkeypatch)
+    traj = AgentEndpointRollout(agent=agent)(request(chat, ["calls=1 observe"])).trajectories[0]
+    (turn,) = traj.turns
+    text = chat.tokenizer.decode(turn.completion_ids)
+    # generation ended at the stop: nothing sampled after it is in the trajectory, the stop's own text stays as sampled
+    assert text.endswith("</tool_call>\nObservation:") and "ran print(9)" not in text
+    # ... after the call, where the endpoint parses it as text after a tool call (docs/agents.md, smolagents' traps)
+    assert traj.stop_reason == StopReason.INVALID_ACTION and traj.error == "text after the tool call"
 
 
 @pytest.mark.parametrize("framework,module,rewards", [("openai_agents_sdk", "agents", ["correct", "format"]),
