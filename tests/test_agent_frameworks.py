@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from test_agent_endpoint import chat, run_code  # noqa: F401 - chat is a fixture
+from test_agent_endpoint import SCHEMA, chat, run_code  # noqa: F401 - chat is a fixture
 
-from trl_plugins.rollout import RolloutQuestion, RolloutRequest, ScriptedBackend
+from trl_plugins.rollout import ChatFormat, RolloutQuestion, RolloutRequest, ScriptedBackend
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
 from trl_plugins.rollout.endpoint.agent import _load
+from trl_plugins.tiny import build_tokenizer
 from trl_plugins.types import StopReason
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["calls=2", "calls=0 think", "calls=1"]
+PROMPTS = ["calls=2", "calls=0 think", "calls=1 think"]
 
 
 def script_for(chat):
@@ -217,6 +218,29 @@ def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(cha
     assert text.endswith("</tool_call>\nObservation:") and "ran print(9)" not in text
     # ... after the call, where the endpoint parses it as text after a tool call (docs/agents.md, smolagents' traps)
     assert traj.stop_reason == StopReason.INVALID_ACTION and traj.error == "text after the tool call"
+
+
+
+@pytest.fixture(scope="module")
+def chat_qwen3():
+    return ChatFormat(build_tokenizer("qwen3"), [SCHEMA], final_answer_pattern=r"\\boxed\{", calls_per_turn=2)
+
+
+@pytest.mark.parametrize("framework,module,restore,segments,counters", [
+    ("openai_agents_sdk", "agents", False, 1, {}),  # the reasoning items go back as input
+    ("pydantic_ai", "pydantic_ai", False, 1, {"endpoint/tool_choice_unforced": 3.0}),  # its reasoning goes back too
+    ("langgraph", "langgraph", False, 3, {"endpoint/reasoning_dropped_rewrites": 2.0}),  # LangChain drops it
+    ("langgraph", "langgraph", True, 1, {"endpoint/reasoning_restored": 2.0}),
+])
+def test_a_thinking_model_on_a_qwen3_style_template_keeps_one_segment_where_the_framework_sends_reasoning_back(
+        chat_qwen3, monkeypatch, framework, module, restore, segments, counters):
+    agent = example(framework, "solve", module, monkeypatch)
+    rollout = AgentEndpointRollout(agent=agent, restore_dropped_reasoning=restore)
+    result = rollout(request(chat_qwen3, ["calls=2 think"]))
+    (traj,) = result.trajectories
+    assert traj.error is None and len(traj.turns) == 3 and traj.num_segments == segments
+    assert {c.name: c.value for c in traj.reward_components}["agent_return"] == 1.0
+    assert result.counters == counters
 
 
 @pytest.mark.parametrize("framework,module,rewards", [("openai_agents_sdk", "agents", ["correct", "format"]),
