@@ -100,12 +100,14 @@ def reference(system: str, tools: list[dict]):
     async def agent(client, row):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": row["prompt"]}]
         while True:
-            message = (await client.chat.completions.create(model="m", messages=messages, tools=tools)).choices[0].message
+            reply = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+            message = reply.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls or message.tool_calls[0].function.name in ("final_result", "final_answer"):
                 return 1.0
             for c in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": c.id, "content": run_code(json.loads(c.function.arguments))})
+                output = run_code(json.loads(c.function.arguments))
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": output})
     return agent
 
 
@@ -190,7 +192,8 @@ def test_smolagents_tool_calling_agent_sends_stop_and_required_and_rewrites_ever
     agent = example("smolagents", "solve", "smolagents", monkeypatch)
     result, ours = two_rollouts(chat, agent, wire)
     assert {route for route, _ in ours} == {"chat/completions"} and not any(body.get("stream") for _, body in ours)
-    assert all(body["stop"] == ["Observation:", "Calling tools:"] and body["tool_choice"] == "required" for _, body in ours)
+    assert all(body["stop"] == ["Observation:", "Calling tools:"] for _, body in ours)
+    assert all(body["tool_choice"] == "required" for _, body in ours)
     assert result.counters == {"endpoint/tool_choice_unforced": float(len(ours))}
     # earlier turns come back as text ("Calling tools: [...]" as the assistant, "Observation: ..." as the user), not as
     # our reply's tool calls: every turn is a rewrite, a segment of its own
