@@ -224,6 +224,17 @@ def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(cha
 
 
 
+
+@pytest.mark.parametrize("framework,module", [("openai_agents_sdk", "agents"), ("langgraph", "langgraph"),
+                                              ("pydantic_ai", "pydantic_ai"), ("smolagents", "smolagents")])
+def test_each_example_returns_0_when_a_budget_ends_its_trajectory(chat, monkeypatch, framework, module):
+    agent = example(framework, "solve", module, monkeypatch)
+    # the first turn calls the tool and is the last turn allowed: the agent's next request is refused (trajectory_ended)
+    (traj,) = AgentEndpointRollout(agent=agent, max_turns=1)(request(chat, ["calls=1"])).trajectories
+    assert traj.stop_reason == StopReason.MAX_TURNS and len(traj.turns) == 1
+    assert {c.name: c.value for c in traj.reward_components}.get("agent_return") == 0.0  # it returned, did not raise
+
+
 @pytest.fixture(scope="module")
 def chat_qwen3():
     return ChatFormat(build_tokenizer("qwen3"), [SCHEMA], final_answer_pattern=r"\\boxed\{", calls_per_turn=2)

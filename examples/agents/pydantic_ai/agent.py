@@ -17,6 +17,7 @@ from __future__ import annotations
 import openai
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent
+from pydantic_ai.exceptions import ModelRequestRejectedError
 from pydantic_ai.models.openai import OpenAIResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -67,8 +68,8 @@ async def solve(client: openai.AsyncOpenAI, row: dict) -> float:
                                                                    api_key=client.api_key))
     try:
         result = await agent.run(row["prompt"], model=model)
-    except openai.BadRequestError as exc:
-        if getattr(exc, "code", None) == "trajectory_ended":  # a budget (turns, tokens, calls) ended it
+    except ModelRequestRejectedError as exc:  # pydantic-ai's for the client's 400
+        if isinstance(exc.body, dict) and exc.body.get("code") == "trajectory_ended":  # a budget (turns, tokens, ...)
             return 0.0
         raise
     return float(result.output.answer.strip() == str(row.get("answer", "")).strip())
