@@ -225,10 +225,12 @@ def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(cha
 
 
 
-@pytest.mark.parametrize("framework,module", [("openai_agents_sdk", "agents"), ("langgraph", "langgraph"),
-                                              ("pydantic_ai", "pydantic_ai"), ("smolagents", "smolagents")])
-def test_each_example_returns_0_when_a_budget_ends_its_trajectory(chat, monkeypatch, framework, module):
-    agent = example(framework, "solve", module, monkeypatch)
+@pytest.mark.parametrize("framework,fn,module", [
+    ("openai_agents_sdk", "solve", "agents"), ("openai_agents_sdk", "solve_streamed", "agents"),
+    ("langgraph", "solve", "langgraph"), ("langgraph", "solve_streamed", "langgraph"),
+    ("pydantic_ai", "solve", "pydantic_ai"), ("smolagents", "solve", "smolagents")])
+def test_each_example_returns_0_when_a_budget_ends_its_trajectory(chat, monkeypatch, framework, fn, module):
+    agent = example(framework, fn, module, monkeypatch)
     # the first turn calls the tool and is the last turn allowed: the agent's next request is refused (trajectory_ended)
     (traj,) = AgentEndpointRollout(agent=agent, max_turns=1)(request(chat, ["calls=1"])).trajectories
     assert traj.stop_reason == StopReason.MAX_TURNS and len(traj.turns) == 1
