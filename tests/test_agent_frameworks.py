@@ -1,0 +1,279 @@
+"""The agents of examples/agents/, each written with a framework as its docs teach, against the real endpoint with
+scripted samples: what each framework sends (route, streaming, ``tool_choice``, ``stop``), that its tool call is
+executed and its output observed, and that its trajectories are token for token those of a plain ``openai`` agent
+sending the same system prompt and tools (one segment per trajectory) where the framework does not rewrite history.
+
+Each framework is skipped where it is not installed (the ``agents`` and ``dev`` extras install them)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from test_agent_endpoint import SCHEMA, chat, run_code  # noqa: F401 - chat is a fixture
+
+from trl_plugins.rollout import ChatFormat, RolloutQuestion, RolloutRequest, ScriptedBackend
+from trl_plugins.rollout.endpoint import AgentEndpointRollout
+from trl_plugins.rollout.endpoint.agent import _load
+from trl_plugins.tiny import build_tokenizer
+from trl_plugins.types import StopReason
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["calls=2", "calls=0 think", "calls=1 think"]
+
+
+def script_for(chat):
+    """Scripted samples: ``calls=N`` code calls (``print(k)``), then the answer: ``\\boxed{7}`` as text, or through the
+    framework's own answer tool where the request offers one (pydantic-ai's ``final_result``, smolagents'
+    ``final_answer``). ``think`` opens each turn with a reasoning block. Calls done are counted by their outputs."""
+    tok = chat.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def call(name: str, arguments: dict) -> str:
+        return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+    def script(prompt: list[int]) -> list[int]:
+        text = tok.decode(prompt)
+        question = re.findall(r"user\n(.*?)<\|im_end\|>", text, re.DOTALL)[0]
+        think = "<think>I should compute.</think>\n" if "think" in question else ""
+        done = len(set(re.findall(r"ran print\((\d+)\)", text)))
+        if done < int(re.search(r"calls=(\d+)", question).group(1)):
+            body = f"Step {done}.\n" + call("code_interpreter", {"code": f"print({done})"})
+            if "observe" in question:  # the model goes on to write the observation itself
+                body += "\nObservation: ran print(9)"
+        elif '"name": "final_result"' in text:
+            body = call("final_result", {"answer": "7"})
+        elif '"name": "final_answer"' in text:
+            body = call("final_answer", {"answer": "\\boxed{7}"})
+        else:
+            body = "The answer is \\boxed{7}."
+        return tok(think + body, add_special_tokens=False)["input_ids"] + [im_end]
+
+    return script
+
+
+def request(chat, prompts=PROMPTS) -> RolloutRequest:
+    questions = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i,
+                                 row={"prompt": p, "answer": "7"}) for i, p in enumerate(prompts)]
+    return RolloutRequest(questions, 1, ScriptedBackend(script_for(chat), stop_token_ids=chat.stop_token_ids), chat,
+                          {}, policy_step=2, seed=5)
+
+
+@pytest.fixture
+def wire(monkeypatch):
+    """Every request the endpoint serves, as (route, body)."""
+    seen: list[tuple[str, dict]] = []
+    serve = AgentEndpointRollout._serve
+
+    async def spy(self, http, *args, **kwargs):
+        seen.append((http.path.split("/v1/", 1)[-1], http.json() if http.method == "POST" else {}))
+        return await serve(self, http, *args, **kwargs)
+
+    monkeypatch.setattr(AgentEndpointRollout, "_serve", spy)
+    return seen
+
+
+def example(framework: str, fn: str, module: str, monkeypatch):
+    """The example agent's function, loaded as ``agent: examples/agents/<framework>/agent.py:<fn>`` loads it, with its
+    sandboxed ``run_python`` replaced by the scripted tool (``ran <code>``)."""
+    pytest.importorskip(module)
+    agent = _load(f"{ROOT}/examples/agents/{framework}/agent.py:{fn}")
+
+    async def run_python(code: str) -> str:
+        return run_code({"code": code})
+
+    def run_python_sync(code: str) -> str:  # smolagents' tools are plain functions
+        return run_code({"code": code})
+
+    sync = not inspect.iscoroutinefunction(agent.__globals__["run_python"])
+    monkeypatch.setitem(agent.__globals__, "run_python", run_python_sync if sync else run_python)
+    return agent
+
+
+def reference(system: str, tools: list[dict]):
+    """A plain ``openai`` chat-completions agent sending ``system`` and ``tools``: what the framework should train."""
+    async def agent(client, row):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": row["prompt"]}]
+        while True:
+            reply = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls or message.tool_calls[0].function.name in ("final_result", "final_answer"):
+                return 1.0
+            for c in message.tool_calls:
+                output = run_code(json.loads(c.function.arguments))
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": output})
+    return agent
+
+
+def chat_tools(route: str, body: dict) -> tuple[str, list[dict]]:
+    """The system prompt and tools of a framework's first request, as chat completions sends them."""
+    if route == "responses":
+        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                 for t in body["tools"]]
+        if "instructions" in body:
+            return body["instructions"], tools
+        system = body["input"][0]  # pydantic-ai: a system message item
+        assert system["role"] == "system", system
+        content = system["content"]
+        return (content if isinstance(content, str) else "".join(p["text"] for p in content)), tools
+    return body["messages"][0]["content"], body["tools"]
+
+
+def two_rollouts(chat, agent, wire):
+    """Two rollouts of ``agent`` (two training steps: each runs its agents on an event loop of its own); the second's
+    result, and the requests it served."""
+    AgentEndpointRollout(agent=agent)(request(chat))
+    wire.clear()
+    result = AgentEndpointRollout(agent=agent)(request(chat))
+    return result, list(wire)
+
+
+def check_trajectories(chat, got, wire, *, stop_reason=StopReason.FINAL_ANSWER):
+    """Every agent answered with 1.0, observed its calls' outputs, and trained exactly the reference's tokens."""
+    route, first = wire[0]
+    ref = AgentEndpointRollout(agent=reference(*chat_tools(route, first)))(request(chat)).trajectories
+    for traj, want, prompt in zip(got, ref, PROMPTS):
+        assert traj.error is None and traj.stop_reason == stop_reason == want.stop_reason
+        assert {c.name: c.value for c in traj.reward_components}["agent_return"] == 1.0
+        calls = int(prompt[6])
+        assert len(traj.turns) == calls + 1 and traj.num_segments == 1
+        last = chat.tokenizer.decode(traj.turns[-1].prompt_ids)
+        assert all(f"ran print({k})" in last for k in range(calls))  # each call ran, its output observed
+        for before, after in zip(traj.turns, traj.turns[1:]):  # each prompt continues the previous turn
+            seen = before.prompt_ids + before.completion_ids
+            assert after.prompt_ids[:len(seen)] == seen and not after.segment_start
+        assert [(t.prompt_ids, t.completion_ids, t.segment_start) for t in traj.turns] == \
+               [(t.prompt_ids, t.completion_ids, t.segment_start) for t in want.turns]
+
+
+@pytest.mark.parametrize("fn", ["solve", "solve_streamed"])
+def test_openai_agents_sdk_runs_on_the_responses_api_streaming_or_not(chat, wire, monkeypatch, fn):
+    agent = example("openai_agents_sdk", fn, "agents", monkeypatch)
+    assert os.environ["OPENAI_AGENTS_DISABLE_TRACING"] == "1"  # set by the example: no trace uploads
+    result, ours = two_rollouts(chat, agent, wire)
+    assert {route for route, _ in ours} == {"responses"}  # the SDK's default: the Responses API
+    assert not any("previous_response_id" in body for _, body in ours)  # the whole conversation, every turn
+    assert {bool(body.get("stream")) for _, body in ours} == {fn == "solve_streamed"}
+    assert not any("tool_choice" in body or "stop" in body for _, body in ours)
+    check_trajectories(chat, result.trajectories, wire)
+    assert result.counters == {}
+
+
+@pytest.mark.parametrize("fn", ["solve", "solve_streamed"])
+def test_langgraph_react_agent_runs_on_chat_completions_invoked_or_streamed(chat, wire, monkeypatch, fn):
+    pytest.importorskip("langchain_openai")
+    agent = example("langgraph", fn, "langgraph", monkeypatch)
+    result, ours = two_rollouts(chat, agent, wire)
+    assert {route for route, _ in ours} == {"chat/completions"}
+    assert {bool(body.get("stream")) for _, body in ours} == {fn == "solve_streamed"}
+    assert not any("tool_choice" in body or "stop" in body for _, body in ours)
+    check_trajectories(chat, result.trajectories, wire)
+    assert result.counters == {}
+
+
+def test_pydantic_ai_typed_output_runs_on_the_responses_api_with_tool_choice_served_unforced(chat, wire, monkeypatch):
+    agent = example("pydantic_ai", "solve", "pydantic_ai", monkeypatch)
+    result, ours = two_rollouts(chat, agent, wire)
+    assert {route for route, _ in ours} == {"responses"}  # 'openai:' models are OpenAIResponsesModel
+    assert {body.get("tool_choice") for _, body in ours} == {"required"}  # the typed output's final_result tool
+    assert result.counters == {"endpoint/tool_choice_unforced": float(len(ours))}
+    # the answer is the output tool's call, which the agent does not answer: the turn ends the trajectory as a call
+    check_trajectories(chat, result.trajectories, wire, stop_reason=StopReason.NO_TOOL_CALL)
+
+
+
+def test_smolagents_tool_calling_agent_sends_stop_and_required_and_rewrites_every_turn(chat, wire, monkeypatch):
+    agent = example("smolagents", "solve", "smolagents", monkeypatch)
+    result, ours = two_rollouts(chat, agent, wire)
+    assert {route for route, _ in ours} == {"chat/completions"} and not any(body.get("stream") for _, body in ours)
+    assert all(body["stop"] == ["Observation:", "Calling tools:"] for _, body in ours)
+    assert all(body["tool_choice"] == "required" for _, body in ours)
+    assert result.counters == {"endpoint/tool_choice_unforced": float(len(ours))}
+    # earlier turns come back as text ("Calling tools: [...]" as the assistant, "Observation: ..." as the user), not as
+    # our reply's tool calls: every turn is a rewrite, a segment of its own
+    resent = [m for _, body in ours for m in body["messages"][2:]]
+    assert any(m["role"] == "user" and m["content"][0]["text"] == "Observation:\nran print(0)" for m in resent)
+    assert any(m["role"] == "assistant" and "Calling tools:" in m["content"][0]["text"] for m in resent)
+    assert not any(m["role"] == "tool" or m.get("tool_calls") for m in resent)
+    tok = chat.tokenizer
+    for traj, prompt in zip(result.trajectories, PROMPTS):
+        calls = int(prompt[6])
+        assert traj.error is None and traj.stop_reason == StopReason.NO_TOOL_CALL  # it answers by its final_answer call
+        assert {c.name: c.value for c in traj.reward_components}["agent_return"] == 1.0
+        assert len(traj.turns) == traj.num_segments == calls + 1 and all(t.segment_start for t in traj.turns[1:])
+        assert all(f"ran print({k})" in tok.decode(traj.turns[-1].prompt_ids) for k in range(calls))
+
+
+
+
+def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(chat, wire, monkeypatch):
+    agent = example("smolagents", "solve", "smolagents", monkeypatch)
+    traj = AgentEndpointRollout(agent=agent)(request(chat, ["calls=1 observe"])).trajectories[0]
+    (turn,) = traj.turns
+    text = chat.tokenizer.decode(turn.completion_ids)
+    # generation ended at the stop: nothing sampled after it is in the trajectory, the stop's own text stays as sampled
+    assert text.endswith("</tool_call>\nObservation:") and "ran print(9)" not in text
+    # ... after the call, where the endpoint parses it as text after a tool call (docs/agents.md, smolagents' traps)
+    assert traj.stop_reason == StopReason.INVALID_ACTION and traj.error == "text after the tool call"
+
+
+
+
+@pytest.mark.parametrize("framework,fn,module", [
+    ("openai_agents_sdk", "solve", "agents"), ("openai_agents_sdk", "solve_streamed", "agents"),
+    ("langgraph", "solve", "langgraph"), ("langgraph", "solve_streamed", "langgraph"),
+    ("pydantic_ai", "solve", "pydantic_ai"), ("smolagents", "solve", "smolagents")])
+def test_each_example_returns_0_when_a_budget_ends_its_trajectory(chat, monkeypatch, framework, fn, module):
+    agent = example(framework, fn, module, monkeypatch)
+    # the first turn calls the tool and is the last turn allowed: the agent's next request is refused (trajectory_ended)
+    (traj,) = AgentEndpointRollout(agent=agent, max_turns=1)(request(chat, ["calls=1"])).trajectories
+    assert traj.stop_reason == StopReason.MAX_TURNS and len(traj.turns) == 1
+    assert {c.name: c.value for c in traj.reward_components}.get("agent_return") == 0.0  # it returned, did not raise
+
+
+@pytest.fixture(scope="module")
+def chat_qwen3():
+    return ChatFormat(build_tokenizer("qwen3"), [SCHEMA], final_answer_pattern=r"\\boxed\{", calls_per_turn=2)
+
+
+@pytest.mark.parametrize("framework,module,restore,segments,counters", [
+    ("openai_agents_sdk", "agents", False, 1, {}),  # the reasoning items go back as input
+    ("pydantic_ai", "pydantic_ai", False, 1, {"endpoint/tool_choice_unforced": 3.0}),  # its reasoning goes back too
+    ("langgraph", "langgraph", False, 3, {"endpoint/reasoning_dropped_rewrites": 2.0}),  # LangChain drops it
+    ("langgraph", "langgraph", True, 1, {"endpoint/reasoning_restored": 2.0}),
+])
+def test_a_thinking_model_on_a_qwen3_style_template_keeps_one_segment_where_the_framework_sends_reasoning_back(
+        chat_qwen3, monkeypatch, framework, module, restore, segments, counters):
+    agent = example(framework, "solve", module, monkeypatch)
+    rollout = AgentEndpointRollout(agent=agent, restore_dropped_reasoning=restore)
+    result = rollout(request(chat_qwen3, ["calls=2 think"]))
+    (traj,) = result.trajectories
+    assert traj.error is None and len(traj.turns) == 3 and traj.num_segments == segments
+    assert {c.name: c.value for c in traj.reward_components}["agent_return"] == 1.0
+    assert result.counters == counters
+
+
+@pytest.mark.parametrize("framework,module,rewards", [("openai_agents_sdk", "agents", ["correct", "format"]),
+                                                      ("langgraph", "langgraph", ["correct", "format"]),
+                                                      ("pydantic_ai", "pydantic_ai", ["agent_reward"]),
+                                                      ("smolagents", "smolagents", ["agent_reward"])])
+def test_each_framework_config_resolves_before_any_model_loads(monkeypatch, framework, module, rewards):
+    pytest.importorskip(module)
+    from trl_plugins.run import resolve_run
+
+    monkeypatch.chdir(ROOT)  # the config names the agent by its path from the repository root
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from retool.config import parse_args
+
+    _, training_args = parse_args(["--config", f"examples/agents/{framework}/retool_agent.yaml"])
+    run = resolve_run(training_args)
+    assert run.rollout.name == "agent_endpoint" and run.rollout.agent_conversation
+    assert run.rollout.impl.agent == f"examples/agents/{framework}/agent.py:solve"
+    assert list(training_args.reward_components) == rewards
+    assert callable(_load(run.rollout.impl.agent))
