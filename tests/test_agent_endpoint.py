@@ -1129,3 +1129,15 @@ def test_the_banner_says_how_many_agents_run_at_once_and_their_limit(tmp_path):
         run.close()
     assert f"command 'python agent.py': at most {run.rollout.impl.concurrency(10**6)} at once" in banner
     assert "each within agent_time_limit_s=600 from its own start" in banner
+
+
+def test_a_command_agent_runs_with_the_agents_sdk_tracing_off(chat, monkeypatch):
+    # The OpenAI Agents SDK sends traces to its vendor's servers by default; a command agent gets the variable that
+    # turns it off, unless the trainer's environment sets it.
+    command = ["sh", "-c", 'echo "{\\"reward\\": 0, \\"tracing_off\\": $OPENAI_AGENTS_DISABLE_TRACING}"']
+    monkeypatch.delenv("OPENAI_AGENTS_DISABLE_TRACING", raising=False)
+    (traj,) = AgentEndpointRollout(command=command)(request(chat, ["calls=0"])).trajectories
+    assert {c.name: c.value for c in traj.reward_components}["agent_return/tracing_off"] == 1.0
+    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "0")
+    (traj,) = AgentEndpointRollout(command=command)(request(chat, ["calls=0"])).trajectories
+    assert {c.name: c.value for c in traj.reward_components}["agent_return/tracing_off"] == 0.0

@@ -417,8 +417,10 @@ class AgentEndpointRollout(TrajectoryBudgets):
         """Start the agent: a future (of this loop) that ends when the agent does, and a function that cancels it (a
         command's processes are killed; an ``async def`` agent gets CancelledError; a thread cannot be stopped)."""
         if fn is None:
-            env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": self._token,
-                   "TRL_PLUGINS_ROW": json.dumps(row, default=str)}
+            # The OpenAI Agents SDK sends traces to its vendor's servers by default: not from a training run's agents
+            # (set the variable to 0 in the trainer's environment to keep them).
+            env = {"OPENAI_AGENTS_DISABLE_TRACING": "1", **os.environ, "OPENAI_BASE_URL": base_url,
+                   "OPENAI_API_KEY": self._token, "TRL_PLUGINS_ROW": json.dumps(row, default=str)}
             task = asyncio.ensure_future(run_command(self.command, row, env))
             return task, task.cancel
         import openai
