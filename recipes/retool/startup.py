@@ -149,8 +149,9 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     # Training and every held-out evaluation split alike (retool.data.load_task_rows); the main process says how.
     said: list[str] = []
     try:
-        train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append)
-        heldout_rows = task_rows(script_args, "test", size=script_args.eval_problems, log=said.append) if evaluate else []
+        train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append, rollout=run.rollout)
+        heldout_rows = (task_rows(script_args, "test", size=script_args.eval_problems, log=said.append, rollout=run.rollout)
+                        if evaluate else [])
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     for line in dict.fromkeys(said):  # a carved split is described once, not once per side

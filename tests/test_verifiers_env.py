@@ -1,0 +1,157 @@
+"""verifiers environments as a rollout (plugin ``verifiers``): environments built with the pinned verifiers' own
+classes (tests/verifiers_envs/: single-turn, with a tool, multi-turn with a scripted user) run by their runner in
+verifiers' interpreter through the agent endpoint against a scripted policy: token-exact trajectories, the rubric's
+values as reward components, a raising environment as ``environment_error``.
+
+verifiers runs in an interpreter of its own (it pins openai and mcp versions that conflict with ours); CI makes it
+(``.ci/run``) and these tests skip, naming the command, where it is absent.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from trl_plugins.datum import build_datums
+from trl_plugins.environments.verifiers_env import MAKE_INTERPRETER, VERIFIERS_VERSION, VerifiersRollout, verifiers_python
+from trl_plugins.registry import ROLLOUTS
+from trl_plugins.rollout import ChatFormat, RolloutError, RolloutRequest, ScriptedBackend, questions_from_rows
+from trl_plugins.tiny import build_tokenizer
+from trl_plugins.types import StopReason, TokenSource
+
+ENVS = Path(__file__).parent / "verifiers_envs"
+
+try:
+    PYTHON = verifiers_python()
+except RolloutError:
+    PYTHON = None
+needs_verifiers = pytest.mark.skipif(PYTHON is None, reason=f"no verifiers interpreter: make it with {MAKE_INTERPRETER}")
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatFormat(build_tokenizer("qwen2_5"), [], final_answer_pattern=r"\\boxed\{")
+
+
+def policy(chat: ChatFormat) -> ScriptedBackend:
+    """Scripted samples read from the conversation: a call of ``calc_add`` where the tool is offered and not yet
+    called, else a boxed answer (7 to "3 + 4", 4 to "2 + 2", the tool's sum after it answered)."""
+    tok = chat.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def script(prompt: list[int]) -> list[int]:
+        text = tok.decode(prompt)
+        if '"calc_add"' in text and "<tool_response>" not in text:
+            body = '<tool_call>\n{"name": "calc_add", "arguments": {"a": 20, "b": 22}}\n</tool_call>'
+        elif "sum=" in text:
+            body = "The answer is \\boxed{" + re.findall(r"sum=(\d+)", text)[-1] + "}."
+        elif "2 + 2" in text:
+            body = "\\boxed{4}"
+        else:
+            body = "\\boxed{7}"
+        return tok(body, add_special_tokens=False)["input_ids"] + [im_end]
+
+    return ScriptedBackend(script, stop_token_ids=chat.stop_token_ids)
+
+
+def rollout_request(chat: ChatFormat, rollout: VerifiersRollout) -> RolloutRequest:
+    return RolloutRequest(questions_from_rows(chat, rollout.rows()), 1, policy(chat), chat, {}, policy_step=1, seed=3)
+
+
+def environment(name: str, **kwargs) -> VerifiersRollout:
+    return VerifiersRollout(environment=str(ENVS / name), agent_time_limit_s=120, max_turns=4, **kwargs)
+
+
+def continues(traj) -> bool:
+    """Each turn's prompt starts with the previous turn's prompt and completion, token for token."""
+    return all(b.prompt_ids[:len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
+               for a, b in zip(traj.turns, traj.turns[1:]))
+
+
+def trains_exactly_what_was_sampled(traj) -> bool:
+    (datum,) = build_datums(traj, advantage=1.0)
+    trained = [t for t, m in zip(datum.target_ids, datum.action_mask) if m]
+    return trained == [t for turn in traj.turns for t in turn.completion_ids]
+
+
+def components(traj) -> dict[str, tuple[float, float]]:
+    return {c.name: (c.value, c.weight) for c in traj.reward_components}
+
+
+def test_the_plugin_is_registered_and_refuses_what_it_cannot_run(monkeypatch, tmp_path):
+    assert ROLLOUTS.get("verifiers") is VerifiersRollout
+    with pytest.raises(RolloutError, match="needs environment"):
+        VerifiersRollout()
+    with pytest.raises(RolloutError, match="drop agent/command"):
+        VerifiersRollout(environment="x", command=["true"])
+    monkeypatch.setenv("TRL_PLUGINS_VERIFIERS_PYTHON", str(tmp_path / "missing" / "python"))
+    with pytest.raises(RolloutError, match=re.escape(MAKE_INTERPRETER)):
+        VerifiersRollout(environment="x")
+
+
+def test_the_interpreter_command_is_the_one_ci_runs_and_pins_the_version():
+    root = Path(__file__).resolve().parents[1]
+    assert MAKE_INTERPRETER in (root / ".ci" / "run").read_text().splitlines()
+    ci = (root / ".ci" / "run").read_text()
+    assert ci.index(MAKE_INTERPRETER) < ci.index("python -m pytest")  # made before the suite runs
+    pins = (root / "constraints" / "verifiers.txt").read_text()
+    assert re.search(rf"^verifiers=={re.escape(VERIFIERS_VERSION)}$", pins, re.M)
+    assert MAKE_INTERPRETER in (root / "docs" / "environments.md").read_text()
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_a_single_turn_environment_scores_with_its_rubric_and_a_raising_one_is_an_environment_error(chat):
+    rollout = environment("single_turn_env.py")
+    assert rollout.rubric == [("brief", 0.25), ("correct", 1.0)]
+    assert [r["prompt"] for r in rollout.rows()] == ["What is 3 + 4?", "What is 2 + 2?", "Say boom."]
+    assert [r["answer"] for r in rollout.rows()] == ["7", "5", "0"]
+    right, wrong, boom = rollout(rollout_request(chat, rollout)).trajectories
+    for traj in (right, wrong):
+        assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+        assert len(traj.turns) == 1 and trains_exactly_what_was_sampled(traj)
+        # The prompt is what verifiers' harness sent: the task's prompt as the user message, rendered by the template.
+        tok = chat.tokenizer
+        assert tok.decode(traj.turns[0].prompt_ids) == tok.apply_chat_template(
+            [{"role": "user", "content": traj.question_id and rollout.rows()[traj.group_id]["prompt"]}],
+            tokenize=False, add_generation_prompt=True)
+    # right: correct 1 x 1.0 + brief 1 x 0.25; wrong: correct 0, brief 1 x 0.25.
+    assert components(right) == {"agent_return": (1.25, 0.0), "agent_return/correct": (1.0, 0.0),
+                                 "agent_return/brief": (1.0, 0.0)}
+    assert components(wrong)["agent_return"] == (0.25, 0.0) and components(wrong)["agent_return/correct"] == (0.0, 0.0)
+    assert boom.stop_reason == StopReason.ENVIRONMENT_ERROR and "the scorer exploded" in boom.error
+    assert boom.reward_components == []
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_an_environment_with_a_tool_trains_the_sampled_call_and_sees_the_tools_output(chat):
+    rollout = environment("tool_env.py")
+    (traj,) = rollout(rollout_request(chat, rollout)).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    assert len(traj.turns) == 2 and traj.num_segments == 1 and continues(traj) and trains_exactly_what_was_sampled(traj)
+    (call,) = traj.turns[0].tool_calls
+    assert call.name == "calc_add" and call.arguments == {"a": 20, "b": 22}
+    second = traj.turns[1]
+    added = second.prompt_ids[len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids):]
+    observed = [t for t, s in zip(added, second.prompt_sources[-len(added):]) if s == TokenSource.OBSERVATION]
+    assert chat.tokenizer.decode(observed).strip() == "sum=42"  # the tool server's answer, as the model saw it
+    assert "\\boxed{42}" in second.text
+    # correct 1 x 1.0 + used_tool 1 x 0.5
+    assert components(traj) == {"agent_return": (1.5, 0.0), "agent_return/correct": (1.0, 0.0),
+                                "agent_return/used_tool": (1.0, 0.0)}
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_a_multi_turn_environment_whose_user_is_scripted_continues_its_tokens(chat):
+    rollout = environment("user_turns_env.py")
+    (traj,) = rollout(rollout_request(chat, rollout)).trajectories
+    assert traj.stop_reason in (StopReason.FINAL_ANSWER, StopReason.NO_TOOL_CALL), traj.error
+    assert len(traj.turns) == 3 and traj.num_segments == 1 and continues(traj) and trains_exactly_what_was_sampled(traj)
+    tok = chat.tokenizer
+    for turn, follow_up in zip(traj.turns[1:], ["Are you sure?", "Really sure?"]):
+        assert tok.decode(turn.prompt_ids).endswith(f"<|im_start|>user\n{follow_up}<|im_end|>\n<|im_start|>assistant\n")
+    assert components(traj) == {"agent_return": (1.0, 0.0), "agent_return/answered_every_turn": (1.0, 0.0)}

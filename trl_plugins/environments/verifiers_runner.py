@@ -1,0 +1,221 @@
+"""Run one verifiers environment rollout against the agent endpoint, in verifiers' own interpreter.
+
+Run by path (``<verifiers python> verifiers_runner.py ...``): it imports only the standard library and verifiers,
+never trl_plugins (whose openai/mcp versions conflict with verifiers'). Two commands:
+
+- ``describe --environment SPEC --config JSON``: one JSON line ``{"verifiers", "environment", "harness", "rewards":
+  [{"name", "weight"}], "refused": [...], "rows": [...]}``: the environment's reward functions with their weights,
+  what it needs that the agent endpoint does not serve (empty: nothing), and its dataset as rows (one per task, with
+  its ``task_index``).
+- ``rollout --environment SPEC --config JSON``: the row (JSON) on stdin; runs that task's episode with the model at
+  ``OPENAI_BASE_URL`` (key ``OPENAI_API_KEY``) and prints ``{"reward": <the rubric's weighted total>, <name>: <score>,
+  ...}``. An episode that fails (the environment raised, a tool server died, a request was refused) exits 1 with the
+  error on stderr: the endpoint records that trajectory as ``environment_error``.
+
+``SPEC`` is a taskset id (an installed package exporting its ``Taskset`` via ``__all__``), ``'package.module'``, or
+``'path/to/file.py'`` (imported under its stem, its folder put on the tool servers' ``PYTHONPATH``).
+
+verifiers' harness programs are PEP 723 scripts it runs with ``uv`` (fetching their dependencies); here they run with
+this interpreter instead, which holds them (``constraints/verifiers.txt``): no ``uv``, no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PINNED = "0.4.0"
+"""The verifiers release this runner is written against (``trl_plugins.environments.verifiers_env.VERIFIERS_VERSION``)."""
+HARNESS = "null"
+"""The harness every environment is played with: verifiers' plain chat loop with the environment's MCP tools."""
+MODEL = "policy"
+
+
+def _fail(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def _import_spec(spec: str) -> str:
+    """The taskset id verifiers' loader imports for ``spec`` (a file is imported now, under its stem)."""
+    if spec.endswith(".py"):
+        path = Path(spec).resolve()
+        if not path.is_file():
+            _fail(f"environment {spec!r}: no file {path}")
+        folder = str(path.parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        # Tool servers start as `python -m <module>` in a subprocess: it must find the file too.
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH", "")) if p)
+        importlib.import_module(path.stem)
+        return path.stem
+    return spec
+
+
+def _check_version() -> Any:
+    import importlib.metadata
+
+    version = importlib.metadata.version("verifiers")
+    if version != PINNED:
+        _fail(f"this runner is written against verifiers {PINNED}, and the interpreter {sys.executable} has {version}: "
+              f"remake it with the pinned constraints/verifiers.txt")
+    return version
+
+
+def _local_uv_scripts() -> None:
+    """Run verifiers' PEP 723 scripts (harness programs, task verifiers) with this interpreter instead of uv."""
+    import hashlib
+
+    from verifiers.v1.runtimes.base import Runtime
+
+    with_uv = Runtime.prepare_uv_script
+
+    async def prepare_uv_script(self: Any, script: Any, env: Any = None, *, activate: bool = True) -> list[str]:
+        if self.type != "subprocess":  # refused at start-up; kept as verifiers has it all the same
+            return await with_uv(self, script, env, activate=activate)
+        data = script.encode() if isinstance(script, str) else script
+        path = f"{self.scripts_dir}/{hashlib.sha256(data).hexdigest()}.py"
+        await self.write(path, data)
+        return [sys.executable, path]
+
+    Runtime.prepare_uv_script = prepare_uv_script
+
+
+def _env_config(taskset_id: str, config: dict) -> Any:
+    """The environment's config with every agent role played by :data:`HARNESS` in a local subprocess runtime
+    (verifiers' default runtime is a remote sandbox)."""
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    raw: dict = {"taskset": {"id": taskset_id, **config}}
+    roles = agent_config_fields(resolve_env_config(raw))
+    for role in roles:
+        raw[role] = {"harness": {"id": HARNESS}, "runtime": {"type": "subprocess"}}
+    return resolve_env_config(raw)
+
+
+def _tasks(env: Any, limit: int | None = None) -> list[Any]:
+    taskset = env.taskset
+    if getattr(taskset, "INFINITE", False):
+        if limit is None:
+            _fail("the taskset is INFINITE (it generates tasks forever): give environment_config a size it takes")
+        taskset = taskset.head(limit)
+    return list(taskset)
+
+
+def _rewards(task_cls: type) -> list[dict]:
+    out = []
+    for name in dir(task_cls):
+        fn = getattr(task_cls, name, None)
+        if callable(fn) and getattr(fn, "reward", False) is True:
+            out.append({"name": name, "weight": float(getattr(fn, "_vf_weight", 1.0))})
+    return out
+
+
+def _refusals(env: Any, tasks: list[Any]) -> list[str]:
+    problems = []
+    for task in tasks[:1000]:
+        prompt = task.data.prompt
+        if isinstance(prompt, list):
+            for message in prompt:
+                content = getattr(message, "content", None)
+                if isinstance(content, list) and any(getattr(p, "type", "text") != "text" for p in content):
+                    problems.append("images (a prompt with non-text content parts: the endpoint serves text)")
+                    break
+        if getattr(task.data, "image", None):
+            problems.append(f"a container image ({task.data.image!r}: this runner plays every environment in a local "
+                            f"subprocess runtime)")
+        if problems:
+            break
+    return sorted(set(problems))
+
+
+def _row(index: int, task: Any) -> dict:
+    data = task.data.model_dump(mode="json")
+    prompt = data.get("prompt")
+    if prompt is None:  # the environment's run() opens the conversation; the row still needs a prompt
+        prompt = ""
+    elif isinstance(prompt, list):
+        prompt = [{"role": m.get("role"), "content": m.get("content")} for m in prompt]
+    return {"id": str(data.get("name") or index), "prompt": prompt, "answer": str(data.get("answer", "")),
+            "task_index": index, "task": data}
+
+
+def describe(spec: str, config: dict) -> dict:
+    version = _check_version()
+    taskset_id = _import_spec(spec)
+    from verifiers.v1.utils.loaders import load_environment
+
+    env = load_environment(_env_config(taskset_id, config))
+    tasks = _tasks(env)
+    return {"verifiers": version, "environment": spec, "harness": HARNESS, "rewards": _rewards(env._task_cls),
+            "refused": _refusals(env, tasks), "rows": [_row(i, t) for i, t in enumerate(tasks)]}
+
+
+async def _episode(env: Any, task: Any) -> Any:
+    from verifiers.v1.clients import EvalClientConfig, ModelContext
+
+    ctx = ModelContext(model=MODEL, client=EvalClientConfig(base_url=os.environ["OPENAI_BASE_URL"],
+                                                            api_key_var="OPENAI_API_KEY"))
+    async with env.serving():
+        return await env.run_episode(task, ctx)
+
+
+def rollout(spec: str, config: dict, row: dict) -> dict:
+    _check_version()
+    for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
+        if not os.environ.get(name):
+            _fail(f"{name} is not set: the agent endpoint sets it for each trajectory")
+    index = row.get("task_index")
+    if not isinstance(index, int):
+        _fail(f"the row has no task_index (rows come from the environment: VerifiersRollout.rows()); got keys "
+              f"{sorted(row)}")
+    taskset_id = _import_spec(spec)
+    _local_uv_scripts()
+    from verifiers.v1.utils.loaders import load_environment
+
+    env = load_environment(_env_config(taskset_id, config))
+    tasks = _tasks(env, limit=index + 1)
+    if not 0 <= index < len(tasks):
+        _fail(f"task_index {index} is not one of the environment's {len(tasks)} tasks")
+    episode = asyncio.run(_episode(env, tasks[index]))
+    errors = [f"{e.type}: {e.message}" for e in episode.errors]
+    for trace in episode.traces:
+        errors += [f"{e.type}: {e.message}" for e in trace.errors]
+    if errors or not episode.traces:
+        _fail("the episode failed: " + ("; ".join(errors) or "it ran no agent"))
+    trace = episode.traces[-1]
+    scores = {name: (None if r is None else r.score) for name, r in trace.rewards.items()}
+    missing = [name for name, score in scores.items() if score is None]
+    if missing:
+        _fail(f"the rubric did not score {missing}")
+    return {"reward": float(trace.reward), **{name: float(score) for name, score in scores.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("describe", "rollout"))
+    parser.add_argument("--environment", required=True)
+    parser.add_argument("--config", default="{}")
+    args = parser.parse_args(argv)
+    config = json.loads(args.config)
+    if args.command == "describe":
+        result = describe(args.environment, config)
+    else:
+        result = rollout(args.environment, config, json.loads(sys.stdin.read() or "{}"))
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    # Run by path, this file's folder heads sys.path: nothing here may shadow an installed module.
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path.pop(0)
+    main()
