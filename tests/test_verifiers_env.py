@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from trl_plugins.contracts import check_rollout_contract
 from trl_plugins.datum import build_datums
 from trl_plugins.environments.verifiers_env import MAKE_INTERPRETER, VERIFIERS_VERSION, VerifiersRollout, verifiers_python
 from trl_plugins.registry import ROLLOUTS
@@ -101,28 +102,36 @@ def test_the_interpreter_command_is_the_one_ci_runs_and_pins_the_version():
     assert MAKE_INTERPRETER in (root / "docs" / "environments.md").read_text()
 
 
+@pytest.fixture(scope="module")
+def single_turn():
+    return environment("single_turn_env.py")
+
+
 @needs_verifiers
 @pytest.mark.slow
-def test_a_single_turn_environment_scores_with_its_rubric_and_a_raising_one_is_an_environment_error(chat):
-    rollout = environment("single_turn_env.py")
-    assert rollout.rubric == [("brief", 0.25), ("correct", 1.0)]
-    assert [r["prompt"] for r in rollout.rows()] == ["What is 3 + 4?", "What is 2 + 2?", "Say boom."]
-    assert [r["answer"] for r in rollout.rows()] == ["7", "5", "0"]
-    right, wrong, boom = rollout(rollout_request(chat, rollout)).trajectories
-    for traj in (right, wrong):
-        assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
-        assert len(traj.turns) == 1 and trains_exactly_what_was_sampled(traj)
-        # The prompt is what verifiers' harness sent: the task's prompt as the user message, rendered by the template.
-        tok = chat.tokenizer
-        assert tok.decode(traj.turns[0].prompt_ids) == tok.apply_chat_template(
-            [{"role": "user", "content": traj.question_id and rollout.rows()[traj.group_id]["prompt"]}],
-            tokenize=False, add_generation_prompt=True)
-    # right: correct 1 x 1.0 + brief 1 x 0.25; wrong: correct 0, brief 1 x 0.25.
+def test_a_single_turn_environment_scores_with_its_rubric_and_a_raising_one_is_an_environment_error(chat, single_turn):
+    rollout = single_turn
+    assert rollout.rubric == [("brief", 0.25), ("correct", 1.0)]  # verifiers' own order: by priority, then name
+    assert [(r["prompt"], r["answer"]) for r in rollout.rows()] == [("What is 3 + 4?", "7"), ("Say boom.", "0")]
+    right, boom = rollout(rollout_request(chat, rollout)).trajectories
+    assert right.stop_reason == StopReason.FINAL_ANSWER, right.error
+    assert len(right.turns) == 1 and trains_exactly_what_was_sampled(right)
+    # The prompt is what verifiers' harness sent: the task's prompt as the one user message, rendered by the template.
+    tok = chat.tokenizer
+    assert tok.decode(right.turns[0].prompt_ids) == tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True)
+    # correct 1 x 1.0 + brief 1 x 0.25 ("\boxed{7}" is short): verifiers' weighted total, then each function's score.
     assert components(right) == {"agent_return": (1.25, 0.0), "agent_return/correct": (1.0, 0.0),
                                  "agent_return/brief": (1.0, 0.0)}
-    assert components(wrong)["agent_return"] == (0.25, 0.0) and components(wrong)["agent_return/correct"] == (0.0, 0.0)
+    # Its reward function raised: the runner exits 1 with verifiers' error, the endpoint records an environment error.
     assert boom.stop_reason == StopReason.ENVIRONMENT_ERROR and "the scorer exploded" in boom.error
     assert boom.reward_components == []
+
+
+@needs_verifiers
+def test_the_rollout_meets_the_rollout_contract(single_turn):
+    # The contract's rows are not the environment's (no task): each run refuses its row, as an environment error.
+    check_rollout_contract(single_turn)
 
 
 @needs_verifiers

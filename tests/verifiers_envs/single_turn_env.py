@@ -26,7 +26,7 @@ class QuestionTask(vf.Task[QuestionData]):
 
 class QuestionTaskset(vf.Taskset[QuestionTask, vf.TasksetConfig]):
     def load(self) -> list[QuestionTask]:
-        rows = [("What is 3 + 4?", "7"), ("What is 2 + 2?", "5"), ("Say boom.", "0")]
+        rows = [("What is 3 + 4?", "7"), ("Say boom.", "0")]
         return [QuestionTask(QuestionData(idx=i, prompt=p, answer=a), self.config.task) for i, (p, a) in enumerate(rows)]
 
 

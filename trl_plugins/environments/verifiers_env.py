@@ -54,7 +54,7 @@ def verifiers_python(explicit: str | None = None) -> str:
                        f"repository's root with: {MAKE_INTERPRETER}")
 
 
-def describe_environment(python: str, environment: str, config: dict | None = None, *,
+def describe_environment(python: str, environment: str, config: dict | None = None, *, max_rows: int | None = None,
                          time_limit_s: float | None = 300.0) -> dict:
     """What the runner says about ``environment`` in verifiers' interpreter: ``{"verifiers", "environment", "rewards":
     [{"name", "weight"}], "refused": [reasons], "rows": [row, ...]}``.
@@ -64,6 +64,8 @@ def describe_environment(python: str, environment: str, config: dict | None = No
             ran past ``time_limit_s``.
     """
     argv = [python, RUNNER, "describe", "--environment", environment, "--config", json.dumps(config or {})]
+    if max_rows is not None:
+        argv += ["--max-rows", str(max_rows)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=time_limit_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
@@ -92,6 +94,9 @@ class VerifiersRollout(AgentEndpointRollout):
     ``verifiers.v1.Taskset`` subclass, and optionally one ``Env`` subclass)."""
     environment_config: dict = field(default_factory=dict)
     """The taskset's own config fields (``TasksetConfig`` subclass), e.g. ``{"split": "train"}``."""
+    max_rows: int | None = None
+    """Rows to take from the environment's dataset (its first tasks); None: all (an ``INFINITE`` taskset, which
+    generates tasks forever, needs a number)."""
     python: str | None = None
     """verifiers' interpreter (default: :func:`verifiers_python`)."""
     describe_time_limit_s: float | None = 300.0
@@ -112,7 +117,9 @@ class VerifiersRollout(AgentEndpointRollout):
         config = json.dumps(self.environment_config, sort_keys=True)
         self.command = [self.python, RUNNER, "rollout", "--environment", self.environment, "--config", config]
         super().__post_init__()
-        info = describe_environment(self.python, self.environment, self.environment_config,
+        if self.max_rows is not None and self.max_rows < 1:
+            raise RolloutError(f"max_rows must be >= 1 (or null for all), got {self.max_rows}.")
+        info = describe_environment(self.python, self.environment, self.environment_config, max_rows=self.max_rows,
                                     time_limit_s=self.describe_time_limit_s)
         if info.get("refused"):
             raise RolloutError(f"verifiers environment {self.environment!r} needs what the agent endpoint does not serve: "
@@ -128,8 +135,8 @@ class VerifiersRollout(AgentEndpointRollout):
         return [(r["name"], float(r["weight"])) for r in self.environment_info["rewards"]]
 
     def rows(self) -> list[dict]:
-        """The environment's dataset as rows ``{"id", "prompt", "answer", "task_index", ...}`` (one per task; the
-        runner finds a trajectory's task by ``task_index``)."""
+        """The environment's dataset as rows ``{"id", "prompt", "answer", "task_index", "task"}`` (one per task; the
+        runner rebuilds a trajectory's task from its row's ``task``, the task's whole data)."""
         return [dict(row) for row in self.environment_info["rows"]]
 
     def describe(self) -> str:

@@ -6,8 +6,9 @@ never trl_plugins (whose openai/mcp versions conflict with verifiers'). Two comm
 - ``describe --environment SPEC --config JSON``: one JSON line ``{"verifiers", "environment", "harness", "rewards":
   [{"name", "weight"}], "refused": [...], "rows": [...]}``: the environment's reward functions with their weights,
   what it needs that the agent endpoint does not serve (empty: nothing), and its dataset as rows (one per task, with
-  its ``task_index``).
-- ``rollout --environment SPEC --config JSON``: the row (JSON) on stdin; runs that task's episode with the model at
+  its ``task_index`` and its whole data under ``task``).
+- ``rollout --environment SPEC --config JSON``: the row (JSON) on stdin; runs its task's episode (the task rebuilt
+  from the row's ``task``) with the model at
   ``OPENAI_BASE_URL`` (key ``OPENAI_API_KEY``) and prints ``{"reward": <the rubric's weighted total>, <name>: <score>,
   ...}``. An episode that fails (the environment raised, a tool server died, a request was refused) exits 1 with the
   error on stderr: the endpoint records that trajectory as ``environment_error``.
@@ -103,35 +104,46 @@ def _env_config(taskset_id: str, config: dict) -> Any:
 
 def _tasks(env: Any, limit: int | None = None) -> list[Any]:
     taskset = env.taskset
-    if getattr(taskset, "INFINITE", False):
-        if limit is None:
-            _fail("the taskset is INFINITE (it generates tasks forever): give environment_config a size it takes")
-        taskset = taskset.head(limit)
-    return list(taskset)
+    if getattr(taskset, "INFINITE", False) and limit is None:
+        _fail("the taskset is INFINITE (it generates tasks forever): set the rollout's max_rows")
+    return list(taskset.head(limit) if limit is not None else taskset)
 
 
-def _rewards(task_cls: type) -> list[dict]:
-    out = []
-    for name in dir(task_cls):
-        fn = getattr(task_cls, name, None)
-        if callable(fn) and getattr(fn, "reward", False) is True:
-            out.append({"name": name, "weight": float(getattr(fn, "_vf_weight", 1.0))})
-    return out
+def _task_of(env: Any, row: dict) -> Any:
+    """The row's task, rebuilt from the data the description put in the row (an INFINITE or shuffled taskset need
+    not load the same tasks twice)."""
+    task_cls = env._task_cls
+    return task_cls(task_cls.data_type().model_validate(row["task"]), env.taskset.config.task)
+
+
+def _rewards(task: Any) -> list[dict]:
+    """The task's reward functions (``@vf.reward`` methods and plugged ones) with their weights, in scoring order."""
+    return [{"name": fn.__name__, "weight": float(getattr(fn, "_vf_weight", 1.0))} for fn in task.hooks("reward")]
 
 
 def _refusals(env: Any, tasks: list[Any]) -> list[str]:
+    """What the environment needs that the agent endpoint (or this runner) does not serve, each named."""
     problems = []
-    for task in tasks[:1000]:
+    for task in tasks:
         prompt = task.data.prompt
-        if isinstance(prompt, list):
-            for message in prompt:
-                content = getattr(message, "content", None)
-                if isinstance(content, list) and any(getattr(p, "type", "text") != "text" for p in content):
-                    problems.append("images (a prompt with non-text content parts: the endpoint serves text)")
-                    break
+        for message in prompt if isinstance(prompt, list) else []:
+            content = getattr(message, "content", None)
+            if isinstance(content, list) and any(getattr(p, "type", "text") != "text" for p in content):
+                problems.append(f"images (task {task.data.idx}: a prompt with non-text content parts; the endpoint "
+                                f"serves text)")
+                break
         if getattr(task.data, "image", None):
-            problems.append(f"a container image ({task.data.image!r}: this runner plays every environment in a local "
-                            f"subprocess runtime)")
+            problems.append(f"a container image (task {task.data.idx}: {task.data.image!r}; the runner plays every task "
+                            f"in a local subprocess runtime)")
+        if task.config.judges:
+            names = [getattr(j, "id", type(j).__name__) for j in task.config.judges]
+            problems.append(f"a judge model ({names}: a judge's own model calls; the endpoint serves only the policy "
+                            f"being trained)")
+        for toolset in type(task).toolsets(task.config):
+            runtime = getattr(toolset.config, "runtime", None)
+            if getattr(toolset.config, "url", None) or getattr(runtime, "type", "subprocess") != "subprocess":
+                problems.append(f"a remote tool server ({type(toolset).__name__}: the runner serves tools in local "
+                                f"subprocesses)")
         if problems:
             break
     return sorted(set(problems))
@@ -148,14 +160,16 @@ def _row(index: int, task: Any) -> dict:
             "task_index": index, "task": data}
 
 
-def describe(spec: str, config: dict) -> dict:
+def describe(spec: str, config: dict, max_rows: int | None = None) -> dict:
     version = _check_version()
     taskset_id = _import_spec(spec)
     from verifiers.v1.utils.loaders import load_environment
 
     env = load_environment(_env_config(taskset_id, config))
-    tasks = _tasks(env)
-    return {"verifiers": version, "environment": spec, "harness": HARNESS, "rewards": _rewards(env._task_cls),
+    tasks = _tasks(env, max_rows)
+    if not tasks:
+        _fail(f"environment {spec!r} has no tasks")
+    return {"verifiers": version, "environment": spec, "harness": HARNESS, "rewards": _rewards(tasks[0]),
             "refused": _refusals(env, tasks), "rows": [_row(i, t) for i, t in enumerate(tasks)]}
 
 
@@ -173,19 +187,15 @@ def rollout(spec: str, config: dict, row: dict) -> dict:
     for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
         if not os.environ.get(name):
             _fail(f"{name} is not set: the agent endpoint sets it for each trajectory")
-    index = row.get("task_index")
-    if not isinstance(index, int):
-        _fail(f"the row has no task_index (rows come from the environment: VerifiersRollout.rows()); got keys "
+    if not isinstance(row.get("task"), dict):
+        _fail(f"the row holds no task (the rows come from the environment: VerifiersRollout.rows()); its keys are "
               f"{sorted(row)}")
     taskset_id = _import_spec(spec)
     _local_uv_scripts()
     from verifiers.v1.utils.loaders import load_environment
 
     env = load_environment(_env_config(taskset_id, config))
-    tasks = _tasks(env, limit=index + 1)
-    if not 0 <= index < len(tasks):
-        _fail(f"task_index {index} is not one of the environment's {len(tasks)} tasks")
-    episode = asyncio.run(_episode(env, tasks[index]))
+    episode = asyncio.run(_episode(env, _task_of(env, row)))
     errors = [f"{e.type}: {e.message}" for e in episode.errors]
     for trace in episode.traces:
         errors += [f"{e.type}: {e.message}" for e in trace.errors]
@@ -204,10 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=("describe", "rollout"))
     parser.add_argument("--environment", required=True)
     parser.add_argument("--config", default="{}")
+    parser.add_argument("--max-rows", type=int, default=None)
     args = parser.parse_args(argv)
     config = json.loads(args.config)
     if args.command == "describe":
-        result = describe(args.environment, config)
+        result = describe(args.environment, config, args.max_rows)
     else:
         result = rollout(args.environment, config, json.loads(sys.stdin.read() or "{}"))
     sys.stdout.write(json.dumps(result) + "\n")
