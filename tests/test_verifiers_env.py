@@ -17,6 +17,7 @@ import pytest
 from trl_plugins.contracts import check_rollout_contract
 from trl_plugins.datum import build_datums
 from trl_plugins.environments.verifiers_env import MAKE_INTERPRETER, VERIFIERS_VERSION, VerifiersRollout, verifiers_python
+from trl_plugins.protocols import as_rollout
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout import ChatFormat, RolloutError, RolloutRequest, ScriptedBackend, questions_from_rows
 from trl_plugins.tiny import build_tokenizer
@@ -113,6 +114,7 @@ def test_a_single_turn_environment_scores_with_its_rubric_and_a_raising_one_is_a
     rollout = single_turn
     assert rollout.rubric == [("brief", 0.25), ("correct", 1.0)]  # verifiers' own order: by priority, then name
     assert [(r["prompt"], r["answer"]) for r in rollout.rows()] == [("What is 3 + 4?", "7"), ("Say boom.", "0")]
+    assert as_rollout(rollout, "verifiers").rows_fn() == rollout.rows()  # what the recipe trains and evaluates on
     right, boom = rollout(rollout_request(chat, rollout)).trajectories
     assert right.stop_reason == StopReason.FINAL_ANSWER, right.error
     assert len(right.turns) == 1 and trains_exactly_what_was_sampled(right)
@@ -164,3 +166,43 @@ def test_a_multi_turn_environment_whose_user_is_scripted_continues_its_tokens(ch
     for turn, follow_up in zip(traj.turns[1:], ["Are you sure?", "Really sure?"]):
         assert tok.decode(turn.prompt_ids).endswith(f"<|im_start|>user\n{follow_up}<|im_end|>\n<|im_start|>assistant\n")
     assert components(traj) == {"agent_return": (1.0, 0.0), "agent_return/answered_every_turn": (1.0, 0.0)}
+
+
+class _RowsRollout:
+    """A rollout with a dataset of its own, as the recipe sees one (only its rows matter here)."""
+
+    token_budget = 64
+
+    def __init__(self, rows):
+        self._rows = rows
+
+    def rows(self):
+        return self._rows
+
+    def __call__(self, request):  # pragma: no cover - never rolled out here
+        raise AssertionError
+
+
+def test_a_rollouts_own_rows_are_the_recipes_rows_held_out_by_a_hash_of_the_prompt():
+    from types import SimpleNamespace
+
+    from retool.data import task_rows
+
+    rows = [{"id": str(i), "prompt": f"What is {i} + 1?", "task": {"idx": i}} for i in range(20)]
+    rows += [{"id": f"u{i}", "prompt": "", "task": {"idx": 20 + i, "question": f"q{i}"}} for i in range(20)]  # no prompt
+    rollout = as_rollout(_RowsRollout(rows), "rows")
+    args = SimpleNamespace(task_seed=0, held_out_fraction=0.25)
+    said: list[str] = []
+    train = task_rows(args, "train", size=None, log=said.append, rollout=rollout)
+    held = task_rows(args, "test", size=None, log=said.append, rollout=rollout)
+    # round(0.25 * 40) = 10 held out, the other 30 trained on, none on both sides (rows without a prompt by their task).
+    assert len(held) == 10 and len(train) == 30
+    assert {r["id"] for r in train}.isdisjoint({r["id"] for r in held}) and len({r["id"] for r in train + held}) == 40
+    assert "10 held out" in said[0] and "30 for training" in said[0]
+    sample = task_rows(args, "train", size=5, rollout=rollout)
+    assert len(sample) == 5 and {r["id"] for r in sample} < {r["id"] for r in train}
+    assert task_rows(args, "train", size=5, rollout=rollout) == sample  # seeded
+    with pytest.raises(ValueError, match="held_out_fraction is 0"):
+        task_rows(SimpleNamespace(task_seed=0, held_out_fraction=0.0), "test", size=None, rollout=rollout)
+    # A rollout without rows of its own leaves the recipe's task to give them.
+    assert as_rollout(SimpleNamespace(token_budget=None, __call__=None), "plain").rows_fn is None
