@@ -103,6 +103,17 @@ def test_the_interpreter_command_is_the_one_ci_runs_and_pins_the_version():
     assert MAKE_INTERPRETER in (root / "docs" / "environments.md").read_text()
 
 
+@needs_verifiers
+@pytest.mark.slow
+def test_an_environment_that_needs_what_the_endpoint_does_not_serve_is_refused_at_start_up_naming_it():
+    with pytest.raises(RolloutError) as caught:
+        environment("refused_env.py")
+    message = str(caught.value)
+    assert "needs what the agent endpoint does not serve" in message
+    assert "images (task 0" in message and "a container image (task 1: 'python:3.12'" in message
+    assert "a judge model (task 2: ['reference']" in message
+
+
 @pytest.fixture(scope="module")
 def single_turn():
     return environment("single_turn_env.py")

@@ -121,32 +121,30 @@ def _rewards(task: Any) -> list[dict]:
     return [{"name": fn.__name__, "weight": float(getattr(fn, "_vf_weight", 1.0))} for fn in task.hooks("reward")]
 
 
-def _refusals(env: Any, tasks: list[Any]) -> list[str]:
-    """What the environment needs that the agent endpoint (or this runner) does not serve, each named."""
-    problems = []
+def _refusals(tasks: list[Any]) -> list[str]:
+    """What the environment needs that the agent endpoint (or this runner) does not serve: each kind named once, with
+    the first task that needs it."""
+    found: dict[str, str] = {}
     for task in tasks:
         prompt = task.data.prompt
         for message in prompt if isinstance(prompt, list) else []:
             content = getattr(message, "content", None)
             if isinstance(content, list) and any(getattr(p, "type", "text") != "text" for p in content):
-                problems.append(f"images (task {task.data.idx}: a prompt with non-text content parts; the endpoint "
-                                f"serves text)")
-                break
+                found.setdefault("images", f"images (task {task.data.idx}: a prompt with non-text content parts; the "
+                                           f"endpoint serves text)")
         if getattr(task.data, "image", None):
-            problems.append(f"a container image (task {task.data.idx}: {task.data.image!r}; the runner plays every task "
-                            f"in a local subprocess runtime)")
+            found.setdefault("image", f"a container image (task {task.data.idx}: {task.data.image!r}; the runner plays "
+                                      f"every task in a local subprocess runtime)")
         if task.config.judges:
             names = [getattr(j, "id", type(j).__name__) for j in task.config.judges]
-            problems.append(f"a judge model ({names}: a judge's own model calls; the endpoint serves only the policy "
-                            f"being trained)")
+            found.setdefault("judge", f"a judge model (task {task.data.idx}: {names}; a judge makes model calls of its "
+                                      f"own, and the endpoint serves only the policy being trained)")
         for toolset in type(task).toolsets(task.config):
             runtime = getattr(toolset.config, "runtime", None)
             if getattr(toolset.config, "url", None) or getattr(runtime, "type", "subprocess") != "subprocess":
-                problems.append(f"a remote tool server ({type(toolset).__name__}: the runner serves tools in local "
-                                f"subprocesses)")
-        if problems:
-            break
-    return sorted(set(problems))
+                found.setdefault("tools", f"a remote tool server ({type(toolset).__name__}: the runner serves tools in "
+                                          f"local subprocesses)")
+    return list(found.values())
 
 
 def _row(index: int, task: Any) -> dict:
@@ -170,7 +168,7 @@ def describe(spec: str, config: dict, max_rows: int | None = None) -> dict:
     if not tasks:
         _fail(f"environment {spec!r} has no tasks")
     return {"verifiers": version, "environment": spec, "harness": HARNESS, "rewards": _rewards(tasks[0]),
-            "refused": _refusals(env, tasks), "rows": [_row(i, t) for i, t in enumerate(tasks)]}
+            "refused": _refusals(tasks), "rows": [_row(i, t) for i, t in enumerate(tasks)]}
 
 
 async def _episode(env: Any, task: Any) -> Any:
