@@ -333,8 +333,11 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
              "-" * 72]
     model = s.model_name_or_path or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
     lines.append(f"model:        {model}" + (f"  [LoRA adapter, r={s.lora_r}]" if s.use_peft else ""))
-    lines.append(f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
-                 f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
+    if run.rollout.rows_fn is not None:  # a verifiers environment's tasks: retool.data.task_rows takes them
+        lines.append(f"dataset:      the rows of {run.rollout.label} (held_out_fraction={s.held_out_fraction} held out)")
+    else:
+        lines.append(f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
+                     f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
     if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
     for note in s.dropped_kwargs:
