@@ -112,6 +112,8 @@ def test_an_environment_that_needs_what_the_endpoint_does_not_serve_is_refused_a
     assert "needs what the agent endpoint does not serve" in message
     assert "images (task 0" in message and "a container image (task 1: 'python:3.12'" in message
     assert "a judge model (task 2: ['reference']" in message
+    assert "several agents (roles ['solver', 'critic']" in message
+    assert "sampling settings of its own (role 'solver': {'temperature': 0.2}" in message
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """A verifiers environment that needs what the agent endpoint does not serve (built with the pinned verifiers' own
-classes): an image in a prompt, a task in a container image, a judge model. Refused at start-up, each named."""
+classes): two agents, one with sampling settings of its own, an image in a prompt, a task in a container image, a judge
+model. Refused at start-up, each named."""
 
 import verifiers.v1 as vf
 
@@ -20,4 +21,14 @@ class RefusedTaskset(vf.Taskset[PlainTask, vf.TasksetConfig]):
                 PlainTask(vf.TaskData(idx=2, prompt="Judged."), judged)]
 
 
-__all__ = ["RefusedTaskset"]
+class DuetConfig(vf.EnvConfig):
+    solver: vf.AgentConfig = vf.AgentConfig(sampling={"temperature": 0.2})
+    critic: vf.AgentConfig = vf.AgentConfig()
+
+
+class DuetEnv(vf.Env[DuetConfig]):
+    async def run(self, task, agents):  # never played: refused at start-up
+        await agents.solver.run(task)
+
+
+__all__ = ["DuetEnv", "RefusedTaskset"]

@@ -147,6 +147,32 @@ def _refusals(tasks: list[Any]) -> list[str]:
     return list(found.values())
 
 
+def _role_refusals(taskset_id: str, config: dict) -> list[str]:
+    """What the environment's agent roles need that a trajectory (one agent's conversation with the policy, played by
+    :data:`HARNESS`) does not give, each named."""
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.utils.loaders import default_harness_id, resolve_env_config
+
+    roles = agent_config_fields(resolve_env_config({"taskset": {"id": taskset_id, **config}}))
+    found = []
+    if len(roles) > 1:
+        found.append(f"several agents (roles {list(roles)}: a trajectory is one agent's conversation with the policy)")
+    bundled = default_harness_id(taskset_id)
+    if bundled not in ("bash", HARNESS):
+        found.append(f"a harness of its own (the taskset's {bundled!r}: the runner plays every role with verifiers' "
+                     f"{HARNESS!r} chat loop)")
+    for name, spec in roles.items():
+        if spec.harness is not None and spec.harness.id != HARNESS:
+            found.append(f"a harness of its own (role {name!r}: {spec.harness.id!r}: the runner plays every role with "
+                         f"verifiers' {HARNESS!r} chat loop)")
+        if spec.client is not None or spec.model is not None:
+            found.append(f"a model of its own (role {name!r}: its calls would not be the policy's)")
+        pinned = spec.sampling.model_dump(exclude_none=True) if spec.sampling is not None else {}
+        if pinned:
+            found.append(f"sampling settings of its own (role {name!r}: {pinned}; a trajectory samples with the run's)")
+    return found
+
+
 def _row(index: int, task: Any) -> dict:
     data = task.data.model_dump(mode="json")
     prompt = data.get("prompt")
@@ -168,7 +194,7 @@ def describe(spec: str, config: dict, max_rows: int | None = None) -> dict:
     if not tasks:
         _fail(f"environment {spec!r} has no tasks")
     return {"verifiers": version, "environment": spec, "harness": HARNESS, "rewards": _rewards(tasks[0]),
-            "refused": _refusals(tasks), "rows": [_row(i, t) for i, t in enumerate(tasks)]}
+            "refused": _role_refusals(taskset_id, config) + _refusals(tasks), "rows": [_row(i, t) for i, t in enumerate(tasks)]}
 
 
 async def _episode(env: Any, task: Any) -> Any:
