@@ -219,3 +219,11 @@ def test_a_rollouts_own_rows_are_the_recipes_rows_held_out_by_a_hash_of_the_prom
         task_rows(SimpleNamespace(task_seed=0, held_out_fraction=0.0), "test", size=None, rollout=rollout)
     # A rollout without rows of its own leaves the recipe's task to give them.
     assert as_rollout(SimpleNamespace(token_budget=None, __call__=None), "plain").rows_fn is None
+
+
+@needs_verifiers
+def test_a_row_that_is_not_the_environments_is_an_environment_error_naming_it(chat, single_turn):
+    request = RolloutRequest(questions_from_rows(chat, [{"id": "x", "prompt": "What is 3 + 4?"}]), 1, policy(chat), chat,
+                             {}, policy_step=1, seed=3)
+    (traj,) = single_turn(request).trajectories
+    assert traj.stop_reason == StopReason.ENVIRONMENT_ERROR and "the row holds no task" in traj.error
