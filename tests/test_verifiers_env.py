@@ -227,3 +227,26 @@ def test_a_row_that_is_not_the_environments_is_an_environment_error_naming_it(ch
                              {}, policy_step=1, seed=3)
     (traj,) = single_turn(request).trajectories
     assert traj.stop_reason == StopReason.ENVIRONMENT_ERROR and "the row holds no task" in traj.error
+
+
+def test_the_runner_imports_only_the_standard_library_and_verifiers():
+    import ast
+    import sys
+
+    from trl_plugins.environments.verifiers_env import RUNNER
+
+    def imported(source: str) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                names.add("." if node.level else (node.module or "").split(".")[0])
+        return names
+
+    def outside(source: str) -> set[str]:
+        return {n for n in imported(source) if n not in sys.stdlib_module_names and n != "verifiers"}
+
+    assert outside(Path(RUNNER).read_text()) == set()  # it runs in verifiers' interpreter, which has no trl_plugins
+    assert outside("import json\nfrom verifiers.v1 import Env\nfrom trl_plugins import types\nimport openai\n") == {
+        "trl_plugins", "openai"}  # negative control
