@@ -250,3 +250,17 @@ def test_the_runner_imports_only_the_standard_library_and_verifiers():
     assert outside(Path(RUNNER).read_text()) == set()  # it runs in verifiers' interpreter, which has no trl_plugins
     assert outside("import json\nfrom verifiers.v1 import Env\nfrom trl_plugins import types\nimport openai\n") == {
         "trl_plugins", "openai"}  # negative control
+
+
+def test_the_docs_worked_example_is_the_example_config():
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    block = re.search(r"```yaml\n(.+?)\n```", (root / "docs" / "environments.md").read_text(), re.S).group(1)
+    shown, example = yaml.safe_load(block), yaml.safe_load((root / "examples/verifiers/verifiers.yaml").read_text())
+    for key, value in shown.items():  # what the docs show is what the example sets (the docs leave some out)
+        if isinstance(value, dict):
+            assert value.items() <= example[key].items(), key
+        else:
+            assert example[key] == value, key
+    assert (root / example["rollout_kwargs"]["environment"]).is_file()
