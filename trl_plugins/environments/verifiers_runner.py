@@ -112,7 +112,7 @@ def _tasks(env: Any, limit: int | None = None) -> list[Any]:
 def _task_of(env: Any, row: dict) -> Any:
     """The row's task, rebuilt from the data the description put in the row (an INFINITE or shuffled taskset need
     not load the same tasks twice)."""
-    task_cls = env._task_cls
+    task_cls = type(env.taskset).task_type()
     return task_cls(task_cls.data_type().model_validate(row["task"]), env.taskset.config.task)
 
 
