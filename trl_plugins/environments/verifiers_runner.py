@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,15 @@ def _local_uv_scripts() -> None:
         if self.type != "subprocess":  # refused at start-up; kept as verifiers has it all the same
             return await with_uv(self, script, env, activate=activate)
         data = script.encode() if isinstance(script, str) else script
-        path = f"{self.scripts_dir}/{hashlib.sha256(data).hexdigest()}.py"
-        await self.write(path, data)
-        return [sys.executable, path]
+        folder = Path(self.scripts_dir if getattr(self, "user", None) is None else f"{self.scripts_dir}-{self.user}")
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{hashlib.sha256(data).hexdigest()}.py"
+        # The folder is shared by every trajectory's runner: written whole, then renamed into place (a runner starting
+        # the program while another writes it must never read half a file).
+        tmp = folder / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return [sys.executable, str(path)]
 
     Runtime.prepare_uv_script = prepare_uv_script
 
