@@ -174,10 +174,15 @@ def test_a_multi_turn_environment_whose_user_is_scripted_continues_its_tokens(ch
     rollout = environment("user_turns_env.py")
     (traj,) = rollout(rollout_request(chat, rollout)).trajectories
     assert traj.stop_reason in (StopReason.FINAL_ANSWER, StopReason.NO_TOOL_CALL), traj.error
-    assert len(traj.turns) == 3 and traj.num_segments == 1 and continues(traj) and trains_exactly_what_was_sampled(traj)
+    assert len(traj.turns) == 2 and traj.num_segments == 1 and continues(traj) and trains_exactly_what_was_sampled(traj)
     tok = chat.tokenizer
-    for turn, follow_up in zip(traj.turns[1:], ["Are you sure?", "Really sure?"]):
-        assert tok.decode(turn.prompt_ids).endswith(f"<|im_start|>user\n{follow_up}<|im_end|>\n<|im_start|>assistant\n")
+    # verifiers relaunched its harness with the conversation and the user's follow-up: one segment, the follow-up's
+    # tokens observations after the first reply's sampled ones.
+    first, second = traj.turns
+    assert tok.decode(second.prompt_ids).endswith("<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\n")
+    added = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids):]
+    observed = [t for t, s in zip(added, second.prompt_sources[-len(added):]) if s == TokenSource.OBSERVATION]
+    assert tok.decode(observed) == "Are you sure?"
     assert components(traj) == {"agent_return": (1.0, 0.0), "agent_return/answered_every_turn": (1.0, 0.0)}
 
 

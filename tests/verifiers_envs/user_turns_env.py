@@ -3,7 +3,7 @@ asks a follow-up after each reply, built with the pinned verifiers' own classes.
 
 import verifiers.v1 as vf
 
-FOLLOW_UPS = ["Are you sure?", "Really sure?"]
+FOLLOW_UPS = ["Are you sure?"]
 
 
 class AskData(vf.TaskData):
