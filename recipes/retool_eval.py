@@ -49,7 +49,7 @@ def main(argv: list[str]) -> dict:
     try:
         ks = check_eval_settings(script_args, run, eval_args.k, training=False)
         try:  # the rows before any model: a missing split or column stops here
-            rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print)
+            rows = task_rows(script_args, "test", size=script_args.eval_problems, log=print, rollout=run.rollout)
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
         from transformers import AutoTokenizer

@@ -70,6 +70,9 @@ def test_tool_plugins(name):
 
 @pytest.mark.parametrize("name", ROLLOUTS.names())
 def test_rollout_plugins(name):
+    if name == "verifiers":
+        pytest.skip("needs a verifiers environment and its interpreter: tests/test_verifiers_env.py runs the contract "
+                    "on one (test_the_rollout_meets_the_rollout_contract)")
     check_rollout_contract(name, {"agent": echo_agent} if name == "agent_endpoint" else None)
 
 

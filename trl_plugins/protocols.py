@@ -145,8 +145,9 @@ class Rollout(Protocol):
     # above 1 the run's chat format checks at start-up that the template renders that many exactly.
     # ``agent_conversation`` (bool, default False): an agent writes the conversation, so the run refuses its own
     # ``tools`` and ``system_prompt``. ``rederive_stop(trajectory, chat)``: where and why its rules end a saved
-    # trajectory (the replay compares it with the saved stop reason). ``version`` (str) and ``versions()`` (any
-    # plugin): see :func:`trl_plugins.run.version.plugin_versions`.
+    # trajectory (the replay compares it with the saved stop reason). ``rows()``: the rollout's own dataset (an
+    # environment's tasks), which the recipe trains and evaluates on instead of its task's. ``version`` (str) and
+    # ``versions()`` (any plugin): see :func:`trl_plugins.run.version.plugin_versions`.
 
     def __call__(self, request: Any) -> Any: ...
 
@@ -333,6 +334,9 @@ class RolloutPlugin(_Adapter):
     """``rederive_stop(trajectory, chat) -> (turn, StopReason | None)``: where and why its rules end a saved
     trajectory (what ``python -m trl_plugins.replay --rewards`` compares with the saved stop reason); optional,
     None: the replay says it cannot re-derive this rollout's stop reasons."""
+    rows_fn: Callable[[], Any] | None = None
+    """``rows() -> list[dict]``: the rollout's own dataset (a verifiers environment's tasks), the rows the recipe trains
+    and evaluates on instead of its task's; optional, None: the recipe's task gives the rows."""
 
     @property
     def label(self) -> str:
@@ -445,7 +449,8 @@ def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
     return RolloutPlugin(name, impl, token_budget=budget, tool_calls_per_turn=per_turn,
                          agent_conversation=_optional_bool(impl, "agent_conversation", False, label),
                          offers_tools=_optional_bool(impl, "offers_tools", False, label),
-                         rederive_stop_fn=_optional_method(impl, "rederive_stop", label))
+                         rederive_stop_fn=_optional_method(impl, "rederive_stop", label),
+                         rows_fn=_optional_method(impl, "rows", label))
 
 
 def as_tool(impl: Any, name: str = "") -> ToolPlugin:

@@ -290,7 +290,8 @@ class Registry(Generic[T]):
         return f"Registry({self.seam!r}, {len(self._entries)} entries)"
 
 
-ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine", "trl_plugins.rollout.endpoint.agent"))
+ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine", "trl_plugins.rollout.endpoint.agent",
+                                                              "trl_plugins.environments.verifiers_env"))
 TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter", "trl_plugins.tools.mcp.plugin"))
 REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent",
                                                               "trl_plugins.rewards.reasoning_gym"))

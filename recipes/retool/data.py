@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["load_task_rows", "task_rows", "prompt_hash", "held_out_mask", "answer_paths", "hide_answers"]
+__all__ = ["load_task_rows", "task_rows", "rollout_rows", "prompt_hash", "held_out_mask", "answer_paths", "hide_answers"]
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -166,14 +166,49 @@ def load_task_rows(
 
 
 def task_rows(script_args: Any, role: Literal["train", "test"], *, size: int | None,
-              log: Callable[[str], None] | None = None) -> list[dict]:
+              log: Callable[[str], None] | None = None, rollout: Any = None) -> list[dict]:
     """:func:`load_task_rows` with the run's ``ScriptArguments``: the one call the recipe's training rows, its
-    before/after and periodic evaluations and ``retool_eval.py`` share, so all of them split alike."""
+    before/after and periodic evaluations and ``retool_eval.py`` share, so all of them split alike. A ``rollout``
+    (the run's :class:`~trl_plugins.protocols.RolloutPlugin`) with a dataset of its own (``rows``: a verifiers
+    environment's tasks) gives the rows instead (:func:`rollout_rows`)."""
     a = script_args
+    if rollout is not None and rollout.rows_fn is not None:
+        return rollout_rows(rollout.rows_fn(), role, size=size, seed=a.task_seed, held_out_fraction=a.held_out_fraction,
+                            source=rollout.label, log=log)
     return load_task_rows(a.dataset_name, role, size=size, seed=a.task_seed, dataset_config=a.dataset_config,
                           prompt_column=a.prompt_column, answer_column=a.answer_column, train_split=a.dataset_train_split,
                           test_split=a.dataset_test_split, held_out_fraction=a.held_out_fraction, log=log,
                           task=a.task, reasoning_gym=a.reasoning_gym_task)
+
+
+def rollout_rows(rows: Sequence[dict], role: Literal["train", "test"], *, size: int | None, seed: int,
+                 held_out_fraction: float, source: str, log: Callable[[str], None] | None = None) -> list[dict]:
+    """The rows of a rollout's own dataset for ``role``: ``held_out_fraction`` of them held out by a hash of the prompt
+    (:func:`held_out_mask`; a row without a prompt by its task's data), the others trained on; then ``size`` of the
+    role's rows drawn with a seeded shuffle.
+
+    Raises:
+        ValueError: no rows; a held-out role with ``held_out_fraction`` 0; a split that leaves the role none.
+    """
+    if not rows:
+        raise ValueError(f"{source} has no rows.")
+    if role == "test" and not held_out_fraction:
+        raise ValueError(f"{source} has one set of rows and held_out_fraction is 0: hold out a share with "
+                         f"--held_out_fraction 0.1 (training then leaves it out), or skip the held-out evaluation with "
+                         f"--eval_problems 0.")
+    held = held_out_mask([row.get("prompt") or row.get("task") or row.get("id") for row in rows], held_out_fraction)
+    keep = [dict(row) for row, h in zip(rows, held) if h == (role == "test")]
+    if not keep:
+        side = "held out" if role == "test" else "left for training"
+        raise ValueError(f"{source} has {len(rows)} rows and held_out_fraction={held_out_fraction} leaves none {side}: "
+                         f"change --held_out_fraction, or skip the held-out evaluation with --eval_problems 0.")
+    if log:
+        log(f"rows: the {len(rows)} of {source}; {sum(held)} held out (held_out_fraction={held_out_fraction}, chosen by a "
+            f"hash of the prompt), {len(rows) - sum(held)} for training.")
+    if size is not None and size < len(keep):
+        order = sorted(range(len(keep)), key=lambda i: hashlib.sha256(f"{seed}/{keep[i].get('id')}/{i}".encode()).digest())
+        keep = [keep[i] for i in sorted(order[:size])]
+    return keep
 
 
 def _field(row: dict, column: str) -> Any:

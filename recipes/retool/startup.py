@@ -157,8 +157,9 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     # Training and every held-out evaluation split alike (retool.data.load_task_rows); the main process says how.
     said: list[str] = []
     try:
-        train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append)
-        heldout_rows = task_rows(script_args, "test", size=script_args.eval_problems, log=said.append) if evaluate else []
+        train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append, rollout=run.rollout)
+        heldout_rows = (task_rows(script_args, "test", size=script_args.eval_problems, log=said.append, rollout=run.rollout)
+                        if evaluate else [])
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     for line in dict.fromkeys(said):  # a carved split is described once, not once per side
@@ -343,6 +344,8 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     if s.reasoning_gym_task is not None:
         lines.append(f"dataset:      reasoning-gym: {s.reasoning_gym_task.describe()} (held-out rows from task_seed, "
                      f"training rows from other seeds, none sharing a question)")
+    elif run.rollout.rows_fn is not None:  # a verifiers environment's tasks: retool.data.task_rows takes them
+        lines.append(f"dataset:      the rows of {run.rollout.label} (held_out_fraction={s.held_out_fraction} held out)")
     else:
         lines.append(f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
                      f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")

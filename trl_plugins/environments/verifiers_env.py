@@ -1,0 +1,146 @@
+"""verifiers environments as a rollout: the rollout plugin ``verifiers``.
+
+A verifiers environment (its dataset, its multi-turn protocol with tools, its rubric of reward functions) runs as a
+``command`` agent of the agent endpoint (:class:`~trl_plugins.rollout.endpoint.AgentEndpointRollout`): each
+trajectory is one run of :mod:`.verifiers_runner` in verifiers' own interpreter (verifiers pins ``openai`` and ``mcp``
+versions that conflict with ours, so it lives in a venv of its own, made by :data:`MAKE_INTERPRETER`), which drives the
+environment's rollout against the endpoint's URL and prints the rubric's scores as its return value. At start-up the
+runner describes the environment (its reward functions with their weights, its rows) and refuses one that needs what
+the endpoint does not serve. docs/environments.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl_plugins.registry import ROLLOUTS
+from trl_plugins.rollout.endpoint.agent import AgentEndpointRollout
+from trl_plugins.rollout.request import RolloutError
+
+__all__ = ["MAKE_INTERPRETER", "RUNNER", "VERIFIERS_VERSION", "VerifiersRollout", "describe_environment",
+           "verifiers_python"]
+
+VERIFIERS_VERSION = "0.4.0"
+"""The verifiers release this is built and tested against (``constraints/verifiers.txt`` pins it; the runner refuses
+another)."""
+MAKE_INTERPRETER = ("python3 -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q -r "
+                    "constraints/verifiers.txt")
+"""The one command (run in the repository's root) that makes verifiers' interpreter; ``.ci/run`` runs it."""
+RUNNER = str(Path(__file__).with_name("verifiers_runner.py"))
+"""The runner, run by path in verifiers' interpreter (it imports nothing of trl_plugins)."""
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def verifiers_python(explicit: str | None = None) -> str:
+    """verifiers' interpreter: ``explicit``, else ``$TRL_PLUGINS_VERIFIERS_PYTHON``, else ``.venv-verifiers/bin/python``
+    in the working directory, else in the repository's root.
+
+    Raises:
+        RolloutError: none of them exists (the message gives :data:`MAKE_INTERPRETER`).
+    """
+    given = explicit or os.environ.get("TRL_PLUGINS_VERIFIERS_PYTHON")
+    candidates = [Path(given)] if given else [Path.cwd() / ".venv-verifiers/bin/python",
+                                              _REPO / ".venv-verifiers/bin/python"]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    where = f"{given} (python / TRL_PLUGINS_VERIFIERS_PYTHON)" if given else " or ".join(map(str, candidates))
+    raise RolloutError(f"verifiers' interpreter is not there: {where}. verifiers {VERIFIERS_VERSION} pins openai and mcp "
+                       f"versions that conflict with this project's, so it runs in a venv of its own; make it in the "
+                       f"repository's root with: {MAKE_INTERPRETER}")
+
+
+def describe_environment(python: str, environment: str, config: dict | None = None, *, max_rows: int | None = None,
+                         time_limit_s: float | None = 300.0) -> dict:
+    """What the runner says about ``environment`` in verifiers' interpreter: ``{"verifiers", "environment", "rewards":
+    [{"name", "weight"}], "refused": [reasons], "rows": [row, ...]}``.
+
+    Raises:
+        RolloutError: the runner failed (the environment cannot be loaded: its stderr's tail is in the message) or
+            ran past ``time_limit_s``.
+    """
+    argv = [python, RUNNER, "describe", "--environment", environment, "--config", json.dumps(config or {})]
+    if max_rows is not None:
+        argv += ["--max-rows", str(max_rows)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=time_limit_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RolloutError(f"describing verifiers environment {environment!r} ran past {time_limit_s} s") from None
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or not lines:
+        raise RolloutError(f"verifiers environment {environment!r} cannot be loaded (the runner exited with status "
+                           f"{done.returncode}): {done.stderr.strip()[-1500:] or '(no stderr)'}")
+    return json.loads(lines[-1])
+
+
+@ROLLOUTS.register("verifiers")
+@dataclass
+class VerifiersRollout(AgentEndpointRollout):
+    """A verifiers environment (``environment``: its taskset's id, ``'package.module'`` or ``'path/to/file.py'``, each
+    exporting its ``Taskset`` subclass) rolled out against the run's sampler: each trajectory is one run of the
+    environment's own protocol (its tools, its user turns, its parsers) through the agent endpoint, token-exact as any
+    agent's, and its rubric's reward functions are recorded by name (``agent_return/<name>``; the rubric's total,
+    weighted by its weights, is ``agent_return``, which ``agent_reward`` trains on). The environment's dataset is
+    :meth:`rows`. Refused at start-up: an environment that needs what the endpoint does not serve (named). The
+    budgets and time limits are the endpoint's; ``agent`` and ``command`` are this plugin's own.
+    """
+
+    environment: str | None = None
+    """The environment: a taskset id, ``'package.module'`` or ``'path/to/file.py'`` (its ``__all__`` exports one
+    ``verifiers.v1.Taskset`` subclass, and optionally one ``Env`` subclass)."""
+    environment_config: dict = field(default_factory=dict)
+    """The taskset's own config fields (``TasksetConfig`` subclass), e.g. ``{"split": "train"}``."""
+    max_rows: int | None = None
+    """Rows to take from the environment's dataset (its first tasks); None: all (an ``INFINITE`` taskset, which
+    generates tasks forever, needs a number)."""
+    python: str | None = None
+    """verifiers' interpreter (default: :func:`verifiers_python`)."""
+    describe_time_limit_s: float | None = 300.0
+    """Wall time the start-up description of the environment (loading it, reading its dataset) may take."""
+    environment_info: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.environment or not isinstance(self.environment, str):
+            raise RolloutError("rollout 'verifiers' needs environment: a taskset id, 'package.module' or "
+                               "'path/to/file.py' (docs/environments.md).")
+        if self.agent is not None or self.command is not None:
+            raise RolloutError("rollout 'verifiers' runs the environment's own protocol: drop agent/command (use "
+                               "rollout: agent_endpoint for an agent of your own).")
+        if not isinstance(self.environment_config, dict):
+            raise RolloutError(f"environment_config must be a mapping of the taskset's config fields, got "
+                               f"{self.environment_config!r}.")
+        self.python = verifiers_python(self.python)
+        config = json.dumps(self.environment_config, sort_keys=True)
+        self.command = [self.python, RUNNER, "rollout", "--environment", self.environment, "--config", config]
+        super().__post_init__()
+        if self.max_rows is not None and self.max_rows < 1:
+            raise RolloutError(f"max_rows must be >= 1 (or null for all), got {self.max_rows}.")
+        info = describe_environment(self.python, self.environment, self.environment_config, max_rows=self.max_rows,
+                                    time_limit_s=self.describe_time_limit_s)
+        if info.get("refused"):
+            raise RolloutError(f"verifiers environment {self.environment!r} needs what the agent endpoint does not serve: "
+                               + "; ".join(info["refused"]))
+        if not info.get("rewards"):
+            raise RolloutError(f"verifiers environment {self.environment!r} has no reward functions (@vf.reward): "
+                               f"nothing would score its trajectories.")
+        self.environment_info = info
+
+    @property
+    def rubric(self) -> list[tuple[str, float]]:
+        """The environment's reward functions: ``(name, weight)``, in the rubric's order."""
+        return [(r["name"], float(r["weight"])) for r in self.environment_info["rewards"]]
+
+    def rows(self) -> list[dict]:
+        """The environment's dataset as rows ``{"id", "prompt", "answer", "task_index", "task"}`` (one per task; the
+        runner rebuilds a trajectory's task from its row's ``task``, the task's whole data)."""
+        return [dict(row) for row in self.environment_info["rows"]]
+
+    def describe(self) -> str:
+        rubric = ", ".join(f"{name} x{weight:g}" for name, weight in self.rubric)
+        return (f"verifiers {self.environment_info.get('verifiers')} environment {self.environment!r} "
+                f"({len(self.environment_info['rows'])} rows; rubric {rubric}); {super().describe()}")
+
