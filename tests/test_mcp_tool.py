@@ -148,6 +148,18 @@ def test_name_clash_refused_or_prefixed():
     two = {"a": _stdio(session="shared"), "b": _stdio(session="shared")}
     with pytest.raises(ValueError, match="servers 'a' and 'b' both offer a tool 'add'; set prefix_tools"):
         McpTools(mcpServers=two).member_tools()
+    # A name left out clashes with nothing: it was refused although neither server's 'add' would be shown.
+    tiny = {"command": sys.executable, "args": ["-I", "-S", str(Path(__file__).parent / "mcp_servers" / "tiny.py")],
+            "env": {"TINY_ALSO_OFFERS": "add"}, "session": "shared"}
+    mixed = {"a": _stdio(session="shared"), "t": tiny}
+    with pytest.raises(ValueError, match="servers 'a' and 't' both offer a tool 'add'.*exclude: \\['add'\\] leaves out both"):
+        McpTools(mcpServers=mixed).member_tools()
+    left = McpTools(mcpServers=mixed, exclude=["add"])
+    try:
+        names = {x.name for x in left.member_tools()}
+        assert "add" not in names and {"greet", "echo"} <= names
+    finally:
+        left.close()
     tools = McpTools(mcpServers=two, prefix_tools=True, include=["a__add", "b__add"])
     try:
         t = {x.name: x for x in tools.member_tools()}

@@ -22,6 +22,9 @@ TOOLS = [
     {"name": "oops", "description": "Always an error result (isError).",
      "inputSchema": {"type": "object", "properties": {"why": {"type": "string"}}, "required": ["why"]}},
 ]
+# TINY_ALSO_OFFERS=a,b: more tools of those names, each answering as echo does (a name another server offers too).
+TOOLS += [dict(TOOLS[0], name=n, description=f"Say the text back (as {n}).")
+          for n in os.environ.get("TINY_ALSO_OFFERS", "").split(",") if n]
 MEDIA = {
     "image": {"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"},
     "audio": {"type": "audio", "data": "UklGRg==", "mimeType": "audio/wav"},
@@ -42,7 +45,7 @@ def _result(method, params):
         return {"tools": TOOLS}
     if method == "tools/call":
         name, args = params.get("name"), params.get("arguments") or {}
-        if name == "echo":
+        if name == "echo" or name in os.environ.get("TINY_ALSO_OFFERS", "").split(","):
             return {"content": [{"type": "text", "text": args.get("text", "")}], "isError": False}
         if name == "media":
             return {"content": [MEDIA[args["kind"]]], "isError": False}

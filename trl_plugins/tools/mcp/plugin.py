@@ -264,12 +264,13 @@ class McpTools(ClosingTool):
         for spec in self._servers:
             for t in listed[spec.name]:
                 name = f"{spec.name}__{t.name}" if self.prefix_tools else t.name
-                if name in seen:
-                    raise ValueError(f"MCP servers {seen[name]!r} and {spec.name!r} both offer a tool {name!r}; set "
-                                     f"prefix_tools: true (tools named <server>__<tool>) or exclude one of them")
-                seen[name] = spec.name
+                first = seen.setdefault(name, spec.name)
                 if (self.include is not None and name not in self.include) or name in self.exclude:
-                    continue
+                    continue  # left out: a name two servers offer clashes only where it is kept
+                if first != spec.name:
+                    raise ValueError(f"MCP servers {first!r} and {spec.name!r} both offer a tool {name!r}; set "
+                                     f"prefix_tools: true (tools named <server>__<tool>, each kept or left out by that "
+                                     f"name) or leave the name out (exclude: [{name!r}] leaves out both)")
                 description = (t.description or "").strip() or (
                     f"The tool {t.name!r} of the MCP server {spec.name!r} (it gives no description).")
                 tools.append(McpTool(name, spec.name, t.name, description, _check_input_schema(spec.name, t),
