@@ -1063,3 +1063,19 @@ def _cmdline(proc_dir: Path) -> bytes:
         return (proc_dir / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.slow
+def test_an_agent_written_with_the_openai_agents_sdk_trains_two_steps(tmp_path, built_cache):
+    """examples/agents/openai_agents_sdk/retool_agent.yaml through the real launcher, on the module's built cache: the
+    SDK's Runner on its default Responses API against the agent endpoint, two steps trained (a run whose trajectories
+    all failed would exit non-zero), no environment error."""
+    pytest.importorskip("agents")
+    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "examples" / "agents" / "openai_agents_sdk" / "retool_agent.yaml"),
+                                          "--report_to", "none", "--eval_every_steps", "0"], cache=built_cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rates = [s[k] for s in steps for k in s if k.endswith("environment_error") and k.startswith("rollout/")]
+    assert rates and all(r == 0.0 for r in rates), [k for s in steps for k in s if "environment" in k]
