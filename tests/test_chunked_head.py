@@ -139,3 +139,45 @@ def test_a_model_whose_logits_are_more_than_its_head_keeps_the_full_logits():
     assert not chunkable(model)
     model.config.final_logit_softcapping = None
     assert chunkable(model)
+
+
+def test_the_heads_pass_through_is_the_entering_threads_only():
+    # A generation replica probes pushed weights (the chunked path: the head passes its input through) while its
+    # rollout threads generate with the same model: they got hidden states for logits ("stack expects each tensor to
+    # be equal size, [1, 64] and [1, 518]", seen in the suite). The pass-through is now the entering thread's only,
+    # and a forward a hook library set on the head is given back after.
+    import threading
+
+    from trl_plugins.chunked_head import hidden_states_instead_of_logits, output_head
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    seen = {}
+    with torch.no_grad(), hidden_states_instead_of_logits(model):
+        seen["here"] = model(input_ids=ids).logits.shape[-1]
+        other = threading.Thread(target=lambda: seen.update(there=model(input_ids=ids).logits.shape[-1]))
+        other.start()
+        other.join()
+        with hidden_states_instead_of_logits(model):  # nested, as a second thread's entry would count
+            seen["nested"] = model(input_ids=ids).logits.shape[-1]
+        seen["after nested"] = model(input_ids=ids).logits.shape[-1]
+    with torch.no_grad():
+        seen["outside"] = model(input_ids=ids).logits.shape[-1]
+    assert seen == {"here": hidden, "there": vocab, "nested": hidden, "after nested": hidden, "outside": vocab}
+    head = output_head(model)
+    assert "forward" not in head.__dict__
+    calls = []
+    original = head.forward
+
+    def hooked(x, *a, **k):
+        calls.append(1)
+        return original(x, *a, **k)
+
+    head.forward = hooked
+    with torch.no_grad():
+        with hidden_states_instead_of_logits(model):
+            assert model(input_ids=ids).logits.shape[-1] == hidden
+        assert head.forward is hooked and model(input_ids=ids).logits.shape[-1] == vocab and calls == [1]

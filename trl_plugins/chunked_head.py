@@ -12,6 +12,7 @@ each chunk checkpointed (its logits recomputed in the backward), so the peak is 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -79,22 +80,58 @@ def chunkable(model: torch.nn.Module) -> bool:
     return True
 
 
-def _passthrough(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return hidden
+_PASSING = threading.local()
+"""Per thread: the heads whose forward passes its input through in this thread (their ``id``s)."""
+_INSTALLED: dict[int, int] = {}
+"""Per head (``id``): how many threads are inside :func:`hidden_states_instead_of_logits` for it."""
+_INSTALL_LOCK = threading.Lock()
+
+
+_OWN_FORWARD: dict[int, Any] = {}
+"""Per head (``id``) with a pass-through installed: the instance ``forward`` it had before (a hook's), if any."""
+
+
+def _thread_passthrough(head: torch.nn.Module) -> Any:
+    original = head.forward  # bound: the class's, or an instance attribute a hook library set
+
+    def forward(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if id(head) in getattr(_PASSING, "heads", ()):
+            return hidden
+        return original(hidden, *args, **kwargs)
+
+    return forward
 
 
 @contextlib.contextmanager
 def hidden_states_instead_of_logits(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """Within: ``model(...).logits`` is the final hidden states (the head's forward passes its input through; the
-    module's hooks, DeepSpeed's among them, still run). Yields the head, whose call outside applies it as usual."""
+    """Within, in this thread: ``model(...).logits`` is the final hidden states (the head's forward passes its input
+    through; the module's hooks, DeepSpeed's among them, still run). Yields the head, whose call outside applies it
+    as usual. Another thread calling the model meanwhile (a replica generating while it probes pushed weights) gets
+    the logits: the pass-through is this thread's only."""
     head = output_head(model)
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None)")
-    head.forward = _passthrough
+    key = id(head)
+    with _INSTALL_LOCK:
+        if not _INSTALLED.get(key):
+            _OWN_FORWARD[key] = head.__dict__.get("forward")
+            head.forward = _thread_passthrough(head)
+        _INSTALLED[key] = _INSTALLED.get(key, 0) + 1
+    mine = getattr(_PASSING, "heads", frozenset())
+    _PASSING.heads = mine | {key}
     try:
         yield head
     finally:
-        del head.forward
+        _PASSING.heads = mine
+        with _INSTALL_LOCK:
+            _INSTALLED[key] -= 1
+            if not _INSTALLED[key]:
+                del _INSTALLED[key]
+                own = _OWN_FORWARD.pop(key)
+                if own is None:
+                    del head.forward
+                else:
+                    head.forward = own
 
 
 def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
