@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("mcp")
 
 from trl_plugins.protocols import as_tool, tool_episode  # noqa: E402
+from test_mcp_tool import _alive, _children  # noqa: E402 - the same process helpers
 from trl_plugins.tools.mcp.plugin import McpTools  # noqa: E402
 
 HERE = Path(__file__).parent / "mcp_servers"
@@ -24,26 +25,6 @@ TINY, TOY = str(HERE / "tiny.py"), str(HERE / "toy.py")
 
 def _tiny(*extra: str, **kw) -> dict:
     return {"command": sys.executable, "args": ["-I", "-S", TINY, *extra], **kw}
-
-
-def _children() -> set[int]:
-    me = str(os.getpid())
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if (d / "stat").read_text().split(") ", 1)[1].split()[1] == me:
-                    out.add(int(d.name))
-            except (OSError, IndexError):
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _fds() -> list[str]:

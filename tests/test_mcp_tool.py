@@ -30,16 +30,7 @@ def _stdio(*extra: str, **kw) -> dict:
 def _children() -> set[int]:
     import os
 
-    me = str(os.getpid())
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if (d / "stat").read_text().split(") ", 1)[1].split()[1] == me:
-                    out.add(int(d.name))
-            except (OSError, IndexError):
-                pass
-    return out
+    return set(_kids(os.getpid()))
 
 
 def _call(tool, args):
@@ -392,12 +383,11 @@ def _below_a_spawned_process(pid: int) -> bool:
     """Whether an ancestor of ``pid`` is a process multiprocessing spawned (the generation replica)."""
     import os
 
-    while pid > 1 and pid != os.getpid():
+    while (pid := _parent(pid)) > 1 and pid != os.getpid():
         try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[1])
             if b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return True
-        except (OSError, ValueError):
+        except OSError:
             return False
     return False
 
