@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_agent_endpoint import SCHEMA, chat, run_code  # noqa: F401 - chat is a fixture
+from test_agent_endpoint import SCHEMA, EchoTool, chat, run_code  # noqa: F401 - chat is a fixture
 
 from trl_plugins.rollout import ChatFormat, RolloutQuestion, RolloutRequest, ScriptedBackend
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
@@ -24,6 +24,20 @@ from trl_plugins.tiny import build_tokenizer
 from trl_plugins.types import StopReason
 
 ROOT = Path(__file__).resolve().parents[1]
+MAKE_AUTOGEN = "python3 -m venv .venv-autogen && .venv-autogen/bin/pip install -q -r constraints/autogen.txt"
+"""The one command (in the repository's root) that makes the interpreter of AutoGen's and DSPy's examples, whose pins
+conflict with the project's (constraints/autogen.txt); ``.ci/run`` runs it."""
+
+
+def own_python() -> str | None:
+    """That interpreter: ``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/bin/python`` here (None: neither)."""
+    given = os.environ.get("TRL_PLUGINS_AUTOGEN_PYTHON")
+    path = Path(given) if given else ROOT / ".venv-autogen" / "bin" / "python"
+    return str(path) if path.exists() else None
+
+
+OWN_PYTHON = own_python()
+needs_own_python = pytest.mark.skipif(OWN_PYTHON is None, reason=f"no AutoGen/DSPy interpreter: make it with {MAKE_AUTOGEN}")
 PROMPTS = ["calls=2", "calls=0 think", "calls=1 think"]
 
 
@@ -57,11 +71,11 @@ def script_for(chat):
     return script
 
 
-def request(chat, prompts=PROMPTS) -> RolloutRequest:
+def request(chat, prompts=PROMPTS, tools=None) -> RolloutRequest:
     questions = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i,
                                  row={"prompt": p, "answer": "7"}) for i, p in enumerate(prompts)]
     return RolloutRequest(questions, 1, ScriptedBackend(script_for(chat), stop_token_ids=chat.stop_token_ids), chat,
-                          {}, policy_step=2, seed=5)
+                          tools or {}, policy_step=2, seed=5)
 
 
 @pytest.fixture
@@ -277,3 +291,44 @@ def test_each_framework_config_resolves_before_any_model_loads(monkeypatch, fram
     assert run.rollout.impl.agent == f"examples/agents/{framework}/agent.py:solve"
     assert list(training_args.reward_components) == rewards
     assert callable(_load(run.rollout.impl.agent))
+
+
+def test_the_autogen_interpreter_is_made_by_ci_before_the_suite_and_its_command_is_documented():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert MAKE_AUTOGEN in ci.splitlines() and ci.index(MAKE_AUTOGEN) < ci.index("python -m pytest")
+    assert MAKE_AUTOGEN in (ROOT / "docs" / "agents.md").read_text()
+    assert f"#   {MAKE_AUTOGEN}" in (ROOT / "constraints" / "autogen.txt").read_text()
+
+
+@pytest.mark.slow  # ~5 s: three processes that import AutoGen
+@needs_own_python
+@pytest.mark.parametrize("stream", [False, True])
+def test_autogen_assistant_agent_runs_as_a_command_on_chat_completions_streamed_or_not(chat, wire, stream):
+    # the example as its YAML runs it: a command in AutoGen's interpreter, its tool the run's (through tools/call)
+    command = [OWN_PYTHON, str(ROOT / "examples/agents/autogen/agent.py"), *(["--stream"] if stream else [])]
+    result = AgentEndpointRollout(command=command)(request(chat, tools={"code_interpreter": EchoTool()}))
+    ours = [(route, body) for route, body in wire if route != "tools/call"]
+    calls = [body for route, body in wire if route == "tools/call"]
+    assert {route for route, _ in ours} == {"chat/completions"}
+    assert {bool(body.get("stream")) for _, body in ours} == {stream}
+    assert {body.get("tool_choice") for _, body in ours} == {"auto"} and not any("stop" in body for _, body in ours)
+    assert sorted(c["arguments"]["code"] for c in calls) == ["print(0)", "print(0)", "print(1)"]  # 2 + 0 + 1 calls
+    check_trajectories(chat, result.trajectories, ours)
+    assert result.counters == {}
+
+
+def test_the_autogen_config_runs_the_example_as_a_command_with_the_runs_tool(monkeypatch):
+    from trl_plugins.run import resolve_run
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from retool.config import parse_args
+
+    _, training_args = parse_args(["--config", "examples/agents/autogen/retool_agent.yaml"])
+    run = resolve_run(training_args)
+    try:
+        assert run.rollout.name == "agent_endpoint" and run.rollout.agent_conversation and run.rollout.offers_tools
+        assert run.rollout.impl.command == [".venv-autogen/bin/python", "examples/agents/autogen/agent.py"]
+        assert list(run.tools) == ["code_interpreter"]  # the recipe's sandbox, which the agent asks for by name
+    finally:
+        run.close()
