@@ -19,7 +19,7 @@ from test_agent_endpoint import SCHEMA, EchoTool, chat, run_code  # noqa: F401 -
 
 from trl_plugins.rollout import ChatFormat, RolloutQuestion, RolloutRequest, ScriptedBackend
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
-from trl_plugins.rollout.endpoint.agent import _load
+from trl_plugins.rollout.endpoint.agent import NOTHING_ASKED, _load
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.types import StopReason
 
@@ -56,7 +56,16 @@ def script_for(chat):
         question = re.findall(r"user\n(.*?)<\|im_end\|>", text, re.DOTALL)[0]
         think = "<think>I should compute.</think>\n" if "think" in question else ""
         done = len(set(re.findall(r"ran print\((\d+)\)", text)))
-        if done < int(re.search(r"calls=(\d+)", question).group(1)):
+        calls = int(re.search(r"calls=(\d+)", question).group(1))
+        if "[[ ## next_tool_name ## ]]" in text:  # a step of DSPy's ReAct: its fields as text, no tools offered
+            name, arguments = ("code_interpreter", {"code": f"print({done})"}) if done < calls else ("finish", {})
+            return tok(f"[[ ## next_thought ## ]]\nStep {done}.\n\n[[ ## next_tool_name ## ]]\n{name}\n\n"
+                       f"[[ ## next_tool_args ## ]]\n{json.dumps(arguments)}\n\n[[ ## completed ## ]]",
+                       add_special_tokens=False)["input_ids"] + [im_end]
+        if "[[ ## answer ## ]]" in text:  # its extraction of the answer from the trajectory
+            return tok("[[ ## reasoning ## ]]\nDone.\n\n[[ ## answer ## ]]\n\\boxed{7}\n\n[[ ## completed ## ]]",
+                       add_special_tokens=False)["input_ids"] + [im_end]
+        if done < calls:
             body = f"Step {done}.\n" + call("code_interpreter", {"code": f"print({done})"})
             if "observe" in question:  # the model goes on to write the observation itself
                 body += "\nObservation: ran print(9)"
@@ -317,18 +326,56 @@ def test_autogen_assistant_agent_runs_as_a_command_on_chat_completions_streamed_
     assert result.counters == {}
 
 
-def test_the_autogen_config_runs_the_example_as_a_command_with_the_runs_tool(monkeypatch):
+@pytest.mark.parametrize("framework,rewards", [("autogen", ["correct", "format"]), ("dspy", ["agent_reward"])])
+def test_the_autogen_and_dspy_configs_run_their_example_as_a_command_with_the_runs_tool(monkeypatch, framework, rewards):
     from trl_plugins.run import resolve_run
 
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     from retool.config import parse_args
 
-    _, training_args = parse_args(["--config", "examples/agents/autogen/retool_agent.yaml"])
+    _, training_args = parse_args(["--config", f"examples/agents/{framework}/retool_agent.yaml"])
     run = resolve_run(training_args)
     try:
         assert run.rollout.name == "agent_endpoint" and run.rollout.agent_conversation and run.rollout.offers_tools
-        assert run.rollout.impl.command == [".venv-autogen/bin/python", "examples/agents/autogen/agent.py"]
+        assert run.rollout.impl.command == [".venv-autogen/bin/python", f"examples/agents/{framework}/agent.py"]
         assert list(run.tools) == ["code_interpreter"]  # the recipe's sandbox, which the agent asks for by name
+        assert list(training_args.reward_components) == rewards
     finally:
         run.close()
+
+
+@pytest.mark.slow  # ~6 s: four processes that import DSPy
+@needs_own_python
+@pytest.mark.parametrize("cache", [True, False])
+def test_dspy_replays_an_earlier_runs_completions_from_its_cache_unless_its_lm_is_built_with_cache_false(
+        chat, wire, monkeypatch, tmp_path, cache):
+    monkeypatch.setenv("DSPY_CACHEDIR", str(tmp_path))  # DSPy's disk cache (~/.dspy_cache), shared by the two runs
+    example_py = ROOT / "examples/agents/dspy/agent.py"
+    # cache=False: the example as its YAML runs it; cache=True: the same program on DSPy's default LM
+    command = [OWN_PYTHON, str(example_py)] if not cache else [OWN_PYTHON, "-c", (
+        f"import json, sys; sys.path.insert(0, {str(example_py.parent)!r}); import agent; "
+        "print(json.dumps(agent.solve(json.load(sys.stdin), agent.build_lm(cache=True))))")]
+    tools = {"code_interpreter": EchoTool()}
+    runs = []
+    for _ in range(2):  # two runs of the same question, each against its own endpoint (another base URL and key)
+        wire.clear()
+        (traj,) = AgentEndpointRollout(command=command)(request(chat, ["calls=1"], tools=tools)).trajectories
+        runs.append((traj, [route for route, _ in wire]))
+    (first, first_wire), (second, second_wire) = runs
+    # a ReAct step, the tool (the run's, through tools/call), a step that finishes, the answer's extraction; DSPy sends
+    # no tools (its fields are text) and the trajectory so far inside a user message: every request is a rewrite
+    assert first_wire == ["chat/completions", "tools/call", "chat/completions", "chat/completions"]
+    assert first.error is None and first.stop_reason == StopReason.FINAL_ANSWER
+    assert len(first.turns) == first.num_segments == 3
+    assert {c.name: c.value for c in first.reward_components}["agent_return"] == 1.0
+    if cache:
+        # the second run's LM calls are answered from the first run's completions: the endpoint sees only the tool,
+        # the policy samples nothing, and the trajectory says why
+        assert second_wire == ["tools/call"]
+        assert second.stop_reason == StopReason.ENVIRONMENT_ERROR and second.error == NOTHING_ASKED
+        assert "DSPy" in NOTHING_ASKED and "dspy.LM(..., cache=False)" in NOTHING_ASKED
+        assert not any(t.completion_ids for t in second.turns)
+    else:
+        assert second_wire == first_wire and second.error is None and len(second.turns) == 3
+        assert [t.completion_ids for t in second.turns] == [t.completion_ids for t in first.turns]  # sampled afresh

@@ -108,6 +108,11 @@ def _load(spec: str) -> Callable[..., Any]:
 COMMAND_AGENTS_PER_CORE = 2
 """``command`` agents running at once per usable core, where ``max_concurrent_agents`` is not set."""
 
+NOTHING_ASKED = ("the agent returned without asking the model anything (did a response cache answer it? DSPy's keys "
+                 "leave out api_base, so it replays completions of earlier runs, steps and samples, of any model: build "
+                 "the program's LM with dspy.LM(..., cache=False))")
+"""An agent's trajectory that never reached the endpoint (docs/agents.md, DSPy's traps)."""
+
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -402,7 +407,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 if problem is not None:
                     session.end(StopReason.ENVIRONMENT_ERROR, problem)
                 elif not session.traj.turns:
-                    session.end(StopReason.ENVIRONMENT_ERROR, "the agent returned without asking the model anything")
+                    session.end(StopReason.ENVIRONMENT_ERROR, NOTHING_ASKED)
                 else:
                     final = session.last_kind == TurnKind.FINAL_ANSWER and not session.traj.turns[-1].tool_calls
                     session.end(StopReason.FINAL_ANSWER if final else StopReason.NO_TOOL_CALL)
