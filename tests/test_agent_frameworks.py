@@ -3,7 +3,9 @@ scripted samples: what each framework sends (route, streaming, ``tool_choice``, 
 executed and its output observed, and that its trajectories are token for token those of a plain ``openai`` agent
 sending the same system prompt and tools (one segment per trajectory) where the framework does not rewrite history.
 
-Each framework is skipped where it is not installed (the ``agents`` and ``dev`` extras install them)."""
+Each framework is skipped where it is not installed (the ``agents`` and ``dev`` extras install them). AutoGen's and
+DSPy's examples run as commands in an interpreter of their own (:data:`MAKE_AUTOGEN`, which ``.ci/run`` runs); their
+tests skip, naming that command, where it is absent."""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def own_python() -> str | None:
 
 
 OWN_PYTHON = own_python()
-needs_own_python = pytest.mark.skipif(OWN_PYTHON is None, reason=f"no AutoGen/DSPy interpreter: make it with {MAKE_AUTOGEN}")
+needs_own_python = pytest.mark.skipif(OWN_PYTHON is None,
+                                      reason=f"no AutoGen/DSPy interpreter: make it with {MAKE_AUTOGEN}")
 PROMPTS = ["calls=2", "calls=0 think", "calls=1 think"]
 
 
@@ -327,7 +330,8 @@ def test_autogen_assistant_agent_runs_as_a_command_on_chat_completions_streamed_
 
 
 @pytest.mark.parametrize("framework,rewards", [("autogen", ["correct", "format"]), ("dspy", ["agent_reward"])])
-def test_the_autogen_and_dspy_configs_run_their_example_as_a_command_with_the_runs_tool(monkeypatch, framework, rewards):
+def test_the_autogen_and_dspy_configs_run_their_example_as_a_command_with_the_runs_tool(monkeypatch, framework,
+                                                                                       rewards):
     from trl_plugins.run import resolve_run
 
     monkeypatch.chdir(ROOT)
