@@ -366,6 +366,9 @@ def test_dspy_replays_an_earlier_runs_completions_from_its_cache_unless_its_lm_i
         wire.clear()
         (traj,) = AgentEndpointRollout(command=command)(request(chat, ["calls=1"], tools=tools)).trajectories
         runs.append((traj, [route for route, _ in wire]))
+        sent = [body for route, body in wire if route == "chat/completions"]
+        assert all(set(body) == {"model", "messages"} and [m["role"] for m in body["messages"]] == ["system", "user"]
+                   for body in sent)
     (first, first_wire), (second, second_wire) = runs
     # a ReAct step, the tool (the run's, through tools/call), a step that finishes, the answer's extraction; DSPy sends
     # no tools (its fields are text) and the trajectory so far inside a user message: every request is a rewrite
