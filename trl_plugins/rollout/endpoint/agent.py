@@ -37,7 +37,8 @@ from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.dispatch import Dispatcher, concurrency, settle
 from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
-from trl_plugins.rollout.endpoint.runs import AgentFailed, AgentLoop, let_go, run_command
+from trl_plugins.rollout.endpoint.runs import (COMMAND_AGENTS_PER_CORE, NOTHING_ASKED, AgentFailed, AgentLoop, let_go,
+                                               run_command, usable_cores)
 from trl_plugins.rollout.endpoint.responses import chat_body, response_body, response_stream
 from trl_plugins.rollout.endpoint.session import Session
 from trl_plugins.rollout.endpoint.streams import chat_stream
@@ -103,19 +104,6 @@ def _load(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise RolloutError(f"agent={spec!r} is a {type(obj).__name__}, not a function agent(client, row).")
     return obj
-
-
-COMMAND_AGENTS_PER_CORE = 2
-"""``command`` agents running at once per usable core, where ``max_concurrent_agents`` is not set."""
-
-NOTHING_ASKED = ("the agent returned without asking the model anything (did a response cache answer it? DSPy's keys "
-                 "leave out api_base, so it replays completions of earlier runs, steps and samples, of any model: build "
-                 "the program's LM with dspy.LM(..., cache=False))")
-"""An agent's trajectory that never reached the endpoint (docs/agents.md, DSPy's traps)."""
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @ROLLOUTS.register("agent_endpoint")

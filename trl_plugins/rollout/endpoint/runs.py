@@ -17,7 +17,8 @@ import sys
 import threading
 from typing import Any, Awaitable, Callable
 
-__all__ = ["AGENT_GRACE_S", "AgentFailed", "AgentLoop", "let_go", "run_command"]
+__all__ = ["AGENT_GRACE_S", "COMMAND_AGENTS_PER_CORE", "NOTHING_ASKED", "AgentFailed", "AgentLoop", "let_go", "run_command",
+           "usable_cores"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,19 @@ AGENT_GRACE_S = 1.0
 """How long an agent cancelled at its time limit (or by a stop) has to finish, and a command's processes to be killed,
 before the rollout goes on without it: a rollout returns within ``agent_time_limit_s`` plus this, whatever its agents
 do (plus as much again at its end when an ``async def`` agent blocks its event loop in code of its own)."""
+
+COMMAND_AGENTS_PER_CORE = 2
+"""``command`` agents running at once per usable core, where ``max_concurrent_agents`` is not set."""
+
+NOTHING_ASKED = ("the agent returned without asking the model anything (did a response cache answer it? DSPy's keys "
+                 "leave out api_base, so it replays completions of earlier runs, steps and samples, of any model: build "
+                 "the program's LM with dspy.LM(..., cache=False))")
+"""An agent's trajectory that never reached the endpoint (docs/agents.md, DSPy's traps)."""
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
 
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 
