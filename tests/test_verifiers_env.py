@@ -270,3 +270,36 @@ def test_the_docs_worked_example_is_the_example_config():
         else:
             assert example[key] == value, key
     assert (root / example["rollout_kwargs"]["environment"]).is_file()
+
+
+@needs_verifiers
+def test_an_interpreter_with_another_verifiers_is_refused_at_start_up_naming_both_versions(tmp_path):
+    # An interpreter whose verifiers reports 0.3.9 (a dist-info ahead of the real one on its path): the runner's first
+    # act is the version check, so the start-up description stops there, saying what to remake it with.
+    site = tmp_path / "site" / "verifiers-0.3.9.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: verifiers\nVersion: 0.3.9\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site.parent} exec {PYTHON} "$@"\n')
+    python.chmod(0o755)
+    with pytest.raises(RolloutError) as caught:
+        VerifiersRollout(environment=str(ENVS / "single_turn_env.py"), python=str(python))
+    message = str(caught.value)
+    assert f"written against verifiers {VERIFIERS_VERSION}, and the interpreter" in message and "has 0.3.9" in message
+    assert "remake it with the pinned constraints/verifiers.txt" in message
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_an_endless_taskset_is_refused_at_start_up_unless_max_rows_bounds_it():
+    # Marked INFINITE (verifiers' flag): refused before reading a task.
+    with pytest.raises(RolloutError, match=r"CountTaskset is INFINITE .*set the rollout's max_rows"):
+        environment("endless_env.py")
+    # Not marked, its load() never ending all the same: refused after the runner's MAX_ROWS tasks, not a hang.
+    with pytest.raises(RolloutError, match=r"CountTaskset yields more than 100,000 tasks .*set the rollout's max_rows"):
+        environment("endless_env.py", environment_config={"marked": False})
+    # max_rows takes its first tasks (verifiers' take(); it failed on every max_rows before).
+    rollout = environment("endless_env.py", max_rows=3)
+    assert [(r["prompt"], r["answer"], r["task_index"]) for r in rollout.rows()] == [
+        ("What is 0 + 1?", "1", 0), ("What is 1 + 1?", "2", 1), ("What is 2 + 1?", "3", 2)]
+

@@ -96,7 +96,7 @@ class VerifiersRollout(AgentEndpointRollout):
     """The taskset's own config fields (``TasksetConfig`` subclass), e.g. ``{"split": "train"}``."""
     max_rows: int | None = None
     """Rows to take from the environment's dataset (its first tasks); None: all (an ``INFINITE`` taskset, which
-    generates tasks forever, needs a number)."""
+    generates tasks forever, needs a number, and so does one of more than the runner's ``MAX_ROWS``, 100,000)."""
     python: str | None = None
     """verifiers' interpreter (default: :func:`verifiers_python`)."""
     describe_time_limit_s: float | None = 300.0

@@ -38,6 +38,9 @@ PINNED = "0.4.0"
 HARNESS = "null"
 """The harness every environment is played with: verifiers' plain chat loop with the environment's MCP tools."""
 MODEL = "policy"
+MAX_ROWS = 100_000
+"""Tasks read at most from a taskset without ``--max-rows``: more is refused (the rows are held in memory and sent
+at start-up), which also stops a ``load()`` that never ends but is not marked ``INFINITE``."""
 
 
 def _fail(message: str) -> None:
@@ -110,10 +113,22 @@ def _env_config(taskset_id: str, config: dict) -> Any:
 
 
 def _tasks(env: Any, limit: int | None = None) -> list[Any]:
+    """The taskset's first ``limit`` tasks (None: all of them, at most :data:`MAX_ROWS` of them)."""
+    import itertools
+
     taskset = env.taskset
-    if getattr(taskset, "INFINITE", False) and limit is None:
-        _fail("the taskset is INFINITE (it generates tasks forever): set the rollout's max_rows")
-    return list(taskset.head(limit) if limit is not None else taskset)
+    name = type(taskset).__name__
+    if limit is not None:
+        return list(taskset.take(limit))
+    if not taskset.bounded:
+        _fail(f"the taskset {name} is INFINITE (it generates tasks forever): set the rollout's max_rows to the number "
+              f"of tasks to train and evaluate on (rollout_kwargs: {{max_rows: 1000}})")
+    tasks = list(itertools.islice(taskset, MAX_ROWS + 1))
+    if len(tasks) > MAX_ROWS:
+        _fail(f"the taskset {name} yields more than {MAX_ROWS:,} tasks (every row is read and held at start-up; a "
+              f"load() that never ends reads the same): set the rollout's max_rows to the number of tasks to train and "
+              f"evaluate on (rollout_kwargs: {{max_rows: 1000}})")
+    return tasks
 
 
 def _task_of(env: Any, row: dict) -> Any:
