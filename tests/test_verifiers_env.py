@@ -9,6 +9,7 @@ verifiers runs in an interpreter of its own (it pins openai and mcp versions tha
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -303,3 +304,34 @@ def test_an_endless_taskset_is_refused_at_start_up_unless_max_rows_bounds_it():
     assert [(r["prompt"], r["answer"], r["task_index"]) for r in rollout.rows()] == [
         ("What is 0 + 1?", "1", 0), ("What is 1 + 1?", "2", 1), ("What is 2 + 1?", "3", 2)]
 
+
+def test_rubric_weights_are_checked_against_the_rubric_at_start_up(monkeypatch):
+    import sys
+
+    import trl_plugins.environments.verifiers_env as verifiers_env
+
+    for bad in ({"correct": "2"}, {"correct": float("nan")}, {"correct": True}, ["correct"]):
+        with pytest.raises(RolloutError, match="rubric_weights must map the rubric's reward function names"):
+            VerifiersRollout(environment="x", rubric_weights=bad)
+    described = {"verifiers": VERIFIERS_VERSION, "refused": [], "rows": [{"id": "0", "prompt": "q", "task": {}}],
+                 "rewards": [{"name": "brief", "weight": 0.25}, {"name": "correct", "weight": 1.0}]}
+    monkeypatch.setattr(verifiers_env, "describe_environment", lambda *a, **k: json.loads(json.dumps(described)))
+    with pytest.raises(RolloutError, match=r"rubric_weights names \['brevity'\], which verifiers environment 'x''s "
+                                           r"rubric does not have; its reward functions: brief x0.25, correct x1\."):
+        VerifiersRollout(environment="x", python=sys.executable, rubric_weights={"brevity": 2.0})
+    rollout = VerifiersRollout(environment="x", python=sys.executable, rubric_weights={"brief": 2.0})
+    assert rollout.rubric == [("brief", 2.0), ("correct", 1.0)]
+    assert "rubric brief x2 (rubric_weights; the environment's x0.25), correct x1" in rollout.describe()
+    assert rollout.command[-2:] == ["--weights", '{"brief": 2.0}']  # what the runner weights the total with
+    assert "--weights" not in VerifiersRollout(environment="x", python=sys.executable).command
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_rubric_weights_reweight_the_rubrics_total_that_agent_reward_trains_on(chat):
+    rollout = environment("single_turn_env.py", rubric_weights={"brief": 2.0}, max_rows=1)
+    (traj,) = rollout(rollout_request(chat, rollout)).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    # correct 1 x 1.0 + brief 1 x 2.0 (configured; the environment's 0.25 gave 1.25 above); each score unchanged.
+    assert components(traj) == {"agent_return": (3.0, 0.0), "agent_return/correct": (1.0, 0.0),
+                                "agent_return/brief": (1.0, 0.0)}
