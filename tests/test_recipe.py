@@ -1079,3 +1079,73 @@ def test_an_agent_written_with_the_openai_agents_sdk_trains_two_steps(tmp_path, 
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     rates = [s[k] for s in steps for k in s if k.endswith("environment_error") and k.startswith("rollout/")]
     assert rates and all(r == 0.0 for r in rates), [k for s in steps for k in s if "environment" in k]
+
+
+@pytest.mark.slow
+def test_a_reasoning_gym_task_trains_two_steps_scored_by_its_own_scorer(tmp_path, built_cache):
+    """recipes/retool_reasoning_gym.yaml through the real launcher, on the module's tiny model (named: the run builds
+    nothing whichever embedded default the task has): reasoning-gym's chain_sum as the rows, two updates, the
+    ``reasoning_gym`` component logged by name, and each saved trajectory's value what reasoning-gym's own
+    ``score_answer`` gives its answer against the entry its row kept."""
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    from trl_plugins.rewards.reasoning_gym import entry_of, extract_answer
+
+    model = next((built_cache / "embedded").glob("*/model"))
+    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "recipes" / "retool_reasoning_gym.yaml"),
+                                          "--model_name_or_path", str(model), "--report_to", "none",
+                                          "--eval_every_steps", "0", "--viewer_steps", "2",
+                                          "--reward_components", "reasoning_gym", "format", "test_trainer:TokenReward"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "building the tiny model" not in proc.stdout
+    assert "reasoning-gym: chain_sum (100%" in proc.stdout and "rewards:      reasoning_gym x 1;" in proc.stdout
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "reward/total" in s]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["train/update_skipped"] == 0.0 for s in steps)
+    assert all("reward/reasoning_gym" in s and s["reward/verifier_error_rate/reasoning_gym"] == 0.0 for s in steps)
+    saved = json.loads((tmp_path / "out" / "trajectories" / "step-000002.json").read_text())["trajectories"]
+    assert saved
+    for traj in saved:
+        row = traj["row"]
+        assert row["id"].startswith("rg-train-") and row["metadata"]["source_dataset"] == "chain_sum"
+        (value,) = [c["value"] for c in traj["reward_components"] if c["name"] == "reasoning_gym"]
+        answer = extract_answer(traj["turns"][-1]["text"], "boxed")
+        scorer = reasoning_gym.create_dataset("chain_sum", **row["reasoning_gym_config"], size=1, seed=0)
+        assert value == scorer.score_answer(answer, entry_of(row)), (answer, row)
+
+
+@pytest.mark.slow
+def test_a_verifiers_environment_trains_two_steps_scored_by_its_rubric(tmp_path, built_cache):
+    """examples/verifiers/verifiers.yaml through the real launcher, on the module's built cache: the environment's
+    tasks as the rows, each trajectory one run of its runner in verifiers' interpreter, two updates, no environment
+    error, the rubric's functions recorded by name in every trajectory and its weighted total trained on through
+    ``agent_reward``. Small: one question of two samples a step, no before/after evaluation (each trajectory starts
+    verifiers' interpreter, ~3 s of a core)."""
+    from trl_plugins.environments.verifiers_env import verifiers_python
+    from trl_plugins.rollout import RolloutError
+
+    try:
+        verifiers_python()
+    except RolloutError as exc:
+        pytest.skip(str(exc))
+    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "examples" / "verifiers" / "verifiers.yaml"),
+                                          "--report_to", "none", "--eval_every_steps", "0", "--eval_problems", "0",
+                                          "--per_device_train_batch_size", "2", "--num_generations", "2",
+                                          "--viewer_steps", "2", "--reward_components", "agent_reward", "correct",
+                                          "test_trainer:SampleIndexReward", "--reward_component_weights", "1.0", "0.0",
+                                          "0.1"], cache=built_cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "environment 'examples/verifiers/sums_env.py' (200 rows; rubric boxed x0.1, correct x1)" in proc.stdout
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "reward/total" in s]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["train/update_skipped"] == 0.0 for s in steps)
+    assert all(s["rollout/stop/environment_error"] == 0.0 and "reward/agent_reward" in s for s in steps)
+    saved = json.loads((tmp_path / "out" / "trajectories" / "step-000002.json").read_text())["trajectories"]
+    assert len(saved) == 2
+    for traj in saved:
+        assert traj["error"] is None and isinstance(traj["row"]["task"], dict)  # a task of the environment's
+        got = {c["name"]: c for c in traj["reward_components"]}
+        assert {"agent_return", "agent_return/correct", "agent_return/boxed"} <= set(got)
+        # agent_reward trains on the rubric's total: correct x1 + boxed x0.1 (verifiers' weights)
+        total = got["agent_return/correct"]["value"] + 0.1 * got["agent_return/boxed"]["value"]
+        assert got["agent_return"]["value"] == pytest.approx(total) == got["agent_reward"]["value"]
+        assert got["agent_reward"]["weight"] == 1.0 and got["agent_return"]["weight"] == 0.0

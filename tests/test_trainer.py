@@ -20,6 +20,14 @@ class TokenReward:
         return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
 
 
+class SampleIndexReward:
+    """A test reward that differs between a group's samples whatever they sampled (``0.1 x`` the sample's index), so
+    that every group has an advantage to train on."""
+
+    def __call__(self, trajectory: Trajectory, example) -> float:
+        return 0.1 * trajectory.sample_index
+
+
 class UndeclaredLoss:
     """A third-party policy loss that does not say what it needs."""
 

@@ -9,6 +9,7 @@ verifiers runs in an interpreter of its own (it pins openai and mcp versions tha
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -270,3 +271,67 @@ def test_the_docs_worked_example_is_the_example_config():
         else:
             assert example[key] == value, key
     assert (root / example["rollout_kwargs"]["environment"]).is_file()
+
+
+@needs_verifiers
+def test_an_interpreter_with_another_verifiers_is_refused_at_start_up_naming_both_versions(tmp_path):
+    # An interpreter whose verifiers reports 0.3.9 (a dist-info ahead of the real one on its path): the runner's first
+    # act is the version check, so the start-up description stops there, saying what to remake it with.
+    site = tmp_path / "site" / "verifiers-0.3.9.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: verifiers\nVersion: 0.3.9\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site.parent} exec {PYTHON} "$@"\n')
+    python.chmod(0o755)
+    with pytest.raises(RolloutError) as caught:
+        VerifiersRollout(environment=str(ENVS / "single_turn_env.py"), python=str(python))
+    message = str(caught.value)
+    assert f"written against verifiers {VERIFIERS_VERSION}, and the interpreter" in message and "has 0.3.9" in message
+    assert "remake it with the pinned constraints/verifiers.txt" in message
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_an_endless_taskset_is_refused_at_start_up_unless_max_rows_bounds_it():
+    # Marked INFINITE (verifiers' flag): refused before reading a task.
+    with pytest.raises(RolloutError, match=r"CountTaskset is INFINITE .*set the rollout's max_rows"):
+        environment("endless_env.py")
+    # Not marked, its load() never ending all the same: refused after the runner's MAX_ROWS tasks, not a hang.
+    with pytest.raises(RolloutError, match=r"CountTaskset yields more than 100,000 tasks .*set the rollout's max_rows"):
+        environment("endless_env.py", environment_config={"marked": False})
+    # max_rows takes its first tasks (verifiers' take(); it failed on every max_rows before).
+    rollout = environment("endless_env.py", max_rows=3)
+    assert [(r["prompt"], r["answer"], r["task_index"]) for r in rollout.rows()] == [
+        ("What is 0 + 1?", "1", 0), ("What is 1 + 1?", "2", 1), ("What is 2 + 1?", "3", 2)]
+
+
+def test_rubric_weights_are_checked_against_the_rubric_at_start_up(monkeypatch):
+    import sys
+
+    import trl_plugins.environments.verifiers_env as verifiers_env
+
+    for bad in ({"correct": "2"}, {"correct": float("nan")}, {"correct": True}, ["correct"]):
+        with pytest.raises(RolloutError, match="rubric_weights must map the rubric's reward function names"):
+            VerifiersRollout(environment="x", rubric_weights=bad)
+    described = {"verifiers": VERIFIERS_VERSION, "refused": [], "rows": [{"id": "0", "prompt": "q", "task": {}}],
+                 "rewards": [{"name": "brief", "weight": 0.25}, {"name": "correct", "weight": 1.0}]}
+    monkeypatch.setattr(verifiers_env, "describe_environment", lambda *a, **k: json.loads(json.dumps(described)))
+    with pytest.raises(RolloutError, match=r"rubric_weights names \['brevity'\], which verifiers environment 'x''s "
+                                           r"rubric does not have; its reward functions: brief x0.25, correct x1\."):
+        VerifiersRollout(environment="x", python=sys.executable, rubric_weights={"brevity": 2.0})
+    rollout = VerifiersRollout(environment="x", python=sys.executable, rubric_weights={"brief": 2.0})
+    assert rollout.rubric == [("brief", 2.0), ("correct", 1.0)]
+    assert "rubric brief x2 (rubric_weights; the environment's x0.25), correct x1" in rollout.describe()
+    assert rollout.command[-2:] == ["--weights", '{"brief": 2.0}']  # what the runner weights the total with
+    assert "--weights" not in VerifiersRollout(environment="x", python=sys.executable).command
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_rubric_weights_reweight_the_rubrics_total_that_agent_reward_trains_on(chat):
+    rollout = environment("single_turn_env.py", rubric_weights={"brief": 2.0}, max_rows=1)
+    (traj,) = rollout(rollout_request(chat, rollout)).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    # correct 1 x 1.0 + brief 1 x 2.0 (configured; the environment's 0.25 gave 1.25 above); each score unchanged.
+    assert components(traj) == {"agent_return": (3.0, 0.0), "agent_return/correct": (1.0, 0.0),
+                                "agent_return/brief": (1.0, 0.0)}

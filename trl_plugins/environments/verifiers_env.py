@@ -12,6 +12,7 @@ the endpoint does not serve. docs/environments.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ class VerifiersRollout(AgentEndpointRollout):
     exporting its ``Taskset`` subclass) rolled out against the run's sampler: each trajectory is one run of the
     environment's own protocol (its tools, its user turns, its parsers) through the agent endpoint, token-exact as any
     agent's, and its rubric's reward functions are recorded by name (``agent_return/<name>``; the rubric's total,
-    weighted by its weights, is ``agent_return``, which ``agent_reward`` trains on). The environment's dataset is
+    weighted by its weights or by ``rubric_weights``, is ``agent_return``, which ``agent_reward`` trains on). The environment's dataset is
     :meth:`rows`. Refused at start-up: an environment that needs what the endpoint does not serve (named). The
     budgets and time limits are the endpoint's; ``agent`` and ``command`` are this plugin's own.
     """
@@ -96,7 +97,11 @@ class VerifiersRollout(AgentEndpointRollout):
     """The taskset's own config fields (``TasksetConfig`` subclass), e.g. ``{"split": "train"}``."""
     max_rows: int | None = None
     """Rows to take from the environment's dataset (its first tasks); None: all (an ``INFINITE`` taskset, which
-    generates tasks forever, needs a number)."""
+    generates tasks forever, needs a number, and so does one of more than the runner's ``MAX_ROWS``, 100,000)."""
+    rubric_weights: dict = field(default_factory=dict)
+    """``{reward function: weight}`` replacing the environment's own weights of the named functions in the rubric's
+    total (``agent_return``, which ``agent_reward`` trains on); the others keep theirs. A name the rubric does not
+    have is refused at start-up."""
     python: str | None = None
     """verifiers' interpreter (default: :func:`verifiers_python`)."""
     describe_time_limit_s: float | None = 300.0
@@ -113,9 +118,16 @@ class VerifiersRollout(AgentEndpointRollout):
         if not isinstance(self.environment_config, dict):
             raise RolloutError(f"environment_config must be a mapping of the taskset's config fields, got "
                                f"{self.environment_config!r}.")
+        if not isinstance(self.rubric_weights, dict) or not all(
+                isinstance(k, str) and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                for k, w in self.rubric_weights.items()):
+            raise RolloutError(f"rubric_weights must map the rubric's reward function names to finite numbers, e.g. "
+                               f"{{correct: 1.0, boxed: 0.5}}; got {self.rubric_weights!r}.")
         self.python = verifiers_python(self.python)
         config = json.dumps(self.environment_config, sort_keys=True)
         self.command = [self.python, RUNNER, "rollout", "--environment", self.environment, "--config", config]
+        if self.rubric_weights:
+            self.command += ["--weights", json.dumps(self.rubric_weights, sort_keys=True)]
         super().__post_init__()
         if self.max_rows is not None and self.max_rows < 1:
             raise RolloutError(f"max_rows must be >= 1 (or null for all), got {self.max_rows}.")
@@ -127,11 +139,22 @@ class VerifiersRollout(AgentEndpointRollout):
         if not info.get("rewards"):
             raise RolloutError(f"verifiers environment {self.environment!r} has no reward functions (@vf.reward): "
                                f"nothing would score its trajectories.")
+        own = {r["name"]: float(r["weight"]) for r in info["rewards"]}
+        unknown = sorted(set(self.rubric_weights) - set(own))
+        if unknown:
+            raise RolloutError(f"rubric_weights names {unknown}, which verifiers environment {self.environment!r}'s "
+                               f"rubric does not have; its reward functions: "
+                               + ", ".join(f"{name} x{weight:g}" for name, weight in own.items()) + ".")
+        for reward in info["rewards"]:
+            if reward["name"] in self.rubric_weights:
+                reward["environment_weight"] = reward["weight"]
+                reward["weight"] = float(self.rubric_weights[reward["name"]])
         self.environment_info = info
 
     @property
     def rubric(self) -> list[tuple[str, float]]:
-        """The environment's reward functions: ``(name, weight)``, in the rubric's order."""
+        """The environment's reward functions: ``(name, weight)``, in the rubric's order; the weight is
+        ``rubric_weights``' where it names the function, else the environment's."""
         return [(r["name"], float(r["weight"])) for r in self.environment_info["rewards"]]
 
     def rows(self) -> list[dict]:
@@ -140,7 +163,9 @@ class VerifiersRollout(AgentEndpointRollout):
         return [dict(row) for row in self.environment_info["rows"]]
 
     def describe(self) -> str:
-        rubric = ", ".join(f"{name} x{weight:g}" for name, weight in self.rubric)
+        rubric = ", ".join(f"{r['name']} x{float(r['weight']):g}" + (
+            f" (rubric_weights; the environment's x{r['environment_weight']:g})" if "environment_weight" in r else "")
+            for r in self.environment_info["rewards"])
         return (f"verifiers {self.environment_info.get('verifiers')} environment {self.environment!r} "
                 f"({len(self.environment_info['rows'])} rows; rubric {rubric}); {super().describe()}")
 

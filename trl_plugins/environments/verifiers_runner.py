@@ -10,8 +10,9 @@ never trl_plugins (whose openai/mcp versions conflict with verifiers'). Two comm
 - ``rollout --environment SPEC --config JSON``: the row (JSON) on stdin; runs its task's episode (the task rebuilt
   from the row's ``task``) with the model at
   ``OPENAI_BASE_URL`` (key ``OPENAI_API_KEY``) and prints ``{"reward": <the rubric's weighted total>, <name>: <score>,
-  ...}``. An episode that fails (the environment raised, a tool server died, a request was refused) exits 1 with the
-  error on stderr: the endpoint records that trajectory as ``environment_error``.
+  ...}``; ``--weights JSON`` (``{name: weight}``, the rollout's ``rubric_weights``) weights the named rewards in the
+  total instead of their own weights. An episode that fails (the environment raised, a tool server died, a request
+  was refused) exits 1 with the error on stderr: the endpoint records that trajectory as ``environment_error``.
 
 ``SPEC`` is a taskset id (an installed package exporting its ``Taskset`` via ``__all__``), ``'package.module'``, or
 ``'path/to/file.py'`` (imported under its stem, its folder put on the tool servers' ``PYTHONPATH``).
@@ -38,6 +39,9 @@ PINNED = "0.4.0"
 HARNESS = "null"
 """The harness every environment is played with: verifiers' plain chat loop with the environment's MCP tools."""
 MODEL = "policy"
+MAX_ROWS = 100_000
+"""Tasks read at most from a taskset without ``--max-rows``: more is refused (the rows are held in memory and sent
+at start-up), which also stops a ``load()`` that never ends but is not marked ``INFINITE``."""
 
 
 def _fail(message: str) -> None:
@@ -110,10 +114,22 @@ def _env_config(taskset_id: str, config: dict) -> Any:
 
 
 def _tasks(env: Any, limit: int | None = None) -> list[Any]:
+    """The taskset's first ``limit`` tasks (None: all of them, at most :data:`MAX_ROWS` of them)."""
+    import itertools
+
     taskset = env.taskset
-    if getattr(taskset, "INFINITE", False) and limit is None:
-        _fail("the taskset is INFINITE (it generates tasks forever): set the rollout's max_rows")
-    return list(taskset.head(limit) if limit is not None else taskset)
+    name = type(taskset).__name__
+    if limit is not None:
+        return list(taskset.take(limit))
+    if not taskset.bounded:
+        _fail(f"the taskset {name} is INFINITE (it generates tasks forever): set the rollout's max_rows to the number "
+              f"of tasks to train and evaluate on (rollout_kwargs: {{max_rows: 1000}})")
+    tasks = list(itertools.islice(taskset, MAX_ROWS + 1))
+    if len(tasks) > MAX_ROWS:
+        _fail(f"the taskset {name} yields more than {MAX_ROWS:,} tasks (every row is read and held at start-up; a "
+              f"load() that never ends reads the same): set the rollout's max_rows to the number of tasks to train and "
+              f"evaluate on (rollout_kwargs: {{max_rows: 1000}})")
+    return tasks
 
 
 def _task_of(env: Any, row: dict) -> Any:
@@ -213,7 +229,15 @@ async def _episode(env: Any, task: Any) -> Any:
         return await env.run_episode(task, ctx)
 
 
-def rollout(spec: str, config: dict, row: dict) -> dict:
+def _total(trace: Any, weights: dict[str, float]) -> float:
+    """The rubric's weighted total, each reward weighted by ``weights`` where named there, else by its own weight."""
+    unscored = sorted(set(weights) - set(trace.rewards))
+    if unscored:
+        _fail(f"rubric_weights names {unscored}, which the rubric did not score (it scored {sorted(trace.rewards)})")
+    return sum(r.score * float(weights.get(name, r.weight)) for name, r in trace.rewards.items())
+
+
+def rollout(spec: str, config: dict, row: dict, weights: dict[str, float] | None = None) -> dict:
     _check_version()
     for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
         if not os.environ.get(name):
@@ -237,7 +261,7 @@ def rollout(spec: str, config: dict, row: dict) -> dict:
     missing = [name for name, score in scores.items() if score is None]
     if missing:
         _fail(f"the rubric did not score {missing}")
-    return {"reward": float(trace.reward), **{name: float(score) for name, score in scores.items()}}
+    return {"reward": float(_total(trace, weights or {})), **{name: float(score) for name, score in scores.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,12 +270,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--environment", required=True)
     parser.add_argument("--config", default="{}")
     parser.add_argument("--max-rows", type=int, default=None)
+    parser.add_argument("--weights", default="{}", help="rollout: {reward name: weight} replacing the rubric's own")
     args = parser.parse_args(argv)
     config = json.loads(args.config)
     if args.command == "describe":
         result = describe(args.environment, config, args.max_rows)
     else:
-        result = rollout(args.environment, config, json.loads(sys.stdin.read() or "{}"))
+        result = rollout(args.environment, config, json.loads(sys.stdin.read() or "{}"), json.loads(args.weights))
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
 
