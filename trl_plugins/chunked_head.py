@@ -161,6 +161,8 @@ def _zero3_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def _gather(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """All-gather (one collective) those of ``params`` that are partitioned now; returns them."""
+    if not params:  # no ZeRO-3 (DeepSpeed is not even imported)
+        return []
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
@@ -171,6 +173,8 @@ def _gather(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
 
 def _release(params: list[torch.nn.Parameter]) -> None:
     """Partition again those of ``params`` that are gathered, not persistent and held by no module."""
+    if not params:
+        return
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     done = [p for p in params
