@@ -151,7 +151,111 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="the shared-prefix layout on the ranks (each pair's prompt forwarded once per micro-batch); the "
                          "one-process reference stays the padded layout")
+    ap.add_argument("--chunked-head", action="store_true",
+                    help="ZeRO-3 with every parameter partitioned: the chunked head's log-probs, entropies and "
+                         "gradients (tied and untied, one chunk and several) against one process's full logits, and "
+                         "the head weight's gathers per forward and backward counted")
     return ap.parse_args(argv)
+
+
+CHUNKED_HEAD_PASSES = {"chunks-of-7": (7, False), "one-chunk": (10_000, False), "shared-prefix-chunks-of-7": (7, True),
+                       "full": (None, False)}
+"""The chunked-head case's passes, ``(chunk size, shared-prefix layout)``: the chunked head in chunks of 7 positions,
+in one chunk, in chunks of 7 in the shared-prefix layout (two forwards), and the full logits (the model's lm_head)."""
+
+
+def tiny_tied_qwen2() -> torch.nn.Module:
+    """tiny_qwen2 with its output projection tied to the input embedding (as the embedded default's)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                         tie_word_embeddings=True))
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def count_gathers(module: torch.nn.Module, target: torch.nn.Parameter, phase: list[str]):
+    """Counts, per ``phase[0]``, the ZeRO-3 all-gathers that fetch ``target`` (each parameter's ``all_gather`` and
+    ``all_gather_coalesced``, the two entries DeepSpeed's hooks and ``GatheredParameters`` go through)."""
+    import collections
+
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    counts = collections.Counter()
+    for param in module.parameters():
+        for name in ("all_gather", "all_gather_coalesced"):
+            def wrapped(*a, _original=getattr(param, name), _name=name, _self=param, **k):
+                params = k.get("param_list") if _name == "all_gather" else (a[0] if a else k.get("params"))
+                if any(q is target and q.ds_status == ZeroParamStatus.NOT_AVAILABLE for q in (params or [_self])):
+                    counts[phase[0]] += 1
+                return _original(*a, **k)
+
+            setattr(param, name, wrapped)
+    return counts
+
+
+def chunked_head_check(args, accelerator) -> None:
+    """Both ranks take the same micro-batch, so the ranks' averaged gradient is one process's."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from trl_plugins.modeling import _full_logits_logprobs, micro_batch_logprobs
+
+    datums = [d for p in all_datums(1) for d in p][:4]
+    mb = collate(datums, list(range(len(datums))), pad_token_id=0)
+    shared_mb = collate(datums, list(range(len(datums))), pad_token_id=0, shared_prefix=True)
+    assert shared_mb.shared_prefix is not None
+    act = mb.action_mask.bool()
+    weights = torch.linspace(-1, 1, act.numel()).reshape(act.shape)
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    report = {"n_action": int(act.sum())}
+    for tied in (False, True):
+        reference = tiny_tied_qwen2() if tied else tiny_qwen2()
+        model = tiny_tied_qwen2() if tied else tiny_qwen2()
+        logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        ref_lp, ref_ent = _full_logits_logprobs(logits, mb.target_ids, 0.7, True)
+        ((ref_lp * weights)[act].sum() + 0.1 * ref_ent[act].sum()).backward()
+        zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned, the head's too
+        try:
+            model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+        finally:
+            del zero["stage3_param_persistence_threshold"]
+        head = model.module.lm_head.weight
+        assert hasattr(head, "ds_id") and head.ds_persist is False and (head is model.module.model.embed_tokens.weight) == tied
+        head_name = next(n for n, p in model.module.named_parameters() if p is head)  # tied: the embedding's name
+        phase = ["forward"]
+        counts = count_gathers(model.module, head, phase)
+        out = {}
+        for mode, (size, shared) in CHUNKED_HEAD_PASSES.items():
+            counts.clear()
+            phase[0] = "forward"
+            if size is None:
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+                lp, ent = _full_logits_logprobs(logits, mb.target_ids, 0.7, True)
+            else:
+                lp, ent = micro_batch_logprobs(model, shared_mb if shared else mb, accelerator.device, temperature=0.7,
+                                               with_entropy=True, needed=mb.action_mask, chunk_size=size)
+            phase[0] = "backward"
+            model.backward((lp * weights)[act].sum() + 0.1 * ent[act].sum())  # the engine's: no optimizer step
+            phase[0] = "after"
+            grads = {n: safe_get_full_grad(p) for n, p in model.module.named_parameters()}
+            model.optimizer.zero_grad()
+            ref = dict(reference.named_parameters())
+            out[mode] = {
+                "forward_gathers": counts["forward"], "backward_gathers": counts["backward"],
+                "lp_err": float((lp[act] - ref_lp[act]).norm() / ref_lp[act].norm()),
+                "ent_err": float((ent[act] - ref_ent[act]).norm() / ref_ent[act].norm()),
+                "grad_err": max(float((grads[n] - ref[n].grad).norm() / ref[n].grad.norm()) for n in grads),
+                "head_grad_norm": float(grads[head_name].norm()),
+            }
+        report["tied" if tied else "untied"] = out
+        accelerator.free_memory()
+    if accelerator.is_main_process:
+        report["world"] = accelerator.num_processes
+        Path(args.out).write_text(json.dumps(report))
+        print(json.dumps(report))
+    accelerator.wait_for_everyone()
 
 
 def main() -> None:
@@ -193,6 +297,9 @@ def main() -> None:
 def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: list) -> None:
     """One update (or, with ``--critic``, one critic update) on the ranks against a one-process plain-torch step;
     rank 0 writes the report to ``args.out``."""
+    if args.chunked_head:
+        chunked_head_check(args, accelerator)
+        return
     world, rank = accelerator.num_processes, accelerator.process_index
     parts = all_datums(world)
     everything = [d for p in parts for d in p]

@@ -37,11 +37,12 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_
 UPDATE_EXTRA.update({"shared": ("--shared-prefix", "--kl", "--mismatch", "token_truncate", "--aggregations",
                                 ",".join(AGGREGATIONS)),
                      "shared-critic": ("--shared-prefix", "--critic"),
-                     "shared-rebalance": ("--shared-prefix", "--rebalance", "--aggregation", "seq_mean_token_mean")})
+                     "shared-rebalance": ("--shared-prefix", "--rebalance", "--aggregation", "seq_mean_token_mean"),
+                     "chunked-head": ("--chunked-head",)})
 SHARED = ("shared", "shared-critic")
 UPDATE_CASES = {"cpu_ddp.yaml": ("plain", "rebalance-seq-mean", "kl-entropy", "critic", "token_truncate", *SHARED,
                                  "shared-rebalance"),
-                "cpu_zero3.yaml": ("plain", "kl-entropy", "critic", "sequence_mask", *SHARED)}
+                "cpu_zero3.yaml": ("plain", "kl-entropy", "critic", "sequence_mask", *SHARED, "chunked-head")}
 
 
 def update_cases(config: str, root: Path) -> dict[str, list[str]]:
@@ -64,6 +65,28 @@ def test_two_ranks_critic_update_matches_one_process(config, update_runs):
     assert 0.0 < report["clip_frac"] < 1.0  # both branches of the clipped value loss were taken
     assert report["update_norm"] > 1e-4 and report["rel_err"] < 1e-5, report
     assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+
+
+@pytest.mark.slow
+def test_zero3_gathers_the_chunked_heads_weight_once_per_forward_and_once_per_backward(update_runs):
+    # Every parameter partitioned (no persistence threshold; the tiny model's would otherwise all persist), both ranks
+    # on the same micro-batch: the log-probs, entropies and full gradients equal one process's full logits (1e-5),
+    # untied and tied (the head's weight is the input embedding's), with 94 action positions in chunks of 7, in one
+    # chunk, in chunks of 7 in the shared-prefix layout, and with the full logits. The head's weight is all-gathered
+    # once in the forward (by the head's hooks in the model's forward, or the embedding's where tied, then kept for
+    # the chunks) and once in the backward (for every chunk's recompute). Once more in the backward: tied, by the
+    # embedding's own backward (as with the full logits); in the shared-prefix layout, by the head's hooks of its
+    # second forward. Before: 15 gathers in the forward and 29 in the backward with chunks of 7.
+    report = update_runs("cpu_zero3.yaml", "chunked-head")
+    assert report["world"] == 2 and report["n_action"] > 10 * 7
+    for tying in ("untied", "tied"):
+        assert set(report[tying]) == {"chunks-of-7", "one-chunk", "shared-prefix-chunks-of-7", "full"}
+        for mode, got in report[tying].items():
+            assert got["lp_err"] < 1e-5 and got["ent_err"] < 1e-5 and got["grad_err"] < 1e-5, (tying, mode, got)
+            assert got["head_grad_norm"] > 1.0
+            if mode != "full":
+                backward_cap = 2 if tying == "tied" or mode.startswith("shared") else 1
+                assert got["forward_gathers"] == 1 and got["backward_gathers"] <= backward_cap, (tying, mode, got)
 
 
 @pytest.mark.slow

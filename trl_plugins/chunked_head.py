@@ -5,13 +5,15 @@ A causal LM's ``.logits`` are ``lm_head(final hidden states)``. :func:`hidden_st
 model's own forward (through its wrapper: DDP, DeepSpeed, PEFT) with the output projection passing its input
 through, so ``.logits`` is the ``(..., H)`` final hidden states; :func:`chunked_logprobs_and_entropy` then applies the
 projection, the temperature, the log-softmax at the target and the entropy to ``chunk_size`` positions at a time,
-each chunk checkpointed (its logits recomputed in the backward), so the peak is ``chunk_size x V`` rather than
-``T x V``.
+each chunk's logits recomputed in the backward, so the peak is ``chunk_size x V`` rather than ``T x V``. Under
+DeepSpeed ZeRO-3 the head's weight is gathered once for the forward (:func:`head_gathered_once`) and once for the
+backward, whatever the number of chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any, Iterator
 
@@ -19,7 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["DEFAULT_LOGPROB_MEMORY_BYTES", "auto_chunk_size", "logprob_chunk_size", "output_head", "chunkable",
-           "hidden_states_instead_of_logits", "chunked_logprobs_and_entropy"]
+           "hidden_states_instead_of_logits", "head_gathered_once", "chunked_logprobs_and_entropy"]
 
 DEFAULT_LOGPROB_MEMORY_BYTES = 256 * 2**20
 """The memory one chunk's vocabulary-wide tensors may take when the chunk size is chosen automatically (256 MiB)."""
@@ -135,8 +137,8 @@ def hidden_states_instead_of_logits(model: torch.nn.Module) -> Iterator[torch.nn
 
 
 def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    z = head(hidden)
+           with_entropy: bool, call=None) -> tuple[torch.Tensor, torch.Tensor]:
+    z = (call or head)(hidden)
     if temperature != 1.0:
         z = z / temperature
     if z.dtype in (torch.float16, torch.bfloat16):
@@ -148,15 +150,158 @@ def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, t
     return logp, log_z - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
+# -- DeepSpeed ZeRO-3: the head's partitioned parameters, gathered once per forward and once per backward ----------
+
+_HOLDS = itertools.count(1)
+
+
+def _zero3_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if hasattr(p, "ds_id")]  # partitioned by DeepSpeed ZeRO-3
+
+
+def _gather(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """All-gather (one collective) those of ``params`` that are partitioned now; returns them."""
+    if not params:  # no ZeRO-3 (DeepSpeed is not even imported)
+        return []
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if missing:
+        missing[0].all_gather(param_list=missing)
+    return missing
+
+
+def _release(params: list[torch.nn.Parameter]) -> None:
+    """Partition again those of ``params`` that are gathered, not persistent and held by no module."""
+    if not params:
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    done = [p for p in params
+            if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist and not p.ds_active_sub_modules]
+    if done:
+        done[0].partition(param_list=done)
+
+
+@contextlib.contextmanager
+def head_gathered_once(head: torch.nn.Module) -> Iterator[None]:
+    """Within, under DeepSpeed ZeRO-3: the head's parameters, once gathered (by the module hooks of the model's
+    forward: the head's, or the input embedding's where they are tied), stay gathered; on leaving, those that were
+    partitioned on entering are partitioned again (a block that holds the full weights, as generation's, keeps
+    them). Elsewhere a no-op. DeepSpeed's hooks release a parameter only when no module holds it
+    (``ds_active_sub_modules``): this context holds it under a key no module has, so the chunks after the model's
+    forward find it gathered instead of gathering it once more."""
+    params = _zero3_params(head)
+    if not params:
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    key = -next(_HOLDS)  # modules' ds_ids count up from 0
+    for p in params:
+        p.ds_active_sub_modules.add(key)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.ds_active_sub_modules.discard(key)
+        _release(partitioned)
+
+
+def _self_contained(head: torch.nn.Module) -> bool:
+    # A head without submodules (nn.Linear; tied or not): its forward uses its own parameters only, so calling it
+    # without its module hooks (DeepSpeed's gather and release among them) computes the same thing.
+    return next(head.children(), None) is None
+
+
+class _HeadChunks(torch.autograd.Function):
+    """The chunks' log-probs and entropies, ``(N,)`` each, with the head's parameters as inputs: the forward keeps
+    only ``hidden`` and ``targets``; the backward recomputes each chunk's logits (the head's ``forward``, not its
+    module hooks) and sums its parameters' gradients, so each parameter gets one gradient per micro-batch (one
+    reduce hook under DDP or ZeRO-3) and, under ZeRO-3, one gather for all the backward's chunks."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head, temperature, with_entropy, chunk_size, release, *params):
+        ctx.save_for_backward(hidden, targets)
+        ctx.head, ctx.temperature, ctx.with_entropy, ctx.chunk_size, ctx.release = (head, temperature, with_entropy,
+                                                                                    chunk_size, release)
+        logps, entropies = [], []
+        for start in range(0, hidden.shape[0], chunk_size):
+            lp, ent = _chunk(head, hidden[start: start + chunk_size], targets[start: start + chunk_size],
+                             temperature, with_entropy, call=head.forward)
+            logps.append(lp)
+            entropies.append(ent)
+        logp, entropy = torch.cat(logps), torch.cat(entropies)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, targets = ctx.saved_tensors
+        head = ctx.head
+        params = [p for p, needs in zip(head.parameters(), ctx.needs_input_grad[7:]) if needs]
+        want_hidden = ctx.needs_input_grad[0]
+        gathered = _gather(_zero3_params(head))
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_params = [None] * len(params)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            h = hidden[start:end].detach().requires_grad_(want_hidden)
+            with torch.enable_grad():
+                lp, ent = _chunk(head, h, targets[start:end], ctx.temperature, ctx.with_entropy, call=head.forward)
+            outputs, grads = [lp], [grad_logp[start:end]]
+            if ctx.with_entropy and grad_entropy is not None:
+                outputs.append(ent)
+                grads.append(grad_entropy[start:end])
+            inputs = ([h] if want_hidden else []) + params
+            got = list(torch.autograd.grad(outputs, inputs, grads, allow_unused=True))
+            if want_hidden:
+                grad_hidden[start:end] = got.pop(0)
+            for k, g in enumerate(got):
+                if g is not None:
+                    grad_params[k] = g if grad_params[k] is None else grad_params[k].add_(g)
+        if ctx.release:
+            _release(gathered)
+        grad_params = iter(grad_params)
+        return (grad_hidden, None, None, None, None, None, None,
+                *[next(grad_params) if needs else None for needs in ctx.needs_input_grad[7:]])
+
+
 def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
-                                 temperature: float = 1.0, with_entropy: bool = True,
-                                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                 temperature: float = 1.0, with_entropy: bool = True, chunk_size: int,
+                                 hooks_release: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` and (``with_entropy``) entropies from ``(N, H)`` final hidden states, ``(N,)`` each,
-    ``chunk_size`` rows at a time. With a gradient, each chunk is checkpointed (non-reentrant): only its hidden rows
-    and its two ``(chunk,)`` results are kept, its logits recomputed in the backward."""
+    ``chunk_size`` rows at a time; only the hidden rows and the two ``(N,)`` results are kept for the backward, which
+    recomputes each chunk's logits.
+
+    A head without submodules (``nn.Linear``, tied or not) runs as one autograd function over all chunks: under
+    DeepSpeed ZeRO-3 its parameters are gathered once for the forward's chunks (inside :func:`head_gathered_once`:
+    the gather of the model's forward) and once for the backward's, whose gradient reaches each parameter once.
+    ``hooks_release``: ``hidden`` came out of the head's own call (:func:`hidden_states_instead_of_logits`), whose
+    ZeRO-3 backward hooks then find the parameters gathered and release them; otherwise the backward releases them.
+    Other heads (PEFT's adapters on ``lm_head``) run each chunk checkpointed through their module, gathered under
+    ZeRO-3 by their submodules' hooks for each chunk's recompute."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    if not hidden.shape[0]:
+        empty = hidden.new_zeros((0,), dtype=torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16)
+                                 else hidden.dtype)
+        return empty, (empty if with_entropy else None)
+    params = list(head.parameters())
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))
+    if _self_contained(head):
+        with head_gathered_once(head):
+            _gather(_zero3_params(head))  # normally gathered already; the autograd function records full shapes
+            if grad:
+                logp, entropy = _HeadChunks.apply(hidden, targets, head, temperature, with_entropy, chunk_size,
+                                                  not hooks_release or not hidden.requires_grad, *params)
+            else:
+                with torch.no_grad():
+                    logp, entropy = _HeadChunks.forward(_NoContext(), hidden, targets, head, temperature,
+                                                        with_entropy, chunk_size, True)
+        return logp, (entropy if with_entropy else None)
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start: start + chunk_size], targets[start: start + chunk_size]
@@ -169,8 +314,14 @@ def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, ta
             lp, ent = _chunk(head, h, t, temperature, with_entropy)
         logps.append(lp)
         entropies.append(ent)
-    if not logps:
-        empty = hidden.new_zeros((0,), dtype=torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16)
-                                 else hidden.dtype)
-        return empty, (empty if with_entropy else None)
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+class _NoContext:
+    """Stands in for an autograd context where no gradient is taken."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass

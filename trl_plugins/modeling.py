@@ -8,8 +8,8 @@ from typing import Any, Iterator
 import torch
 
 from trl_plugins.dropout import disable_dropout, dropout_probabilities
-from trl_plugins.chunked_head import (auto_chunk_size, chunkable, chunked_logprobs_and_entropy,
-                                      hidden_states_instead_of_logits)
+from trl_plugins.chunked_head import (auto_chunk_size, chunkable, chunked_logprobs_and_entropy, head_gathered_once,
+                                      hidden_states_instead_of_logits, output_head)
 
 __all__ = [
     "token_logprobs",
@@ -89,10 +89,11 @@ def token_logprobs_and_entropy(
     if not chunkable(model):
         return _full_logits_logprobs(model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                            **kwargs).logits, target_ids, temperature, with_entropy)
-    with hidden_states_instead_of_logits(model) as head:
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-    return _scatter_chunked(head, hidden.flatten(0, -2), target_ids, needed, temperature=temperature,
-                            with_entropy=with_entropy, chunk_size=chunk_size)
+    with head_gathered_once(output_head(model)):  # ZeRO-3: one gather for the model's forward and the chunks
+        with hidden_states_instead_of_logits(model) as head:
+            hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+        return _scatter_chunked(head, hidden.flatten(0, -2), target_ids, needed, temperature=temperature,
+                                with_entropy=with_entropy, chunk_size=chunk_size)
 
 
 def _full_logits_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float,
@@ -120,7 +121,8 @@ def _scatter_chunked(head: torch.nn.Module, rows: torch.Tensor, target_ids: torc
     source = where if row_index is None else row_index.to(rows.device).reshape(-1)[where]
     size = chunk_size or auto_chunk_size(int(getattr(head, "out_features", 0) or head.weight.shape[0]))
     logp, entropy = chunked_logprobs_and_entropy(head, rows[source], target_ids.to(rows.device).reshape(-1)[where],
-                                                 temperature=temperature, with_entropy=with_entropy, chunk_size=size)
+                                                 temperature=temperature, with_entropy=with_entropy, chunk_size=size,
+                                                 hooks_release=True)
     keep = needed.reshape(-1)[where].to(logp.dtype)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
@@ -373,13 +375,14 @@ def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, tem
                             chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not chunkable(model):
         return _shared_prefix_full_logits(model, mb, device, temperature=temperature, with_entropy=with_entropy)
-    with hidden_states_instead_of_logits(model) as head:
-        parts = shared_prefix_outputs(model, mb.shared_prefix, device)
-    # A prefix's last position is read by each of its branches, each with its own target: the hidden row is taken
-    # per datum position (the chunks run over those), so a chunk may end anywhere inside a branch.
-    rows = torch.cat(parts)
-    return _scatter_chunked(head, rows, mb.target_ids, needed, temperature=temperature, with_entropy=with_entropy,
-                            chunk_size=chunk_size, row_index=mb.shared_prefix.index)
+    with head_gathered_once(output_head(model)):  # ZeRO-3: one gather for both forwards and the chunks
+        with hidden_states_instead_of_logits(model) as head:
+            parts = shared_prefix_outputs(model, mb.shared_prefix, device)
+        # A prefix's last position is read by each of its branches, each with its own target: the hidden row is taken
+        # per datum position (the chunks run over those), so a chunk may end anywhere inside a branch.
+        rows = torch.cat(parts)
+        return _scatter_chunked(head, rows, mb.target_ids, needed, temperature=temperature,
+                                with_entropy=with_entropy, chunk_size=chunk_size, row_index=mb.shared_prefix.index)
 
 
 def _shared_prefix_full_logits(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float,
