@@ -240,6 +240,96 @@ def test_a_dry_run_of_the_reasoning_gym_recipe_checks_everything_and_refuses_it_
     assert "dataset:      reasoning-gym: chain_sum (100%" in said
     assert "rewards:      reasoning_gym x 1" in said
     assert "training rows: 64 reasoning-gym questions" in said and "held-out rows: 8 reasoning-gym questions" in said
-    assert "task 'reasoning_gym' has no embedded default of its own: the arithmetic task's serves it" in said
+    assert "[embedded default] dry run: not in the cache; the run would build its weights and cold start" in said
     assert "start-up checks: passed their contract checks" in said and "dry run: every start-up check passed" in said
     assert no_model_no_eval == [] and not (tmp_path / "out").exists()
+
+
+def test_the_embedded_default_is_built_for_the_runs_datasets_under_its_own_key():
+    from retool.config import parse_args
+    from retool.default_model import EmbeddedSettings, embedded_settings_for
+
+    recipe = str(ROOT / "recipes" / "retool_reasoning_gym.yaml")
+    said: list[str] = []
+    settings = embedded_settings_for(*parse_args(["--config", recipe]), log=said.append)
+    assert settings.task == "reasoning_gym" and settings.cold_start_tool_fraction == 0.3 and not said
+    assert settings.cold_start_code.format(expression="123 + 456 - 789") == 'print(f"{123 + 456 - 789:+05d}")'
+    assert json.loads(settings.task_kwargs)["datasets"] == {
+        "chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 3, "min_digits": 3, "max_digits": 3}}}
+    # The recipe's datasets are the task's default build (python -m retool.default_model --settings '{"task": ...}').
+    assert EmbeddedSettings.from_json('{"task": "reasoning_gym"}').key() == settings.key()
+    arithmetic = embedded_settings_for(*parse_args([]), log=said.append)
+    assert arithmetic.key() != settings.key() and arithmetic.task_kwargs == ""
+    # Other datasets: a build of their own; the same datasets spelt otherwise (order, an int weight): the same one.
+    other = embedded_settings_for(*parse_args(["--config", recipe, "--task_kwargs", json.dumps(TASKS["composite"])]),
+                                  log=said.append)
+    reordered = {"datasets": dict(reversed(list(TASKS["composite"]["datasets"].items())))}
+    reordered["datasets"]["basic_arithmetic"]["weight"] = 1
+    same = embedded_settings_for(*parse_args(["--config", recipe, "--task_kwargs", json.dumps(reordered)]),
+                                 log=said.append)
+    assert other.key() != settings.key() and same.key() == other.key()
+    with pytest.raises(ValueError, match="task_kwargs are the reasoning_gym task's; task 'arithmetic' takes none"):
+        EmbeddedSettings(task_kwargs=settings.task_kwargs)
+
+
+def test_the_cold_starts_transcripts_hold_what_the_real_tool_printed():
+    from retool.coldstart import with_tool_outputs
+    from retool.default_model import EmbeddedSettings, _scores_full_marks
+    from retool.task import bundled_problems
+
+    problems = bundled_problems("reasoning_gym", 16, split="train", task_kwargs=TASKS["composite"])
+    assert {p["metadata"]["source_dataset"] for p in problems} == {"chain_sum", "basic_arithmetic"}
+    assert all(p["expression"] == p["metadata"]["expression"] for p in problems)
+    kept, dropped = with_tool_outputs(problems, right=_scores_full_marks)
+    # The sandbox's own text (print's newline included); where boxing it would not get full marks from the dataset's
+    # scorer (basic_arithmetic's divisions print -30.0 for -30), the question is left out of the cold start.
+    assert len(kept) + len(dropped) == len(problems) and kept
+    for p in kept:
+        assert p["tool_output"] == f"{p['answer']}\n"
+    for p in dropped:
+        assert p["metadata"]["source_dataset"] == "basic_arithmetic" and "/" in p["expression"]
+        assert float(p["tool_output"]) == float(p["answer"]) and p["tool_output"] != f"{p['answer']}\n"
+    dropped_before = dropped[:1] or [{**problems[0], "expression": "-30 / 1"}]
+    # The recipe's build: the fixed-width code, every output 5 characters and full marks; a float refuses the format.
+    settings = EmbeddedSettings.from_json('{"task": "reasoning_gym"}')
+    fixed = bundled_problems("reasoning_gym", 8, task_kwargs=settings.task_kwargs)
+    kept, dropped = with_tool_outputs(fixed, code=settings.cold_start_code, right=_scores_full_marks)
+    assert not dropped and {len(p["tool_output"]) for p in kept} == {6} and {p["tool_output"][0] for p in kept} <= {"+", "-"}
+    assert all(int(p["tool_output"]) == int(p["answer"]) for p in kept)
+    with pytest.raises(ValueError, match=r"failed on print\(f\"\{.*/.*:\+05d\}\"\).*cold_start_code"):
+        with_tool_outputs(dropped_before, code=settings.cold_start_code)
+    wrong = [{**p, "answer": "12345"} for p in problems[:3]]
+    with pytest.raises(ValueError, match=r"for 3 of 3 questions the code interpreter's output is not the answer.*"
+                                         r"the answer is '12345'.*--model_name_or_path"):
+        with_tool_outputs(wrong)
+
+
+def test_a_dataset_whose_entries_hold_no_expression_cannot_be_taught_and_says_so():
+    from retool.task import bundled_problems
+
+    with pytest.raises(ValueError, match=r"'leg_counting' entries hold no metadata.expression: bring a model for it "
+                                         r"\(--model_name_or_path\)"):
+        bundled_problems("reasoning_gym", 4, task_kwargs={"datasets": {"leg_counting": {}}})
+
+
+def test_the_cold_start_transcript_boxes_the_tools_text(chat_format_reasoning_gym):
+    from retool.coldstart import transcript
+
+    chat, problem = chat_format_reasoning_gym
+    ids, mask = transcript(chat, {**problem, "tool_output": f"{problem['answer']}\n"}, use_tool=True)
+    text = chat.tokenizer.decode(ids)
+    assert f"print({problem['expression']})" in text and f"\\boxed{{{problem['answer']}}}" in text
+    # The tool's message is context (mask 0); the call and the answer are the model's (mask 1).
+    boxed = chat.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert f"print({problem['expression']})" in boxed and f"{problem['answer']}\n<|im_end|>" not in boxed
+
+
+@pytest.fixture(scope="module")
+def chat_format_reasoning_gym():
+    from retool.default_model import EmbeddedSettings, embedded_tokenizer, task_schemas
+    from retool.task import bundled_problems
+    from trl_plugins.rollout import ChatFormat
+
+    settings = EmbeddedSettings.from_json('{"task": "reasoning_gym"}')
+    chat = ChatFormat(embedded_tokenizer(settings), task_schemas(settings.task))
+    return chat, bundled_problems("reasoning_gym", 1, task_kwargs=settings.task_kwargs)[0]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "LOOKUP_SYSTEM_PROMPT", "TASKS", "transcript", "lookup_transcript", "full_transcript",
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "LOOKUP_SYSTEM_PROMPT", "TASKS", "transcript", "with_tool_outputs", "lookup_transcript", "full_transcript",
            "cold_start_dataset", "run_cold_start_sft", "copy_accuracy", "sampled_copy_rate", "receptive_field"]
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -31,8 +31,10 @@ LOOKUP_SYSTEM_PROMPT = (
 )
 """System prompt of the lookup task (``recipes/retool_lookup.yaml``) and of its cold-start transcripts."""
 
-TASKS = ("arithmetic", "lookup")
-"""The bundled tasks (``--task``): ``arithmetic`` (:mod:`retool.task`) and ``lookup`` (:mod:`retool.lookup`)."""
+TASKS = ("arithmetic", "lookup", "reasoning_gym")
+"""The tasks with an embedded default (``--task``): the bundled ``arithmetic`` (:mod:`retool.task`) and ``lookup``
+(:mod:`retool.lookup`), and reasoning-gym's datasets whose entries carry the ``expression`` they ask for
+(:mod:`retool.reasoning_gym_task`; ``chain_sum``, ``basic_arithmetic``), taught like ``arithmetic``."""
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -43,8 +45,10 @@ def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str |
                tool_name: str = "code_interpreter") -> tuple[list[int], list[int]]:
     """Token ids and assistant mask of one solved problem, as the rollout would build it.
 
-    With ``use_tool`` the first turn calls ``tool_name`` with ``print(<expression>)``, the tool message
-    holds what the sandbox prints, and the second turn boxes it; otherwise one turn boxes the answer.
+    With ``use_tool`` the first turn calls ``tool_name`` with the problem's ``code`` (default ``print(<expression>)``),
+    the tool message holds what the sandbox prints (the problem's ``tool_output``, where :func:`with_tool_outputs` ran
+    the real tool; else the answer and a newline, what ``print`` writes), and the second turn boxes it; otherwise one
+    turn boxes the answer (as the tool printed it, where it ran).
 
     Returns:
         ``(input_ids, assistant_mask)`` with 1 on the assistant's sampled tokens (end-of-turn included).
@@ -52,12 +56,14 @@ def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str |
     tok = chat.tokenizer
     eos = tok.eos_token_id
     ids, mask = _first_prompt(chat, problem, system_prompt)
+    answer = problem["tool_output"].strip() if "tool_output" in problem else problem["answer"]
     if use_tool:
-        final = _ids(tok, f"The answer is \\boxed{{{problem['answer']}}}.") + [eos]
+        final = _ids(tok, f"The answer is \\boxed{{{answer}}}.") + [eos]
     else:  # "in the head": restate the expression, then the answer (a tiny model can only guess it)
-        final = _ids(tok, f"{problem['expression']} = \\boxed{{{problem['answer']}}}.") + [eos]
+        final = _ids(tok, f"{problem['expression']} = \\boxed{{{answer}}}.") + [eos]
     if use_tool:
-        _tool_step(chat, ids, mask, tool_name, {"code": f"print({problem['expression']})"}, f"{problem['answer']}\n")
+        output = problem.get("tool_output", f"{problem['answer']}\n")
+        _tool_step(chat, ids, mask, tool_name, {"code": problem.get("code", f"print({problem['expression']})")}, output)
     ids += final
     mask += [1] * len(final)
     return ids, mask
@@ -127,6 +133,51 @@ def full_transcript(chat: Any, problem: dict, task: str, *, system_prompt: str |
     return transcript(chat, problem, use_tool=True, system_prompt=system_prompt)
 
 
+def with_tool_outputs(problems: Sequence[dict], *, code: str = "print({expression})",
+                      right: Callable[[dict, str], bool] | None = None,
+                      tool_name: str = "code_interpreter") -> tuple[list[dict], list[dict]]:
+    """``(kept, dropped)``: the problems, each with its ``code`` (``code`` formatted with its ``expression``) and the
+    ``tool_output`` the real code interpreter gives for it (run in its sandbox, as the rollout runs it), so the
+    transcripts hold the tool's own text, not what it should print. ``right(problem, text)`` says whether boxing the
+    tool's text (stripped) solves the problem (default: it equals the answer); the problems where it does not are
+    ``dropped`` (e.g. ``-30.0`` where reasoning-gym's basic_arithmetic wants ``-30``): a transcript copying it would
+    teach a wrong answer.
+
+    Raises:
+        ValueError: a call that failed, or more than half the problems dropped: the expressions do not compute the
+            answers, so the task cannot be taught with the tool (naming an example).
+    """
+    import asyncio
+
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    right = right or (lambda problem, text: text == str(problem["answer"]).strip())
+    tool = CodeInterpreter(name=tool_name)
+    problems = [{**p, "code": code.format(expression=p["expression"])} for p in problems]
+
+    async def run() -> list:
+        return await asyncio.gather(*(tool({"code": p["code"]}) for p in problems))
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        tool.close()
+    kept, dropped = [], []
+    for problem, out in zip(problems, outputs):
+        if not out.ok:
+            raise ValueError(f"cold start: the code interpreter failed on {problem['code']} for {problem['id']}: "
+                             f"{out.text!r}. Check that the sandbox runs (docs/sandbox.md), and that cold_start_code "
+                             f"suits the datasets' expressions (--embedded '{{\"cold_start_code\": ...}}').")
+        (kept if right(problem, out.text.strip()) else dropped).append({**problem, "tool_output": out.text})
+    if len(dropped) * 2 > len(problems):
+        example = dropped[0]
+        raise ValueError(f"cold start: for {len(dropped)} of {len(problems)} questions the code interpreter's output "
+                         f"is not the answer ({example['code']} gave {example['tool_output']!r}, the "
+                         f"answer is {example['answer']!r}): this task cannot be taught by copying the tool's output. "
+                         f"Bring a model (--model_name_or_path).")
+    return kept, dropped
+
+
 def receptive_field(model_config: Any) -> int | None:
     """How many positions back a token's logits can depend on: layers x window for a model whose every
     layer uses sliding-window attention, None (unbounded) otherwise."""
@@ -142,7 +193,8 @@ def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: fl
                        task: str = "arithmetic", recovery_fraction: float = 0.5):
     """A pre-tokenised ``datasets.Dataset`` (``input_ids``, ``assistant_masks``) for TRL's SFTTrainer.
 
-    ``arithmetic``: ``tool_fraction`` of the transcripts call the tool, the others answer in the head. ``lookup``:
+    ``arithmetic`` and ``reasoning_gym``: ``tool_fraction`` of the transcripts call the tool, the others answer in the
+    head. ``lookup``:
     each transcript looks the key up with probability ``tool_fraction``, then computes with the code interpreter
     with probability ``tool_fraction``; after a moved key's error it follows the move with probability
     ``recovery_fraction`` (else it guesses). The other paths box a guess, so RL has choices to learn at every turn.
@@ -218,7 +270,8 @@ def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
     gets right.
 
     The digits are those the assistant writes: the expression in the code (copied from the question)
-    and the boxed answer (copied from the tool's output); for ``lookup`` also the keys and the number looked up.
+    and the boxed answer (copied from the tool's output); for ``lookup`` also the keys and the number looked up; for
+    ``reasoning_gym`` every token from the first digit of a turn to its last (the operators between them too).
     A model that cannot copy scores ~0.1.
     """
     import torch
@@ -239,10 +292,14 @@ def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
     model.train(was_training)
     hits = total = 0
     for r, (ids, mask) in enumerate(rows):
-        for pos in range(1, len(ids)):
-            if mask[pos] and ids[pos] in digits:
-                total += 1
-                hits += int(predicted[r, pos - 1]) == ids[pos]
+        # reasoning_gym: every token of each copied span (its operators too: a build copied the digits of chain sums
+        # at 0.996 and their operators at 0.5, a coin toss), else the digits.
+        spans = _turn_digit_spans(ids, mask, digits) if task == "reasoning_gym" else [(1, len(ids))]
+        for start, end in spans:
+            for pos in range(max(start, 1), end):
+                if mask[pos] and (task == "reasoning_gym" or ids[pos] in digits):
+                    total += 1
+                    hits += int(predicted[r, pos - 1]) == ids[pos]
     return hits / max(total, 1)
 
 

@@ -42,7 +42,7 @@ class ScriptArguments(ModelConfig):
     model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout: 0 (TRL's default 0.05 is refused: dropout in the update but not in generation biases every importance ratio)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled task named by --task."})
-    task: str = field(default="arithmetic", metadata={"help": "The bundled task (without --dataset_name), and the embedded default built for it: 'arithmetic' (one code call) or 'lookup' (a number behind a key, then arithmetic on it; some keys moved: recipes/retool_lookup.yaml sets it up); or 'reasoning_gym': reasoning-gym's datasets named by --task_kwargs (recipes/retool_reasoning_gym.yaml; docs/environments.md), on the arithmetic task's embedded default."})
+    task: str = field(default="arithmetic", metadata={"help": "The bundled task (without --dataset_name), and the embedded default built for it: 'arithmetic' (one code call) or 'lookup' (a number behind a key, then arithmetic on it; some keys moved: recipes/retool_lookup.yaml sets it up); or 'reasoning_gym': reasoning-gym's datasets named by --task_kwargs (recipes/retool_reasoning_gym.yaml; docs/environments.md), with an embedded default of its own where the datasets' entries carry their expression (chain_sum, basic_arithmetic)."})
     task_kwargs: dict | str | None = field(default=None, metadata={"help": "--task reasoning_gym only: the datasets, e.g. '{\"datasets\": {\"chain_sum\": {\"weight\": 1.0, \"config\": {\"min_terms\": 3}}}}' (several: a composite mixed by weight; each config takes the dataset's own fields), and optionally held_out_pool (default 1000). Checked against reasoning-gym when the config is parsed."})
     success_component: str | None = field(default=None, metadata={"help": "The reward component whose is_success(value) counts a held-out sample correct (accuracy, pass@k); default: the task's ('reasoning_gym' for --task reasoning_gym, else 'correct')."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
@@ -87,8 +87,8 @@ class ScriptArguments(ModelConfig):
         from retool.coldstart import TASKS
         from retool.reasoning_gym_task import TASK as REASONING_GYM
 
-        if self.task not in (*TASKS, REASONING_GYM):
-            raise ValueError(f"task must be one of {[*TASKS, REASONING_GYM]}, got {self.task!r}.")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}.")
         if self.dataset_name is not None and self.task != "arithmetic":
             raise ValueError(f"task {self.task!r} names a bundled task, but dataset_name {self.dataset_name!r} replaces the "
                              f"bundled tasks: drop one of them.")

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 from retool.coldstart import DEFAULT_SYSTEM_PROMPT, LOOKUP_SYSTEM_PROMPT, TASKS
 from retool.launch import run_in_child
 
-__all__ = ["EmbeddedSettings", "TASK_DEFAULTS", "EMBEDDED_FOR", "task_schemas", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
+__all__ = ["EmbeddedSettings", "TASK_DEFAULTS", "reasoning_gym_task_kwargs", "task_schemas", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
            "model_path_or_default", "model_for_dry_run", "embedded_settings_for", "embedded_tokenizer",
            "embedded_stand_in", "PROMPT_TO_ANSWER_MIN_TOKENS"]
 
@@ -91,10 +91,18 @@ class EmbeddedSettings:
     """The bundled task the cold start teaches (:data:`~retool.coldstart.TASKS`); the run's ``--task``."""
     cold_start_recovery_fraction: float = 0.5
     """``lookup``: share of the transcripts meeting a moved key that follow the move (the others guess)."""
+    cold_start_code: str = "print({expression})"
+    """``reasoning_gym``: the code the cold start's tool calls run, ``{expression}`` the entry's (its output is what
+    the transcripts box)."""
+    task_kwargs: str = ""
+    """``reasoning_gym``: the run's ``--task_kwargs`` as canonical JSON (:func:`reasoning_gym_task_kwargs`): the
+    datasets the cold start's questions come from. Empty for the bundled tasks."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
+        if self.task != "reasoning_gym" and self.task_kwargs:
+            raise ValueError(f"task_kwargs are the reasoning_gym task's; task {self.task!r} takes none.")
 
     @classmethod
     def from_json(cls, text: str, **base) -> "EmbeddedSettings":
@@ -141,7 +149,8 @@ class EmbeddedSettings:
         return reach is None or not with_tools or reach > PROMPT_TO_ANSWER_MIN_TOKENS
 
 
-_ADDED_FIELDS = {"task": "arithmetic", "cold_start_recovery_fraction": 0.5}
+_ADDED_FIELDS = {"task": "arithmetic", "cold_start_recovery_fraction": 0.5, "task_kwargs": "",
+                 "cold_start_code": "print({expression})"}
 """Fields added after builds were cached, with the value every earlier build had: left out of the key at it."""
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -150,14 +159,28 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # 160-token window, for a version whose second call copied from ~130 tokens back, did not learn to copy:
     # docs/experiment_log.md.)
     "lookup": {"system_prompt": LOOKUP_SYSTEM_PROMPT},
+    # A third of the transcripts call the tool: the cold start solves about as many held-out questions, and RL has the
+    # tool-calling to learn (docs/results.md, the reasoning-gym task). The tiny model learns copies at constant
+    # offsets only (docs/experiment_log.md): the recipe's chain sums have one layout (3 terms of 3 digits), and the
+    # code prints the sum at a fixed width with its sign (-0210, +1234; chain_sum's score_answer takes both), so every
+    # copy keeps its offset. The datasets are the recipe's (recipes/retool_reasoning_gym.yaml); a run's --task_kwargs
+    # replace them (embedded_settings_for).
+    # Its copies are longer (9 digits and 2 operators into the code, 5 characters into the answer): 4 epochs, and more
+    # until the teacher-forced copy of every token of them is 0.99 (its digits at 0.996 and its operators at 0.5,
+    # samples copied every number right for 27% of questions).
+    "reasoning_gym": {"cold_start_tool_fraction": 0.3, "cold_start_code": 'print(f"{{{expression}:+05d}}")',
+                      "cold_start_epochs": 4.0, "cold_start_copy_target": 0.99, "cold_start_max_extra_epochs": 12,
+                      "task_kwargs": '{"datasets": {"chain_sum": {"config": {"max_digits": 3, "max_terms": 3, '
+                                     '"min_digits": 3, "min_terms": 3}, "weight": 1.0}}, "held_out_pool": 1000}'},
 }
-"""Per bundled task, the :class:`EmbeddedSettings` that differ from the arithmetic task's."""
+"""Per task, the :class:`EmbeddedSettings` that differ from the arithmetic task's."""
 
 
-EMBEDDED_FOR = {"reasoning_gym": "arithmetic"}
-"""Tasks without an embedded default of their own, and the bundled task whose build serves them: a reasoning-gym run
-starts from the arithmetic task's (its cold start teaches calling the code interpreter and boxing the answer; the
-same cached build, no cold start of its own)."""
+def reasoning_gym_task_kwargs(task: Any) -> str:
+    """A :class:`~retool.reasoning_gym_task.ReasoningGymTask` as the canonical JSON of ``task_kwargs`` (one cache
+    key for one set of datasets, whatever order or spelling the run gave them in)."""
+    datasets = {name: {"weight": float(weight), "config": dict(config)} for name, weight, config in task.datasets}
+    return json.dumps({"datasets": datasets, "held_out_pool": task.held_out_pool}, sort_keys=True)
 
 
 def task_schemas(task: str) -> list[dict]:
@@ -211,7 +234,13 @@ def embedded_tokenizer(settings: EmbeddedSettings) -> Any:
     from trl_plugins.tiny import build_tokenizer
 
     bootstrap = build_tokenizer(settings.template, vocab_size=settings.vocab_size)
-    question = "What is 1 + 1?" if settings.task == "arithmetic" else 'What is x * x, where x is the number under key "K417"?'
+    question = {"arithmetic": "What is 1 + 1?", "lookup": 'What is x * x, where x is the number under key "K417"?'}.get(
+        settings.task)
+    if question is None:  # reasoning_gym: its own questions' wording, the call and the answer every transcript holds
+        from retool.task import bundled_problems
+
+        problems = bundled_problems(settings.task, 8, seed=settings.seed, split="train", task_kwargs=settings.task_kwargs)
+        question = problems[0]["prompt"]
     rendered = bootstrap.apply_chat_template(
         [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": question}],
         tools=task_schemas(settings.task), tokenize=False, add_generation_prompt=True,
@@ -222,6 +251,11 @@ def embedded_tokenizer(settings: EmbeddedSettings) -> Any:
                    '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(182 * 182)"}}\n</tool_call>',
                    "Error: key K417 was moved to K902; look up K902.", "The answer is \\boxed{33124}.",
                    "x * x = \\boxed{33124}."]
+    if settings.task == "reasoning_gym":
+        code = json.dumps({"code": settings.cold_start_code.format(expression=problems[0]["expression"])})
+        corpus += [p["prompt"] for p in problems[1:]]
+        corpus += [f'<tool_call>\n{{"name": "code_interpreter", "arguments": {code}}}\n</tool_call>',
+                   f"The answer is \\boxed{{{problems[0]['answer']}}}."]
     return build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=corpus)
 
 
@@ -256,7 +290,8 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
 
     import torch
 
-    from retool.coldstart import cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft, sampled_copy_rate
+    from retool.coldstart import (cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft,
+                                  sampled_copy_rate, with_tool_outputs)
     from retool.task import bundled_problems
     from trl_plugins.rollout import ChatFormat
     from trl_plugins.tiny import build_tiny_model
@@ -269,7 +304,15 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     task = settings.task
     tokenizer = embedded_tokenizer(settings)
     chat = ChatFormat(tokenizer, task_schemas(task))
-    problems = bundled_problems(task, settings.cold_start_problems, seed=settings.seed, split="train")
+    problems = bundled_problems(task, settings.cold_start_problems, seed=settings.seed, split="train",
+                                task_kwargs=settings.task_kwargs or None)
+    if task == "reasoning_gym":  # the tool's own output in every transcript (the bundled tasks' is print's)
+        problems, dropped = with_tool_outputs(problems, code=settings.cold_start_code, right=_scores_full_marks)
+        if dropped:
+            print(f"[embedded default] cold start: {len(dropped)} of {len(dropped) + len(problems)} questions left out: "
+                  f"boxing the code interpreter's output does not get full marks from their dataset's score_answer "
+                  f"(e.g. {dropped[0]['code']} gave {dropped[0]['tool_output'].strip()!r} for "
+                  f"{dropped[0]['answer']!r})", flush=True)
     model = build_tiny_model(tokenizer, **_model_shape(settings), seed=settings.seed)
     dataset = cold_start_dataset(chat, problems, tool_fraction=settings.cold_start_tool_fraction, seed=settings.seed,
                                  system_prompt=settings.system_prompt, left_context=receptive_field(model.config),
@@ -283,7 +326,9 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
         seed=settings.seed, show_progress=show_progress,
     )
     # Copy check on problems the SFT set does not hold (same split, another seed).
-    check = bundled_problems(task, 64, seed=settings.seed + 10_000, split="train")
+    check = bundled_problems(task, 64, seed=settings.seed + 10_000, split="train", task_kwargs=settings.task_kwargs or None)
+    if task == "reasoning_gym":
+        check = with_tool_outputs(check, code=settings.cold_start_code, right=_scores_full_marks)[0]
     copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt, task=task)
     epochs = settings.cold_start_epochs
     print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f} "
@@ -323,6 +368,12 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
                 "build_seconds": round(time.perf_counter() - start, 1)}
     (out / _MANIFEST).write_text(json.dumps(manifest, indent=2))
     return model_dir
+
+
+def _scores_full_marks(problem: dict, text: str) -> bool:
+    from trl_plugins.rewards.reasoning_gym import score_answer
+
+    return score_answer(problem, text) == 1.0
 
 
 @contextlib.contextmanager
@@ -401,12 +452,12 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     build made with ``EmbeddedSettings.system_prompt`` and ``log`` says so: the build would differ only by its
     tokenizer's merges.
     """
-    task = EMBEDDED_FOR.get(script_args.task, script_args.task)
-    if task != script_args.task:
-        log(f"[embedded default] task {script_args.task!r} has no embedded default of its own: the {task} task's serves "
-            f"it (--model_name_or_path for another model).")
+    task = script_args.task
+    base: dict[str, Any] = {"seed": script_args.task_seed, "task": task}
+    if getattr(script_args, "reasoning_gym_task", None) is not None:  # the run's datasets: its cold start's questions
+        base["task_kwargs"] = reasoning_gym_task_kwargs(script_args.reasoning_gym_task)
     run_prompt = training_args.system_prompt or TASK_DEFAULTS[task].get("system_prompt", DEFAULT_SYSTEM_PROMPT)
-    settings = EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, task=task)
+    settings = EmbeddedSettings.from_json(script_args.embedded, **base)
     if run_prompt == settings.system_prompt or "system_prompt" in json.loads(script_args.embedded or "{}"):
         return settings  # the build's own prompt, or one --embedded names
     if not settings.sees_system_prompt(with_tools=bool(training_args.tools)):
@@ -420,7 +471,7 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     reach = f"{settings.receptive_field()} tokens" if settings.receptive_field() else "the whole context"
     log(f"[embedded default] the run's system_prompt can reach this embedded default (its attention sees {reach} "
         f"back): it is built with that prompt, or read from the cache.")
-    return EmbeddedSettings.from_json(script_args.embedded, seed=script_args.task_seed, task=task, system_prompt=run_prompt)
+    return EmbeddedSettings.from_json(script_args.embedded, **base, system_prompt=run_prompt)
 
 
 def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool = False,

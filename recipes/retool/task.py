@@ -66,12 +66,16 @@ def arithmetic_problems(n: int, *, seed: int = 0, split: str = "train") -> list[
     return rows
 
 
-def bundled_problems(task: str, n: int, *, seed: int = 0, split: str = "train") -> list[dict]:
-    """``n`` problems of a bundled task's split: ``arithmetic`` (:func:`arithmetic_problems`) or ``lookup``
-    (:func:`retool.lookup.lookup_problems`).
+def bundled_problems(task: str, n: int, *, seed: int = 0, split: str = "train", task_kwargs: str | dict | None = None
+                     ) -> list[dict]:
+    """``n`` problems of a task's split, for its embedded default's cold start: ``arithmetic``
+    (:func:`arithmetic_problems`), ``lookup`` (:func:`retool.lookup.lookup_problems`) or ``reasoning_gym`` (the
+    datasets ``task_kwargs`` names, :func:`retool.reasoning_gym_task.reasoning_gym_problems`, each row with the
+    ``expression`` its entry's metadata holds).
 
     Raises:
-        ValueError: an unknown task (naming the known ones), split or size.
+        ValueError: an unknown task (naming the known ones), split or size; a reasoning-gym entry without an
+            ``expression`` (naming its dataset: no cold start can write its code).
     """
     if task == "arithmetic":
         return arithmetic_problems(n, seed=seed, split=split)
@@ -79,4 +83,18 @@ def bundled_problems(task: str, n: int, *, seed: int = 0, split: str = "train") 
         from retool.lookup import lookup_problems
 
         return lookup_problems(n, seed=seed, split=split)
-    raise ValueError(f"no bundled task {task!r}; the bundled tasks are 'arithmetic' and 'lookup'.")
+    if task == "reasoning_gym":
+        from retool.reasoning_gym_task import parse_task_kwargs, reasoning_gym_problems
+
+        rows = reasoning_gym_problems(parse_task_kwargs(task_kwargs or {}), n, seed=seed, split=split)
+        for row in rows:
+            expression = row["metadata"].get("expression")
+            if not isinstance(expression, str) or not expression.strip():
+                raise ValueError(f"the embedded default's cold start writes print(<expression>) for each question, and "
+                                 f"reasoning-gym's {row['metadata'].get('source_dataset')!r} entries hold no "
+                                 f"metadata.expression: bring a model for it (--model_name_or_path), or train on "
+                                 f"datasets whose entries carry one (chain_sum, basic_arithmetic).")
+            row["expression"] = expression
+        return rows
+    raise ValueError(f"no task {task!r} with an embedded default; the tasks are 'arithmetic', 'lookup' and "
+                     f"'reasoning_gym'.")

@@ -85,6 +85,15 @@ def entry_of(example: Mapping[str, Any]) -> dict[str, Any]:
     return {"question": example.get("prompt"), "answer": example.get("answer"), "metadata": dict(metadata)}
 
 
+def score_answer(example: Mapping[str, Any], answer: str | None) -> float:
+    """The score the dataset that made ``example`` (a ``--task reasoning_gym`` row) gives ``answer``: its own
+    ``score_answer``, bound to the row's config."""
+    entry = entry_of(example)
+    config = example.get("reasoning_gym_config")
+    score = _scorer(entry["metadata"]["source_dataset"], None if config is None else json.dumps(config, sort_keys=True))
+    return float(score(answer, entry))
+
+
 @REWARDS.register("reasoning_gym")
 @dataclass
 class ReasoningGymReward:
@@ -117,8 +126,4 @@ class ReasoningGymReward:
         return extract_answer(final_text(trajectory)[-self.window_chars:], self.answer_format)
 
     def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> float:
-        entry = entry_of(example)
-        config = example.get("reasoning_gym_config")
-        score = _scorer(entry["metadata"]["source_dataset"],
-                        None if config is None else json.dumps(config, sort_keys=True))
-        return float(score(self.answer(trajectory), entry))
+        return score_answer(example, self.answer(trajectory))
