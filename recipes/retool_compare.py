@@ -98,7 +98,7 @@ def main() -> int:
             b, a = s["before"], s["after"]
             metrics = read_metrics(run_dir / "metrics.jsonl")
             curves.setdefault(variant, []).append(metrics)
-            late = [train_accuracy(r) for r in metrics if r["step"] >= 10]
+            late = [v for r in metrics if r["step"] >= 10 and (v := train_accuracy(r)) is not None] or [float("nan")]
             gain = accuracy_gain(b, a)
             print(f"| {variant} | {seed} | {with_se(b['accuracy'], b.get('accuracy_se'))} -> "
                   f"{with_se(a['accuracy'], a.get('accuracy_se'))} | {with_se(gain['accuracy'], gain['se'], '+.3f')} | "

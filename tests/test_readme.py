@@ -119,3 +119,34 @@ def test_the_lookup_tasks_readme_numbers_cover_its_recorded_runs():
     cold = json.loads((LOOKUP / "cold_start_8_samples.json").read_text())
     assert round(100 * cold["pass_at_k"]["8"]) == claims["pass8"]
     assert 15 <= 100 * cold["accuracy"] <= 40 and cold["pass_at_k"]["8"] >= 2 * cold["accuracy"]  # the gate
+
+
+# -- the reasoning-gym task's claims (README and docs/results.md): the recorded cold start and seeds cover them
+
+REASONING_GYM = RECORDED / "reasoning_gym"
+
+
+def _reasoning_gym_claims() -> dict[str, float]:
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"On reasoning-gym's chain sums its cold start scores (\d+)% held-out pass@1 \(pass@8 (\d+)%\); RL "
+                  r"takes it to (\d+)-(\d+)% \(\+(\d+) to \+(\d+) points on seeds 0-2, (\d+) steps, about (\d+) minutes "
+                  r"each\)", text)
+    assert m, "the README states the reasoning-gym task's cold start and RL result in the tested form"
+    return dict(zip(("before", "pass8", "after_lo", "after_hi", "gain_lo", "gain_hi", "steps", "minutes"),
+                    map(float, m.groups())))
+
+
+def test_the_reasoning_gym_tasks_readme_numbers_cover_its_recorded_runs():
+    claims = _reasoning_gym_claims()
+    seeds = [json.loads(p.read_text()) for p in sorted(REASONING_GYM.glob("seed*.json"))]
+    assert len(seeds) == 3
+    for run in seeds:
+        before, after = 100 * run["before"]["accuracy"], 100 * run["after"]["accuracy"]
+        assert claims["after_lo"] <= round(after) <= claims["after_hi"]
+        assert claims["gain_lo"] <= round(after - before) <= claims["gain_hi"]
+        assert run["steps"] == claims["steps"] and round(run["wall_s"] / 60) == claims["minutes"]
+        assert after - before >= 25 and run["wall_s"] < 15 * 60  # the gate: +25 points, within 15 minutes
+        assert "reasoning_gym" in run["command"] and run["before"]["model"] == seeds[0]["before"]["model"]  # one build
+    cold = json.loads((REASONING_GYM / "cold_start_8_samples.json").read_text())
+    assert round(100 * cold["accuracy"]) == claims["before"] and round(100 * cold["pass_at_k"]["8"]) == claims["pass8"]
+    assert 15 <= 100 * cold["accuracy"] <= 40 and cold["pass_at_k"]["8"] >= 2 * cold["accuracy"]  # the gate

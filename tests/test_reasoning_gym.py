@@ -333,3 +333,12 @@ def chat_format_reasoning_gym():
     settings = EmbeddedSettings.from_json('{"task": "reasoning_gym"}')
     chat = ChatFormat(embedded_tokenizer(settings), task_schemas(settings.task))
     return chat, bundled_problems("reasoning_gym", 1, task_kwargs=settings.task_kwargs)[0]
+
+
+def test_the_train_batch_accuracy_of_a_reasoning_gym_run_is_the_mean_of_its_scores():
+    from retool.report import train_accuracy
+
+    # retool_compare.py's table and the runs' plots read it: a reasoning-gym run logs no reward/correct.
+    assert train_accuracy({"reward/correct": 0.5, "reward/reasoning_gym": 0.1}) == 0.75
+    assert train_accuracy({"reward/reasoning_gym": 0.3, "reward/format": 1.0}) == 0.3
+    assert train_accuracy({"reward/format": 1.0}) is None

@@ -21,9 +21,13 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def train_accuracy(record: dict) -> float | None:
-    """Share of the step's trajectories answered right, from its ``reward/correct`` (None without it)."""
+    """Share of the step's trajectories answered right: from its ``reward/correct`` (+1 / -1 per trajectory), else its
+    ``reward/reasoning_gym`` (a ``--task reasoning_gym`` run: the mean of the datasets' own scores, the share right
+    where they give no partial credit, as chain_sum's 0 / 1); None without either."""
     value = record.get("reward/correct")
-    return None if value is None else (value + 1.0) / 2.0  # correct is +1 / -1 per trajectory
+    if value is not None:
+        return (value + 1.0) / 2.0
+    return record.get("reward/reasoning_gym")
 
 
 NOT_COMPONENTS = ("reward/total", "reward/verifier_error_rate")
