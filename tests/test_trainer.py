@@ -929,6 +929,8 @@ def test_a_signal_during_the_update_saves_that_step_and_raises(tmp_path):
 
     tok = build_tokenizer("qwen2_5")
     tool = ClosingTool()
+    # What was there before (Python's default; SIG_IGN where the suite was started in the background by a shell).
+    before = signal.getsignal(signal.SIGINT)
     trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=4), train_dataset=_dataset(),
                                    processing_class=tok, reward_components={"length": TokenReward()},
                                    tools={"code_interpreter": tool}, callbacks=[SignalBeforeStep2Optimizer()])
@@ -936,7 +938,7 @@ def test_a_signal_during_the_update_saves_that_step_and_raises(tmp_path):
         trainer.train()
     assert info.value.exit_code == 130 and info.value.step == 2 and trainer.state.global_step == 2
     assert (tmp_path / "checkpoint-2" / COMPLETE_MARKER).is_file() and not (tmp_path / "checkpoint-3").exists()
-    assert tool.closed == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert tool.closed == 1 and signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_tool_declaring_an_unknown_metric_reduction_is_refused_at_start_up(tmp_path):
