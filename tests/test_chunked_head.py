@@ -45,7 +45,7 @@ def _layout(datums, layout):
                    shared_prefix=layout == "shared_prefix")
 
 
-def _compare(model, layout, *, temperature=0.7, chunk=CHUNK):
+def _compare(model, layout, *, temperature=0.7, chunk=CHUNK, chunked=True):
     datums = group_datums(groups=2, size=2)
     padded, mb = _layout(datums, "padded"), _layout(datums, layout)
     reference = copy.deepcopy(model)
@@ -55,7 +55,8 @@ def _compare(model, layout, *, temperature=0.7, chunk=CHUNK):
     lp, ent = micro_batch_logprobs(model, mb, "cpu", temperature=temperature, with_entropy=True,
                                    needed=mb.action_mask, chunk_size=chunk)
     assert rel_err(lp[act], lp_ref[act]) < 1e-5 and rel_err(ent[act], ent_ref[act]) < 1e-5
-    assert lp[~act].abs().max() == 0 and ent[~act].abs().max() == 0  # no target needed there: not computed
+    if chunked:  # no target needed there: not computed (the full logits give every position its log-prob)
+        assert lp[~act].abs().max() == 0 and ent[~act].abs().max() == 0
     ((lp_ref * weights)[act].sum() + 0.1 * ent_ref[act].sum()).backward()
     ((lp * weights)[act].sum() + 0.1 * ent[act].sum()).backward()
     pairs = [(a, b) for a, b in zip(reference.parameters(), model.parameters()) if a.requires_grad]
@@ -181,3 +182,16 @@ def test_the_heads_pass_through_is_the_entering_threads_only():
         with hidden_states_instead_of_logits(model):
             assert model(input_ids=ids).logits.shape[-1] == hidden
         assert head.forward is hooked and model(input_ids=ids).logits.shape[-1] == vocab and calls == [1]
+
+
+def test_a_forward_hook_on_the_head_keeps_the_full_logits_and_still_shapes_them():
+    # A hook on lm_head (a logit bias a library adds, say) would meet the hidden states the chunks pass through, or
+    # be skipped by the head that runs every chunk in one autograd function: such a model keeps the full logits,
+    # hook and all (values and gradients as the reference's, which runs it).
+    model = _model("qwen2_sdpa")
+    bias = torch.linspace(-2.0, 2.0, model.config.vocab_size)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    assert not chunkable(model)
+    _compare(model, "padding_free", chunked=False)
+    handle.remove()
+    assert chunkable(model)

@@ -70,8 +70,14 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def chunkable(model: torch.nn.Module) -> bool:
-    """Whether the model's logits are its output head applied to the final hidden states and nothing else."""
-    if output_head(model) is None:
+    """Whether the model's logits are its output head applied to the final hidden states and nothing else: not where
+    the config transforms them after the head (soft-capping, scaling), nor where someone's forward hooks sit on the
+    head (they would meet the hidden states the chunks pass through; DeepSpeed ZeRO-3's own hooks are the ones a
+    partitioned head holds, and the chunks run them)."""
+    head = output_head(model)
+    if head is None:
+        return False
+    if (head._forward_hooks or head._forward_pre_hooks) and not _zero3_params(head):
         return False
     config = getattr(_unwrapped(model), "config", None)
     for sub in (config, getattr(config, "text_config", None)):
