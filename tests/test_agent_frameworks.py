@@ -9,10 +9,12 @@ tests skip, naming that command, where it is absent."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -310,6 +312,29 @@ def test_the_autogen_interpreter_is_made_by_ci_before_the_suite_and_its_command_
     assert MAKE_AUTOGEN in ci.splitlines() and ci.index(MAKE_AUTOGEN) < ci.index("python -m pytest")
     assert MAKE_AUTOGEN in (ROOT / "docs" / "agents.md").read_text()
     assert f"#   {MAKE_AUTOGEN}" in (ROOT / "constraints" / "autogen.txt").read_text()
+
+
+def test_the_frameworks_benchmark_measures_every_example_and_names_how_to_make_a_missing_interpreter(
+        monkeypatch, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("agent_frameworks_benchmark", ROOT / "benchmarks/agent_frameworks.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # docs/agents.md's table has a row per example: the benchmark runs each one (autogen and dspy as commands)
+    assert sorted(bench.FRAMEWORKS) == sorted(p.parent.name for p in (ROOT / "examples/agents").glob("*/agent.py"))
+    assert set(bench.COMMANDS) == {"autogen", "dspy"} and bench.MAKE_OWN_PYTHON == MAKE_AUTOGEN
+    monkeypatch.setenv("TRL_PLUGINS_AUTOGEN_PYTHON", str(tmp_path / "absent"))
+    assert bench.own_python() is None
+    # more calls than the command examples' 4 iterations allow: refused, naming the limit
+    monkeypatch.setattr(sys, "argv", ["agent_frameworks.py", "--calls", "4", "--frameworks", "dspy"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "at most 3 calls" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["agent_frameworks.py", "--frameworks", "autogen", "dspy"])
+    bench.main()  # both skipped: nothing is measured
+    lines = capsys.readouterr().out.splitlines()
+    for framework in ("autogen", "dspy"):
+        (line,) = [line for line in lines if line.startswith(framework)]
+        assert "skipped" in line and MAKE_AUTOGEN in line
 
 
 @pytest.mark.slow  # ~5 s: three processes that import AutoGen
