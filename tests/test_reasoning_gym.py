@@ -342,3 +342,20 @@ def test_the_train_batch_accuracy_of_a_reasoning_gym_run_is_the_mean_of_its_scor
     assert train_accuracy({"reward/correct": 0.5, "reward/reasoning_gym": 0.1}) == 0.75
     assert train_accuracy({"reward/reasoning_gym": 0.3, "reward/format": 1.0}) == 0.3
     assert train_accuracy({"reward/format": 1.0}) is None
+
+
+@pytest.mark.slow
+def test_the_embedded_default_builds_from_the_tools_own_outputs(tmp_path, capsys):
+    # The build's wiring end to end, tiny: the datasets' questions, the fixed-width code run in the sandbox, the copy
+    # check over every copied token; the manifest records the reasoning_gym settings it was built with.
+    from retool.default_model import EmbeddedSettings, build_embedded_default
+
+    settings = EmbeddedSettings.from_json(json.dumps({
+        "task": "reasoning_gym", "cold_start_problems": 24, "cold_start_epochs": 0.5, "hidden_size": 32,
+        "cold_start_batch_size": 8, "cold_start_max_extra_epochs": 0}))
+    model_dir = build_embedded_default(settings, tmp_path, show_progress=False)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["settings"]["task_kwargs"] == settings.task_kwargs and (model_dir / "config.json").is_file()
+    assert 0.0 <= manifest["cold_start"]["copy_accuracy"] <= 1.0
+    said = capsys.readouterr().out
+    assert "cold-start SFT (reasoning_gym): 24 transcripts (30% take each tool step)" in said
