@@ -216,11 +216,15 @@ def chunked_head_check(args, accelerator) -> None:
         logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         ref_lp, ref_ent = _full_logits_logprobs(logits, mb.target_ids, 0.7, True)
         ((ref_lp * weights)[act].sum() + 0.1 * ref_ent[act].sum()).backward()
+        previous = zero.get("stage3_param_persistence_threshold")
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned, the head's too
         try:
             model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
         finally:
-            del zero["stage3_param_persistence_threshold"]
+            if previous is None:
+                del zero["stage3_param_persistence_threshold"]
+            else:
+                zero["stage3_param_persistence_threshold"] = previous
         head = model.module.lm_head.weight
         assert hasattr(head, "ds_id") and head.ds_persist is False and (head is model.module.model.embed_tokens.weight) == tied
         head_name = next(n for n, p in model.module.named_parameters() if p is head)  # tied: the embedding's name
