@@ -56,13 +56,13 @@ def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str |
     tok = chat.tokenizer
     eos = tok.eos_token_id
     ids, mask = _first_prompt(chat, problem, system_prompt)
-    answer = problem["tool_output"].strip() if "tool_output" in problem else problem["answer"]
+    output = problem.get("tool_output", f"{problem['answer']}\n")
+    answer = output.strip()  # what the tool prints is what every transcript boxes
     if use_tool:
         final = _ids(tok, f"The answer is \\boxed{{{answer}}}.") + [eos]
     else:  # "in the head": restate the expression, then the answer (a tiny model can only guess it)
         final = _ids(tok, f"{problem['expression']} = \\boxed{{{answer}}}.") + [eos]
     if use_tool:
-        output = problem.get("tool_output", f"{problem['answer']}\n")
         _tool_step(chat, ids, mask, tool_name, {"code": problem.get("code", f"print({problem['expression']})")}, output)
     ids += final
     mask += [1] * len(final)
@@ -292,14 +292,14 @@ def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
     model.train(was_training)
     hits = total = 0
     for r, (ids, mask) in enumerate(rows):
-        # reasoning_gym: every token of each copied span (its operators too: a build copied the digits of chain sums
-        # at 0.996 and their operators at 0.5, a coin toss), else the digits.
-        spans = _turn_digit_spans(ids, mask, digits) if task == "reasoning_gym" else [(1, len(ids))]
-        for start, end in spans:
-            for pos in range(max(start, 1), end):
-                if mask[pos] and (task == "reasoning_gym" or ids[pos] in digits):
-                    total += 1
-                    hits += int(predicted[r, pos - 1]) == ids[pos]
+        if task == "reasoning_gym":  # every token of each copied span: its operators too (a build copied the digits of
+            # chain sums at 0.996 and their operators at 0.5, a coin toss)
+            checked = [p for start, end in _turn_digit_spans(ids, mask, digits) for p in range(max(start, 1), end)
+                       if mask[p]]
+        else:
+            checked = [p for p in range(1, len(ids)) if mask[p] and ids[p] in digits]
+        total += len(checked)
+        hits += sum(int(predicted[r, p - 1]) == ids[p] for p in checked)
     return hits / max(total, 1)
 
 

@@ -304,15 +304,21 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     task = settings.task
     tokenizer = embedded_tokenizer(settings)
     chat = ChatFormat(tokenizer, task_schemas(task))
-    problems = bundled_problems(task, settings.cold_start_problems, seed=settings.seed, split="train",
-                                task_kwargs=settings.task_kwargs or None)
-    if task == "reasoning_gym":  # the tool's own output in every transcript (the bundled tasks' is print's)
-        problems, dropped = with_tool_outputs(problems, code=settings.cold_start_code, right=_scores_full_marks)
-        if dropped:
-            print(f"[embedded default] cold start: {len(dropped)} of {len(dropped) + len(problems)} questions left out: "
-                  f"boxing the code interpreter's output does not get full marks from their dataset's score_answer "
-                  f"(e.g. {dropped[0]['code']} gave {dropped[0]['tool_output'].strip()!r} for "
-                  f"{dropped[0]['answer']!r})", flush=True)
+
+    def problems_of(n: int, seed: int) -> tuple[list[dict], list[dict]]:
+        """``(kept, dropped)``: ``n`` training problems; reasoning_gym's with the tool's own output (the bundled
+        tasks' is print's), those whose output would not get full marks dropped."""
+        problems = bundled_problems(task, n, seed=seed, split="train", task_kwargs=settings.task_kwargs or None)
+        if task != "reasoning_gym":
+            return problems, []
+        return with_tool_outputs(problems, code=settings.cold_start_code, right=_scores_full_marks)
+
+    problems, dropped = problems_of(settings.cold_start_problems, settings.seed)
+    if dropped:
+        print(f"[embedded default] cold start: {len(dropped)} of {len(dropped) + len(problems)} questions left out: "
+              f"boxing the code interpreter's output does not get full marks from their dataset's score_answer "
+              f"(e.g. {dropped[0]['code']} gave {dropped[0]['tool_output'].strip()!r} for "
+              f"{dropped[0]['answer']!r})", flush=True)
     model = build_tiny_model(tokenizer, **_model_shape(settings), seed=settings.seed)
     dataset = cold_start_dataset(chat, problems, tool_fraction=settings.cold_start_tool_fraction, seed=settings.seed,
                                  system_prompt=settings.system_prompt, left_context=receptive_field(model.config),
@@ -326,9 +332,7 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
         seed=settings.seed, show_progress=show_progress,
     )
     # Copy check on problems the SFT set does not hold (same split, another seed).
-    check = bundled_problems(task, 64, seed=settings.seed + 10_000, split="train", task_kwargs=settings.task_kwargs or None)
-    if task == "reasoning_gym":
-        check = with_tool_outputs(check, code=settings.cold_start_code, right=_scores_full_marks)[0]
+    check = problems_of(64, settings.seed + 10_000)[0]
     copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt, task=task)
     epochs = settings.cold_start_epochs
     print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f} "
