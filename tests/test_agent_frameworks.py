@@ -28,17 +28,22 @@ from trl_plugins.tiny import build_tokenizer
 from trl_plugins.types import StopReason
 
 ROOT = Path(__file__).resolve().parents[1]
-MAKE_AUTOGEN = "python3 -m venv .venv-autogen && .venv-autogen/bin/pip install -q -r constraints/autogen.txt"
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("agent_frameworks_benchmark", ROOT / "benchmarks/agent_frameworks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _benchmark()
+"""benchmarks/agent_frameworks.py, which finds AutoGen's and DSPy's interpreter for the tests too (one copy)."""
+MAKE_AUTOGEN = bench.MAKE_OWN_PYTHON
 """The one command (in the repository's root) that makes the interpreter of AutoGen's and DSPy's examples, whose pins
 conflict with the project's (constraints/autogen.txt); ``.ci/run`` runs it."""
-
-
-def own_python() -> str | None:
-    """That interpreter: ``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/bin/python`` here (None: neither)."""
-    given = os.environ.get("TRL_PLUGINS_AUTOGEN_PYTHON")
-    path = Path(given) if given else ROOT / ".venv-autogen" / "bin" / "python"
-    return str(path) if path.exists() else None
-
+own_python = bench.own_python
+"""That interpreter: ``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/bin/python`` here (None: neither)."""
 
 OWN_PYTHON = own_python()
 needs_own_python = pytest.mark.skipif(OWN_PYTHON is None,
@@ -316,12 +321,9 @@ def test_the_autogen_interpreter_is_made_by_ci_before_the_suite_and_its_command_
 
 def test_the_frameworks_benchmark_measures_every_example_and_names_how_to_make_a_missing_interpreter(
         monkeypatch, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("agent_frameworks_benchmark", ROOT / "benchmarks/agent_frameworks.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     # docs/agents.md's table has a row per example: the benchmark runs each one (autogen and dspy as commands)
     assert sorted(bench.FRAMEWORKS) == sorted(p.parent.name for p in (ROOT / "examples/agents").glob("*/agent.py"))
-    assert set(bench.COMMANDS) == {"autogen", "dspy"} and bench.MAKE_OWN_PYTHON == MAKE_AUTOGEN
+    assert set(bench.COMMANDS) == {"autogen", "dspy"}
     monkeypatch.setenv("TRL_PLUGINS_AUTOGEN_PYTHON", str(tmp_path / "absent"))
     assert bench.own_python() is None
     # more calls than the command examples' 4 iterations allow: refused, naming the limit

@@ -96,6 +96,16 @@ def test_readme_ranges_cover_every_recorded_machine():
 LOOKUP = RECORDED / "lookup"
 
 
+def _recorded_task_runs(folder: Path) -> tuple[list[dict], dict]:
+    """A task's recorded runs: its three seeds' summaries and its cold start (128 held-out x 8), the cold start
+    inside the gate every task meets (15-40% pass@1, pass@8 at least twice that)."""
+    seeds = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*.json"))]
+    assert len(seeds) == 3
+    cold = json.loads((folder / "cold_start_8_samples.json").read_text())
+    assert 15 <= 100 * cold["accuracy"] <= 40 and cold["pass_at_k"]["8"] >= 2 * cold["accuracy"]  # the issue's gate
+    return seeds, cold
+
+
 def _lookup_claims() -> dict[str, float]:
     text = " ".join((ROOT / "README.md").read_text().split())
     m = re.search(r"Its cold start scores (\d+)-(\d+)% held-out pass@1 \(pass@8 (\d+)%\)", text)
@@ -107,8 +117,7 @@ def _lookup_claims() -> dict[str, float]:
 
 def test_the_lookup_tasks_readme_numbers_cover_its_recorded_runs():
     claims = _lookup_claims()
-    seeds = [json.loads(p.read_text()) for p in sorted(LOOKUP.glob("seed*.json"))]
-    assert len(seeds) == 3
+    seeds, cold = _recorded_task_runs(LOOKUP)
     for run in seeds:
         before, after = 100 * run["before"]["accuracy"], 100 * run["after"]["accuracy"]
         assert claims["before_lo"] <= round(before) <= claims["before_hi"]
@@ -116,9 +125,7 @@ def test_the_lookup_tasks_readme_numbers_cover_its_recorded_runs():
         assert claims["gain_lo"] <= round(after - before) <= claims["gain_hi"]
         assert run["steps"] == claims["steps"] and run["wall_s"] < 15 * 60  # "+30 points within 15 minutes"
         assert after - before >= 0.30 * 100
-    cold = json.loads((LOOKUP / "cold_start_8_samples.json").read_text())
     assert round(100 * cold["pass_at_k"]["8"]) == claims["pass8"]
-    assert 15 <= 100 * cold["accuracy"] <= 40 and cold["pass_at_k"]["8"] >= 2 * cold["accuracy"]  # the issue's gate
 
 
 # -- the reasoning-gym task's claims (README and docs/results.md): the recorded cold start and seeds cover them
@@ -138,8 +145,7 @@ def _reasoning_gym_claims() -> dict[str, float]:
 
 def test_the_reasoning_gym_tasks_readme_numbers_cover_its_recorded_runs():
     claims = _reasoning_gym_claims()
-    seeds = [json.loads(p.read_text()) for p in sorted(REASONING_GYM.glob("seed*.json"))]
-    assert len(seeds) == 3
+    seeds, cold = _recorded_task_runs(REASONING_GYM)
     for run in seeds:
         before, after = 100 * run["before"]["accuracy"], 100 * run["after"]["accuracy"]
         assert claims["after_lo"] <= round(after) <= claims["after_hi"]
@@ -147,6 +153,4 @@ def test_the_reasoning_gym_tasks_readme_numbers_cover_its_recorded_runs():
         assert run["steps"] == claims["steps"] and round(run["wall_s"] / 60) == claims["minutes"]
         assert after - before >= 25 and run["wall_s"] < 15 * 60  # the issue's gate: +25 points, within 15 minutes
         assert "reasoning_gym" in run["command"] and run["before"]["model"] == seeds[0]["before"]["model"]  # one build
-    cold = json.loads((REASONING_GYM / "cold_start_8_samples.json").read_text())
     assert round(100 * cold["accuracy"]) == claims["before"] and round(100 * cold["pass_at_k"]["8"]) == claims["pass8"]
-    assert 15 <= 100 * cold["accuracy"] <= 40 and cold["pass_at_k"]["8"] >= 2 * cold["accuracy"]  # the issue's gate
