@@ -270,6 +270,10 @@ def test_the_embedded_default_is_built_for_the_runs_datasets_under_its_own_key()
     assert other.key() != settings.key() and same.key() == other.key()
     with pytest.raises(ValueError, match="task_kwargs are the reasoning_gym task's; task 'arithmetic' takes none"):
         EmbeddedSettings(task_kwargs=settings.task_kwargs)
+    # --embedded cannot build for other datasets than the run trains on: refused, naming --task_kwargs.
+    with pytest.raises(ValueError, match=r"embedded settings name task_kwargs.*set them with --task_kwargs"):
+        embedded_settings_for(*parse_args(["--config", recipe, "--embedded", json.dumps({"task_kwargs": other.task_kwargs})]),
+                              log=said.append)
 
 
 def test_the_cold_starts_transcripts_hold_what_the_real_tool_printed():

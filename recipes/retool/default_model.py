@@ -124,6 +124,9 @@ class EmbeddedSettings:
         if "task" in raw and raw["task"] != base.get("task", raw["task"]):
             raise ValueError(f"embedded settings name task {raw['task']!r} but the run's task is {base['task']!r}: "
                              f"choose the task with --task (its embedded default follows).")
+        if "task_kwargs" in raw and "task_kwargs" in base and raw["task_kwargs"] != base["task_kwargs"]:
+            raise ValueError("embedded settings name task_kwargs, but the run's --task_kwargs choose the datasets (and "
+                             "its embedded default follows them): set them with --task_kwargs.")
         task = raw.get("task", base.get("task", "arithmetic"))  # an unknown one is refused by __post_init__
         return cls(**{**TASK_DEFAULTS.get(task, {}), **base, **raw, "task": task})
 
