@@ -98,6 +98,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--broken_world", action="store_true", help="every trajectory of rank 1 and one of rank 0 end "
                     "environment_error (test_trainer:RankBrokenWorldRollout): over max_environment_error_rate")
     ap.add_argument("--constant_reward", action="store_true", help="a reward of 1 for every trajectory: no update")
+    ap.add_argument("--sequence_parallel", action="store_true", help="sequence_parallel_size=2 (DeepSpeed): each "
+                    "datum's tokens split over the two ranks in the update")
     ap.add_argument("--expect_stop", action="store_true", help="a RuntimeError out of train() (NoPolicyUpdate included) "
                     "is the outcome: each rank's message goes into the report as 'stops', in rank order")
     return ap.parse_args(argv)
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace) -> None:
         **({"dynamic_sampling": True, "dynamic_sampling_max_groups": args.dynamic_sampling} if args.dynamic_sampling else {}),
         **({"async_rollouts": True, "max_staleness": args.async_k} if args.async_k is not None else {}),
         learning_rate=5e-3, seed=0, disable_tqdm=True, **({"padding_free": True} if args.padding_free else {}),
+        **({"sequence_parallel_size": 2} if args.sequence_parallel else {}),
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
         reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
         bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),

@@ -1,6 +1,7 @@
-"""Launched by tests/test_distributed.py under `accelerate launch` (2 processes, DDP or ZeRO-3 on CPU).
+"""Launched by tests/test_distributed.py under `accelerate launch` (2 processes, DDP or ZeRO-3 on CPU; 4 for two
+sequence-parallel groups).
 
-Rank r holds its own datums (3 on rank 0, 7 on rank 1, 1-4 turns each, so the ranks pack different
+Rank r holds its own datums (3 on rank 0, 7 on rank 1, 1-4 turns each; 3, 1, 4, 2 on four ranks, so the ranks pack different
 numbers of micro-batches; pairs share their prompt, as a group's trajectories do, one pair across the ranks). One `policy_update` with SGD must move the parameters exactly as one
 plain-torch step on the one-batch loss over all 10 datums does. Rank 0 writes the relative error.
 """
@@ -32,7 +33,7 @@ LR = 0.5
 
 def all_datums(world: int) -> list[list]:
     rng = random.Random(7)
-    counts = [3, 7] if world == 2 else [10]
+    counts = {1: [10], 2: [3, 7], 4: [3, 1, 4, 2]}[world]
     out, k = [], 0
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(8, 30))] for _ in range(sum(counts))]
     for c in counts:
@@ -151,6 +152,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="the shared-prefix layout on the ranks (each pair's prompt forwarded once per micro-batch); the "
                          "one-process reference stays the padded layout")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="sequence_parallel_size=2: both ranks one group, each datum's tokens split over them (sdpa "
+                         "attention through Ulysses) in the update; the one-process reference stays whole")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="non-reentrant activation checkpointing on the trained policy (the backward recomputes each "
+                         "layer, Ulysses' all-to-alls included)")
     ap.add_argument("--chunked-head", action="store_true",
                     help="ZeRO-3 with every parameter partitioned: the chunked head's log-probs, entropies and "
                          "gradients (tied and untied, one chunk and several) against one process's full logits, and "
@@ -309,6 +316,8 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
     everything = [d for p in parts for d in p]
     # Behaviour log-probs near the model's own, so the clip is active on some tokens.
     reference = tiny_qwen2()
+    if args.sequence_parallel:
+        reference.config._attn_implementation = "sdpa"  # Ulysses refuses eager (tests/test_sequence_parallel.py)
     with torch.no_grad():
         mb = collate(everything, list(range(len(everything))), pad_token_id=0)
         lp = token_logprobs(reference, mb.input_ids, mb.attention_mask, mb.target_ids)
@@ -326,6 +335,11 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
         return
     loss_fn = PPOClipLoss(kl_coef=0.3, entropy_coef=0.05) if args.kl else PPOClipLoss()
     model = tiny_qwen2()
+    if args.sequence_parallel:
+        model.config._attn_implementation = "sdpa"
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_model = None
@@ -358,7 +372,13 @@ def one_update(args, accelerator, deepspeed: bool, parts, everything, model, opt
                              rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None,
                              drop_zero_advantage=args.kl, vllm_importance_sampling_mode=args.mismatch,
                              vllm_importance_sampling_clip_min=bounds[0], vllm_importance_sampling_clip_max=bounds[1],
-                             padding_free=False, shared_prefix=args.shared_prefix)
+                             padding_free=False, shared_prefix=args.shared_prefix,
+                             sequence_parallel_size=2 if args.sequence_parallel else 1)
+    sp = None
+    if args.sequence_parallel:
+        from trl_plugins.trainers.sequence_parallel import setup_sequence_parallel
+
+        sp = setup_sequence_parallel(accelerator, accelerator.unwrap_model(model), config, policy_loss=loss_fn)
     if args.kl:
         from trl_plugins.trainers.update import reference_logprobs
 
@@ -372,7 +392,8 @@ def one_update(args, accelerator, deepspeed: bool, parts, everything, model, opt
     start = None
     if args.aggregations:  # the ranks' weights before this update (a collective under ZeRO-3; copies, not views)
         start = {k: v.detach().clone() for k, v in (accelerator.get_state_dict(model) or {}).items()}
-    result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0)
+    result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0,
+                           sequence_parallel=sp)
     state = accelerator.get_state_dict(model)
     if start is None:
         start = {k: v.detach().clone() for k, v in reference.state_dict().items()} if accelerator.is_main_process else None
@@ -462,6 +483,8 @@ def one_update(args, accelerator, deepspeed: bool, parts, everything, model, opt
             "entropy": result.entropy,
             "old_err": old_err,
             "mismatch": result.mismatch,
+            "padded_tokens": result.num_padded_tokens,
+            "sequence_parallel": sp is not None,
             "clip_frac": (result.stats.summary()["clip_frac_low"] + result.stats.summary()["clip_frac_high"]) if result.stats else 0.0,
         }
     return None

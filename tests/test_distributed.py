@@ -40,9 +40,21 @@ UPDATE_EXTRA.update({"shared": ("--shared-prefix", "--kl", "--mismatch", "token_
                      "shared-rebalance": ("--shared-prefix", "--rebalance", "--aggregation", "seq_mean_token_mean"),
                      "chunked-head": ("--chunked-head",)})
 SHARED = ("shared", "shared-critic")
+# Sequence parallelism (sequence_parallel_size=2, ZeRO-3): on 2 ranks one group, every aggregation mode chained with
+# the reference KL, the entropy bonus and token-level importance weights; sequence-level weights (taken on the whole
+# row) under activation checkpointing; on 4 ranks two groups (data parallelism over them), planned per group or
+# rebalanced.
+UPDATE_EXTRA.update({"sp": ("--sequence-parallel", "--kl", "--mismatch", "token_truncate", "--aggregations",
+                            ",".join(AGGREGATIONS)),
+                     "sp-sequence-mask": ("--sequence-parallel", "--mismatch", "sequence_mask", "--checkpointing",
+                                          "--aggregation", "seq_mean_token_mean"),
+                     "sp-groups": ("--sequence-parallel", "--kl"),
+                     "sp-groups-rebalance": ("--sequence-parallel", "--rebalance", "--aggregation", "seq_mean_token_mean")})
 UPDATE_CASES = {"cpu_ddp.yaml": ("plain", "rebalance-seq-mean", "kl-entropy", "critic", "token_truncate", *SHARED,
                                  "shared-rebalance"),
-                "cpu_zero3.yaml": ("plain", "kl-entropy", "critic", "sequence_mask", *SHARED, "chunked-head")}
+                "cpu_zero3.yaml": ("plain", "kl-entropy", "critic", "sequence_mask", *SHARED, "chunked-head", "sp",
+                                   "sp-sequence-mask"),
+                "cpu_zero3.yaml@4": ("sp-groups", "sp-groups-rebalance")}
 
 
 def update_cases(config: str, root: Path) -> dict[str, list[str]]:
@@ -215,6 +227,9 @@ def trainer_cases(config: str, root: Path) -> dict[str, list[str]]:
     for kind, extra in STEP_EXTRA.items():
         if config in STEP_CONFIGS.get(kind, (config,)):
             cases.append(run(f"step-{kind}", "--per_device", per_device, "--params_out", str(root / f"step-{kind}.pt"), *STEP, *extra))
+    if config == "cpu_zero3.yaml":  # against cpu.yaml's step-grpo (one process cannot split)
+        cases.append(run("step-sequence-parallel", "--per_device", per_device, "--params_out",
+                         str(root / "step-sequence-parallel.pt"), *STEP, "--sequence_parallel"))
     if config in ASYNC_CONFIGS:
         cases.append(run("step-async", "--per_device", per_device, "--params_out", str(root / "step-async.pt"), *STEP,
                          *ASYNC))
@@ -249,7 +264,11 @@ class CaseLaunches:
         root.mkdir(parents=True, exist_ok=True)
         cases = self.cases(config, root)
         (root / "cases.json").write_text(json.dumps(list(cases.values())))
-        cmd = accelerate_launch(config, self.script, "--cases", str(root / "cases.json"))
+        # "<config>@<N>": the config with N processes.
+        name, _, processes = config.partition("@")
+        cmd = accelerate_launch(name, self.script, "--cases", str(root / "cases.json"))
+        if processes:
+            cmd[cmd.index("--main_process_port"):cmd.index("--main_process_port")] = ["--num_processes", processes]
         env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         # An outer timeout: a stuck gloo collective would otherwise hang the suite.
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -602,3 +621,64 @@ def test_multi_node_zero3_config_launches_two_nodes_of_eight(tmp_path):
     assert all(r["ACCELERATE_USE_DEEPSPEED"] == "true" and r["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
                and r["ACCELERATE_MIXED_PRECISION"] == "bf16" and r["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
                for r in ranks), ranks[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_two_ranks_splitting_each_datum_match_one_process(aggregation, update_runs):
+    # sequence_parallel_size=2 under ZeRO-3 on 2 ranks: one group, every datum's tokens split over both (sdpa through
+    # Ulysses), with the reference KL, the entropy bonus and token-level importance weights, chained over every
+    # aggregation mode: the update, the loss, the KL and the entropy are the one-process ones. Each rank forwarded every
+    # datum's half: 10 micro-batches each, and the padded area over both ranks is the datums' tokens plus at most one
+    # pad per odd-length datum (unsplit, the two ranks together would have forwarded every datum twice).
+    launch = update_runs("cpu_zero3.yaml", "sp")
+    report = launch["steps"][AGGREGATIONS.index(aggregation)]
+    assert report["aggregation"] == aggregation and report["sequence_parallel"] and report["deepspeed"]
+    assert report["update_norm"] > 1e-4 and report["rel_err"] < 1e-5, report
+    assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+    assert report["micro_batches"] == 10 and report["forwarded"] == 10 and report["dummies"] == 0
+    assert report["input_tokens"] <= report["padded_tokens"] <= report["input_tokens"] + 10
+    assert report["ref_err"] < 1e-5 and report["old_err"] < 1e-5 and report["entropy"] > 0 and report["kl_k3"] > 0
+
+
+@pytest.mark.slow
+def test_split_datums_take_sequence_level_importance_weights_from_the_whole_row(update_runs):
+    # sequence_mask: one weight per datum from all its tokens (a shard's half would mask other datums), under
+    # activation checkpointing (the backward recomputes each layer, its all-to-alls included), seq_mean_token_mean
+    # dividing each row by its whole token count.
+    report = update_runs("cpu_zero3.yaml", "sp-sequence-mask")
+    assert report["sequence_parallel"] and 0.0 < report["mismatch"]["is_masked_frac"] < 1.0
+    assert report["update_norm"] > 1e-4 and report["rel_err"] < 1e-5, report
+    assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["sp-groups", "sp-groups-rebalance"])
+def test_four_ranks_in_two_sequence_parallel_groups_match_one_process(case, update_runs):
+    # Data parallelism over the groups: planned per group (its members' 4 and 6 datums: the first group runs dummies,
+    # each counted once) or rebalanced over both; the gradient averaged over all 4 ranks is the one-process one.
+    report = update_runs("cpu_zero3.yaml@4", case)
+    assert report["world"] == 4 and report["sequence_parallel"] and report["forwarded"] == 10
+    assert report["dummies"] == (2 if case == "sp-groups" else 0)
+    assert report["update_norm"] > 1e-4 and report["rel_err"] < 1e-5, report
+    assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
+
+
+@pytest.mark.slow
+def test_a_trainer_step_with_sequence_parallelism_equals_one_process(trainer_runs):
+    # The trainer wired end to end (sequence_parallel_size=2 on 2 ZeRO-3 ranks: the update's forwards split, the
+    # rollouts, the no-gradient passes and the shared-prefix auto-choice whole on each rank): one step of STEP moves the
+    # weights as one process's step-grpo does.
+    import torch
+
+    report = trainer_runs("cpu_zero3.yaml", "step-sequence-parallel")
+    assert report["steps"][0]["train/update_skipped"] == 0.0
+    split = torch.load(trainer_runs.folder("cpu_zero3.yaml") / "step-sequence-parallel.pt")
+    trainer_runs("cpu.yaml", "step-grpo")
+    whole = torch.load(trainer_runs.folder("cpu.yaml") / "step-grpo.pt")
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+
+    initial = {k: v.float() for k, v in build_tiny_model(build_tokenizer("qwen2_5")).state_dict().items()}
+    update = sum(float((whole[k] - initial[k]).pow(2).sum()) for k in whole if k in initial) ** 0.5
+    diff = sum(float((split[k] - whole[k]).pow(2).sum()) for k in whole) ** 0.5
+    assert update > 1e-4 and diff / update < 1e-5, (diff, update)

@@ -144,6 +144,25 @@ def test_the_update_memory_estimate_by_hand():
                                                    free=(696_000, "free"))
     with pytest.raises(ValueError, match="will not fit"):
         check_update_memory(args, config, weights_bytes=10_000, trainable_fraction=1.0, free=(695_999, "free"))
+    # Sequence parallelism over 4 ranks: each forwards 250 of the 1,000 positions, a quarter of the layers' 640,000.
+    split = SimpleNamespace(**vars(args), sequence_parallel_size=4)
+    line = check_update_memory(split, config, weights_bytes=10_000, trainable_fraction=1.0, free=(216_000, "free"))
+    assert "250-token micro-batch (1/4 of 1000: sequence parallelism)" in line
+    with pytest.raises(ValueError, match="raise sequence_parallel_size"):
+        check_update_memory(split, config, weights_bytes=10_000, trainable_fraction=1.0, free=(215_999, "free"))
+
+
+def test_a_dry_run_refuses_sequence_parallelism_that_cannot_run_here(tmp_path, monkeypatch, no_child_no_tracker):
+    # One process without DeepSpeed, and the embedded default's 4 heads over 3 ranks: each named before the model loads.
+    retool_ppo = _recipe_module()
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    script_args, args = retool_ppo.parse_args(["--dry_run", "true", "--output_dir", str(tmp_path / "out"),
+                                               "--report_to", "none", "--sequence_parallel_size", "3"])
+    with pytest.raises(SystemExit, match="before any model loads.*sequence_parallel_size=3 cannot run: 1 processes "
+                                         "cannot form groups of 3.*under DeepSpeed only.*attention heads do not split "
+                                         "over 3 ranks"):
+        retool_ppo.main(script_args, args)
+    assert no_child_no_tracker == [] and not (tmp_path / "out").exists()
 
 
 def test_a_dry_run_with_an_unknown_plugin_exits_non_zero_with_the_refusal(tmp_path):

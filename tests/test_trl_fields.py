@@ -92,7 +92,6 @@ REFUSED_VALUES = {
     "save_strategy": "best",
     "fsdp": "full_shard",
     "fsdp_config": {"min_num_params": 1000},
-    "parallelism_config": "tp_size=2",  # built in the test (an accelerate ParallelismConfig)
 }
 EXTRA: dict[str, dict] = {}
 
@@ -132,10 +131,6 @@ def test_the_defaults_pass(tmp_path):
 @pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
 def test_a_refused_setting_names_its_field(tmp_path, name):
     value = REFUSED_VALUES[name]
-    if name == "parallelism_config":
-        from accelerate.parallelism_config import ParallelismConfig
-
-        value = ParallelismConfig(tp_size=2)
     # TRL and transformers refuse some of these themselves; either way the message names the field.
     with pytest.raises(ValueError, match=re.escape(name)):
         _config(tmp_path, **{name: value, **EXTRA.get(name, {})})

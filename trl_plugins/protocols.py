@@ -18,6 +18,7 @@ advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``need
                                                                           ``step_metric_reductions()``, ``close()``
 policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False),
                                                                           ``needs_turn_ids`` (False),
+                                                                          ``token_local`` (False),
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
 rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1),
@@ -301,6 +302,9 @@ class PolicyLossPlugin(_Adapter):
     """Applies ``PolicyLossInput.is_weights`` (the sampler/trainer mismatch correction); optional, default False."""
     needs_turn_ids: bool = False
     """Reads ``PolicyLossInput.turn_ids`` (a turn- or sequence-level ratio); optional, default False."""
+    token_local: bool = False
+    """Each token's loss reads that token's inputs alone, so a datum's tokens may be split over ranks (sequence
+    parallelism, which refuses a loss without it); optional, default False."""
 
     metric_prefix = "policy_loss/"
 
@@ -428,7 +432,8 @@ def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
                             needs_ref_logprobs=_required_bool(impl, "needs_ref_logprobs", label),
                             needs_entropy=_required_bool(impl, "needs_entropy", label),
                             supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label),
-                            needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label))
+                            needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label),
+                            token_local=_optional_bool(impl, "token_local", False, label))
 
 
 def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:

@@ -189,7 +189,8 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
         sampler_memory = check_sampler_memory(run, model_path, model_init_kwargs(script_args, training_args))
         if sampler_memory:
             say(f"start-up checks: {sampler_memory}")
-        say(f"start-up checks: {check_update_fits(run, model_path, training_args)}")
+        attention = model_init_kwargs(script_args, training_args).get("attn_implementation")  # None: transformers' own
+        say(f"start-up checks: {check_update_fits(run, model_path, training_args, attention=attention)}")
     if main_process and evaluate and not dry_run:
         prepare_child()  # for the evaluation of the starting model, if the build took the first one
     if dry_run:
@@ -253,9 +254,10 @@ def check_sampler_memory(run: Any, model_path: str, model_kwargs: Mapping[str, A
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
 
 
-def check_update_fits(run: Any, model_path: str, training_args: Any) -> str:
+def check_update_fits(run: Any, model_path: str, training_args: Any, *, attention: str | None = None) -> str:
     """The update's largest activation against the free memory (:func:`trl_plugins.run.update_memory.check_update_memory`),
-    from the model's config and the run's limits, before the weights load; returns the line to print.
+    from the model's config and the run's limits, before the weights load, after sequence parallelism's limits
+    (:func:`trl_plugins.run.parallelism.check_sequence_parallel`); returns the line to print.
 
     Raises:
         SystemExit: it will not fit (the message gives the figures and what to change).
@@ -264,7 +266,17 @@ def check_update_fits(run: Any, model_path: str, training_args: Any) -> str:
 
     from trl_plugins.run.update_memory import check_update_memory
 
+    from accelerate import PartialState
+
+    from trl_plugins.run.parallelism import check_sequence_parallel
+
     config = AutoConfig.from_pretrained(model_path)
+    try:  # sequence parallelism's limits: the processes, DeepSpeed, the model's heads and attention
+        check_sequence_parallel(training_args, config, world_size=PartialState().num_processes,
+                                deepspeed=distributed_mode(training_args=training_args).startswith("DeepSpeed"),
+                                policy_loss=run.policy_loss, attention=attention)
+    except ValueError as exc:
+        raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
     text = getattr(config, "text_config", None) or config
     hidden, vocab, layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)

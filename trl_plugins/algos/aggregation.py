@@ -37,6 +37,7 @@ def aggregate(
     num_sequences: float | torch.Tensor,
     norm_length: float | None = None,
     dp_size: int = 1,
+    row_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregate a micro-batch's ``(B, T)`` loss into its share of the global loss.
 
@@ -57,6 +58,8 @@ def aggregate(
         num_sequences: global count of sequences with at least one loss token.
         norm_length: required for ``seq_mean_token_sum_norm``.
         dp_size: number of data-parallel ranks whose gradients are averaged.
+        row_tokens: ``(B,)`` loss tokens of each whole row, for ``seq_mean_token_mean`` when ``per_token_loss`` is a
+            shard of its rows (sequence parallelism); None: counted in ``action_mask``.
 
     Returns:
         A scalar. Summing it over all micro-batches and ranks gives the global loss.
@@ -72,8 +75,8 @@ def aggregate(
     if mode == AggregationMode.TOKEN_MEAN:
         total = masked.sum() / num_tokens
     elif mode == AggregationMode.SEQ_MEAN_TOKEN_MEAN:
-        row_tokens = on.sum(dim=1).to(per_token_loss.dtype).clamp(min=1)
-        total = (masked.sum(dim=1) / row_tokens).sum() / num_sequences
+        rows = on.sum(dim=1) if row_tokens is None else row_tokens
+        total = (masked.sum(dim=1) / rows.to(per_token_loss.dtype).clamp(min=1)).sum() / num_sequences
     elif mode == AggregationMode.SEQ_MEAN_TOKEN_SUM:
         total = masked.sum() / num_sequences
     else:

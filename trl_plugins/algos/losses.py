@@ -270,6 +270,8 @@ class PPOClipLoss:
     supports_is_weights = True
     """Capability: applies ``PolicyLossInput.is_weights`` (the mismatch correction's or the decoupled objective's
     weight) to its policy and KL terms."""
+    token_local = True
+    """Capability: each token's loss reads that token's inputs alone (a datum may be split over ranks)."""
 
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
         out = ppo_clip_loss(

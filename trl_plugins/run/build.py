@@ -202,6 +202,7 @@ def resolve_run(config: Any, *, provenance: Mapping[str, str] | None = None, pef
             cannot fit, vLLM asked for but missing, or an adapter that cannot train here (each says what to set).
     """
     from trl_plugins.run.lora import check_peft_config
+    from trl_plugins.run.parallelism import check_sequence_parallel
 
     spec = RunSpec(config, dict(provenance or {}), peft_config)
     kind = sampler_kind(config)
@@ -216,6 +217,7 @@ def resolve_run(config: Any, *, provenance: Mapping[str, str] | None = None, pef
                   or (config.async_replica and config.off_policy_objective == "decoupled"))  # async: stale tokens
         check_plugin_settings(config, run.rollout, run.advantage, run.policy_loss, correction_applies_always=always)
         check_peft_config(peft_config, config, needs_values=run.advantage.needs_values)
+        check_sequence_parallel(config, policy_loss=run.policy_loss)  # a loss that spans shards
     except BaseException:
         run.close()
         raise

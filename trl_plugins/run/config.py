@@ -13,6 +13,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from trl_plugins.algos.losses import kl_gradient_problem
+from trl_plugins.run.parallelism import check_sequence_parallel, take_over_parallelism_config
 from trl_plugins.run.plugins import SettingError, nearest, plugin_params
 from trl_plugins.run.trl_fields import apply_trl_fields, is_set
 from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
@@ -90,6 +91,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     async_replica_threads: int | None = field(default=None, metadata={"help": "async_rollouts: torch threads of the generation replica process (None: half the cores, at least 1)."})
     drop_zero_advantage: bool = field(default=True, metadata={"help": "Skip the forward/backward of datums whose advantage is 0 (they still count in the loss denominators, so the gradient is unchanged; off automatically when a KL or entropy term is in the loss)."})
     logprob_chunk_size: int | None = field(default=None, metadata={"help": "Positions per chunk of the output projection when log-probs and entropies are computed (every pass: update, old/reference/proximal log-probs, replay): the forward stops at the final hidden states and at most this many positions' vocabulary-wide logits exist at once (recomputed per chunk in the backward). None: chosen from the vocabulary so a chunk's float32 tensors take about logprob_chunk_memory_mb. docs/training.md, long trajectories."})
+    sequence_parallel_size: int = field(default=1, metadata={"help": "Ranks one datum's tokens are split over in the policy update's forward and backward (DeepSpeed's Ulysses attention: each rank of a group of consecutive ranks forwards 1/N of the positions, the attention 1/N of the heads over all of them); data parallelism over the world size / N groups. Also set by TRL's parallelism_config=ParallelismConfig(sp_size=N, sp_backend='deepspeed') or an accelerate config's parallelism_config. Needs DeepSpeed, a world size that N divides, attention and key/value heads that split over N, sdpa or flash attention and a token-level policy loss (checked before the model loads). The update then packs one datum per micro-batch; the no-gradient passes, the critic, the evaluation and the rollouts run whole on each rank. 1: off. docs/training.md, long trajectories."})
     logprob_chunk_memory_mb: int = field(default=256, metadata={"help": "With logprob_chunk_size=None: the memory (MiB) one chunk's vocabulary-wide float32 tensors may take (4 copies of chunk x vocabulary); Qwen2.5's vocabulary gives 110 positions."})
     kl_estimator: str = field(default="k3", metadata={"help": "Estimator of KL(policy || reference) when beta > 0: k1, k2 or k3."})
     mismatch_correction_scope: str = field(default="foreign", metadata={"help": "Which rollout batches get the sampler/trainer mismatch correction (TRL's vllm_importance_sampling_correction, on by default): 'foreign' - batches with trajectories whose log-probs are not the trainer's own (logprob_source other than temperature_scaled, e.g. vLLM's processed); 'all' - every batch, HF generate included (old log-probs from a trainer forward). docs/training.md."})
@@ -117,7 +119,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         if self.gradient_checkpointing is None and self.activation_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default; its old name would raise a FutureWarning
+        take_over_parallelism_config(self)  # before TRL's, which refuses sequence parallelism
         super().__post_init__()
+        check_sequence_parallel(self)  # what the config alone shows; the rest before the model loads
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be a positive number of positions or None (chosen from the "
                              f"vocabulary and logprob_chunk_memory_mb), got {self.logprob_chunk_size}")
@@ -247,7 +251,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
         Returns (and stores) the choice."""
         if self.shared_prefix is None:
             impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
-            self.shared_prefix = impl in ("sdpa", "eager") and not self.padding_free and not self.reentrant_checkpointing()
+            self.shared_prefix = (impl in ("sdpa", "eager") and not self.padding_free and not self.reentrant_checkpointing()
+                                  and self.sequence_parallel_size == 1)
         elif self.shared_prefix and self.reentrant_checkpointing():
             raise ValueError(_REENTRANT)
         return self.shared_prefix

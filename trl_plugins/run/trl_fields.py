@@ -425,7 +425,7 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "deepspeed": FieldRule(_H, "ZeRO-2/3 through the HF loop (tested; the update sets DeepSpeed's accumulation boundary itself)."),
     "fsdp": FieldRule(_R, "untested: the rollout gathers full weights for generation only under DeepSpeed ZeRO-3, and ranks take different turn counts; use accelerate_configs/zero3.yaml."),
     "fsdp_config": FieldRule(_R, "read only with fsdp, which is refused."),
-    "parallelism_config": FieldRule(_R, "the update treats every process as a data-parallel rank; tensor, context and sequence parallelism are not supported."),
+    "parallelism_config": FieldRule(_M, "sequence_parallel_size: sp_size with sp_backend='deepspeed' (Ulysses in the policy update's forward and backward, docs/training.md); tensor, context and sharded data parallelism refused; an accelerate config's parallelism_config alike.", owner="MultiTurnGRPOConfig.__post_init__ (trl_plugins.run.parallelism)"),
     "ddp_find_unused_parameters": FieldRule(_H, _HF + " (DDP)."),
     "ddp_bucket_cap_mb": FieldRule(_H, _HF + " (DDP)."),
     "ddp_broadcast_buffers": FieldRule(_H, _HF + " (DDP)."),

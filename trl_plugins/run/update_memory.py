@@ -15,7 +15,8 @@ class UpdateMemory:
     """Estimated bytes of one micro-batch's forward and backward (an estimate: kernels' workspaces not counted)."""
 
     tokens: int
-    """Positions of the largest micro-batch (``max_padded_tokens_per_micro_batch``)."""
+    """Positions of the largest micro-batch on one rank (``max_padded_tokens_per_micro_batch``; under sequence
+    parallelism ``1 / sequence_parallel_size`` of it)."""
     layers: int
     """The layers' saved activations (each layer's input under activation checkpointing, plus one layer recomputed;
     every layer's intermediates without)."""
@@ -72,18 +73,21 @@ def check_update_memory(training_args: Any, model_config: Any, *, weights_bytes:
     chunk = training_args.logprob_chunk_size or auto_chunk_size(vocab, training_args.logprob_chunk_memory_mb * 2**20)
     checkpointing = bool(getattr(training_args, "activation_checkpointing", None)
                          or getattr(training_args, "gradient_checkpointing", False))
-    est = update_memory(tokens=int(training_args.max_padded_tokens_per_micro_batch), hidden=hidden,
+    split = int(getattr(training_args, "sequence_parallel_size", 1) or 1)  # each rank forwards 1/N of a datum
+    est = update_memory(tokens=-(-int(training_args.max_padded_tokens_per_micro_batch) // split), hidden=hidden,
                         intermediate=intermediate, num_layers=int(text.num_hidden_layers), vocab=vocab, chunk=chunk,
                         bytes_per_value=4 if dtype == "fp32" else 2, checkpointing=checkpointing)
     state = int(weights_bytes * (1 + 3 * trainable_fraction))
     available, where = free or _free_bytes()
-    line = (f"update memory: ~{est.total / 1e9:.2f} GB of activations for a {est.tokens}-token micro-batch "
+    shard = f" (1/{split} of {training_args.max_padded_tokens_per_micro_batch}: sequence parallelism)" if split > 1 else ""
+    line = (f"update memory: ~{est.total / 1e9:.2f} GB of activations for a {est.tokens}-token micro-batch{shard} "
             f"({est.layers / 1e9:.2f} GB layers{' checkpointed' if checkpointing else ''}, {dtype}; "
             f"{est.head / 1e9:.2f} GB log-prob chunk of {chunk} x {vocab}, against {est.full_logits / 1e9:.2f} GB "
             f"for the full logits) + ~{state / 1e9:.2f} GB weights and training state, of {available / 1e9:.2f} GB {where}")
     if est.total + state > available:
         raise ValueError(
             f"the update will not fit: {line}. Lower max_padded_tokens_per_micro_batch (the micro-batch budget; "
-            f"a trajectory longer than it cannot be trained), turn on activation_checkpointing, lower "
+            f"a trajectory longer than it cannot be trained), raise sequence_parallel_size (DeepSpeed: each rank "
+            f"forwards 1/N of a datum), turn on activation_checkpointing, lower "
             f"logprob_chunk_memory_mb, use LoRA or ZeRO-3 for the training state, or a machine with more memory.")
     return line

@@ -47,6 +47,7 @@ from trl_plugins.trainers.memory import reset_peak_memory
 from trl_plugins.trainers.model_card import name_local_base_model, name_quick_start_model
 from trl_plugins.trainers.phases import StepBatch, StepRunner
 from trl_plugins.trainers.resilience import Resilient
+from trl_plugins.trainers.sequence_parallel import setup_sequence_parallel
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
 
@@ -132,6 +133,9 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                     disable_dropout(module)
         args.resolve_padding_free(self.accelerator.unwrap_model(self.model))  # auto: by the attention implementation
         args.resolve_shared_prefix(self.accelerator.unwrap_model(self.model))  # after TRL settled the checkpointing
+        # sequence_parallel_size > 1: checked on the loaded model, the update's attention redirected (no compute yet).
+        sequence_parallel = setup_sequence_parallel(self.accelerator, self.accelerator.unwrap_model(self.model), args,
+                                                    policy_loss=run.policy_loss)
         # One sampler for the run, its model refreshed per rollout (Accelerate/DeepSpeed wrap it when training starts);
         # vLLM: TRL's __init__ built self.vllm_generation (colocate or server), turns go through it.
         self._sampler = make_backend(run.sampler, args, run.chat, model=self.model_wrapped,
@@ -146,7 +150,8 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                 weight_decay=args.weight_decay, optimizer_cls=torch.optim.SGD if args.critic_optim == "sgd" else torch.optim.AdamW,
             )
         self.step_runner = StepRunner(run, self.accelerator, pad_token_id=self.processing_class.pad_token_id,
-                                critic=self._critic, critic_optimizer=self._critic_optimizer)
+                                critic=self._critic, critic_optimizer=self._critic_optimizer,
+                                sequence_parallel=sequence_parallel)
         self.add_callback(OptimizerTimer(self))
         self.add_callback(PeakMemory(self))
         if args.console_metrics == "compact":

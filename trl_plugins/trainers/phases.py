@@ -118,11 +118,14 @@ class StepRunner:
         accelerator: The trainer's accelerator.
         pad_token_id: Padding id for collation.
         critic, critic_optimizer: The prepared critic and its optimizer when the estimator ``needs_values``.
+        sequence_parallel: This rank's sequence-parallel group (the policy update's forwards split), or None.
     """
 
-    def __init__(self, run: Run, accelerator: Any, *, pad_token_id: int, critic: Any = None, critic_optimizer: Any = None) -> None:
+    def __init__(self, run: Run, accelerator: Any, *, pad_token_id: int, critic: Any = None, critic_optimizer: Any = None,
+                 sequence_parallel: Any = None) -> None:
         self.run, self.accelerator, self.pad_token_id = run, accelerator, pad_token_id
         self.critic, self.critic_optimizer = critic, critic_optimizer
+        self.sequence_parallel = sequence_parallel
         self.config = run.config
 
     # -- once per rollout batch ----------------------------------------------------------------------
@@ -312,7 +315,8 @@ class StepRunner:
         else:
             start = time.perf_counter()
             result = policy_update(self.accelerator, model, optimizer, batch.datums, run.policy_loss, c,
-                                   pad_token_id=self.pad_token_id, step_optimizer=False)
+                                   pad_token_id=self.pad_token_id, step_optimizer=False,
+                                   sequence_parallel=self.sequence_parallel)
             metrics["timing/forward_backward_s"] = time.perf_counter() - start
             metrics.update(_update_metrics(result))
             loss = torch.tensor(result.loss, device=c.device)

@@ -46,6 +46,7 @@ from trl_plugins.trainers.micro_batches import (
     shared_prefix_on,
 )
 from trl_plugins.trainers.ranks import gather_values, is_deepspeed, merge_over_ranks, reduce_over_ranks
+from trl_plugins.trainers.sequence_parallel import SequenceParallel, group_plan, shard_micro_batch, split_attention
 from trl_plugins.types import (
     Datum,
     ImportanceSamplingMode,
@@ -284,12 +285,16 @@ def _check_inputs(datums: Sequence[Datum], loss: PolicyLossPlugin) -> tuple[bool
     return with_ref, with_old
 
 
-def _plan(accelerator: Any, datums: list[Datum], config: UpdateSettings) -> tuple[list[Datum], list[list[int]], float]:
+def _plan(accelerator: Any, datums: list[Datum], config: UpdateSettings,
+          sp: SequenceParallel | None) -> tuple[list[Datum], list[list[int]], float]:
     """``(datums, this rank's micro-batches, planning seconds)``; with ``rebalance_ranks`` the datums are every
-    rank's (gathered, in rank order) and the plan spans the ranks."""
+    rank's (gathered, in rank order) and the plan spans the ranks; under sequence parallelism the plan is its group's
+    (:func:`~trl_plugins.trainers.sequence_parallel.group_plan`)."""
     start = time.perf_counter()
     world = accelerator.num_processes
-    if config.rebalance_ranks and world > 1:
+    if sp is not None:
+        datums, batches = group_plan(datums, config, sp)
+    elif config.rebalance_ranks and world > 1:
         from accelerate.utils import gather_object
 
         datums = [d for part in gather_object([datums]) for d in part]
@@ -301,7 +306,7 @@ def _plan(accelerator: Any, datums: list[Datum], config: UpdateSettings) -> tupl
 
 def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], batches: list[list[int]],
               loss_fn: PolicyLossPlugin, config: UpdateSettings, *, pad_token_id: int, num_tokens: float, num_seqs: float,
-              any_ref: bool, is_mode: ImportanceSamplingMode | None) -> _Pass:
+              any_ref: bool, is_mode: ImportanceSamplingMode | None, sp: SequenceParallel | None) -> _Pass:
     world, device = accelerator.num_processes, accelerator.device
     temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
     sync = GradientSync(accelerator, model)
@@ -314,48 +319,59 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
                               with_ref=any_ref):
         mb, idx = step.batch, step.datum_indices
         out.steps += 1
-        out.sums.dummies += not idx
-        out.sums.padded += mb.num_padded_tokens
-        out.sums.real += int(mb.attention_mask.sum())
-        out.sums.computed += mb.num_forwarded_tokens
-        mask = mb.action_mask.to(device)
-        with sync.context(step.last):
-            logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature, with_entropy=loss_fn.needs_entropy,
-                                                 needed=mb.action_mask, chunk_size=chunk_size)
-            ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
+        # The importance weights from the whole row (a sequence-level weight spans the shards), before any split.
+        is_w = None
+        if mb.old_logprobs is not None:
+            is_w = importance_weights(mb.old_logprobs.to(device), mb.behaviour_logprobs.to(device),
+                                      mb.action_mask.to(device), is_mode, clip_min=config.vllm_importance_sampling_clip_min,
+                                      clip_max=config.vllm_importance_sampling_clip_max)
+        # Under sequence parallelism this rank's shard of the (one-datum) micro-batch; figures per datum counted once
+        # per group, per token on each shard.
+        view = mb if sp is None else shard_micro_batch(mb, sp, pad_token_id=pad_token_id)
+        first = sp is None or sp.rank == 0
+        out.sums.dummies += first and not idx
+        out.sums.padded += mb.num_padded_tokens if sp is None else view.input_ids.numel()
+        out.sums.real += int(mb.attention_mask.sum()) if sp is None else int(view.real.sum())
+        out.sums.computed += mb.num_forwarded_tokens if sp is None else int(view.real.sum())
+        mask = view.action_mask.to(device)
+        with sync.context(step.last), split_attention() if sp is not None else contextlib.nullcontext():
+            if sp is None:
+                logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature,
+                                                     with_entropy=loss_fn.needs_entropy, needed=mb.action_mask,
+                                                     chunk_size=chunk_size)
+            else:
+                logp, entropy = view.logprobs(model, device, temperature=temperature, with_entropy=loss_fn.needs_entropy,
+                                              chunk_size=chunk_size)
+            ref = None if view.ref_logprobs is None else view.ref_logprobs.to(device)
             # The PPO anchor: the sampler's log-probs, or with the mismatch correction the trainer's own
             # (pi_old), the sampler-to-trainer gap then going into the importance weights.
-            anchor = mb.behaviour_logprobs.to(device) if mb.old_logprobs is None else mb.old_logprobs.to(device)
-            is_w = None
-            if mb.old_logprobs is not None:
-                is_w = importance_weights(anchor, mb.behaviour_logprobs.to(device), mask, is_mode,
-                                          clip_min=config.vllm_importance_sampling_clip_min,
-                                          clip_max=config.vllm_importance_sampling_clip_max)
+            anchor = view.behaviour_logprobs.to(device) if view.old_logprobs is None else view.old_logprobs.to(device)
+            weights = None if is_w is None else is_w.weights if sp is None else view.take(is_w.weights).to(device)
             result = loss_fn(PolicyLossInput(
-                logprobs=logp, behaviour_logprobs=anchor, advantages=mb.advantages.to(device), action_mask=mask,
-                ref_logprobs=ref if loss_fn.needs_ref_logprobs else None, entropy=entropy,
-                is_weights=None if is_w is None else is_w.weights,
-                turn_ids=_turn_ids(mb, device) if loss_fn.needs_turn_ids else None,
+                logprobs=logp, behaviour_logprobs=anchor, advantages=view.advantages.to(device), action_mask=mask,
+                ref_logprobs=ref if loss_fn.needs_ref_logprobs else None, entropy=entropy, is_weights=weights,
+                turn_ids=_turn_ids(view, device) if loss_fn.needs_turn_ids else None,
             ))
             loss = aggregate(result.per_token_loss, mask, config.aggregation, num_tokens=num_tokens, num_sequences=num_seqs,
-                             norm_length=config.norm_length, dp_size=world) * mb.weight
+                             norm_length=config.norm_length, dp_size=world,
+                             row_tokens=None if sp is None else view.row_tokens.to(device)) * mb.weight
             sync.backward(loss)
         out.sums.loss += float(loss.detach()) / world
         if not idx:
             continue
         out.stats = result.stats if out.stats is None else out.stats.merge(result.stats)
-        if is_w is not None:
+        if is_w is not None and first:
             out.mismatch = is_w.stats if out.mismatch is None else out.mismatch.merge(is_w.stats)
         out.ratios.append(importance_ratios(logp, anchor, mask).cpu())
-        out.sums.forwarded_tokens += float(sum(datums[i].num_loss_tokens for i in idx))
+        out.sums.forwarded_tokens += float(mask.sum())
         with torch.no_grad():
             if ref is not None:
                 on = mask.bool()
                 safe_ref = torch.where(on, ref, logp.detach())
                 # pi / pi_behaviour, as in PPOClipLoss's importance-weighted KL term: ~1 on fresh HF generate tokens.
                 kl_w = torch.exp((logp.detach() - torch.where(on, anchor, logp.detach())).clamp(-20.0, 20.0)) * mask
-                if is_w is not None:
-                    kl_w = kl_w * is_w.weights
+                if weights is not None:
+                    kl_w = kl_w * weights
                 for est in KLEstimator:
                     setattr(out.sums, f"kl_{est.value}",
                             getattr(out.sums, f"kl_{est.value}") + float((kl_estimate(logp.detach(), safe_ref, est) * kl_w).sum()))
@@ -376,6 +392,7 @@ def policy_update(
     *,
     pad_token_id: int,
     step_optimizer: bool = True,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> UpdateResult:
     """Run one exact update on this rank's ``datums``; every rank must call it (collectives inside).
 
@@ -394,6 +411,8 @@ def policy_update(
         step_optimizer: Step and zero the optimizer here (DDP/single process). ``False`` when a caller
             such as the HF Trainer loop clips and steps itself right after. Under DeepSpeed the engine
             steps in the last backward either way.
+        sequence_parallel: This rank's group (:func:`~trl_plugins.trainers.sequence_parallel.setup_sequence_parallel`):
+            each datum's tokens are split over the group's ranks in the forward and backward; None: off.
 
     Returns:
         Global numbers of the update (the same on every rank).
@@ -405,14 +424,15 @@ def policy_update(
     datums = [datums[i] for i in datums_to_forward(datums, loss_fn, config)]
     with_ref, with_old = _check_inputs(datums, loss_fn)
     # 2. plan.
-    datums, batches, packing_s = _plan(accelerator, datums, config)
-    forwarded, any_ref, any_old = reduce_over_ranks(
-        accelerator, [float(sum(len(idx) for idx in batches)), float(with_ref), float(with_old)], "sum")
+    sp = sequence_parallel
+    datums, batches, packing_s = _plan(accelerator, datums, config, sp)
+    mine = float(sum(len(idx) for idx in batches)) if sp is None or sp.rank == 0 else 0.0  # a group's datums once
+    forwarded, any_ref, any_old = reduce_over_ranks(accelerator, [mine, float(with_ref), float(with_old)], "sum")
     any_ref, any_old = any_ref > 0, any_old > 0
     is_mode = ImportanceSamplingMode(config.vllm_importance_sampling_mode) if any_old else None
     # 3. pass.
     done = _run_pass(accelerator, model, datums, batches, loss_fn, config, pad_token_id=pad_token_id, num_tokens=num_tokens,
-                     num_seqs=num_seqs, any_ref=any_ref, is_mode=is_mode)
+                     num_seqs=num_seqs, any_ref=any_ref, is_mode=is_mode, sp=sp)
     # 4. step.
     grad_norm = None
     if not is_deepspeed(accelerator) and step_optimizer:
