@@ -160,8 +160,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "layer, Ulysses' all-to-alls included)")
     ap.add_argument("--chunked-head", action="store_true",
                     help="ZeRO-3 with every parameter partitioned: the chunked head's log-probs, entropies and "
-                         "gradients (tied and untied, one chunk and several) against one process's full logits, and "
-                         "the head weight's gathers per forward and backward counted")
+                         "gradients (tied, untied, and a LoRA adapter on lm_head; one chunk and several) against one "
+                         "process's full logits, and the head's gathers per forward and backward counted")
     return ap.parse_args(argv)
 
 
@@ -181,6 +181,19 @@ def tiny_tied_qwen2() -> torch.nn.Module:
                                          tie_word_embeddings=True))
     model.config._attn_implementation = "eager"
     return model.eval()
+
+
+def tiny_lora_head_qwen2() -> torch.nn.Module:
+    """tiny_qwen2 with a LoRA adapter on lm_head (PEFT's wrapper: a head with submodules), its lora_B non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_qwen2()
+    torch.manual_seed(1)  # the adapter's init: the same for the reference and the ranks
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], init_lora_weights=False))
+
+
+HEAD_MODELS = {"untied": tiny_qwen2, "tied": tiny_tied_qwen2, "lora-head": tiny_lora_head_qwen2}
+"""The chunked-head case's models, by the report's key."""
 
 
 def count_gathers(module: torch.nn.Module, target: torch.nn.Parameter, phase: list[str]):
@@ -217,29 +230,36 @@ def chunked_head_check(args, accelerator) -> None:
     weights = torch.linspace(-1, 1, act.numel()).reshape(act.shape)
     zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
     report = {"n_action": int(act.sum())}
-    for tied in (False, True):
-        reference = tiny_tied_qwen2() if tied else tiny_qwen2()
-        model = tiny_tied_qwen2() if tied else tiny_qwen2()
+    for kind, build in HEAD_MODELS.items():
+        reference, model = build(), build()
         logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         ref_lp, ref_ent = _full_logits_logprobs(logits, mb.target_ids, 0.7, True)
         ((ref_lp * weights)[act].sum() + 0.1 * ref_ent[act].sum()).backward()
         previous = zero.get("stage3_param_persistence_threshold")
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned, the head's too
         try:
-            model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+            model, _ = accelerator.prepare(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                                                  lr=LR))
         finally:
             if previous is None:
                 del zero["stage3_param_persistence_threshold"]
             else:
                 zero["stage3_param_persistence_threshold"] = previous
-        head = model.module.lm_head.weight
-        assert hasattr(head, "ds_id") and head.ds_persist is False and (head is model.module.model.embed_tokens.weight) == tied
-        head_name = next(n for n, p in model.module.named_parameters() if p is head)  # tied: the embedding's name
+        inner = model.module.get_base_model() if kind == "lora-head" else model.module
+        # The head's weight (the adapter's base layer's), and the parameter whose gradient is checked for size: the
+        # head's, or the adapter's lora_A where only the adapter trains.
+        head = inner.lm_head.base_layer.weight if kind == "lora-head" else inner.lm_head.weight
+        trained = inner.lm_head.lora_A["default"].weight if kind == "lora-head" else head
+        assert hasattr(head, "ds_id") and head.ds_persist is False
+        assert (head is inner.model.embed_tokens.weight) == (kind == "tied")
+        head_name = next(n for n, p in model.module.named_parameters() if p is trained)  # tied: the embedding's name
         phase = ["forward"]
         counts = count_gathers(model.module, head, phase)
+        adapter_counts = count_gathers(model.module, trained, phase) if trained is not head else counts
         out = {}
         for mode, (size, shared) in CHUNKED_HEAD_PASSES.items():
             counts.clear()
+            adapter_counts.clear()
             phase[0] = "forward"
             if size is None:
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
@@ -250,17 +270,19 @@ def chunked_head_check(args, accelerator) -> None:
             phase[0] = "backward"
             model.backward((lp * weights)[act].sum() + 0.1 * ent[act].sum())  # the engine's: no optimizer step
             phase[0] = "after"
-            grads = {n: safe_get_full_grad(p) for n, p in model.module.named_parameters()}
+            grads = {n: safe_get_full_grad(p) for n, p in model.module.named_parameters() if p.requires_grad}
             model.optimizer.zero_grad()
             ref = dict(reference.named_parameters())
             out[mode] = {
                 "forward_gathers": counts["forward"], "backward_gathers": counts["backward"],
+                "adapter_forward_gathers": adapter_counts["forward"],
+                "adapter_backward_gathers": adapter_counts["backward"],
                 "lp_err": float((lp[act] - ref_lp[act]).norm() / ref_lp[act].norm()),
                 "ent_err": float((ent[act] - ref_ent[act]).norm() / ref_ent[act].norm()),
                 "grad_err": max(float((grads[n] - ref[n].grad).norm() / ref[n].grad.norm()) for n in grads),
                 "head_grad_norm": float(grads[head_name].norm()),
             }
-        report["tied" if tied else "untied"] = out
+        report[kind] = out
         accelerator.free_memory()
     if accelerator.is_main_process:
         report["world"] = accelerator.num_processes

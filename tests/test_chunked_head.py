@@ -85,6 +85,42 @@ def test_lora_with_or_without_adapters_on_the_head(targets):
     _compare(model, "shared_prefix", temperature=1.3)
 
 
+def test_an_adapters_dropout_on_the_head_draws_the_same_masks_in_the_backwards_recompute():
+    # lora_dropout on lm_head in training draws a mask per chunk: the backward recomputes each chunk's logits, and must
+    # draw the forward's masks again, or the gradient is of another function. The reference: the same chunks through
+    # the same adapter by plain autograd (no recompute), from the same random state.
+    from peft import LoraConfig, get_peft_model
+
+    from trl_plugins.chunked_head import _chunk, chunked_logprobs_and_entropy, output_head
+
+    torch.manual_seed(0)
+    model = get_peft_model(_model("qwen2_sdpa"), LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"],
+                                                              lora_dropout=0.5, init_lora_weights=False)).train()
+    head = output_head(model)
+    assert next(head.children(), None) is not None  # PEFT's wrapper: a head with submodules
+    hidden = torch.randn(23, model.config.hidden_size, requires_grad=True)
+    targets = torch.randint(0, model.config.vocab_size, (23,))
+    weights = torch.linspace(-1, 1, 23)
+    trained = [p for p in head.parameters() if p.requires_grad]
+
+    def grads(seed: int, chunked: bool) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        if chunked:
+            lp, ent = chunked_logprobs_and_entropy(head, hidden, targets, temperature=1.3, chunk_size=CHUNK)
+        else:
+            parts = [_chunk(head, hidden[i: i + CHUNK], targets[i: i + CHUNK], 1.3, True) for i in range(0, 23, CHUNK)]
+            lp, ent = torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
+        after_forward = torch.get_rng_state()
+        out = list(torch.autograd.grad((lp * weights).sum() + 0.1 * ent.sum(), [hidden, *trained]))
+        assert torch.equal(torch.get_rng_state(), after_forward)  # the recompute's draws leave the caller's state
+        return out
+
+    reference = grads(1, chunked=False)
+    assert len(trained) == 2 and max(rel_err(a, b) for a, b in zip(grads(1, chunked=True), reference)) < 1e-5
+    # The negative control: other masks (another seed) give other gradients.
+    assert max(rel_err(a, b) for a, b in zip(grads(2, chunked=False), reference)) > 1e-2
+
+
 @pytest.mark.parametrize("layout", ["padding_free", "shared_prefix"])
 def test_under_activation_checkpointing(layout):
     model = _model("qwen2_sdpa").train()

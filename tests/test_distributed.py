@@ -83,22 +83,25 @@ def test_two_ranks_critic_update_matches_one_process(config, update_runs):
 def test_zero3_gathers_the_chunked_heads_weight_once_per_forward_and_once_per_backward(update_runs):
     # Every parameter partitioned (no persistence threshold; the tiny model's would otherwise all persist), both ranks
     # on the same micro-batch: the log-probs, entropies and full gradients equal one process's full logits (1e-5),
-    # untied and tied (the head's weight is the input embedding's), with 94 action positions in chunks of 7, in one
-    # chunk, in chunks of 7 in the shared-prefix layout, and with the full logits. The head's weight is all-gathered
-    # once in the forward (by the head's hooks in the model's forward, or the embedding's where tied, then kept for
-    # the chunks) and once in the backward (for every chunk's recompute). Once more in the backward: tied, by the
-    # embedding's own backward (as with the full logits); in the shared-prefix layout, by the head's hooks of its
-    # second forward. Before: 15 gathers in the forward and 29 in the backward with chunks of 7.
+    # untied, tied (the head's weight is the input embedding's) and with a LoRA adapter on lm_head (PEFT's wrapper, a
+    # head with submodules; only the adapter trains), with 94 action positions in chunks of 7, in one chunk, in chunks
+    # of 7 in the shared-prefix layout, and with the full logits. The head's weight is all-gathered once in the forward
+    # (by the head's hooks in the model's forward, or the embedding's where tied, then kept for the chunks; the
+    # adapter's with its base layer, by the chunks) and once in the backward (for every chunk's recompute). Once more
+    # in the backward: tied, by the embedding's own backward (as with the full logits); in the shared-prefix layout,
+    # by the head's hooks of its second forward. Before: 15 gathers in the forward and 29 in the backward with chunks
+    # of 7; the adapter's, 15 in the backward.
     report = update_runs("cpu_zero3.yaml", "chunked-head")
     assert report["world"] == 2 and report["n_action"] > 10 * 7
-    for tying in ("untied", "tied"):
-        assert set(report[tying]) == {"chunks-of-7", "one-chunk", "shared-prefix-chunks-of-7", "full"}
-        for mode, got in report[tying].items():
-            assert got["lp_err"] < 1e-5 and got["ent_err"] < 1e-5 and got["grad_err"] < 1e-5, (tying, mode, got)
+    for kind in ("untied", "tied", "lora-head"):
+        assert set(report[kind]) == {"chunks-of-7", "one-chunk", "shared-prefix-chunks-of-7", "full"}
+        for mode, got in report[kind].items():
+            assert got["lp_err"] < 1e-5 and got["ent_err"] < 1e-5 and got["grad_err"] < 1e-5, (kind, mode, got)
             assert got["head_grad_norm"] > 1.0
             if mode != "full":
-                backward_cap = 2 if tying == "tied" or mode.startswith("shared") else 1
-                assert got["forward_gathers"] == 1 and got["backward_gathers"] <= backward_cap, (tying, mode, got)
+                backward_cap = 2 if kind == "tied" or (kind == "untied" and mode.startswith("shared")) else 1
+                assert got["forward_gathers"] == 1 and got["backward_gathers"] <= backward_cap, (kind, mode, got)
+                assert got["adapter_forward_gathers"] == 1 and got["adapter_backward_gathers"] <= backward_cap, (kind, mode, got)
 
 
 @pytest.mark.slow

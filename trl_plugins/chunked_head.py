@@ -6,8 +6,8 @@ model's own forward (through its wrapper: DDP, DeepSpeed, PEFT) with the output 
 through, so ``.logits`` is the ``(..., H)`` final hidden states; :func:`chunked_logprobs_and_entropy` then applies the
 projection, the temperature, the log-softmax at the target and the entropy to ``chunk_size`` positions at a time,
 each chunk's logits recomputed in the backward, so the peak is ``chunk_size x V`` rather than ``T x V``. Under
-DeepSpeed ZeRO-3 the head's weight is gathered once for the forward (:func:`head_gathered_once`) and once for the
-backward, whatever the number of chunks.
+DeepSpeed ZeRO-3 the head's parameters (PEFT's adapters on it included) are gathered once for the forward
+(:func:`head_gathered_once`) and once for the backward, whatever the number of chunks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 __all__ = ["DEFAULT_LOGPROB_MEMORY_BYTES", "auto_chunk_size", "logprob_chunk_size", "output_head", "chunkable",
            "hidden_states_instead_of_logits", "head_gathered_once", "chunked_logprobs_and_entropy"]
@@ -190,6 +189,20 @@ def _release(params: list[torch.nn.Parameter]) -> None:
 
 
 @contextlib.contextmanager
+def _held(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    # ZeRO-3: a holder no module is: DeepSpeed's hooks release a parameter only when no module holds it
+    # (ds_active_sub_modules), so theirs leave these gathered.
+    key = -next(_HOLDS)  # modules' ds_ids count up from 0
+    for p in params:
+        p.ds_active_sub_modules.add(key)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.ds_active_sub_modules.discard(key)
+
+
+@contextlib.contextmanager
 def head_gathered_once(head: torch.nn.Module) -> Iterator[None]:
     """Within, under DeepSpeed ZeRO-3: the head's parameters, once gathered (by the module hooks of the model's
     forward: the head's, or the input embedding's where they are tied), stay gathered; on leaving, those that were
@@ -204,14 +217,10 @@ def head_gathered_once(head: torch.nn.Module) -> Iterator[None]:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    key = -next(_HOLDS)  # modules' ds_ids count up from 0
-    for p in params:
-        p.ds_active_sub_modules.add(key)
     try:
-        yield
+        with _held(params):
+            yield
     finally:
-        for p in params:
-            p.ds_active_sub_modules.discard(key)
         _release(partitioned)
 
 
@@ -221,17 +230,43 @@ def _self_contained(head: torch.nn.Module) -> bool:
     return next(head.children(), None) is None
 
 
+def _random(head: torch.nn.Module) -> bool:
+    # A dropout that draws (PEFT's lora_dropout in training): the backward's recompute must draw the same masks.
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in head.modules())
+
+
+def _rng_states(device: torch.device) -> tuple[Any, Any]:
+    accelerator = getattr(torch, device.type, None) if device.type != "cpu" else None
+    return torch.get_rng_state(), (accelerator.get_rng_state(device) if accelerator is not None else None)
+
+
+@contextlib.contextmanager
+def _replayed_rng(states: tuple[Any, Any] | None, device: torch.device) -> Iterator[None]:
+    if states is None:
+        yield
+        return
+    devices = [device] if states[1] is not None else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.set_rng_state(states[0])
+        if devices:
+            getattr(torch, device.type).set_rng_state(states[1], device)
+        yield
+
+
 class _HeadChunks(torch.autograd.Function):
     """The chunks' log-probs and entropies, ``(N,)`` each, with the head's parameters as inputs: the forward keeps
-    only ``hidden`` and ``targets``; the backward recomputes each chunk's logits (the head's ``forward``, not its
-    module hooks) and sums its parameters' gradients, so each parameter gets one gradient per micro-batch (one
-    reduce hook under DDP or ZeRO-3) and, under ZeRO-3, one gather for all the backward's chunks."""
+    only ``hidden`` and ``targets``; the backward recomputes each chunk's logits and sums its parameters' gradients,
+    so each parameter gets one gradient per micro-batch (one reduce hook under DDP or ZeRO-3) and, under ZeRO-3, one
+    gather for all the backward's chunks. A head without submodules runs its ``forward`` (not its module hooks);
+    another (PEFT's adapters on ``lm_head``) runs its ``forward``, whose submodules' hooks find their parameters held
+    gathered, with the forward's random state replayed for the recompute (an adapter's dropout)."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, head, temperature, with_entropy, chunk_size, release, *params):
+    def forward(ctx, hidden, targets, head, temperature, with_entropy, chunk_size, release_token, *params):
         ctx.save_for_backward(hidden, targets)
-        ctx.head, ctx.temperature, ctx.with_entropy, ctx.chunk_size, ctx.release = (head, temperature, with_entropy,
-                                                                                    chunk_size, release)
+        ctx.head, ctx.temperature, ctx.with_entropy, ctx.chunk_size = head, temperature, with_entropy, chunk_size
+        ctx.release_token = release_token
+        ctx.rng = _rng_states(hidden.device) if _random(head) else None
         logps, entropies = [], []
         for start in range(0, hidden.shape[0], chunk_size):
             lp, ent = _chunk(head, hidden[start: start + chunk_size], targets[start: start + chunk_size],
@@ -249,30 +284,49 @@ class _HeadChunks(torch.autograd.Function):
         head = ctx.head
         params = [p for p, needs in zip(head.parameters(), ctx.needs_input_grad[7:]) if needs]
         want_hidden = ctx.needs_input_grad[0]
-        gathered = _gather(_zero3_params(head))
+        partitioned = _zero3_params(head)
+        _gather(partitioned)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_params = [None] * len(params)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = start + ctx.chunk_size
-            h = hidden[start:end].detach().requires_grad_(want_hidden)
-            with torch.enable_grad():
-                lp, ent = _chunk(head, h, targets[start:end], ctx.temperature, ctx.with_entropy, call=head.forward)
-            outputs, grads = [lp], [grad_logp[start:end]]
-            if ctx.with_entropy and grad_entropy is not None:
-                outputs.append(ent)
-                grads.append(grad_entropy[start:end])
-            inputs = ([h] if want_hidden else []) + params
-            got = list(torch.autograd.grad(outputs, inputs, grads, allow_unused=True))
-            if want_hidden:
-                grad_hidden[start:end] = got.pop(0)
-            for k, g in enumerate(got):
-                if g is not None:
-                    grad_params[k] = g if grad_params[k] is None else grad_params[k].add_(g)
-        if ctx.release:
-            _release(gathered)
+        with _held(partitioned), _replayed_rng(ctx.rng, hidden.device):
+            for start in range(0, hidden.shape[0], ctx.chunk_size):
+                end = start + ctx.chunk_size
+                h = hidden[start:end].detach().requires_grad_(want_hidden)
+                with torch.enable_grad():
+                    lp, ent = _chunk(head, h, targets[start:end], ctx.temperature, ctx.with_entropy,
+                                     call=head.forward)
+                outputs, grads = [lp], [grad_logp[start:end]]
+                if ctx.with_entropy and grad_entropy is not None:
+                    outputs.append(ent)
+                    grads.append(grad_entropy[start:end])
+                inputs = ([h] if want_hidden else []) + params
+                got = list(torch.autograd.grad(outputs, inputs, grads, allow_unused=True))
+                if want_hidden:
+                    grad_hidden[start:end] = got.pop(0)
+                for k, g in enumerate(got):
+                    if g is not None:
+                        grad_params[k] = g if grad_params[k] is None else grad_params[k].add_(g)
+        token = ctx.release_token
         grad_params = iter(grad_params)
-        return (grad_hidden, None, None, None, None, None, None,
+        return (grad_hidden, None, None, None, None, None, None if token is None else torch.zeros_like(token),
                 *[next(grad_params) if needs else None for needs in ctx.needs_input_grad[7:]])
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """ZeRO-3: passes a scalar token to :class:`_HeadChunks`; its backward, which the chunks' backward makes ready at
+    the same time as their parameters' gradient accumulation, runs after it (torch runs ``AccumulateGrad`` nodes
+    first, and DeepSpeed's reduce hooks with them) and partitions the head's parameters again. Releasing inside the
+    chunks' backward would partition them before their gradients reached them."""
+
+    @staticmethod
+    def forward(ctx, token, params):
+        ctx.params = params
+        return token.view_as(token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _release(ctx.params)
+        return grad, None
 
 
 def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
@@ -282,13 +336,12 @@ def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, ta
     ``chunk_size`` rows at a time; only the hidden rows and the two ``(N,)`` results are kept for the backward, which
     recomputes each chunk's logits.
 
-    A head without submodules (``nn.Linear``, tied or not) runs as one autograd function over all chunks: under
-    DeepSpeed ZeRO-3 its parameters are gathered once for the forward's chunks (inside :func:`head_gathered_once`:
-    the gather of the model's forward) and once for the backward's, whose gradient reaches each parameter once.
-    ``hooks_release``: ``hidden`` came out of the head's own call (:func:`hidden_states_instead_of_logits`), whose
-    ZeRO-3 backward hooks then find the parameters gathered and release them; otherwise the backward releases them.
-    Other heads (PEFT's adapters on ``lm_head``) run each chunk checkpointed through their module, gathered under
-    ZeRO-3 by their submodules' hooks for each chunk's recompute."""
+    The chunks run as one autograd function: under DeepSpeed ZeRO-3 the head's parameters (its adapters' too) are
+    gathered once for the forward's chunks (inside :func:`head_gathered_once`: the gather of the model's forward) and
+    once for the backward's, whose gradient reaches each parameter once. ``hooks_release``: ``hidden`` came out of the
+    head's own call (:func:`hidden_states_instead_of_logits`), whose ZeRO-3 backward hooks then find the parameters
+    gathered and release them (a head without submodules: its hooks hold its parameters); otherwise the backward
+    releases them."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     if not hidden.shape[0]:
@@ -297,30 +350,22 @@ def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, ta
         return empty, (empty if with_entropy else None)
     params = list(head.parameters())
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))
-    if _self_contained(head):
-        with head_gathered_once(head):
-            _gather(_zero3_params(head))  # normally gathered already; the autograd function records full shapes
-            if grad:
-                logp, entropy = _HeadChunks.apply(hidden, targets, head, temperature, with_entropy, chunk_size,
-                                                  not hooks_release or not hidden.requires_grad, *params)
-            else:
-                with torch.no_grad():
-                    logp, entropy = _HeadChunks.forward(_NoContext(), hidden, targets, head, temperature,
-                                                        with_entropy, chunk_size, True)
-        return logp, (entropy if with_entropy else None)
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, t = hidden[start: start + chunk_size], targets[start: start + chunk_size]
+    partitioned = _zero3_params(head)
+    with head_gathered_once(head):
+        _gather(partitioned)  # normally gathered already; the autograd function records full shapes
         if grad:
-            # determinism_check off: under ZeRO-3 the head's weight is a partitioned parameter, gathered by its
-            # module's hooks for the recompute and released again before torch would compare it with the forward's.
-            lp, ent = checkpoint(_chunk, head, h, t, temperature, with_entropy, use_reentrant=False,
-                                 determinism_check="none")
+            token = None
+            if partitioned and not (hooks_release and hidden.requires_grad and _self_contained(head)):
+                # No module hook will release them after the backward (the head's own, with its parameters, does).
+                token = _ReleaseAfterBackward.apply(torch.zeros((), device=hidden.device, requires_grad=True),
+                                                    partitioned)
+            logp, entropy = _HeadChunks.apply(hidden, targets, head, temperature, with_entropy, chunk_size, token,
+                                              *params)
         else:
-            lp, ent = _chunk(head, h, t, temperature, with_entropy)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+            with torch.no_grad():
+                logp, entropy = _HeadChunks.forward(_NoContext(), hidden, targets, head, temperature, with_entropy,
+                                                    chunk_size, None)
+    return logp, (entropy if with_entropy else None)
 
 
 class _NoContext:
