@@ -204,6 +204,12 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     _, bare = parse_args(["--system_prompt", "Solve it.", "--viewer_steps", "0"])
     text = format_banner(script_args, resolve_run(bare), world_size=1, device="cpu", distributed="single process")
     assert "warning:      system_prompt does not mention the tool 'code_interpreter'" in text and "viewer:" not in text
+    # Sequence parallelism: the processes line says how each datum is split, the packer line one row per micro-batch.
+    _, split = parse_args(["--sequence_parallel_size", "2"])
+    text = format_banner(script_args, resolve_run(split), world_size=4, device="cuda:0", distributed="DeepSpeed ZeRO-3")
+    assert (f"processes:    4 on cuda:0, DeepSpeed ZeRO-3, each datum's tokens split over 2 ranks in the update "
+            f"(sequence parallelism, 2 data-parallel groups), {'bf16' if split.bf16 else 'fp32'}") in text
+    assert "packer:       optimal (1 row split over 2 ranks (sequence parallelism), <= " in text
     # A tool that has not started says when it will report.
     text = format_banner(script_args, run, world_size=1, device="cpu", distributed="single process")
     assert "reports how it runs when the tools start" in text

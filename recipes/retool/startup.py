@@ -401,14 +401,18 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     lines.append("checks:       each reward, the advantage and the policy loss run their contract check on a copy "
                  "before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else ""))
     state = {None: "auto", True: "on", False: "off"}
-    lines.append(f"packer:       {a.packer} (<= {a.max_items_per_micro_batch} rows, <= {a.max_padded_tokens_per_micro_batch}"
+    rows = (f"1 row split over {a.sequence_parallel_size} ranks (sequence parallelism)" if a.sequence_parallel_size > 1
+            else f"<= {a.max_items_per_micro_batch} rows")
+    lines.append(f"packer:       {a.packer} ({rows}, <= {a.max_padded_tokens_per_micro_batch}"
                  f" padded tokens per micro-batch; padding-free {state[a.padding_free]}; shared prefix "
                  f"{state[a.shared_prefix]})")
     lines.append(f"batch:        {a.per_device_train_batch_size} trajectories per process per step "
                  f"({a.per_device_train_batch_size // a.num_generations} questions x {a.num_generations}), "
                  f"{world_size * a.per_device_train_batch_size} per step in all; max_steps {a.max_steps}, "
                  f"learning_rate {a.learning_rate:g}")
-    lines.append(f"processes:    {world_size} on {device}, {distributed}, {precision(a)}")
+    split = (f", each datum's tokens split over {a.sequence_parallel_size} ranks in the update (sequence parallelism, "
+             f"{world_size // a.sequence_parallel_size} data-parallel groups)" if a.sequence_parallel_size > 1 else "")
+    lines.append(f"processes:    {world_size} on {device}, {distributed}{split}, {precision(a)}")
     lines.append(f"generation:   {run.sampler.describe(a)}, temperature {a.temperature:g}")
     lines.append(f"seeds:        seed {a.seed}, task_seed {s.task_seed}"
                  + (f", data_seed {a.data_seed}" if a.data_seed is not None else ""))
