@@ -111,14 +111,23 @@ def test_a_dry_run_refuses_a_bad_chat_template_with_the_runs_refusal(tmp_path, n
     assert not (tmp_path / "out").exists()
 
 
-def test_a_dry_run_refuses_an_update_that_cannot_fit_the_machines_memory(tmp_path, monkeypatch, no_child_no_tracker):
+@pytest.mark.parametrize("flags,match", [
+    # 10^9 positions per micro-batch: the layers' activations alone are far over any machine's memory.
+    (["--max_padded_tokens_per_micro_batch", "1000000000"],
+     "the update will not fit.*GB of activations for a 1000000000-token micro-batch.*Lower "
+     "max_padded_tokens_per_micro_batch"),
+    # One process without DeepSpeed, and the embedded default's 4 heads over 3 ranks: each named.
+    (["--sequence_parallel_size", "3"],
+     "sequence_parallel_size=3 cannot run: 1 processes cannot form groups of 3.*under DeepSpeed only.*attention heads "
+     "do not split over 3 ranks"),
+], ids=["update-memory", "sequence-parallelism"])
+def test_a_dry_run_refuses_an_update_that_cannot_run_here_before_the_model_loads(flags, match, tmp_path, monkeypatch,
+                                                                                 no_child_no_tracker):
     retool_ppo = _recipe_module()
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
-    # 10^9 positions per micro-batch: the layers' activations alone are far over any machine's memory.
     script_args, args = retool_ppo.parse_args(["--dry_run", "true", "--output_dir", str(tmp_path / "out"),
-                                               "--report_to", "none", "--max_padded_tokens_per_micro_batch", "1000000000"])
-    with pytest.raises(SystemExit, match="before any model loads.*the update will not fit.*GB of activations for a "
-                                         "1000000000-token micro-batch.*Lower max_padded_tokens_per_micro_batch"):
+                                               "--report_to", "none", *flags])
+    with pytest.raises(SystemExit, match="before any model loads.*" + match):
         retool_ppo.main(script_args, args)
     assert no_child_no_tracker == [] and not (tmp_path / "out").exists()
 
@@ -150,19 +159,6 @@ def test_the_update_memory_estimate_by_hand():
     assert "250-token micro-batch (1/4 of 1000: sequence parallelism)" in line
     with pytest.raises(ValueError, match="raise sequence_parallel_size"):
         check_update_memory(split, config, weights_bytes=10_000, trainable_fraction=1.0, free=(215_999, "free"))
-
-
-def test_a_dry_run_refuses_sequence_parallelism_that_cannot_run_here(tmp_path, monkeypatch, no_child_no_tracker):
-    # One process without DeepSpeed, and the embedded default's 4 heads over 3 ranks: each named before the model loads.
-    retool_ppo = _recipe_module()
-    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
-    script_args, args = retool_ppo.parse_args(["--dry_run", "true", "--output_dir", str(tmp_path / "out"),
-                                               "--report_to", "none", "--sequence_parallel_size", "3"])
-    with pytest.raises(SystemExit, match="before any model loads.*sequence_parallel_size=3 cannot run: 1 processes "
-                                         "cannot form groups of 3.*under DeepSpeed only.*attention heads do not split "
-                                         "over 3 ranks"):
-        retool_ppo.main(script_args, args)
-    assert no_child_no_tracker == [] and not (tmp_path / "out").exists()
 
 
 def test_a_dry_run_with_an_unknown_plugin_exits_non_zero_with_the_refusal(tmp_path):
