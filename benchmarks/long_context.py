@@ -1,7 +1,7 @@
 """Long trajectories: peak memory and time of one update step, today's full-logits path against the chunked one.
 
     python benchmarks/long_context.py [--lengths 1024 2048 4096 8192 16384 32768] [--today-max 4096]
-                                      [--chunk-size N]
+                                      [--chunk-size N] [--device cuda]
 
 One update step (forward, the PPO-clip loss aggregated token_mean, backward) of one trajectory on a Qwen2 with
 Qwen2.5's vocabulary (151,936) and a tiny body (hidden 64, 2 layers, fp32, untied), the first half of the trajectory
@@ -10,7 +10,9 @@ ends that row only, and a process's peak RSS never goes down. "today" is the ful
 ``(T, V)`` logits, scaled, log-softmaxed, entropy-free: trl_plugins.modeling with chunking off); it runs up to
 ``--today-max`` tokens and is extrapolated linearly beyond (a least-squares line through its measured peaks, stated
 as such). "chunked" runs at every length. Peak is the child's peak RSS (ru_maxrss), the model included; time is the
-step's wall time per token (a shared machine: compare the columns of one run).
+step's wall time per token (a shared machine: compare the columns of one run). ``--device cuda``: the step on the GPU,
+peak the GPU memory torch allocated (``torch.cuda.max_memory_allocated``), time after a synchronize
+(``scripts/gpu_check.sh`` runs it).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 VOCAB = 151_936
 
 
-def child(path: str, length: int, chunk_size: int | None) -> dict:
+def child(path: str, length: int, chunk_size: int | None, device: str = "cpu") -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -41,6 +43,7 @@ def child(path: str, length: int, chunk_size: int | None) -> dict:
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                          max_position_embeddings=max(length + 1, 2048))).train()
     model.config._attn_implementation = "sdpa"
+    model.to(device)
     if path == "today":
         modeling.chunkable = lambda m: False  # the full-logits path, exactly as before chunking
     ids = torch.randint(3, VOCAB, (length + 1,)).tolist()
@@ -51,19 +54,28 @@ def child(path: str, length: int, chunk_size: int | None) -> dict:
                   sources=[TokenSource.ACTION if m else TokenSource.PROMPT for m in mask])
     mb = collate([datum], [0], pad_token_id=0)
     loss_fn = PPOClipLoss()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    logp, entropy = modeling.micro_batch_logprobs(model, mb, "cpu", needed=mb.action_mask, chunk_size=chunk_size)
-    result = loss_fn(PolicyLossInput(logprobs=logp, behaviour_logprobs=mb.behaviour_logprobs, advantages=mb.advantages,
-                                     action_mask=mb.action_mask))
-    aggregate(result.per_token_loss, mb.action_mask, "token_mean", num_tokens=float(sum(mask)),
+    logp, entropy = modeling.micro_batch_logprobs(model, mb, device, needed=mb.action_mask, chunk_size=chunk_size)
+    action_mask = mb.action_mask.to(device)
+    result = loss_fn(PolicyLossInput(logprobs=logp, behaviour_logprobs=mb.behaviour_logprobs.to(device),
+                                     advantages=mb.advantages.to(device), action_mask=action_mask))
+    aggregate(result.per_token_loss, action_mask, "token_mean", num_tokens=float(sum(mask)),
               num_sequences=1.0).backward()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return {"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "s_per_token": seconds / length}
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return {"peak_mb": peak, "s_per_token": seconds / length}
 
 
-def run(path: str, length: int, chunk_size: int | None) -> dict | None:
-    cmd = [sys.executable, __file__, "--child", path, str(length)] + ([] if chunk_size is None else
-                                                                      ["--chunk-size", str(chunk_size)])
+def run(path: str, length: int, chunk_size: int | None, device: str = "cpu") -> dict | None:
+    cmd = [sys.executable, __file__, "--child", path, str(length), "--device", device] + (
+        [] if chunk_size is None else ["--chunk-size", str(chunk_size)])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"  {path} at {length}: failed (exit {proc.returncode}) {proc.stderr.strip()[-300:]}", flush=True)
@@ -83,17 +95,18 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--today-max", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (peak GPU memory allocated)")
     parser.add_argument("--child", nargs=2, metavar=("PATH", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]), args.chunk_size)))
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.chunk_size, args.device)))
         return
     rows: dict[tuple[str, int], dict] = {}
     for length in args.lengths:
         for path in ("today", "chunked"):
             if path == "today" and length > args.today_max:
                 continue
-            got = run(path, length, args.chunk_size)
+            got = run(path, length, args.chunk_size, args.device)
             if got is not None:
                 rows[(path, length)] = got
     today = sorted((n, r) for (p, n), r in rows.items() if p == "today")

@@ -51,5 +51,8 @@ else
 fi
 check generation-0.36b 150 $PY benchmarks/generation.py --shape qwen2-0.36b --dtype bfloat16 --prompts 64 --tokens 256
 grep -A5 '^backend' "$LOG/generation-0.36b.log" | sed 's/^/      /'
+# The update at long lengths on the GPU (docs/benchmarks.md has the CPU figures): peak GPU memory, full logits vs chunks.
+check long-context-gpu 120 $PY benchmarks/long_context.py --device cuda --lengths 4096 8192 16384 32768 --today-max 8192
+grep -E '^ *[0-9]+ |chunked / today' "$LOG/long-context-gpu.log" | sed 's/^/      /'
 echo "total $(( $(date +%s) - START ))s"
 exit $FAILED

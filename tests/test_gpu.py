@@ -1,5 +1,6 @@
 """Checks that need a CUDA device (skipped without one; ``scripts/gpu_check.sh`` runs them): the HF backend's
-per-row seeded sampling and behaviour log-probs on the GPU (and the continuous-batching backend's), and a trainer step with the model on the GPU."""
+per-row seeded sampling and behaviour log-probs on the GPU (and the continuous-batching backend's), a trainer step with the
+model on the GPU, the padding-free and shared-prefix layouts, and the chunked output head against the full logits."""
 
 from __future__ import annotations
 
@@ -145,3 +146,47 @@ def test_cuda_shared_prefix_log_probs_and_gradients_equal_the_padded_layout(attn
     gb = torch.autograd.grad((b * shared.action_mask.cuda()).sum(), params)
     assert max(float((x - y).norm() / y.norm().clamp(min=1e-30)) for x, y in zip(gb, ga)) < (1e-4 if dtype == torch.float32 else 5e-2)
     check_shared_prefix(model, "cuda", vocab_size=len(tok))
+
+
+@pytest.mark.parametrize("attn,dtype", [("sdpa", torch.float32), ("sdpa", torch.bfloat16),
+                                        ("flash_attention_2", torch.bfloat16)])
+def test_cuda_chunked_head_equals_the_full_logits(attn, dtype):
+    # The chunked output head on the GPU (tests/test_chunked_head.py on the CPU): log-probs, entropies and gradients at
+    # the action positions against the model's own full logits, chunks of 5 positions.
+    import importlib.util
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    errors = chunked_head_errors("cuda", attn, dtype)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert max(errors.values()) < tol, errors
+
+
+def chunked_head_errors(device: str, attn: str, dtype: torch.dtype) -> dict[str, float]:
+    """The chunked head's largest gaps from the full logits on ``device``: log-probs and entropies (absolute, at the
+    action positions) and gradients (relative, the worst parameter)."""
+    import random
+
+    from conftest import make_trajectory
+    from trl_plugins.datum import build_datum, collate
+    from trl_plugins.modeling import _full_logits_logprobs, micro_batch_logprobs
+
+    tok = build_tokenizer("qwen2_5")
+    model = build_tiny_model(tok, attn_implementation=attn).to(device, dtype=dtype).train()
+    rng = random.Random(0)
+    datums = [build_datum(make_trajectory(rng, num_turns=rng.randint(1, 3), vocab=len(tok)), advantage=1.0,
+                          trajectory_index=i) for i in range(4)]
+    mb = collate(datums, list(range(len(datums))), pad_token_id=0)
+    act = mb.action_mask.bool().to(device)
+    logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False).logits
+    ref_lp, ref_ent = _full_logits_logprobs(logits, mb.target_ids.to(device), 0.7, True)
+    lp, ent = micro_batch_logprobs(model, mb, device, temperature=0.7, with_entropy=True, needed=mb.action_mask,
+                                   chunk_size=5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.linspace(-1, 1, act.numel(), device=device).reshape(act.shape)
+    ga = torch.autograd.grad((ref_lp.float() * weights)[act].sum() + 0.1 * ref_ent.float()[act].sum(), params)
+    gb = torch.autograd.grad((lp.float() * weights)[act].sum() + 0.1 * ent.float()[act].sum(), params)
+    lp, ent, ref_lp, ref_ent = (t.detach() for t in (lp, ent, ref_lp, ref_ent))
+    return {"logp": float((lp.float() - ref_lp.float())[act].abs().max()),
+            "entropy": float((ent.float() - ref_ent.float())[act].abs().max()),
+            "grad": max(float((x - y).float().norm() / y.float().norm().clamp(min=1e-30)) for x, y in zip(gb, ga))}
