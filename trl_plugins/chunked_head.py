@@ -340,8 +340,8 @@ def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, ta
     gathered once for the forward's chunks (inside :func:`head_gathered_once`: the gather of the model's forward) and
     once for the backward's, whose gradient reaches each parameter once. ``hooks_release``: ``hidden`` came out of the
     head's own call (:func:`hidden_states_instead_of_logits`), whose ZeRO-3 backward hooks then find the parameters
-    gathered and release them (a head without submodules: its hooks hold its parameters); otherwise the backward
-    releases them."""
+    gathered and release them (a head without submodules: its hooks hold its parameters); otherwise they are
+    partitioned again once their gradients have accumulated (:class:`_ReleaseAfterBackward`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     if not hidden.shape[0]:
