@@ -142,8 +142,10 @@ def hidden_states_instead_of_logits(model: torch.nn.Module) -> Iterator[torch.nn
 
 
 def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           with_entropy: bool, call=None) -> tuple[torch.Tensor, torch.Tensor]:
-    z = (call or head)(hidden)
+           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # The head's forward, not its module hooks: ZeRO-3's gather and release are the chunks' own (head_gathered_once,
+    # _HeadChunks); a head with submodules still runs theirs.
+    z = head.forward(hidden)
     if temperature != 1.0:
         z = z / temperature
     if z.dtype in (torch.float16, torch.bfloat16):
@@ -270,7 +272,7 @@ class _HeadChunks(torch.autograd.Function):
         logps, entropies = [], []
         for start in range(0, hidden.shape[0], chunk_size):
             lp, ent = _chunk(head, hidden[start: start + chunk_size], targets[start: start + chunk_size],
-                             temperature, with_entropy, call=head.forward)
+                             temperature, with_entropy)
             logps.append(lp)
             entropies.append(ent)
         logp, entropy = torch.cat(logps), torch.cat(entropies)
@@ -293,8 +295,7 @@ class _HeadChunks(torch.autograd.Function):
                 end = start + ctx.chunk_size
                 h = hidden[start:end].detach().requires_grad_(want_hidden)
                 with torch.enable_grad():
-                    lp, ent = _chunk(head, h, targets[start:end], ctx.temperature, ctx.with_entropy,
-                                     call=head.forward)
+                    lp, ent = _chunk(head, h, targets[start:end], ctx.temperature, ctx.with_entropy)
                 outputs, grads = [lp], [grad_logp[start:end]]
                 if ctx.with_entropy and grad_entropy is not None:
                     outputs.append(ent)
