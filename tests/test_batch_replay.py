@@ -174,6 +174,78 @@ def test_a_saved_batch_replays_clean_with_its_own_checkpoint(trained, capsys):
         report.render()
 
 
+@pytest.fixture(scope="module")
+def unsaved(tmp_path_factory):
+    """A real 2-step run with the default ``save_steps`` (500): the only checkpoint is the last step's (transformers
+    saves at the end), none of step 1, whose weights sampled the batch of step 2. Its plugins are named by import
+    path, so its saved config rebuilds them."""
+    from datasets import Dataset
+
+    from trl_plugins.tiny import build_tiny_model
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    out = tmp_path_factory.mktemp("unsaved") / "out"
+    tok = build_tokenizer("qwen2_5")
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    config = _config(out, save_steps=MultiTurnGRPOConfig.save_steps, replay_every_steps=0,
+                     tools=["test_batch_replay:EchoTool"], reward_components=["test_batch_replay:BoxedDigit"])
+    MultiTurnGRPOTrainer(build_tiny_model(tok), config, train_dataset=Dataset.from_list(rows), processing_class=tok).train()
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    return out
+
+
+def test_a_batch_is_re_scored_from_its_run_folder_without_a_checkpoint(unsaved, capsys):
+    batch = unsaved / "trajectories" / "step-000002.json"
+    assert main([str(batch), "--rewards", "--tools"]) == 0
+    text = capsys.readouterr().out
+    assert "replay: everything compared equal" in text and "rewards: 4 trajectories compared, all equal" in text
+    assert "tools: 4 trajectories compared" in text and "rendering: 4 trajectories compared, all equal" in text
+    # Negative control: a saved reward value that no longer matches what the component gives is named.
+    tampered = json.loads(batch.read_text())
+    tampered["trajectories"][1]["reward_components"][0]["value"] += 1.0
+    (unsaved / "trajectories" / "tampered.json").write_text(json.dumps(tampered))
+    assert main([str(unsaved / "trajectories" / "tampered.json"), "--rewards"]) == 1
+    text = capsys.readouterr().out
+    assert "[rewards] trajectory 1: component 'test_batch_replay:BoxedDigit' scores it differently" in text, text
+    assert "[rewards] trajectory 0" not in text
+
+
+def test_a_batch_outside_its_run_folder_needs_run_or_checkpoint(unsaved, tmp_path, capsys):
+    batch = tmp_path / "step-000002.json"
+    batch.write_text((unsaved / "trajectories" / "step-000002.json").read_text())
+    assert main([str(batch), "--rewards"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--rewards rebuilds the run's plugins from its saved config" in err, err
+    assert "not in a run's output folder" in err and "give --run OUTPUT_DIR or --checkpoint" in err
+    assert main([str(batch)]) == 2 and "or --tokenizer DIR" in capsys.readouterr().err
+    assert main([str(batch), "--rewards", "--run", str(unsaved)]) == 0
+    # A run folder without the saved config (a run started before the trainer wrote it) says what to give instead.
+    assert main([str(batch), "--rewards", "--run", str(tmp_path)]) == 2
+    assert "run_config/training_args.bin: missing" in capsys.readouterr().err
+
+
+def test_the_run_config_is_replaced_whole_by_a_later_start_and_kept_by_a_failed_one(tmp_path):
+    from transformers import AutoTokenizer
+
+    from trl_plugins.rollout.chat import tokenizer_digest
+    from trl_plugins.run.saved import save_run_config
+
+    tok = build_tokenizer("qwen2_5")
+    save_run_config(tmp_path, {"seed": 0}, tok)
+    folder = save_run_config(tmp_path, {"seed": 1}, tok)  # a resumed run's start
+    assert torch.load(folder / "training_args.bin", weights_only=False) == {"seed": 1}
+    assert tokenizer_digest(AutoTokenizer.from_pretrained(folder)) == tokenizer_digest(tok)
+
+    class Unwritable:
+        def save_pretrained(self, path):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_run_config(tmp_path, {"seed": 2}, Unwritable())
+    assert torch.load(folder / "training_args.bin", weights_only=False) == {"seed": 1}  # the previous one, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["run_config"]  # no half-written or old folder left beside it
+
+
 def test_a_checkpoint_one_step_later_is_refused_and_its_gap_reported_anyway(trained, saved, capsys):
     out, _ = trained
     batch = str(out / "trajectories" / "step-000002.json")

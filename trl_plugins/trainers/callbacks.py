@@ -1,5 +1,6 @@
 """What the trainer does at the edges of each step, as HF ``TrainerCallback`` s on its public API: the ranks' agreement
-to stop, the optimizer's time, the step's peak memory, the trajectory viewer's pages and the W&B trajectory tables.
+to stop, the optimizer's time, the step's peak memory, the run's saved config, the trajectory viewer's pages and the W&B
+trajectory tables.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trl_plugins.run.saved import save_run_config
 from trl_plugins.trainers.memory import peak_memory_mb
 from trl_plugins.trainers.ranks import reduce_over_ranks
 from trl_plugins.trainers.trajectory_table import TURN_COLUMNS, trajectory_columns, trajectory_rows, turn_rows
 from trl_plugins.viewer import write_step_pages
 
-__all__ = ["StopAtStepEnd", "OptimizerTimer", "PeakMemory", "ViewerPages", "log_trajectory_tables"]
+__all__ = ["StopAtStepEnd", "OptimizerTimer", "PeakMemory", "SaveRunConfig", "ViewerPages", "log_trajectory_tables"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,20 @@ class PeakMemory(TrainerCallback):
         keys = sorted(peaks)
         values = reduce_over_ranks(self.trainer.accelerator, [peaks[k] for k in keys], "max")
         self.trainer.record_metrics(dict(zip(keys, values)))
+
+
+class SaveRunConfig(TrainerCallback):
+    """When training starts, the run's config and tokenizer go to ``output_dir/run_config/``
+    (:func:`trl_plugins.run.saved.save_run_config`), beside the batches the viewer saves, so that a saved batch can be
+    re-scored without a checkpoint of its step (docs/replay.md). Main process only, no collective; a failure to
+    write is raised, before any step has run (a checkpoint would fail the same way later)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.accelerator.is_main_process:
+            save_run_config(args.output_dir, args, self.trainer.processing_class)
 
 
 class ViewerPages(TrainerCallback):

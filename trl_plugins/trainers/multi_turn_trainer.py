@@ -39,7 +39,8 @@ from trl_plugins.modeling import disable_dropout
 from trl_plugins.run.lora import check_model_dropout, check_peft_model
 from trl_plugins.run.sampler import make_backend, sampling_settings
 from trl_plugins.trainers.async_rollouts import AsyncRollouts
-from trl_plugins.trainers.callbacks import OptimizerTimer, PeakMemory, StopAtStepEnd, ViewerPages, log_trajectory_tables
+from trl_plugins.trainers.callbacks import (OptimizerTimer, PeakMemory, SaveRunConfig, StopAtStepEnd, ViewerPages,
+                                            log_trajectory_tables)
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
 from trl_plugins.trainers.console import use_compact_console
 from trl_plugins.trainers.critic import build_critic, prepare_critic
@@ -157,6 +158,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         if args.console_metrics == "compact":
             use_compact_console(self)
         self.add_callback(StopAtStepEnd(self))
+        self.add_callback(SaveRunConfig(self))  # output_dir/run_config/: what a replay rebuilds the plugins from
         self.add_callback(ViewerPages(self))  # trajectory pages every viewer_steps (docs/viewer.md)
         self.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
         """Where every logged record goes, one JSON line per logging step."""

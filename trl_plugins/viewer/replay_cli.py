@@ -1,5 +1,9 @@
-"""``python -m trl_plugins.replay BATCH.json [--checkpoint DIR] [--tools] [--rewards] [--resample]`` (also
+"""``python -m trl_plugins.replay BATCH.json [--run DIR] [--checkpoint DIR] [--tools] [--rewards] [--resample]`` (also
 ``trl-plugins-replay``): re-derive a saved batch and name the first difference (:func:`~trl_plugins.viewer.replay.replay_batch`).
+
+The tokenizer and, for ``--tools``/``--rewards``, the run's plugins come from the run's output folder
+(``output_dir/run_config/``, :mod:`trl_plugins.run.saved`): ``--run``, else the folder of a batch saved as
+``output_dir/trajectories/step-N.json``; the weights (the log-prob check, ``--resample``) only from ``--checkpoint``.
 
 Exit status: 0 when everything compared equal within tolerance, 1 when something differs (or was compared only
 because ``--anyway`` overrode a version difference), 2 when the replay refused or could not run (bad input, another
@@ -14,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+from trl_plugins.run.saved import CONFIG_FILE, RUN_CONFIG_DIR
 
 __all__ = ["main", "load_checkpoint"]
 
@@ -42,18 +48,33 @@ def load_checkpoint(folder: str | os.PathLike) -> tuple[Any, Any, int]:
     return model, AutoTokenizer.from_pretrained(path), _checkpoint_step(path)
 
 
-def _run_from_checkpoint(folder: Path, tokenizer: Any) -> Any:
+def _run_from_config(folder: Path, tokenizer: Any) -> Any:
     import torch
 
     from trl_plugins.run import resolve_run
 
-    args = folder / "training_args.bin"
+    args = folder / CONFIG_FILE
     if not args.is_file():
         raise FileNotFoundError(f"{args}: missing; --tools and --rewards rebuild the run's plugins from the config the "
                                 f"trainer saved there (give a checkpoint-N folder)")
     run = resolve_run(torch.load(args, weights_only=False))
     run.bind_tokenizer(tokenizer)
     return run
+
+
+def _output_dir_of(batch: Path) -> Path | None:
+    """The run's output folder of a batch saved as ``output_dir/trajectories/step-N.json``; None elsewhere."""
+    folder = batch.resolve().parent
+    return folder.parent if folder.name == "trajectories" else None
+
+
+def _saved_config(run_dir: Path) -> Path:
+    folder = run_dir / RUN_CONFIG_DIR
+    if not (folder / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{folder / CONFIG_FILE}: missing; the trainer saves the run's config and tokenizer "
+                                f"there when training starts (a run started before it did has none): give --checkpoint "
+                                f"output_dir/checkpoint-N")
+    return folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,9 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Re-derive a saved trajectory batch (tokens, log-probs, tool turns, rewards, datums) with the current code "
         "and name the first difference per trajectory."))
     parser.add_argument("batch", help="a saved batch, e.g. output_dir/trajectories/step-000010.json")
+    parser.add_argument("--run", metavar="DIR", help="the run's output folder: its run_config/ (the config and "
+                        "tokenizer the trainer saved when training started) rebuilds the plugins for --tools and "
+                        "--rewards and gives the tokenizer (default: the folder of a batch saved as "
+                        "DIR/trajectories/step-N.json)")
     parser.add_argument("--checkpoint", help="a checkpoint of the step that sampled the batch (checkpoint-N; the base "
-                        "model for step 0): its log-probs are compared, its tokenizer is the current one")
-    parser.add_argument("--tokenizer", help="the tokenizer folder to re-render with (default: the checkpoint's)")
+                        "model for step 0): its log-probs are compared, its tokenizer is the current one, and without "
+                        "--run its training_args.bin rebuilds the plugins")
+    parser.add_argument("--tokenizer", help="the tokenizer folder to re-render with (default: the checkpoint's, else "
+                        "the run's)")
     parser.add_argument("--tools", action="store_true", help="re-run the idempotent tool calls and compare their outputs")
     parser.add_argument("--rewards", action="store_true", help="recompute every reward component and re-derive each "
                         "trajectory's stop reason from its turns")
@@ -79,23 +106,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--anyway", action="store_true", help="compare even when the tokenizer, the tool schemas, a "
                         "verifier's version or the checkpoint's step differ (the report says so; exit 1)")
     args = parser.parse_args(argv)
-    if (args.tools or args.rewards) and not args.checkpoint:
-        parser.error("--tools and --rewards rebuild the run's plugins from --checkpoint's training_args.bin: give it")
     if args.resample and not args.checkpoint:
         parser.error("--resample regenerates the turns with the weights that sampled them: give --checkpoint")
-    if not args.checkpoint and not args.tokenizer:
-        parser.error("give --checkpoint (its tokenizer and weights) or --tokenizer (re-render and rebuild only)")
+    plugins = args.tools or args.rewards
+    # The run's own folder serves what needs its settings, not its weights: the plugins, and the tokenizer.
+    wants_run = args.run is not None or (not args.checkpoint and (plugins or not args.tokenizer))
+    run_dir = (Path(args.run) if args.run else _output_dir_of(Path(args.batch))) if wants_run else None
+    if wants_run and run_dir is None:
+        asked = " and ".join(flag for flag, on in (("--tools", args.tools), ("--rewards", args.rewards)) if on)
+        need = (f"{asked} rebuild{'' if args.tools and args.rewards else 's'} the run's plugins from its saved config"
+                if plugins else "the replay needs the run's tokenizer")
+        print(f"error: {need}, and {args.batch} is not in a run's output folder (output_dir/trajectories/step-N.json): "
+              f"give --run OUTPUT_DIR or --checkpoint output_dir/checkpoint-N"
+              f"{'' if plugins else ' or --tokenizer DIR'}", file=sys.stderr)
+        return 2
     model = step = run = None
     try:
         batch = load_batch(args.batch)
+        saved = _saved_config(run_dir) if run_dir is not None else None
         if args.checkpoint:
             model, tokenizer, step = load_checkpoint(args.checkpoint)
-        if args.tokenizer:
+        if args.tokenizer or not args.checkpoint:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        if args.tools or args.rewards:
-            run = _run_from_checkpoint(Path(args.checkpoint), tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or saved)
+        if plugins:
+            run = _run_from_config(saved or Path(args.checkpoint), tokenizer)
         report = replay_batch(batch, tokenizer, model=model, model_step=step, run=run, tools=args.tools,
                               rewards=args.rewards, resample=args.resample, anyway=args.anyway, tolerance=args.tolerance)
     except (ViewerError, ReplayRefused, FileNotFoundError, ValueError, LookupError) as exc:
