@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import sys
 import textwrap
 import threading
@@ -20,6 +21,7 @@ from trl_plugins.rollout import (
     ChatFormat,
     MultiTurnRollout,
     RolloutCancelled,
+    RolloutError,
     RolloutQuestion,
     RolloutRequest,
     ScriptedBackend,
@@ -27,6 +29,7 @@ from trl_plugins.rollout import (
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.tools.base import ToolOutput
+from trl_plugins.tools.sandbox.launcher import find_command
 from trl_plugins.types import StopReason, TokenSource
 
 SCHEMA = code_schema()
@@ -1127,8 +1130,55 @@ def test_the_banner_says_how_many_agents_run_at_once_and_their_limit(tmp_path):
         banner = format_banner(script_args, run, world_size=1, device="cpu", distributed="single process")
     finally:
         run.close()
-    assert f"command 'python agent.py': at most {run.rollout.impl.concurrency(10**6)} at once" in banner
+    python = shlex.join([find_command("python"), "agent.py"])  # the bare name as found: what runs
+    assert f"command {python!r}: at most {run.rollout.impl.concurrency(10**6)} at once" in banner
     assert "each within agent_time_limit_s=600 from its own start" in banner
+
+
+def _console_script(folder, name: str):
+    """A console script ``name`` in ``folder`` that prints ``{"reward": 0, "ran": 1}`` (what an installed agent would be)."""
+    script = folder / name
+    script.write_text('#!/bin/sh\necho \'{"reward": 0, "ran": 1}\'\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_a_command_agent_named_by_a_bare_name_is_found_in_the_interpreters_scripts_folder(chat, monkeypatch, tmp_path):
+    # Run with the venv's interpreter but without its bin folder on PATH (a job script, an IDE): a console script
+    # installed in the run's own environment is found there, and the path found is what runs and what the banner says.
+    from trl_plugins.tools.sandbox import launcher
+
+    scripts = tmp_path / "venv-bin"
+    scripts.mkdir()
+    agent = _console_script(scripts, "my-agent")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setattr(launcher, "interpreter_scripts", lambda: [str(scripts)])
+    rollout = AgentEndpointRollout(command="my-agent --flag")
+    assert rollout.command == [str(agent), "--flag"]
+    assert rollout.describe().startswith(f"command '{agent} --flag': ")
+    (traj,) = rollout(request(chat, ["calls=0"])).trajectories
+    assert {c.name: c.value for c in traj.reward_components}["agent_return/ran"] == 1.0
+    # PATH comes first: the same name in a folder on PATH is the one found.
+    first = tmp_path / "on-path"
+    first.mkdir()
+    on_path = _console_script(first, "my-agent")
+    monkeypatch.setenv("PATH", f"{first}:/usr/bin:/bin")
+    assert AgentEndpointRollout(command="my-agent").command == [str(on_path)]
+
+
+def test_a_command_agent_found_nowhere_is_refused_at_start_up_naming_both_places(monkeypatch, tmp_path):
+    from trl_plugins.tools.sandbox import launcher
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setattr(launcher, "interpreter_scripts", lambda: [str(tmp_path)])
+    with pytest.raises(RolloutError) as refused:
+        AgentEndpointRollout(command=["no-such-agent", "--flag"])
+    message = str(refused.value)
+    assert "'no-such-agent'" in message and "on PATH (/usr/bin:/bin)" in message
+    assert f"scripts folder ({tmp_path})" in message and "install it into this environment" in message
+    assert "absolute path" in message and "\n" not in message
+    # Negative control: a path with a slash is taken as given (checked where it runs, as before).
+    assert AgentEndpointRollout(command=["./no-such-agent"]).command == ["./no-such-agent"]
 
 
 def test_a_command_agent_runs_with_the_agents_sdk_tracing_off(chat, monkeypatch):

@@ -135,6 +135,68 @@ def test_server_that_cannot_start_is_refused_with_its_stderr():
         McpTools(mcpServers={"db": _stdio("broken")}, start_timeout_s=10).member_tools()
 
 
+def test_a_bare_command_is_found_in_the_interpreters_scripts_folder_and_shown_as_found(tmp_path, monkeypatch):
+    # The venv's interpreter without its bin folder on PATH (a job script, an IDE): a server installed in the run's
+    # own environment is found there; the path found is what runs and what the start-up report shows.
+    from trl_plugins.tools.sandbox import launcher
+
+    scripts = tmp_path / "venv-bin"
+    scripts.mkdir()
+    server = scripts / "toy-mcp-server"
+    server.write_text(f'#!/bin/sh\nexec {sys.executable} {TOY} "$@"\n')
+    server.chmod(0o755)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setattr(launcher, "interpreter_scripts", lambda: [str(scripts)])
+    tools = McpTools(mcpServers={"toy": {"command": "toy-mcp-server", "session": "shared"}})
+    try:
+        assert tools._servers[0].command == str(server)
+        assert f"MCP server 'toy' (stdio, shared: {server}, protocol " in tools.start_up()
+        assert _call({t.name: t for t in tools.member_tools()}["add"], {"a": 2, "b": 3}).text == "5"
+    finally:
+        tools.close()
+
+
+def test_a_bare_command_found_nowhere_is_refused_at_start_up_naming_both_places(tmp_path, monkeypatch):
+    from trl_plugins.tools.sandbox import launcher
+    from trl_plugins.tools.sandbox.launcher import sandbox_path
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setattr(launcher, "interpreter_scripts", lambda: [str(tmp_path)])
+    with pytest.raises(ValueError) as refused:
+        McpTools(mcpServers={"gone": {"command": "no-such-mcp-server"}})  # refused before any server starts
+    message = str(refused.value)
+    assert message.startswith("mcpServers['gone']: command 'no-such-mcp-server' is found neither on PATH (/usr/bin:/bin)")
+    assert f"scripts folder ({tmp_path})" in message and "install it into this environment" in message
+    assert "absolute path" in message and "\n" not in message
+    # The PATH searched is the one the server gets: its own env's, or the sandbox's for a sandboxed server.
+    with pytest.raises(ValueError, match=r"on PATH \(/nowhere\)"):
+        McpTools(mcpServers={"gone": {"command": "no-such-mcp-server", "env": {"PATH": "/nowhere"}}})
+    with pytest.raises(ValueError) as boxed:
+        McpTools(mcpServers={"gone": {"command": "no-such-mcp-server", "sandbox": True}})
+    assert f"on PATH ({sandbox_path()})" in str(boxed.value)
+    # Negative control: a path with a slash is taken as given (checked when it starts, as before).
+    assert McpTools(mcpServers={"x": {"command": "./no-such-mcp-server"}})._servers[0].command == "./no-such-mcp-server"
+
+
+def test_the_time_server_starts_by_its_bare_name_with_only_the_interpreters_path(tmp_path):
+    # The real console script, in a process whose PATH lacks the venv's bin (not activated): found next to the
+    # interpreter (not through its symlink's target), and the start-up report names that path.
+    pytest.importorskip("mcp_server_time")
+    import os
+
+    from trl_plugins.tools.sandbox.launcher import find_command, interpreter_scripts
+
+    assert os.path.dirname(os.path.abspath(sys.executable)) in interpreter_scripts()
+    expected = find_command("mcp-server-time", path="")  # in the interpreter's scripts folder, wherever PATH looks
+    script = ("from trl_plugins.tools.mcp.plugin import McpTools\n"
+              "tools = McpTools(mcpServers={'time': {'command': 'mcp-server-time', 'session': 'shared'}})\n"
+              "print(tools.start_up())\ntools.close()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"MCP server 'time' (stdio, shared: {expected}, protocol " in done.stdout and "get_current_time" in done.stdout
+
+
 def test_name_clash_refused_or_prefixed():
     two = {"a": _stdio(session="shared"), "b": _stdio(session="shared")}
     with pytest.raises(ValueError, match="servers 'a' and 'b' both offer a tool 'add'; set prefix_tools"):
@@ -345,7 +407,7 @@ def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error(
         tools.close()
 
 
-def test_docs_example_parses_and_its_key_table_is_the_configs():
+def test_docs_example_parses_and_its_key_table_is_the_configs(tmp_path, monkeypatch):
     import re
 
     import yaml
@@ -356,8 +418,15 @@ def test_docs_example_parses_and_its_key_table_is_the_configs():
     example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
     raw = example["tool_kwargs"]["mcp"]["mcpServers"]
     raw["notes"]["copy"] = __file__  # the example's seed_notes/ is not here
+    stubs = tmp_path / "bin"  # its commands are looked up at start-up: stand-ins, wherever the real ones are
+    stubs.mkdir()
+    for name in ("mcp-server-time", "python"):
+        (stubs / name).write_text("#!/bin/sh\n")
+        (stubs / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(stubs))
     servers = {s.name: s for s in load_servers(raw, None)}
     assert servers["time"].session == "shared" and servers["notes"].session == "per_trajectory"
+    assert servers["time"].command == str(stubs / "mcp-server-time")  # a bare name, as found on PATH
     assert servers["docs"].transport == "http" and servers["docs"].headers == {"Authorization": "Bearer ..."}
     table = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
     assert table == OUR_KEYS - {"type"}

@@ -46,6 +46,7 @@ from trl_plugins.rollout.endpoint.tools import end_tool_episode, serve_tools
 from trl_plugins.rollout.engine import critical_path
 from trl_plugins.rollout.request import RolloutCancelled, RolloutError, RolloutRequest, RolloutResult
 from trl_plugins.rollout.validate import validate_trajectory
+from trl_plugins.tools.sandbox.launcher import CommandNotFound, find_command
 from trl_plugins.types import PolicyVersion, RewardComponent, StopReason, TokenSource, Trajectory, Turn
 
 __all__ = ["AgentEndpointRollout", "AGENT_REWARD", "ROW_REWARD", "record_rewards"]
@@ -127,7 +128,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
     """``'package.module:function'`` or ``'path/to/file.py:function'`` (or the function itself):
     ``[async] def agent(client, row) -> reward``."""
     command: str | list | None = None
-    """A command (a list of arguments, or one string split as a shell would) run per trajectory instead."""
+    """A command (a list of arguments, or one string split as a shell would) run per trajectory instead; a bare name
+    is looked up on ``PATH``, then in the interpreter's scripts folder, at start-up, and replaced by the path found."""
     agent_time_limit_s: float | None = 600.0
     """Wall time one agent run may take; past it the trajectory ends as ``environment_error``."""
     request_time_limit_s: float | None = 300.0
@@ -166,6 +168,11 @@ class AgentEndpointRollout(TrajectoryBudgets):
             self.command = shlex.split(self.command)
         if self.command is not None and (not self.command or not all(isinstance(a, str) for a in self.command)):
             raise RolloutError(f"command={self.command!r}: give a non-empty list of strings (or one string).")
+        if self.command is not None:  # found now, at start-up; the path found is what runs and what describe() shows
+            try:
+                self.command = [find_command(self.command[0]), *self.command[1:]]
+            except CommandNotFound as exc:
+                raise RolloutError(f"agent_endpoint's {exc}") from None
         for name in ("agent_time_limit_s", "request_time_limit_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from trl_plugins.tools.mcp.isolation import SandboxSpec, parse_sandbox
+from trl_plugins.tools.sandbox.launcher import CommandNotFound, find_command, sandbox_path
 
 __all__ = ["ServerSpec", "load_servers", "STDIO_KEYS", "HTTP_KEYS", "OUR_KEYS"]
 
@@ -26,7 +27,8 @@ class ServerSpec:
     name: str
     """The key under ``mcpServers``."""
     command: str | None = None
-    """Stdio: the executable started as the server."""
+    """Stdio: the executable started as the server; a bare name is stored as the absolute path it was found at
+    (:func:`~trl_plugins.tools.sandbox.launcher.find_command`), which is what runs and what :meth:`describe` shows."""
     args: tuple[str, ...] = ()
     """Stdio: its arguments."""
     env: Mapping[str, str] = field(default_factory=dict)
@@ -157,8 +159,12 @@ def _server(name: str, raw: Any) -> ServerSpec:
     if sandbox is not None and cwd not in (None, "{workdir}"):
         raise ValueError(f"{where}['cwd'] is {cwd!r}, but a sandboxed server works in its own writable directory "
                          f"({{workdir}}); show it host files read-only with sandbox: {{readable: [...]}}")
-    return ServerSpec(name, command=command, args=tuple(args), env=_strings(raw.get("env", {}), f"{where}['env']"),
-                      cwd=cwd, sandbox=sandbox, **common)
+    env = _strings(raw.get("env", {}), f"{where}['env']")
+    try:  # the PATH the server is started with: its own env's, else the sandbox's or this process's
+        command = find_command(command, env.get("PATH", sandbox_path() if sandbox is not None else None))
+    except CommandNotFound as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return ServerSpec(name, command=command, args=tuple(args), env=env, cwd=cwd, sandbox=sandbox, **common)
 
 
 def load_servers(mcp_servers: Mapping[str, Any] | None, config: str | None) -> list[ServerSpec]:

@@ -1,5 +1,6 @@
 """How a sandboxed interpreter is launched: limits, bubblewrap/unshare/none command lines and
-environments, cold runs and killing a call (which isolation works here: :mod:`.probing`; docs/sandbox.md)."""
+environments, cold runs and killing a call (which isolation works here: :mod:`.probing`; docs/sandbox.md); and where
+a command a user names is found (:func:`find_command`: an MCP server's, a ``command:`` agent's)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,6 +117,43 @@ def resolve_program(isolation: Isolation) -> str | None:
     return found if os.path.isfile(found) and os.access(found, os.X_OK) else None
 
 
+class CommandNotFound(LookupError):
+    """A command named by a bare name is neither on the ``PATH`` searched nor in the interpreter's scripts folder."""
+
+
+def interpreter_scripts() -> list[str]:
+    """The running interpreter's own scripts folders: ``sysconfig``'s ``scripts`` path, and the folder of
+    ``sys.executable`` where that differs (the link's folder, not its target's: a virtual environment's ``bin``)."""
+    folders = [sysconfig.get_path("scripts"), os.path.dirname(os.path.abspath(sys.executable)) if sys.executable else ""]
+    return list(dict.fromkeys(f for f in folders if f))
+
+
+def find_command(command: str, path: str | None = None) -> str:
+    """Where a user-named command runs from: a name with a slash as given; a bare name looked up on ``path`` (None:
+    this process's ``PATH``), then in :func:`interpreter_scripts`, so that a console script installed in the run's
+    own environment is found whether or not that environment is activated (a job script, an IDE). Returns the
+    absolute path found, which is what gets executed.
+
+    Raises:
+        CommandNotFound: a bare name found in neither place (the message names both and what to do)."""
+    if "/" in command:
+        return command
+    searched = os.environ.get("PATH", os.defpath) if path is None else path
+    scripts = interpreter_scripts()
+    for where in (searched, os.pathsep.join(scripts)):
+        found = shutil.which(command, path=where) if where else None
+        if found is not None:
+            return os.path.abspath(found)
+    raise CommandNotFound(f"command {command!r} is found neither on PATH ({searched or 'empty'}) nor in this "
+                          f"interpreter's scripts folder ({os.pathsep.join(scripts)}): install it into this environment "
+                          f"({sys.executable} -m pip install ...) or give its absolute path")
+
+
+def sandbox_path() -> str:
+    """``PATH`` inside a sandbox: the interpreter's folder first, then the system's."""
+    return f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
+
+
 @dataclass(frozen=True)
 class Launcher:
     """Everything needed to start a runner under one isolation (built once per sandbox)."""
@@ -142,9 +181,8 @@ class Launcher:
         return Launcher(isolation, program, layout, late, SCRATCH, as_root, roots, network)
 
     def env(self, scratch: str) -> dict[str, str]:
-        bin_dir = os.path.dirname(sys.executable)
         return {
-            "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
+            "PATH": sandbox_path(),
             "HOME": scratch,
             "TMPDIR": "/tmp" if self.isolation != Isolation.NONE else scratch,
             "LANG": "C.UTF-8",
