@@ -130,9 +130,15 @@ def test_the_recipe_yaml_sets_up_the_task_its_embedded_default_is_built_for():
     from retool.default_model import embedded_settings_for
 
     path = Path(__file__).resolve().parent.parent / "recipes" / "retool_lookup.yaml"
-    assert yaml.safe_load(path.read_text())["system_prompt"] == LOOKUP_SYSTEM_PROMPT
+    assert yaml.safe_load(path.read_text())["task"] == "lookup"
     script_args, training_args = parse_args(["--config", str(path)])
     assert script_args.task == "lookup" and training_args.tools == ["retool.lookup:LookupTool", "code_interpreter"]
+    assert training_args.system_prompt == LOOKUP_SYSTEM_PROMPT and training_args.rollout_kwargs["max_turns"] == 5
+    # The task brings them (recipes/retool/tasks.py): --task lookup alone is the same run, and says so.
+    alone, alone_training = parse_args(["--task", "lookup"])
+    for name in ("tools", "system_prompt", "rollout_kwargs", "reward_components", "reward_component_weights"):
+        assert getattr(alone_training, name) == getattr(training_args, name), name
+        assert alone.provenance[name] == "the task 'lookup'" and name in alone.task_settings
     said: list[str] = []
     settings = embedded_settings_for(script_args, training_args, log=said.append)
     assert settings.task == "lookup" and settings.system_prompt == LOOKUP_SYSTEM_PROMPT and not said
@@ -158,8 +164,11 @@ def test_a_task_without_its_tools_or_beside_a_dataset_is_refused_before_anything
         parse_args(["--task", "lookup", "--dataset_name", "some/set"])
     with pytest.raises(SystemExit, match="task must be one of"):
         parse_args(["--task", "lookups"])
-    script_args, training_args = parse_args(["--task", "lookup", "--output_dir", str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match=re.escape("task 'lookup' needs the tool(s) ['lookup']")):
+    # The task brings its tools; a --tools of the user's that leaves one out is refused, naming where it was set.
+    script_args, training_args = parse_args(["--task", "lookup", "--tools", "code_interpreter",
+                                             "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=re.escape("task 'lookup' needs the tool(s) ['lookup']") + ".*"
+                       + re.escape("drop the --tools you set (its provenance: the command line)")):
         resolve(script_args, training_args)
     assert not (tmp_path / "out").exists()
 

@@ -131,7 +131,7 @@ REFUSED = [
      r"reward_components \['correct', 'format'\].*Did you mean 'correct'\?"),
     (["--reward_component_weights", "1", "2", "3"],
      r"2 reward_components but 3 reward_component_weights; give one weight per component\. \[set by: "
-     r"reward_component_weights in the command line; reward_components in retool_ppo\.yaml\]"),
+     r"reward_component_weights in the command line; reward_components in the task 'arithmetic'\]"),
     (["--max_steps", "0"], r"max_steps: 0 steps would train none.*\[set by: max_steps in the command line\]"),
     (["--skip_startup_checks", "corect"], r"skip_startup_checks: 'corect' is no plugin this run checks at start-up; it "
                                           r"checks \['correct', 'format', 'group', 'ppo_clip'\] \(or 'all'\)\. Did you mean 'correct'\?"),

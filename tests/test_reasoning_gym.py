@@ -245,6 +245,99 @@ def test_a_dry_run_of_the_reasoning_gym_recipe_checks_everything_and_refuses_it_
     assert no_model_no_eval == [] and not (tmp_path / "out").exists()
 
 
+def test_the_task_alone_brings_its_rewards_and_a_users_choice_still_wins(tmp_path):
+    # Before: `--task reasoning_gym --task_kwargs ...` without the recipe's config file kept retool_ppo.yaml's
+    # [correct, format] (the arithmetic task's) and was refused for lacking 'reasoning_gym'.
+    from retool.config import parse_args
+
+    chain = ["--task", "reasoning_gym", "--task_kwargs", json.dumps(TASKS["chain_sum"])]
+    script_args, args = parse_args(chain)
+    assert args.reward_components == ["reasoning_gym", "format"] and args.reward_component_weights == [1.0, 0.1]
+    assert args.reward_component_kwargs == {"reasoning_gym": {"answer_format": "boxed"}}
+    assert script_args.success_component == "reasoning_gym"
+    assert script_args.provenance["reward_components"] == "the task 'reasoning_gym'"
+    assert "reward_components" in script_args.task_settings and script_args.config_files[-1].endswith("retool_ppo.yaml")
+    # --config none keeps the task's own settings (before: an empty reward_components, refused).
+    assert parse_args(["--config", "none", *chain])[1].reward_components == ["reasoning_gym", "format"]
+    # The command line wins; a weight the task gave is kept by name.
+    _, args = parse_args([*chain, "--reward_components", "reasoning_gym", "tool_use"])
+    assert args.reward_components == ["reasoning_gym", "tool_use"] and args.reward_component_weights == [1.0, 1.0]
+    # So does a config file of the user's.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("reward_components: [reasoning_gym]\nreward_component_weights: [2.0]\n")
+    script_args, args = parse_args(["--config", str(mine), *chain])
+    assert args.reward_components == ["reasoning_gym"] and args.reward_component_weights == [2.0]
+    assert script_args.provenance["reward_components"] == "mine.yaml"
+    assert "reward_components" not in script_args.task_settings
+    # Negative control: the arithmetic task brings the arithmetic rewards.
+    assert parse_args([])[1].reward_components == ["correct", "format"]
+
+
+def test_a_dry_run_of_the_task_alone_passes_and_the_banner_says_what_the_task_set(
+        tmp_path, monkeypatch, no_model_no_eval, capsys):
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    retool_ppo = _recipe()
+    script_args, args = retool_ppo.parse_args(["--task", "reasoning_gym", "--task_kwargs", json.dumps(TASKS["chain_sum"]),
+                                               "--dry_run", "true", "--report_to", "none", "--train_size", "64",
+                                               "--eval_problems", "8", "--output_dir", str(tmp_path / "out")])
+    assert retool_ppo.main(script_args, args) == 0
+    said = capsys.readouterr().out
+    assert ("task:         'reasoning_gym' set reward_component_kwargs, reward_component_weights, reward_components, "
+            "success_component (its own settings") in said
+    assert "rewards:      reasoning_gym x 1; format x 0.1" in said
+    assert no_model_no_eval == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}'],
+     r"reasoning-gym's 'gcd' entries hold no metadata.expression: bring a model for them \(--model_name_or_path\)"),
+    (["--embedded", '{"cold_start_epoch": 2}'], r"--embedded .*unknown embedded settings \['cold_start_epoch'\]"),
+    (["--embedded", '{"task": "lookup"}'], r"embedded settings name task 'lookup' but the run's task is 'arithmetic'"),
+    (["--config", str(ROOT / "recipes" / "retool_reasoning_gym.yaml"), "--embedded",
+      json.dumps({"task_kwargs": json.dumps(TASKS["composite"])})], r"embedded settings name task_kwargs"),
+])
+def test_what_the_embedded_defaults_build_would_refuse_is_refused_at_start_up_in_one_line(
+        argv, message, tmp_path, monkeypatch, no_model_no_eval, capsys):
+    # Before: the banner, the rows, then the build in a child process, failing minutes later with a traceback.
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
+    retool_ppo = _recipe()
+    script_args, args = retool_ppo.parse_args([*argv, "--dry_run", "true", "--report_to", "none",
+                                               "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as refused:
+        retool_ppo.main(script_args, args)
+    text = str(refused.value.code)
+    assert text.startswith("configuration error (before any model loads): ") and "\n" not in text
+    assert __import__("re").search(message, text), text
+    assert "ReTool PPO: the run" not in capsys.readouterr().out  # before the banner
+    assert no_model_no_eval == []
+    # Negative control: a model named by the user needs no embedded default, so nothing is refused for it.
+    from retool.default_model import check_embedded_default
+
+    script_args.model_name_or_path = str(tmp_path / "a-model")
+    check_embedded_default(script_args, args)
+
+
+def test_the_refusal_is_one_line_with_the_exit_code_of_other_configuration_errors(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")}
+    common = ["--dry_run", "true", "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "recipes" / "retool_ppo.py"), *argv, *common],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    refused = run("--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}')
+    other = run("--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"chain_sum": {}}}', "--reward_components",
+                "correct")  # another configuration error, refused at the same point
+    assert "reward_components must include 'reasoning_gym'" in other.stderr
+    assert refused.returncode == other.returncode != 0
+    assert refused.stdout == "" and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines() == [refused.stderr.strip()]
+    assert "'gcd' entries hold no metadata.expression" in refused.stderr
+
+
 def test_the_embedded_default_is_built_for_the_runs_datasets_under_its_own_key():
     from retool.config import parse_args
     from retool.default_model import EmbeddedSettings, embedded_settings_for

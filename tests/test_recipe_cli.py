@@ -63,9 +63,14 @@ def test_an_unknown_key_in_a_config_file_is_refused_with_its_name(tmp_path):
 def test_config_none_starts_from_the_dataclass_defaults(tmp_path):
     from retool.config import parse_args
 
-    # Without the recipe's YAML nothing names a reward component: the dataclass refuses, as it should.
+    # Without the recipe's YAML the task still brings its reward components (retool/tasks.py); a reward_components
+    # emptied by a layer above it is refused by the dataclass, as it should be.
+    script_args, args = parse_args(["--config", "none"])
+    assert args.reward_components == ["correct", "format"] and script_args.config_files == []
+    assert args.rollout_kwargs == {} and args.system_prompt is None  # the recipe's YAML is gone
+    empty = _write(tmp_path / "empty.yaml", "reward_components: []\n")
     with pytest.raises(SystemExit, match=r"before any model loads\): reward_components is empty"):
-        parse_args(["--config", "none"])
+        parse_args(["--config", "none", "--config", str(empty)])
     own = _write(tmp_path / "own.yaml", "reward_components: [correct]\nmax_steps: 7\n")
     script_args, args = parse_args(["--config", "none", "--config", str(own)])
     assert args.reward_components == ["correct"] and args.max_steps == 7
@@ -78,12 +83,12 @@ def test_config_none_starts_from_the_dataclass_defaults(tmp_path):
 def test_changed_reward_components_keep_their_weights_by_name_and_new_ones_get_one(tmp_path):
     from retool.config import parse_args
 
-    # The recipe's YAML: correct x 1.0, format x 0.1. Reordered plus a new one on the command line: format
+    # The task's own settings: correct x 1.0, format x 0.1. Reordered plus a new one on the command line: format
     # keeps 0.1 (by position it would have got 1.0), tool_use is new (by position it would have got none).
     script_args, args = parse_args(["--reward_components", "format", "correct", "tool_use"])
     assert args.reward_components == ["format", "correct", "tool_use"]
     assert args.reward_component_weights == [0.1, 1.0, 1.0]
-    assert "kept by name from retool_ppo.yaml" in script_args.reward_weight_origins["format"]
+    assert "kept by name from the task 'arithmetic'" in script_args.reward_weight_origins["format"]
     assert "defaulted to 1.0" in script_args.reward_weight_origins["tool_use"]
     # --reward_components=... (one token) and a prefix of the flag read the same.
     _, args = parse_args(["--reward_components=format"])
@@ -186,9 +191,9 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     assert '"timeout_s": 5.0' in line("tool:") and "code_interpreter" in line("tool:")
     assert lines[lines.index(line("tool:")) + 1].strip() == isolation
     rewards = line("rewards:")
-    assert "format x 0.1 (kept by name from retool_ppo.yaml)" in rewards
+    assert "format x 0.1 (kept by name from the task 'arithmetic')" in rewards
     assert "correct x 1 (kept by name" in rewards
-    assert "tool_use x 1 (defaulted to 1.0: not in retool_ppo.yaml, added by the command line)" in rewards
+    assert "tool_use x 1 (defaulted to 1.0: not in the task 'arithmetic', added by the command line)" in rewards
     assert line("advantage:").startswith("advantage:    group")
     assert '"clip_low": 0.1' in line("policy loss:") and "aggregation token_mean" in line("policy loss:")
     assert line("packer:").startswith("packer:       optimal (<= 64 rows")
@@ -243,9 +248,9 @@ def test_the_run_record_holds_every_config_field_the_plugins_seeds_versions_and_
     assert record["config"]["training"]["learning_rate"] == pytest.approx(3e-4)
     assert record["config"]["training"]["save_strategy"] == "steps"  # the enum's value
     assert record["plugins"]["reward_components"] == [
-        {"name": "correct", "weight": 1.0, "kwargs": {}, "weight_origin": "kept by name from retool_ppo.yaml"},
+        {"name": "correct", "weight": 1.0, "kwargs": {}, "weight_origin": "kept by name from the task 'arithmetic'"},
         {"name": "tool_use", "weight": 1.0, "kwargs": {},
-         "weight_origin": "defaulted to 1.0: not in retool_ppo.yaml, added by the command line"}]
+         "weight_origin": "defaulted to 1.0: not in the task 'arithmetic', added by the command line"}]
     assert record["plugins"]["tools"][0]["kwargs"]["timeout_s"] == 5.0
     assert record["seeds"] == {"seed": 3, "data_seed": None, "task_seed": 0}
     import torch

@@ -1,10 +1,11 @@
 """The recipe's arguments: ``ScriptArguments`` (task, model and LoRA, evaluation) beside ``MultiTurnGRPOConfig``,
 parsed from ``recipes/retool_ppo.yaml``, the user's config files and the command line by both entry points.
 
-Values come in layers, each over the one before: the dataclasses' defaults < the recipe's YAML < each
-``--config FILE`` in the order given < the command line. A key in a higher layer replaces the lower value
-whole (a ``*_kwargs`` mapping too, as on the command line). ``--config none`` drops the recipe's YAML (and
-any file named before it): the layers then start from the dataclasses' defaults.
+Values come in layers, each over the one before: the dataclasses' defaults < the recipe's YAML < the task's own
+settings (its reward components and what else it needs: :mod:`retool.tasks`) < each ``--config FILE`` in the order
+given < the command line. A key in a higher layer replaces the lower value whole (a ``*_kwargs`` mapping too, as on
+the command line). ``--config none`` drops the recipe's YAML (and any file named before it): the layers then start
+from the dataclasses' defaults and the task's settings.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class ScriptArguments(ModelConfig):
     dropped_kwargs: list[str] = field(default_factory=list, init=False)
     """Plugin kwargs a lower layer wrote for another plugin than the one a higher layer chose, dropped (one line
     each, for the banner and summary.json; see ``_kwargs_for_their_plugins``)."""
+    task_settings: list[str] = field(default_factory=list, init=False)
+    """The fields whose value came from the task's own settings (:mod:`retool.tasks`), for the banner."""
     reward_weight_origins: dict[str, str] = field(default_factory=dict, init=False)
     """Per reward component, where its weight came from when the components were changed without weights
     (empty when the weights were given with the components)."""
@@ -99,8 +102,10 @@ class ScriptArguments(ModelConfig):
         elif self.task_kwargs not in (None, "", {}, "{}"):
             raise ValueError(f"task_kwargs are the settings of --task reasoning_gym; task {self.task!r} takes none: drop "
                              f"task_kwargs or set --task reasoning_gym.")
-        if self.success_component is None:
-            self.success_component = "reasoning_gym" if self.task == REASONING_GYM else "correct"
+        if self.success_component is None:  # parse_args sets the task's (retool.tasks); a caller that builds these may not
+            from retool.tasks import default_success_component
+
+            self.success_component = default_success_component(self.task)
 
 
 def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -367,6 +372,7 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
     parser = _build_parser(extra)
     known = {action.dest for action in parser._actions} - {"help", "config"}
     _check_keys(layers, known)
+    layers, task_layer = _with_task_layer(layers, parser, argv)
     merged: dict[str, Any] = {}
     env: dict[str, Any] = {}
     for path, values in layers:
@@ -401,11 +407,29 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
     except (ValueError, LookupError) as exc:  # a __post_init__ check: one line, with where the settings it names came from
         raise SystemExit(f"configuration error (before any model loads): {exc}{_origins_of(str(exc), provenance)}") from exc
     script_args = next(o for o in outputs if isinstance(o, ScriptArguments))
-    script_args.config_files = [path for path, _ in layers]
+    script_args.config_files = [path for path, _ in layers if path != task_layer]
+    script_args.task_settings = sorted(key for key, where in provenance.items() if where == task_layer)
     script_args.reward_weight_origins = origins
     script_args.dropped_kwargs = dropped
     script_args.provenance = provenance
     return outputs
+
+
+def _with_task_layer(layers: list[tuple[str, dict]], parser: argparse.ArgumentParser,
+                     argv: list[str]) -> tuple[list[tuple[str, dict]], str]:
+    """``layers`` with the chosen task's own settings (:func:`retool.tasks.task_layer`) over the recipe's YAML and
+    under the user's files, and that layer's name. The task is the command line's ``--task``, else the highest
+    file's, else the field's default."""
+    from retool.tasks import task_layer
+
+    task = next((f.default for f in fields(ScriptArguments) if f.name == "task"), None)
+    for _, values in layers:
+        task = values.get("task", task)
+    if not any(a in ("-h", "--help") for a in argv):
+        task = _command_line_values(parser, argv).get("task", task)
+    name, values = task_layer(str(task))
+    at = 1 if layers and layers[0][0] == str(DEFAULT_CONFIG) else 0
+    return [*layers[:at], (name, values), *layers[at:]], name
 
 
 def _origins_of(message: str, provenance: dict[str, str]) -> str:

@@ -35,7 +35,7 @@ from retool.coldstart import DEFAULT_SYSTEM_PROMPT, LOOKUP_SYSTEM_PROMPT, TASKS
 from retool.launch import run_in_child
 
 __all__ = ["EmbeddedSettings", "TASK_DEFAULTS", "reasoning_gym_task_kwargs", "task_schemas", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
-           "model_path_or_default", "model_for_dry_run", "embedded_settings_for", "embedded_tokenizer",
+           "model_path_or_default", "check_embedded_default", "model_for_dry_run", "embedded_settings_for", "embedded_tokenizer",
            "embedded_stand_in", "PROMPT_TO_ANSWER_MIN_TOKENS"]
 
 BUILD_VERSION = 4
@@ -479,6 +479,33 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     log(f"[embedded default] the run's system_prompt can reach this embedded default (its attention sees {reach} "
         f"back): it is built with that prompt, or read from the cache.")
     return EmbeddedSettings.from_json(script_args.embedded, **base, system_prompt=run_prompt)
+
+
+def check_embedded_default(script_args: Any, training_args: Any) -> None:
+    """Every refusal the embedded default's build can foresee, made at start-up (milliseconds, nothing built): an
+    unknown ``--embedded`` field, ``--embedded`` naming another task or other ``task_kwargs`` than the run's, and a
+    reasoning-gym dataset whose entries hold no ``expression`` for the cold start to write its code from. Nothing to
+    check when ``--model_name_or_path`` names the model.
+
+    Raises:
+        ValueError: the refusal, naming the setting and what to set instead.
+    """
+    if script_args.model_name_or_path is not None:
+        return
+    try:
+        settings = embedded_settings_for(script_args, training_args, log=lambda *_: None)
+    except ValueError as exc:
+        raise ValueError(f"--embedded {script_args.embedded}: {exc}") from None
+    task = getattr(script_args, "reasoning_gym_task", None)
+    if settings.task == "reasoning_gym" and task is not None:
+        from retool.reasoning_gym_task import datasets_without
+
+        lacking = datasets_without(task, "expression")
+        if lacking:
+            raise ValueError(f"the embedded default's cold start writes print(<expression>) for each question, and "
+                             f"reasoning-gym's {', '.join(map(repr, lacking))} entries hold no metadata.expression: "
+                             f"bring a model for them (--model_name_or_path), or train on datasets whose entries carry "
+                             f"one (chain_sum, basic_arithmetic).")
 
 
 def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool = False,

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["TASK", "ReasoningGymTask", "parse_task_kwargs", "reasoning_gym_problems", "TRAIN_SEED_OFFSET",
+__all__ = ["datasets_without", "TASK", "ReasoningGymTask", "parse_task_kwargs", "reasoning_gym_problems", "TRAIN_SEED_OFFSET",
            "DEFAULT_HELD_OUT_POOL"]
 
 TASK = "reasoning_gym"
@@ -228,6 +228,20 @@ def reasoning_gym_problems(task: ReasoningGymTask, n: int, *, seed: int = 0, spl
                      f"{len(rows)} distinct questions outside the {len(pool)} held-out ones ({skipped} items were "
                      f"held-out questions): the datasets' configs allow too few questions. Lower --train_size to "
                      f"{len(rows)}, lower held_out_pool in --task_kwargs, or widen the configs.")
+
+
+def datasets_without(task: ReasoningGymTask, key: str, *, items: int = 4) -> list[str]:
+    """The datasets of ``task`` whose entries hold no non-empty string ``metadata[key]`` (among the first ``items``
+    each generates alone, seeded 0): what a cold start that needs it would meet mid-build, known in milliseconds."""
+    from reasoning_gym import create_dataset
+
+    lacking = []
+    for name, _, config in task.datasets:
+        data = create_dataset(name, **{**dict(config), "size": items, "seed": 0})
+        values = [data[i].get("metadata", {}).get(key) for i in range(items)]
+        if not all(isinstance(v, str) and v.strip() for v in values):
+            lacking.append(name)
+    return lacking
 
 
 _FORMAT_EXAMPLE = {"boxed": "The answer is \\boxed{42}.", "answer_tag": "<answer>42</answer>"}

@@ -47,15 +47,19 @@ def resolve(script_args: Any, training_args: Any) -> Any:
         run.close()
         raise SystemExit(f"configuration error (before any model loads): task {script_args.task!r} needs the tool(s) "
                          f"{missing} (the run has {sorted(run.tools)}): its problems cannot be solved without them. "
-                         f"Set --tools as recipes/retool_lookup.yaml does: --config recipes/retool_lookup.yaml.")
-    if script_args.reasoning_gym_task is not None:
-        from retool.reasoning_gym_task import check_run
+                         f"The task brings its tools where nothing else sets --tools (recipes/retool/tasks.py): drop "
+                         f"the --tools you set (its provenance: {run.spec.origin('tools')}), or add them to it.")
+    from retool.default_model import check_embedded_default
 
-        try:
+    try:
+        if script_args.reasoning_gym_task is not None:
+            from retool.reasoning_gym_task import check_run
+
             check_run(run)
-        except ValueError as exc:
-            run.close()
-            raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
+        check_embedded_default(script_args, training_args)  # what its build would refuse minutes later, refused now
+    except ValueError as exc:
+        run.close()
+        raise SystemExit(f"configuration error (before any model loads): {exc}") from None
     try:
         run.start_tools()
     except (ValueError, TypeError, RuntimeError) as exc:
@@ -363,6 +367,9 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
                      f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
     if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
+    if s.task_settings:
+        lines.append(f"task:         {s.task!r} set {', '.join(s.task_settings)} (its own settings, under your config "
+                     f"files and the command line: recipes/retool/tasks.py)")
     for note in s.dropped_kwargs:
         lines.append(f"note:         {note}")
     lines.append(f"rollout:      {a.rollout} {_kwargs(a.rollout_kwargs)}")
