@@ -30,6 +30,21 @@ def _workers_per_cpu() -> float:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) / _cpus()
 
 
+SUITE_MINUTES = 14
+"""The whole suite's wall time in ``.ci/run`` on this project's 2-core machine (README: the test command)."""
+QUICK_MINUTES = 3
+"""``-m "not slow"`` on the same machine: everything but the real launches."""
+
+
+def pytest_report_header(config):
+    """The first lines a newcomer's ``python -m pytest`` prints: how long it will take and the quick loop."""
+    if config.getoption("markexpr", ""):
+        return None  # they chose a subset already
+    return [f"trl-plugins: the whole suite takes about {SUITE_MINUTES} minutes on 2 CPU cores (one xdist worker per "
+            f"core; more cores, less time). A quick loop without the real launches: python -m pytest -m \"not slow\" "
+            f"(about {QUICK_MINUTES} minutes)."]
+
+
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") == "loadgroup":
         import tempfile

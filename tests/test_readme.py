@@ -30,6 +30,21 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert "set -euo pipefail" in ci_lines
 
 
+def test_the_suite_says_how_long_it_takes_where_a_newcomer_looks(pytestconfig):
+    # The README's test section and the header the suite prints state the same minutes and the quick loop.
+    import conftest
+
+    text = " ".join((ROOT / "README.md").read_text().split("Run the tests:", 1)[1].split("## ", 1)[0].split())
+    assert f"The whole suite takes about {conftest.SUITE_MINUTES} minutes on 2 CPU cores" in text
+    assert f'python -m pytest -m "not slow"` skips the real launches for a quick loop (about {conftest.QUICK_MINUTES} ' \
+           f"minutes)" in text
+    header = " ".join(conftest.pytest_report_header(type("Config", (), {"getoption": lambda self, name, d=None: ""})()))
+    assert f"about {conftest.SUITE_MINUTES} minutes" in header and 'python -m pytest -m "not slow"' in header
+    # Negative control: a run that chose a subset is not told about the whole.
+    chose = type("Config", (), {"getoption": lambda self, name, d=None: "not slow"})()
+    assert conftest.pytest_report_header(chose) is None
+
+
 def test_cpu_constraints_pin_the_cpu_torch_wheel():
     pins = (ROOT / "constraints" / "cpu.txt").read_text()
     assert re.search(r"^torch==2\.13\.0$", pins, re.M)
