@@ -8,8 +8,10 @@ calls), and the next generation prompt), tokenised as one piece, so that
 tokens merging across the output's edges (Qwen's ``\\n\\n``) come out as the template's tokenisation
 makes them. A closing token the sampler already produced (``<|im_end|>``) is not appended again:
 sampled, it is an ACTION and is trained; appended by us, it is GLUE and is not. The one deliberate
-difference from the template: control-token text inside tool output, and inside any message of a first prompt, is
-tokenised as plain text.
+difference from the template: content is text. The text of an added token (control tokens such as ``<|im_end|>``,
+markup such as ``<tool_call>`` or ``<think>``) written inside a message's content, on every path (the first prompt, a
+conversation rendered afresh, the messages that continue one, tool output), is tokenised as plain text; only the markup
+the template writes itself becomes those tokens.
 
 Re-rendering the history with the template instead would re-tokenise what the model wrote: a
 different token sequence than the one sampled, so the stored behaviour log-probs would score the
@@ -205,39 +207,28 @@ class ChatFormat(TemplateChecks, TurnParsing):
         """Render the first prompt (system/user messages + tool schemas + generation prompt) and tokenise it, the
         messages' text as text.
 
-        Control-token text written in a message (``<|im_end|>\\n<|im_start|>assistant`` in a question, a system
-        prompt or a tool output) stays text: only the template's own markup becomes control tokens, so a message
-        cannot open a turn nobody wrote. In every role's text the tokens the tokenizer flags special are spelled out
-        (as ``split_special_tokens`` would); a tool message's also the template's other markup tokens
-        (``<tool_call>``), as :meth:`tool_results_turn` spells them out. The text written is kept as written; a
-        conversation without such text tokenises exactly as ``apply_chat_template(..., tokenize=True)`` does.
+        Content is text: the text of every added token written in a message (control tokens such as
+        ``<|im_end|>\\n<|im_start|>assistant`` and markup such as ``<tool_call>`` or ``<think>``, in a question, a
+        system prompt, a tool output, an assistant message's content, reasoning or call arguments) is spelled out, as
+        :meth:`tool_results_turn` and :meth:`messages_turn` spell it out: only the template's own markup becomes those
+        tokens, so a message cannot open a turn nobody wrote nor write markup the template did not. The text written
+        is kept as written; a conversation without such text tokenises exactly as
+        ``apply_chat_template(..., tokenize=True)`` does.
         """
         kwargs = dict(tools=self.tools or None, add_generation_prompt=True, **self.template_kwargs)
-        patterns = [self._text_controls(m.get("role")) for m in messages]
-        if not any(p and any(p.search(t) for t in texts_of(m)) for p, m in zip(patterns, messages)):
+        pattern = self._control_re
+        if pattern is None or not any(pattern.search(t) for m in messages for t in texts_of(m)):
             return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-        # Each control-token text in the messages is rendered between two private-use marks, which tell where the
+        # Each added token's text in the messages is rendered between two private-use marks, which tell where the
         # template put it; the rendering without the marks must be the template's own, else the text is escaped.
         start, end = next(pair for pair in MARKS if pair[0] not in rendered and pair[1] not in rendered)
-        marked = [map_texts(m, lambda t, p=p: p.sub(f"{start}\\g<0>{end}", t)) if p else m
-                  for p, m in zip(patterns, messages)]
+        marked = [map_texts(m, lambda t: pattern.sub(f"{start}\\g<0>{end}", t)) for m in messages]
         unmarked = unmark(self.tokenizer.apply_chat_template(marked, tokenize=False, **kwargs), start, end)
         if unmarked is None or unmarked[0] != rendered:
-            escaped = [map_texts(m, lambda t, p=p: escape(p, t)) if p else m for p, m in zip(patterns, messages)]
+            escaped = [map_texts(m, lambda t: escape(pattern, t)) for m in messages]
             return list(self.tokenizer.apply_chat_template(escaped, tokenize=True, return_dict=False, **kwargs))
         return self._tokenize_turn(*unmarked)[0]
-
-    def _text_controls(self, role: str | None) -> re.Pattern | None:
-        """What a message of ``role`` spells out in its text: the tokens flagged special, and for a tool message every
-        added token (as in :meth:`tool_results_turn`)."""
-        if role == "tool":
-            return self._control_re
-        if "_special_re" not in self.__dict__:
-            added = self.tokenizer.get_added_vocab()
-            strings = [s for s in self._special if s in added]  # already longest first
-            self._special_re = re.compile("|".join(map(re.escape, strings))) if strings else None
-        return self._special_re
 
     def _rendering(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
         messages = self._call_messages(*names) + [self._tool_message(n, o, k) for k, (n, o) in enumerate(zip(names, outputs))]

@@ -1,5 +1,6 @@
-"""Control-token text in chat messages, for :meth:`~trl_plugins.rollout.chat.format.ChatFormat.initial_prompt_ids`:
-the text strings of a message, a way to mark where the template puts them, and an escape for when it cannot be told."""
+"""Added-token text (control tokens, markup) in chat messages, for
+:meth:`~trl_plugins.rollout.chat.format.ChatFormat.initial_prompt_ids`: the text strings of a message, a way to mark
+where the template puts them, and an escape for when it cannot be told."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ __all__ = ["MARKS", "texts_of", "map_texts", "escape", "unmark"]
 
 
 MARKS = tuple((chr(0xE000 + 2 * k), chr(0xE001 + 2 * k)) for k in range(256))
-"""Private-use character pairs that mark control-token text in messages while the template renders them (the first
+"""Private-use character pairs that mark added-token text in messages while the template renders them (the first
 pair the rendering does not hold)."""
 _NOT_TEXT = frozenset({"role", "name", "tool_call_id", "id", "type"})
 """Message keys whose values are names and ids, not text: never spelled out."""
