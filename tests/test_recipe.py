@@ -235,6 +235,42 @@ def test_system_prompt_lies_beyond_the_embedded_models_reach():
     assert not torch.allclose(written_logits(full, prompts[0]), written_logits(full, prompts[1]), atol=1e-4)
 
 
+def test_the_recipe_system_prompts_markup_is_text_beyond_the_cold_starts_reach(monkeypatch):
+    # Issue 59.4: content is text, so the "<tool_call>" the recipe's system prompt writes ("write one <tool_call>
+    # block") is 4 tokens of text where it was its markup token (docs/rollout.md). It lies beyond the embedded model's
+    # receptive field: the cold start's transcripts cut to it are the same token for token as with the markup token.
+    from retool.coldstart import DEFAULT_SYSTEM_PROMPT, cold_start_dataset
+    from retool.default_model import EmbeddedSettings, embedded_tokenizer
+    from retool.task import arithmetic_problems
+    from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tools.code_interpreter import CodeInterpreter
+
+    settings = EmbeddedSettings()
+    assert settings.system_prompt == DEFAULT_SYSTEM_PROMPT and "<tool_call>" in DEFAULT_SYSTEM_PROMPT
+    tok = embedded_tokenizer(settings)
+    chat = ChatFormat(tok, [CodeInterpreter().schema()])
+    problems = arithmetic_problems(16, seed=0, split="train")
+    messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": problems[0]["prompt"]}]
+    as_text = chat.initial_prompt_ids(messages)
+    as_markup = list(tok.apply_chat_template(messages, tools=chat.tools, tokenize=True, add_generation_prompt=True,
+                                             return_dict=False))
+    markup = tok.convert_tokens_to_ids("<tool_call>")
+    assert len(as_text) == len(as_markup) + 3 and as_text.count(markup) == as_markup.count(markup) - 1
+    assert tok.decode(as_text, skip_special_tokens=False) == tok.decode(as_markup, skip_special_tokens=False)
+
+    def rows(left_context: int | None) -> list:
+        data = cold_start_dataset(chat, problems, tool_fraction=0.7, system_prompt=DEFAULT_SYSTEM_PROMPT,
+                                  left_context=left_context)
+        return [data["input_ids"], data["assistant_masks"]]
+
+    text_rows = rows(settings.receptive_field()), rows(None)
+    with monkeypatch.context() as m:  # the first prompt as it was: the system prompt's markup text its token
+        m.setattr(chat, "initial_prompt_ids", lambda messages: list(tok.apply_chat_template(
+            messages, tools=chat.tools, tokenize=True, add_generation_prompt=True, return_dict=False)))
+        markup_rows = rows(settings.receptive_field()), rows(None)
+    assert text_rows[0] == markup_rows[0]
+    assert text_rows[1] != markup_rows[1]  # negative control: uncut, they differ
+
 _BUILD_WHEN_TOLD = """
 import json, sys, time
 from pathlib import Path
