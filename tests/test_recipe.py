@@ -394,6 +394,8 @@ def test_main_command_runs_two_steps_on_one_process(first_launch):
 
     assert replay([str(out / "trajectories" / "step-000002.json"), "--checkpoint", str(out / "checkpoint-1"),
                    "--resample", "--rewards"]) == 0
+    # Re-scoring needs the run's config, not its weights: from the batch's own run folder (output_dir/run_config/).
+    assert replay([str(out / "trajectories" / "step-000002.json"), "--rewards"]) == 0
 
 
 @pytest.mark.slow

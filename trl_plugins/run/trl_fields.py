@@ -402,7 +402,7 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "metric_for_best_model": FieldRule(_R, "needs evaluation metrics, and the evaluation loop is refused."),
     "greater_is_better": FieldRule(_R, "needs evaluation metrics, and the evaluation loop is refused."),
     # TrainingArguments: checkpoints and the Hub
-    "output_dir": FieldRule(_H, "checkpoints, metrics.jsonl and logger files."),
+    "output_dir": FieldRule(_H, "checkpoints, metrics.jsonl, logger files, trajectories/ (the viewer's batches) and run_config/ (the config and tokenizer, saved when training starts; docs/replay.md)."),
     "save_strategy": FieldRule(_H, _HF + "; 'best' refused (it needs evaluation metrics).", ok=lambda c: _plain(c.save_strategy) != "best"),
     "save_steps": FieldRule(_H, _HF + "."),
     "save_total_limit": FieldRule(_H, "older checkpoints are rotated out only after the new one is marked complete."),
