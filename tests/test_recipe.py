@@ -1089,7 +1089,12 @@ def test_the_mcp_time_layer_trains_two_steps_with_a_real_mcp_server(tmp_path, bu
                                           "--report_to", "none", "--eval_every_steps", "0"], cache=built_cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(the model calls it 'get_current_time')" in proc.stdout and "(the model calls it 'convert_time')" in proc.stdout
-    assert "MCP server 'time' (stdio, shared: mcp-server-time --local-timezone UTC, protocol 2026-07-28)" in proc.stdout
+    # Found by its bare name on this PATH, else in the interpreter's scripts folder (a venv not activated): the banner
+    # names the path found.
+    from trl_plugins.tools.sandbox.launcher import find_command
+
+    server = find_command("mcp-server-time")
+    assert f"MCP server 'time' (stdio, shared: {server} --local-timezone UTC, protocol 2026-07-28)" in proc.stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2
     left = [d for d in Path("/proc").iterdir() if d.name.isdigit() and b"mcp-server-time" in _cmdline(d)]
