@@ -429,9 +429,9 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
                   if s.eval_problems > 0 else "none (--eval_problems 0)")
     lines.append(f"evaluation:   {evaluation}")
     report = ", ".join(a.report_to) if a.report_to else "none"
-    lines.append(f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, final/, checkpoints every "
+    lines.append(f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, run_config/, final/, checkpoints every "
                  f"{a.save_steps} steps)" if getattr(a.save_strategy, "value", a.save_strategy) == "steps" else
-                 f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, final/)")
+                 f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, run_config/, final/)")
     if a.viewer_steps:
         lines.append(f"viewer:       {a.output_dir}/trajectories/step-N.html every {a.viewer_steps} steps "
                      f"({a.viewer_trajectories} trajectories; python -m trl_plugins.viewer redraws a saved batch)")
