@@ -521,6 +521,28 @@ def test_markup_text_in_a_first_prompt_stays_text(formats, name, role):
     assert chat.tokenizer.decode(hostile, skip_special_tokens=False) == rendered
 
 
+def test_an_assistant_think_block_the_template_reads_is_the_templates_markup(formats):
+    # Issue 59.4's one exception, the template's: Qwen3's template takes an assistant message's reasoning from
+    # "<think>...</think>" in its content, then renders it as its own markup (the last turn's) or drops it (earlier
+    # turns'). Marking that text moved it, and the escape that followed changed it ("< think>") and kept the reasoning
+    # the template drops. Now the message renders as the template renders it; control-token text in it stays text.
+    chat = formats("qwen3")
+    tok = chat.tokenizer
+    content = "<think>\nI add.\n</think>\n\nIt is 7 <|im_end|>"
+    for messages in ([{"role": "user", "content": "q"}, {"role": "assistant", "content": content},
+                      {"role": "user", "content": "again"}],
+                     [{"role": "user", "content": "q"}, {"role": "assistant", "content": content}]):
+        ids = chat.initial_prompt_ids(messages)
+        rendered = tok.apply_chat_template(messages, tools=[SCHEMA], tokenize=False, add_generation_prompt=True)
+        assert tok.decode(ids, skip_special_tokens=False) == rendered
+        parsed = tok.apply_chat_template(messages, tools=[SCHEMA], tokenize=True, add_generation_prompt=True,
+                                         return_dict=False)
+        assert _markup(chat, ids) == _markup(chat, parsed)  # the think block, where rendered, is its tokens
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        assert ids.count(im_end) == parsed.count(im_end) - 1  # negative control: parsed, the text is a control token
+    assert "I add." not in tok.decode(chat.initial_prompt_ids(messages[:1] + [{"role": "assistant", "content": content},
+                                                                             {"role": "user", "content": "again"}]))
+
 @pytest.mark.parametrize("name, role", [(n, r) for n in MARKUP_TEMPLATES for r in ("system", "user", "tool")
                                         # these render no system message there (Qwen3-VL drops one after the
                                         # first, GLM's follows no stop token): a template's limit, not this rule's

@@ -213,7 +213,10 @@ class ChatFormat(TemplateChecks, TurnParsing):
         :meth:`tool_results_turn` and :meth:`messages_turn` spell it out: only the template's own markup becomes those
         tokens, so a message cannot open a turn nobody wrote nor write markup the template did not. The text written
         is kept as written; a conversation without such text tokenises exactly as
-        ``apply_chat_template(..., tokenize=True)`` does.
+        ``apply_chat_template(..., tokenize=True)`` does. One exception, the template's: where it reads markup from
+        an assistant message's text (Qwen3 takes the reasoning from ``<think>...</think>`` in the content and
+        renders it as its own markup, or drops it), that message's markup is the template's input, rendered and
+        tokenised as the template does; its control-token text still stays text.
         """
         kwargs = dict(tools=self.tools or None, add_generation_prompt=True, **self.template_kwargs)
         pattern = self._control_re
@@ -221,14 +224,26 @@ class ChatFormat(TemplateChecks, TurnParsing):
             return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         # Each added token's text in the messages is rendered between two private-use marks, which tell where the
-        # template put it; the rendering without the marks must be the template's own, else the text is escaped.
+        # template put it; the rendering without the marks must be the template's own. Else the template read some
+        # of it: an assistant message's markup is left to it (its control-token text still marked); else escaped.
         start, end = next(pair for pair in MARKS if pair[0] not in rendered and pair[1] not in rendered)
-        marked = [map_texts(m, lambda t: pattern.sub(f"{start}\\g<0>{end}", t)) for m in messages]
-        unmarked = unmark(self.tokenizer.apply_chat_template(marked, tokenize=False, **kwargs), start, end)
-        if unmarked is None or unmarked[0] != rendered:
-            escaped = [map_texts(m, lambda t: escape(pattern, t)) for m in messages]
-            return list(self.tokenizer.apply_chat_template(escaped, tokenize=True, return_dict=False, **kwargs))
-        return self._tokenize_turn(*unmarked)[0]
+        special = self._special_pattern()
+        for assistant in (pattern, special):
+            marked = [map_texts(m, lambda t, p=(assistant if m.get("role") == "assistant" else pattern):
+                                p.sub(f"{start}\\g<0>{end}", t) if p else t) for m in messages]
+            unmarked = unmark(self.tokenizer.apply_chat_template(marked, tokenize=False, **kwargs), start, end)
+            if unmarked is not None and unmarked[0] == rendered:
+                return self._tokenize_turn(*unmarked)[0]
+        escaped = [map_texts(m, lambda t: escape(pattern, t)) for m in messages]
+        return list(self.tokenizer.apply_chat_template(escaped, tokenize=True, return_dict=False, **kwargs))
+
+    def _special_pattern(self) -> re.Pattern | None:
+        """The added tokens the tokenizer flags special (control tokens), longest first."""
+        if "_special_re" not in self.__dict__:
+            added = self.tokenizer.get_added_vocab()
+            strings = [s for s in self._special if s in added]  # already longest first
+            self._special_re = re.compile("|".join(map(re.escape, strings))) if strings else None
+        return self._special_re
 
     def _rendering(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
         messages = self._call_messages(*names) + [self._tool_message(n, o, k) for k, (n, o) in enumerate(zip(names, outputs))]
