@@ -226,7 +226,7 @@ CAPABILITIES = ("needs_values", "needs_groups", "needs_ref_logprobs", "needs_ent
 
 def capability_discovery(source: str) -> list[str]:
     """Declared capabilities ``source`` looks up by name with ``getattr``/``hasattr`` (discovery the seams'
-    adapters in :mod:`trl_plugins.protocols` do, once, when the run is built)."""
+    adapters in :mod:`trl_plugins.protocols.adapters` do, once, when the run is built)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
@@ -237,7 +237,7 @@ def capability_discovery(source: str) -> list[str]:
 
 def test_capabilities_are_read_by_the_seams_adapters_only():
     readers = {name: capability_discovery(src) for name, src in _library_sources().items()
-               if name not in ("protocols.py", "packing/__init__.py")}  # packing: its one reader, in the pure package
+               if name not in ("protocols/adapters.py", "packing/__init__.py")}  # packing: its one reader, in the pure package
     assert {k: v for k, v in readers.items() if v} == {}
     assert capability_discovery('getattr(plugin, "needs_values", False)\nhasattr(tool, "idempotent")\n'
                                 'getattr(x, "name")\n') == ["needs_values", "idempotent"]  # negative control

@@ -497,3 +497,48 @@ def test_mcp_tools_start_in_the_asynchronous_replica_and_leave_nothing(tmp_path)
     while _marked(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _marked(mark)
+
+
+def test_a_tool_set_is_a_declared_seam_and_summary_json_records_each_plugin_by_name(tmp_path):
+    # Before: record.py paired config.tools with the built tools by position, so with tools [mcp, code_interpreter]
+    # summary.json gave 'mcp' the settings of the toy server's first tool and 'code_interpreter' its second's.
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    from retool.config import parse_args
+    from retool.record import run_record
+    from trl_plugins.protocols import ToolSet, is_tool_set, tools_of
+    from trl_plugins.run import resolve_run
+
+    assert isinstance(McpTools(mcpServers={"toy": _stdio()}), ToolSet) and is_tool_set(McpTools(mcpServers={"toy": _stdio()}))
+    servers = {"mcpServers": {"toy": _stdio(session="shared")}}
+    import json
+
+    script_args, args = parse_args(["--tools", "mcp", "code_interpreter", "--tool_kwargs",
+                                    json.dumps({"mcp": servers, "code_interpreter": {"timeout_s": 7.0}}),
+                                    "--output_dir", str(tmp_path / "out")])
+    run = resolve_run(args)
+    try:
+        members = [t.name for t in run.tools.values() if t.configured == "mcp"]
+        assert len(members) > 1 and all(run.tools[m].tool_set is not None for m in members)
+        assert run.tools["code_interpreter"].configured == "code_interpreter"
+        assert run.tools["code_interpreter"].tool_set is None
+        record = run_record(script_args, args, run)["plugins"]["tools"]
+        by_name = {entry["name"]: entry for entry in record}
+        assert by_name["mcp"]["object"] == "trl_plugins.tools.mcp.plugin:McpTools"
+        assert by_name["mcp"]["members"] == members
+        assert by_name["code_interpreter"]["object"].endswith(":CodeInterpreter")
+        assert by_name["code_interpreter"]["kwargs"]["timeout_s"] == 7.0 and "members" not in by_name["code_interpreter"]
+    finally:
+        run.close()
+    # A set that lists no tool is refused, naming it; a single tool is its own one member.
+    from trl_plugins.protocols import PluginDeclarationError
+
+    class Empty:
+        def member_tools(self):
+            return []
+
+    with pytest.raises(PluginDeclarationError, match="member_tools\\(\\) listed no tool"):
+        tools_of(Empty(), "empty")
+    (one,) = tools_of(run.tools["code_interpreter"].impl, "code_interpreter")
+    assert one.configured == "code_interpreter" and one.tool_set is None

@@ -73,6 +73,18 @@ def git_state(root: str | Path = PROJECT_ROOT) -> dict[str, Any]:
     return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
+def _tool_record(name: str, given: dict, run: Any, built: Any) -> dict:
+    """The configured tool plugin ``name``: the built tool it gave, found by the name it was configured under (a
+    tool set's settings, with the names of the tools it gave as ``members``)."""
+    if run is None:
+        return {"name": name, **built(None, given)}
+    tools = [t for t in run.tools.values() if t.configured == name]
+    tool_set = tools[0].tool_set if tools else None
+    if tool_set is None:
+        return {"name": name, **built(tools[0] if tools else None, given)}
+    return {"name": name, **built(tool_set, given), "members": [t.name for t in tools]}
+
+
 def run_record(script_args: Any, training_args: Any, run: Any = None) -> dict:
     """The reproducibility part of ``summary.json``: ``config`` (both argument classes, every field), ``plugins``
     (each seam's choice and settings; with the built ``run``, each plugin's object, package, version and every
@@ -84,14 +96,13 @@ def run_record(script_args: Any, training_args: Any, run: Any = None) -> dict:
     def built(plugin: Any, given: Any) -> dict:
         return describe_plugin(plugin, given) if plugin is not None else {"kwargs": given}
 
-    tools = list(run.tools.values()) if run is not None else [None] * len(a.tools)
     rewards = list(run.rewards) if run is not None else [None] * len(a.reward_components)
     return {
         "config": {"script": resolved_config(script_args), "training": resolved_config(training_args),
                    "files": list(script_args.config_files)},
         "plugins": json_safe({
             "rollout": {"name": a.rollout, **built(run and run.rollout, a.rollout_kwargs)},
-            "tools": [{"name": n, **built(t, a.tool_kwargs.get(n, {}))} for n, t in zip(a.tools, tools)],
+            "tools": [_tool_record(n, a.tool_kwargs.get(n, {}), run, built) for n in a.tools],
             "reward_components": [{"name": n, "weight": w, **built(r, a.reward_component_kwargs.get(n, {})),
                                    "weight_origin": script_args.reward_weight_origins.get(n)}
                                   for n, w, r in zip(a.reward_components, a.reward_component_weights, rewards)],

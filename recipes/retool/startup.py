@@ -376,9 +376,7 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     describe = getattr(getattr(run.rollout, "impl", run.rollout), "describe", None)
     if callable(describe):
         lines.append(f"                {describe()}")
-    pairs = list(zip(a.tools, run.tools.items()))
-    if all(t.configured for t in run.tools.values()):  # a tool set (mcp) is several tools: each under its plugin
-        pairs = [(t.configured, (n, t)) for n, t in run.tools.items()]
+    pairs = [(t.configured, (n, t)) for n, t in run.tools.items()]  # a tool set (mcp) is several: each under its plugin
     previous = None
     for configured, (name, tool) in pairs:
         called = f" (the model calls it {name!r})" if configured != name else ""

@@ -49,12 +49,13 @@ def check_tool_contract(
     Raises:
         ContractError: naming the plugin and what is wrong.
     """
-    from trl_plugins.registry import TOOLS
     from trl_plugins.aio import run_async
+    from trl_plugins.protocols import is_tool_set
+    from trl_plugins.registry import TOOLS
     from trl_plugins.tools.base import ToolOutput, check_arguments, close_plugin
 
     label, tool = _resolve(TOOLS, plugin, kwargs)
-    if callable(getattr(type(tool), "member_tools", None)):  # a tool set (mcp): each member is a tool of the run
+    if is_tool_set(tool):  # a tool set (mcp): each member is a tool of the run
         try:
             members = tool.member_tools()
             _check(members, label, "member_tools() listed no tool")

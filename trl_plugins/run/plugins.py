@@ -27,7 +27,7 @@ from trl_plugins.protocols import (
     as_policy_loss,
     as_reward,
     as_rollout,
-    as_tool,
+    tools_of,
 )
 from trl_plugins.registry import ADVANTAGES, REWARDS, ROLLOUTS, TOOLS, Registry
 from trl_plugins.tools.base import schema_problem
@@ -237,19 +237,16 @@ def build_tools(config: Any, given: Mapping[str, Any] | None = None) -> dict[str
         missing = set(config.tools) - set(given)
         if missing:
             raise ValueError(f"tools {sorted(missing)} are configured but not provided.")
-        tools = {name: as_tool(tool, name) for name, tool in given.items()}
+        plugins = dict(given)
     else:
         check_keyed_kwargs(config.tool_kwargs, config.tools, "tool_kwargs", "tools")
-        built = []
-        for name in config.tools:
-            impl = construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools")
-            # A tool set (the mcp plugin) is as many tools as it lists at start-up, each shown to the model.
-            members = impl.member_tools() if callable(getattr(type(impl), "member_tools", None)) else [impl]
-            built.extend(dataclasses.replace(as_tool(m, m.name if m is not impl else name), configured=name)
-                         for m in members)
-        tools = {tool.name: tool for tool in built}
-        if len(tools) != len(built):
-            raise ValueError(f"two configured tools share a name: {[t.name for t in built]}.")
+        plugins = {name: construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools")
+                   for name in config.tools}
+    # A tool set (the mcp plugin) is as many tools as it lists at start-up, each shown to the model.
+    built = [tool for name, impl in plugins.items() for tool in tools_of(impl, name)]
+    tools = {tool.name: tool for tool in built}
+    if len(tools) != len(built):
+        raise ValueError(f"two configured tools share a name: {[t.name for t in built]}.")
     for tool in tools.values():
         problem = schema_problem(tool.schema(), tool.name)
         if problem is not None:

@@ -159,7 +159,8 @@ class McpTool:
 @TOOLS.register("mcp")
 @dataclass(eq=False)
 class McpTools(ClosingTool):
-    """Every tool of the configured MCP servers, each one tool of the run (:meth:`member_tools`).
+    """Every tool of the configured MCP servers, each one tool of the run (:meth:`member_tools`): a
+    :class:`~trl_plugins.protocols.ToolSet`, which has no schema of its own and is never called.
 
     Configured with the ``mcpServers`` object MCP clients use (``tool_kwargs: {mcp: {mcpServers: {...}}}``) or a
     file holding one (``config: path/to/mcp.json``). At start-up (the run's build, before any model loads) each
@@ -204,12 +205,6 @@ class McpTools(ClosingTool):
         for key, value in (("include", self.include), ("exclude", self.exclude)):
             if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
                 raise ValueError(f"the mcp tool's {key} must be a list of tool names, got {value!r}")
-
-    def schema(self) -> dict[str, Any]:
-        raise TypeError("the mcp plugin is a set of tools: the run uses member_tools(), one schema per MCP tool")
-
-    async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
-        raise TypeError("the mcp plugin is a set of tools: the model calls its member tools")
 
     # -- start-up ---------------------------------------------------------------------------------------------
 

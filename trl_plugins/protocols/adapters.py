@@ -1,180 +1,21 @@
-"""What a plugin of each seam is and what it may declare: one typed ``Protocol`` per seam, and the one adapter per
-seam that reads a plugin's declarations when the run is built.
-
-A plugin is any object with its seam's call and its *required* declarations (a dataclass or a plain class; a
-``typing.Protocol`` is structural, so nothing needs to be inherited). *Optional* members have the defaults the
-Protocols' docstrings give. The run (:mod:`trl_plugins.run`) wraps every plugin it builds in its seam's adapter
-(:class:`AdvantagePlugin`, :class:`PolicyLossPlugin`, :class:`RolloutPlugin`, :class:`ToolPlugin`,
-:class:`RewardPlugin`): the adapter reads each declaration once, checks its type, says which plugin got it
-wrong, and from then on every decision asks the adapter. A third-party plugin that declares a capability
-therefore takes part in the same decisions a built-in one does, and one that leaves an optional capability out
-gets its default, never a surprise at step 1000.
-
-==========================  ============================================  ==========================================
-seam                        required                                      optional (default)
-==========================  ============================================  ==========================================
-advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``needs_turn_ids`` (False),
-                                                                          ``step_metrics()``,
-                                                                          ``step_metric_reductions()``, ``close()``
-policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False),
-                                                                          ``needs_turn_ids`` (False),
-                                                                          ``token_local`` (False),
-                                                                          ``step_metrics()``,
-                                                                          ``step_metric_reductions()``, ``close()``
-rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1),
-                                                                          ``agent_conversation``, ``offers_tools``
-                                                                          (False), ``rederive_stop()``, ``close()``
-tool                        ``name``, ``schema()``, ``async __call__``    ``idempotent`` (False), ``start_up()``,
-                                                                          ``step_metrics()``,
-                                                                          ``step_metric_reductions()``, ``close()``
-reward component            ``__call__(trajectory, example)``             ``is_success(value)``, ``close()``
-==========================  ============================================  ==========================================
-
-``step_metrics()`` returns ``{name: number}`` once per step (what happened since the last call) and
-``step_metric_reductions()`` ``{name: "sum" | "max" | "min" | "mean"}`` (how each combines over ranks; mean when not
-declared). A tool's metrics are logged under their own names; an advantage estimator's as ``advantage/<name>`` and a
-policy loss's as ``policy_loss/<name>`` (a policy loss runs once per micro-batch: it accumulates, and reports when
-asked).
-"""
+"""The adapters the run builds: one per seam, reading a plugin's declarations once (checked, defaulted, naming the
+plugin that got one wrong), so every later decision asks the adapter (:mod:`trl_plugins.protocols`)."""
 
 from __future__ import annotations
 
-import enum
 import inspect
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from trl_plugins.aio import run_async
-from trl_plugins.episodes import current_episode, tool_episode  # the tool seam's episodes, re-exported
+from trl_plugins.protocols.seams import PluginDeclarationError, Reduction
 
 if TYPE_CHECKING:  # annotations only: the seams' own modules import this one
     from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput, Trajectory
 
-__all__ = [
-    "Reduction",
-    "PluginDeclarationError",
-    "AdvantageEstimator",
-    "PolicyLoss",
-    "Rollout",
-    "Tool",
-    "RewardComponentFn",
-    "AdvantagePlugin",
-    "PolicyLossPlugin",
-    "RolloutPlugin",
-    "ToolPlugin",
-    "RewardPlugin",
-    "as_advantage",
-    "as_policy_loss",
-    "as_rollout",
-    "as_tool",
-    "as_reward",
-    "close_plugin",
-    "current_episode",
-    "tool_episode",
-]
-
-
-class Reduction(enum.StrEnum):
-    """How a per-rank figure combines over the data-parallel ranks (a tool's ``step_metric_reductions()``, the
-    trainer's own statistics)."""
-
-    SUM = "sum"
-    """Counts and totals."""
-    MAX = "max"
-    """Peaks and worst cases."""
-    MIN = "min"
-    """Best cases."""
-    MEAN = "mean"
-    """Rates that every rank measures alike."""
-
-    def combine(self, values: list[float]) -> float:
-        """The combined value of the ranks' ``values`` (the arithmetic, for gathered figures)."""
-        if self is Reduction.SUM:
-            return float(sum(values))
-        if self is Reduction.MAX:
-            return float(max(values))
-        if self is Reduction.MIN:
-            return float(min(values))
-        return float(sum(values) / len(values))
-
-
-class PluginDeclarationError(ValueError):
-    """A plugin's declaration is missing or of the wrong type; the message names the plugin and the member.
-
-    Attributes:
-        label: The plugin (``advantage 'gae'``).
-        what: What is wrong with it (``does not declare needs_values (a bool); ...``).
-    """
-
-    def __init__(self, label: str, what: str) -> None:
-        super().__init__(f"{label} {what}")
-        self.label, self.what = label, what
-
-
-# -- what a plugin implements ---------------------------------------------------------------------
-
-
-class AdvantageEstimator(Protocol):
-    """Advantages (and, with a critic, value targets) from a batch's rewards."""
-
-    needs_values: bool
-    """A critic runs and its values reach ``AdvantageInput.values`` (e.g. GAE)."""
-    needs_groups: bool
-    """Group-relative: ``num_generations`` must be at least 2."""
-
-    def __call__(self, inp: AdvantageInput) -> AdvantageOutput: ...
-
-
-class PolicyLoss(Protocol):
-    """A per-token policy loss before aggregation."""
-
-    needs_ref_logprobs: bool
-    """Reads ``PolicyLossInput.ref_logprobs`` (a reference model runs: ``beta > 0``)."""
-    needs_entropy: bool
-    """Reads ``PolicyLossInput.entropy``."""
-
-    def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput: ...
-
-
-class Rollout(Protocol):
-    """Trajectories for a :class:`~trl_plugins.rollout.RolloutRequest`."""
-
-    token_budget: int | None
-    """The most tokens one trajectory can hold, or None when unbounded."""
-    # Optional: ``tool_calls_per_turn`` (int >= 1, default 1), the most calls of one turn it runs (parallel calls);
-    # above 1 the run's chat format checks at start-up that the template renders that many exactly.
-    # ``agent_conversation`` (bool, default False): an agent writes the conversation, so the run refuses its own
-    # ``tools`` and ``system_prompt``. ``rederive_stop(trajectory, chat)``: where and why its rules end a saved
-    # trajectory (the replay compares it with the saved stop reason). ``rows()``: the rollout's own dataset (an
-    # environment's tasks), which the recipe trains and evaluates on instead of its task's. ``version`` (str) and
-    # ``versions()`` (any plugin): see :func:`trl_plugins.run.version.plugin_versions`.
-
-    def __call__(self, request: Any) -> Any: ...
-
-
-@runtime_checkable
-class Tool(Protocol):
-    """A tool the model calls: a name, an OpenAI function schema, an async call on the parsed arguments."""
-
-    name: str
-
-    def schema(self) -> dict[str, Any]:
-        """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-        ...
-
-    async def __call__(self, arguments: dict[str, Any]) -> Any:
-        """Run the tool on the model's parsed arguments; returns a ``ToolOutput``."""
-        ...
-
-
-class RewardComponentFn(Protocol):
-    """One named reward component: a finite number for a scored trajectory and its dataset row."""
-
-    def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> float: ...
-
-
-# -- the adapters the run builds --------------------------------------------------------------------
+__all__ = ["AdvantagePlugin", "PolicyLossPlugin", "RolloutPlugin", "ToolPlugin", "RewardPlugin", "as_advantage",
+           "as_policy_loss", "as_rollout", "as_tool", "is_tool_set", "tools_of", "as_reward", "close_plugin"]
 
 
 def _label(seam: str, name: str | None, impl: Any) -> str:
@@ -360,6 +201,8 @@ class ToolPlugin(_Adapter):
     configured: str | None = None
     """The configured tool plugin it came from (``config.tools``' entry; a tool set such as ``mcp`` gives several
     tools); None for a tool given as an instance."""
+    tool_set: Any = None
+    """The :class:`ToolSet` it is a member of (None: a tool configured on its own)."""
     end_episode_fn: Callable[[Any], Any] | None = None
     """``end_episode(key)``: the trajectory ``key`` (:data:`current_episode` during its calls) has ended; the tool
     releases what it kept for it (a per-trajectory server process). Plain or ``async``."""
@@ -470,6 +313,26 @@ def as_tool(impl: Any, name: str = "") -> ToolPlugin:
     return ToolPlugin(own, impl, **_metric_members(impl, label), idempotent=_optional_bool(impl, "idempotent", False, label),
                       start_up_fn=_optional_method(impl, "start_up", label),
                       end_episode_fn=_optional_method(impl, "end_episode", label))
+
+
+def is_tool_set(impl: Any) -> bool:
+    """Whether ``impl`` is a :class:`ToolSet` (it declares ``member_tools()``), not a tool."""
+    return not isinstance(impl, ToolPlugin) and callable(getattr(type(impl), "member_tools", None))
+
+
+def tools_of(impl: Any, configured: str) -> list[ToolPlugin]:
+    """The tools of the run that the tool plugin configured as ``configured`` gives: the tool itself (called by its
+    own ``name``), or each member of a :class:`ToolSet`, in its order; each knows the plugin it came from.
+
+    Raises:
+        PluginDeclarationError: a tool set that lists no tool, or a member that is no tool.
+    """
+    if not is_tool_set(impl):
+        return [replace(as_tool(impl, configured), configured=configured)]
+    members = list(impl.member_tools())
+    if not members:
+        raise PluginDeclarationError(_label("tool set", configured, impl), "member_tools() listed no tool.")
+    return [replace(as_tool(m, configured), configured=configured, tool_set=impl) for m in members]
 
 
 def _metric_members(impl: Any, label: str) -> dict[str, Any]:
