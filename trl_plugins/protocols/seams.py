@@ -1,4 +1,4 @@
-"""The seams' ``Protocol``\ s: what a plugin of each seam implements and declares (the table in
+"""The seams' ``Protocol`` classes: what a plugin of each seam implements and declares (the table in
 :mod:`trl_plugins.protocols`), the reductions a plugin's step metrics may declare, and the error a wrong declaration
 raises."""
 
