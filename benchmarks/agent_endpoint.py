@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from trl_plugins.tools.code_interpreter import CodeInterpreter
 SCHEMA = CodeInterpreter().schema()
 TOOL_S = 0.0
 
-COMMAND = '''
+COMMAND = """
 import json, sys, time
 import openai
 row = json.load(sys.stdin)
@@ -49,7 +48,7 @@ while True:
         time.sleep(tool_s)
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "ran " + json.loads(call.function.arguments)["code"]})
 print(json.dumps(1.0))
-'''
+"""
 
 
 class SleepTool:
@@ -66,13 +65,21 @@ class SleepTool:
 async def async_agent(client, row):
     messages = [{"role": "user", "content": row["prompt"]}]
     while True:
-        message = (await client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA])).choices[0].message
+        message = (
+            (await client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA])).choices[0].message
+        )
         messages.append(message)
         if not message.tool_calls:
             return 1.0
         for call in message.tool_calls:
             await asyncio.sleep(TOOL_S)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"ran {json.loads(call.function.arguments)['code']}"})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": f"ran {json.loads(call.function.arguments)['code']}",
+                }
+            )
 
 
 def sync_agent(client, row):
@@ -84,7 +91,13 @@ def sync_agent(client, row):
             return 1.0
         for call in message.tool_calls:
             time.sleep(TOOL_S)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"ran {json.loads(call.function.arguments)['code']}"})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": f"ran {json.loads(call.function.arguments)['code']}",
+                }
+            )
 
 
 def backend(chat: ChatFormat, calls: int, gen_s: float) -> ScriptedBackend:
@@ -121,30 +134,51 @@ def main() -> None:
     TOOL_S = args.tool_ms / 1000
     chat = ChatFormat(build_tokenizer("qwen2_5"), [SCHEMA], final_answer_pattern=r"\\boxed\{")
     prompts = [f"Question {k}: compute." for k in range(args.questions)]
-    questions = [RolloutQuestion(f"q{k}", chat.initial_prompt_ids([{"role": "user", "content": p}]), k, row={"prompt": p})
-                 for k, p in enumerate(prompts)]
+    questions = [
+        RolloutQuestion(f"q{k}", chat.initial_prompt_ids([{"role": "user", "content": p}]), k, row={"prompt": p})
+        for k, p in enumerate(prompts)
+    ]
     script = Path(tempfile.mkdtemp()) / "agent.py"
     script.write_text(COMMAND)
-    rollouts = {"built-in": MultiTurnRollout(max_turns=args.calls + 1, max_tool_calls=args.calls),
-                "endpoint, async agent": AgentEndpointRollout(agent=async_agent, max_turns=args.calls + 1, max_tool_calls=args.calls),
-                "endpoint, sync agent": AgentEndpointRollout(agent=sync_agent, max_turns=args.calls + 1, max_tool_calls=args.calls)}
+    rollouts = {
+        "built-in": MultiTurnRollout(max_turns=args.calls + 1, max_tool_calls=args.calls),
+        "endpoint, async agent": AgentEndpointRollout(
+            agent=async_agent, max_turns=args.calls + 1, max_tool_calls=args.calls
+        ),
+        "endpoint, sync agent": AgentEndpointRollout(
+            agent=sync_agent, max_turns=args.calls + 1, max_tool_calls=args.calls
+        ),
+    }
     if not args.no_command:
-        rollouts["endpoint, command"] = AgentEndpointRollout(command=[sys.executable, str(script), json.dumps(SCHEMA), str(TOOL_S)],
-                                                             max_turns=args.calls + 1, max_tool_calls=args.calls)
+        rollouts["endpoint, command"] = AgentEndpointRollout(
+            command=[sys.executable, str(script), json.dumps(SCHEMA), str(TOOL_S)],
+            max_turns=args.calls + 1,
+            max_tool_calls=args.calls,
+        )
     n = args.questions * args.group
     turns = n * (args.calls + 1)
-    print(f"{args.questions} questions x {args.group} samples, {args.calls} tool calls + an answer each: {turns} turns; "
-          f"tool {args.tool_ms:g} ms; medians of {args.repeats} alternated runs")
+    print(
+        f"{args.questions} questions x {args.group} samples, {args.calls} tool calls + an answer each: {turns} turns; "
+        f"tool {args.tool_ms:g} ms; medians of {args.repeats} alternated runs"
+    )
     for rollout in rollouts.values():  # imports (openai: ~0.5 s) and first connections, not timed
-        rollout(RolloutRequest(questions[:1], 1, backend(chat, args.calls, 0.0), chat, {"code_interpreter": SleepTool()}))
+        rollout(
+            RolloutRequest(questions[:1], 1, backend(chat, args.calls, 0.0), chat, {"code_interpreter": SleepTool()})
+        )
     for gen_ms in args.gen_ms:
         wall: dict[str, list[float]] = {k: [] for k in rollouts}
         cpu: dict[str, list[float]] = {k: [] for k in rollouts}
         reference = None
         for _ in range(args.repeats):
             for name, rollout in rollouts.items():
-                request = RolloutRequest(questions, args.group, backend(chat, args.calls, gen_ms / 1000), chat,
-                                         {"code_interpreter": SleepTool()}, seed=3)
+                request = RolloutRequest(
+                    questions,
+                    args.group,
+                    backend(chat, args.calls, gen_ms / 1000),
+                    chat,
+                    {"code_interpreter": SleepTool()},
+                    seed=3,
+                )
                 c0, t0 = time.process_time(), time.perf_counter()
                 result = rollout(request)
                 wall[name].append(time.perf_counter() - t0)
@@ -155,12 +189,16 @@ def main() -> None:
                 assert tokens == reference, f"{name} produced other tokens than the built-in rollout"
         base = statistics.median(wall["built-in"])
         print(f"\ngenerate call {gen_ms:g} ms")
-        print(f"{'rollout':24s} {'wall s':>8s} {'ms/turn':>8s} {'x built-in':>10s} {'+ms per turn of a trajectory':>29s} "
-              f"{'CPU ms/turn':>11s}")
+        print(
+            f"{'rollout':24s} {'wall s':>8s} {'ms/turn':>8s} {'x built-in':>10s} {'+ms per turn of a trajectory':>29s} "
+            f"{'CPU ms/turn':>11s}"
+        )
         for name in rollouts:
             w, c = statistics.median(wall[name]), statistics.median(cpu[name])
             added = (w - base) / (args.calls + 1) * 1000
-            print(f"{name:24s} {w:8.3f} {w / turns * 1000:8.2f} {w / base:10.2f} {added:29.1f} {c / turns * 1000:11.2f}")
+            print(
+                f"{name:24s} {w:8.3f} {w / turns * 1000:8.2f} {w / base:10.2f} {added:29.1f} {c / turns * 1000:11.2f}"
+            )
 
 
 if __name__ == "__main__":

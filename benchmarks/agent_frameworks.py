@@ -71,7 +71,7 @@ def scripted(chat: ChatFormat, backend_s: list[float]) -> ScriptedBackend:
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
 
     def call(name: str, arguments: dict) -> str:
-        return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
     def script(prompt: list[int]) -> list[int]:
         t0 = time.perf_counter()
@@ -81,8 +81,10 @@ def scripted(chat: ChatFormat, backend_s: list[float]) -> ScriptedBackend:
         calls = int(re.search(r"calls=(\d+)", question).group(1))
         if "[[ ## next_tool_name ## ]]" in text:  # a step of DSPy's ReAct: its fields as text, no tools offered
             name, arguments = ("code_interpreter", {"code": f"print({done})"}) if done < calls else ("finish", {})
-            body = (f"[[ ## next_thought ## ]]\nStep {done}.\n\n[[ ## next_tool_name ## ]]\n{name}\n\n"
-                    f"[[ ## next_tool_args ## ]]\n{json.dumps(arguments)}\n\n[[ ## completed ## ]]")
+            body = (
+                f"[[ ## next_thought ## ]]\nStep {done}.\n\n[[ ## next_tool_name ## ]]\n{name}\n\n"
+                f"[[ ## next_tool_args ## ]]\n{json.dumps(arguments)}\n\n[[ ## completed ## ]]"
+            )
         elif "[[ ## answer ## ]]" in text:  # its extraction of the answer from the trajectory
             body = "[[ ## reasoning ## ]]\nDone.\n\n[[ ## answer ## ]]\n\\boxed{7}\n\n[[ ## completed ## ]]"
         elif done < calls:
@@ -122,7 +124,9 @@ class TimedEndpoint(AgentEndpointRollout):
 
     async def _serve(self, http, *args, **kwargs):
         route = http.path.split("?", 1)[0].split("/v1/", 1)[-1]
-        times = {"chat/completions": self._served_s, "responses": self._served_s, "tools/call": self._tools_s}.get(route)
+        times = {"chat/completions": self._served_s, "responses": self._served_s, "tools/call": self._tools_s}.get(
+            route
+        )
         t0 = time.perf_counter()
         try:
             return await super()._serve(http, *args, **kwargs)
@@ -154,8 +158,15 @@ def measure(framework: str, chat: ChatFormat, *, requests: int, calls: int, pyth
         runs, tools = dict(agent=example(framework)), {}
     turns = requests_per_trajectory(framework, calls)
     n = -(-requests // turns)
-    questions = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": f"calls={calls}"}]), i,
-                                 row={"prompt": f"calls={calls}", "answer": "7"}) for i in range(n)]
+    questions = [
+        RolloutQuestion(
+            f"q{i}",
+            chat.initial_prompt_ids([{"role": "user", "content": f"calls={calls}"}]),
+            i,
+            row={"prompt": f"calls={calls}", "answer": "7"},
+        )
+        for i in range(n)
+    ]
     served, backend, tools_s = [], [], []
     # a warm-up trajectory: imports (a command's files in the page cache), the format per tool set, the first client
     warm = RolloutRequest(questions[:1], 1, scripted(chat, []), chat, tools, policy_step=0, seed=0)
@@ -167,52 +178,83 @@ def measure(framework: str, chat: ChatFormat, *, requests: int, calls: int, pyth
     trajs = result.trajectories
     failed = [t.error for t in trajs if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
     if len(served) != len(backend) or not served:
-        raise RuntimeError(f"{framework}: {len(served)} requests served, {len(backend)} backend calls"
-                           + (f"; first environment error: {failed[0]}" if failed else ""))
+        raise RuntimeError(
+            f"{framework}: {len(served)} requests served, {len(backend)} backend calls"
+            + (f"; first environment error: {failed[0]}" if failed else "")
+        )
     over = [s - b for s, b in zip(served, backend)]
-    return {"requests": len(served), "over_median_ms": 1e3 * statistics.median(over),
-            "over_mean_ms": 1e3 * statistics.mean(over), "backend_median_ms": 1e3 * statistics.median(backend),
-            "wall_per_request_ms": 1e3 * wall / len(served),
-            "segments": statistics.mean(t.num_segments for t in trajs), "env_errors": len(failed) / len(trajs),
-            "tool_calls": len(tools_s), "tool_call_median_ms": 1e3 * statistics.median(tools_s) if tools_s else None,
-            "first_error": failed[0] if failed else None}
+    return {
+        "requests": len(served),
+        "over_median_ms": 1e3 * statistics.median(over),
+        "over_mean_ms": 1e3 * statistics.mean(over),
+        "backend_median_ms": 1e3 * statistics.median(backend),
+        "wall_per_request_ms": 1e3 * wall / len(served),
+        "segments": statistics.mean(t.num_segments for t in trajs),
+        "env_errors": len(failed) / len(trajs),
+        "tool_calls": len(tools_s),
+        "tool_call_median_ms": 1e3 * statistics.median(tools_s) if tools_s else None,
+        "first_error": failed[0] if failed else None,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="model requests served per framework (at least)")
     parser.add_argument("--calls", type=int, default=3, help="code calls per trajectory before the answer")
-    parser.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=FRAMEWORKS,
-                        help="default: all; autogen and dspy run as commands in their own interpreter")
+    parser.add_argument(
+        "--frameworks",
+        nargs="+",
+        default=FRAMEWORKS,
+        choices=FRAMEWORKS,
+        help="default: all; autogen and dspy run as commands in their own interpreter",
+    )
     args = parser.parse_args()
     if args.requests < 1 or args.calls < 0:
         parser.error(f"--requests must be >= 1 and --calls >= 0, got {args.requests} and {args.calls}")
     if args.calls > MAX_COMMAND_CALLS and set(args.frameworks) & set(COMMANDS):
-        parser.error(f"--calls {args.calls}: AutoGen's and DSPy's examples stop after 4 tool iterations "
-                     f"(max_tool_iterations=4, max_iters=4), so at most {MAX_COMMAND_CALLS} calls and an answer; "
-                     f"give --calls {MAX_COMMAND_CALLS} or less, or leave autogen and dspy out of --frameworks")
+        parser.error(
+            f"--calls {args.calls}: AutoGen's and DSPy's examples stop after 4 tool iterations "
+            f"(max_tool_iterations=4, max_iters=4), so at most {MAX_COMMAND_CALLS} calls and an answer; "
+            f"give --calls {MAX_COMMAND_CALLS} or less, or leave autogen and dspy out of --frameworks"
+        )
     chat = None  # made for the first framework measured (none, where every one is skipped)
-    print(f"{args.calls} code calls + an answer per trajectory (DSPy: then its finish step, and the answer's "
-          f"extraction), one agent at a time, tiny tokenizer (qwen2_5)")
-    print(f"{'framework':<18s}{'requests':>9s}{'endpoint ms (median)':>22s}{'(mean)':>8s}{'backend ms':>12s}"
-          f"{'wall ms/request':>17s}{'segments':>10s}{'env errors':>12s}")
+    print(
+        f"{args.calls} code calls + an answer per trajectory (DSPy: then its finish step, and the answer's "
+        f"extraction), one agent at a time, tiny tokenizer (qwen2_5)"
+    )
+    print(
+        f"{'framework':<18s}{'requests':>9s}{'endpoint ms (median)':>22s}{'(mean)':>8s}{'backend ms':>12s}"
+        f"{'wall ms/request':>17s}{'segments':>10s}{'env errors':>12s}"
+    )
     notes = []
     for framework in args.frameworks:
         python = own_python() if framework in COMMANDS else None
         if framework in COMMANDS and python is None:
-            print(f"{framework:<18s}skipped: no interpreter of its own (.venv-autogen/bin/python, or "
-                  f"$TRL_PLUGINS_AUTOGEN_PYTHON): make it in {ROOT} with {MAKE_OWN_PYTHON}", flush=True)
+            print(
+                f"{framework:<18s}skipped: no interpreter of its own (.venv-autogen/bin/python, or "
+                f"$TRL_PLUGINS_AUTOGEN_PYTHON): make it in {ROOT} with {MAKE_OWN_PYTHON}",
+                flush=True,
+            )
             continue
         if chat is None:
-            chat = ChatFormat(build_tokenizer("qwen2_5"), [CodeInterpreter().schema()],
-                              final_answer_pattern=r"\\boxed\{", calls_per_turn=2)
+            chat = ChatFormat(
+                build_tokenizer("qwen2_5"),
+                [CodeInterpreter().schema()],
+                final_answer_pattern=r"\\boxed\{",
+                calls_per_turn=2,
+            )
         m = measure(framework, chat, requests=args.requests, calls=args.calls, python=python)
-        print(f"{framework:<18s}{m['requests']:>9d}{m['over_median_ms']:>22.2f}{m['over_mean_ms']:>8.2f}"
-              f"{m['backend_median_ms']:>12.2f}{m['wall_per_request_ms']:>17.2f}{m['segments']:>10.2f}"
-              f"{m['env_errors']:>12.1%}", flush=True)
+        print(
+            f"{framework:<18s}{m['requests']:>9d}{m['over_median_ms']:>22.2f}{m['over_mean_ms']:>8.2f}"
+            f"{m['backend_median_ms']:>12.2f}{m['wall_per_request_ms']:>17.2f}{m['segments']:>10.2f}"
+            f"{m['env_errors']:>12.1%}",
+            flush=True,
+        )
         if m["tool_calls"]:
-            notes.append(f"{framework}: {m['tool_calls']} tools/call, handler median {m['tool_call_median_ms']:.2f} ms "
-                         f"(the instant tool included)")
+            notes.append(
+                f"{framework}: {m['tool_calls']} tools/call, handler median {m['tool_call_median_ms']:.2f} ms "
+                f"(the instant tool included)"
+            )
         if m["first_error"]:
             notes.append(f"{framework}: first environment error: {m['first_error']}")
     for note in notes:

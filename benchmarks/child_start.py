@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--head_start_s", type=float, default=20.0)
     args = parser.parse_args()
     from child_start import job as benchmark_job  # importable by name in the child (this folder is on its path)
+
     from retool.launch import prepare_child, run_in_child
 
     cold, warm = [], []
@@ -51,10 +52,14 @@ def main() -> int:
         start = time.perf_counter()
         run_in_child(benchmark_job, what="job in a spare")
         warm.append(time.perf_counter() - start)
-        print(f"round {k + 1}: cold child {cold[-1]:.2f} s, spare started {args.head_start_s:g} s ahead {warm[-1]:.2f} s",
-              flush=True)
+        print(
+            f"round {k + 1}: cold child {cold[-1]:.2f} s, spare started {args.head_start_s:g} s ahead {warm[-1]:.2f} s",
+            flush=True,
+        )
     c, w = statistics.median(cold), statistics.median(warm)
-    print(f"median wait for a child job: cold {c:.2f} s, spare {w:.2f} s ({c - w:.2f} s saved per job, {c / max(w, 1e-9):.1f}x)")
+    print(
+        f"median wait for a child job: cold {c:.2f} s, spare {w:.2f} s ({c - w:.2f} s saved per job, {c / max(w, 1e-9):.1f}x)"
+    )
     return 0
 
 

@@ -23,9 +23,15 @@ import time
 import torch
 
 SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
-    "qwen2-0.36b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
-    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+    ),
+    "qwen2-0.36b": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960
+    ),
 }
 
 
@@ -35,8 +41,12 @@ def build(shape: str, dtype: torch.dtype, device: str):
     from trl_plugins.tiny import build_tokenizer
 
     tok = build_tokenizer("qwen2_5")
-    config = Qwen2Config(vocab_size=151936 if shape != "tiny" else len(tok), max_position_embeddings=4096,
-                         tie_word_embeddings=True, **SHAPES[shape])
+    config = Qwen2Config(
+        vocab_size=151936 if shape != "tiny" else len(tok),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        **SHAPES[shape],
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(dtype=dtype, device=device).eval()
     return tok, model
@@ -64,21 +74,30 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-cb", action="store_true", help="skip the continuous-batching row")
-    ap.add_argument("--cb-config", default=None, help="JSON of ContinuousBatchingConfig keys (default: sized to the "
-                    "work on CPU; TRL's max_memory_percent=0.5 on a GPU)")
+    ap.add_argument(
+        "--cb-config",
+        default=None,
+        help="JSON of ContinuousBatchingConfig keys (default: sized to the "
+        "work on CPU; TRL's max_memory_percent=0.5 on a GPU)",
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     tok, model = build(args.shape, dtype, args.device)
     params = sum(p.numel() for p in model.parameters()) / 1e9
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(100, min(len(tok), 5000), (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(100, min(len(tok), 5000), (args.prompt_tokens,), generator=gen).tolist()
+        for _ in range(args.prompts)
+    ]
     no_stop = [len(tok) + 10**6]  # a token id that is never sampled: every row generates --tokens tokens
     rows = []
 
     from trl_plugins.rollout import HFGenerationBackend
     from trl_plugins.types import SamplingSettings
 
-    hf = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=no_stop, sampling=SamplingSettings(temperature=1.0))
+    hf = HFGenerationBackend(
+        model, pad_token_id=tok.pad_token_id, stop_token_ids=no_stop, sampling=SamplingSettings(temperature=1.0)
+    )
     out, wall = timed_generate(hf, prompts, args.tokens, args.device)
     rows.append(("HF generate (HFGenerationBackend)", sum(len(s.token_ids) for s in out), wall))
 
@@ -93,10 +112,17 @@ def main() -> None:
             options = {}
         else:  # transformers sizes the cache from GPU memory; on CPU give it what this work needs
             page = 32
-            options = {"page_size": page, "max_batch_tokens": 2048,
-                       "num_blocks": 4 + args.prompts * -(-(args.prompt_tokens + args.tokens) // page)}
-        cbb = ContinuousBatchingBackend(model, stop_token_ids=no_stop, sampling=SamplingSettings(temperature=1.0),
-                                        config=continuous_batching_config(options))
+            options = {
+                "page_size": page,
+                "max_batch_tokens": 2048,
+                "num_blocks": 4 + args.prompts * -(-(args.prompt_tokens + args.tokens) // page),
+            }
+        cbb = ContinuousBatchingBackend(
+            model,
+            stop_token_ids=no_stop,
+            sampling=SamplingSettings(temperature=1.0),
+            config=continuous_batching_config(options),
+        )
         with cbb.session():
             out, wall = timed_generate(cbb, prompts, args.tokens, args.device)
         cbb.close()
@@ -111,9 +137,19 @@ def main() -> None:
             del model, hf
             cbb = None
             torch.cuda.empty_cache()
-            llm = LLM(model=path, dtype=args.dtype, gpu_memory_utilization=0.5, max_model_len=args.prompt_tokens + args.tokens + 16,
-                      logprobs_mode="processed_logprobs", seed=0, enable_prefix_caching=False)
-            sp = [SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=0, seed=k) for k in range(len(prompts))]
+            llm = LLM(
+                model=path,
+                dtype=args.dtype,
+                gpu_memory_utilization=0.5,
+                max_model_len=args.prompt_tokens + args.tokens + 16,
+                logprobs_mode="processed_logprobs",
+                seed=0,
+                enable_prefix_caching=False,
+            )
+            sp = [
+                SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=0, seed=k)
+                for k in range(len(prompts))
+            ]
             llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], sp[:2], use_tqdm=False)  # warm-up
             t0 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -122,8 +158,10 @@ def main() -> None:
     elif not args.skip_vllm:
         print("vLLM: not importable here (or no CUDA device); its row is skipped")
 
-    print(f"shape {args.shape} ({params:.2f}B params, {args.dtype}, {args.device}), {args.prompts} prompts x "
-          f"{args.prompt_tokens} prompt tokens -> {args.tokens} generated tokens each")
+    print(
+        f"shape {args.shape} ({params:.2f}B params, {args.dtype}, {args.device}), {args.prompts} prompts x "
+        f"{args.prompt_tokens} prompt tokens -> {args.tokens} generated tokens each"
+    )
     print(f"{'backend':<36} {'tokens':>8} {'wall s':>8} {'tokens/s':>10} {'vs HF':>7}")
     base = rows[0][1] / rows[0][2]
     for name, n, w in rows:

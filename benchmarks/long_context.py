@@ -39,9 +39,18 @@ def child(path: str, length: int, chunk_size: int | None, device: str = "cpu") -
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                         max_position_embeddings=max(length + 1, 2048))).train()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            max_position_embeddings=max(length + 1, 2048),
+        )
+    ).train()
     model.config._attn_implementation = "sdpa"
     model.to(device)
     if path == "today":
@@ -49,9 +58,14 @@ def child(path: str, length: int, chunk_size: int | None, device: str = "cpu") -
     ids = torch.randint(3, VOCAB, (length + 1,)).tolist()
     half = length // 2
     mask = [0] * half + [1] * (length - half)
-    datum = Datum(input_ids=ids[:-1], target_ids=ids[1:], behaviour_logprobs=[-5.0] * length,
-                  advantages=[1.0 if m else 0.0 for m in mask], action_mask=mask,
-                  sources=[TokenSource.ACTION if m else TokenSource.PROMPT for m in mask])
+    datum = Datum(
+        input_ids=ids[:-1],
+        target_ids=ids[1:],
+        behaviour_logprobs=[-5.0] * length,
+        advantages=[1.0 if m else 0.0 for m in mask],
+        action_mask=mask,
+        sources=[TokenSource.ACTION if m else TokenSource.PROMPT for m in mask],
+    )
     mb = collate([datum], [0], pad_token_id=0)
     loss_fn = PPOClipLoss()
     cuda = device.startswith("cuda")
@@ -61,21 +75,30 @@ def child(path: str, length: int, chunk_size: int | None, device: str = "cpu") -
     start = time.perf_counter()
     logp, entropy = modeling.micro_batch_logprobs(model, mb, device, needed=mb.action_mask, chunk_size=chunk_size)
     action_mask = mb.action_mask.to(device)
-    result = loss_fn(PolicyLossInput(logprobs=logp, behaviour_logprobs=mb.behaviour_logprobs.to(device),
-                                     advantages=mb.advantages.to(device), action_mask=action_mask))
-    aggregate(result.per_token_loss, action_mask, "token_mean", num_tokens=float(sum(mask)),
-              num_sequences=1.0).backward()
+    result = loss_fn(
+        PolicyLossInput(
+            logprobs=logp,
+            behaviour_logprobs=mb.behaviour_logprobs.to(device),
+            advantages=mb.advantages.to(device),
+            action_mask=action_mask,
+        )
+    )
+    aggregate(
+        result.per_token_loss, action_mask, "token_mean", num_tokens=float(sum(mask)), num_sequences=1.0
+    ).backward()
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
     return {"peak_mb": peak, "s_per_token": seconds / length}
 
 
 def run(path: str, length: int, chunk_size: int | None, device: str = "cpu") -> dict | None:
     cmd = [sys.executable, __file__, "--child", path, str(length), "--device", device] + (
-        [] if chunk_size is None else ["--chunk-size", str(chunk_size)])
+        [] if chunk_size is None else ["--chunk-size", str(chunk_size)]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"  {path} at {length}: failed (exit {proc.returncode}) {proc.stderr.strip()[-300:]}", flush=True)
@@ -119,11 +142,15 @@ def main() -> None:
     for length in args.lengths:
         t, c = rows.get(("today", length)), rows.get(("chunked", length))
         t_peak = f"{t['peak_mb']:.0f}" if t else f"~{t_a + t_b * length:.0f} (extrap.)"
-        print(f"{length:>7} {t_peak:>16} {c['peak_mb'] if c else float('nan'):>16.0f} "
-              f"{t['s_per_token'] * 1e3 if t else float('nan'):>13.3f} "
-              f"{c['s_per_token'] * 1e3 if c else float('nan'):>15.3f}")
-    print(f"today: peak ~ {t_a:.0f} MB + {t_b * 1024:.1f} MB per 1K tokens (fit over {[n for n, _ in today]}); "
-          f"chunked: {c_a:.0f} MB + {c_b * 1024:.1f} MB per 1K tokens (fit over {[n for n, _ in chunked]})")
+        print(
+            f"{length:>7} {t_peak:>16} {c['peak_mb'] if c else float('nan'):>16.0f} "
+            f"{t['s_per_token'] * 1e3 if t else float('nan'):>13.3f} "
+            f"{c['s_per_token'] * 1e3 if c else float('nan'):>15.3f}"
+        )
+    print(
+        f"today: peak ~ {t_a:.0f} MB + {t_b * 1024:.1f} MB per 1K tokens (fit over {[n for n, _ in today]}); "
+        f"chunked: {c_a:.0f} MB + {c_b * 1024:.1f} MB per 1K tokens (fit over {[n for n, _ in chunked]})"
+    )
     at = 16384
     chunked_16k = rows[("chunked", at)]["peak_mb"] if ("chunked", at) in rows else c_a + c_b * at
     today_16k = rows[("today", at)]["peak_mb"] if ("today", at) in rows else t_a + t_b * at
@@ -131,8 +158,10 @@ def main() -> None:
     ref = 4096 if 4096 in common else max(common)
     print(f"peak at 16K: chunked / today = {chunked_16k / today_16k:.4f}")
     print(f"memory per added 1K tokens: chunked / today = {c_b / t_b:.4f}")
-    print(f"time per token: chunked / today = "
-          f"{rows[('chunked', ref)]['s_per_token'] / rows[('today', ref)]['s_per_token']:.3f}")
+    print(
+        f"time per token: chunked / today = "
+        f"{rows[('chunked', ref)]['s_per_token'] / rows[('today', ref)]['s_per_token']:.3f}"
+    )
 
 
 if __name__ == "__main__":

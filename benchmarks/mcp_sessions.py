@@ -70,9 +70,11 @@ def measure(label: str, server: dict, tool: str, args: dict, n: int) -> None:
         asyncio.run(one())
         sessions.append(time.perf_counter() - start)
     per.close()
-    print(f"{label}: shared start {started:.2f} s, {processes} processes, {rss_mb:.0f} MB resident; shared call "
-          f"{statistics.median(calls) * 1e3:.1f} ms (median of {n}); per-trajectory start+call+stop "
-          f"{statistics.median(sessions):.2f} s (median), {max(sessions):.2f} s (max)")
+    print(
+        f"{label}: shared start {started:.2f} s, {processes} processes, {rss_mb:.0f} MB resident; shared call "
+        f"{statistics.median(calls) * 1e3:.1f} ms (median of {n}); per-trajectory start+call+stop "
+        f"{statistics.median(sessions):.2f} s (median), {max(sessions):.2f} s (max)"
+    )
 
 
 def launch_overhead(isolation: str, n: int) -> None:
@@ -83,8 +85,13 @@ def launch_overhead(isolation: str, n: int) -> None:
     command = [sys.executable, "-I", "-S", "-c", "pass"]
 
     def run(argv: list[str], env: dict | None = None) -> None:
-        subprocess.run([sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), "--", *argv], env=env, check=True,
-                       stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), "--", *argv],
+            env=env,
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     plain, boxed = [], []
     for _ in range(n):
@@ -96,8 +103,10 @@ def launch_overhead(isolation: str, n: int) -> None:
         run(launch.argv(), {**os.environ, **launch.env})
         launch.release()
         boxed.append(time.perf_counter() - start)
-    print(f"launch of `python -c pass`, {isolation}: {statistics.median(boxed) * 1e3:.0f} ms sandboxed (cgroup made "
-          f"and removed) vs {statistics.median(plain) * 1e3:.0f} ms (medians of {n})")
+    print(
+        f"launch of `python -c pass`, {isolation}: {statistics.median(boxed) * 1e3:.0f} ms sandboxed (cgroup made "
+        f"and removed) vs {statistics.median(plain) * 1e3:.0f} ms (medians of {n})"
+    )
 
 
 def main() -> None:
@@ -109,13 +118,23 @@ def main() -> None:
     warm.close()
     measure("toy (MCPServer)", {"command": sys.executable, "args": [TOY]}, "add", {"a": 1, "b": 2}, n)
     if shutil.which("mcp-server-time"):
-        measure("mcp-server-time", {"command": "mcp-server-time", "args": ["--local-timezone", "UTC"]},
-                "get_current_time", {"timezone": "UTC"}, n)
+        measure(
+            "mcp-server-time",
+            {"command": "mcp-server-time", "args": ["--local-timezone", "UTC"]},
+            "get_current_time",
+            {"timezone": "UTC"},
+            n,
+        )
     for isolation in (launcher.Isolation.BWRAP, launcher.Isolation.UNSHARE):
         if probing.probe(isolation, launcher.resolve_program(isolation)) is None:
             sandbox = {"isolation": isolation.value, "readable": [str(SERVERS)]}
-            measure(f"toy (MCPServer), sandboxed ({isolation.value})",
-                    {"command": sys.executable, "args": [TOY], "sandbox": sandbox}, "add", {"a": 1, "b": 2}, n)
+            measure(
+                f"toy (MCPServer), sandboxed ({isolation.value})",
+                {"command": sys.executable, "args": [TOY], "sandbox": sandbox},
+                "add",
+                {"a": 1, "b": 2},
+                n,
+            )
             launch_overhead(isolation.value, n)
 
 

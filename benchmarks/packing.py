@@ -72,8 +72,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    print(f"world_size={args.world_size} max_items={args.max_items} max_padded_tokens={args.max_padded_tokens} "
-          f"trl_batch_size={args.trl_batch_size}")
+    print(
+        f"world_size={args.world_size} max_items={args.max_items} max_padded_tokens={args.max_padded_tokens} "
+        f"trl_batch_size={args.trl_batch_size}"
+    )
     header = f"{'distribution':<12} {'n':>6} {'packer':<14} {'mb/rank':>8} {'pad/sum':>8} {'imbalance':>10} {'slowest/LB':>11} {'ms/call':>9}"
     print(header)
     print("-" * len(header))
@@ -86,16 +88,23 @@ def main() -> None:
             (mbs, area, areas), secs = timed(lambda: fixed_size_like_trl(lengths, args.world_size, args.trl_batch_size))
             rows.append(("trl-fixed", mbs, area, areas, secs))
             for strategy in ("ffd", "optimal", "balanced"):
-                plan, secs = timed(lambda: pack_for_ranks(
-                    lengths, strategy=strategy, max_items=args.max_items,
-                    max_padded_tokens=args.max_padded_tokens, world_size=args.world_size,
-                ))
+                plan, secs = timed(
+                    lambda: pack_for_ranks(
+                        lengths,
+                        strategy=strategy,
+                        max_items=args.max_items,
+                        max_padded_tokens=args.max_padded_tokens,
+                        world_size=args.world_size,
+                    )
+                )
                 areas = plan.rank_padded_area(lengths)
                 rows.append((strategy, plan.num_micro_batches, sum(areas), areas, secs))
             for name, mbs, area, areas, secs in rows:
                 mean = sum(areas) / len(areas)
-                print(f"{dist.__name__:<12} {n:>6} {name:<14} {mbs:>8} {area / total:>8.2f} "
-                      f"{max(areas) / mean:>10.3f} {max(areas) / lower:>11.3f} {secs * 1e3:>9.2f}")
+                print(
+                    f"{dist.__name__:<12} {n:>6} {name:<14} {mbs:>8} {area / total:>8.2f} "
+                    f"{max(areas) / mean:>10.3f} {max(areas) / lower:>11.3f} {secs * 1e3:>9.2f}"
+                )
         print()
 
 

@@ -32,8 +32,8 @@ import warnings
 
 import torch
 
-from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, MultiTurnRollout, RolloutQuestion, RolloutRequest
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.tools.code_interpreter import CodeInterpreter
 from trl_plugins.types import SamplingSettings
@@ -56,7 +56,10 @@ def script_text(prompt_text: str, calls: int, row: int = 0, vary: bool = False) 
         else:
             calls = int(plan.group(1))
     if done < calls:
-        return filler + f'Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "{CODE}"}}}}\n</tool_call>'
+        return (
+            filler
+            + f'Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "{CODE}"}}}}\n</tool_call>'
+        )
     return filler + "The answer is \\boxed{56877}."
 
 
@@ -79,7 +82,9 @@ class ForceScript:
             self.targets = []
             for r, row in enumerate(input_ids.tolist()):
                 text = self.tok.decode([t for t in row if t != pad])
-                body = script_text(text, self.calls, r if self.keys is None else int(self.keys[r]) % 1_000_003, self.vary)
+                body = script_text(
+                    text, self.calls, r if self.keys is None else int(self.keys[r]) % 1_000_003, self.vary
+                )
                 self.targets.append(self.tok(body, add_special_tokens=False)["input_ids"] + [self.im_end])
         k = input_ids.shape[1] - self.start
         forced = torch.full_like(scores, float("-inf"))
@@ -131,7 +136,9 @@ def cb_backend(model, tokenizer, calls: int):
     cb._SeededCBSamplerCls = scripted  # the backend builds its sampler from this class
     chat = ChatFormat(tokenizer, [SCHEMA])
     config = cb.continuous_batching_config({"page_size": 32, "num_blocks": 256, "max_batch_tokens": 2048})
-    return cb.ContinuousBatchingBackend(model, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(), config=config)
+    return cb.ContinuousBatchingBackend(
+        model, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(), config=config
+    )
 
 
 def patch_generate(model, tokenizer, calls: int, vary: bool = False) -> None:
@@ -203,17 +210,35 @@ class SleepTool:
 def run_ours(tok, model, questions: int, group: int, calls: int, tool, backend=None) -> dict:
     chat = ChatFormat(tok, [SCHEMA])
     if backend is None:
-        backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings())
-    qs = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}]), i) for i in range(questions)]
-    rollout = MultiTurnRollout(max_turns=calls + 2, max_tool_calls=calls + 1, max_assistant_tokens=128, max_trajectory_tokens=2048)
+        backend = HFGenerationBackend(
+            model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings()
+        )
+    qs = [
+        RolloutQuestion(
+            f"q{i}",
+            chat.initial_prompt_ids([{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}]),
+            i,
+        )
+        for i in range(questions)
+    ]
+    rollout = MultiTurnRollout(
+        max_turns=calls + 2, max_tool_calls=calls + 1, max_assistant_tokens=128, max_trajectory_tokens=2048
+    )
     start = time.perf_counter()
     res = rollout(RolloutRequest(qs, group, backend, chat, {"code_interpreter": tool}, seed=0))
     wall = time.perf_counter() - start
     trajs = res.trajectories
     assert all(t.stop_reason == "final_answer" for t in trajs), [t.stop_reason for t in trajs]
     assert all(t.num_tool_calls == calls for t in trajs)
-    return dict(wall=wall, gen=res.generation_s, tools=res.tools_s, n=len(trajs), calls=sum(t.num_tool_calls for t in trajs),
-                conc=res.max_concurrent_tool_calls, crit=res.critical_path_s)
+    return dict(
+        wall=wall,
+        gen=res.generation_s,
+        tools=res.tools_s,
+        n=len(trajs),
+        calls=sum(t.num_tool_calls for t in trajs),
+        conc=res.max_concurrent_tool_calls,
+        crit=res.critical_path_s,
+    )
 
 
 def run_trl(tok, model, questions: int, group: int, calls: int, tool_s: float) -> dict:
@@ -242,16 +267,31 @@ def run_trl(tok, model, questions: int, group: int, calls: int, tool_s: float) -
         return tool(code)
 
     counting_tool.__name__ = "code_interpreter"
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}]} for i in range(questions)])
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Question {i}: what is 123 * 456 + 789?"}]} for i in range(questions)]
+    )
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=questions * group, num_generations=group,
-            max_completion_length=1024, max_steps=1, use_cpu=True, report_to=[], save_strategy="no",
-            logging_steps=1, max_tool_calling_iterations=calls + 1, disable_tqdm=True, seed=0,
+            output_dir=out,
+            per_device_train_batch_size=questions * group,
+            num_generations=group,
+            max_completion_length=1024,
+            max_steps=1,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            max_tool_calling_iterations=calls + 1,
+            disable_tqdm=True,
+            seed=0,
         )
         trainer = GRPOTrainer(
-            model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
-            train_dataset=data, processing_class=tok, tools=[counting_tool],
+            model=model,
+            reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+            args=args,
+            train_dataset=data,
+            processing_class=tok,
+            tools=[counting_tool],
         )
         timing = {}
         original = trainer._generate_and_score_completions
@@ -264,7 +304,9 @@ def run_trl(tok, model, questions: int, group: int, calls: int, tool_s: float) -
 
         trainer._generate_and_score_completions = timed
         trainer.train()
-    return dict(wall=timing["wall"], gen=float("nan"), tools=float("nan"), n=questions * group, calls=counter["calls"], conc=1)
+    return dict(
+        wall=timing["wall"], gen=float("nan"), tools=float("nan"), n=questions * group, calls=counter["calls"], conc=1
+    )
 
 
 def main() -> None:
@@ -285,17 +327,25 @@ def main() -> None:
     rows = []
     model = build_tiny_model(tok)
     patch_generate(model, tok, args.calls)
-    rows.append(("ours, concurrent tools", run_ours(tok, model, args.questions, args.group, args.calls, SleepTool(args.tool_s))))
+    rows.append(
+        ("ours, concurrent tools", run_ours(tok, model, args.questions, args.group, args.calls, SleepTool(args.tool_s)))
+    )
     if not args.skip_cb:
         model = build_tiny_model(tok)
         backend = cb_backend(model, tok, args.calls)
         run_ours(tok, model, 1, 1, args.calls, SleepTool(0.0), backend=backend)  # warm-up: builds the manager
-        rows.append(("ours, continuous batching", run_ours(tok, model, args.questions, args.group, args.calls,
-                                                           SleepTool(args.tool_s), backend=backend)))
+        rows.append(
+            (
+                "ours, continuous batching",
+                run_ours(tok, model, args.questions, args.group, args.calls, SleepTool(args.tool_s), backend=backend),
+            )
+        )
     if not args.skip_trl:
         model = build_tiny_model(tok)
         patch_generate(model, tok, args.calls)
-        rows.append(("TRL GRPOTrainer tool loop", run_trl(tok, model, args.questions, args.group, args.calls, args.tool_s)))
+        rows.append(
+            ("TRL GRPOTrainer tool loop", run_trl(tok, model, args.questions, args.group, args.calls, args.tool_s))
+        )
     if not args.skip_sandbox:
         for mode in ("warm", "cold"):
             tool = CodeInterpreter(mode=mode, max_concurrency=8)
@@ -307,16 +357,22 @@ def main() -> None:
             tool.close()
 
     n = args.questions * args.group
-    print(f"{args.questions} questions x group {args.group} = {n} trajectories, {args.calls} tool calls each "
-          f"({n * args.calls} calls), sleep tool {args.tool_s} s/call, tiny Qwen2 on CPU, torch threads=1")
-    header = (f"{'rollout':<28} {'wall s':>8} {'traj/s':>8} {'gen s':>7} {'tools s':>8} {'calls':>6} {'max conc':>9} "
-              f"{'crit. path s':>13} {'wall/crit':>10}")
+    print(
+        f"{args.questions} questions x group {args.group} = {n} trajectories, {args.calls} tool calls each "
+        f"({n * args.calls} calls), sleep tool {args.tool_s} s/call, tiny Qwen2 on CPU, torch threads=1"
+    )
+    header = (
+        f"{'rollout':<28} {'wall s':>8} {'traj/s':>8} {'gen s':>7} {'tools s':>8} {'calls':>6} {'max conc':>9} "
+        f"{'crit. path s':>13} {'wall/crit':>10}"
+    )
     print(header)
     print("-" * len(header))
     base = rows[0][1]["wall"]
     for name, r in rows:
         crit = f"{r['crit']:>13.2f} {r['wall'] / r['crit']:>10.2f}" if r.get("crit") else f"{'-':>13} {'-':>10}"
-        print(f"{name:<28} {r['wall']:>8.2f} {r['n'] / r['wall']:>8.2f} {r['gen']:>7.2f} {r['tools']:>8.2f} {r['calls']:>6} {r['conc']:>9} {crit}")
+        print(
+            f"{name:<28} {r['wall']:>8.2f} {r['n'] / r['wall']:>8.2f} {r['gen']:>7.2f} {r['tools']:>8.2f} {r['calls']:>6} {r['conc']:>9} {crit}"
+        )
     trl = [r for name, r in rows if name.startswith("TRL")]
     if trl:
         print(f"TRL wall / ours wall = {trl[0]['wall'] / base:.2f}x")

@@ -84,7 +84,9 @@ def main(isolation: str, calls: int, n: int) -> None:
         warm.run(TRIVIAL)
         cold.run(TRIVIAL)
 
-        print(f"{'latency (ms)':<14}{'mode':<6}{'calls':>6}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}{'cold/warm p50':>15}")
+        print(
+            f"{'latency (ms)':<14}{'mode':<6}{'calls':>6}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}{'cold/warm p50':>15}"
+        )
         for name, code, cold_calls in (("trivial", TRIVIAL, calls), ("numpy+sympy", IMPORTS, max(5, calls // 4))):
             rows = {"cold": latencies(cold, code, cold_calls), "warm": latencies(warm, code, calls * 2)}
             p50 = {}
@@ -110,10 +112,25 @@ def start_server(isolation: str, n: int, token: str) -> tuple[subprocess.Popen, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "trl_plugins.tools.sandbox.service", "--port", str(port), "--mode", "warm",
-           "--isolation", isolation, "--max-concurrency", str(n), "--queue-size", str(4 * n),
-           "--log-level", "warning",
-           "--default-timeout-s", "30"]  # the client's limits: the server warms that sandbox at start-up
+    cmd = [
+        sys.executable,
+        "-m",
+        "trl_plugins.tools.sandbox.service",
+        "--port",
+        str(port),
+        "--mode",
+        "warm",
+        "--isolation",
+        isolation,
+        "--max-concurrency",
+        str(n),
+        "--queue-size",
+        str(4 * n),
+        "--log-level",
+        "warning",
+        "--default-timeout-s",
+        "30",
+    ]  # the client's limits: the server warms that sandbox at start-up
     proc = subprocess.Popen(cmd, env={**os.environ, "TRL_SANDBOX_TOKEN": token})
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -153,6 +170,7 @@ def loaded_round(sandbox, calls: int, n: int) -> tuple[float, list[float]]:
 def local_vs_service(isolation: str, n: int, calls: int, rounds: int) -> None:
     try:
         import uvicorn  # noqa: F401
+
         from trl_plugins.tools.sandbox.remote import RemoteSandbox
     except ImportError:
         print("local warm vs service: skipped (pip install -e '.[server]' for uvicorn and starlette)")
@@ -161,8 +179,10 @@ def local_vs_service(isolation: str, n: int, calls: int, rounds: int) -> None:
     proc, url = start_server(isolation, n, token)
     cores = os.cpu_count() or 1
     try:
-        with PythonSandbox(mode="warm", isolation=isolation, max_concurrency=n, timeout_s=30.0) as local, \
-                RemoteSandbox(url, token, timeout_s=30.0, max_concurrency=n) as remote:
+        with (
+            PythonSandbox(mode="warm", isolation=isolation, max_concurrency=n, timeout_s=30.0) as local,
+            RemoteSandbox(url, token, timeout_s=30.0, max_concurrency=n) as remote,
+        ):
             local.warm_up()
             remote.connect()
             sides = {"local warm": local, "service": remote}
@@ -177,13 +197,17 @@ def local_vs_service(isolation: str, n: int, calls: int, rounds: int) -> None:
                     wall[name] += seconds
                     loaded[name] += lat
                     alone[name] += latencies(sandbox, TRIVIAL, max(5, calls // 4))
-            print(f"local warm vs service: print(1), {calls} calls x {rounds} rounds each, {n} at a time, "
-                  f"{cores} cores, server on this machine")
+            print(
+                f"local warm vs service: print(1), {calls} calls x {rounds} rounds each, {n} at a time, "
+                f"{cores} cores, server on this machine"
+            )
             print(f"{'':<12}{'exec/s/core':>12}{'p50 ms':>9}{'p99 ms':>9}{'alone p50 ms':>14}")
             for name in sides:
                 p50, _, p99, _ = percentiles(loaded[name])
-                print(f"{name:<12}{len(loaded[name]) / wall[name] / cores:>12.1f}{p50 * 1000:>9.1f}"
-                      f"{p99 * 1000:>9.1f}{percentiles(alone[name])[0] * 1000:>14.1f}")
+                print(
+                    f"{name:<12}{len(loaded[name]) / wall[name] / cores:>12.1f}{p50 * 1000:>9.1f}"
+                    f"{p99 * 1000:>9.1f}{percentiles(alone[name])[0] * 1000:>14.1f}"
+                )
     finally:
         proc.terminate()
         proc.wait(30)

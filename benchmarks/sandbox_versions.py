@@ -55,8 +55,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def extract(rev: str, into: Path) -> Path:
-    data = subprocess.run(["git", "-C", str(REPO), "archive", rev, "trl_plugins"], check=True,
-                          capture_output=True).stdout
+    data = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "trl_plugins"], check=True, capture_output=True
+    ).stdout
     with tarfile.open(fileobj=BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
     return into
@@ -64,8 +65,14 @@ def extract(rev: str, into: Path) -> Path:
 
 def start(root: Path, isolation: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, isolation], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env, cwd=root)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, isolation],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=root,
+    )
     if not json.loads(proc.stdout.readline()).get("ready"):
         raise SystemExit(f"worker under {root} did not start")
     return proc
@@ -73,7 +80,9 @@ def start(root: Path, isolation: str) -> subprocess.Popen:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", default="9e27bcf", help="git revision to compare against (default: before round three)")
+    p.add_argument(
+        "--baseline", default="9e27bcf", help="git revision to compare against (default: before round three)"
+    )
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=25)
     p.add_argument("--isolation", default="auto")
@@ -95,15 +104,21 @@ def main() -> None:
             for proc in workers.values():
                 proc.stdin.close()
                 proc.wait(timeout=60)
-    print(f"warm call latency (ms), baseline {args.baseline} vs current, {args.rounds} alternating rounds x "
-          f"{args.calls} calls, {os.cpu_count()} cores")
+    print(
+        f"warm call latency (ms), baseline {args.baseline} vs current, {args.rounds} alternating rounds x "
+        f"{args.calls} calls, {os.cpu_count()} cores"
+    )
     print(f"{'code':<14}{'version':<10}{'p50':>8}{'p90':>8}{'p99':>8}")
     for code_name in CODES:
         for version in workers:
             v = times[version, code_name]
-            print(f"{code_name:<14}{version:<10}" + "".join(f"{1000 * percentile(v, q):8.1f}" for q in (0.5, 0.9, 0.99)))
-        ratios = [percentile(times["current", code_name], q) / percentile(times["baseline", code_name], q)
-                  for q in (0.5, 0.9, 0.99)]
+            print(
+                f"{code_name:<14}{version:<10}" + "".join(f"{1000 * percentile(v, q):8.1f}" for q in (0.5, 0.9, 0.99))
+            )
+        ratios = [
+            percentile(times["current", code_name], q) / percentile(times["baseline", code_name], q)
+            for q in (0.5, 0.9, 0.99)
+        ]
         print(f"{code_name:<14}{'ratio':<10}" + "".join(f"{x:8.2f}" for x in ratios))
 
 

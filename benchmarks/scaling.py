@@ -24,29 +24,52 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WARMUP = 2
-TRAINERS = {"ours": ("o-", "C0", "ours"), "ours-unshared": ("x--", "C4", "ours, shared_prefix off"),
-            "ours-async1": ("^-", "C2", "ours, async k=1"), "ours-async2": ("v-", "C3", "ours, async k=2"),
-            "trl": ("s--", "C1", "TRL GRPOTrainer")}
+TRAINERS = {
+    "ours": ("o-", "C0", "ours"),
+    "ours-unshared": ("x--", "C4", "ours, shared_prefix off"),
+    "ours-async1": ("^-", "C2", "ours, async k=1"),
+    "ours-async2": ("v-", "C3", "ours, async k=2"),
+    "trl": ("s--", "C1", "TRL GRPOTrainer"),
+}
 GROUP_SWEEP = ("ours", "ours-unshared")
 """The trainers of the group-size sweep (the layouts; TRL and async are measured by the first two sweeps)."""
 
 
 def run(which: str, questions: int, calls: int, steps: int, group: int = 4, prompt_words: int = 0) -> dict:
-    cmd = [sys.executable, str(HERE / "step_vs_trl.py"), "--which", which, "--questions", str(questions),
-           "--calls", str(calls), "--steps", str(steps), "--group", str(group), "--prompt-words", str(prompt_words)]
+    cmd = [
+        sys.executable,
+        str(HERE / "step_vs_trl.py"),
+        "--which",
+        which,
+        "--questions",
+        str(questions),
+        "--calls",
+        str(calls),
+        "--steps",
+        str(steps),
+        "--group",
+        str(group),
+        "--prompt-words",
+        str(prompt_words),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         sys.exit(f"{which} q={questions} calls={calls} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
 
     def mean(v):  # steady state: the first steps build caches and start the replica
         tail = v[WARMUP:] if len(v) > WARMUP else v
         return sum(tail) / len(tail)
 
-    return {"step_s": mean(r["step_s"]), "train_s": mean(r["train_s"]), "real": mean(r["real_tokens"]),
-            "processed": mean(r["padded_tokens"]), "computed": mean(r["computed_tokens"]),
-            "peak_rss_mb": max(r["peak_rss_mb"][1:] or r["peak_rss_mb"])}
+    return {
+        "step_s": mean(r["step_s"]),
+        "train_s": mean(r["train_s"]),
+        "real": mean(r["real_tokens"]),
+        "processed": mean(r["padded_tokens"]),
+        "computed": mean(r["computed_tokens"]),
+        "peak_rss_mb": max(r["peak_rss_mb"][1:] or r["peak_rss_mb"]),
+    }
 
 
 def main() -> None:
@@ -56,33 +79,59 @@ def main() -> None:
     ap.add_argument("--async-rows", choices=["on", "off"], default="on", help="also ours with async_rollouts (k=1, 2)")
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8], help="questions per step (group 4)")
     ap.add_argument("--calls", type=int, nargs="+", default=[1, 3, 6], help="most tool calls per trajectory")
-    ap.add_argument("--groups", type=int, nargs="*", default=[4, 8, 16], help="group sizes at 16 trajectories (none: skip)")
+    ap.add_argument(
+        "--groups", type=int, nargs="*", default=[4, 8, 16], help="group sizes at 16 trajectories (none: skip)"
+    )
     ap.add_argument("--prompt-words", type=int, nargs="+", default=[0, 150], help="words of context per question")
-    ap.add_argument("--sweeps", nargs="+", choices=["batch", "length", "group"], default=["batch", "length", "group"],
-                    help="the sweeps to run; the rows of the others are kept from the .json next to --out")
+    ap.add_argument(
+        "--sweeps",
+        nargs="+",
+        choices=["batch", "length", "group"],
+        default=["batch", "length", "group"],
+        help="the sweeps to run; the rows of the others are kept from the .json next to --out",
+    )
     ap.add_argument("--replot", action="store_true", help="draw the plot again from the .json next to --out")
     args = ap.parse_args()
-    sweeps = {name: points for name, points in {"batch": [(q, 3) for q in args.batches],
-                                                "length": [(4, c) for c in args.calls]}.items() if name in args.sweeps}
+    sweeps = {
+        name: points
+        for name, points in {"batch": [(q, 3) for q in args.batches], "length": [(4, c) for c in args.calls]}.items()
+        if name in args.sweeps
+    }
     if args.replot:
         plot(json.loads(Path(args.out).with_suffix(".json").read_text()), args.out)
         return
     rows = []
-    print(f"{'sweep':<7} {'traj':>5} {'calls':>6} {'group':>5} {'words':>5} {'trainer':<14} {'step s':>7} {'train s':>8} "
-          f"{'real tok':>9} {'computed':>9} {'/ real':>7} {'processed':>10} {'/ real':>7} {'peak RSS MB':>12}")
+    print(
+        f"{'sweep':<7} {'traj':>5} {'calls':>6} {'group':>5} {'words':>5} {'trainer':<14} {'step s':>7} {'train s':>8} "
+        f"{'real tok':>9} {'computed':>9} {'/ real':>7} {'processed':>10} {'/ real':>7} {'peak RSS MB':>12}"
+    )
 
     def show(sweep: str, questions: int, calls: int, group: int, words: int, which: str) -> None:
         r = run(which, questions, calls, args.steps, group, words)
-        rows.append({"sweep": sweep, "trajectories": questions * group, "calls": calls, "group": group,
-                     "prompt_words": words, "trainer": which, **r})
+        rows.append(
+            {
+                "sweep": sweep,
+                "trajectories": questions * group,
+                "calls": calls,
+                "group": group,
+                "prompt_words": words,
+                "trainer": which,
+                **r,
+            }
+        )
         real = max(r["real"], 1)
-        print(f"{sweep:<7} {questions * group:>5} {calls:>6} {group:>5} {words:>5} {which:<14} {r['step_s']:>7.2f} "
-              f"{r['train_s']:>8.2f} {r['real']:>9.0f} {r['computed']:>9.0f} {r['computed'] / real:>7.3f} "
-              f"{r['processed']:>10.0f} {r['processed'] / real:>7.3f} {r['peak_rss_mb']:>12.0f}", flush=True)
+        print(
+            f"{sweep:<7} {questions * group:>5} {calls:>6} {group:>5} {words:>5} {which:<14} {r['step_s']:>7.2f} "
+            f"{r['train_s']:>8.2f} {r['real']:>9.0f} {r['computed']:>9.0f} {r['computed'] / real:>7.3f} "
+            f"{r['processed']:>10.0f} {r['processed'] / real:>7.3f} {r['peak_rss_mb']:>12.0f}",
+            flush=True,
+        )
 
     for sweep, points in sweeps.items():
         for questions, calls in points:
-            for which in [w for w in TRAINERS if w != "ours-unshared" and (args.async_rows == "on" or "async" not in w)]:
+            for which in [
+                w for w in TRAINERS if w != "ours-unshared" and (args.async_rows == "on" or "async" not in w)
+            ]:
                 show(sweep, questions, calls, 4, 0, which)
     for words in args.prompt_words if args.groups and "group" in args.sweeps else []:
         for group in args.groups:
@@ -105,8 +154,12 @@ def plot(rows: list[dict], out: str) -> None:
 
     groups = [r for r in rows if r["sweep"] == "group"]
     fig, axes = plt.subplots(2, 3 if groups else 2, figsize=(15 if groups else 10, 7.5))
-    for col, (sweep, key, xlabel) in enumerate([("batch", "trajectories", "trajectories per step (0-3 tool calls each)"),
-                                               ("length", "calls", "most tool calls per trajectory (16 trajectories)")]):
+    for col, (sweep, key, xlabel) in enumerate(
+        [
+            ("batch", "trajectories", "trajectories per step (0-3 tool calls each)"),
+            ("length", "calls", "most tool calls per trajectory (16 trajectories)"),
+        ]
+    ):
         for which, (style, color, label) in TRAINERS.items():
             pts = [r for r in rows if r["sweep"] == sweep and r["trainer"] == which]
             if not pts:
@@ -127,7 +180,9 @@ def plot(rows: list[dict], out: str) -> None:
                 x = [r["group"] for r in pts]
                 name = f"{label}, prompt +{words} words"
                 axes[0][2].plot(x, [r["train_s"] for r in pts], style[0] + dash, color=color, label=name)
-                axes[1][2].plot(x, [r["computed"] / max(r["real"], 1) for r in pts], style[0] + dash, color=color, label=name)
+                axes[1][2].plot(
+                    x, [r["computed"] / max(r["real"], 1) for r in pts], style[0] + dash, color=color, label=name
+                )
         axes[0][2].set_ylabel("update time per step (s)")
         axes[1][2].set_ylabel("tokens computed / real tokens")
         for row in (0, 1):

@@ -38,9 +38,26 @@ ROOT = HERE.parent
 
 def run_recipe(shared: bool, steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, str(ROOT / "recipes" / "retool_ppo.py"), "--max_steps", str(steps), "--eval_problems", "0",
-               "--report_to", "none", "--plot", "false", "--save_strategy", "no", "--output_dir", out,
-               "--shared_prefix", str(shared).lower(), "--viewer_steps", "0"]
+        cmd = [
+            sys.executable,
+            str(ROOT / "recipes" / "retool_ppo.py"),
+            "--max_steps",
+            str(steps),
+            "--eval_problems",
+            "0",
+            "--report_to",
+            "none",
+            "--plot",
+            "false",
+            "--save_strategy",
+            "no",
+            "--output_dir",
+            out,
+            "--shared_prefix",
+            str(shared).lower(),
+            "--viewer_steps",
+            "0",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         metrics = Path(out) / "metrics.jsonl"
         if proc.returncode != 0 or not metrics.exists():
@@ -57,23 +74,35 @@ def main_part(args) -> None:
             return statistics.fmean(r.get(key, 0.0) for r in steps)
 
         rows["ours prefix" if shared else "ours"] = {
-            "real": mean("train/input_tokens"), "computed": mean("train/computed_tokens"),
-            "processed": mean("train/forward_tokens"), "fwd_bwd_s": mean("timing/forward_backward_s"),
-            "old_lp_s": mean("timing/old_logprobs_s"), "peak_rss_mb": max(r["memory/peak_rss_mb"] for r in steps),
-            "steps": len(steps)}
-    print(f"main command's workload: recipes/retool_ppo.py on the embedded default (group 8), {args.steps} steps per "
-          f"layout, means over steps 2-{args.steps}")
-    header = (f"{'layout':<12} {'real tok':>9} {'computed':>9} {'/ real':>7} {'processed':>10} {'/ real':>7} "
-              f"{'fwd+bwd s':>10} {'old lp s':>9} {'peak RSS MB':>12}")
+            "real": mean("train/input_tokens"),
+            "computed": mean("train/computed_tokens"),
+            "processed": mean("train/forward_tokens"),
+            "fwd_bwd_s": mean("timing/forward_backward_s"),
+            "old_lp_s": mean("timing/old_logprobs_s"),
+            "peak_rss_mb": max(r["memory/peak_rss_mb"] for r in steps),
+            "steps": len(steps),
+        }
+    print(
+        f"main command's workload: recipes/retool_ppo.py on the embedded default (group 8), {args.steps} steps per "
+        f"layout, means over steps 2-{args.steps}"
+    )
+    header = (
+        f"{'layout':<12} {'real tok':>9} {'computed':>9} {'/ real':>7} {'processed':>10} {'/ real':>7} "
+        f"{'fwd+bwd s':>10} {'old lp s':>9} {'peak RSS MB':>12}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in rows.items():
-        print(f"{name:<12} {r['real']:>9.0f} {r['computed']:>9.0f} {r['computed'] / r['real']:>7.3f} {r['processed']:>10.0f} "
-              f"{r['processed'] / r['real']:>7.3f} {r['fwd_bwd_s']:>10.3f} {r['old_lp_s']:>9.3f} {r['peak_rss_mb']:>12.0f}")
+        print(
+            f"{name:<12} {r['real']:>9.0f} {r['computed']:>9.0f} {r['computed'] / r['real']:>7.3f} {r['processed']:>10.0f} "
+            f"{r['processed'] / r['real']:>7.3f} {r['fwd_bwd_s']:>10.3f} {r['old_lp_s']:>9.3f} {r['peak_rss_mb']:>12.0f}"
+        )
     a, b = rows["ours"], rows["ours prefix"]
     per_token = (b["fwd_bwd_s"] / b["real"]) / (a["fwd_bwd_s"] / a["real"])
-    print(f"ours prefix / ours: computed per real token {b['computed'] / b['real'] / (a['computed'] / a['real']):.2f}x, "
-          f"update time per real token {per_token:.2f}x, peak RSS {b['peak_rss_mb'] / a['peak_rss_mb']:.2f}x")
+    print(
+        f"ours prefix / ours: computed per real token {b['computed'] / b['real'] / (a['computed'] / a['real']):.2f}x, "
+        f"update time per real token {per_token:.2f}x, peak RSS {b['peak_rss_mb'] / a['peak_rss_mb']:.2f}x"
+    )
 
 
 # -- sweep: the update alone --------------------------------------------------------------------------------------
@@ -101,9 +130,19 @@ def _model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=1100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-                         use_sliding_window=True, sliding_window=48, max_window_layers=0)
+    config = Qwen2Config(
+        vocab_size=1100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=48,
+        max_window_layers=0,
+    )
     model = Qwen2ForCausalLM(config)
     model.config._attn_implementation = "sdpa"
     return model
@@ -119,10 +158,19 @@ def _update_once(model, datums, shared: bool):
     from trl_plugins.algos import PPOClipLoss
     from trl_plugins.trainers.update import policy_update
 
-    config = SimpleNamespace(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=32,
-                             max_padded_tokens_per_micro_batch=64_000, rebalance_ranks=False, norm_length=None,
-                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False,
-                             shared_prefix=shared)
+    config = SimpleNamespace(
+        aggregation="token_mean",
+        packer="optimal",
+        max_items_per_micro_batch=32,
+        max_padded_tokens_per_micro_batch=64_000,
+        rebalance_ranks=False,
+        norm_length=None,
+        temperature=1.0,
+        max_grad_norm=None,
+        drop_zero_advantage=False,
+        padding_free=False,
+        shared_prefix=shared,
+    )
     accelerator = Accelerator(cpu=True)
     trained = copy.deepcopy(model)
     optimizer = torch.optim.SGD(trained.parameters(), lr=1e-3)
@@ -150,8 +198,11 @@ def sweep_child(args) -> None:
             seconds, result = _update_once(model, datums, layout == "prefix")
             if round_ or args.layout != "both":
                 times[layout].append(seconds)
-            out[layout] = {"real": result.num_input_tokens, "computed": result.num_computed_tokens,
-                           "processed": result.num_padded_tokens}
+            out[layout] = {
+                "real": result.num_input_tokens,
+                "computed": result.num_computed_tokens,
+                "processed": result.num_padded_tokens,
+            }
     for layout in layouts:
         out[layout]["s"] = statistics.median(times[layout])
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -159,21 +210,36 @@ def sweep_child(args) -> None:
 
 
 def _child(layout: str, group: int, prompt: int, repeats: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--layout", layout, "--group", str(group), "--prompt", str(prompt),
-           "--repeats", str(repeats)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--layout",
+        layout,
+        "--group",
+        str(group),
+        "--prompt",
+        str(prompt),
+        "--repeats",
+        str(repeats),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         sys.exit(f"{layout} g={group} p={prompt} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def sweep_part(args) -> None:
-    print(f"update alone (policy_update: forward, backward, SGD step), 64 trajectories, micro-batches <= 32 rows, the "
-          f"embedded default's model shape, 1 thread; median of {args.repeats}, the layouts alternating in one process; "
-          f"peak RSS of one update, each layout in its own process")
-    header = (f"{'group':>5} {'prompt':>6} {'layout':<12} {'real tok':>9} {'computed':>9} {'/ real':>7} {'processed':>10} "
-              f"{'/ real':>7} {'update s':>9} {'time x':>7} {'peak RSS MB':>12} {'RSS x':>6}")
+    print(
+        f"update alone (policy_update: forward, backward, SGD step), 64 trajectories, micro-batches <= 32 rows, the "
+        f"embedded default's model shape, 1 thread; median of {args.repeats}, the layouts alternating in one process; "
+        f"peak RSS of one update, each layout in its own process"
+    )
+    header = (
+        f"{'group':>5} {'prompt':>6} {'layout':<12} {'real tok':>9} {'computed':>9} {'/ real':>7} {'processed':>10} "
+        f"{'/ real':>7} {'update s':>9} {'time x':>7} {'peak RSS MB':>12} {'RSS x':>6}"
+    )
     print(header)
     print("-" * len(header))
     for prompt in (60, 235):
@@ -184,9 +250,11 @@ def sweep_part(args) -> None:
             for layout in ("unshared", "prefix"):
                 r = timed[layout]
                 name = "ours prefix" if layout == "prefix" else "ours"
-                print(f"{group:>5} {prompt:>6} {name:<12} {r['real']:>9} {r['computed']:>9} {r['computed'] / r['real']:>7.3f} "
-                      f"{r['processed']:>10} {r['processed'] / r['real']:>7.3f} {r['s']:>9.3f} {r['s'] / base['s']:>7.2f} "
-                      f"{rss[layout]:>12.0f} {rss[layout] / rss['unshared']:>6.2f}")
+                print(
+                    f"{group:>5} {prompt:>6} {name:<12} {r['real']:>9} {r['computed']:>9} {r['computed'] / r['real']:>7.3f} "
+                    f"{r['processed']:>10} {r['processed'] / r['real']:>7.3f} {r['s']:>9.3f} {r['s'] / base['s']:>7.2f} "
+                    f"{rss[layout]:>12.0f} {rss[layout] / rss['unshared']:>6.2f}"
+                )
 
 
 def main() -> None:

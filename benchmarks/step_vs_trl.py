@@ -42,8 +42,15 @@ def _dataset(n: int, words: int = 0):
     from datasets import Dataset
 
     context = " ".join(f"fact{k % 97} holds;" for k in range(words))
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"{context} Question {i}: what is 123 * 456 + 789?".strip()}],
-                               "answer": "56877"} for i in range(n * 50)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"{context} Question {i}: what is 123 * 456 + 789?".strip()}],
+                "answer": "56877",
+            }
+            for i in range(n * 50)
+        ]
+    )
 
 
 def _reward(completions=None, **kwargs):
@@ -51,12 +58,15 @@ def _reward(completions=None, **kwargs):
 
 
 ASYNC_ROWS = {  # which -> (max_staleness, streaming)
-    "ours-async1-overlap": (1, False), "ours-async1": (1, True), "ours-async2": (2, True),
+    "ours-async1-overlap": (1, False),
+    "ours-async1": (1, True),
+    "ours-async2": (2, True),
 }
 
 
-def run_ours(args, padding_free: bool | None, async_row: tuple[int, bool] | None = None,
-             shared_prefix: bool | None = None) -> dict:
+def run_ours(
+    args, padding_free: bool | None, async_row: tuple[int, bool] | None = None, shared_prefix: bool | None = None
+) -> dict:
     from rollout import SleepTool, scripted_model
 
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
@@ -73,18 +83,43 @@ def run_ours(args, padding_free: bool | None, async_row: tuple[int, bool] | None
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
     scripted_model(model, args.calls, vary=True)  # in its class: the async replica plays the same script
-    extra = {} if async_row is None else dict(async_rollouts=True, max_staleness=async_row[0], async_streaming=async_row[1])
+    extra = (
+        {} if async_row is None else dict(async_rollouts=True, max_staleness=async_row[0], async_streaming=async_row[1])
+    )
     with tempfile.TemporaryDirectory() as out:
-        config = MultiTurnGRPOConfig(**extra,
-            output_dir=out, per_device_train_batch_size=args.questions * args.group, num_generations=args.group,
-            max_steps=args.steps, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
-            disable_tqdm=True, seed=0, reward_components=["r"], max_items_per_micro_batch=args.micro_batch,
-            max_padded_tokens_per_micro_batch=64_000, padding_free=padding_free, shared_prefix=shared_prefix,
-            rollout_kwargs={"max_turns": args.calls + 2, "max_tool_calls": args.calls + 1, "max_assistant_tokens": 128,
-                            "max_trajectory_tokens": 4096},
+        config = MultiTurnGRPOConfig(
+            **extra,
+            output_dir=out,
+            per_device_train_batch_size=args.questions * args.group,
+            num_generations=args.group,
+            max_steps=args.steps,
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+            reward_components=["r"],
+            max_items_per_micro_batch=args.micro_batch,
+            max_padded_tokens_per_micro_batch=64_000,
+            padding_free=padding_free,
+            shared_prefix=shared_prefix,
+            rollout_kwargs={
+                "max_turns": args.calls + 2,
+                "max_tool_calls": args.calls + 1,
+                "max_assistant_tokens": 128,
+                "max_trajectory_tokens": 4096,
+            },
         )
-        trainer = MultiTurnGRPOTrainer(model, config, train_dataset=_dataset(args.questions, args.prompt_words), processing_class=tok,
-                                       tools={"code_interpreter": SleepTool(args.tool_s)}, reward_components={"r": Reward()})
+        trainer = MultiTurnGRPOTrainer(
+            model,
+            config,
+            train_dataset=_dataset(args.questions, args.prompt_words),
+            processing_class=tok,
+            tools={"code_interpreter": SleepTool(args.tool_s)},
+            reward_components={"r": Reward()},
+        )
         step_times = []
         original = trainer.training_step
 
@@ -134,13 +169,29 @@ def run_trl(args) -> dict:
     patch_generate(model, tok, args.calls, vary=True)
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=args.micro_batch, num_generations=args.group,
+            output_dir=out,
+            per_device_train_batch_size=args.micro_batch,
+            num_generations=args.group,
             gradient_accumulation_steps=args.questions * args.group // args.micro_batch,
-            max_completion_length=1024, max_steps=args.steps, use_cpu=True, bf16=False, report_to=[],
-            save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_tool_calling_iterations=args.calls + 1,
+            max_completion_length=1024,
+            max_steps=args.steps,
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+            max_tool_calling_iterations=args.calls + 1,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=config, train_dataset=_dataset(args.questions, args.prompt_words),
-                              processing_class=tok, tools=[code_interpreter])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[_reward],
+            args=config,
+            train_dataset=_dataset(args.questions, args.prompt_words),
+            processing_class=tok,
+            tools=[code_interpreter],
+        )
         gen_times, padded, real, step_times, peaks = [], [], [], [], []
         original_gen = trainer._generate_and_score_completions
         original_step = trainer.training_step
@@ -151,7 +202,10 @@ def run_trl(args) -> dict:
             t0 = time.perf_counter()
             result = original_gen(inputs)
             gen_times.append(time.perf_counter() - t0)
-            rows, width = result["prompt_ids"].shape[0], result["prompt_ids"].shape[1] + result["completion_ids"].shape[1]
+            rows, width = (
+                result["prompt_ids"].shape[0],
+                result["prompt_ids"].shape[1] + result["completion_ids"].shape[1],
+            )
             # Each training micro-batch is a slice of this batch, padded to its full width.
             padded.append(rows * width)
             real.append(int(result["prompt_mask"].sum()) + int(result["completion_mask"].sum()))
@@ -190,8 +244,12 @@ def child(args) -> None:
     if args.which == "trl":
         result = run_trl(args)
     else:
-        result = run_ours(args, padding_free=True if args.which == "ours-pf" else None, async_row=ASYNC_ROWS.get(args.which),
-                          shared_prefix=False if args.which in ("ours-pf", "ours-unshared") else None)
+        result = run_ours(
+            args,
+            padding_free=True if args.which == "ours-pf" else None,
+            async_row=ASYNC_ROWS.get(args.which),
+            shared_prefix=False if args.which in ("ours-pf", "ours-unshared") else None,
+        )
     result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     # The async rows' generation replica is a child process, reaped when training ends: its peak RSS.
     result["replica_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -215,21 +273,36 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3, help="most tool calls per trajectory (each picks 0..calls)")
     ap.add_argument("--tool-s", type=float, default=0.2)
     ap.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (TRL per_device_train_batch_size)")
-    ap.add_argument("--prompt-words", type=int, default=0, help="words of context added to every question (long prompts)")
-    ap.add_argument("--padding-free", choices=["on", "off", "both"], default="both",
-                    help="our rows: forced padding-free (on), the default config (off), or both")
-    ap.add_argument("--async-rows", choices=["on", "off"], default="on",
-                    help="also run async_rollouts rows: k=1 overlap only (one batch at a time), k=1 and k=2 with "
-                         "streaming, and the synchronous default with 2 threads (the replica is a second process: "
-                         "a second core)")
-    ap.add_argument("--which", choices=["ours", "ours-unshared", "ours-pf", "ours-2threads", "trl", *ASYNC_ROWS],
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--prompt-words", type=int, default=0, help="words of context added to every question (long prompts)"
+    )
+    ap.add_argument(
+        "--padding-free",
+        choices=["on", "off", "both"],
+        default="both",
+        help="our rows: forced padding-free (on), the default config (off), or both",
+    )
+    ap.add_argument(
+        "--async-rows",
+        choices=["on", "off"],
+        default="on",
+        help="also run async_rollouts rows: k=1 overlap only (one batch at a time), k=1 and k=2 with "
+        "streaming, and the synchronous default with 2 threads (the replica is a second process: "
+        "a second core)",
+    )
+    ap.add_argument(
+        "--which",
+        choices=["ours", "ours-unshared", "ours-pf", "ours-2threads", "trl", *ASYNC_ROWS],
+        help=argparse.SUPPRESS,
+    )
     args = ap.parse_args()
     if args.which:
         child(args)
         return
     results = {}
-    ours = {"on": ["ours-pf"], "off": ["ours", "ours-unshared"], "both": ["ours", "ours-unshared", "ours-pf"]}[args.padding_free]
+    ours = {"on": ["ours-pf"], "off": ["ours", "ours-unshared"], "both": ["ours", "ours-unshared", "ours-pf"]}[
+        args.padding_free
+    ]
     if args.async_rows == "on":
         ours = [*ours, "ours-2threads", *ASYNC_ROWS]
     for which in (*ours, "trl"):
@@ -238,42 +311,54 @@ def main() -> None:
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
             sys.exit(f"{which} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        results[which] = json.loads(line[len("RESULT "):])
+        results[which] = json.loads(line[len("RESULT ") :])
     n = args.questions * args.group
-    print(f"{args.questions} questions x group {args.group} = {n} trajectories/step, 0-{args.calls} tool calls each, "
-          f"tool {args.tool_s} s/call, {args.steps} steps (means exclude the first {WARMUP}), tiny Qwen2 on CPU, 1 thread "
-          f"per process (ours 2threads: 2; async rows: trainer + replica process, 1 thread each)")
-    header = (f"{'trainer':<14} {'step s':>7} {'rollout s':>10} {'train s':>8} {'real tok':>9} {'computed':>9} {'/ real':>7} "
-              f"{'processed':>10} {'/ real':>7} {'wall/crit':>10} {'peak RSS MB':>12}")
+    print(
+        f"{args.questions} questions x group {args.group} = {n} trajectories/step, 0-{args.calls} tool calls each, "
+        f"tool {args.tool_s} s/call, {args.steps} steps (means exclude the first {WARMUP}), tiny Qwen2 on CPU, 1 thread "
+        f"per process (ours 2threads: 2; async rows: trainer + replica process, 1 thread each)"
+    )
+    header = (
+        f"{'trainer':<14} {'step s':>7} {'rollout s':>10} {'train s':>8} {'real tok':>9} {'computed':>9} {'/ real':>7} "
+        f"{'processed':>10} {'/ real':>7} {'wall/crit':>10} {'peak RSS MB':>12}"
+    )
     print(header)
     print("-" * len(header))
     m = mean_after_first
     for which, r in results.items():
         name = which.replace("-", " ")
-        real = max(m(r['real_tokens']), 1)
-        print(f"{name:<14} {m(r['step_s']):>7.2f} {m(r['rollout_s']):>10.2f} {m(r['train_s']):>8.2f} "
-              f"{m(r['real_tokens']):>9.0f} {m(r['computed_tokens']):>9.0f} {m(r['computed_tokens']) / real:>7.3f} "
-              f"{m(r['padded_tokens']):>10.0f} {m(r['padded_tokens']) / real:>7.3f} "
-              f"{m(r['crit_ratio']):>10.2f} {max(r['peak_rss_mb'][1:] or r['peak_rss_mb']):>12.0f}")
+        real = max(m(r["real_tokens"]), 1)
+        print(
+            f"{name:<14} {m(r['step_s']):>7.2f} {m(r['rollout_s']):>10.2f} {m(r['train_s']):>8.2f} "
+            f"{m(r['real_tokens']):>9.0f} {m(r['computed_tokens']):>9.0f} {m(r['computed_tokens']) / real:>7.3f} "
+            f"{m(r['padded_tokens']):>10.0f} {m(r['padded_tokens']) / real:>7.3f} "
+            f"{m(r['crit_ratio']):>10.2f} {max(r['peak_rss_mb'][1:] or r['peak_rss_mb']):>12.0f}"
+        )
     trl = results["trl"]
     for which in ours:
         r = results[which]
-        print(f"{which}: speed-up per step (TRL / {which}) {m(trl['step_s']) / m(r['step_s']):.2f}x; tokens processed "
-              f"(TRL / {which}) {m(trl['padded_tokens']) / max(m(r['padded_tokens']), 1):.2f}x")
+        print(
+            f"{which}: speed-up per step (TRL / {which}) {m(trl['step_s']) / m(r['step_s']):.2f}x; tokens processed "
+            f"(TRL / {which}) {m(trl['padded_tokens']) / max(m(r['padded_tokens']), 1):.2f}x"
+        )
     if "ours" in results and "ours-unshared" in results:
         a, b = results["ours-unshared"], results["ours"]
-        print(f"ours (shared prefix) / ours unshared: computed per real token "
-              f"{(m(b['computed_tokens']) / m(b['real_tokens'])) / (m(a['computed_tokens']) / m(a['real_tokens'])):.2f}x, "
-              f"train time per real token {(m(b['train_s']) / m(b['real_tokens'])) / (m(a['train_s']) / m(a['real_tokens'])):.2f}x, "
-              f"peak RSS {max(b['peak_rss_mb'][1:] or b['peak_rss_mb']) / max(a['peak_rss_mb'][1:] or a['peak_rss_mb']):.2f}x")
+        print(
+            f"ours (shared prefix) / ours unshared: computed per real token "
+            f"{(m(b['computed_tokens']) / m(b['real_tokens'])) / (m(a['computed_tokens']) / m(a['real_tokens'])):.2f}x, "
+            f"train time per real token {(m(b['train_s']) / m(b['real_tokens'])) / (m(a['train_s']) / m(a['real_tokens'])):.2f}x, "
+            f"peak RSS {max(b['peak_rss_mb'][1:] or b['peak_rss_mb']) / max(a['peak_rss_mb'][1:] or a['peak_rss_mb']):.2f}x"
+        )
     if "ours" in results:
         base = results["ours"]
         for which in [w for w in ours if w.startswith("ours-async") or w == "ours-2threads"]:
             r = results[which]
             replica = f"; replica peak RSS {r['replica_rss_mb']:.0f} MB" if which.startswith("ours-async") else ""
-            print(f"{which}: speed-up per step over ours (synchronous) {m(base['step_s']) / m(r['step_s']):.2f}x{replica}; "
-                  f"tool calls/trajectory {m(r['tool_calls']):.2f} (ours {m(base['tool_calls']):.2f}); staleness "
-                  f"{m(r['staleness']):.2f} steps; trainer waited {m(r['wait_s']) if which != 'ours-2threads' else 0:.2f} s/step")
+            print(
+                f"{which}: speed-up per step over ours (synchronous) {m(base['step_s']) / m(r['step_s']):.2f}x{replica}; "
+                f"tool calls/trajectory {m(r['tool_calls']):.2f} (ours {m(base['tool_calls']):.2f}); staleness "
+                f"{m(r['staleness']):.2f} steps; trainer waited {m(r['wait_s']) if which != 'ours-2threads' else 0:.2f} s/step"
+            )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ import argparse
 import hashlib
 import time
 
-import torch
-
 
 def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -22,8 +20,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=896)
     args = parser.parse_args()
-    config = Qwen2Config(vocab_size=151_936, hidden_size=args.hidden, intermediate_size=args.hidden * 4 + args.hidden // 2,
-                         num_hidden_layers=args.layers, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 4 + args.hidden // 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config)
     n = sum(p.numel() for p in model.parameters())
     weights_digest(model)  # warm
@@ -37,8 +42,10 @@ def main() -> None:
         h.update(p.detach().numpy().tobytes())
     full_ms = (time.perf_counter() - start) * 1e3
     tensors = len(list(model.parameters()))
-    print(f"{n / 1e6:.0f}M parameters in {tensors} tensors: weights_digest {sample_ms:.2f} ms; sha256 of every weight "
-          f"{full_ms:.0f} ms")
+    print(
+        f"{n / 1e6:.0f}M parameters in {tensors} tensors: weights_digest {sample_ms:.2f} ms; sha256 of every weight "
+        f"{full_ms:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

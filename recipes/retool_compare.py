@@ -2,7 +2,8 @@
 
     python recipes/retool_compare.py --seeds 0 1 2 --out outputs/cmp [--variants grpo kl gae]
     # on the lookup task: arguments after -- go to every run
-    python recipes/retool_compare.py --seeds 0 1 2 --out outputs/cmp_lookup --variants grpo -- --config recipes/retool_lookup.yaml
+    python recipes/retool_compare.py --seeds 0 1 2 --out outputs/cmp_lookup --variants grpo -- --config
+    recipes/retool_lookup.yaml
 
 Each (variant, seed) runs ``accelerate launch recipes/retool_ppo.py --seed S <variant args> --report_to
 none`` on the same embedded default (``--task_seed`` stays 0: one cold start, one task split; the seed
@@ -31,15 +32,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"grpo": [], "kl": ["--beta", "0.05"], "gae": ["--advantage", "gae"],
-            # The paper's mean over sequences (token_mean would divide each sequence's objective by the batch's tokens).
-            "gspo": ["--policy_loss", "gspo", "--aggregation", "seq_mean_token_sum"],
-            "turn_ppo": ["--policy_loss", "turn_ppo"],
-            "turn_group": ["--advantage", "turn_group"],
-            # DAPO compares accuracy: groups all right or all wrong are dropped, whatever their format rewards.
-            "dapo": ["--dynamic_sampling", "true", "--dynamic_sampling_metric", "correct"],
-            "async1": ["--async_rollouts", "true", "--max_staleness", "1"],
-            "async2": ["--async_rollouts", "true", "--max_staleness", "2"]}
+VARIANTS = {
+    "grpo": [],
+    "kl": ["--beta", "0.05"],
+    "gae": ["--advantage", "gae"],
+    # The paper's mean over sequences (token_mean would divide each sequence's objective by the batch's tokens).
+    "gspo": ["--policy_loss", "gspo", "--aggregation", "seq_mean_token_sum"],
+    "turn_ppo": ["--policy_loss", "turn_ppo"],
+    "turn_group": ["--advantage", "turn_group"],
+    # DAPO compares accuracy: groups all right or all wrong are dropped, whatever their format rewards.
+    "dapo": ["--dynamic_sampling", "true", "--dynamic_sampling_metric", "correct"],
+    "async1": ["--async_rollouts", "true", "--max_staleness", "1"],
+    "async2": ["--async_rollouts", "true", "--max_staleness", "2"],
+}
 
 
 def _mean(xs: list[float]) -> float:
@@ -55,9 +60,15 @@ def main() -> int:
     parser.add_argument("--out", default="outputs/compare")
     parser.add_argument("--config_file", default=str(ROOT / "accelerate_configs" / "cpu.yaml"))
     parser.add_argument("extra", nargs="*", help="Arguments passed on to every run of the recipe (after --).")
-    parser.add_argument("--dry_run", type=string_to_bool, nargs="?", const=True, default=False,
-                        help="A dry run of each run not finished yet (the recipe's --dry_run: its start-up checks, "
-                             "nothing trained or written), then exit: 0 when every one passed. Nothing is compared.")
+    parser.add_argument(
+        "--dry_run",
+        type=string_to_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="A dry run of each run not finished yet (the recipe's --dry_run: its start-up checks, "
+        "nothing trained or written), then exit: 0 when every one passed. Nothing is compared.",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     runs: dict[str, list[tuple[int, dict, Path]]] = {}
@@ -66,9 +77,23 @@ def main() -> int:
         for seed in args.seeds:
             run_dir = out / f"{variant}_s{seed}"
             if not (run_dir / "summary.json").is_file():
-                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
-                       str(ROOT / "recipes" / "retool_ppo.py"), "--seed", str(seed), "--output_dir", str(run_dir),
-                       "--report_to", "none", *VARIANTS[variant], *args.extra, *(["--dry_run", "true"] if args.dry_run else [])]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "accelerate.commands.launch",
+                    "--config_file",
+                    args.config_file,
+                    str(ROOT / "recipes" / "retool_ppo.py"),
+                    "--seed",
+                    str(seed),
+                    "--output_dir",
+                    str(run_dir),
+                    "--report_to",
+                    "none",
+                    *VARIANTS[variant],
+                    *args.extra,
+                    *(["--dry_run", "true"] if args.dry_run else []),
+                ]
                 print("$", " ".join(cmd), flush=True)
                 if subprocess.run(cmd, cwd=ROOT).returncode != 0:
                     print(f"{variant} seed {seed} failed; see its output above.", file=sys.stderr)
@@ -82,15 +107,21 @@ def main() -> int:
                 continue
             runs.setdefault(variant, []).append((seed, json.loads((run_dir / "summary.json").read_text()), run_dir))
     if args.dry_run:
-        print(f"dry run: {len(failed)} run(s) refused: {', '.join(failed)}" if failed else
-              "dry run: every run passed its start-up checks; nothing was trained or compared.", flush=True)
+        print(
+            f"dry run: {len(failed)} run(s) refused: {', '.join(failed)}"
+            if failed
+            else "dry run: every run passed its start-up checks; nothing was trained or compared.",
+            flush=True,
+        )
         return 1 if failed else 0
 
     from retool.report import accuracy_gain, read_metrics, train_accuracy, with_se
     from trl_plugins.evaluation import clustered_se  # with one "cluster" per seed: the standard error of the mean
 
-    print("\n| variant | seed | held-out accuracy before -> after | gain | with-tool accuracy before -> after | "
-          "tool-call rate after | pass@4 after | lowest train-batch accuracy, steps 10-40 | wall (min) |")
+    print(
+        "\n| variant | seed | held-out accuracy before -> after | gain | with-tool accuracy before -> after | "
+        "tool-call rate after | pass@4 after | lowest train-batch accuracy, steps 10-40 | wall (min) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     curves: dict[str, list[list[dict]]] = {}
     for variant, rows in runs.items():
@@ -100,55 +131,84 @@ def main() -> int:
             curves.setdefault(variant, []).append(metrics)
             late = [v for r in metrics if r["step"] >= 10 and (v := train_accuracy(r)) is not None] or [float("nan")]
             gain = accuracy_gain(b, a)
-            print(f"| {variant} | {seed} | {with_se(b['accuracy'], b.get('accuracy_se'))} -> "
-                  f"{with_se(a['accuracy'], a.get('accuracy_se'))} | {with_se(gain['accuracy'], gain['se'], '+.3f')} | "
-                  f"{with_se(b['accuracy_with_tool'], b.get('accuracy_with_tool_se'))} -> "
-                  f"{with_se(a['accuracy_with_tool'], a.get('accuracy_with_tool_se'))} | {a['tool_call_rate']:.3f} | "
-                  f"{with_se(a['pass_at_k']['4'], a.get('pass_at_k_se', {}).get('4'))} | {min(late):.3f} | {s['wall_s'] / 60:.1f} |")
-    print("\n| variant | mean gain ± se over seeds | smallest gain | mean with-tool change | seeds where with-tool accuracy fell |")
+            print(
+                f"| {variant} | {seed} | {with_se(b['accuracy'], b.get('accuracy_se'))} -> "
+                f"{with_se(a['accuracy'], a.get('accuracy_se'))} | {with_se(gain['accuracy'], gain['se'], '+.3f')} | "
+                f"{with_se(b['accuracy_with_tool'], b.get('accuracy_with_tool_se'))} -> "
+                f"{with_se(a['accuracy_with_tool'], a.get('accuracy_with_tool_se'))} | {a['tool_call_rate']:.3f} | "
+                f"{with_se(a['pass_at_k']['4'], a.get('pass_at_k_se', {}).get('4'))} | {min(late):.3f} | "
+                f"{s['wall_s'] / 60:.1f} |"
+            )
+    print(
+        "\n| variant | mean gain ± se over seeds | smallest gain | mean with-tool change | seeds where with-tool "
+        "accuracy fell |"
+    )
     print("|---|---|---|---|---|")
     for variant, rows in runs.items():
         gains = [s["after"]["accuracy"] - s["before"]["accuracy"] for _, s, _ in rows]
         tool = [s["after"]["accuracy_with_tool"] - s["before"]["accuracy_with_tool"] for _, s, _ in rows]
-        print(f"| {variant} | {with_se(_mean(gains), clustered_se(gains, [1] * len(gains)), '+.3f')} | {min(gains):+.3f} | {_mean(tool):+.3f} | "
-              f"{sum(t < 0 for t in tool)} of {len(tool)} |")
+        print(
+            f"| {variant} | {with_se(_mean(gains), clustered_se(gains, [1] * len(gains)), '+.3f')} | "
+            f"{min(gains):+.3f} | {_mean(tool):+.3f} | "
+            f"{sum(t < 0 for t in tool)} of {len(tool)} |"
+        )
     if any(s["after"].get("recovery_rate") is not None for rows in runs.values() for _, s, _ in rows):
-        print("\n| variant | seed | tool calls per solved before -> after | samples with a failed call before -> after | "
-              "solved after a failed call before -> after |")
+        print(
+            "\n| variant | seed | tool calls per solved before -> after | samples with a failed call before -> after | "
+            "solved after a failed call before -> after |"
+        )
         print("|---|---|---|---|---|")
         for variant, rows in runs.items():
             for seed, s, _ in rows:
                 b, a = s["before"], s["after"]
                 cell = lambda key, fmt: " -> ".join("n/a" if r.get(key) is None else f"{r[key]:{fmt}}" for r in (b, a))  # noqa: E731
-                print(f"| {variant} | {seed} | {cell('tool_calls_per_solved', '.2f')} | {cell('failed_call_frac', '.3f')} | "
-                      f"{cell('recovery_rate', '.3f')} |")
-    stale = {v: per_seed for v, per_seed in curves.items()
-             if any(r.get("train/staleness_mean", 0) > 0 for metrics in per_seed for r in metrics)}
+                print(
+                    f"| {variant} | {seed} | {cell('tool_calls_per_solved', '.2f')} | "
+                    f"{cell('failed_call_frac', '.3f')} | "
+                    f"{cell('recovery_rate', '.3f')} |"
+                )
+    stale = {
+        v: per_seed
+        for v, per_seed in curves.items()
+        if any(r.get("train/staleness_mean", 0) > 0 for metrics in per_seed for r in metrics)
+    }
     if stale:
-        print("\n| variant | mean staleness of trained tokens (steps) | on-policy token share | mean gain ± se over seeds | "
-              "step wall (s, mean) |")
+        print(
+            "\n| variant | mean staleness of trained tokens (steps) | on-policy token share | mean gain ± se over "
+            "seeds | "
+            "step wall (s, mean) |"
+        )
         print("|---|---|---|---|---|")
         for variant, per_seed in curves.items():
             records = [r for metrics in per_seed for r in metrics if "train/staleness_mean" in r]
             gains = [s["after"]["accuracy"] - s["before"]["accuracy"] for _, s, _ in runs[variant]]
             steps = [r["timing/step_s"] for metrics in per_seed for r in metrics if "timing/step_s" in r]
-            print(f"| {variant} | {_mean([r['train/staleness_mean'] for r in records]) if records else 0:.2f} | "
-                  f"{_mean([r['train/on_policy_token_frac'] for r in records]) if records else 1:.2f} | "
-                  f"{with_se(_mean(gains), clustered_se(gains, [1] * len(gains)), '+.3f')} | "
-                  f"{_mean(steps) if steps else float('nan'):.2f} |")
-    sampled = {v: list(zip([seed for seed, *_ in runs[v]], per_seed)) for v, per_seed in curves.items()
-               if any("dynamic_sampling/draw_factor" in r for metrics in per_seed for r in metrics)}
+            print(
+                f"| {variant} | {_mean([r['train/staleness_mean'] for r in records]) if records else 0:.2f} | "
+                f"{_mean([r['train/on_policy_token_frac'] for r in records]) if records else 1:.2f} | "
+                f"{with_se(_mean(gains), clustered_se(gains, [1] * len(gains)), '+.3f')} | "
+                f"{_mean(steps) if steps else float('nan'):.2f} |"
+            )
+    sampled = {
+        v: list(zip([seed for seed, *_ in runs[v]], per_seed))
+        for v, per_seed in curves.items()
+        if any("dynamic_sampling/draw_factor" in r for metrics in per_seed for r in metrics)
+    }
     if sampled:
-        print("\n| variant | seed | groups rolled out per step's groups (mean, max) | steps short of groups | "
-              "informative share of groups drawn, first 5 steps -> last 5 |")
+        print(
+            "\n| variant | seed | groups rolled out per step's groups (mean, max) | steps short of groups | "
+            "informative share of groups drawn, first 5 steps -> last 5 |"
+        )
         print("|---|---|---|---|---|")
         for variant, rows in sampled.items():
             for seed, metrics in rows:
                 factors = [r["dynamic_sampling/draw_factor"] for r in metrics]
                 share = [r["dynamic_sampling/informative_frac"] for r in metrics]
-                print(f"| {variant} | {seed} | {_mean(factors):.2f}, {max(factors):.2f} | "
-                      f"{sum(r['dynamic_sampling/short_groups'] > 0 for r in metrics)} of {len(metrics)} | "
-                      f"{_mean(share[:5]):.2f} -> {_mean(share[-5:]):.2f} |")
+                print(
+                    f"| {variant} | {seed} | {_mean(factors):.2f}, {max(factors):.2f} | "
+                    f"{sum(r['dynamic_sampling/short_groups'] > 0 for r in metrics)} of {len(metrics)} | "
+                    f"{_mean(share[:5]):.2f} -> {_mean(share[-5:]):.2f} |"
+                )
 
     import matplotlib
 
@@ -163,14 +223,36 @@ def main() -> int:
             held = [r for r in metrics if "heldout/accuracy" in r and r["step"] < runs[variant][k][1]["steps"]]
             seed, s, _ = runs[variant][k]
             xs = [0] + [r["step"] for r in held] + [s["steps"]]
-            axes[0].plot(xs, [s["before"]["accuracy"]] + [r["heldout/accuracy"] for r in held] + [s["after"]["accuracy"]],
-                         color=colours[variant], marker="o", alpha=0.7, label=label)
-            axes[1].plot(xs, [s["before"]["accuracy_with_tool"]] + [r.get("heldout/accuracy_with_tool", float("nan")) for r in held]
-                         + [s["after"]["accuracy_with_tool"]], color=colours[variant], marker="o", alpha=0.7, label=label)
-            axes[2].plot([r["step"] for r in metrics], [train_accuracy(r) for r in metrics], color=colours[variant],
-                         alpha=0.5, label=label)
-    titles = ("held-out accuracy (start and end: 128 problems x 4; between: 64 x 4)", "held-out accuracy when the tool is called",
-              "train-batch accuracy")
+            axes[0].plot(
+                xs,
+                [s["before"]["accuracy"]] + [r["heldout/accuracy"] for r in held] + [s["after"]["accuracy"]],
+                color=colours[variant],
+                marker="o",
+                alpha=0.7,
+                label=label,
+            )
+            axes[1].plot(
+                xs,
+                [s["before"]["accuracy_with_tool"]]
+                + [r.get("heldout/accuracy_with_tool", float("nan")) for r in held]
+                + [s["after"]["accuracy_with_tool"]],
+                color=colours[variant],
+                marker="o",
+                alpha=0.7,
+                label=label,
+            )
+            axes[2].plot(
+                [r["step"] for r in metrics],
+                [train_accuracy(r) for r in metrics],
+                color=colours[variant],
+                alpha=0.5,
+                label=label,
+            )
+    titles = (
+        "held-out accuracy (start and end: 128 problems x 4; between: 64 x 4)",
+        "held-out accuracy when the tool is called",
+        "train-batch accuracy",
+    )
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")

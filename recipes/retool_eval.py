@@ -60,8 +60,16 @@ def main(argv: list[str]) -> dict:
             return _dry_run_report(None if stand_in else model_path, script_args, eval_args, run, ks=ks, rows=rows)
         model_path = model_path_or_default(script_args, training_args)
         check_chat_template(AutoTokenizer.from_pretrained(model_path), run)
-        return evaluate_checkpoint(model_path, script_args, run, ks=ks, rows=rows, batch_questions=eval_args.batch_questions,
-                                   output_json=eval_args.output_json, show_samples=eval_args.show_samples)
+        return evaluate_checkpoint(
+            model_path,
+            script_args,
+            run,
+            ks=ks,
+            rows=rows,
+            batch_questions=eval_args.batch_questions,
+            output_json=eval_args.output_json,
+            show_samples=eval_args.show_samples,
+        )
     finally:
         run.close()
 
@@ -71,9 +79,12 @@ def _dry_run_report(model_path, script_args, eval_args, run, *, ks, rows) -> dic
     for name, line in run.start_tools().items():
         print(f"tool {name}: {line}")
     model = model_path or "the embedded default (its weights would be built first)"
-    print(f"dry run: would evaluate {model} on {len(rows)} held-out problems x {script_args.eval_samples} samples at "
-          f"temperature {script_args.eval_temperature:g}, pass@k for k in {ks}, generated with "
-          f"{run.sampler.describe(run.config)}" + (f"; the numbers to {eval_args.output_json}" if eval_args.output_json else ""))
+    print(
+        f"dry run: would evaluate {model} on {len(rows)} held-out problems x {script_args.eval_samples} samples at "
+        f"temperature {script_args.eval_temperature:g}, pass@k for k in {ks}, generated with "
+        f"{run.sampler.describe(run.config)}"
+        + (f"; the numbers to {eval_args.output_json}" if eval_args.output_json else "")
+    )
     print("dry run: every start-up check passed; nothing was loaded, evaluated or written.", flush=True)
     return {"dry_run": True, "model": model_path, "problems": len(rows), "samples": script_args.eval_samples, "ks": ks}
 
@@ -89,12 +100,16 @@ def refuse_training_only_settings(script_args, training_args) -> None:
         SystemExit: ``--use_peft`` or ``--use_vllm`` was given.
     """
     if script_args.use_peft:
-        raise SystemExit("--use_peft trains a new LoRA adapter; retool_eval.py trains nothing. To evaluate a LoRA run, "
-                         "pass its adapter folder (e.g. --model_name_or_path outputs/retool_ppo/final): it loads with "
-                         "its base model. Drop --use_peft.")
+        raise SystemExit(
+            "--use_peft trains a new LoRA adapter; retool_eval.py trains nothing. To evaluate a LoRA run, "
+            "pass its adapter folder (e.g. --model_name_or_path outputs/retool_ppo/final): it loads with "
+            "its base model. Drop --use_peft."
+        )
     if training_args.use_vllm:
-        raise SystemExit("retool_eval.py generates with HF generate (or transformers' continuous batching with "
-                         "--use_transformers_continuous_batching true), not vLLM: drop --use_vllm.")
+        raise SystemExit(
+            "retool_eval.py generates with HF generate (or transformers' continuous batching with "
+            "--use_transformers_continuous_batching true), not vLLM: drop --use_vllm."
+        )
 
 
 if __name__ == "__main__":

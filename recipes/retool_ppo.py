@@ -19,7 +19,8 @@ needs only the keys it changes; the command line wins over both; ``--help`` list
     # one GPU, a real model and a DAPO-style maths set
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/retool_ppo.py \\
         --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --dataset_name BytedTsinghua-SIA/DAPO-Math-17k \\
-        --prompt_column prompt --answer_column reward_model.ground_truth --eval_problems 0 --held_out_fraction 0 --bf16 true
+        --prompt_column prompt --answer_column reward_model.ground_truth --eval_problems 0 --held_out_fraction 0 --bf16
+        true
 
     # several GPUs (DDP) / DeepSpeed ZeRO-3 (see accelerate_configs/ for ZeRO-2 and CPU offload)
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/retool_ppo.py --model_name_or_path ...
@@ -100,27 +101,47 @@ def _train(script_args: ScriptArguments, training_args, run, checked, *, start: 
     out_dir = Path(training_args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-
     def held_out(checkpoint: str, name: str) -> dict:
         # In a clean child process: the evaluation never meets ZeRO-3's partitioned parameters.
         try:
-            return run_in_child(evaluate_checkpoint, checkpoint, script_args, run.spec, ks=ks, rows=heldout_rows,
-                                output_json=str(out_dir / name), what=f"the held-out evaluation of {checkpoint}")
+            return run_in_child(
+                evaluate_checkpoint,
+                checkpoint,
+                script_args,
+                run.spec,
+                ks=ks,
+                rows=heldout_rows,
+                output_json=str(out_dir / name),
+                what=f"the held-out evaluation of {checkpoint}",
+            )
         except ChildProcessError as exc:  # the child's own error, not a traceback of the parent's plumbing
             raise SystemExit(str(exc)) from None
 
     before = None
     if evaluate and main_process:
         # A resumed run reuses the evaluation its first start made of the same starting model on the same problems.
-        before = reusable_evaluation(out_dir / "eval_before.json", model=model_path, rows=heldout_rows,
-                                     samples=script_args.eval_samples, temperature=script_args.eval_temperature,
-                                   success_component=script_args.success_component) \
-            if training_args.resume_from_checkpoint else None
+        before = (
+            reusable_evaluation(
+                out_dir / "eval_before.json",
+                model=model_path,
+                rows=heldout_rows,
+                samples=script_args.eval_samples,
+                temperature=script_args.eval_temperature,
+                success_component=script_args.success_component,
+            )
+            if training_args.resume_from_checkpoint
+            else None
+        )
         if before is not None:
-            say(f"Held-out evaluation of the starting model: reused from {out_dir / 'eval_before.json'} (resumed run; "
-                f"same model, problems, samples and temperature)")
+            say(
+                f"Held-out evaluation of the starting model: reused from {out_dir / 'eval_before.json'} (resumed run; "
+                f"same model, problems, samples and temperature)"
+            )
         else:
-            say(f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x {script_args.eval_samples} samples)...")
+            say(
+                f"Held-out evaluation of the starting model ({script_args.eval_problems} problems x "
+                f"{script_args.eval_samples} samples)..."
+            )
             before = held_out(model_path, "eval_before.json")
             prepare_child()  # the evaluation after RL's interpreter imports while the run trains
     state.wait_for_everyone()
@@ -130,9 +151,14 @@ def _train(script_args: ScriptArguments, training_args, run, checked, *, start: 
     trainer = MultiTurnGRPOTrainer(model, train_dataset=train_dataset, processing_class=tokenizer, run=run)
     if evaluate and script_args.eval_every_steps > 0:
         # The first of the held-out rows (a seeded draw: the same ones a separate load of that size gives).
-        periodic = PeriodicHeldOut(trainer, heldout_rows[: script_args.eval_every_problems], every=script_args.eval_every_steps,
-                                   samples=script_args.eval_samples, temperature=script_args.eval_temperature,
-                                   success_component=script_args.success_component)
+        periodic = PeriodicHeldOut(
+            trainer,
+            heldout_rows[: script_args.eval_every_problems],
+            every=script_args.eval_every_steps,
+            samples=script_args.eval_samples,
+            temperature=script_args.eval_temperature,
+            success_component=script_args.success_component,
+        )
         trainer.add_callback(periodic)
     try:
         # A run that went to its end without one policy update is saved, evaluated and summarised as any, then exits 1.
@@ -140,11 +166,22 @@ def _train(script_args: ScriptArguments, training_args, run, checked, *, start: 
     except BaseException as exc:  # a stopped run still leaves its record: summary.json (with why) and the plot
         if main_process:
             try:
-                _write_summary(out_dir, script_args, training_args, trainer, model_path=model_path, before=before,
-                               after=None, start=start, stopped=exc)
+                _write_summary(
+                    out_dir,
+                    script_args,
+                    training_args,
+                    trainer,
+                    model_path=model_path,
+                    before=before,
+                    after=None,
+                    start=start,
+                    stopped=exc,
+                )
             except Exception as also:  # noqa: BLE001 - the stop is the news; say why its record is missing
-                print(f"summary.json of the stopped run could not be written: {type(also).__name__}: {also}",
-                      file=sys.stderr)
+                print(
+                    f"summary.json of the stopped run could not be written: {type(also).__name__}: {also}",
+                    file=sys.stderr,
+                )
         if isinstance(exc, TrainingInterrupted):  # SIGINT / SIGTERM: a complete checkpoint is written, tools closed
             say(str(exc))
             sys.stdout.flush()
@@ -163,10 +200,27 @@ def _train(script_args: ScriptArguments, training_args, run, checked, *, start: 
         say("Held-out evaluation after RL...")
         after = held_out(str(final_dir), "eval_after.json")
     if main_process:
-        paths = _write_summary(out_dir, script_args, training_args, trainer, model_path=model_path, before=before,
-                               after=after, start=start, trained_nothing=trained_nothing)
-        print(format_summary(before, after, steps=trainer.state.global_step, wall_s=time.perf_counter() - start,
-                             paths={"checkpoint": str(final_dir), **paths}), flush=True)
+        paths = _write_summary(
+            out_dir,
+            script_args,
+            training_args,
+            trainer,
+            model_path=model_path,
+            before=before,
+            after=after,
+            start=start,
+            trained_nothing=trained_nothing,
+        )
+        print(
+            format_summary(
+                before,
+                after,
+                steps=trainer.state.global_step,
+                wall_s=time.perf_counter() - start,
+                paths={"checkpoint": str(final_dir), **paths},
+            ),
+            flush=True,
+        )
     state.wait_for_everyone()
     if trained_nothing is not None:
         print(f"The run trained nothing: {trained_nothing}", file=sys.stderr, flush=True)
@@ -188,9 +242,19 @@ def _train_to_its_end(trainer, resume):
     return None
 
 
-def _write_summary(out_dir: Path, script_args: ScriptArguments, training_args, trainer, *, model_path: str,
-                   before: dict | None, after: dict | None, start: float, stopped: BaseException | None = None,
-                   trained_nothing: BaseException | None = None) -> dict:
+def _write_summary(
+    out_dir: Path,
+    script_args: ScriptArguments,
+    training_args,
+    trainer,
+    *,
+    model_path: str,
+    before: dict | None,
+    after: dict | None,
+    start: float,
+    stopped: BaseException | None = None,
+    trained_nothing: BaseException | None = None,
+) -> dict:
     """The plot, the W&B summary and ``summary.json``: also for a run that stopped (``stopped``: why, recorded
     in ``summary.json["stopped"]``) or that went to its end without a policy update (``trained_nothing``: why, in
     ``summary.json["trained_nothing"]``). Returns the paths written, for the closing summary."""
@@ -200,33 +264,59 @@ def _write_summary(out_dir: Path, script_args: ScriptArguments, training_args, t
     metrics = read_metrics(out_dir / "metrics.jsonl") if (out_dir / "metrics.jsonl").is_file() else []
     plot_path = None
     if script_args.plot and metrics:
-        plot_path = str(plot_run(metrics, out_dir / "retool_ppo.png", before=before, after=after,
-                                 reward_components=trainer.reward_names()))
+        plot_path = str(
+            plot_run(
+                metrics,
+                out_dir / "retool_ppo.png",
+                before=before,
+                after=after,
+                reward_components=trainer.reward_names(),
+            )
+        )
     wandb_dir = None
     try:
         import wandb
 
         if wandb.run is not None:
             if before and after:
-                wandb.run.summary.update({"heldout/accuracy_before": before["accuracy"], "heldout/accuracy_after": after["accuracy"],
-                                          "heldout/tool_call_rate_before": before["tool_call_rate"],
-                                          "heldout/tool_call_rate_after": after["tool_call_rate"]})
+                wandb.run.summary.update(
+                    {
+                        "heldout/accuracy_before": before["accuracy"],
+                        "heldout/accuracy_after": after["accuracy"],
+                        "heldout/tool_call_rate_before": before["tool_call_rate"],
+                        "heldout/tool_call_rate_after": after["tool_call_rate"],
+                    }
+                )
             wandb_dir = wandb.run.dir.removesuffix("/files")
             wandb.finish(exit_code=0 if stopped is None and trained_nothing is None else 1)
     except ImportError:
         pass
-    summary = {"before": before, "after": after, "gain": accuracy_gain(before, after) if before and after else None,
-               "steps": trainer.state.global_step, "wall_s": time.perf_counter() - start, "model": model_path,
-               "stopped": None if stopped is None else {"at_step": trainer.state.global_step,
-                                                         "why": f"{type(stopped).__name__}: {stopped}"},
-               "trained_nothing": None if trained_nothing is None else str(trained_nothing),
-               **run_record(script_args, training_args, trainer.run)}
+    summary = {
+        "before": before,
+        "after": after,
+        "gain": accuracy_gain(before, after) if before and after else None,
+        "steps": trainer.state.global_step,
+        "wall_s": time.perf_counter() - start,
+        "model": model_path,
+        "stopped": None
+        if stopped is None
+        else {"at_step": trainer.state.global_step, "why": f"{type(stopped).__name__}: {stopped}"},
+        "trained_nothing": None if trained_nothing is None else str(trained_nothing),
+        **run_record(script_args, training_args, trainer.run),
+    }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if stopped is not None:
-        print(f"The run stopped at step {trainer.state.global_step} ({type(stopped).__name__}); what it did is in "
-              f"{out_dir / 'metrics.jsonl'} and {out_dir / 'summary.json'}.", flush=True)
-    return {"metrics": str(out_dir / "metrics.jsonl"), "plot": plot_path, "summary": str(out_dir / "summary.json"),
-            "wandb": wandb_dir}
+        print(
+            f"The run stopped at step {trainer.state.global_step} ({type(stopped).__name__}); what it did is in "
+            f"{out_dir / 'metrics.jsonl'} and {out_dir / 'summary.json'}.",
+            flush=True,
+        )
+    return {
+        "metrics": str(out_dir / "metrics.jsonl"),
+        "plot": plot_path,
+        "summary": str(out_dir / "summary.json"),
+        "wandb": wandb_dir,
+    }
 
 
 if __name__ == "__main__":

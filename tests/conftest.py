@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # The ReTool application (recipes/retool/) is imported as `retool`, as the recipe scripts do.
 sys.path.insert(0, str(ROOT / "recipes"))
 
-from trl_plugins.registry import ALL_REGISTRIES  # noqa: E402
 from trl_plugins.contracts import make_trajectory  # noqa: E402, F401  (tests import it from here)
+from trl_plugins.registry import ALL_REGISTRIES  # noqa: E402
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -40,13 +40,19 @@ def pytest_report_header(config):
     """The first lines a newcomer's ``python -m pytest`` prints: how long it will take and the quick loop."""
     if config.getoption("markexpr", ""):
         return None  # they chose a subset already
-    return [f"trl-plugins: the whole suite takes about {SUITE_MINUTES} minutes on 2 CPU cores (one xdist worker per "
-            f"core; more cores, less time). A quick loop without the real launches: python -m pytest -m \"not slow\" "
-            f"(about {QUICK_MINUTES} minutes)."]
+    return [
+        f"trl-plugins: the whole suite takes about {SUITE_MINUTES} minutes on 2 CPU cores (one xdist worker per "
+        f'core; more cores, less time). A quick loop without the real launches: python -m pytest -m "not slow" '
+        f"(about {QUICK_MINUTES} minutes)."
+    ]
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") == "loadgroup":
+    if (
+        not hasattr(config, "workerinput")
+        and config.pluginmanager.hasplugin("xdist")
+        and config.getvalue("dist") == "loadgroup"
+    ):
         import tempfile
 
         os.environ[GROUPS_FILE_ENV] = os.path.join(tempfile.mkdtemp(prefix="trl-plugins-test-groups-"), "groups.json")
@@ -106,8 +112,11 @@ def schedule_groups(items) -> list[list]:
     for item in items:
         file = item.nodeid.split("::", 1)[0]
         info = getattr(item, "_fixtureinfo", None)
-        shared = [name for name, defs in (info.name2fixturedefs.items() if info else ())
-                  if defs and defs[-1].scope in ("module", "class", "package")]
+        shared = [
+            name
+            for name, defs in (info.name2fixturedefs.items() if info else ())
+            if defs and defs[-1].scope in ("module", "class", "package")
+        ]
         if not shared and item.get_closest_marker("slow") is None:
             shared = ["<file>"]
         for name in shared:
@@ -191,8 +200,16 @@ def pytest_runtest_protocol(item, nextitem):
     start_cpu, start = cpu(), time.perf_counter()
     yield
     with open(path, "a") as f:
-        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(cpu() - start_cpu, 2),
-                            "wall_s": round(time.perf_counter() - start, 2)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "test": item.nodeid,
+                    "cpu_s": round(cpu() - start_cpu, 2),
+                    "wall_s": round(time.perf_counter() - start, 2),
+                }
+            )
+            + "\n"
+        )
 
 
 def hang_guard_s(seconds: float) -> float:
@@ -208,8 +225,17 @@ def accelerate_launch(config: str, script: str | Path, *args: str) -> list[str]:
     two launches at once (``pytest -n``, or another suite on the machine) race for one port: accelerate
     moves to another port only if 29500 is taken when it checks, seconds before torchrun binds it.
     """
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-            "--main_process_port", "0", str(script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / config),
+        "--main_process_port",
+        "0",
+        str(script),
+        *args,
+    ]
 
 
 def cpu_launch_env(**extra: str) -> dict[str, str]:
@@ -234,7 +260,9 @@ def tiny_recipe_inputs(tmp_path: Path, rows: int = 40) -> tuple[Path, Path]:
     build_tiny_model(tok).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(rows)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(rows))
+    )
     return model_dir, data
 
 
@@ -247,9 +275,11 @@ def code_schema() -> dict:
 
 def refusing(calls: list[str], what: str):
     """A stand-in that records ``what`` in ``calls`` and fails the test: for a code path a test says is not reached."""
+
     def _refuse(*a, **k):
         calls.append(what)
         raise AssertionError(f"{what} was reached")
+
     return _refuse
 
 

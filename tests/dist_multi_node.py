@@ -15,9 +15,20 @@ import runpy
 import sys
 from pathlib import Path
 
-KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_MIXED_PRECISION",
-        "ACCELERATE_DEEPSPEED_ZERO3_INIT")
+KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+)
 
 out = sys.argv[sys.argv.index("--out") + 1]
 Path(f"{out}.rank{os.environ['RANK']}.json").write_text(json.dumps({k: os.environ.get(k) for k in KEYS}))

@@ -19,7 +19,6 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).parent))
 
 from test_trainer import TokenReward  # noqa: E402
-
 from trl_plugins.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer, TrainingInterrupted  # noqa: E402
 
@@ -55,9 +54,19 @@ class Probe(TrainerCallback):
         if not self.args.dump:
             return
         trajs = self.trainer.last_batch.trajectories
-        record = {"step": state.global_step, "trajectories": [
-            {"stop": t.stop_reason.value, "reward": t.reward, "tokens": t.num_tokens, "world_failure": t.world_failure,
-             "components": {c.name: c.value for c in t.reward_components}} for t in trajs]}
+        record = {
+            "step": state.global_step,
+            "trajectories": [
+                {
+                    "stop": t.stop_reason.value,
+                    "reward": t.reward,
+                    "tokens": t.num_tokens,
+                    "world_failure": t.world_failure,
+                    "components": {c.name: c.value for c in t.reward_components},
+                }
+                for t in trajs
+            ],
+        }
         Path(self.args.dump).mkdir(parents=True, exist_ok=True)
         with open(Path(self.args.dump) / f"rank{self.rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -77,31 +86,70 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slot_reward", action="store_true", help="reward that is constant for one question")
     ap.add_argument("--per_row_seed", action="store_true", help="sample each row on its own (world-size independent)")
     ap.add_argument("--beta", type=float, default=0.0, help="reference KL in the loss (TRL builds the reference)")
-    ap.add_argument("--flaky", action="store_true", help="a scripted tool-calling policy, a flaky tool and a verifier "
-                    "that raises on some answers and hangs on others (infrastructure failures)")
+    ap.add_argument(
+        "--flaky",
+        action="store_true",
+        help="a scripted tool-calling policy, a flaky tool and a verifier "
+        "that raises on some answers and hangs on others (infrastructure failures)",
+    )
     ap.add_argument("--lora", action="store_true", help="train a LoRA adapter on q_proj and v_proj (peft_config)")
     ap.add_argument("--initial_out", default=None, help="write the full parameters before training here (rank 0)")
-    ap.add_argument("--padding_free", action="store_true", help="padding-free micro-batches (the default is auto: off for sdpa)")
-    ap.add_argument("--dynamic_sampling", type=float, default=0.0, help="DAPO dynamic sampling with this "
-                    "dynamic_sampling_max_groups (0: off)")
-    ap.add_argument("--async_k", type=int, default=None, help="async_rollouts with this max_staleness (0: the synchronous loop)")
-    ap.add_argument("--gae", action="store_true", help="actor-critic: advantage gae, the critic built from the saved policy")
-    ap.add_argument("--slow_tool", action="store_true", help="a scripted policy whose calls sleep 1 s in the real sandbox")
-    ap.add_argument("--markers", default=None, help="write <markers>/<what>-step<N>-rank<R> as the run reaches rollouts "
-                    "and updates (a test times its signals by them)")
+    ap.add_argument(
+        "--padding_free", action="store_true", help="padding-free micro-batches (the default is auto: off for sdpa)"
+    )
+    ap.add_argument(
+        "--dynamic_sampling",
+        type=float,
+        default=0.0,
+        help="DAPO dynamic sampling with this dynamic_sampling_max_groups (0: off)",
+    )
+    ap.add_argument(
+        "--async_k", type=int, default=None, help="async_rollouts with this max_staleness (0: the synchronous loop)"
+    )
+    ap.add_argument(
+        "--gae", action="store_true", help="actor-critic: advantage gae, the critic built from the saved policy"
+    )
+    ap.add_argument(
+        "--slow_tool", action="store_true", help="a scripted policy whose calls sleep 1 s in the real sandbox"
+    )
+    ap.add_argument(
+        "--markers",
+        default=None,
+        help="write <markers>/<what>-step<N>-rank<R> as the run reaches rollouts "
+        "and updates (a test times its signals by them)",
+    )
     ap.add_argument("--slow_update", type=float, default=0.0, help="sleep this long before each optimizer step")
-    ap.add_argument("--dump", default=None, help="each rank writes <dump>/rank<R>.jsonl: per step, its trajectories' "
-                    "stop reasons, rewards, token counts and world failures")
-    ap.add_argument("--vllm", choices=["colocate", "server"], default=None, help="generate with the fake vLLM "
-                    "(tests/fake_vllm.py) through TRL's VLLMGeneration")
+    ap.add_argument(
+        "--dump",
+        default=None,
+        help="each rank writes <dump>/rank<R>.jsonl: per step, its trajectories' "
+        "stop reasons, rewards, token counts and world failures",
+    )
+    ap.add_argument(
+        "--vllm",
+        choices=["colocate", "server"],
+        default=None,
+        help="generate with the fake vLLM (tests/fake_vllm.py) through TRL's VLLMGeneration",
+    )
     ap.add_argument("--vllm_url", default=None, help="server mode: the fake server's base URL")
-    ap.add_argument("--broken_world", action="store_true", help="every trajectory of rank 1 and one of rank 0 end "
-                    "environment_error (test_trainer:RankBrokenWorldRollout): over max_environment_error_rate")
+    ap.add_argument(
+        "--broken_world",
+        action="store_true",
+        help="every trajectory of rank 1 and one of rank 0 end "
+        "environment_error (test_trainer:RankBrokenWorldRollout): over max_environment_error_rate",
+    )
     ap.add_argument("--constant_reward", action="store_true", help="a reward of 1 for every trajectory: no update")
-    ap.add_argument("--sequence_parallel", action="store_true", help="sequence_parallel_size=2 (DeepSpeed): each "
-                    "datum's tokens split over the two ranks in the update")
-    ap.add_argument("--expect_stop", action="store_true", help="a RuntimeError out of train() (NoPolicyUpdate included) "
-                    "is the outcome: each rank's message goes into the report as 'stops', in rank order")
+    ap.add_argument(
+        "--sequence_parallel",
+        action="store_true",
+        help="sequence_parallel_size=2 (DeepSpeed): each datum's tokens split over the two ranks in the update",
+    )
+    ap.add_argument(
+        "--expect_stop",
+        action="store_true",
+        help="a RuntimeError out of train() (NoPolicyUpdate included) "
+        "is the outcome: each rank's message goes into the report as 'stops', in rank order",
+    )
     return ap.parse_args(argv)
 
 
@@ -133,25 +181,52 @@ def run(args: argparse.Namespace) -> None:
             model.save_pretrained(path)
             tok.save_pretrained(path)
         model = str(path)
-    rows = [{"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)]
+    rows = [
+        {"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)
+    ]
     config = MultiTurnGRPOConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device, num_generations=2, max_steps=args.max_steps,
-        report_to=[], save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        logging_steps=1, optim=args.optim, temperature=args.temperature, beta=args.beta,
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.per_device,
+        num_generations=2,
+        max_steps=args.max_steps,
+        report_to=[],
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        logging_steps=1,
+        optim=args.optim,
+        temperature=args.temperature,
+        beta=args.beta,
         **({"advantage": "gae", "critic_learning_rate": 1e-2, "critic_optim": "sgd"} if args.gae else {}),
-        **({"rollout": "test_trainer:ScriptedToolRollout", "reward_time_limit_s": 0.5, "max_verifier_error_rate": 0.9,
-            "max_environment_error_rate": 0.9}
-           if args.flaky else {}),
+        **(
+            {
+                "rollout": "test_trainer:ScriptedToolRollout",
+                "reward_time_limit_s": 0.5,
+                "max_verifier_error_rate": 0.9,
+                "max_environment_error_rate": 0.9,
+            }
+            if args.flaky
+            else {}
+        ),
         **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}),
         **({"rollout": "test_trainer:SlowToolRollout"} if args.slow_tool else {}),
         **({"rollout": "test_trainer:RankBrokenWorldRollout"} if args.broken_world else {}),
-        **({"dynamic_sampling": True, "dynamic_sampling_max_groups": args.dynamic_sampling} if args.dynamic_sampling else {}),
+        **(
+            {"dynamic_sampling": True, "dynamic_sampling_max_groups": args.dynamic_sampling}
+            if args.dynamic_sampling
+            else {}
+        ),
         **({"async_rollouts": True, "max_staleness": args.async_k} if args.async_k is not None else {}),
-        learning_rate=5e-3, seed=0, disable_tqdm=True, **({"padding_free": True} if args.padding_free else {}),
+        learning_rate=5e-3,
+        seed=0,
+        disable_tqdm=True,
+        **({"padding_free": True} if args.padding_free else {}),
         **({"sequence_parallel_size": 2} if args.sequence_parallel else {}),
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
-        reward_components=["token"], max_padded_tokens_per_micro_batch=2000, max_items_per_micro_batch=2,
-        bf16=False, **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
+        reward_components=["token"],
+        max_padded_tokens_per_micro_batch=2000,
+        max_items_per_micro_batch=2,
+        bf16=False,
+        **({"ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}),
         **({"use_vllm": True, "vllm_mode": args.vllm, "vllm_server_base_url": args.vllm_url} if args.vllm else {}),
     )
     reward = SlotReward() if args.slot_reward else TokenReward()
@@ -169,8 +244,14 @@ def run(args: argparse.Namespace) -> None:
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         torch.manual_seed(0)  # the adapter's random init (lora_A): the same on every rank and in every run
-    trainer = MultiTurnGRPOTrainer(model, config, train_dataset=Dataset.from_list(rows), processing_class=tok,
-                                   reward_components={"token": reward}, **extra)
+    trainer = MultiTurnGRPOTrainer(
+        model,
+        config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        reward_components={"token": reward},
+        **extra,
+    )
     rank = trainer.accelerator.process_index
     if args.initial_out and trainer.accelerator.is_main_process:  # not yet prepared: full local parameters
         torch.save({k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}, args.initial_out)
@@ -205,19 +286,31 @@ def run(args: argparse.Namespace) -> None:
     if args.gae:
         from trl_plugins.trainers.critic import critic_state_dict
 
-        state = {**(state or {}), **{f"critic.{k}": v for k, v in critic_state_dict(trainer.accelerator, trainer._critic).items()}}
+        state = {
+            **(state or {}),
+            **{f"critic.{k}": v for k, v in critic_state_dict(trainer.accelerator, trainer._critic).items()},
+        }
     if trainer.accelerator.is_main_process and args.params_out:
         torch.save({k: v.detach().float().cpu() for k, v in state.items()}, args.params_out)
     if trainer.accelerator.is_main_process:
         checksum = float(sum(v.float().abs().sum() for v in state.values()))
         records = [json.loads(line) for line in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
-        Path(args.out).write_text(json.dumps({
-            "world": trainer.accelerator.num_processes, "deepspeed": deepspeed, "vllm_weights_match": vllm_match,
-            "global_step": trainer.state.global_step, "checksum": checksum,
-            "steps": [r for r in records if "train/update_skipped" in r],
-            # The weights digest of the last batch's trajectories (under ZeRO-3: taken in the rollout's own gather).
-            "weights_digests": sorted({str(t.policy_version.weights_digest) for t in trainer.last_batch.trajectories}),
-        }))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "world": trainer.accelerator.num_processes,
+                    "deepspeed": deepspeed,
+                    "vllm_weights_match": vllm_match,
+                    "global_step": trainer.state.global_step,
+                    "checksum": checksum,
+                    "steps": [r for r in records if "train/update_skipped" in r],
+                    # The weights digest of the last batch's trajectories (under ZeRO-3: taken in the rollout's own gather).
+                    "weights_digests": sorted(
+                        {str(t.policy_version.weights_digest) for t in trainer.last_batch.trajectories}
+                    ),
+                }
+            )
+        )
     trainer.accelerator.wait_for_everyone()
 
 
@@ -229,10 +322,17 @@ def report_stop(trainer, args: argparse.Namespace, stop: BaseException) -> None:
     trainer.accelerator.wait_for_everyone()
     if trainer.accelerator.is_main_process:
         stops = [Path(f"{args.out}.stop.rank{r}").read_text() for r in range(trainer.accelerator.num_processes)]
-        Path(args.out).write_text(json.dumps({
-            "world": trainer.accelerator.num_processes, "global_step": trainer.state.global_step,
-            "policy_updates": trainer.policy_updates, "stops": stops,
-            "finished": getattr(stop, "finished", None)}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "world": trainer.accelerator.num_processes,
+                    "global_step": trainer.state.global_step,
+                    "policy_updates": trainer.policy_updates,
+                    "stops": stops,
+                    "finished": getattr(stop, "finished", None),
+                }
+            )
+        )
     trainer.accelerator.wait_for_everyone()
 
 

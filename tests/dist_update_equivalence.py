@@ -13,15 +13,14 @@ import json
 import os
 import random
 import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import make_trajectory, tiny_qwen2  # noqa: E402
-
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators  # noqa: E402
 from trl_plugins.datum import build_datum, collate  # noqa: E402
 from trl_plugins.modeling import token_logprobs  # noqa: E402
@@ -41,8 +40,14 @@ def all_datums(world: int) -> list[list]:
         for _ in range(c):
             # Every third one cut by the budget: its datum bootstraps (the critic's value pass forwards one token more).
             stop = StopReason.TOKEN_BUDGET if k % 3 == 0 else StopReason.FINAL_ANSWER
-            traj = make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=k // 2, sample_index=k % 2, stop_reason=stop,
-                                   prompt=prompts[k // 2])
+            traj = make_trajectory(
+                rng,
+                num_turns=rng.randint(1, 4),
+                group_id=k // 2,
+                sample_index=k % 2,
+                stop_reason=stop,
+                prompt=prompts[k // 2],
+            )
             part.append(build_datum(traj, trajectory_index=k))
             k += 1
         out.append(part)
@@ -63,7 +68,9 @@ def critic_with_a_head() -> torch.nn.Module:
 
     critic = build_critic(tiny_qwen2())
     with torch.no_grad():
-        critic.score.weight.copy_(0.3 * torch.randn(critic.score.weight.shape, generator=torch.Generator().manual_seed(3)))
+        critic.score.weight.copy_(
+            0.3 * torch.randn(critic.score.weight.shape, generator=torch.Generator().manual_seed(3))
+        )
     return critic
 
 
@@ -71,7 +78,9 @@ def noisy_old_values_and_returns(d) -> tuple[list[float], list[float]]:
     """Old values moved off the current ones (so the value clip binds on some tokens) and random returns."""
     gen = torch.Generator().manual_seed(d.trajectory_index)
     noise, returns = 0.1 * torch.randn(d.num_tokens, generator=gen), torch.randn(d.num_tokens, generator=gen)
-    return [v + float(e) for v, e in zip(d.old_values, noise)], [float(x) if m else 0.0 for x, m in zip(returns, d.action_mask)]
+    return [v + float(e) for v, e in zip(d.old_values, noise)], [
+        float(x) if m else 0.0 for x, m in zip(returns, d.action_mask)
+    ]
 
 
 def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics: list) -> None:
@@ -79,13 +88,28 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
     from accelerate.utils import gather_object
 
     from trl_plugins.algos import clipped_value_loss
-    from trl_plugins.trainers.critic import critic_state_dict, critic_values, prepare_critic, rollout_values, value_update
+    from trl_plugins.trainers.critic import (
+        critic_state_dict,
+        critic_values,
+        prepare_critic,
+        rollout_values,
+        value_update,
+    )
 
     world, rank = accelerator.num_processes, accelerator.process_index
-    config = SimpleNamespace(aggregation="token_mean", packer="ffd", max_items_per_micro_batch=2,
-                             max_padded_tokens_per_micro_batch=400, rebalance_ranks=False, norm_length=None,
-                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False,
-                             shared_prefix=args.shared_prefix)
+    config = SimpleNamespace(
+        aggregation="token_mean",
+        packer="ffd",
+        max_items_per_micro_batch=2,
+        max_padded_tokens_per_micro_batch=400,
+        rebalance_ranks=False,
+        norm_length=None,
+        temperature=1.0,
+        max_grad_norm=None,
+        drop_zero_advantage=False,
+        padding_free=False,
+        shared_prefix=args.shared_prefix,
+    )
     trained, reference, initial = critics
     critic, optimizer = prepare_critic(accelerator, trained, learning_rate=LR, optimizer_cls=torch.optim.SGD)
     mine = parts[rank]
@@ -93,8 +117,9 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
     gathered = [x for part in gather_object([[(d.old_values, a) for d, a in zip(mine, after)]]) for x in part]
     for d in mine:
         d.old_values, d.returns = noisy_old_values_and_returns(d)
-    result = value_update(accelerator, critic, optimizer, mine, config, vf_clip=0.05, vf_coef=0.7, max_grad_norm=None,
-                          pad_token_id=0)
+    result = value_update(
+        accelerator, critic, optimizer, mine, config, vf_clip=0.05, vf_coef=0.7, max_grad_norm=None, pad_token_id=0
+    )
     state = critic_state_dict(accelerator, critic)
     if accelerator.is_main_process:
         for d, (old, _) in zip(everything, gathered):
@@ -108,7 +133,9 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
         mb = collate(everything, list(range(len(everything))), pad_token_id=0)
         # The value after the last token: the critic on the whole sequence, read at its end.
         d0, (_, a0) = everything[0], gathered[0]
-        assert d0.bootstrap_mask == 1 and all(a == 0.0 for d, (_, a) in zip(everything, gathered) if not d.bootstrap_mask)
+        assert d0.bootstrap_mask == 1 and all(
+            a == 0.0 for d, (_, a) in zip(everything, gathered) if not d.bootstrap_mask
+        )
         full = torch.tensor([d0.input_ids + d0.target_ids[-1:]])
         with torch.no_grad():
             after_err = abs(float(critic_values(reference, full, torch.ones_like(full))[0, -1]) - a0)
@@ -123,9 +150,18 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
         for name, ref_param in reference.state_dict().items():
             num += float((state[name].float() - ref_param).pow(2).sum())
             den += float((ref_param - before[name]).pow(2).sum())
-        report = {"world": world, "deepspeed": deepspeed, "rel_err": (num / max(den, 1e-30)) ** 0.5, "update_norm": den ** 0.5,
-                  "loss": result.loss, "ref_loss": float(loss), "values_err": values_err, "after_err": after_err,
-                  "clip_frac": result.clip_frac, "micro_batches": result.num_micro_batches}
+        report = {
+            "world": world,
+            "deepspeed": deepspeed,
+            "rel_err": (num / max(den, 1e-30)) ** 0.5,
+            "update_norm": den**0.5,
+            "loss": result.loss,
+            "ref_loss": float(loss),
+            "values_err": values_err,
+            "after_err": after_err,
+            "clip_frac": result.clip_frac,
+            "micro_batches": result.num_micro_batches,
+        }
         Path(args.out).write_text(json.dumps(report))
         print(json.dumps(report))
     accelerator.wait_for_everyone()
@@ -136,37 +172,65 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rebalance", action="store_true")
     ap.add_argument("--aggregation", default="token_mean")
-    ap.add_argument("--aggregations", default=None,
-                    help="comma-separated aggregation modes: one update each, chained on the same engines (the report "
-                         "lists them under 'steps')")
-    ap.add_argument("--critic", action="store_true",
-                    help="the critic's value_update (SGD) instead of the policy's: rollout values from the prepared "
-                         "critic on each rank, random returns, clipped value loss")
-    ap.add_argument("--kl", action="store_true",
-                    help="reference KL (k3) + entropy bonus in the loss, reference log-probs from a prepared reference "
-                         "model; every third datum has advantage 0 and drop_zero_advantage is on")
-    ap.add_argument("--mismatch", default=None,
-                    help="sampler/trainer mismatch correction in this ImportanceSamplingMode (bounds [0.8, 1.25] per token, "
-                         "[1/3, 3] per sequence, so that some but not all bind): each rank "
-                         "takes pi_old of its own datums with old_logprobs(), the noisy behaviour log-probs are the sampler's")
-    ap.add_argument("--shared-prefix", action="store_true",
-                    help="the shared-prefix layout on the ranks (each pair's prompt forwarded once per micro-batch); the "
-                         "one-process reference stays the padded layout")
-    ap.add_argument("--sequence-parallel", action="store_true",
-                    help="sequence_parallel_size=2: both ranks one group, each datum's tokens split over them (sdpa "
-                         "attention through Ulysses) in the update; the one-process reference stays whole")
-    ap.add_argument("--checkpointing", action="store_true",
-                    help="non-reentrant activation checkpointing on the trained policy (the backward recomputes each "
-                         "layer, Ulysses' all-to-alls included)")
-    ap.add_argument("--chunked-head", action="store_true",
-                    help="ZeRO-3 with every parameter partitioned: the chunked head's log-probs, entropies and "
-                         "gradients (tied, untied, and a LoRA adapter on lm_head; one chunk and several) against one "
-                         "process's full logits, and the head's gathers per forward and backward counted")
+    ap.add_argument(
+        "--aggregations",
+        default=None,
+        help="comma-separated aggregation modes: one update each, chained on the same engines (the report "
+        "lists them under 'steps')",
+    )
+    ap.add_argument(
+        "--critic",
+        action="store_true",
+        help="the critic's value_update (SGD) instead of the policy's: rollout values from the prepared "
+        "critic on each rank, random returns, clipped value loss",
+    )
+    ap.add_argument(
+        "--kl",
+        action="store_true",
+        help="reference KL (k3) + entropy bonus in the loss, reference log-probs from a prepared reference "
+        "model; every third datum has advantage 0 and drop_zero_advantage is on",
+    )
+    ap.add_argument(
+        "--mismatch",
+        default=None,
+        help="sampler/trainer mismatch correction in this ImportanceSamplingMode (bounds [0.8, 1.25] per token, "
+        "[1/3, 3] per sequence, so that some but not all bind): each rank "
+        "takes pi_old of its own datums with old_logprobs(), the noisy behaviour log-probs are the sampler's",
+    )
+    ap.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="the shared-prefix layout on the ranks (each pair's prompt forwarded once per micro-batch); the "
+        "one-process reference stays the padded layout",
+    )
+    ap.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="sequence_parallel_size=2: both ranks one group, each datum's tokens split over them (sdpa "
+        "attention through Ulysses) in the update; the one-process reference stays whole",
+    )
+    ap.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="non-reentrant activation checkpointing on the trained policy (the backward recomputes each "
+        "layer, Ulysses' all-to-alls included)",
+    )
+    ap.add_argument(
+        "--chunked-head",
+        action="store_true",
+        help="ZeRO-3 with every parameter partitioned: the chunked head's log-probs, entropies and "
+        "gradients (tied, untied, and a LoRA adapter on lm_head; one chunk and several) against one "
+        "process's full logits, and the head's gathers per forward and backward counted",
+    )
     return ap.parse_args(argv)
 
 
-CHUNKED_HEAD_PASSES = {"chunks-of-7": (7, False), "one-chunk": (10_000, False), "shared-prefix-chunks-of-7": (7, True),
-                       "full": (None, False)}
+CHUNKED_HEAD_PASSES = {
+    "chunks-of-7": (7, False),
+    "one-chunk": (10_000, False),
+    "shared-prefix-chunks-of-7": (7, True),
+    "full": (None, False),
+}
 """The chunked-head case's passes, ``(chunk size, shared-prefix layout)``: the chunked head in chunks of 7 positions,
 in one chunk, in chunks of 7 in the shared-prefix layout (two forwards), and the full logits (the model's lm_head)."""
 
@@ -176,9 +240,18 @@ def tiny_tied_qwen2() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                         tie_word_embeddings=True))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=200,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+        )
+    )
     model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -206,6 +279,7 @@ def count_gathers(module: torch.nn.Module, target: torch.nn.Parameter, phase: li
     counts = collections.Counter()
     for param in module.parameters():
         for name in ("all_gather", "all_gather_coalesced"):
+
             def wrapped(*a, _original=getattr(param, name), _name=name, _self=param, **k):
                 params = k.get("param_list") if _name == "all_gather" else (a[0] if a else k.get("params"))
                 if any(q is target and q.ds_status == ZeroParamStatus.NOT_AVAILABLE for q in (params or [_self])):
@@ -238,8 +312,9 @@ def chunked_head_check(args, accelerator) -> None:
         previous = zero.get("stage3_param_persistence_threshold")
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned, the head's too
         try:
-            model, _ = accelerator.prepare(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
-                                                                  lr=LR))
+            model, _ = accelerator.prepare(
+                model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+            )
         finally:
             if previous is None:
                 del zero["stage3_param_persistence_threshold"]
@@ -265,8 +340,15 @@ def chunked_head_check(args, accelerator) -> None:
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
                 lp, ent = _full_logits_logprobs(logits, mb.target_ids, 0.7, True)
             else:
-                lp, ent = micro_batch_logprobs(model, shared_mb if shared else mb, accelerator.device, temperature=0.7,
-                                               with_entropy=True, needed=mb.action_mask, chunk_size=size)
+                lp, ent = micro_batch_logprobs(
+                    model,
+                    shared_mb if shared else mb,
+                    accelerator.device,
+                    temperature=0.7,
+                    with_entropy=True,
+                    needed=mb.action_mask,
+                    chunk_size=size,
+                )
             phase[0] = "backward"
             model.backward((lp * weights)[act].sum() + 0.1 * ent[act].sum())  # the engine's: no optimizer step
             phase[0] = "after"
@@ -274,7 +356,8 @@ def chunked_head_check(args, accelerator) -> None:
             model.optimizer.zero_grad()
             ref = dict(reference.named_parameters())
             out[mode] = {
-                "forward_gathers": counts["forward"], "backward_gathers": counts["backward"],
+                "forward_gathers": counts["forward"],
+                "backward_gathers": counts["backward"],
                 "adapter_forward_gathers": adapter_counts["forward"],
                 "adapter_backward_gathers": adapter_counts["backward"],
                 "lp_err": float((lp[act] - ref_lp[act]).norm() / ref_lp[act].norm()),
@@ -333,7 +416,7 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
     if args.chunked_head:
         chunked_head_check(args, accelerator)
         return
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world = accelerator.num_processes
     parts = all_datums(world)
     everything = [d for p in parts for d in p]
     # Behaviour log-probs near the model's own, so the clip is active on some tokens.
@@ -369,12 +452,30 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
         from trl.models.utils import prepare_deepspeed
 
         ref_model = perturbed(tiny_qwen2())
-        ref_model = prepare_deepspeed(ref_model, accelerator) if deepspeed else accelerator.prepare_model(ref_model, evaluation_mode=True)
+        ref_model = (
+            prepare_deepspeed(ref_model, accelerator)
+            if deepspeed
+            else accelerator.prepare_model(ref_model, evaluation_mode=True)
+        )
     # --aggregations chains several updates on the same engines: each is checked against one plain-torch step from
     # the reference's weights after the previous one (which matched the ranks' to the tolerance).
     aggregations = args.aggregations.split(",") if args.aggregations else [args.aggregation]
-    reports = [one_update(args, accelerator, deepspeed, parts, everything, model, optimizer, ref_model, reference,
-                          loss_fn, aggregation) for aggregation in aggregations]
+    reports = [
+        one_update(
+            args,
+            accelerator,
+            deepspeed,
+            parts,
+            everything,
+            model,
+            optimizer,
+            ref_model,
+            reference,
+            loss_fn,
+            aggregation,
+        )
+        for aggregation in aggregations
+    ]
     if accelerator.is_main_process:
         report = reports[0] if not args.aggregations else {**reports[0], "steps": reports}
         Path(args.out).write_text(json.dumps(report))
@@ -382,20 +483,41 @@ def run_case(args: argparse.Namespace, accelerator, deepspeed: bool, critics: li
     accelerator.wait_for_everyone()
 
 
-def one_update(args, accelerator, deepspeed: bool, parts, everything, model, optimizer, ref_model, reference, loss_fn,
-               aggregation: str) -> dict | None:
+def one_update(
+    args,
+    accelerator,
+    deepspeed: bool,
+    parts,
+    everything,
+    model,
+    optimizer,
+    ref_model,
+    reference,
+    loss_fn,
+    aggregation: str,
+) -> dict | None:
     """One update of ``model`` on the ranks' datums with ``aggregation`` against one plain-torch SGD step of
     ``reference`` (rank 0, which it steps too); rank 0 returns the report."""
     world, rank = accelerator.num_processes, accelerator.process_index
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
     bounds = (0.8, 1.25) if (args.mismatch or "").startswith("token") else (1 / 3, 3.0)
-    config = SimpleNamespace(aggregation=aggregation, packer="balanced" if args.rebalance else "ffd",
-                             max_items_per_micro_batch=2, max_padded_tokens_per_micro_batch=400,
-                             rebalance_ranks=args.rebalance, norm_length=64, temperature=1.0, max_grad_norm=None,
-                             drop_zero_advantage=args.kl, vllm_importance_sampling_mode=args.mismatch,
-                             vllm_importance_sampling_clip_min=bounds[0], vllm_importance_sampling_clip_max=bounds[1],
-                             padding_free=False, shared_prefix=args.shared_prefix,
-                             sequence_parallel_size=2 if args.sequence_parallel else 1)
+    config = SimpleNamespace(
+        aggregation=aggregation,
+        packer="balanced" if args.rebalance else "ffd",
+        max_items_per_micro_batch=2,
+        max_padded_tokens_per_micro_batch=400,
+        rebalance_ranks=args.rebalance,
+        norm_length=64,
+        temperature=1.0,
+        max_grad_norm=None,
+        drop_zero_advantage=args.kl,
+        vllm_importance_sampling_mode=args.mismatch,
+        vllm_importance_sampling_clip_min=bounds[0],
+        vllm_importance_sampling_clip_max=bounds[1],
+        padding_free=False,
+        shared_prefix=args.shared_prefix,
+        sequence_parallel_size=2 if args.sequence_parallel else 1,
+    )
     sp = None
     if args.sequence_parallel:
         from trl_plugins.trainers.sequence_parallel import setup_sequence_parallel
@@ -414,11 +536,14 @@ def one_update(args, accelerator, deepspeed: bool, parts, everything, model, opt
     start = None
     if args.aggregations:  # the ranks' weights before this update (a collective under ZeRO-3; copies, not views)
         start = {k: v.detach().clone() for k, v in (accelerator.get_state_dict(model) or {}).items()}
-    result = policy_update(accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0,
-                           sequence_parallel=sp)
+    result = policy_update(
+        accelerator, model, optimizer, parts[rank], loss_fn, config, pad_token_id=0, sequence_parallel=sp
+    )
     state = accelerator.get_state_dict(model)
     if start is None:
-        start = {k: v.detach().clone() for k, v in reference.state_dict().items()} if accelerator.is_main_process else None
+        start = (
+            {k: v.detach().clone() for k, v in reference.state_dict().items()} if accelerator.is_main_process else None
+        )
     if args.mismatch:
         from accelerate.utils import gather_object
 
@@ -460,15 +585,27 @@ def one_update(args, accelerator, deepspeed: bool, parts, everything, model, opt
             anchor = logp.detach()
             for d, lp in zip(everything, gathered_old):
                 d.old_logprobs = lp
-            old_err = float(((collate(everything, list(range(len(everything))), pad_token_id=0).old_logprobs - anchor)
-                             * mb.action_mask).abs().max())
+            old_err = float(
+                (
+                    (collate(everything, list(range(len(everything))), pad_token_id=0).old_logprobs - anchor)
+                    * mb.action_mask
+                )
+                .abs()
+                .max()
+            )
             for d in everything:
                 d.old_logprobs = None
-            is_w = importance_weights(anchor, mb.behaviour_logprobs, mb.action_mask, args.mismatch,
-                                      clip_min=bounds[0], clip_max=bounds[1]).weights
-        out = loss_fn(PolicyLossInput(logp, anchor, mb.advantages, mb.action_mask,
-                                      ref_logprobs=ref_lp, entropy=entropy, is_weights=is_w))
-        loss = aggregate(out.per_token_loss, mb.action_mask, aggregation, num_tokens=n_tok, num_sequences=n_seq, norm_length=64)
+            is_w = importance_weights(
+                anchor, mb.behaviour_logprobs, mb.action_mask, args.mismatch, clip_min=bounds[0], clip_max=bounds[1]
+            ).weights
+        out = loss_fn(
+            PolicyLossInput(
+                logp, anchor, mb.advantages, mb.action_mask, ref_logprobs=ref_lp, entropy=entropy, is_weights=is_w
+            )
+        )
+        loss = aggregate(
+            out.per_token_loss, mb.action_mask, aggregation, num_tokens=n_tok, num_sequences=n_seq, norm_length=64
+        )
         loss.backward()
         before = {k: v.detach().clone() for k, v in reference.state_dict().items()}
         ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -490,8 +627,8 @@ def one_update(args, accelerator, deepspeed: bool, parts, everything, model, opt
             "rebalance": args.rebalance,
             # Error of the update relative to the size of the update itself.
             "rel_err": (num / max(den, 1e-30)) ** 0.5,
-            "update_norm": den ** 0.5,
-            "moved_norm": moved ** 0.5,
+            "update_norm": den**0.5,
+            "moved_norm": moved**0.5,
             "loss": result.loss,
             "ref_loss": float(loss),
             "micro_batches": result.num_micro_batches,
@@ -507,7 +644,9 @@ def one_update(args, accelerator, deepspeed: bool, parts, everything, model, opt
             "mismatch": result.mismatch,
             "padded_tokens": result.num_padded_tokens,
             "sequence_parallel": sp is not None,
-            "clip_frac": (result.stats.summary()["clip_frac_low"] + result.stats.summary()["clip_frac_high"]) if result.stats else 0.0,
+            "clip_frac": (result.stats.summary()["clip_frac_low"] + result.stats.summary()["clip_frac_high"])
+            if result.stats
+            else 0.0,
         }
     return None
 

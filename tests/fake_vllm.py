@@ -87,9 +87,16 @@ class _Engine:
         if params.n != 1 or not params.ignore_eos or not params.stop_token_ids or params.logprobs != 0:
             raise ValueError(f"fake vLLM: unexpected sampling params {params}")
         backend = HFGenerationBackend(
-            self.model, pad_token_id=self.pad_token_id, stop_token_ids=params.stop_token_ids,
-            sampling=SamplingSettings(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                      min_p=params.min_p, repetition_penalty=params.repetition_penalty),
+            self.model,
+            pad_token_id=self.pad_token_id,
+            stop_token_ids=params.stop_token_ids,
+            sampling=SamplingSettings(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+                repetition_penalty=params.repetition_penalty,
+            ),
         )
         with self.lock:
             self.requests += 1
@@ -102,8 +109,12 @@ class FakeLLM:
 
     def __init__(self, model_path: str, *, logprob_shift: float = 0.0) -> None:
         self.engine = _Engine(model_path, logprob_shift=logprob_shift)
-        runner = SimpleNamespace(model=self.engine)  # TRL: llm.llm_engine.model_executor.driver_worker.model_runner.model
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
+        runner = SimpleNamespace(
+            model=self.engine
+        )  # TRL: llm.llm_engine.model_executor.driver_worker.model_runner.model
+        self.llm_engine = SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
+        )
         self.asleep: set[str] = set()
         self.log: list[str] = []
 
@@ -116,8 +127,12 @@ class FakeLLM:
         for prompt, sp in zip(prompts, params):
             ids, lps = self.engine.sample(prompt["prompt_token_ids"], sp)
             logprobs = [{t: SimpleNamespace(logprob=lp, rank=1)} for t, lp in zip(ids, lps)]
-            outs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"],
-                                        outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+            outs.append(
+                SimpleNamespace(
+                    prompt_token_ids=prompt["prompt_token_ids"],
+                    outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)],
+                )
+            )
         return outs
 
     def sleep(self, level: int = 1) -> None:
@@ -138,8 +153,9 @@ class FakeVLLMServer:
     """A vLLM server stand-in over HTTP on 127.0.0.1: ``/health``, ``/v1/models``, ``/server_info``,
     ``/v1/completions`` (token ids), ``/update_weights`` (a ``torch.save``'d dict) and ``/reset_prefix_cache``."""
 
-    def __init__(self, model_path: str, *, port: int = 0, logprob_shift: float = 0.0,
-                 logprobs_mode: str = "processed_logprobs") -> None:
+    def __init__(
+        self, model_path: str, *, port: int = 0, logprob_shift: float = 0.0, logprobs_mode: str = "processed_logprobs"
+    ) -> None:
         self.engine = _Engine(model_path, logprob_shift=logprob_shift)
         self.model_path, self.logprobs_mode = model_path, logprobs_mode
         server = self
@@ -162,8 +178,14 @@ class FakeVLLMServer:
                 if self.path == "/v1/models":
                     return self._reply({"data": [{"id": server.model_path}]})
                 if self.path.startswith("/server_info"):
-                    return self._reply({"vllm_config": {"model_config": {"logprobs_mode": server.logprobs_mode},
-                                                        "weight_transfer_config": {"backend": "fake"}}})
+                    return self._reply(
+                        {
+                            "vllm_config": {
+                                "model_config": {"logprobs_mode": server.logprobs_mode},
+                                "weight_transfer_config": {"backend": "fake"},
+                            }
+                        }
+                    )
                 if self.path == "/stats":
                     return self._reply({"weight_loads": server.engine.weight_loads, "requests": server.engine.requests})
                 self.send_error(404)
@@ -172,7 +194,9 @@ class FakeVLLMServer:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path == "/v1/completions":
                     req = json.loads(body)
-                    params = SamplingParams(**{k: v for k, v in req.items() if k in SamplingParams.__dataclass_fields__})
+                    params = SamplingParams(
+                        **{k: v for k, v in req.items() if k in SamplingParams.__dataclass_fields__}
+                    )
                     choices = []
                     for prompt in req["prompt"]:
                         ids, lps = server.engine.sample(prompt, params)
@@ -202,8 +226,14 @@ class FakeVLLMServer:
 class FakeVLLMClient:
     """``trl.generation.vllm_client.VLLMClient`` as the trainer uses it, against :class:`FakeVLLMServer`."""
 
-    def __init__(self, base_url: str | None = None, host: str = "0.0.0.0", server_port: int = 8000,
-                 group_port: int = 51216, connection_timeout: float = 0.0) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        host: str = "0.0.0.0",
+        server_port: int = 8000,
+        group_port: int = 51216,
+        connection_timeout: float = 0.0,
+    ) -> None:
         import requests
 
         self.base_url = base_url or f"http://{host}:{server_port}"
@@ -218,19 +248,42 @@ class FakeVLLMClient:
     def init_communicator(self, device: Any = 0) -> None:
         self.communicator = "fake"
 
-    def generate(self, prompts: list[list[int]], features: Any = None, n: int = 1, repetition_penalty: float = 1.0,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, max_tokens: int = 16,
-                 logprobs: int | None = 0, structured_outputs_regex: str | None = None,
-                 generation_kwargs: dict | None = None) -> dict:
-        payload = {"prompt": prompts, "n": n, "repetition_penalty": repetition_penalty, "temperature": temperature,
-                   "top_p": top_p, "top_k": top_k, "min_p": min_p, "max_tokens": max_tokens, "logprobs": logprobs,
-                   **(generation_kwargs or {})}
+    def generate(
+        self,
+        prompts: list[list[int]],
+        features: Any = None,
+        n: int = 1,
+        repetition_penalty: float = 1.0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        max_tokens: int = 16,
+        logprobs: int | None = 0,
+        structured_outputs_regex: str | None = None,
+        generation_kwargs: dict | None = None,
+    ) -> dict:
+        payload = {
+            "prompt": prompts,
+            "n": n,
+            "repetition_penalty": repetition_penalty,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+            **(generation_kwargs or {}),
+        }
         response = self.session.post(f"{self.base_url}/v1/completions", json=payload)
         response.raise_for_status()
         choices = response.json()["choices"]
-        return {"prompt_ids": [c["prompt_token_ids"] for c in choices],
-                "completion_ids": [c["token_ids"] for c in choices],
-                "logprobs": [[[lp] for lp in c["logprobs"]] for c in choices], "logprob_token_ids": None}
+        return {
+            "prompt_ids": [c["prompt_token_ids"] for c in choices],
+            "completion_ids": [c["token_ids"] for c in choices],
+            "logprobs": [[[lp] for lp in c["logprobs"]] for c in choices],
+            "logprob_token_ids": None,
+        }
 
     def update_named_params(self, metadata: list, named_params: Iterator[tuple[str, torch.Tensor]]) -> None:
         if self.communicator is None:
@@ -256,8 +309,9 @@ def generation_class(*, logprob_shift: float = 0.0) -> type:
             if self.mode == "server":
                 if self.accelerator.is_main_process:
                     base = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
-                    self.vllm_client = FakeVLLMClient(base_url=base, group_port=self.group_port,
-                                                      connection_timeout=self.server_timeout)
+                    self.vllm_client = FakeVLLMClient(
+                        base_url=base, group_port=self.group_port, connection_timeout=self.server_timeout
+                    )
                     self.vllm_client.init_communicator(device=self.accelerator.device)
             elif self.mode == "colocate":
                 self.llm = FakeLLM(self.model.name_or_path, logprob_shift=logprob_shift)

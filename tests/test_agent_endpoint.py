@@ -14,7 +14,6 @@ import threading
 import pytest
 
 from conftest import code_schema
-
 from trl_plugins.datum import build_datums
 from trl_plugins.registry import REWARDS, ROLLOUTS
 from trl_plugins.rollout import (
@@ -78,13 +77,17 @@ def policy(chat: ChatFormat, *, delay: float = 0.0) -> ScriptedBackend:
             body = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": \n</tool_call>'
         elif "par=" in question and done == 0:
             n = int(re.search(r"par=(\d+)", question).group(1))
-            body = "".join(f'\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "print({k})"}}}}\n</tool_call>'
-                           for k in range(n))
+            body = "".join(
+                f'\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": "print({k})"}}}}\n</tool_call>'
+                for k in range(n)
+            )
         else:
             wanted = int((re.search(r"calls=(\d+)", question) or re.search("(0)", "0")).group(1))
             if done < wanted:
-                body = (f'{think}Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": '
-                        f'"print({done})"}}}}\n</tool_call>')
+                body = (
+                    f'{think}Step {done}.\n<tool_call>\n{{"name": "code_interpreter", "arguments": {{"code": '
+                    f'"print({done})"}}}}\n</tool_call>'
+                )
             else:
                 follow = text.count("Are you sure?")
                 body = f"{think}The answer is \\boxed{{{7 + follow}}}."
@@ -94,13 +97,23 @@ def policy(chat: ChatFormat, *, delay: float = 0.0) -> ScriptedBackend:
 
 
 def questions(chat: ChatFormat, prompts: list[str]) -> list[RolloutQuestion]:
-    return [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i, row={"prompt": p})
-            for i, p in enumerate(prompts)]
+    return [
+        RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i, row={"prompt": p})
+        for i, p in enumerate(prompts)
+    ]
 
 
 def request(chat, prompts, *, group_size=1, backend=None, **kwargs) -> RolloutRequest:
-    return RolloutRequest(questions(chat, prompts), group_size, backend or policy(chat), chat,
-                          {"code_interpreter": EchoTool()}, policy_step=2, seed=5, **kwargs)
+    return RolloutRequest(
+        questions(chat, prompts),
+        group_size,
+        backend or policy(chat),
+        chat,
+        {"code_interpreter": EchoTool()},
+        policy_step=2,
+        seed=5,
+        **kwargs,
+    )
 
 
 async def tool_agent(client, row):
@@ -113,8 +126,9 @@ async def tool_agent(client, row):
         if not message.tool_calls:
             return 1.0 if "\\boxed{7}" in (message.content or "") else 0.0
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": run_code(json.loads(call.function.arguments))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))}
+            )
 
 
 def sync_tool_agent(client, row):
@@ -126,11 +140,12 @@ def sync_tool_agent(client, row):
         if not message.tool_calls:
             return {"reward": 1.0 if "\\boxed{7}" in (message.content or "") else 0.0, "turns": len(messages)}
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": run_code(json.loads(call.function.arguments))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))}
+            )
 
 
-COMMAND_AGENT = textwrap.dedent('''
+COMMAND_AGENT = textwrap.dedent("""
     import json, os, sys
     import openai
     row = json.load(sys.stdin)
@@ -147,7 +162,7 @@ COMMAND_AGENT = textwrap.dedent('''
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": "ran " + json.loads(call.function.arguments)["code"]})
-''')
+""")
 
 
 def test_the_plugin_is_registered_with_its_reward():
@@ -162,9 +177,13 @@ def test_an_openai_sdk_agent_trains_exactly_the_tokens_of_the_built_in_rollout(c
     if kind == "command":
         script = tmp_path / "agent.py"
         script.write_text(COMMAND_AGENT)
-        endpoint = AgentEndpointRollout(command=[sys.executable, str(script), json.dumps(SCHEMA)], max_tool_calls_per_turn=2)
+        endpoint = AgentEndpointRollout(
+            command=[sys.executable, str(script), json.dumps(SCHEMA)], max_tool_calls_per_turn=2
+        )
     else:
-        endpoint = AgentEndpointRollout(agent=tool_agent if kind == "async" else sync_tool_agent, max_tool_calls_per_turn=2)
+        endpoint = AgentEndpointRollout(
+            agent=tool_agent if kind == "async" else sync_tool_agent, max_tool_calls_per_turn=2
+        )
     served = endpoint(request(chat, prompts, group_size=2))
     assert len(served.trajectories) == 6
     for a, b in zip(built_in.trajectories, served.trajectories, strict=True):
@@ -177,7 +196,8 @@ def test_an_openai_sdk_agent_trains_exactly_the_tokens_of_the_built_in_rollout(c
             assert tb.completion_ids == ta.completion_ids and tb.completion_logprobs == ta.completion_logprobs
             assert tb.prompt_sources == ta.prompt_sources
             assert [(c.name, c.arguments, c.output) for c in tb.tool_calls] == [
-                (c.name, c.arguments, c.output) for c in ta.tool_calls]
+                (c.name, c.arguments, c.output) for c in ta.tool_calls
+            ]
             assert tb.policy_step == ta.policy_step == 2
         (da,), (db,) = build_datums(a, advantage=1.0), build_datums(b, advantage=1.0)
         assert db == da
@@ -214,14 +234,19 @@ def test_an_edited_earlier_message_starts_a_segment_and_trains_only_what_was_sam
         assert all(lp == -0.5 for lp, m in zip(datum.behaviour_logprobs, datum.action_mask) if m)
 
 
-def resending_agent(*, drop_reasoning=False, own_ids=False, null_content=False, reorder_arguments=False, extra_key=False):
+def resending_agent(
+    *, drop_reasoning=False, own_ids=False, null_content=False, reorder_arguments=False, extra_key=False
+):
     """An agent that sends our replies back as some frameworks do: without their reasoning, with call ids of its own,
     ``content: null`` for an empty one, arguments re-serialised (other key order and whitespace; ``extra_key``: with a
     key the call did not have); its tools answer its own ids."""
+
     async def agent(client, row):
         messages = [{"role": "user", "content": row["prompt"]}]
         for turn in range(8):
-            message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+            message = (
+                (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+            )
             sent = message.model_dump(exclude_none=True)
             if drop_reasoning:
                 assert sent.pop("reasoning_content") == "I should compute."
@@ -232,7 +257,11 @@ def resending_agent(*, drop_reasoning=False, own_ids=False, null_content=False, 
                 if own_ids:
                     call["id"] = f"agent-{turn}-{k}"
                 if reorder_arguments or extra_key:
-                    args = {"z": 1, **json.loads(call["function"]["arguments"])} if extra_key else json.loads(call["function"]["arguments"])
+                    args = (
+                        {"z": 1, **json.loads(call["function"]["arguments"])}
+                        if extra_key
+                        else json.loads(call["function"]["arguments"])
+                    )
                     call["function"]["arguments"] = json.dumps(dict(reversed(list(args.items()))), indent=2)
             messages.append(sent)
             if not message.tool_calls:
@@ -245,8 +274,10 @@ def resending_agent(*, drop_reasoning=False, own_ids=False, null_content=False, 
 
 def continues(traj) -> bool:
     """Each turn's prompt starts with the previous turn's prompt and completion, token for token."""
-    return all(b.prompt_ids[:len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
-               for a, b in zip(traj.turns, traj.turns[1:]))
+    return all(
+        b.prompt_ids[: len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
+        for a, b in zip(traj.turns, traj.turns[1:])
+    )
 
 
 def test_a_reply_sent_back_re_serialised_with_its_own_call_ids_continues_the_segment(chat):
@@ -264,13 +295,22 @@ def test_a_reply_sent_back_re_serialised_with_its_own_call_ids_continues_the_seg
     assert [t.segment_start for t in traj.turns] == [False, True]
 
 
-@pytest.mark.parametrize("family,restore,segments,counter", [
-    ("qwen2_5", False, 1, None),  # its template never renders reasoning_content: the same tokens either way
-    ("qwen3", False, 2, "endpoint/reasoning_dropped_rewrites"),  # it renders the reasoning after the last user message
-    ("qwen3", True, 1, "endpoint/reasoning_restored"),
-])
-def test_a_reply_sent_back_without_its_reasoning_continues_only_where_the_template_drops_it(family, restore, segments,
-                                                                                          counter):
+@pytest.mark.parametrize(
+    "family,restore,segments,counter",
+    [
+        ("qwen2_5", False, 1, None),  # its template never renders reasoning_content: the same tokens either way
+        (
+            "qwen3",
+            False,
+            2,
+            "endpoint/reasoning_dropped_rewrites",
+        ),  # it renders the reasoning after the last user message
+        ("qwen3", True, 1, "endpoint/reasoning_restored"),
+    ],
+)
+def test_a_reply_sent_back_without_its_reasoning_continues_only_where_the_template_drops_it(
+    family, restore, segments, counter
+):
     chat = ChatFormat(build_tokenizer(family), [SCHEMA], final_answer_pattern=r"\\boxed\{")
     rollout = AgentEndpointRollout(agent=resending_agent(drop_reasoning=True), restore_dropped_reasoning=restore)
     result = rollout(request(chat, ["think calls=1"]))
@@ -289,7 +329,9 @@ def test_a_user_follow_up_continues_the_tokens_as_the_template_renders_them(chat
     async def doubting_agent(client, row):
         messages = [{"role": "user", "content": row["prompt"]}]
         for _ in range(2):
-            message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+            message = (
+                (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+            )
             messages += [message, {"role": "user", "content": "Are you sure?"}]
         return 1.0
 
@@ -297,11 +339,14 @@ def test_a_user_follow_up_continues_the_tokens_as_the_template_renders_them(chat
     assert traj.num_segments == 1 and len(traj.turns) == 2
     second = traj.turns[1]
     tok = chat.tokenizer
-    conversation = [{"role": "user", "content": "calls=0"}, {"role": "assistant", "content": "The answer is \\boxed{7}."},
-                    {"role": "user", "content": "Are you sure?"}]
+    conversation = [
+        {"role": "user", "content": "calls=0"},
+        {"role": "assistant", "content": "The answer is \\boxed{7}."},
+        {"role": "user", "content": "Are you sure?"},
+    ]
     rendered = tok.apply_chat_template(conversation, tools=[SCHEMA], tokenize=False, add_generation_prompt=True)
     assert tok.decode(second.prompt_ids) == rendered
-    added = second.prompt_ids[len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids):]
+    added = second.prompt_ids[len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids) :]
     observed = [t for t, s in zip(added, second.prompt_sources) if s == TokenSource.OBSERVATION]
     assert tok.decode(observed) == "Are you sure?"
     assert "boxed{8}" in traj.turns[1].text  # the policy saw the follow-up
@@ -312,7 +357,9 @@ def test_a_malformed_tool_call_is_the_policys_invalid_action(chat):
 
     async def agent(client, row):
         messages = [{"role": "user", "content": row["prompt"]}]
-        message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        message = (
+            (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        )
         seen["message"] = message
         messages.append(message)
         messages.append({"role": "user", "content": "go on"})
@@ -326,8 +373,11 @@ def test_a_malformed_tool_call_is_the_policys_invalid_action(chat):
 
 
 def test_budgets_end_trajectories_as_the_built_in_rollout_does(chat):
-    for prompts, budgets in ((["ramble"], {"max_assistant_tokens": 40}), (["calls=5"], {"max_turns": 2}),
-                             (["calls=5"], {"max_tool_calls": 1})):
+    for prompts, budgets in (
+        (["ramble"], {"max_assistant_tokens": 40}),
+        (["calls=5"], {"max_turns": 2}),
+        (["calls=5"], {"max_tool_calls": 1}),
+    ):
         built_in = MultiTurnRollout(**budgets)(request(chat, prompts))
         served = AgentEndpointRollout(agent=tool_agent, **budgets)(request(chat, prompts))
         (a,), (b,) = built_in.trajectories, served.trajectories
@@ -342,24 +392,35 @@ def test_requests_are_refused_with_what_to_send_instead(chat):
         import openai
 
         base = dict(model="m", messages=[{"role": "user", "content": row["prompt"]}], tools=[SCHEMA])
-        for name, extra in {"n": {"n": 2}, "logprobs": {"logprobs": True},
-                            "tool_choice": {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "temperature": {"temperature": 0.3},
-                            "max_tokens": {"max_tokens": 10_000}, "seed": {"seed": 1},
-                            "unknown": {"extra_body": {"guided_json": {}}},
-                            # JSON integers are unbounded: math.isclose overflowed on them (a 500)
-                            "huge temperature": {"temperature": 10**400}, "huge top_p": {"top_p": 10**400}}.items():
+        for name, extra in {
+            "n": {"n": 2},
+            "logprobs": {"logprobs": True},
+            "tool_choice": {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "temperature": {"temperature": 0.3},
+            "max_tokens": {"max_tokens": 10_000},
+            "seed": {"seed": 1},
+            "unknown": {"extra_body": {"guided_json": {}}},
+            # JSON integers are unbounded: math.isclose overflowed on them (a 500)
+            "huge temperature": {"temperature": 10**400},
+            "huge top_p": {"top_p": 10**400},
+        }.items():
             try:
                 await client.chat.completions.create(**base, **extra)
             except openai.BadRequestError as exc:
-                outcomes[name] = (exc.body["message"] if isinstance(exc.body, dict) else str(exc),
-                                  exc.body.get("param") if isinstance(exc.body, dict) else None)
+                outcomes[name] = (
+                    exc.body["message"] if isinstance(exc.body, dict) else str(exc),
+                    exc.body.get("param") if isinstance(exc.body, dict) else None,
+                )
         import httpx  # a body the SDK cannot write: 30,000 brackets (they overflowed the parser's recursion: a 500)
 
         deep = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * 30_000
         async with httpx.AsyncClient() as http:
-            reply = await http.post(f"{str(client.base_url).rstrip('/')}/chat/completions", timeout=10,
-                                    content=deep + b"]" * 30_000 + b"}",
-                                    headers={"authorization": f"Bearer {client.api_key}"})
+            reply = await http.post(
+                f"{str(client.base_url).rstrip('/')}/chat/completions",
+                timeout=10,
+                content=deep + b"]" * 30_000 + b"}",
+                headers={"authorization": f"Bearer {client.api_key}"},
+            )
         outcomes["deep"] = (reply.status_code, reply.json()["error"]["code"])
         ok = await client.chat.completions.create(**base, temperature=1.0, max_tokens=64, tool_choice="auto")
         outcomes["ok"] = ok.choices[0].finish_reason
@@ -371,8 +432,17 @@ def test_requests_are_refused_with_what_to_send_instead(chat):
     assert outcomes.pop("deep") == (400, "nested_too_deeply")
     params = {name: param for name, (_, param) in outcomes.items()}
     outcomes = {name: message for name, (message, _) in outcomes.items()}
-    assert set(outcomes) == {"n", "logprobs", "tool_choice", "temperature", "max_tokens", "seed", "unknown",
-                             "huge temperature", "huge top_p"}
+    assert set(outcomes) == {
+        "n",
+        "logprobs",
+        "tool_choice",
+        "temperature",
+        "max_tokens",
+        "seed",
+        "unknown",
+        "huge temperature",
+        "huge top_p",
+    }
     assert "send n=1" in outcomes["n"]
     assert "samples with temperature=1.0" in outcomes["temperature"] and "from 1 to 512" in outcomes["max_tokens"]
     assert "'guided_json'" in outcomes["unknown"] and "not among the tools" in outcomes["tool_choice"]
@@ -392,12 +462,14 @@ def test_the_http_server_refuses_a_request_framed_two_ways_and_closes():
         seen.append((request.method, request.path))
         return 200, {"ok": True}
 
-    body = b'2\r\n{}\r\n0\r\n\r\n'
+    body = b"2\r\n{}\r\n0\r\n\r\n"
     length = b"content-length: %d\r\n" % len(body)
-    variants = {"CL then TE": length + b"transfer-encoding: chunked\r\n",
-                "TE then CL": b"Transfer-Encoding: chunked\r\n" + length,
-                "TE by obs-fold": length + b"Transfer-Encoding:\r\n chunked\r\n",
-                "TE after a tab": length + b"Transfer-Encoding:\tchunked\r\n"}
+    variants = {
+        "CL then TE": length + b"transfer-encoding: chunked\r\n",
+        "TE then CL": b"Transfer-Encoding: chunked\r\n" + length,
+        "TE by obs-fold": length + b"Transfer-Encoding:\r\n chunked\r\n",
+        "TE after a tab": length + b"Transfer-Encoding:\tchunked\r\n",
+    }
 
     async def scenario() -> dict[str, bytes]:
         server = JsonServer(handler)
@@ -406,8 +478,13 @@ def test_the_http_server_refuses_a_request_framed_two_ways_and_closes():
         try:
             for name, framing in variants.items():
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + framing + b"\r\n" + body
-                             + b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                    + framing
+                    + b"\r\n"
+                    + body
+                    + b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+                )
                 await writer.drain()
                 answers[name] = b""
                 try:  # to EOF: the server closed
@@ -432,10 +509,14 @@ MARKUP = "<tool_call>x</tool_call> <think>"
 """Markup text (Qwen's added tokens not flagged special): three markup tokens where it is parsed."""
 
 
-@pytest.mark.parametrize("forged, tokens, extra", [
-    (FORGED, ("<|im_start|>", "<|im_end|>", "<|endoftext|>"), 2),
-    (MARKUP, ("<tool_call>", "</tool_call>", "<think>"), 3),
-], ids=["control", "markup"])
+@pytest.mark.parametrize(
+    "forged, tokens, extra",
+    [
+        (FORGED, ("<|im_start|>", "<|im_end|>", "<|endoftext|>"), 2),
+        (MARKUP, ("<tool_call>", "</tool_call>", "<think>"), 3),
+    ],
+    ids=["control", "markup"],
+)
 def test_control_token_text_in_an_agents_messages_stays_text(chat, forged, tokens, extra):
     # Issue 50.8: the first request's system or user message, or a tool message sent with a history rewrite (both
     # rendered afresh by initial_prompt_ids), put FORGED's control tokens into the prompt: 2 forged turn openings.
@@ -446,8 +527,11 @@ def test_control_token_text_in_an_agents_messages_stays_text(chat, forged, token
     async def agent(client, row):
         where = row["prompt"]
         user = {"role": "user", "content": "calls=1" if where == "tool" else "calls=0"}
-        messages = {"system": [{"role": "system", "content": forged}, user],
-                    "user": [{"role": "user", "content": "calls=0 " + forged}], "tool": [user]}[where]
+        messages = {
+            "system": [{"role": "system", "content": forged}, user],
+            "user": [{"role": "user", "content": "calls=0 " + forged}],
+            "tool": [user],
+        }[where]
         first = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
         if first.tool_calls:
             messages += [first, {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": forged}]
@@ -509,9 +593,20 @@ def test_a_huge_tool_message_does_not_stall_the_endpoint(chat, monkeypatch):
         messages = [{"role": "user", "content": row["prompt"]}]
         first = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
         call = first.tool_calls[0]
-        messages += [{"role": "assistant", "content": first.content, "tool_calls": [{"id": call.id, "type": "function",
-                      "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-                     {"role": "tool", "tool_call_id": call.id, "content": big}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": first.content,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": big},
+        ]
         body = json.dumps({"model": "m", "messages": messages, "tools": [SCHEMA]}).encode()  # the agent's own work
         gaps[:] = [0.0, 0.0]
         await asyncio.sleep(0.5)  # the control: the longest gap of the idle loop on this machine, now
@@ -519,13 +614,17 @@ def test_a_huge_tool_message_does_not_stall_the_endpoint(chat, monkeypatch):
         gaps[:] = [0.0, 0.0]  # from here: the big message's request
         headers = {"authorization": f"Bearer {client.api_key}", "content-type": "application/json"}
         async with httpx.AsyncClient(timeout=60) as http:
-            reply = await http.post(f"{str(client.base_url).rstrip('/')}/chat/completions", content=body, headers=headers)
+            reply = await http.post(
+                f"{str(client.base_url).rstrip('/')}/chat/completions", content=body, headers=headers
+            )
         ticking.update(done=True, status=reply.status_code)
         return 1.0
 
     (traj,) = AgentEndpointRollout(agent=agent, max_tool_response_tokens=128)(request(chat, ["calls=1"])).trajectories
     assert traj.stop_reason == StopReason.FINAL_ANSWER and ticking["status"] == 200, traj.error
-    assert traj.turns[0].tool_calls[0].output_truncated and "RESULT=42" in chat.tokenizer.decode(traj.turns[1].prompt_ids)
+    assert traj.turns[0].tool_calls[0].output_truncated and "RESULT=42" in chat.tokenizer.decode(
+        traj.turns[1].prompt_ids
+    )
     assert ticking["task"].done() and gaps[1] < 0.05 and gaps[0] < max(0.25, 5 * ticking["control"]), (gaps, ticking)
 
 
@@ -539,19 +638,30 @@ def test_a_request_without_the_key_or_a_live_session_is_refused(chat):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         async with httpx.AsyncClient() as http:
             statuses["no key"] = (await http.post(f"{base}/chat/completions", json=body)).status_code
-            statuses["wrong key"] = (await http.post(f"{base}/chat/completions", json=body,
-                                                     headers={"authorization": "Bearer nope"})).status_code
+            statuses["wrong key"] = (
+                await http.post(f"{base}/chat/completions", json=body, headers={"authorization": "Bearer nope"})
+            ).status_code
             other = re.sub(r"/s/[^/]+/", "/s/not-a-session/", base)
-            reply = await http.post(f"{other}/chat/completions", json=body, headers={"authorization": f"Bearer {client.api_key}"})
+            reply = await http.post(
+                f"{other}/chat/completions", json=body, headers={"authorization": f"Bearer {client.api_key}"}
+            )
             statuses["unknown session"] = reply.status_code
             statuses["says"] = reply.json()["error"]["code"]
-            statuses["models"] = (await http.get(f"{base}/models", headers={"authorization": f"Bearer {client.api_key}"})).status_code
+            statuses["models"] = (
+                await http.get(f"{base}/models", headers={"authorization": f"Bearer {client.api_key}"})
+            ).status_code
         statuses["host"] = client.base_url.host
         return await tool_agent(client, row)
 
     (traj,) = AgentEndpointRollout(agent=agent)(request(chat, ["calls=0"])).trajectories
-    assert statuses == {"no key": 401, "wrong key": 401, "unknown session": 404, "says": "unknown_session",
-                        "models": 200, "host": "127.0.0.1"}
+    assert statuses == {
+        "no key": 401,
+        "wrong key": 401,
+        "unknown session": 404,
+        "says": "unknown_session",
+        "models": 200,
+        "host": "127.0.0.1",
+    }
     assert traj.stop_reason == StopReason.FINAL_ANSWER
 
 
@@ -588,8 +698,9 @@ def test_agents_that_raise_hang_or_return_junk_end_as_environment_errors(chat):
         raise RuntimeError("the agent's own bug")
 
     async def hangs(client, row):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}],
-                                             tools=[SCHEMA])
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": row["prompt"]}], tools=[SCHEMA]
+        )
         await asyncio.sleep(60)
 
     async def junk(client, row):
@@ -602,9 +713,13 @@ def test_agents_that_raise_hang_or_return_junk_end_as_environment_errors(chat):
     def blocks(client, row):  # a synchronous agent stuck in its own code
         threading.Event().wait(3)  # past the limit; the thread ends on its own (a pool thread is joined at exit)
 
-    for agent, says in ((raises, "RuntimeError: the agent's own bug"), (hangs, "agent_time_limit_s=0.5"),
-                        (junk, "the agent returned 'yes'"), (silent, "without asking the model anything"),
-                        (blocks, "agent_time_limit_s=0.5")):
+    for agent, says in (
+        (raises, "RuntimeError: the agent's own bug"),
+        (hangs, "agent_time_limit_s=0.5"),
+        (junk, "the agent returned 'yes'"),
+        (silent, "without asking the model anything"),
+        (blocks, "agent_time_limit_s=0.5"),
+    ):
         (traj,) = AgentEndpointRollout(agent=agent, agent_time_limit_s=0.5)(request(chat, ["calls=1"])).trajectories
         assert traj.stop_reason == StopReason.ENVIRONMENT_ERROR and says in traj.error, (agent.__name__, traj.error)
         assert traj.turns  # the question is on record (a turn with nothing sampled when the agent never asked)
@@ -612,7 +727,8 @@ def test_agents_that_raise_hang_or_return_junk_end_as_environment_errors(chat):
 
 def test_a_slow_reply_ends_its_trajectory_at_the_request_time_limit(chat):
     (traj,) = AgentEndpointRollout(agent=tool_agent, request_time_limit_s=0.2)(
-        request(chat, ["calls=1"], backend=policy(chat, delay=0.5))).trajectories
+        request(chat, ["calls=1"], backend=policy(chat, delay=0.5))
+    ).trajectories
     assert traj.stop_reason == StopReason.ENVIRONMENT_ERROR and "request_time_limit_s=0.2" in traj.error
 
 
@@ -658,8 +774,9 @@ def test_a_stop_request_cancels_the_agents(chat):
     stop = threading.Event()
 
     async def agent(client, row):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}],
-                                             tools=[SCHEMA])
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": row["prompt"]}], tools=[SCHEMA]
+        )
         stop.set()
         await asyncio.sleep(30)
 
@@ -682,37 +799,64 @@ def test_bad_settings_are_refused_at_construction():
 
 # -- segments in the update ------------------------------------------------------------------------------------------
 
+
 def _segmented(reward: float, *, group_id: int = 0, sample_index: int = 0, split: bool = True):
     """A 3-turn trajectory whose second turn starts a segment (``split``), or the same tokens as one segment."""
     from trl_plugins.types import RewardComponent, Trajectory, Turn
 
-    first = Turn(prompt_ids=[5, 6, 7], completion_ids=[8, 9], completion_logprobs=[-0.1, -0.2],
-                 prompt_sources=[TokenSource.PROMPT] * 3)
+    first = Turn(
+        prompt_ids=[5, 6, 7],
+        completion_ids=[8, 9],
+        completion_logprobs=[-0.1, -0.2],
+        prompt_sources=[TokenSource.PROMPT] * 3,
+    )
     if split:  # the agent rewrote its history: the second turn's prompt is rendered afresh
         second_prompt = [5, 6, 70, 8, 9, 11]
-        second = Turn(prompt_ids=second_prompt, completion_ids=[12], completion_logprobs=[-0.3],
-                      prompt_sources=[TokenSource.PROMPT] * 6, segment_start=True)
+        second = Turn(
+            prompt_ids=second_prompt,
+            completion_ids=[12],
+            completion_logprobs=[-0.3],
+            prompt_sources=[TokenSource.PROMPT] * 6,
+            segment_start=True,
+        )
     else:
         second_prompt = [5, 6, 7, 8, 9, 11]
-        second = Turn(prompt_ids=second_prompt, completion_ids=[12], completion_logprobs=[-0.3],
-                      prompt_sources=[TokenSource.OBSERVATION])
-    third = Turn(prompt_ids=second_prompt + [12, 13], completion_ids=[14, 15], completion_logprobs=[-0.4, -0.5],
-                 prompt_sources=[TokenSource.OBSERVATION])
-    return Trajectory(turns=[first, second, third], group_id=group_id, sample_index=sample_index,
-                      stop_reason=StopReason.FINAL_ANSWER, reward_components=[RewardComponent("correct", reward)])
+        second = Turn(
+            prompt_ids=second_prompt,
+            completion_ids=[12],
+            completion_logprobs=[-0.3],
+            prompt_sources=[TokenSource.OBSERVATION],
+        )
+    third = Turn(
+        prompt_ids=second_prompt + [12, 13],
+        completion_ids=[14, 15],
+        completion_logprobs=[-0.4, -0.5],
+        prompt_sources=[TokenSource.OBSERVATION],
+    )
+    return Trajectory(
+        turns=[first, second, third],
+        group_id=group_id,
+        sample_index=sample_index,
+        stop_reason=StopReason.FINAL_ANSWER,
+        reward_components=[RewardComponent("correct", reward)],
+    )
 
 
 def test_segments_share_their_trajectorys_advantage_and_count_once_in_its_group():
     from trl_plugins.algos.advantages import GroupAdvantage  # noqa: F401 - registered as "group"
-    from trl_plugins.registry import ADVANTAGES
     from trl_plugins.protocols import as_advantage
+    from trl_plugins.registry import ADVANTAGES
     from trl_plugins.rollout.validate import validate_trajectory
     from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
     from trl_plugins.types import AdvantageInput
 
     group = as_advantage(ADVANTAGES.get("group")(), "group")
     split = [_segmented(1.0), _segmented(0.0, sample_index=1), _segmented(0.0, sample_index=2, split=False)]
-    whole = [_segmented(1.0, split=False), _segmented(0.0, sample_index=1, split=False), _segmented(0.0, sample_index=2, split=False)]
+    whole = [
+        _segmented(1.0, split=False),
+        _segmented(0.0, sample_index=1, split=False),
+        _segmented(0.0, sample_index=2, split=False),
+    ]
     for traj in split:
         validate_trajectory(traj)
     datums = build_datums_for_update(split, [None] * 3, max_context_tokens=None)
@@ -772,7 +916,11 @@ def test_the_configured_rewards_win_and_the_agents_is_recorded():
     both = trajectory({"reward": 1.0, "steps": 3}, {"reward": 0.5})
     score_trajectories([length], [both], [{"reward": 0.5}])
     assert [(c.name, c.value, c.weight) for c in both.reward_components] == [
-        ("length", 0.25, 2.0), ("agent_return", 1.0, 0.0), ("agent_return/steps", 3.0, 0.0), ("row_reward", 0.5, 0.0)]
+        ("length", 0.25, 2.0),
+        ("agent_return", 1.0, 0.0),
+        ("agent_return/steps", 3.0, 0.0),
+        ("row_reward", 0.5, 0.0),
+    ]
     assert both.reward == 0.5
     rows = [{"reward": 0.5}, {}]
     from_agent, from_row, neither = trajectory(1.0, rows[0]), trajectory(None, rows[0]), trajectory(None, rows[1])
@@ -800,9 +948,19 @@ def test_a_run_refuses_the_tools_and_system_prompt_an_agent_would_not_use(tmp_pa
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
     def config(**overrides):
-        kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1, use_cpu=True,
-                      report_to=[], save_strategy="no", bf16=False, rollout="agent_endpoint",
-                      rollout_kwargs={"agent": "test_agent_endpoint:tool_agent"}, reward_components=["agent_reward"])
+        kwargs = dict(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_steps=1,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            bf16=False,
+            rollout="agent_endpoint",
+            rollout_kwargs={"agent": "test_agent_endpoint:tool_agent"},
+            reward_components=["agent_reward"],
+        )
         kwargs.update(overrides)
         return MultiTurnGRPOConfig(**kwargs)
 
@@ -827,12 +985,16 @@ async def rewriting_agent(client, row):
 
     messages = [{"role": "user", "content": row["prompt"]}]
     while True:
-        message = (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        message = (
+            (await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])).choices[0].message
+        )
         messages.append(message)
         if not message.tool_calls:
             return random.random()  # rewards that differ within a group: advantages that are not 0
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))}
+            )
         messages[0] = {"role": "user", "content": messages[0]["content"] + " (edited)"}
 
 
@@ -857,11 +1019,26 @@ def test_the_trainer_trains_every_segment_with_its_trajectorys_advantage(tmp_pat
     model = build_tiny_model(tok)
     before = [p.detach().clone() for p in model.parameters()]
     config = MultiTurnGRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1, use_cpu=True,
-        report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True, bf16=False,
-        rollout="test_agent_endpoint:ScriptedAgentRollout", tools=[], reward_components=["agent_reward"],
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=5e-3,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        rollout="test_agent_endpoint:ScriptedAgentRollout",
+        tools=[],
+        reward_components=["agent_reward"],
         rollout_kwargs={"agent": "test_agent_endpoint:rewriting_agent", "max_trajectory_tokens": 1000},
-        max_padded_tokens_per_micro_batch=8000, max_items_per_micro_batch=4, final_answer_pattern=r"\\boxed\{")
+        max_padded_tokens_per_micro_batch=8000,
+        max_items_per_micro_batch=4,
+        final_answer_pattern=r"\\boxed\{",
+    )
     data = Dataset.from_list([{"prompt": "calls=1", "answer": "7"}, {"prompt": "calls=2", "answer": "7"}])
     trainer = MultiTurnGRPOTrainer(model, config, train_dataset=data, processing_class=tok)
     trainer.train()
@@ -875,7 +1052,9 @@ def test_the_trainer_trains_every_segment_with_its_trajectorys_advantage(tmp_pat
     # Each trajectory's sampled tokens are trained once over its segments.
     for i, traj in enumerate(batch.trajectories):
         assert sum(d.num_loss_tokens for d in batch.datums if d.trajectory_index == i) == traj.num_action_tokens
-    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    record = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    )
     assert record["rollout/segments_per_trajectory"] == pytest.approx(sum(segments) / len(segments))
     assert record["train/datums"] == sum(segments)
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
@@ -898,13 +1077,22 @@ def test_the_example_config_resolves_before_any_model_loads(monkeypatch):
     import importlib
 
     agent = importlib.import_module(run.rollout.impl.__module__)._load(run.rollout.impl.agent)
-    assert agent.__name__ == "solve" and agent.__globals__["CODE_TOOL"] == SCHEMA  # what the model was cold-started with
+    assert (
+        agent.__name__ == "solve" and agent.__globals__["CODE_TOOL"] == SCHEMA
+    )  # what the model was cold-started with
 
 
 def test_an_agent_that_ends_after_unanswered_calls_ends_as_no_tool_call(chat):
     async def impatient(client, row):
-        message = (await client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}],
-                                                        tools=[SCHEMA])).choices[0].message
+        message = (
+            (
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": row["prompt"]}], tools=[SCHEMA]
+                )
+            )
+            .choices[0]
+            .message
+        )
         assert message.tool_calls and response_reason(message) == "tool_calls"
         return 0.0
 
@@ -934,18 +1122,26 @@ def test_an_agent_file_loads_whole_for_rollouts_on_several_threads(tmp_path):
     from trl_plugins.rollout.endpoint.agent import _load
 
     path = tmp_path / "slow_agent.py"
-    path.write_text("import time\nfrom dataclasses import dataclass\n\n"
-                    "time.sleep(0.3)  # a slow import: the window a second loader fell into\n\n"
-                    "@dataclass\nclass Settings:  # a dataclass looks its module up while the file runs\n    turns: 'int' = 3\n\n"
-                    "async def solve(client, row):\n    return float(Settings().turns)\n")
+    path.write_text(
+        "import time\nfrom dataclasses import dataclass\n\n"
+        "time.sleep(0.3)  # a slow import: the window a second loader fell into\n\n"
+        "@dataclass\nclass Settings:  # a dataclass looks its module up while the file runs\n    turns: 'int' = 3\n\n"
+        "async def solve(client, row):\n    return float(Settings().turns)\n"
+    )
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         loaded = list(pool.map(lambda _: _load(f"{path}:solve"), range(4)))
     assert len({id(fn) for fn in loaded}) == 1 and loaded[0].__name__ == "solve"
 
 
 def test_a_format_per_tool_set_is_built_once(chat):
-    other = {"type": "function", "function": {"name": "echo", "description": "Echo.", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    other = {
+        "type": "function",
+        "function": {
+            "name": "echo",
+            "description": "Echo.",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        },
+    }
     first = chat.for_tools([other])
     assert first is chat.for_tools([json.loads(json.dumps(other))]) and first.tools == [other]  # kept across rollouts
     assert chat.for_tools(chat.tools) is chat and chat.for_tools([SCHEMA, other]) is not first
@@ -1042,7 +1238,7 @@ def test_a_plain_agent_past_its_limit_is_refused_and_not_waited_for(chat):
     assert asked.wait(5) and late["request"] in (404, "closed") and len(traj.turns) == 1
 
 
-COMMAND_WITH_A_HELPER = textwrap.dedent('''
+COMMAND_WITH_A_HELPER = textwrap.dedent("""
     import json, os, subprocess, sys, time, urllib.request
     row = json.load(sys.stdin)
     # A helper in a session of its own (out of reach of a kill of the command's process group) holding stdout.
@@ -1057,7 +1253,7 @@ COMMAND_WITH_A_HELPER = textwrap.dedent('''
         "authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
     urllib.request.urlopen(ask).read()
     print(json.dumps({"reward": 1.0}))
-''')
+""")
 
 
 def test_a_command_ends_with_its_own_process_and_takes_what_it_started(chat, tmp_path):
@@ -1126,12 +1322,13 @@ def test_command_agents_run_a_few_per_core_each_within_its_own_limit(chat, monke
 def test_the_banner_says_how_many_agents_run_at_once_and_their_limit(tmp_path):
     from retool.config import parse_args
     from retool.startup import format_banner
-
     from trl_plugins.run import resolve_run
 
     layer = tmp_path / "agent.yaml"
-    layer.write_text("rollout: agent_endpoint\nrollout_kwargs:\n  command: python agent.py\ntools: []\ntool_kwargs: {}\n"
-                     "system_prompt: null\n")
+    layer.write_text(
+        "rollout: agent_endpoint\nrollout_kwargs:\n  command: python agent.py\ntools: []\ntool_kwargs: {}\n"
+        "system_prompt: null\n"
+    )
     script_args, args = parse_args(["--config", str(layer), "--output_dir", str(tmp_path / "o"), "--report_to", "none"])
     run = resolve_run(args, provenance=script_args.provenance)
     try:

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from test_agent_endpoint import SCHEMA, EchoTool, chat, run_code  # noqa: F401 - chat is a fixture
-
 from trl_plugins.rollout import ChatFormat, RolloutQuestion, RolloutRequest, ScriptedBackend
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
 from trl_plugins.rollout.endpoint.agent import NOTHING_ASKED, _load
@@ -46,8 +45,9 @@ own_python = bench.own_python
 """That interpreter: ``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/bin/python`` here (None: neither)."""
 
 OWN_PYTHON = own_python()
-needs_own_python = pytest.mark.skipif(OWN_PYTHON is None,
-                                      reason=f"no AutoGen/DSPy interpreter: make it with {MAKE_AUTOGEN}")
+needs_own_python = pytest.mark.skipif(
+    OWN_PYTHON is None, reason=f"no AutoGen/DSPy interpreter: make it with {MAKE_AUTOGEN}"
+)
 PROMPTS = ["calls=2", "calls=0 think", "calls=1 think"]
 
 
@@ -59,7 +59,7 @@ def script_for(chat):
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
 
     def call(name: str, arguments: dict) -> str:
-        return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
     def script(prompt: list[int]) -> list[int]:
         text = tok.decode(prompt)
@@ -69,12 +69,16 @@ def script_for(chat):
         calls = int(re.search(r"calls=(\d+)", question).group(1))
         if "[[ ## next_tool_name ## ]]" in text:  # a step of DSPy's ReAct: its fields as text, no tools offered
             name, arguments = ("code_interpreter", {"code": f"print({done})"}) if done < calls else ("finish", {})
-            return tok(f"[[ ## next_thought ## ]]\nStep {done}.\n\n[[ ## next_tool_name ## ]]\n{name}\n\n"
-                       f"[[ ## next_tool_args ## ]]\n{json.dumps(arguments)}\n\n[[ ## completed ## ]]",
-                       add_special_tokens=False)["input_ids"] + [im_end]
+            return tok(
+                f"[[ ## next_thought ## ]]\nStep {done}.\n\n[[ ## next_tool_name ## ]]\n{name}\n\n"
+                f"[[ ## next_tool_args ## ]]\n{json.dumps(arguments)}\n\n[[ ## completed ## ]]",
+                add_special_tokens=False,
+            )["input_ids"] + [im_end]
         if "[[ ## answer ## ]]" in text:  # its extraction of the answer from the trajectory
-            return tok("[[ ## reasoning ## ]]\nDone.\n\n[[ ## answer ## ]]\n\\boxed{7}\n\n[[ ## completed ## ]]",
-                       add_special_tokens=False)["input_ids"] + [im_end]
+            return tok(
+                "[[ ## reasoning ## ]]\nDone.\n\n[[ ## answer ## ]]\n\\boxed{7}\n\n[[ ## completed ## ]]",
+                add_special_tokens=False,
+            )["input_ids"] + [im_end]
         if done < calls:
             body = f"Step {done}.\n" + call("code_interpreter", {"code": f"print({done})"})
             if "observe" in question:  # the model goes on to write the observation itself
@@ -91,10 +95,21 @@ def script_for(chat):
 
 
 def request(chat, prompts=PROMPTS, tools=None) -> RolloutRequest:
-    questions = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i,
-                                 row={"prompt": p, "answer": "7"}) for i, p in enumerate(prompts)]
-    return RolloutRequest(questions, 1, ScriptedBackend(script_for(chat), stop_token_ids=chat.stop_token_ids), chat,
-                          tools or {}, policy_step=2, seed=5)
+    questions = [
+        RolloutQuestion(
+            f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i, row={"prompt": p, "answer": "7"}
+        )
+        for i, p in enumerate(prompts)
+    ]
+    return RolloutRequest(
+        questions,
+        1,
+        ScriptedBackend(script_for(chat), stop_token_ids=chat.stop_token_ids),
+        chat,
+        tools or {},
+        policy_step=2,
+        seed=5,
+    )
 
 
 @pytest.fixture
@@ -130,6 +145,7 @@ def example(framework: str, fn: str, module: str, monkeypatch):
 
 def reference(system: str, tools: list[dict]):
     """A plain ``openai`` chat-completions agent sending ``system`` and ``tools``: what the framework should train."""
+
     async def agent(client, row):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": row["prompt"]}]
         while True:
@@ -141,14 +157,17 @@ def reference(system: str, tools: list[dict]):
             for c in message.tool_calls:
                 output = run_code(json.loads(c.function.arguments))
                 messages.append({"role": "tool", "tool_call_id": c.id, "content": output})
+
     return agent
 
 
 def chat_tools(route: str, body: dict) -> tuple[str, list[dict]]:
     """The system prompt and tools of a framework's first request, as chat completions sends them."""
     if route == "responses":
-        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-                 for t in body["tools"]]
+        tools = [
+            {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+            for t in body["tools"]
+        ]
         if "instructions" in body:
             return body["instructions"], tools
         system = body["input"][0]  # pydantic-ai: a system message item
@@ -180,9 +199,10 @@ def check_trajectories(chat, got, wire, *, stop_reason=StopReason.FINAL_ANSWER):
         assert all(f"ran print({k})" in last for k in range(calls))  # each call ran, its output observed
         for before, after in zip(traj.turns, traj.turns[1:]):  # each prompt continues the previous turn
             seen = before.prompt_ids + before.completion_ids
-            assert after.prompt_ids[:len(seen)] == seen and not after.segment_start
-        assert [(t.prompt_ids, t.completion_ids, t.segment_start) for t in traj.turns] == \
-               [(t.prompt_ids, t.completion_ids, t.segment_start) for t in want.turns]
+            assert after.prompt_ids[: len(seen)] == seen and not after.segment_start
+        assert [(t.prompt_ids, t.completion_ids, t.segment_start) for t in traj.turns] == [
+            (t.prompt_ids, t.completion_ids, t.segment_start) for t in want.turns
+        ]
 
 
 @pytest.mark.parametrize("fn", ["solve", "solve_streamed"])
@@ -220,7 +240,6 @@ def test_pydantic_ai_typed_output_runs_on_the_responses_api_with_tool_choice_ser
     check_trajectories(chat, result.trajectories, wire, stop_reason=StopReason.NO_TOOL_CALL)
 
 
-
 def test_smolagents_tool_calling_agent_sends_stop_and_required_and_rewrites_every_turn(chat, wire, monkeypatch):
     agent = example("smolagents", "solve", "smolagents", monkeypatch)
     result, ours = two_rollouts(chat, agent, wire)
@@ -243,8 +262,6 @@ def test_smolagents_tool_calling_agent_sends_stop_and_required_and_rewrites_ever
         assert all(f"ran print({k})" in tok.decode(traj.turns[-1].prompt_ids) for k in range(calls))
 
 
-
-
 def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(chat, wire, monkeypatch):
     agent = example("smolagents", "solve", "smolagents", monkeypatch)
     traj = AgentEndpointRollout(agent=agent)(request(chat, ["calls=1 observe"])).trajectories[0]
@@ -256,12 +273,17 @@ def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(cha
     assert traj.stop_reason == StopReason.INVALID_ACTION and traj.error == "text after the tool call"
 
 
-
-
-@pytest.mark.parametrize("framework,fn,module", [
-    ("openai_agents_sdk", "solve", "agents"), ("openai_agents_sdk", "solve_streamed", "agents"),
-    ("langgraph", "solve", "langgraph"), ("langgraph", "solve_streamed", "langgraph"),
-    ("pydantic_ai", "solve", "pydantic_ai"), ("smolagents", "solve", "smolagents")])
+@pytest.mark.parametrize(
+    "framework,fn,module",
+    [
+        ("openai_agents_sdk", "solve", "agents"),
+        ("openai_agents_sdk", "solve_streamed", "agents"),
+        ("langgraph", "solve", "langgraph"),
+        ("langgraph", "solve_streamed", "langgraph"),
+        ("pydantic_ai", "solve", "pydantic_ai"),
+        ("smolagents", "solve", "smolagents"),
+    ],
+)
 def test_each_example_returns_0_when_a_budget_ends_its_trajectory(chat, monkeypatch, framework, fn, module):
     agent = example(framework, fn, module, monkeypatch)
     # the first turn calls the tool and is the last turn allowed: the agent's next request is refused (trajectory_ended)
@@ -275,14 +297,18 @@ def chat_qwen3():
     return ChatFormat(build_tokenizer("qwen3"), [SCHEMA], final_answer_pattern=r"\\boxed\{", calls_per_turn=2)
 
 
-@pytest.mark.parametrize("framework,module,restore,segments,counters", [
-    ("openai_agents_sdk", "agents", False, 1, {}),  # the reasoning items go back as input
-    ("pydantic_ai", "pydantic_ai", False, 1, {"endpoint/tool_choice_unforced": 3.0}),  # its reasoning goes back too
-    ("langgraph", "langgraph", False, 3, {"endpoint/reasoning_dropped_rewrites": 2.0}),  # LangChain drops it
-    ("langgraph", "langgraph", True, 1, {"endpoint/reasoning_restored": 2.0}),
-])
+@pytest.mark.parametrize(
+    "framework,module,restore,segments,counters",
+    [
+        ("openai_agents_sdk", "agents", False, 1, {}),  # the reasoning items go back as input
+        ("pydantic_ai", "pydantic_ai", False, 1, {"endpoint/tool_choice_unforced": 3.0}),  # its reasoning goes back too
+        ("langgraph", "langgraph", False, 3, {"endpoint/reasoning_dropped_rewrites": 2.0}),  # LangChain drops it
+        ("langgraph", "langgraph", True, 1, {"endpoint/reasoning_restored": 2.0}),
+    ],
+)
 def test_a_thinking_model_on_a_qwen3_style_template_keeps_one_segment_where_the_framework_sends_reasoning_back(
-        chat_qwen3, monkeypatch, framework, module, restore, segments, counters):
+    chat_qwen3, monkeypatch, framework, module, restore, segments, counters
+):
     agent = example(framework, "solve", module, monkeypatch)
     rollout = AgentEndpointRollout(agent=agent, restore_dropped_reasoning=restore)
     result = rollout(request(chat_qwen3, ["calls=2 think"]))
@@ -292,10 +318,15 @@ def test_a_thinking_model_on_a_qwen3_style_template_keeps_one_segment_where_the_
     assert result.counters == counters
 
 
-@pytest.mark.parametrize("framework,module,rewards", [("openai_agents_sdk", "agents", ["correct", "format"]),
-                                                      ("langgraph", "langgraph", ["correct", "format"]),
-                                                      ("pydantic_ai", "pydantic_ai", ["agent_reward"]),
-                                                      ("smolagents", "smolagents", ["agent_reward"])])
+@pytest.mark.parametrize(
+    "framework,module,rewards",
+    [
+        ("openai_agents_sdk", "agents", ["correct", "format"]),
+        ("langgraph", "langgraph", ["correct", "format"]),
+        ("pydantic_ai", "pydantic_ai", ["agent_reward"]),
+        ("smolagents", "smolagents", ["agent_reward"]),
+    ],
+)
 def test_each_framework_config_resolves_before_any_model_loads(monkeypatch, framework, module, rewards):
     pytest.importorskip(module)
     from trl_plugins.run import resolve_run
@@ -320,7 +351,8 @@ def test_the_autogen_interpreter_is_made_by_ci_before_the_suite_and_its_command_
 
 
 def test_the_frameworks_benchmark_measures_every_example_and_names_how_to_make_a_missing_interpreter(
-        monkeypatch, tmp_path, capsys):
+    monkeypatch, tmp_path, capsys
+):
     # docs/agents.md's table has a row per example: the benchmark runs each one (autogen and dspy as commands)
     assert sorted(bench.FRAMEWORKS) == sorted(p.parent.name for p in (ROOT / "examples/agents").glob("*/agent.py"))
     assert set(bench.COMMANDS) == {"autogen", "dspy"}
@@ -357,8 +389,9 @@ def test_autogen_assistant_agent_runs_as_a_command_on_chat_completions_streamed_
 
 
 @pytest.mark.parametrize("framework,rewards", [("autogen", ["correct", "format"]), ("dspy", ["agent_reward"])])
-def test_the_autogen_and_dspy_configs_run_their_example_as_a_command_with_the_runs_tool(monkeypatch, framework,
-                                                                                       rewards):
+def test_the_autogen_and_dspy_configs_run_their_example_as_a_command_with_the_runs_tool(
+    monkeypatch, framework, rewards
+):
     from trl_plugins.run import resolve_run
 
     monkeypatch.chdir(ROOT)
@@ -380,13 +413,23 @@ def test_the_autogen_and_dspy_configs_run_their_example_as_a_command_with_the_ru
 @needs_own_python
 @pytest.mark.parametrize("cache", [True, False])
 def test_dspy_replays_an_earlier_runs_completions_from_its_cache_unless_its_lm_is_built_with_cache_false(
-        chat, wire, monkeypatch, tmp_path, cache):
+    chat, wire, monkeypatch, tmp_path, cache
+):
     monkeypatch.setenv("DSPY_CACHEDIR", str(tmp_path))  # DSPy's disk cache (~/.dspy_cache), shared by the two runs
     example_py = ROOT / "examples/agents/dspy/agent.py"
     # cache=False: the example as its YAML runs it; cache=True: the same program on DSPy's default LM
-    command = [OWN_PYTHON, str(example_py)] if not cache else [OWN_PYTHON, "-c", (
-        f"import json, sys; sys.path.insert(0, {str(example_py.parent)!r}); import agent; "
-        "print(json.dumps(agent.solve(json.load(sys.stdin), agent.build_lm(cache=True))))")]
+    command = (
+        [OWN_PYTHON, str(example_py)]
+        if not cache
+        else [
+            OWN_PYTHON,
+            "-c",
+            (
+                f"import json, sys; sys.path.insert(0, {str(example_py.parent)!r}); import agent; "
+                "print(json.dumps(agent.solve(json.load(sys.stdin), agent.build_lm(cache=True))))"
+            ),
+        ]
+    )
     tools = {"code_interpreter": EchoTool()}
     runs = []
     for _ in range(2):  # two runs of the same question, each against its own endpoint (another base URL and key)
@@ -394,8 +437,10 @@ def test_dspy_replays_an_earlier_runs_completions_from_its_cache_unless_its_lm_i
         (traj,) = AgentEndpointRollout(command=command)(request(chat, ["calls=1"], tools=tools)).trajectories
         runs.append((traj, [route for route, _ in wire]))
         sent = [body for route, body in wire if route == "chat/completions"]
-        assert all(set(body) == {"model", "messages"} and [m["role"] for m in body["messages"]] == ["system", "user"]
-                   for body in sent)
+        assert all(
+            set(body) == {"model", "messages"} and [m["role"] for m in body["messages"]] == ["system", "user"]
+            for body in sent
+        )
     (first, first_wire), (second, second_wire) = runs
     # a ReAct step, the tool (the run's, through tools/call), a step that finishes, the answer's extraction; DSPy sends
     # no tools (its fields are text) and the trajectory so far inside a user message: every request is a rewrite

@@ -8,11 +8,14 @@ import json
 import pytest
 
 from test_agent_endpoint import SCHEMA, chat, request, run_code, tool_agent  # noqa: F401 - chat is a fixture
-
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
 
-TOOL = {"type": "function", "name": SCHEMA["function"]["name"], "description": SCHEMA["function"].get("description", ""),
-        "parameters": SCHEMA["function"]["parameters"]}
+TOOL = {
+    "type": "function",
+    "name": SCHEMA["function"]["name"],
+    "description": SCHEMA["function"].get("description", ""),
+    "parameters": SCHEMA["function"]["parameters"],
+}
 SEEN: list = []
 
 
@@ -38,30 +41,45 @@ def agent_for(mode):
         previous = None
         while True:
             extra = {"previous_response_id": previous} if previous else {}
-            response = await _turn(client, "stream" if mode == "stream" else "create", input=items, **extra,
-                                   instructions="Use the tool when it helps.")
+            response = await _turn(
+                client,
+                "stream" if mode == "stream" else "create",
+                input=items,
+                **extra,
+                instructions="Use the tool when it helps.",
+            )
             calls = [item for item in response.output if item.type == "function_call"]
-            outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": run_code(json.loads(c.arguments))}
-                       for c in calls]
+            outputs = [
+                {"type": "function_call_output", "call_id": c.call_id, "output": run_code(json.loads(c.arguments))}
+                for c in calls
+            ]
             if mode == "previous":
                 items, previous = outputs, response.id
             else:
                 items = items + [item.model_dump(exclude_none=True) for item in response.output] + outputs
             if not calls:
                 return 1.0 if "\\boxed{7}" in response.output_text else 0.0
+
     return agent
 
 
 async def chat_agent(client, row):
     """The chat-completions agent with the same system prompt (the Responses agents' instructions)."""
-    messages = [{"role": "system", "content": "Use the tool when it helps."}, {"role": "user", "content": row["prompt"]}]
+    messages = [
+        {"role": "system", "content": "Use the tool when it helps."},
+        {"role": "user", "content": row["prompt"]},
+    ]
     while True:
-        message = (await client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA])).choices[0].message
+        message = (
+            (await client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA])).choices[0].message
+        )
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             return 1.0 if "\\boxed{7}" in (message.content or "") else 0.0
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))}
+            )
 
 
 @pytest.mark.parametrize("mode", ["create", "stream", "previous"])
@@ -72,8 +90,9 @@ def test_a_responses_agent_trains_the_tokens_a_chat_completions_agent_does(chat,
     ref = AgentEndpointRollout(agent=chat_agent)(request(chat, prompts)).trajectories
     assert [t.stop_reason for t in got] == [t.stop_reason for t in ref]
     for a, b in zip(got, ref):
-        assert [(t.prompt_ids, t.completion_ids, t.segment_start) for t in a.turns] == \
-               [(t.prompt_ids, t.completion_ids, t.segment_start) for t in b.turns]
+        assert [(t.prompt_ids, t.completion_ids, t.segment_start) for t in a.turns] == [
+            (t.prompt_ids, t.completion_ids, t.segment_start) for t in b.turns
+        ]
         assert a.num_segments == 1 and a.reward_components == b.reward_components
     kinds, first = next((k, r) for k, r in SEEN if r.id == "resp_0_1")  # trajectory 0's first turn (agents interleave)
     assert [item.type for item in first.output] == ["reasoning", "message", "function_call"]
@@ -93,20 +112,37 @@ def test_responses_parameters_are_honoured_or_refused(chat):
     async def agent(client, row):
         import openai
 
-        for name, extra in {"truncation": {"truncation": "auto"}, "tool": {"tools": [{"type": "web_search"}]},
-                            "previous": {"previous_response_id": "resp_nope"}, "unknown": {"extra_body": {"x": 1}},
-                            "temperature": {"temperature": 0.2}}.items():
+        for name, extra in {
+            "truncation": {"truncation": "auto"},
+            "tool": {"tools": [{"type": "web_search"}]},
+            "previous": {"previous_response_id": "resp_nope"},
+            "unknown": {"extra_body": {"x": 1}},
+            "temperature": {"temperature": 0.2},
+        }.items():
             try:
                 await client.responses.create(model="policy", input=row["prompt"], **extra)
             except openai.BadRequestError as exc:
                 outcomes[name] = exc.body["param"]
-        ok = await client.responses.create(model="policy", input=row["prompt"], store=False, include=[],
-                                           reasoning={"effort": "low"}, metadata={"k": "v"}, truncation="disabled",
-                                           text={"format": {"type": "json_schema", "name": "a", "schema": {}}})
+        ok = await client.responses.create(
+            model="policy",
+            input=row["prompt"],
+            store=False,
+            include=[],
+            reasoning={"effort": "low"},
+            metadata={"k": "v"},
+            truncation="disabled",
+            text={"format": {"type": "json_schema", "name": "a", "schema": {}}},
+        )
         outcomes["ok"] = ok.status
         return 1.0
 
     result = AgentEndpointRollout(agent=agent)(request(chat, ["calls=0"]))
-    assert outcomes == {"truncation": "truncation", "tool": "tools", "previous": "previous_response_id",
-                        "unknown": "x", "temperature": "temperature", "ok": "completed"}
+    assert outcomes == {
+        "truncation": "truncation",
+        "tool": "tools",
+        "previous": "previous_response_id",
+        "unknown": "x",
+        "temperature": "temperature",
+        "ok": "completed",
+    }
     assert result.counters == {"endpoint/text_format_unforced": 1.0}

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from test_agent_endpoint import SCHEMA, chat, request, run_code, tool_agent  # noqa: F401 - chat is a fixture
-
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
 
 SEEN: list = []
@@ -18,8 +17,9 @@ async def sdk_stream_agent(client, row):
     """:func:`tool_agent` with the SDK's streaming helper: its accumulated final completion is the message."""
     messages = [{"role": "user", "content": row["prompt"]}]
     while True:
-        async with client.chat.completions.stream(model="policy", messages=messages, tools=[SCHEMA],
-                                                  stream_options={"include_usage": True}) as stream:
+        async with client.chat.completions.stream(
+            model="policy", messages=messages, tools=[SCHEMA], stream_options={"include_usage": True}
+        ) as stream:
             kinds = [event.type async for event in stream]
             completion = await stream.get_final_completion()
         SEEN.append((kinds, completion))
@@ -28,16 +28,21 @@ async def sdk_stream_agent(client, row):
         if not message.tool_calls:
             return 1.0 if "\\boxed{7}" in (message.content or "") else 0.0
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": run_code(json.loads(call.function.arguments))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": run_code(json.loads(call.function.arguments))}
+            )
 
 
 async def chunk_agent(client, row):
     """A hand-written chunk accumulator (as LangChain's and AutoGen's are) over the SDK's raw stream."""
     messages = [{"role": "user", "content": row["prompt"]}]
     while True:
-        chunks = [c async for c in await client.chat.completions.create(model="policy", messages=messages,
-                                                                        tools=[SCHEMA], stream=True)]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="policy", messages=messages, tools=[SCHEMA], stream=True
+            )
+        ]
         SEEN.append(chunks)
         content, reasoning, calls = "", "", {}
         for c in chunks:
@@ -49,15 +54,28 @@ async def chunk_agent(client, row):
                     slot["id"] += d.id or ""
                     slot["name"] += d.function.name or ""
                     slot["arguments"] += d.function.arguments or ""
-        tool_calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                      for _, c in sorted(calls.items())]
-        messages.append({"role": "assistant", "content": content or None, **({"tool_calls": tool_calls} if calls else {}),
-                         **({"reasoning_content": reasoning} if reasoning else {})})
+        tool_calls = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for _, c in sorted(calls.items())
+        ]
+        messages.append(
+            {
+                "role": "assistant",
+                "content": content or None,
+                **({"tool_calls": tool_calls} if calls else {}),
+                **({"reasoning_content": reasoning} if reasoning else {}),
+            }
+        )
         if not calls:
             return 1.0 if "\\boxed{7}" in content else 0.0
         for call in tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call["id"],
-                             "content": run_code(json.loads(call["function"]["arguments"]))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "content": run_code(json.loads(call["function"]["arguments"])),
+                }
+            )
 
 
 @pytest.mark.parametrize("streaming", [sdk_stream_agent, chunk_agent])
@@ -68,8 +86,9 @@ def test_a_streaming_agent_trains_the_tokens_a_non_streaming_one_does(chat, stre
     plain = AgentEndpointRollout(agent=tool_agent)(request(chat, prompts)).trajectories
     assert [t.stop_reason for t in streamed] == [t.stop_reason for t in plain]
     for a, b in zip(streamed, plain):
-        assert [(t.prompt_ids, t.completion_ids, t.segment_start) for t in a.turns] == \
-               [(t.prompt_ids, t.completion_ids, t.segment_start) for t in b.turns]
+        assert [(t.prompt_ids, t.completion_ids, t.segment_start) for t in a.turns] == [
+            (t.prompt_ids, t.completion_ids, t.segment_start) for t in b.turns
+        ]
         assert a.num_segments == 1 and len(a.turns) == len(b.turns) > 0
         assert a.reward_components == b.reward_components
     assert len(SEEN) == sum(len(t.turns) for t in plain)
@@ -92,8 +111,9 @@ def test_stream_options_need_stream(chat):
 
         for extra in ({"stream_options": {"include_usage": True}}, {"stream": "yes"}):
             try:
-                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                                     **extra)
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "hi"}], **extra
+                )
             except openai.BadRequestError as exc:
                 errors.append(exc.body["param"])
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])

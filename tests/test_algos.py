@@ -27,7 +27,9 @@ T = torch.tensor
 
 
 def close(a, b, tol=1e-6):
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=tol)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=tol
+    )
 
 
 # ---------------------------------------------------------------- advantages
@@ -133,8 +135,13 @@ def test_gae_matches_the_same_trajectory_without_observation_positions():
 def test_gae_bootstraps_truncated_rows_only():
     rewards = T([1.0, 1.0], dtype=torch.float64)
     adv, _ = gae_advantages(
-        VALUES.repeat(2, 1), MASK.repeat(2, 1), rewards, gamma=1.0, lam=0.5,
-        bootstrap_mask=T([0.0, 1.0]), bootstrap_values=T([0.4, 0.4], dtype=torch.float64),
+        VALUES.repeat(2, 1),
+        MASK.repeat(2, 1),
+        rewards,
+        gamma=1.0,
+        lam=0.5,
+        bootstrap_mask=T([0.0, 1.0]),
+        bootstrap_values=T([0.4, 0.4], dtype=torch.float64),
     )
     # Row 1 (truncated): t=5 delta = 1 + 0.4 - 0.8 = 0.6 instead of 0.2.
     assert close(adv[0, 5], 0.2) and close(adv[1, 5], 0.6)
@@ -197,7 +204,9 @@ def test_ppo_clip_is_inactive_on_policy_and_fires_off_policy():
 def test_dual_clip_caps_negative_advantage_loss():
     logp = T([[math.log(5.0), math.log(5.0)]], dtype=torch.float64, requires_grad=True)
     adv = T([[-1.0, 1.0]], dtype=torch.float64)
-    out = ppo_clip_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(adv), clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    out = ppo_clip_loss(
+        logp, torch.zeros_like(logp), adv, torch.ones_like(adv), clip_low=0.2, clip_high=0.28, dual_clip=3.0
+    )
     # tok0: A=-1, r=5: max(5, 1.28) = 5 > 3 * 1 -> capped at 3 (no gradient).
     # tok1: A=+1, r=5: max(-5, -1.28) = -1.28 (ordinary clip; dual clip only touches A < 0).
     assert close(out.per_token_loss, [[3.0, -1.28]])
@@ -212,13 +221,24 @@ def test_ppo_clip_plugin_adds_kl_and_entropy_terms():
     ent = T([[2.0, 2.0]], dtype=torch.float64)
     zero_adv = torch.zeros_like(logp)
     loss = PPOClipLoss(kl_coef=0.1, entropy_coef=0.01)(
-        PolicyLossInput(logprobs=logp, behaviour_logprobs=logp, advantages=zero_adv, action_mask=torch.ones_like(logp), ref_logprobs=ref, entropy=ent)
+        PolicyLossInput(
+            logprobs=logp,
+            behaviour_logprobs=logp,
+            advantages=zero_adv,
+            action_mask=torch.ones_like(logp),
+            ref_logprobs=ref,
+            entropy=ent,
+        )
     )
     # pg = 0 (A = 0). tok0: k3 = 0.5 - 1 + ln 2 = 0.193147 -> 0.1 * 0.193147 - 0.01 * 2 = -0.000685
     # tok1: k3 = 0 -> -0.02
     assert close(loss.per_token_loss, [[0.1 * (math.log(2) - 0.5) - 0.02, -0.02]])
     with pytest.raises(ValueError, match="needs ref_logprobs"):
-        PPOClipLoss(kl_coef=0.1)(PolicyLossInput(logprobs=logp, behaviour_logprobs=logp, advantages=zero_adv, action_mask=torch.ones_like(logp)))
+        PPOClipLoss(kl_coef=0.1)(
+            PolicyLossInput(
+                logprobs=logp, behaviour_logprobs=logp, advantages=zero_adv, action_mask=torch.ones_like(logp)
+            )
+        )
     with pytest.raises(ValueError, match=r"ratio in \[1-clip_low, 1\+clip_high\]"):
         PPOClipLoss(clip_low=1.2)
 
@@ -247,18 +267,23 @@ LOSS = T([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0]])  # 100s sit off-m
 AMASK = T([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("token_mean", 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
-    ("seq_mean_token_mean", 3.0),  # (6 / 3 + 4 / 1) / 2 sequences
-    ("seq_mean_token_sum", 5.0),  # (6 + 4) / 2 sequences
-    ("seq_mean_token_sum_norm", 1.0),  # 10 / (2 sequences * norm_length 5)
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token_mean", 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
+        ("seq_mean_token_mean", 3.0),  # (6 / 3 + 4 / 1) / 2 sequences
+        ("seq_mean_token_sum", 5.0),  # (6 + 4) / 2 sequences
+        ("seq_mean_token_sum_norm", 1.0),  # 10 / (2 sequences * norm_length 5)
+    ],
+)
 def test_aggregation_modes(mode, expected):
     n_tok, n_seq = local_denominators(AMASK)
     assert float(n_tok) == 4 and float(n_seq) == 2
     got = aggregate(LOSS, AMASK, mode, num_tokens=n_tok, num_sequences=n_seq, norm_length=5)
     assert close(got, expected)
-    assert close(aggregate(LOSS, AMASK, mode, num_tokens=n_tok, num_sequences=n_seq, norm_length=5, dp_size=2), 2 * expected)
+    assert close(
+        aggregate(LOSS, AMASK, mode, num_tokens=n_tok, num_sequences=n_seq, norm_length=5, dp_size=2), 2 * expected
+    )
 
 
 def test_aggregation_needs_norm_length_for_dr_grpo():
@@ -311,9 +336,9 @@ def test_value_clip_fraction_counts_only_clipped_tokens_in_float32():
     out = clipped_value_loss(v, old, torch.randn(64, 32, generator=gen), torch.ones_like(v), clip_range=0.2)
     assert float(out.clipped) == 0.0
     far = clipped_value_loss(v, v + 0.5, torch.full_like(v, -10.0), torch.ones_like(v), clip_range=0.2)
-    assert float(far.clipped) == v.numel()  # returns far below: the clipped value (V_old - c = V + 0.3) is worse everywhere
-
-
+    assert (
+        float(far.clipped) == v.numel()
+    )  # returns far below: the clipped value (V_old - c = V + 0.3) is worse everywhere
 
 
 def test_kl_importance_weight_multiplies_the_kl_term_by_the_ratio():
@@ -322,7 +347,9 @@ def test_kl_importance_weight_multiplies_the_kl_term_by_the_ratio():
     behaviour = torch.log(T([[0.25, 0.4]], dtype=torch.float64))
     ref = torch.log(T([[0.25, 0.2]], dtype=torch.float64))
     mask, zero = torch.ones_like(behaviour), torch.zeros_like(behaviour)
-    inp = PolicyLossInput(logprobs=logp, behaviour_logprobs=behaviour, advantages=zero, action_mask=mask, ref_logprobs=ref)
+    inp = PolicyLossInput(
+        logprobs=logp, behaviour_logprobs=behaviour, advantages=zero, action_mask=mask, ref_logprobs=ref
+    )
     plain = PPOClipLoss(kl_coef=0.1)(inp).per_token_loss
     weighted = PPOClipLoss(kl_coef=0.1, kl_importance_weight=True)(inp).per_token_loss
     ratio = T([[2.0, 1.0]], dtype=torch.float64)
@@ -334,9 +361,15 @@ def test_kl_importance_weight_multiplies_the_kl_term_by_the_ratio():
     assert close(g_weighted[0, 1] - g_plain[0, 1], 0.1 * k3)
 
 
-def _kl_term_expectation(estimator: str, weighted: bool, theta: torch.Tensor, behaviour: torch.Tensor,
-                         ref: torch.Tensor, proximal: torch.Tensor | None = None,
-                         with_is_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _kl_term_expectation(
+    estimator: str,
+    weighted: bool,
+    theta: torch.Tensor,
+    behaviour: torch.Tensor,
+    ref: torch.Tensor,
+    proximal: torch.Tensor | None = None,
+    with_is_weights: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact expectation, over tokens drawn from ``behaviour``, of the loss's KL term and of its gradient with respect
     to the policy's logits ``theta`` (enumeration over the vocabulary: sum_x b(x) * term(x)).
 
@@ -352,8 +385,14 @@ def _kl_term_expectation(estimator: str, weighted: bool, theta: torch.Tensor, be
     is_weights = None if proximal is None or not with_is_weights else (proximal - behaviour).exp()[:, None]
     if kl_gradient_problem(estimator, weighted) is None:  # the loss's own term
         loss = PPOClipLoss(kl_coef=1.0, kl_estimator=estimator, kl_importance_weight=weighted)
-        inp = PolicyLossInput(logprobs=rows, behaviour_logprobs=anchor_rows, advantages=torch.zeros_like(rows),
-                              action_mask=torch.ones_like(rows), ref_logprobs=ref_rows, is_weights=is_weights)
+        inp = PolicyLossInput(
+            logprobs=rows,
+            behaviour_logprobs=anchor_rows,
+            advantages=torch.zeros_like(rows),
+            action_mask=torch.ones_like(rows),
+            ref_logprobs=ref_rows,
+            is_weights=is_weights,
+        )
         per_token = loss(inp).per_token_loss[:, 0]
     else:  # refused by the loss: the term as it would be
         assert proximal is None
@@ -364,8 +403,9 @@ def _kl_term_expectation(estimator: str, weighted: bool, theta: torch.Tensor, be
     return value.detach(), grad
 
 
-def _expected_kl_term_gradient(estimator: str, weighted: bool, theta: torch.Tensor, behaviour: torch.Tensor,
-                               ref: torch.Tensor) -> torch.Tensor:
+def _expected_kl_term_gradient(
+    estimator: str, weighted: bool, theta: torch.Tensor, behaviour: torch.Tensor, ref: torch.Tensor
+) -> torch.Tensor:
     return _kl_term_expectation(estimator, weighted, theta, behaviour, ref)[1]
 
 
@@ -388,7 +428,10 @@ def test_the_kl_terms_the_loss_accepts_follow_the_reverse_kl_gradient_exactly():
 
     assert off("k1", True) < 1e-12 and off("k3", True) < 1e-12
     # Unweighted k2 is exact on-policy (behaviour = pi), as its gradient is log(pi/ref) grad log pi.
-    assert float((_expected_kl_term_gradient("k2", False, theta, torch.log_softmax(theta, -1), ref) - truth).norm()) < 1e-12
+    assert (
+        float((_expected_kl_term_gradient("k2", False, theta, torch.log_softmax(theta, -1), ref) - truth).norm())
+        < 1e-12
+    )
     assert off("k2", True) > 0.05  # the bias the loss refuses
     assert float(_expected_kl_term_gradient("k1", False, theta, torch.log_softmax(theta, -1), ref).norm()) < 1e-12
     for estimator, weighted, why in (("k2", True, "biased gradient"), ("k1", False, "zero expected gradient")):
@@ -480,7 +523,9 @@ def test_the_unweighted_kl_term_is_the_on_policy_term_under_pi_old(estimator):
             b = torch.log_softmax(prox_logits + scale * direction, -1)
             value, grad = _kl_term_expectation(estimator, False, current, b, ref, proximal=prox)
             assert abs(float(value / exact_value) - 1) < 1e-12 and _rel(grad, exact_grad) < 1e-12
-        old_value, old_grad = _kl_term_expectation(estimator, False, current, b, ref, proximal=prox, with_is_weights=False)
+        old_value, old_grad = _kl_term_expectation(
+            estimator, False, current, b, ref, proximal=prox, with_is_weights=False
+        )
         assert abs(float(old_value / exact_value) - 1) > 0.03 and _rel(old_grad, exact_grad) > 0.05
     t = prox_logits.clone().requires_grad_(True)
     p = torch.log_softmax(t, -1)

@@ -30,8 +30,13 @@ def _trainer(tmp_path, n_rows=8, **overrides):
     torch.manual_seed(0)
     model = build_tiny_model(tok)
     overrides.setdefault("per_device_train_batch_size", 8)  # 4 questions x 2 per step: 2 steps per epoch of 8 rows
-    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, **overrides), train_dataset=_dataset(n_rows), processing_class=tok,
-                                   reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        model,
+        _config(tmp_path, **overrides),
+        train_dataset=_dataset(n_rows),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     return trainer
 
 
@@ -50,24 +55,34 @@ def _record_batches(trainer):
 
 
 def _records(tmp_path):
-    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "train/staleness_mean" in line]
+    return [
+        json.loads(line)
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if "train/staleness_mean" in line
+    ]
 
 
 # -- settings --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(max_staleness=2), "configure asynchronous rollouts, which are off"),
-    (dict(off_policy_objective="behaviour"), "configure asynchronous rollouts, which are off"),
-    (dict(async_rollouts=True, max_staleness=-1), "counts optimizer steps"),
-    (dict(async_rollouts=True, off_policy_objective="decouple"), "Did you mean 'decoupled'"),
-    (dict(async_rollouts=True, max_staleness=0, off_policy_objective="behaviour"), "max_staleness=0 is the synchronous loop"),
-    (dict(async_rollouts=True, vllm_importance_sampling_correction=False), "set off_policy_objective='behaviour'"),
-    (dict(async_rollouts=True, num_iterations=2), "num_iterations=2"),
-    (dict(async_rollouts=True, async_min_importance_ess=1.5), "share in"),
-    (dict(async_rollouts=True, async_replica_threads=0), "async_replica_threads"),
-    (dict(async_rollouts=True, vllm_importance_sampling_clip_max=None), "set one"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(max_staleness=2), "configure asynchronous rollouts, which are off"),
+        (dict(off_policy_objective="behaviour"), "configure asynchronous rollouts, which are off"),
+        (dict(async_rollouts=True, max_staleness=-1), "counts optimizer steps"),
+        (dict(async_rollouts=True, off_policy_objective="decouple"), "Did you mean 'decoupled'"),
+        (
+            dict(async_rollouts=True, max_staleness=0, off_policy_objective="behaviour"),
+            "max_staleness=0 is the synchronous loop",
+        ),
+        (dict(async_rollouts=True, vllm_importance_sampling_correction=False), "set off_policy_objective='behaviour'"),
+        (dict(async_rollouts=True, num_iterations=2), "num_iterations=2"),
+        (dict(async_rollouts=True, async_min_importance_ess=1.5), "share in"),
+        (dict(async_rollouts=True, async_replica_threads=0), "async_replica_threads"),
+        (dict(async_rollouts=True, vllm_importance_sampling_clip_max=None), "set one"),
+    ],
+)
 def test_settings_are_honoured_or_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(tmp_path, **overrides)
@@ -90,9 +105,13 @@ def test_span_losses_are_refused_with_the_decoupled_objective(tmp_path):
 
     # The decoupled objective weighs tokens by pi_prox / pi_behaviour: a loss that drops the weights cannot train it.
     with pytest.raises(ValueError, match="supports_is_weights"):
-        resolve_run(_config(tmp_path, async_rollouts=True, policy_loss="gspo"), reward_components={"length": TokenReward()})
-    run = resolve_run(_config(tmp_path, async_rollouts=True, policy_loss="gspo", off_policy_objective="behaviour"),
-                      reward_components={"length": TokenReward()})
+        resolve_run(
+            _config(tmp_path, async_rollouts=True, policy_loss="gspo"), reward_components={"length": TokenReward()}
+        )
+    run = resolve_run(
+        _config(tmp_path, async_rollouts=True, policy_loss="gspo", off_policy_objective="behaviour"),
+        reward_components={"length": TokenReward()},
+    )
     run.close()
 
 
@@ -107,7 +126,9 @@ def test_a_lora_push_is_the_merged_base_model():
 
     tok = build_tokenizer("qwen2_5")
     torch.manual_seed(0)
-    model = get_peft_model(build_tiny_model(tok), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = get_peft_model(
+        build_tiny_model(tok), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)  # a trained adapter (B starts at 0)
@@ -117,8 +138,10 @@ def test_a_lora_push_is_the_merged_base_model():
     merged = copy.deepcopy(model).merge_and_unload()
     assert set(state) == set(merged.state_dict())
     assert all(torch.allclose(state[k], v, atol=1e-6) for k, v in merged.state_dict().items())
-    assert not torch.allclose(state["model.layers.0.self_attn.q_proj.weight"],
-                              before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    assert not torch.allclose(
+        state["model.layers.0.self_attn.q_proj.weight"],
+        before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"],
+    )
     assert type(base_model(model)) is type(merged)
 
 
@@ -130,10 +153,14 @@ def test_async_rollouts_train_a_lora_adapter(tmp_path):
 
     tok = build_tokenizer("qwen2_5")
     torch.manual_seed(0)
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, per_device_train_batch_size=8, max_steps=3,
-                                                                   async_rollouts=True, learning_rate=5e-2),
-                                   train_dataset=_dataset(12), processing_class=tok, reward_components={"length": TokenReward()},
-                                   peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, learning_rate=5e-2),
+        train_dataset=_dataset(12),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
     trainer.train()
     records = _records(tmp_path)
     # The adapter moved, each push reached the replica (probe), and the last steps trained 1-step-stale tokens.
@@ -146,7 +173,10 @@ def test_the_decoupled_weight_is_per_token_unless_chosen():
     from test_trainer import _config as cfg
 
     assert cfg("/tmp/x", async_rollouts=True).vllm_importance_sampling_mode == "token_truncate"
-    assert cfg("/tmp/x", async_rollouts=True, vllm_importance_sampling_mode="sequence_mask").vllm_importance_sampling_mode == "sequence_mask"
+    assert (
+        cfg("/tmp/x", async_rollouts=True, vllm_importance_sampling_mode="sequence_mask").vllm_importance_sampling_mode
+        == "sequence_mask"
+    )
     assert cfg("/tmp/x").vllm_importance_sampling_mode == "sequence_mask"  # TRL's default elsewhere
 
 
@@ -154,13 +184,12 @@ def test_the_decoupled_weight_is_per_token_unless_chosen():
 
 
 def test_off_policy_figures_by_hand():
-    from conftest import make_trajectory
+    import random
 
+    from conftest import make_trajectory
+    from test_trainer import _config as cfg
     from trl_plugins.datum import build_datum
     from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
-    from test_trainer import _config as cfg
-
-    import random
 
     datum = build_datum(make_trajectory(random.Random(0), num_turns=2))
     on = [i for i, m in enumerate(datum.action_mask) if m]
@@ -168,7 +197,9 @@ def test_off_policy_figures_by_hand():
     d = [0.0] * len(datum.action_mask)
     d[on[0]], d[on[1]] = 0.5, -0.25
     datum.old_logprobs = [b + x for b, x in zip(datum.behaviour_logprobs, d)]
-    n, gap, w_sum, w_sq = off_policy_figures([datum, build_datum(make_trajectory(random.Random(1), num_turns=2))])  # one without old log-probs
+    n, gap, w_sum, w_sq = off_policy_figures(
+        [datum, build_datum(make_trajectory(random.Random(1), num_turns=2))]
+    )  # one without old log-probs
     expect_w = [1.0] * (len(on) - 2) + [float(torch.exp(torch.tensor(0.5))), float(torch.exp(torch.tensor(-0.25)))]
     assert n == len(on) and gap == pytest.approx(0.75)
     assert w_sum == pytest.approx(sum(expect_w)) and w_sq == pytest.approx(sum(x * x for x in expect_w))
@@ -182,8 +213,13 @@ def test_off_policy_figures_by_hand():
         check_off_policy(cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=0.01), [n, gap, w_sum, w_sq])
     with pytest.raises(OffPolicyDrift, match=r"importance-weight ESS: .* under async_min_importance_ess=0.999"):
         check_off_policy(cfg("/tmp/x", async_rollouts=True, async_min_importance_ess=0.999), [n, gap, w_sum, w_sq])
-    assert check_off_policy(cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=None, async_min_importance_ess=None),
-                            [n, gap, w_sum, w_sq])["async/logprob_gap"] > 0
+    assert (
+        check_off_policy(
+            cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=None, async_min_importance_ess=None),
+            [n, gap, w_sum, w_sq],
+        )["async/logprob_gap"]
+        > 0
+    )
 
 
 # -- the trainer ------------------------------------------------------------------------------------
@@ -222,13 +258,14 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, synchr
     # Step 0 was sampled by the replica with the initial weights and step 0's seed: the synchronous loop's tokens
     # (sampled in-process), with log-probs equal to float precision.
     (_, _, mine), (_, _, theirs) = sync_seen[0], seen[0]
-    assert [u.completion_ids for t in theirs.trajectories for u in t.turns] == \
-           [u.completion_ids for t in mine.trajectories for u in t.turns]
+    assert [u.completion_ids for t in theirs.trajectories for u in t.turns] == [
+        u.completion_ids for t in mine.trajectories for u in t.turns
+    ]
     for t, u in zip(mine.trajectories, theirs.trajectories):
         for x, y in zip(t.turns, u.turns):
             assert x.completion_logprobs == pytest.approx(y.completion_logprobs, abs=1e-5)
     for epoch in range(2):
-        rows = [r for s, rs, _ in seen[3 * epoch: 3 * epoch + 3] for r in rs]
+        rows = [r for s, rs, _ in seen[3 * epoch : 3 * epoch + 3] for r in rs]
         assert sorted(rows) == sorted(r["prompt"] for r in _dataset(12))
     # Pacing: batch s is queued once the weights of step s - k are pushed; the replica runs queued batches in order.
     assert [batch.policy_step for _, _, batch in seen] == versions
@@ -286,7 +323,9 @@ def _check_decoupled_objective(trainer, snapshots, step):
     d = next(d for d in batch.datums if d.old_logprobs is not None)
     old, beh = torch.tensor([d.old_logprobs]), torch.tensor([d.behaviour_logprobs])
     mask = torch.tensor([d.action_mask])
-    w = importance_weights(old, beh, mask, "token_truncate", clip_max=trainer.args.vllm_importance_sampling_clip_max).weights
+    w = importance_weights(
+        old, beh, mask, "token_truncate", clip_max=trainer.args.vllm_importance_sampling_clip_max
+    ).weights
     expect = torch.where(mask.bool(), torch.exp(old - beh).clamp(max=3.0), torch.zeros_like(old))
     assert torch.allclose(w, expect) and not torch.allclose(old[mask.bool()], beh[mask.bool()])
 
@@ -299,7 +338,9 @@ def test_a_weight_push_that_does_nothing_stops_the_run(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, max_steps=3, async_rollouts=True)
     first = async_rollouts.cpu_state_dict(trainer.model)
     monkeypatch.setattr(async_rollouts, "cpu_state_dict", lambda model: first)  # the replica keeps step 0's weights
-    with pytest.raises(OffPolicyDrift, match=r"weight-push probe: after the push of step 1's weights.*async_probe_tolerance=0.001"):
+    with pytest.raises(
+        OffPolicyDrift, match=r"weight-push probe: after the push of step 1's weights.*async_probe_tolerance=0.001"
+    ):
         trainer.train()
     assert trainer._async.producer is None
 
@@ -308,8 +349,12 @@ def test_a_weight_push_that_does_nothing_stops_the_run(tmp_path, monkeypatch):
 def test_a_failing_replica_names_its_error_and_leaves_no_process(tmp_path):
     from trl_plugins.trainers.replica import ReplicaError
 
-    trainer = _trainer(tmp_path, max_steps=2, async_rollouts=True, rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12,
-                                                                                     "max_trajectory_tokens": 600})
+    trainer = _trainer(
+        tmp_path,
+        max_steps=2,
+        async_rollouts=True,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
+    )
     trainer._async.parts["rollout"] = None  # the replica cannot roll out
     pids = []
     real = trainer._async.roll_out
@@ -379,8 +424,13 @@ def test_stops_in_the_middle_then_resumes_train_each_row_once(tmp_path):
     env = {**os.environ, "PYTHONPATH": HERE}
 
     def launch(mode, at, code):
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode, str(at)], env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path), mode, str(at)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == code, proc.stderr[-3000:]
         records = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
         replica = records[-1]["replica"]
@@ -413,8 +463,9 @@ def test_async_rollouts_against_a_vllm_server(tmp_path, saved, patched):
 
     path = saved[0]
     with fake.FakeVLLMServer(path) as server:
-        trainer, seen = _train(tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url, max_steps=3,
-                               async_rollouts=True)
+        trainer, seen = _train(
+            tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url, max_steps=3, async_rollouts=True
+        )
         # 4 rows, 2 per step: steps 0 and 2 start an epoch (sampled by their own step's weights), step 1 was queued
         # with step 0's weights (its later turns may have come after the push of step 1's).
         records = _records(tmp_path)
@@ -436,13 +487,18 @@ def test_a_server_whose_logprobs_are_off_stops_the_run_at_the_probe(tmp_path, sa
     # Negative control of the server's probe: a server whose log-probs are 0.5 off the trainer's is caught at the
     # first push, before any step trains on its tokens.
     import fake_vllm as fake
-
     from trl_plugins.trainers.async_rollouts import OffPolicyDrift
 
     with fake.FakeVLLMServer(saved[0], logprob_shift=0.5) as server:
         with pytest.raises(OffPolicyDrift, match=r"weight-push probe: after the push of step 0's weights.* by 0.5"):
-            _train(tmp_path, saved[0], vllm_mode="server", vllm_server_base_url=server.base_url, max_steps=1,
-                   async_rollouts=True)
+            _train(
+                tmp_path,
+                saved[0],
+                vllm_mode="server",
+                vllm_server_base_url=server.base_url,
+                max_steps=1,
+                async_rollouts=True,
+            )
 
 
 class HalfConstantReward(TokenReward):
@@ -460,10 +516,13 @@ def test_async_rollouts_with_dynamic_sampling_refill_in_the_trainer(tmp_path):
 
     tok = build_tokenizer("qwen2_5")
     torch.manual_seed(0)
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, per_device_train_batch_size=8, max_steps=3,
-                                                                   async_rollouts=True, dynamic_sampling=True),
-                                   train_dataset=_dataset(12), processing_class=tok,
-                                   reward_components={"length": HalfConstantReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, dynamic_sampling=True),
+        train_dataset=_dataset(12),
+        processing_class=tok,
+        reward_components={"length": HalfConstantReward()},
+    )
     trainer.train()
     records = _records(tmp_path)
     assert all(r["dynamic_sampling/rounds"] >= 2 and r["dynamic_sampling/kept_groups"] >= 2 for r in records)
@@ -497,7 +556,9 @@ def test_turns_record_the_weights_that_sampled_them_when_weights_change_mid_traj
 
     backend = StampedSampler(scripted(chat), lambda: lock, lambda: version[0])
     q = RolloutQuestion("q0", chat.initial_prompt_ids([{"role": "user", "content": "calls=2"}]), group_id=0)
-    result = MultiTurnRollout()(RolloutRequest([q], 1, backend, chat, {"code_interpreter": Pushing()}, policy_step=5, seed=0))
+    result = MultiTurnRollout()(
+        RolloutRequest([q], 1, backend, chat, {"code_interpreter": Pushing()}, policy_step=5, seed=0)
+    )
     (traj,) = result.trajectories
     assert traj.policy_version.step == 5
     assert traj.turn_policy_steps() == [5, 6, 7]
@@ -557,7 +618,9 @@ def _fail(handle, error):
     if error == "half-shared":
         handle._results.put(("rollout", 5, _HalfShared(), 5, {}))
     elif error == "error message":  # its rollout failed first (a tool killed by the same signal), then it died
-        handle._results.put(("error", "Traceback (most recent call last):\n  ...\nBrokenPipeError: [Errno 32] Broken pipe"))
+        handle._results.put(
+            ("error", "Traceback (most recent call last):\n  ...\nBrokenPipeError: [Errno 32] Broken pipe")
+        )
     handle._process.die()
 
 
@@ -579,9 +642,11 @@ def test_a_replica_that_dies_of_the_stop_signal_is_the_stop(phase, error):
         _fail(handle, error)
         timer = None
     elif phase == "rollout":
+
         def signal_arrives():
             stop.set()
             _fail(handle, error)
+
         timer = threading.Timer(0.3, signal_arrives)
     else:
         _fail(handle, error)
@@ -604,8 +669,11 @@ def test_a_replica_that_fails_without_a_stop_is_an_error(error, monkeypatch):
 
     monkeypatch.setattr(replica, "STOP_GRACE_S", 0.2)
 
-    says = {"half-shared": r"ConnectionRefusedError.*was killed by SIGTERM", "error message": "BrokenPipeError",
-            "exited": "was killed by SIGTERM without an error message"}[error]
+    says = {
+        "half-shared": r"ConnectionRefusedError.*was killed by SIGTERM",
+        "error message": "BrokenPipeError",
+        "exited": "was killed by SIGTERM without an error message",
+    }[error]
     handle = _replica_waiting_for(5)
     _fail(handle, error)
     start = time.monotonic()

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from conftest import code_schema
-
-from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
 
 SCHEMA = code_schema()
@@ -39,8 +38,9 @@ def make_backend(kind, setup, **sampling):
         from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
 
         config = continuous_batching_config({"page_size": 16, "num_blocks": 64, "max_batch_tokens": 256})
-        return ContinuousBatchingBackend(model, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling),
-                                         config=config)
+        return ContinuousBatchingBackend(
+            model, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling), config=config
+        )
     return HFGenerationBackend(
         model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling)
     )
@@ -53,7 +53,9 @@ def test_rows_respect_their_own_budgets_and_seed(setup, kind):
     rows, budgets = [prompts[0], prompts[1], prompts[0]], [3, 17, 40]
     out = be.generate(rows, budgets, seeds=[5, 6, 7])
     assert [len(s.token_ids) <= b for s, b in zip(out, budgets)] == [True] * 3
-    assert all(len(s.token_ids) == len(s.logprobs) and all(math.isfinite(x) and x <= 0 for x in s.logprobs) for s in out)
+    assert all(
+        len(s.token_ids) == len(s.logprobs) and all(math.isfinite(x) and x <= 0 for x in s.logprobs) for s in out
+    )
     assert [s.finished or len(s.token_ids) == b for s, b in zip(out, budgets)] == [True] * 3
     again = be.generate(rows, budgets, seeds=[5, 6, 7])
     other = be.generate(rows, budgets, seeds=[8, 9, 10])
@@ -73,7 +75,10 @@ def test_a_row_samples_the_same_whatever_shares_its_batch(setup, sampling, kind)
     _, _, _, prompts = setup
     be = make_backend(kind, setup, **sampling)
     alone = be.generate([prompts[0]], [24], seeds=[123])[0]
-    for rows, seeds, at in [([prompts[1], prompts[0]], [9, 123], 1), ([prompts[0], prompts[1], prompts[1]], [123, 4, 5], 0)]:
+    for rows, seeds, at in [
+        ([prompts[1], prompts[0]], [9, 123], 1),
+        ([prompts[0], prompts[1], prompts[1]], [123, 4, 5], 0),
+    ]:
         batched = be.generate(rows, [24] * len(rows), seeds=seeds)[at]
         assert batched.token_ids == alone.token_ids
         assert max(abs(a - b) for a, b in zip(alone.logprobs, batched.logprobs)) < 1e-4
@@ -153,14 +158,23 @@ def test_hf_session_unwraps_a_prepared_model(setup):
     tok, chat, model, prompts = setup
     accelerator = Accelerator(cpu=True)
     prepared = accelerator.prepare(build_tiny_model(tok))
-    be = HFGenerationBackend(prepared, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
-                             sampling=SamplingSettings(temperature=0.0), accelerator=accelerator)
+    be = HFGenerationBackend(
+        prepared,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=chat.stop_token_ids,
+        sampling=SamplingSettings(temperature=0.0),
+        accelerator=accelerator,
+    )
     with be.session() as unwrapped:
         inside = be.generate([prompts[0]], [6], seeds=[0])[0]
         assert be._active is unwrapped
     assert be._active is None
-    reference = HFGenerationBackend(build_tiny_model(tok), pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
-                                    sampling=SamplingSettings(temperature=0.0)).generate([prompts[0]], [6], seeds=[0])[0]
+    reference = HFGenerationBackend(
+        build_tiny_model(tok),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=chat.stop_token_ids,
+        sampling=SamplingSettings(temperature=0.0),
+    ).generate([prompts[0]], [6], seeds=[0])[0]
     assert inside.token_ids == reference.token_ids
 
 
@@ -171,8 +185,12 @@ def test_hf_generate_in_a_session_never_syncs_ranks_per_token(setup, monkeypatch
     import transformers.generation.utils as generation
 
     tok, chat, model, prompts = setup
-    be = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
-                             sampling=SamplingSettings(temperature=1.0))
+    be = HFGenerationBackend(
+        model,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=chat.stop_token_ids,
+        sampling=SamplingSettings(temperature=1.0),
+    )
     seen = []
     original = generation.GenerationMixin.generate
 

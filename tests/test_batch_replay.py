@@ -24,8 +24,14 @@ from trl_plugins.viewer import load_batch
 from trl_plugins.viewer.replay import ReplayRefused, replay_batch
 from trl_plugins.viewer.replay_cli import load_checkpoint, main
 
-SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "description": "Run Python.",
-          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "Run Python.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
 
 
 class EchoTool:
@@ -66,13 +72,22 @@ class _ScoredScript(BackendBase):
         out = []
         for prompt, budget, seed in zip(prompts, max_new_tokens, seeds):
             text = self.tok.decode(prompt)
-            body = ("<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": "print(1)"}})
-                    + "\n</tool_call>") if "<tool_response>" not in text else f"\\boxed{{{seed % 3}}}"
+            body = (
+                (
+                    "<tool_call>\n"
+                    + json.dumps({"name": "code_interpreter", "arguments": {"code": "print(1)"}})
+                    + "\n</tool_call>"
+                )
+                if "<tool_response>" not in text
+                else f"\\boxed{{{seed % 3}}}"
+            )
             ids = self.tok(body, add_special_tokens=False)["input_ids"] + [self.end]
             full = torch.tensor([list(prompt) + ids])
             model = getattr(self.model, "module", self.model)
             with torch.no_grad():
-                lp = token_logprobs(model, full[:, :-1], torch.ones_like(full[:, :-1]), full[:, 1:])[0, len(prompt) - 1:]
+                lp = token_logprobs(model, full[:, :-1], torch.ones_like(full[:, :-1]), full[:, 1:])[
+                    0, len(prompt) - 1 :
+                ]
             out.append(cut_sample(ids, [float(x) for x in lp], budget, {self.end}))
         return out
 
@@ -81,8 +96,9 @@ class ScoredScriptRollout:
     token_budget = 600
 
     def __init__(self, max_turns=3, **kwargs):
-        self.inner = MultiTurnRollout(max_turns=max_turns, max_assistant_tokens=40, max_trajectory_tokens=600,
-                                      tool_retries=0)
+        self.inner = MultiTurnRollout(
+            max_turns=max_turns, max_assistant_tokens=40, max_trajectory_tokens=600, tool_retries=0
+        )
 
     def __call__(self, request):
         request.backend = _ScoredScript(request.backend.model, request.chat.tokenizer)
@@ -95,11 +111,30 @@ class ScoredScriptRollout:
 def _config(out, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    kwargs = dict(output_dir=str(out), per_device_train_batch_size=4, num_generations=2, max_steps=2, use_cpu=True,
-                  report_to=[], save_strategy="steps", save_steps=1, logging_steps=1, learning_rate=5e-2, seed=0,
-                  disable_tqdm=True, bf16=False, rollout="test_batch_replay:ScoredScriptRollout", rollout_kwargs={},
-                  reward_components=["digit"], max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2,
-                  viewer_steps=2, viewer_trajectories=4, system_prompt="Answer in \\boxed{}.", replay_every_steps=1)
+    kwargs = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        learning_rate=5e-2,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        rollout="test_batch_replay:ScoredScriptRollout",
+        rollout_kwargs={},
+        reward_components=["digit"],
+        max_padded_tokens_per_micro_batch=4000,
+        max_items_per_micro_batch=2,
+        viewer_steps=2,
+        viewer_trajectories=4,
+        system_prompt="Answer in \\boxed{}.",
+        replay_every_steps=1,
+    )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
@@ -115,9 +150,14 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("replay") / "out"
     tok = build_tokenizer("qwen2_5")
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(out), train_dataset=Dataset.from_list(rows),
-                                   processing_class=tok, tools={"code_interpreter": EchoTool()},
-                                   reward_components={"digit": BoxedDigit()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(out),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        tools={"code_interpreter": EchoTool()},
+        reward_components={"digit": BoxedDigit()},
+    )
     trainer.train()
     # The tripwire's negative control, while the trainer's accelerator is live (a later config resets its state):
     # the last batch was sampled by step 1's weights, the model now holds step 2's.
@@ -136,8 +176,11 @@ def saved(trained):
 
 
 def _run(tools=None, rewards=None, **overrides):
-    run = resolve_run(_config("unused", **overrides), tools={"code_interpreter": tools or EchoTool()},
-                      reward_components={"digit": rewards or BoxedDigit()})
+    run = resolve_run(
+        _config("unused", **overrides),
+        tools={"code_interpreter": tools or EchoTool()},
+        reward_components={"digit": rewards or BoxedDigit()},
+    )
     return run
 
 
@@ -145,8 +188,11 @@ def test_the_version_is_complete_in_the_saved_batch_and_the_checkpoint(trained, 
     out, trainer = trained
     version = trainer.run.version
     assert saved["format"] == "trl_plugins.viewer/3" and saved["version"]["digest"] == version.digest
-    assert saved["version"]["plugin_versions"] == {"reward/digit": "1", "tool/code_interpreter": "1",
-                                                   "rollout/test_batch_replay:ScoredScriptRollout": None}
+    assert saved["version"]["plugin_versions"] == {
+        "reward/digit": "1",
+        "tool/code_interpreter": "1",
+        "rollout/test_batch_replay:ScoredScriptRollout": None,
+    }
     assert saved["version"]["sampler"] == "hf_generate" and saved["version"]["dtype"] == "float32"
     assert saved["version"]["packages"]["torch"] == torch.__version__ and saved["tool_schemas"] == [SCHEMA]
     row = saved["trajectories"][0]["row"]  # whole rows
@@ -168,10 +214,12 @@ def test_a_saved_batch_replays_clean_with_its_own_checkpoint(trained, capsys):
     text = capsys.readouterr().out
     assert "replay: everything compared equal" in text and "rendering: 4 trajectories compared, all equal" in text
     assert "logprobs: 4 trajectories compared, all equal" in text and "datum: 4 trajectories compared" in text
-    report = replay_batch(load_batch(batch), load_checkpoint(out / "checkpoint-1")[1], run=_run(), tools=True,
-                          rewards=True)
-    assert report.ok and report.compared == {"rendering": 4, "tools": 4, "rewards": 4, "stop_reason": 4, "datum": 4}, \
+    report = replay_batch(
+        load_batch(batch), load_checkpoint(out / "checkpoint-1")[1], run=_run(), tools=True, rewards=True
+    )
+    assert report.ok and report.compared == {"rendering": 4, "tools": 4, "rewards": 4, "stop_reason": 4, "datum": 4}, (
         report.render()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -187,9 +235,16 @@ def unsaved(tmp_path_factory):
     out = tmp_path_factory.mktemp("unsaved") / "out"
     tok = build_tokenizer("qwen2_5")
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
-    config = _config(out, save_steps=MultiTurnGRPOConfig.save_steps, replay_every_steps=0,
-                     tools=["test_batch_replay:EchoTool"], reward_components=["test_batch_replay:BoxedDigit"])
-    MultiTurnGRPOTrainer(build_tiny_model(tok), config, train_dataset=Dataset.from_list(rows), processing_class=tok).train()
+    config = _config(
+        out,
+        save_steps=MultiTurnGRPOConfig.save_steps,
+        replay_every_steps=0,
+        tools=["test_batch_replay:EchoTool"],
+        reward_components=["test_batch_replay:BoxedDigit"],
+    )
+    MultiTurnGRPOTrainer(
+        build_tiny_model(tok), config, train_dataset=Dataset.from_list(rows), processing_class=tok
+    ).train()
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
     return out
 
@@ -287,7 +342,7 @@ def test_a_tokenizer_with_one_merged_token_is_found_where_it_merges(trained, sav
     first = next(d for d in report.differences if d.check == "rendering" and d.trajectory == 0)
     ids, old = saved["trajectories"][0]["tokens"]["ids"], trained[1].processing_class
     at = old.decode(ids).index("user\n")  # the first token that reaches into the merged text
-    k = next(j for j in range(len(ids)) if len(old.decode(ids[:j + 1])) > at)
+    k = next(j for j in range(len(ids)) if len(old.decode(ids[: j + 1])) > at)
     assert (first.turn, first.token, first.current) == (0, k, repr("user\n")), first.line()
 
 
@@ -300,7 +355,7 @@ def test_a_tool_whose_output_format_changed_is_found_at_its_observation(trained,
     t0 = saved["trajectories"][0]
     ids, tok = t0["tokens"]["ids"], trained[1].processing_class
     at = tok.decode(ids).index("result: 8") + len("result")  # where the two outputs part
-    k = next(j for j in range(len(ids)) if len(tok.decode(ids[:j + 1])) > at)
+    k = next(j for j in range(len(ids)) if len(tok.decode(ids[: j + 1])) > at)
     assert (found[0].trajectory, found[0].turn, found[0].token) == (0, 0, k), found[0].line()
     assert t0["datum"]["sources"][k - 1] == "observation" and found[0].saved == repr(tok.decode([ids[k]]))
     assert "returned 'result = 8\\n' where it returned 'result: 8\\n'" in found[0].what
@@ -340,7 +395,9 @@ def test_a_format_2_file_replays_what_it_can_and_says_what_it_cannot(trained, sa
     path.write_text(json.dumps(old))
     report = replay_batch(load_batch(path), trained[1].processing_class)
     assert any("no version was saved" in n for n in report.notes)
-    assert [d.check for d in report.differences][:1] == ["rendering"]  # no system prompt saved: the first prompt differs
+    assert [d.check for d in report.differences][:1] == [
+        "rendering"
+    ]  # no system prompt saved: the first prompt differs
     model, _, _ = load_checkpoint(trained[0] / "checkpoint-1")
     with pytest.raises(ReplayRefused, match=r"trajectory 0: no version was saved \(a format-2 file\)"):
         replay_batch(load_batch(path), trained[1].processing_class, model=model, resample=True)
@@ -383,7 +440,8 @@ def test_the_trainer_refuses_trajectories_of_another_run_version_and_the_differe
     with pytest.raises(TrajectoryError, match=f"run version {lora.digest}, but the trainer's is {run.version.digest}"):
         _check_result("r", RolloutResult([traj]), questions, 1, run.chat.digest, run.version.digest)
     assert version_differences(lora, run.version) == [
-        "adapters: [{'name': 'default', 'kind': 'LORA', 'rank': 8, 'targets': ('q_proj', 'v_proj')}] (saved) vs [] (current)"]
+        "adapters: [{'name': 'default', 'kind': 'LORA', 'rank': 8, 'targets': ('q_proj', 'v_proj')}] (saved) vs [] (current)"
+    ]
 
 
 def test_a_lora_policy_records_its_adapter_set_and_its_sampler_digests_the_adapted_weights():
@@ -399,7 +457,8 @@ def test_a_lora_policy_records_its_adapter_set_and_its_sampler_digests_the_adapt
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     version = run_version(tokenizer_digest="t", tool_schemas=[SCHEMA], model=model, sampler="hf_generate")
     assert plain.adapters == () and [(a.name, a.kind, a.rank, a.targets) for a in version.adapters] == [
-        ("default", "LORA", 4, ("q_proj", "v_proj"))]
+        ("default", "LORA", 4, ("q_proj", "v_proj"))
+    ]
     assert version.digest != plain.digest
     backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=[0])
     before = backend.weights_digest()
@@ -424,16 +483,24 @@ def test_the_viewer_shows_the_version_and_flags_a_run_of_another_version(trained
 
     out, trainer = trained
     page = tmp_path / "page.html"
-    assert viewer_main([str(out / "trajectories" / "step-000002.json"), "-o", str(page), "--beside",
-                        str(out / "checkpoint-1")]) == 0
+    assert (
+        viewer_main(
+            [str(out / "trajectories" / "step-000002.json"), "-o", str(page), "--beside", str(out / "checkpoint-1")]
+        )
+        == 0
+    )
     text = page.read_text()
-    assert f"version <b>{trainer.run.version.digest}</b>" in text and "version-mismatch\">" not in text
+    assert f"version <b>{trainer.run.version.digest}</b>" in text and 'version-mismatch">' not in text
     other = copy.deepcopy(saved)
     other["version"]["dtype"] = "bfloat16"
     other["version"]["digest"] = "0123456789abcdef"
     (tmp_path / "other.json").write_text(json.dumps(other))
-    assert viewer_main([str(out / "trajectories" / "step-000002.json"), "-o", str(page), "--beside",
-                        str(tmp_path / "other.json")]) == 0
+    assert (
+        viewer_main(
+            [str(out / "trajectories" / "step-000002.json"), "-o", str(page), "--beside", str(tmp_path / "other.json")]
+        )
+        == 0
+    )
     assert "dtype: float32 (saved) vs bfloat16 (current)" in page.read_text()
 
 
@@ -493,10 +560,14 @@ def test_the_stop_reason_is_re_derived_from_the_turns_and_a_changed_rule_is_name
     assert report.ok and report.compared["stop_reason"] == 4, report.render()
     assert {t["stop_reason"] for t in saved["trajectories"]} == {"final_answer"}  # a tool call, then \boxed{}
     # The rules changed (max_turns 3 -> 1): every trajectory now ends after its tool call, at turn 0.
-    found = [d for d in replay_batch(saved, tok, run=_run(rollout_kwargs={"max_turns": 1}), rewards=True).differences
-             if d.check == "stop_reason"]
-    assert [(d.trajectory, d.turn, d.saved, d.current) for d in found] == [(i, 0, "another turn", "max_turns")
-                                                                           for i in range(4)]
+    found = [
+        d
+        for d in replay_batch(saved, tok, run=_run(rollout_kwargs={"max_turns": 1}), rewards=True).differences
+        if d.check == "stop_reason"
+    ]
+    assert [(d.trajectory, d.turn, d.saved, d.current) for d in found] == [
+        (i, 0, "another turn", "max_turns") for i in range(4)
+    ]
     # A saved stop reason that its turns do not give (negative control of the comparison itself).
     damaged = copy.deepcopy(saved)
     damaged["trajectories"][2]["stop_reason"] = "no_tool_call"
@@ -518,17 +589,28 @@ def test_a_tool_reports_the_versions_of_what_it_runs_on_and_the_replay_refuses_w
             return {"server/time": self.server}
 
     tool = Served()
-    assert plugin_versions("tool/code_interpreter", tool) == {"tool/code_interpreter": "1",
-                                                             "tool/code_interpreter/server/time": "time-server 1.0"}
+    assert plugin_versions("tool/code_interpreter", tool) == {
+        "tool/code_interpreter": "1",
+        "tool/code_interpreter/server/time": "time-server 1.0",
+    }
     run = _run(tools=tool)
     run.bind_tokenizer(trained[1].processing_class)
-    version = run_version(tokenizer_digest="t", tool_schemas=[SCHEMA], model=trained[1].model, sampler="hf_generate",
-                          tools=run.tools, rollout=run.rollout)
+    version = run_version(
+        tokenizer_digest="t",
+        tool_schemas=[SCHEMA],
+        model=trained[1].model,
+        sampler="hf_generate",
+        tools=run.tools,
+        rollout=run.rollout,
+    )
     assert version.plugin_versions["tool/code_interpreter/server/time"] == "time-server 1.0"
     assert "rollout/test_batch_replay:ScoredScriptRollout" in version.plugin_versions
     # The saved batch knew no server: a part that appeared is a change; the tools' check refuses, saying which.
-    with pytest.raises(ReplayRefused, match=r"tool/code_interpreter/server/time version: absent \(saved\) vs "
-                                            r"time-server 1.0 \(current\): the tool changed"):
+    with pytest.raises(
+        ReplayRefused,
+        match=r"tool/code_interpreter/server/time version: absent \(saved\) vs "
+        r"time-server 1.0 \(current\): the tool changed",
+    ):
         replay_batch(saved, trained[1].processing_class, run=run, tools=True)
     moved = copy.deepcopy(saved)
     moved["version"]["plugin_versions"]["tool/code_interpreter/server/time"] = "time-server 0.9"
@@ -539,6 +621,7 @@ def test_a_tool_reports_the_versions_of_what_it_runs_on_and_the_replay_refuses_w
     unrecorded = copy.deepcopy(saved)  # a batch saved before the tool's version was recorded: nothing to compare
     del unrecorded["version"]["plugin_versions"]["tool/code_interpreter"]
     assert replay_batch(unrecorded, trained[1].processing_class, run=run, tools=True).ok
+
     # versions() is read after start_up(): a tool set learns its servers' versions when it connects.
     class Connecting(Served):
         server = None
@@ -573,15 +656,23 @@ def sampled():
     tok = build_tokenizer("qwen2_5")
     torch.manual_seed(0)
     model = build_tiny_model(tok)
-    run = _run(rollout="multi_turn", rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 6,
-                                                     "max_trajectory_tokens": 600})
+    run = _run(
+        rollout="multi_turn", rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 6, "max_trajectory_tokens": 600}
+    )
     chat = run.bind_tokenizer(tok)
     run.bind_version(model)
     backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids)
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(2)]
     result = rollout_rows(run, backend, rows, group_size=2, seed=7)
-    batch = make_batch(result.trajectories, [], tok, rows=rows, version=run.version, tool_schemas=chat.tools,
-                       chat_settings=chat_settings(run))
+    batch = make_batch(
+        result.trajectories,
+        [],
+        tok,
+        rows=rows,
+        version=run.version,
+        tool_schemas=chat.tools,
+        chat_settings=chat_settings(run),
+    )
     return model, tok, chat, json.loads(json.dumps(batch))
 
 
@@ -600,9 +691,10 @@ def test_a_turn_drawn_from_another_seed_is_named_at_its_first_differing_token(sa
     turn = damaged["trajectories"][1]["turns"][0]
     turn["seed"] += 1
     ids = damaged["trajectories"][1]["tokens"]["ids"]
-    prompt, completion = ids[: turn["completion_start"]], ids[turn["completion_start"]: turn["completion_end"]]
+    prompt, completion = ids[: turn["completion_start"]], ids[turn["completion_start"] : turn["completion_end"]]
     (other,) = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids).generate(
-        [prompt], [len(completion)], seeds=[turn["seed"]])
+        [prompt], [len(completion)], seeds=[turn["seed"]]
+    )
     k = next(j for j, (a, b) in enumerate(zip(completion, other.token_ids + [None] * len(completion))) if a != b)
     report = replay_batch(damaged, tok, model=model, model_step=0, resample=True)
     [found] = [d for d in report.differences if d.check == "resample"]
@@ -616,12 +708,17 @@ def test_a_batch_that_cannot_be_resampled_says_what_it_lacks_per_trajectory(samp
     for t in unseeded["trajectories"][0]["turns"]:
         t["seed"] = None
     report = replay_batch(unseeded, tok, model=model, model_step=0, resample=True)
-    assert report.compared["resample"] == 3 and "trajectory 0 not resampled: no sampling seed was saved for turn(s) " \
-        "[0]" in report.render()
+    assert (
+        report.compared["resample"] == 3
+        and "trajectory 0 not resampled: no sampling seed was saved for turn(s) [0]" in report.render()
+    )
     vllm = copy.deepcopy(batch)
     vllm["version"]["sampler"] = "vllm_server"
-    with pytest.raises(ReplayRefused, match=r"(?s)no trajectory of this batch can be regenerated.*trajectory 3: it was "
-                                            r"sampled by vllm_server, whose seeded draws are made inside the vLLM engine"):
+    with pytest.raises(
+        ReplayRefused,
+        match=r"(?s)no trajectory of this batch can be regenerated.*trajectory 3: it was "
+        r"sampled by vllm_server, whose seeded draws are made inside the vLLM engine",
+    ):
         replay_batch(vllm, tok, model=model, model_step=0, resample=True)
     with pytest.raises(ValueError, match="resample=True regenerates the turns with the weights"):
         replay_batch(batch, tok, resample=True)

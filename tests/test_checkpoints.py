@@ -44,8 +44,11 @@ def fake_checkpoint(folder, step, *, deepspeed=False, marker=True):
 
 def snapshot(root):
     """Every file under ``root`` with its bytes: what 'nothing was deleted or changed' compares."""
-    return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
-            for d, _, names in os.walk(root) for n in names}
+    return {
+        os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
+        for d, _, names in os.walk(root)
+        for n in names
+    }
 
 
 def truncate(path, by=16):
@@ -56,8 +59,10 @@ def truncate(path, by=16):
 def test_the_marker_records_every_file_and_its_size(tmp_path):
     folder = fake_checkpoint(tmp_path / "checkpoint-1", 1)
     files = json.loads((folder / COMPLETE_MARKER).read_text())["files"]
-    assert files == {name: (folder / name).stat().st_size for name in
-                     ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json")}
+    assert files == {
+        name: (folder / name).stat().st_size
+        for name in ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json")
+    }
     check_checkpoint(str(folder))  # intact: no error
 
 
@@ -67,14 +72,21 @@ def _drop_sizes(folder):
 
 
 @pytest.mark.parametrize("sizes", [True, False], ids=["marker-sizes", "structure-only"])
-@pytest.mark.parametrize("damage,file,reason", [
-    (lambda f: truncate(f / "model.safetensors"), "model.safetensors", "truncated"),
-    (lambda f: truncate(f / "optimizer.pt", by=40), "optimizer.pt", "truncated"),
-    (lambda f: (f / "optimizer.pt").unlink(), "optimizer.pt", "missing"),
-    (lambda f: (f / "scheduler.pt").unlink(), "scheduler.pt", "missing"),
-    (lambda f: (f / "trainer_state.json").write_text('{"global_step": 1, "log_hist'), "trainer_state.json", "bytes|JSON"),
-    (lambda f: (f / "model.safetensors").write_bytes(b"\x00" * 4), "model.safetensors", "bytes"),
-])
+@pytest.mark.parametrize(
+    "damage,file,reason",
+    [
+        (lambda f: truncate(f / "model.safetensors"), "model.safetensors", "truncated"),
+        (lambda f: truncate(f / "optimizer.pt", by=40), "optimizer.pt", "truncated"),
+        (lambda f: (f / "optimizer.pt").unlink(), "optimizer.pt", "missing"),
+        (lambda f: (f / "scheduler.pt").unlink(), "scheduler.pt", "missing"),
+        (
+            lambda f: (f / "trainer_state.json").write_text('{"global_step": 1, "log_hist'),
+            "trainer_state.json",
+            "bytes|JSON",
+        ),
+        (lambda f: (f / "model.safetensors").write_bytes(b"\x00" * 4), "model.safetensors", "bytes"),
+    ],
+)
 def test_each_kind_of_damage_is_named_by_its_file_and_nothing_is_touched(tmp_path, damage, file, reason, sizes):
     folder = fake_checkpoint(tmp_path / "checkpoint-1", 1)
     if not sizes:
@@ -124,7 +136,9 @@ def test_bad_resume_values_are_refused_with_what_to_do(tmp_path):
     assert resolve_resume(None, str(tmp_path)) is None and resolve_resume(False, str(tmp_path)) is None
     with pytest.raises(ValueError, match="has no complete checkpoint"):
         resolve_resume("latest", str(tmp_path))
-    with pytest.raises(ValueError, match="'false' is not a checkpoint folder: pass a checkpoint-N folder, 'true' or 'latest'"):
+    with pytest.raises(
+        ValueError, match="'false' is not a checkpoint folder: pass a checkpoint-N folder, 'true' or 'latest'"
+    ):
         resolve_resume("false", str(tmp_path))
     with pytest.raises(ValueError, match="resume_fallback=True .* but this run does not resume"):
         resolve_resume(None, str(tmp_path), fallback=True)
@@ -174,8 +188,13 @@ def test_falling_back_moves_the_damaged_checkpoint_aside(tmp_path):
 
 def test_trim_metrics_log_moves_the_records_after_the_checkpoint_aside(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps({"step": 1, "loss": 0.1}), json.dumps({"step": 2, "loss": 0.2}),
-             json.dumps({"step": 3, "loss": 0.3}), json.dumps({"step": 3, "train_runtime": 9.0}), '{"step": 4, "lo']
+    lines = [
+        json.dumps({"step": 1, "loss": 0.1}),
+        json.dumps({"step": 2, "loss": 0.2}),
+        json.dumps({"step": 3, "loss": 0.3}),
+        json.dumps({"step": 3, "train_runtime": 9.0}),
+        '{"step": 4, "lo',
+    ]
     path.write_text("\n".join(lines) + "\n")
     moved, aside = trim_metrics_log(str(path), 2)
     assert moved == 3 and path.read_text().splitlines() == lines[:2]

@@ -26,13 +26,24 @@ def _tied():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=200,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def _reference(model, mb, temperature):
     """Today's path: every position's full logits, scaled, log-softmaxed; ``(B, T)`` log-probs and entropies."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float() / temperature
+    logits = (
+        model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float() / temperature
+    )
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -41,8 +52,9 @@ def _reference(model, mb, temperature):
 
 def _layout(datums, layout):
     idx = list(range(len(datums)))
-    return collate(datums, idx, pad_token_id=0, padding_free=layout == "padding_free",
-                   shared_prefix=layout == "shared_prefix")
+    return collate(
+        datums, idx, pad_token_id=0, padding_free=layout == "padding_free", shared_prefix=layout == "shared_prefix"
+    )
 
 
 def _compare(model, layout, *, temperature=0.7, chunk=CHUNK, chunked=True):
@@ -52,8 +64,9 @@ def _compare(model, layout, *, temperature=0.7, chunk=CHUNK, chunked=True):
     act = padded.action_mask.bool()
     weights = torch.linspace(-1, 1, act.numel()).reshape(act.shape)
     lp_ref, ent_ref = _reference(reference, padded, temperature)
-    lp, ent = micro_batch_logprobs(model, mb, "cpu", temperature=temperature, with_entropy=True,
-                                   needed=mb.action_mask, chunk_size=chunk)
+    lp, ent = micro_batch_logprobs(
+        model, mb, "cpu", temperature=temperature, with_entropy=True, needed=mb.action_mask, chunk_size=chunk
+    )
     assert rel_err(lp[act], lp_ref[act]) < 1e-5 and rel_err(ent[act], ent_ref[act]) < 1e-5
     if chunked:  # no target needed there: not computed (the full logits give every position its log-prob)
         assert lp[~act].abs().max() == 0 and ent[~act].abs().max() == 0
@@ -64,10 +77,18 @@ def _compare(model, layout, *, temperature=0.7, chunk=CHUNK, chunked=True):
     assert max(rel_err(b.grad, a.grad) for a, b in pairs) < 1e-5
 
 
-@pytest.mark.parametrize("arch,layout", [("qwen2_sdpa", "padded"), ("qwen2_sdpa", "padding_free"),
-                                         ("qwen2_sdpa", "shared_prefix"), ("llama", "padding_free"),
-                                         ("mistral_sliding", "shared_prefix"), ("tied", "padded"),
-                                         ("tied", "shared_prefix")])
+@pytest.mark.parametrize(
+    "arch,layout",
+    [
+        ("qwen2_sdpa", "padded"),
+        ("qwen2_sdpa", "padding_free"),
+        ("qwen2_sdpa", "shared_prefix"),
+        ("llama", "padding_free"),
+        ("mistral_sliding", "shared_prefix"),
+        ("tied", "padded"),
+        ("tied", "shared_prefix"),
+    ],
+)
 def test_chunked_log_probs_entropy_and_gradients_equal_the_full_logits(arch, layout):
     model = (_tied() if arch == "tied" else _model(arch)).train()
     if arch == "tied":
@@ -79,8 +100,9 @@ def test_chunked_log_probs_entropy_and_gradients_equal_the_full_logits(arch, lay
 def test_lora_with_or_without_adapters_on_the_head(targets):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(_model("qwen2_sdpa"), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                              init_lora_weights=False)).train()
+    model = get_peft_model(
+        _model("qwen2_sdpa"), LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    ).train()
     assert chunkable(model)
     _compare(model, "shared_prefix", temperature=1.3)
 
@@ -94,8 +116,10 @@ def test_an_adapters_dropout_on_the_head_draws_the_same_masks_in_the_backwards_r
     from trl_plugins.chunked_head import _chunk, chunked_logprobs_and_entropy, output_head
 
     torch.manual_seed(0)
-    model = get_peft_model(_model("qwen2_sdpa"), LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"],
-                                                              lora_dropout=0.5, init_lora_weights=False)).train()
+    model = get_peft_model(
+        _model("qwen2_sdpa"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], lora_dropout=0.5, init_lora_weights=False),
+    ).train()
     head = output_head(model)
     assert next(head.children(), None) is not None  # PEFT's wrapper: a head with submodules
     hidden = torch.randn(23, model.config.hidden_size, requires_grad=True)
@@ -108,7 +132,9 @@ def test_an_adapters_dropout_on_the_head_draws_the_same_masks_in_the_backwards_r
         if chunked:
             lp, ent = chunked_logprobs_and_entropy(head, hidden, targets, temperature=1.3, chunk_size=CHUNK)
         else:
-            parts = [_chunk(head, hidden[i: i + CHUNK], targets[i: i + CHUNK], 1.3, True) for i in range(0, 23, CHUNK)]
+            parts = [
+                _chunk(head, hidden[i : i + CHUNK], targets[i : i + CHUNK], 1.3, True) for i in range(0, 23, CHUNK)
+            ]
             lp, ent = torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
         after_forward = torch.get_rng_state()
         out = list(torch.autograd.grad((lp * weights).sum() + 0.1 * ent.sum(), [hidden, *trained]))

@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from trl_plugins.registry import TOOLS
 from trl_plugins.aio import run_async
+from trl_plugins.registry import TOOLS
 from trl_plugins.tools.base import Tool, check_arguments
 
 
@@ -59,8 +59,14 @@ def test_a_sandbox_failure_is_an_infrastructure_error_and_the_model_s_error_is_n
 
     class BrokenSandbox:
         async def arun(self, code):
-            return ExecResult(ok=False, stdout="", stderr="SandboxError: could not start the server\n", exit_code=None,
-                              timed_out=False, latency_s=0.01)
+            return ExecResult(
+                ok=False,
+                stdout="",
+                stderr="SandboxError: could not start the server\n",
+                exit_code=None,
+                timed_out=False,
+                latency_s=0.01,
+            )
 
     tool = CodeInterpreter(mode="cold")
     tool._sandbox = BrokenSandbox()
@@ -83,8 +89,13 @@ def test_start_up_logs_the_isolation_in_force(caplog, tmp_path):
     from trl_plugins.tools.sandbox import detect_isolation
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    config = MultiTurnGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, reward_components=["correct"],
-                                 tool_kwargs={"code_interpreter": {"mode": "cold"}})
+    config = MultiTurnGRPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        reward_components=["correct"],
+        tool_kwargs={"code_interpreter": {"mode": "cold"}},
+    )
     run = resolve_run(config)
     try:
         with caplog.at_level(logging.INFO, logger="trl_plugins.run.build"):
@@ -95,4 +106,5 @@ def test_start_up_logs_the_isolation_in_force(caplog, tmp_path):
     lines = [r.getMessage() for r in caplog.records if r.name == "trl_plugins.run.build"]
     assert len(lines) == 1 and said == {"code_interpreter": lines[0].removeprefix("tool 'code_interpreter': ")}
     assert lines[0].startswith(
-        f"tool 'code_interpreter': sandbox isolation={detect_isolation().value}, mode=cold, memory 1024 MB per"), lines
+        f"tool 'code_interpreter': sandbox isolation={detect_isolation().value}, mode=cold, memory 1024 MB per"
+    ), lines

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conftest import code_schema
-
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
 from trl_plugins.rollout.continuous_batching import (
     CB_SAMPLE_SIGNATURE,
@@ -33,30 +32,37 @@ def setup():
     tok = build_tokenizer("qwen2_5")
     chat = ChatFormat(tok, [code_schema()])
     model = build_tiny_model(tok, hidden_size=64, num_layers=2)
-    prompts = [chat.initial_prompt_ids([{"role": "user", "content": f"What is {a} * {b}? Use the tool, then answer."}])
-               for a, b in [(2, 3), (17, 4), (123, 456), (9, 99), (5, 5), (31, 7)]]
+    prompts = [
+        chat.initial_prompt_ids([{"role": "user", "content": f"What is {a} * {b}? Use the tool, then answer."}])
+        for a, b in [(2, 3), (17, 4), (123, 456), (9, 99), (5, 5), (31, 7)]
+    ]
     return tok, chat, model, prompts
 
 
 def cb(model, chat, sampling, **kwargs):
-    return ContinuousBatchingBackend(model, stop_token_ids=chat.stop_token_ids, sampling=sampling,
-                                     config=continuous_batching_config(SMALL), **kwargs)
+    return ContinuousBatchingBackend(
+        model, stop_token_ids=chat.stop_token_ids, sampling=sampling, config=continuous_batching_config(SMALL), **kwargs
+    )
 
 
-@pytest.mark.parametrize("sampling", [SamplingSettings(temperature=0.0),
-                                      SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01)])
+@pytest.mark.parametrize(
+    "sampling", [SamplingSettings(temperature=0.0), SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01)]
+)
 def test_it_samples_exactly_what_hf_generate_samples(setup, sampling):
     # Same weights, same per-turn seeds: the same tokens (and log-probs to fp32 noise), whether a turn ends on
     # a stop token or at its budget. A token the long row samples is made a stop token, so both happen.
     tok, chat, model, prompts = setup
     budgets, seeds = [3, 8, 40, 13, 1, 25], [11, 12, 13, 14, 15, 16]
-    probe = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
-                                sampling=sampling).generate(prompts, budgets, seeds=seeds)
+    probe = HFGenerationBackend(
+        model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling
+    ).generate(prompts, budgets, seeds=seeds)
     first_of_short = {s.token_ids[0] for s in probe[:2] + probe[4:5]}
     stop = next((t for t in probe[2].token_ids[3:] if t not in first_of_short), None)  # None: greedy repeats one token
     stops = sorted(set(chat.stop_token_ids) | ({stop} if stop is not None else set()))
     hf = HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=stops, sampling=sampling)
-    cbb = ContinuousBatchingBackend(model, stop_token_ids=stops, sampling=sampling, config=continuous_batching_config(SMALL))
+    cbb = ContinuousBatchingBackend(
+        model, stop_token_ids=stops, sampling=sampling, config=continuous_batching_config(SMALL)
+    )
     want = hf.generate(prompts, budgets, seeds=seeds)
     with cbb.session():
         got = cbb.generate(prompts, budgets, seeds=seeds)
@@ -84,8 +90,10 @@ def test_each_turn_is_its_own_request_and_many_run_at_once(setup):
 
 
 def _replay(model, tok, prompts, samples, temperature):
-    trajs = [Trajectory(turns=[Turn(p, s.token_ids, s.logprobs)], stop_reason=StopReason.NO_TOOL_CALL)
-             for p, s in zip(prompts, samples)]
+    trajs = [
+        Trajectory(turns=[Turn(p, s.token_ids, s.logprobs)], stop_reason=StopReason.NO_TOOL_CALL)
+        for p, s in zip(prompts, samples)
+    ]
     return replay_logprobs(model, trajs, pad_token_id=tok.pad_token_id, temperature=temperature)
 
 
@@ -142,12 +150,21 @@ def test_the_session_unwraps_a_prepared_model(setup):
     tok, chat, _, prompts = setup
     accelerator = Accelerator(cpu=True)
     prepared = accelerator.prepare(build_tiny_model(tok))
-    be = ContinuousBatchingBackend(prepared, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(temperature=0.0),
-                                   config=continuous_batching_config(SMALL), accelerator=accelerator)
+    be = ContinuousBatchingBackend(
+        prepared,
+        stop_token_ids=chat.stop_token_ids,
+        sampling=SamplingSettings(temperature=0.0),
+        config=continuous_batching_config(SMALL),
+        accelerator=accelerator,
+    )
     with be.session():
         inside = be.generate([prompts[0]], [6], seeds=[0])[0]
-    reference = HFGenerationBackend(build_tiny_model(tok), pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
-                                    sampling=SamplingSettings(temperature=0.0)).generate([prompts[0]], [6], seeds=[0])[0]
+    reference = HFGenerationBackend(
+        build_tiny_model(tok),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=chat.stop_token_ids,
+        sampling=SamplingSettings(temperature=0.0),
+    ).generate([prompts[0]], [6], seeds=[0])[0]
     assert inside.token_ids == reference.token_ids
 
 
@@ -171,25 +188,46 @@ def test_bad_settings_are_refused_with_what_to_do(setup):
 def _config(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
-                  per_device_train_batch_size=4, num_generations=2, save_strategy="no")
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        reward_components=["correct"],
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        save_strategy="no",
+    )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
 
 def test_the_trl_fields_are_honoured_or_refused_at_start_up(tmp_path):
-    on = _config(tmp_path, use_transformers_continuous_batching=True,
-                 transformers_continuous_batching_config={"max_batch_tokens": 128}, continuous_batching_keep_cache=True)
+    on = _config(
+        tmp_path,
+        use_transformers_continuous_batching=True,
+        transformers_continuous_batching_config={"max_batch_tokens": 128},
+        continuous_batching_keep_cache=True,
+    )
     assert on.use_transformers_continuous_batching
     with pytest.warns(FutureWarning):
         assert _config(tmp_path, use_transformers_paged=True).use_transformers_continuous_batching  # TRL's alias
     refusals = [
-        (dict(transformers_continuous_batching_config={"max_batch_tokens": 128}), "use_transformers_continuous_batching is off"),
+        (
+            dict(transformers_continuous_batching_config={"max_batch_tokens": 128}),
+            "use_transformers_continuous_batching is off",
+        ),
         (dict(continuous_batching_keep_cache=True), "use_transformers_continuous_batching is off"),
         (dict(use_transformers_continuous_batching=True, use_vllm=True), "pick one"),
         (dict(use_transformers_continuous_batching=True, repetition_penalty=1.1), "repetition_penalty=1.1 is refused"),
-        (dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"seed": 1}), "'seed' is refused"),
-        (dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"nope": 1}), "unknown key"),
+        (
+            dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"seed": 1}),
+            "'seed' is refused",
+        ),
+        (
+            dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"nope": 1}),
+            "unknown key",
+        ),
     ]
     for overrides, message in refusals:
         with pytest.raises(ValueError, match=message):
@@ -206,8 +244,12 @@ def test_the_wrapped_transformers_internals_keep_their_shape():
     )
 
     assert str(inspect.signature(model_runner.ModelRunner._sample)) == CB_SAMPLE_SIGNATURE
-    assert "output_ids[1, :tokens].copy_(logprobs.view(dtype=torch.int32))" in inspect.getsource(model_runner.ModelRunner._sample)
-    assert {"fill_defaults", "prepare_tensor_args", "__call__"} <= set(ContinuousBatchingLogitsProcessor.__abstractmethods__)
+    assert "output_ids[1, :tokens].copy_(logprobs.view(dtype=torch.int32))" in inspect.getsource(
+        model_runner.ModelRunner._sample
+    )
+    assert {"fill_defaults", "prepare_tensor_args", "__call__"} <= set(
+        ContinuousBatchingLogitsProcessor.__abstractmethods__
+    )
     assert "tensors_required" in inspect.getsource(ContinuousBatchingLogitsProcessorList.__init__)
     assert "_retrieve_processors_kwargs" in vars(ContinuousBatchingLogitsProcessorList)
     assert "position_offset" in {f for f in requests.RequestState.__dataclass_fields__}
@@ -215,7 +257,10 @@ def test_the_wrapped_transformers_internals_keep_their_shape():
     for name in ("_create_batch_processor", "switch_to_cb_friendly_attn", "add_request", "get_result", "stop", "start"):
         assert callable(getattr(manager, name)), name
     assert "state.position_offset += query_length" in inspect.getsource(
-        sys.modules["transformers.generation.continuous_batching.input_outputs"].ContinuousBatchingIOs.prepare_batch_tensors)
+        sys.modules[
+            "transformers.generation.continuous_batching.input_outputs"
+        ].ContinuousBatchingIOs.prepare_batch_tensors
+    )
 
 
 def _train(tmp_path, **overrides):
@@ -223,20 +268,27 @@ def _train(tmp_path, **overrides):
 
     from test_trainer import TokenReward, _dataset
     from test_trainer import _config as trainer_config
-
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
     config = trainer_config(tmp_path, max_steps=3, learning_rate=2e-2, **overrides)
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), config, train_dataset=_dataset(), processing_class=tok,
-                                   reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        config,
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return trainer, [r for r in records if "reward/total" in r]
 
 
-CB_RUN = dict(use_transformers_continuous_batching=True, continuous_batching_keep_cache=True,
-              transformers_continuous_batching_config=SMALL)
+CB_RUN = dict(
+    use_transformers_continuous_batching=True,
+    continuous_batching_keep_cache=True,
+    transformers_continuous_batching_config=SMALL,
+)
 
 
 def test_training_with_continuous_batching_is_training_with_hf_generate(tmp_path):
@@ -250,8 +302,10 @@ def test_training_with_continuous_batching_is_training_with_hf_generate(tmp_path
     assert [r["rollout/action_tokens_mean"] for r in cb_steps] == [r["rollout/action_tokens_mean"] for r in hf_steps]
     assert all(r["train/behaviour_logprob_gap"] < 1e-5 and r["train/ratio_max"] < 1.0001 for r in cb_steps), cb_steps
     diff = max((a - b).abs().max().item() for a, b in zip(hf.model.parameters(), cbt.model.parameters()))
-    moved = max((a - b).abs().max().item() for a, b in zip(build_tiny_model(build_tokenizer("qwen2_5")).parameters(),
-                                                            cbt.model.parameters()))
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(build_tiny_model(build_tokenizer("qwen2_5")).parameters(), cbt.model.parameters())
+    )
     assert moved > 1e-2  # it did train
     # The two samplers' log-probs differ by float rounding only (< 1e-5 above), which Adam's per-weight normalisation
     # can turn into ~1e-4 on a weight over three steps at lr 2e-2 (measured 1.2e-4 with two torch threads, less with
@@ -281,10 +335,14 @@ def test_a_lora_adapter_is_part_of_what_it_samples_from(setup):
     from peft import LoraConfig, get_peft_model
 
     tok, chat, _, prompts = setup
-    policy = get_peft_model(build_tiny_model(tok), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                              init_lora_weights=False))
+    policy = get_peft_model(
+        build_tiny_model(tok),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     sampling = SamplingSettings(temperature=1.0)
-    hf = HFGenerationBackend(policy, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling)
+    hf = HFGenerationBackend(
+        policy, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling
+    )
     want = hf.generate(prompts, [12] * len(prompts), seeds=list(range(len(prompts))))
     with cb(policy, chat, sampling).session() as _:
         pass  # a session with no request starts and stops cleanly
@@ -333,9 +391,19 @@ def _embedded_shape():
     # The embedded default's shape (~/.cache/trl-plugins/embedded/*/model/config.json), on the meta device.
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=718, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-                         use_sliding_window=True, sliding_window=48, max_window_layers=0)
+    config = Qwen2Config(
+        vocab_size=718,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=48,
+        max_window_layers=0,
+    )
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         return Qwen2ForCausalLM(config)
@@ -370,8 +438,11 @@ def test_the_default_sizing_that_died_on_a_fresh_machine_is_caught_with_its_figu
     again = cache_footprint(model, memoized)
     assert again.total == 5_076_953_088 and again.available == 3_700_285_440 and not again.fits
     assert again.masks == 2 * 4 * 8192 * (265 * 256 + 8192)
-    with pytest.raises(MemoryError, match=r"5\.08 GB \(4\.98 GB attention masks.*allows 3\.70 GB on cpu.*"
-                                          r"Set transformers_continuous_batching_config '\{\"max_batch_tokens\": 4096"):
+    with pytest.raises(
+        MemoryError,
+        match=r"5\.08 GB \(4\.98 GB attention masks.*allows 3\.70 GB on cpu.*"
+        r"Set transformers_continuous_batching_config '\{\"max_batch_tokens\": 4096",
+    ):
         check_cache_fits(model, memoized)
     # Sized from the workload (64 trajectories x 1,024 tokens): 0.63 GB, the same whatever the memory.
     sized = check_cache_fits(model, continuous_batching_config(None, trajectories=64, tokens_per_trajectory=1024))
@@ -396,8 +467,14 @@ def test_the_footprint_is_the_one_transformers_checks(setup, monkeypatch, option
     resolved = resolve_continuous_batching_config(model.config, config, None, True, model.device)
 
     def build():
-        return cb_cache.PagedAttentionCache(model.config, resolved, model.device, DistributedHelper(None, 300.0),
-                                            dtype=model.dtype, model_supports_logits_to_keep=model._supports_logits_to_keep())
+        return cb_cache.PagedAttentionCache(
+            model.config,
+            resolved,
+            model.device,
+            DistributedHelper(None, 300.0),
+            dtype=model.dtype,
+            model_supports_logits_to_keep=model._supports_logits_to_keep(),
+        )
 
     if not options:  # sized by transformers from the memory: fills it
         assert footprint.fits and footprint.total > 0.9 * footprint.available
@@ -417,8 +494,11 @@ def test_a_cache_that_cannot_fit_is_refused_before_transformers_builds_it(setup,
     _, chat, model, prompts = setup
     backend = cb(model, chat, SamplingSettings(temperature=0.0))
     _memory(monkeypatch, 1_000_000)
-    with pytest.raises(MemoryError, match=r"the paged KV cache does not fit: max_batch_tokens=256, num_blocks=64.*"
-                                          r"transformers allows 0\.00 GB.*generate with HF generate"):
+    with pytest.raises(
+        MemoryError,
+        match=r"the paged KV cache does not fit: max_batch_tokens=256, num_blocks=64.*"
+        r"transformers allows 0\.00 GB.*generate with HF generate",
+    ):
         backend.generate(prompts[:1], [4], seeds=[0])
     monkeypatch.undo()
     assert len(backend.generate(prompts[:1], [4], seeds=[0])[0].token_ids) == 4  # the same backend, memory back
@@ -429,14 +509,22 @@ def test_the_run_sizes_the_cache_of_training_and_of_evaluation_from_their_worklo
     from trl_plugins.run.sampler import make_backend
 
     _, chat, model, _ = setup
-    run = resolve_run(_config(tmp_path, use_transformers_continuous_batching=True,
-                              rollout_kwargs={"max_trajectory_tokens": 300}))
-    train = make_backend(SamplerKind.CONTINUOUS_BATCHING, run.config, chat, model=model,
-                         token_budget=run.rollout.token_budget)
+    run = resolve_run(
+        _config(tmp_path, use_transformers_continuous_batching=True, rollout_kwargs={"max_trajectory_tokens": 300})
+    )
+    train = make_backend(
+        SamplerKind.CONTINUOUS_BATCHING, run.config, chat, model=model, token_budget=run.rollout.token_budget
+    )
     # per_device_train_batch_size 4 trajectories x ceil(300 / 256) = 2 blocks; max(4, 300) -> 320 batch tokens.
     assert (train.config.num_blocks, train.config.max_batch_tokens) == (8, 320)
-    evaluation = make_backend(SamplerKind.CONTINUOUS_BATCHING, run.config, chat, model=model,
-                              token_budget=run.rollout.token_budget, trajectories=12 * 4)
+    evaluation = make_backend(
+        SamplerKind.CONTINUOUS_BATCHING,
+        run.config,
+        chat,
+        model=model,
+        token_budget=run.rollout.token_budget,
+        trajectories=12 * 4,
+    )
     assert (evaluation.config.num_blocks, evaluation.config.max_batch_tokens) == (96, 320)
     run.close()
 
@@ -447,17 +535,29 @@ def test_the_start_up_check_refuses_a_cache_that_will_not_fit_before_the_weights
 
     tok, _, model, _ = setup
     model.save_pretrained(tmp_path / "model")
-    run = resolve_run(_config(tmp_path, use_transformers_continuous_batching=True,
-                              rollout_kwargs={"max_trajectory_tokens": 300}))
+    run = resolve_run(
+        _config(tmp_path, use_transformers_continuous_batching=True, rollout_kwargs={"max_trajectory_tokens": 300})
+    )
     _memory(monkeypatch, 8_000_000_000)
     line = check_continuous_batching_memory(run, str(tmp_path / "model"))
-    assert line.startswith("continuous-batching cache 0.01 GB of the 4.00 GB") and "max_batch_tokens=320, num_blocks=8" in line
+    assert (
+        line.startswith("continuous-batching cache 0.01 GB of the 4.00 GB")
+        and "max_batch_tokens=320, num_blocks=8" in line
+    )
     # 4 trajectories x 300 tokens fit anywhere; a user's 8,192-token batch over 4,096 blocks does not fit in 1 GB.
-    big = resolve_run(_config(tmp_path, use_transformers_continuous_batching=True,
-                              transformers_continuous_batching_config={"max_batch_tokens": 8192, "num_blocks": 4096}))
+    big = resolve_run(
+        _config(
+            tmp_path,
+            use_transformers_continuous_batching=True,
+            transformers_continuous_batching_config={"max_batch_tokens": 8192, "num_blocks": 4096},
+        )
+    )
     _memory(monkeypatch, 1_000_000_000)
-    with pytest.raises(ValueError, match=r"does not fit: max_batch_tokens=8192, num_blocks=4096.*with the model and its "
-                                         r"training state \(~0\.00 GB, estimated\) loaded\. Set "):
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit: max_batch_tokens=8192, num_blocks=4096.*with the model and its "
+        r"training state \(~0\.00 GB, estimated\) loaded\. Set ",
+    ):
         check_continuous_batching_memory(big, str(tmp_path / "model"))
     run.close()
     big.close()

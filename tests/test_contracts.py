@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from conftest import ASSETS
+from trl_plugins.contracts import (
+    ContractError,
+    check_advantage_contract,
+    check_packer_contract,
+    check_policy_loss_contract,
+    check_reward_contract,
+    check_rollout_contract,
+    check_tool_contract,
+)
 from trl_plugins.registry import ADVANTAGES, PACKERS, POLICY_LOSSES, REWARDS, ROLLOUTS, TOOLS
-from trl_plugins.contracts import ContractError, check_advantage_contract, check_packer_contract, check_policy_loss_contract, check_reward_contract, check_rollout_contract, check_tool_contract
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.types import AdvantageOutput, PackPlan, PolicyLossOutput
 
@@ -41,38 +49,58 @@ def test_reward_plugins(name):
     if name == "reasoning_gym":  # scores reasoning-gym entries: a row with the entry's metadata (source_dataset)
         rg = pytest.importorskip("reasoning_gym")
         entry = rg.create_dataset("chain_sum", size=1, seed=0)[0]
-        example = {"prompt": entry["question"], "answer": "42", "metadata": {**entry["metadata"], "source_dataset": "chain_sum"}}
+        example = {
+            "prompt": entry["question"],
+            "answer": "42",
+            "metadata": {**entry["metadata"], "source_dataset": "chain_sum"},
+        }
     check_reward_contract(name, example=example)
 
 
 async def echo_agent(client, row):
     """An OpenAI-SDK agent for the contract's scripted policy: it offers the echo tool and runs its calls."""
-    schema = {"type": "function", "function": {"name": "echo", "description": "Echo the text.", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "echo",
+            "description": "Echo the text.",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        },
+    }
     messages = [{"role": "user", "content": row["prompt"]}]
     while True:
-        message = (await client.chat.completions.create(model="m", messages=messages, tools=[schema])).choices[0].message
+        message = (
+            (await client.chat.completions.create(model="m", messages=messages, tools=[schema])).choices[0].message
+        )
         messages.append(message)
         if not message.tool_calls:
             return 1.0
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.loads(call.function.arguments)["text"] + "\n"})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": json.loads(call.function.arguments)["text"] + "\n"}
+            )
 
 
 @pytest.mark.parametrize("name", TOOLS.names())
 def test_tool_plugins(name):
     kwargs = {"mode": "cold"} if name == "code_interpreter" else None  # cold: no pool of warm interpreters to start
     if name == "mcp":  # a real stdio server (tests/mcp_servers/toy.py), two of its tools
-        kwargs = {"mcpServers": {"toy": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_servers" / "toy.py")]}},
-                  "include": ["add", "greet"]}
+        kwargs = {
+            "mcpServers": {
+                "toy": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_servers" / "toy.py")]}
+            },
+            "include": ["add", "greet"],
+        }
     check_tool_contract(name, kwargs)
 
 
 @pytest.mark.parametrize("name", ROLLOUTS.names())
 def test_rollout_plugins(name):
     if name == "verifiers":
-        pytest.skip("needs a verifiers environment and its interpreter: tests/test_verifiers_env.py runs the contract "
-                    "on one (test_the_rollout_meets_the_rollout_contract)")
+        pytest.skip(
+            "needs a verifiers environment and its interpreter: tests/test_verifiers_env.py runs the contract "
+            "on one (test_the_rollout_meets_the_rollout_contract)"
+        )
     check_rollout_contract(name, {"agent": echo_agent} if name == "agent_endpoint" else None)
 
 
@@ -177,8 +205,15 @@ class _VagueSuccess:
 
 
 def _schema(name="raiser", **function):
-    return {"type": "function", "function": {"name": name, "description": "Echo the text.", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}, **function}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "Echo the text.",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+            **function,
+        },
+    }
 
 
 class _RaisingTool:
@@ -271,7 +306,11 @@ class _NoBudgetRollout:
     "check, plugin, message",
     [
         (check_policy_loss_contract, _UnmaskedLoss(), "non-zero loss off the action mask"),
-        (check_advantage_contract, _UndeclaredAdvantage(), "_UndeclaredAdvantage: does not declare needs_values \\(a bool\\)"),
+        (
+            check_advantage_contract,
+            _UndeclaredAdvantage(),
+            "_UndeclaredAdvantage: does not declare needs_values \\(a bool\\)",
+        ),
         (check_advantage_contract, _OffMaskAdvantage(), "non-zero advantage off the action mask"),
         (check_packer_contract, _overfull, "items > 7"),
         (check_rollout_contract, _NoBudgetRollout(), "_NoBudgetRollout: does not declare token_budget"),
@@ -286,21 +325,51 @@ def test_each_contract_check_can_fail(check, plugin, message):
 @pytest.mark.parametrize(
     "plugin, message",
     [
-        (_NanReward(), r"rewards plugin _NanReward on the trajectory stopped by final_answer: returned nan; a reward must be finite"),
-        (_MutatingReward(), r"_MutatingReward on the trajectory stopped by final_answer: changed the trajectory it scored"),
+        (
+            _NanReward(),
+            r"rewards plugin _NanReward on the trajectory stopped by final_answer: returned nan; a reward must be finite",
+        ),
+        (
+            _MutatingReward(),
+            r"_MutatingReward on the trajectory stopped by final_answer: changed the trajectory it scored",
+        ),
         (_StrReward(), r"_StrReward on the trajectory stopped by final_answer: returned '42' \(str\), not a number"),
-        (_ListReward(), r"_ListReward on the trajectory stopped by final_answer: returned \[1.0, 0.0\] \(list\), not a number; "
-                        r"a component scores one trajectory with one float"),
-        (_BoolReward(), r"_BoolReward on the trajectory stopped by final_answer: returned True, a bool; return a float"),
-        (_RaisesWithoutAnswer(), r"_RaisesWithoutAnswer on the trajectory without an answer: raised IndexError: .* "
-                                 r"The trainer would end the trajectory as verifier_error"),
-        (_ExampleMutatingReward(), r"_ExampleMutatingReward on the trajectory stopped by final_answer: changed the example"),
-        (_NoisyReward(), r"_NoisyReward on the trajectory stopped by final_answer: returned 1.0 and then 2.0 for the same "
-                         r"trajectory"),
+        (
+            _ListReward(),
+            r"_ListReward on the trajectory stopped by final_answer: returned \[1.0, 0.0\] \(list\), not a number; "
+            r"a component scores one trajectory with one float",
+        ),
+        (
+            _BoolReward(),
+            r"_BoolReward on the trajectory stopped by final_answer: returned True, a bool; return a float",
+        ),
+        (
+            _RaisesWithoutAnswer(),
+            r"_RaisesWithoutAnswer on the trajectory without an answer: raised IndexError: .* "
+            r"The trainer would end the trajectory as verifier_error",
+        ),
+        (
+            _ExampleMutatingReward(),
+            r"_ExampleMutatingReward on the trajectory stopped by final_answer: changed the example",
+        ),
+        (
+            _NoisyReward(),
+            r"_NoisyReward on the trajectory stopped by final_answer: returned 1.0 and then 2.0 for the same "
+            r"trajectory",
+        ),
         (_VagueSuccess(), r"_VagueSuccess: is_success\(1.0\) returned 'yes', not a bool"),
     ],
-    ids=["nan", "mutates-trajectory", "str", "list", "bool", "raises-without-answer", "mutates-example",
-         "nondeterministic", "is-success-not-bool"],
+    ids=[
+        "nan",
+        "mutates-trajectory",
+        "str",
+        "list",
+        "bool",
+        "raises-without-answer",
+        "mutates-example",
+        "nondeterministic",
+        "is-success-not-bool",
+    ],
 )
 def test_reward_contract_catches(plugin, message):
     with pytest.raises(ContractError, match=message):
@@ -368,15 +437,27 @@ def test_a_plain_callable_class_passes_the_pickled_copy_check():
 @pytest.mark.parametrize(
     "check, plugin, message",
     [
-        (check_advantage_contract, _ForgetfulAdvantage(), r"advantages plugin _ForgetfulAdvantage: its pickled copy has other "
-                                                          r"attributes: scale \(2.0 -> missing\). Plugins must pickle to an "
-                                                          r"equal copy: a plugin may be sent to another process .*\(a __getstate__ "
-                                                          r"must not drop one"),
-        (check_advantage_contract, _LambdaAdvantage(), r"advantages plugin _LambdaAdvantage: does not pickle \(.*lambda.*\). "
-                                                       r"Plugins must pickle to an equal copy: .* not a closure or a lambda"),
-        (check_policy_loss_contract, _SeededLoss(), r"policy_losses plugin _SeededLoss: does not compare equal \(==\) to "
-                                                    r"its pickled copy. Plugins must pickle to an equal copy: .*"
-                                                    r"field\(compare=False\)"),
+        (
+            check_advantage_contract,
+            _ForgetfulAdvantage(),
+            r"advantages plugin _ForgetfulAdvantage: its pickled copy has other "
+            r"attributes: scale \(2.0 -> missing\). Plugins must pickle to an "
+            r"equal copy: a plugin may be sent to another process .*\(a __getstate__ "
+            r"must not drop one",
+        ),
+        (
+            check_advantage_contract,
+            _LambdaAdvantage(),
+            r"advantages plugin _LambdaAdvantage: does not pickle \(.*lambda.*\). "
+            r"Plugins must pickle to an equal copy: .* not a closure or a lambda",
+        ),
+        (
+            check_policy_loss_contract,
+            _SeededLoss(),
+            r"policy_losses plugin _SeededLoss: does not compare equal \(==\) to "
+            r"its pickled copy. Plugins must pickle to an equal copy: .*"
+            r"field\(compare=False\)",
+        ),
     ],
     ids=["getstate-drops-a-setting", "lambda-attribute", "dataclass-unequal-field"],
 )
@@ -387,11 +468,11 @@ def test_the_pickled_copy_check_refuses_a_copy_that_differs(check, plugin, messa
 
 def test_reward_contract_runs_the_trainers_own_rule():
     # The trainer stores what reward_value accepts and marks verifier_error what it refuses: the same rule.
+    import random
+
     from trl_plugins.contracts import make_trajectory
     from trl_plugins.protocols import as_reward
     from trl_plugins.trainers.batch import score_trajectories
-
-    import random
 
     trajs = [make_trajectory(random.Random(0), num_turns=1) for _ in range(3)]
     assert score_trajectories([as_reward(_StrReward(), "s")], trajs[:1], [{"answer": "42"}]) == {"s": 1}
@@ -403,15 +484,18 @@ def test_reward_contract_runs_the_trainers_own_rule():
 
 
 def test_reward_contract_takes_the_authors_trajectories_and_example():
-    from trl_plugins.contracts import make_trajectory
-
     import random
+
+    from trl_plugins.contracts import make_trajectory
 
     traj = make_trajectory(random.Random(0), num_turns=1)
     traj.turns[-1].text = "\\boxed{3}"
     check_reward_contract("correct", {"answer_key": "solution"}, example={"solution": "3"}, trajectories=[traj])
-    with pytest.raises(ContractError, match=r"rewards plugin 'correct' on the trajectory number 0 .*raised KeyError: "
-                                            r".*needs the reference answer in column 'solution'"):
+    with pytest.raises(
+        ContractError,
+        match=r"rewards plugin 'correct' on the trajectory number 0 .*raised KeyError: "
+        r".*needs the reference answer in column 'solution'",
+    ):
         check_reward_contract("correct", {"answer_key": "solution"}, example={"answer": "3"}, trajectories=[traj])
     check_reward_contract(_NoisyReward(), deterministic=False)  # a sampled judge opts out of determinism only
 
@@ -421,18 +505,34 @@ def test_reward_contract_takes_the_authors_trajectories_and_example():
     [
         (_RaisingTool(), r"tools plugin _RaisingTool: raised KeyError: 'text' on arguments \{\}. A tool never raises"),
         (_NoSchemaTool(), r"tools plugin _NoSchemaTool: is not a tool: it needs a name, a schema\(\) method"),
-        (_MisnamedTool(), r"_MisnamedTool: schema\(\)\['function'\]\['name'\] is 'other', but the tool's name is 'raiser'"),
+        (
+            _MisnamedTool(),
+            r"_MisnamedTool: schema\(\)\['function'\]\['name'\] is 'other', but the tool's name is 'raiser'",
+        ),
         (_UndescribedTool(), r"_UndescribedTool: schema\(\)\['function'\] has no 'description'"),
         (_StringTool(), r"_StringTool: returned '1' for arguments \{'text': '1'\}, not a ToolOutput"),
         (_SyncTool(), r"_SyncTool: __call__ must be async"),
-        (_AcceptsAnythingTool(), r"_AcceptsAnythingTool: returned ok=True, infra_error=None for arguments \{\} that break "
-                                 r"its schema \(missing required argument 'text'\)"),
+        (
+            _AcceptsAnythingTool(),
+            r"_AcceptsAnythingTool: returned ok=True, infra_error=None for arguments \{\} that break "
+            r"its schema \(missing required argument 'text'\)",
+        ),
         (_BlamesInfraTool(), r"_BlamesInfraTool: returned ok=False, infra_error='bad arguments' for arguments \{\}"),
         (_CloseOnceTool(), r"_CloseOnceTool: close\(\) raised RuntimeError: already closed \(it must be idempotent\)"),
         (_MedianTool(), r"_MedianTool: step_metric_reductions\(\) returned \{'echo/calls': 'median'\}"),
     ],
-    ids=["raises-on-bad-arguments", "no-schema", "schema-misnamed", "no-description", "returns-str", "not-async",
-         "ok-on-bad-arguments", "infra-error-on-bad-arguments", "close-not-idempotent", "unknown-reduction"],
+    ids=[
+        "raises-on-bad-arguments",
+        "no-schema",
+        "schema-misnamed",
+        "no-description",
+        "returns-str",
+        "not-async",
+        "ok-on-bad-arguments",
+        "infra-error-on-bad-arguments",
+        "close-not-idempotent",
+        "unknown-reduction",
+    ],
 )
 def test_tool_contract_catches(plugin, message):
     with pytest.raises(ContractError, match=message):
@@ -442,6 +542,9 @@ def test_tool_contract_catches(plugin, message):
 def test_tool_contract_checks_the_authors_arguments_against_the_schema():
     tool = _EchoTool()
     check_tool_contract(tool, arguments={"text": "hello"})
-    with pytest.raises(ContractError, match=r"the arguments \{'text': 5\} do not fit the schema \(argument 'text' must be "
-                                            r"of type string, got int\): the rollout would refuse such a call"):
+    with pytest.raises(
+        ContractError,
+        match=r"the arguments \{'text': 5\} do not fit the schema \(argument 'text' must be "
+        r"of type string, got int\): the rollout would refuse such a call",
+    ):
         check_tool_contract(tool, arguments={"text": 5})

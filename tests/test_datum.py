@@ -23,7 +23,12 @@ def worked_example(**kw) -> Trajectory:
     return Trajectory(
         turns=[
             Turn(prompt_ids=p1, completion_ids=c1, completion_logprobs=[-0.1, -0.2, -0.3]),
-            Turn(prompt_ids=p1 + c1 + d2, completion_ids=c2, completion_logprobs=[-0.4, -0.5], prompt_sources=[G, O, O, O, G]),
+            Turn(
+                prompt_ids=p1 + c1 + d2,
+                completion_ids=c2,
+                completion_logprobs=[-0.4, -0.5],
+                prompt_sources=[G, O, O, O, G],
+            ),
         ],
         stop_reason=StopReason.FINAL_ANSWER,
         advantage=0.75,
@@ -74,7 +79,10 @@ def test_advantage_argument_overrides_and_missing_advantage_is_an_error():
 def test_non_prefix_prompt_is_an_error_naming_the_turn():
     traj = worked_example()
     traj.turns[1].prompt_ids[4] = 999  # history re-tokenised: 202 became 999
-    with pytest.raises(DatumError, match=r"turn 1: the prompt does not extend the previous turns \(first difference at token 4: expected 202, got 999"):
+    with pytest.raises(
+        DatumError,
+        match=r"turn 1: the prompt does not extend the previous turns \(first difference at token 4: expected 202, got 999",
+    ):
         build_datum(traj)
 
 
@@ -105,7 +113,10 @@ def test_split_option_makes_one_datum_per_consistent_run():
 
 def test_context_limit_error_names_limit_and_budget():
     assert build_datum(worked_example(), max_context_tokens=12).num_tokens == 12
-    with pytest.raises(DatumError, match=r"12 tokens .* max_context_tokens=11\. Lower the rollout's trajectory token budget \(max_trajectory_tokens\) to at most 12"):
+    with pytest.raises(
+        DatumError,
+        match=r"12 tokens .* max_context_tokens=11\. Lower the rollout's trajectory token budget \(max_trajectory_tokens\) to at most 12",
+    ):
         build_datum(worked_example(), max_context_tokens=11)
 
 

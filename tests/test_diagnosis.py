@@ -25,7 +25,9 @@ def test_errors_differing_only_in_quoted_parts_are_one_kind():
     assert error_kind("tool 'calc': " + "x" * 500) == ("tool '...': " + "x" * 500)[:200]
     # 3 of one kind, 1 of another: the kinds by count, each with its first error as the example.
     assert top_error_kinds([b, a, b, "the agent ran past agent_time_limit_s=1.0"]) == [
-        (error_kind(a), 3, b), ("the agent ran past agent_time_limit_s=1.0", 1, "the agent ran past agent_time_limit_s=1.0")]
+        (error_kind(a), 3, b),
+        ("the agent ran past agent_time_limit_s=1.0", 1, "the agent ran past agent_time_limit_s=1.0"),
+    ]
 
 
 def test_the_most_common_error_is_counted_over_the_ranks_with_its_usual_cause():
@@ -33,22 +35,32 @@ def test_the_most_common_error_is_counted_over_the_ranks_with_its_usual_cause():
     rank0 = top_error_kinds(["the agent ran past agent_time_limit_s=60"] * 2 + ["the agent failed: KeyError: 'x'"])
     rank1 = top_error_kinds(["the agent ran past agent_time_limit_s=60"] * 3)
     message = environment_error_message(0.75, 0.5, rank0 + rank1, 6)
-    assert message.startswith("75% of this step's trajectories (all ranks, cancelled ones not counted) ended "
-                              "environment_error, over max_environment_error_rate=0.5")
-    assert ("Most common error (5 of 6): the agent ran past agent_time_limit_s=60; then (1) the agent failed: "
-            "KeyError: 'x'. Likely cause: the agent or a request ran past its time limit") in message
+    assert message.startswith(
+        "75% of this step's trajectories (all ranks, cancelled ones not counted) ended "
+        "environment_error, over max_environment_error_rate=0.5"
+    )
+    assert (
+        "Most common error (5 of 6): the agent ran past agent_time_limit_s=60; then (1) the agent failed: "
+        "KeyError: 'x'. Likely cause: the agent or a request ran past its time limit"
+    ) in message
 
 
-@pytest.mark.parametrize("error,cause", [
-    ("the agent failed: NotFoundError: Error code: 404 - {'error': ...}", "the agent could not reach the endpoint"),
-    ("the agent failed: APIConnectionError: Connection error.", "something the rollout calls is not reachable"),
-    ("tool 'code_interpreter': RuntimeError: could not start a warm sandbox server under bwrap: ...", "sandbox failed"),
-    ("the agent failed: ZeroDivisionError: division by zero", "the agent raises on every call"),
-    ("the agent command exited with status 2: ...", "the agent raises on every call"),
-    ("the agent returned 'yes', not None, a number or a mapping of numbers", "the agent returns something"),
-    ("tool 'search': ValueError: bad query", "a tool fails on every call"),
-    ("something else entirely", "the rollout's world"),
-])
+@pytest.mark.parametrize(
+    "error,cause",
+    [
+        ("the agent failed: NotFoundError: Error code: 404 - {'error': ...}", "the agent could not reach the endpoint"),
+        ("the agent failed: APIConnectionError: Connection error.", "something the rollout calls is not reachable"),
+        (
+            "tool 'code_interpreter': RuntimeError: could not start a warm sandbox server under bwrap: ...",
+            "sandbox failed",
+        ),
+        ("the agent failed: ZeroDivisionError: division by zero", "the agent raises on every call"),
+        ("the agent command exited with status 2: ...", "the agent raises on every call"),
+        ("the agent returned 'yes', not None, a number or a mapping of numbers", "the agent returns something"),
+        ("tool 'search': ValueError: bad query", "a tool fails on every call"),
+        ("something else entirely", "the rollout's world"),
+    ],
+)
 def test_each_kind_of_error_names_its_usual_cause(error, cause):
     assert cause in likely_cause(error_kind(error))
 
@@ -60,32 +72,59 @@ def test_a_skip_names_what_each_rank_left_out_summed_over_the_ranks():
     rank0 = skip_counts(4, 0, 0, [T, T, T, T])
     rank1 = skip_counts(4, 2, 0, [W, W, None, None])
     total = [a + b for a, b in zip(rank0, rank1)]
-    assert dict(zip(SKIP_COUNTS, total)) == {"trajectories": 8, "datums": 2, "forwarded": 0, "world_failure": 2,
-                                              "truncated": 4, "group_too_small": 0, "equal_rewards": 0, "surplus": 0,
-                                              "filler": 0}
+    assert dict(zip(SKIP_COUNTS, total)) == {
+        "trajectories": 8,
+        "datums": 2,
+        "forwarded": 0,
+        "world_failure": 2,
+        "truncated": 4,
+        "group_too_small": 0,
+        "equal_rewards": 0,
+        "surplus": 0,
+        "filler": 0,
+    }
     assert nothing_to_train(total) == (
         "no trajectory to train on: of the step's 8 trajectories (all ranks), 2 failed by the world (environment_error, "
         "verifier_error or cancelled), 4 truncated (truncated_policy='mask' leaves them out), 2 with zero advantage "
-        "(equal rewards within their group)")
+        "(equal rewards within their group)"
+    )
     # Every trajectory a datum with advantage 0: the groups' rewards were all equal.
     assert nothing_to_train(skip_counts(4, 4, 0, [None] * 4)) == (
         "no trajectory to train on: every group's rewards were equal (all 4 trajectories of the step, all ranks, have "
-        "advantage 0)")
+        "advantage 0)"
+    )
 
 
-@pytest.mark.parametrize("setting,value,message", [
-    ("max_environment_error_rate", 1.5, r"max_environment_error_rate and min_valid_group_fraction are shares in \[0, 1\]"),
-    ("max_environment_error_rate", -0.1, r"shares in \[0, 1\]; got 0.5, -0.1, 0.5"),
-    ("max_steps_without_update", -1, r"max_steps_without_update must be >= 0 \(0: never stop for it\), got -1"),
-])
+@pytest.mark.parametrize(
+    "setting,value,message",
+    [
+        (
+            "max_environment_error_rate",
+            1.5,
+            r"max_environment_error_rate and min_valid_group_fraction are shares in \[0, 1\]",
+        ),
+        ("max_environment_error_rate", -0.1, r"shares in \[0, 1\]; got 0.5, -0.1, 0.5"),
+        ("max_steps_without_update", -1, r"max_steps_without_update must be >= 0 \(0: never stop for it\), got -1"),
+    ],
+)
 def test_the_stop_settings_are_refused_at_start_up_when_out_of_range(tmp_path, setting, value, message):
     from trl_plugins.run.config import MultiTurnGRPOConfig
 
-    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], reward_components=["length"],
-                  per_device_train_batch_size=4, num_generations=2, bf16=False)
+    common = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        reward_components=["length"],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        bf16=False,
+    )
     with pytest.raises(ValueError, match=message):
         MultiTurnGRPOConfig(**common, **{setting: value})
     # The edges are settings, not errors: 1.0 never stops for the world, 0 never for skipped steps.
     ok = MultiTurnGRPOConfig(**common, max_environment_error_rate=1.0, max_steps_without_update=0)
-    assert (ok.max_environment_error_rate, ok.max_steps_without_update, MultiTurnGRPOConfig.max_steps_without_update) \
-        == (1.0, 0, 20)
+    assert (
+        ok.max_environment_error_rate,
+        ok.max_steps_without_update,
+        MultiTurnGRPOConfig.max_steps_without_update,
+    ) == (1.0, 0, 20)

@@ -28,33 +28,67 @@ MULTI_NODE_SCRIPT = ROOT / "tests" / "dist_multi_node.py"
 
 # -- one update on two ranks vs one process: one launch per backend ----------------------------------------------
 
-UPDATE_EXTRA = {"plain": (), "rebalance-seq-mean": ("--rebalance", "--aggregation", "seq_mean_token_mean"),
-                "kl-entropy": ("--kl",), "critic": ("--critic",), "token_truncate": ("--mismatch", "token_truncate"),
-                "sequence_mask": ("--mismatch", "sequence_mask")}
+UPDATE_EXTRA = {
+    "plain": (),
+    "rebalance-seq-mean": ("--rebalance", "--aggregation", "seq_mean_token_mean"),
+    "kl-entropy": ("--kl",),
+    "critic": ("--critic",),
+    "token_truncate": ("--mismatch", "token_truncate"),
+    "sequence_mask": ("--mismatch", "sequence_mask"),
+}
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # The shared-prefix layout with every term on (reference KL, entropy, importance weights): one update per aggregation
 # mode, chained on the same engines (each against a one-process step from where the last one left the weights).
-UPDATE_EXTRA.update({"shared": ("--shared-prefix", "--kl", "--mismatch", "token_truncate", "--aggregations",
-                                ",".join(AGGREGATIONS)),
-                     "shared-critic": ("--shared-prefix", "--critic"),
-                     "shared-rebalance": ("--shared-prefix", "--rebalance", "--aggregation", "seq_mean_token_mean"),
-                     "chunked-head": ("--chunked-head",)})
+UPDATE_EXTRA.update(
+    {
+        "shared": ("--shared-prefix", "--kl", "--mismatch", "token_truncate", "--aggregations", ",".join(AGGREGATIONS)),
+        "shared-critic": ("--shared-prefix", "--critic"),
+        "shared-rebalance": ("--shared-prefix", "--rebalance", "--aggregation", "seq_mean_token_mean"),
+        "chunked-head": ("--chunked-head",),
+    }
+)
 SHARED = ("shared", "shared-critic")
 # Sequence parallelism (sequence_parallel_size=2, ZeRO-3): on 2 ranks one group, every aggregation mode chained with
 # the reference KL, the entropy bonus and token-level importance weights; sequence-level weights (taken on the whole
 # row) under activation checkpointing; on 4 ranks two groups (data parallelism over them), planned per group or
 # rebalanced.
-UPDATE_EXTRA.update({"sp": ("--sequence-parallel", "--kl", "--mismatch", "token_truncate", "--aggregations",
-                            ",".join(AGGREGATIONS)),
-                     "sp-sequence-mask": ("--sequence-parallel", "--mismatch", "sequence_mask", "--checkpointing",
-                                          "--aggregation", "seq_mean_token_mean"),
-                     "sp-groups": ("--sequence-parallel", "--kl"),
-                     "sp-groups-rebalance": ("--sequence-parallel", "--rebalance", "--aggregation", "seq_mean_token_mean")})
-UPDATE_CASES = {"cpu_ddp.yaml": ("plain", "rebalance-seq-mean", "kl-entropy", "critic", "token_truncate", *SHARED,
-                                 "shared-rebalance"),
-                "cpu_zero3.yaml": ("plain", "kl-entropy", "critic", "sequence_mask", *SHARED, "chunked-head", "sp",
-                                   "sp-sequence-mask"),
-                "cpu_zero3.yaml@4": ("sp-groups", "sp-groups-rebalance")}
+UPDATE_EXTRA.update(
+    {
+        "sp": ("--sequence-parallel", "--kl", "--mismatch", "token_truncate", "--aggregations", ",".join(AGGREGATIONS)),
+        "sp-sequence-mask": (
+            "--sequence-parallel",
+            "--mismatch",
+            "sequence_mask",
+            "--checkpointing",
+            "--aggregation",
+            "seq_mean_token_mean",
+        ),
+        "sp-groups": ("--sequence-parallel", "--kl"),
+        "sp-groups-rebalance": ("--sequence-parallel", "--rebalance", "--aggregation", "seq_mean_token_mean"),
+    }
+)
+UPDATE_CASES = {
+    "cpu_ddp.yaml": (
+        "plain",
+        "rebalance-seq-mean",
+        "kl-entropy",
+        "critic",
+        "token_truncate",
+        *SHARED,
+        "shared-rebalance",
+    ),
+    "cpu_zero3.yaml": (
+        "plain",
+        "kl-entropy",
+        "critic",
+        "sequence_mask",
+        *SHARED,
+        "chunked-head",
+        "sp",
+        "sp-sequence-mask",
+    ),
+    "cpu_zero3.yaml@4": ("sp-groups", "sp-groups-rebalance"),
+}
 
 
 def update_cases(config: str, root: Path) -> dict[str, list[str]]:
@@ -101,7 +135,11 @@ def test_zero3_gathers_the_chunked_heads_weight_once_per_forward_and_once_per_ba
             if mode != "full":
                 backward_cap = 2 if kind == "tied" or (kind == "untied" and mode.startswith("shared")) else 1
                 assert got["forward_gathers"] == 1 and got["backward_gathers"] <= backward_cap, (kind, mode, got)
-                assert got["adapter_forward_gathers"] == 1 and got["adapter_backward_gathers"] <= backward_cap, (kind, mode, got)
+                assert got["adapter_forward_gathers"] == 1 and got["adapter_backward_gathers"] <= backward_cap, (
+                    kind,
+                    mode,
+                    got,
+                )
 
 
 @pytest.mark.slow
@@ -139,8 +177,13 @@ def test_two_ranks_critic_update_in_the_shared_prefix_layout_matches_one_process
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config,case",
-    [("cpu_ddp.yaml", "plain"), ("cpu_ddp.yaml", "rebalance-seq-mean"), ("cpu_zero3.yaml", "plain"),
-     ("cpu_ddp.yaml", "kl-entropy"), ("cpu_zero3.yaml", "kl-entropy")],
+    [
+        ("cpu_ddp.yaml", "plain"),
+        ("cpu_ddp.yaml", "rebalance-seq-mean"),
+        ("cpu_zero3.yaml", "plain"),
+        ("cpu_ddp.yaml", "kl-entropy"),
+        ("cpu_zero3.yaml", "kl-entropy"),
+    ],
     ids=["ddp", "ddp-rebalance-seq-mean", "zero3", "ddp-kl-entropy", "zero3-kl-entropy"],
 )
 def test_two_ranks_match_one_process(config, case, update_runs):
@@ -160,8 +203,11 @@ def test_two_ranks_match_one_process(config, case, update_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,mode", [("cpu_ddp.yaml", "token_truncate"), ("cpu_zero3.yaml", "sequence_mask")],
-                         ids=["ddp-token-truncate", "zero3-sequence-mask"])
+@pytest.mark.parametrize(
+    "config,mode",
+    [("cpu_ddp.yaml", "token_truncate"), ("cpu_zero3.yaml", "sequence_mask")],
+    ids=["ddp-token-truncate", "zero3-sequence-mask"],
+)
 def test_two_ranks_mismatch_correction_matches_one_process(config, mode, update_runs):
     # Ranks take pi_old of their own datums (3 and 7: different forward counts, dummies under ZeRO-3) and the
     # update weighted by the bounded pi_old / pi_sampler equals the one-process step.
@@ -177,8 +223,14 @@ def test_two_ranks_mismatch_correction_matches_one_process(config, mode, update_
 def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--out", str(out), *extra)
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_launch_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=hang_guard_s(420))
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=cpu_launch_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=hang_guard_s(420),
+    )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -191,12 +243,15 @@ def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
 STEP = ("--max_steps", "1", "--optim", "sgd", "--slot_reward", "--per_row_seed")
 """Rollouts sampled row by row with per-row seeds (the same however the questions are split) and SGD (Adam's first
 step would hide a wrongly scaled gradient): one step on 2 ranks x 2 questions equals one on 1 rank x 4."""
-STEP_EXTRA = {"grpo": (), "reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2"),
-              "critic-gae-2-steps": ("--gae", "--max_steps", "2"),
-              "padding-free-critic-gae-2-steps": ("--padding_free", "--gae", "--max_steps", "2"),
-              "dynamic-sampling": ("--dynamic_sampling", "3"),
-              "dynamic-sampling-fractional": ("--dynamic_sampling", "1.25"),
-              "async-staleness-0": ("--async_k", "0")}
+STEP_EXTRA = {
+    "grpo": (),
+    "reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2"),
+    "critic-gae-2-steps": ("--gae", "--max_steps", "2"),
+    "padding-free-critic-gae-2-steps": ("--padding_free", "--gae", "--max_steps", "2"),
+    "dynamic-sampling": ("--dynamic_sampling", "3"),
+    "dynamic-sampling-fractional": ("--dynamic_sampling", "1.25"),
+    "async-staleness-0": ("--async_k", "0"),
+}
 STEP_CONFIGS = {"dynamic-sampling-fractional": ("cpu.yaml", "cpu_zero3.yaml")}
 """The accelerate configs a STEP_EXTRA case runs under, where not all three (the suite's wall time is tight)."""
 LORA_EXTRA = {"lora": (), "lora-reference-kl-2-steps": ("--beta", "0.5", "--max_steps", "2")}
@@ -209,6 +264,7 @@ ASYNC_CONFIGS = ("cpu.yaml", "cpu_ddp.yaml", "cpu_zero3.yaml")
 def trainer_cases(config: str, root: Path) -> dict[str, list[str]]:
     """Every trainer run this file makes under ``config``, by name, in the order they run (a resumed run after the
     run whose checkpoint it takes)."""
+
     def run(name: str, *extra: str) -> tuple[str, list[str]]:
         return name, ["--out", str(root / f"{name}.json"), "--output_dir", str(root / name), *extra]
 
@@ -223,23 +279,74 @@ def trainer_cases(config: str, root: Path) -> dict[str, list[str]]:
         cases.append(run("trained-nothing", "--max_steps", "2", "--constant_reward", "--expect_stop"))
     if config == "cpu_zero3.yaml":
         for kind, extra in RESUME_EXTRA.items():
-            cases.append(run(f"resume-{kind}-straight", "--max_steps", "2", "--params_out", str(root / f"resume-{kind}-straight.pt"), *extra))
+            cases.append(
+                run(
+                    f"resume-{kind}-straight",
+                    "--max_steps",
+                    "2",
+                    "--params_out",
+                    str(root / f"resume-{kind}-straight.pt"),
+                    *extra,
+                )
+            )
             cases.append(run(f"resume-{kind}-first", "--max_steps", "2", "--save_steps", "1", *extra))
-            cases.append(run(f"resume-{kind}-resumed", "--max_steps", "2", "--resume", str(root / f"resume-{kind}-first" / "checkpoint-1"),
-                             "--params_out", str(root / f"resume-{kind}-resumed.pt"), *extra))
+            cases.append(
+                run(
+                    f"resume-{kind}-resumed",
+                    "--max_steps",
+                    "2",
+                    "--resume",
+                    str(root / f"resume-{kind}-first" / "checkpoint-1"),
+                    "--params_out",
+                    str(root / f"resume-{kind}-resumed.pt"),
+                    *extra,
+                )
+            )
     for kind, extra in STEP_EXTRA.items():
         if config in STEP_CONFIGS.get(kind, (config,)):
-            cases.append(run(f"step-{kind}", "--per_device", per_device, "--params_out", str(root / f"step-{kind}.pt"), *STEP, *extra))
+            cases.append(
+                run(
+                    f"step-{kind}",
+                    "--per_device",
+                    per_device,
+                    "--params_out",
+                    str(root / f"step-{kind}.pt"),
+                    *STEP,
+                    *extra,
+                )
+            )
     if config == "cpu_zero3.yaml":  # against cpu.yaml's step-grpo (one process cannot split)
-        cases.append(run("step-sequence-parallel", "--per_device", per_device, "--params_out",
-                         str(root / "step-sequence-parallel.pt"), *STEP, "--sequence_parallel"))
+        cases.append(
+            run(
+                "step-sequence-parallel",
+                "--per_device",
+                per_device,
+                "--params_out",
+                str(root / "step-sequence-parallel.pt"),
+                *STEP,
+                "--sequence_parallel",
+            )
+        )
     if config in ASYNC_CONFIGS:
-        cases.append(run("step-async", "--per_device", per_device, "--params_out", str(root / "step-async.pt"), *STEP,
-                         *ASYNC))
+        cases.append(
+            run("step-async", "--per_device", per_device, "--params_out", str(root / "step-async.pt"), *STEP, *ASYNC)
+        )
     if config != "cpu_ddp.yaml":
         for kind, extra in LORA_EXTRA.items():
-            cases.append(run(f"lora-{kind}", "--per_device", per_device, "--initial_out", str(root / f"lora-{kind}.init.pt"),
-                             "--params_out", str(root / f"lora-{kind}.pt"), *STEP, "--lora", *extra))
+            cases.append(
+                run(
+                    f"lora-{kind}",
+                    "--per_device",
+                    per_device,
+                    "--initial_out",
+                    str(root / f"lora-{kind}.init.pt"),
+                    "--params_out",
+                    str(root / f"lora-{kind}.pt"),
+                    *STEP,
+                    "--lora",
+                    *extra,
+                )
+            )
     return dict(cases)
 
 
@@ -271,24 +378,29 @@ class CaseLaunches:
         name, _, processes = config.partition("@")
         cmd = accelerate_launch(name, self.script, "--cases", str(root / "cases.json"))
         if processes:
-            cmd[cmd.index("--main_process_port"):cmd.index("--main_process_port")] = ["--num_processes", processes]
+            cmd[cmd.index("--main_process_port") : cmd.index("--main_process_port")] = ["--num_processes", processes]
         env = cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         # An outer timeout: a stuck gloo collective would otherwise hang the suite.
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=hang_guard_s(120 + 60 * len(cases)))
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(120 + 60 * len(cases))
+        )
         log = proc.stdout[-3000:] + proc.stderr[-5000:]
         out: dict[str, dict | str] = {}
         for name in cases:
             report = root / f"{name}.json"
             # A rank whose peer crashed fails too ("Connection closed by peer"): the other rank's error is the cause.
-            errors = sorted((e.read_text() for e in root.glob(f"{name}.json.error.rank*")),
-                            key=lambda text: "Connection closed by peer" in text)
+            errors = sorted(
+                (e.read_text() for e in root.glob(f"{name}.json.error.rank*")),
+                key=lambda text: "Connection closed by peer" in text,
+            )
             if errors:
                 out[name] = f"case {name!r} of {self.script.name} under {config} failed:\n{errors[0]}\n{log}"
             elif report.exists():
                 out[name] = json.loads(report.read_text())
             else:
-                out[name] = f"case {name!r} of {self.script.name} under {config} did not run (exit {proc.returncode}):\n{log}"
+                out[name] = (
+                    f"case {name!r} of {self.script.name} under {config} did not run (exit {proc.returncode}):\n{log}"
+                )
         return out
 
 
@@ -337,9 +449,11 @@ def test_a_broken_world_stops_both_ranks_alike_naming_the_most_common_error_of_e
     first, second = report["stops"]
     assert first == second, (first, second)
     assert first.startswith("RuntimeError: 62% of this step's trajectories (all ranks, cancelled ones not counted)")
-    assert ("Most common error (4 of 5): the agent failed: NotFoundError: Error code: 404 - no such endpoint "
-            "'/q0/chat/completions'; then (1) the agent ran past agent_time_limit_s=1.0. Likely cause: the agent could "
-            "not reach the endpoint: use the base_url") in first
+    assert (
+        "Most common error (4 of 5): the agent failed: NotFoundError: Error code: 404 - no such endpoint "
+        "'/q0/chat/completions'; then (1) the agent ran past agent_time_limit_s=1.0. Likely cause: the agent could "
+        "not reach the endpoint: use the base_url"
+    ) in first
 
 
 @pytest.mark.slow
@@ -406,7 +520,9 @@ def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
     if drawn:  # the same groups drawn and kept however many ranks
         assert all(d == drawn["cpu.yaml"] for d in drawn.values()), drawn
     start = build_tiny_model(build_tokenizer("qwen2_5"))
-    if kind == "grpo":  # one step: sampled by the initial weights, whose digest every setup reads (ZeRO-3 in its gather)
+    if (
+        kind == "grpo"
+    ):  # one step: sampled by the initial weights, whose digest every setup reads (ZeRO-3 in its gather)
         from trl_plugins.rollout.weights import weights_digest
 
         assert all(d == [weights_digest(start)] for d in digests.values()), digests
@@ -445,14 +561,15 @@ def test_async_rollouts_on_two_ranks_equal_one_process(trainer_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,mode", [("cpu_zero3.yaml", "colocate"), ("cpu_ddp.yaml", "server")],
-                         ids=["zero3-colocate", "ddp-server"])
+@pytest.mark.parametrize(
+    "config,mode", [("cpu_zero3.yaml", "colocate"), ("cpu_ddp.yaml", "server")], ids=["zero3-colocate", "ddp-server"]
+)
 def test_vllm_generation_on_two_ranks(config, mode, tmp_path):
     # The fake vLLM (tests/fake_vllm.py) behind TRL's VLLMGeneration: under ZeRO-3 colocate each rank's
     # engine receives the gathered weights after every update; in server mode both ranks send their own turns
     # to one server, which TRL's main-process client keeps in sync.
-    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from fake_vllm import FakeVLLMServer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
     extra = ["--vllm", mode, "--output_dir", str(tmp_path / "run")]
     if mode == "colocate":
@@ -494,7 +611,10 @@ def test_lora_step_under_zero3_on_two_ranks_equals_one_process(trainer_runs, kin
             gaps[config] = last["train/ref_logprob_gap"]
             assert gaps[config] > 1e-6 and last["train/kl_k2"] > 0
         folder = trainer_runs.folder(config)
-        initial[config], final[config] = torch.load(folder / f"lora-{kind}.init.pt"), torch.load(folder / f"lora-{kind}.pt")
+        initial[config], final[config] = (
+            torch.load(folder / f"lora-{kind}.init.pt"),
+            torch.load(folder / f"lora-{kind}.pt"),
+        )
     if gaps:
         # The gap is a mean of |log pi - log pi_ref| ~ 3e-5, each a difference of float32 log-probs of magnitude ~1-10
         # (rounding ~1e-6 per token, summed in another order on 2 sharded ranks with the chunked head): rel 1e-3 is
@@ -519,8 +639,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two_nodes(config: str, tmp_path: Path, *extra: str, overrides: tuple[str, ...] = ("--num_processes", "2"),
-                     timeout: int = 300) -> tuple[dict | None, list[dict]]:
+def launch_two_nodes(
+    config: str, tmp_path: Path, *extra: str, overrides: tuple[str, ...] = ("--num_processes", "2"), timeout: int = 300
+) -> tuple[dict | None, list[dict]]:
     """Two launchers on this machine as two "nodes", as on a cluster: the same command with ``--num_machines 2``
     and ``--machine_rank 0`` or ``1``, rendezvous on 127.0.0.1 at an explicit free port (a multi-node launch
     cannot use port 0: every node must be told the same port); ``overrides`` are more launcher options (by
@@ -535,14 +656,32 @@ def launch_two_nodes(config: str, tmp_path: Path, *extra: str, overrides: tuple[
         procs, hung = [], False
         try:
             for rank in (0, 1):
-                cmd = [sys.executable, "-m", "accelerate.commands.launch",
-                       "--config_file", str(ROOT / "accelerate_configs" / config),
-                       "--num_machines", "2", *overrides, "--machine_rank", str(rank),
-                       "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-                       str(MULTI_NODE_SCRIPT), "--out", str(out), *extra]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "accelerate.commands.launch",
+                    "--config_file",
+                    str(ROOT / "accelerate_configs" / config),
+                    "--num_machines",
+                    "2",
+                    *overrides,
+                    "--machine_rank",
+                    str(rank),
+                    "--main_process_ip",
+                    "127.0.0.1",
+                    "--main_process_port",
+                    str(port),
+                    str(MULTI_NODE_SCRIPT),
+                    "--out",
+                    str(out),
+                    *extra,
+                ]
                 with open(logs[rank], "w") as log:  # files, not pipes: nobody reads a pipe while both run
-                    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
+                    procs.append(
+                        subprocess.Popen(
+                            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                        )
+                    )
             deadline = time.monotonic() + hang_guard_s(timeout)
             while time.monotonic() < deadline:
                 codes = [p.poll() for p in procs]
@@ -557,15 +696,17 @@ def launch_two_nodes(config: str, tmp_path: Path, *extra: str, overrides: tuple[
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         text = [log.read_text() for log in logs]
-        if attempt < 2 and any(s in text[0] for s in ("another process is utilizing it", "Address already in use",
-                                                      "EADDRINUSE")):
+        if attempt < 2 and any(
+            s in text[0] for s in ("another process is utilizing it", "Address already in use", "EADDRINUSE")
+        ):
             continue
         codes = [p.returncode for p in procs]
         tail = f"hang guard: killed after {hang_guard_s(timeout):.0f} s\n" if hung else ""
         tail += "\n".join(f"--- node {rank} (exit {codes[rank]}) ---\n" + text[rank][-4000:] for rank in (0, 1))
         assert codes == [0, 0] and (out.exists() or "--topology_only" in extra), tail
-        ranks = sorted((json.loads(f.read_text()) for f in tmp_path.glob(f"{out.name}.rank*.json")),
-                       key=lambda r: int(r["RANK"]))
+        ranks = sorted(
+            (json.loads(f.read_text()) for f in tmp_path.glob(f"{out.name}.rank*.json")), key=lambda r: int(r["RANK"])
+        )
         return (json.loads(out.read_text()) if out.exists() else None), ranks
     raise AssertionError("unreachable")
 
@@ -580,8 +721,13 @@ def test_two_nodes_match_one_process(config, tmp_path):
     report, ranks = launch_two_nodes(config, tmp_path)
     # Two nodes of one rank each, both pointed at the main node's address: a real 2-node topology.
     assert [(r["RANK"], r["GROUP_RANK"], r["LOCAL_RANK"]) for r in ranks] == [("0", "0", "0"), ("1", "1", "0")], ranks
-    assert all(r["WORLD_SIZE"] == "2" and r["GROUP_WORLD_SIZE"] == "2" and r["LOCAL_WORLD_SIZE"] == "1"
-               and r["MASTER_ADDR"] == "127.0.0.1" for r in ranks), ranks
+    assert all(
+        r["WORLD_SIZE"] == "2"
+        and r["GROUP_WORLD_SIZE"] == "2"
+        and r["LOCAL_WORLD_SIZE"] == "1"
+        and r["MASTER_ADDR"] == "127.0.0.1"
+        for r in ranks
+    ), ranks
     assert report["world"] == 2 and report["deepspeed"] == (config == "cpu_multi_node_zero3.yaml")
     # The nodes held 3 and 7 datums: one ran zero-weight dummy micro-batches (under ZeRO-3 every forward is a
     # collective across the nodes).
@@ -597,8 +743,19 @@ def test_async_rollouts_on_two_nodes_equal_one_process(trainer_runs, tmp_path):
     its own node; 3 steps equal the 1-process run of the same case."""
     import torch
 
-    report, ranks = launch_two_nodes("cpu_ddp.yaml", tmp_path, "--trainer", "--output_dir", str(tmp_path / "run"),
-                                     "--per_device", "4", "--params_out", str(tmp_path / "async.pt"), *STEP, *ASYNC)
+    report, ranks = launch_two_nodes(
+        "cpu_ddp.yaml",
+        tmp_path,
+        "--trainer",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--per_device",
+        "4",
+        "--params_out",
+        str(tmp_path / "async.pt"),
+        *STEP,
+        *ASYNC,
+    )
     assert [r["GROUP_RANK"] for r in ranks] == ["0", "1"] and all(r["LOCAL_WORLD_SIZE"] == "1" for r in ranks)
     assert report["global_step"] == 3 and [s["train/staleness_max"] for s in report["steps"]] == [0.0, 1.0, 1.0]
     trainer_runs("cpu.yaml", "step-async")
@@ -619,11 +776,21 @@ def test_multi_node_zero3_config_launches_two_nodes_of_eight(tmp_path):
     assert [int(r["RANK"]) for r in ranks] == list(range(16)), ranks
     assert [(int(r["GROUP_RANK"]), int(r["LOCAL_RANK"])) for r in ranks] == [(n, i) for n in (0, 1) for i in range(8)]
     port = ranks[0]["MASTER_PORT"]
-    assert all(r["WORLD_SIZE"] == "16" and r["LOCAL_WORLD_SIZE"] == "8" and r["GROUP_WORLD_SIZE"] == "2"
-               and r["MASTER_ADDR"] == "127.0.0.1" and r["MASTER_PORT"] == port for r in ranks), ranks
-    assert all(r["ACCELERATE_USE_DEEPSPEED"] == "true" and r["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
-               and r["ACCELERATE_MIXED_PRECISION"] == "bf16" and r["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
-               for r in ranks), ranks[0]
+    assert all(
+        r["WORLD_SIZE"] == "16"
+        and r["LOCAL_WORLD_SIZE"] == "8"
+        and r["GROUP_WORLD_SIZE"] == "2"
+        and r["MASTER_ADDR"] == "127.0.0.1"
+        and r["MASTER_PORT"] == port
+        for r in ranks
+    ), ranks
+    assert all(
+        r["ACCELERATE_USE_DEEPSPEED"] == "true"
+        and r["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+        and r["ACCELERATE_MIXED_PRECISION"] == "bf16"
+        and r["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+        for r in ranks
+    ), ranks[0]
 
 
 @pytest.mark.slow

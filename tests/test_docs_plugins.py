@@ -20,8 +20,21 @@ from trl_plugins.trainers import MultiTurnGRPOConfig
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "plugins.md"
 DOCUMENTED = {name: getattr(types_module, name) for name in types_module.__all__} | {"ToolOutput": ToolOutput}
-REQUIRED = ["Trajectory", "Turn", "ToolCall", "RewardComponent", "PolicyVersion", "StopReason", "TokenSource",
-            "AdvantageInput", "AdvantageOutput", "PolicyLossInput", "PolicyLossOutput", "PolicyLossStats", "ToolOutput"]
+REQUIRED = [
+    "Trajectory",
+    "Turn",
+    "ToolCall",
+    "RewardComponent",
+    "PolicyVersion",
+    "StopReason",
+    "TokenSource",
+    "AdvantageInput",
+    "AdvantageOutput",
+    "PolicyLossInput",
+    "PolicyLossOutput",
+    "PolicyLossStats",
+    "ToolOutput",
+]
 
 
 def _cells(line: str) -> list[str]:
@@ -56,7 +69,7 @@ def _tables(text: str) -> dict[str, list[list[str]]]:
 def _section(text: str, heading: str) -> str:
     start = text.index(f"## {heading}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else None]
+    return text[start : end if end != -1 else None]
 
 
 TABLES = _tables(DOC.read_text(encoding="utf-8"))
@@ -105,15 +118,21 @@ def test_every_type_a_documented_field_uses_is_documented():
 def test_a_missing_field_a_wrong_type_and_a_missing_member_are_found():
     # Negative controls: the docs with one row less, one type changed, one enum member dropped.
     text = DOC.read_text(encoding="utf-8")
-    broken = _tables(text.replace("| `weight` | `float` |", "| `weight` | `int` |")
-                         .replace("| `all_reduce` |", "| `all_reduced` |")
-                         .replace("| `CANCELLED` |", "| `CANCELED` |"))
+    broken = _tables(
+        text.replace("| `weight` | `float` |", "| `weight` | `int` |")
+        .replace("| `all_reduce` |", "| `all_reduced` |")
+        .replace("| `CANCELLED` |", "| `CANCELED` |")
+    )
     assert "out of date" in _mismatch("RewardComponent", broken["RewardComponent"])
     assert "out of date" in _mismatch("AdvantageInput", broken["AdvantageInput"])
     assert "out of date" in _mismatch("StopReason", broken["StopReason"])
     rows = TABLES["PolicyLossStats"][:-1]  # ratio_max left out
     assert "('ratio_max', 'torch.Tensor')" in _mismatch("PolicyLossStats", rows)
-    assert _cells("| `stop_reason` | `StopReason \\| None` | Why. |") == ["`stop_reason`", "`StopReason | None`", "Why."]
+    assert _cells("| `stop_reason` | `StopReason \\| None` | Why. |") == [
+        "`stop_reason`",
+        "`StopReason | None`",
+        "Why.",
+    ]
 
 
 def _config_rows() -> list[list[str]]:
@@ -132,10 +151,15 @@ def _config_problems(rows: list[list[str]]) -> list[str]:
     fields = {f.name: f for f in dataclasses.fields(MultiTurnGRPOConfig)}
     problems = []
     if sorted(r[0] for r in rows) != sorted(ALL_REGISTRIES):
-        problems.append(f"seams {sorted(r[0] for r in rows)}, registries {sorted(ALL_REGISTRIES)}: one row per registry seam")
+        problems.append(
+            f"seams {sorted(r[0] for r in rows)}, registries {sorted(ALL_REGISTRIES)}: one row per registry seam"
+        )
     for seam, selected, configured, related, _notes in rows:
-        problems += [f"config key {key!r} (seam {seam}) is not a MultiTurnGRPOConfig field"
-                     for key in _keys(selected) + _keys(configured) + _keys(related) if key not in fields]
+        problems += [
+            f"config key {key!r} (seam {seam}) is not a MultiTurnGRPOConfig field"
+            for key in _keys(selected) + _keys(configured) + _keys(related)
+            if key not in fields
+        ]
         selectors = _keys(selected)
         if len(selectors) != 1 or selectors[0] not in fields:
             problems.append(f"seam {seam}: 'selected by' must be one config field, got {selected!r}")
@@ -147,8 +171,11 @@ def _config_problems(rows: list[list[str]]) -> list[str]:
                 problems.append(f"seam {seam}: {selectors[0]!r} defaults to {name!r}, not one of its plugins")
     listed = {k for r in rows for k in _keys(r[2])}
     trl_fields = {f.name for f in dataclasses.fields(MultiTurnGRPOConfig.__mro__[1])}
-    problems += [f"{f.name} is not listed under 'configured by'" for f in dataclasses.fields(MultiTurnGRPOConfig)
-                 if f.name not in trl_fields and f.name.endswith("_kwargs") and f.name not in listed]
+    problems += [
+        f"{f.name} is not listed under 'configured by'"
+        for f in dataclasses.fields(MultiTurnGRPOConfig)
+        if f.name not in trl_fields and f.name.endswith("_kwargs") and f.name not in listed
+    ]
     return problems
 
 
@@ -173,15 +200,17 @@ def test_the_config_check_can_fail():
 def test_recipe_system_prompt_names_every_configured_tool():
     config = yaml.safe_load((ROOT / "recipes" / "retool_ppo.yaml").read_text(encoding="utf-8"))
     unnamed = [t for t in config["tools"] if t not in config["system_prompt"]]
-    assert not unnamed, (f"recipes/retool_ppo.yaml configures tools {unnamed} that its system_prompt does not mention; "
-                         f"add a line saying what each is for (docs/plugins.md, 'Tools and the system prompt')")
+    assert not unnamed, (
+        f"recipes/retool_ppo.yaml configures tools {unnamed} that its system_prompt does not mention; "
+        f"add a line saying what each is for (docs/plugins.md, 'Tools and the system prompt')"
+    )
     assert "a new tool needs a line in the system prompt" in " ".join(DOC.read_text(encoding="utf-8").lower().split())
 
 
 def _declaration_example() -> str:
     """The python block of docs/plugins.md's "How to declare" paragraph."""
     text = DOC.read_text(encoding="utf-8")
-    section = text[text.index("**How to declare.**"):text.index("**The adapters.**")]
+    section = text[text.index("**How to declare.**") : text.index("**The adapters.**")]
     (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return block
 
@@ -208,11 +237,18 @@ def _declaration_problems(block: str, monkeypatch) -> list[str]:
         return [str(exc)]
     if (adv.needs_values, adv.needs_groups) != (False, True):
         problems.append(f"RankAdvantage declares needs_values={adv.needs_values}, needs_groups={adv.needs_groups}")
-    if (loss.needs_ref_logprobs, loss.needs_entropy, loss.supports_is_weights, bonus.needs_entropy) != (False, False, True, True):
+    if (loss.needs_ref_logprobs, loss.needs_entropy, loss.supports_is_weights, bonus.needs_entropy) != (
+        False,
+        False,
+        True,
+        True,
+    ):
         problems.append("CISPOLoss's declarations are not the ones the text describes")
     if [f.name for f in dataclasses.fields(cispo)] != ["max_weight", "entropy_coef"]:
-        problems.append(f"CISPOLoss's fields are {[f.name for f in dataclasses.fields(cispo)]}: a declaration became a "
-                        f"constructor argument")
+        problems.append(
+            f"CISPOLoss's fields are {[f.name for f in dataclasses.fields(cispo)]}: a declaration became a "
+            f"constructor argument"
+        )
     if dataclasses.is_dataclass(rank) or rank.__eq__ is not object.__eq__:
         problems.append("RankAdvantage is meant to be a plain class without __eq__")
     for plugin in (rank(scale=0.5), cispo(max_weight=3.0)):
@@ -235,9 +271,12 @@ def test_the_declaration_check_can_fail(monkeypatch):
     assert "self.scale = float(scale)" in block
     wrong_type = _declaration_problems(block.replace("needs_groups = True", 'needs_groups = "yes"'), monkeypatch)
     assert wrong_type == ["advantage 'rank' declares needs_groups='yes'; it must be a bool (docs/plugins.md)."]
-    as_field = _declaration_problems(block.replace("needs_ref_logprobs: ClassVar[bool] = False",
-                                                   "needs_ref_logprobs: bool = False"), monkeypatch)
+    as_field = _declaration_problems(
+        block.replace("needs_ref_logprobs: ClassVar[bool] = False", "needs_ref_logprobs: bool = False"), monkeypatch
+    )
     assert any("a declaration became a constructor argument" in p for p in as_field)
-    unpicklable = _declaration_problems(block.replace("self.scale = float(scale)",
-                                                      "self.scale = float(scale)\n        self.f = lambda x: x"), monkeypatch)
+    unpicklable = _declaration_problems(
+        block.replace("self.scale = float(scale)", "self.scale = float(scale)\n        self.f = lambda x: x"),
+        monkeypatch,
+    )
     assert any("RankAdvantage: does not pickle" in p for p in unpicklable)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s, refusing
-
 from test_recipe import ROOT, _recipe_module
 
 
@@ -54,7 +53,9 @@ def test_a_dry_run_of_the_embedded_default_on_an_empty_cache_takes_seconds_and_l
     for name in ("TRL_PLUGINS_CACHE", "XDG_CACHE_HOME", "WANDB_MODE", "WANDB_API_KEY"):
         env.pop(name, None)
     before = (_listing(home), _listing(wandb_dir))
-    cmd = accelerate_launch("cpu.yaml", ROOT / "recipes" / "retool_ppo.py", "--dry_run", "true", "--output_dir", str(out))
+    cmd = accelerate_launch(
+        "cpu.yaml", ROOT / "recipes" / "retool_ppo.py", "--dry_run", "true", "--output_dir", str(out)
+    )
     began = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(300))
     wall = time.perf_counter() - began
@@ -73,7 +74,8 @@ def test_a_dry_run_of_the_embedded_default_on_an_empty_cache_takes_seconds_and_l
 
 
 def test_a_dry_run_at_a_filled_output_dir_refuses_it_or_says_what_would_move_and_moves_nothing(
-        tmp_path, monkeypatch, no_child_no_tracker, capsys):
+    tmp_path, monkeypatch, no_child_no_tracker, capsys
+):
     retool_ppo = _recipe_module()
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))  # empty: the embedded default stands in
     out = tmp_path / "out"
@@ -102,31 +104,52 @@ def test_a_dry_run_refuses_a_bad_chat_template_with_the_runs_refusal(tmp_path, n
     retool_ppo = _recipe_module()
     tokenizer_dir = tmp_path / "qwen3-tokenizer"  # a tokenizer only: a dry run never asks for weights
     build_tokenizer("qwen3").save_pretrained(tokenizer_dir)
-    script_args, args = retool_ppo.parse_args(["--dry_run", "true", "--model_name_or_path", str(tokenizer_dir),
-                                               "--output_dir", str(tmp_path / "out"), "--report_to", "none",
-                                               "--chat_template_kwargs", '{"enable_thinking": false}'])
+    script_args, args = retool_ppo.parse_args(
+        [
+            "--dry_run",
+            "true",
+            "--model_name_or_path",
+            str(tokenizer_dir),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--report_to",
+            "none",
+            "--chat_template_kwargs",
+            '{"enable_thinking": false}',
+        ]
+    )
     with pytest.raises(SystemExit, match="before any model loads.*chat template.*not prefix-preserving"):
         retool_ppo.main(script_args, args)
     assert no_child_no_tracker == []
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flags,match", [
-    # 10^9 positions per micro-batch: the layers' activations alone are far over any machine's memory.
-    (["--max_padded_tokens_per_micro_batch", "1000000000"],
-     "the update will not fit.*GB of activations for a 1000000000-token micro-batch.*Lower "
-     "max_padded_tokens_per_micro_batch"),
-    # One process without DeepSpeed, and the embedded default's 4 heads over 3 ranks: each named.
-    (["--sequence_parallel_size", "3"],
-     "sequence_parallel_size=3 cannot run: 1 processes cannot form groups of 3.*under DeepSpeed only.*attention heads "
-     "do not split over 3 ranks"),
-], ids=["update-memory", "sequence-parallelism"])
-def test_a_dry_run_refuses_an_update_that_cannot_run_here_before_the_model_loads(flags, match, tmp_path, monkeypatch,
-                                                                                 no_child_no_tracker):
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        # 10^9 positions per micro-batch: the layers' activations alone are far over any machine's memory.
+        (
+            ["--max_padded_tokens_per_micro_batch", "1000000000"],
+            "the update will not fit.*GB of activations for a 1000000000-token micro-batch.*Lower "
+            "max_padded_tokens_per_micro_batch",
+        ),
+        # One process without DeepSpeed, and the embedded default's 4 heads over 3 ranks: each named.
+        (
+            ["--sequence_parallel_size", "3"],
+            "sequence_parallel_size=3 cannot run: 1 processes cannot form groups of 3.*under DeepSpeed only.*attention heads "
+            "do not split over 3 ranks",
+        ),
+    ],
+    ids=["update-memory", "sequence-parallelism"],
+)
+def test_a_dry_run_refuses_an_update_that_cannot_run_here_before_the_model_loads(
+    flags, match, tmp_path, monkeypatch, no_child_no_tracker
+):
     retool_ppo = _recipe_module()
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
-    script_args, args = retool_ppo.parse_args(["--dry_run", "true", "--output_dir", str(tmp_path / "out"),
-                                               "--report_to", "none", *flags])
+    script_args, args = retool_ppo.parse_args(
+        ["--dry_run", "true", "--output_dir", str(tmp_path / "out"), "--report_to", "none", *flags]
+    )
     with pytest.raises(SystemExit, match="before any model loads.*" + match):
         retool_ppo.main(script_args, args)
     assert no_child_no_tracker == [] and not (tmp_path / "out").exists()
@@ -140,17 +163,36 @@ def test_the_update_memory_estimate_by_hand():
     # 1,000 tokens, H 8, I 16, 2 layers, fp32: a layer keeps 1000 x (10*8 + 4*16) x 4 = 576,000 bytes; checkpointed,
     # 2 x 1000 x 8 x 4 = 64,000 of layer inputs plus one layer recomputed = 640,000; the head's chunk of 10 x V 100 in
     # 4 float32 copies = 16,000 (the full logits: 1000 x 100 x 16 = 1,600,000).
-    est = update_memory(tokens=1000, hidden=8, intermediate=16, num_layers=2, vocab=100, chunk=10, bytes_per_value=4,
-                        checkpointing=True)
+    est = update_memory(
+        tokens=1000, hidden=8, intermediate=16, num_layers=2, vocab=100, chunk=10, bytes_per_value=4, checkpointing=True
+    )
     assert (est.layers, est.head, est.full_logits, est.total) == (640_000, 16_000, 1_600_000, 656_000)
-    assert update_memory(tokens=1000, hidden=8, intermediate=16, num_layers=2, vocab=100, chunk=10, bytes_per_value=4,
-                         checkpointing=False).layers == 1_152_000
-    args = SimpleNamespace(bf16=False, fp16=False, logprob_chunk_size=10, logprob_chunk_memory_mb=256,
-                           activation_checkpointing=True, max_padded_tokens_per_micro_batch=1000)
+    assert (
+        update_memory(
+            tokens=1000,
+            hidden=8,
+            intermediate=16,
+            num_layers=2,
+            vocab=100,
+            chunk=10,
+            bytes_per_value=4,
+            checkpointing=False,
+        ).layers
+        == 1_152_000
+    )
+    args = SimpleNamespace(
+        bf16=False,
+        fp16=False,
+        logprob_chunk_size=10,
+        logprob_chunk_memory_mb=256,
+        activation_checkpointing=True,
+        max_padded_tokens_per_micro_batch=1000,
+    )
     config = SimpleNamespace(hidden_size=8, vocab_size=100, intermediate_size=16, num_hidden_layers=2)
     # + 10,000 bytes of weights, trainable: x4 (gradient, two AdamW moments) = 40,000; 696,000 in all.
-    assert "of 0.00 GB free" in check_update_memory(args, config, weights_bytes=10_000, trainable_fraction=1.0,
-                                                   free=(696_000, "free"))
+    assert "of 0.00 GB free" in check_update_memory(
+        args, config, weights_bytes=10_000, trainable_fraction=1.0, free=(696_000, "free")
+    )
     with pytest.raises(ValueError, match="will not fit"):
         check_update_memory(args, config, weights_bytes=10_000, trainable_fraction=1.0, free=(695_999, "free"))
     # Sequence parallelism over 4 ranks: each forwards 250 of the 1,000 positions, a quarter of the layers' 640,000.
@@ -163,22 +205,38 @@ def test_the_update_memory_estimate_by_hand():
 
 def test_a_dry_run_with_an_unknown_plugin_exits_non_zero_with_the_refusal(tmp_path):
     env = {**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--dry_run", "true", "--advantage", "grop",
-                           "--output_dir", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=hang_guard_s(300))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "recipes/retool_ppo.py",
+            "--dry_run",
+            "true",
+            "--advantage",
+            "grop",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard_s(300),
+    )
     assert proc.returncode != 0
-    assert "configuration error (before any model loads)" in proc.stderr and "'group'" in proc.stderr, proc.stderr[-2000:]
+    assert "configuration error (before any model loads)" in proc.stderr and "'group'" in proc.stderr, proc.stderr[
+        -2000:
+    ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
 def test_the_embedded_stand_in_is_the_builds_tokenizer_and_model_config():
     # What a dry run checks must be what the run would load: the same tokenizer and the model's config, no weights.
-    from retool.default_model import EmbeddedSettings, _model_shape, embedded_stand_in, embedded_tokenizer
+    import tempfile
+
     from transformers import AutoConfig, AutoTokenizer
 
+    from retool.default_model import EmbeddedSettings, _model_shape, embedded_stand_in, embedded_tokenizer
     from trl_plugins.tiny import build_tiny_model
-
-    import tempfile
 
     settings = EmbeddedSettings()
     with tempfile.TemporaryDirectory() as folder:
@@ -186,16 +244,21 @@ def test_the_embedded_stand_in_is_the_builds_tokenizer_and_model_config():
         assert sorted(p.name for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".bin")) == []
         tokenizer, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
     built_tokenizer = embedded_tokenizer(settings)
-    assert tokenizer.get_vocab() == built_tokenizer.get_vocab() and tokenizer.chat_template == built_tokenizer.chat_template
+    assert (
+        tokenizer.get_vocab() == built_tokenizer.get_vocab()
+        and tokenizer.chat_template == built_tokenizer.chat_template
+    )
     model_config = build_tiny_model(built_tokenizer, **_model_shape(settings), seed=settings.seed).config
     ignore = {"transformers_version", "_attn_implementation", "_name_or_path", "dtype", "architectures"}
-    assert ({k: v for k, v in config.to_dict().items() if k not in ignore}
-            == {k: v for k, v in model_config.to_dict().items() if k not in ignore})
+    assert {k: v for k, v in config.to_dict().items() if k not in ignore} == {
+        k: v for k, v in model_config.to_dict().items() if k not in ignore
+    }
     assert config.sliding_window == 48 and config.vocab_size == len(built_tokenizer)
 
 
-def test_a_dry_run_of_the_evaluation_checks_and_returns_what_it_would_evaluate(tmp_path, monkeypatch,
-                                                                              no_child_no_tracker, capsys):
+def test_a_dry_run_of_the_evaluation_checks_and_returns_what_it_would_evaluate(
+    tmp_path, monkeypatch, no_child_no_tracker, capsys
+):
     sys.path.insert(0, str(ROOT / "recipes"))
     try:
         import retool_eval
@@ -203,8 +266,9 @@ def test_a_dry_run_of_the_evaluation_checks_and_returns_what_it_would_evaluate(t
         sys.path.pop(0)
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
     written = tmp_path / "eval.json"
-    got = retool_eval.main(["--dry_run", "true", "--eval_problems", "8", "--eval_samples", "2",
-                            "--output_json", str(written)])
+    got = retool_eval.main(
+        ["--dry_run", "true", "--eval_problems", "8", "--eval_samples", "2", "--output_json", str(written)]
+    )
     assert got == {"dry_run": True, "model": None, "problems": 8, "samples": 2, "ks": [1, 2]}
     said = capsys.readouterr().out
     assert "dry run: would evaluate the embedded default" in said and "sandbox isolation=" in said
@@ -230,14 +294,19 @@ def test_the_multi_run_recipes_dry_run_each_run_they_would_launch(tmp_path, monk
     finally:
         sys.path.pop(0)
     monkeypatch.setattr(subprocess, "run", fake_run)
-    folders = {"retool_seeds.py": ("seed0", "seed1", "seed2"), "retool_compare.py": ("grpo_s0", "grpo_s1", "grpo_s2")}[script]
+    folders = {"retool_seeds.py": ("seed0", "seed1", "seed2"), "retool_compare.py": ("grpo_s0", "grpo_s1", "grpo_s2")}[
+        script
+    ]
     finished = tmp_path / folders[0]
     finished.mkdir()
     (finished / "summary.json").write_text("{}")  # not a summary a table could read: a dry run must not read it
     listed = _listing(tmp_path)
     extra = ["--variants", "grpo"] if script == "retool_compare.py" else []
-    monkeypatch.setattr(sys, "argv", [script, "--seeds", "0", "1", "2", "--out", str(tmp_path), *extra, "--dry_run",
-                                      "--", "--max_steps", "3"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [script, "--seeds", "0", "1", "2", "--out", str(tmp_path), *extra, "--dry_run", "--", "--max_steps", "3"],
+    )
     assert module.main() == 0
     # Seeds 1 and 2 are launched as dry runs with the arguments a run gets; seed 0 finished, so it is not.
     assert [cmd[cmd.index("--output_dir") + 1] for cmd in launched] == [str(tmp_path / f) for f in folders[1:]]
@@ -247,7 +316,23 @@ def test_the_multi_run_recipes_dry_run_each_run_they_would_launch(tmp_path, monk
     assert _listing(tmp_path) == listed  # no table, no figure
 
     launched.clear()
-    monkeypatch.setattr(sys, "argv", [script, "--seeds", "1", "2", "--out", str(tmp_path), *extra, "--dry_run", "true",
-                                      "--", "--run_name", "refuse-me"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            script,
+            "--seeds",
+            "1",
+            "2",
+            "--out",
+            str(tmp_path),
+            *extra,
+            "--dry_run",
+            "true",
+            "--",
+            "--run_name",
+            "refuse-me",
+        ],
+    )
     assert module.main() == 1
     assert len(launched) == 2  # every run's dry run, also after one refused

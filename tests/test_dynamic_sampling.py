@@ -193,8 +193,10 @@ def _kept_rows_before_issue_49(case, cap: float, world: int, seed: int) -> list[
         if missing <= 0 or left < world:
             return kept
         count = min(max(missing, math.ceil(missing * drawn / max(seen, 1)), world), max(target, world), left)
-        by_rank = [draw_rows(num_rows, drawn - target + s.start, len(s), seed=seed)
-                   for s in (rank_share(count, r, world) for r in range(world))]
+        by_rank = [
+            draw_rows(num_rows, drawn - target + s.start, len(s), seed=seed)
+            for s in (rank_share(count, r, world) for r in range(world))
+        ]
 
 
 def test_the_kept_groups_of_a_step_do_not_depend_on_the_number_of_ranks():
@@ -242,14 +244,23 @@ def _round(rewards: list[list[float]], *, start: int, world_failure: tuple[int, 
     for g, members in enumerate(rewards):
         for k, r in enumerate(members):
             failed = world_failure == (g, k)
-            t = make_trajectory(rng, num_turns=1, group_id=g, sample_index=k,
-                                stop_reason=StopReason.ENVIRONMENT_ERROR if failed else StopReason.FINAL_ANSWER)
-            t.reward_components = [] if failed else [RewardComponent("correct", r, 1.0), RewardComponent("format", 0.1 * k, 1.0)]
+            t = make_trajectory(
+                rng,
+                num_turns=1,
+                group_id=g,
+                sample_index=k,
+                stop_reason=StopReason.ENVIRONMENT_ERROR if failed else StopReason.FINAL_ANSWER,
+            )
+            t.reward_components = (
+                [] if failed else [RewardComponent("correct", r, 1.0), RewardComponent("format", 0.1 * k, 1.0)]
+            )
             trajs.append(t)
             left_out.append(LeftOutReason.WORLD_FAILURE if failed else None)
     rows = [{"prompt": f"row {start + g}"} for g in range(len(rewards))]
     result = RolloutResult(trajs, rounds=1, total_s=1.0, generation_s=1.0, critical_path_s=0.5)
-    return result, StepBatch(0, rows, trajs, left_out, [], metrics={"reward/verifier_error_rate": 0.0, "timing/scoring_s": 0.25})
+    return result, StepBatch(
+        0, rows, trajs, left_out, [], metrics={"reward/verifier_error_rate": 0.0, "timing/scoring_s": 0.25}
+    )
 
 
 def _runner(**config):
@@ -278,10 +289,23 @@ def test_fill_keeps_informative_groups_and_refills_in_order():
     assert len(batch.rows) == 8 and [t.group_id for t in batch.trajectories] == [g for g in range(8) for _ in range(2)]
     assert batch.rows[4] == {"prompt": "row 100"}
     reasons = [r and r.value for r in batch.left_out]
-    assert reasons == ["equal_rewards"] * 2 + [None] * 2 + ["world_failure", "equal_rewards"] + [None] * 2 + \
-        ["equal_rewards"] * 2 + [None] * 2 + [None] * 2 + ["surplus"] * 2
+    assert (
+        reasons
+        == ["equal_rewards"] * 2
+        + [None] * 2
+        + ["world_failure", "equal_rewards"]
+        + [None] * 2
+        + ["equal_rewards"] * 2
+        + [None] * 2
+        + [None] * 2
+        + ["surplus"] * 2
+    )
     m = batch.metrics
-    assert (m["dynamic_sampling/rounds"], m["dynamic_sampling/groups_drawn"], m["dynamic_sampling/kept_groups"]) == (2, 8, 4)
+    assert (m["dynamic_sampling/rounds"], m["dynamic_sampling/groups_drawn"], m["dynamic_sampling/kept_groups"]) == (
+        2,
+        8,
+        4,
+    )
     assert m["dynamic_sampling/short_groups"] == 0 and m["dynamic_sampling/surplus_groups"] == 1
     assert m["dynamic_sampling/informative_frac"] == pytest.approx(5 / 8) and m["dynamic_sampling/draw_factor"] == 2
     # The two rounds as one rollout: times add up; scoring time too.
@@ -308,7 +332,8 @@ def test_fill_compares_the_configured_metric():
     for metric, kept in (("correct", 0.0), ("reward", 1.0)):
         first = _round([[1, 1]], start=0)
         batch = _runner(dynamic_sampling_metric=metric, dynamic_sampling_max_groups=1.0).fill(
-            *first, sample=None, num_rows=1, seed=0)
+            *first, sample=None, num_rows=1, seed=0
+        )
         assert batch.metrics["dynamic_sampling/kept_groups"] == kept
 
 
@@ -342,8 +367,12 @@ def _fill_on_ranks(case, cap: float, world: int, seed: int) -> list:
         runner = _runner(dynamic_sampling_max_groups=cap)
         runner.accelerator = SimpleNamespace(num_processes=world, process_index=rank, device="cpu", ranks=ranks)
         mine = [first[i] for i in rank_share(len(first), rank, world)]
-        return runner.fill(*_row_round(mine, informative), sample=lambda rows, *_: _row_round(rows, informative),
-                           num_rows=num_rows, seed=seed)
+        return runner.fill(
+            *_row_round(mine, informative),
+            sample=lambda rows, *_: _row_round(rows, informative),
+            num_rows=num_rows,
+            seed=seed,
+        )
 
     with ThreadPoolExecutor(world) as pool:
         return list(pool.map(rank_main, range(world)))
@@ -372,8 +401,12 @@ def test_fill_keeps_the_same_groups_on_one_two_and_three_simulated_ranks(monkeyp
             figures = None
             for world in (1, 2, 3):
                 batches = _fill_on_ranks(case, cap, world, seed)
-                kept = Counter(b.rows[t.group_id]["prompt"] for b in batches
-                               for t, reason in zip(b.trajectories, b.left_out) if reason is None and not t.sample_index)
+                kept = Counter(
+                    b.rows[t.group_id]["prompt"]
+                    for b in batches
+                    for t, reason in zip(b.trajectories, b.left_out)
+                    if reason is None and not t.sample_index
+                )
                 mine = {k: v for k, v in batches[0].metrics.items() if k.startswith("dynamic_sampling/")}
                 fillers = mine.pop("dynamic_sampling/filler_groups")
                 assert all({k: v for k, v in b.metrics.items() if k in mine} == mine for b in batches)
@@ -393,21 +426,39 @@ def test_fill_keeps_the_same_groups_on_one_two_and_three_simulated_ranks(monkeyp
 def _config(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1, use_cpu=True,
-                  report_to=[], save_strategy="no", logging_steps=1, learning_rate=0.5, optim="sgd", max_grad_norm=0.0,
-                  rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-                  reward_components=["slot"], max_padded_tokens_per_micro_batch=4000, seed=0, disable_tqdm=True,
-                  bf16=False, dynamic_sampling=True)
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=0.5,
+        optim="sgd",
+        max_grad_norm=0.0,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
+        reward_components=["slot"],
+        max_padded_tokens_per_micro_batch=4000,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        dynamic_sampling=True,
+    )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"dynamic_sampling": False, "dynamic_sampling_metric": "slot"}, "configure dynamic sampling, which is off"),
-    ({"dynamic_sampling": False, "dynamic_sampling_max_groups": 5.0}, "configure dynamic sampling, which is off"),
-    ({"dynamic_sampling_metric": "slots"}, "Did you mean 'slot'"),
-    ({"dynamic_sampling_max_groups": 0.5}, "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"dynamic_sampling": False, "dynamic_sampling_metric": "slot"}, "configure dynamic sampling, which is off"),
+        ({"dynamic_sampling": False, "dynamic_sampling_max_groups": 5.0}, "configure dynamic sampling, which is off"),
+        ({"dynamic_sampling_metric": "slots"}, "Did you mean 'slot'"),
+        ({"dynamic_sampling_max_groups": 0.5}, "must be >= 1"),
+    ],
+)
 def test_config_refuses_what_dynamic_sampling_cannot_honour(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(tmp_path, **overrides)
@@ -422,8 +473,13 @@ def test_trainer_refuses_a_streamed_training_set(tmp_path):
     tok = build_tokenizer("qwen2_5")
     stream = IterableDataset.from_generator(lambda: iter([{"prompt": "What is 1 + 1?"}]))
     with pytest.raises(ValueError, match="drawn by index from the training set"):
-        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path), train_dataset=stream, processing_class=tok,
-                             reward_components={"slot": SlotReward()})
+        MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path),
+            train_dataset=stream,
+            processing_class=tok,
+            reward_components={"slot": SlotReward()},
+        )
 
 
 # -- the trainer's step ------------------------------------------------------------------------------------------
@@ -456,7 +512,9 @@ def _one_batch_step(model, datums, aggregation):
     full = collate(datums, list(range(len(datums))), pad_token_id=0)
     n_tok, n_seq = local_denominators(full.action_mask)
     logp = token_logprobs(model, full.input_ids, full.attention_mask, full.target_ids)
-    out = PPOClipLoss(clip_low=0.2, clip_high=0.28)(PolicyLossInput(logp, full.behaviour_logprobs, full.advantages, full.action_mask))
+    out = PPOClipLoss(clip_low=0.2, clip_high=0.28)(
+        PolicyLossInput(logp, full.behaviour_logprobs, full.advantages, full.action_mask)
+    )
     aggregate(out.per_token_loss, full.action_mask, aggregation, num_tokens=n_tok, num_sequences=n_seq).backward()
     torch.optim.SGD(model.parameters(), lr=0.5).step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
@@ -475,8 +533,13 @@ def test_the_step_trains_exactly_the_kept_groups(tmp_path, aggregation, items):
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
     initial = copy.deepcopy(model)
-    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, aggregation=aggregation, max_items_per_micro_batch=items),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"slot": SlotReward()})
+    trainer = MultiTurnGRPOTrainer(
+        model,
+        _config(tmp_path, aggregation=aggregation, max_items_per_micro_batch=items),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"slot": SlotReward()},
+    )
     trainer.train()
     batch = trainer.last_batch
     by_group: dict[int, list] = {}
@@ -489,18 +552,26 @@ def test_the_step_trains_exactly_the_kept_groups(tmp_path, aggregation, items):
         reasons = {r for _, r in members}
         assert (len(rewards) > 1) == (reasons != {LeftOutReason.EQUAL_REWARDS})
     assert sorted({batch.trajectories[d.trajectory_index].group_id for d in batch.datums}) == kept
-    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    record = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    )
     assert record["dynamic_sampling/rounds"] >= 2 and record["dynamic_sampling/kept_groups"] == 2
-    assert record["rollout/trajectories"] == len(batch.trajectories) == \
-        2 * (record["dynamic_sampling/groups_drawn"] + record["dynamic_sampling/filler_groups"])
+    assert (
+        record["rollout/trajectories"]
+        == len(batch.trajectories)
+        == 2 * (record["dynamic_sampling/groups_drawn"] + record["dynamic_sampling/filler_groups"])
+    )
     assert record["train/datums"] == 4
 
     after = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     change = after - torch.cat([p.detach().reshape(-1) for p in initial.parameters()])
     assert float(change.norm()) > 1e-6
     assert rel_err(change, _one_batch_step(initial, batch.datums, aggregation)) < 1e-5
-    every = [build_datum(t, advantage=t.advantage, trajectory_index=i) for i, t in enumerate(batch.trajectories)
-             if batch.left_out[i] in (None, LeftOutReason.EQUAL_REWARDS)]
+    every = [
+        build_datum(t, advantage=t.advantage, trajectory_index=i)
+        for i, t in enumerate(batch.trajectories)
+        if batch.left_out[i] in (None, LeftOutReason.EQUAL_REWARDS)
+    ]
     assert rel_err(change, _one_batch_step(initial, every, aggregation)) > 1e-2
 
 
@@ -514,8 +585,13 @@ def test_a_resumed_run_draws_and_trains_what_the_uninterrupted_one_did(tmp_path)
     tok = build_tokenizer("qwen2_5")
 
     def run(out, **overrides):
-        return MultiTurnGRPOTrainer(build_tiny_model(tok), _config(out, max_steps=2, **overrides), train_dataset=_dataset(),
-                                    processing_class=tok, reward_components={"slot": SlotReward()})
+        return MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(out, max_steps=2, **overrides),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"slot": SlotReward()},
+        )
 
     straight = run(tmp_path / "straight")
     straight.train()

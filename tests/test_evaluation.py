@@ -51,8 +51,14 @@ class Echo:
         self.prefix = prefix  # set through tool_kwargs
 
     def schema(self):
-        return {"type": "function", "function": {"name": "echo", "description": "Echo.",
-                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": "echo",
+                "description": "Echo.",
+                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+            },
+        }
 
     async def __call__(self, arguments):
         return ToolOutput(text=self.prefix + str(arguments.get("text")), ok=True)
@@ -67,18 +73,29 @@ def _args(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
     kwargs = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, use_cpu=True, bf16=False,
-        report_to=[], rollout="test_evaluation:RecordingRollout",
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        rollout="test_evaluation:RecordingRollout",
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 8, "max_trajectory_tokens": 700},
-        tools=["code_interpreter", "test_evaluation:Echo"], tool_kwargs={"code_interpreter": {"mode": "cold"}},
-        reward_components=["correct", "format", "test_evaluation:Length"], reward_component_weights=[1.0, 0.1, 0.0],
-        system_prompt="Answer in \\boxed{}.", max_padded_tokens_per_micro_batch=4000,
+        tools=["code_interpreter", "test_evaluation:Echo"],
+        tool_kwargs={"code_interpreter": {"mode": "cold"}},
+        reward_components=["correct", "format", "test_evaluation:Length"],
+        reward_component_weights=[1.0, 0.1, 0.0],
+        system_prompt="Answer in \\boxed{}.",
+        max_padded_tokens_per_micro_batch=4000,
     )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
 
-ROWS = [{"id": "q1", "prompt": "What is 1 + 1?", "answer": "2"}, {"id": "q2", "prompt": "What is 2 + 2?", "answer": "4"}]
+ROWS = [
+    {"id": "q1", "prompt": "What is 1 + 1?", "answer": "2"},
+    {"id": "q2", "prompt": "What is 2 + 2?", "answer": "4"},
+]
 
 
 def test_evaluation_uses_the_configured_rollout_tools_and_every_reward_component(tmp_path):
@@ -111,8 +128,14 @@ def test_evaluation_refuses_a_config_without_its_success_component(tmp_path):
 @pytest.mark.parametrize(
     "rollout, message",
     [
-        ("test_evaluation:DroppingRollout", r"rollout plugin 'test_evaluation:DroppingRollout' returned 3 trajectories for 2 questions x 2"),
-        ("test_evaluation:LyingRollout", r"rollout plugin 'test_evaluation:LyingRollout': trajectory \(question 'q1', group 0, sample 1\), turn 0: \d+ completion tokens but \d+ behaviour log-probs"),
+        (
+            "test_evaluation:DroppingRollout",
+            r"rollout plugin 'test_evaluation:DroppingRollout' returned 3 trajectories for 2 questions x 2",
+        ),
+        (
+            "test_evaluation:LyingRollout",
+            r"rollout plugin 'test_evaluation:LyingRollout': trajectory \(question 'q1', group 0, sample 1\), turn 0: \d+ completion tokens but \d+ behaviour log-probs",
+        ),
     ],
 )
 def test_a_rollout_plugin_that_breaks_the_contract_is_named(tmp_path, rollout, message):
@@ -152,9 +175,14 @@ def test_summarise_gives_each_accuracy_and_pass_at_k_a_standard_error_clustered_
     from trl_plugins.evaluation import summarise
 
     # a: right (tool), right (no tool); b: right (tool), wrong (tool, twice: code then echo); c: wrong, wrong (no tool).
-    trajs = [_tool_traj("a", ["code_interpreter"]), _tool_traj("a", []),
-             _tool_traj("b", ["code_interpreter"]), _tool_traj("b", ["code_interpreter", "echo"]),
-             _tool_traj("c", []), _tool_traj("c", [])]
+    trajs = [
+        _tool_traj("a", ["code_interpreter"]),
+        _tool_traj("a", []),
+        _tool_traj("b", ["code_interpreter"]),
+        _tool_traj("b", ["code_interpreter", "echo"]),
+        _tool_traj("c", []),
+        _tool_traj("c", []),
+    ]
     result = summarise(trajs, [True, True, True, False, False, False], ks=(1, 2))
     assert result.accuracy == 0.5
     # Per-problem accuracies 1, 0.5, 0: sd 0.5, / sqrt(3).
@@ -228,14 +256,37 @@ def _two_tool_run(tmp_path):
     model_dir = tmp_path / "model"
     build_tiny_model(tok).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    argv = ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"), "--report_to", "none",
-            "--tools", "code_interpreter", "test_evaluation:Echo",
-            "--tool_kwargs", json.dumps({"code_interpreter": {"mode": "cold"}, "test_evaluation:Echo": {"prefix": "kw-"}}),
-            "--reward_components", "correct", "format", "test_evaluation:Length",
-            "--reward_component_weights", "1.0", "0.1", "0.0",
-            "--rollout", "test_evaluation:ScriptedToolsRollout",
-            "--rollout_kwargs", json.dumps({"max_turns": 4, "max_assistant_tokens": 256, "max_trajectory_tokens": 4096}),
-            "--max_padded_tokens_per_micro_batch", "8192", "--eval_problems", "3", "--eval_samples", "2"]
+    argv = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+        "--tools",
+        "code_interpreter",
+        "test_evaluation:Echo",
+        "--tool_kwargs",
+        json.dumps({"code_interpreter": {"mode": "cold"}, "test_evaluation:Echo": {"prefix": "kw-"}}),
+        "--reward_components",
+        "correct",
+        "format",
+        "test_evaluation:Length",
+        "--reward_component_weights",
+        "1.0",
+        "0.1",
+        "0.0",
+        "--rollout",
+        "test_evaluation:ScriptedToolsRollout",
+        "--rollout_kwargs",
+        json.dumps({"max_turns": 4, "max_assistant_tokens": 256, "max_trajectory_tokens": 4096}),
+        "--max_padded_tokens_per_micro_batch",
+        "8192",
+        "--eval_problems",
+        "3",
+        "--eval_samples",
+        "2",
+    ]
     return model_dir, argv
 
 
@@ -252,8 +303,15 @@ def test_the_recipes_child_evaluation_uses_every_configured_tool_and_reward(tmp_
 
     script_args, training_args = parse_args(argv)
     spec = resolve_run(training_args).spec  # the child rebuilds the run from its spec (pickled), checking nothing again
-    out = run_in_child(evaluate_checkpoint, str(model_dir), script_args, spec, ks=[1, 2],
-                       output_json=str(tmp_path / "eval.json"), what="the held-out evaluation")
+    out = run_in_child(
+        evaluate_checkpoint,
+        str(model_dir),
+        script_args,
+        spec,
+        ks=[1, 2],
+        output_json=str(tmp_path / "eval.json"),
+        what="the held-out evaluation",
+    )
     # Both tools were called once per sample, and the interpreter's output was the right answer.
     assert out["tool_calls_by_tool"] == {"code_interpreter": 1.0, "echo": 1.0}
     assert out["tool_error_rate"] == 0.0 and out["accuracy"] == 1.0 and out["problems"] == 3

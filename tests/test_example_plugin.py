@@ -37,8 +37,20 @@ def example_site(tmp_path_factory) -> Path:
     # A build writes build/ and *.egg-info next to pyproject.toml: build a copy, not the repository's folder.
     shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     site = root / "site"
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-           "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--target",
+        str(site),
+        str(src),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return site
@@ -84,12 +96,20 @@ def test_names_resolve_to_the_installed_classes_through_entry_points(example):
 
 def test_the_advantage_and_the_policy_loss_resolve_through_entry_points(example):
     rank_entry, cispo_entry = ADVANTAGES.entry("rank"), POLICY_LOSSES.entry("cispo")
-    assert rank_entry.origin == "entry point rank = trl_plugins_example.advantages:RankAdvantage (distribution trl-plugins-example)"
-    assert cispo_entry.origin == "entry point cispo = trl_plugins_example.losses:CISPOLoss (distribution trl-plugins-example)"
+    assert (
+        rank_entry.origin
+        == "entry point rank = trl_plugins_example.advantages:RankAdvantage (distribution trl-plugins-example)"
+    )
+    assert (
+        cispo_entry.origin
+        == "entry point cispo = trl_plugins_example.losses:CISPOLoss (distribution trl-plugins-example)"
+    )
     assert not rank_entry.builtin and rank_entry.target is None and cispo_entry.target is None
     assert PACKAGE not in sys.modules
     rank_cls, cispo_cls = ADVANTAGES.get("rank"), POLICY_LOSSES.get("cispo")
-    assert Path(inspect.getfile(rank_cls)).is_relative_to(example) and Path(inspect.getfile(cispo_cls)).is_relative_to(example)
+    assert Path(inspect.getfile(rank_cls)).is_relative_to(example) and Path(inspect.getfile(cispo_cls)).is_relative_to(
+        example
+    )
     assert {"group", "rloo", "gae", "rank"} <= set(ADVANTAGES.names())
     assert {"ppo_clip", "cispo"} <= set(POLICY_LOSSES.names())
 
@@ -98,8 +118,9 @@ def _trajectory() -> Trajectory:
     # Turn 0: 3 prompt tokens, 4 sampled. Turn 1: the prompt adds glue + 2 tool-output tokens + glue;
     # the completion has 5 tokens of which 2 are tool output spliced in (OBSERVATION): 3 sampled.
     # Action tokens: 4 + 3 = 7; completion tokens: 4 + 5 = 9.
-    t0 = Turn(prompt_ids=[5, 6, 7], completion_ids=[10, 11, 12, 13], completion_logprobs=[-0.5] * 4,
-              prompt_sources=[P, P, P])
+    t0 = Turn(
+        prompt_ids=[5, 6, 7], completion_ids=[10, 11, 12, 13], completion_logprobs=[-0.5] * 4, prompt_sources=[P, P, P]
+    )
     t1 = Turn(
         prompt_ids=[5, 6, 7, 10, 11, 12, 13, 1, 20, 21, 2],
         completion_ids=[30, 31, 32, 33, 34],
@@ -168,8 +189,15 @@ def test_calculator_computes_and_returns_errors_as_output(example, tmp_path, mon
 
 
 def test_calculator_schema_works_with_the_chat_format_and_the_rollout(example):
+    from trl_plugins.rollout import (
+        ChatFormat,
+        MultiTurnRollout,
+        RolloutQuestion,
+        RolloutRequest,
+        ScriptedBackend,
+        TurnKind,
+    )
     from trl_plugins.tiny import build_tokenizer
-    from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend, TurnKind
 
     calc = TOOLS.get("calculator")()
     tok = build_tokenizer("qwen2_5")
@@ -181,20 +209,33 @@ def test_calculator_schema_works_with_the_chat_format_and_the_rollout(example):
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * (3 + 4)"}}\n</tool_call>'
     call_ids = tok(call, add_special_tokens=False)["input_ids"] + [im_end]
     parsed = chat.parse(first, call_ids)
-    assert (parsed.kind, parsed.tool_name, parsed.arguments) == (TurnKind.TOOL_CALL, "calculator", {"expression": "2 * (3 + 4)"})
+    assert (parsed.kind, parsed.tool_name, parsed.arguments) == (
+        TurnKind.TOOL_CALL,
+        "calculator",
+        {"expression": "2 * (3 + 4)"},
+    )
     wrong_type = tok(call.replace('"2 * (3 + 4)"', "14"), add_special_tokens=False)["input_ids"] + [im_end]
     bad = chat.parse(first, wrong_type)
     assert bad.kind == TurnKind.INVALID and "must be of type string" in bad.error
 
     # One trajectory through the real engine: call the calculator, then answer.
     answer_ids = tok("The answer is \\boxed{14}.", add_special_tokens=False)["input_ids"] + [im_end]
-    backend = ScriptedBackend(lambda prompt: call_ids if len(prompt) == len(first) else answer_ids,
-                              stop_token_ids=chat.stop_token_ids)
+    backend = ScriptedBackend(
+        lambda prompt: call_ids if len(prompt) == len(first) else answer_ids, stop_token_ids=chat.stop_token_ids
+    )
     request = RolloutRequest([RolloutQuestion("q0", first, group_id=0)], 1, backend, chat, {calc.name: calc})
     (traj,) = MultiTurnRollout(max_turns=3, max_trajectory_tokens=2048)(request).trajectories
     assert traj.stop_reason == StopReason.FINAL_ANSWER and len(traj.turns) == 2
-    assert (traj.turns[0].tool_call.name, traj.turns[0].tool_call.output, traj.turns[0].tool_call.ok) == ("calculator", "14", True)
-    observation = [t for t, s in zip(traj.turns[1].prompt_ids[-len(traj.turns[1].prompt_sources):], traj.turns[1].prompt_sources) if s == O]
+    assert (traj.turns[0].tool_call.name, traj.turns[0].tool_call.output, traj.turns[0].tool_call.ok) == (
+        "calculator",
+        "14",
+        True,
+    )
+    observation = [
+        t
+        for t, s in zip(traj.turns[1].prompt_ids[-len(traj.turns[1].prompt_sources) :], traj.turns[1].prompt_sources)
+        if s == O
+    ]
     assert tok.decode(observation) == "14"
 
     # The concise reward on that trajectory: every completion token was sampled.
@@ -219,14 +260,17 @@ def test_rank_advantage_by_hand(example):
         (2 - 0) / 3,
         (0 - 3) / 3,  # -1.0 loses to all three
         0.0,  # a group of one: nobody to compare with
-        0.0, 0.0,  # a tie: neither wins
+        0.0,
+        0.0,  # a tie: neither wins
     ]
     assert out.advantages.dtype == torch.float32 and out.returns is None
     assert out.advantages.tolist() == pytest.approx(expected, abs=1e-7)
     assert float(out.advantages[:4].sum()) == pytest.approx(0.0, abs=1e-7)  # a group's advantages sum to 0
     # Only the order counts: 10 * r + 3 or exp(r) give the same advantages; scale multiplies them.
     for transformed in (10 * rewards + 3, torch.exp(rewards)):
-        assert rank()(AdvantageInput(rewards=transformed, group_ids=groups)).advantages.tolist() == out.advantages.tolist()
+        assert (
+            rank()(AdvantageInput(rewards=transformed, group_ids=groups)).advantages.tolist() == out.advantages.tolist()
+        )
     scaled = rank(scale=0.5)(AdvantageInput(rewards=rewards, group_ids=groups)).advantages
     assert scaled.tolist() == pytest.approx([0.5 * a for a in expected], abs=1e-7)
 
@@ -243,7 +287,9 @@ def test_cispo_loss_by_hand(example):
         logp = torch.log(torch.tensor([[0.5, 0.5, 0.2, 0.9]])).requires_grad_(True)
         return PolicyLossInput(
             logprobs=logp,
-            behaviour_logprobs=torch.log(torch.tensor([[0.5, 0.125, 0.4, 0.0]])),  # ratios 1, 4, 0.5 (and inf off the mask)
+            behaviour_logprobs=torch.log(
+                torch.tensor([[0.5, 0.125, 0.4, 0.0]])
+            ),  # ratios 1, 4, 0.5 (and inf off the mask)
             advantages=torch.tensor([[1.0, 1.0, 2.0, 5.0]]),
             action_mask=torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
             **extra,
@@ -299,8 +345,14 @@ def test_the_example_advantage_and_loss_declare_and_refuse(example):
     with pytest.raises(ValueError, match=r"cispo: entropy_coef must be a finite number >= 0"):
         cispo(entropy_coef=-0.1)
     with pytest.raises(ValueError, match=r"cispo with entropy_coef > 0 needs the per-token entropy"):
-        cispo(entropy_coef=0.1)(PolicyLossInput(logprobs=torch.zeros(1, 2), behaviour_logprobs=torch.zeros(1, 2),
-                                                advantages=torch.ones(1, 2), action_mask=torch.ones(1, 2)))
+        cispo(entropy_coef=0.1)(
+            PolicyLossInput(
+                logprobs=torch.zeros(1, 2),
+                behaviour_logprobs=torch.zeros(1, 2),
+                advantages=torch.ones(1, 2),
+                action_mask=torch.ones(1, 2),
+            )
+        )
 
 
 class ConstantReward:
@@ -311,16 +363,23 @@ class ConstantReward:
 def test_the_run_refuses_what_the_example_plugins_cannot_have(example, tmp_path):
     # The declarations take part in the run's checks, named by their entry-point names.
     from test_trainer import _config
-
     from trl_plugins.run import resolve_run
 
     # rank's needs_values = False: critic settings are refused, since no critic would run.
-    with pytest.raises(ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'rank' runs none"):
-        resolve_run(_config(tmp_path, advantage="rank", critic_learning_rate=1e-4), reward_components={"length": ConstantReward()})
+    with pytest.raises(
+        ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'rank' runs none"
+    ):
+        resolve_run(
+            _config(tmp_path, advantage="rank", critic_learning_rate=1e-4),
+            reward_components={"length": ConstantReward()},
+        )
     # (needs_groups = True would refuse num_generations < 2, but TRL's GRPOConfig refuses that first, for every estimator.)
     # No reference-KL term in cispo: beta > 0 with the KL in the loss is refused when the config is built.
-    with pytest.raises(ValueError, match=r"needs a policy loss that takes \['kl_coef', 'kl_estimator'.*policy_loss 'cispo' "
-                                         r"does not"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a policy loss that takes \['kl_coef', 'kl_estimator'.*policy_loss 'cispo' "
+        r"does not",
+    ):
         _config(tmp_path, policy_loss="cispo", beta=0.1, kl_penalty="loss")
 
 
@@ -333,8 +392,12 @@ def test_the_packages_own_contract_tests_pass_on_the_installed_copy(example):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     tests = [getattr(module, n) for n in dir(module) if n.startswith("test_")]
-    assert [t.__name__ for t in tests] == ["test_calculator_keeps_the_tool_contract", "test_cispo_keeps_the_policy_loss_contract",
-                                           "test_concise_keeps_the_reward_contract", "test_rank_keeps_the_advantage_contract"]
+    assert [t.__name__ for t in tests] == [
+        "test_calculator_keeps_the_tool_contract",
+        "test_cispo_keeps_the_policy_loss_contract",
+        "test_concise_keeps_the_reward_contract",
+        "test_rank_keeps_the_advantage_contract",
+    ]
     for test in tests:
         test()
     assert REWARDS.entry("concise").target is not None and TOOLS.entry("calculator").target is not None  # loaded
@@ -356,11 +419,17 @@ def test_the_contract_checks_catch_a_broken_copy_of_the_example(example):
         async def __call__(self, arguments):
             return ToolOutput(text=repr(self.evaluate(arguments["expression"])), ok=True)
 
-    with pytest.raises(ContractError, match=r"rewards plugin PerTurnConcise on the trajectory stopped by final_answer: "
-                                            r"returned \[0.0, 0.0\] \(list\), not a number"):
+    with pytest.raises(
+        ContractError,
+        match=r"rewards plugin PerTurnConcise on the trajectory stopped by final_answer: "
+        r"returned \[0.0, 0.0\] \(list\), not a number",
+    ):
         check_reward_contract(PerTurnConcise())
-    with pytest.raises(ContractError, match=r"tools plugin RaisingCalculator: raised KeyError: 'expression' on arguments "
-                                            r"\{\}. A tool never raises"):
+    with pytest.raises(
+        ContractError,
+        match=r"tools plugin RaisingCalculator: raised KeyError: 'expression' on arguments "
+        r"\{\}. A tool never raises",
+    ):
         check_tool_contract(RaisingCalculator(), arguments={"expression": "6 * 7"})
 
     # The advantage and the policy loss, broken: a setting kept only in a lambda, a loss that forgets the mask.
@@ -379,8 +448,11 @@ def test_the_contract_checks_catch_a_broken_copy_of_the_example(example):
             out = super().__call__(inp)
             return PolicyLossOutput(per_token_loss=out.per_token_loss - 0.1 * inp.logprobs, stats=out.stats)
 
-    with pytest.raises(ContractError, match=r"advantages plugin LambdaRank: does not pickle .* Plugins must pickle to an "
-                                            r"equal copy: a plugin may be sent to another process"):
+    with pytest.raises(
+        ContractError,
+        match=r"advantages plugin LambdaRank: does not pickle .* Plugins must pickle to an "
+        r"equal copy: a plugin may be sent to another process",
+    ):
         check_advantage_contract(LambdaRank())
     with pytest.raises(ContractError, match=r"policy_losses plugin UnmaskedCISPO: non-zero loss off the action mask"):
         check_policy_loss_contract(UnmaskedCISPO())
@@ -407,8 +479,15 @@ class CalculatorScript:
             return tok(body, add_special_tokens=False)["input_ids"] + [end]
 
         backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids, with_seed=True)
-        scripted = RolloutRequest(request.questions, request.group_size, backend, request.chat, request.tools,
-                                  policy_step=request.policy_step, seed=request.seed)
+        scripted = RolloutRequest(
+            request.questions,
+            request.group_size,
+            backend,
+            request.chat,
+            request.tools,
+            policy_step=request.policy_step,
+            seed=request.seed,
+        )
         return MultiTurnRollout(max_turns=3, max_trajectory_tokens=self.token_budget)(scripted)
 
 
@@ -419,7 +498,6 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
     import logging
 
     from test_trainer import TokenReward, _config, _dataset
-
     from trl_plugins.protocols import Reduction
     from trl_plugins.rollout.metrics import reduce_rank_metrics
     from trl_plugins.run import resolve_run
@@ -439,19 +517,31 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
     monkeypatch.setattr(calculator, "evaluate", flaky)
     monkeypatch.setattr(calculator, "close", lambda self: closed.append(self.name))
     # Answers of three lengths: TokenReward tells a group's samples apart, so the run updates (one that never does fails).
-    config = _config(tmp_path, tools=["calculator"], rollout="test_example_plugin:VaryingCalculatorScript", rollout_kwargs={},
-                     max_steps=2, system_prompt="Use the calculator tool.", final_answer_pattern=r"\\boxed\{")
+    config = _config(
+        tmp_path,
+        tools=["calculator"],
+        rollout="test_example_plugin:VaryingCalculatorScript",
+        rollout_kwargs={},
+        max_steps=2,
+        system_prompt="Use the calculator tool.",
+        final_answer_pattern=r"\\boxed\{",
+    )
     with caplog.at_level(logging.INFO, logger="trl_plugins.run.build"):
         run = resolve_run(config, reward_components={"length": TokenReward()})
         said = run.start_tools()  # start_up(): said before any model loads
     assert said == {"calculator": "arithmetic parsed with ast (never eval-ed), results up to 4096 bits"}
     assert "tool 'calculator': arithmetic parsed with ast" in caplog.text
     tool = run.tools["calculator"]
-    assert tool.idempotent and tool.reductions == {"calculator/calls": Reduction.SUM, "calculator/errors": Reduction.SUM}
+    assert tool.idempotent and tool.reductions == {
+        "calculator/calls": Reduction.SUM,
+        "calculator/errors": Reduction.SUM,
+    }
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), train_dataset=_dataset(), processing_class=tok, run=run)
     trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    records = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    ]
     # idempotent: the failed call was run again, so no trajectory ended as environment_error; 2 steps x 4
     # trajectories, one call each, plus the retried one.
     assert all(r["rollout/stop/environment_error"] == 0.0 for r in records)
@@ -466,16 +556,24 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
     failures.append(1)
     undeclared = resolve_run(config, reward_components={"length": TokenReward()})
     assert not undeclared.tools["calculator"].idempotent
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), train_dataset=_dataset(), processing_class=tok, run=undeclared)
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok), train_dataset=_dataset(), processing_class=tok, run=undeclared
+    )
     trainer.train()
-    first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line][2]
+    first = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    ][2]
     assert first["rollout/stop/environment_error"] > 0.0
 
 
 class VaryingCalculatorScript(CalculatorScript):
     """:class:`CalculatorScript` answering at three lengths, so that ``concise`` tells the samples of a group apart."""
 
-    answers = ("\\boxed{42}", "The answer is \\boxed{42}.", "Six times seven is forty-two, so the answer is \\boxed{42}.")
+    answers = (
+        "\\boxed{42}",
+        "The answer is \\boxed{42}.",
+        "Six times seven is forty-two, so the answer is \\boxed{42}.",
+    )
 
 
 def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monkeypatch):
@@ -484,8 +582,8 @@ def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monk
     import json
 
     import torch
-    from test_trainer import _config, _dataset
 
+    from test_trainer import _config, _dataset
     from trl_plugins.run import resolve_run
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
@@ -499,12 +597,21 @@ def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monk
         return cispo_call(self, inp)
 
     monkeypatch.setattr(cispo, "__call__", recording)
-    config = _config(tmp_path, tools=["calculator"], reward_components=["concise"],
-                     reward_component_kwargs={"concise": {"budget_tokens": 16}},
-                     advantage="rank", advantage_kwargs={"scale": 0.25},
-                     policy_loss="cispo", policy_loss_kwargs={"max_weight": 2.0, "entropy_coef": 0.01},
-                     rollout="test_example_plugin:VaryingCalculatorScript", rollout_kwargs={}, max_steps=2,
-                     system_prompt="Use the calculator tool.", final_answer_pattern=r"\\boxed\{")
+    config = _config(
+        tmp_path,
+        tools=["calculator"],
+        reward_components=["concise"],
+        reward_component_kwargs={"concise": {"budget_tokens": 16}},
+        advantage="rank",
+        advantage_kwargs={"scale": 0.25},
+        policy_loss="cispo",
+        policy_loss_kwargs={"max_weight": 2.0, "entropy_coef": 0.01},
+        rollout="test_example_plugin:VaryingCalculatorScript",
+        rollout_kwargs={},
+        max_steps=2,
+        system_prompt="Use the calculator tool.",
+        final_answer_pattern=r"\\boxed\{",
+    )
     run = resolve_run(config)
     assert type(run.advantage.impl) is ADVANTAGES.get("rank") and run.advantage.impl.scale == 0.25
     assert type(run.policy_loss.impl) is cispo and run.policy_loss.needs_entropy  # the property, read once
@@ -518,7 +625,9 @@ def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monk
     assert trainer.state.global_step == 2
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    records = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    ]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert r["calculator/calls"] == 4.0 and r["rollout/stop/final_answer"] == 1.0  # 4 trajectories, one call each

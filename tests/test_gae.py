@@ -43,16 +43,20 @@ X = 99.0  # a value at a masked position: must never be read
 #   (a) terminated:  p  p  act  act  o  o  o  act  act  .  .    .     (o = tool output + glue, . = pad)
 #   (b) truncated:   p  p  p    p    p  p  act act  o   o  act  act   (cut at the length cap)
 #   (c) = (b), but terminated
-MASK = t64([
-    [0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0],
-    [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1],
-    [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1],
-])
-VALUES = t64([
-    [X, X, 0.2, 0.4, X, X, X, 0.5, 0.6, X, X, X],
-    [X, X, X, X, X, X, 0.3, 0.1, X, X, 0.4, 0.5],
-    [X, X, X, X, X, X, 0.3, 0.1, X, X, 0.4, 0.5],
-])
+MASK = t64(
+    [
+        [0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1],
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1],
+    ]
+)
+VALUES = t64(
+    [
+        [X, X, 0.2, 0.4, X, X, X, 0.5, 0.6, X, X, X],
+        [X, X, X, X, X, X, 0.3, 0.1, X, X, 0.4, 0.5],
+        [X, X, X, X, X, X, 0.3, 0.1, X, X, 0.4, 0.5],
+    ]
+)
 REWARDS = t64([1.0, 0.0, 0.0])
 BOOTSTRAP_MASK = t64([0.0, 1.0, 0.0])
 BOOTSTRAP_VALUES = t64([0.7, 0.7, 0.7])  # read on row (b) only
@@ -80,23 +84,33 @@ BOOTSTRAP_VALUES = t64([0.7, 0.7, 0.7])  # read on row (b) only
 #   t=6:  delta6  = -0.21                                        A6  = -0.21 + 0.72 * 0.0368  = -0.183504
 #   (b) - (c) is the bootstrap term gamma * 0.7 = 0.63 carried back one gamma*lam per action step:
 #   0.63, 0.63 * 0.72 = 0.4536, 0.63 * 0.72^2 = 0.326592, 0.63 * 0.72^3 = 0.23514624.
-ADV = t64([
-    [0, 0, 0.3660352, 0.28616, 0, 0, 0, 0.328, 0.4, 0, 0, 0],
-    [0, 0, 0, 0, 0, 0, 0.05164224, 0.363392, 0, 0, 0.1436, 0.13],
-    [0, 0, 0, 0, 0, 0, -0.183504, 0.0368, 0, 0, -0.31, -0.5],
-])
+ADV = t64(
+    [
+        [0, 0, 0.3660352, 0.28616, 0, 0, 0, 0.328, 0.4, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0.05164224, 0.363392, 0, 0, 0.1436, 0.13],
+        [0, 0, 0, 0, 0, 0, -0.183504, 0.0368, 0, 0, -0.31, -0.5],
+    ]
+)
 # returns = A + V on action positions, 0 elsewhere.
-RET = t64([
-    [0, 0, 0.5660352, 0.68616, 0, 0, 0, 0.828, 1.0, 0, 0, 0],
-    [0, 0, 0, 0, 0, 0, 0.35164224, 0.463392, 0, 0, 0.5436, 0.63],
-    [0, 0, 0, 0, 0, 0, 0.116496, 0.1368, 0, 0, 0.09, 0.0],
-])
+RET = t64(
+    [
+        [0, 0, 0.5660352, 0.68616, 0, 0, 0, 0.828, 1.0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0.35164224, 0.463392, 0, 0, 0.5436, 0.63],
+        [0, 0, 0, 0, 0, 0, 0.116496, 0.1368, 0, 0, 0.09, 0.0],
+    ]
+)
 
 
 def _hand_worked(values=VALUES, bootstrap_values=BOOTSTRAP_VALUES, **kw):
     return gae_advantages(
-        values, MASK, REWARDS, gamma=GAMMA, lam=LAM,
-        bootstrap_mask=BOOTSTRAP_MASK, bootstrap_values=bootstrap_values, **kw,
+        values,
+        MASK,
+        REWARDS,
+        gamma=GAMMA,
+        lam=LAM,
+        bootstrap_mask=BOOTSTRAP_MASK,
+        bootstrap_values=bootstrap_values,
+        **kw,
     )
 
 
@@ -232,8 +246,14 @@ def test_gae_matches_a_brute_force_reference_on_random_multi_turn_rows():
         else:
             gamma, lam = (1.0 - torch.rand(2, generator=g, dtype=F64)).tolist()  # in (0, 1]
         adv, ret = gae_advantages(
-            values, mask, rewards, gamma=gamma, lam=lam,
-            bootstrap_mask=boot_mask, bootstrap_values=boot_values, token_rewards=token_rewards,
+            values,
+            mask,
+            rewards,
+            gamma=gamma,
+            lam=lam,
+            bootstrap_mask=boot_mask,
+            bootstrap_values=boot_values,
+            token_rewards=token_rewards,
         )
         ref_adv, ref_ret = _reference_gae(values, mask, rewards, gamma, lam, boot_mask, boot_values, token_rewards)
         assert_close(adv, ref_adv)
@@ -316,8 +336,13 @@ def test_gae_plugin_whitens_with_global_statistics_across_ranks():
     def inp(rows, all_reduce=None):
         rows = list(rows)
         return AdvantageInput(
-            rewards=rewards[rows], group_ids=torch.arange(len(rows)), action_mask=mask[rows], values=values[rows],
-            bootstrap_mask=boot_mask[rows], bootstrap_values=boot_values[rows], all_reduce=all_reduce,
+            rewards=rewards[rows],
+            group_ids=torch.arange(len(rows)),
+            action_mask=mask[rows],
+            values=values[rows],
+            bootstrap_mask=boot_mask[rows],
+            bootstrap_values=boot_values[rows],
+            all_reduce=all_reduce,
         )
 
     whole = est(inp(range(9)))
@@ -405,8 +430,12 @@ def test_value_loss_with_per_micro_batch_denominators_changes_the_gradient():
 def test_gae_plugin_equals_the_function_and_whitens_advantages_not_returns():
     def inp() -> AdvantageInput:
         return AdvantageInput(
-            rewards=REWARDS, group_ids=torch.arange(3), action_mask=MASK, values=VALUES,
-            bootstrap_mask=BOOTSTRAP_MASK, bootstrap_values=BOOTSTRAP_VALUES,
+            rewards=REWARDS,
+            group_ids=torch.arange(3),
+            action_mask=MASK,
+            values=VALUES,
+            bootstrap_mask=BOOTSTRAP_MASK,
+            bootstrap_values=BOOTSTRAP_VALUES,
         )
 
     raw = ADVANTAGES.get("gae")(gamma=GAMMA, lam=LAM, whiten=False)(inp())
@@ -443,12 +472,15 @@ def test_a_truncation_is_counted_once_under_a_critic(policy):
     from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
     from trl_plugins.types import RewardComponent, StopReason
 
-    trajs = [make_trajectory(random.Random(3), num_turns=2, stop_reason=reason)
-             for reason in (StopReason.FINAL_ANSWER, StopReason.TOKEN_BUDGET)]
+    trajs = [
+        make_trajectory(random.Random(3), num_turns=2, stop_reason=reason)
+        for reason in (StopReason.FINAL_ANSWER, StopReason.TOKEN_BUDGET)
+    ]
     for t in trajs:
         t.reward_components = [RewardComponent(name="correct", value=-1.0, weight=1.0)]
-    datums = build_datums_for_update(trajs, [None, None], max_context_tokens=None,
-                                     bootstrap_truncated=policy == "bootstrap")
+    datums = build_datums_for_update(
+        trajs, [None, None], max_context_tokens=None, bootstrap_truncated=policy == "bootstrap"
+    )
     assert datums[0].input_ids == datums[1].input_ids  # the same tokens, only the stop reason differs
     for d in datums:
         d.old_values = [0.25] * d.num_tokens

@@ -44,11 +44,23 @@ LOSSES = {
 
 def micro_batch_loss(model, mb: MicroBatch, mode, *, num_tokens, num_sequences, dp_size=1, loss="ppo_clip"):
     logp = token_logprobs(model, mb)
-    out = LOSSES[loss](PolicyLossInput(logprobs=logp, behaviour_logprobs=mb.behaviour_logprobs, advantages=mb.advantages,
-                                       action_mask=mb.action_mask, turn_ids=mb.turn_ids))
+    out = LOSSES[loss](
+        PolicyLossInput(
+            logprobs=logp,
+            behaviour_logprobs=mb.behaviour_logprobs,
+            advantages=mb.advantages,
+            action_mask=mb.action_mask,
+            turn_ids=mb.turn_ids,
+        )
+    )
     return aggregate(
-        out.per_token_loss, mb.action_mask, mode,
-        num_tokens=num_tokens, num_sequences=num_sequences, norm_length=NORM_LENGTH, dp_size=dp_size,
+        out.per_token_loss,
+        mb.action_mask,
+        mode,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+        norm_length=NORM_LENGTH,
+        dp_size=dp_size,
     ), out.stats
 
 
@@ -69,7 +81,9 @@ def global_denominators(datums: list[Datum]) -> tuple[float, float]:
     return float(n_tok), float(n_seq)
 
 
-def accumulate(model, datums, batches, mode, *, dp_size=1, denominators=None, naive=False, loss="ppo_clip") -> torch.Tensor:
+def accumulate(
+    model, datums, batches, mode, *, dp_size=1, denominators=None, naive=False, loss="ppo_clip"
+) -> torch.Tensor:
     """Sum of gradients over the micro-batches ``batches`` (lists of indices into ``datums``)."""
     model.zero_grad(set_to_none=True)
     n_tok, n_seq = denominators or global_denominators(datums)
@@ -78,7 +92,9 @@ def accumulate(model, datums, batches, mode, *, dp_size=1, denominators=None, na
         if naive:
             value = naive_micro_batch_loss(model, mb, mode, num_micro_batches=len(batches))
         else:
-            value, _ = micro_batch_loss(model, mb, mode, num_tokens=n_tok, num_sequences=n_seq, dp_size=dp_size, loss=loss)
+            value, _ = micro_batch_loss(
+                model, mb, mode, num_tokens=n_tok, num_sequences=n_seq, dp_size=dp_size, loss=loss
+            )
         value.backward()
     return flat_grad(model).clone()
 
@@ -164,7 +180,9 @@ def _ddp(model, datums, rank_items, mode, *, dp_size_factor, loss="ppo_clip"):
         lengths = [d.num_tokens for d in local]
         batches = pack(lengths, strategy="ffd", max_items=3, max_padded_tokens=2 * max(lengths))
         rank_model = copy.deepcopy(model)
-        grads.append(accumulate(rank_model, local, batches, mode, dp_size=dp_size_factor, denominators=denominators, loss=loss))
+        grads.append(
+            accumulate(rank_model, local, batches, mode, dp_size=dp_size_factor, denominators=denominators, loss=loss)
+        )
     return torch.stack(grads).mean(dim=0)
 
 

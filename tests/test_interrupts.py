@@ -4,7 +4,6 @@ metrics are reduced over all ranks by their meaning."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 import json
 import os
 import signal
@@ -13,11 +12,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
-from trl_plugins.rollout.metrics import TrajectorySummary, quantile, reduce_rank_metrics, reward_metrics, trajectory_metrics
+from trl_plugins.rollout.metrics import (
+    TrajectorySummary,
+    quantile,
+    reduce_rank_metrics,
+    reward_metrics,
+    trajectory_metrics,
+)
 from trl_plugins.trainers.interrupts import StopSignals, TrainingInterrupted, active_stop_event
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +65,9 @@ except KeyboardInterrupt:
 print("not reached")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == (130 if sig == "SIGINT" else 143) and "not reached" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == (130 if sig == "SIGINT" else 143) and "not reached" not in proc.stdout, proc.stderr[
+        -2000:
+    ]
     assert marker.exists()  # the sandboxes are killed first
     # A second Ctrl-C is Python's own KeyboardInterrupt (a notebook kernel survives it); SIGTERM exits.
     assert ("KeyboardInterrupt" in proc.stdout) == (sig == "SIGINT")
@@ -70,7 +78,6 @@ print("not reached")
 
 def test_a_stop_request_cancels_the_tool_calls_in_flight():
     from test_rollout import SCHEMA, scripted
-
     from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutCancelled, RolloutRequest, questions_from_rows
     from trl_plugins.tiny import build_tokenizer
     from trl_plugins.tools.base import ToolOutput
@@ -94,8 +101,14 @@ def test_a_stop_request_cancels_the_tool_calls_in_flight():
                 raise
             return ToolOutput(text="1", ok=True)
 
-    request = RolloutRequest(questions_from_rows(chat, [{"prompt": "calls=1"}, {"prompt": "calls=1"}]), 2,
-                             scripted(chat), chat, {"code_interpreter": SlowTool()}, stop=stop)
+    request = RolloutRequest(
+        questions_from_rows(chat, [{"prompt": "calls=1"}, {"prompt": "calls=1"}]),
+        2,
+        scripted(chat),
+        chat,
+        {"code_interpreter": SlowTool()},
+        stop=stop,
+    )
     start = time.perf_counter()
     with pytest.raises(RolloutCancelled) as info:
         MultiTurnRollout()(request)
@@ -141,10 +154,15 @@ def test_run_plugins_close_every_plugin_even_when_one_fails():
 
     shared = Declared("shared")
     config = SimpleNamespace(max_context_tokens=None)
-    plugins = Run(RunSpec(config), rollout=as_rollout(Declared("rollout", fail=True)),
-                  tools={"a": as_tool(shared), "b": as_tool(Async())},
-                  rewards=[as_reward(shared, "r"), as_reward(Inert("s"), "s")], advantage=as_advantage(Inert("adv")),
-                  policy_loss=as_policy_loss(Declared("loss")), sampler=SamplerKind.HF_GENERATE)
+    plugins = Run(
+        RunSpec(config),
+        rollout=as_rollout(Declared("rollout", fail=True)),
+        tools={"a": as_tool(shared), "b": as_tool(Async())},
+        rewards=[as_reward(shared, "r"), as_reward(Inert("s"), "s")],
+        advantage=as_advantage(Inert("adv")),
+        policy_loss=as_policy_loss(Declared("loss")),
+        sampler=SamplerKind.HF_GENERATE,
+    )
     with pytest.raises(OSError, match="rollout could not close"):
         plugins.close()
     assert sorted(closed) == ["async", "loss", "rollout", "shared"]  # each once, all of them
@@ -163,16 +181,34 @@ def test_the_code_interpreter_is_a_context_manager_that_closes_its_sandbox():
 
 
 def _summary(rank, group, stop, tokens, reward, world_failure=False, advantage=0.0):
-    return TrajectorySummary(group=(rank, group), turns=1, tool_calls=0, stop_reason=stop, terminated=stop == "final_answer",
-                             truncated=stop == "turn_length", world_failure=world_failure, tool_errors=0, outputs_truncated=0,
-                             tokens=tokens, action_tokens=tokens // 2, calls_by_tool=(), reward=reward,
-                             components=(("correct", reward),) if not world_failure else (), advantage=advantage, masked=False)
+    return TrajectorySummary(
+        group=(rank, group),
+        turns=1,
+        tool_calls=0,
+        stop_reason=stop,
+        terminated=stop == "final_answer",
+        truncated=stop == "turn_length",
+        world_failure=world_failure,
+        tool_errors=0,
+        outputs_truncated=0,
+        tokens=tokens,
+        action_tokens=tokens // 2,
+        calls_by_tool=(),
+        reward=reward,
+        components=(("correct", reward),) if not world_failure else (),
+        advantage=advantage,
+        masked=False,
+    )
 
 
 def test_trajectory_metrics_are_over_the_union_not_a_mean_of_rank_means():
     rank0 = [_summary(0, 0, "final_answer", 100, 1.0), _summary(0, 0, "final_answer", 110, 0.0)]
-    rank1 = [_summary(1, 0, "turn_length", 900, 0.0), _summary(1, 0, "final_answer", 300, 1.0),
-             _summary(1, 1, "environment_error", 50, 0.0, world_failure=True), _summary(1, 1, "final_answer", 400, 1.0)]
+    rank1 = [
+        _summary(1, 0, "turn_length", 900, 0.0),
+        _summary(1, 0, "final_answer", 300, 1.0),
+        _summary(1, 1, "environment_error", 50, 0.0, world_failure=True),
+        _summary(1, 1, "final_answer", 400, 1.0),
+    ]
     union = trajectory_metrics(rank0 + rank1) | reward_metrics(rank0 + rank1, ["correct"])
     assert union["rollout/stop/final_answer"] == 4 / 6 and union["rollout/trajectories"] == 6
     assert union["rollout/trajectory_tokens_p50"] == quantile([100, 110, 900, 300, 50, 400], 0.5) == 205
@@ -186,10 +222,18 @@ def test_trajectory_metrics_are_over_the_union_not_a_mean_of_rank_means():
 
 
 def test_rank_metrics_are_reduced_by_their_meaning():
-    out = reduce_rank_metrics([
-        {"timing/step_s": 1.0, "timing/rollout_s": 0.5, "train/datums": 3, "rollout/generate_calls": 2, "sandbox/calls": 4},
-        {"timing/step_s": 3.0, "timing/rollout_s": 2.5, "train/datums": 5, "rollout/generate_calls": 4},
-    ])
+    out = reduce_rank_metrics(
+        [
+            {
+                "timing/step_s": 1.0,
+                "timing/rollout_s": 0.5,
+                "train/datums": 3,
+                "rollout/generate_calls": 2,
+                "sandbox/calls": 4,
+            },
+            {"timing/step_s": 3.0, "timing/rollout_s": 2.5, "train/datums": 5, "rollout/generate_calls": 4},
+        ]
+    )
     assert out["timing/step_s"] == 3.0 and out["timing/rollout_s"] == 2.5  # the step waits for the slowest
     assert out["train/datums"] == 8 and out["rollout/generate_calls"] == 4
     assert out["sandbox/calls"] == 4  # plugin metrics: the mean over the ranks that reported them
@@ -233,11 +277,16 @@ def _params(path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,when", [("cpu.yaml", "rollout"), ("cpu_ddp.yaml", "rollout"), ("cpu_ddp.yaml", "update")],
-                         ids=["1-process-mid-rollout", "ddp-mid-rollout", "ddp-mid-update"])
+@pytest.mark.parametrize(
+    "config,when",
+    [("cpu.yaml", "rollout"), ("cpu_ddp.yaml", "rollout"), ("cpu_ddp.yaml", "update")],
+    ids=["1-process-mid-rollout", "ddp-mid-rollout", "ddp-mid-update"],
+)
 def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the_run(config, when, tmp_path):
     markers = tmp_path / "markers"
-    extra = ["--slow_tool", "--max_steps", "3", "--markers", str(markers)] + (["--slow_update", "3"] if when == "update" else [])
+    extra = ["--slow_tool", "--max_steps", "3", "--markers", str(markers)] + (
+        ["--slow_update", "3"] if when == "update" else []
+    )
     proc = _launch(config, tmp_path / "a", "--output_dir", str(tmp_path / "a"), *extra)
     try:
         deadline = time.monotonic() + hang_guard_s(240)
@@ -263,10 +312,30 @@ def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the
     if when != "rollout" or config != "cpu_ddp.yaml":
         return
     # Resuming from the emergency checkpoint gives the parameters of the uninterrupted run.
-    straight = _launch(config, tmp_path / "b", "--output_dir", str(tmp_path / "b"), "--slow_tool", "--max_steps", "3",
-                       "--params_out", str(tmp_path / "straight.pt"))
-    resumed = _launch(config, tmp_path / "c", "--output_dir", str(tmp_path / "c"), "--slow_tool", "--max_steps", "3",
-                      "--resume", str(checkpoint), "--params_out", str(tmp_path / "resumed.pt"))
+    straight = _launch(
+        config,
+        tmp_path / "b",
+        "--output_dir",
+        str(tmp_path / "b"),
+        "--slow_tool",
+        "--max_steps",
+        "3",
+        "--params_out",
+        str(tmp_path / "straight.pt"),
+    )
+    resumed = _launch(
+        config,
+        tmp_path / "c",
+        "--output_dir",
+        str(tmp_path / "c"),
+        "--slow_tool",
+        "--max_steps",
+        "3",
+        "--resume",
+        str(checkpoint),
+        "--params_out",
+        str(tmp_path / "resumed.pt"),
+    )
     for p in (straight, resumed):
         out, _ = p.communicate(timeout=hang_guard_s(300))
         assert p.returncode == 0, out[-3000:]
@@ -280,8 +349,19 @@ def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the
 @pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
 def test_logged_metrics_on_two_ranks_are_those_of_the_union_of_their_trajectories(tmp_path, config):
     dump = tmp_path / "dump"
-    proc = _launch(config, tmp_path, "--output_dir", str(tmp_path / "run"), "--max_steps", "2", "--flaky",
-                   "--per_device", "8", "--dump", str(dump))
+    proc = _launch(
+        config,
+        tmp_path,
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--max_steps",
+        "2",
+        "--flaky",
+        "--per_device",
+        "8",
+        "--dump",
+        str(dump),
+    )
     output, _ = proc.communicate(timeout=hang_guard_s(420))
     assert proc.returncode == 0, output[-3000:]
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -317,12 +397,21 @@ def test_plugins_declare_how_their_step_metrics_combine_over_ranks():
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     declared = CodeInterpreter().step_metric_reductions()
-    out = reduce_rank_metrics([{"sandbox/calls": 3, "sandbox/latency_max_s": 0.5, "sandbox/latency_p50_s": 0.1},
-                               {"sandbox/calls": 5, "sandbox/latency_max_s": 2.0, "sandbox/latency_p50_s": 0.3}], declared)
+    out = reduce_rank_metrics(
+        [
+            {"sandbox/calls": 3, "sandbox/latency_max_s": 0.5, "sandbox/latency_p50_s": 0.1},
+            {"sandbox/calls": 5, "sandbox/latency_max_s": 2.0, "sandbox/latency_p50_s": 0.3},
+        ],
+        declared,
+    )
     assert out["sandbox/calls"] == 8 and out["sandbox/latency_max_s"] == 2.0
     assert out["sandbox/latency_p50_s"] == pytest.approx(0.2)
     from dataclasses import replace
 
-    union = trajectory_metrics([replace(_summary(0, 0, "final_answer", 10, 1.0), tool_latencies=(0.1, 0.2)),
-                                replace(_summary(1, 0, "final_answer", 10, 1.0), tool_latencies=(0.4,))])
+    union = trajectory_metrics(
+        [
+            replace(_summary(0, 0, "final_answer", 10, 1.0), tool_latencies=(0.1, 0.2)),
+            replace(_summary(1, 0, "final_answer", 10, 1.0), tool_latencies=(0.4,)),
+        ]
+    )
     assert union["rollout/tool_latency_p50_s"] == pytest.approx(0.2) and union["rollout/tool_latency_max_s"] == 0.4

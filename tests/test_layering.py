@@ -59,7 +59,10 @@ def test_the_import_checker_catches_framework_imports():
     # Negative control.
     src = "import torch\nfrom transformers import AutoModel\nimport accelerate.utils\nfrom trl_plugins.trainers import x\n"
     assert disallowed_imports(src, "algos") == ["transformers", "accelerate.utils", "trl_plugins.trainers"]
-    assert disallowed_imports("from trl.trainer import grpo_trainer\nimport deepspeed", "packing") == ["trl.trainer", "deepspeed"]
+    assert disallowed_imports("from trl.trainer import grpo_trainer\nimport deepspeed", "packing") == [
+        "trl.trainer",
+        "deepspeed",
+    ]
 
 
 def test_registry_and_types_import_no_frameworks():
@@ -79,8 +82,11 @@ def application_imports(source: str) -> list[str]:
     """Modules of the ReTool application (``recipes/``) that ``source`` imports."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        )
         found += [n for n in names if n.split(".")[0] in APPLICATION_MODULES]
     return found
 
@@ -107,9 +113,13 @@ def test_the_library_does_not_mention_the_retool_application():
 def test_the_application_checkers_catch_violations():
     # Negative controls: what a moved-back module would look like.
     assert application_imports("import retool.task\nfrom recipes.retool import data\nimport torch\n") == [
-        "retool.task", "recipes.retool"]
+        "retool.task",
+        "recipes.retool",
+    ]
     assert application_words('"""Builds the embedded default."""\nSYSTEM = "You solve maths problems."') == [
-        "embedded default", "you solve maths problems"]
+        "embedded default",
+        "you solve maths problems",
+    ]
 
 
 def stdlib_violations(source: str) -> list[str]:
@@ -119,7 +129,9 @@ def stdlib_violations(source: str) -> list[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            names = [] if node.level == 0 and node.module == "__future__" else [("." * node.level) + (node.module or "")]
+            names = (
+                [] if node.level == 0 and node.module == "__future__" else [("." * node.level) + (node.module or "")]
+            )
         else:
             continue
         bad += [n for n in names if n.startswith(".") or n.split(".")[0] not in sys.stdlib_module_names]
@@ -133,23 +145,33 @@ def test_the_in_sandbox_runner_imports_only_the_standard_library():
 
 
 def test_the_stdlib_checker_catches_other_imports():
-    assert stdlib_violations("import os, json\nfrom collections import deque\nimport torch\nfrom trl_plugins import types\n"
-                             "from . import launcher\n") == ["torch", "trl_plugins", "."]
+    assert stdlib_violations(
+        "import os, json\nfrom collections import deque\nimport torch\nfrom trl_plugins import types\n"
+        "from . import launcher\n"
+    ) == ["torch", "trl_plugins", "."]
 
 
 # -- the house: rooms of a readable size, imports without a cycle, capabilities read in one place ---------------
 
-MAX_LINES = 500
+MAX_LINES = 800
+"""STYLE.md 25's "~800 lines": a module past it is a package waiting to be made, split by job (never for the count).
+Counted on the tree as ``ruff format`` writes it (120 columns), where the earlier 500 counted code written sideways."""
 BIG_ON_PURPOSE = {"tools/sandbox/runner.py"}  # stdlib-only, run as one file by a bare `python -I -S`
+BIG_FOR_NOW = {"run/config.py": "the flat configuration: its features' settings become typed objects beside them"}
+"""Rooms known to be too big, each with the job that will split it; one that shrinks under the limit must leave."""
 
 
 def oversized(sources: dict[str, str], limit: int = MAX_LINES) -> dict[str, int]:
     """Files over ``limit`` lines, but the ones big on purpose."""
-    return {name: n for name, src in sources.items() if (n := len(src.splitlines())) > limit and name not in BIG_ON_PURPOSE}
+    return {
+        name: n for name, src in sources.items() if (n := len(src.splitlines())) > limit and name not in BIG_ON_PURPOSE
+    }
 
 
 def test_no_library_file_is_a_big_room():
-    assert oversized(_library_sources()) == {}
+    big = oversized(_library_sources())
+    assert {name: n for name, n in big.items() if name not in BIG_FOR_NOW} == {}
+    assert set(BIG_FOR_NOW) <= set(big), "a room in BIG_FOR_NOW is no longer big: take it out"
 
 
 def _module_of(relative: str) -> str:
@@ -163,14 +185,20 @@ def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
     modules = {_module_of(name): src for name, src in sources.items()}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, src in modules.items():
-        package = module if any(_module_of(n) == module and n.endswith("__init__.py") for n in sources) else module.rsplit(".", 1)[0]
+        package = (
+            module
+            if any(_module_of(n) == module and n.endswith("__init__.py") for n in sources)
+            else module.rsplit(".", 1)[0]
+        )
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
@@ -193,7 +221,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             if node.startswith(nxt + ".") or nxt.startswith(node + "."):
                 continue  # a package and its own modules
             if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -211,17 +239,37 @@ def test_the_library_imports_without_a_cycle():
 
 def test_the_house_checkers_catch_a_big_room_and_a_cycle():
     # Negative controls: the checkers see what they are for.
-    assert oversized({"a.py": "x = 1\n" * 501, "tools/sandbox/runner.py": "x = 1\n" * 900, "b.py": "x\n"}) == {"a.py": 501}
-    loop = {"rollout/engine.py": "from trl_plugins.tools.base import Tool\n",
-            "tools/base.py": "def close():\n    from trl_plugins.rollout.engine import run_async\n",
-            "types/__init__.py": "from trl_plugins.types.algos import X\n", "types/algos.py": "X = 1\n"}
-    assert cycles(import_graph(loop)) == [["trl_plugins.rollout.engine", "trl_plugins.tools.base", "trl_plugins.rollout.engine"]]
+    big = {"a.py": "x = 1\n" * (MAX_LINES + 1), "tools/sandbox/runner.py": "x = 1\n" * 2000, "b.py": "x\n"}
+    assert oversized(big) == {"a.py": MAX_LINES + 1}
+    loop = {
+        "rollout/engine.py": "from trl_plugins.tools.base import Tool\n",
+        "tools/base.py": "def close():\n    from trl_plugins.rollout.engine import run_async\n",
+        "types/__init__.py": "from trl_plugins.types.algos import X\n",
+        "types/algos.py": "X = 1\n",
+    }
+    assert cycles(import_graph(loop)) == [
+        ["trl_plugins.rollout.engine", "trl_plugins.tools.base", "trl_plugins.rollout.engine"]
+    ]
 
 
-CAPABILITIES = ("needs_values", "needs_groups", "needs_ref_logprobs", "needs_entropy", "supports_is_weights",
-                "token_budget", "tool_calls_per_turn", "idempotent", "start_up", "step_metrics", "step_metric_reductions",
-                "is_success",
-                "requires_lockstep", "max_concurrency", "sync_weights", "with_sampling")
+CAPABILITIES = (
+    "needs_values",
+    "needs_groups",
+    "needs_ref_logprobs",
+    "needs_entropy",
+    "supports_is_weights",
+    "token_budget",
+    "tool_calls_per_turn",
+    "idempotent",
+    "start_up",
+    "step_metrics",
+    "step_metric_reductions",
+    "is_success",
+    "requires_lockstep",
+    "max_concurrency",
+    "sync_weights",
+    "with_sampling",
+)
 
 
 def capability_discovery(source: str) -> list[str]:
@@ -236,8 +284,12 @@ def capability_discovery(source: str) -> list[str]:
 
 
 def test_capabilities_are_read_by_the_seams_adapters_only():
-    readers = {name: capability_discovery(src) for name, src in _library_sources().items()
-               if name not in ("protocols/adapters.py", "packing/__init__.py")}  # packing: its one reader, in the pure package
+    readers = {
+        name: capability_discovery(src)
+        for name, src in _library_sources().items()
+        if name not in ("protocols/adapters.py", "packing/__init__.py")
+    }  # packing: its one reader, in the pure package
     assert {k: v for k, v in readers.items() if v} == {}
-    assert capability_discovery('getattr(plugin, "needs_values", False)\nhasattr(tool, "idempotent")\n'
-                                'getattr(x, "name")\n') == ["needs_values", "idempotent"]  # negative control
+    assert capability_discovery(
+        'getattr(plugin, "needs_values", False)\nhasattr(tool, "idempotent")\ngetattr(x, "name")\n'
+    ) == ["needs_values", "idempotent"]  # negative control

@@ -28,7 +28,7 @@ def test_problems_are_deterministic_with_answers_behind_the_key_and_splits_disjo
         target, value = resolve_key(row["key"])
         assert row["value"] == value == key_value(target) and 100 <= value <= 316
         assert int(row["answer"]) == value * value and len(row["answer"]) == 5
-        assert row["prompt"] == f"What is x * x, where x is the number under key \"{row['key']}\"?"
+        assert row["prompt"] == f'What is x * x, where x is the number under key "{row["key"]}"?'
         assert row["moved_to"] == moved_to(row["key"])
         assert str(value) not in row["prompt"]  # only the tool knows x
     moved = sum(r["moved_to"] is not None for r in train) / len(train)
@@ -77,8 +77,15 @@ def lookup_chat():
     return ChatFormat(embedded_tokenizer(settings), task_schemas("lookup"), final_answer_pattern=r"\\boxed\{"), settings
 
 
-@pytest.mark.parametrize("path", [dict(lookup=True, recover=True, compute=True), dict(lookup=True, recover=False, compute=True),
-                                  dict(lookup=True, recover=True, compute=False), dict(lookup=False, recover=False, compute=False)])
+@pytest.mark.parametrize(
+    "path",
+    [
+        dict(lookup=True, recover=True, compute=True),
+        dict(lookup=True, recover=False, compute=True),
+        dict(lookup=True, recover=True, compute=False),
+        dict(lookup=False, recover=False, compute=False),
+    ],
+)
 def test_cold_start_transcripts_are_what_the_rollout_makes_with_the_real_tools(lookup_chat, path):
     # A policy that writes the transcript's assistant turns, run through the rollout with LookupTool and the real
     # code interpreter: every token of the trajectory (prompt, calls, the tools' own outputs and errors, glue,
@@ -91,30 +98,50 @@ def test_cold_start_transcripts_are_what_the_rollout_makes_with_the_real_tools(l
     chat, settings = lookup_chat
     problems = lookup_problems(40, seed=3)
     problems = [next(p for p in problems if p["moved_to"]), next(p for p in problems if not p["moved_to"])]
-    messages = lambda p: [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": p["prompt"]}]  # noqa: E731
+
+    def messages(p: dict) -> list[dict]:
+        return [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": p["prompt"]}]
+
     expected = {p["id"]: lookup_transcript(chat, p, system_prompt=settings.system_prompt, **path) for p in problems}
 
     def script(prompt: list[int]) -> list[int]:
         for ids, mask in expected.values():
             if ids[: len(prompt)] == prompt and mask[len(prompt)] == 1:
                 end = next((i for i in range(len(prompt), len(ids)) if not mask[i]), len(ids))
-                return ids[len(prompt):end]
+                return ids[len(prompt) : end]
         raise AssertionError("the rollout built a prompt no transcript has")
 
-    questions = [RolloutQuestion(p["id"], chat.initial_prompt_ids(messages(p)), group_id=i) for i, p in enumerate(problems)]
+    questions = [
+        RolloutQuestion(p["id"], chat.initial_prompt_ids(messages(p)), group_id=i) for i, p in enumerate(problems)
+    ]
     with CodeInterpreter(mode="cold") as code:
-        result = MultiTurnRollout(max_turns=5, max_tool_calls=4)(RolloutRequest(
-            questions, 1, ScriptedBackend(script, stop_token_ids=chat.stop_token_ids), chat,
-            {"lookup": LookupTool(), "code_interpreter": code}, policy_step=0, seed=0))
+        result = MultiTurnRollout(max_turns=5, max_tool_calls=4)(
+            RolloutRequest(
+                questions,
+                1,
+                ScriptedBackend(script, stop_token_ids=chat.stop_token_ids),
+                chat,
+                {"lookup": LookupTool(), "code_interpreter": code},
+                policy_step=0,
+                seed=0,
+            )
+        )
     for traj, problem in zip(result.trajectories, problems):
         ids, mask = expected[problem["id"]]
         last = traj.turns[-1]
         assert last.prompt_ids + last.completion_ids == ids
         assert traj.stop_reason == StopReason.FINAL_ANSWER
         calls = [c for t in traj.turns for c in t.tool_calls]
-        assert [c.name for c in calls] == (["lookup"] * (1 + bool(problem["moved_to"] and path["recover"])) if path["lookup"] else []) \
-            + (["code_interpreter"] if path["compute"] and path["lookup"] and (path["recover"] or not problem["moved_to"]) else [])
-        assert [c.ok for c in calls] == [not (c.name == "lookup" and i == 0 and problem["moved_to"]) for i, c in enumerate(calls)]
+        assert [c.name for c in calls] == (
+            ["lookup"] * (1 + bool(problem["moved_to"] and path["recover"])) if path["lookup"] else []
+        ) + (
+            ["code_interpreter"]
+            if path["compute"] and path["lookup"] and (path["recover"] or not problem["moved_to"])
+            else []
+        )
+        assert [c.ok for c in calls] == [
+            not (c.name == "lookup" and i == 0 and problem["moved_to"]) for i, c in enumerate(calls)
+        ]
         if calls and calls[-1].name == "code_interpreter":
             assert calls[-1].output.strip() == problem["answer"]
             assert calls[-1].arguments == {"code": f"print({problem['value']} * {problem['value']})"}
@@ -165,10 +192,15 @@ def test_a_task_without_its_tools_or_beside_a_dataset_is_refused_before_anything
     with pytest.raises(SystemExit, match="task must be one of"):
         parse_args(["--task", "lookups"])
     # The task brings its tools; a --tools of the user's that leaves one out is refused, naming where it was set.
-    script_args, training_args = parse_args(["--task", "lookup", "--tools", "code_interpreter",
-                                             "--output_dir", str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match=re.escape("task 'lookup' needs the tool(s) ['lookup']") + ".*"
-                       + re.escape("drop the --tools you set (its provenance: the command line)")):
+    script_args, training_args = parse_args(
+        ["--task", "lookup", "--tools", "code_interpreter", "--output_dir", str(tmp_path / "out")]
+    )
+    with pytest.raises(
+        SystemExit,
+        match=re.escape("task 'lookup' needs the tool(s) ['lookup']")
+        + ".*"
+        + re.escape("drop the --tools you set (its provenance: the command line)"),
+    ):
         resolve(script_args, training_args)
     assert not (tmp_path / "out").exists()
 
@@ -197,8 +229,8 @@ def test_every_number_a_solution_writes_is_within_the_models_attention_window(lo
                 i += 1
         assert len(runs) == (5 if problem["moved_to"] else 4)  # key, [new key], number twice, answer
         for start, end in runs:
-            run, seen = ids[start:end], ids[max(start - window, 0):start]
-            assert any(seen[k:k + len(run)] == run for k in range(len(seen))), (problem, start)
+            run, seen = ids[start:end], ids[max(start - window, 0) : start]
+            assert any(seen[k : k + len(run)] == run for k in range(len(seen))), (problem, start)
 
 
 def test_the_cold_starts_recovery_and_tool_fractions_decide_its_paths(lookup_chat):
@@ -211,7 +243,7 @@ def test_the_cold_starts_recovery_and_tool_fractions_decide_its_paths(lookup_cha
     lookup_id = chat.tokenizer.encode("lookup", add_special_tokens=False)
 
     def lookups(ids: list[int]) -> int:
-        return sum(ids[i:i + len(lookup_id)] == lookup_id for i in range(len(ids)))
+        return sum(ids[i : i + len(lookup_id)] == lookup_id for i in range(len(ids)))
 
     def counts(**kw) -> list[int]:
         data = cold_start_dataset(chat, problems, task="lookup", system_prompt=settings.system_prompt, **kw)

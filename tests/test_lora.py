@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from test_trainer import TokenReward, _config, _dataset
+from trl_plugins.run.lora import (
+    MODEL_FIELDS,
+    check_model_config,
+    check_peft_config,
+    check_peft_model,
+    peft_config_from,
+    render_table,
+)
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
-from trl_plugins.run.lora import MODEL_FIELDS, check_model_config, check_peft_config, check_peft_model, peft_config_from, render_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "training.md"
@@ -49,13 +56,14 @@ def test_every_model_config_field_has_a_rule():
 
 def test_docs_carry_the_rendered_model_table():
     text = DOCS.read_text()
-    section = text[text.index("## LoRA"):]
+    section = text[text.index("## LoRA") :]
     assert render_table() in section, "docs/training.md is stale: paste lora.render_table() into its LoRA section"
 
 
 def test_the_recipe_parses_lora_into_trls_lora_config():
-    script_args, args = _recipe_args(["--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj",
-                                      "--use_rslora", "true"])
+    script_args, args = _recipe_args(
+        ["--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj", "--use_rslora", "true"]
+    )
     check_model_config(script_args, args)
     config = peft_config_from(script_args)
     assert (config.r, config.lora_alpha, config.lora_dropout, config.use_rslora) == (8, 32, 0.0, True)
@@ -117,15 +125,26 @@ def test_check_peft_refuses_other_adapters_dora_under_zero3_and_a_wrapped_policy
     with pytest.raises(ValueError, match="pass the base model with peft_config"):
         check_peft_model(wrapped, config, needs_values=True)
     with pytest.raises(ValueError, match="only LoRA adapters are supported"):  # a wrapped policy's adapters too
-        check_peft_model(get_peft_model(build_tiny_model(build_tokenizer("qwen2_5")),
-                                        PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)), config)
+        check_peft_model(
+            get_peft_model(
+                build_tiny_model(build_tokenizer("qwen2_5")),
+                PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+            ),
+            config,
+        )
 
 
 def _trainer(out, tok, model, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
-    return MultiTurnGRPOTrainer(model, _config(out, **overrides), train_dataset=_dataset(8), processing_class=tok,
-                                reward_components={"length": TokenReward()}, peft_config=_lora())
+    return MultiTurnGRPOTrainer(
+        model,
+        _config(out, **overrides),
+        train_dataset=_dataset(8),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+        peft_config=_lora(),
+    )
 
 
 def _split(model):
@@ -175,8 +194,15 @@ def test_lora_resume_from_checkpoint_reproduces_the_next_step(tmp_path):
     from safetensors.torch import load_file
 
     tok = build_tokenizer("qwen2_5")
-    straight = _trainer(tmp_path / "straight", tok, build_tiny_model(tok), max_steps=2, optim="adamw_torch",
-                        save_strategy="steps", save_steps=1)
+    straight = _trainer(
+        tmp_path / "straight",
+        tok,
+        build_tiny_model(tok),
+        max_steps=2,
+        optim="adamw_torch",
+        save_strategy="steps",
+        save_steps=1,
+    )
     straight.train()
     resumed = _trainer(tmp_path / "resumed", tok, build_tiny_model(tok), max_steps=2, optim="adamw_torch")
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-1"))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import tempfile
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -25,14 +25,23 @@ SERVERS = str(REPO / "tests" / "mcp_servers")
 FILES = str(REPO / "tests" / "mcp_servers" / "files.py")
 TOY = str(REPO / "tests" / "mcp_servers" / "toy.py")
 SECRET = "sk-trl-mcp-" + uuid.uuid4().hex
-ISOLATIONS = [i.value for i in (launcher.Isolation.BWRAP, launcher.Isolation.UNSHARE)
-              if probing.probe(i, launcher.resolve_program(i)) is None]
+ISOLATIONS = [
+    i.value
+    for i in (launcher.Isolation.BWRAP, launcher.Isolation.UNSHARE)
+    if probing.probe(i, launcher.resolve_program(i)) is None
+]
 needs_isolation = pytest.mark.skipif(not ISOLATIONS, reason="no sandbox isolation works here (bwrap or unshare)")
 
 
 def _files(sandbox: dict | None, **kw) -> dict:
-    return {"command": sys.executable, "args": [FILES], "session": "shared", "timeout_s": 20,
-            **({"sandbox": sandbox} if sandbox is not None else {}), **kw}
+    return {
+        "command": sys.executable,
+        "args": [FILES],
+        "session": "shared",
+        "timeout_s": 20,
+        **({"sandbox": sandbox} if sandbox is not None else {}),
+        **kw,
+    }
 
 
 def _call(tool, args) -> str:
@@ -98,8 +107,9 @@ def test_unsandboxed_control_reaches_the_host(host):
 def test_sandboxed_server_cannot_read_write_or_connect_outside_its_directory(host, isolation):
     secret, planted, port = host
     me, before = time.time(), _below(os.getpid())
-    tools = McpTools(mcpServers={"files": _files({"isolation": isolation, "readable": [SERVERS], "hidden": [TOY],
-                                                         "memory_mb": 512})})
+    tools = McpTools(
+        mcpServers={"files": _files({"isolation": isolation, "readable": [SERVERS], "hidden": [TOY], "memory_mb": 512})}
+    )
     try:
         t = {x.name: x for x in tools.member_tools()}
         processes = _below(os.getpid()) - before  # the reaper and everything below it
@@ -137,8 +147,10 @@ def test_sandboxed_server_cannot_read_write_or_connect_outside_its_directory(hos
 def test_network_only_where_configured(host, isolation):
     """``network: true`` keeps the host's network: the connection the default refuses (the test above) goes through."""
     _, _, port = host
-    tools = McpTools(mcpServers={"files": _files({"isolation": isolation, "readable": [SERVERS], "network": True})},
-                     include=["connect", "read"])
+    tools = McpTools(
+        mcpServers={"files": _files({"isolation": isolation, "readable": [SERVERS], "network": True})},
+        include=["connect", "read"],
+    )
     try:
         t = {x.name: x for x in tools.member_tools()}
         assert _call(t["connect"], {"port": port}) == "ok"
@@ -154,9 +166,17 @@ def test_sandboxed_per_trajectory_server_works_in_its_seeded_directory(tmp_path)
     seed = tmp_path / "seed"
     seed.mkdir()
     (seed / "repo.txt").write_text("r")
-    tools = McpTools(mcpServers={"files": {"command": sys.executable, "args": [FILES, "{workdir}"], "copy": str(seed),
-                                           "sandbox": {"isolation": ISOLATIONS[0], "readable": [SERVERS]}}},
-                     include=["where", "write", "read"])
+    tools = McpTools(
+        mcpServers={
+            "files": {
+                "command": sys.executable,
+                "args": [FILES, "{workdir}"],
+                "copy": str(seed),
+                "sandbox": {"isolation": ISOLATIONS[0], "readable": [SERVERS]},
+            }
+        },
+        include=["where", "write", "read"],
+    )
     t = {x.name: as_tool(x) for x in tools.member_tools()}
     seen = {}
 
@@ -177,16 +197,19 @@ def test_sandboxed_per_trajectory_server_works_in_its_seeded_directory(tmp_path)
         tools.close()
 
 
-@pytest.mark.parametrize("sandbox,extra,error", [
-    ({"isolation": "none"}, {}, "'none' isolates nothing: leave sandbox out"),
-    ({"net": True}, {}, r"unknown keys \['net'\]; it takes"),
-    ({"network": "yes"}, {}, r"\['network'\] must be true or false"),
-    ({"readable": ["relative/dir"]}, {}, "must be a list of absolute paths"),
-    ({"readable": ["/"]}, {}, "shows '/', the whole host"),
-    ({"memory_mb": 8}, {}, r"\['memory_mb'\] must be an integer >= 64"),
-    (True, {"cwd": "/"}, "a sandboxed server works in its own writable directory"),
-    ("yes", {}, "must be true, false or an object"),
-])
+@pytest.mark.parametrize(
+    "sandbox,extra,error",
+    [
+        ({"isolation": "none"}, {}, "'none' isolates nothing: leave sandbox out"),
+        ({"net": True}, {}, r"unknown keys \['net'\]; it takes"),
+        ({"network": "yes"}, {}, r"\['network'\] must be true or false"),
+        ({"readable": ["relative/dir"]}, {}, "must be a list of absolute paths"),
+        ({"readable": ["/"]}, {}, "shows '/', the whole host"),
+        ({"memory_mb": 8}, {}, r"\['memory_mb'\] must be an integer >= 64"),
+        (True, {"cwd": "/"}, "a sandboxed server works in its own writable directory"),
+        ("yes", {}, "must be true, false or an object"),
+    ],
+)
 def test_sandbox_config_errors_are_clear(sandbox, extra, error):
     with pytest.raises(ValueError, match=error):
         McpTools(mcpServers={"files": _files(sandbox, **extra)})
@@ -196,8 +219,10 @@ def test_sandbox_config_errors_are_clear(sandbox, extra, error):
 
 def test_refused_at_start_up_where_no_isolation_works(monkeypatch):
     monkeypatch.setattr(probing, "probe", lambda iso, program=None: "bwrap not found on PATH (install bubblewrap: ...)")
-    with pytest.raises(RuntimeError, match="asks for sandbox isolation 'bwrap', which does not work on this machine: "
-                                           "bwrap not found on PATH") as refused:
+    with pytest.raises(
+        RuntimeError,
+        match="asks for sandbox isolation 'bwrap', which does not work on this machine: bwrap not found on PATH",
+    ) as refused:
         McpTools(mcpServers={"files": _files({"isolation": "bwrap"})}).member_tools()
     assert "check that the command runs" not in str(refused.value)  # the machine's failure, not the server's
 

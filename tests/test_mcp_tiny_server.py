@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from trl_plugins.protocols import as_tool, tool_episode  # noqa: E402
 from test_mcp_tool import _alive, _children  # noqa: E402 - the same process helpers
+from trl_plugins.protocols import as_tool, tool_episode  # noqa: E402
 from trl_plugins.tools.mcp.plugin import McpTools  # noqa: E402
 
 HERE = Path(__file__).parent / "mcp_servers"
@@ -53,13 +53,19 @@ def test_each_servers_name_and_version_is_its_tools_declared_version():
     version), with the revision spoken: what the run version records per tool (``plugin_version``)."""
     from trl_plugins.run.version import plugin_version
 
-    tools = McpTools(mcpServers={"tiny": _tiny("tinyserve", "1.2.3", session="shared"),
-                                 "toy": {"command": sys.executable, "args": [TOY], "session": "shared"}},
-                     include=["echo", "add"])
+    tools = McpTools(
+        mcpServers={
+            "tiny": _tiny("tinyserve", "1.2.3", session="shared"),
+            "toy": {"command": sys.executable, "args": [TOY], "session": "shared"},
+        },
+        include=["echo", "add"],
+    )
     try:
         members = {t.name: as_tool(t) for t in tools.member_tools()}
-        expected = {"tiny": "tinyserve 1.2.3 (MCP server 'tiny', protocol 2025-11-25)",
-                    "toy": "toy (no version) (MCP server 'toy', protocol 2026-07-28)"}
+        expected = {
+            "tiny": "tinyserve 1.2.3 (MCP server 'tiny', protocol 2025-11-25)",
+            "toy": "toy (no version) (MCP server 'toy', protocol 2026-07-28)",
+        }
         assert tools.server_versions() == expected
         assert {n: plugin_version(t) for n, t in members.items()} == {"echo": expected["tiny"], "add": expected["toy"]}
     finally:
@@ -116,8 +122,11 @@ def _echo_policy(chat):
         wanted = int(re.search(r"calls=(\d+)", question).group(1))
         if done < wanted:
             n = 2 if "par" in question and done == 0 else 1
-            calls = (['{"name": "oops", "arguments": {"why": "no"}}'] if "oops" in question else
-                     [f'{{"name": "echo", "arguments": {{"text": "said {done + j}"}}}}' for j in range(n)])
+            calls = (
+                ['{"name": "oops", "arguments": {"why": "no"}}']
+                if "oops" in question
+                else [f'{{"name": "echo", "arguments": {{"text": "said {done + j}"}}}}' for j in range(n)]
+            )
             body = "".join(f"\n<tool_call>\n{c}\n</tool_call>" for c in calls)
         else:
             body = "The answer is \\boxed{7}."
@@ -132,14 +141,25 @@ async def _mcp_agent(client, row):
     tools = (await client.get("tools", cast_to=object))["data"]
     messages = [{"role": "user", "content": row["prompt"]}]
     while True:
-        message = (await client.chat.completions.create(model="policy", messages=messages, tools=tools)).choices[0].message
+        message = (
+            (await client.chat.completions.create(model="policy", messages=messages, tools=tools)).choices[0].message
+        )
         messages.append(message)
         if not message.tool_calls:
             return 1.0
-        outs = await asyncio.gather(*(client.post("tools/call", cast_to=object, body={
-            "name": c.function.name, "arguments": c.function.arguments, "tool_call_id": c.id}) for c in message.tool_calls))
-        messages.extend({"role": "tool", "tool_call_id": c.id, "content": o["content"]}
-                        for c, o in zip(message.tool_calls, outs))
+        outs = await asyncio.gather(
+            *(
+                client.post(
+                    "tools/call",
+                    cast_to=object,
+                    body={"name": c.function.name, "arguments": c.function.arguments, "tool_call_id": c.id},
+                )
+                for c in message.tool_calls
+            )
+        )
+        messages.extend(
+            {"role": "tool", "tool_call_id": c.id, "content": o["content"]} for c, o in zip(message.tool_calls, outs)
+        )
 
 
 def test_an_endpoint_agent_gets_the_mcp_tools_and_trains_the_built_in_rollouts_tokens():
@@ -155,13 +175,19 @@ def test_an_endpoint_agent_gets_the_mcp_tools_and_trains_the_built_in_rollouts_t
 
     tools = McpTools(mcpServers={"tiny": _tiny()}, include=["echo", "oops"])
     members = {t.name: t for t in tools.member_tools()}
-    chat = ChatFormat(build_tokenizer("qwen2_5"), [t.schema() for t in members.values()],
-                      final_answer_pattern=r"\\boxed\{", calls_per_turn=2)
+    chat = ChatFormat(
+        build_tokenizer("qwen2_5"),
+        [t.schema() for t in members.values()],
+        final_answer_pattern=r"\\boxed\{",
+        calls_per_turn=2,
+    )
     prompts = ["calls=1", "par calls=2", "calls=0", "oops calls=1"]
 
     def request():
-        qs = [RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i, row={"prompt": p})
-              for i, p in enumerate(prompts)]
+        qs = [
+            RolloutQuestion(f"q{i}", chat.initial_prompt_ids([{"role": "user", "content": p}]), i, row={"prompt": p})
+            for i, p in enumerate(prompts)
+        ]
         return RolloutRequest(qs, 1, _echo_policy(chat), chat, members, policy_step=1, seed=3)
 
     try:
@@ -177,11 +203,15 @@ def test_an_endpoint_agent_gets_the_mcp_tools_and_trains_the_built_in_rollouts_t
             assert [t.prompt_sources for t in b.turns] == [t.prompt_sources for t in a.turns]
             assert [t.completion_ids for t in b.turns] == [t.completion_ids for t in a.turns]
             assert [[(c.name, c.arguments, c.output, c.ok) for c in t.tool_calls] for t in b.turns] == [
-                [(c.name, c.arguments, c.output, c.ok) for c in t.tool_calls] for t in a.turns]
+                [(c.name, c.arguments, c.output, c.ok) for c in t.tool_calls] for t in a.turns
+            ]
             assert build_datums(b, advantage=1.0) == build_datums(a, advantage=1.0)
         par = served.trajectories[1].turns[1]
-        observed = [t for t, s in zip(par.prompt_ids[-len(par.prompt_sources):], par.prompt_sources)
-                    if s == TokenSource.OBSERVATION]
+        observed = [
+            t
+            for t, s in zip(par.prompt_ids[-len(par.prompt_sources) :], par.prompt_sources)
+            if s == TokenSource.OBSERVATION
+        ]
         assert chat.tokenizer.decode(observed) == "said 0said 1"  # both parallel calls' outputs, nothing else
         failed = served.trajectories[3].turns[0].tool_calls[0]
         assert (failed.output, failed.ok) == ("failed: no", False)  # isError: an observation, recorded not ok
@@ -200,8 +230,14 @@ def test_the_tool_routes_answer_a_tools_error_refuse_an_unknown_tool_and_end_on_
         name = "broken"
 
         def schema(self) -> dict:
-            return {"type": "function", "function": {"name": "broken", "description": "Fails.",
-                                                     "parameters": {"type": "object", "properties": {}}}}
+            return {
+                "type": "function",
+                "function": {
+                    "name": "broken",
+                    "description": "Fails.",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
 
         async def __call__(self, arguments: dict):
             raise OSError("the disk is gone")
@@ -223,19 +259,33 @@ def test_the_tool_routes_answer_a_tools_error_refuse_an_unknown_tool_and_end_on_
         tools = (await client.get("tools", cast_to=object))["data"]
         seen["sulky"] = await client.post("tools/call", cast_to=object, body={"name": "sulky", "arguments": {}})
         seen["tools"] = tools
-        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
-                                             tools=tools)
-        for name, body in (("unknown", {"name": "nope"}), ("bad", {"name": "broken", "arguments": "{"}),
-                           ("broken", {"name": "broken", "arguments": "{}"})):
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": row["prompt"]}], tools=tools
+        )
+        for name, body in (
+            ("unknown", {"name": "nope"}),
+            ("bad", {"name": "broken", "arguments": "{"}),
+            ("broken", {"name": "broken", "arguments": "{}"}),
+        ):
             try:
                 await client.post("tools/call", cast_to=object, body=body)
             except openai.APIStatusError as exc:
-                seen[name] = (exc.status_code, exc.body["code"] if isinstance(exc.body, dict) else exc.body, exc.message)
+                seen[name] = (
+                    exc.status_code,
+                    exc.body["code"] if isinstance(exc.body, dict) else exc.body,
+                    exc.message,
+                )
         return 1.0
 
-    chat = ChatFormat(build_tokenizer("qwen2_5"), [Broken().schema(), Sulky().schema()], final_answer_pattern=r"\\boxed\{")
-    q = RolloutQuestion("q", chat.initial_prompt_ids([{"role": "user", "content": "calls=0"}]), 0, row={"prompt": "calls=0"})
-    (traj,) = AgentEndpointRollout(agent=agent)(RolloutRequest([q], 1, _echo_policy(chat), chat, {"broken": Broken(), "sulky": Sulky()})).trajectories
+    chat = ChatFormat(
+        build_tokenizer("qwen2_5"), [Broken().schema(), Sulky().schema()], final_answer_pattern=r"\\boxed\{"
+    )
+    q = RolloutQuestion(
+        "q", chat.initial_prompt_ids([{"role": "user", "content": "calls=0"}]), 0, row={"prompt": "calls=0"}
+    )
+    (traj,) = AgentEndpointRollout(agent=agent)(
+        RolloutRequest([q], 1, _echo_policy(chat), chat, {"broken": Broken(), "sulky": Sulky()})
+    ).trajectories
     assert seen["tools"] == [Broken().schema(), Sulky().schema()]
     assert seen["sulky"] == {"content": "Error: not today.", "ok": False}
     assert seen["unknown"][:2] == (404, "unknown_tool") and "GET tools lists ['broken', 'sulky']" in seen["unknown"][2]

@@ -50,7 +50,9 @@ def http_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, TOY, "http", str(port)], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, TOY, "http", str(port)], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -65,18 +67,40 @@ def http_server():
 
 def test_one_run_tool_per_mcp_tool_with_its_schema(toy):
     tools, by_name = toy
-    assert list(by_name) == ["add", "greet", "fail", "crash", "hang", "garbage", "picture", "ask", "nap", "remember",
-                             "recall"]
+    assert list(by_name) == [
+        "add",
+        "greet",
+        "fail",
+        "crash",
+        "hang",
+        "garbage",
+        "picture",
+        "ask",
+        "nap",
+        "remember",
+        "recall",
+    ]
     fn = by_name["add"].schema()["function"]
     assert fn["description"] == "Add two integers."
     assert fn["parameters"]["required"] == ["a", "b"] and fn["parameters"]["properties"]["a"]["type"] == "integer"
     line = tools.start_up()
-    assert line.startswith("1 MCP server(s), 11 tool(s): MCP server 'toy' (stdio, shared: ") and "protocol 2026-07-28" in line
+    assert (
+        line.startswith("1 MCP server(s), 11 tool(s): MCP server 'toy' (stdio, shared: ")
+        and "protocol 2026-07-28" in line
+    )
 
 
 def test_build_tools_expands_the_set_and_include_exclude():
-    config = SimpleNamespace(tools=["mcp"], tool_kwargs={"mcp": {"mcpServers": {"toy": _stdio(session="shared")},
-                                                                 "include": ["add", "greet", "fail"], "exclude": ["fail"]}})
+    config = SimpleNamespace(
+        tools=["mcp"],
+        tool_kwargs={
+            "mcp": {
+                "mcpServers": {"toy": _stdio(session="shared")},
+                "include": ["add", "greet", "fail"],
+                "exclude": ["fail"],
+            }
+        },
+    )
     built = build_tools(config)
     try:
         assert list(built) == ["add", "greet"]
@@ -118,8 +142,11 @@ def test_hung_and_crashed_server_are_infra_errors_and_the_next_call_works():
         hung = _call(t["hang"], {})
         assert hung.infra_error and "did not answer a call of 'hang' within 1 s" in hung.infra_error
         crashed = _call(t["crash"], {})
-        assert crashed.infra_error and crashed.infra_error.startswith(
-            "MCP server 'toy' (stdio, shared: ") and "closed the connection (it exited or crashed) during a call of 'crash'" in crashed.infra_error
+        assert (
+            crashed.infra_error
+            and crashed.infra_error.startswith("MCP server 'toy' (stdio, shared: ")
+            and "closed the connection (it exited or crashed) during a call of 'crash'" in crashed.infra_error
+        )
         assert _call(t["add"], {"a": 1, "b": 1}).text == "2"  # a new process answers
         garbage = _call(t["garbage"], {})  # a line that is not JSON-RPC: the call gets no answer
         assert garbage.infra_error and "did not answer a call of 'garbage'" in garbage.infra_error
@@ -165,7 +192,9 @@ def test_a_bare_command_found_nowhere_is_refused_at_start_up_naming_both_places(
     with pytest.raises(ValueError) as refused:
         McpTools(mcpServers={"gone": {"command": "no-such-mcp-server"}})  # refused before any server starts
     message = str(refused.value)
-    assert message.startswith("mcpServers['gone']: command 'no-such-mcp-server' is found neither on PATH (/usr/bin:/bin)")
+    assert message.startswith(
+        "mcpServers['gone']: command 'no-such-mcp-server' is found neither on PATH (/usr/bin:/bin)"
+    )
     assert f"scripts folder ({tmp_path})" in message and "install it into this environment" in message
     assert "absolute path" in message and "\n" not in message
     # The PATH searched is the one the server gets: its own env's, or the sandbox's for a sandboxed server.
@@ -188,13 +217,23 @@ def test_the_time_server_starts_by_its_bare_name_with_only_the_interpreters_path
 
     assert os.path.dirname(os.path.abspath(sys.executable)) in interpreter_scripts()
     expected = find_command("mcp-server-time", path="")  # in the interpreter's scripts folder, wherever PATH looks
-    script = ("from trl_plugins.tools.mcp.plugin import McpTools\n"
-              "tools = McpTools(mcpServers={'time': {'command': 'mcp-server-time', 'session': 'shared'}})\n"
-              "print(tools.start_up())\ntools.close()\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    script = (
+        "from trl_plugins.tools.mcp.plugin import McpTools\n"
+        "tools = McpTools(mcpServers={'time': {'command': 'mcp-server-time', 'session': 'shared'}})\n"
+        "print(tools.start_up())\ntools.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"MCP server 'time' (stdio, shared: {expected}, protocol " in done.stdout and "get_current_time" in done.stdout
+    assert (
+        f"MCP server 'time' (stdio, shared: {expected}, protocol " in done.stdout and "get_current_time" in done.stdout
+    )
 
 
 def test_name_clash_refused_or_prefixed():
@@ -202,10 +241,16 @@ def test_name_clash_refused_or_prefixed():
     with pytest.raises(ValueError, match="servers 'a' and 'b' both offer a tool 'add'; set prefix_tools"):
         McpTools(mcpServers=two).member_tools()
     # A name left out clashes with nothing: it was refused although neither server's 'add' would be shown.
-    tiny = {"command": sys.executable, "args": ["-I", "-S", str(Path(__file__).parent / "mcp_servers" / "tiny.py")],
-            "env": {"TINY_ALSO_OFFERS": "add"}, "session": "shared"}
+    tiny = {
+        "command": sys.executable,
+        "args": ["-I", "-S", str(Path(__file__).parent / "mcp_servers" / "tiny.py")],
+        "env": {"TINY_ALSO_OFFERS": "add"},
+        "session": "shared",
+    }
     mixed = {"a": _stdio(session="shared"), "t": tiny}
-    with pytest.raises(ValueError, match="servers 'a' and 't' both offer a tool 'add'.*exclude: \\['add'\\] leaves out both"):
+    with pytest.raises(
+        ValueError, match="servers 'a' and 't' both offer a tool 'add'.*exclude: \\['add'\\] leaves out both"
+    ):
         McpTools(mcpServers=mixed).member_tools()
     left = McpTools(mcpServers=mixed, exclude=["add"])
     try:
@@ -245,11 +290,23 @@ def test_streamable_http_both_protocol_revisions(http_server, protocol, version)
 
 
 def test_arguments_checked_as_json_schema_2020_12():
-    schema = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-        "type": "object", "$defs": {"unit": {"enum": ["c", "f"]}},
-        "properties": {"where": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-                       "unit": {"$ref": "#/$defs/unit"}, "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
-        "required": ["where"]}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": "d",
+            "parameters": {
+                "type": "object",
+                "$defs": {"unit": {"enum": ["c", "f"]}},
+                "properties": {
+                    "where": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                    "unit": {"$ref": "#/$defs/unit"},
+                    "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                },
+                "required": ["where"],
+            },
+        },
+    }
     assert check_arguments(schema, {"where": {"city": "Oslo"}, "unit": "c", "n": None}) is None
     assert "at 'where'" in check_arguments(schema, {"where": {}})
     assert "'k' is not one of ['c', 'f']" in check_arguments(schema, {"where": {"city": "x"}, "unit": "k"})
@@ -278,8 +335,17 @@ def test_per_trajectory_sessions_never_share_state_and_leave_nothing(tmp_path, m
     monkeypatch.setattr(tempfile, "tempdir", str(private))
 
     (tmp_path / "repo.txt").write_text("r")
-    tools = McpTools(mcpServers={"toy": {"command": sys.executable, "args": [TOY, "stdio", "{workdir}"], "cwd": "/",
-                                         "copy": str(tmp_path / "repo.txt")}}, include=["remember", "recall"])
+    tools = McpTools(
+        mcpServers={
+            "toy": {
+                "command": sys.executable,
+                "args": [TOY, "stdio", "{workdir}"],
+                "cwd": "/",
+                "copy": str(tmp_path / "repo.txt"),
+            }
+        },
+        include=["remember", "recall"],
+    )
     t = {x.name: as_tool(x) for x in tools.member_tools()}
     assert tools.live_sessions() == 0  # listed at start-up, then stopped: each trajectory starts its own
     seen = {}
@@ -377,10 +443,14 @@ def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error(
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"] + [im_end]
 
-    calls = {"add": '{"name": "add", "arguments": {"a": 2, "b": 3}}', "bad": '{"name": "add", "arguments": {"a": [2], "b": 3}}',
-             "crash": '{"name": "crash", "arguments": {}}'}
-    firsts = {k: chat.initial_prompt_ids([{"role": "user", "content": " ".join([k] * (i + 1))}])
-              for i, k in enumerate(calls)}
+    calls = {
+        "add": '{"name": "add", "arguments": {"a": 2, "b": 3}}',
+        "bad": '{"name": "add", "arguments": {"a": [2], "b": 3}}',
+        "crash": '{"name": "crash", "arguments": {}}',
+    }
+    firsts = {
+        k: chat.initial_prompt_ids([{"role": "user", "content": " ".join([k] * (i + 1))}]) for i, k in enumerate(calls)
+    }
     assert all(f'"name": "{n}"' in tok.decode(firsts["add"]) for n in ("add", "crash"))  # the model is shown them
     by_len = {len(v): k for k, v in firsts.items()}
     assert len(by_len) == 3
@@ -394,11 +464,16 @@ def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error(
     questions = [RolloutQuestion(k, firsts[k], group_id=i) for i, k in enumerate(calls)]
     try:
         before = _children()
-        result = MultiTurnRollout(max_turns=3, max_trajectory_tokens=2048)(RolloutRequest(questions, 1, backend, chat, members))
+        result = MultiTurnRollout(max_turns=3, max_trajectory_tokens=2048)(
+            RolloutRequest(questions, 1, backend, chat, members)
+        )
         add, bad, crash = result.trajectories
         assert add.stop_reason == StopReason.FINAL_ANSWER
-        observation = [t for t, s in zip(add.turns[1].prompt_ids[-len(add.turns[1].prompt_sources):],
-                                         add.turns[1].prompt_sources) if s == TokenSource.OBSERVATION]
+        observation = [
+            t
+            for t, s in zip(add.turns[1].prompt_ids[-len(add.turns[1].prompt_sources) :], add.turns[1].prompt_sources)
+            if s == TokenSource.OBSERVATION
+        ]
         assert tok.decode(observation) == "5"
         assert bad.stop_reason == StopReason.INVALID_ACTION and "argument 'a' must be of type integer" in bad.error
         assert crash.stop_reason == StopReason.ENVIRONMENT_ERROR and "exited or crashed" in crash.error
@@ -483,11 +558,23 @@ def test_mcp_tools_start_in_the_asynchronous_replica_and_leave_nothing(tmp_path)
     tok = build_tokenizer("qwen2_5")
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    config = _config(tmp_path, per_device_train_batch_size=8, max_steps=2, async_rollouts=True, tools=["mcp"],
-                     tool_kwargs={"mcp": {"mcpServers": {"toy": _stdio(session="shared", env={"TOY_MARK": mark})},
-                                          "include": ["add"]}})
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), config, train_dataset=_dataset(8), processing_class=tok,
-                                   reward_components={"length": TokenReward()})
+    config = _config(
+        tmp_path,
+        per_device_train_batch_size=8,
+        max_steps=2,
+        async_rollouts=True,
+        tools=["mcp"],
+        tool_kwargs={
+            "mcp": {"mcpServers": {"toy": _stdio(session="shared", env={"TOY_MARK": mark})}, "include": ["add"]}
+        },
+    )
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        config,
+        train_dataset=_dataset(8),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.add_callback(Look())
     trainer.train()
     assert len(seen) == 2 and all(seen), seen  # a server of the run's running at each step
@@ -510,13 +597,23 @@ def test_a_tool_set_is_a_declared_seam_and_summary_json_records_each_plugin_by_n
     from trl_plugins.protocols import ToolSet, is_tool_set, tools_of
     from trl_plugins.run import resolve_run
 
-    assert isinstance(McpTools(mcpServers={"toy": _stdio()}), ToolSet) and is_tool_set(McpTools(mcpServers={"toy": _stdio()}))
+    assert isinstance(McpTools(mcpServers={"toy": _stdio()}), ToolSet) and is_tool_set(
+        McpTools(mcpServers={"toy": _stdio()})
+    )
     servers = {"mcpServers": {"toy": _stdio(session="shared")}}
     import json
 
-    script_args, args = parse_args(["--tools", "mcp", "code_interpreter", "--tool_kwargs",
-                                    json.dumps({"mcp": servers, "code_interpreter": {"timeout_s": 7.0}}),
-                                    "--output_dir", str(tmp_path / "out")])
+    script_args, args = parse_args(
+        [
+            "--tools",
+            "mcp",
+            "code_interpreter",
+            "--tool_kwargs",
+            json.dumps({"mcp": servers, "code_interpreter": {"timeout_s": 7.0}}),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     run = resolve_run(args)
     try:
         members = [t.name for t in run.tools.values() if t.configured == "mcp"]
@@ -528,7 +625,9 @@ def test_a_tool_set_is_a_declared_seam_and_summary_json_records_each_plugin_by_n
         assert by_name["mcp"]["object"] == "trl_plugins.tools.mcp.plugin:McpTools"
         assert by_name["mcp"]["members"] == members
         assert by_name["code_interpreter"]["object"].endswith(":CodeInterpreter")
-        assert by_name["code_interpreter"]["kwargs"]["timeout_s"] == 7.0 and "members" not in by_name["code_interpreter"]
+        assert (
+            by_name["code_interpreter"]["kwargs"]["timeout_s"] == 7.0 and "members" not in by_name["code_interpreter"]
+        )
     finally:
         run.close()
     # A set that lists no tool is refused, naming it; a single tool is its own one member.

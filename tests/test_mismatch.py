@@ -14,9 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_trajectory, rel_err
 
-from trl_plugins.rollout.backends import BackendBase
+from conftest import make_trajectory, rel_err
 from trl_plugins.algos import (
     PPOClipLoss,
     aggregate,
@@ -25,6 +24,7 @@ from trl_plugins.algos import (
 )
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
+from trl_plugins.rollout.backends import BackendBase
 from trl_plugins.types import (
     ImportanceSamplingMode,
     LogprobSource,
@@ -87,11 +87,14 @@ def test_a_missing_bound_is_absent_as_in_trl():
     assert torch.allclose(w[:2], torch.tensor([[2.0, 1.0, 0.25, 0.0], [3.0, 2.0, 0.0, 0.0]]), atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(clip_min=3.0, clip_max=2.0), "clip_min < clip_max"),
-    (dict(clip_min=-1.0, clip_max=2.0), "clip_min >= 0"),
-    (dict(clip_min=None, clip_max=None), "needs at least one"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(clip_min=3.0, clip_max=2.0), "clip_min < clip_max"),
+        (dict(clip_min=-1.0, clip_max=2.0), "clip_min >= 0"),
+        (dict(clip_min=None, clip_max=None), "needs at least one"),
+    ],
+)
 def test_bad_bounds_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         importance_weights(OLD, SAMPLER, MASK, "token_truncate", **kwargs)
@@ -123,7 +126,10 @@ def test_statistics_merge_over_micro_batches_as_one_batch(mode):
     sampler = old + 0.4 * torch.randn(6, 7, generator=g)
     mask = (torch.rand(6, 7, generator=g) < 0.7).float()
     whole = importance_weights(old, sampler, mask, mode, clip_min=0.6, clip_max=1.5)
-    parts = [importance_weights(old[i:j], sampler[i:j], mask[i:j], mode, clip_min=0.6, clip_max=1.5) for i, j in ((0, 2), (2, 3), (3, 6))]
+    parts = [
+        importance_weights(old[i:j], sampler[i:j], mask[i:j], mode, clip_min=0.6, clip_max=1.5)
+        for i, j in ((0, 2), (2, 3), (3, 6))
+    ]
     merged = parts[0].stats.merge(parts[1].stats).merge(parts[2].stats)
     assert torch.equal(torch.cat([p.weights for p in parts]), whole.weights)
     for k, v in whole.stats.summary(mode).items():
@@ -140,9 +146,12 @@ def test_ppo_clip_weights_the_policy_gradient_and_kl_terms_alike():
     w = torch.tensor([[3.0, 0.0, 7.0]])
     ref = torch.tensor([[-1.5, -3.0, -0.5]])
     ent = torch.tensor([[2.0, 1.0, 5.0]])
-    plain = PPOClipLoss(kl_coef=0.1, kl_importance_weight=False)(PolicyLossInput(logp, logp.detach(), adv, mask, ref_logprobs=ref))
+    plain = PPOClipLoss(kl_coef=0.1, kl_importance_weight=False)(
+        PolicyLossInput(logp, logp.detach(), adv, mask, ref_logprobs=ref)
+    )
     loss = PPOClipLoss(kl_coef=0.1, kl_importance_weight=False, entropy_coef=0.01)(
-        PolicyLossInput(logp, logp.detach(), adv, mask, ref_logprobs=ref, entropy=ent, is_weights=w))
+        PolicyLossInput(logp, logp.detach(), adv, mask, ref_logprobs=ref, entropy=ent, is_weights=w)
+    )
     # k3 of KL(pi || ref): token 0: log r = -0.5, r - 1 - log r = e^-0.5 - 0.5; token 1: log r = -1, e^-1.
     kl0, kl1 = math.exp(-0.5) - 0.5, math.exp(-1.0)
     # token 0: 3 * (-1 + 0.1 kl0) - 0.01 * 2; token 1: weight 0 drops both terms, the entropy bonus stays: -0.01.
@@ -153,12 +162,15 @@ def test_ppo_clip_weights_the_policy_gradient_and_kl_terms_alike():
     assert torch.allclose(logp.grad, torch.tensor([[3.0 * (-1.0 + 0.1 * (1 - math.exp(-0.5))), 0.0, 0.0]]))
     # Ratio-weighted: the anchor pi_old sits 0.2 below pi on token 0, so the KL term is w * e^0.2 * k3 there.
     old = logp.detach() - torch.tensor([[0.2, 0.0, 0.0]])
-    weighted = PPOClipLoss(kl_coef=0.1, kl_importance_weight=True)(PolicyLossInput(logp, old, torch.zeros_like(adv), mask,
-                                                                                    ref_logprobs=ref, is_weights=w))
+    weighted = PPOClipLoss(kl_coef=0.1, kl_importance_weight=True)(
+        PolicyLossInput(logp, old, torch.zeros_like(adv), mask, ref_logprobs=ref, is_weights=w)
+    )
     assert torch.allclose(weighted.per_token_loss, torch.tensor([[3.0 * math.exp(0.2) * 0.1 * kl0, 0.0, 0.0]]))
     # Weight one everywhere is today's loss, bit for bit.
     ones = PPOClipLoss()(PolicyLossInput(logp, logp.detach() + 0.1, adv, mask, is_weights=torch.ones_like(adv)))
-    assert torch.equal(ones.per_token_loss, PPOClipLoss()(PolicyLossInput(logp, logp.detach() + 0.1, adv, mask)).per_token_loss)
+    assert torch.equal(
+        ones.per_token_loss, PPOClipLoss()(PolicyLossInput(logp, logp.detach() + 0.1, adv, mask)).per_token_loss
+    )
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
@@ -175,7 +187,8 @@ def test_the_kl_terms_weight_is_truncated_or_masked_as_the_policy_terms(mode):
     assert torch.allclose(v, torch.tensor([expected_v], dtype=torch.float64))
     k3 = math.exp(-1.0)  # log r = -1: e^-1 - 1 + 1
     out = PPOClipLoss(kl_coef=1.0, kl_importance_weight=True)(
-        PolicyLossInput(logp, logp, torch.zeros_like(logp), mask, ref_logprobs=ref, is_weights=v))
+        PolicyLossInput(logp, logp, torch.zeros_like(logp), mask, ref_logprobs=ref, is_weights=v)
+    )
     assert torch.allclose(out.per_token_loss, torch.tensor([[x * k3 for x in expected_v]], dtype=torch.float64))
 
 
@@ -185,11 +198,21 @@ SHIFT = 1.0  # the sampler under-reports shifted tokens by 1 nat: r = pi_old / p
 
 
 def _config(**overrides):
-    base = dict(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=2,
-                max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=None,
-                temperature=1.0, max_grad_norm=None, drop_zero_advantage=False,
-                vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
-                vllm_importance_sampling_clip_max=2.0, padding_free=False)
+    base = dict(
+        aggregation="token_mean",
+        packer="optimal",
+        max_items_per_micro_batch=2,
+        max_padded_tokens_per_micro_batch=300,
+        rebalance_ranks=False,
+        norm_length=None,
+        temperature=1.0,
+        max_grad_norm=None,
+        drop_zero_advantage=False,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=None,
+        vllm_importance_sampling_clip_max=2.0,
+        padding_free=False,
+    )
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -202,8 +225,14 @@ def _shifted_datums(model, n=8, seed=4):
     """Datums whose behaviour log-probs are the model's own, minus SHIFT on every other action token of
     the even datums. Returns the datums and, per datum, the 0/1 list of shifted positions."""
     rng = random.Random(seed)
-    datums = [build_datum(make_trajectory(rng, num_turns=rng.randint(1, 3)), advantage=rng.choice([-1, 1]) * rng.uniform(0.3, 1.5),
-                          trajectory_index=i) for i in range(n)]
+    datums = [
+        build_datum(
+            make_trajectory(rng, num_turns=rng.randint(1, 3)),
+            advantage=rng.choice([-1, 1]) * rng.uniform(0.3, 1.5),
+            trajectory_index=i,
+        )
+        for i in range(n)
+    ]
     with torch.no_grad():
         mb = collate(datums, list(range(n)), pad_token_id=0)
         lp = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_ids)
@@ -214,7 +243,9 @@ def _shifted_datums(model, n=8, seed=4):
             marks.append(int(bool(m) and row % 2 == 0 and k % 2 == 0))
             k += m
         shifted.append(marks)
-        d.behaviour_logprobs = [float(x) - SHIFT * s if m else 0.0 for x, m, s in zip(lp[row, : d.num_tokens], d.action_mask, marks)]
+        d.behaviour_logprobs = [
+            float(x) - SHIFT * s if m else 0.0 for x, m, s in zip(lp[row, : d.num_tokens], d.action_mask, marks)
+        ]
     return datums, shifted
 
 
@@ -302,7 +333,10 @@ def test_the_update_weights_the_kl_term_and_the_logged_kl_by_pi_over_the_sampler
         full = collate(datums, list(range(len(datums))), pad_token_id=0)
         lp = token_logprobs(model, full.input_ids, full.attention_mask, full.target_ids)
     for row, d in enumerate(datums):  # the reference 0.3 nats below the policy on every other position
-        d.ref_logprobs = [float(x) - 0.3 * (t % 2) if m else 0.0 for t, (x, m) in enumerate(zip(lp[row, : d.num_tokens], d.action_mask))]
+        d.ref_logprobs = [
+            float(x) - 0.3 * (t % 2) if m else 0.0
+            for t, (x, m) in enumerate(zip(lp[row, : d.num_tokens], d.action_mask))
+        ]
     config = _config()
     reference = copy.deepcopy(model)
     before = _flat(model).clone()
@@ -311,8 +345,15 @@ def test_the_update_weights_the_kl_term_and_the_logged_kl_by_pi_over_the_sampler
     model, optimizer = accelerator.prepare(model, optimizer)
     old_logprobs(accelerator, model, datums, config, pad_token_id=0)
     beta = 0.5
-    result = policy_update(accelerator, model, optimizer, datums, PPOClipLoss(kl_coef=beta, kl_importance_weight=True), config,
-                           pad_token_id=0)
+    result = policy_update(
+        accelerator,
+        model,
+        optimizer,
+        datums,
+        PPOClipLoss(kl_coef=beta, kl_importance_weight=True),
+        config,
+        pad_token_id=0,
+    )
 
     full = collate(datums, list(range(len(datums))), pad_token_id=0)
     n_tok, n_seq = local_denominators(full.action_mask)
@@ -357,8 +398,11 @@ def test_update_without_mismatch_matches_todays_update(tiny_model_factory):
         accelerator = Accelerator(cpu=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         model, optimizer = accelerator.prepare(model, optimizer)
-        config = _config(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.999,
-                         vllm_importance_sampling_clip_max=1.001)
+        config = _config(
+            vllm_importance_sampling_mode="sequence_mask",
+            vllm_importance_sampling_clip_min=0.999,
+            vllm_importance_sampling_clip_max=1.001,
+        )
         if corrected:
             old_logprobs(accelerator, model, ds, config, pad_token_id=0)
         results.append(policy_update(accelerator, model, optimizer, ds, PPOClipLoss(), config, pad_token_id=0))
@@ -390,7 +434,15 @@ def test_a_loss_that_cannot_take_weights_is_refused(tiny_model_factory):
     accelerator = Accelerator(cpu=True)
     old_logprobs(accelerator, model, datums, _config(), pad_token_id=0)
     with pytest.raises(ValueError, match="supports_is_weights"):
-        policy_update(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), datums, NoWeightsLoss(), _config(), pad_token_id=0)
+        policy_update(
+            accelerator,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            datums,
+            NoWeightsLoss(),
+            _config(),
+            pad_token_id=0,
+        )
     args = SimpleNamespace(vllm_importance_sampling_correction=True, mismatch_correction_scope="all")
     with pytest.raises(ValueError, match="does not declare supports_is_weights"):
         mismatch_correction_applies(accelerator, [], NoWeightsLoss(), args)
@@ -406,7 +458,10 @@ def test_when_the_correction_applies():
         return Trajectory(turns=[], policy_version=PolicyVersion(step=0, tokenizer_digest="x", logprob_source=source))
 
     acc = Accelerator(cpu=True)
-    hf, vllm = [traj(LogprobSource.TEMPERATURE_SCALED)], [traj(LogprobSource.TEMPERATURE_SCALED), traj(LogprobSource.PROCESSED)]
+    hf, vllm = (
+        [traj(LogprobSource.TEMPERATURE_SCALED)],
+        [traj(LogprobSource.TEMPERATURE_SCALED), traj(LogprobSource.PROCESSED)],
+    )
 
     def applies(trajs, on=True, scope="foreign"):
         args = SimpleNamespace(vllm_importance_sampling_correction=on, mismatch_correction_scope=scope)
@@ -460,15 +515,21 @@ class UnshiftedRollout(ShiftedRollout):
 def _train(tmp_path, **overrides):
     from test_trainer import TokenReward, _dataset
     from test_trainer import _config as trainer_config
-
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), trainer_config(tmp_path, max_steps=1, drop_zero_advantage=False, **overrides),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        trainer_config(tmp_path, max_steps=1, drop_zero_advantage=False, **overrides),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
-    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    record = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    )
     return trainer, record
 
 
@@ -476,14 +537,27 @@ def _train(tmp_path, **overrides):
 def test_trainer_corrects_a_sampler_that_reports_shifted_logprobs(tmp_path, mode):
     # sequence_mask: TRL's defaults (C_max = 3, no C_min). token_mask: [1/2, 2]; setting them on a run
     # without use_vllm takes mismatch_correction_scope='all' (this sampler is a test double).
-    overrides = {} if mode == "sequence_mask" else dict(
-        mismatch_correction_scope="all", vllm_importance_sampling_mode=mode,
-        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0, padding_free=False)
+    overrides = (
+        {}
+        if mode == "sequence_mask"
+        else dict(
+            mismatch_correction_scope="all",
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_min=0.5,
+            vllm_importance_sampling_clip_max=2.0,
+            padding_free=False,
+        )
+    )
     trainer, record = _train(tmp_path, rollout="test_mismatch:ShiftedRollout", **overrides)
     # Which action tokens were shifted: every other token of each sampled completion.
-    actions = [[src == TokenSource.ACTION for turn in t.turns for src in turn.sources()] for t in trainer.last_batch.trajectories]
-    shifts = [[src == TokenSource.ACTION and k % 2 == 0 for turn in t.turns for k, src in enumerate(turn.sources())]
-              for t in trainer.last_batch.trajectories]
+    actions = [
+        [src == TokenSource.ACTION for turn in t.turns for src in turn.sources()]
+        for t in trainer.last_batch.trajectories
+    ]
+    shifts = [
+        [src == TokenSource.ACTION and k % 2 == 0 for turn in t.turns for k, src in enumerate(turn.sources())]
+        for t in trainer.last_batch.trajectories
+    ]
     total, shifted = sum(map(sum, actions)), sum(map(sum, shifts))
     assert record["train/loss_tokens"] == total and 0 < shifted < total
     if mode == "sequence_mask":
@@ -515,8 +589,14 @@ def test_trainer_negative_controls(tmp_path):
     _, record = _train(tmp_path / "b")
     assert not any(k.startswith("train/is_") for k in record) and "timing/old_logprobs_s" not in record
     # Forced on for HF generate: applied, and the sampler agrees with the trainer.
-    _, record = _train(tmp_path / "c", mismatch_correction_scope="all", vllm_importance_sampling_mode="token_mask",
-                       vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0, padding_free=False)
+    _, record = _train(
+        tmp_path / "c",
+        mismatch_correction_scope="all",
+        vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_min=0.5,
+        vllm_importance_sampling_clip_max=2.0,
+        padding_free=False,
+    )
     assert record["train/is_masked_frac"] == 0.0 and record["train/is_logprob_gap"] < 1e-4
 
 
@@ -526,25 +606,48 @@ def test_trainer_negative_controls(tmp_path):
 def _cfg(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
-                  per_device_train_batch_size=4, num_generations=2, save_strategy="no")
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        reward_components=["correct"],
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        save_strategy="no",
+    )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(vllm_importance_sampling_mode="token_truncate"), "mismatch_correction_scope='all'"),
-    (dict(vllm_importance_sampling_clip_min=0.5), "vllm_importance_sampling_clip_min=0.5 configure"),
-    (dict(vllm_importance_sampling_cap=2.0), "vllm_importance_sampling_cap=2.0"),
-    (dict(vllm_importance_sampling_correction=False, vllm_importance_sampling_mode="token_mask"), "=False turns off"),
-    (dict(vllm_importance_sampling_correction=False, mismatch_correction_scope="all"), "set one of them"),
-    (dict(mismatch_correction_scope="some"), "'foreign' or 'all'"),
-    (dict(mismatch_correction_scope="all", vllm_importance_sampling_mode="seq_mask"), "use one of"),
-    (dict(mismatch_correction_scope="all", vllm_importance_sampling_clip_max=-1.0), "clip_max > 0"),
-    (dict(mismatch_correction_scope="all", vllm_importance_sampling_mode="token_truncate",
-          vllm_importance_sampling_clip_max=None), "must be set when"),  # TRL's own check
-    (dict(mismatch_correction_scope="all", policy_loss="test_mismatch:NoWeightsLoss"), "does not declare supports_is_weights"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(vllm_importance_sampling_mode="token_truncate"), "mismatch_correction_scope='all'"),
+        (dict(vllm_importance_sampling_clip_min=0.5), "vllm_importance_sampling_clip_min=0.5 configure"),
+        (dict(vllm_importance_sampling_cap=2.0), "vllm_importance_sampling_cap=2.0"),
+        (
+            dict(vllm_importance_sampling_correction=False, vllm_importance_sampling_mode="token_mask"),
+            "=False turns off",
+        ),
+        (dict(vllm_importance_sampling_correction=False, mismatch_correction_scope="all"), "set one of them"),
+        (dict(mismatch_correction_scope="some"), "'foreign' or 'all'"),
+        (dict(mismatch_correction_scope="all", vllm_importance_sampling_mode="seq_mask"), "use one of"),
+        (dict(mismatch_correction_scope="all", vllm_importance_sampling_clip_max=-1.0), "clip_max > 0"),
+        (
+            dict(
+                mismatch_correction_scope="all",
+                vllm_importance_sampling_mode="token_truncate",
+                vllm_importance_sampling_clip_max=None,
+            ),
+            "must be set when",
+        ),  # TRL's own check
+        (
+            dict(mismatch_correction_scope="all", policy_loss="test_mismatch:NoWeightsLoss"),
+            "does not declare supports_is_weights",
+        ),
+    ],
+)
 def test_config_refusals(tmp_path, overrides, message):
     # The config's own fields are checked when it is built, what needs the plugins when the run is resolved.
     from trl_plugins.run import resolve_run
@@ -555,6 +658,10 @@ def test_config_refusals(tmp_path, overrides, message):
 
 def test_config_accepts_what_it_honours(tmp_path):
     assert _cfg(tmp_path, vllm_importance_sampling_correction=False).vllm_importance_sampling_correction is False
-    c = _cfg(tmp_path, mismatch_correction_scope="all", vllm_importance_sampling_mode="token_truncate",
-             vllm_importance_sampling_cap=2.5)
+    c = _cfg(
+        tmp_path,
+        mismatch_correction_scope="all",
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_cap=2.5,
+    )
     assert c.vllm_importance_sampling_clip_max == 2.5  # TRL's own mapping of the deprecated cap

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trl_plugins.contracts import plan_violations
 from trl_plugins.packing import (
     PackingError,
     inverse_permutation,
@@ -17,7 +18,6 @@ from trl_plugins.packing import (
     restore_order,
 )
 from trl_plugins.registry import PACKERS
-from trl_plugins.contracts import plan_violations
 from trl_plugins.types import PackPlan
 
 REFERENCE = [8000, 7800] + [3000] * 10
@@ -53,14 +53,19 @@ def test_optimal_reference_example():
 
 @pytest.mark.parametrize("strategy", ["ffd", "optimal", "balanced"])
 def test_item_longer_than_budget_is_an_error(strategy):
-    with pytest.raises(PackingError, match=r"item 2 has length 70000, longer than the micro-batch budget max_padded_tokens=64000"):
+    with pytest.raises(
+        PackingError, match=r"item 2 has length 70000, longer than the micro-batch budget max_padded_tokens=64000"
+    ):
         pack([10, 20, 70_000], strategy=strategy, max_items=4, max_padded_tokens=64_000)
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    (dict(max_items=0, max_padded_tokens=10), "max_items must be >= 1"),
-    (dict(max_items=1, max_padded_tokens=0), "max_padded_tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(max_items=0, max_padded_tokens=10), "max_items must be >= 1"),
+        (dict(max_items=1, max_padded_tokens=0), "max_padded_tokens must be >= 1"),
+    ],
+)
 def test_bad_limits_are_errors(kwargs, msg):
     with pytest.raises(PackingError, match=msg):
         pack([1], strategy="ffd", **kwargs)
@@ -112,7 +117,9 @@ def test_optimal_matches_brute_force(lengths, max_items, budget):
 )
 def test_every_packer_gives_a_valid_plan_and_round_trips(lengths, max_items, world_size, strategy):
     budget = 8000
-    plan = pack_for_ranks(lengths, strategy=strategy, max_items=max_items, max_padded_tokens=budget, world_size=world_size)
+    plan = pack_for_ranks(
+        lengths, strategy=strategy, max_items=max_items, max_padded_tokens=budget, world_size=world_size
+    )
     assert plan_violations(plan, lengths, max_items, budget, world_size) == []
     batches = [mb for rank in plan.ranks for mb in rank]
     assert restore_order(batches, [[lengths[i] for i in b] for b in batches]) == lengths
@@ -157,7 +164,10 @@ def test_balanced_beats_spreading_the_global_packing():
     for _ in range(20):
         lengths = [rng.choice([rng.randint(50, 400), rng.randint(2000, 6000)]) for _ in range(rng.randint(8, 200))]
         kw = dict(max_items=16, max_padded_tokens=24_000, world_size=4)
-        slowest = {s: max(pack_for_ranks(lengths, strategy=s, **kw).rank_padded_area(lengths)) for s in ("ffd", "optimal", "balanced")}
+        slowest = {
+            s: max(pack_for_ranks(lengths, strategy=s, **kw).rank_padded_area(lengths))
+            for s in ("ffd", "optimal", "balanced")
+        }
         # Within the 1% area tolerance that balanced trades for fewer micro-batches.
         assert slowest["balanced"] <= 1.01 * min(slowest["ffd"], slowest["optimal"])
         assert slowest["balanced"] >= max(max(lengths), sum(lengths) / 4)  # the lower bound holds

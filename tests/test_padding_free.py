@@ -13,10 +13,10 @@ import torch
 
 from conftest import make_trajectory, rel_err
 from trl_plugins.algos import PPOClipLoss
+from trl_plugins.contracts import plan_violations
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import PackedAttentionLeak, check_packed_isolation, micro_batch_logprobs
 from trl_plugins.packing import PackingError, micro_batch_cost, pack_for_ranks
-from trl_plugins.contracts import plan_violations
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.trainers.update import policy_update
 
@@ -39,9 +39,20 @@ def _model(sliding_window=None, attn="eager"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    extra = {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 0} if sliding_window else {}
-    config = Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, **extra)
+    extra = (
+        {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 0} if sliding_window else {}
+    )
+    config = Qwen2Config(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **extra,
+    )
     model = Qwen2ForCausalLM(config)
     model.config._attn_implementation = attn
     return model.eval()
@@ -74,10 +85,19 @@ def _update(model, datums, padding_free, **overrides):
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
-    config = SimpleNamespace(aggregation="seq_mean_token_mean", packer="optimal", max_items_per_micro_batch=3,
-                             max_padded_tokens_per_micro_batch=400, rebalance_ranks=False, norm_length=None,
-                             temperature=0.9, max_grad_norm=None, drop_zero_advantage=False, padding_free=padding_free,
-                             **overrides)
+    config = SimpleNamespace(
+        aggregation="seq_mean_token_mean",
+        packer="optimal",
+        max_items_per_micro_batch=3,
+        max_padded_tokens_per_micro_batch=400,
+        rebalance_ranks=False,
+        norm_length=None,
+        temperature=0.9,
+        max_grad_norm=None,
+        drop_zero_advantage=False,
+        padding_free=padding_free,
+        **overrides,
+    )
     return policy_update(accelerator, model, optimizer, datums, PPOClipLoss(), config, pad_token_id=0)
 
 
@@ -140,8 +160,9 @@ def test_packers_budget_tokens_when_padding_free(strategy, world_size):
     rng = random.Random(world_size)
     for _ in range(20):
         lengths = [rng.randint(1, 500) for _ in range(rng.randint(1, 60))]
-        plan = pack_for_ranks(lengths, strategy=strategy, max_items=7, max_padded_tokens=1500, world_size=world_size,
-                              padding_free=True)
+        plan = pack_for_ranks(
+            lengths, strategy=strategy, max_items=7, max_padded_tokens=1500, world_size=world_size, padding_free=True
+        )
         # A valid partition; each micro-batch within 7 items and 1500 tokens (its padded area may be larger).
         problems = [p for p in plan_violations(plan, lengths, 7, 10**9, world_size)]
         assert not problems, problems
@@ -152,9 +173,12 @@ def test_packers_budget_tokens_when_padding_free(strategy, world_size):
             assert plan.num_micro_batches <= 11 * bound // 9 + 1
     # The balanced packer spreads tokens: its slowest rank is never worse than spreading the global packing.
     lengths = [rng.randint(1, 500) for _ in range(90)]
-    per_rank = [sum(micro_batch_cost(lengths, mb, padding_free=True) for mb in rank)
-                for rank in pack_for_ranks(lengths, strategy="balanced", max_items=7, max_padded_tokens=1500, world_size=3,
-                                           padding_free=True).ranks]
+    per_rank = [
+        sum(micro_batch_cost(lengths, mb, padding_free=True) for mb in rank)
+        for rank in pack_for_ranks(
+            lengths, strategy="balanced", max_items=7, max_padded_tokens=1500, world_size=3, padding_free=True
+        ).ranks
+    ]
     assert max(per_rank) <= sum(lengths) / 3 * 1.05
 
 
@@ -164,13 +188,23 @@ def test_a_packer_without_the_capability_is_refused(tmp_path, isolated_registrie
 
     @PACKERS.register("area_only")
     def area_only(lengths, *, max_items, max_padded_tokens, world_size=1):
-        return pack_for_ranks(lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens,
-                              world_size=world_size)
+        return pack_for_ranks(
+            lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size
+        )
 
     with pytest.raises(PackingError, match="'area_only' budgets padded area only"):
         pack_for_ranks([3, 4], strategy="area_only", max_items=2, max_padded_tokens=10, world_size=1, padding_free=True)
-    kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
-                  per_device_train_batch_size=4, num_generations=2, save_strategy="no", packer="area_only")
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        reward_components=["correct"],
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        save_strategy="no",
+        packer="area_only",
+    )
     with pytest.raises(ValueError, match="padding_free=True, but packer 'area_only'"):
         MultiTurnGRPOConfig(**kwargs, padding_free=True)
     assert MultiTurnGRPOConfig(**kwargs).padding_free is None  # auto: resolved to False for this packer
@@ -184,21 +218,35 @@ def test_training_steps_are_the_same_in_every_layout(tmp_path):
     import json
 
     from datasets import Dataset
-    from test_trainer import TokenReward, _config
 
+    from test_trainer import TokenReward, _config
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     questions = ["What is 1 + 1?", "Add 12 and 30, then multiply by 7. " * 3, "What is 2 * 3?", "Compute 5 - 9 " * 6]
     rows = Dataset.from_list([{"prompt": q, "answer": "0"} for q in questions])
 
     runs = {}
-    for layout, (padding_free, shared_prefix) in {"free": (True, False), "padded": (False, False),
-                                                  "shared": (False, None)}.items():  # None: auto, on for sdpa
+    for layout, (padding_free, shared_prefix) in {
+        "free": (True, False),
+        "padded": (False, False),
+        "shared": (False, None),
+    }.items():  # None: auto, on for sdpa
         tok = build_tokenizer("qwen2_5")
         out = tmp_path / layout
-        trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(out, padding_free=padding_free, shared_prefix=shared_prefix,
-                                                                      learning_rate=0.5, max_items_per_micro_batch=4, optim="sgd"),
-                                       train_dataset=rows, processing_class=tok, reward_components={"length": TokenReward()})
+        trainer = MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(
+                out,
+                padding_free=padding_free,
+                shared_prefix=shared_prefix,
+                learning_rate=0.5,
+                max_items_per_micro_batch=4,
+                optim="sgd",
+            ),
+            train_dataset=rows,
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
         assert trainer.args.shared_prefix is (layout == "shared")
         trainer.train()
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -206,10 +254,17 @@ def test_training_steps_are_the_same_in_every_layout(tmp_path):
     padded, padded_steps = runs["padded"]
     for layout in ("free", "shared"):
         trainer, steps = runs[layout]
-        assert [r["train/policy_loss"] for r in steps] == pytest.approx([r["train/policy_loss"] for r in padded_steps], abs=1e-6)
+        assert [r["train/policy_loss"] for r in steps] == pytest.approx(
+            [r["train/policy_loss"] for r in padded_steps], abs=1e-6
+        )
         assert [r["reward/total"] for r in steps] == [r["reward/total"] for r in padded_steps]
-        assert max((a - b).abs().max().item() for a, b in zip(trainer.model.parameters(), padded.model.parameters())) < 1e-5
-    assert all(r["train/forward_tokens"] == r["train/input_tokens"] == r["train/computed_tokens"] for r in runs["free"][1])
+        assert (
+            max((a - b).abs().max().item() for a, b in zip(trainer.model.parameters(), padded.model.parameters()))
+            < 1e-5
+        )
+    assert all(
+        r["train/forward_tokens"] == r["train/input_tokens"] == r["train/computed_tokens"] for r in runs["free"][1]
+    )
     assert all(r["train/forward_tokens"] > r["train/input_tokens"] == r["train/computed_tokens"] for r in padded_steps)
     assert all(r["train/computed_tokens"] < r["train/input_tokens"] for r in runs["shared"][1])
 
@@ -221,9 +276,17 @@ def test_auto_is_on_for_flash_attention_and_off_for_dense_masks(tmp_path, isolat
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
     def config(**overrides):
-        return MultiTurnGRPOConfig(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False,
-                                   report_to=[], per_device_train_batch_size=4, num_generations=2, save_strategy="no",
-                                   **overrides)
+        return MultiTurnGRPOConfig(
+            output_dir=str(tmp_path),
+            reward_components=["correct"],
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            per_device_train_batch_size=4,
+            num_generations=2,
+            save_strategy="no",
+            **overrides,
+        )
 
     def model_with(impl):
         return SimpleNamespace(config=SimpleNamespace(_attn_implementation=impl))
@@ -235,7 +298,8 @@ def test_auto_is_on_for_flash_attention_and_off_for_dense_masks(tmp_path, isolat
 
     @PACKERS.register("area_only2")
     def area_only2(lengths, *, max_items, max_padded_tokens, world_size=1):
-        return pack_for_ranks(lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens,
-                              world_size=world_size)
+        return pack_for_ranks(
+            lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size
+        )
 
     assert config(packer="area_only2").resolve_padding_free(model_with("flash_attention_2")) is False

@@ -50,10 +50,13 @@ def test_a_trajectory_without_versions_gives_datums_without_them():
     assert build_datum(traj).behaviour_steps is None
 
 
-@pytest.mark.parametrize("steps,first,message", [
-    ([5, 4], 4, "turn 1: sampled by the weights of step 4, older than an earlier turn \\(5\\)"),
-    ([3, 4], 4, "turn 0: sampled by the weights of step 3, older than the trajectory \\(4\\)"),
-])
+@pytest.mark.parametrize(
+    "steps,first,message",
+    [
+        ([5, 4], 4, "turn 1: sampled by the weights of step 4, older than an earlier turn \\(5\\)"),
+        ([3, 4], 4, "turn 0: sampled by the weights of step 3, older than the trajectory \\(4\\)"),
+    ],
+)
 def test_versions_that_go_back_in_time_are_refused(steps, first, message):
     traj = _versioned(steps, first=first)
     with pytest.raises(TrajectoryError, match=message):
@@ -73,8 +76,12 @@ def test_staleness_distribution_by_hand():
     assert counts[0] == 3 and counts[1] == 1 and counts[-1] == 1 and sum(counts) == 5 and len(counts) == STALENESS_BINS
     m = staleness_metrics(counts)
     # mean (0*3 + 1*1 + 15*1) / 5 = 3.2; 90% of 5 tokens = 4.5 -> reached at the last bin; on-policy 3 of 5.
-    assert m == {"train/staleness_mean": pytest.approx(3.2), "train/staleness_p90": 15.0, "train/staleness_max": 15.0,
-                 "train/on_policy_token_frac": 0.6}
+    assert m == {
+        "train/staleness_mean": pytest.approx(3.2),
+        "train/staleness_p90": 15.0,
+        "train/staleness_max": 15.0,
+        "train/on_policy_token_frac": 0.6,
+    }
     assert staleness_metrics([0.0] * STALENESS_BINS) == {}
 
 
@@ -83,14 +90,18 @@ def test_the_trainer_records_versions_and_reports_staleness(tmp_path):
     # Two updates on one rollout (num_iterations 2): the tokens sampled at step 0 are 0 steps stale at the first
     # update and 1 at the second. Every turn of the batch says step 0, in the W&B turn rows and the viewer's page.
     from test_trainer import TokenReward, _config, _dataset
-
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.trajectory_table import TURN_COLUMNS, turn_rows
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, num_iterations=2, viewer_steps=1),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, num_iterations=2, viewer_steps=1),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
     trajs = trainer.last_batch.trajectories
     assert trajs and all(t.turn_policy_steps() == [0] * len(t.turns) for t in trajs)
@@ -98,7 +109,11 @@ def test_the_trainer_records_versions_and_reports_staleness(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first, second = [r for r in records if "train/staleness_mean" in r]
     assert (first["train/staleness_mean"], first["train/on_policy_token_frac"]) == (0.0, 1.0)
-    assert (second["train/staleness_mean"], second["train/staleness_max"], second["train/on_policy_token_frac"]) == (1.0, 1.0, 0.0)
+    assert (second["train/staleness_mean"], second["train/staleness_max"], second["train/on_policy_token_frac"]) == (
+        1.0,
+        1.0,
+        0.0,
+    )
     rows = turn_rows(trajs, step=2)
     assert all(dict(zip(TURN_COLUMNS, r))["policy_step"] == 0 for r in rows)
     page = (tmp_path / "trajectories" / "step-000001.html").read_text()
@@ -107,4 +122,8 @@ def test_the_trainer_records_versions_and_reports_staleness(tmp_path):
 
     saved = json.loads((tmp_path / "trajectories" / "step-000001.json").read_text())["trajectories"][0]
     steps = datum_from_dict(saved["datum"]).behaviour_steps  # the saved batch keeps them
-    assert steps is not None and set(steps) == {-1, 0} and [t["policy_step"] for t in saved["turns"]] == [0] * len(saved["turns"])
+    assert (
+        steps is not None
+        and set(steps) == {-1, 0}
+        and [t["policy_step"] for t in saved["turns"]] == [0] * len(saved["turns"])
+    )

@@ -36,8 +36,10 @@ def test_the_suite_says_how_long_it_takes_where_a_newcomer_looks(pytestconfig):
 
     text = " ".join((ROOT / "README.md").read_text().split("Run the tests:", 1)[1].split("## ", 1)[0].split())
     assert f"The whole suite takes about {conftest.SUITE_MINUTES} minutes on 2 CPU cores" in text
-    assert f'python -m pytest -m "not slow"` skips the real launches for a quick loop (about {conftest.QUICK_MINUTES} ' \
-           f"minutes)" in text
+    assert (
+        f'python -m pytest -m "not slow"` skips the real launches for a quick loop (about {conftest.QUICK_MINUTES} '
+        f"minutes)" in text
+    )
     header = " ".join(conftest.pytest_report_header(type("Config", (), {"getoption": lambda self, name, d=None: ""})()))
     assert f"about {conftest.SUITE_MINUTES} minutes" in header and 'python -m pytest -m "not slow"' in header
     # Negative control: a run that chose a subset is not told about the whole.
@@ -80,9 +82,11 @@ def test_readme_table_is_what_the_command_prints_for_the_recorded_run():
     from retool.report import format_summary
 
     run = _recorded_runs()[README_RUN]
-    printed = format_summary(run["before"], run["after"], steps=run["steps"], wall_s=run["wall_s"], paths={}).splitlines()
+    printed = format_summary(
+        run["before"], run["after"], steps=run["steps"], wall_s=run["wall_s"], paths={}
+    ).splitlines()
     # The printed summary between its header rule and its closing rule.
-    body = printed[printed.index("-" * 72) + 1: printed.index("=" * 72, printed.index("-" * 72))]
+    body = printed[printed.index("-" * 72) + 1 : printed.index("=" * 72, printed.index("-" * 72))]
     assert _readme_result_block() == body
 
 
@@ -99,8 +103,11 @@ def test_readme_ranges_cover_every_recorded_machine():
     runs = _recorded_runs()
     assert len(runs) >= 3, "record the main command on more than one machine (tests/assets/recorded_runs/)"
     for name, run in runs.items():
-        got = {"before": 100 * run["before"]["accuracy"], "after": 100 * run["after"]["accuracy"],
-               "gain": 100 * (run["after"]["accuracy"] - run["before"]["accuracy"])}
+        got = {
+            "before": 100 * run["before"]["accuracy"],
+            "after": 100 * run["after"]["accuracy"],
+            "gain": 100 * (run["after"]["accuracy"] - run["before"]["accuracy"]),
+        }
         for key, value in got.items():
             low, high = ranges[key]
             assert low <= round(value) <= high, f"{name}: {key} {value:.1f} outside the README's {low:g}-{high:g}"
@@ -126,8 +133,12 @@ def _lookup_claims() -> dict[str, float]:
     m = re.search(r"Its cold start scores (\d+)-(\d+)% held-out pass@1 \(pass@8 (\d+)%\)", text)
     n = re.search(r"RL takes it to (\d+)-(\d+)% \(\+(\d+) to \+(\d+) points on seeds 0-2, (\d+) steps\)", text)
     assert m and n, "the README states the lookup task's cold start and RL result in the tested form"
-    return dict(zip(("before_lo", "before_hi", "pass8", "after_lo", "after_hi", "gain_lo", "gain_hi", "steps"),
-                    map(float, m.groups() + n.groups())))
+    return dict(
+        zip(
+            ("before_lo", "before_hi", "pass8", "after_lo", "after_hi", "gain_lo", "gain_hi", "steps"),
+            map(float, m.groups() + n.groups()),
+        )
+    )
 
 
 def test_the_lookup_tasks_readme_numbers_cover_its_recorded_runs():
@@ -150,12 +161,19 @@ REASONING_GYM = RECORDED / "reasoning_gym"
 
 def _reasoning_gym_claims() -> dict[str, float]:
     text = " ".join((ROOT / "README.md").read_text().split())
-    m = re.search(r"On reasoning-gym's chain sums its cold start scores (\d+)% held-out pass@1 \(pass@8 (\d+)%\); RL "
-                  r"takes it to (\d+)-(\d+)% \(\+(\d+) to \+(\d+) points on seeds 0-2, (\d+) steps, about (\d+) minutes "
-                  r"each\)", text)
+    m = re.search(
+        r"On reasoning-gym's chain sums its cold start scores (\d+)% held-out pass@1 \(pass@8 (\d+)%\); RL "
+        r"takes it to (\d+)-(\d+)% \(\+(\d+) to \+(\d+) points on seeds 0-2, (\d+) steps, about (\d+) minutes "
+        r"each\)",
+        text,
+    )
     assert m, "the README states the reasoning-gym task's cold start and RL result in the tested form"
-    return dict(zip(("before", "pass8", "after_lo", "after_hi", "gain_lo", "gain_hi", "steps", "minutes"),
-                    map(float, m.groups())))
+    return dict(
+        zip(
+            ("before", "pass8", "after_lo", "after_hi", "gain_lo", "gain_hi", "steps", "minutes"),
+            map(float, m.groups()),
+        )
+    )
 
 
 def test_the_reasoning_gym_tasks_readme_numbers_cover_its_recorded_runs():

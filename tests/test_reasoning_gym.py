@@ -23,8 +23,12 @@ from retool.reasoning_gym_task import parse_task_kwargs, reasoning_gym_problems 
 TASKS = {
     "chain_sum": {"datasets": {"chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 4}}}},
     "basic_arithmetic": {"datasets": {"basic_arithmetic": {"weight": 1.0, "config": {}}}},
-    "composite": {"datasets": {"chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 4}},
-                               "basic_arithmetic": {"weight": 1.0, "config": {}}}},
+    "composite": {
+        "datasets": {
+            "chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 4}},
+            "basic_arithmetic": {"weight": 1.0, "config": {}},
+        }
+    },
 }
 
 
@@ -38,8 +42,10 @@ def rows() -> dict[str, tuple[list[dict], list[dict]]]:
     out = {}
     for name, kwargs in TASKS.items():
         task = parse_task_kwargs(kwargs)
-        out[name] = (reasoning_gym_problems(task, 300, seed=0, split="train"),
-                     reasoning_gym_problems(task, 100, seed=0, split="test"))
+        out[name] = (
+            reasoning_gym_problems(task, 300, seed=0, split="train"),
+            reasoning_gym_problems(task, 100, seed=0, split="test"),
+        )
     return out
 
 
@@ -73,13 +79,32 @@ def test_two_seeds_of_one_dataset_share_almost_every_item_which_the_split_avoids
 def test_too_few_distinct_questions_are_refused_with_the_numbers():
     # 1-digit terms, exactly 2 of them, no negation: at most 10 * 10 * 2 = 200 questions; 1000 held-out items take
     # nearly all of them, so 300 training questions outside them cannot exist.
-    task = parse_task_kwargs({"datasets": {"chain_sum": {"config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                                                      "max_digits": 1, "allow_negation": False}}}})
-    with pytest.raises(ValueError, match=r"300 asked for, but 6000 items .* hold only \d+ distinct questions outside the "
-                                         r"\d+ held-out ones.*Lower --train_size"):
+    task = parse_task_kwargs(
+        {
+            "datasets": {
+                "chain_sum": {
+                    "config": {
+                        "min_terms": 2,
+                        "max_terms": 2,
+                        "min_digits": 1,
+                        "max_digits": 1,
+                        "allow_negation": False,
+                    }
+                }
+            }
+        }
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"300 asked for, but 6000 items .* hold only \d+ distinct questions outside the "
+        r"\d+ held-out ones.*Lower --train_size",
+    ):
         reasoning_gym_problems(task, 300, seed=0, split="train")
-    with pytest.raises(ValueError, match=r"held-out rows: 500 asked for, but the held-out pool .* holds \d+ distinct "
-                                         r"questions. Lower --eval_problems"):
+    with pytest.raises(
+        ValueError,
+        match=r"held-out rows: 500 asked for, but the held-out pool .* holds \d+ distinct "
+        r"questions. Lower --eval_problems",
+    ):
         reasoning_gym_problems(task, 500, seed=0, split="test")
 
 
@@ -87,8 +112,9 @@ def test_a_composites_weights_set_each_datasets_share():
     # 2000 rows at weights 3:1: the share of chain_sum is binomial around 0.75 with sd sqrt(0.75 * 0.25 / 2000) = 0.0097;
     # 4 sd = 0.039 (the draw is seeded, so this is a check of the mixing, not a flaky test). Reversed weights: 0.25.
     for weights, share in (((3.0, 1.0), 0.75), ((1.0, 3.0), 0.25)):
-        task = parse_task_kwargs({"datasets": {"chain_sum": {"weight": weights[0]},
-                                               "basic_arithmetic": {"weight": weights[1]}}})
+        task = parse_task_kwargs(
+            {"datasets": {"chain_sum": {"weight": weights[0]}, "basic_arithmetic": {"weight": weights[1]}}}
+        )
         train = reasoning_gym_problems(task, 2000, seed=0, split="train")
         got = sum(r["metadata"]["source_dataset"] == "chain_sum" for r in train) / len(train)
         assert abs(got - share) < 0.039, (weights, got)
@@ -102,7 +128,9 @@ def test_each_row_keeps_the_whole_entry_json_ready(rows):
     assert first["prompt"] == entry["question"] and first["answer"] == entry["answer"]
     assert first["metadata"] == json.loads(json.dumps(entry["metadata"]))
     assert first["metadata"]["source_dataset"] in ("chain_sum", "basic_arithmetic")
-    assert first["reasoning_gym_config"] == TASKS["composite"]["datasets"][first["metadata"]["source_dataset"]]["config"]
+    assert (
+        first["reasoning_gym_config"] == TASKS["composite"]["datasets"][first["metadata"]["source_dataset"]]["config"]
+    )
     assert {r["metadata"]["source_dataset"] for r in train} == {"chain_sum", "basic_arithmetic"}
     for row in train[:20] + test[:20]:
         assert json.loads(json.dumps(row)) == row  # what the viewer's batches save and a replay reads back
@@ -113,11 +141,16 @@ def test_metadata_json_cannot_hold_is_refused_when_the_rows_are_made(monkeypatch
     from retool.reasoning_gym_task import ReasoningGymTask
 
     task = parse_task_kwargs(TASKS["chain_sum"])
-    entries = [{"question": f"q{i}", "answer": "1", "metadata": {"source_dataset": "chain_sum", "seen": {1, 2}}}
-               for i in range(5)]
+    entries = [
+        {"question": f"q{i}", "answer": "1", "metadata": {"source_dataset": "chain_sum", "seen": {1, 2}}}
+        for i in range(5)
+    ]
     monkeypatch.setattr(ReasoningGymTask, "composite", lambda self, seed, size: entries)
-    with pytest.raises(ValueError, match=r"the metadata of chain_sum's entries holds a value JSON cannot hold .*"
-                                         r"could not be scored again"):
+    with pytest.raises(
+        ValueError,
+        match=r"the metadata of chain_sum's entries holds a value JSON cannot hold .*"
+        r"could not be scored again",
+    ):
         reasoning_gym_problems(task, 2, seed=0, split="test")
 
 
@@ -159,7 +192,8 @@ def test_the_reward_reports_reasoning_gyms_version_and_rescores_a_saved_row(rows
 
     plugin = as_reward(ReasoningGymReward(), "reasoning_gym")
     assert plugin_versions("reward/reasoning_gym", plugin) == {
-        "reward/reasoning_gym": f"reasoning-gym {metadata.version('reasoning-gym')}"}
+        "reward/reasoning_gym": f"reasoning-gym {metadata.version('reasoning-gym')}"
+    }
     row = rows["composite"][1][0]
     t = traj(f"\\boxed{{{row['answer']} apples}}")
     from trl_plugins.types import RewardComponent
@@ -189,18 +223,39 @@ def _recipe():
     return _recipe_module()
 
 
-@pytest.mark.parametrize("task_kwargs,message", [
-    ('{"datasets": {"chain_summ": {"weight": 1.0}}}', r"dataset 'chain_summ', which reasoning-gym .* does not have. Did you mean 'chain_sum'"),
-    ('{"datasets": {"chain_sum": {"config": {"min_term": 3}}}}', r"no field\(s\) \['min_term'\] in reasoning-gym's ChainSumConfig \(did you mean 'min_term' -> 'min_terms'\?\)"),
-    ('{"datasets": {"chain_sum": {"config": {"min_terms": 5, "max_terms": 2}}}}', r"refused by reasoning-gym's ChainSumConfig"),
-    ('{"datasets": {"chain_sum": {"weight": 0}}}', r"datasets.chain_sum.weight must be a positive number"),
-    ('{"datasets": {"chain_sum": {"weight": -1.0}, "basic_arithmetic": {}}}', r"datasets.chain_sum.weight must be a positive number"),
-    ('{"datasets": {"chain_sum": {"config": {"seed": 3}}}}', r"sets \['seed'\]: the run sets them \(seed from --task_seed\)"),
-    ('{"datasets": {"chain_sum": {"weigth": 2}}}', r"datasets.chain_sum takes \['config', 'weight'\]; got \['weigth'\]"),
-    ('{"datasets": {"chain_sum": {"weight": Infinity}}}', r"datasets.chain_sum.weight must be a positive number"),
-    ('{"dataset": {"chain_sum": {}}}', r"take \['datasets', 'held_out_pool'\]; got \['dataset'\]"),
-    ('{}', r"needs task_kwargs naming at least one reasoning-gym dataset"),
-])
+@pytest.mark.parametrize(
+    "task_kwargs,message",
+    [
+        (
+            '{"datasets": {"chain_summ": {"weight": 1.0}}}',
+            r"dataset 'chain_summ', which reasoning-gym .* does not have. Did you mean 'chain_sum'",
+        ),
+        (
+            '{"datasets": {"chain_sum": {"config": {"min_term": 3}}}}',
+            r"no field\(s\) \['min_term'\] in reasoning-gym's ChainSumConfig \(did you mean 'min_term' -> 'min_terms'\?\)",
+        ),
+        (
+            '{"datasets": {"chain_sum": {"config": {"min_terms": 5, "max_terms": 2}}}}',
+            r"refused by reasoning-gym's ChainSumConfig",
+        ),
+        ('{"datasets": {"chain_sum": {"weight": 0}}}', r"datasets.chain_sum.weight must be a positive number"),
+        (
+            '{"datasets": {"chain_sum": {"weight": -1.0}, "basic_arithmetic": {}}}',
+            r"datasets.chain_sum.weight must be a positive number",
+        ),
+        (
+            '{"datasets": {"chain_sum": {"config": {"seed": 3}}}}',
+            r"sets \['seed'\]: the run sets them \(seed from --task_seed\)",
+        ),
+        (
+            '{"datasets": {"chain_sum": {"weigth": 2}}}',
+            r"datasets.chain_sum takes \['config', 'weight'\]; got \['weigth'\]",
+        ),
+        ('{"datasets": {"chain_sum": {"weight": Infinity}}}', r"datasets.chain_sum.weight must be a positive number"),
+        ('{"dataset": {"chain_sum": {}}}', r"take \['datasets', 'held_out_pool'\]; got \['dataset'\]"),
+        ("{}", r"needs task_kwargs naming at least one reasoning-gym dataset"),
+    ],
+)
 def test_bad_task_kwargs_are_refused_when_the_config_is_parsed(task_kwargs, message, no_model_no_eval):
     retool_ppo = _recipe()
     with pytest.raises(SystemExit, match=r"configuration error \(before any model loads\): .*" + message):
@@ -209,23 +264,38 @@ def test_bad_task_kwargs_are_refused_when_the_config_is_parsed(task_kwargs, mess
 
 
 def test_task_kwargs_for_another_task_are_refused():
-    with pytest.raises(SystemExit, match="task_kwargs are the settings of --task reasoning_gym; task 'arithmetic' takes none"):
+    with pytest.raises(
+        SystemExit, match="task_kwargs are the settings of --task reasoning_gym; task 'arithmetic' takes none"
+    ):
         _recipe().parse_args(["--task_kwargs", json.dumps(TASKS["chain_sum"])])
 
 
 def test_a_dry_run_of_the_reasoning_gym_recipe_checks_everything_and_refuses_it_without_its_reward(
-        tmp_path, monkeypatch, no_model_no_eval, capsys):
-    import retool.launch
+    tmp_path, monkeypatch, no_model_no_eval, capsys
+):
     import wandb
 
+    import retool.launch
     from conftest import refusing
 
     monkeypatch.setattr(retool.launch, "prepare_child", refusing(no_model_no_eval, "a spare child interpreter"))
     monkeypatch.setattr(wandb, "init", refusing(no_model_no_eval, "wandb.init"))
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))  # empty: the embedded default stands in
     retool_ppo = _recipe()
-    common = ["--config", str(ROOT / "recipes" / "retool_reasoning_gym.yaml"), "--dry_run", "true", "--report_to", "none",
-              "--output_dir", str(tmp_path / "out"), "--train_size", "64", "--eval_problems", "8"]
+    common = [
+        "--config",
+        str(ROOT / "recipes" / "retool_reasoning_gym.yaml"),
+        "--dry_run",
+        "true",
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--train_size",
+        "64",
+        "--eval_problems",
+        "8",
+    ]
     script_args, args = retool_ppo.parse_args(common + ["--reward_components", "correct", "format"])
     with pytest.raises(SystemExit, match=r"before any model loads.*reward_components must include 'reasoning_gym'"):
         retool_ppo.main(script_args, args)
@@ -274,35 +344,70 @@ def test_the_task_alone_brings_its_rewards_and_a_users_choice_still_wins(tmp_pat
 
 
 def test_a_dry_run_of_the_task_alone_passes_and_the_banner_says_what_the_task_set(
-        tmp_path, monkeypatch, no_model_no_eval, capsys):
+    tmp_path, monkeypatch, no_model_no_eval, capsys
+):
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
     retool_ppo = _recipe()
-    script_args, args = retool_ppo.parse_args(["--task", "reasoning_gym", "--task_kwargs", json.dumps(TASKS["chain_sum"]),
-                                               "--dry_run", "true", "--report_to", "none", "--train_size", "64",
-                                               "--eval_problems", "8", "--output_dir", str(tmp_path / "out")])
+    script_args, args = retool_ppo.parse_args(
+        [
+            "--task",
+            "reasoning_gym",
+            "--task_kwargs",
+            json.dumps(TASKS["chain_sum"]),
+            "--dry_run",
+            "true",
+            "--report_to",
+            "none",
+            "--train_size",
+            "64",
+            "--eval_problems",
+            "8",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     assert retool_ppo.main(script_args, args) == 0
     said = capsys.readouterr().out
-    assert ("task:         'reasoning_gym' set reward_component_kwargs, reward_component_weights, reward_components, "
-            "success_component (its own settings") in said
+    assert (
+        "task:         'reasoning_gym' set reward_component_kwargs, reward_component_weights, reward_components, "
+        "success_component (its own settings"
+    ) in said
     assert "rewards:      reasoning_gym x 1; format x 0.1" in said
     assert no_model_no_eval == []
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}'],
-     r"reasoning-gym's 'gcd' entries hold no metadata.expression: bring a model for them \(--model_name_or_path\)"),
-    (["--embedded", '{"cold_start_epoch": 2}'], r"--embedded .*unknown embedded settings \['cold_start_epoch'\]"),
-    (["--embedded", '{"task": "lookup"}'], r"embedded settings name task 'lookup' but the run's task is 'arithmetic'"),
-    (["--config", str(ROOT / "recipes" / "retool_reasoning_gym.yaml"), "--embedded",
-      json.dumps({"task_kwargs": json.dumps(TASKS["composite"])})], r"embedded settings name task_kwargs"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}'],
+            r"reasoning-gym's 'gcd' entries hold no metadata.expression: bring a model for them \(--model_name_or_path\)",
+        ),
+        (["--embedded", '{"cold_start_epoch": 2}'], r"--embedded .*unknown embedded settings \['cold_start_epoch'\]"),
+        (
+            ["--embedded", '{"task": "lookup"}'],
+            r"embedded settings name task 'lookup' but the run's task is 'arithmetic'",
+        ),
+        (
+            [
+                "--config",
+                str(ROOT / "recipes" / "retool_reasoning_gym.yaml"),
+                "--embedded",
+                json.dumps({"task_kwargs": json.dumps(TASKS["composite"])}),
+            ],
+            r"embedded settings name task_kwargs",
+        ),
+    ],
+)
 def test_what_the_embedded_defaults_build_would_refuse_is_refused_at_start_up_in_one_line(
-        argv, message, tmp_path, monkeypatch, no_model_no_eval, capsys):
+    argv, message, tmp_path, monkeypatch, no_model_no_eval, capsys
+):
     # Before: the banner, the rows, then the build in a child process, failing minutes later with a traceback.
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
     retool_ppo = _recipe()
-    script_args, args = retool_ppo.parse_args([*argv, "--dry_run", "true", "--report_to", "none",
-                                               "--output_dir", str(tmp_path / "out")])
+    script_args, args = retool_ppo.parse_args(
+        [*argv, "--dry_run", "true", "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+    )
     with pytest.raises(SystemExit) as refused:
         retool_ppo.main(script_args, args)
     text = str(refused.value.code)
@@ -325,12 +430,18 @@ def test_the_refusal_is_one_line_with_the_exit_code_of_other_configuration_error
     common = ["--dry_run", "true", "--report_to", "none", "--output_dir", str(tmp_path / "out")]
 
     def run(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(ROOT / "recipes" / "retool_ppo.py"), *argv, *common],
-                              capture_output=True, text=True, env=env, timeout=300)
+        return subprocess.run(
+            [sys.executable, str(ROOT / "recipes" / "retool_ppo.py"), *argv, *common],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
 
     refused = run("--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}')
-    other = run("--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"chain_sum": {}}}', "--reward_components",
-                "correct")  # another configuration error, refused at the same point
+    other = run(
+        "--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"chain_sum": {}}}', "--reward_components", "correct"
+    )  # another configuration error, refused at the same point
     assert "reward_components must include 'reasoning_gym'" in other.stderr
     assert refused.returncode == other.returncode != 0
     assert refused.stdout == "" and "Traceback" not in refused.stderr
@@ -348,25 +459,30 @@ def test_the_embedded_default_is_built_for_the_runs_datasets_under_its_own_key()
     assert settings.task == "reasoning_gym" and settings.cold_start_tool_fraction == 0.3 and not said
     assert settings.cold_start_code.format(expression="123 + 456 - 789") == 'print(f"{123 + 456 - 789:+05d}")'
     assert json.loads(settings.task_kwargs)["datasets"] == {
-        "chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 3, "min_digits": 3, "max_digits": 3}}}
+        "chain_sum": {"weight": 1.0, "config": {"min_terms": 3, "max_terms": 3, "min_digits": 3, "max_digits": 3}}
+    }
     # The recipe's datasets are the task's default build (python -m retool.default_model --settings '{"task": ...}').
     assert EmbeddedSettings.from_json('{"task": "reasoning_gym"}').key() == settings.key()
     arithmetic = embedded_settings_for(*parse_args([]), log=said.append)
     assert arithmetic.key() != settings.key() and arithmetic.task_kwargs == ""
     # Other datasets: a build of their own; the same datasets spelt otherwise (order, an int weight): the same one.
-    other = embedded_settings_for(*parse_args(["--config", recipe, "--task_kwargs", json.dumps(TASKS["composite"])]),
-                                  log=said.append)
+    other = embedded_settings_for(
+        *parse_args(["--config", recipe, "--task_kwargs", json.dumps(TASKS["composite"])]), log=said.append
+    )
     reordered = {"datasets": dict(reversed(list(TASKS["composite"]["datasets"].items())))}
     reordered["datasets"]["basic_arithmetic"]["weight"] = 1
-    same = embedded_settings_for(*parse_args(["--config", recipe, "--task_kwargs", json.dumps(reordered)]),
-                                 log=said.append)
+    same = embedded_settings_for(
+        *parse_args(["--config", recipe, "--task_kwargs", json.dumps(reordered)]), log=said.append
+    )
     assert other.key() != settings.key() and same.key() == other.key()
     with pytest.raises(ValueError, match="task_kwargs are the reasoning_gym task's; task 'arithmetic' takes none"):
         EmbeddedSettings(task_kwargs=settings.task_kwargs)
     # --embedded cannot build for other datasets than the run trains on: refused, naming --task_kwargs.
     with pytest.raises(ValueError, match=r"embedded settings name task_kwargs.*set them with --task_kwargs"):
-        embedded_settings_for(*parse_args(["--config", recipe, "--embedded", json.dumps({"task_kwargs": other.task_kwargs})]),
-                              log=said.append)
+        embedded_settings_for(
+            *parse_args(["--config", recipe, "--embedded", json.dumps({"task_kwargs": other.task_kwargs})]),
+            log=said.append,
+        )
 
 
 def test_the_cold_starts_transcripts_hold_what_the_real_tool_printed():
@@ -391,21 +507,31 @@ def test_the_cold_starts_transcripts_hold_what_the_real_tool_printed():
     settings = EmbeddedSettings.from_json('{"task": "reasoning_gym"}')
     fixed = bundled_problems("reasoning_gym", 8, task_kwargs=settings.task_kwargs)
     kept, dropped = with_tool_outputs(fixed, code=settings.cold_start_code, right=_scores_full_marks)
-    assert not dropped and {len(p["tool_output"]) for p in kept} == {6} and {p["tool_output"][0] for p in kept} <= {"+", "-"}
+    assert (
+        not dropped
+        and {len(p["tool_output"]) for p in kept} == {6}
+        and {p["tool_output"][0] for p in kept} <= {"+", "-"}
+    )
     assert all(int(p["tool_output"]) == int(p["answer"]) for p in kept)
     with pytest.raises(ValueError, match=r"failed on print\(f\"\{.*/.*:\+05d\}\"\).*cold_start_code"):
         with_tool_outputs(dropped_before, code=settings.cold_start_code)
     wrong = [{**p, "answer": "12345"} for p in problems[:3]]
-    with pytest.raises(ValueError, match=r"for 3 of 3 questions the code interpreter's output is not the answer.*"
-                                         r"the answer is '12345'.*--model_name_or_path"):
+    with pytest.raises(
+        ValueError,
+        match=r"for 3 of 3 questions the code interpreter's output is not the answer.*"
+        r"the answer is '12345'.*--model_name_or_path",
+    ):
         with_tool_outputs(wrong)
 
 
 def test_a_dataset_whose_entries_hold_no_expression_cannot_be_taught_and_says_so():
     from retool.task import bundled_problems
 
-    with pytest.raises(ValueError, match=r"'leg_counting' entries hold no metadata.expression: bring a model for it "
-                                         r"\(--model_name_or_path\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'leg_counting' entries hold no metadata.expression: bring a model for it "
+        r"\(--model_name_or_path\)",
+    ):
         bundled_problems("reasoning_gym", 4, task_kwargs={"datasets": {"leg_counting": {}}})
 
 
@@ -447,9 +573,18 @@ def test_the_embedded_default_builds_from_the_tools_own_outputs(tmp_path, capsys
     # check over every copied token; the manifest records the reasoning_gym settings it was built with.
     from retool.default_model import EmbeddedSettings, build_embedded_default
 
-    settings = EmbeddedSettings.from_json(json.dumps({
-        "task": "reasoning_gym", "cold_start_problems": 24, "cold_start_epochs": 0.5, "hidden_size": 32,
-        "cold_start_batch_size": 8, "cold_start_max_extra_epochs": 0}))
+    settings = EmbeddedSettings.from_json(
+        json.dumps(
+            {
+                "task": "reasoning_gym",
+                "cold_start_problems": 24,
+                "cold_start_epochs": 0.5,
+                "hidden_size": 32,
+                "cold_start_batch_size": 8,
+                "cold_start_max_extra_epochs": 0,
+            }
+        )
+    )
     model_dir = build_embedded_default(settings, tmp_path, show_progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["settings"]["task_kwargs"] == settings.task_kwargs and (model_dir / "config.json").is_file()

@@ -18,8 +18,13 @@ from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 
 ROOT = Path(__file__).resolve().parent.parent
 # A build that takes seconds: a handful of transcripts, a fraction of an epoch.
-TINY_EMBEDDED = {"cold_start_problems": 24, "cold_start_epochs": 0.5, "hidden_size": 32, "cold_start_batch_size": 8,
-                 "cold_start_max_extra_epochs": 1}
+TINY_EMBEDDED = {
+    "cold_start_problems": 24,
+    "cold_start_epochs": 0.5,
+    "hidden_size": 32,
+    "cold_start_batch_size": 8,
+    "cold_start_max_extra_epochs": 1,
+}
 
 
 def _recipe_module():
@@ -31,8 +36,11 @@ def _recipe_module():
     return retool_ppo
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "examples").rglob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "examples").rglob("*.yaml")),
+    ids=lambda p: p.name,
+)
 def test_every_recipe_yaml_loads_and_validates(path):
     retool_ppo = _recipe_module()
     values = yaml.safe_load(path.read_text())
@@ -54,7 +62,9 @@ def test_default_yaml_is_the_retool_setup():
     retool_ppo = _recipe_module()
     _, args = retool_ppo.parse_args([])
     assert args.policy_loss == "ppo_clip"
-    assert (1 - args.policy_loss_kwargs["clip_low"], 1 + args.policy_loss_kwargs["clip_high"]) == pytest.approx((0.8, 1.28))
+    assert (1 - args.policy_loss_kwargs["clip_low"], 1 + args.policy_loss_kwargs["clip_high"]) == pytest.approx(
+        (0.8, 1.28)
+    )
     assert args.advantage == "group" and args.num_generations >= 2
     assert args.reward_components[0] == "correct" and args.tools == ["code_interpreter"]
     assert "\\boxed{" in args.system_prompt and "<tool_call>" in args.system_prompt
@@ -64,9 +74,14 @@ def test_default_yaml_is_the_retool_setup():
 
 def test_command_line_overrides_the_yaml_and_bad_values_are_named():
     retool_ppo = _recipe_module()
-    script_args, args = retool_ppo.parse_args(["--max_steps", "3", "--eval_problems", "7", "--truncated_policy", "mask"])
+    script_args, args = retool_ppo.parse_args(
+        ["--max_steps", "3", "--eval_problems", "7", "--truncated_policy", "mask"]
+    )
     assert args.max_steps == 3 and script_args.eval_problems == 7 and args.truncated_policy == "mask"
-    with pytest.raises(SystemExit, match=r"before any model loads\): truncated_policy must be.*\[set by: truncated_policy in the command line\]"):
+    with pytest.raises(
+        SystemExit,
+        match=r"before any model loads\): truncated_policy must be.*\[set by: truncated_policy in the command line\]",
+    ):
         retool_ppo.parse_args(["--truncated_policy", "ignore"])
 
 
@@ -106,7 +121,9 @@ def test_summarise_counts_tool_use_accuracy_and_pass_at_k():
     assert result.tool_calls_per_solved == 1.5 and result.recovery_rate == 1.0
     assert summarise(trajs, [False] * 4).tool_calls_per_solved is None
     infra = _traj("c", 2)
-    infra.turns[1].tool_calls[0].infra_error = "sandbox died"  # the infrastructure's failure: not the model's to recover
+    infra.turns[1].tool_calls[
+        0
+    ].infra_error = "sandbox died"  # the infrastructure's failure: not the model's to recover
     assert summarise([infra], [False]).recovery_rate is None and summarise([infra], [False]).failed_call_frac == 0.0
     assert summarise([_traj("d", 1)], [True]).recovery_rate is None  # nothing failed
 
@@ -128,7 +145,9 @@ def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
     assert weights.stat().st_mtime_ns == stamp
 
     # A different setting is a different entry; the first stays.
-    other = ensure_embedded_default(EmbeddedSettings(**{**TINY_EMBEDDED, "seed": 1}), root=tmp_path, log=messages.append, in_process=True)
+    other = ensure_embedded_default(
+        EmbeddedSettings(**{**TINY_EMBEDDED, "seed": 1}), root=tmp_path, log=messages.append, in_process=True
+    )
     assert other != path and weights.is_file()
 
     weights.write_bytes(weights.read_bytes()[:100])  # truncated, as by a full disk or a killed copy
@@ -197,13 +216,15 @@ def test_system_prompt_lies_beyond_the_embedded_models_reach():
     assert settings.receptive_field() == 96 < PROMPT_TO_ANSWER_MIN_TOKENS and not settings.sees_system_prompt()
     assert EmbeddedSettings(sliding_window=None).sees_system_prompt() and settings.sees_system_prompt(with_tools=False)
     # The bound: tokens after the system prompt up to the first written token, smallest schema, empty question.
-    smallest = {"type": "function",
-                "function": {"name": "t", "description": "", "parameters": {"type": "object", "properties": {}}}}
+    smallest = {
+        "type": "function",
+        "function": {"name": "t", "description": "", "parameters": {"type": "object", "properties": {}}},
+    }
     for template in ("qwen2_5", "qwen3"):
         tok = embedded_tokenizer(replace(settings, template=template))
         messages = [{"role": "system", "content": "END-OF-PROMPT"}, {"role": "user", "content": ""}]
         text = tok.apply_chat_template(messages, tools=[smallest], tokenize=False, add_generation_prompt=True)
-        after = text[text.index("END-OF-PROMPT") + len("END-OF-PROMPT"):]
+        after = text[text.index("END-OF-PROMPT") + len("END-OF-PROMPT") :]
         assert len(tok(after, add_special_tokens=False)["input_ids"]) >= PROMPT_TO_ANSWER_MIN_TOKENS, template
 
     tokenizer = embedded_tokenizer(settings)
@@ -227,8 +248,9 @@ def test_system_prompt_lies_beyond_the_embedded_models_reach():
             logits = model(input_ids=torch.tensor([ids])).logits[0]
         return logits[[i - 1 for i, m in enumerate(mask) if m]]
 
-    windowed = build_tiny_model(tokenizer, hidden_size=32, num_layers=settings.num_layers, seed=0,
-                                sliding_window=settings.sliding_window)
+    windowed = build_tiny_model(
+        tokenizer, hidden_size=32, num_layers=settings.num_layers, seed=0, sliding_window=settings.sliding_window
+    )
     assert receptive_field(windowed.config) == settings.receptive_field()
     torch.testing.assert_close(written_logits(windowed, prompts[0]), written_logits(windowed, prompts[1]))
     full = build_tiny_model(tokenizer, hidden_size=32, num_layers=settings.num_layers, seed=0)  # negative control
@@ -250,26 +272,41 @@ def test_the_recipe_system_prompts_markup_is_text_beyond_the_cold_starts_reach(m
     tok = embedded_tokenizer(settings)
     chat = ChatFormat(tok, [CodeInterpreter().schema()])
     problems = arithmetic_problems(16, seed=0, split="train")
-    messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": problems[0]["prompt"]}]
+    messages = [
+        {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+        {"role": "user", "content": problems[0]["prompt"]},
+    ]
     as_text = chat.initial_prompt_ids(messages)
-    as_markup = list(tok.apply_chat_template(messages, tools=chat.tools, tokenize=True, add_generation_prompt=True,
-                                             return_dict=False))
+    as_markup = list(
+        tok.apply_chat_template(
+            messages, tools=chat.tools, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+    )
     markup = tok.convert_tokens_to_ids("<tool_call>")
     assert len(as_text) == len(as_markup) + 3 and as_text.count(markup) == as_markup.count(markup) - 1
     assert tok.decode(as_text, skip_special_tokens=False) == tok.decode(as_markup, skip_special_tokens=False)
 
     def rows(left_context: int | None) -> list:
-        data = cold_start_dataset(chat, problems, tool_fraction=0.7, system_prompt=DEFAULT_SYSTEM_PROMPT,
-                                  left_context=left_context)
+        data = cold_start_dataset(
+            chat, problems, tool_fraction=0.7, system_prompt=DEFAULT_SYSTEM_PROMPT, left_context=left_context
+        )
         return [data["input_ids"], data["assistant_masks"]]
 
     text_rows = rows(settings.receptive_field()), rows(None)
     with monkeypatch.context() as m:  # the first prompt as it was: the system prompt's markup text its token
-        m.setattr(chat, "initial_prompt_ids", lambda messages: list(tok.apply_chat_template(
-            messages, tools=chat.tools, tokenize=True, add_generation_prompt=True, return_dict=False)))
+        m.setattr(
+            chat,
+            "initial_prompt_ids",
+            lambda messages: list(
+                tok.apply_chat_template(
+                    messages, tools=chat.tools, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            ),
+        )
         markup_rows = rows(settings.receptive_field()), rows(None)
     assert text_rows[0] == markup_rows[0]
     assert text_rows[1] != markup_rows[1]  # negative control: uncut, they differ
+
 
 _BUILD_WHEN_TOLD = """
 import json, sys, time
@@ -289,10 +326,21 @@ def test_concurrent_builders_of_one_entry_build_it_once(tmp_path):
     # builds it, the other waits and then uses it; neither sees the entry vanish under it.
     procs = []
     for i in range(2):
-        args = [str(ROOT / "recipes"), json.dumps(TINY_EMBEDDED), str(tmp_path / "cache"), str(tmp_path / f"ready-{i}"),
-                str(tmp_path / "go")]
-        procs.append(subprocess.Popen([sys.executable, "-c", _BUILD_WHEN_TOLD, *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        args = [
+            str(ROOT / "recipes"),
+            json.dumps(TINY_EMBEDDED),
+            str(tmp_path / "cache"),
+            str(tmp_path / f"ready-{i}"),
+            str(tmp_path / "go"),
+        ]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _BUILD_WHEN_TOLD, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         deadline = time.monotonic() + hang_guard_s(300)
         while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
@@ -319,8 +367,12 @@ def test_failed_build_leaves_nothing_in_the_cache(tmp_path):
     from retool.default_model import EmbeddedSettings, ensure_embedded_default
 
     with pytest.raises(ValueError, match="tool_fraction"):
-        ensure_embedded_default(EmbeddedSettings(**{**TINY_EMBEDDED, "cold_start_tool_fraction": 2.0}),
-                                root=tmp_path, log=lambda m: None, in_process=True)
+        ensure_embedded_default(
+            EmbeddedSettings(**{**TINY_EMBEDDED, "cold_start_tool_fraction": 2.0}),
+            root=tmp_path,
+            log=lambda m: None,
+            in_process=True,
+        )
     assert list((tmp_path / "embedded").iterdir()) == []
 
 
@@ -342,27 +394,64 @@ def built_cache(first_launch) -> Path:
     return root / "cache"
 
 
-def _launch(tmp_path, config: str, extra: list[str], timeout: int = 600, cache: Path | None = None
-            ) -> subprocess.CompletedProcess:
+def _launch(
+    tmp_path, config: str, extra: list[str], timeout: int = 600, cache: Path | None = None
+) -> subprocess.CompletedProcess:
     """Two steps of the main command on the tiny embedded default; built into a fresh cache, or read from
     ``cache`` (:func:`built_cache`), which it must then find (one build per module is what it saves).
 
     The tiny default earns neither of the recipe's rewards in two steps (every group's rewards equal: no update, and
     the recipe exits 1 for a run that trained nothing), so a third component that varies with the sampled tokens
     (``test_trainer:TokenReward``, weight 0.1) gives the update something to train on."""
-    env = cpu_launch_env(TRL_PLUGINS_CACHE=str(cache or tmp_path / "cache"), WANDB_MODE="offline", WANDB_SILENT="true",
-                         PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"),
-                                                                                       os.environ.get("PYTHONPATH")])))
+    env = cpu_launch_env(
+        TRL_PLUGINS_CACHE=str(cache or tmp_path / "cache"),
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")])),
+    )
     cmd = accelerate_launch(
-        config, ROOT / "recipes" / "retool_ppo.py", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
-        "--embedded", json.dumps(TINY_EMBEDDED), "--train_size", "32", "--eval_problems", "4", "--eval_samples", "2",
-        "--per_device_train_batch_size", "8", "--num_generations", "4", "--save_strategy", "no",
-        "--trajectory_table_steps", "1", "--eval_every_steps", "1", "--eval_every_problems", "4",
-        "--reward_components", "correct", "format", "test_trainer:TokenReward",
-        "--reward_component_weights", "1.0", "0.1", "0.1", *extra)
+        config,
+        ROOT / "recipes" / "retool_ppo.py",
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--embedded",
+        json.dumps(TINY_EMBEDDED),
+        "--train_size",
+        "32",
+        "--eval_problems",
+        "4",
+        "--eval_samples",
+        "2",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_generations",
+        "4",
+        "--save_strategy",
+        "no",
+        "--trajectory_table_steps",
+        "1",
+        "--eval_every_steps",
+        "1",
+        "--eval_every_problems",
+        "4",
+        "--reward_components",
+        "correct",
+        "format",
+        "test_trainer:TokenReward",
+        "--reward_component_weights",
+        "1.0",
+        "0.1",
+        "0.1",
+        *extra,
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(timeout))
     if cache is not None and proc.returncode == 0:
-        assert "using the cached model" in proc.stdout and "building the tiny model" not in proc.stdout, proc.stdout[-3000:]
+        assert "using the cached model" in proc.stdout and "building the tiny model" not in proc.stdout, proc.stdout[
+            -3000:
+        ]
     return proc
 
 
@@ -392,8 +481,18 @@ def test_main_command_runs_two_steps_on_one_process(first_launch):
     # again, the rewards recomputed and the stop reasons re-derived.
     from trl_plugins.viewer.replay_cli import main as replay
 
-    assert replay([str(out / "trajectories" / "step-000002.json"), "--checkpoint", str(out / "checkpoint-1"),
-                   "--resample", "--rewards"]) == 0
+    assert (
+        replay(
+            [
+                str(out / "trajectories" / "step-000002.json"),
+                "--checkpoint",
+                str(out / "checkpoint-1"),
+                "--resample",
+                "--rewards",
+            ]
+        )
+        == 0
+    )
     # Re-scoring needs the run's config, not its weights: from the batch's own run folder (output_dir/run_config/).
     assert replay([str(out / "trajectories" / "step-000002.json"), "--rewards"]) == 0
 
@@ -410,10 +509,18 @@ def test_main_command_under_zero3_on_two_processes_builds_once_and_generates_wit
     # rollout, as for HF generate), with the manager and its cache kept between rollouts: the steps train, the
     # periodic and final evaluations generate with the same backend. (HF generate under ZeRO-3 is the trainer's
     # default path, run in tests/test_distributed.py's launches.)
-    proc = _launch(tmp_path, "cpu_zero3.yaml", ["--report_to", "none", "--use_transformers_continuous_batching",
-                                                "--transformers_continuous_batching_config",
-                                                '{"page_size": 32, "num_blocks": 256, "max_batch_tokens": 1024}',
-                                                "--continuous_batching_keep_cache"])
+    proc = _launch(
+        tmp_path,
+        "cpu_zero3.yaml",
+        [
+            "--report_to",
+            "none",
+            "--use_transformers_continuous_batching",
+            "--transformers_continuous_batching_config",
+            '{"page_size": 32, "num_blocks": 256, "max_batch_tokens": 1024}',
+            "--continuous_batching_keep_cache",
+        ],
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["after"]["problems"] == 4
@@ -448,7 +555,9 @@ def test_with_a_remote_sandbox_the_dataset_paths_are_named_for_the_server_not_ad
 def test_embedded_settings_reject_bad_json_and_unknown_fields():
     from retool.default_model import EmbeddedSettings
 
-    assert EmbeddedSettings.from_json('{"cold_start_epochs": 2}', seed=3) == EmbeddedSettings(cold_start_epochs=2, seed=3)
+    assert EmbeddedSettings.from_json('{"cold_start_epochs": 2}', seed=3) == EmbeddedSettings(
+        cold_start_epochs=2, seed=3
+    )
     with pytest.raises(ValueError, match="JSON object"):
         EmbeddedSettings.from_json("{cold_start_epochs: 2}")
     with pytest.raises(ValueError, match=r"unknown embedded settings \['epochs'\]; known: .*cold_start_epochs"):
@@ -458,11 +567,10 @@ def test_embedded_settings_reject_bad_json_and_unknown_fields():
 
 def test_local_dataset_files_are_hidden_from_model_written_code(tmp_path):
     import asyncio
+    import tempfile
 
     from retool.data import answer_paths, load_task_rows
     from trl_plugins.tools.code_interpreter import CodeInterpreter
-
-    import tempfile
 
     # A host directory the sandbox shows unless told to hide it: it shows only the interpreter and the
     # system's /usr (read-only), so /usr/local/share, else the interpreter's own prefix.
@@ -524,10 +632,10 @@ class _Oracle:
 def test_copy_accuracy_scores_the_copied_digits_at_the_right_positions():
     import torch
 
-    from retool.task import arithmetic_problems
-    from trl_plugins.tiny import build_tokenizer
     from retool.coldstart import copy_accuracy
+    from retool.task import arithmetic_problems
     from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tiny import build_tokenizer
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     tok = build_tokenizer("qwen2_5")
@@ -538,17 +646,18 @@ def test_copy_accuracy_scores_the_copied_digits_at_the_right_positions():
     digits = torch.tensor([zero] + [tok.convert_tokens_to_ids(str(d)) for d in range(1, 10)])
     # Always "0" for a digit: right exactly as often as the copied digit is a 0.
     expected = sum(p["expression"].count("0") + p["answer"].count("0") for p in problems) / sum(
-        sum(c.isdigit() for c in p["expression"]) + len(p["answer"]) for p in problems)
+        sum(c.isdigit() for c in p["expression"]) + len(p["answer"]) for p in problems
+    )
     assert copy_accuracy(_Oracle(digits), chat, problems) == pytest.approx(expected)
 
 
 def test_cutting_the_prompt_to_the_receptive_field_leaves_the_sft_loss_unchanged():
     import torch
 
-    from retool.task import arithmetic_problems
-    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from retool.coldstart import cold_start_dataset, receptive_field
+    from retool.task import arithmetic_problems
     from trl_plugins.rollout import ChatFormat
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.tools.code_interpreter import CodeInterpreter
 
     tok = build_tokenizer("qwen2_5")
@@ -583,7 +692,9 @@ def test_run_in_child_passes_objects_and_returns_the_result(monkeypatch, capfd):
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
     out = run_in_child(child_jobs.double, 21, what="doubling")
     assert out == {"twice": 42, "threads": str(available_cpus()), "rank": None}
-    with pytest.raises(ChildProcessError, match=r"the failing job failed in its child process: RuntimeError: child says no"):
+    with pytest.raises(
+        ChildProcessError, match=r"the failing job failed in its child process: RuntimeError: child says no"
+    ):
         run_in_child(child_jobs.fail, what="the failing job")
     assert "child says no" in capfd.readouterr().err  # the child's traceback, on its stderr
     with pytest.raises(ChildProcessError, match=r"its child process ended \(exit 3\) without a result or an error"):
@@ -623,8 +734,10 @@ def test_a_spare_child_runs_the_next_job_as_a_fresh_child_would(monkeypatch, cap
 
 
 def test_an_unused_spare_child_ends_with_its_parent():
-    code = ("import sys; sys.path.insert(0, %r); from retool import launch; launch.prepare_child(preload=('json',)); "
-            "print(launch._spare[0].pid, flush=True)" % str(ROOT / "recipes"))
+    code = (
+        "import sys; sys.path.insert(0, %r); from retool import launch; launch.prepare_child(preload=('json',)); "
+        "print(launch._spare[0].pid, flush=True)" % str(ROOT / "recipes")
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     pid = int(proc.stdout.split()[0])
     assert proc.returncode == 0
@@ -647,8 +760,9 @@ def test_evaluation_settings_are_refused_before_anything_is_built():
     script_args, args = retool_ppo.parse_args(["--reward_components", "format", "--reward_component_weights", "1.0"])
     with pytest.raises(SystemExit, match="not among reward_components=\\['format'\\].*--eval_problems 0"):
         check_eval_settings(script_args, resolve_run(args))
-    script_args, args = retool_ppo.parse_args(["--reward_components", "format", "--reward_component_weights", "1.0",
-                                              "--eval_problems", "0"])
+    script_args, args = retool_ppo.parse_args(
+        ["--reward_components", "format", "--reward_component_weights", "1.0", "--eval_problems", "0"]
+    )
     assert check_eval_settings(script_args, resolve_run(args)) == [1, 4]  # no held-out evaluation: nothing to count by
     script_args, args = retool_ppo.parse_args(["--eval_temperature", "0"])
     with pytest.raises(SystemExit, match="greedy"):
@@ -681,7 +795,9 @@ def _refusal(argv: list[str], monkeypatch) -> str:
 def test_use_vllm_without_vllm_stops_the_recipe_before_anything_is_built(tmp_path, monkeypatch):
     # The main command with --use_vllm on a machine without vLLM: the message, not a cold start then an ImportError.
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
-    assert "vLLM is not installed here" in _refusal(["--use_vllm", "true", "--output_dir", str(tmp_path / "out")], monkeypatch)
+    assert "vLLM is not installed here" in _refusal(
+        ["--use_vllm", "true", "--output_dir", str(tmp_path / "out")], monkeypatch
+    )
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 
@@ -695,7 +811,9 @@ def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_ov
     claim_output_dir(out, resume=None, overwrite=False)  # empty: fine
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "checkpoint-2").mkdir()
-    with pytest.raises(SystemExit, match="already holds files of an earlier run.*--resume_from_checkpoint.*--overwrite_output_dir"):
+    with pytest.raises(
+        SystemExit, match="already holds files of an earlier run.*--resume_from_checkpoint.*--overwrite_output_dir"
+    ):
         claim_output_dir(out, resume=None, overwrite=False)
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing touched
     claim_output_dir(out, resume="true", overwrite=False)  # resuming continues in it
@@ -712,7 +830,9 @@ def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_ov
     # The main command stops on it before anything is built (no embedded default, no evaluation).
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
-    assert "already holds files of an earlier run" in _refusal(["--output_dir", str(out), "--report_to", "none"], monkeypatch)
+    assert "already holds files of an earlier run" in _refusal(
+        ["--output_dir", str(out), "--report_to", "none"], monkeypatch
+    )
     assert not (tmp_path / "cache").exists()
 
 
@@ -767,14 +887,21 @@ def test_a_split_that_cannot_be_held_out_is_refused_saying_what_to_do(tmp_path):
     small = _write_jsonl(tmp_path / "small.jsonl", ["What is 1 + 1?", "What is 2 + 2?", "What is 3 + 3?"])
     before = small.read_text()
     script_args, _ = retool_ppo.parse_args(["--dataset_name", str(small)])
-    with pytest.raises(ValueError, match=r"has 3 rows and held_out_fraction=0.1 leaves none held out.*too few rows.*--eval_problems 0"):
+    with pytest.raises(
+        ValueError, match=r"has 3 rows and held_out_fraction=0.1 leaves none held out.*too few rows.*--eval_problems 0"
+    ):
         task_rows(script_args, "test", size=None)
     assert len(task_rows(script_args, "train", size=None)) == 3  # nothing to hold out: training keeps them all
     none_held, _ = retool_ppo.parse_args(["--dataset_name", str(small), "--held_out_fraction", "0"])
-    with pytest.raises(ValueError, match=r"single file: it has no held-out split, and held_out_fraction is 0.*--held_out_fraction 0.1"):
+    with pytest.raises(
+        ValueError, match=r"single file: it has no held-out split, and held_out_fraction is 0.*--held_out_fraction 0.1"
+    ):
         task_rows(none_held, "test", size=None)
     assert small.read_text() == before  # the data is untouched
-    with pytest.raises(SystemExit, match=r"held_out_fraction must be in \[0, 1\), got 1.0\. \[set by: held_out_fraction in the command line\]"):
+    with pytest.raises(
+        SystemExit,
+        match=r"held_out_fraction must be in \[0, 1\), got 1.0\. \[set by: held_out_fraction in the command line\]",
+    ):
         retool_ppo.parse_args(["--held_out_fraction", "1"])
 
 
@@ -788,8 +915,12 @@ def test_a_dataset_folder_uses_its_own_test_split_or_holds_out_part_of_its_train
     _write_jsonl(both / "test.jsonl", [f"test {i}" for i in range(5)])
     script_args, _ = retool_ppo.parse_args(["--dataset_name", str(both)])
     said: list[str] = []
-    assert {r["prompt"] for r in task_rows(script_args, "test", size=None, log=said.append)} == {f"test {i}" for i in range(5)}
-    assert {r["prompt"] for r in task_rows(script_args, "train", size=None, log=said.append)} == {f"train {i}" for i in range(20)}
+    assert {r["prompt"] for r in task_rows(script_args, "test", size=None, log=said.append)} == {
+        f"test {i}" for i in range(5)
+    }
+    assert {r["prompt"] for r in task_rows(script_args, "train", size=None, log=said.append)} == {
+        f"train {i}" for i in range(20)
+    }
     assert said[0].startswith("held-out rows: split 'test' of") and "its split 'test'" in said[1]
 
     only_train = tmp_path / "only_train"
@@ -801,7 +932,9 @@ def test_a_dataset_folder_uses_its_own_test_split_or_holds_out_part_of_its_train
     assert len(held) == 2 and len(train) == 18 and not held & train
     assert "the dataset has no split 'test'" in said[-1]
     none_held, _ = retool_ppo.parse_args(["--dataset_name", str(only_train), "--held_out_fraction", "0"])
-    with pytest.raises(ValueError, match=r"has no split 'test' \(it has \['train'\]\) and held_out_fraction is 0.*--dataset_test_split"):
+    with pytest.raises(
+        ValueError, match=r"has no split 'test' \(it has \['train'\]\) and held_out_fraction is 0.*--dataset_test_split"
+    ):
         task_rows(none_held, "test", size=None)
     missing, _ = retool_ppo.parse_args(["--dataset_name", str(only_train), "--dataset_train_split", "training"])
     with pytest.raises(ValueError, match=r"has no split 'training'; it has \['train'\]. Set --dataset_train_split"):
@@ -814,10 +947,14 @@ def test_naming_the_training_split_as_the_held_out_split_is_refused():
 
     retool_ppo = _recipe_module()
     script_args, args = retool_ppo.parse_args(["--dataset_test_split", "train"])
-    with pytest.raises(SystemExit, match=r"both 'train': the held-out evaluation would score the training rows.*--eval_problems 0"):
+    with pytest.raises(
+        SystemExit, match=r"both 'train': the held-out evaluation would score the training rows.*--eval_problems 0"
+    ):
         check_eval_settings(script_args, resolve_run(args))
     with pytest.raises(SystemExit, match=r"both 'train'.*set --dataset_train_split to another name"):
-        check_eval_settings(script_args, resolve_run(args), training=False)  # retool_eval.py: no --eval_problems 0 way out
+        check_eval_settings(
+            script_args, resolve_run(args), training=False
+        )  # retool_eval.py: no --eval_problems 0 way out
     script_args, args = retool_ppo.parse_args(["--dataset_test_split", "train", "--eval_problems", "0"])
     assert check_eval_settings(script_args, resolve_run(args)) == [1, 4]  # no held-out evaluation: nothing to refuse
 
@@ -825,8 +962,9 @@ def test_naming_the_training_split_as_the_held_out_split_is_refused():
 def test_the_recipe_stops_on_a_file_too_small_to_hold_out_before_building_anything(tmp_path, monkeypatch):
     small = _write_jsonl(tmp_path / "small.jsonl", ["What is 1 + 1?", "What is 2 + 2?"])
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
-    refusal = _refusal(["--dataset_name", str(small), "--report_to", "none", "--output_dir", str(tmp_path / "out")],
-                       monkeypatch)
+    refusal = _refusal(
+        ["--dataset_name", str(small), "--report_to", "none", "--output_dir", str(tmp_path / "out")], monkeypatch
+    )
     assert "leaves none held out" in refusal, refusal
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
@@ -841,10 +979,20 @@ def test_the_summary_shows_each_figure_with_its_standard_error_and_the_gain_with
         per_problem = [c / 2 for c in correct]
         mean = sum(per_problem) / 4
         se = (sum((p - mean) ** 2 for p in per_problem) / 3 / 4) ** 0.5
-        return {"problems": 4, "samples": 2, "accuracy": mean, "accuracy_se": se, "tool_call_rate": 0.5,
-                "accuracy_with_tool": None, "accuracy_without_tool": mean, "accuracy_without_tool_se": se,
-                "truncated_frac": 0.0, "pass_at_k": {"1": mean, "2": 0.75}, "pass_at_k_se": {"1": se, "2": 0.25},
-                "correct_by_problem": {q: [c, 2] for q, c in zip("abcd", correct)}}
+        return {
+            "problems": 4,
+            "samples": 2,
+            "accuracy": mean,
+            "accuracy_se": se,
+            "tool_call_rate": 0.5,
+            "accuracy_with_tool": None,
+            "accuracy_without_tool": mean,
+            "accuracy_without_tool_se": se,
+            "truncated_frac": 0.0,
+            "pass_at_k": {"1": mean, "2": 0.75},
+            "pass_at_k_se": {"1": se, "2": 0.25},
+            "correct_by_problem": {q: [c, 2] for q, c in zip("abcd", correct)},
+        }
 
     before, after = result([1, 0, 1, 2]), result([2, 1, 1, 2])
     # before: per problem 0.5, 0, 0.5, 1 -> 50.0% ± 20.4 (sd 0.408 / 2); after: 1, 0.5, 0.5, 1 -> 75.0% ± 14.4.
@@ -870,8 +1018,8 @@ def test_the_summary_shows_each_figure_with_its_standard_error_and_the_gain_with
 
 def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkeypatch):
     from retool.evaluate import evaluate_checkpoint
-    from trl_plugins.run import resolve_run
     from retool.launch import ChildProcessError, run_in_child
+    from trl_plugins.run import resolve_run
 
     # (A failing and a silent job: test_run_in_child_passes_objects_and_returns_the_result.)
     # The recipe's own evaluation, of a checkpoint that is not there: the child's error names the folder, and
@@ -880,8 +1028,15 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
     script_args, args = retool_ppo.parse_args(["--output_dir", str(tmp_path / "out")])
     missing = tmp_path / "no-such-checkpoint"
     with pytest.raises(ChildProcessError) as failed:
-        run_in_child(evaluate_checkpoint, str(missing), script_args, resolve_run(args).spec, ks=[1],
-                     rows=[{"id": "q", "prompt": "What is 1 + 1?", "answer": "2"}], what="the held-out evaluation")
+        run_in_child(
+            evaluate_checkpoint,
+            str(missing),
+            script_args,
+            resolve_run(args).spec,
+            ks=[1],
+            rows=[{"id": "q", "prompt": "What is 1 + 1?", "answer": "2"}],
+            what="the held-out evaluation",
+        )
     message = str(failed.value)
     assert message.startswith("the held-out evaluation failed in its child process: ") and str(missing) in message
     assert "split" not in message
@@ -889,7 +1044,8 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
 
 @pytest.mark.slow
 def test_main_command_on_a_single_file_with_continuous_batching_trains_a_lora_adapter_with_a_critic(
-        tmp_path, built_cache):
+    tmp_path, built_cache
+):
     # Four features through one real launch (each launch costs ~30 s of a 2-core machine; they do not interact,
     # except that every generation of the LoRA policy, before, during and after RL, goes through the paged cache):
     #
@@ -911,10 +1067,26 @@ def test_main_command_on_a_single_file_with_continuous_batching_trains_a_lora_ad
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_problems(60, seed=3)]
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _launch(tmp_path, "cpu.yaml", ["--dataset_name", str(data), "--report_to", "none",
-                                          "--use_transformers_continuous_batching", "true",
-                                          "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--advantage", "gae"],
-                   cache=built_cache)
+    proc = _launch(
+        tmp_path,
+        "cpu.yaml",
+        [
+            "--dataset_name",
+            str(data),
+            "--report_to",
+            "none",
+            "--use_transformers_continuous_batching",
+            "true",
+            "--use_peft",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--advantage",
+            "gae",
+        ],
+        cache=built_cache,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The adapter alone saved, and the evaluation after RL read it from final/.
     final = tmp_path / "out" / "final"
@@ -959,7 +1131,9 @@ def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     before = snapshot(out)
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
-    refusal = _refusal(["--output_dir", str(out), "--report_to", "none", "--resume_from_checkpoint", "Latest"], monkeypatch)
+    refusal = _refusal(
+        ["--output_dir", str(out), "--report_to", "none", "--resume_from_checkpoint", "Latest"], monkeypatch
+    )
     assert f"{out / 'checkpoint-2' / 'model.safetensors'}: " in refusal and "--resume_fallback true" in refusal, refusal
     assert snapshot(out) == before and not (tmp_path / "cache").exists()
 
@@ -967,9 +1141,17 @@ def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path
 def test_a_resumed_run_reuses_the_starting_models_evaluation_only_when_it_is_the_same(tmp_path):
     from retool.evaluate import reusable_evaluation
 
-    rows = [{"id": "test-0", "prompt": "What is 1 + 1?", "answer": "2"}, {"id": "test-1", "prompt": "2 + 2?", "answer": "4"}]
-    saved = {"model": "/m", "samples": 4, "temperature": 1.0, "accuracy": 0.5,
-             "correct_by_problem": {"test-0": [2, 4], "test-1": [2, 4]}}
+    rows = [
+        {"id": "test-0", "prompt": "What is 1 + 1?", "answer": "2"},
+        {"id": "test-1", "prompt": "2 + 2?", "answer": "4"},
+    ]
+    saved = {
+        "model": "/m",
+        "samples": 4,
+        "temperature": 1.0,
+        "accuracy": 0.5,
+        "correct_by_problem": {"test-0": [2, 4], "test-1": [2, 4]},
+    }
     path = tmp_path / "eval_before.json"
     path.write_text(json.dumps(saved))
     same = dict(model="/m", rows=rows, samples=4, temperature=1.0)
@@ -991,13 +1173,23 @@ def _finished_run(run_dir, before, after, *, with_se=True):
 
     def result(correct):  # 2 problems x 4 samples
         acc = sum(correct) / 8
-        out = {"problems": 2, "samples": 4, "accuracy": acc, "accuracy_with_tool": acc, "tool_call_rate": 1.0,
-               "pass_at_k": {"1": acc, "4": 1.0}}
+        out = {
+            "problems": 2,
+            "samples": 4,
+            "accuracy": acc,
+            "accuracy_with_tool": acc,
+            "tool_call_rate": 1.0,
+            "pass_at_k": {"1": acc, "4": 1.0},
+        }
         if with_se:
             per = [c / 4 for c in correct]
             se = ((sum((p - acc) ** 2 for p in per) / 1) / 2) ** 0.5
-            out.update(accuracy_se=se, accuracy_with_tool_se=se, pass_at_k_se={"1": se, "4": 0.0},
-                       correct_by_problem={"a": [correct[0], 4], "b": [correct[1], 4]})
+            out.update(
+                accuracy_se=se,
+                accuracy_with_tool_se=se,
+                pass_at_k_se={"1": se, "4": 0.0},
+                correct_by_problem={"a": [correct[0], 4], "b": [correct[1], 4]},
+            )
         return out
 
     b, a = result(before), result(after)
@@ -1006,8 +1198,12 @@ def _finished_run(run_dir, before, after, *, with_se=True):
     if with_se:
         summary["gain"] = accuracy_gain(b, a)
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/total": 0.5, "reward/correct": 0.0,
-                                                               "rollout/tool_calls_mean": 1.0}) + "\n" for s in range(1, 41)))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "reward/total": 0.5, "reward/correct": 0.0, "rollout/tool_calls_mean": 1.0}) + "\n"
+            for s in range(1, 41)
+        )
+    )
 
 
 @pytest.mark.parametrize("script", ["retool_seeds.py", "retool_compare.py"])
@@ -1020,8 +1216,14 @@ def test_the_seed_and_compare_tables_carry_standard_errors(tmp_path, script):
     _finished_run(tmp_path / folders[0], [1, 3], [3, 4])
     _finished_run(tmp_path / folders[1], [2, 2], [4, 4], with_se=False)
     extra = ["--variants", "grpo"] if script == "retool_compare.py" else []
-    proc = subprocess.run([sys.executable, f"recipes/{script}", "--seeds", "0", "1", "--out", str(tmp_path), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, f"recipes/{script}", "--seeds", "0", "1", "--out", str(tmp_path), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # before 0.5 (per problem 0.25, 0.75: se 0.25), after 0.875 (0.75, 1.0: se 0.125); paired gain +0.375 (changes
     # 0.5, 0.25: se 0.125).
@@ -1085,10 +1287,17 @@ def test_the_mcp_time_layer_trains_two_steps_with_a_real_mcp_server(tmp_path, bu
     """recipes/retool_mcp_time.yaml: mcp-server-time (from the package registry) started at the run's build, its two
     tools shown beside the code interpreter, two steps trained, and the server gone when the run ends."""
     pytest.importorskip("mcp_server_time")
-    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "recipes" / "retool_mcp_time.yaml"),
-                                          "--report_to", "none", "--eval_every_steps", "0"], cache=built_cache)
+    proc = _launch(
+        tmp_path,
+        "cpu.yaml",
+        ["--config", str(ROOT / "recipes" / "retool_mcp_time.yaml"), "--report_to", "none", "--eval_every_steps", "0"],
+        cache=built_cache,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "(the model calls it 'get_current_time')" in proc.stdout and "(the model calls it 'convert_time')" in proc.stdout
+    assert (
+        "(the model calls it 'get_current_time')" in proc.stdout
+        and "(the model calls it 'convert_time')" in proc.stdout
+    )
     # Found by its bare name on this PATH, else in the interpreter's scripts folder (a venv not activated): the banner
     # names the path found.
     from trl_plugins.tools.sandbox.launcher import find_command
@@ -1114,8 +1323,19 @@ def test_an_agent_written_with_the_openai_agents_sdk_trains_two_steps(tmp_path, 
     SDK's Runner on its default Responses API against the agent endpoint, two steps trained (a run whose trajectories
     all failed would exit non-zero), no environment error."""
     pytest.importorskip("agents")
-    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "examples" / "agents" / "openai_agents_sdk" / "retool_agent.yaml"),
-                                          "--report_to", "none", "--eval_every_steps", "0"], cache=built_cache)
+    proc = _launch(
+        tmp_path,
+        "cpu.yaml",
+        [
+            "--config",
+            str(ROOT / "examples" / "agents" / "openai_agents_sdk" / "retool_agent.yaml"),
+            "--report_to",
+            "none",
+            "--eval_every_steps",
+            "0",
+        ],
+        cache=built_cache,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2
@@ -1134,10 +1354,26 @@ def test_a_reasoning_gym_task_trains_two_steps_scored_by_its_own_scorer(tmp_path
     from trl_plugins.rewards.reasoning_gym import entry_of, extract_answer
 
     model = next((built_cache / "embedded").glob("*/model"))
-    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "recipes" / "retool_reasoning_gym.yaml"),
-                                          "--model_name_or_path", str(model), "--report_to", "none",
-                                          "--eval_every_steps", "0", "--viewer_steps", "2",
-                                          "--reward_components", "reasoning_gym", "format", "test_trainer:TokenReward"])
+    proc = _launch(
+        tmp_path,
+        "cpu.yaml",
+        [
+            "--config",
+            str(ROOT / "recipes" / "retool_reasoning_gym.yaml"),
+            "--model_name_or_path",
+            str(model),
+            "--report_to",
+            "none",
+            "--eval_every_steps",
+            "0",
+            "--viewer_steps",
+            "2",
+            "--reward_components",
+            "reasoning_gym",
+            "format",
+            "test_trainer:TokenReward",
+        ],
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "building the tiny model" not in proc.stdout
     assert "reasoning-gym: chain_sum (100%" in proc.stdout and "rewards:      reasoning_gym x 1;" in proc.stdout
@@ -1170,12 +1406,35 @@ def test_a_verifiers_environment_trains_two_steps_scored_by_its_rubric(tmp_path,
         verifiers_python()
     except RolloutError as exc:
         pytest.skip(str(exc))
-    proc = _launch(tmp_path, "cpu.yaml", ["--config", str(ROOT / "examples" / "verifiers" / "verifiers.yaml"),
-                                          "--report_to", "none", "--eval_every_steps", "0", "--eval_problems", "0",
-                                          "--per_device_train_batch_size", "2", "--num_generations", "2",
-                                          "--viewer_steps", "2", "--reward_components", "agent_reward", "correct",
-                                          "test_trainer:SampleIndexReward", "--reward_component_weights", "1.0", "0.0",
-                                          "0.1"], cache=built_cache)
+    proc = _launch(
+        tmp_path,
+        "cpu.yaml",
+        [
+            "--config",
+            str(ROOT / "examples" / "verifiers" / "verifiers.yaml"),
+            "--report_to",
+            "none",
+            "--eval_every_steps",
+            "0",
+            "--eval_problems",
+            "0",
+            "--per_device_train_batch_size",
+            "2",
+            "--num_generations",
+            "2",
+            "--viewer_steps",
+            "2",
+            "--reward_components",
+            "agent_reward",
+            "correct",
+            "test_trainer:SampleIndexReward",
+            "--reward_component_weights",
+            "1.0",
+            "0.0",
+            "0.1",
+        ],
+        cache=built_cache,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "environment 'examples/verifiers/sums_env.py' (200 rows; rubric boxed x0.1, correct x1)" in proc.stdout
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

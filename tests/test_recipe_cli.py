@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s, tiny_recipe_inputs
-
 from test_recipe import ROOT, _recipe_module
 
 
@@ -22,6 +21,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 # -- config files (point 8) -------------------------------------------------------------------------------
+
 
 def test_a_small_override_file_layers_over_the_recipe_yaml(tmp_path):
     from retool.config import DEFAULT_CONFIG, parse_args
@@ -80,6 +80,7 @@ def test_config_none_starts_from_the_dataclass_defaults(tmp_path):
 
 # -- reward weights by name (point 5) ---------------------------------------------------------------------
 
+
 def test_changed_reward_components_keep_their_weights_by_name_and_new_ones_get_one(tmp_path):
     from retool.config import parse_args
 
@@ -98,7 +99,9 @@ def test_changed_reward_components_keep_their_weights_by_name_and_new_ones_get_o
     script_args, args = parse_args(["--config", str(changed)])
     assert args.reward_component_weights == [1.0, 0.1] and "c.yaml" in script_args.reward_weight_origins["tool_use"]
     # Weights given with the components are taken as given (by position, as written), and nothing is noted.
-    script_args, args = parse_args(["--reward_components", "format", "correct", "--reward_component_weights", "0.5", "2"])
+    script_args, args = parse_args(
+        ["--reward_components", "format", "correct", "--reward_component_weights", "0.5", "2"]
+    )
     assert args.reward_component_weights == [0.5, 2.0] and script_args.reward_weight_origins == {}
     # Weights alone on the command line apply to the YAML's components.
     script_args, args = parse_args(["--reward_component_weights", "0.5", "0.5"])
@@ -110,9 +113,15 @@ def test_changed_reward_components_keep_their_weights_by_name_and_new_ones_get_o
 
 # -- --help (point 12) ------------------------------------------------------------------------------------
 
+
 def test_help_lists_config_then_the_recipe_and_plugin_fields_before_trls():
-    proc = subprocess.run([sys.executable, "recipes/retool_ppo.py", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=hang_guard_s(120))
+    proc = subprocess.run(
+        [sys.executable, "recipes/retool_ppo.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=hang_guard_s(120),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
 
@@ -132,15 +141,19 @@ def test_help_lists_config_then_the_recipe_and_plugin_fields_before_trls():
 
 # -- start-up checks before any model loads (point 4) -----------------------------------------------------
 
+
 def test_a_bad_plugin_kwarg_is_refused_before_any_model_load_or_evaluation(tmp_path, no_model_no_eval, capsys):
     retool_ppo = _recipe_module()
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("an earlier file")
-    for bad, message in (('{"code_interpreter": {"timeout_s": -1}}', "timeout_s must be a number >= 0.01"),
-                         ('{"code_interpreter": {"timeout": 5}}', "takes no 'timeout'.*Did you mean 'timeout_s'")):
-        script_args, args = retool_ppo.parse_args(["--tool_kwargs", bad, "--output_dir", str(out), "--report_to", "none",
-                                                   "--overwrite_output_dir", "true"])
+    for bad, message in (
+        ('{"code_interpreter": {"timeout_s": -1}}', "timeout_s must be a number >= 0.01"),
+        ('{"code_interpreter": {"timeout": 5}}', "takes no 'timeout'.*Did you mean 'timeout_s'"),
+    ):
+        script_args, args = retool_ppo.parse_args(
+            ["--tool_kwargs", bad, "--output_dir", str(out), "--report_to", "none", "--overwrite_output_dir", "true"]
+        )
         with pytest.raises(SystemExit, match=f"before any model loads.*{message}"):
             retool_ppo.main(script_args, args)
     assert no_model_no_eval == []
@@ -149,16 +162,29 @@ def test_a_bad_plugin_kwarg_is_refused_before_any_model_load_or_evaluation(tmp_p
     assert "ReTool PPO: the run" not in capsys.readouterr().out  # not even the banner
 
 
-def test_a_chat_template_that_fails_the_prefix_check_is_refused_before_the_model_loads(tmp_path, no_model_no_eval, capsys):
+def test_a_chat_template_that_fails_the_prefix_check_is_refused_before_the_model_loads(
+    tmp_path, no_model_no_eval, capsys
+):
     from trl_plugins.tiny import build_tokenizer
 
     retool_ppo = _recipe_module()
     tokenizer_dir = tmp_path / "qwen3-tokenizer"  # a tokenizer only: the model must never be asked for
     build_tokenizer("qwen3").save_pretrained(tokenizer_dir)
     out = tmp_path / "out"
-    script_args, args = retool_ppo.parse_args(["--model_name_or_path", str(tokenizer_dir), "--output_dir", str(out),
-                                               "--report_to", "none", "--chat_template_kwargs",
-                                               '{"enable_thinking": false}', "--eval_problems", "4"])
+    script_args, args = retool_ppo.parse_args(
+        [
+            "--model_name_or_path",
+            str(tokenizer_dir),
+            "--output_dir",
+            str(out),
+            "--report_to",
+            "none",
+            "--chat_template_kwargs",
+            '{"enable_thinking": false}',
+            "--eval_problems",
+            "4",
+        ]
+    )
     with pytest.raises(SystemExit, match="before any model loads.*chat template.*not prefix-preserving"):
         retool_ppo.main(script_args, args)
     assert no_model_no_eval == []
@@ -168,19 +194,39 @@ def test_a_chat_template_that_fails_the_prefix_check_is_refused_before_the_model
 
 # -- the start-up banner (point 9) ------------------------------------------------------------------------
 
+
 def test_the_banner_names_plugins_settings_isolation_processes_precision_and_outputs():
-    from retool.config import parse_args
     from types import SimpleNamespace
 
+    from retool.config import parse_args
     from retool.startup import distributed_mode, evaluation_backend, format_banner
     from trl_plugins.run import SamplerKind, resolve_run
 
-    script_args, args = parse_args(["--reward_components", "format", "correct", "tool_use", "--output_dir", "/runs/a",
-                                    "--report_to", "wandb", "--policy_loss_kwargs", '{"clip_low": 0.1, "clip_high": 0.3}'])
+    script_args, args = parse_args(
+        [
+            "--reward_components",
+            "format",
+            "correct",
+            "tool_use",
+            "--output_dir",
+            "/runs/a",
+            "--report_to",
+            "wandb",
+            "--policy_loss_kwargs",
+            '{"clip_low": 0.1, "clip_high": 0.3}',
+        ]
+    )
     isolation = "sandbox isolation=bwrap, mode=warm, memory 1024 MB per call"
     run = resolve_run(args)
-    text = format_banner(script_args, run, world_size=2, device="cuda:0", distributed="DeepSpeed ZeRO-3",
-                         tool_start_up={"code_interpreter": isolation}, wandb_mode="offline")
+    text = format_banner(
+        script_args,
+        run,
+        world_size=2,
+        device="cuda:0",
+        distributed="DeepSpeed ZeRO-3",
+        tool_start_up={"code_interpreter": isolation},
+        wandb_mode="offline",
+    )
     lines = text.splitlines()
 
     def line(prefix: str) -> str:
@@ -202,8 +248,10 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     assert line("generation:").startswith("generation:   HF generate")
     assert line("outputs:").startswith("outputs:      /runs/a") and line("logging:").endswith("W&B offline")
     assert "retool_ppo.yaml < command line" in line("config files:")
-    assert line("viewer:") == ("viewer:       /runs/a/trajectories/step-N.html every 10 steps (8 trajectories; "
-                               "python -m trl_plugins.viewer redraws a saved batch)")
+    assert line("viewer:") == (
+        "viewer:       /runs/a/trajectories/step-N.html every 10 steps (8 trajectories; "
+        "python -m trl_plugins.viewer redraws a saved batch)"
+    )
     assert "warning:" not in text  # the recipe's prompt names its tool
     # A tool the system prompt does not name is flagged: only its schema reaches the model.
     _, bare = parse_args(["--system_prompt", "Solve it.", "--viewer_steps", "0"])
@@ -212,14 +260,19 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     # Sequence parallelism: the processes line says how each datum is split, the packer line one row per micro-batch.
     _, split = parse_args(["--sequence_parallel_size", "2"])
     text = format_banner(script_args, resolve_run(split), world_size=4, device="cuda:0", distributed="DeepSpeed ZeRO-3")
-    assert (f"processes:    4 on cuda:0, DeepSpeed ZeRO-3, each datum's tokens split over 2 ranks in the update "
-            f"(sequence parallelism, 2 data-parallel groups), {'bf16' if split.bf16 else 'fp32'}") in text
+    assert (
+        f"processes:    4 on cuda:0, DeepSpeed ZeRO-3, each datum's tokens split over 2 ranks in the update "
+        f"(sequence parallelism, 2 data-parallel groups), {'bf16' if split.bf16 else 'fp32'}"
+    ) in text
     assert "packer:       optimal (1 row split over 2 ranks (sequence parallelism), <= " in text
     # A tool that has not started says when it will report.
     text = format_banner(script_args, run, world_size=1, device="cpu", distributed="single process")
     assert "reports how it runs when the tools start" in text
     # The helpers the recipe feeds it.
-    assert distributed_mode({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}) == "DeepSpeed ZeRO-2"
+    assert (
+        distributed_mode({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
+        == "DeepSpeed ZeRO-2"
+    )
     assert distributed_mode({"WORLD_SIZE": "2"}) == "DDP" and distributed_mode({}) == "single process"
     _, cb = parse_args(["--use_transformers_continuous_batching"])
     cb_run = resolve_run(cb)
@@ -231,10 +284,12 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     vllm.config = SimpleNamespace(**{**vars(args), "vllm_mode": "colocate"})
     assert evaluation_backend(vllm) == "HF generate (vLLM serves the training rollouts only)"
     assert "generated with HF generate (vLLM serves the training rollouts only)" in format_banner(
-        script_args, vllm, world_size=1, device="cuda:0", distributed="single process")
+        script_args, vllm, world_size=1, device="cuda:0", distributed="single process"
+    )
 
 
 # -- summary.json, the model card and the plot (point 13) -------------------------------------------------
+
 
 def test_the_run_record_holds_every_config_field_the_plugins_seeds_versions_and_the_commit(tmp_path):
     from retool.config import ScriptArguments, parse_args
@@ -249,8 +304,13 @@ def test_the_run_record_holds_every_config_field_the_plugins_seeds_versions_and_
     assert record["config"]["training"]["save_strategy"] == "steps"  # the enum's value
     assert record["plugins"]["reward_components"] == [
         {"name": "correct", "weight": 1.0, "kwargs": {}, "weight_origin": "kept by name from the task 'arithmetic'"},
-        {"name": "tool_use", "weight": 1.0, "kwargs": {},
-         "weight_origin": "defaulted to 1.0: not in the task 'arithmetic', added by the command line"}]
+        {
+            "name": "tool_use",
+            "weight": 1.0,
+            "kwargs": {},
+            "weight_origin": "defaulted to 1.0: not in the task 'arithmetic', added by the command line",
+        },
+    ]
     assert record["plugins"]["tools"][0]["kwargs"]["timeout_s"] == 5.0
     assert record["seeds"] == {"seed": 3, "data_seed": None, "task_seed": 0}
     import torch
@@ -275,13 +335,26 @@ def test_the_model_card_names_a_base_model_loaded_from_a_local_folder(tmp_path):
     from trl_plugins.trainers.model_card import name_local_base_model, name_quick_start_model
 
     # The override calls TRL's with these parameters.
-    assert list(inspect.signature(GRPOTrainer.create_model_card).parameters) == ["self", "model_name", "dataset_name", "tags"]
+    assert list(inspect.signature(GRPOTrainer.create_model_card).parameters) == [
+        "self",
+        "model_name",
+        "dataset_name",
+        "tags",
+    ]
     assert "name_local_base_model" in inspect.getsource(MultiTurnGRPOTrainer.create_model_card)
 
     def card(base_model):
         path = tmp_path / "README.md"
-        generate_model_card(base_model=base_model, model_name="run", hub_model_id=None, dataset_name=None, tags=[],
-                            wandb_url=None, trackio_url=None, trainer_name="GRPO").save(path)
+        generate_model_card(
+            base_model=base_model,
+            model_name="run",
+            hub_model_id=None,
+            dataset_name=None,
+            tags=[],
+            wandb_url=None,
+            trackio_url=None,
+            trainer_name="GRPO",
+        ).save(path)
         return path
 
     path = card(None)  # what TRL writes for a policy loaded from a local folder
@@ -290,7 +363,9 @@ def test_the_model_card_names_a_base_model_loaded_from_a_local_folder(tmp_path):
     text = path.read_text()
     assert "fine-tuned version of the local model `/cache/embedded/abc/model`" in text and "[None]" not in text
     # No Hub repo: TRL's quick-start said model="None"; it loads the trained model's folder instead.
-    assert 'model="None"' in text and "name_quick_start_model" in inspect.getsource(MultiTurnGRPOTrainer.create_model_card)
+    assert 'model="None"' in text and "name_quick_start_model" in inspect.getsource(
+        MultiTurnGRPOTrainer.create_model_card
+    )
     assert name_quick_start_model(path, "outputs/retool_ppo/final")
     text = path.read_text()
     assert 'pipeline("text-generation", model="outputs/retool_ppo/final"' in text and 'model="None"' not in text
@@ -311,8 +386,17 @@ def test_the_plot_has_whole_step_ticks_and_a_line_per_reward_component(tmp_path,
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
-    metrics = [{"step": s, "reward/total": 0.1 * s, "reward/correct": -1 + 0.5 * s, "reward/format": 0.2 * s,
-                "reward/verifier_error_rate": 0.0, "rollout/tool_calls_mean": 0.5} for s in (1, 2, 3)]
+    metrics = [
+        {
+            "step": s,
+            "reward/total": 0.1 * s,
+            "reward/correct": -1 + 0.5 * s,
+            "reward/format": 0.2 * s,
+            "reward/verifier_error_rate": 0.0,
+            "rollout/tool_calls_mean": 0.5,
+        }
+        for s in (1, 2, 3)
+    ]
     path = plot_run(metrics, tmp_path / "p.png", reward_components=["correct", "format"])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (fig,) = figures
@@ -323,7 +407,10 @@ def test_the_plot_has_whole_step_ticks_and_a_line_per_reward_component(tmp_path,
         assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
     (components,) = [ax for ax in fig.axes if ax.get_title().startswith("reward components")]
     lines = {ln.get_label(): list(ln.get_ydata()) for ln in components.get_lines()}
-    assert lines == {"correct": [-0.5, 0.0, 0.5], "format": [pytest.approx(0.2), pytest.approx(0.4), pytest.approx(0.6)]}
+    assert lines == {
+        "correct": [-0.5, 0.0, 0.5],
+        "format": [pytest.approx(0.2), pytest.approx(0.4), pytest.approx(0.6)],
+    }
     # Without the run's list, every reward/* mean but the total and the verifier error rate.
     figures.clear()
     plot_run(metrics, tmp_path / "q.png")
@@ -333,6 +420,7 @@ def test_the_plot_has_whole_step_ticks_and_a_line_per_reward_component(tmp_path,
 
 # -- end to end ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_the_recipe_with_a_small_override_file_prints_the_banner_and_records_the_run(tmp_path):
     # A local model (no embedded default to build: tests/test_recipe.py's first launch checks that the banner comes
@@ -341,14 +429,34 @@ def test_the_recipe_with_a_small_override_file_prints_the_banner_and_records_the
     override = _write(tmp_path / "small.yaml", "max_steps: 2\ntrain_size: 32\n")
     model_dir, _ = tiny_recipe_inputs(tmp_path)
     env = cpu_launch_env(TRL_PLUGINS_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    cmd = accelerate_launch("cpu.yaml", ROOT / "recipes" / "retool_ppo.py", f"--config={override}",
-                            "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(model_dir),
-                            "--eval_problems", "0", "--per_device_train_batch_size", "8", "--num_generations", "4",
-                            "--save_strategy", "no", "--report_to", "none", "--reward_components", "correct", "tool_use")
+    cmd = accelerate_launch(
+        "cpu.yaml",
+        ROOT / "recipes" / "retool_ppo.py",
+        f"--config={override}",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--model_name_or_path",
+        str(model_dir),
+        "--eval_problems",
+        "0",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_generations",
+        "4",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--reward_components",
+        "correct",
+        "tool_use",
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard_s(600))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    why = ("the run finished without one policy update: all 2 of its steps skipped it (the last: no trajectory to "
-           "train on: every group's rewards were equal (all 8 trajectories of the step, all ranks, have advantage 0))")
+    why = (
+        "the run finished without one policy update: all 2 of its steps skipped it (the last: no trajectory to "
+        "train on: every group's rewards were equal (all 8 trajectories of the step, all ranks, have advantage 0))"
+    )
     assert f"The run trained nothing: {why}" in proc.stderr, proc.stderr[-3000:]
     out = tmp_path / "out"
     stdout = proc.stdout

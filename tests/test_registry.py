@@ -107,7 +107,9 @@ def test_third_party_entry_points_are_discovered_lazily(isolated_registries, mon
 def test_entry_point_reusing_a_builtin_name_is_an_error(isolated_registries, monkeypatch):
     monkeypatch.syspath_prepend(str(ASSETS / "plugin_dist"))
     monkeypatch.syspath_prepend(str(ASSETS / "plugin_collision"))
-    with pytest.raises(RegistryError, match=r"'ffd' from entry point .*trl-plugins-colliding.* collides with a built-in"):
+    with pytest.raises(
+        RegistryError, match=r"'ffd' from entry point .*trl-plugins-colliding.* collides with a built-in"
+    ):
         PACKERS.load_entry_points()
     # The built-in stays what it was.
     from trl_plugins.packing.packers import ffd

@@ -28,8 +28,10 @@ def _trajectory(chat, first: str, final: str) -> Trajectory:
     call = ToolCall("code_interpreter", {"code": "print(6 * 7)"}, output="42\n", ok=True)
     p2 = p1 + c1 + chat.tool_turn(c1, call.output, tool_name=call.name, arguments=call.arguments).ids
     c2 = tok(final, add_special_tokens=False)["input_ids"] + end
-    return Trajectory([Turn(p1, c1, [0.0] * len(c1), tool_calls=[call]), Turn(p2, c2, [0.0] * len(c2))],
-                      stop_reason=StopReason.FINAL_ANSWER)
+    return Trajectory(
+        [Turn(p1, c1, [0.0] * len(c1), tool_calls=[call]), Turn(p2, c2, [0.0] * len(c2))],
+        stop_reason=StopReason.FINAL_ANSWER,
+    )
 
 
 THOUGHT = "<think>\nI will compute it.\n</think>\n\n"
@@ -40,7 +42,7 @@ def test_a_conversation_the_template_would_write_replays_to_its_tokens(chat):
     # Negative control for the two cases below: the same conversation, written as the template writes it.
     traj = _trajectory(chat, THOUGHT, THOUGHT + ANSWER)
     full = traj.turns[-1].prompt_ids + traj.turns[-1].completion_ids
-    assert replay_rendering(chat, traj, MESSAGES)[:len(full)] == full
+    assert replay_rendering(chat, traj, MESSAGES)[: len(full)] == full
 
 
 def test_a_final_turn_without_thinking_is_named_with_the_block_the_template_adds(chat):
@@ -53,10 +55,13 @@ def test_a_final_turn_without_thinking_is_named_with_the_block_the_template_adds
     assert "train from them (build_datum)" in msg
 
 
-@pytest.mark.parametrize("turn,first,final", [
-    (2, THOUGHT, "<think>\n\nI will check it.\n\n</think>\n\n" + ANSWER),
-    (1, "<think>\n\nI will compute it.\n\n</think>\n\n", THOUGHT + ANSWER),
-])
+@pytest.mark.parametrize(
+    "turn,first,final",
+    [
+        (2, THOUGHT, "<think>\n\nI will check it.\n\n</think>\n\n" + ANSWER),
+        (1, "<think>\n\nI will compute it.\n\n</think>\n\n", THOUGHT + ANSWER),
+    ],
+)
 def test_extra_newlines_inside_a_think_block_are_named_with_both_writings(chat, turn, first, final):
     traj = _trajectory(chat, first, final)
     with pytest.raises(RenderReplayError) as info:

@@ -14,38 +14,57 @@ from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 def traj(text: str, stop=StopReason.FINAL_ANSWER, *, tool_ok=None, prompt_len=10, completion_len=5) -> Trajectory:
     turns = []
     if tool_ok is not None:
-        turns.append(Turn([1] * prompt_len, [2] * 3, [-0.1] * 3, text="call", tool_calls=[ToolCall("code_interpreter", {"code": "1"}, "1", ok=tool_ok)]))
+        turns.append(
+            Turn(
+                [1] * prompt_len,
+                [2] * 3,
+                [-0.1] * 3,
+                text="call",
+                tool_calls=[ToolCall("code_interpreter", {"code": "1"}, "1", ok=tool_ok)],
+            )
+        )
     turns.append(Turn([1] * prompt_len, [3] * completion_len, [-0.1] * completion_len, text=text + "<|im_end|>"))
     return Trajectory(turns=turns, stop_reason=stop)
 
 
 def test_builtins_are_registered_and_pickle():
-    for name, cls in (("correct", CorrectReward), ("format", FormatReward), ("tool_use", ToolUseReward), ("overlong", OverlongPenalty)):
+    for name, cls in (
+        ("correct", CorrectReward),
+        ("format", FormatReward),
+        ("tool_use", ToolUseReward),
+        ("overlong", OverlongPenalty),
+    ):
         assert REWARDS.get(name) is cls
         assert pickle.loads(pickle.dumps(cls())) == cls()
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so \\boxed{42}.", "42"),
-    ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last one, nested braces kept
-    ("\\boxed{unclosed", None),
-    ("nothing", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last one, nested braces kept
+        ("\\boxed{unclosed", None),
+        ("nothing", None),
+    ],
+)
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
 
 
-@pytest.mark.parametrize("text,answer,stop,value", [
-    ("The answer is \\boxed{56877}.", "56877", StopReason.FINAL_ANSWER, 1.0),
-    ("The answer is \\boxed{56,877}.", "56877", StopReason.FINAL_ANSWER, 1.0),  # math-verify equivalence
-    ("\\boxed{\\frac{1}{2}}", "0.5", StopReason.FINAL_ANSWER, 1.0),
-    ("The answer is \\boxed{56878}.", "56877", StopReason.FINAL_ANSWER, -1.0),
-    ("The answer is 56877.", "56877", StopReason.FINAL_ANSWER, -1.0),  # a bare number is not an answer
-    ("\\boxed{}", "1", StopReason.FINAL_ANSWER, -1.0),
-    ("The answer is \\boxed{56877}.", "56877", StopReason.TURN_LENGTH, -1.0),  # truncated counts as wrong
-    ("The answer is \\boxed{56877}.", "56877", StopReason.INVALID_ACTION, -1.0),
-    ("\\boxed{56877}" + " padding" * 60, "56877", StopReason.FINAL_ANSWER, -1.0),  # outside the last 300 chars
-])
+@pytest.mark.parametrize(
+    "text,answer,stop,value",
+    [
+        ("The answer is \\boxed{56877}.", "56877", StopReason.FINAL_ANSWER, 1.0),
+        ("The answer is \\boxed{56,877}.", "56877", StopReason.FINAL_ANSWER, 1.0),  # math-verify equivalence
+        ("\\boxed{\\frac{1}{2}}", "0.5", StopReason.FINAL_ANSWER, 1.0),
+        ("The answer is \\boxed{56878}.", "56877", StopReason.FINAL_ANSWER, -1.0),
+        ("The answer is 56877.", "56877", StopReason.FINAL_ANSWER, -1.0),  # a bare number is not an answer
+        ("\\boxed{}", "1", StopReason.FINAL_ANSWER, -1.0),
+        ("The answer is \\boxed{56877}.", "56877", StopReason.TURN_LENGTH, -1.0),  # truncated counts as wrong
+        ("The answer is \\boxed{56877}.", "56877", StopReason.INVALID_ACTION, -1.0),
+        ("\\boxed{56877}" + " padding" * 60, "56877", StopReason.FINAL_ANSWER, -1.0),  # outside the last 300 chars
+    ],
+)
 def test_correct(text, answer, stop, value):
     assert CorrectReward()(traj(text, stop), {"answer": answer}) == value
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_recipe_inputs
-
 from trl_plugins.algos.advantages import GroupAdvantage
 from trl_plugins.algos.losses import PPOClipLoss
 from trl_plugins.rollout import MultiTurnRollout
@@ -52,8 +51,14 @@ class CountingTool:
         BUILT["tool"] += 1
 
     def schema(self) -> dict:
-        return {"type": "function", "function": {"name": "echo", "description": "Echo the text.", "parameters": {
-            "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": "echo",
+                "description": "Echo the text.",
+                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+            },
+        }
 
     async def __call__(self, arguments: dict) -> ToolOutput:
         return ToolOutput(text=str(arguments.get("text")), ok=True)
@@ -70,8 +75,13 @@ class CountingReward:
         return value > 0.5
 
 
-PLUGINS = dict(rollout="test_run:CountingRollout", advantage="test_run:CountingAdvantage", policy_loss="test_run:CountingLoss",
-               tools=["test_run:CountingTool"], reward_components=["test_run:CountingReward"])
+PLUGINS = dict(
+    rollout="test_run:CountingRollout",
+    advantage="test_run:CountingAdvantage",
+    policy_loss="test_run:CountingLoss",
+    tools=["test_run:CountingTool"],
+    reward_components=["test_run:CountingReward"],
+)
 
 
 @pytest.fixture
@@ -103,11 +113,24 @@ def checks(monkeypatch):
 def _config(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1, use_cpu=True,
-                  report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True,
-                  bf16=False, rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-                  max_padded_tokens_per_micro_batch=4000, reward_components=["test_run:CountingReward"],
-                  system_prompt="You may use the echo tool.")
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=5e-3,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
+        max_padded_tokens_per_micro_batch=4000,
+        reward_components=["test_run:CountingReward"],
+        system_prompt="You may use the echo tool.",
+    )
     kwargs.update(PLUGINS)
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
@@ -126,15 +149,30 @@ def test_a_run_builds_each_plugin_once_and_checks_each_setting_once(tmp_path, ch
     run = resolve_run(config)
     once = {"rollout": 1, "advantage": 1, "policy_loss": 1, "tool": 1, "reward": 1}
     assert BUILT == once
-    assert checks == {"apply_trl_fields": 1, "check_plugin_settings": 1, "check_sampler_available": 1, "check_peft_config": 1}
+    assert checks == {
+        "apply_trl_fields": 1,
+        "check_plugin_settings": 1,
+        "check_sampler_available": 1,
+        "check_peft_config": 1,
+    }
     # The trainer, its training and an in-process evaluation all take the run: nothing is built or checked again.
     tok = build_tokenizer("qwen2_5")
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), train_dataset=Dataset.from_list(rows), processing_class=tok, run=run)
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok), train_dataset=Dataset.from_list(rows), processing_class=tok, run=run
+    )
     assert trainer.run is run and trainer.args is config
     trainer.train()
-    result, _ = evaluate_policy(trainer.model_wrapped, tok, rows[:2], trainer.run, samples=2, ks=(1,),
-                                success_component="test_run:CountingReward", backend=trainer.generation_backend())
+    result, _ = evaluate_policy(
+        trainer.model_wrapped,
+        tok,
+        rows[:2],
+        trainer.run,
+        samples=2,
+        ks=(1,),
+        success_component="test_run:CountingReward",
+        backend=trainer.generation_backend(),
+    )
     assert result.problems == 2
     assert BUILT == once and sum(checks.values()) == 4
     # Another process rebuilds from the pickled spec (the recipe's child evaluation does): plugins once more there,
@@ -152,13 +190,21 @@ def test_a_run_refuses_what_its_plugins_cannot_serve_before_any_model(tmp_path, 
     # What needs the plugins built is checked when the run is resolved, with the plugin named.
     from trl_plugins.run import resolve_run
 
-    with pytest.raises(ValueError, match=r"the rollout's token budget of 600 makes datums of up to 599 tokens, over "
-                                         r"max_context_tokens=300"):
+    with pytest.raises(
+        ValueError,
+        match=r"the rollout's token budget of 600 makes datums of up to 599 tokens, over "
+        r"max_context_tokens=300",
+    ):
         resolve_run(_config(tmp_path, max_context_tokens=300))
-    with pytest.raises(ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'test_run:CountingAdvantage'"):
+    with pytest.raises(
+        ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'test_run:CountingAdvantage'"
+    ):
         resolve_run(_config(tmp_path, critic_learning_rate=1e-4))
-    with pytest.raises(ValueError, match="tool_kwargs\\['test_run:CountingTool'\\]: tools plugin 'test_run:CountingTool' takes no "
-                                         "'text'; it accepts \\[\\]"):
+    with pytest.raises(
+        ValueError,
+        match="tool_kwargs\\['test_run:CountingTool'\\]: tools plugin 'test_run:CountingTool' takes no "
+        "'text'; it accepts \\[\\]",
+    ):
         resolve_run(_config(tmp_path, tool_kwargs={"test_run:CountingTool": {"text": "x"}}))
 
 
@@ -188,8 +234,9 @@ def test_the_run_spec_carries_where_each_setting_came_from(tmp_path):
 
     mine = tmp_path / "mine.yaml"
     mine.write_text("learning_rate: 1.0e-4\nnum_generations: 4\n")
-    script_args, args = parse_args(["--config", str(mine), "--num_generations", "2", "--output_dir", str(tmp_path / "o"),
-                                    "--report_to", "none"])
+    script_args, args = parse_args(
+        ["--config", str(mine), "--num_generations", "2", "--output_dir", str(tmp_path / "o"), "--report_to", "none"]
+    )
     run = resolve_run(args, provenance=script_args.provenance)
     spec = pickle.loads(pickle.dumps(run.spec))
     assert spec.origin("learning_rate") == "mine.yaml"
@@ -218,14 +265,50 @@ def test_the_recipe_resolves_its_run_once_for_the_trainer_and_the_periodic_evalu
 
     monkeypatch.setattr(run_package, "resolve_run", build.resolve_run)
     BUILT.clear()
-    argv = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"),
-            "--report_to", "none", "--plot", "false", "--max_steps", "2", "--per_device_train_batch_size", "4",
-            "--num_generations", "2", "--eval_problems", "2", "--eval_samples", "1", "--eval_every_steps", "1",
-            "--eval_every_problems", "2", "--save_strategy", "no", "--reward_components", "correct", "test_run:CountingReward",
-            "--reward_component_weights", "1.0", "1.0", "--rollout", "test_run:CountingRollout", "--advantage",
-            "test_run:CountingAdvantage", "--policy_loss", "test_run:CountingLoss", "--rollout_kwargs",
-            '{"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 1024}',
-            "--max_padded_tokens_per_micro_batch", "8000"]
+    argv = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+        "--plot",
+        "false",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "2",
+        "--eval_problems",
+        "2",
+        "--eval_samples",
+        "1",
+        "--eval_every_steps",
+        "1",
+        "--eval_every_problems",
+        "2",
+        "--save_strategy",
+        "no",
+        "--reward_components",
+        "correct",
+        "test_run:CountingReward",
+        "--reward_component_weights",
+        "1.0",
+        "1.0",
+        "--rollout",
+        "test_run:CountingRollout",
+        "--advantage",
+        "test_run:CountingAdvantage",
+        "--policy_loss",
+        "test_run:CountingLoss",
+        "--rollout_kwargs",
+        '{"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 1024}',
+        "--max_padded_tokens_per_micro_batch",
+        "8000",
+    ]
     script_args, args = retool_ppo.parse_args(argv)
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))  # the child evaluations import this module's plugins
     assert retool_ppo.main(script_args, args) == 0

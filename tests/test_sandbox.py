@@ -13,13 +13,13 @@ import ast
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -33,9 +33,9 @@ from trl_plugins.tools.sandbox import (
     SandboxStats,
     detect_isolation,
     launcher,
-    probing,
     layout,
     pool,
+    probing,
     runner,
 )
 
@@ -54,28 +54,37 @@ except RuntimeError as e:  # pragma: no cover - machines without namespaces: rli
 pytestmark = pytest.mark.skipif(STRONGEST is None, reason=f"no sandbox isolation works here: {NO_ISOLATION_REASON}")
 NAMESPACED = STRONGEST in (Isolation.BWRAP, Isolation.UNSHARE)
 requires_namespaces = pytest.mark.skipif(
-    not NAMESPACED, reason="needs bwrap or unshare (apt-get install -y bubblewrap); isolation=none does not contain this"
+    not NAMESPACED,
+    reason="needs bwrap or unshare (apt-get install -y bubblewrap); isolation=none does not contain this",
 )
 requires_bwrap = pytest.mark.skipif(
     STRONGEST != Isolation.BWRAP, reason="bubblewrap is not available here (apt-get install -y bubblewrap)"
 )
-ALT_ISOLATIONS = [
-    iso for iso in (Isolation.UNSHARE,) if STRONGEST not in (None, iso) and probing.probe(iso) is None
-]
+ALT_ISOLATIONS = [iso for iso in (Isolation.UNSHARE,) if STRONGEST not in (None, iso) and probing.probe(iso) is None]
 
 
 def _sandbox(mode: str, isolation: Isolation | str | None = None, **kwargs) -> PythonSandbox:
     isolation = STRONGEST if isolation is None else isolation
-    defaults = dict(timeout_s=TIMEOUT_S, memory_mb=256, max_output_chars=2000, max_concurrency=8,
-                    warm_imports=("math", "numpy"), disk_mb=16)
+    defaults = dict(
+        timeout_s=TIMEOUT_S,
+        memory_mb=256,
+        max_output_chars=2000,
+        max_concurrency=8,
+        warm_imports=("math", "numpy"),
+        disk_mb=16,
+    )
     return PythonSandbox(mode=mode, isolation=isolation, **{**defaults, **kwargs})
 
 
 ALL_NAMESPACED = [(iso, m) for iso in [STRONGEST, *ALT_ISOLATIONS] if iso is not None for m in ("cold", "warm")]
 
 
-MODES = [(iso, m) for iso in [STRONGEST, *ALT_ISOLATIONS] if iso in (Isolation.BWRAP, Isolation.UNSHARE)
-         for m in ("cold", "warm")]
+MODES = [
+    (iso, m)
+    for iso in [STRONGEST, *ALT_ISOLATIONS]
+    if iso in (Isolation.BWRAP, Isolation.UNSHARE)
+    for m in ("cold", "warm")
+]
 """(isolation, mode) pairs for the tests that need a sandbox of their own."""
 SYSCALL_NR = runner.SYSCALLS.get(os.uname().machine, {})
 
@@ -229,9 +238,17 @@ def test_code_runs_unprivileged(any_sandbox):
 
 def test_stdout_on_success(sandbox):
     result = sandbox.run("print('hello')\nprint('world')")
-    assert result == ExecResult(ok=True, stdout="hello\nworld\n", stderr="", exit_code=0, timed_out=False,
-                                latency_s=result.latency_s, output_truncated=False,
-                                isolation=sandbox.isolation.value, mode=sandbox.mode)
+    assert result == ExecResult(
+        ok=True,
+        stdout="hello\nworld\n",
+        stderr="",
+        exit_code=0,
+        timed_out=False,
+        latency_s=result.latency_s,
+        output_truncated=False,
+        isolation=sandbox.isolation.value,
+        mode=sandbox.mode,
+    )
     assert 0 < result.latency_s < 10
 
 
@@ -377,7 +394,9 @@ def test_a_sibling_cloned_with_clone_parent_neither_stalls_the_call_nor_outlives
     # is the server; the server waited for the namespace's init and the init for that sibling to be reaped, each
     # for the other, until the host's deadline (61 s under a 1 s limit here), which returned no output.
     marker = f"{time.time() % 1000 + 4000:.6f}"
-    code = _CLONE_PARENT.format(nr=SYSCALL_NR["clone"], marker=marker) + ("" if then == "exits" else "time.sleep(100)\n")
+    code = _CLONE_PARENT.format(nr=SYSCALL_NR["clone"], marker=marker) + (
+        "" if then == "exits" else "time.sleep(100)\n"
+    )
     result = sandbox.run(code)
     assert result.stdout == "clone -> True\n", result
     if then == "exits":
@@ -403,7 +422,9 @@ def _descendants(pid: int) -> list[int]:
 
 @requires_namespaces
 @pytest.mark.parametrize("isolation", [iso for iso, m in MODES if m == "warm"], ids=str)
-def test_a_warm_server_that_stops_answering_is_killed_at_the_limit_plus_grace_and_the_output_kept(isolation, monkeypatch):
+def test_a_warm_server_that_stops_answering_is_killed_at_the_limit_plus_grace_and_the_output_kept(
+    isolation, monkeypatch
+):
     # Round four: when the server did not answer, the host waited until timeout_s + 60 s and returned empty output
     # although it holds the output files. Now the host stops the server (and all it runs) KILL_GRACE_S after the
     # limit and returns what the code printed. The server is frozen (SIGSTOP) mid-call to reach that path.
@@ -422,8 +443,10 @@ def test_a_warm_server_that_stops_answering_is_killed_at_the_limit_plus_grace_an
                     pass
 
         threading.Thread(target=freeze, daemon=True).start()
-        result = sb.run(f"import subprocess, time\nsubprocess.Popen(['/bin/sleep', '{marker}'])\n"
-                        "print('started', flush=True)\ntime.sleep(100)")
+        result = sb.run(
+            f"import subprocess, time\nsubprocess.Popen(['/bin/sleep', '{marker}'])\n"
+            "print('started', flush=True)\ntime.sleep(100)"
+        )
         after = sb.run("print('a fresh server')")
     assert result.timed_out and result.exit_code == -signal.SIGKILL and result.stdout == "started\n", result
     assert result.stderr.splitlines()[-1] == TIMEOUT_LINE, result
@@ -514,7 +537,9 @@ def test_endless_output_flood_is_stopped(sandbox, stream):
 
 
 def test_binary_output_is_decoded_safely(sandbox):
-    result = sandbox.run("import sys\nsys.stdout.buffer.write(bytes(range(256)) * 4)\nsys.stdout.flush()\nprint('after')")
+    result = sandbox.run(
+        "import sys\nsys.stdout.buffer.write(bytes(range(256)) * 4)\nsys.stdout.flush()\nprint('after')"
+    )
     assert result.ok and "\ufffd" in result.stdout and result.stdout.endswith("after\n")
 
 
@@ -637,8 +662,13 @@ def test_network_is_unreachable_even_on_loopback(any_sandbox):
 @requires_namespaces
 def test_writes_outside_the_scratch_dir_do_not_reach_the_host(any_sandbox, tmp_path):
     tag = uuid.uuid4().hex
-    targets = [tmp_path / "escape.txt", Path("/tmp") / f"escape-{tag}", Path("/var/tmp") / f"escape-{tag}",
-               REPO / f".escape-{tag}", Path("/dev/shm") / f"escape-{tag}"]
+    targets = [
+        tmp_path / "escape.txt",
+        Path("/tmp") / f"escape-{tag}",
+        Path("/var/tmp") / f"escape-{tag}",
+        REPO / f".escape-{tag}",
+        Path("/dev/shm") / f"escape-{tag}",
+    ]
     for target in targets:  # control: the host can write each of these
         target.write_text("host")
         target.unlink()
@@ -749,12 +779,19 @@ def test_the_calls_init_can_be_neither_written_nor_traced(any_sandbox):
 _AS_ROOT_INSIDE = {
     # The line that writes the code's uid/gid maps, and the same maps with uid and gid 0 inside: the code then runs
     # as root of its user namespace (capabilities dropped, no_new_privs), which the sandbox itself never does.
-    "cold": ('check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")\n        write_id_maps(uid, gid)\n',
-             'check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")\n        '),
-    "warm": ('"unshare per-call namespaces")\n        write_id_maps(uid, gid)\n', '"unshare per-call namespaces")\n        '),
+    "cold": (
+        'check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")\n        write_id_maps(uid, gid)\n',
+        'check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")\n        ',
+    ),
+    "warm": (
+        '"unshare per-call namespaces")\n        write_id_maps(uid, gid)\n',
+        '"unshare per-call namespaces")\n        ',
+    ),
 }
-_ROOT_MAPS = ("[open(f'/proc/self/{n}', 'w').write(t) for n, t in (('uid_map', f'0 {uid} 1\\n'), "
-              "('setgroups', 'deny\\n'), ('gid_map', f'0 {gid} 1\\n'))]\n")
+_ROOT_MAPS = (
+    "[open(f'/proc/self/{n}', 'w').write(t) for n, t in (('uid_map', f'0 {uid} 1\\n'), "
+    "('setgroups', 'deny\\n'), ('gid_map', f'0 {gid} 1\\n'))]\n"
+)
 
 
 @requires_namespaces
@@ -783,7 +820,9 @@ def test_arun_calls_run_concurrently(sandbox):
 
     async def main():
         t0 = time.perf_counter()
-        results = await asyncio.gather(*[sandbox.arun(f"import time\ntime.sleep({sleep_s})\nprint({i})") for i in range(n)])
+        results = await asyncio.gather(
+            *[sandbox.arun(f"import time\ntime.sleep({sleep_s})\nprint({i})") for i in range(n)]
+        )
         return results, time.perf_counter() - t0
 
     results, elapsed = asyncio.run(main())
@@ -793,6 +832,7 @@ def test_arun_calls_run_concurrently(sandbox):
 
 def test_max_concurrency_is_respected():
     with _sandbox("cold", max_concurrency=2, warm_imports=()) as sb:
+
         async def main():
             t0 = time.perf_counter()
             await asyncio.gather(*[sb.arun("import time\ntime.sleep(0.3)") for _ in range(4)])
@@ -819,8 +859,15 @@ def test_step_stats_reset_while_totals_accumulate():
         assert (total.calls, total.successes, total.errors, total.timeouts) == (4, 2, 1, 1)
         metrics = total.to_metrics()
         assert metrics["sandbox/calls"] == 4.0 and set(metrics) == {
-            "sandbox/calls", "sandbox/successes", "sandbox/errors", "sandbox/timeouts", "sandbox/latency_p50_s",
-            "sandbox/latency_p90_s", "sandbox/latency_p99_s", "sandbox/latency_max_s"}
+            "sandbox/calls",
+            "sandbox/successes",
+            "sandbox/errors",
+            "sandbox/timeouts",
+            "sandbox/latency_p50_s",
+            "sandbox/latency_p90_s",
+            "sandbox/latency_p99_s",
+            "sandbox/latency_max_s",
+        }
 
 
 def test_percentiles_interpolate_linearly():
@@ -907,8 +954,13 @@ def test_interpreter_living_under_tmp_stays_visible(tmp_path_factory, mode):
             "    r = s.run('import sys, math; print(sys.prefix, math.factorial(5))')\n"
             "    print(r.isolation, r.ok, r.stdout.strip(), r.stderr.strip()[-300:])\n"
         )
-        out = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120)
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", script],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         isolation, ok, prefix, result = out.stdout.split()[:4]
         assert (ok, prefix, result) == ("True", str(venv), "120"), out.stdout
@@ -944,6 +996,7 @@ def test_the_runner_imports_only_the_standard_library():
 # Round two (issue 12): what an adversarial review found. Each runs in every namespaced isolation
 # this machine offers (bwrap and, hidden bwrap or not, unshare), cold and warm.
 # ---------------------------------------------------------------------------------------------------
+
 
 def _pids_in_pid_ns(pid_ns: str) -> list[int]:
     found = []
@@ -1002,7 +1055,9 @@ def test_no_pty_is_shared_with_the_host_or_another_call(any_sandbox):
         "print('seen', seen, 'opened', opened)\n"
         "POST"
     )
-    holder = list_pts.replace("PRE", "m, s = os.openpty()\nmine = {os.ttyname(s)}\n").replace("POST", "time.sleep(0.6)\n")  # < TIMEOUT_S
+    holder = list_pts.replace("PRE", "m, s = os.openpty()\nmine = {os.ttyname(s)}\n").replace(
+        "POST", "time.sleep(0.6)\n"
+    )  # < TIMEOUT_S
     looker = list_pts.replace("PRE", "time.sleep(0.3)\nmine = set()\n").replace("POST", "")
 
     async def both():
@@ -1034,8 +1089,7 @@ def _keyctl_code(action: str) -> str:
         f"    serial = call({nr.get('add_key', 0)}, b'user', desc.encode(), payload.encode(), len(payload), ctypes.c_long(-3))\n"
         "    if isinstance(serial, int):\n"
         f"        call({nr.get('keyctl', 0)}, 5, ctypes.c_long(serial), ctypes.c_uint(0x3f3f3f3f))  # SETPERM: all for all\n"
-        "    return serial\n"
-        + action
+        "    return serial\n" + action
     )
 
 
@@ -1050,8 +1104,14 @@ def test_kernel_keyrings_are_closed(isolation_mode):
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     payload = SECRET.encode()
-    host_key = libc.syscall(SYSCALL_NR["add_key"], b"user", f"trl-sandbox-{uuid.uuid4().hex}".encode(), payload,
-                            len(payload), ctypes.c_long(-3))  # KEY_SPEC_SESSION_KEYRING
+    host_key = libc.syscall(
+        SYSCALL_NR["add_key"],
+        b"user",
+        f"trl-sandbox-{uuid.uuid4().hex}".encode(),
+        payload,
+        len(payload),
+        ctypes.c_long(-3),
+    )  # KEY_SPEC_SESSION_KEYRING
     if host_key < 0:
         pytest.skip(f"the kernel keyring is not usable here (errno {ctypes.get_errno()})")
     isolation, mode = isolation_mode
@@ -1128,7 +1188,9 @@ def test_memory_is_bounded_per_call_shared_memory_and_processes_included(isolati
         many = sb.run(children)
     assert many.stdout.startswith("alive "), many
     alive = int(many.stdout.split()[1])
-    assert alive * 60 <= 256 + budget, many.stdout  # children that hold their 60 MB: 5 at most, 20 without a per-call limit
+    assert alive * 60 <= 256 + budget, (
+        many.stdout
+    )  # children that hold their 60 MB: 5 at most, 20 without a per-call limit
     assert int(many.stdout.split()[3]) >= 1, many.stdout  # control: some did allocate
 
 
@@ -1141,8 +1203,10 @@ def test_without_cgroups_unmapped_shared_memory_is_refused(isolation_mode, monke
     isolation, mode = isolation_mode
     with _sandbox(mode, isolation, warm_imports=(), max_concurrency=1, memory_mb=64) as sb:
         hoard = sb.run(_MEMFD_BOMB)
-        shm = sb.run("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                     "print(libc.shmget(0, 8 << 20, 0o1600), ctypes.get_errno())")  # IPC_PRIVATE, IPC_CREAT
+        shm = sb.run(
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.shmget(0, 8 << 20, 0o1600), ctypes.get_errno())"
+        )  # IPC_PRIVATE, IPC_CREAT
     assert hoard.ok and hoard.stdout == "refused PermissionError\n", hoard
     assert shm.ok and shm.stdout == "-1 1\n", shm
     assert sb._launcher.cgroups is None and "per process" in sb.describe()
@@ -1218,7 +1282,7 @@ def test_bwrap_is_launched_from_where_it_was_found(tmp_path, monkeypatch):
     bin_dir.mkdir()
     log = tmp_path / "used.log"
     real = shutil.which("bwrap")
-    (bin_dir / "bwrap").write_text(f"#!/bin/sh\necho used >> {log}\nexec {real} \"$@\"\n")
+    (bin_dir / "bwrap").write_text(f'#!/bin/sh\necho used >> {log}\nexec {real} "$@"\n')
     (bin_dir / "bwrap").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.delenv("TRL_SANDBOX_BWRAP", raising=False)
@@ -1236,8 +1300,14 @@ def _fallback_warnings(records) -> list[str]:
 def _check_fallback_warning(warnings: list[str], reason: str) -> None:
     # One record, naming the fallback, why, what differs and how to get bubblewrap.
     assert len(warnings) == 1, warnings
-    for part in ("falling back to isolation=unshare", reason, "no cgroup namespace", "/proc/self/cgroup",
-                 "file tree is built by this project", "apt-get install -y bubblewrap"):
+    for part in (
+        "falling back to isolation=unshare",
+        reason,
+        "no cgroup namespace",
+        "/proc/self/cgroup",
+        "file tree is built by this project",
+        "apt-get install -y bubblewrap",
+    ):
         assert part in warnings[0], (part, warnings[0])
 
 
@@ -1281,13 +1351,25 @@ def test_without_bwrap_on_path_the_fallback_warns_once(monkeypatch, caplog, tmp_
     "sysctls,as_root,bwrap,expected",
     [
         # Ubuntu 23.10+ as a user: AppArmor's restriction; the sysctl and a profile for bwrap both apply.
-        ({"kernel.apparmor_restrict_unprivileged_userns": "1"}, False, "/usr/bin/bwrap",
-         ["sysctl -w kernel.apparmor_restrict_unprivileged_userns=0", "AppArmor profile", "/usr/bin/bwrap"]),
+        (
+            {"kernel.apparmor_restrict_unprivileged_userns": "1"},
+            False,
+            "/usr/bin/bwrap",
+            ["sysctl -w kernel.apparmor_restrict_unprivileged_userns=0", "AppArmor profile", "/usr/bin/bwrap"],
+        ),
         # The same machine as root: AppArmor does not restrict root, so that fix does not apply.
-        ({"kernel.apparmor_restrict_unprivileged_userns": "1", "user.max_user_namespaces": "0"}, True, "/usr/bin/bwrap",
-         ["sysctl -w user.max_user_namespaces="]),
-        ({"kernel.unprivileged_userns_clone": "0"}, False, None,
-         ["sysctl -w kernel.unprivileged_userns_clone=1", "apt-get install -y bubblewrap"]),
+        (
+            {"kernel.apparmor_restrict_unprivileged_userns": "1", "user.max_user_namespaces": "0"},
+            True,
+            "/usr/bin/bwrap",
+            ["sysctl -w user.max_user_namespaces="],
+        ),
+        (
+            {"kernel.unprivileged_userns_clone": "0"},
+            False,
+            None,
+            ["sysctl -w kernel.unprivileged_userns_clone=1", "apt-get install -y bubblewrap"],
+        ),
     ],
     ids=["apparmor-user", "root-no-namespaces", "debian-userns-clone"],
 )
@@ -1369,24 +1451,30 @@ def test_an_interpreter_in_a_virtualenv_under_tmp_still_runs(tmp_path, isolation
         (prefix / "key.txt").write_text(SECRET)
         python = prefix / "bin" / "python"
         site = [p for p in sys.path if p.endswith("site-packages")]
-        code = ("import sys, os\n"
-                "def read(p):\n"
-                "    try:\n"
-                "        return open(p).read() or 'empty'\n"
-                "    except OSError as e:\n"
-                "        return type(e).__name__\n"
-                "print(sys.prefix, 6 * 7, read(sys.prefix + '/answers/ref.txt'), read(sys.prefix + '/key.txt'))")
-        script = ("from trl_plugins.tools.sandbox import PythonSandbox\n"
-                  f"with PythonSandbox(mode={mode!r}, isolation={str(isolation)!r}, timeout_s=10.0, warm_imports=(),\n"
-                  f"                   extra_hidden_paths=({str(prefix / 'answers')!r}, {str(prefix / 'key.txt')!r})) as sb:\n"
-                  f"    r = sb.run({code!r})\n"
-                  "print('RESULT', r.ok, r.stdout.strip(), r.stderr[-500:])\n")
+        code = (
+            "import sys, os\n"
+            "def read(p):\n"
+            "    try:\n"
+            "        return open(p).read() or 'empty'\n"
+            "    except OSError as e:\n"
+            "        return type(e).__name__\n"
+            "print(sys.prefix, 6 * 7, read(sys.prefix + '/answers/ref.txt'), read(sys.prefix + '/key.txt'))"
+        )
+        script = (
+            "from trl_plugins.tools.sandbox import PythonSandbox\n"
+            f"with PythonSandbox(mode={mode!r}, isolation={str(isolation)!r}, timeout_s=10.0, warm_imports=(),\n"
+            f"                   extra_hidden_paths=({str(prefix / 'answers')!r}, {str(prefix / 'key.txt')!r})) as sb:\n"
+            f"    r = sb.run({code!r})\n"
+            "print('RESULT', r.ok, r.stdout.strip(), r.stderr[-500:])\n"
+        )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *site])}
         proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         # A hidden folder is an empty one; a hidden file is /dev/null bound nodev, so it cannot be opened, in every
         # mode (under unshare it read as an empty file, where bubblewrap's nodev root refused it).
-        assert f"RESULT True {prefix} 42 FileNotFoundError PermissionError" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"RESULT True {prefix} 42 FileNotFoundError PermissionError" in proc.stdout, (
+            proc.stdout[-2000:] + proc.stderr[-2000:]
+        )
         assert SECRET not in proc.stdout
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -1432,9 +1520,13 @@ def test_no_call_finds_an_earlier_calls_code_or_output_in_its_memory(isolation_m
     # and forked the next call from it; the next call read both back from /proc/self/mem, two calls later.
     isolation, mode = isolation_mode
     code_a, code_b, out_a, out_b, ctl_a, ctl_b = (uuid.uuid4().hex[:12] for _ in range(6))
-    padding = "# " + "x" * 2000 + "\n"  # model code and output of a few KB: freed to the C heap, not to pymalloc's pools
-    first = (f"secret = '{code_a}{code_b}'  # the code itself\n{padding}"
-             f"print('{out_a}' + '{out_b}' + '.' * 1500)  # only the output has both halves\n")
+    padding = (
+        "# " + "x" * 2000 + "\n"
+    )  # model code and output of a few KB: freed to the C heap, not to pymalloc's pools
+    first = (
+        f"secret = '{code_a}{code_b}'  # the code itself\n{padding}"
+        f"print('{out_a}' + '{out_b}' + '.' * 1500)  # only the output has both halves\n"
+    )
     probe = _MEMORY_SCAN + (
         f"control = '{ctl_a}' + '{ctl_b}'  # made by this call: must be found\n"
         f"pairs = {{'code': (b'{code_a}', b'{code_b}'), 'output': (b'{out_a}', b'{out_b}'), 'control': (b'{ctl_a}', b'{ctl_b}')}}\n"
@@ -1482,8 +1574,12 @@ def test_file_change_notifications_are_no_channel(any_sandbox, tmp_path):
     )
     result = any_sandbox.run(code)
     assert result.ok, result
-    assert result.stdout.split("\n")[:4] == ["inotify_init1 EPERM", "inotify_add_watch EPERM", "fanotify_init EPERM",
-                                              "F_NOTIFY EPERM"], result
+    assert result.stdout.split("\n")[:4] == [
+        "inotify_init1 EPERM",
+        "inotify_add_watch EPERM",
+        "fanotify_init EPERM",
+        "F_NOTIFY EPERM",
+    ], result
     # Control: the same calls work for the test process (fanotify needs a recent kernel or privilege).
     import ctypes
     import fcntl
@@ -1535,9 +1631,20 @@ def test_kernel_surface_and_nested_namespaces_are_refused(any_sandbox):
     result = any_sandbox.run(code)
     assert result.ok, result
     assert result.stdout.splitlines() == [
-        "io_uring_setup EPERM", "userfaultfd EPERM", "perf_event_open EPERM", "bpf EPERM", "unshare user EPERM",
-        "unshare user+net+mount EPERM", "unshare time EPERM", "clone user EPERM", "clone3 ENOSYS", "setns EPERM",
-        "thread ok", "subprocess 42", "fork 7"], result
+        "io_uring_setup EPERM",
+        "userfaultfd EPERM",
+        "perf_event_open EPERM",
+        "bpf EPERM",
+        "unshare user EPERM",
+        "unshare user+net+mount EPERM",
+        "unshare time EPERM",
+        "clone user EPERM",
+        "clone3 ENOSYS",
+        "setns EPERM",
+        "thread ok",
+        "subprocess 42",
+        "fork 7",
+    ], result
 
 
 @requires_namespaces
@@ -1554,7 +1661,9 @@ def test_a_denied_operation_says_so_after_the_traceback(any_sandbox):
 def test_signal_deaths_read_the_same_in_every_mode(any_sandbox):
     # Round three: a signal death read as exit 128 + N with an empty stderr under bwrap cold, and as -N elsewhere;
     # and an exit status of 137 must not read as a signal.
-    killed = any_sandbox.run("import os, signal\nprint('before', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\nprint('after')")
+    killed = any_sandbox.run(
+        "import os, signal\nprint('before', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\nprint('after')"
+    )
     segv = any_sandbox.run("import ctypes\nctypes.string_at(0)")
     exited = any_sandbox.run("import sys\nsys.exit(137)")
     assert (killed.exit_code, killed.stdout, killed.timed_out) == (-signal.SIGKILL, "before\n", False), killed
@@ -1567,8 +1676,12 @@ def test_signal_deaths_read_the_same_in_every_mode(any_sandbox):
 def test_the_code_is_not_pid_1_so_signals_to_itself_work(any_sandbox):
     # Round three: the code ran as PID 1 of its namespace in some modes, where signals without a handler are
     # ignored: signal.alarm() never fired and kill(self) did nothing.
-    alarm = any_sandbox.run("import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(0.6)\nprint('alarm ignored')")
-    term = any_sandbox.run("import os, signal\nprint(os.getpid() != 1, flush=True)\nos.kill(os.getpid(), signal.SIGTERM)\nprint('term ignored')")
+    alarm = any_sandbox.run(
+        "import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(0.6)\nprint('alarm ignored')"
+    )
+    term = any_sandbox.run(
+        "import os, signal\nprint(os.getpid() != 1, flush=True)\nos.kill(os.getpid(), signal.SIGTERM)\nprint('term ignored')"
+    )
     assert alarm.exit_code == -signal.SIGALRM and alarm.stdout == "", alarm
     assert term.exit_code == -signal.SIGTERM and term.stdout == "True\n", term
 
@@ -1630,7 +1743,9 @@ def test_without_an_init_program_a_fork_of_the_server_is_the_init(isolation, mon
     monkeypatch.setattr(launcher, "init_program", lambda: None)
     with _sandbox("warm", isolation, warm_imports=(), max_concurrency=1) as sb:
         init = sb.run("print(open('/proc/1/cmdline', 'rb').read().split(b'\\0')[0].decode())")
-        alarm = sb.run("import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(0.6)\nprint('alarm ignored')")
+        alarm = sb.run(
+            "import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(0.6)\nprint('alarm ignored')"
+        )
         segv = sb.run("import ctypes\nctypes.string_at(0)")
         exited = sb.run("import sys\nsys.exit(3)")
         reach = sb.run(_REACH_INIT)

@@ -25,8 +25,7 @@ import pytest
 
 from trl_plugins.aio import run_async
 from trl_plugins.tools.code_interpreter import CodeInterpreter
-from trl_plugins.tools.sandbox import ExecResult
-from trl_plugins.tools.sandbox import wire
+from trl_plugins.tools.sandbox import ExecResult, wire
 from trl_plugins.tools.sandbox.remote import RemoteSandbox
 
 pytest.importorskip("uvicorn")  # the server extra (installed by `.[dev]`)
@@ -35,14 +34,31 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "sandbox_service.md"
 TOKEN = "test-token-0123456789abcdef"
 # What the module's server is started with on top of the documented command (argparse: the last value wins).
-TEST_FLAGS = ["--host", "127.0.0.1", "--max-concurrency", "2", "--queue-size", "1", "--max-queue-wait-s", "3",
-              "--max-timeout-s", "10", "--max-request-bytes", "65536", "--log-level", "warning"]
+TEST_FLAGS = [
+    "--host",
+    "127.0.0.1",
+    "--max-concurrency",
+    "2",
+    "--queue-size",
+    "1",
+    "--max-queue-wait-s",
+    "3",
+    "--max-timeout-s",
+    "10",
+    "--max-request-bytes",
+    "65536",
+    "--log-level",
+    "warning",
+]
 
 
 def documented_command() -> list[str]:
     """The one command docs/sandbox_service.md gives to start a server."""
-    lines = [line.strip() for line in DOC.read_text().splitlines()
-             if line.strip().startswith("python -m trl_plugins.tools.sandbox.service ")]
+    lines = [
+        line.strip()
+        for line in DOC.read_text().splitlines()
+        if line.strip().startswith("python -m trl_plugins.tools.sandbox.service ")
+    ]
     assert len(lines) == 1, f"docs/sandbox_service.md should give the start command once, found {lines}"
     argv = shlex.split(lines[0])
     return [sys.executable, *argv[1:]]
@@ -68,12 +84,20 @@ class Server:
         its output (a pipe nobody reads fills and stalls a server that logs much)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        limit = None if open_files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
-                                                                            (open_files, open_files)))
+        limit = (
+            None
+            if open_files is None
+            else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files)))
+        )
         out = subprocess.PIPE if log is None else open(log, "w")
-        self.proc = subprocess.Popen([*documented_command(), *TEST_FLAGS, "--port", str(self.port), *extra],
-                                     env=child_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=limit)
+        self.proc = subprocess.Popen(
+            [*documented_command(), *TEST_FLAGS, "--port", str(self.port), *extra],
+            env=child_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=limit,
+        )
         if log is not None:
             out.close()
         deadline = time.monotonic() + 60
@@ -136,8 +160,13 @@ def test_the_documented_command_is_what_the_module_fixture_ran_and_the_console_s
 
 def test_the_server_refuses_to_start_without_a_token_or_with_a_short_one():
     for token, said in ((None, "no token: set TRL_SANDBOX_TOKEN"), ("short", "at least 16 characters")):
-        proc = subprocess.run([*documented_command(), "--port", str(free_port())], env=child_env(token),
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [*documented_command(), "--port", str(free_port())],
+            env=child_env(token),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode != 0 and said in proc.stderr, proc.stderr
 
 
@@ -214,8 +243,12 @@ def test_oversized_bodies_are_refused_by_length_and_while_reading(server, token_
             yield b"#" * 4096
         yield b'"}'
 
-    response = httpx.post(server.url + "/v1/run", content=chunks(), timeout=15,
-                          headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    response = httpx.post(
+        server.url + "/v1/run",
+        content=chunks(),
+        timeout=15,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
     assert response.status_code == 413 and "content-length" not in response.request.headers
     # Through the tool: code over the server's limit is the model's problem, told to it, not an infra error.
     with remote_tool(server) as tool:
@@ -237,8 +270,10 @@ def test_limits_over_the_caps_are_refused_not_clamped(server, token_env):
 def test_numbers_beyond_floats_deep_nesting_and_lone_surrogates_are_400s_naming_the_field(server):
     # JSON integers are unbounded: 10**400 overflowed math.isfinite (500); 30,000 brackets overflowed the parser's
     # recursion (500); a lone surrogate ran and came back as a 200 whose stderr was a UnicodeEncodeError.
-    for path, base, fields in (("/v1/run", {"code": "1"}, ("timeout_s", "memory_mb", "max_output_chars")),
-                               ("/run_code", {"code": "1", "language": "python"}, ("run_timeout", "memory_limit_MB"))):
+    for path, base, fields in (
+        ("/v1/run", {"code": "1"}, ("timeout_s", "memory_mb", "max_output_chars")),
+        ("/run_code", {"code": "1", "language": "python"}, ("run_timeout", "memory_limit_MB")),
+    ):
         for field in fields:
             response = server.post(path, {**base, field: 10**400})
             assert response.status_code == 400, (path, field, response.text)
@@ -249,11 +284,16 @@ def test_numbers_beyond_floats_deep_nesting_and_lone_surrogates_are_400s_naming_
     assert response.status_code == 400 and response.json()["field"] == "body", response.text
     assert "nests too deeply" in response.json()["error"]
     for path, extra in (("/v1/run", b""), ("/run_code", b', "language": "python"')):
-        response = httpx.post(server.url + path, content=b'{"code": "s = \'\\ud800\'"' + extra + b"}", headers=auth,
-                              timeout=15)
-        assert response.status_code == 400 and response.json() == {"field": "code", "error": (
-            "UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800' in position 5: surrogates not "
-            "allowed")}, response.text
+        response = httpx.post(
+            server.url + path, content=b'{"code": "s = \'\\ud800\'"' + extra + b"}", headers=auth, timeout=15
+        )
+        assert response.status_code == 400 and response.json() == {
+            "field": "code",
+            "error": (
+                "UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800' in position 5: surrogates not "
+                "allowed"
+            ),
+        }, response.text
 
 
 SMUGGLED = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -279,10 +319,12 @@ def test_a_request_framed_two_ways_is_refused_and_its_connection_closed(server):
     body = b'c\r\n{"code":"1"}\r\n0\r\n\r\n'  # 0xc = 12 bytes
     head = b"POST /v1/run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n"
     length = b"Content-Length: %d\r\n" % len(body)
-    variants = {"CL then TE": length + b"Transfer-Encoding: chunked\r\n",
-                "TE then CL": b"Transfer-Encoding: chunked\r\n" + length,
-                "TE by obs-fold": length + b"Transfer-Encoding:\r\n chunked\r\n",
-                "TE after a tab": length + b"Transfer-Encoding:\tchunked\r\n"}
+    variants = {
+        "CL then TE": length + b"Transfer-Encoding: chunked\r\n",
+        "TE then CL": b"Transfer-Encoding: chunked\r\n" + length,
+        "TE by obs-fold": length + b"Transfer-Encoding:\r\n chunked\r\n",
+        "TE after a tab": length + b"Transfer-Encoding:\tchunked\r\n",
+    }
     before = server.health()
     for name, framing in variants.items():
         answer = exchange(server.port, head + framing + b"\r\n" + body + SMUGGLED)
@@ -309,9 +351,11 @@ def test_a_queued_call_whose_client_leaves_never_runs(server):
     client = f"leaver:{os.getpid()}"
     body = b'{"code": "print(1)"}'
     leaver = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    leaver.sendall(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nX-Sandbox-Client: %s\r\n"
-                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                   % (TOKEN.encode(), client.encode(), len(body), body))
+    leaver.sendall(
+        b"POST /v1/run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nX-Sandbox-Client: %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (TOKEN.encode(), client.encode(), len(body), body)
+    )
     while server.health()["queued"] < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.health()["queued"] == 1
@@ -344,8 +388,12 @@ def test_idle_connections_beyond_the_open_files_limit_leave_room_for_a_call(tmp_
         for _ in range(1100):
             idle.append(socket.create_connection(("127.0.0.1", flooded.port), timeout=5))
         t0 = time.monotonic()
-        response = httpx.post(flooded.url + "/v1/run", json={"code": "print(6 * 7)"}, timeout=5,
-                              headers={"Authorization": f"Bearer {TOKEN}"})
+        response = httpx.post(
+            flooded.url + "/v1/run",
+            json={"code": "print(6 * 7)"},
+            timeout=5,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         assert response.status_code == 200 and response.json()["stdout"] == "42\n", response.text
         assert time.monotonic() - t0 < 5
         connections = flooded.health()["connections"]
@@ -364,14 +412,17 @@ def test_idle_and_half_sent_connections_are_closed_after_their_timeouts(tmp_path
     # each of an idle connection, a half-sent head and a half-sent body (authorised: the call waits for it) is closed,
     # against the server's --idle-timeout-s 1 and --read-timeout-s 1; and that the log holds no traceback.
     log = tmp_path / "server.log"
-    quick = Server(["--mode", "cold", "--max-concurrency", "1", "--idle-timeout-s", "1", "--read-timeout-s", "1"],
-                   log=log)
+    quick = Server(
+        ["--mode", "cold", "--max-concurrency", "1", "--idle-timeout-s", "1", "--read-timeout-s", "1"], log=log
+    )
     try:
         opened = [socket.create_connection(("127.0.0.1", quick.port), timeout=6) for _ in range(3)]
         t0 = time.monotonic()
         opened[1].sendall(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Le")
-        opened[2].sendall(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Length: 100"
-                          b"\r\n\r\n{\"code\": " % TOKEN.encode())
+        opened[2].sendall(
+            b"POST /v1/run HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Length: 100"
+            b'\r\n\r\n{"code": ' % TOKEN.encode()
+        )
         closed_after = []
         for s in opened:
             try:
@@ -398,8 +449,11 @@ def test_failed_accepts_are_logged_once_a_minute_with_a_count():
     def record(msg):
         return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, (), (OSError, OSError(24, "EMFILE"), None))
 
-    passed = [gate.filter(r) for r in (record("socket.accept() out of system resource"),) * 1
-              + tuple(record("socket.accept() out of system resource\nsocket: x") for _ in range(500))]
+    passed = [
+        gate.filter(r)
+        for r in (record("socket.accept() out of system resource"),) * 1
+        + tuple(record("socket.accept() out of system resource\nsocket: x") for _ in range(500))
+    ]
     assert passed == [True] + [False] * 500  # one line, then nothing for a minute
     gate.last -= 61
     again = record("socket.accept() out of system resource")
@@ -420,8 +474,10 @@ def test_a_full_queue_answers_503_and_the_client_retries_until_a_slot_frees(serv
     refused = server.post("/v1/run", {"code": "print(1)"})
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     assert "not started" in refused.json()["error"]
-    with RemoteSandbox(server.url, TOKEN, timeout_s=1.0, retries=0) as impatient, \
-            RemoteSandbox(server.url, TOKEN, timeout_s=1.0, retries=6, retry_backoff_s=0.3) as patient:
+    with (
+        RemoteSandbox(server.url, TOKEN, timeout_s=1.0, retries=0) as impatient,
+        RemoteSandbox(server.url, TOKEN, timeout_s=1.0, retries=6, retry_backoff_s=0.3) as patient,
+    ):
         failed = impatient.run("print(1)")
         assert failed.exit_code is None and "busy" in failed.stderr and "gave up after 1 tries" in failed.stderr
         t0 = time.monotonic()
@@ -450,8 +506,9 @@ def test_a_server_killed_mid_call_gives_an_infra_error_never_a_hang(token_env):
         with remote_tool(doomed, timeout_s=8.0, retries=1, retry_backoff_s=0.1) as tool:
             tool.start_up()
             box: list = []
-            call = threading.Thread(target=lambda: box.append(
-                run_async(tool({"code": "import time\ntime.sleep(5)\nprint('finished')"}))))
+            call = threading.Thread(
+                target=lambda: box.append(run_async(tool({"code": "import time\ntime.sleep(5)\nprint('finished')"})))
+            )
             call.start()
             deadline = time.monotonic() + 30  # killed once the call runs (a fixed delay raced a loaded machine)
             while doomed.health()["running"] < 1 and time.monotonic() < deadline:
@@ -497,8 +554,9 @@ def test_sandboxfusion_protocol_round_trips_through_our_run_code(server, token_e
         for name, code in CASES.items():
             f, o = run_async(fusion({"code": code})), run_async(ours({"code": code}))
             assert (f.text, f.ok, f.timed_out, f.infra_error) == (o.text, o.ok, o.timed_out, o.infra_error), name
-    body = server.post("/run_code", {"code": "print('hi')", "language": "python", "run_timeout": 2,
-                                     "memory_limit_MB": -1}).json()
+    body = server.post(
+        "/run_code", {"code": "print('hi')", "language": "python", "run_timeout": 2, "memory_limit_MB": -1}
+    ).json()
     assert body["status"] == "Success" and body["run_result"]["status"] == "Finished"
     assert body["run_result"]["stdout"] == "hi\n" and body["run_result"]["return_code"] == 0
     refused = server.post("/run_code", {"code": "echo hi", "language": "bash"})
@@ -507,8 +565,17 @@ def test_sandboxfusion_protocol_round_trips_through_our_run_code(server, token_e
 
 def test_a_foreign_fleet_s_answer_is_cut_and_labelled_like_ours():
     # A SandboxFusion fleet neither cuts output nor writes our timeout line: the client does both.
-    body = {"status": "Failed", "message": "", "run_result": {"status": "TimeLimitExceeded", "execution_time": 2.0,
-                                                              "return_code": None, "stdout": "a" * 300, "stderr": ""}}
+    body = {
+        "status": "Failed",
+        "message": "",
+        "run_result": {
+            "status": "TimeLimitExceeded",
+            "execution_time": 2.0,
+            "return_code": None,
+            "stdout": "a" * 300,
+            "stderr": "",
+        },
+    }
     r = wire.result_from_sandboxfusion(body, timeout_s=2.0, max_output_chars=256, latency_s=9.9)
     assert r.timed_out and not r.ok and r.exit_code == -9 and r.latency_s == 2.0
     assert r.stdout.endswith("a" * 256) and "44 characters cut" in r.stdout and r.output_truncated  # 300 - 256 = 44
@@ -529,9 +596,16 @@ def test_a_foreign_fleet_s_answer_is_cut_and_labelled_like_ours():
 def test_two_trainer_nodes_share_one_server_and_each_gets_only_its_own_outputs(server):
     n = 6
     script = str(ROOT / "tests" / "sandbox_service_node.py")
-    nodes = {node: subprocess.Popen([sys.executable, script, server.url, node, str(n)], env=child_env(),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in ("node-a", "node-b")}
+    nodes = {
+        node: subprocess.Popen(
+            [sys.executable, script, server.url, node, str(n)],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in ("node-a", "node-b")
+    }
     reports = {}
     for node, proc in nodes.items():
         stdout, stderr = proc.communicate(timeout=90)
@@ -541,8 +615,11 @@ def test_two_trainer_nodes_share_one_server_and_each_gets_only_its_own_outputs(s
         assert [o["text"] for o in report["outputs"]] == [f"{node} {i} {i * i}\n" for i in range(n)]
         assert all(o["ok"] and o["infra_error"] is None for o in report["outputs"])
     stats = httpx.get(server.url + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).json()
-    served = {client: calls for client, calls in stats["clients"].items()
-              if int(client.rsplit(":", 1)[1]) in {r["pid"] for r in reports.values()}}
+    served = {
+        client: calls
+        for client, calls in stats["clients"].items()
+        if int(client.rsplit(":", 1)[1]) in {r["pid"] for r in reports.values()}
+    }
     # n calls + the start-up check, each. The two nodes send 8 at once to a server taking 3 (2 running, 1 queued):
     # the refused ones were resent, and only calls that ran are counted.
     assert sorted(served.values()) == [n + 1, n + 1], stats["clients"]
@@ -589,10 +666,16 @@ def test_a_busy_servers_retry_after_is_honoured_and_resends_are_a_step_metric(mo
     # code interpreter reports the step's resends as sandbox/retries (summed over ranks).
     from trl_plugins.tools.sandbox import remote
 
-    answers = [httpx.Response(503, json={"error": "busy"}, headers={"Retry-After": "2"}),
-               httpx.Response(429, json={"error": "slow down"}, headers={"Retry-After": "not-a-number"}),
-               httpx.Response(200, json=wire.result_to_json(ExecResult(ok=True, stdout="42\n", stderr="", exit_code=0,
-                                                                        timed_out=False, latency_s=0.01), 0.0))]
+    answers = [
+        httpx.Response(503, json={"error": "busy"}, headers={"Retry-After": "2"}),
+        httpx.Response(429, json={"error": "slow down"}, headers={"Retry-After": "not-a-number"}),
+        httpx.Response(
+            200,
+            json=wire.result_to_json(
+                ExecResult(ok=True, stdout="42\n", stderr="", exit_code=0, timed_out=False, latency_s=0.01), 0.0
+            ),
+        ),
+    ]
     waits: list[float] = []
     monkeypatch.setattr(remote.time, "sleep", waits.append)
     tool = CodeInterpreter(backend="remote", url="http://sandbox.invalid:8000", retries=3, retry_backoff_s=0.1)

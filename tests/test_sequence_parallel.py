@@ -15,8 +15,16 @@ from trl_plugins.run.parallelism import check_sequence_parallel, sequence_parall
 def _config(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
-                  per_device_train_batch_size=4, num_generations=2, save_strategy="no")
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        reward_components=["correct"],
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        save_strategy="no",
+    )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
@@ -24,8 +32,15 @@ def _config(tmp_path, **overrides):
 def _qwen2_config(**kw):
     from transformers import Qwen2Config
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=kw.pop("heads", 4), num_key_value_heads=kw.pop("kv", 2), **kw)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=kw.pop("heads", 4),
+        num_key_value_heads=kw.pop("kv", 2),
+        **kw,
+    )
     config._attn_implementation = "sdpa"
     return config
 
@@ -44,11 +59,14 @@ def test_trls_parallelism_config_with_sp_size_sets_sequence_parallel_size_and_is
     assert _config(tmp_path).sequence_parallel_size == 1
 
 
-@pytest.mark.parametrize("given,match", [
-    (dict(tp_size=2), r"parallelism_config sets \{'tp_size': 2\}.*only sequence parallelism"),
-    (dict(cp_size=2), r"parallelism_config sets \{'cp_size': 2\}"),
-    (dict(dp_shard_size=2, sp_size=2), r"parallelism_config sets \{'dp_shard_size': 2\}.*ZeRO-3"),
-])
+@pytest.mark.parametrize(
+    "given,match",
+    [
+        (dict(tp_size=2), r"parallelism_config sets \{'tp_size': 2\}.*only sequence parallelism"),
+        (dict(cp_size=2), r"parallelism_config sets \{'cp_size': 2\}"),
+        (dict(dp_shard_size=2, sp_size=2), r"parallelism_config sets \{'dp_shard_size': 2\}.*ZeRO-3"),
+    ],
+)
 def test_other_parallelism_sizes_are_refused_naming_the_field(tmp_path, given, match):
     from accelerate.parallelism_config import ParallelismConfig
 
@@ -60,8 +78,10 @@ def test_a_fixed_sequence_length_or_an_attention_in_the_sp_handler_is_refused(tm
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
-    for handler in (DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=False, sp_seq_length=128),
-                    DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")):
+    for handler in (
+        DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=False, sp_seq_length=128),
+        DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+    ):
         with pytest.raises(ValueError, match="pads each datum to a multiple of sp_size.*sp_attn_implementation"):
             _config(tmp_path, parallelism_config=ParallelismConfig(sp_size=2, sp_handler=handler))
 
@@ -90,7 +110,9 @@ def test_an_accelerate_configs_parallelism_config_is_taken_over_and_kept_from_th
 
 @pytest.mark.parametrize("value", [0, -2, True, 1.5])
 def test_a_sequence_parallel_size_that_is_not_a_positive_int_is_refused(tmp_path, value):
-    with pytest.raises(ValueError, match=re.escape(f"sequence_parallel_size={value!r} cannot run: it must be a positive")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"sequence_parallel_size={value!r} cannot run: it must be a positive")
+    ):
         _config(tmp_path, sequence_parallel_size=value)
 
 
@@ -118,8 +140,12 @@ def test_every_limit_of_ulysses_is_named_with_what_to_change():
     config = SimpleNamespace(sequence_parallel_size=4, shared_prefix=None)
     good = _qwen2_config(heads=8, kv=2)
     assert sequence_parallel_problems(config, good, world_size=8, deepspeed=True) == []
-    assert sequence_parallel_problems(SimpleNamespace(sequence_parallel_size=1), _qwen2_config(heads=3), world_size=3,
-                                      deepspeed=False) == []  # off: nothing to check
+    assert (
+        sequence_parallel_problems(
+            SimpleNamespace(sequence_parallel_size=1), _qwen2_config(heads=3), world_size=3, deepspeed=False
+        )
+        == []
+    )  # off: nothing to check
     cases = {
         "cannot form groups of 4": dict(world_size=6),
         "under DeepSpeed only": dict(deepspeed=False),
@@ -127,7 +153,8 @@ def test_every_limit_of_ulysses_is_named_with_what_to_change():
         "key/value heads and 4 ranks": dict(model_config=_qwen2_config(heads=12, kv=6)),
         "attention 'eager' needs a full attention mask": dict(attention="eager"),
         "'sliding_attention'] layers need more than causal attention": dict(
-            model_config=_qwen2_config(heads=8, kv=2, use_sliding_window=True, sliding_window=16, max_window_layers=0)),
+            model_config=_qwen2_config(heads=8, kv=2, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+        ),
     }
     for text, given in cases.items():
         kwargs = {**dict(model_config=good, world_size=8, deepspeed=True), **given}
@@ -157,10 +184,9 @@ def test_a_third_party_loss_runs_split_only_when_it_declares_token_local():
 
 
 def _one_datum_micro_batch(n: int, padded_to: int | None = None):
-    from conftest import make_trajectory
-
     import random
 
+    from conftest import make_trajectory
     from trl_plugins.datum import build_datum, collate
 
     rng = random.Random(n)
@@ -180,8 +206,10 @@ def test_the_shards_of_a_datum_put_together_are_the_datum_padded_to_a_multiple_o
     from trl_plugins.trainers.sequence_parallel import SequenceParallel, shard_micro_batch
 
     mb, datum = _one_datum_micro_batch(n)
-    shards = [shard_micro_batch(mb, SequenceParallel(size=size, rank=r, group_index=0, num_groups=1), pad_token_id=0)
-              for r in range(size)]
+    shards = [
+        shard_micro_batch(mb, SequenceParallel(size=size, rank=r, group_index=0, num_groups=1), pad_token_id=0)
+        for r in range(size)
+    ]
     length = -(-n // size)
     assert all(s.input_ids.shape == (1, length) for s in shards)  # every member's shard as long (Ulysses needs it)
     whole = lambda name: torch.cat([getattr(s, name) for s in shards], dim=1)[0]  # noqa: E731
@@ -241,11 +269,25 @@ def test_pinned_ulysses_surface():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     init = inspect.signature(UlyssesSPAttentionHF.__init__).parameters
-    for name in ("attn", "batch_size", "attn_head_count", "attn_head_size", "kv_head_count", "num_hidden_layers",
-                 "process_group", "seq_length_is_variable"):
+    for name in (
+        "attn",
+        "batch_size",
+        "attn_head_count",
+        "attn_head_size",
+        "kv_head_count",
+        "num_hidden_layers",
+        "process_group",
+        "seq_length_is_variable",
+    ):
         assert name in init, name
     assert list(inspect.signature(UlyssesSPAttentionHF.forward).parameters)[:6] == [
-        "self", "module", "query", "key", "value", "attention_mask"]
+        "self",
+        "module",
+        "query",
+        "key",
+        "value",
+        "attention_mask",
+    ]
     forward = inspect.getsource(UlyssesSPAttentionHF.forward)
     # Positions gathered from every shard (the shards' position_ids are the whole row's), the core attention called
     # with the mask it was given (None from our redirect: causal over the gathered row).

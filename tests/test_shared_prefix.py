@@ -19,9 +19,21 @@ import torch
 from conftest import make_trajectory, rel_err
 from trl_plugins.algos import PPOClipLoss
 from trl_plugins.datum import build_datum, collate, shared_prefix_layout
-from trl_plugins.modeling import SharedPrefixUnsupported, check_shared_prefix, micro_batch_logprobs, shared_prefix_outputs
-from trl_plugins.packing import (layout_trees, pack_for_ranks, prefix_lengths, prefix_trees, supports_prefix_trees,
-                                 tree_area, tree_tokens)
+from trl_plugins.modeling import (
+    SharedPrefixUnsupported,
+    check_shared_prefix,
+    micro_batch_logprobs,
+    shared_prefix_outputs,
+)
+from trl_plugins.packing import (
+    layout_trees,
+    pack_for_ranks,
+    prefix_lengths,
+    prefix_trees,
+    supports_prefix_trees,
+    tree_area,
+    tree_tokens,
+)
 from trl_plugins.types import PrefixTree
 
 
@@ -33,24 +45,46 @@ def group_datums(seed: int = 7, groups: int = 3, size: int = 3, extra: int = 1, 
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(5, 24))]
         for _ in range(size):
             traj = make_trajectory(rng, num_turns=rng.randint(1, 3), prompt=prompt, group_id=g, vocab=vocab)
-            out.append(build_datum(traj, advantage=rng.choice([-1, 1]) * rng.uniform(0.2, 1.5), trajectory_index=len(out)))
+            out.append(
+                build_datum(traj, advantage=rng.choice([-1, 1]) * rng.uniform(0.2, 1.5), trajectory_index=len(out))
+            )
     for _ in range(extra):
-        out.append(build_datum(make_trajectory(rng, num_turns=2, vocab=vocab), advantage=0.7, trajectory_index=len(out)))
+        out.append(
+            build_datum(make_trajectory(rng, num_turns=2, vocab=vocab), advantage=0.7, trajectory_index=len(out))
+        )
     return out
 
 
 def _model(arch: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
-    small = dict(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    small = dict(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     attn = "eager" if arch.endswith("eager") else "sdpa"
     if arch.startswith("qwen2_sliding"):  # a window of 6, shorter than every shared prompt
         model = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=6, max_window_layers=0))
     elif arch == "qwen2_hybrid":  # one full-attention layer, one sliding-window layer
-        model = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=6,
-                                             layer_types=["full_attention", "sliding_attention"]))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                **small, use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]
+            )
+        )
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**small))
     elif arch == "mistral_sliding":
@@ -61,8 +95,15 @@ def _model(arch: str):
     return model
 
 
-ARCHS = ["qwen2_eager", "qwen2_sdpa", "qwen2_sliding_sdpa", "qwen2_sliding_eager", "qwen2_hybrid", "llama",
-         "mistral_sliding"]
+ARCHS = [
+    "qwen2_eager",
+    "qwen2_sdpa",
+    "qwen2_sliding_sdpa",
+    "qwen2_sliding_eager",
+    "qwen2_hybrid",
+    "llama",
+    "mistral_sliding",
+]
 
 
 # -- the trees ----------------------------------------------------------------------------------------------------
@@ -84,7 +125,7 @@ def _brute_force_saving(seqs) -> int:
         first, rest = items[0], items[1:]
         for part in partitions(rest):
             for k in range(len(part)):
-                yield part[:k] + [[first] + part[k]] + part[k + 1:]
+                yield part[:k] + [[first] + part[k]] + part[k + 1 :]
             yield [[first]] + part
 
     return max(sum((len(g) - 1) * lcp(g) for g in p if len(g) > 1) for p in partitions(list(range(len(seqs)))))
@@ -185,9 +226,17 @@ def collate_rows(rows, shared_prefix=False):
     """Token rows as datums (every position a loss position), collated."""
     from trl_plugins.types import Datum, TokenSource
 
-    datums = [Datum(input_ids=r[:-1], target_ids=r[1:], behaviour_logprobs=[0.0] * (len(r) - 1),
-                    advantages=[1.0] * (len(r) - 1), action_mask=[1] * (len(r) - 1),
-                    sources=[TokenSource.ACTION] * (len(r) - 1)) for r in rows]
+    datums = [
+        Datum(
+            input_ids=r[:-1],
+            target_ids=r[1:],
+            behaviour_logprobs=[0.0] * (len(r) - 1),
+            advantages=[1.0] * (len(r) - 1),
+            action_mask=[1] * (len(r) - 1),
+            sources=[TokenSource.ACTION] * (len(r) - 1),
+        )
+        for r in rows
+    ]
     return collate(datums, list(range(len(datums))), pad_token_id=0, shared_prefix=shared_prefix)
 
 
@@ -200,7 +249,10 @@ def test_log_probs_entropy_and_gradients_equal_the_padded_layout(arch):
     datums = group_datums()
     idx = list(range(len(datums)))
     padded, shared = collate(datums, idx, pad_token_id=0), collate(datums, idx, pad_token_id=0, shared_prefix=True)
-    assert shared.num_forwarded_tokens < padded.num_forwarded_tokens and shared.num_padded_tokens < padded.num_padded_tokens
+    assert (
+        shared.num_forwarded_tokens < padded.num_forwarded_tokens
+        and shared.num_padded_tokens < padded.num_padded_tokens
+    )
     lp_a, ent_a = micro_batch_logprobs(model, padded, "cpu", temperature=0.7, with_entropy=True)
     lp_b, ent_b = micro_batch_logprobs(model, shared, "cpu", temperature=0.7, with_entropy=True)
     real = padded.attention_mask.bool()
@@ -292,7 +344,9 @@ class _DropsKwarg(torch.nn.Module):
         return self.inner(**kwargs)
 
 
-@pytest.mark.parametrize("dropped,message", [("cache", "kept no key/value states"), ("attention_mask", "away from forwarding")])
+@pytest.mark.parametrize(
+    "dropped,message", [("cache", "kept no key/value states"), ("attention_mask", "away from forwarding")]
+)
 def test_a_model_that_ignores_the_prefix_states_or_positions_is_refused(dropped, message):
     # Negative controls: each breaks the layout, and the check run before the first update says so.
     model = _DropsKwarg(_model("qwen2_sdpa"), dropped)
@@ -304,10 +358,22 @@ def test_a_model_that_ignores_the_prefix_states_or_positions_is_refused(dropped,
 
 
 def _config(**overrides):
-    base = dict(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=3, max_padded_tokens_per_micro_batch=400,
-                rebalance_ranks=False, norm_length=64, temperature=0.9, max_grad_norm=None, drop_zero_advantage=True,
-                padding_free=False, shared_prefix=False, vllm_importance_sampling_mode="token_truncate",
-                vllm_importance_sampling_clip_min=0.8, vllm_importance_sampling_clip_max=1.25)
+    base = dict(
+        aggregation="token_mean",
+        packer="optimal",
+        max_items_per_micro_batch=3,
+        max_padded_tokens_per_micro_batch=400,
+        rebalance_ranks=False,
+        norm_length=64,
+        temperature=0.9,
+        max_grad_norm=None,
+        drop_zero_advantage=True,
+        padding_free=False,
+        shared_prefix=False,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=0.8,
+        vllm_importance_sampling_clip_max=1.25,
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -316,7 +382,9 @@ def _prepared(model, accelerator, lr=0.5):
     return accelerator.prepare(model, optimizer)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+)
 @pytest.mark.parametrize("max_items", [2, 32], ids=["micro-batched", "one-micro-batch"])
 def test_the_update_equals_the_padded_layouts(aggregation, max_items):
     # Reference KL, entropy bonus and importance weights on (the reference and old log-probs taken in each layout by
@@ -346,12 +414,18 @@ def test_the_update_equals_the_padded_layouts(aggregation, max_items):
         mine = copy.deepcopy(datums)
         accelerator = Accelerator(cpu=True)
         model, optimizer = _prepared(copy.deepcopy(base), accelerator)
-        reference_logprobs(accelerator, accelerator.prepare_model(copy.deepcopy(ref_model), evaluation_mode=True), mine,
-                           config, pad_token_id=0)
+        reference_logprobs(
+            accelerator,
+            accelerator.prepare_model(copy.deepcopy(ref_model), evaluation_mode=True),
+            mine,
+            config,
+            pad_token_id=0,
+        )
         old_logprobs(accelerator, model, mine, config, pad_token_id=0)
         filled[shared] = [(d.ref_logprobs, d.old_logprobs) for d in mine]
-        results[shared] = policy_update(accelerator, model, optimizer, mine, PPOClipLoss(kl_coef=0.3, entropy_coef=0.05),
-                                        config, pad_token_id=0)
+        results[shared] = policy_update(
+            accelerator, model, optimizer, mine, PPOClipLoss(kl_coef=0.3, entropy_coef=0.05), config, pad_token_id=0
+        )
         moved[shared] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
     a, b = results[False], results[True]
     for (ref_a, old_a), (ref_b, old_b) in zip(filled[False], filled[True]):
@@ -377,16 +451,21 @@ def test_the_critic_update_equals_the_padded_layouts(tiny_model_factory):
     for shared in (False, True):
         mine = copy.deepcopy(datums)
         accelerator = Accelerator(cpu=True)
-        critic, optimizer = prepare_critic(accelerator, copy.deepcopy(base), learning_rate=0.5, optimizer_cls=torch.optim.SGD)
+        critic, optimizer = prepare_critic(
+            accelerator, copy.deepcopy(base), learning_rate=0.5, optimizer_cls=torch.optim.SGD
+        )
         config = _config(max_items_per_micro_batch=2, shared_prefix=shared)
         rollout_values(accelerator, critic, mine, config, pad_token_id=0)
         values = [list(d.old_values) for d in mine]
         gen = torch.Generator().manual_seed(2)
         for d in mine:  # old values moved off the current ones, so that the value clip binds on some tokens
-            d.returns = [float(x) if m else 0.0 for x, m in zip(torch.randn(d.num_tokens, generator=gen), d.action_mask)]
+            d.returns = [
+                float(x) if m else 0.0 for x, m in zip(torch.randn(d.num_tokens, generator=gen), d.action_mask)
+            ]
             d.old_values = [v + 0.1 * float(e) for v, e in zip(d.old_values, torch.randn(d.num_tokens, generator=gen))]
-        result = value_update(accelerator, critic, optimizer, mine, config, vf_clip=0.05, vf_coef=0.7, max_grad_norm=None,
-                              pad_token_id=0)
+        result = value_update(
+            accelerator, critic, optimizer, mine, config, vf_clip=0.05, vf_coef=0.7, max_grad_norm=None, pad_token_id=0
+        )
         out[shared] = (values, result, torch.cat([p.detach().reshape(-1) for p in critic.parameters()]))
     (values_a, res_a, after_a), (values_b, res_b, after_b) = out[False], out[True]
     assert max(abs(x - y) for va, vb in zip(values_a, values_b) for x, y in zip(va, vb)) < 1e-5
@@ -405,8 +484,9 @@ def test_packers_keep_each_tree_together_within_the_limits(strategy, world_size)
     lengths = [d.num_tokens for d in datums]
     trees = prefix_trees([d.input_ids for d in datums])
     budget = 4 * max(lengths)
-    plan = pack_for_ranks(lengths, strategy=strategy, max_items=5, max_padded_tokens=budget, world_size=world_size,
-                          prefix_trees=trees)
+    plan = pack_for_ranks(
+        lengths, strategy=strategy, max_items=5, max_padded_tokens=budget, world_size=world_size, prefix_trees=trees
+    )
     assert plan.world_size == world_size and len({len(r) for r in plan.ranks}) == 1
     assert sorted(i for r in plan.ranks for mb in r for i in mb) == list(range(len(lengths)))
     home = {i: (r, k) for r, rank in enumerate(plan.ranks) for k, mb in enumerate(rank) for i in mb}
@@ -420,8 +500,12 @@ def test_packers_keep_each_tree_together_within_the_limits(strategy, world_size)
         rows = [datums[i].input_ids for i in mb]
         forwarded, _ = layout_trees([len(r) for r in rows], prefix_trees(rows))
         assert shared_prefix_layout(rows, pad_token_id=0).num_tokens == tree_tokens([len(r) for r in rows], forwarded)
-    computed = sum(shared_prefix_layout([datums[i].input_ids for i in mb], pad_token_id=0).num_tokens
-                   for rank in plan.ranks for mb in rank if mb)
+    computed = sum(
+        shared_prefix_layout([datums[i].input_ids for i in mb], pad_token_id=0).num_tokens
+        for rank in plan.ranks
+        for mb in rank
+        if mb
+    )
     assert computed < sum(lengths)
 
 
@@ -442,8 +526,14 @@ def test_a_packer_that_does_not_declare_prefix_trees_is_called_as_before(isolate
     assert not supports_prefix_trees("test_by_fours")
     datums = group_datums(groups=3, size=4, extra=0)
     trees = prefix_trees([d.input_ids for d in datums])
-    plan = pack_for_ranks([d.num_tokens for d in datums], strategy="test_by_fours", max_items=8,
-                          max_padded_tokens=10_000, world_size=1, prefix_trees=trees)
+    plan = pack_for_ranks(
+        [d.num_tokens for d in datums],
+        strategy="test_by_fours",
+        max_items=8,
+        max_padded_tokens=10_000,
+        world_size=1,
+        prefix_trees=trees,
+    )
     assert calls == [12] and plan.ranks[0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     mb = collate(datums, plan.ranks[0][0], pad_token_id=0, shared_prefix=True)
     assert mb.num_forwarded_tokens < sum(datums[i].num_tokens for i in plan.ranks[0][0])
@@ -455,8 +545,9 @@ def test_the_packer_contract_checks_what_supports_prefix_trees_promises(isolated
     from trl_plugins.contracts import ContractError, check_packer_contract
 
     def by_length(lengths, *, max_items, max_padded_tokens, world_size=1, prefix_trees=None):
-        return pack_for_ranks(lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens,
-                              world_size=world_size)
+        return pack_for_ranks(
+            lengths, strategy="ffd", max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size
+        )
 
     by_length.supports_prefix_trees = True
     with pytest.raises(ContractError, match="fits one micro-batch but was split|shared-prefix area"):
@@ -469,14 +560,28 @@ def test_bad_trees_are_refused_naming_the_problem():
     from trl_plugins.packing import PackingError
 
     with pytest.raises(PackingError, match="partition"):
-        pack_for_ranks([3, 4], strategy="ffd", max_items=4, max_padded_tokens=100, world_size=1,
-                       prefix_trees=[PrefixTree(0, (0,))])
+        pack_for_ranks(
+            [3, 4], strategy="ffd", max_items=4, max_padded_tokens=100, world_size=1, prefix_trees=[PrefixTree(0, (0,))]
+        )
     with pytest.raises(PackingError, match="longer than one of its members"):
-        pack_for_ranks([3, 4], strategy="ffd", max_items=4, max_padded_tokens=100, world_size=1,
-                       prefix_trees=[PrefixTree(4, (0, 1))])
+        pack_for_ranks(
+            [3, 4],
+            strategy="ffd",
+            max_items=4,
+            max_padded_tokens=100,
+            world_size=1,
+            prefix_trees=[PrefixTree(4, (0, 1))],
+        )
     with pytest.raises(PackingError, match="two layouts"):
-        pack_for_ranks([3, 4], strategy="ffd", max_items=4, max_padded_tokens=100, world_size=1, padding_free=True,
-                       prefix_trees=[PrefixTree(0, (0,)), PrefixTree(0, (1,))])
+        pack_for_ranks(
+            [3, 4],
+            strategy="ffd",
+            max_items=4,
+            max_padded_tokens=100,
+            world_size=1,
+            padding_free=True,
+            prefix_trees=[PrefixTree(0, (0,)), PrefixTree(0, (1,))],
+        )
 
 
 # -- the setting ---------------------------------------------------------------------------------------------------
@@ -522,9 +627,11 @@ def test_every_micro_batch_runs_both_forwards_dummies_included():
     calls = []
     model = _model("qwen2_sdpa")
     model.register_forward_hook(lambda *a: calls.append(1))
-    for mb in (dummy_micro_batch(pad_token_id=0, shared_prefix=True),
-               collate(group_datums(), [0, 1, 2], pad_token_id=0, shared_prefix=True),
-               collate(group_datums(), [0, 3, 9], pad_token_id=0, shared_prefix=True)):  # nothing shared
+    for mb in (
+        dummy_micro_batch(pad_token_id=0, shared_prefix=True),
+        collate(group_datums(), [0, 1, 2], pad_token_id=0, shared_prefix=True),
+        collate(group_datums(), [0, 3, 9], pad_token_id=0, shared_prefix=True),
+    ):  # nothing shared
         calls.clear()
         shared_prefix_outputs(model, mb.shared_prefix, "cpu")
         assert len(calls) == 2

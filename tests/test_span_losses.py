@@ -99,7 +99,9 @@ def test_an_advantage_constant_over_each_span_gives_the_span_objective(seed, nor
     torch.testing.assert_close(out.per_token_loss.sum(), ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_out, _grad(ref, logp), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g_out, _token_gradient(logp, behaviour, adv, mask, turns, **kw), rtol=1e-5, atol=1e-7)
-    assert float(g_out[mask == 0].abs().max()) == 0.0 and float(out.per_token_loss.detach()[mask == 0].abs().max()) == 0.0
+    assert (
+        float(g_out[mask == 0].abs().max()) == 0.0 and float(out.per_token_loss.detach()[mask == 0].abs().max()) == 0.0
+    )
     assert 0 < float(out.stats.clipped_low + out.stats.clipped_high) < float(out.stats.num_tokens)  # both branches used
 
 
@@ -133,8 +135,16 @@ def test_a_clipped_span_cuts_the_gradient_of_its_tokens_by_their_own_advantages_
     behaviour = logp.detach() - 0.1
     adv = torch.tensor([[1.0, -1.0, 2.0]])
     mask = torch.ones(1, 3)
-    out = span_ratio_loss(logp, behaviour, adv, mask, torch.zeros(1, 3, dtype=torch.long), normalize=normalize,
-                          clip_low=0.2, clip_high=0.05)
+    out = span_ratio_loss(
+        logp,
+        behaviour,
+        adv,
+        mask,
+        torch.zeros(1, 3, dtype=torch.long),
+        normalize=normalize,
+        clip_low=0.2,
+        clip_high=0.05,
+    )
     r = math.exp(0.1 if normalize else 0.3)
     torch.testing.assert_close(out.per_token_loss.detach(), torch.tensor([[-1.05 / 3, r / 3, -2.1 / 3]]))
     grad = _grad(out.per_token_loss.sum(), logp)
@@ -148,7 +158,9 @@ def test_one_token_turns_give_ppo_clip_exactly():
     logp, behaviour, adv, mask, _ = _batch(5)
     spans = torch.arange(mask.shape[1]).expand_as(mask).clone()
     for normalize in (False, True):
-        ppo = PPOClipLoss()(PolicyLossInput(logprobs=logp, behaviour_logprobs=behaviour, advantages=adv, action_mask=mask))
+        ppo = PPOClipLoss()(
+            PolicyLossInput(logprobs=logp, behaviour_logprobs=behaviour, advantages=adv, action_mask=mask)
+        )
         turn = span_ratio_loss(logp, behaviour, adv, mask, spans, normalize=normalize, clip_low=0.2, clip_high=0.28)
         torch.testing.assert_close(turn.per_token_loss, ppo.per_token_loss)
         g_turn, g_ppo = (torch.autograd.grad(x.per_token_loss.sum(), logp)[0] for x in (turn, ppo))
@@ -161,8 +173,15 @@ def test_gspo_is_the_papers_sequence_objective_under_seq_mean_token_sum():
     behaviour = logp.detach() + 0.0005 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9))
     loss = GSPOLoss()
     out = loss(PolicyLossInput(logprobs=logp, behaviour_logprobs=behaviour, advantages=adv, action_mask=mask))
-    value = aggregate(out.per_token_loss, mask, "seq_mean_token_sum", num_tokens=float(mask.sum()),
-                      num_sequences=float(mask.shape[0]), norm_length=1, dp_size=1)
+    value = aggregate(
+        out.per_token_loss,
+        mask,
+        "seq_mean_token_sum",
+        num_tokens=float(mask.sum()),
+        num_sequences=float(mask.shape[0]),
+        norm_length=1,
+        dp_size=1,
+    )
     terms = []
     for b in range(mask.shape[0]):
         on = mask[b].bool()
@@ -183,8 +202,15 @@ def test_gspo_with_per_token_advantages_is_gspo_token_under_seq_mean_token_sum()
     logp, behaviour, adv, mask, _ = _batch(3)
     behaviour = logp.detach() + 0.002 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9))
     out = GSPOLoss()(PolicyLossInput(logprobs=logp, behaviour_logprobs=behaviour, advantages=adv, action_mask=mask))
-    value = aggregate(out.per_token_loss, mask, "seq_mean_token_sum", num_tokens=float(mask.sum()),
-                      num_sequences=float(mask.shape[0]), norm_length=1, dp_size=1)
+    value = aggregate(
+        out.per_token_loss,
+        mask,
+        "seq_mean_token_sum",
+        num_tokens=float(mask.sum()),
+        num_sequences=float(mask.shape[0]),
+        norm_length=1,
+        dp_size=1,
+    )
     terms = []
     for b in range(mask.shape[0]):
         on = mask[b].bool()
@@ -247,7 +273,7 @@ def test_datums_carry_each_action_tokens_turn_and_micro_batches_collate_them():
     other = build_datum(make_trajectory(rng, num_turns=1, advantage=-1.0))
     mb = collate([d, other], [0, 1], pad_token_id=0)
     assert mb.turn_ids.shape == mb.action_mask.shape
-    assert mb.turn_ids[1, other.num_tokens:].eq(-1).all() and mb.turn_ids[0, : d.num_tokens].tolist() == d.turn_ids
+    assert mb.turn_ids[1, other.num_tokens :].eq(-1).all() and mb.turn_ids[0, : d.num_tokens].tolist() == d.turn_ids
     assert (mb.turn_ids >= 0).eq(mb.action_mask.bool()).all()
     assert dummy_micro_batch(pad_token_id=0).turn_ids.eq(-1).all()
     # A datum built by hand without turn ids: its micro-batch carries none (a loss that needs them refuses it).

@@ -8,12 +8,10 @@ import functools
 
 import pytest
 
+from test_backends import SCHEMA, make_backend
+from trl_plugins.rollout import ChatFormat
 from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
-from trl_plugins.rollout import ChatFormat
-from trl_plugins.types import SamplingSettings
-
-from test_backends import SCHEMA, make_backend
 
 
 def reference_cut(decode, ids, stops):
@@ -49,8 +47,10 @@ def setup():
     tok = build_tokenizer("qwen2_5")
     chat = ChatFormat(tok, [SCHEMA])
     model = build_tiny_model(tok, hidden_size=64, num_layers=2)
-    prompts = [chat.initial_prompt_ids([{"role": "user", "content": "What is 2 + 2?"}]),
-               chat.initial_prompt_ids([{"role": "user", "content": "What is 123 * 456 + 789?"}])]
+    prompts = [
+        chat.initial_prompt_ids([{"role": "user", "content": "What is 2 + 2?"}]),
+        chat.initial_prompt_ids([{"role": "user", "content": "What is 123 * 456 + 789?"}]),
+    ]
     return tok, chat, model, prompts
 
 
@@ -63,7 +63,7 @@ def test_a_backend_ends_the_turn_at_the_stop_with_the_tokens_it_would_have_sampl
         free = be.generate(prompts, [40, 40], seeds=[3, 4])
         # a stop that the free run's first row completes at its 6th token (its text there); none for the second row
         k0 = 5
-        piece = decode(free[0].token_ids[k0 - 1: k0 + 1]).strip() or decode(free[0].token_ids[: k0 + 1])
+        piece = decode(free[0].token_ids[k0 - 1 : k0 + 1]).strip() or decode(free[0].token_ids[: k0 + 1])
         stop = StopStrings((piece,), decode)
         cancelled = []
         if kind == "continuous_batching":  # the manager has no stop strings: the backend must cancel the request
@@ -115,13 +115,18 @@ def test_the_endpoint_cuts_a_turn_at_its_stop_and_the_next_request_continues_the
     seen = []
 
     async def agent(client, row):
-        messages = [{"role": "system", "content": "Answer in Thought/Action/Observation steps."},
-                    {"role": "user", "content": row["prompt"]}]
+        messages = [
+            {"role": "system", "content": "Answer in Thought/Action/Observation steps."},
+            {"role": "user", "content": row["prompt"]},
+        ]
         for _ in range(2):
             reply = await client.chat.completions.create(model="policy", messages=messages, stop=stop)
             choice = reply.choices[0]
             seen.append((choice.message.content, choice.finish_reason))
-            messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "Observation: 12"}]
+            messages += [
+                {"role": "assistant", "content": choice.message.content},
+                {"role": "user", "content": "Observation: 12"},
+            ]
         return 1.0
 
     (traj,) = AgentEndpointRollout(agent=agent)(request(chat, ["add 5 and 7"], backend=smol_policy(chat))).trajectories
@@ -138,7 +143,10 @@ def test_the_endpoint_cuts_a_turn_at_its_stop_and_the_next_request_continues_the
     assert traj.num_segments == 1  # the cut content came back without the end token: the record continues
     assert second.prompt_ids[: len(first.prompt_ids) + k + 1] == first.prompt_ids + first.completion_ids
     # the template's end token, not sampled: glue (prompt_sources covers what the turn appended to the record)
-    assert second.prompt_sources[0] == TokenSource.GLUE and second.prompt_ids[len(first.prompt_ids) + k + 1] in chat.stop_token_ids
+    assert (
+        second.prompt_sources[0] == TokenSource.GLUE
+        and second.prompt_ids[len(first.prompt_ids) + k + 1] in chat.stop_token_ids
+    )
     assert seen[1] == ("The answer is \\boxed{7}.", "stop")
 
 
@@ -153,8 +161,9 @@ def test_stop_is_checked(chat):
 
         for bad in (["a", "b", "c", "d", "e"], [""], [3]):
             try:
-                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                                     stop=bad)
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "hi"}], stop=bad
+                )
             except openai.BadRequestError as exc:
                 errors.append(exc.body["param"])
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], stop="x")
@@ -168,22 +177,33 @@ def test_stop_is_checked(chat):
 def test_tool_choice_other_than_auto_is_served_unforced_counted_and_logged_once(chat, refuse, caplog, monkeypatch):
     import logging
 
-    from test_agent_endpoint import policy, request
-    from trl_plugins.rollout.endpoint import AgentEndpointRollout, agent as agent_module
+    from test_agent_endpoint import request
+    from trl_plugins.rollout.endpoint import AgentEndpointRollout
+    from trl_plugins.rollout.endpoint import agent as agent_module
     from trl_plugins.rollout.metrics import rollout_metrics
 
     monkeypatch.setattr(agent_module, "_UNFORCED_LOGGED", set())
     outcomes = []
-    choices = ["required", "required", "none", {"type": "function", "function": {"name": "code_interpreter"}}, "auto",
-               {"type": "function", "function": {"name": "not_a_tool"}}]
+    choices = [
+        "required",
+        "required",
+        "none",
+        {"type": "function", "function": {"name": "code_interpreter"}},
+        "auto",
+        {"type": "function", "function": {"name": "not_a_tool"}},
+    ]
 
     async def agent(client, row):
         import openai
 
         for choice in choices:
             try:
-                reply = await client.chat.completions.create(model="policy", tools=[SCHEMA], tool_choice=choice,
-                                                             messages=[{"role": "user", "content": row["prompt"]}])
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    tools=[SCHEMA],
+                    tool_choice=choice,
+                    messages=[{"role": "user", "content": row["prompt"]}],
+                )
                 outcomes.append(reply.choices[0].finish_reason)
             except openai.BadRequestError as exc:
                 outcomes.append(exc.body["message"])

@@ -28,7 +28,10 @@ def test_answers_are_right_and_need_a_calculator():
 
 def test_correct_reward_accepts_the_reference_answer():
     row = arithmetic_problems(1, seed=0)[0]
-    traj = Trajectory(turns=[Turn([1], [2], [-0.1], text=f"So it is \\boxed{{{row['answer']}}}.")], stop_reason=StopReason.FINAL_ANSWER)
+    traj = Trajectory(
+        turns=[Turn([1], [2], [-0.1], text=f"So it is \\boxed{{{row['answer']}}}.")],
+        stop_reason=StopReason.FINAL_ANSWER,
+    )
     assert CorrectReward()(traj, row) == 1.0
 
 

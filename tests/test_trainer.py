@@ -44,11 +44,22 @@ def _config(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
     kwargs = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2,
-        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=5e-3,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-        reward_components=["length"], max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2,
-        seed=0, disable_tqdm=True, bf16=False,
+        reward_components=["length"],
+        max_padded_tokens_per_micro_batch=4000,
+        max_items_per_micro_batch=2,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
     )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
@@ -67,7 +78,10 @@ def test_trains_end_to_end_and_writes_metrics_jsonl(tmp_path):
     model = build_tiny_model(tok)
     before = [p.detach().clone() for p in model.parameters()]
     trainer = MultiTurnGRPOTrainer(
-        model, _config(tmp_path), train_dataset=_dataset(), processing_class=tok,
+        model,
+        _config(tmp_path),
+        train_dataset=_dataset(),
+        processing_class=tok,
         reward_components={"length": TokenReward()},
     )
     trainer.train()
@@ -76,10 +90,25 @@ def test_trains_end_to_end_and_writes_metrics_jsonl(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/total" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    for key in ("reward/length", "rollout/turns_mean", "rollout/stop/turn_length", "rollout/degenerate_group_rate",
-                "train/loss_tokens", "train/forward_tokens", "train/padding_efficiency", "train/micro_batches", "memory/peak_rss_mb",
-                "train/behaviour_logprob_gap", "train/ratio_p10", "train/ratio_p50", "train/ratio_p90",
-                "timing/rollout_s", "timing/packing_s", "timing/forward_backward_s", "timing/optimizer_s"):
+    for key in (
+        "reward/length",
+        "rollout/turns_mean",
+        "rollout/stop/turn_length",
+        "rollout/degenerate_group_rate",
+        "train/loss_tokens",
+        "train/forward_tokens",
+        "train/padding_efficiency",
+        "train/micro_batches",
+        "memory/peak_rss_mb",
+        "train/behaviour_logprob_gap",
+        "train/ratio_p10",
+        "train/ratio_p50",
+        "train/ratio_p90",
+        "timing/rollout_s",
+        "timing/packing_s",
+        "timing/forward_backward_s",
+        "timing/optimizer_s",
+    ):
         assert key in steps[0], key
     assert 0 < steps[0]["train/padding_efficiency"] <= 1
     assert steps[0]["rollout/trajectories"] == 4  # 2 questions x group 2 on this rank
@@ -96,12 +125,18 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
     model = build_tiny_model(tok).eval()  # as from_pretrained returns it: the step must still log as "train"
     before = [p.detach().clone() for p in model.parameters()]
     trainer = MultiTurnGRPOTrainer(
-        model, _config(tmp_path), train_dataset=_dataset(), processing_class=tok,
+        model,
+        _config(tmp_path),
+        train_dataset=_dataset(),
+        processing_class=tok,
         reward_components={"length": ConstantReward()},
     )
     # Every step is counted and logged, and a run that trained nothing ends loudly, saying why, after its last step.
-    with pytest.raises(NoPolicyUpdate, match=r"without one policy update: all 2 of its steps.*every group's rewards were "
-                                        r"equal \(all 4 trajectories of the step, all ranks, have advantage 0\)"):
+    with pytest.raises(
+        NoPolicyUpdate,
+        match=r"without one policy update: all 2 of its steps.*every group's rewards were "
+        r"equal \(all 4 trajectories of the step, all ranks, have advantage 0\)",
+    ):
         trainer.train()
     assert trainer.state.global_step == 2 and trainer.policy_updates == 0
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
@@ -128,15 +163,27 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
         (dict(beta=0.1, kl_estimator="k1", policy_loss_kwargs={"kl_estimator": "k2"}), "set only --kl_estimator"),
         # Estimator and weighting whose expected gradient is not KL(policy || reference)'s (tests/test_algos.py).
         (dict(beta=0.1, kl_estimator="k2"), r"biased gradient.*Pass --use_bias_correction_kl false"),
-        (dict(beta=0.1, kl_estimator="k1", use_bias_correction_kl=False), r"zero expected gradient.*Pass --use_bias_correction_kl true"),
+        (
+            dict(beta=0.1, kl_estimator="k1", use_bias_correction_kl=False),
+            r"zero expected gradient.*Pass --use_bias_correction_kl true",
+        ),
         (dict(entropy_coef=0.01, policy_loss_kwargs={"entropy_coef": 0.02}), "disagree"),
         (dict(aggregation="seq_mean_token_sum_norm"), "set norm_length"),
         (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode"),
         (dict(advantage="gae", vf_clip=0.0), "vf_clip > 0"),
-        (dict(rollout_kwargs={"max_turn": 2}), r"rollout_kwargs: rollouts plugin 'multi_turn' takes no 'max_turn'; it accepts \['max_turns',.*Did you mean 'max_turns'\?"),
-        (dict(rollout_kwargs={"max_turns": 0}), r"rollout_kwargs: rollouts plugin 'multi_turn' refused \{'max_turns': 0\}: max_turns must be >= 1"),
+        (
+            dict(rollout_kwargs={"max_turn": 2}),
+            r"rollout_kwargs: rollouts plugin 'multi_turn' takes no 'max_turn'; it accepts \['max_turns',.*Did you mean 'max_turns'\?",
+        ),
+        (
+            dict(rollout_kwargs={"max_turns": 0}),
+            r"rollout_kwargs: rollouts plugin 'multi_turn' refused \{'max_turns': 0\}: max_turns must be >= 1",
+        ),
         (dict(advantage="grpo"), "unknown advantages plugin 'grpo'"),
-        (dict(policy_loss="test_trainer:UndeclaredLoss"), r"policy_loss 'test_trainer:UndeclaredLoss' does not declare needs_ref_logprobs \(a bool\)"),
+        (
+            dict(policy_loss="test_trainer:UndeclaredLoss"),
+            r"policy_loss 'test_trainer:UndeclaredLoss' does not declare needs_ref_logprobs \(a bool\)",
+        ),
         (dict(console_metrics="json"), "console_metrics must be 'compact' or 'full'"),
     ],
 )
@@ -154,11 +201,21 @@ def test_trainer_validation(tmp_path):
 
     tok = build_tokenizer("qwen2_5")
     with pytest.raises(ValueError, match="max_padded_tokens_per_micro_batch to at least 599"):
-        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_padded_tokens_per_micro_batch=100),
-                             train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+        MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path, max_padded_tokens_per_micro_batch=100),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
     with pytest.raises(ValueError, match="lower the rollout budget to 301"):
-        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_context_tokens=300),
-                             train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+        MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path, max_context_tokens=300),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
 
 
 def test_pinned_trl_surface():
@@ -168,7 +225,12 @@ def test_pinned_trl_surface():
     from trl import GRPOTrainer
 
     assert trl.__version__.startswith("1.16.")
-    assert list(inspect.signature(GRPOTrainer.training_step).parameters) == ["self", "model", "inputs", "num_items_in_batch"]
+    assert list(inspect.signature(GRPOTrainer.training_step).parameters) == [
+        "self",
+        "model",
+        "inputs",
+        "num_items_in_batch",
+    ]
     assert list(inspect.signature(GRPOTrainer.log).parameters) == ["self", "logs", "start_time"]
     # Our log writes metrics.jsonl from `logs` after TRL's log has averaged the step's metrics into it.
     assert "logs.update(metrics)" in inspect.getsource(GRPOTrainer.log)
@@ -176,17 +238,36 @@ def test_pinned_trl_surface():
     assert list(inspect.signature(GRPOTrainer._save_checkpoint).parameters) == ["self", "model", "trial"]
     from transformers.trainer_utils import rotate_checkpoints
 
-    assert list(inspect.signature(rotate_checkpoints).parameters)[:4] == ["output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"]
+    assert list(inspect.signature(rotate_checkpoints).parameters)[:4] == [
+        "output_dir",
+        "save_total_limit",
+        "best_model_checkpoint",
+        "use_mtime",
+    ]
     assert "rotate_checkpoints(" in inspect.getsource(Trainer._save_checkpoint)
     assert list(inspect.signature(Trainer.train).parameters)[:2] == ["self", "resume_from_checkpoint"]
     # async_rollouts reads the loader ahead through get_batch_samples: the HF loop takes each step's batches from it,
     # one iterator per epoch (skipped to the resume point before it is made).
-    assert list(inspect.signature(Trainer.get_batch_samples).parameters) == ["self", "epoch_iterator", "num_batches", "device"]
+    assert list(inspect.signature(Trainer.get_batch_samples).parameters) == [
+        "self",
+        "epoch_iterator",
+        "num_batches",
+        "device",
+    ]
     run_epoch = inspect.getsource(Trainer._run_epoch)
     assert "self.get_batch_samples(epoch_iterator, num_batches, self.args.device)" in run_epoch
     assert run_epoch.index("skip_first_batches(") < run_epoch.index("epoch_iterator = iter(train_dataloader)")
     init = inspect.signature(GRPOTrainer.__init__).parameters
-    for name in ("model", "reward_funcs", "args", "train_dataset", "processing_class", "callbacks", "optimizers", "peft_config"):
+    for name in (
+        "model",
+        "reward_funcs",
+        "args",
+        "train_dataset",
+        "processing_class",
+        "callbacks",
+        "optimizers",
+        "peft_config",
+    ):
         assert name in init, name
     # GRPOTrainer.__init__ sets these attributes, which training_step reads.
     src = inspect.getsource(GRPOTrainer.__init__)
@@ -206,11 +287,15 @@ def test_pinned_trl_surface():
     from trl.models.utils import add_hooks, remove_hooks
 
     assert isinstance(DistributedBackend.is_zero3, property)
-    assert list(inspect.signature(add_hooks).parameters) == list(inspect.signature(remove_hooks).parameters) == ["model"]
+    assert (
+        list(inspect.signature(add_hooks).parameters) == list(inspect.signature(remove_hooks).parameters) == ["model"]
+    )
     # The console: HF prints each log through one of these two, which the compact ones replace.
     from transformers import PrinterCallback, ProgressCallback
 
-    assert "PrinterCallback if self.args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK" in inspect.getsource(Trainer.__init__)
+    assert "PrinterCallback if self.args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK" in inspect.getsource(
+        Trainer.__init__
+    )
     assert "self.training_bar.write(" in inspect.getsource(ProgressCallback.on_log) and PrinterCallback.on_log
 
 
@@ -223,7 +308,10 @@ def test_resume_from_checkpoint_reproduces_the_next_step(tmp_path):
 
     def run(out, **overrides):
         trainer = MultiTurnGRPOTrainer(
-            build_tiny_model(tok), _config(out, **overrides), train_dataset=_dataset(8), processing_class=tok,
+            build_tiny_model(tok),
+            _config(out, **overrides),
+            train_dataset=_dataset(8),
+            processing_class=tok,
             reward_components={"length": TokenReward()},
         )
         return trainer
@@ -261,8 +349,13 @@ def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path)
     from trl_plugins.trainers.multi_turn_trainer import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=1),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=1),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
     assert (tmp_path / "checkpoint-2" / COMPLETE_MARKER).is_file()
     assert not (tmp_path / "checkpoint-1").exists()  # rotated out, but only after checkpoint-2 was complete
@@ -271,8 +364,13 @@ def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path)
     (tmp_path / "checkpoint-9" / "model.safetensors").write_text("truncated")
     assert latest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
     with pytest.raises(ValueError, match="has no complete checkpoint"):
-        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path / "empty"), train_dataset=_dataset(),
-                             processing_class=tok, reward_components={"length": TokenReward()}).train(resume_from_checkpoint=True)
+        MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path / "empty"),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        ).train(resume_from_checkpoint=True)
 
 
 def test_exception_saves_an_emergency_checkpoint_then_reraises(tmp_path):
@@ -282,9 +380,16 @@ def test_exception_saves_an_emergency_checkpoint_then_reraises(tmp_path):
     tok = build_tokenizer("qwen2_5")
     # 4 trajectories per step: from the 5th reward call (step 2) on, the verifier fails every time, over
     # max_verifier_error_rate: the run stops with the component's error.
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=3), train_dataset=_dataset(),
-                                   processing_class=tok, reward_components={"length": FailingReward(fail_at_call=5)})
-    with pytest.raises(RuntimeError, match=r"100% of this step's trajectories failed a reward component .*reward server down"):
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, max_steps=3),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": FailingReward(fail_at_call=5)},
+    )
+    with pytest.raises(
+        RuntimeError, match=r"100% of this step's trajectories failed a reward component .*reward server down"
+    ):
         trainer.train()
     assert (tmp_path / "checkpoint-1" / COMPLETE_MARKER).is_file()
 
@@ -310,8 +415,13 @@ def test_trajectories_from_another_tokenizer_are_rejected(tmp_path):
     from trl_plugins.types import TrajectoryError
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, rollout="test_trainer:WrongDigestRollout", rollout_kwargs={}),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, rollout="test_trainer:WrongDigestRollout", rollout_kwargs={}),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     with pytest.raises(TrajectoryError, match="digest 0123456789abcdef, but the trainer's is"):
         trainer.train()
 
@@ -320,10 +430,19 @@ def test_num_iterations_reuses_the_rollout_and_measures_its_age(tmp_path):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, num_iterations=2, max_steps=2),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, num_iterations=2, max_steps=2),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "train/policy_version_lag" in line]
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if "train/policy_version_lag" in line
+    ]
     assert [r["train/policy_version_lag"] for r in records] == [0.0, 1.0]
     assert records[1]["train/reused_rollout"] == 1.0 and "train/reused_rollout" not in records[0]
     # The reused data is one update stale: the ratio moved away from 1.
@@ -340,8 +459,13 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_PROJECT", "trl-plugins-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path / "out", report_to=["wandb"], trajectory_table_steps=1),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path / "out", report_to=["wandb"], trajectory_table_steps=1),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
     wandb.finish()
     # finish() returns once the run is closed; the service process may still hold the record log's
@@ -363,7 +487,12 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
         assert row["prompt"] == f"What is {i} + {i}?" and row["answer"] == str(2 * i)
         assert row["transcript"].startswith("[assistant 1]\n") and row["reward/length"] == pytest.approx(row["reward"])
     turns = sorted(runs[0].parent.glob("files/media/table/trajectory_turns_*.table.json"))
-    assert len(turns) == 2 and json.loads(turns[0].read_text())["columns"][:4] == ["step", "question_id", "sample", "turn"]
+    assert len(turns) == 2 and json.loads(turns[0].read_text())["columns"][:4] == [
+        "step",
+        "question_id",
+        "sample",
+        "turn",
+    ]
 
 
 class _PerRowSeedBackend(BackendBase):
@@ -404,7 +533,10 @@ class BrokenWorldRollout:
 
         result = self.inner(request)
         for traj in result.trajectories:
-            traj.stop_reason, traj.error = StopReason.ENVIRONMENT_ERROR, "ConnectionRefusedError: 404 on /v1/chat/completions"
+            traj.stop_reason, traj.error = (
+                StopReason.ENVIRONMENT_ERROR,
+                "ConnectionRefusedError: 404 on /v1/chat/completions",
+            )
         return result
 
 
@@ -422,7 +554,9 @@ class RankBrokenWorldRollout(BrokenWorldRollout):
         for i, traj in enumerate(result.trajectories):
             if rank == 1:
                 traj.stop_reason = StopReason.ENVIRONMENT_ERROR
-                traj.error = f"the agent failed: NotFoundError: Error code: 404 - no such endpoint '/q{i}/chat/completions'"
+                traj.error = (
+                    f"the agent failed: NotFoundError: Error code: 404 - no such endpoint '/q{i}/chat/completions'"
+                )
             elif i == 0:
                 traj.stop_reason, traj.error = StopReason.ENVIRONMENT_ERROR, "the agent ran past agent_time_limit_s=1.0"
         return result
@@ -450,8 +584,13 @@ def test_truncated_policy_scores_or_masks_truncated_trajectories(tmp_path, polic
     model = build_tiny_model(tok)
     before = [p.detach().clone() for p in model.parameters()]
     # 12 tokens per turn and no tool calls from a random model: every trajectory is cut (turn_length).
-    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, max_steps=1, truncated_policy=policy), train_dataset=_dataset(),
-                                   processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        model,
+        _config(tmp_path, max_steps=1, truncated_policy=policy),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     if policy == "mask":  # every trajectory masked: the run trained nothing, and says so
         from trl_plugins.trainers.resilience import NoPolicyUpdate
 
@@ -461,7 +600,9 @@ def test_truncated_policy_scores_or_masks_truncated_trajectories(tmp_path, polic
         trainer.train()
     trajs = trainer.last_batch.trajectories
     assert trajs and all(t.truncated for t in trajs)
-    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    record = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    )
     changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
     if policy == "mask":
         assert record["train/masked_truncated_frac"] == 1.0 and record["train/datums"] == 0.0
@@ -474,10 +615,18 @@ def test_configured_tools_are_keyed_by_the_name_the_model_calls(tmp_path):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    args = _config(tmp_path, tools=["trl_plugins.tools.code_interpreter:CodeInterpreter"],
-                   tool_kwargs={"trl_plugins.tools.code_interpreter:CodeInterpreter": {"name": "python"}})
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), args, train_dataset=_dataset(), processing_class=tok,
-                                   reward_components={"length": TokenReward()})
+    args = _config(
+        tmp_path,
+        tools=["trl_plugins.tools.code_interpreter:CodeInterpreter"],
+        tool_kwargs={"trl_plugins.tools.code_interpreter:CodeInterpreter": {"name": "python"}},
+    )
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        args,
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     assert list(trainer.run.tools) == ["python"]
     assert [s["function"]["name"] for s in trainer.run.chat.tools] == ["python"]
 
@@ -493,8 +642,13 @@ def _train(tmp_path, name, tok, model, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     out = tmp_path / name
-    trainer = MultiTurnGRPOTrainer(model, _config(out, **overrides), train_dataset=_dataset(), processing_class=tok,
-                                   reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        model,
+        _config(out, **overrides),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
     return trainer, records
@@ -523,15 +677,18 @@ def test_beta_trains_against_a_frozen_reference_in_the_loss(tmp_path):
 def test_kl_in_the_reward_is_a_stored_reward_component(tmp_path):
     tok = build_tokenizer("qwen2_5")
     path = _saved_model(tmp_path, tok)
-    trainer, records = _train(tmp_path, "kl_reward", tok, path, max_steps=2, beta=0.2, kl_penalty="reward",
-                              kl_estimator="k1")
+    trainer, records = _train(
+        tmp_path, "kl_reward", tok, path, max_steps=2, beta=0.2, kl_penalty="reward", kl_estimator="k1"
+    )
     assert "reward/kl_penalty" in records[0]
     assert abs(records[0]["reward/kl_penalty"]) < 1e-4  # step 1: behaviour policy == reference (float noise)
     trajs = trainer.last_batch.trajectories
     comps = [t.reward_component("kl_penalty") for t in trajs]
     assert all(c.weight == 0.2 for c in comps) and any(c.value != 0.0 for c in comps)
-    assert all(abs(t.reward - (t.reward_component("length").value + 0.2 * t.reward_component("kl_penalty").value)) < 1e-9
-               for t in trajs)
+    assert all(
+        abs(t.reward - (t.reward_component("length").value + 0.2 * t.reward_component("kl_penalty").value)) < 1e-9
+        for t in trajs
+    )
 
 
 def test_entropy_bonus_is_trained_and_logged(tmp_path):
@@ -552,10 +709,18 @@ def test_a_plugin_rollouts_bad_trajectory_is_reported_before_it_becomes_a_datum(
     from trl_plugins.types import TrajectoryError
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, rollout="test_evaluation:LyingRollout"),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
-    with pytest.raises(TrajectoryError, match=r"rollout plugin 'test_evaluation:LyingRollout'.*sample 1\), turn 0: "
-                                              r"\d+ completion tokens but \d+ behaviour log-probs"):
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, rollout="test_evaluation:LyingRollout"),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
+    with pytest.raises(
+        TrajectoryError,
+        match=r"rollout plugin 'test_evaluation:LyingRollout'.*sample 1\), turn 0: "
+        r"\d+ completion tokens but \d+ behaviour log-probs",
+    ):
         trainer.train()
 
 
@@ -568,20 +733,32 @@ def test_mask_leaves_truncated_members_out_of_their_group_statistics():
     from trl_plugins.types import StopReason
 
     def compute_advantages(plugins, trajs, masked):  # the batch builder makes one datum per trajectory trained on
-        datums = [SimpleNamespace(trajectory_index=i, action_mask=[0, 1], num_tokens=2, advantages=None)
-                  for i, m in enumerate(masked) if not m]
+        datums = [
+            SimpleNamespace(trajectory_index=i, action_mask=[0, 1], num_tokens=2, advantages=None)
+            for i, m in enumerate(masked)
+            if not m
+        ]
         assign_advantages(as_advantage(plugins.advantage, "group"), trajs, datums)
         for d in datums:
             assert d.advantages == [0.0, trajs[d.trajectory_index].advantage]  # on the action position only
 
     # Group 0: rewards [1, 0, 0.5 (truncated), 0 (truncated)]; group 1: [0.2, 0.2 (truncated)].
     spec = [(0, 1.0, False), (0, 0.0, False), (0, 0.5, True), (0, 0.0, True), (1, 0.2, False), (1, 0.7, True)]
-    trajs = [SimpleNamespace(group_id=g, reward=r, truncated=t, advantage=None, world_failure=False,
-                             stop_reason=StopReason.TURN_LENGTH if t else StopReason.FINAL_ANSWER) for g, r, t in spec]
+    trajs = [
+        SimpleNamespace(
+            group_id=g,
+            reward=r,
+            truncated=t,
+            advantage=None,
+            world_failure=False,
+            stop_reason=StopReason.TURN_LENGTH if t else StopReason.FINAL_ANSWER,
+        )
+        for g, r, t in spec
+    ]
     plugins = SimpleNamespace(advantage=GroupAdvantage())
     masked = training_mask(trajs, mask_truncated=True)
     compute_advantages(plugins, trajs, masked)
-    s = 0.5 / (0.5 ** 0.5)  # group 0 kept: [1, 0] -> mean 0.5, unbiased std sqrt(0.5)
+    s = 0.5 / (0.5**0.5)  # group 0 kept: [1, 0] -> mean 0.5, unbiased std sqrt(0.5)
     got = [t.advantage for t in trajs]
     assert got[2:4] == [0.0, 0.0] and got[5] == 0.0
     assert abs(got[0] - s) < 1e-5 and abs(got[1] + s) < 1e-5
@@ -600,9 +777,13 @@ def test_gae_brings_a_critic_that_warms_up_alone_then_trains_with_the_policy(tmp
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
     initial = [p.detach().clone() for p in model.parameters()]
-    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, advantage="gae", max_steps=1, critic_warmup_steps=1,
-                                                  critic_learning_rate=1e-2),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        model,
+        _config(tmp_path, advantage="gae", max_steps=1, critic_warmup_steps=1, critic_learning_rate=1e-2),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     critic = trainer.accelerator.unwrap_model(trainer._critic)
     # Initialised from the policy: the same backbone weights, a zero head (values start at 0).
     assert torch.equal(critic.model.embed_tokens.weight, model.model.embed_tokens.weight)
@@ -612,10 +793,20 @@ def test_gae_brings_a_critic_that_warms_up_alone_then_trains_with_the_policy(tmp
     # Warm-up step: only the critic learned.
     assert all(torch.equal(a, b.detach()) for a, b in zip(initial, trainer.model.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(before, _critic_params(trainer)))
-    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    record = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    )
     assert record["critic/warmup"] == 1.0 and record["train/update_skipped"] == 1.0
-    for key in ("critic/value_loss", "critic/clip_frac", "critic/explained_variance", "critic/returns_mean",
-                "critic/returns_std", "critic/values_mean", "timing/critic_values_s", "timing/critic_update_s"):
+    for key in (
+        "critic/value_loss",
+        "critic/clip_frac",
+        "critic/explained_variance",
+        "critic/returns_mean",
+        "critic/returns_std",
+        "critic/values_mean",
+        "timing/critic_values_s",
+        "timing/critic_update_s",
+    ):
         assert key in record, key
     assert record["critic/values_mean"] == 0.0  # the zero head
     # Per-token advantages on the datums: whitened over the batch's action tokens.
@@ -637,8 +828,11 @@ def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
 
     def run(out, **overrides):
         return MultiTurnGRPOTrainer(
-            build_tiny_model(tok), _config(out, advantage="gae", critic_learning_rate=1e-2, **overrides),
-            train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()},
+            build_tiny_model(tok),
+            _config(out, advantage="gae", critic_learning_rate=1e-2, **overrides),
+            train_dataset=_dataset(8),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
         )
 
     straight = run(tmp_path / "straight", max_steps=2)
@@ -658,9 +852,13 @@ def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
     one.train()
     assert any(not torch.allclose(a, b) for a, b in zip(_critic_params(straight), _critic_params(one)))
     # A checkpoint without a critic cannot silently start one afresh.
-    plain = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path / "plain", max_steps=1, save_strategy="steps",
-                                                                save_steps=1),
-                                 train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()})
+    plain = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path / "plain", max_steps=1, save_strategy="steps", save_steps=1),
+        train_dataset=_dataset(8),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     plain.train()
     with pytest.raises(FileNotFoundError, match="has no critic/ folder"):
         run(tmp_path / "plain2", max_steps=2).train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))
@@ -675,13 +873,18 @@ def test_with_peft_the_reference_is_the_policy_with_its_adapter_disabled(tmp_pat
     tok = build_tokenizer("qwen2_5")
     base = build_tiny_model(tok)
     trainer = MultiTurnGRPOTrainer(
-        build_tiny_model(tok), _config(tmp_path, beta=0.5, max_steps=2, learning_rate=5e-2),
-        train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()},
+        build_tiny_model(tok),
+        _config(tmp_path, beta=0.5, max_steps=2, learning_rate=5e-2),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
     assert trainer.ref_model is None  # no second copy
     trainer.train()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    records = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    ]
     # init_lora_weights=False: the adapter changes the policy from the start, so the KL to the base is > 0 at step 1.
     assert records[0]["train/kl_k3"] > 0
     datums = [build_datum_for(t, i) for i, t in enumerate(trainer.last_batch.trajectories)]
@@ -708,8 +911,9 @@ def build_datum_for(trajectory, index):
 def test_gae_with_the_kl_in_the_reward_puts_it_on_every_token(tmp_path):
     tok = build_tokenizer("qwen2_5")
     path = _saved_model(tmp_path, tok)
-    trainer, records = _train(tmp_path, "gae_kl", tok, path, max_steps=2, advantage="gae", beta=0.2,
-                              kl_penalty="reward", kl_estimator="k1")
+    trainer, records = _train(
+        tmp_path, "gae_kl", tok, path, max_steps=2, advantage="gae", beta=0.2, kl_penalty="reward", kl_estimator="k1"
+    )
     assert "reward/kl_penalty" in records[-1] and "critic/value_loss" in records[-1]
     # Recorded with weight 0 (it went into GAE per token), so the reward the logs show is the task's.
     trajs = trainer.last_batch.trajectories
@@ -805,12 +1009,23 @@ def test_infrastructure_failures_carry_no_training_signal(tmp_path):
 
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
-        build_tiny_model(tok), _config(tmp_path, max_steps=1, per_device_train_batch_size=8, num_generations=4,
-                                       rollout="test_trainer:ScriptedToolRollout", rollout_kwargs={},
-                                       reward_time_limit_s=0.5, max_verifier_error_rate=0.9, max_environment_error_rate=0.9,
-                                       min_valid_group_fraction=0.5),
-        train_dataset=_dataset(), processing_class=tok,
-        tools={"code_interpreter": FlakyCodeTool()}, reward_components={"length": PickyVerifier()},
+        build_tiny_model(tok),
+        _config(
+            tmp_path,
+            max_steps=1,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            rollout="test_trainer:ScriptedToolRollout",
+            rollout_kwargs={},
+            reward_time_limit_s=0.5,
+            max_verifier_error_rate=0.9,
+            max_environment_error_rate=0.9,
+            min_valid_group_fraction=0.5,
+        ),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        tools={"code_interpreter": FlakyCodeTool()},
+        reward_components={"length": PickyVerifier()},
     )
     trainer.train()  # completes: neither the tool nor the verifier stops the run
     trajs = trainer.last_batch.trajectories
@@ -831,10 +1046,13 @@ def test_infrastructure_failures_carry_no_training_signal(tmp_path):
         if len(valid) < 0.5 * len(members):  # dropped whole
             assert all(t.advantage == 0.0 for t in members)
             continue
-        expected = group_advantages(torch.tensor([t.reward for t in valid], dtype=torch.float64),
-                                    torch.zeros(len(valid), dtype=torch.long)).tolist()
+        expected = group_advantages(
+            torch.tensor([t.reward for t in valid], dtype=torch.float64), torch.zeros(len(valid), dtype=torch.long)
+        ).tolist()
         assert [t.advantage for t in valid] == pytest.approx(expected)
-    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    record = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    )
     n = len(trajs)
     assert record["rollout/stop/environment_error"] == pytest.approx(len(env) / n)
     assert record["rollout/stop/verifier_error"] == pytest.approx(len(ver) / n)
@@ -856,8 +1074,22 @@ def test_a_group_that_lost_too_many_members_is_left_out_whole():
 
     trajs = [t(0), t(0, True), t(0, True), t(0, True), t(1), t(1), t(1, True), t(1, truncated=True)]
     # Group 0 kept 1 of 4 (< 0.5): all out. Group 1 kept 3 of 4: only its failure is out (truncation is the policy's).
-    assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.5) == [True] * 4 + [False, False, True, False]
-    assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.0) == [False, True, True, True, False, False, True, False]
+    assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.5) == [True] * 4 + [
+        False,
+        False,
+        True,
+        False,
+    ]
+    assert training_mask(trajs, mask_truncated=False, min_valid_group_fraction=0.0) == [
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
 
 
 class ClosingTool:
@@ -902,8 +1134,14 @@ def test_the_trainer_closes_its_tools_and_plugins(tmp_path, fails):
 
     tok = build_tokenizer("qwen2_5")
     tool, reward = ClosingTool(), ClosingReward(fail_at_call=5 if fails else None)
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path), train_dataset=_dataset(), processing_class=tok,
-                                   reward_components={"length": reward}, tools={"code_interpreter": tool})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": reward},
+        tools={"code_interpreter": tool},
+    )
     if fails:
         with pytest.raises(RuntimeError, match="reward server down"):
             trainer.train()
@@ -931,9 +1169,15 @@ def test_a_signal_during_the_update_saves_that_step_and_raises(tmp_path):
     tool = ClosingTool()
     # What was there before (Python's default; SIG_IGN where the suite was started in the background by a shell).
     before = signal.getsignal(signal.SIGINT)
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=4), train_dataset=_dataset(),
-                                   processing_class=tok, reward_components={"length": TokenReward()},
-                                   tools={"code_interpreter": tool}, callbacks=[SignalBeforeStep2Optimizer()])
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, max_steps=4),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+        tools={"code_interpreter": tool},
+        callbacks=[SignalBeforeStep2Optimizer()],
+    )
     with pytest.raises(TrainingInterrupted, match=r"SIGINT after step 2; resume with") as info:
         trainer.train()
     assert info.value.exit_code == 130 and info.value.step == 2 and trainer.state.global_step == 2
@@ -947,11 +1191,19 @@ def test_a_tool_declaring_an_unknown_metric_reduction_is_refused_at_start_up(tmp
 
     tok = build_tokenizer("qwen2_5")
     # An unknown reduction would silently become a mean over ranks.
-    with pytest.raises(ValueError, match=r"tool 'echo' step_metric_reductions\(\) returned "
-                                         r"\{'echo/calls': 'median'\}; each value must be one of"):
-        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=1, tools=["echo"]), train_dataset=_dataset(),
-                             processing_class=tok, tools={"echo": _MedianTool()},
-                             reward_components={"length": ConstantReward()})
+    with pytest.raises(
+        ValueError,
+        match=r"tool 'echo' step_metric_reductions\(\) returned "
+        r"\{'echo/calls': 'median'\}; each value must be one of",
+    ):
+        MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path, max_steps=1, tools=["echo"]),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            tools={"echo": _MedianTool()},
+            reward_components={"length": ConstantReward()},
+        )
 
 
 def test_metrics_with_an_unknown_declared_reduction_are_refused():
@@ -960,6 +1212,8 @@ def test_metrics_with_an_unknown_declared_reduction_are_refused():
     assert reduce_rank_metrics([{"a": 1.0}, {"a": 3.0}], {"a": "max"}) == {"a": 3.0}
     with pytest.raises(ValueError, match="declares the reduction 'median'"):
         reduce_rank_metrics([{"a": 1.0}, {"a": 3.0}], {"a": "median"})
+
+
 def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -974,8 +1228,13 @@ def test_resume_from_latest_continues_after_the_checkpoint_and_metrics_have_each
     tok = build_tokenizer("qwen2_5")
 
     def run(**overrides):
-        return MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=3, **overrides),
-                                    train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()})
+        return MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path, max_steps=3, **overrides),
+            train_dataset=_dataset(8),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
 
     run(save_strategy="steps", save_steps=2).train()
     (tmp_path / "checkpoint-3" / COMPLETE_MARKER).unlink()
@@ -1003,16 +1262,24 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_falls_back_only_when_asked(
     tok = build_tokenizer("qwen2_5")
 
     def run(**overrides):
-        return MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=2, **overrides),
-                                    train_dataset=_dataset(8), processing_class=tok, reward_components={"length": TokenReward()})
+        return MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path, max_steps=2, **overrides),
+            train_dataset=_dataset(8),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
 
     run(save_strategy="steps", save_steps=1).train()
     weights = tmp_path / "checkpoint-2" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
     files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     for value in ("latest", str(tmp_path / "checkpoint-2")):
-        with pytest.raises(CheckpointDamaged, match=r"checkpoint-2/model.safetensors: .*truncated.*Nothing was deleted.*"
-                                                    r"checkpoint-1\) instead, add --resume_fallback true"):
+        with pytest.raises(
+            CheckpointDamaged,
+            match=r"checkpoint-2/model.safetensors: .*truncated.*Nothing was deleted.*"
+            r"checkpoint-1\) instead, add --resume_fallback true",
+        ):
             run().train(resume_from_checkpoint=value)
         assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files  # nothing lost or rewritten
     capsys.readouterr()
@@ -1038,13 +1305,22 @@ def test_a_step_prints_one_compact_line_reports_tokens_per_s_and_no_checkpointin
     tok = build_tokenizer("qwen2_5")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path), train_dataset=_dataset(),
-                                       processing_class=tok, reward_components={"length": TokenReward()})
+        trainer = MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
         assert trainer.args.activation_checkpointing  # TRL's default, on: the warnings' trigger is there
         trainer.train()
         assert trainer.model.is_activation_checkpointing  # still on after the rollouts
-    noisy = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)
-             and ("checkpointing" in str(w.message) or "use_reentrant" in str(w.message))]
+    noisy = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, FutureWarning)
+        and ("checkpointing" in str(w.message) or "use_reentrant" in str(w.message))
+    ]
     assert noisy == []
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("step ")]
@@ -1055,19 +1331,35 @@ def test_a_step_prints_one_compact_line_reports_tokens_per_s_and_no_checkpointin
     assert "'rollout/turns_mean'" not in out and "train_runtime" in lines[2]  # not HF's dict of every metric
     steps = [r for r in _records(tmp_path / "metrics.jsonl") if "reward/total" in r]
     for r in steps:  # every metric still in metrics.jsonl; the rates are the record's tokens over its seconds
-        assert r["rollout/generated_tokens_per_s"] == pytest.approx(r["rollout/action_tokens"] / r["timing/generation_s"])
-        assert r["train/forward_tokens_per_s"] == pytest.approx(r["train/forward_tokens"] / r["timing/forward_backward_s"])
+        assert r["rollout/generated_tokens_per_s"] == pytest.approx(
+            r["rollout/action_tokens"] / r["timing/generation_s"]
+        )
+        assert r["train/forward_tokens_per_s"] == pytest.approx(
+            r["train/forward_tokens"] / r["timing/forward_backward_s"]
+        )
         assert r["rollout/action_tokens"] == pytest.approx(r["rollout/action_tokens_mean"] * r["rollout/trajectories"])
         assert r["memory/peak_rss_mb"] > 0 and "rollout/turns_mean" in r
     # The console is a setting: 'full' keeps HF's printer (under tqdm, the progress bar's).
     kinds = {}
     for console, tqdm_off in (("full", True), ("full", False), ("compact", False)):
-        t = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, console_metrics=console, disable_tqdm=tqdm_off),
-                                 train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+        t = MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path, console_metrics=console, disable_tqdm=tqdm_off),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
         kinds[console, tqdm_off] = {type(cb) for cb in t.callback_handler.callbacks} & {
-            PrinterCallback, ProgressCallback, CompactPrinterCallback, CompactProgressCallback}
-    assert kinds == {("full", True): {PrinterCallback}, ("full", False): {ProgressCallback},
-                     ("compact", False): {CompactProgressCallback}}
+            PrinterCallback,
+            ProgressCallback,
+            CompactPrinterCallback,
+            CompactProgressCallback,
+        }
+    assert kinds == {
+        ("full", True): {PrinterCallback},
+        ("full", False): {ProgressCallback},
+        ("compact", False): {CompactProgressCallback},
+    }
     assert {type(cb) for cb in trainer.callback_handler.callbacks} >= {CompactPrinterCallback}
 
 
@@ -1077,8 +1369,13 @@ def test_rollouts_leave_the_activation_checkpointing_settings_alone(tmp_path):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=1, activation_checkpointing_kwargs={"every_n_layers": 2}),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, max_steps=1, activation_checkpointing_kwargs={"every_n_layers": 2}),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     trainer.train()
     layers = trainer.accelerator.unwrap_model(trainer.model).model.layers
     assert len(layers) == 2 and [layer.gradient_checkpointing for layer in layers] == [True, False]
@@ -1092,8 +1389,13 @@ def test_reward_names_include_the_kl_penalty_when_the_kl_is_a_reward(tmp_path):
     path = _saved_model(tmp_path, tok)  # TRL builds the reference model from a path
 
     def names(**overrides):
-        return MultiTurnGRPOTrainer(path, _config(tmp_path, max_steps=1, **overrides), train_dataset=_dataset(),
-                                    processing_class=tok, reward_components={"length": TokenReward()}).reward_names()
+        return MultiTurnGRPOTrainer(
+            path,
+            _config(tmp_path, max_steps=1, **overrides),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        ).reward_names()
 
     assert names() == ["length"]
     assert names(beta=0.1, kl_penalty="reward") == ["length", "kl_penalty"]
@@ -1115,9 +1417,19 @@ def test_critic_value_pass_fits_the_micro_batch_budget_the_start_up_check_allows
     def train(policy, max_padded):
         out = tmp_path / f"{policy}-{max_padded}"
         trainer = MultiTurnGRPOTrainer(
-            build_tiny_model(tok), _config(out, max_steps=1, advantage="gae", truncated_policy=policy, rollout_kwargs=rollout,
-                                           max_padded_tokens_per_micro_batch=max_padded),
-            train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+            build_tiny_model(tok),
+            _config(
+                out,
+                max_steps=1,
+                advantage="gae",
+                truncated_policy=policy,
+                rollout_kwargs=rollout,
+                max_padded_tokens_per_micro_batch=max_padded,
+            ),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
         trainer.train()
         return trainer
 
@@ -1137,8 +1449,13 @@ def test_truncated_policy_bootstrap_needs_a_critic(tmp_path):
 
     tok = build_tokenizer("qwen2_5")
     with pytest.raises(ValueError, match=r"truncated_policy='bootstrap'.*runs no critic; use --advantage gae"):
-        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, truncated_policy="bootstrap"), train_dataset=_dataset(),
-                             processing_class=tok, reward_components={"length": TokenReward()})
+        MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            _config(tmp_path, truncated_policy="bootstrap"),
+            train_dataset=_dataset(),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
 
 
 def test_dropout_in_the_base_model_is_refused_or_removed_whole(tmp_path):
@@ -1158,20 +1475,38 @@ def test_dropout_in_the_base_model_is_refused_or_removed_whole(tmp_path):
     model.save_pretrained(path)
     for source in (model, str(path)):  # an instance, or a path (checked from its config, before it loads)
         with pytest.raises(ValueError, match=r"attention_dropout=0\.1.*Pass --disable_dropout true"):
-            MultiTurnGRPOTrainer(source, _config(tmp_path), train_dataset=_dataset(), processing_class=tok,
-                                 reward_components={"length": TokenReward()})
+            MultiTurnGRPOTrainer(
+                source,
+                _config(tmp_path),
+                train_dataset=_dataset(),
+                processing_class=tok,
+                reward_components={"length": TokenReward()},
+            )
     model = AutoModelForCausalLM.from_pretrained(path)  # TRL loads the reference (beta > 0) from its path
-    trainer = MultiTurnGRPOTrainer(model, _config(tmp_path, max_steps=1, disable_dropout=True, beta=0.1),
-                                   train_dataset=_dataset(), processing_class=tok, reward_components={"length": TokenReward()})
+    trainer = MultiTurnGRPOTrainer(
+        model,
+        _config(tmp_path, max_steps=1, disable_dropout=True, beta=0.1),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
     assert dropout_probabilities(trainer.model) == {} and dropout_probabilities(trainer.ref_model) == {}
     trainer.train()
-    record = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line)
+    record = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    )
     # HF generate on the training model: one update on exactly on-policy data, ratios 1 up to float noise.
     assert abs(record["train/ratio_max"] - 1.0) < 1e-4 and abs(record["train/ratio_min"] - 1.0) < 1e-4
 
 
-@pytest.mark.parametrize("loss,kwargs", [("gspo", {}), ("turn_ppo", {}), ("turn_ppo", {"normalize": True}),
-                                         ])
+@pytest.mark.parametrize(
+    "loss,kwargs",
+    [
+        ("gspo", {}),
+        ("turn_ppo", {}),
+        ("turn_ppo", {"normalize": True}),
+    ],
+)
 def test_span_ratio_losses_train_end_to_end_with_the_contracts_turn_ids(tmp_path, loss, kwargs, monkeypatch):
     # The turn ids reach the loss through the real path (datum -> micro-batch -> PolicyLossInput), and the loss
     # sees exactly the datum's turns: spy on what it receives.
@@ -1188,8 +1523,16 @@ def test_span_ratio_losses_train_end_to_end_with_the_contracts_turn_ids(tmp_path
         return real(logprobs, behaviour, advantages, action_mask, span_ids, **kw)
 
     monkeypatch.setattr(span_losses, "span_ratio_loss", spy)
-    trainer, records = _train(tmp_path, loss, tok, model, policy_loss=loss, policy_loss_kwargs=kwargs, max_steps=1,
-                              rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600})
+    trainer, records = _train(
+        tmp_path,
+        loss,
+        tok,
+        model,
+        policy_loss=loss,
+        policy_loss_kwargs=kwargs,
+        max_steps=1,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
+    )
     assert trainer.state.global_step == 1 and seen
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
     for mask, spans in seen:
@@ -1200,8 +1543,9 @@ def test_turn_level_credit_trains_end_to_end(tmp_path):
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
     before = [p.detach().clone() for p in model.parameters()]
-    trainer, records = _train(tmp_path, "turn_group", tok, model, advantage="turn_group",
-                              advantage_kwargs={"step_weight": 0.5}, max_steps=1)
+    trainer, records = _train(
+        tmp_path, "turn_group", tok, model, advantage="turn_group", advantage_kwargs={"step_weight": 0.5}, max_steps=1
+    )
     assert trainer.state.global_step == 1 and len(records) == 1
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
@@ -1211,9 +1555,13 @@ def test_skipped_steps_in_a_row_stop_the_run_at_max_steps_without_update(tmp_pat
     from trl_plugins.trainers.resilience import NoPolicyUpdate
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=4, max_steps_without_update=2),
-                                   train_dataset=_dataset(), processing_class=tok,
-                                   reward_components={"length": ConstantReward()})
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, max_steps=4, max_steps_without_update=2),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": ConstantReward()},
+    )
     with pytest.raises(NoPolicyUpdate, match=r"2 steps in a row made no policy update \(max_steps_without_update=2\)"):
         trainer.train()
     assert trainer.state.global_step == 1  # step 2 raised: the HF loop counts a step after it returns
@@ -1225,12 +1573,19 @@ def test_a_run_whose_every_trajectory_is_an_environment_error_stops_naming_the_e
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path, max_steps=2, rollout="test_trainer:BrokenWorldRollout"),
-                                   train_dataset=_dataset(), processing_class=tok,
-                                   reward_components={"length": ConstantReward()})
-    with pytest.raises(RuntimeError, match=r"100% of this step's trajectories .* ended environment_error, over "
-                                           r"max_environment_error_rate=0.5.*Most common error \(4 of 4\): ConnectionRefusedError: 404"
-                                           r".*Likely cause: the agent could not reach the endpoint: use the base_url"):
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        _config(tmp_path, max_steps=2, rollout="test_trainer:BrokenWorldRollout"),
+        train_dataset=_dataset(),
+        processing_class=tok,
+        reward_components={"length": ConstantReward()},
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"100% of this step's trajectories .* ended environment_error, over "
+        r"max_environment_error_rate=0.5.*Most common error \(4 of 4\): ConnectionRefusedError: 404"
+        r".*Likely cause: the agent could not reach the endpoint: use the base_url",
+    ):
         trainer.train()
     assert trainer.state.global_step == 0
 
@@ -1239,19 +1594,17 @@ def test_a_run_whose_every_trajectory_is_an_environment_error_stops_naming_the_e
 def test_the_environment_error_rate_leaves_cancelled_trajectories_out(tmp_path, broken, cancelled, stops):
     # 4 trajectories: `broken` end environment_error, `cancelled` are cancelled (in neither count), the rest are fine.
     # 2 of 4 is at the limit 0.5 (passes, the negative control); 2 of 3 live ones is over it.
+    import random
     from types import SimpleNamespace
 
-    from trl_plugins.trainers.phases import StepRunner
-
-    import random
-
     from trl_plugins.contracts import make_trajectory
+    from trl_plugins.trainers.phases import StepRunner
     from trl_plugins.types import StopReason
 
     trajs = [make_trajectory(random.Random(i), num_turns=1, group_id=i // 2, sample_index=i % 2) for i in range(4)]
     for t in trajs[:broken]:
         t.stop_reason, t.error = StopReason.ENVIRONMENT_ERROR, "agent failed: boom"
-    for t in trajs[broken:broken + cancelled]:
+    for t in trajs[broken : broken + cancelled]:
         t.stop_reason = StopReason.CANCELLED
     runner = StepRunner.__new__(StepRunner)
     runner.run = SimpleNamespace(rewards=[])

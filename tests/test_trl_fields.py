@@ -99,8 +99,16 @@ EXTRA: dict[str, dict] = {}
 def _config(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    kwargs = dict(output_dir=str(tmp_path), reward_components=["correct"], use_cpu=True, bf16=False, report_to=[],
-                  per_device_train_batch_size=4, num_generations=2, save_strategy="no")
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        reward_components=["correct"],
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        save_strategy="no",
+    )
     kwargs.update(overrides)
     return MultiTurnGRPOConfig(**kwargs)
 
@@ -155,8 +163,11 @@ def test_a_colocate_only_vllm_setting_is_refused_in_server_mode_saying_what_to_d
     default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}[name]
     assert value != default  # TRL 1.16: 0.3, None, "vllm", False
     server = dict(use_vllm=True, vllm_mode="server")
-    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}") + ".*vllm_mode='server', where it would do "
-                                         "nothing: " + re.escape(instead) + r", or use vllm_mode='colocate'\."):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{name}={value!r}") + ".*vllm_mode='server', where it would do "
+        "nothing: " + re.escape(instead) + r", or use vllm_mode='colocate'\.",
+    ):
         _config(tmp_path, **server, **{name: value})
     # At TRL's default the field is not set: server mode accepts it, given or not.
     assert getattr(_config(tmp_path, **server, **{name: default}), name) == default
@@ -169,13 +180,22 @@ def test_a_vllm_setting_of_the_other_mode_is_refused(tmp_path):
     # Colocate-only settings do nothing against a server (it has its own flags), and server-only ones nothing in
     # colocate mode: refused, not silently inert. In their own mode they are accepted.
     on = dict(use_vllm=True)
-    for name, value in [("vllm_gpu_memory_utilization", 0.5), ("vllm_enable_sleep_mode", True), ("vllm_model_impl", "transformers"),
-                        ("vllm_max_model_length", 8192)]:
+    for name, value in [
+        ("vllm_gpu_memory_utilization", 0.5),
+        ("vllm_enable_sleep_mode", True),
+        ("vllm_model_impl", "transformers"),
+        ("vllm_max_model_length", 8192),
+    ]:
         assert getattr(_config(tmp_path, **on, vllm_mode="colocate", **{name: value}), name) == value
         with pytest.raises(ValueError, match=f"{name}=.*vllm_mode='server', where it would do nothing"):
             _config(tmp_path, **on, vllm_mode="server", **{name: value})
-    for name, value in [("vllm_server_port", 8001), ("vllm_server_base_url", "http://h:1"), ("vllm_group_port", 51217),
-                        ("vllm_server_host", "10.0.0.2"), ("vllm_server_timeout", 60.0)]:
+    for name, value in [
+        ("vllm_server_port", 8001),
+        ("vllm_server_base_url", "http://h:1"),
+        ("vllm_group_port", 51217),
+        ("vllm_server_host", "10.0.0.2"),
+        ("vllm_server_timeout", 60.0),
+    ]:
         assert getattr(_config(tmp_path, **on, vllm_mode="server", **{name: value}), name) == value
         with pytest.raises(ValueError, match=f"{name}=.*vllm_mode='colocate', where it would do nothing"):
             _config(tmp_path, **on, vllm_mode="colocate", **{name: value})
@@ -211,12 +231,24 @@ def test_clip_bounds_map_to_the_policy_loss(tmp_path):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (dict(epsilon=0.1, policy_loss_kwargs={"clip_low": 0.3}), r"epsilon=0.1 means policy_loss_kwargs\['clip_low'\]=0.1"),
+        (
+            dict(epsilon=0.1, policy_loss_kwargs={"clip_low": 0.3}),
+            r"epsilon=0.1 means policy_loss_kwargs\['clip_low'\]=0.1",
+        ),
         (dict(epsilon_high=0.4, policy_loss_kwargs={"clip_high": 0.28}), "set only one of them"),
         (dict(delta=2.0, policy_loss_kwargs={"dual_clip": 3.0}), "set only one of them"),
-        (dict(loss_type="grpo", aggregation="seq_mean_token_sum"), "aggregation='seq_mean_token_mean', but aggregation="),
-        (dict(loss_type="dr_grpo", max_completion_length=256, norm_length=100.0), "norm_length=256.0, but norm_length=100.0"),
-        (dict(scale_rewards="none", advantage_kwargs={"scale_by_std": True}), r"advantage_kwargs\['scale_by_std'\]=False"),
+        (
+            dict(loss_type="grpo", aggregation="seq_mean_token_sum"),
+            "aggregation='seq_mean_token_mean', but aggregation=",
+        ),
+        (
+            dict(loss_type="dr_grpo", max_completion_length=256, norm_length=100.0),
+            "norm_length=256.0, but norm_length=100.0",
+        ),
+        (
+            dict(scale_rewards="none", advantage_kwargs={"scale_by_std": True}),
+            r"advantage_kwargs\['scale_by_std'\]=False",
+        ),
         # The selected plugin does not take the kwarg: say which plugin and what it takes.
         (dict(scale_rewards="none", advantage="rloo"), r"advantage 'rloo' takes no scale_by_std \(it takes \[\]\)"),
         (dict(scale_rewards="batch"), "scale_rewards='batch'"),
@@ -243,7 +275,8 @@ def test_a_delta_at_or_below_the_upper_clip_bound_is_refused_by_the_loss_it_maps
 
 
 @pytest.mark.parametrize(
-    "loss_type,aggregation", [("grpo", "seq_mean_token_mean"), ("dr_grpo", "seq_mean_token_sum_norm"), ("luspo", "seq_mean_token_sum")]
+    "loss_type,aggregation",
+    [("grpo", "seq_mean_token_mean"), ("dr_grpo", "seq_mean_token_sum_norm"), ("luspo", "seq_mean_token_sum")],
 )
 def test_loss_type_sets_the_aggregation(tmp_path, loss_type, aggregation):
     config = _config(tmp_path, loss_type=loss_type)
@@ -287,8 +320,11 @@ def test_the_rollouts_calls_per_turn_reach_the_runs_chat_format_and_a_template_t
     assert run.rollout.tool_calls_per_turn == 3
     assert run.bind_tokenizer(build_tokenizer("qwen2_5")).calls_per_turn == 3
     # Llama 3.1's template raises on a turn with two calls: refused when the run is set up, saying what to do.
-    with pytest.raises(ChatTemplateError, match=r"cannot follow a turn with 3 calls token for token.*"
-                                                r"Set rollout_kwargs max_tool_calls_per_turn: 1"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"cannot follow a turn with 3 calls token for token.*"
+        r"Set rollout_kwargs max_tool_calls_per_turn: 1",
+    ):
         resolve_run(config).bind_tokenizer(build_tokenizer("llama3_1"))
     # The default runs one call per turn, and every template that renders tool turns exactly is accepted.
     assert resolve_run(_config(tmp_path)).bind_tokenizer(build_tokenizer("llama3_1")).calls_per_turn == 1
@@ -296,10 +332,12 @@ def test_the_rollouts_calls_per_turn_reach_the_runs_chat_format_and_a_template_t
 
 def test_chat_template_kwargs_and_stop_tokens_reach_the_runs_chat_format(tmp_path):
     from trl_plugins.rollout import ChatTemplateError
-    from trl_plugins.tiny import build_tokenizer
     from trl_plugins.run import resolve_run
+    from trl_plugins.tiny import build_tokenizer
 
-    config = _config(tmp_path, chat_template_kwargs='{"enable_thinking": false}', stop_tokens=["<|im_end|>", "<|endoftext|>"])
+    config = _config(
+        tmp_path, chat_template_kwargs='{"enable_thinking": false}', stop_tokens=["<|im_end|>", "<|endoftext|>"]
+    )
     assert config.chat_template_kwargs == {"enable_thinking": False}
     tok = build_tokenizer("qwen3_training")
     chat = resolve_run(config).bind_tokenizer(tok)

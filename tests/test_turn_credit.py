@@ -56,10 +56,12 @@ def _batch(seed: int):
         pos, k = 2, 0
         while pos < width - 3 and k < 3:
             length = int(torch.randint(1, 4, (1,), generator=g))
-            mask[r, pos:pos + length] = 1
-            turns[r, pos:pos + length] = k
+            mask[r, pos : pos + length] = 1
+            turns[r, pos : pos + length] = k
             # First turns share the prompt; later ones share a state with probability 1/2 within their group.
-            states[r, pos:pos + length] = 100 * int(groups[r]) + (0 if k == 0 else 10 * k + int(torch.randint(0, 2, (1,), generator=g)))
+            states[r, pos : pos + length] = 100 * int(groups[r]) + (
+                0 if k == 0 else 10 * k + int(torch.randint(0, 2, (1,), generator=g))
+            )
             pos, k = pos + length + 2, k + 1
     return rewards, groups, mask, turns, states
 
@@ -69,8 +71,9 @@ def _batch(seed: int):
 def test_turn_group_is_the_step_group_formula_written_out(seed, step_weight, scale):
     rewards, groups, mask, turns, states = _batch(seed)
     got = turn_group_advantages(rewards, groups, mask, turns, states, step_weight=step_weight, scale_by_std=scale)
-    torch.testing.assert_close(got, _reference(rewards, groups, mask, turns, states, step_weight=step_weight,
-                                               scale_by_std=scale))
+    torch.testing.assert_close(
+        got, _reference(rewards, groups, mask, turns, states, step_weight=step_weight, scale_by_std=scale)
+    )
 
 
 def test_a_small_example_by_hand():
@@ -80,26 +83,37 @@ def test_a_small_example_by_hand():
     mask = torch.tensor([[1, 0, 1]] * 4, dtype=torch.float64)
     turns = torch.tensor([[0, -1, 1]] * 4)
     states = torch.tensor([[0, -1, 1], [0, -1, 1], [0, -1, 2], [0, -1, 3]])
-    adv = turn_group_advantages(rewards, torch.zeros(4, dtype=torch.long), mask, turns, states, step_weight=1.0,
-                                scale_by_std=False)
+    adv = turn_group_advantages(
+        rewards, torch.zeros(4, dtype=torch.long), mask, turns, states, step_weight=1.0, scale_by_std=False
+    )
     episode = [0.5, -0.5, 0.5, -0.5]
     assert adv[:, 0].tolist() == [2 * e for e in episode]  # the first turn's step group is the episode's group
     assert adv[:, 2].tolist() == [0.5 + 0.5, -0.5 - 0.5, 0.5, -0.5]  # 0 and 1 compared; 2 and 3 alone
     assert adv[:, 1].tolist() == [0.0] * 4
     # step_weight 0: the group advantage on every action token.
-    plain = turn_group_advantages(rewards, torch.zeros(4, dtype=torch.long), mask, turns, states, step_weight=0.0,
-                                  scale_by_std=False)
+    plain = turn_group_advantages(
+        rewards, torch.zeros(4, dtype=torch.long), mask, turns, states, step_weight=0.0, scale_by_std=False
+    )
     assert plain[:, 0].tolist() == episode and plain[:, 2].tolist() == episode
 
 
 def test_state_ids_are_equal_exactly_for_equal_prefixes_before_the_turn():
     def traj(first: list[int], obs: list[int], second: list[int]) -> Trajectory:
         prompt = [5, 6, 7]
-        return Trajectory(turns=[Turn(prompt, first, [-0.1] * len(first)),
-                                 Turn(prompt + first + obs, second, [-0.2] * len(second))], advantage=0.0)
+        return Trajectory(
+            turns=[Turn(prompt, first, [-0.1] * len(first)), Turn(prompt + first + obs, second, [-0.2] * len(second))],
+            advantage=0.0,
+        )
 
-    datums = [build_datum(t) for t in (traj([10, 11], [3, 4], [20]), traj([10, 11], [3, 4], [21, 22]),
-                                       traj([10, 12], [3, 4], [20]), traj([10, 11], [3, 9], [20]))]
+    datums = [
+        build_datum(t)
+        for t in (
+            traj([10, 11], [3, 4], [20]),
+            traj([10, 11], [3, 4], [21, 22]),
+            traj([10, 12], [3, 4], [20]),
+            traj([10, 11], [3, 9], [20]),
+        )
+    ]
     width = max(d.num_tokens for d in datums)
     turns, states = turn_tensors(datums, width)
     first = [int(states[r][turns[r] == 0][0]) for r in range(4)]
@@ -136,13 +150,16 @@ def test_groups_held_by_different_ranks_get_the_advantages_of_one_batch():
 def test_the_update_it_feeds_is_exact_across_packings_and_ranks(tiny_model_factory):
     # Per-token turn-level advantages through the gradient-equivalence machinery: any packing, two ranks.
     from test_gradient_equivalence import PAD, _ddp, _packings, accumulate  # noqa: F401 - the suite's own helpers
-
-    from trl_plugins.datum import collate
     from trl_plugins import modeling
+    from trl_plugins.datum import collate
 
     model = tiny_model_factory(torch.float32)
     rng = random.Random(77)
-    trajs = [make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=g, sample_index=s) for g in range(4) for s in range(4)]
+    trajs = [
+        make_trajectory(rng, num_turns=rng.randint(1, 4), group_id=g, sample_index=s)
+        for g in range(4)
+        for s in range(4)
+    ]
     rewards = torch.tensor([float(rng.random() < 0.5) for _ in trajs], dtype=torch.float64)
     datums = [build_datum(t, trajectory_index=i, advantage=0.0) for i, t in enumerate(trajs)]
     width = max(d.num_tokens for d in datums)

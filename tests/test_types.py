@@ -9,6 +9,7 @@ import random
 import pytest
 
 from conftest import make_trajectory
+from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.types import (
     PolicyVersion,
     RewardComponent,
@@ -19,7 +20,6 @@ from trl_plugins.types import (
     TrajectoryError,
     Turn,
 )
-from trl_plugins.rollout.validate import validate_trajectory
 
 TERMINATED = {StopReason.FINAL_ANSWER, StopReason.NO_TOOL_CALL, StopReason.INVALID_ACTION}
 TRUNCATED = {StopReason.TURN_LENGTH, StopReason.TOKEN_BUDGET, StopReason.MAX_TURNS, StopReason.MAX_TOOL_CALLS}
@@ -42,7 +42,9 @@ def _two_turns(**kw) -> Trajectory:
     return Trajectory(turns=[t0, t1], question_id="q7", **kw)
 
 
-@pytest.mark.parametrize("reason,expected", [(StopReason.FINAL_ANSWER, 0), (StopReason.MAX_TURNS, 1), (StopReason.TOKEN_BUDGET, 1)])
+@pytest.mark.parametrize(
+    "reason,expected", [(StopReason.FINAL_ANSWER, 0), (StopReason.MAX_TURNS, 1), (StopReason.TOKEN_BUDGET, 1)]
+)
 def test_valid_trajectory_reports_bootstrap_mask(reason, expected):
     report = validate_trajectory(_two_turns(stop_reason=reason))
     assert report.bootstrap_mask == expected
@@ -79,7 +81,9 @@ def test_observation_token_carrying_a_logprob_is_rejected():
         completion_logprobs=[-1.0, math.nan, -0.3, -0.7],
         completion_sources=[TokenSource.ACTION, TokenSource.OBSERVATION, TokenSource.OBSERVATION, TokenSource.ACTION],
     )
-    with pytest.raises(TrajectoryError, match=r"turn 1, completion token 2 \(id 51\): a OBSERVATION token carries log-prob -0.3"):
+    with pytest.raises(
+        TrajectoryError, match=r"turn 1, completion token 2 \(id 51\): a OBSERVATION token carries log-prob -0.3"
+    ):
         validate_trajectory(traj)
     traj.turns[1].completion_logprobs[2] = math.nan
     assert validate_trajectory(traj).num_action_tokens == 2 + 2

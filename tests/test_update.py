@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,9 +39,18 @@ def test_single_process_update_equals_one_batch_sgd_step(tiny_model_factory):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
-    config = SimpleNamespace(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=2,
-                             max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=None,
-                             temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False)
+    config = SimpleNamespace(
+        aggregation="token_mean",
+        packer="optimal",
+        max_items_per_micro_batch=2,
+        max_padded_tokens_per_micro_batch=300,
+        rebalance_ranks=False,
+        norm_length=None,
+        temperature=1.0,
+        max_grad_norm=None,
+        drop_zero_advantage=False,
+        padding_free=False,
+    )
     result = policy_update(accelerator, model, optimizer, datums, PPOClipLoss(), config, pad_token_id=0)
 
     full = collate(datums, list(range(9)), pad_token_id=0)
@@ -64,9 +72,18 @@ def test_single_process_update_equals_one_batch_sgd_step(tiny_model_factory):
 
 def _config(**overrides):
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for these tests.
-    base = dict(aggregation="token_mean", packer="optimal", max_items_per_micro_batch=2,
-                max_padded_tokens_per_micro_batch=300, rebalance_ranks=False, norm_length=40,
-                temperature=1.0, max_grad_norm=None, drop_zero_advantage=False, padding_free=False)
+    base = dict(
+        aggregation="token_mean",
+        packer="optimal",
+        max_items_per_micro_batch=2,
+        max_padded_tokens_per_micro_batch=300,
+        rebalance_ranks=False,
+        norm_length=40,
+        temperature=1.0,
+        max_grad_norm=None,
+        drop_zero_advantage=False,
+        padding_free=False,
+    )
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -108,12 +125,27 @@ def _one_batch_step(model, datums, loss_fn, aggregation, *, temperature=1.0, nor
     before = _flat(model).clone()
     full = collate(datums, list(range(len(datums))), pad_token_id=0)
     n_tok, n_seq = local_denominators(full.action_mask)
-    logp, entropy = token_logprobs_and_entropy(model, full.input_ids, full.attention_mask, full.target_ids,
-                                               temperature=temperature)
-    out = loss_fn(PolicyLossInput(logp, full.behaviour_logprobs, full.advantages, full.action_mask,
-                                  ref_logprobs=full.ref_logprobs, entropy=entropy))
-    loss = aggregate(out.per_token_loss, full.action_mask, aggregation, num_tokens=n_tok, num_sequences=n_seq,
-                     norm_length=norm_length)
+    logp, entropy = token_logprobs_and_entropy(
+        model, full.input_ids, full.attention_mask, full.target_ids, temperature=temperature
+    )
+    out = loss_fn(
+        PolicyLossInput(
+            logp,
+            full.behaviour_logprobs,
+            full.advantages,
+            full.action_mask,
+            ref_logprobs=full.ref_logprobs,
+            entropy=entropy,
+        )
+    )
+    loss = aggregate(
+        out.per_token_loss,
+        full.action_mask,
+        aggregation,
+        num_tokens=n_tok,
+        num_sequences=n_seq,
+        norm_length=norm_length,
+    )
     loss.backward()
     torch.optim.SGD(model.parameters(), lr=0.5).step()
     return _flat(model) - before, float(loss)
@@ -132,12 +164,16 @@ def test_skipping_zero_advantage_datums_leaves_the_gradient_unchanged(tiny_model
     assert abs(r_on.loss - loss) < 1e-6 and abs(r_off.loss - loss) < 1e-6
     # Negative control: leaving the zero-advantage datums out of the update altogether (what the trainer
     # did before) changes the denominators and so the gradient.
-    dropped, _ = _update(model, [d for d in datums if any(d.advantages)], PPOClipLoss(), _config(aggregation=aggregation))
+    dropped, _ = _update(
+        model, [d for d in datums if any(d.advantages)], PPOClipLoss(), _config(aggregation=aggregation)
+    )
     assert rel_err(dropped, expected) > 0.1
 
 
-@pytest.mark.parametrize("kl_coef,entropy_coef,estimator,weighted", [(0.3, 0.0, "k3", False), (0.3, 0.0, "k1", True),
-                                                                   (0.0, 0.05, "k3", False), (0.2, 0.05, "k2", False)])
+@pytest.mark.parametrize(
+    "kl_coef,entropy_coef,estimator,weighted",
+    [(0.3, 0.0, "k3", False), (0.3, 0.0, "k1", True), (0.0, 0.05, "k3", False), (0.2, 0.05, "k2", False)],
+)
 def test_kl_and_entropy_terms_match_the_one_batch_loss(tiny_model_factory, kl_coef, entropy_coef, estimator, weighted):
     from trl_plugins.trainers.update import datums_to_forward, reference_logprobs
 
@@ -156,7 +192,9 @@ def test_kl_and_entropy_terms_match_the_one_batch_loss(tiny_model_factory, kl_co
     direct = token_logprobs(ref_model, full.input_ids, full.attention_mask, full.target_ids)
     assert torch.allclose(full.ref_logprobs * full.action_mask, direct.detach() * full.action_mask, atol=1e-6)
 
-    loss_fn = PPOClipLoss(kl_coef=kl_coef, entropy_coef=entropy_coef, kl_estimator=estimator, kl_importance_weight=weighted)
+    loss_fn = PPOClipLoss(
+        kl_coef=kl_coef, entropy_coef=entropy_coef, kl_estimator=estimator, kl_importance_weight=weighted
+    )
     # A per-token term other than the advantage: no datum may be skipped, even with drop_zero_advantage.
     assert datums_to_forward(datums, loss_fn, config) == list(range(10))
     got, result = _update(model, datums, loss_fn, config)
@@ -166,7 +204,9 @@ def test_kl_and_entropy_terms_match_the_one_batch_loss(tiny_model_factory, kl_co
     assert rel_err(got, expected) < 1e-5 and abs(result.loss - loss) < 1e-6
     assert rel_err(plain, expected) > 1e-3  # the term really changes the update
     if kl_coef:
-        assert result.reference is not None and result.reference["kl_k3"] > 0 and result.reference["ref_logprob_gap"] > 0
+        assert (
+            result.reference is not None and result.reference["kl_k3"] > 0 and result.reference["ref_logprob_gap"] > 0
+        )
     if entropy_coef:
         assert result.entropy is not None and result.entropy > 0
 

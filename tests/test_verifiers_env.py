@@ -17,7 +17,12 @@ import pytest
 
 from trl_plugins.contracts import check_rollout_contract
 from trl_plugins.datum import build_datums
-from trl_plugins.environments.verifiers_env import MAKE_INTERPRETER, VERIFIERS_VERSION, VerifiersRollout, verifiers_python
+from trl_plugins.environments.verifiers_env import (
+    MAKE_INTERPRETER,
+    VERIFIERS_VERSION,
+    VerifiersRollout,
+    verifiers_python,
+)
 from trl_plugins.protocols import as_rollout
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout import ChatFormat, RolloutError, RolloutRequest, ScriptedBackend, questions_from_rows
@@ -30,7 +35,9 @@ try:
     PYTHON = verifiers_python()
 except RolloutError:
     PYTHON = None
-needs_verifiers = pytest.mark.skipif(PYTHON is None, reason=f"no verifiers interpreter: make it with {MAKE_INTERPRETER}")
+needs_verifiers = pytest.mark.skipif(
+    PYTHON is None, reason=f"no verifiers interpreter: make it with {MAKE_INTERPRETER}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +76,10 @@ def environment(name: str, **kwargs) -> VerifiersRollout:
 
 def continues(traj) -> bool:
     """Each turn's prompt starts with the previous turn's prompt and completion, token for token."""
-    return all(b.prompt_ids[:len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
-               for a, b in zip(traj.turns, traj.turns[1:]))
+    return all(
+        b.prompt_ids[: len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
+        for a, b in zip(traj.turns, traj.turns[1:])
+    )
 
 
 def trains_exactly_what_was_sampled(traj) -> bool:
@@ -135,10 +144,14 @@ def test_a_single_turn_environment_scores_with_its_rubric_and_a_raising_one_is_a
     # The prompt is what verifiers' harness sent: the task's prompt as the one user message, rendered by the template.
     tok = chat.tokenizer
     assert tok.decode(right.turns[0].prompt_ids) == tok.apply_chat_template(
-        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
     # correct 1 x 1.0 + brief 1 x 0.25 ("\boxed{7}" is short): verifiers' weighted total, then each function's score.
-    assert components(right) == {"agent_return": (1.25, 0.0), "agent_return/correct": (1.0, 0.0),
-                                 "agent_return/brief": (1.0, 0.0)}
+    assert components(right) == {
+        "agent_return": (1.25, 0.0),
+        "agent_return/correct": (1.0, 0.0),
+        "agent_return/brief": (1.0, 0.0),
+    }
     # Its reward function raised: the runner exits 1 with verifiers' error, the endpoint records an environment error.
     assert boom.stop_reason == StopReason.ENVIRONMENT_ERROR and "the scorer exploded" in boom.error
     assert boom.reward_components == []
@@ -160,13 +173,16 @@ def test_an_environment_with_a_tool_trains_the_sampled_call_and_sees_the_tools_o
     (call,) = traj.turns[0].tool_calls
     assert call.name == "calc_add" and call.arguments == {"a": 20, "b": 22}
     second = traj.turns[1]
-    added = second.prompt_ids[len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids):]
-    observed = [t for t, s in zip(added, second.prompt_sources[-len(added):]) if s == TokenSource.OBSERVATION]
+    added = second.prompt_ids[len(traj.turns[0].prompt_ids) + len(traj.turns[0].completion_ids) :]
+    observed = [t for t, s in zip(added, second.prompt_sources[-len(added) :]) if s == TokenSource.OBSERVATION]
     assert chat.tokenizer.decode(observed).strip() == "sum=42"  # the tool server's answer, as the model saw it
     assert "\\boxed{42}" in second.text
     # correct 1 x 1.0 + used_tool 1 x 0.5
-    assert components(traj) == {"agent_return": (1.5, 0.0), "agent_return/correct": (1.0, 0.0),
-                                "agent_return/used_tool": (1.0, 0.0)}
+    assert components(traj) == {
+        "agent_return": (1.5, 0.0),
+        "agent_return/correct": (1.0, 0.0),
+        "agent_return/used_tool": (1.0, 0.0),
+    }
 
 
 @needs_verifiers
@@ -181,8 +197,8 @@ def test_a_multi_turn_environment_whose_user_is_scripted_continues_its_tokens(ch
     # tokens observations after the first reply's sampled ones.
     first, second = traj.turns
     assert tok.decode(second.prompt_ids).endswith("<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\n")
-    added = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids):]
-    observed = [t for t, s in zip(added, second.prompt_sources[-len(added):]) if s == TokenSource.OBSERVATION]
+    added = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids) :]
+    observed = [t for t, s in zip(added, second.prompt_sources[-len(added) :]) if s == TokenSource.OBSERVATION]
     assert tok.decode(observed) == "Are you sure?"
     assert components(traj) == {"agent_return": (1.0, 0.0), "agent_return/answered_every_turn": (1.0, 0.0)}
 
@@ -208,7 +224,9 @@ def test_a_rollouts_own_rows_are_the_recipes_rows_held_out_by_a_hash_of_the_prom
     from retool.data import task_rows
 
     rows = [{"id": str(i), "prompt": f"What is {i} + 1?", "task": {"idx": i}} for i in range(20)]
-    rows += [{"id": f"u{i}", "prompt": "", "task": {"idx": 20 + i, "question": f"q{i}"}} for i in range(20)]  # no prompt
+    rows += [
+        {"id": f"u{i}", "prompt": "", "task": {"idx": 20 + i, "question": f"q{i}"}} for i in range(20)
+    ]  # no prompt
     rollout = as_rollout(_RowsRollout(rows), "rows")
     args = SimpleNamespace(task_seed=0, held_out_fraction=0.25)
     said: list[str] = []
@@ -229,8 +247,15 @@ def test_a_rollouts_own_rows_are_the_recipes_rows_held_out_by_a_hash_of_the_prom
 
 @needs_verifiers
 def test_a_row_that_is_not_the_environments_is_an_environment_error_naming_it(chat, single_turn):
-    request = RolloutRequest(questions_from_rows(chat, [{"id": "x", "prompt": "What is 3 + 4?"}]), 1, policy(chat), chat,
-                             {}, policy_step=1, seed=3)
+    request = RolloutRequest(
+        questions_from_rows(chat, [{"id": "x", "prompt": "What is 3 + 4?"}]),
+        1,
+        policy(chat),
+        chat,
+        {},
+        policy_step=1,
+        seed=3,
+    )
     (traj,) = single_turn(request).trajectories
     assert traj.stop_reason == StopReason.ENVIRONMENT_ERROR and "the row holds no task" in traj.error
 
@@ -255,7 +280,9 @@ def test_the_runner_imports_only_the_standard_library_and_verifiers():
 
     assert outside(Path(RUNNER).read_text()) == set()  # it runs in verifiers' interpreter, which has no trl_plugins
     assert outside("import json\nfrom verifiers.v1 import Env\nfrom trl_plugins import types\nimport openai\n") == {
-        "trl_plugins", "openai"}  # negative control
+        "trl_plugins",
+        "openai",
+    }  # negative control
 
 
 def test_the_docs_worked_example_is_the_example_config():
@@ -302,7 +329,10 @@ def test_an_endless_taskset_is_refused_at_start_up_unless_max_rows_bounds_it():
     # max_rows takes its first tasks (verifiers' take(); it failed on every max_rows before).
     rollout = environment("endless_env.py", max_rows=3)
     assert [(r["prompt"], r["answer"], r["task_index"]) for r in rollout.rows()] == [
-        ("What is 0 + 1?", "1", 0), ("What is 1 + 1?", "2", 1), ("What is 2 + 1?", "3", 2)]
+        ("What is 0 + 1?", "1", 0),
+        ("What is 1 + 1?", "2", 1),
+        ("What is 2 + 1?", "3", 2),
+    ]
 
 
 def test_rubric_weights_are_checked_against_the_rubric_at_start_up(monkeypatch):
@@ -313,11 +343,18 @@ def test_rubric_weights_are_checked_against_the_rubric_at_start_up(monkeypatch):
     for bad in ({"correct": "2"}, {"correct": float("nan")}, {"correct": True}, ["correct"]):
         with pytest.raises(RolloutError, match="rubric_weights must map the rubric's reward function names"):
             VerifiersRollout(environment="x", rubric_weights=bad)
-    described = {"verifiers": VERIFIERS_VERSION, "refused": [], "rows": [{"id": "0", "prompt": "q", "task": {}}],
-                 "rewards": [{"name": "brief", "weight": 0.25}, {"name": "correct", "weight": 1.0}]}
+    described = {
+        "verifiers": VERIFIERS_VERSION,
+        "refused": [],
+        "rows": [{"id": "0", "prompt": "q", "task": {}}],
+        "rewards": [{"name": "brief", "weight": 0.25}, {"name": "correct", "weight": 1.0}],
+    }
     monkeypatch.setattr(verifiers_env, "describe_environment", lambda *a, **k: json.loads(json.dumps(described)))
-    with pytest.raises(RolloutError, match=r"rubric_weights names \['brevity'\], which verifiers environment 'x''s "
-                                           r"rubric does not have; its reward functions: brief x0.25, correct x1\."):
+    with pytest.raises(
+        RolloutError,
+        match=r"rubric_weights names \['brevity'\], which verifiers environment 'x''s "
+        r"rubric does not have; its reward functions: brief x0.25, correct x1\.",
+    ):
         VerifiersRollout(environment="x", python=sys.executable, rubric_weights={"brevity": 2.0})
     rollout = VerifiersRollout(environment="x", python=sys.executable, rubric_weights={"brief": 2.0})
     assert rollout.rubric == [("brief", 2.0), ("correct", 1.0)]
@@ -333,5 +370,8 @@ def test_rubric_weights_reweight_the_rubrics_total_that_agent_reward_trains_on(c
     (traj,) = rollout(rollout_request(chat, rollout)).trajectories
     assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
     # correct 1 x 1.0 + brief 1 x 2.0 (configured; the environment's 0.25 gave 1.25 above); each score unchanged.
-    assert components(traj) == {"agent_return": (3.0, 0.0), "agent_return/correct": (1.0, 0.0),
-                                "agent_return/brief": (1.0, 0.0)}
+    assert components(traj) == {
+        "agent_return": (3.0, 0.0),
+        "agent_return/correct": (1.0, 0.0),
+        "agent_return/brief": (1.0, 0.0),
+    }

@@ -33,8 +33,14 @@ from trl_plugins.viewer import (
     save_batch,
 )
 
-SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "description": "Run Python.",
-          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "Run Python.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
 # Tool output with markup, an entity, a carriage return and newlines: all must reach the page as text.
 TOOL_TEXT = "<b>x</b> & y\r\n1 < 2\n"
 
@@ -87,15 +93,26 @@ def realistic_batch():
     group 2's tool fails in the infrastructure (environment_error: left out of the update)."""
     tok = build_tokenizer("qwen2_5")
     chat = ChatFormat(tok, [SCHEMA])
-    rows = [{"id": "add", "prompt": "What is 2 + 2?", "answer": "4"},
-            {"id": "ramble", "prompt": "ramble about 3 & 4 <please>", "answer": "7"},
-            {"id": "crash", "prompt": "crash the tool", "answer": "0"}]
-    questions = [RolloutQuestion(r["id"], chat.initial_prompt_ids([{"role": "system", "content": "Solve it."},
-                                                                  {"role": "user", "content": r["prompt"]}]), group_id=k)
-                 for k, r in enumerate(rows)]
+    rows = [
+        {"id": "add", "prompt": "What is 2 + 2?", "answer": "4"},
+        {"id": "ramble", "prompt": "ramble about 3 & 4 <please>", "answer": "7"},
+        {"id": "crash", "prompt": "crash the tool", "answer": "0"},
+    ]
+    questions = [
+        RolloutQuestion(
+            r["id"],
+            chat.initial_prompt_ids(
+                [{"role": "system", "content": "Solve it."}, {"role": "user", "content": r["prompt"]}]
+            ),
+            group_id=k,
+        )
+        for k, r in enumerate(rows)
+    ]
     backend = VaryingLogprobs(_script(tok), stop_token_ids=chat.stop_token_ids)
     rollout = MultiTurnRollout(max_turns=3, max_assistant_tokens=100, max_trajectory_tokens=900, tool_retries=0)
-    trajs = rollout(RolloutRequest(questions, 2, backend, chat, {"code_interpreter": MarkupTool()}, policy_step=3, seed=1)).trajectories
+    trajs = rollout(
+        RolloutRequest(questions, 2, backend, chat, {"code_interpreter": MarkupTool()}, policy_step=3, seed=1)
+    ).trajectories
     for t in trajs:
         if not t.world_failure:
             correct = 1.0 if (t.group_id == 0 and t.sample_index == 0) else 0.0
@@ -118,7 +135,10 @@ def batch_parts():
     # The fixture is what the test relies on: a tool call, a truncation, a world failure, a zero advantage.
     assert trajs[0].num_tool_calls == 1 and trajs[0].stop_reason == StopReason.FINAL_ANSWER
     assert trajs[2].stop_reason == StopReason.TURN_LENGTH and trajs[2].truncated
-    assert trajs[4].stop_reason == StopReason.ENVIRONMENT_ERROR and left_out == [None] * 4 + [LeftOutReason.WORLD_FAILURE] * 2
+    assert (
+        trajs[4].stop_reason == StopReason.ENVIRONMENT_ERROR
+        and left_out == [None] * 4 + [LeftOutReason.WORLD_FAILURE] * 2
+    )
     return trajs, datums, tok, rows, left_out
 
 
@@ -204,18 +224,22 @@ def test_saved_batch_round_trips_the_datums_and_says_what_the_update_did(batch_p
         assert saved[d.trajectory_index]["datum_for_display"] is False
     assert [t["datum_for_display"] for t in saved] == [False] * 4 + [True] * 2
     assert datum_from_dict(saved[4]["datum"]) == build_datum(trajs[4], trajectory_index=4)
-    assert [t["update_role"] for t in saved] == [UpdateRole.TRAINED] * 2 + [UpdateRole.ZERO_ADVANTAGE] * 2 + [UpdateRole.LEFT_OUT] * 2
+    assert [t["update_role"] for t in saved] == [UpdateRole.TRAINED] * 2 + [UpdateRole.ZERO_ADVANTAGE] * 2 + [
+        UpdateRole.LEFT_OUT
+    ] * 2
     assert "forward/backward was skipped" in saved[2]["update_note"]
     assert "environment_error" in saved[4]["update_note"] and "SandboxError" in saved[4]["update_note"]
     assert saved[0]["question"] == "What is 2 + 2?" and saved[0]["reference_answer"] == "4"
-    assert saved[0]["reward_components"] == [{"name": "correct", "value": 1.0, "weight": 1.0},
-                                             {"name": "format", "value": 0.5, "weight": 0.1}]
+    assert saved[0]["reward_components"] == [
+        {"name": "correct", "value": 1.0, "weight": 1.0},
+        {"name": "format", "value": 0.5, "weight": 0.1},
+    ]
     assert [t["stop_reason"] for t in saved] == [str(t.stop_reason) for t in trajs]
     # Turn boundaries index the whole sequence: each turn's completion is where the datum says it is.
     t0, full = saved[0], saved[0]["tokens"]["ids"]
     assert len(t0["turns"]) == 2 and t0["turns"][0]["tool_calls"][0]["output"] == TOOL_TEXT
     for turn, src in zip(t0["turns"], trajs[0].turns):
-        assert full[turn["completion_start"]: turn["completion_end"]] == src.completion_ids
+        assert full[turn["completion_start"] : turn["completion_end"]] == src.completion_ids
     assert t0["turns"][1]["prompt_start"] == t0["turns"][0]["completion_end"]
     assert "".join(t0["tokens"]["strings"]) == tok.decode(full, skip_special_tokens=False)
 
@@ -229,7 +253,9 @@ def test_every_datum_token_appears_once_with_its_mask_logprob_and_advantage(batc
         # The update's datum (the masked ones: the datum builder's, as the page builds it for display).
         d = by_index.get(i) or build_datum(traj, trajectory_index=i)
         full = d.input_ids + [d.target_ids[-1]]
-        assert_spans_match_datums(p.sections[i], d, [tok.decode([x], skip_special_tokens=False) for x in full], "prompt")
+        assert_spans_match_datums(
+            p.sections[i], d, [tok.decode([x], skip_special_tokens=False) for x in full], "prompt"
+        )
     # Every provenance appears on the page.
     seen = {s["data-source"] for spans in p.sections.values() for s in spans}
     assert seen == {"prompt", "action", "observation", "glue"}
@@ -289,11 +315,21 @@ def test_cli_draws_a_saved_batch_and_refuses_bad_files_losing_nothing(batch, tmp
     with pytest.raises(SystemExit):
         main([str(path), "--max-trajectories", "0"])
     # The module runs as a command.
-    done = subprocess.run([sys.executable, "-m", "trl_plugins.viewer", str(tmp_path / "missing.json")], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    done = subprocess.run(
+        [sys.executable, "-m", "trl_plugins.viewer", str(tmp_path / "missing.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert done.returncode == 2 and "missing.json: no such file" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "trl_plugins.viewer", str(path), "-o", str(tmp_path / "cmd.html")],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    done = subprocess.run(
+        [sys.executable, "-m", "trl_plugins.viewer", str(path), "-o", str(tmp_path / "cmd.html")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert done.returncode == 0 and "wrote" in done.stdout and (tmp_path / "cmd.html").read_text() == render_html(batch)
     with pytest.raises(ViewerError, match="disagree in length"):
         damaged = json.loads(path.read_text())
@@ -316,15 +352,25 @@ def _chromium() -> str:
 def dump_dom(page_path, *, fragment: str = "") -> str:
     """The DOM after the page's scripts ran, from headless Chromium (its own profile: tests may run in parallel)."""
     profile = page_path.parent / f"{page_path.stem}-profile"
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
-           f"--user-data-dir={profile}", "--virtual-time-budget=5000", "--dump-dom", page_path.as_uri() + fragment]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        page_path.as_uri() + fragment,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
 def _rgb(hex_colour: str) -> str:
-    r, g, b = (int(hex_colour[i: i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_colour[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgb({r}, {g}, {b})"
 
 
@@ -342,8 +388,12 @@ def test_page_runs_in_headless_chromium_and_draws_the_datum_token_for_token(batc
     for i, t in enumerate(batch["trajectories"]):
         spans = p.sections[i]
         assert_spans_match_datums(spans, datum_from_dict(t["datum"]), t["tokens"]["strings"], "prompt")
-        assert [s["data-bg"] for s in spans] == [_rgb(SOURCE_COLOURS[TokenSource[s["data-source"].upper()]]) for s in spans]
-        assert [s["data-bg"] == _rgb(SOURCE_COLOURS[TokenSource.ACTION]) for s in spans[1:]] == [bool(m) for m in t["datum"]["action_mask"]]
+        assert [s["data-bg"] for s in spans] == [
+            _rgb(SOURCE_COLOURS[TokenSource[s["data-source"].upper()]]) for s in spans
+        ]
+        assert [s["data-bg"] == _rgb(SOURCE_COLOURS[TokenSource.ACTION]) for s in spans[1:]] == [
+            bool(m) for m in t["datum"]["action_mask"]
+        ]
 
 
 def test_the_browser_check_sees_a_script_error(batch, tmp_path):
@@ -384,15 +434,37 @@ def _trainer(tmp_path, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2, use_cpu=True,
-                  report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3, seed=0, disable_tqdm=True,
-                  bf16=False, rollout="test_trainer:ScriptedToolRollout", rollout_kwargs={}, reward_components=["digit"],
-                  max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2, viewer_steps=2, viewer_trajectories=3)
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=5e-3,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        rollout="test_trainer:ScriptedToolRollout",
+        rollout_kwargs={},
+        reward_components=["digit"],
+        max_padded_tokens_per_micro_batch=4000,
+        max_items_per_micro_batch=2,
+        viewer_steps=2,
+        viewer_trajectories=3,
+    )
     kwargs.update(overrides)
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
-    return MultiTurnGRPOTrainer(build_tiny_model(tok), MultiTurnGRPOConfig(**kwargs), train_dataset=Dataset.from_list(rows),
-                                processing_class=tok, tools={"code_interpreter": EchoCodeTool()},
-                                reward_components={"digit": BoxedDigit()})
+    return MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        MultiTurnGRPOConfig(**kwargs),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        tools={"code_interpreter": EchoCodeTool()},
+        reward_components={"digit": BoxedDigit()},
+    )
 
 
 def test_the_trainer_writes_a_page_at_every_viewer_step_and_logs_it_to_wandb(tmp_path, monkeypatch):
@@ -429,11 +501,14 @@ def test_the_trainer_writes_a_page_at_every_viewer_step_and_logs_it_to_wandb(tmp
     assert len(htmls) == 1 and htmls[0].read_text() == page
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(viewer_steps=-1), "viewer_steps and viewer_trajectories must be >= 0"),
-    (dict(viewer_trajectories=-2), "viewer_steps and viewer_trajectories must be >= 0"),
-    (dict(viewer_steps=5, viewer_trajectories=0), "set viewer_trajectories >= 1, or viewer_steps=0"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(viewer_steps=-1), "viewer_steps and viewer_trajectories must be >= 0"),
+        (dict(viewer_trajectories=-2), "viewer_steps and viewer_trajectories must be >= 0"),
+        (dict(viewer_steps=5, viewer_trajectories=0), "set viewer_trajectories >= 1, or viewer_steps=0"),
+    ],
+)
 def test_viewer_settings_are_checked_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         _trainer(tmp_path, **overrides)
@@ -466,8 +541,9 @@ def test_a_trajectory_without_a_datum_is_shown_with_the_reason():
     rng = random.Random(0)
     good, bad = make_trajectory(rng, num_turns=2), make_trajectory(rng, num_turns=2, group_id=1)
     bad.turns[1].prompt_ids[0] += 1  # the history was re-tokenised: no datum can be built
-    batch = make_batch([good, bad], [build_datum(good, trajectory_index=0)], None,
-                       left_out=[None, LeftOutReason.GROUP_TOO_SMALL])
+    batch = make_batch(
+        [good, bad], [build_datum(good, trajectory_index=0)], None, left_out=[None, LeftOutReason.GROUP_TOO_SMALL]
+    )
     assert batch["trajectories"][1]["datum"] is None and "does not extend" in batch["trajectories"][1]["datum_error"]
     page = render_html(batch)
     p = parse(page)
@@ -489,8 +565,11 @@ def test_the_page_says_the_reason_the_batch_builder_recorded(batch_parts):
     assert notes[4].startswith("not trained on: the world failed (environment_error")
     recorded[4] = LeftOutReason.GROUP_TOO_SMALL  # negative control: the recorded reason wins over the stop reason
     batch = make_batch(trajs, by_index, tok, left_out=recorded)["trajectories"]
-    assert batch[4]["update_note"] == ("not trained on: too few members of its group survived the infrastructure "
-                                       "(min_valid_group_fraction)") and batch[4]["left_out"] == "group_too_small"
+    assert (
+        batch[4]["update_note"]
+        == ("not trained on: too few members of its group survived the infrastructure (min_valid_group_fraction)")
+        and batch[4]["left_out"] == "group_too_small"
+    )
 
 
 def test_a_step_without_a_policy_update_marks_its_trajectories_so(batch_parts, tmp_path):
@@ -498,8 +577,9 @@ def test_a_step_without_a_policy_update_marks_its_trajectories_so(batch_parts, t
     batch = make_batch(trajs, datums, tok, step=1, rows=rows, left_out=left_out, update_skipped="the critic's warm-up")
     roles = [t["update_role"] for t in batch["trajectories"]]
     assert roles == [UpdateRole.UPDATE_SKIPPED] * 4 + [UpdateRole.LEFT_OUT] * 2  # masked ones keep their own reason
-    assert batch["trajectories"][0]["update_note"] == ("not trained on: the step's policy update was skipped "
-                                                       "(the critic's warm-up)")
+    assert batch["trajectories"][0]["update_note"] == (
+        "not trained on: the step's policy update was skipped (the critic's warm-up)"
+    )
     assert 'class="badge r-update_skipped"' in render_html(batch)
 
 
@@ -509,5 +589,6 @@ def test_the_trainer_marks_a_critic_warm_up_step_as_not_trained_on(tmp_path):
     saved = load_batch(tmp_path / "trajectories" / "step-000001.json")
     roles = {t["update_role"] for t in saved["trajectories"]}
     assert roles <= {UpdateRole.UPDATE_SKIPPED, UpdateRole.LEFT_OUT} and UpdateRole.UPDATE_SKIPPED in roles
-    assert "critic_warmup_steps" in next(t["update_note"] for t in saved["trajectories"]
-                                         if t["update_role"] == UpdateRole.UPDATE_SKIPPED)
+    assert "critic_warmup_steps" in next(
+        t["update_note"] for t in saved["trajectories"] if t["update_role"] == UpdateRole.UPDATE_SKIPPED
+    )

@@ -8,13 +8,11 @@ where it is importable.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from conftest import code_schema
-
 import fake_vllm as fake
+from conftest import code_schema
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import LogprobSource, SamplingSettings
@@ -51,8 +49,9 @@ def _hf_reference(path, tok, chat, prompts, budgets, seeds, sampling):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return HFGenerationBackend(model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids,
-                               sampling=sampling).generate(prompts, budgets, seeds=seeds)
+    return HFGenerationBackend(
+        model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling
+    ).generate(prompts, budgets, seeds=seeds)
 
 
 def test_colocate_backend_is_token_in_token_out_with_processed_logprobs(saved, patched):
@@ -129,11 +128,23 @@ def _train(tmp_path, path, peft_config=None, **overrides):
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     kwargs = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2,
-        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, learning_rate=5e-3,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=5e-3,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-        reward_components=["length"], max_padded_tokens_per_micro_batch=4000, max_items_per_micro_batch=2,
-        seed=0, disable_tqdm=True, bf16=False, use_vllm=True,
+        reward_components=["length"],
+        max_padded_tokens_per_micro_batch=4000,
+        max_items_per_micro_batch=2,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        use_vllm=True,
     )
     kwargs.update(overrides)
     rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)])
@@ -142,10 +153,14 @@ def _train(tmp_path, path, peft_config=None, **overrides):
         def __call__(self, trajectory, example):
             return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
 
-    trainer = MultiTurnGRPOTrainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                                   MultiTurnGRPOConfig(**kwargs), train_dataset=rows,
-                                   processing_class=AutoTokenizer.from_pretrained(path),
-                                   reward_components={"length": LastTokenReward()}, peft_config=peft_config)
+    trainer = MultiTurnGRPOTrainer(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        MultiTurnGRPOConfig(**kwargs),
+        train_dataset=rows,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        reward_components={"length": LastTokenReward()},
+        peft_config=peft_config,
+    )
     import trl_plugins.trainers.phases as module
 
     seen, original = [], module.rollout_rows
@@ -201,15 +216,22 @@ def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, p
     # in the engine, so no weights digest is claimed (docs/replay.md).
     version = trainer.run.version
     assert version.sampler == "vllm_colocate" and [(a.kind, a.rank, a.targets) for a in version.adapters] == [
-        ("LORA", 4, ("q_proj", "v_proj"))]
-    assert all(t.policy_version.run_digest == version.digest and t.policy_version.weights_digest is None
-               for trajs in seen for t in trajs)
+        ("LORA", 4, ("q_proj", "v_proj"))
+    ]
+    assert all(
+        t.policy_version.run_digest == version.digest and t.policy_version.weights_digest is None
+        for trajs in seen
+        for t in trajs
+    )
     engine = trainer.vllm_generation.llm.engine.model
     trainer.generation_backend().sync_weights(trainer.state.global_step)
     with torch.no_grad():
         trainer.model.merge_adapter()
-        merged = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
-                  for n, p in trainer.model.named_parameters() if ".lora_" not in n}
+        merged = {
+            n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
+            for n, p in trainer.model.named_parameters()
+            if ".lora_" not in n
+        }
         trainer.model.unmerge_adapter()
     theirs = dict(engine.named_parameters())
     assert merged.keys() >= theirs.keys()
@@ -221,14 +243,23 @@ def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, p
 def test_trainer_server_mode_sends_turns_from_the_rank_and_pushes_weights(tmp_path, saved, patched):
     path = saved[0]
     with fake.FakeVLLMServer(path) as server:
-        trainer, seen = _train(tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url,
-                               vllm_max_concurrent_requests=3)
+        trainer, seen = _train(
+            tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url, vllm_max_concurrent_requests=3
+        )
         turns = sum(len(t.turns) for trajs in seen for t in trajs)
         assert server.engine.requests == turns  # one request per turn
         version = trainer.run.version  # the version fields, filled for a server sampler
-        assert version.sampler == "vllm_server" and version.packages["trl"] and all(
-            t.policy_version.run_digest == version.digest and t.policy_version.weights_digest is None
-            and t.turns[0].seed is not None for trajs in seen for t in trajs)
+        assert (
+            version.sampler == "vllm_server"
+            and version.packages["trl"]
+            and all(
+                t.policy_version.run_digest == version.digest
+                and t.policy_version.weights_digest is None
+                and t.turns[0].seed is not None
+                for trajs in seen
+                for t in trajs
+            )
+        )
         assert trainer.generation_backend().max_concurrency == 3
         trainer.generation_backend().sync_weights(trainer.state.global_step)
         assert _same_weights(server.engine.model, trainer)
@@ -238,10 +269,12 @@ def test_vllm_settings_that_cannot_work_are_refused_before_any_model_loads(tmp_p
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], reward_components=["correct"], use_vllm=True)
-    for bad, match in [({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size"),
-                       ({"vllm_structured_outputs_regex": "a+"}, "vllm_structured_outputs_regex"),
-                       ({"vllm_mode": "remote"}, "vllm_mode"),
-                       ({"vllm_max_concurrent_requests": 0}, "vllm_max_concurrent_requests")]:
+    for bad, match in [
+        ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size"),
+        ({"vllm_structured_outputs_regex": "a+"}, "vllm_structured_outputs_regex"),
+        ({"vllm_mode": "remote"}, "vllm_mode"),
+        ({"vllm_max_concurrent_requests": 0}, "vllm_max_concurrent_requests"),
+    ]:
         with pytest.raises(ValueError, match=match):
             MultiTurnGRPOConfig(**base, **bad)
     # vLLM is not installed here: refused before the model loads ("no-such-model" is never looked up)...

@@ -19,8 +19,16 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["DEFAULT_LOGPROB_MEMORY_BYTES", "auto_chunk_size", "logprob_chunk_size", "output_head", "chunkable",
-           "hidden_states_instead_of_logits", "head_gathered_once", "chunked_logprobs_and_entropy"]
+__all__ = [
+    "DEFAULT_LOGPROB_MEMORY_BYTES",
+    "auto_chunk_size",
+    "logprob_chunk_size",
+    "output_head",
+    "chunkable",
+    "hidden_states_instead_of_logits",
+    "head_gathered_once",
+    "chunked_logprobs_and_entropy",
+]
 
 DEFAULT_LOGPROB_MEMORY_BYTES = 256 * 2**20
 """The memory one chunk's vocabulary-wide tensors may take when the chunk size is chosen automatically (256 MiB)."""
@@ -141,8 +149,9 @@ def hidden_states_instead_of_logits(model: torch.nn.Module) -> Iterator[torch.nn
                     head.forward = own
 
 
-def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     # The head's forward, not its module hooks: ZeRO-3's gather and release are the chunks' own (head_gathered_once,
     # _HeadChunks); a head with submodules still runs theirs.
     z = head.forward(hidden)
@@ -184,8 +193,11 @@ def _release(params: list[torch.nn.Parameter]) -> None:
         return
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    done = [p for p in params
-            if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist and not p.ds_active_sub_modules]
+    done = [
+        p
+        for p in params
+        if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist and not p.ds_active_sub_modules
+    ]
     if done:
         done[0].partition(param_list=done)
 
@@ -271,8 +283,9 @@ class _HeadChunks(torch.autograd.Function):
         ctx.rng = _rng_states(hidden.device) if _random(head) else None
         logps, entropies = [], []
         for start in range(0, hidden.shape[0], chunk_size):
-            lp, ent = _chunk(head, hidden[start: start + chunk_size], targets[start: start + chunk_size],
-                             temperature, with_entropy)
+            lp, ent = _chunk(
+                head, hidden[start : start + chunk_size], targets[start : start + chunk_size], temperature, with_entropy
+            )
             logps.append(lp)
             entropies.append(ent)
         logp, entropy = torch.cat(logps), torch.cat(entropies)
@@ -309,8 +322,16 @@ class _HeadChunks(torch.autograd.Function):
                         grad_params[k] = g if grad_params[k] is None else grad_params[k].add_(g)
         token = ctx.release_token
         grad_params = iter(grad_params)
-        return (grad_hidden, None, None, None, None, None, None if token is None else torch.zeros_like(token),
-                *[next(grad_params) if needs else None for needs in ctx.needs_input_grad[7:]])
+        return (
+            grad_hidden,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None if token is None else torch.zeros_like(token),
+            *[next(grad_params) if needs else None for needs in ctx.needs_input_grad[7:]],
+        )
 
 
 class _ReleaseAfterBackward(torch.autograd.Function):
@@ -330,9 +351,16 @@ class _ReleaseAfterBackward(torch.autograd.Function):
         return grad, None
 
 
-def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
-                                 temperature: float = 1.0, with_entropy: bool = True, chunk_size: int,
-                                 hooks_release: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logprobs_and_entropy(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    chunk_size: int,
+    hooks_release: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` and (``with_entropy``) entropies from ``(N, H)`` final hidden states, ``(N,)`` each,
     ``chunk_size`` rows at a time; only the hidden rows and the two ``(N,)`` results are kept for the backward, which
     recomputes each chunk's logits.
@@ -346,8 +374,9 @@ def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, ta
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     if not hidden.shape[0]:
-        empty = hidden.new_zeros((0,), dtype=torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16)
-                                 else hidden.dtype)
+        empty = hidden.new_zeros(
+            (0,), dtype=torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
+        )
         return empty, (empty if with_entropy else None)
     params = list(head.parameters())
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))
@@ -358,14 +387,17 @@ def chunked_logprobs_and_entropy(head: torch.nn.Module, hidden: torch.Tensor, ta
             token = None
             if partitioned and not (hooks_release and hidden.requires_grad and _self_contained(head)):
                 # No module hook will release them after the backward (the head's own, with its parameters, does).
-                token = _ReleaseAfterBackward.apply(torch.zeros((), device=hidden.device, requires_grad=True),
-                                                    partitioned)
-            logp, entropy = _HeadChunks.apply(hidden, targets, head, temperature, with_entropy, chunk_size, token,
-                                              *params)
+                token = _ReleaseAfterBackward.apply(
+                    torch.zeros((), device=hidden.device, requires_grad=True), partitioned
+                )
+            logp, entropy = _HeadChunks.apply(
+                hidden, targets, head, temperature, with_entropy, chunk_size, token, *params
+            )
         else:
             with torch.no_grad():
-                logp, entropy = _HeadChunks.forward(_NoContext(), hidden, targets, head, temperature, with_entropy,
-                                                    chunk_size, None)
+                logp, entropy = _HeadChunks.forward(
+                    _NoContext(), hidden, targets, head, temperature, with_entropy, chunk_size, None
+                )
     return logp, (entropy if with_entropy else None)
 
 

@@ -32,8 +32,15 @@ from trl_plugins.types import (
     TrajectoryError,
 )
 
-__all__ = ["PrefixMismatch", "DatumError", "build_datums", "build_datum", "collate", "dummy_micro_batch",
-           "shared_prefix_layout"]
+__all__ = [
+    "PrefixMismatch",
+    "DatumError",
+    "build_datums",
+    "build_datum",
+    "collate",
+    "dummy_micro_batch",
+    "shared_prefix_layout",
+]
 
 
 class PrefixMismatch(enum.StrEnum):
@@ -153,7 +160,7 @@ def build_datums(
                 )
             segments.append((full, sources, logprobs, turn_of))
             full, sources, logprobs, turn_of = [], [], [], []
-        new = prompt[len(full):]
+        new = prompt[len(full) :]
         if turn.prompt_sources is not None:
             new_sources = list(turn.prompt_sources)
         else:
@@ -206,13 +213,16 @@ def build_datum(traj: Trajectory, **kwargs) -> Datum:
     kwargs["on_prefix_mismatch"] = PrefixMismatch.ERROR
     datums = build_datums(traj, **kwargs)
     if len(datums) > 1:
-        raise DatumError(f"trajectory {kwargs.get('trajectory_index', 0)} (question {traj.question_id!r}) has "
-                         f"{len(datums)} segments (turns marked segment_start); build_datums gives one datum each.")
+        raise DatumError(
+            f"trajectory {kwargs.get('trajectory_index', 0)} (question {traj.question_id!r}) has "
+            f"{len(datums)} segments (turns marked segment_start); build_datums gives one datum each."
+        )
     return datums[0]
 
 
-def shared_prefix_layout(rows: Sequence[Sequence[int]], *, pad_token_id: int,
-                         trees: Sequence[PrefixTree] | None = None) -> SharedPrefixLayout:
+def shared_prefix_layout(
+    rows: Sequence[Sequence[int]], *, pad_token_id: int, trees: Sequence[PrefixTree] | None = None
+) -> SharedPrefixLayout:
     """The :class:`~trl_plugins.types.SharedPrefixLayout` of a micro-batch whose datums read ``rows`` (their
     ``input_ids``, in row order): each prefix that ``trees`` share (default: :func:`~trl_plugins.packing.prefix_trees`
     of the rows, the fewest tokens) forwarded once, every row's remaining tokens as its branch; a datum that shares
@@ -237,9 +247,9 @@ def shared_prefix_layout(rows: Sequence[Sequence[int]], *, pad_token_id: int,
     index = torch.zeros((b_rows, longest), dtype=torch.long)
     prefix_of = {}
     for k, (tree, n) in enumerate(shared):
-        prefix_ids[k, width - n:] = torch.tensor(rows[tree.members[0]][:n], dtype=torch.long)
-        prefix_mask[k, width - n:] = 1
-        prefix_positions[k, width - n:] = torch.arange(n)
+        prefix_ids[k, width - n :] = torch.tensor(rows[tree.members[0]][:n], dtype=torch.long)
+        prefix_mask[k, width - n :] = 1
+        prefix_positions[k, width - n :] = torch.arange(n)
         prefix_of.update({r: k for r in tree.members})
     flat_branch = k_rows * width
     for tree, n in zip(trees, used):
@@ -254,13 +264,26 @@ def shared_prefix_layout(rows: Sequence[Sequence[int]], *, pad_token_id: int,
                 branch_mask[r, :width] = prefix_mask[k]
                 index[r, :n] = k * width + width - n + torch.arange(n)
             index[r, n : len(rows[r])] = flat_branch + r * branch + torch.arange(len(own))
-    return SharedPrefixLayout(prefix_ids=prefix_ids, prefix_mask=prefix_mask, prefix_positions=prefix_positions,
-                              branch_ids=branch_ids, branch_mask=branch_mask, branch_positions=branch_positions,
-                              row_prefix=row_prefix, index=index)
+    return SharedPrefixLayout(
+        prefix_ids=prefix_ids,
+        prefix_mask=prefix_mask,
+        prefix_positions=prefix_positions,
+        branch_ids=branch_ids,
+        branch_mask=branch_mask,
+        branch_positions=branch_positions,
+        row_prefix=row_prefix,
+        index=index,
+    )
 
 
-def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: int, padding_free: bool = False,
-            shared_prefix: bool = False) -> MicroBatch:
+def collate(
+    datums: Sequence[Datum],
+    indices: Sequence[int],
+    *,
+    pad_token_id: int,
+    padding_free: bool = False,
+    shared_prefix: bool = False,
+) -> MicroBatch:
     """Right-pad ``datums[i] for i in indices`` into a :class:`MicroBatch`; with ``padding_free`` also give it
     the position ids of the datums concatenated (the model then sees no padding; see :class:`MicroBatch`); with
     ``shared_prefix`` its :func:`shared_prefix_layout` (each prefix its datums share forwarded once).
@@ -312,13 +335,16 @@ def collate(datums: Sequence[Datum], indices: Sequence[int], *, pad_token_id: in
         datum_indices=list(indices),
         position_ids=torch.cat([torch.arange(d.num_tokens) for d in rows])[None, :] if padding_free else None,
         turn_ids=turn_ids,
-        shared_prefix=shared_prefix_layout([d.input_ids for d in rows], pad_token_id=pad_token_id) if shared_prefix else None,
+        shared_prefix=shared_prefix_layout([d.input_ids for d in rows], pad_token_id=pad_token_id)
+        if shared_prefix
+        else None,
         **optional,
     )
 
 
-def dummy_micro_batch(*, pad_token_id: int, with_ref: bool = False, with_values: bool = False,
-                      shared_prefix: bool = False) -> MicroBatch:
+def dummy_micro_batch(
+    *, pad_token_id: int, with_ref: bool = False, with_values: bool = False, shared_prefix: bool = False
+) -> MicroBatch:
     """A one-token, zero-weight micro-batch for ranks that have fewer real ones than the others.
 
     It has one attended token (a fully masked row can give NaN attention) and an all-zero action

@@ -15,8 +15,13 @@ _HEAD_ONLY_DROPOUT = ("classifier_dropout",)
 
 def _is_dropout(name: str, value: Any) -> bool:
     name = name.lower()
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-            and ("dropout" in name or name.endswith("pdrop")) and name not in _HEAD_ONLY_DROPOUT)
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value > 0
+        and ("dropout" in name or name.endswith("pdrop"))
+        and name not in _HEAD_ONLY_DROPOUT
+    )
 
 
 def _is_config(value: Any) -> bool:

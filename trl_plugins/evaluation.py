@@ -18,8 +18,15 @@ from typing import Any, Mapping, Sequence
 
 from trl_plugins.types import Trajectory
 
-__all__ = ["EvalResult", "pass_at_k", "clustered_se", "paired_difference_se", "check_success_component", "evaluate_policy",
-           "summarise"]
+__all__ = [
+    "EvalResult",
+    "pass_at_k",
+    "clustered_se",
+    "paired_difference_se",
+    "check_success_component",
+    "evaluate_policy",
+    "summarise",
+]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -76,8 +83,10 @@ def paired_difference_se(before: Mapping[str, Sequence[int]], after: Mapping[str
         return None
     acc_before = sum(c for c, _ in before.values()) / n_before
     acc_after = sum(c for c, _ in after.values()) / n_after
-    z = [(after[q][0] - acc_after * after[q][1]) / n_after - (before[q][0] - acc_before * before[q][1]) / n_before
-         for q in before]
+    z = [
+        (after[q][0] - acc_after * after[q][1]) / n_after - (before[q][0] - acc_before * before[q][1]) / n_before
+        for q in before
+    ]
     return math.sqrt(len(z) / (len(z) - 1) * sum(v * v for v in z))
 
 
@@ -157,13 +166,17 @@ def summarise(trajectories: Sequence[Trajectory], correct: Sequence[bool], ks: S
     without = [ok for ok, c in zip(correct, calls) if c == 0]
     total = len(trajectories)
     solved_calls = [c for ok, c in zip(correct, calls) if ok]
-    failed = [bool(ok) for traj, ok in zip(trajectories, correct)
-              if any(not c.ok and c.infra_error is None for t in traj.turns for c in t.tool_calls)]
+    failed = [
+        bool(ok)
+        for traj, ok in zip(trajectories, correct)
+        if any(not c.ok and c.infra_error is None for t in traj.turns for c in t.tool_calls)
+    ]
     per_problem_pass = {k: [pass_at_k(len(v), sum(ok for ok, _ in v), k) for v in groups] for k in ks}
 
     def se(keep: Any) -> float | None:  # of the accuracy of the samples whose tool calls ``keep`` selects
-        return clustered_se([sum(ok for ok, c in v if keep(c)) for v in groups],
-                            [sum(1 for _, c in v if keep(c)) for v in groups])
+        return clustered_se(
+            [sum(ok for ok, c in v if keep(c)) for v in groups], [sum(1 for _, c in v if keep(c)) for v in groups]
+        )
 
     return EvalResult(
         problems=len(by_question),
@@ -267,10 +280,22 @@ def evaluate_policy(
         judge = run.reward(success_component)
         run.bind_tokenizer(tokenizer)
         if backend is None:
-            kind = SamplerKind.CONTINUOUS_BATCHING if run.sampler is SamplerKind.CONTINUOUS_BATCHING else SamplerKind.HF_GENERATE
-            backend = make_backend(kind, run.config, run.chat, model=model, pad_token_id=tokenizer.pad_token_id,
-                                   accelerator=accelerator, temperature=temperature, token_budget=run.rollout.token_budget,
-                                   trajectories=min(len(rows), batch_questions) * samples)
+            kind = (
+                SamplerKind.CONTINUOUS_BATCHING
+                if run.sampler is SamplerKind.CONTINUOUS_BATCHING
+                else SamplerKind.HF_GENERATE
+            )
+            backend = make_backend(
+                kind,
+                run.config,
+                run.chat,
+                model=model,
+                pad_token_id=tokenizer.pad_token_id,
+                accelerator=accelerator,
+                temperature=temperature,
+                token_budget=run.rollout.token_budget,
+                trajectories=min(len(rows), batch_questions) * samples,
+            )
         model.eval()
         from tqdm.auto import tqdm
 
@@ -278,14 +303,23 @@ def evaluate_policy(
         for b, start in enumerate(tqdm(starts, desc="evaluate", unit="batch", disable=not progress, leave=False)):
             chunk = list(rows[start : start + batch_questions])
             with torch.no_grad():
-                result = rollout_rows(run, backend, chunk, group_size=samples, seed=derive_seed(seed, b, 0),
-                                      id_offset=start, policy_step=policy_step)
+                result = rollout_rows(
+                    run,
+                    backend,
+                    chunk,
+                    group_size=samples,
+                    seed=derive_seed(seed, b, 0),
+                    id_offset=start,
+                    policy_step=policy_step,
+                )
             score_trajectories(run.rewards, result.trajectories, chunk)
             for traj in result.trajectories:
                 trajectories.append(traj)
                 # A sample the infrastructure failed (environment_error, verifier_error) counts as not correct
                 # here, and is reported apart (world_failure_frac).
-                correct.append(not traj.world_failure and judge.is_success(traj.reward_component(success_component).value))
+                correct.append(
+                    not traj.world_failure and judge.is_success(traj.reward_component(success_component).value)
+                )
     finally:
         model.train(was_training)
         if owned:

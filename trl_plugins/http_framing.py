@@ -26,7 +26,7 @@ def request_head(buffer: bytes) -> bytes | None:
     has arrived whole; None while it has not. Empty lines before the request line are skipped, as parsers do."""
     data = buffer[:MAX_HEAD_BYTES].lstrip(b"\r\n")
     end = _BLANK_LINE.search(data)
-    return None if end is None else data[:end.start()]
+    return None if end is None else data[: end.start()]
 
 
 def framing_problem(head: bytes) -> str | None:
@@ -48,6 +48,5 @@ def framed_two_ways(names: set[bytes]) -> str | None:
     """Why a request whose lower-case header names are ``names`` must be refused for carrying both ``Content-Length``
     and ``Transfer-Encoding`` (RFC 9112 6.1), or None."""
     if b"content-length" in names and b"transfer-encoding" in names:
-        return ("a request with both Content-Length and Transfer-Encoding is refused (RFC 9112 6.1): send one of "
-                "them")
+        return "a request with both Content-Length and Transfer-Encoding is refused (RFC 9112 6.1): send one of them"
     return None

@@ -7,9 +7,15 @@ from typing import Any, Iterator
 
 import torch
 
+from trl_plugins.chunked_head import (
+    auto_chunk_size,
+    chunkable,
+    chunked_logprobs_and_entropy,
+    head_gathered_once,
+    hidden_states_instead_of_logits,
+    output_head,
+)
 from trl_plugins.dropout import disable_dropout, dropout_probabilities
-from trl_plugins.chunked_head import (auto_chunk_size, chunkable, chunked_logprobs_and_entropy, head_gathered_once,
-                                      hidden_states_instead_of_logits, output_head)
 
 __all__ = [
     "token_logprobs",
@@ -28,6 +34,7 @@ __all__ = [
     "dropout_probabilities",
     "disable_dropout",
 ]
+
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[..., index]`` without materialising the full log-softmax twice.
@@ -87,17 +94,29 @@ def token_logprobs_and_entropy(
     """
     kwargs = {} if position_ids is None else {"position_ids": position_ids}
     if not chunkable(model):
-        return _full_logits_logprobs(model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                           **kwargs).logits, target_ids, temperature, with_entropy)
+        return _full_logits_logprobs(
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits,
+            target_ids,
+            temperature,
+            with_entropy,
+        )
     with head_gathered_once(output_head(model)):  # ZeRO-3: one gather for the model's forward and the chunks
         with hidden_states_instead_of_logits(model) as head:
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-        return _scatter_chunked(head, hidden.flatten(0, -2), target_ids, needed, temperature=temperature,
-                                with_entropy=with_entropy, chunk_size=chunk_size)
+        return _scatter_chunked(
+            head,
+            hidden.flatten(0, -2),
+            target_ids,
+            needed,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=chunk_size,
+        )
 
 
-def _full_logits_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float,
-                          with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _full_logits_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if temperature != 1.0:
         logits = logits / temperature
     logp = selective_log_softmax(logits, target_ids)
@@ -107,12 +126,22 @@ def _full_logits_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temper
     return logp, _entropy(z, torch.logsumexp(z, dim=-1))
 
 
-def _scatter_chunked(head: torch.nn.Module, rows: torch.Tensor, target_ids: torch.Tensor, needed: torch.Tensor | None,
-                     *, temperature: float, with_entropy: bool, chunk_size: int | None,
-                     row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _scatter_chunked(
+    head: torch.nn.Module,
+    rows: torch.Tensor,
+    target_ids: torch.Tensor,
+    needed: torch.Tensor | None,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    chunk_size: int | None,
+    row_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     # rows: (n, H) hidden states; position (b, t) reads rows[row_index[b, t]] (default: the flat position itself).
     shape = target_ids.shape
-    needed = torch.ones(shape, dtype=torch.bool, device=rows.device) if needed is None else needed.to(rows.device).bool()
+    needed = (
+        torch.ones(shape, dtype=torch.bool, device=rows.device) if needed is None else needed.to(rows.device).bool()
+    )
     flat = needed.reshape(-1)
     if not bool(flat.any()):  # keep the graph (and every head parameter's gradient, 0) for a micro-batch with none
         flat = torch.zeros_like(flat)
@@ -120,9 +149,15 @@ def _scatter_chunked(head: torch.nn.Module, rows: torch.Tensor, target_ids: torc
     where = flat.nonzero().squeeze(-1)
     source = where if row_index is None else row_index.to(rows.device).reshape(-1)[where]
     size = chunk_size or auto_chunk_size(int(getattr(head, "out_features", 0) or head.weight.shape[0]))
-    logp, entropy = chunked_logprobs_and_entropy(head, rows[source], target_ids.to(rows.device).reshape(-1)[where],
-                                                 temperature=temperature, with_entropy=with_entropy, chunk_size=size,
-                                                 hooks_release=True)
+    logp, entropy = chunked_logprobs_and_entropy(
+        head,
+        rows[source],
+        target_ids.to(rows.device).reshape(-1)[where],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_size=size,
+        hooks_release=True,
+    )
     keep = needed.reshape(-1)[where].to(logp.dtype)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
@@ -151,8 +186,11 @@ def model_inputs(mb: Any, device: Any) -> dict[str, Any]:
     if mb.position_ids is None:
         return {"input_ids": mb.input_ids.to(device), "attention_mask": mb.attention_mask.to(device)}
     real = mb.attention_mask.bool()
-    return {"input_ids": mb.input_ids[real][None, :].to(device), "attention_mask": None,
-            "position_ids": mb.position_ids.to(device)}
+    return {
+        "input_ids": mb.input_ids[real][None, :].to(device),
+        "attention_mask": None,
+        "position_ids": mb.position_ids.to(device),
+    }
 
 
 def unpack(values: torch.Tensor, mb: Any) -> torch.Tensor:
@@ -165,23 +203,37 @@ def unpack(values: torch.Tensor, mb: Any) -> torch.Tensor:
     return out
 
 
-def micro_batch_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float = 1.0,
-                         with_entropy: bool = False, needed: torch.Tensor | None = None,
-                         chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def micro_batch_logprobs(
+    model: torch.nn.Module,
+    mb: Any,
+    device: Any,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    needed: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs_and_entropy` of a micro-batch in any layout (padded, padding-free, shared-prefix),
     returned as ``(B, T)``; ``needed`` (``(B, T)``, e.g. the action mask; None: every real position) says where
     log-probs and entropies are computed, 0 elsewhere."""
     real = mb.attention_mask.bool()
     needed = real if needed is None else needed.bool() & real
     if mb.shared_prefix is not None:
-        return _shared_prefix_logprobs(model, mb, device, temperature=temperature, with_entropy=with_entropy,
-                                       needed=needed, chunk_size=chunk_size)
+        return _shared_prefix_logprobs(
+            model, mb, device, temperature=temperature, with_entropy=with_entropy, needed=needed, chunk_size=chunk_size
+        )
     inputs = model_inputs(mb, device)
     targets = mb.target_ids if mb.position_ids is None else mb.target_ids[real][None, :]
     logp, entropy = token_logprobs_and_entropy(
-        model, inputs["input_ids"], inputs["attention_mask"], targets.to(device), temperature=temperature,
-        with_entropy=with_entropy, position_ids=inputs.get("position_ids"),
-        needed=needed if mb.position_ids is None else needed[real][None, :], chunk_size=chunk_size,
+        model,
+        inputs["input_ids"],
+        inputs["attention_mask"],
+        targets.to(device),
+        temperature=temperature,
+        with_entropy=with_entropy,
+        position_ids=inputs.get("position_ids"),
+        needed=needed if mb.position_ids is None else needed[real][None, :],
+        chunk_size=chunk_size,
     )
     return unpack(logp, mb), None if entropy is None else unpack(entropy, mb)
 
@@ -219,8 +271,12 @@ def check_packed_isolation(model: torch.nn.Module, device: Any, *, vocab_size: i
     was_training = model.training
     model.eval()
     try:
-        packed = model(input_ids=torch.cat([first, second])[None, :].to(device), attention_mask=None, use_cache=False,
-                       position_ids=torch.cat([torch.arange(24), torch.arange(9)])[None, :].to(device)).logits[0, 24:]
+        packed = model(
+            input_ids=torch.cat([first, second])[None, :].to(device),
+            attention_mask=None,
+            use_cache=False,
+            position_ids=torch.cat([torch.arange(24), torch.arange(9)])[None, :].to(device),
+        ).logits[0, 24:]
         alone = model(input_ids=second[None, :].to(device), attention_mask=None, use_cache=False).logits[0]
     finally:
         model.train(was_training)
@@ -334,22 +390,33 @@ def shared_prefix_outputs(model: torch.nn.Module, layout: Any, device: Any) -> t
     with _states_through_checkpointing(model):
         captured = Cache(layer_class_to_replicate=captured_type)
         prefix = _first_forward_module(model)(
-            input_ids=layout.prefix_ids.to(device), attention_mask=layout.prefix_mask.to(device),
-            position_ids=layout.prefix_positions.to(device), cache=captured, use_cache=False).logits
+            input_ids=layout.prefix_ids.to(device),
+            attention_mask=layout.prefix_mask.to(device),
+            position_ids=layout.prefix_positions.to(device),
+            cache=captured,
+            use_cache=False,
+        ).logits
         states = [(layer.keys, layer.values) for layer in captured.layers]
         if not states or any(k is None or k.shape[-2] != width for k, _ in states):
             raise SharedPrefixUnsupported(
                 f"shared_prefix: {type(model).__name__}'s forward kept no key/value states of the prefix (it ignores "
-                f"the cache it is passed). Set shared_prefix=False.")
+                f"the cache it is passed). Set shared_prefix=False."
+            )
         if torch.is_grad_enabled() and _reentrant_checkpointing(model):
             raise SharedPrefixUnsupported(
                 "shared_prefix: the prefix's key/value states carry no gradient (reentrant activation checkpointing "
                 "computes them without one, and the branches' gradient would never reach the prefix). Set "
-                "activation_checkpointing_kwargs={'use_reentrant': False}, or shared_prefix=False.")
+                "activation_checkpointing_kwargs={'use_reentrant': False}, or shared_prefix=False."
+            )
         rows = layout.row_prefix.to(device)
         reused = Cache(layers=[prefixed_type(k.index_select(0, rows), v.index_select(0, rows)) for k, v in states])
-        branch = model(input_ids=layout.branch_ids.to(device), attention_mask=layout.branch_mask.to(device),
-                       position_ids=layout.branch_positions.to(device), cache=reused, use_cache=False).logits
+        branch = model(
+            input_ids=layout.branch_ids.to(device),
+            attention_mask=layout.branch_mask.to(device),
+            position_ids=layout.branch_positions.to(device),
+            cache=reused,
+            use_cache=False,
+        ).logits
     return prefix.flatten(0, 1), branch.flatten(0, 1)
 
 
@@ -370,9 +437,16 @@ def gather_positions(parts: tuple[torch.Tensor, torch.Tensor], mb: Any) -> torch
     return torch.where(mb.attention_mask.to(values.device).bool(), values, torch.zeros_like(values))
 
 
-def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float,
-                            with_entropy: bool, needed: torch.Tensor,
-                            chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _shared_prefix_logprobs(
+    model: torch.nn.Module,
+    mb: Any,
+    device: Any,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    needed: torch.Tensor,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not chunkable(model):
         return _shared_prefix_full_logits(model, mb, device, temperature=temperature, with_entropy=with_entropy)
     with head_gathered_once(output_head(model)):  # ZeRO-3: one gather for both forwards and the chunks
@@ -381,12 +455,21 @@ def _shared_prefix_logprobs(model: torch.nn.Module, mb: Any, device: Any, *, tem
         # A prefix's last position is read by each of its branches, each with its own target: the hidden row is taken
         # per datum position (the chunks run over those), so a chunk may end anywhere inside a branch.
         rows = torch.cat(parts)
-        return _scatter_chunked(head, rows, mb.target_ids, needed, temperature=temperature,
-                                with_entropy=with_entropy, chunk_size=chunk_size, row_index=mb.shared_prefix.index)
+        return _scatter_chunked(
+            head,
+            rows,
+            mb.target_ids,
+            needed,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=chunk_size,
+            row_index=mb.shared_prefix.index,
+        )
 
 
-def _shared_prefix_full_logits(model: torch.nn.Module, mb: Any, device: Any, *, temperature: float,
-                               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _shared_prefix_full_logits(
+    model: torch.nn.Module, mb: Any, device: Any, *, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     parts = shared_prefix_outputs(model, mb.shared_prefix, device)
     if temperature != 1.0:
         parts = tuple(p / temperature for p in parts)
@@ -447,5 +530,6 @@ def check_shared_prefix(model: torch.nn.Module, device: Any, *, vocab_size: int,
             f"shared_prefix: {name} (attention implementation {impl!r}) gives outputs {gap:.3g} away from forwarding "
             f"each sequence whole when a shared prefix is forwarded once (tolerance {tolerance:.3g}): its attention "
             f"does not read the prefix's key/value states with the mask and positions it is given. Set "
-            f"shared_prefix=False, or load the model with sdpa or eager attention.")
+            f"shared_prefix=False, or load the model with sdpa or eager attention."
+        )
     return gap

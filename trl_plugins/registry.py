@@ -79,9 +79,7 @@ def import_target(spec: str) -> Any:
     """
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
-        raise RegistryError(
-            f"{spec!r} is not a valid import target; write it as 'package.module:attribute'."
-        )
+        raise RegistryError(f"{spec!r} is not a valid import target; write it as 'package.module:attribute'.")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -90,9 +88,7 @@ def import_target(spec: str) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
-            raise RegistryError(
-                f"module {module_name!r} has no attribute {attr_path!r} (target {spec!r})"
-            ) from exc
+            raise RegistryError(f"module {module_name!r} has no attribute {attr_path!r} (target {spec!r})") from exc
     return obj
 
 
@@ -153,12 +149,12 @@ class Registry(Generic[T]):
 
     def _add(self, name: str, target: Any, origin: str) -> None:
         if not isinstance(name, str) or not name or ":" in name:
-            raise RegistryError(
-                f"invalid {self.seam} plugin name {name!r}: use a non-empty string without ':'"
-            )
+            raise RegistryError(f"invalid {self.seam} plugin name {name!r}: use a non-empty string without ':'")
         module = getattr(target, "__module__", "") or ""
-        builtin = isinstance(target, str) and target.startswith("trl_plugins.") or (
-            not isinstance(target, str) and module.startswith("trl_plugins.")
+        builtin = (
+            isinstance(target, str)
+            and target.startswith("trl_plugins.")
+            or (not isinstance(target, str) and module.startswith("trl_plugins."))
         )
         if not builtin:
             self._load_builtins()  # a plugin that reuses a built-in name fails here, not later
@@ -290,14 +286,25 @@ class Registry(Generic[T]):
         return f"Registry({self.seam!r}, {len(self._entries)} entries)"
 
 
-ROLLOUTS: Registry[Any] = Registry("rollouts", builtin_modules=("trl_plugins.rollout.engine", "trl_plugins.rollout.endpoint.agent",
-                                                              "trl_plugins.environments.verifiers_env"))
-TOOLS: Registry[Any] = Registry("tools", builtin_modules=("trl_plugins.tools.code_interpreter", "trl_plugins.tools.mcp.plugin"))
-REWARDS: Registry[Any] = Registry("rewards", builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent",
-                                                              "trl_plugins.rewards.reasoning_gym"))
+ROLLOUTS: Registry[Any] = Registry(
+    "rollouts",
+    builtin_modules=(
+        "trl_plugins.rollout.engine",
+        "trl_plugins.rollout.endpoint.agent",
+        "trl_plugins.environments.verifiers_env",
+    ),
+)
+TOOLS: Registry[Any] = Registry(
+    "tools", builtin_modules=("trl_plugins.tools.code_interpreter", "trl_plugins.tools.mcp.plugin")
+)
+REWARDS: Registry[Any] = Registry(
+    "rewards",
+    builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent", "trl_plugins.rewards.reasoning_gym"),
+)
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
-POLICY_LOSSES: Registry[Any] = Registry("policy_losses", builtin_modules=("trl_plugins.algos.losses",
-                                                                         "trl_plugins.algos.span_losses"))
+POLICY_LOSSES: Registry[Any] = Registry(
+    "policy_losses", builtin_modules=("trl_plugins.algos.losses", "trl_plugins.algos.span_losses")
+)
 PACKERS: Registry[Any] = Registry("packers", builtin_modules=("trl_plugins.packing",))
 
 ALL_REGISTRIES: dict[str, Registry[Any]] = {

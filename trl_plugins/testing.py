@@ -10,5 +10,9 @@ from trl_plugins.tiny import __all__ as _tiny
 
 __all__ = [*_contracts, *_tiny]
 
-warnings.warn("trl_plugins.testing is deprecated: import the contract checks from trl_plugins.contracts and the tiny "
-              "model and tokenizer builders from trl_plugins.tiny.", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "trl_plugins.testing is deprecated: import the contract checks from trl_plugins.contracts and the tiny "
+    "model and tokenizer builders from trl_plugins.tiny.",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -28,12 +28,19 @@ SYSTEM_PROMPT = (
 )
 """The recipe's system prompt: the embedded default was cold-started with it."""
 
-CODE_TOOL = {"type": "function", "function": {
-    "name": "code_interpreter",
-    "description": "Run Python 3 code and return what it prints. Each call starts from a fresh interpreter; the value "
-                   "of the last expression is printed. numpy and sympy are available.",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The Python code to run."}},
-                   "required": ["code"]}}}
+CODE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "Run Python 3 code and return what it prints. Each call starts from a fresh interpreter; the value "
+        "of the last expression is printed. numpy and sympy are available.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+            "required": ["code"],
+        },
+    },
+}
 """The code interpreter as an OpenAI function tool (the schema the embedded default was cold-started with)."""
 
 _sandbox = None

@@ -36,8 +36,12 @@ class SumTaskset(vf.Taskset[SumTask, SumConfig]):
         tasks = []
         for i in range(self.config.size):
             a, b, c = (rng.randint(10, 99) for _ in range(3))
-            tasks.append(SumTask(SumData(idx=i, prompt=f"What is {a} + {b} + {c}?", system_prompt=SYSTEM,
-                                         answer=str(a + b + c)), self.config.task))
+            tasks.append(
+                SumTask(
+                    SumData(idx=i, prompt=f"What is {a} + {b} + {c}?", system_prompt=SYSTEM, answer=str(a + b + c)),
+                    self.config.task,
+                )
+            )
         return tasks
 
 

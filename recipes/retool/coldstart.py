@@ -15,8 +15,20 @@ import json
 import random
 from typing import Any, Callable, Sequence
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "LOOKUP_SYSTEM_PROMPT", "TASKS", "transcript", "with_tool_outputs", "lookup_transcript", "full_transcript",
-           "cold_start_dataset", "run_cold_start_sft", "copy_accuracy", "sampled_copy_rate", "receptive_field"]
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "LOOKUP_SYSTEM_PROMPT",
+    "TASKS",
+    "transcript",
+    "with_tool_outputs",
+    "lookup_transcript",
+    "full_transcript",
+    "cold_start_dataset",
+    "run_cold_start_sft",
+    "copy_accuracy",
+    "sampled_copy_rate",
+    "receptive_field",
+]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You solve maths problems. You may run Python with the code_interpreter tool: write one <tool_call> "
@@ -41,8 +53,14 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def transcript(chat: Any, problem: dict, *, use_tool: bool, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-               tool_name: str = "code_interpreter") -> tuple[list[int], list[int]]:
+def transcript(
+    chat: Any,
+    problem: dict,
+    *,
+    use_tool: bool,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    tool_name: str = "code_interpreter",
+) -> tuple[list[int], list[int]]:
     """Token ids and assistant mask of one solved problem, as the rollout would build it.
 
     With ``use_tool`` the first turn calls ``tool_name`` with the problem's ``code`` (default ``print(<expression>)``),
@@ -89,8 +107,15 @@ def _tool_step(chat: Any, ids: list[int], mask: list[int], name: str, arguments:
     mask.extend([1] * len(sampled) + [0] * len(glue))
 
 
-def lookup_transcript(chat: Any, problem: dict, *, lookup: bool, recover: bool, compute: bool,
-                      system_prompt: str | None = LOOKUP_SYSTEM_PROMPT) -> tuple[list[int], list[int]]:
+def lookup_transcript(
+    chat: Any,
+    problem: dict,
+    *,
+    lookup: bool,
+    recover: bool,
+    compute: bool,
+    system_prompt: str | None = LOOKUP_SYSTEM_PROMPT,
+) -> tuple[list[int], list[int]]:
     """Token ids and assistant mask of one lookup problem (:func:`retool.lookup.lookup_problems`), as the rollout
     would build it, on one of the paths a policy can take:
 
@@ -133,9 +158,13 @@ def full_transcript(chat: Any, problem: dict, task: str, *, system_prompt: str |
     return transcript(chat, problem, use_tool=True, system_prompt=system_prompt)
 
 
-def with_tool_outputs(problems: Sequence[dict], *, code: str = "print({expression})",
-                      right: Callable[[dict, str], bool] | None = None,
-                      tool_name: str = "code_interpreter") -> tuple[list[dict], list[dict]]:
+def with_tool_outputs(
+    problems: Sequence[dict],
+    *,
+    code: str = "print({expression})",
+    right: Callable[[dict, str], bool] | None = None,
+    tool_name: str = "code_interpreter",
+) -> tuple[list[dict], list[dict]]:
     """``(kept, dropped)``: the problems, each with its ``code`` (``code`` formatted with its ``expression``) and the
     ``tool_output`` the real code interpreter gives for it (run in its sandbox, as the rollout runs it), so the
     transcripts hold the tool's own text, not what it should print. ``right(problem, text)`` says whether boxing the
@@ -165,16 +194,20 @@ def with_tool_outputs(problems: Sequence[dict], *, code: str = "print({expressio
     kept, dropped = [], []
     for problem, out in zip(problems, outputs):
         if not out.ok:
-            raise ValueError(f"cold start: the code interpreter failed on {problem['code']} for {problem['id']}: "
-                             f"{out.text!r}. Check that the sandbox runs (docs/sandbox.md), and that cold_start_code "
-                             f"suits the datasets' expressions (--embedded '{{\"cold_start_code\": ...}}').")
+            raise ValueError(
+                f"cold start: the code interpreter failed on {problem['code']} for {problem['id']}: "
+                f"{out.text!r}. Check that the sandbox runs (docs/sandbox.md), and that cold_start_code "
+                f"suits the datasets' expressions (--embedded '{{\"cold_start_code\": ...}}')."
+            )
         (kept if right(problem, out.text.strip()) else dropped).append({**problem, "tool_output": out.text})
     if len(dropped) * 2 > len(problems):
         example = dropped[0]
-        raise ValueError(f"cold start: for {len(dropped)} of {len(problems)} questions the code interpreter's output "
-                         f"is not the answer ({example['code']} gave {example['tool_output']!r}, the "
-                         f"answer is {example['answer']!r}): this task cannot be taught by copying the tool's output. "
-                         f"Bring a model (--model_name_or_path).")
+        raise ValueError(
+            f"cold start: for {len(dropped)} of {len(problems)} questions the code interpreter's output "
+            f"is not the answer ({example['code']} gave {example['tool_output']!r}, the "
+            f"answer is {example['answer']!r}): this task cannot be taught by copying the tool's output. "
+            f"Bring a model (--model_name_or_path)."
+        )
     return kept, dropped
 
 
@@ -188,9 +221,17 @@ def receptive_field(model_config: Any) -> int | None:
     return len(layer_types) * window
 
 
-def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: float, seed: int = 0,
-                       system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, left_context: int | None = None,
-                       task: str = "arithmetic", recovery_fraction: float = 0.5):
+def cold_start_dataset(
+    chat: Any,
+    problems: Sequence[dict],
+    *,
+    tool_fraction: float,
+    seed: int = 0,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    left_context: int | None = None,
+    task: str = "arithmetic",
+    recovery_fraction: float = 0.5,
+):
     """A pre-tokenised ``datasets.Dataset`` (``input_ids``, ``assistant_masks``) for TRL's SFTTrainer.
 
     ``arithmetic`` and ``reasoning_gym``: ``tool_fraction`` of the transcripts call the tool, the others answer in the
@@ -218,9 +259,14 @@ def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: fl
     rows = []
     for problem in problems:
         if task == "lookup":
-            ids, mask = lookup_transcript(chat, problem, lookup=rng.random() < tool_fraction,
-                                          recover=rng.random() < recovery_fraction, compute=rng.random() < tool_fraction,
-                                          system_prompt=system_prompt)
+            ids, mask = lookup_transcript(
+                chat,
+                problem,
+                lookup=rng.random() < tool_fraction,
+                recover=rng.random() < recovery_fraction,
+                compute=rng.random() < tool_fraction,
+                system_prompt=system_prompt,
+            )
         else:
             ids, mask = transcript(chat, problem, use_tool=rng.random() < tool_fraction, system_prompt=system_prompt)
         if left_context is not None:
@@ -230,8 +276,18 @@ def cold_start_dataset(chat: Any, problems: Sequence[dict], *, tool_fraction: fl
     return Dataset.from_list(rows)
 
 
-def run_cold_start_sft(model: Any, tokenizer: Any, dataset: Any, output_dir: str, *, epochs: float = 1.0,
-                       learning_rate: float = 3e-3, batch_size: int = 32, seed: int = 0, show_progress: bool = True):
+def run_cold_start_sft(
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    output_dir: str,
+    *,
+    epochs: float = 1.0,
+    learning_rate: float = 3e-3,
+    batch_size: int = 32,
+    seed: int = 0,
+    show_progress: bool = True,
+):
     """Supervised warm start with TRL's SFTTrainer (fp32, CPU-friendly); returns the trained model."""
     from trl import SFTConfig, SFTTrainer
 
@@ -264,8 +320,14 @@ def run_cold_start_sft(model: Any, tokenizer: Any, dataset: Any, output_dir: str
     return trainer.model
 
 
-def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
-                  system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, task: str = "arithmetic") -> float:
+def copy_accuracy(
+    model: Any,
+    chat: Any,
+    problems: Sequence[dict],
+    *,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    task: str = "arithmetic",
+) -> float:
     """Teacher-forced share of the digits a tool-using transcript (:func:`full_transcript`) copies that the model
     gets right.
 
@@ -294,8 +356,9 @@ def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
     for r, (ids, mask) in enumerate(rows):
         if task == "reasoning_gym":  # every token of each copied span: its operators too (a build copied the digits of
             # chain sums at 0.996 and their operators at 0.5, a coin toss)
-            checked = [p for start, end in _turn_digit_spans(ids, mask, digits) for p in range(max(start, 1), end)
-                       if mask[p]]
+            checked = [
+                p for start, end in _turn_digit_spans(ids, mask, digits) for p in range(max(start, 1), end) if mask[p]
+            ]
         else:
             checked = [p for p in range(1, len(ids)) if mask[p] and ids[p] in digits]
         total += len(checked)
@@ -303,8 +366,15 @@ def copy_accuracy(model: Any, chat: Any, problems: Sequence[dict], *,
     return hits / max(total, 1)
 
 
-def sampled_copy_rate(model: Any, chat: Any, problems: Sequence[dict], *, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-                      seed: int = 0, task: str = "arithmetic") -> float:
+def sampled_copy_rate(
+    model: Any,
+    chat: Any,
+    problems: Sequence[dict],
+    *,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    seed: int = 0,
+    task: str = "arithmetic",
+) -> float:
     """Share of problems whose every copy a sample at temperature 1 gets right, each after the transcript up to it:
     in each assistant turn of :func:`full_transcript`, the span from its first digit to its last (arithmetic: the
     expression into the code and the tool's output into the boxed answer; lookup also the keys into the calls and

@@ -40,30 +40,117 @@ class ScriptArguments(ModelConfig):
     """The task, model and evaluation; TRL's ``ModelConfig`` brings ``--use_peft`` and the ``--lora_*``
     fields (``trl_plugins.run.lora`` honours or refuses each one)."""
 
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout: 0 (TRL's default 0.05 is refused: dropout in the update but not in generation biases every importance ratio)."})
-    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled task named by --task."})
-    task: str = field(default="arithmetic", metadata={"help": "The bundled task (without --dataset_name), and the embedded default built for it: 'arithmetic' (one code call) or 'lookup' (a number behind a key, then arithmetic on it; some keys moved: recipes/retool_lookup.yaml sets it up); or 'reasoning_gym': reasoning-gym's datasets named by --task_kwargs (recipes/retool_reasoning_gym.yaml; docs/environments.md), with an embedded default of its own where the datasets' entries carry their expression (chain_sum, basic_arithmetic)."})
-    task_kwargs: dict | str | None = field(default=None, metadata={"help": "--task reasoning_gym only: the datasets, e.g. '{\"datasets\": {\"chain_sum\": {\"weight\": 1.0, \"config\": {\"min_terms\": 3}}}}' (several: a composite mixed by weight; each config takes the dataset's own fields), and optionally held_out_pool (default 1000). Checked against reasoning-gym when the config is parsed."})
-    success_component: str | None = field(default=None, metadata={"help": "The reward component whose is_success(value) counts a held-out sample correct (accuracy, pass@k); default: the task's ('reasoning_gym' for --task reasoning_gym, else 'correct')."})
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Hub name or local path; default: the embedded tiny model after its cold-start SFT."},
+    )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "LoRA dropout: 0 (TRL's default 0.05 is refused: dropout in the update but not in generation "
+            "biases every importance ratio)."
+        },
+    )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset or local file/dir; default: the bundled task named by --task."}
+    )
+    task: str = field(
+        default="arithmetic",
+        metadata={
+            "help": "The bundled task (without --dataset_name), and the embedded default built for it: 'arithmetic' "
+            "(one code call) or 'lookup' (a number behind a key, then arithmetic on it; some keys moved: "
+            "recipes/retool_lookup.yaml sets it up); or 'reasoning_gym': reasoning-gym's datasets named by "
+            "--task_kwargs (recipes/retool_reasoning_gym.yaml; docs/environments.md), with an embedded "
+            "default of its own where the datasets' entries carry their expression (chain_sum, "
+            "basic_arithmetic)."
+        },
+    )
+    task_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": '--task reasoning_gym only: the datasets, e.g. \'{"datasets": {"chain_sum": {"weight": 1.0, '
+            '"config": {"min_terms": 3}}}}\' (several: a composite mixed by weight; each config takes the '
+            "dataset's own fields), and optionally held_out_pool (default 1000). Checked against "
+            "reasoning-gym when the config is parsed."
+        },
+    )
+    success_component: str | None = field(
+        default=None,
+        metadata={
+            "help": "The reward component whose is_success(value) counts a held-out sample correct (accuracy, "
+            "pass@k); default: the task's ('reasoning_gym' for --task reasoning_gym, else 'correct')."
+        },
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the before/after evaluation; never the training split. A dataset without it (a single local file always) holds out held_out_fraction of the training split instead."})
-    held_out_fraction: float = field(default=0.1, metadata={"help": "When the dataset has no dataset_test_split (a single local file has none): the share of the training split held out for evaluation, chosen by a hash of the prompt (the same rows every run); training leaves them out. 0: hold out nothing (the held-out evaluation is then refused)."})
+    dataset_test_split: str = field(
+        default="test",
+        metadata={
+            "help": "Held-out split for the before/after evaluation; never the training split. A dataset without it "
+            "(a single local file always) holds out held_out_fraction of the training split instead."
+        },
+    )
+    held_out_fraction: float = field(
+        default=0.1,
+        metadata={
+            "help": "When the dataset has no dataset_test_split (a single local file has none): the share of the "
+            "training split held out for evaluation, chosen by a hash of the prompt (the same rows every "
+            "run); training leaves them out. 0: hold out nothing (the held-out evaluation is then refused)."
+        },
+    )
     prompt_column: str = field(default="prompt", metadata={"help": "Column with the question."})
     answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer."})
-    train_size: int | None = field(default=None, metadata={"help": "Training questions (bundled task: generated; Hub: subsampled)."})
+    train_size: int | None = field(
+        default=None, metadata={"help": "Training questions (bundled task: generated; Hub: subsampled)."}
+    )
     task_seed: int = field(default=0, metadata={"help": "Seed of the bundled task and of the embedded model's build."})
-    eval_problems: int = field(default=128, metadata={"help": "Held-out problems for the before/after evaluation (0: skip it)."})
+    eval_problems: int = field(
+        default=128, metadata={"help": "Held-out problems for the before/after evaluation (0: skip it)."}
+    )
     eval_samples: int = field(default=4, metadata={"help": "Samples per held-out problem."})
-    eval_temperature: float = field(default=1.0, metadata={"help": "Evaluation temperature (0 = greedy, with eval_samples 1)."})
-    eval_every_steps: int = field(default=0, metadata={"help": "Held-out evaluation of the live policy every N steps, logged as heldout/* (0: only before and after)."})
-    eval_every_problems: int = field(default=64, metadata={"help": "Held-out problems of each periodic evaluation (the first of the held-out split), eval_samples each."})
-    embedded: str = field(default="{}", metadata={"help": "EmbeddedSettings overrides (JSON), e.g. '{\"cold_start_epochs\": 3}'."})
+    eval_temperature: float = field(
+        default=1.0, metadata={"help": "Evaluation temperature (0 = greedy, with eval_samples 1)."}
+    )
+    eval_every_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Held-out evaluation of the live policy every N steps, logged as heldout/* (0: only before and "
+            "after)."
+        },
+    )
+    eval_every_problems: int = field(
+        default=64,
+        metadata={
+            "help": "Held-out problems of each periodic evaluation (the first of the held-out split), eval_samples "
+            "each."
+        },
+    )
+    embedded: str = field(
+        default="{}", metadata={"help": "EmbeddedSettings overrides (JSON), e.g. '{\"cold_start_epochs\": 3}'."}
+    )
     rebuild_embedded: bool = field(default=False, metadata={"help": "Rebuild the cached embedded default."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir an earlier run left files in: they are moved to output_dir/previous-<time>/ (nothing is deleted). Without it (or --resume_from_checkpoint) a non-empty output_dir is refused."})
-    dry_run: bool = field(default=False, metadata={"help": "Run every start-up check (settings, plugins and their contract checks, tools and their schemas, the data, the chat template, dropout, memory, output_dir, the checkpoint to resume) and print the start-up lines, then exit: 0, or non-zero with the refusal. Trains and evaluates nothing, writes or moves nothing in output_dir, starts no tracker and loads no weights (the embedded default: the cached build, else only the tokenizer and model config its build makes). docs/recipe.md, 'Checking a config'."})
-    wandb_project: str | None = field(default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir an earlier run left files in: they are moved to "
+            "output_dir/previous-<time>/ (nothing is deleted). Without it (or --resume_from_checkpoint) a "
+            "non-empty output_dir is refused."
+        },
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={
+            "help": "Run every start-up check (settings, plugins and their contract checks, tools and their schemas, "
+            "the data, the chat template, dropout, memory, output_dir, the checkpoint to resume) and print "
+            "the start-up lines, then exit: 0, or non-zero with the refusal. Trains and evaluates nothing, "
+            "writes or moves nothing in output_dir, starts no tracker and loads no weights (the embedded "
+            "default: the cached build, else only the tokenizer and model config its build makes). "
+            "docs/recipe.md, 'Checking a config'."
+        },
+    )
+    wandb_project: str | None = field(
+        default="trl-plugins-retool", metadata={"help": "W&B project (offline when no API key is configured)."}
+    )
     plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
     reasoning_gym_task: Any = field(default=None, init=False)
     """``--task reasoning_gym``: its ``task_kwargs`` checked (:class:`retool.reasoning_gym_task.ReasoningGymTask`)."""
@@ -93,16 +180,22 @@ class ScriptArguments(ModelConfig):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}.")
         if self.dataset_name is not None and self.task != "arithmetic":
-            raise ValueError(f"task {self.task!r} names a bundled task, but dataset_name {self.dataset_name!r} replaces the "
-                             f"bundled tasks: drop one of them.")
+            raise ValueError(
+                f"task {self.task!r} names a bundled task, but dataset_name {self.dataset_name!r} replaces the "
+                f"bundled tasks: drop one of them."
+            )
         if self.task == REASONING_GYM:
             from retool.reasoning_gym_task import parse_task_kwargs
 
             self.reasoning_gym_task = parse_task_kwargs(self.task_kwargs if self.task_kwargs is not None else {})
         elif self.task_kwargs not in (None, "", {}, "{}"):
-            raise ValueError(f"task_kwargs are the settings of --task reasoning_gym; task {self.task!r} takes none: drop "
-                             f"task_kwargs or set --task reasoning_gym.")
-        if self.success_component is None:  # parse_args sets the task's (retool.tasks); a caller that builds these may not
+            raise ValueError(
+                f"task_kwargs are the settings of --task reasoning_gym; task {self.task!r} takes none: drop "
+                f"task_kwargs or set --task reasoning_gym."
+            )
+        if (
+            self.success_component is None
+        ):  # parse_args sets the task's (retool.tasks); a caller that builds these may not
             from retool.tasks import default_success_component
 
             self.success_component = default_success_component(self.task)
@@ -165,9 +258,11 @@ def _check_keys(layers: list[tuple[str, dict]], known: set[str]) -> None:
                 continue
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise SystemExit(f"the config {path} sets {key!r}, which is no field of the recipe "
-                             f"(ScriptArguments) or of MultiTurnGRPOConfig.{hint} Fix or remove it; "
-                             f"`python recipes/retool_ppo.py --help` lists the fields.")
+            raise SystemExit(
+                f"the config {path} sets {key!r}, which is no field of the recipe "
+                f"(ScriptArguments) or of MultiTurnGRPOConfig.{hint} Fix or remove it; "
+                f"`python recipes/retool_ppo.py --help` lists the fields."
+            )
 
 
 def _command_line_values(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
@@ -188,7 +283,11 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> 
     return set(_command_line_values(parser, argv))
 
 
-PLUGIN_KWARGS = (("rollout", "rollout_kwargs"), ("advantage", "advantage_kwargs"), ("policy_loss", "policy_loss_kwargs"))
+PLUGIN_KWARGS = (
+    ("rollout", "rollout_kwargs"),
+    ("advantage", "advantage_kwargs"),
+    ("policy_loss", "policy_loss_kwargs"),
+)
 """A plugin's name field and the kwargs written for the plugin it names."""
 KEYED_KWARGS = (("tools", "tool_kwargs"), ("reward_components", "reward_component_kwargs"))
 """A list of plugin names and the kwargs written per name."""
@@ -205,8 +304,10 @@ def _kwargs_for_their_plugins(layers: list[tuple[str, dict]], cli: dict[str, Any
     """
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
-    defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-                for f in fields(MultiTurnGRPOConfig)}
+    defaults = {
+        f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        for f in fields(MultiTurnGRPOConfig)
+    }
     stack = [(Path(path).name, values) for path, values in layers] + [("the command line", cli)]
 
     def highest(name: str, upto: int | None = None) -> int | None:
@@ -228,9 +329,11 @@ def _kwargs_for_their_plugins(layers: list[tuple[str, dict]], cli: dict[str, Any
             if now == written_for or not kwargs:
                 continue
             replaced[kwargs_field] = {}
-            notes.append(f"{kwargs_field} {_json(kwargs)} from {written_in} were written for {name_field} {written_for!r}; "
-                         f"{chosen_in} chose {now!r}, so they are dropped (restate {kwargs_field} to pass settings to "
-                         f"{now!r})")
+            notes.append(
+                f"{kwargs_field} {_json(kwargs)} from {written_in} were written for {name_field} {written_for!r}; "
+                f"{chosen_in} chose {now!r}, so they are dropped (restate {kwargs_field} to pass settings to "
+                f"{now!r})"
+            )
             continue
         if not isinstance(kwargs, dict):  # a JSON string from the command line is never below another layer
             continue
@@ -239,8 +342,10 @@ def _kwargs_for_their_plugins(layers: list[tuple[str, dict]], cli: dict[str, Any
             continue
         replaced[kwargs_field] = kept
         gone = sorted(set(kwargs) - set(kept))
-        notes.append(f"{kwargs_field} for {gone} from {written_in} dropped: {chosen_in} set {name_field} {list(now)} "
-                     f"without them")
+        notes.append(
+            f"{kwargs_field} for {gone} from {written_in} dropped: {chosen_in} set {name_field} {list(now)} "
+            f"without them"
+        )
     return replaced, notes
 
 
@@ -250,8 +355,9 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def _weights_by_name(layers: list[tuple[str, dict]], cli: set[str], argv: list[str],
-                     parser: argparse.ArgumentParser) -> tuple[list[float] | None, dict[str, str]]:
+def _weights_by_name(
+    layers: list[tuple[str, dict]], cli: set[str], argv: list[str], parser: argparse.ArgumentParser
+) -> tuple[list[float] | None, dict[str, str]]:
     """Weights for components that a higher layer changed without restating weights.
 
     The highest layer that sets ``reward_components`` decides: when neither it nor any layer above sets
@@ -311,15 +417,25 @@ def _group_help(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]
         if cls is ScriptArguments:
             groups.append(("the recipe (retool/config.py:ScriptArguments)", None, own(ScriptArguments)))
         elif cls is MultiTurnGRPOConfig:
-            groups.append(("trl_plugins: plugins and training (MultiTurnGRPOConfig's own fields)",
-                           "Plugins are registry names or 'pkg.module:attr'; *_kwargs take a JSON object on the "
-                           "command line. docs/plugins.md lists each plugin's settings.", own(MultiTurnGRPOConfig)))
+            groups.append(
+                (
+                    "trl_plugins: plugins and training (MultiTurnGRPOConfig's own fields)",
+                    "Plugins are registry names or 'pkg.module:attr'; *_kwargs take a JSON object on the "
+                    "command line. docs/plugins.md lists each plugin's settings.",
+                    own(MultiTurnGRPOConfig),
+                )
+            )
         else:
             groups.append((f"{cls.__module__}:{cls.__name__}", None, {f.name for f in fields(cls)}))
     inherited_model = {f.name for f in fields(ModelConfig)} - own(ScriptArguments)
     groups.append(("TRL's ModelConfig (LoRA, quantisation), inherited by ScriptArguments", None, inherited_model))
-    groups.append(("TRL's GRPOConfig and transformers' TrainingArguments, inherited by MultiTurnGRPOConfig",
-                   "Each is honoured, mapped or refused at start-up (trl_plugins/run/trl_fields.py).", None))
+    groups.append(
+        (
+            "TRL's GRPOConfig and transformers' TrainingArguments, inherited by MultiTurnGRPOConfig",
+            "Each is honoured, mapped or refused at start-up (trl_plugins/run/trl_fields.py).",
+            None,
+        )
+    )
     default_group = parser._optionals
     made = []
     for title, description, names in groups:
@@ -341,10 +457,12 @@ def _build_parser(extra: Sequence[type]):
     from trl_plugins.trainers import MultiTurnGRPOConfig
 
     dataclass_types = (*extra, ScriptArguments, MultiTurnGRPOConfig)
-    parser = TrlParser(dataclass_types, usage="[accelerate launch [--config_file ...]] %(prog)s [--config FILE ...] "
-                                               "[--FIELD VALUE ...]",
-                       description="Every field below can be set in a --config file or on the command line; "
-                                   "'(default: ...)' shows the value in force from the config files.")
+    parser = TrlParser(
+        dataclass_types,
+        usage="[accelerate launch [--config_file ...]] %(prog)s [--config FILE ...] [--FIELD VALUE ...]",
+        description="Every field below can be set in a --config file or on the command line; "
+        "'(default: ...)' shows the value in force from the config files.",
+    )
     # Listed for --help only: parse_args takes every --config out of argv before argparse sees it.
     parser.add_argument("--config", metavar="FILE", action="append", default=argparse.SUPPRESS, help=CONFIG_HELP)
     _group_help(parser, dataclass_types)
@@ -398,14 +516,23 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
         replaced, dropped = _kwargs_for_their_plugins(layers, _command_line_values(parser, user_argv))
         if replaced:
             parser.set_defaults_with_config(**replaced)
-        provenance = _provenance(layers, _given_on_command_line(parser, user_argv), _given_on_command_line(parser, defaults),
-                                 reweighted=weights is not None)
+        provenance = _provenance(
+            layers,
+            _given_on_command_line(parser, user_argv),
+            _given_on_command_line(parser, defaults),
+            reweighted=weights is not None,
+        )
         for key in replaced:
             provenance[key] = f"{provenance[key]}, less what was written for other plugins"
     try:
         outputs = tuple(parser.parse_args_into_dataclasses(argv))
-    except (ValueError, LookupError) as exc:  # a __post_init__ check: one line, with where the settings it names came from
-        raise SystemExit(f"configuration error (before any model loads): {exc}{_origins_of(str(exc), provenance)}") from exc
+    except (
+        ValueError,
+        LookupError,
+    ) as exc:  # a __post_init__ check: one line, with where the settings it names came from
+        raise SystemExit(
+            f"configuration error (before any model loads): {exc}{_origins_of(str(exc), provenance)}"
+        ) from exc
     script_args = next(o for o in outputs if isinstance(o, ScriptArguments))
     script_args.config_files = [path for path, _ in layers if path != task_layer]
     script_args.task_settings = sorted(key for key, where in provenance.items() if where == task_layer)
@@ -415,8 +542,9 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
     return outputs
 
 
-def _with_task_layer(layers: list[tuple[str, dict]], parser: argparse.ArgumentParser,
-                     argv: list[str]) -> tuple[list[tuple[str, dict]], str]:
+def _with_task_layer(
+    layers: list[tuple[str, dict]], parser: argparse.ArgumentParser, argv: list[str]
+) -> tuple[list[tuple[str, dict]], str]:
     """``layers`` with the chosen task's own settings (:func:`retool.tasks.task_layer`) over the recipe's YAML and
     under the user's files, and that layer's name. The task is the command line's ``--task``, else the highest
     file's, else the field's default."""

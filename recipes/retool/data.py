@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["load_task_rows", "task_rows", "rollout_rows", "prompt_hash", "held_out_mask", "answer_paths", "hide_answers"]
+__all__ = [
+    "load_task_rows",
+    "task_rows",
+    "rollout_rows",
+    "prompt_hash",
+    "held_out_mask",
+    "answer_paths",
+    "hide_answers",
+]
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -58,14 +66,16 @@ def load_task_rows(
 ) -> list[dict]:
     """Rows ``{"id", "prompt", "answer"}`` for training (``role="train"``) or the held-out evaluation
     (``role="test"``): the bundled ``task`` (``arithmetic`` or ``lookup``; ``reasoning_gym``: the datasets of
-    ``reasoning_gym``, a :class:`retool.reasoning_gym_task.ReasoningGymTask`) when ``dataset_name`` is None, else a Hub dataset or a
+    ``reasoning_gym``, a :class:`retool.reasoning_gym_task.ReasoningGymTask`) when ``dataset_name`` is None, else a Hub
+    dataset or a
     local file/directory loaded with ``datasets.load_dataset``. A dotted column name reads a nested field
     (e.g. ``reward_model.ground_truth`` in DAPO-style sets).
 
     Which rows (the two roles never share a row):
 
     - the bundled task: its ``train_split`` / ``test_split`` (disjoint by construction);
-    - reasoning-gym: disjoint seed ranges, de-duplicated by question (:func:`retool.reasoning_gym_task.reasoning_gym_problems`);
+    - reasoning-gym: disjoint seed ranges, de-duplicated by question
+    (:func:`retool.reasoning_gym_task.reasoning_gym_problems`);
     - a dataset with a split named ``test_split``: that split, and ``train_split`` for training;
     - a dataset without it, or a single local file (one split): ``held_out_fraction`` of the rows of
       ``train_split`` (the whole file) are held out (:func:`held_out_mask`), the others train.
@@ -83,12 +93,24 @@ def load_task_rows(
         from retool.reasoning_gym_task import TRAIN_SEED_OFFSET, reasoning_gym_problems
 
         if reasoning_gym is None:
-            raise ValueError("task 'reasoning_gym' needs its datasets (ScriptArguments.reasoning_gym_task, from --task_kwargs).")
-        rows = reasoning_gym_problems(reasoning_gym, size or 1000, seed=seed, split="train" if role == "train" else "test")
+            raise ValueError(
+                "task 'reasoning_gym' needs its datasets (ScriptArguments.reasoning_gym_task, from --task_kwargs)."
+            )
+        rows = reasoning_gym_problems(
+            reasoning_gym, size or 1000, seed=seed, split="train" if role == "train" else "test"
+        )
         if log:
-            log(f"{'training' if role == 'train' else 'held-out'} rows: {len(rows)} reasoning-gym questions of "
-                f"{reasoning_gym.describe()} (" + ("seeds from task_seed, each question once" if role == "test" else
-                f"seeds from task_seed + {TRAIN_SEED_OFFSET:,}, none of the {reasoning_gym.held_out_pool}-item held-out pool's questions") + ")")
+            log(
+                f"{'training' if role == 'train' else 'held-out'} rows: {len(rows)} reasoning-gym questions of "
+                f"{reasoning_gym.describe()} ("
+                + (
+                    "seeds from task_seed, each question once"
+                    if role == "test"
+                    else f"seeds from task_seed + {TRAIN_SEED_OFFSET:,}, none of the "
+                    f"{reasoning_gym.held_out_pool}-item held-out pool's questions"
+                )
+                + ")"
+            )
         return rows
     if dataset_name is None:
         from retool.task import bundled_problems
@@ -125,8 +147,11 @@ def load_task_rows(
             )
         source = f"split {split!r} of {dataset_name}"
         carve = not has_test and bool(held_out_fraction)
-    ds = (datasets.load_dataset(fmt, data_files=str(path), split="train") if split is None
-          else datasets.load_dataset(dataset_name, dataset_config, split=split))
+    ds = (
+        datasets.load_dataset(fmt, data_files=str(path), split="train")
+        if split is None
+        else datasets.load_dataset(dataset_name, dataset_config, split=split)
+    )
     missing = [c for c in (prompt_column, answer_column) if c.split(".")[0] not in ds.column_names]
     if missing:
         raise ValueError(
@@ -139,8 +164,11 @@ def load_task_rows(
         n_test = sum(held)
         if log:
             why = "a single file has no held-out split" if split is None else f"the dataset has no split {test_split!r}"
-            log(f"held-out rows: {n_test} of the {len(ds)} rows of {source}, held_out_fraction={held_out_fraction} of them "
-                f"chosen by a hash of the prompt ({why}); training uses the other {len(ds) - n_test}.")
+            log(
+                f"held-out rows: {n_test} of the {len(ds)} rows of {source}, held_out_fraction={held_out_fraction} "
+                "of them "
+                f"chosen by a hash of the prompt ({why}); training uses the other {len(ds) - n_test}."
+            )
         if not keep:
             side = "held out" if role == "test" else "left for training"
             raise ValueError(
@@ -160,29 +188,65 @@ def load_task_rows(
         ds = ds.shuffle(seed=seed).select(range(size))
     label = role if carve or split is None else split
     return [
-        {"id": str(row.get("id", f"{label}-{i}")), "prompt": _field(row, prompt_column), "answer": str(_field(row, answer_column))}
+        {
+            "id": str(row.get("id", f"{label}-{i}")),
+            "prompt": _field(row, prompt_column),
+            "answer": str(_field(row, answer_column)),
+        }
         for i, row in enumerate(ds)
     ]
 
 
-def task_rows(script_args: Any, role: Literal["train", "test"], *, size: int | None,
-              log: Callable[[str], None] | None = None, rollout: Any = None) -> list[dict]:
+def task_rows(
+    script_args: Any,
+    role: Literal["train", "test"],
+    *,
+    size: int | None,
+    log: Callable[[str], None] | None = None,
+    rollout: Any = None,
+) -> list[dict]:
     """:func:`load_task_rows` with the run's ``ScriptArguments``: the one call the recipe's training rows, its
     before/after and periodic evaluations and ``retool_eval.py`` share, so all of them split alike. A ``rollout``
     (the run's :class:`~trl_plugins.protocols.RolloutPlugin`) with a dataset of its own (``rows``: a verifiers
     environment's tasks) gives the rows instead (:func:`rollout_rows`)."""
     a = script_args
     if rollout is not None and rollout.rows_fn is not None:
-        return rollout_rows(rollout.rows_fn(), role, size=size, seed=a.task_seed, held_out_fraction=a.held_out_fraction,
-                            source=rollout.label, log=log)
-    return load_task_rows(a.dataset_name, role, size=size, seed=a.task_seed, dataset_config=a.dataset_config,
-                          prompt_column=a.prompt_column, answer_column=a.answer_column, train_split=a.dataset_train_split,
-                          test_split=a.dataset_test_split, held_out_fraction=a.held_out_fraction, log=log,
-                          task=a.task, reasoning_gym=a.reasoning_gym_task)
+        return rollout_rows(
+            rollout.rows_fn(),
+            role,
+            size=size,
+            seed=a.task_seed,
+            held_out_fraction=a.held_out_fraction,
+            source=rollout.label,
+            log=log,
+        )
+    return load_task_rows(
+        a.dataset_name,
+        role,
+        size=size,
+        seed=a.task_seed,
+        dataset_config=a.dataset_config,
+        prompt_column=a.prompt_column,
+        answer_column=a.answer_column,
+        train_split=a.dataset_train_split,
+        test_split=a.dataset_test_split,
+        held_out_fraction=a.held_out_fraction,
+        log=log,
+        task=a.task,
+        reasoning_gym=a.reasoning_gym_task,
+    )
 
 
-def rollout_rows(rows: Sequence[dict], role: Literal["train", "test"], *, size: int | None, seed: int,
-                 held_out_fraction: float, source: str, log: Callable[[str], None] | None = None) -> list[dict]:
+def rollout_rows(
+    rows: Sequence[dict],
+    role: Literal["train", "test"],
+    *,
+    size: int | None,
+    seed: int,
+    held_out_fraction: float,
+    source: str,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
     """The rows of a rollout's own dataset for ``role``: ``held_out_fraction`` of them held out by a hash of the prompt
     (:func:`held_out_mask`; a row without a prompt by its task's data), the others trained on; then ``size`` of the
     role's rows drawn with a seeded shuffle.
@@ -193,20 +257,29 @@ def rollout_rows(rows: Sequence[dict], role: Literal["train", "test"], *, size: 
     if not rows:
         raise ValueError(f"{source} has no rows.")
     if role == "test" and not held_out_fraction:
-        raise ValueError(f"{source} has one set of rows and held_out_fraction is 0: hold out a share with "
-                         f"--held_out_fraction 0.1 (training then leaves it out), or skip the held-out evaluation with "
-                         f"--eval_problems 0.")
+        raise ValueError(
+            f"{source} has one set of rows and held_out_fraction is 0: hold out a share with "
+            f"--held_out_fraction 0.1 (training then leaves it out), or skip the held-out evaluation with "
+            f"--eval_problems 0."
+        )
     held = held_out_mask([row.get("prompt") or row.get("task") or row.get("id") for row in rows], held_out_fraction)
     keep = [dict(row) for row, h in zip(rows, held) if h == (role == "test")]
     if not keep:
         side = "held out" if role == "test" else "left for training"
-        raise ValueError(f"{source} has {len(rows)} rows and held_out_fraction={held_out_fraction} leaves none {side}: "
-                         f"change --held_out_fraction, or skip the held-out evaluation with --eval_problems 0.")
+        raise ValueError(
+            f"{source} has {len(rows)} rows and held_out_fraction={held_out_fraction} leaves none {side}: "
+            f"change --held_out_fraction, or skip the held-out evaluation with --eval_problems 0."
+        )
     if log:
-        log(f"rows: the {len(rows)} of {source}; {sum(held)} held out (held_out_fraction={held_out_fraction}, chosen by a "
-            f"hash of the prompt), {len(rows) - sum(held)} for training.")
+        log(
+            f"rows: the {len(rows)} of {source}; {sum(held)} held out (held_out_fraction={held_out_fraction}, chosen "
+            "by a "
+            f"hash of the prompt), {len(rows) - sum(held)} for training."
+        )
     if size is not None and size < len(keep):
-        order = sorted(range(len(keep)), key=lambda i: hashlib.sha256(f"{seed}/{keep[i].get('id')}/{i}".encode()).digest())
+        order = sorted(
+            range(len(keep)), key=lambda i: hashlib.sha256(f"{seed}/{keep[i].get('id')}/{i}".encode()).digest()
+        )
         keep = [keep[i] for i in sorted(order[:size])]
     return keep
 
@@ -258,8 +331,10 @@ def hide_answers(dataset_name: str | None, training_args: Any, say: Any = print)
         tool_kw = training_args.tool_kwargs.setdefault("code_interpreter", {})
         if tool_kw.get("backend") == "remote":
             # What the code can read is the server's business (a client may not set hidden_paths): say so.
-            say(f"The sandbox server decides what model code can read: if it runs where these dataset files are, "
-                f"start it with --hidden-path for each of {', '.join(hide)}")
+            say(
+                f"The sandbox server decides what model code can read: if it runs where these dataset files are, "
+                f"start it with --hidden-path for each of {', '.join(hide)}"
+            )
             return
         tool_kw["hidden_paths"] = sorted({*tool_kw.get("hidden_paths", ()), *hide})
         say(f"Hidden from the sandbox (dataset files): {', '.join(tool_kw['hidden_paths'])}")

@@ -34,9 +34,23 @@ from typing import Any, Callable, Iterator
 from retool.coldstart import DEFAULT_SYSTEM_PROMPT, LOOKUP_SYSTEM_PROMPT, TASKS
 from retool.launch import run_in_child
 
-__all__ = ["EmbeddedSettings", "TASK_DEFAULTS", "reasoning_gym_task_kwargs", "task_schemas", "cache_root", "ensure_embedded_default", "build_embedded_default", "CacheError",
-           "model_path_or_default", "check_embedded_default", "model_for_dry_run", "embedded_settings_for", "embedded_tokenizer",
-           "embedded_stand_in", "PROMPT_TO_ANSWER_MIN_TOKENS"]
+__all__ = [
+    "EmbeddedSettings",
+    "TASK_DEFAULTS",
+    "reasoning_gym_task_kwargs",
+    "task_schemas",
+    "cache_root",
+    "ensure_embedded_default",
+    "build_embedded_default",
+    "CacheError",
+    "model_path_or_default",
+    "check_embedded_default",
+    "model_for_dry_run",
+    "embedded_settings_for",
+    "embedded_tokenizer",
+    "embedded_stand_in",
+    "PROMPT_TO_ANSWER_MIN_TOKENS",
+]
 
 BUILD_VERSION = 4
 
@@ -114,7 +128,9 @@ class EmbeddedSettings:
         try:
             raw = json.loads(text or "{}")
         except json.JSONDecodeError as exc:
-            raise ValueError(f"embedded settings must be a JSON object, e.g. '{{\"cold_start_epochs\": 2}}'; got {text!r}: {exc}") from exc
+            raise ValueError(
+                f"embedded settings must be a JSON object, e.g. '{{\"cold_start_epochs\": 2}}'; got {text!r}: {exc}"
+            ) from exc
         if not isinstance(raw, dict):
             raise ValueError(f"embedded settings must be a JSON object, got {type(raw).__name__}.")
         known = {f.name for f in fields(cls)}
@@ -122,11 +138,15 @@ class EmbeddedSettings:
         if unknown:
             raise ValueError(f"unknown embedded settings {unknown}; known: {sorted(known)}.")
         if "task" in raw and raw["task"] != base.get("task", raw["task"]):
-            raise ValueError(f"embedded settings name task {raw['task']!r} but the run's task is {base['task']!r}: "
-                             f"choose the task with --task (its embedded default follows).")
+            raise ValueError(
+                f"embedded settings name task {raw['task']!r} but the run's task is {base['task']!r}: "
+                f"choose the task with --task (its embedded default follows)."
+            )
         if "task_kwargs" in raw and "task_kwargs" in base and raw["task_kwargs"] != base["task_kwargs"]:
-            raise ValueError("embedded settings name task_kwargs, but the run's --task_kwargs choose the datasets (and "
-                             "its embedded default follows them): set them with --task_kwargs.")
+            raise ValueError(
+                "embedded settings name task_kwargs, but the run's --task_kwargs choose the datasets (and "
+                "its embedded default follows them): set them with --task_kwargs."
+            )
         task = raw.get("task", base.get("task", "arithmetic"))  # an unknown one is refused by __post_init__
         return cls(**{**TASK_DEFAULTS.get(task, {}), **base, **raw, "task": task})
 
@@ -152,8 +172,12 @@ class EmbeddedSettings:
         return reach is None or not with_tools or reach > PROMPT_TO_ANSWER_MIN_TOKENS
 
 
-_ADDED_FIELDS = {"task": "arithmetic", "cold_start_recovery_fraction": 0.5, "task_kwargs": "",
-                 "cold_start_code": "print({expression})"}
+_ADDED_FIELDS = {
+    "task": "arithmetic",
+    "cold_start_recovery_fraction": 0.5,
+    "task_kwargs": "",
+    "cold_start_code": "print({expression})",
+}
 """Fields added after builds were cached, with the value every earlier build had: left out of the key at it."""
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -171,10 +195,15 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # Its copies are longer (9 digits and 2 operators into the code, 5 characters into the answer): 4 epochs, and more
     # until the teacher-forced copy of every token of them is 0.99 (its digits at 0.996 and its operators at 0.5,
     # samples copied every number right for 27% of questions).
-    "reasoning_gym": {"cold_start_tool_fraction": 0.3, "cold_start_code": 'print(f"{{{expression}:+05d}}")',
-                      "cold_start_epochs": 4.0, "cold_start_copy_target": 0.99, "cold_start_max_extra_epochs": 12,
-                      "task_kwargs": '{"datasets": {"chain_sum": {"config": {"max_digits": 3, "max_terms": 3, '
-                                     '"min_digits": 3, "min_terms": 3}, "weight": 1.0}}, "held_out_pool": 1000}'},
+    "reasoning_gym": {
+        "cold_start_tool_fraction": 0.3,
+        "cold_start_code": 'print(f"{{{expression}:+05d}}")',
+        "cold_start_epochs": 4.0,
+        "cold_start_copy_target": 0.99,
+        "cold_start_max_extra_epochs": 12,
+        "task_kwargs": '{"datasets": {"chain_sum": {"config": {"max_digits": 3, "max_terms": 3, '
+        '"min_digits": 3, "min_terms": 3}, "weight": 1.0}}, "held_out_pool": 1000}',
+    },
 }
 """Per task, the :class:`EmbeddedSettings` that differ from the arithmetic task's."""
 
@@ -238,34 +267,49 @@ def embedded_tokenizer(settings: EmbeddedSettings) -> Any:
 
     bootstrap = build_tokenizer(settings.template, vocab_size=settings.vocab_size)
     question = {"arithmetic": "What is 1 + 1?", "lookup": 'What is x * x, where x is the number under key "K417"?'}.get(
-        settings.task)
+        settings.task
+    )
     if question is None:  # reasoning_gym: its own questions' wording, the call and the answer every transcript holds
         from retool.task import bundled_problems
 
-        problems = bundled_problems(settings.task, 8, seed=settings.seed, split="train", task_kwargs=settings.task_kwargs)
+        problems = bundled_problems(
+            settings.task, 8, seed=settings.seed, split="train", task_kwargs=settings.task_kwargs
+        )
         question = problems[0]["prompt"]
     rendered = bootstrap.apply_chat_template(
         [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": question}],
-        tools=task_schemas(settings.task), tokenize=False, add_generation_prompt=True,
+        tools=task_schemas(settings.task),
+        tokenize=False,
+        add_generation_prompt=True,
     )
     corpus = [rendered]
     if settings.task == "lookup":  # the calls and errors every transcript repeats
-        corpus += ['<tool_call>\n{"name": "lookup", "arguments": {"key": "K417"}}\n</tool_call>',
-                   '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(182 * 182)"}}\n</tool_call>',
-                   "Error: key K417 was moved to K902; look up K902.", "The answer is \\boxed{33124}.",
-                   "x * x = \\boxed{33124}."]
+        corpus += [
+            '<tool_call>\n{"name": "lookup", "arguments": {"key": "K417"}}\n</tool_call>',
+            '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(182 * 182)"}}\n</tool_call>',
+            "Error: key K417 was moved to K902; look up K902.",
+            "The answer is \\boxed{33124}.",
+            "x * x = \\boxed{33124}.",
+        ]
     if settings.task == "reasoning_gym":
         code = json.dumps({"code": settings.cold_start_code.format(expression=problems[0]["expression"])})
         corpus += [p["prompt"] for p in problems[1:]]
-        corpus += [f'<tool_call>\n{{"name": "code_interpreter", "arguments": {code}}}\n</tool_call>',
-                   f"The answer is \\boxed{{{problems[0]['answer']}}}."]
+        corpus += [
+            f'<tool_call>\n{{"name": "code_interpreter", "arguments": {code}}}\n</tool_call>',
+            f"The answer is \\boxed{{{problems[0]['answer']}}}.",
+        ]
     return build_tokenizer(settings.template, vocab_size=settings.vocab_size, extra_corpus=corpus)
 
 
 def _model_shape(settings: EmbeddedSettings) -> dict[str, Any]:
     # The model's shape, for the build (build_tiny_model) and its stand-in (tiny_model_config) alike.
-    return {"hidden_size": settings.hidden_size, "num_layers": settings.num_layers, "num_heads": settings.num_heads,
-            "num_kv_heads": settings.num_kv_heads, "sliding_window": settings.sliding_window}
+    return {
+        "hidden_size": settings.hidden_size,
+        "num_layers": settings.num_layers,
+        "num_heads": settings.num_heads,
+        "num_kv_heads": settings.num_kv_heads,
+        "sliding_window": settings.sliding_window,
+    }
 
 
 def embedded_stand_in(settings: EmbeddedSettings, out_dir: str | Path) -> Path:
@@ -293,8 +337,14 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
 
     import torch
 
-    from retool.coldstart import (cold_start_dataset, copy_accuracy, receptive_field, run_cold_start_sft,
-                                  sampled_copy_rate, with_tool_outputs)
+    from retool.coldstart import (
+        cold_start_dataset,
+        copy_accuracy,
+        receptive_field,
+        run_cold_start_sft,
+        sampled_copy_rate,
+        with_tool_outputs,
+    )
     from retool.task import bundled_problems
     from trl_plugins.rollout import ChatFormat
     from trl_plugins.tiny import build_tiny_model
@@ -318,61 +368,101 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
 
     problems, dropped = problems_of(settings.cold_start_problems, settings.seed)
     if dropped:
-        print(f"[embedded default] cold start: {len(dropped)} of {len(dropped) + len(problems)} questions left out: "
-              f"boxing the code interpreter's output does not get full marks from their dataset's score_answer "
-              f"(e.g. {dropped[0]['code']} gave {dropped[0]['tool_output'].strip()!r} for "
-              f"{dropped[0]['answer']!r})", flush=True)
+        print(
+            f"[embedded default] cold start: {len(dropped)} of {len(dropped) + len(problems)} questions left out: "
+            f"boxing the code interpreter's output does not get full marks from their dataset's score_answer "
+            f"(e.g. {dropped[0]['code']} gave {dropped[0]['tool_output'].strip()!r} for "
+            f"{dropped[0]['answer']!r})",
+            flush=True,
+        )
     model = build_tiny_model(tokenizer, **_model_shape(settings), seed=settings.seed)
-    dataset = cold_start_dataset(chat, problems, tool_fraction=settings.cold_start_tool_fraction, seed=settings.seed,
-                                 system_prompt=settings.system_prompt, left_context=receptive_field(model.config),
-                                 task=task, recovery_fraction=settings.cold_start_recovery_fraction)
-    print(f"[embedded default] cold-start SFT ({task}): {len(dataset)} transcripts "
-          f"({settings.cold_start_tool_fraction:.0%} take each tool step), {settings.cold_start_epochs:g} epochs, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
+    dataset = cold_start_dataset(
+        chat,
+        problems,
+        tool_fraction=settings.cold_start_tool_fraction,
+        seed=settings.seed,
+        system_prompt=settings.system_prompt,
+        left_context=receptive_field(model.config),
+        task=task,
+        recovery_fraction=settings.cold_start_recovery_fraction,
+    )
+    print(
+        f"[embedded default] cold-start SFT ({task}): {len(dataset)} transcripts "
+        f"({settings.cold_start_tool_fraction:.0%} take each tool step), {settings.cold_start_epochs:g} epochs, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters",
+        flush=True,
+    )
     model = run_cold_start_sft(
-        model, tokenizer, dataset, str(out / "sft_run"), epochs=settings.cold_start_epochs,
-        learning_rate=settings.cold_start_learning_rate, batch_size=settings.cold_start_batch_size,
-        seed=settings.seed, show_progress=show_progress,
+        model,
+        tokenizer,
+        dataset,
+        str(out / "sft_run"),
+        epochs=settings.cold_start_epochs,
+        learning_rate=settings.cold_start_learning_rate,
+        batch_size=settings.cold_start_batch_size,
+        seed=settings.seed,
+        show_progress=show_progress,
     )
     # Copy check on problems the SFT set does not hold (same split, another seed).
     check = problems_of(64, settings.seed + 10_000)[0]
     copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt, task=task)
     epochs = settings.cold_start_epochs
-    print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f} "
-          f"(target {settings.cold_start_copy_target})", flush=True)
+    print(
+        f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f} "
+        f"(target {settings.cold_start_copy_target})",
+        flush=True,
+    )
     for extra in range(1, settings.cold_start_max_extra_epochs + 1):
         if copy >= settings.cold_start_copy_target:
             break
         model = run_cold_start_sft(
-            model, tokenizer, dataset, str(out / "sft_run"), epochs=1.0,
-            learning_rate=settings.cold_start_learning_rate, batch_size=settings.cold_start_batch_size,
-            seed=settings.seed + extra, show_progress=show_progress,
+            model,
+            tokenizer,
+            dataset,
+            str(out / "sft_run"),
+            epochs=1.0,
+            learning_rate=settings.cold_start_learning_rate,
+            batch_size=settings.cold_start_batch_size,
+            seed=settings.seed + extra,
+            show_progress=show_progress,
         )
         epochs += 1
         copy = copy_accuracy(model, chat, check, system_prompt=settings.system_prompt, task=task)
         print(f"[embedded default] digit-copy accuracy after {epochs:g} epochs: {copy:.3f}", flush=True)
     if copy < settings.cold_start_copy_target:
-        print(f"[embedded default] warning: the cold start copies only {copy:.0%} of digits right after {epochs:g} "
-              f"epochs; RL will have little to reinforce. Try another --task_seed or raise "
-              f"cold_start_max_extra_epochs in --embedded.", flush=True)
+        print(
+            f"[embedded default] warning: the cold start copies only {copy:.0%} of digits right after {epochs:g} "
+            f"epochs; RL will have little to reinforce. Try another --task_seed or raise "
+            f"cold_start_max_extra_epochs in --embedded.",
+            flush=True,
+        )
     # What the rollout does: sample. The likeliest-token check above passed builds whose samples copy far less well.
     sampled = sampled_copy_rate(model, chat, check, system_prompt=settings.system_prompt, seed=settings.seed, task=task)
-    print(f"[embedded default] samples at temperature 1 copy every number right for {sampled:.0%} of the check "
-          f"problems", flush=True)
+    print(
+        f"[embedded default] samples at temperature 1 copy every number right for {sampled:.0%} of the check problems",
+        flush=True,
+    )
     if sampled < SAMPLED_COPY_WARNING:
-        print(f"[embedded default] warning: below {SAMPLED_COPY_WARNING:.0%}, this build starts weak: its held-out "
-              f"accuracy with the tool will be about as low (a build at 36% started at 31% overall, 48% with the "
-              f"tool, where one at 92% started at 56-70%). Same settings, other float arithmetic (CPU kernels, "
-              f"threads); 2 more epochs, at a constant or a decaying rate, did not raise it. See the README's "
-              f"result section.", flush=True)
+        print(
+            f"[embedded default] warning: below {SAMPLED_COPY_WARNING:.0%}, this build starts weak: its held-out "
+            f"accuracy with the tool will be about as low (a build at 36% started at 31% overall, 48% with the "
+            f"tool, where one at 92% started at 56-70%). Same settings, other float arithmetic (CPU kernels, "
+            f"threads); 2 more epochs, at a constant or a decaying rate, did not raise it. See the README's "
+            f"result section.",
+            flush=True,
+        )
     shutil.rmtree(out / "sft_run", ignore_errors=True)
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     files = {str(p.relative_to(out)): _sha256(p) for p in sorted(model_dir.rglob("*")) if p.is_file()}
-    manifest = {"settings": asdict(settings), "build_version": BUILD_VERSION, "files": files,
-                "cold_start": {"epochs": epochs, "copy_accuracy": round(copy, 4), "sampled_copy_rate": round(sampled, 4)},
-                "build_seconds": round(time.perf_counter() - start, 1)}
+    manifest = {
+        "settings": asdict(settings),
+        "build_version": BUILD_VERSION,
+        "files": files,
+        "cold_start": {"epochs": epochs, "copy_accuracy": round(copy, 4), "sampled_copy_rate": round(sampled, 4)},
+        "build_seconds": round(time.perf_counter() - start, 1),
+    }
     (out / _MANIFEST).write_text(json.dumps(manifest, indent=2))
     return model_dir
 
@@ -450,8 +540,9 @@ def ensure_embedded_default(
     return entry / "model"
 
 
-def embedded_settings_for(script_args: Any, training_args: Any, *,
-                          log: Callable[[str], None] = print) -> EmbeddedSettings:
+def embedded_settings_for(
+    script_args: Any, training_args: Any, *, log: Callable[[str], None] = print
+) -> EmbeddedSettings:
     """The embedded default a run uses: ``--embedded`` over the defaults, seeded with ``--task_seed``.
 
     The run's ``--system_prompt`` joins the settings (and so the cache key: a build of its own) only when it can
@@ -468,16 +559,20 @@ def embedded_settings_for(script_args: Any, training_args: Any, *,
     if run_prompt == settings.system_prompt or "system_prompt" in json.loads(script_args.embedded or "{}"):
         return settings  # the build's own prompt, or one --embedded names
     if not settings.sees_system_prompt(with_tools=bool(training_args.tools)):
-        log(f"[embedded default] the run's system_prompt is not the one the embedded default was built with; the "
+        log(
+            f"[embedded default] the run's system_prompt is not the one the embedded default was built with; the "
             f"same build serves it: its attention sees {settings.receptive_field()} tokens back and the tool schemas "
             f"put the system prompt at least {PROMPT_TO_ANSWER_MIN_TOKENS} tokens before anything the model writes, so "
             f"only the tokenizer reads the prompt (byte-level: any text encodes). A build for this prompt: "
-            f"--embedded '{{\"system_prompt\": ...}}' (minutes).")
+            f"--embedded '{{\"system_prompt\": ...}}' (minutes)."
+        )
         return settings
     # The prompt can reach this model (full attention, a wide window, no tools): its cold start must carry it.
     reach = f"{settings.receptive_field()} tokens" if settings.receptive_field() else "the whole context"
-    log(f"[embedded default] the run's system_prompt can reach this embedded default (its attention sees {reach} "
-        f"back): it is built with that prompt, or read from the cache.")
+    log(
+        f"[embedded default] the run's system_prompt can reach this embedded default (its attention sees {reach} "
+        f"back): it is built with that prompt, or read from the cache."
+    )
     return EmbeddedSettings.from_json(script_args.embedded, **base, system_prompt=run_prompt)
 
 
@@ -502,14 +597,17 @@ def check_embedded_default(script_args: Any, training_args: Any) -> None:
 
         lacking = datasets_without(task, "expression")
         if lacking:
-            raise ValueError(f"the embedded default's cold start writes print(<expression>) for each question, and "
-                             f"reasoning-gym's {', '.join(map(repr, lacking))} entries hold no metadata.expression: "
-                             f"bring a model for them (--model_name_or_path), or train on datasets whose entries carry "
-                             f"one (chain_sum, basic_arithmetic).")
+            raise ValueError(
+                f"the embedded default's cold start writes print(<expression>) for each question, and "
+                f"reasoning-gym's {', '.join(map(repr, lacking))} entries hold no metadata.expression: "
+                f"bring a model for them (--model_name_or_path), or train on datasets whose entries carry "
+                f"one (chain_sum, basic_arithmetic)."
+            )
 
 
-def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool = False,
-                          log: Callable[[str], None] = print) -> str:
+def model_path_or_default(
+    script_args: Any, training_args: Any, *, rebuild: bool = False, log: Callable[[str], None] = print
+) -> str:
     """``--model_name_or_path``, or the embedded default of :func:`embedded_settings_for`, built or read from the
     cache (what both entry points use)."""
     if script_args.model_name_or_path is not None:
@@ -519,8 +617,9 @@ def model_path_or_default(script_args: Any, training_args: Any, *, rebuild: bool
 
 
 @contextlib.contextmanager
-def model_for_dry_run(script_args: Any, training_args: Any, *, rebuild: bool = False,
-                      log: Callable[[str], None] = print) -> Iterator[tuple[str, bool]]:
+def model_for_dry_run(
+    script_args: Any, training_args: Any, *, rebuild: bool = False, log: Callable[[str], None] = print
+) -> Iterator[tuple[str, bool]]:
     """``(path, stand_in)``: what a dry run's checks read as the model, for the ``with`` block; nothing is built and
     no weights are read. ``--model_name_or_path`` as given; else the embedded default of :func:`embedded_settings_for`
     from the cache when it holds a sound build (checked as :func:`ensure_embedded_default` checks it); else (or with
@@ -540,8 +639,10 @@ def model_for_dry_run(script_args: Any, training_args: Any, *, rebuild: bool = F
             return
         except CacheError as exc:
             why = "not in the cache" if not entry.exists() else f"the cache entry is unusable ({exc})"
-    log(f"[embedded default] dry run: {why}; the run would build its weights and cold start into {entry} (minutes). "
-        f"The checks read the tokenizer and model config that build makes (seconds; no weights).")
+    log(
+        f"[embedded default] dry run: {why}; the run would build its weights and cold start into {entry} (minutes). "
+        f"The checks read the tokenizer and model config that build makes (seconds; no weights)."
+    )
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="trl-plugins-dry-run-") as into:

@@ -28,8 +28,17 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["available_cpus", "child_env", "run_in_child", "prepare_child", "cpu_defaults", "wandb_mode",
-           "configure_wandb", "claim_output_dir", "ChildProcessError"]
+__all__ = [
+    "available_cpus",
+    "child_env",
+    "run_in_child",
+    "prepare_child",
+    "cpu_defaults",
+    "wandb_mode",
+    "configure_wandb",
+    "claim_output_dir",
+    "ChildProcessError",
+]
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent
 """The folder that holds the ``retool`` package (put on the child's ``PYTHONPATH``)."""
@@ -55,9 +64,21 @@ def child_env() -> dict[str, str]:
     ``PYTHONPATH`` starts with the recipes folder, so the child imports the same ``retool`` package.
     """
     drop_prefixes = ("ACCELERATE_", "DEEPSPEED_", "FSDP_")
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-            "TORCHELASTIC_MAX_RESTARTS", "CUDA_VISIBLE_DEVICES_FOR_LAUNCH"}
+    drop = {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "CUDA_VISIBLE_DEVICES_FOR_LAUNCH",
+    }
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(drop_prefixes)}
     env["OMP_NUM_THREADS"] = str(available_cpus())
     env["PYTHONPATH"] = os.pathsep.join([str(RECIPES_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -84,16 +105,20 @@ def run_in_child(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -
             spare.stdin.close()
             returncode = spare.wait()
         else:
-            returncode = subprocess.run([sys.executable, "-m", "retool.launch", str(job), str(result)], env=child_env(),
-                                        check=False).returncode
+            returncode = subprocess.run(
+                [sys.executable, "-m", "retool.launch", str(job), str(result)], env=child_env(), check=False
+            ).returncode
         outcome = pickle.loads(result.read_bytes()) if result.is_file() else None
         if returncode == 0 and outcome is not None and outcome[0] == "ok":
             return outcome[1]
         if outcome is not None and outcome[0] == "error":
-            raise ChildProcessError(f"{what} failed in its child process: {outcome[1]} (the child's traceback is above).")
+            raise ChildProcessError(
+                f"{what} failed in its child process: {outcome[1]} (the child's traceback is above)."
+            )
         status = f"killed by signal {-returncode}" if returncode < 0 else f"exit {returncode}"
-        raise ChildProcessError(f"{what} failed: its child process ended ({status}) without a result or an error; "
-                                f"its output is above.")
+        raise ChildProcessError(
+            f"{what} failed: its child process ended ({status}) without a result or an error; its output is above."
+        )
 
 
 PRELOAD = ("torch", "transformers", "trl", "trl_plugins.trainers", "retool.evaluate", "retool.default_model")
@@ -102,7 +127,8 @@ build) import first."""
 
 READ_AT_USE = frozenset({"WANDB_SERVICE", "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "PYTORCH_NVML_BASED_CUDA_CHECK"})
 """Variables the run sets after a spare started (W&B's settings and wandb.init's service socket; the NVML check
-accelerate asks of torch) that are read when used, not at import: a spare is handed the job's environment with its job, so these may
+accelerate asks of torch) that are read when used, not at import: a spare is handed the job's environment with its job,
+so these may
 differ; any other difference discards the spare."""
 
 _spare: tuple[subprocess.Popen, dict[str, str]] | None = None
@@ -117,8 +143,9 @@ def prepare_child(preload: Sequence[str] = PRELOAD) -> None:
     if _spare is not None and _spare[0].poll() is None:
         return
     env = child_env()
-    proc = subprocess.Popen([sys.executable, "-m", "retool.launch", "--spare", *preload], env=env,
-                            stdin=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retool.launch", "--spare", *preload], env=env, stdin=subprocess.PIPE, text=True
+    )
     _spare = (proc, env)
 
 
@@ -263,8 +290,15 @@ if __name__ == "__main__":
     sys.exit(_spare_main(sys.argv[2:]) if sys.argv[1:2] == ["--spare"] else _child_main(sys.argv[1], sys.argv[2]))
 
 
-def claim_output_dir(path: str | os.PathLike, *, resume: Any, overwrite: bool, move: bool = True,
-                     dry_run: bool = False, log: Callable[[str], None] = print) -> None:
+def claim_output_dir(
+    path: str | os.PathLike,
+    *,
+    resume: Any,
+    overwrite: bool,
+    move: bool = True,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> None:
     """Make ``path`` this run's output folder, refusing to mix two runs in it.
 
     A run appends to ``metrics.jsonl`` and writes checkpoints, evaluations and a plot there, so a second run
@@ -285,16 +319,20 @@ def claim_output_dir(path: str | os.PathLike, *, resume: Any, overwrite: bool, m
         return
     if not overwrite:
         shown = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise SystemExit(f"output_dir {out} already holds files of an earlier run ({shown}); a second run would mix "
-                         f"its steps into them. Resume it with --resume_from_checkpoint true (or a checkpoint path), "
-                         f"start afresh with --overwrite_output_dir true (the old files move to {out}/previous-<time>/, "
-                         f"nothing is deleted), or choose another --output_dir.")
+        raise SystemExit(
+            f"output_dir {out} already holds files of an earlier run ({shown}); a second run would mix "
+            f"its steps into them. Resume it with --resume_from_checkpoint true (or a checkpoint path), "
+            f"start afresh with --overwrite_output_dir true (the old files move to {out}/previous-<time>/, "
+            f"nothing is deleted), or choose another --output_dir."
+        )
     if not move:  # another rank: the main process moves them
         return
     aside = out / time.strftime("previous-%Y%m%d-%H%M%S")
     if dry_run:
-        log(f"dry run: --overwrite_output_dir would move the earlier run's {len(entries)} file(s) to {aside}; "
-            f"nothing was moved")
+        log(
+            f"dry run: --overwrite_output_dir would move the earlier run's {len(entries)} file(s) to {aside}; "
+            f"nothing was moved"
+        )
         return
     aside.mkdir()
     for entry in entries:

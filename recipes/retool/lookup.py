@@ -6,7 +6,8 @@ Each problem names a key and asks for the square of the number it holds:
 
 The number is only in the ``lookup`` tool (:class:`LookupTool`, a table the prompt never shows and the sandbox
 cannot read), so a solution takes at least two calls: ``lookup`` for ``x``, then the code interpreter for the
-square (five digits: out of a tiny model's head), whose code needs what the first call printed. Some keys were moved: looking one up fails with an error
+square (five digits: out of a tiny model's head), whose code needs what the first call printed. Some keys were moved:
+looking one up fails with an error
 that names the new key (``Error: key K417 was moved to K902; look up K902.``), which the model must read and follow.
 These failures come from the world (which keys moved is a fixed property of the table), not from the model's code.
 
@@ -92,14 +93,16 @@ def lookup_problems(n: int, *, seed: int = 0, split: str = "train") -> list[dict
     rows = []
     for key in order[:n]:
         target, value = resolve_key(key)
-        rows.append({
-            "id": f"lookup-{split}-{seed}-{len(rows)}",
-            "prompt": f'What is x * x, where x is the number under key "{key}"?',
-            "answer": str(value * value),
-            "key": key,
-            "moved_to": target if target != key else None,
-            "value": value,
-        })
+        rows.append(
+            {
+                "id": f"lookup-{split}-{seed}-{len(rows)}",
+                "prompt": f'What is x * x, where x is the number under key "{key}"?',
+                "answer": str(value * value),
+                "key": key,
+                "moved_to": target if target != key else None,
+                "value": value,
+            }
+        )
     return rows
 
 
@@ -116,11 +119,14 @@ class LookupTool:
     idempotent: ClassVar[bool] = True
 
     def schema(self) -> dict[str, Any]:
-        return {"type": "function", "function": {
-            "name": self.name,
-            "description": "Print the number stored under a key",
-            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
-        }}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": "Print the number stored under a key",
+                "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+            },
+        }
 
     def lookup(self, key: Any) -> tuple[str, bool]:
         """``(text, ok)`` of a call with ``key``."""

@@ -22,8 +22,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["datasets_without", "TASK", "ReasoningGymTask", "parse_task_kwargs", "reasoning_gym_problems", "TRAIN_SEED_OFFSET",
-           "DEFAULT_HELD_OUT_POOL"]
+__all__ = [
+    "datasets_without",
+    "TASK",
+    "ReasoningGymTask",
+    "parse_task_kwargs",
+    "reasoning_gym_problems",
+    "TRAIN_SEED_OFFSET",
+    "DEFAULT_HELD_OUT_POOL",
+]
 
 TASK = "reasoning_gym"
 """The ``--task`` name."""
@@ -51,8 +58,10 @@ class ReasoningGymTask:
     def describe(self) -> str:
         """One line for the banner: each dataset with its share and config."""
         total = sum(w for _, w, _ in self.datasets)
-        return "; ".join(f"{name} ({w / total:.0%}{', ' + json.dumps(dict(c), sort_keys=True) if c else ''})"
-                         for name, w, c in self.datasets)
+        return "; ".join(
+            f"{name} ({w / total:.0%}{', ' + json.dumps(dict(c), sort_keys=True) if c else ''})"
+            for name, w, c in self.datasets
+        )
 
     def composite(self, seed: int, size: int) -> Any:
         """reasoning-gym's ``CompositeDataset`` of the datasets, seeded ``seed``, of ``size`` items."""
@@ -75,8 +84,10 @@ def parse_task_kwargs(task_kwargs: Any) -> ReasoningGymTask:
         try:
             task_kwargs = json.loads(task_kwargs or "{}")
         except json.JSONDecodeError as exc:
-            raise ValueError(f"task_kwargs must be a JSON object, e.g. '{{\"datasets\": {{\"chain_sum\": {{\"weight\": "
-                             f"1.0, \"config\": {{}}}}}}}}', got {task_kwargs!r}: {exc}") from exc
+            raise ValueError(
+                f'task_kwargs must be a JSON object, e.g. \'{{"datasets": {{"chain_sum": {{"weight": '
+                f'1.0, "config": {{}}}}}}}}\', got {task_kwargs!r}: {exc}'
+            ) from exc
     if not isinstance(task_kwargs, Mapping):
         raise ValueError(f"task_kwargs must be a mapping, got {type(task_kwargs).__name__}.")
     unknown = sorted(set(task_kwargs) - _KEYS)
@@ -84,43 +95,60 @@ def parse_task_kwargs(task_kwargs: Any) -> ReasoningGymTask:
         raise ValueError(f"task_kwargs for --task reasoning_gym take {sorted(_KEYS)}; got {unknown}.")
     datasets = task_kwargs.get("datasets")
     if not isinstance(datasets, Mapping) or not datasets:
-        raise ValueError("--task reasoning_gym needs task_kwargs naming at least one reasoning-gym dataset, e.g. "
-                         "'{\"datasets\": {\"chain_sum\": {\"weight\": 1.0, \"config\": {\"min_terms\": 3}}}}'.")
+        raise ValueError(
+            "--task reasoning_gym needs task_kwargs naming at least one reasoning-gym dataset, e.g. "
+            '\'{"datasets": {"chain_sum": {"weight": 1.0, "config": {"min_terms": 3}}}}\'.'
+        )
     pool = task_kwargs.get("held_out_pool", DEFAULT_HELD_OUT_POOL)
     if isinstance(pool, bool) or not isinstance(pool, int) or not 1 <= pool <= TRAIN_SEED_OFFSET:
         raise ValueError(f"task_kwargs held_out_pool must be an integer in [1, {TRAIN_SEED_OFFSET}], got {pool!r}.")
     try:
         from reasoning_gym.factory import DATASETS
     except ImportError:
-        raise ImportError('--task reasoning_gym needs the reasoning-gym package: pip install "trl-plugins[environments]" '
-                          '(or pip install reasoning-gym).') from None
+        raise ImportError(
+            '--task reasoning_gym needs the reasoning-gym package: pip install "trl-plugins[environments]" '
+            "(or pip install reasoning-gym)."
+        ) from None
     out = []
     for name, spec in datasets.items():
         if name not in DATASETS or name == "composite":
             close = difflib.get_close_matches(str(name), sorted(set(DATASETS) - {"composite"}), n=3)
             hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise ValueError(f"task_kwargs names the dataset {name!r}, which reasoning-gym {_version()} does not have.{hint} "
-                             f"reasoning_gym.factory.DATASETS lists its {len(DATASETS) - 1} datasets.")
+            raise ValueError(
+                f"task_kwargs names the dataset {name!r}, which reasoning-gym {_version()} does not have.{hint} "
+                f"reasoning_gym.factory.DATASETS lists its {len(DATASETS) - 1} datasets."
+            )
         if not isinstance(spec, Mapping):
-            raise ValueError(f"task_kwargs datasets.{name} must be a mapping {{\"weight\": ..., \"config\": {{...}}}}, "
-                             f"got {spec!r}.")
+            raise ValueError(
+                f'task_kwargs datasets.{name} must be a mapping {{"weight": ..., "config": {{...}}}}, got {spec!r}.'
+            )
         extra = sorted(set(spec) - _DATASET_KEYS)
         if extra:
             raise ValueError(f"task_kwargs datasets.{name} takes {sorted(_DATASET_KEYS)}; got {extra}.")
         weight = spec.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight != weight \
-                or weight == float("inf"):
-            raise ValueError(f"task_kwargs datasets.{name}.weight must be a positive number (its share is weight / the "
-                             f"sum of the weights), got {weight!r}.")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not weight > 0
+            or weight != weight
+            or weight == float("inf")
+        ):
+            raise ValueError(
+                f"task_kwargs datasets.{name}.weight must be a positive number (its share is weight / the "
+                f"sum of the weights), got {weight!r}."
+            )
         config = spec.get("config", {}) or {}
         if not isinstance(config, Mapping):
-            raise ValueError(f"task_kwargs datasets.{name}.config must be a mapping of {name}'s config fields, got "
-                             f"{config!r}.")
+            raise ValueError(
+                f"task_kwargs datasets.{name}.config must be a mapping of {name}'s config fields, got {config!r}."
+            )
         ours = sorted(set(config) & set(_OURS))
         if ours:
-            raise ValueError(f"task_kwargs datasets.{name}.config sets {ours}: the run sets them "
-                             f"({', '.join(f'{k} from {_OURS[k]}' for k in ours)}), so that training and held-out rows "
-                             f"stay disjoint; remove them.")
+            raise ValueError(
+                f"task_kwargs datasets.{name}.config sets {ours}: the run sets them "
+                f"({', '.join(f'{k} from {_OURS[k]}' for k in ours)}), so that training and held-out rows "
+                f"stay disjoint; remove them."
+            )
         _check_config(name, DATASETS[name][1], config)
         out.append((str(name), float(weight), dict(config)))
     return ReasoningGymTask(datasets=tuple(out), held_out_pool=pool)
@@ -142,17 +170,21 @@ def _check_config(name: str, config_cls: type, config: Mapping[str, Any]) -> Non
     unknown = sorted(set(config) - set(fields))
     if unknown:
         hints = [f"{u!r} -> {c[0]!r}" for u in unknown if (c := difflib.get_close_matches(u, fields, n=1))]
-        raise ValueError(f"task_kwargs datasets.{name}.config has no field(s) {unknown} in reasoning-gym's "
-                         f"{config_cls.__name__}{' (did you mean ' + ', '.join(hints) + '?)' if hints else ''}; its "
-                         f"fields: {fields}.")
+        raise ValueError(
+            f"task_kwargs datasets.{name}.config has no field(s) {unknown} in reasoning-gym's "
+            f"{config_cls.__name__}{' (did you mean ' + ', '.join(hints) + '?)' if hints else ''}; its "
+            f"fields: {fields}."
+        )
     try:
         made = config_cls(**config)
         if callable(getattr(made, "validate", None)):
             made.validate()
     except (AssertionError, ValueError, TypeError) as exc:
-        raise ValueError(f"task_kwargs datasets.{name}.config {json.dumps(dict(config), sort_keys=True)} is refused by "
-                         f"reasoning-gym's {config_cls.__name__}: {exc or type(exc).__name__}. Fix the value (its "
-                         f"fields: {fields}).") from None
+        raise ValueError(
+            f"task_kwargs datasets.{name}.config {json.dumps(dict(config), sort_keys=True)} is refused by "
+            f"reasoning-gym's {config_cls.__name__}: {exc or type(exc).__name__}. Fix the value (its "
+            f"fields: {fields})."
+        ) from None
 
 
 def _normalised(value: Any, where: str) -> Any:
@@ -161,16 +193,22 @@ def _normalised(value: Any, where: str) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where} holds a value JSON cannot hold ({exc}): a saved row could not be scored again. "
-                         f"Leave that dataset out.") from None
+        raise ValueError(
+            f"{where} holds a value JSON cannot hold ({exc}): a saved row could not be scored again. "
+            f"Leave that dataset out."
+        ) from None
 
 
 def _row(entry: Mapping[str, Any], split: str, seed: int, index: int, task: ReasoningGymTask) -> dict:
     metadata = _normalised(entry["metadata"], f"the metadata of {entry['metadata'].get('source_dataset')}'s entries")
     config = next(c for name, _, c in task.datasets if name == metadata["source_dataset"])
-    return {"id": f"rg-{split}-{seed}-{index}", "prompt": entry["question"],
-            "answer": _normalised(entry["answer"], "an answer"), "metadata": metadata,
-            "reasoning_gym_config": _normalised(dict(config), "a config")}
+    return {
+        "id": f"rg-{split}-{seed}-{index}",
+        "prompt": entry["question"],
+        "answer": _normalised(entry["answer"], "an answer"),
+        "metadata": metadata,
+        "reasoning_gym_config": _normalised(dict(config), "a config"),
+    }
 
 
 def _held_out_pool(task: ReasoningGymTask, seed: int) -> list[dict]:
@@ -204,9 +242,11 @@ def reasoning_gym_problems(task: ReasoningGymTask, n: int, *, seed: int = 0, spl
     pool = _held_out_pool(task, seed)
     if split == "test":
         if n > len(pool):
-            raise ValueError(f"reasoning-gym held-out rows: {n} asked for, but the held-out pool ({task.held_out_pool} "
-                             f"items of {task.describe()}) holds {len(pool)} distinct questions. Lower --eval_problems "
-                             f"to {len(pool)}, raise held_out_pool in --task_kwargs, or widen the datasets' configs.")
+            raise ValueError(
+                f"reasoning-gym held-out rows: {n} asked for, but the held-out pool ({task.held_out_pool} "
+                f"items of {task.describe()}) holds {len(pool)} distinct questions. Lower --eval_problems "
+                f"to {len(pool)}, raise held_out_pool in --task_kwargs, or widen the datasets' configs."
+            )
         return pool[:n]
     held_out = {row["prompt"] for row in pool}
     draws = n * MAX_DRAWS_PER_ROW
@@ -224,10 +264,12 @@ def reasoning_gym_problems(task: ReasoningGymTask, n: int, *, seed: int = 0, spl
         rows.append(_row(entry, "train", train_seed, i, task))
         if len(rows) == n:
             return rows
-    raise ValueError(f"reasoning-gym training rows: {n} asked for, but {draws} items of {task.describe()} hold only "
-                     f"{len(rows)} distinct questions outside the {len(pool)} held-out ones ({skipped} items were "
-                     f"held-out questions): the datasets' configs allow too few questions. Lower --train_size to "
-                     f"{len(rows)}, lower held_out_pool in --task_kwargs, or widen the configs.")
+    raise ValueError(
+        f"reasoning-gym training rows: {n} asked for, but {draws} items of {task.describe()} hold only "
+        f"{len(rows)} distinct questions outside the {len(pool)} held-out ones ({skipped} items were "
+        f"held-out questions): the datasets' configs allow too few questions. Lower --train_size to "
+        f"{len(rows)}, lower held_out_pool in --task_kwargs, or widen the configs."
+    )
 
 
 def datasets_without(task: ReasoningGymTask, key: str, *, items: int = 4) -> list[str]:
@@ -256,17 +298,25 @@ def check_run(run: Any) -> None:
     """
     names = [r.name for r in run.rewards]
     if TASK not in names:
-        raise ValueError(f"task {TASK!r} is scored by its datasets' own score_answer: reward_components must include "
-                         f"{TASK!r} (it has {names}; 'correct' compares with math-verify, which most reasoning-gym answers "
-                         f"are not). Set --reward_components {TASK} format, or --config recipes/retool_reasoning_gym.yaml.")
+        raise ValueError(
+            f"task {TASK!r} is scored by its datasets' own score_answer: reward_components must include "
+            f"{TASK!r} (it has {names}; 'correct' compares with math-verify, which most reasoning-gym answers "
+            f"are not). Set --reward_components {TASK} format, or --config recipes/retool_reasoning_gym.yaml."
+        )
     import re
 
     component = getattr(run.reward(TASK), "impl", None)
     answer_format = getattr(component, "answer_format", "boxed")
     pattern = run.config.final_answer_pattern
-    if pattern is not None and answer_format in _FORMAT_EXAMPLE and not re.search(pattern, _FORMAT_EXAMPLE[answer_format]):
-        raise ValueError(f"the {TASK} reward reads the answer as answer_format={answer_format!r} "
-                         f"({_FORMAT_EXAMPLE[answer_format]!r}), but final_answer_pattern={pattern!r} does not match it: "
-                         f"every answer would end as no_tool_call. Set --final_answer_pattern "
-                         f"{'<answer>' if answer_format == 'answer_tag' else repr(chr(92) * 2 + 'boxed' + chr(92) + '{')} "
-                         f"(and ask for that format in --system_prompt).")
+    if (
+        pattern is not None
+        and answer_format in _FORMAT_EXAMPLE
+        and not re.search(pattern, _FORMAT_EXAMPLE[answer_format])
+    ):
+        raise ValueError(
+            f"the {TASK} reward reads the answer as answer_format={answer_format!r} "
+            f"({_FORMAT_EXAMPLE[answer_format]!r}), but final_answer_pattern={pattern!r} does not match it: "
+            f"every answer would end as no_tool_call. Set --final_answer_pattern "
+            f"{'<answer>' if answer_format == 'answer_tag' else repr(chr(92) * 2 + 'boxed' + chr(92) + '{')} "
+            f"(and ask for that format in --system_prompt)."
+        )

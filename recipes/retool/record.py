@@ -59,9 +59,12 @@ def library_versions() -> dict[str, str | None]:
 def git_state(root: str | Path = PROJECT_ROOT) -> dict[str, Any]:
     """``{"commit": sha, "dirty": bool}`` of the git checkout at ``root``; both None when it is not one (or git
     is missing). ``dirty`` counts tracked files changed since the commit (untracked files are ignored)."""
+
     def git(*args: str) -> str | None:
         try:
-            proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=False)
+            proc = subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=False
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return proc.stdout if proc.returncode == 0 else None
@@ -98,20 +101,31 @@ def run_record(script_args: Any, training_args: Any, run: Any = None) -> dict:
 
     rewards = list(run.rewards) if run is not None else [None] * len(a.reward_components)
     return {
-        "config": {"script": resolved_config(script_args), "training": resolved_config(training_args),
-                   "files": list(script_args.config_files)},
-        "plugins": json_safe({
-            "rollout": {"name": a.rollout, **built(run and run.rollout, a.rollout_kwargs)},
-            "tools": [_tool_record(n, a.tool_kwargs.get(n, {}), run, built) for n in a.tools],
-            "reward_components": [{"name": n, "weight": w, **built(r, a.reward_component_kwargs.get(n, {})),
-                                   "weight_origin": script_args.reward_weight_origins.get(n)}
-                                  for n, w, r in zip(a.reward_components, a.reward_component_weights, rewards)],
-            "advantage": {"name": a.advantage, **built(run and run.advantage, a.advantage_kwargs)},
-            "policy_loss": {"name": a.policy_loss, **built(run and run.policy_loss, a.policy_loss_kwargs)},
-            "aggregation": a.aggregation,
-            "packer": a.packer,
-            "dropped_kwargs": list(script_args.dropped_kwargs),
-        }),
+        "config": {
+            "script": resolved_config(script_args),
+            "training": resolved_config(training_args),
+            "files": list(script_args.config_files),
+        },
+        "plugins": json_safe(
+            {
+                "rollout": {"name": a.rollout, **built(run and run.rollout, a.rollout_kwargs)},
+                "tools": [_tool_record(n, a.tool_kwargs.get(n, {}), run, built) for n in a.tools],
+                "reward_components": [
+                    {
+                        "name": n,
+                        "weight": w,
+                        **built(r, a.reward_component_kwargs.get(n, {})),
+                        "weight_origin": script_args.reward_weight_origins.get(n),
+                    }
+                    for n, w, r in zip(a.reward_components, a.reward_component_weights, rewards)
+                ],
+                "advantage": {"name": a.advantage, **built(run and run.advantage, a.advantage_kwargs)},
+                "policy_loss": {"name": a.policy_loss, **built(run and run.policy_loss, a.policy_loss_kwargs)},
+                "aggregation": a.aggregation,
+                "packer": a.packer,
+                "dropped_kwargs": list(script_args.dropped_kwargs),
+            }
+        ),
         "seeds": {"seed": a.seed, "data_seed": a.data_seed, "task_seed": script_args.task_seed},
         "versions": library_versions(),
         "git": git_state(),

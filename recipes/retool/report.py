@@ -6,7 +6,15 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["read_metrics", "train_accuracy", "reward_component_keys", "plot_run", "with_se", "accuracy_gain", "format_summary"]
+__all__ = [
+    "read_metrics",
+    "train_accuracy",
+    "reward_component_keys",
+    "plot_run",
+    "with_se",
+    "accuracy_gain",
+    "format_summary",
+]
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -43,8 +51,15 @@ def reward_component_keys(metrics: Sequence[dict], components: Sequence[str] | N
     return [f"reward/{c}" for c in components if f"reward/{c}" in seen]
 
 
-def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None = None, after: dict | None = None,
-             title: str = "ReTool PPO", reward_components: Sequence[str] | None = None) -> Path:
+def plot_run(
+    metrics: Sequence[dict],
+    path: str | Path,
+    *,
+    before: dict | None = None,
+    after: dict | None = None,
+    title: str = "ReTool PPO",
+    reward_components: Sequence[str] | None = None,
+) -> Path:
     """PNG of the total reward, each reward component (``reward/<component>``, unweighted means), accuracy and
     tool calls per step, on whole-step axes; the periodic held-out evaluation (``heldout/*``) as curves,
     held-out accuracy before/after as markers. ``reward_components``: the run's components (default: every
@@ -71,11 +86,20 @@ def plot_run(metrics: Sequence[dict], path: str | Path, *, before: dict | None =
     last = steps[-1] if steps else 0
     periodic = [r for r in metrics if "heldout/accuracy" in r]
     if periodic:
-        acc_ax.plot([r["step"] for r in periodic], [r["heldout/accuracy"] for r in periodic], marker="o",
-                    label="held-out (periodic)")
+        acc_ax.plot(
+            [r["step"] for r in periodic],
+            [r["heldout/accuracy"] for r in periodic],
+            marker="o",
+            label="held-out (periodic)",
+        )
         with_tool = [r for r in periodic if "heldout/accuracy_with_tool" in r]
-        acc_ax.plot([r["step"] for r in with_tool], [r["heldout/accuracy_with_tool"] for r in with_tool], marker="o",
-                    linestyle="--", label="held-out, when the tool is called")
+        acc_ax.plot(
+            [r["step"] for r in with_tool],
+            [r["heldout/accuracy_with_tool"] for r in with_tool],
+            marker="o",
+            linestyle="--",
+            label="held-out, when the tool is called",
+        )
     if before is not None:
         acc_ax.scatter([0], [before["accuracy"]], color="tab:red", zorder=3, label="held-out, before RL")
     if after is not None:
@@ -122,30 +146,42 @@ def accuracy_gain(before: dict, after: dict) -> dict:
     return {"accuracy": gain, "se": None if None in ses else (ses[0] ** 2 + ses[1] ** 2) ** 0.5, "paired": False}
 
 
-def format_summary(before: dict | None, after: dict | None, *, steps: int, wall_s: float,
-                   paths: dict[str, str | None]) -> str:
+def format_summary(
+    before: dict | None, after: dict | None, *, steps: int, wall_s: float, paths: dict[str, str | None]
+) -> str:
     """The recipe's closing summary as text: each held-out accuracy and pass@k with ± one standard error
     (clustered by problem), and the gain with its paired standard error and 95% interval."""
     lines = ["", "=" * 72, "ReTool PPO summary", "-" * 72]
     if before and after:
-        lines.append(f"held-out problems: {after['problems']} x {after['samples']} samples (± one standard error, "
-                     f"clustered by problem)")
+        lines.append(
+            f"held-out problems: {after['problems']} x {after['samples']} samples (± one standard error, "
+            f"clustered by problem)"
+        )
         lines.append(f"{'':28}{'before RL':>16}{'after RL':>16}")
-        for label, key, se in (("accuracy (pass@1)", "accuracy", True), ("tool-call rate", "tool_call_rate", False),
-                               ("accuracy with the tool", "accuracy_with_tool", True),
-                               ("accuracy without the tool", "accuracy_without_tool", True),
-                               ("truncated", "truncated_frac", False)):
+        for label, key, se in (
+            ("accuracy (pass@1)", "accuracy", True),
+            ("tool-call rate", "tool_call_rate", False),
+            ("accuracy with the tool", "accuracy_with_tool", True),
+            ("accuracy without the tool", "accuracy_without_tool", True),
+            ("truncated", "truncated_frac", False),
+        ):
             cells = [_pct(r.get(key), r.get(f"{key}_se") if se else None) for r in (before, after)]
             lines.append(f"{label:28}{cells[0]:>16}{cells[1]:>16}")
         if any(r.get("tool_calls_per_solved") is not None for r in (before, after)):
-            cells = ["n/a" if r.get("tool_calls_per_solved") is None else f"{r['tool_calls_per_solved']:.2f}"
-                     for r in (before, after)]
+            cells = [
+                "n/a" if r.get("tool_calls_per_solved") is None else f"{r['tool_calls_per_solved']:.2f}"
+                for r in (before, after)
+            ]
             lines.append(f"{'tool calls per solved':28}{cells[0]:>16}{cells[1]:>16}")
         if any(r.get("failed_call_frac") for r in (before, after)):
-            lines.append(f"{'samples with a failed call':28}{_pct(before.get('failed_call_frac')):>16}"
-                         f"{_pct(after.get('failed_call_frac')):>16}")
-            lines.append(f"{'  ... that still solved it':28}{_pct(before.get('recovery_rate')):>16}"
-                         f"{_pct(after.get('recovery_rate')):>16}")
+            lines.append(
+                f"{'samples with a failed call':28}{_pct(before.get('failed_call_frac')):>16}"
+                f"{_pct(after.get('failed_call_frac')):>16}"
+            )
+            lines.append(
+                f"{'  ... that still solved it':28}{_pct(before.get('recovery_rate')):>16}"
+                f"{_pct(after.get('recovery_rate')):>16}"
+            )
         for k in sorted(after.get("pass_at_k", {}), key=int):
             if int(k) > 1:
                 cells = [_pct(r["pass_at_k"].get(k), (r.get("pass_at_k_se") or {}).get(k)) for r in (before, after)]
@@ -154,8 +190,10 @@ def format_summary(before: dict | None, after: dict | None, *, steps: int, wall_
         line = f"held-out accuracy gain: {100 * gain['accuracy']:+.1f} points"
         if gain["se"] is not None:
             low, high = (100 * (gain["accuracy"] + z * gain["se"]) for z in (-1.96, 1.96))
-            line += (f" ± {100 * gain['se']:.1f} ({'paired by problem' if gain['paired'] else 'unpaired'}; "
-                     f"95% interval {low:+.1f} to {high:+.1f})")
+            line += (
+                f" ± {100 * gain['se']:.1f} ({'paired by problem' if gain['paired'] else 'unpaired'}; "
+                f"95% interval {low:+.1f} to {high:+.1f})"
+            )
         lines.append(line)
     lines.append(f"steps: {steps}   wall time: {wall_s / 60:.1f} min")
     for name, value in paths.items():

@@ -15,8 +15,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["StartUp", "start_up", "DRY_RUN_UNCHECKED", "resolve", "check_plugins", "check_chat_template",
-           "check_sampler_memory", "check_update_fits", "distributed_mode", "evaluation_backend", "precision", "format_banner"]
+__all__ = [
+    "StartUp",
+    "start_up",
+    "DRY_RUN_UNCHECKED",
+    "resolve",
+    "check_plugins",
+    "check_chat_template",
+    "check_sampler_memory",
+    "check_update_fits",
+    "distributed_mode",
+    "evaluation_backend",
+    "precision",
+    "format_banner",
+]
 
 
 TASK_TOOLS = {"lookup": ("lookup", "code_interpreter")}
@@ -38,17 +50,18 @@ def resolve(script_args: Any, training_args: Any) -> Any:
 
     try:
         check_model_config(script_args, training_args)  # --use_peft, --lora_*, quantisation, ...
-        run = resolve_run(training_args, provenance=script_args.provenance,
-                          peft_config=peft_config_from(script_args))
+        run = resolve_run(training_args, provenance=script_args.provenance, peft_config=peft_config_from(script_args))
     except (LookupError, ValueError, TypeError, RuntimeError) as exc:  # LookupError: the registry's unknown names
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
     missing = [name for name in TASK_TOOLS.get(script_args.task, ()) if name not in run.tools]
     if missing:
         run.close()
-        raise SystemExit(f"configuration error (before any model loads): task {script_args.task!r} needs the tool(s) "
-                         f"{missing} (the run has {sorted(run.tools)}): its problems cannot be solved without them. "
-                         f"The task brings its tools where nothing else sets --tools (recipes/retool/tasks.py): drop "
-                         f"the --tools you set (its provenance: {run.spec.origin('tools')}), or add them to it.")
+        raise SystemExit(
+            f"configuration error (before any model loads): task {script_args.task!r} needs the tool(s) "
+            f"{missing} (the run has {sorted(run.tools)}): its problems cannot be solved without them. "
+            f"The task brings its tools where nothing else sets --tools (recipes/retool/tasks.py): drop "
+            f"the --tools you set (its provenance: {run.spec.origin('tools')}), or add them to it."
+        )
     from retool.default_model import check_embedded_default
 
     try:
@@ -130,14 +143,24 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     main_process = state.is_main_process
     say = print if main_process else (lambda *a, **k: None)
     # One run per output folder: every rank refuses a folder an earlier run filled; the main process moves it aside.
-    claim_output_dir(training_args.output_dir, resume=training_args.resume_from_checkpoint,
-                     overwrite=script_args.overwrite_output_dir, move=main_process, dry_run=dry_run, log=say)
+    claim_output_dir(
+        training_args.output_dir,
+        resume=training_args.resume_from_checkpoint,
+        overwrite=script_args.overwrite_output_dir,
+        move=main_process,
+        dry_run=dry_run,
+        log=say,
+    )
     state.wait_for_everyone()
     # The checkpoint to resume from is checked now, before any model loads; train() takes what was found.
     try:
-        resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir,
-                                fallback=training_args.resume_fallback, needs_optimizer=not training_args.save_only_model,
-                                max_steps=training_args.max_steps)
+        resume = resolve_resume(
+            training_args.resume_from_checkpoint,
+            training_args.output_dir,
+            fallback=training_args.resume_fallback,
+            needs_optimizer=not training_args.save_only_model,
+            max_steps=training_args.max_steps,
+        )
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     evaluate = script_args.eval_problems > 0
@@ -153,17 +176,30 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
         mode = configure_wandb(training_args.report_to, training_args.output_dir, script_args.wandb_project)
         if mode:
             say(f"W&B: {mode} (files under {os.environ['WANDB_DIR']}/wandb; 'wandb sync' uploads offline runs)")
-    say(format_banner(script_args, run, world_size=state.num_processes, device=str(state.device),
-                      distributed=distributed_mode(training_args=training_args), tool_start_up=run.start_tools(),
-                      wandb_mode=mode, dry_run=dry_run), flush=True)
+    say(
+        format_banner(
+            script_args,
+            run,
+            world_size=state.num_processes,
+            device=str(state.device),
+            distributed=distributed_mode(training_args=training_args),
+            tool_start_up=run.start_tools(),
+            wandb_mode=mode,
+            dry_run=dry_run,
+        ),
+        flush=True,
+    )
 
     # The rows before any model: a missing column or split, or a held-out split that cannot be carved, stops here.
     # Training and every held-out evaluation split alike (retool.data.load_task_rows); the main process says how.
     said: list[str] = []
     try:
         train_rows = task_rows(script_args, "train", size=script_args.train_size, log=said.append, rollout=run.rollout)
-        heldout_rows = (task_rows(script_args, "test", size=script_args.eval_problems, log=said.append, rollout=run.rollout)
-                        if evaluate else [])
+        heldout_rows = (
+            task_rows(script_args, "test", size=script_args.eval_problems, log=said.append, rollout=run.rollout)
+            if evaluate
+            else []
+        )
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     for line in dict.fromkeys(said):  # a carved split is described once, not once per side
@@ -176,11 +212,13 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     with contextlib.ExitStack() as stack:
         if dry_run:  # the cached build, or a stand-in (its tokenizer + config) in a folder gone after the checks
             model_path, stood_in = stack.enter_context(
-                model_for_dry_run(script_args, training_args, rebuild=script_args.rebuild_embedded, log=say))
+                model_for_dry_run(script_args, training_args, rebuild=script_args.rebuild_embedded, log=say)
+            )
         else:
             with state.main_process_first():  # only the main process builds the embedded default; the others find it
-                model_path = model_path_or_default(script_args, training_args,
-                                                   rebuild=script_args.rebuild_embedded and main_process, log=say)
+                model_path = model_path_or_default(
+                    script_args, training_args, rebuild=script_args.rebuild_embedded and main_process, log=say
+                )
             stood_in = False
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         if tokenizer.pad_token is None:
@@ -200,10 +238,22 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     if dry_run:
         for line in DRY_RUN_UNCHECKED:
             say(f"dry run: not checked: {line}")
-        say(f"dry run: every start-up check passed ({time.perf_counter() - begun:.1f} s); nothing was trained, "
-            f"evaluated, written or moved (output_dir {training_args.output_dir}), no tracker started.", flush=True)
-    return StartUp(state=state, say=say, ks=ks, resume=resume, train_rows=train_rows, heldout_rows=heldout_rows,
-                   model_path=None if stood_in else model_path, tokenizer=tokenizer, wandb_mode=mode)
+        say(
+            f"dry run: every start-up check passed ({time.perf_counter() - begun:.1f} s); nothing was trained, "
+            f"evaluated, written or moved (output_dir {training_args.output_dir}), no tracker started.",
+            flush=True,
+        )
+    return StartUp(
+        state=state,
+        say=say,
+        ks=ks,
+        resume=resume,
+        train_rows=train_rows,
+        heldout_rows=heldout_rows,
+        model_path=None if stood_in else model_path,
+        tokenizer=tokenizer,
+        wandb_mode=mode,
+    )
 
 
 def check_plugins(run: Any, example: Any) -> list[str]:
@@ -239,7 +289,8 @@ def check_chat_template(tokenizer: Any, run: Any) -> None:
 
 
 def check_sampler_memory(run: Any, model_path: str, model_kwargs: Mapping[str, Any]) -> str | None:
-    """Whether the continuous-batching cache will fit (:func:`trl_plugins.run.sampler.check_continuous_batching_memory`),
+    """Whether the continuous-batching cache will fit
+    (:func:`trl_plugins.run.sampler.check_continuous_batching_memory`),
     once the model's path is known and before its weights load (and before the first evaluation generates with it);
     returns the line to print, or None for another sampler.
 
@@ -252,33 +303,41 @@ def check_sampler_memory(run: Any, model_path: str, model_kwargs: Mapping[str, A
     if run.sampler is not SamplerKind.CONTINUOUS_BATCHING:
         return None
     try:
-        return check_continuous_batching_memory(run, model_path, dtype=model_kwargs.get("dtype"),
-                                                trainable_fraction=0.0 if run.spec.peft_config is not None else 1.0)
+        return check_continuous_batching_memory(
+            run,
+            model_path,
+            dtype=model_kwargs.get("dtype"),
+            trainable_fraction=0.0 if run.spec.peft_config is not None else 1.0,
+        )
     except ValueError as exc:
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
 
 
 def check_update_fits(run: Any, model_path: str, training_args: Any, *, attention: str | None = None) -> str:
-    """The update's largest activation against the free memory (:func:`trl_plugins.run.update_memory.check_update_memory`),
+    """The update's largest activation against the free memory
+    (:func:`trl_plugins.run.update_memory.check_update_memory`),
     from the model's config and the run's limits, before the weights load, after sequence parallelism's limits
     (:func:`trl_plugins.run.parallelism.check_sequence_parallel`); returns the line to print.
 
     Raises:
         SystemExit: it will not fit (the message gives the figures and what to change).
     """
+    from accelerate import PartialState
     from transformers import AutoConfig
 
-    from trl_plugins.run.update_memory import check_update_memory
-
-    from accelerate import PartialState
-
     from trl_plugins.run.parallelism import check_sequence_parallel
+    from trl_plugins.run.update_memory import check_update_memory
 
     config = AutoConfig.from_pretrained(model_path)
     try:  # sequence parallelism's limits: the processes, DeepSpeed, the model's heads and attention
-        check_sequence_parallel(training_args, config, world_size=PartialState().num_processes,
-                                deepspeed=distributed_mode(training_args=training_args).startswith("DeepSpeed"),
-                                policy_loss=run.policy_loss, attention=attention)
+        check_sequence_parallel(
+            training_args,
+            config,
+            world_size=PartialState().num_processes,
+            deepspeed=distributed_mode(training_args=training_args).startswith("DeepSpeed"),
+            policy_loss=run.policy_loss,
+            attention=attention,
+        )
     except ValueError as exc:
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
     text = getattr(config, "text_config", None) or config
@@ -286,11 +345,16 @@ def check_update_fits(run: Any, model_path: str, training_args: Any, *, attentio
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
     # Parameters: the embeddings (twice untied) and, per layer, attention's 4 H x H and the MLP's 3 H x I.
     params = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2) + layers * (
-        4 * hidden * hidden + 3 * hidden * intermediate)
+        4 * hidden * hidden + 3 * hidden * intermediate
+    )
     value_bytes = 2 if (training_args.bf16 or training_args.fp16) else 4
     try:
-        return check_update_memory(training_args, config, weights_bytes=params * value_bytes,
-                                   trainable_fraction=0.0 if run.spec.peft_config is not None else 1.0)
+        return check_update_memory(
+            training_args,
+            config,
+            weights_bytes=params * value_bytes,
+            trainable_fraction=0.0 if run.spec.peft_config is not None else 1.0,
+        )
     except ValueError as exc:
         raise SystemExit(f"configuration error (before any model loads): {exc}") from exc
 
@@ -342,9 +406,17 @@ def _kwargs(values: Any) -> str:
     return json.dumps(values, sort_keys=True, default=str) if values else "{}"
 
 
-def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, distributed: str,
-                  tool_start_up: Mapping[str, str] | None = None, wandb_mode: str | None = None,
-                  dry_run: bool = False) -> str:
+def format_banner(
+    script_args: Any,
+    run: Any,
+    *,
+    world_size: int,
+    device: str,
+    distributed: str,
+    tool_start_up: Mapping[str, str] | None = None,
+    wandb_mode: str | None = None,
+    dry_run: bool = False,
+) -> str:
     """The start-up banner: every plugin in force with its settings, the sandbox's isolation, processes and
     precision, the generation backend, and where outputs go (``dry_run``: what the run would do; it says so). Pure:
     everything comes in as arguments (the run, and what its tools reported when they started:
@@ -353,23 +425,37 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
 
     a, s = run.config, script_args
     tool_start_up = dict(tool_start_up or {})
-    lines = ["=" * 72, "ReTool PPO: the run" + (" (dry run: the start-up checks only; nothing trains)" if dry_run else ""),
-             "-" * 72]
-    model = s.model_name_or_path or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
+    lines = [
+        "=" * 72,
+        "ReTool PPO: the run" + (" (dry run: the start-up checks only; nothing trains)" if dry_run else ""),
+        "-" * 72,
+    ]
+    model = (
+        s.model_name_or_path
+        or "the embedded default (tiny Qwen2 after its cold-start SFT; built or read from the cache)"
+    )
     lines.append(f"model:        {model}" + (f"  [LoRA adapter, r={s.lora_r}]" if s.use_peft else ""))
     if s.reasoning_gym_task is not None:
-        lines.append(f"dataset:      reasoning-gym: {s.reasoning_gym_task.describe()} (held-out rows from task_seed, "
-                     f"training rows from other seeds, none sharing a question)")
+        lines.append(
+            f"dataset:      reasoning-gym: {s.reasoning_gym_task.describe()} (held-out rows from task_seed, "
+            f"training rows from other seeds, none sharing a question)"
+        )
     elif run.rollout.rows_fn is not None:  # a verifiers environment's tasks: retool.data.task_rows takes them
-        lines.append(f"dataset:      the rows of {run.rollout.label} (held_out_fraction={s.held_out_fraction} held out)")
+        lines.append(
+            f"dataset:      the rows of {run.rollout.label} (held_out_fraction={s.held_out_fraction} held out)"
+        )
     else:
-        lines.append(f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
-                     f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})")
+        lines.append(
+            f"dataset:      {s.dataset_name or f'the bundled {s.task} task'}"
+            f" (train split {s.dataset_train_split!r}, held-out split {s.dataset_test_split!r})"
+        )
     if s.config_files:
         lines.append(f"config files: {' < '.join(s.config_files)} < command line")
     if s.task_settings:
-        lines.append(f"task:         {s.task!r} set {', '.join(s.task_settings)} (its own settings, under your config "
-                     f"files and the command line: recipes/retool/tasks.py)")
+        lines.append(
+            f"task:         {s.task!r} set {', '.join(s.task_settings)} (its own settings, under your config "
+            f"files and the command line: recipes/retool/tasks.py)"
+        )
     for note in s.dropped_kwargs:
         lines.append(f"note:         {note}")
     lines.append(f"rollout:      {a.rollout} {_kwargs(a.rollout_kwargs)}")
@@ -400,40 +486,68 @@ def format_banner(script_args: Any, run: Any, *, world_size: int, device: str, d
     if a.reward_component_kwargs:
         lines.append(f"              reward_component_kwargs {_kwargs(a.reward_component_kwargs)}")
     lines.append(f"advantage:    {a.advantage} {_kwargs(a.advantage_kwargs)}")
-    lines.append(f"policy loss:  {a.policy_loss} {_kwargs(a.policy_loss_kwargs)}, aggregation {a.aggregation}"
-                 + (f", reference KL beta={a.beta:g} ({a.kl_estimator}, in the {a.kl_penalty})" if a.beta > 0 else ""))
+    lines.append(
+        f"policy loss:  {a.policy_loss} {_kwargs(a.policy_loss_kwargs)}, aggregation {a.aggregation}"
+        + (f", reference KL beta={a.beta:g} ({a.kl_estimator}, in the {a.kl_penalty})" if a.beta > 0 else "")
+    )
     skipped = "all" if "all" in a.skip_startup_checks else ", ".join(a.skip_startup_checks)
-    lines.append("checks:       each reward, the advantage and the policy loss run their contract check on a copy "
-                 "before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else ""))
+    lines.append(
+        "checks:       each reward, the advantage and the policy loss run their contract check on a copy "
+        "before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else "")
+    )
     state = {None: "auto", True: "on", False: "off"}
-    rows = (f"1 row split over {a.sequence_parallel_size} ranks (sequence parallelism)" if a.sequence_parallel_size > 1
-            else f"<= {a.max_items_per_micro_batch} rows")
-    lines.append(f"packer:       {a.packer} ({rows}, <= {a.max_padded_tokens_per_micro_batch}"
-                 f" padded tokens per micro-batch; padding-free {state[a.padding_free]}; shared prefix "
-                 f"{state[a.shared_prefix]})")
-    lines.append(f"batch:        {a.per_device_train_batch_size} trajectories per process per step "
-                 f"({a.per_device_train_batch_size // a.num_generations} questions x {a.num_generations}), "
-                 f"{world_size * a.per_device_train_batch_size} per step in all; max_steps {a.max_steps}, "
-                 f"learning_rate {a.learning_rate:g}")
-    split = (f", each datum's tokens split over {a.sequence_parallel_size} ranks in the update (sequence parallelism, "
-             f"{world_size // a.sequence_parallel_size} data-parallel groups)" if a.sequence_parallel_size > 1 else "")
+    rows = (
+        f"1 row split over {a.sequence_parallel_size} ranks (sequence parallelism)"
+        if a.sequence_parallel_size > 1
+        else f"<= {a.max_items_per_micro_batch} rows"
+    )
+    lines.append(
+        f"packer:       {a.packer} ({rows}, <= {a.max_padded_tokens_per_micro_batch}"
+        f" padded tokens per micro-batch; padding-free {state[a.padding_free]}; shared prefix "
+        f"{state[a.shared_prefix]})"
+    )
+    lines.append(
+        f"batch:        {a.per_device_train_batch_size} trajectories per process per step "
+        f"({a.per_device_train_batch_size // a.num_generations} questions x {a.num_generations}), "
+        f"{world_size * a.per_device_train_batch_size} per step in all; max_steps {a.max_steps}, "
+        f"learning_rate {a.learning_rate:g}"
+    )
+    split = (
+        f", each datum's tokens split over {a.sequence_parallel_size} ranks in the update (sequence parallelism, "
+        f"{world_size // a.sequence_parallel_size} data-parallel groups)"
+        if a.sequence_parallel_size > 1
+        else ""
+    )
     lines.append(f"processes:    {world_size} on {device}, {distributed}{split}, {precision(a)}")
     lines.append(f"generation:   {run.sampler.describe(a)}, temperature {a.temperature:g}")
-    lines.append(f"seeds:        seed {a.seed}, task_seed {s.task_seed}"
-                 + (f", data_seed {a.data_seed}" if a.data_seed is not None else ""))
-    evaluation = (f"{s.eval_problems} held-out problems x {s.eval_samples} samples before and after"
-                  + (f", {s.eval_every_problems} every {s.eval_every_steps} steps" if s.eval_every_steps else "")
-                  + f", generated with {evaluation_backend(run)}"
-                  if s.eval_problems > 0 else "none (--eval_problems 0)")
+    lines.append(
+        f"seeds:        seed {a.seed}, task_seed {s.task_seed}"
+        + (f", data_seed {a.data_seed}" if a.data_seed is not None else "")
+    )
+    evaluation = (
+        f"{s.eval_problems} held-out problems x {s.eval_samples} samples before and after"
+        + (f", {s.eval_every_problems} every {s.eval_every_steps} steps" if s.eval_every_steps else "")
+        + f", generated with {evaluation_backend(run)}"
+        if s.eval_problems > 0
+        else "none (--eval_problems 0)"
+    )
     lines.append(f"evaluation:   {evaluation}")
     report = ", ".join(a.report_to) if a.report_to else "none"
-    lines.append(f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, run_config/, final/, checkpoints every "
-                 f"{a.save_steps} steps)" if getattr(a.save_strategy, "value", a.save_strategy) == "steps" else
-                 f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, run_config/, final/)")
+    lines.append(
+        f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, run_config/, final/, checkpoints every "
+        f"{a.save_steps} steps)"
+        if getattr(a.save_strategy, "value", a.save_strategy) == "steps"
+        else f"outputs:      {a.output_dir} (metrics.jsonl, summary.json, run_config/, final/)"
+    )
     if a.viewer_steps:
-        lines.append(f"viewer:       {a.output_dir}/trajectories/step-N.html every {a.viewer_steps} steps "
-                     f"({a.viewer_trajectories} trajectories; python -m trl_plugins.viewer redraws a saved batch)")
-    lines.append(f"logging:      report_to {report}" + (f"; W&B {wandb_mode}" if wandb_mode else "")
-                 + (" (not started in a dry run)" if wandb_mode and dry_run else ""))
+        lines.append(
+            f"viewer:       {a.output_dir}/trajectories/step-N.html every {a.viewer_steps} steps "
+            f"({a.viewer_trajectories} trajectories; python -m trl_plugins.viewer redraws a saved batch)"
+        )
+    lines.append(
+        f"logging:      report_to {report}"
+        + (f"; W&B {wandb_mode}" if wandb_mode else "")
+        + (" (not started in a dry run)" if wandb_mode and dry_run else "")
+    )
     lines.append("=" * 72)
     return "\n".join(lines)

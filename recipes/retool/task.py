@@ -57,17 +57,20 @@ def arithmetic_problems(n: int, *, seed: int = 0, split: str = "train") -> list[
         if len(str(answer)) != ANSWER_DIGITS or expression in seen or _split_of(expression) != split:
             continue
         seen.add(expression)
-        rows.append({
-            "id": f"{split}-{seed}-{len(rows)}",
-            "prompt": f"What is {expression}?",
-            "answer": str(answer),
-            "expression": expression,
-        })
+        rows.append(
+            {
+                "id": f"{split}-{seed}-{len(rows)}",
+                "prompt": f"What is {expression}?",
+                "answer": str(answer),
+                "expression": expression,
+            }
+        )
     return rows
 
 
-def bundled_problems(task: str, n: int, *, seed: int = 0, split: str = "train", task_kwargs: str | dict | None = None
-                     ) -> list[dict]:
+def bundled_problems(
+    task: str, n: int, *, seed: int = 0, split: str = "train", task_kwargs: str | dict | None = None
+) -> list[dict]:
     """``n`` problems of a task's split, for its embedded default's cold start: ``arithmetic``
     (:func:`arithmetic_problems`), ``lookup`` (:func:`retool.lookup.lookup_problems`) or ``reasoning_gym`` (the
     datasets ``task_kwargs`` names, :func:`retool.reasoning_gym_task.reasoning_gym_problems`, each row with the
@@ -90,11 +93,14 @@ def bundled_problems(task: str, n: int, *, seed: int = 0, split: str = "train", 
         for row in rows:
             expression = row["metadata"].get("expression")
             if not isinstance(expression, str) or not expression.strip():
-                raise ValueError(f"the embedded default's cold start writes print(<expression>) for each question, and "
-                                 f"reasoning-gym's {row['metadata'].get('source_dataset')!r} entries hold no "
-                                 f"metadata.expression: bring a model for it (--model_name_or_path), or train on "
-                                 f"datasets whose entries carry one (chain_sum, basic_arithmetic).")
+                raise ValueError(
+                    f"the embedded default's cold start writes print(<expression>) for each question, and "
+                    f"reasoning-gym's {row['metadata'].get('source_dataset')!r} entries hold no "
+                    f"metadata.expression: bring a model for it (--model_name_or_path), or train on "
+                    f"datasets whose entries carry one (chain_sum, basic_arithmetic)."
+                )
             row["expression"] = expression
         return rows
-    raise ValueError(f"no task {task!r} with an embedded default; the tasks are 'arithmetic', 'lookup' and "
-                     f"'reasoning_gym'.")
+    raise ValueError(
+        f"no task {task!r} with an embedded default; the tasks are 'arithmetic', 'lookup' and 'reasoning_gym'."
+    )

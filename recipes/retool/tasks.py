@@ -30,8 +30,13 @@ TASK_SETTINGS: dict[str, dict[str, Any]] = {
         "success_component": "correct",
         "tools": ["retool.lookup:LookupTool", "code_interpreter"],
         "system_prompt": LOOKUP_SYSTEM_PROMPT,
-        "rollout_kwargs": {"max_turns": 5, "max_tool_calls": 4, "max_assistant_tokens": 64,
-                           "max_trajectory_tokens": 1024, "max_tool_response_tokens": 128},
+        "rollout_kwargs": {
+            "max_turns": 5,
+            "max_tool_calls": 4,
+            "max_assistant_tokens": 64,
+            "max_trajectory_tokens": 1024,
+            "max_tool_response_tokens": 128,
+        },
     },
     # Scored by each dataset's own score_answer (most of its answers are no maths math-verify reads), on the boxed
     # answer the system prompt asks for.

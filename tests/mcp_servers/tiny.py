@@ -13,32 +13,56 @@ import sys
 
 NAME, VERSION = (sys.argv[1], sys.argv[2]) if len(sys.argv) > 2 else ("tiny", "0.4.2")
 TOOLS = [
-    {"name": "echo", "description": "Say the text back.",
-     "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}},
-    {"name": "media", "description": "A result with no text: only one block of the kind asked for.",
-     "inputSchema": {"type": "object", "properties": {"kind": {"enum": ["image", "audio", "resource_link", "resource"]}},
-                     "required": ["kind"]}},
+    {
+        "name": "echo",
+        "description": "Say the text back.",
+        "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+    {
+        "name": "media",
+        "description": "A result with no text: only one block of the kind asked for.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["image", "audio", "resource_link", "resource"]}},
+            "required": ["kind"],
+        },
+    },
     {"name": "pid", "description": "The server's process id.", "inputSchema": {"type": "object", "properties": {}}},
-    {"name": "oops", "description": "Always an error result (isError).",
-     "inputSchema": {"type": "object", "properties": {"why": {"type": "string"}}, "required": ["why"]}},
+    {
+        "name": "oops",
+        "description": "Always an error result (isError).",
+        "inputSchema": {"type": "object", "properties": {"why": {"type": "string"}}, "required": ["why"]},
+    },
 ]
 # TINY_ALSO_OFFERS=a,b: more tools of those names, each answering as echo does (a name another server offers too).
-TOOLS += [dict(TOOLS[0], name=n, description=f"Say the text back (as {n}).")
-          for n in os.environ.get("TINY_ALSO_OFFERS", "").split(",") if n]
+TOOLS += [
+    dict(TOOLS[0], name=n, description=f"Say the text back (as {n}).")
+    for n in os.environ.get("TINY_ALSO_OFFERS", "").split(",")
+    if n
+]
 MEDIA = {
     "image": {"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"},
     "audio": {"type": "audio", "data": "UklGRg==", "mimeType": "audio/wav"},
-    "resource_link": {"type": "resource_link", "uri": "file:///srv/report.pdf", "name": "report",
-                      "mimeType": "application/pdf"},
-    "resource": {"type": "resource", "resource": {"uri": "file:///srv/notes.txt", "mimeType": "text/plain",
-                                                  "text": "the notes"}},
+    "resource_link": {
+        "type": "resource_link",
+        "uri": "file:///srv/report.pdf",
+        "name": "report",
+        "mimeType": "application/pdf",
+    },
+    "resource": {
+        "type": "resource",
+        "resource": {"uri": "file:///srv/notes.txt", "mimeType": "text/plain", "text": "the notes"},
+    },
 }
 
 
 def _result(method, params):
     if method == "initialize":
-        return {"protocolVersion": params.get("protocolVersion", "2025-06-18"), "capabilities": {"tools": {}},
-                "serverInfo": {"name": NAME, "version": VERSION}}
+        return {
+            "protocolVersion": params.get("protocolVersion", "2025-06-18"),
+            "capabilities": {"tools": {}},
+            "serverInfo": {"name": NAME, "version": VERSION},
+        }
     if method == "ping":
         return {}
     if method == "tools/list":
@@ -65,8 +89,11 @@ def main():
         if "id" not in msg or "method" not in msg:  # a notification or a response: nothing to answer
             continue
         result = _result(msg["method"], msg.get("params") or {})
-        reply = ({"jsonrpc": "2.0", "id": msg["id"], "result": result} if result is not None else
-                 {"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32601, "message": f"no method {msg['method']}"}})
+        reply = (
+            {"jsonrpc": "2.0", "id": msg["id"], "result": result}
+            if result is not None
+            else {"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32601, "message": f"no method {msg['method']}"}}
+        )
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 

@@ -87,7 +87,9 @@ def ref_gae_row(
     return adv, ret
 
 
-def ref_whiten(x: list[float], mask: list[int], *, unbiased: bool, eps: float = 1e-8, shift_mean: bool = True) -> list[float]:
+def ref_whiten(
+    x: list[float], mask: list[int], *, unbiased: bool, eps: float = 1e-8, shift_mean: bool = True
+) -> list[float]:
     """Masked whitening (PPO advantage normalisation): (x - mean) / sqrt(var + eps) over masked positions.
 
     ``unbiased`` picks the variance divisor (n - 1 vs n); off-mask positions are 0.
@@ -204,8 +206,14 @@ def random_multiturn_batch(seed: int, dtype: torch.dtype = F64):
 def test_gae_matches_eq16_on_action_positions(seed: int, gamma: float, lam: float) -> None:
     values, mask, rewards, token_rewards, boot_mask, boot_values = random_multiturn_batch(seed)
     adv, ret = gae_advantages(
-        values, mask, rewards, gamma=gamma, lam=lam,
-        bootstrap_mask=boot_mask, bootstrap_values=boot_values, token_rewards=token_rewards,
+        values,
+        mask,
+        rewards,
+        gamma=gamma,
+        lam=lam,
+        bootstrap_mask=boot_mask,
+        bootstrap_values=boot_values,
+        token_rewards=token_rewards,
     )
     for i in range(values.shape[0]):
         bootstrap = float(boot_values[i]) if boot_mask[i] else 0.0
@@ -219,10 +227,14 @@ def test_gae_matches_eq16_on_action_positions(seed: int, gamma: float, lam: floa
 
 def test_gae_float32_close_to_reference() -> None:
     values, mask, rewards, token_rewards, boot_mask, boot_values = random_multiturn_batch(11, F32)
-    adv, _ = gae_advantages(values, mask, rewards, gamma=0.99, lam=0.95, bootstrap_mask=boot_mask, bootstrap_values=boot_values)
+    adv, _ = gae_advantages(
+        values, mask, rewards, gamma=0.99, lam=0.95, bootstrap_mask=boot_mask, bootstrap_values=boot_values
+    )
     for i in range(values.shape[0]):
         bootstrap = float(boot_values[i]) if boot_mask[i] else 0.0
-        e_adv, _ = ref_gae_row(values[i].tolist(), mask[i].tolist(), float(rewards[i]), [0.0] * 16, 0.99, 0.95, bootstrap)
+        e_adv, _ = ref_gae_row(
+            values[i].tolist(), mask[i].tolist(), float(rewards[i]), [0.0] * 16, 0.99, 0.95, bootstrap
+        )
         torch.testing.assert_close(adv[i], torch.tensor(e_adv, dtype=F32), rtol=1e-5, atol=1e-5)
 
 

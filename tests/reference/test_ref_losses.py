@@ -23,7 +23,12 @@ F32 = torch.float32
 
 
 def ref_ppo_objective(
-    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token loss = -objective, on 1-D tensors of action tokens only.
 
@@ -46,7 +51,9 @@ def ref_ppo_objective(
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("clip_low, clip_high, dual_clip", [(0.2, 0.28, None), (0.2, 0.28, 3.0), (0.1, 0.5, 2.0)])
-def test_ppo_clip_matches_eq7_and_dual_clip(seed: int, clip_low: float, clip_high: float, dual_clip: float | None) -> None:
+def test_ppo_clip_matches_eq7_and_dual_clip(
+    seed: int, clip_low: float, clip_high: float, dual_clip: float | None
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     b, t = 8, 24
     logp = -3.0 * torch.rand(b, t, generator=gen, dtype=F64)
@@ -79,7 +86,9 @@ def test_ppo_clip_matches_eq7_and_dual_clip(seed: int, clip_low: float, clip_hig
 # ------------------------------------------------------------------ clipped value loss
 
 
-def ref_value_loss(v: torch.Tensor, v_old: torch.Tensor, ret: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+def ref_value_loss(
+    v: torch.Tensor, v_old: torch.Tensor, ret: torch.Tensor, c: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) (PPO2 / verl ``compute_value_loss`` /
     MiniMind), with V itself clamped; returns (loss, tokens whose clipped branch is strictly larger)."""
     v_clipped = torch.clamp(v, min=v_old - c, max=v_old + c)
@@ -106,7 +115,9 @@ def test_value_loss_and_clip_fraction_exact_in_float32(seed: int) -> None:
     # in float32): most steps lie just inside the clip range (within 1e-3 of c), a quarter outside it.
     v_old = (0.3 * torch.randn(b, t, generator=gen, dtype=F64)).to(F32)
     near = c * (1.0 - 1e-3 * torch.rand(b, t, generator=gen, dtype=F64))
-    step = torch.where(torch.rand(b, t, generator=gen) < 0.25, c * (1.0 + torch.rand(b, t, generator=gen, dtype=F64)), near)
+    step = torch.where(
+        torch.rand(b, t, generator=gen) < 0.25, c * (1.0 + torch.rand(b, t, generator=gen, dtype=F64)), near
+    )
     v = (v_old.to(F64) + torch.where(torch.rand(b, t, generator=gen) < 0.5, step, -step)).to(F32)
     ret = v_old + 0.5 * torch.randn(b, t, generator=gen)
     mask = (torch.rand(b, t, generator=gen) < 0.9).long()
@@ -119,7 +130,9 @@ def test_value_loss_and_clip_fraction_exact_in_float32(seed: int) -> None:
     v_ref = v.clone().requires_grad_(True)
     loss_on, clipped_on = ref_value_loss(v_ref[on], v_old[on], ret[on], c)
     assert float(out.clipped) == clipped_on.sum().item()  # exact count, in float32
-    torch.testing.assert_close(out.per_token_loss, torch.zeros_like(v).masked_scatter(on, loss_on.detach()), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        out.per_token_loss, torch.zeros_like(v).masked_scatter(on, loss_on.detach()), rtol=1e-6, atol=0
+    )
     out.per_token_loss.sum().backward()
     loss_on.sum().backward()
     # At V == V_old +- c exactly (a kink; a few float32 tokens land there) any subgradient is valid
@@ -147,7 +160,12 @@ def test_kl_estimators_match_definitions(estimator: str) -> None:
     clamp = 20.0
     gen = torch.Generator().manual_seed(3)
     logp = -5.0 * torch.rand(200, generator=gen, dtype=F64)
-    log_r = torch.cat([torch.tensor([-100.0, -50.0, -25.0, -20.5, 0.0, 19.9, 25.0, 50.0], dtype=F64), 8.0 * torch.randn(192, generator=gen, dtype=F64)])
+    log_r = torch.cat(
+        [
+            torch.tensor([-100.0, -50.0, -25.0, -20.5, 0.0, 19.9, 25.0, 50.0], dtype=F64),
+            8.0 * torch.randn(192, generator=gen, dtype=F64),
+        ]
+    )
     ref_logp = logp + log_r
     if estimator == "k3":  # exact wherever log r <= clamp (above it only exp's argument is bounded)
         keep = log_r <= clamp
@@ -203,8 +221,6 @@ def test_aggregate_over_random_splits_equals_one_batch(seed: int, mode: str) -> 
     parts = [slice(a, z) for a, z in zip([0] + cuts, cuts + [b])]
     n_tok = sum(local_denominators(mask[s])[0] for s in parts)
     n_seq = sum(local_denominators(mask[s])[1] for s in parts)
-    total = sum(
-        aggregate(loss[s], mask[s], mode, num_tokens=n_tok, num_sequences=n_seq, norm_length=t) for s in parts
-    )
+    total = sum(aggregate(loss[s], mask[s], mode, num_tokens=n_tok, num_sequences=n_seq, norm_length=t) for s in parts)
     expected = ref_aggregate(loss.tolist(), mask.tolist(), mode, t)
     assert math.isclose(float(total), expected, rel_tol=1e-12, abs_tol=1e-12)

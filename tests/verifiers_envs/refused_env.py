@@ -13,12 +13,21 @@ class PlainTask(vf.Task[vf.TaskData]):
 
 class RefusedTaskset(vf.Taskset[PlainTask, vf.TasksetConfig]):
     def load(self) -> list[PlainTask]:
-        picture = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        picture = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            }
+        ]
         judged = vf.TaskConfig(judges=[{"id": "reference"}])
-        return [PlainTask(vf.TaskData(idx=0, prompt=picture), self.config.task),
-                PlainTask(vf.TaskData(idx=1, prompt="Build it.", image="python:3.12"), self.config.task),
-                PlainTask(vf.TaskData(idx=2, prompt="Judged."), judged)]
+        return [
+            PlainTask(vf.TaskData(idx=0, prompt=picture), self.config.task),
+            PlainTask(vf.TaskData(idx=1, prompt="Build it.", image="python:3.12"), self.config.task),
+            PlainTask(vf.TaskData(idx=2, prompt="Judged."), judged),
+        ]
 
 
 class DuetConfig(vf.EnvConfig):

@@ -27,7 +27,9 @@ class QuestionTask(vf.Task[QuestionData]):
 class QuestionTaskset(vf.Taskset[QuestionTask, vf.TasksetConfig]):
     def load(self) -> list[QuestionTask]:
         rows = [("What is 3 + 4?", "7"), ("Say boom.", "0")]
-        return [QuestionTask(QuestionData(idx=i, prompt=p, answer=a), self.config.task) for i, (p, a) in enumerate(rows)]
+        return [
+            QuestionTask(QuestionData(idx=i, prompt=p, answer=a), self.config.task) for i, (p, a) in enumerate(rows)
+        ]
 
 
 __all__ = ["QuestionTaskset"]

@@ -28,7 +28,9 @@ class AskEnv(vf.SingleAgentEnv):
 
 class AskTaskset(vf.Taskset[AskTask, vf.TasksetConfig]):
     def load(self) -> list[AskTask]:
-        return [AskTask(AskData(idx=0, prompt=None, question="What is 3 + 4?", follow_ups=FOLLOW_UPS), self.config.task)]
+        return [
+            AskTask(AskData(idx=0, prompt=None, question="What is 3 + 4?", follow_ups=FOLLOW_UPS), self.config.task)
+        ]
 
 
 __all__ = ["AskEnv", "AskTaskset"]

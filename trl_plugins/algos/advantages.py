@@ -158,7 +158,11 @@ def gae_advantages(
     values = values.detach()
     r = torch.zeros_like(values) if token_rewards is None else token_rewards.detach().to(values.dtype).clone()
     has_action = mask.any(dim=1)
-    last = torch.where(has_action, t_len - 1 - mask.flip(1).to(torch.long).argmax(dim=1), torch.zeros_like(has_action, dtype=torch.long))
+    last = torch.where(
+        has_action,
+        t_len - 1 - mask.flip(1).to(torch.long).argmax(dim=1),
+        torch.zeros_like(has_action, dtype=torch.long),
+    )
     rows = torch.arange(n, device=values.device)[has_action]
     r[rows, last[has_action]] += rewards.to(values.dtype)[has_action]
     next_value = torch.zeros(n, dtype=values.dtype, device=values.device)
@@ -290,7 +294,8 @@ def turn_group_advantages(
         spans, span_of = torch.unique(torch.stack([rows, turn_ids[rows, cols]]), dim=1, return_inverse=True)
         span_rows = spans[0]
         first = torch.full((spans.shape[1],), width, dtype=torch.long, device=rows.device).scatter_reduce(
-            0, span_of, cols, reduce="amin")
+            0, span_of, cols, reduce="amin"
+        )
         state = turn_state_ids[span_rows, first]
         step_keys = torch.stack([group_ids.to(torch.long)[span_rows], state])
         _, step_group = torch.unique(step_keys, dim=1, return_inverse=True)
@@ -318,12 +323,25 @@ class TurnGroupAdvantage:
 
     def __post_init__(self) -> None:
         if self.step_weight < 0:
-            raise ValueError(f"turn_group: step_weight must be >= 0 (0 is the group advantage), got {self.step_weight}.")
+            raise ValueError(
+                f"turn_group: step_weight must be >= 0 (0 is the group advantage), got {self.step_weight}."
+            )
 
     def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
         if inp.turn_ids is None or inp.turn_state_ids is None or inp.action_mask is None:
-            raise ValueError("turn_group needs AdvantageInput.action_mask, turn_ids and turn_state_ids (the trainer "
-                             "passes them to an estimator that declares needs_turn_ids).")
-        return AdvantageOutput(advantages=turn_group_advantages(
-            inp.rewards, inp.group_ids, inp.action_mask, inp.turn_ids, inp.turn_state_ids,
-            step_weight=self.step_weight, scale_by_std=self.scale_by_std, eps=self.eps))
+            raise ValueError(
+                "turn_group needs AdvantageInput.action_mask, turn_ids and turn_state_ids (the trainer "
+                "passes them to an estimator that declares needs_turn_ids)."
+            )
+        return AdvantageOutput(
+            advantages=turn_group_advantages(
+                inp.rewards,
+                inp.group_ids,
+                inp.action_mask,
+                inp.turn_ids,
+                inp.turn_state_ids,
+                step_weight=self.step_weight,
+                scale_by_std=self.scale_by_std,
+                eps=self.eps,
+            )
+        )

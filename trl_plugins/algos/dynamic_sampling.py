@@ -30,12 +30,22 @@ import random
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-__all__ = ["informative_groups", "choose_groups", "refill_size", "draw_rows", "rank_share", "FillPlan", "plan_fill",
-           "plan_round", "refill_share"]
+__all__ = [
+    "informative_groups",
+    "choose_groups",
+    "refill_size",
+    "draw_rows",
+    "rank_share",
+    "FillPlan",
+    "plan_fill",
+    "plan_round",
+    "refill_share",
+]
 
 
-def informative_groups(values: Sequence[float], group_ids: Sequence[int], trained: Sequence[bool], num_groups: int
-                       ) -> list[bool]:
+def informative_groups(
+    values: Sequence[float], group_ids: Sequence[int], trained: Sequence[bool], num_groups: int
+) -> list[bool]:
     """Per group ``0 .. num_groups - 1``, whether its trained-on members' ``values`` are not all equal.
 
     Args:
@@ -45,8 +55,9 @@ def informative_groups(values: Sequence[float], group_ids: Sequence[int], traine
         num_groups: How many groups (a group with no trajectory is not informative).
     """
     if not len(values) == len(group_ids) == len(trained):
-        raise ValueError(f"need one group id and one trained flag per value; got {len(values)}, {len(group_ids)} and "
-                         f"{len(trained)}.")
+        raise ValueError(
+            f"need one group id and one trained flag per value; got {len(values)}, {len(group_ids)} and {len(trained)}."
+        )
     seen: list[list[float]] = [[] for _ in range(num_groups)]
     for value, group, keep in zip(values, group_ids, trained):
         if not 0 <= group < num_groups:
@@ -100,7 +111,7 @@ def draw_rows(num_rows: int, start: int, count: int, *, seed: int) -> list[int]:
     while len(out) < count:
         order = list(range(num_rows))
         random.Random(f"{seed}/{epoch}").shuffle(order)
-        out += order[offset: offset + count - len(out)]
+        out += order[offset : offset + count - len(out)]
         epoch, offset = epoch + 1, 0
     return out
 
@@ -166,10 +177,20 @@ def plan_round(plan: FillPlan, flags: Sequence[bool]) -> tuple[FillPlan, list[bo
     if len(flags) != plan.next_count or (plan.rounds and not plan.next_count):
         raise ValueError(f"the round counts {plan.next_count} groups; got {len(flags)} flags.")
     (keep,) = choose_groups([flags], plan.target - plan.kept)
-    plan = replace(plan, rounds=plan.rounds + 1, drawn=plan.drawn + len(flags),
-                   informative=plan.informative + sum(map(bool, flags)), kept=plan.kept + sum(keep))
-    count = refill_size(missing=plan.target - plan.kept, drawn=plan.drawn, informative=plan.informative,
-                        per_round=plan.target, budget=plan.budget - plan.drawn)
+    plan = replace(
+        plan,
+        rounds=plan.rounds + 1,
+        drawn=plan.drawn + len(flags),
+        informative=plan.informative + sum(map(bool, flags)),
+        kept=plan.kept + sum(keep),
+    )
+    count = refill_size(
+        missing=plan.target - plan.kept,
+        drawn=plan.drawn,
+        informative=plan.informative,
+        per_round=plan.target,
+        budget=plan.budget - plan.drawn,
+    )
     return replace(plan, next_count=count), keep
 
 

@@ -24,7 +24,11 @@ __all__ = ["ppo_clip_loss", "clip_stats", "clipped_value_loss", "kl_estimate", "
 
 
 def kl_estimate(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator | str = KLEstimator.K3, *, clamp: float = 20.0
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: KLEstimator | str = KLEstimator.K3,
+    *,
+    clamp: float = 20.0,
 ) -> torch.Tensor:
     """Per-token estimate of KL(p || q) from tokens sampled from ``p`` (Schulman, "Approximating KL").
 
@@ -73,10 +77,14 @@ def kl_gradient_problem(estimator: KLEstimator | str, importance_weighted: bool)
     """
     est = KLEstimator(estimator)
     if est == KLEstimator.K2 and importance_weighted:
-        return ("k2 weighted by the importance ratio (use_bias_correction_kl, TRL's default) has a biased gradient: "
-                "E_pi[k2] is not the KL, so its gradient is not the KL's")
+        return (
+            "k2 weighted by the importance ratio (use_bias_correction_kl, TRL's default) has a biased gradient: "
+            "E_pi[k2] is not the KL, so its gradient is not the KL's"
+        )
     if est == KLEstimator.K1 and not importance_weighted:
-        return "k1 without the importance ratio has zero expected gradient (E_pi[grad log pi] = 0): the term does nothing"
+        return (
+            "k1 without the importance ratio has zero expected gradient (E_pi[grad log pi] = 0): the term does nothing"
+        )
     return None
 
 
@@ -131,14 +139,30 @@ def ppo_clip_loss(
         dual = (advantages < 0) & (loss > cap)
         loss = torch.where(dual, cap, loss)
     loss = torch.where(on, loss, torch.zeros_like(loss))
-    stats = clip_stats(ratio, log_ratio, advantages, mask, clip_low=clip_low, clip_high=clip_high, dual=dual,
-                       log_ratio_clamp=log_ratio_clamp)
+    stats = clip_stats(
+        ratio,
+        log_ratio,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual=dual,
+        log_ratio_clamp=log_ratio_clamp,
+    )
     return PolicyLossOutput(per_token_loss=loss, stats=stats)
 
 
-def clip_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-               clip_low: float, clip_high: float, dual: torch.Tensor | None = None,
-               log_ratio_clamp: float = 20.0) -> PolicyLossStats:
+def clip_stats(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual: torch.Tensor | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> PolicyLossStats:
     """The detached :class:`PolicyLossStats` of a clipped surrogate over the tokens of ``mask``: ``ratio`` is the ratio
     each token was clipped with (its own, or its span's), ``log_ratio`` the token's own log-ratio (for the k3 estimate
     of KL(behaviour || current) and the log-prob gap), ``advantages`` the advantage whose sign says which bound cuts
@@ -247,15 +271,18 @@ class PPOClipLoss:
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0 + self.clip_high:
             raise ValueError(
-                f"ppo_clip: dual_clip={self.dual_clip} must be above 1 + clip_high = {1.0 + self.clip_high}: at or below "
+                f"ppo_clip: dual_clip={self.dual_clip} must be above 1 + clip_high = {1.0 + self.clip_high}: at or "
+                "below "
                 f"it the cap would stop negative-advantage tokens inside the clip range, not only far beyond it (TRL's "
                 f"delta maps onto dual_clip: raise delta, or lower epsilon_high/clip_high)."
             )
         self.kl_estimator = KLEstimator(self.kl_estimator)
         problem = kl_gradient_problem(self.kl_estimator, self.kl_importance_weight) if self.kl_coef else None
         if problem:
-            raise ValueError(f"ppo_clip: {problem}. Use kl_estimator='k3' (with or without kl_importance_weight), "
-                             f"k1 with kl_importance_weight=True, or k2 with kl_importance_weight=False.")
+            raise ValueError(
+                f"ppo_clip: {problem}. Use kl_estimator='k3' (with or without kl_importance_weight), "
+                f"k1 with kl_importance_weight=True, or k2 with kl_importance_weight=False."
+            )
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -286,7 +313,11 @@ class PPOClipLoss:
         )
         loss = out.per_token_loss
         on = inp.action_mask.bool()
-        v = None if inp.is_weights is None else torch.where(on, inp.is_weights.detach(), torch.zeros_like(inp.is_weights))
+        v = (
+            None
+            if inp.is_weights is None
+            else torch.where(on, inp.is_weights.detach(), torch.zeros_like(inp.is_weights))
+        )
         if v is not None:
             loss = loss * v
         if self.kl_coef:

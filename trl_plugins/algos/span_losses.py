@@ -102,7 +102,9 @@ def span_ratio_loss(
     num_keys = span_ids.shape[0] * width
     flat_mask = mask.reshape(-1)
     length = torch.zeros(num_keys, dtype=mask.dtype, device=mask.device).index_add(0, key, flat_mask)
-    flat_delta = delta.detach().reshape(-1)  # the span ratio's value only: each token's gradient comes from its own term
+    flat_delta = delta.detach().reshape(
+        -1
+    )  # the span ratio's value only: each token's gradient comes from its own term
     span_delta = torch.zeros(num_keys, dtype=delta.dtype, device=delta.device).index_add(0, key, flat_delta)
     safe_length = length.clamp(min=1.0)
     raw_log_ratio = span_delta / safe_length if normalize else span_delta
@@ -117,15 +119,18 @@ def span_ratio_loss(
     clipped = -advantages * token_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.where(on, torch.maximum(unclipped, clipped) / token_length, torch.zeros_like(logprobs))
     # A token's gradient is cut by its span's ratio and the sign of its own advantage (verl's GSPO-token rule).
-    stats = clip_stats(token_ratio, delta, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                       log_ratio_clamp=log_ratio_clamp)
+    stats = clip_stats(
+        token_ratio, delta, advantages, mask, clip_low=clip_low, clip_high=clip_high, log_ratio_clamp=log_ratio_clamp
+    )
     return PolicyLossOutput(per_token_loss=loss, stats=stats)
 
 
 def _check_clip(name: str, clip_low: float, clip_high: float) -> None:
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-        raise ValueError(f"{name} needs 0 <= clip_low < 1 and clip_high >= 0 (ratio in [1-clip_low, 1+clip_high]); "
-                         f"got clip_low={clip_low}, clip_high={clip_high}.")
+        raise ValueError(
+            f"{name} needs 0 <= clip_low < 1 and clip_high >= 0 (ratio in [1-clip_low, 1+clip_high]); "
+            f"got clip_low={clip_low}, clip_high={clip_high}."
+        )
 
 
 @POLICY_LOSSES.register("gspo")
@@ -149,9 +154,17 @@ class GSPOLoss:
 
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
         spans = torch.zeros_like(inp.action_mask, dtype=torch.long)  # one span per row: the whole response
-        return span_ratio_loss(inp.logprobs, inp.behaviour_logprobs, inp.advantages, inp.action_mask, spans,
-                               normalize=True, clip_low=self.clip_low, clip_high=self.clip_high,
-                               log_ratio_clamp=self.log_ratio_clamp)
+        return span_ratio_loss(
+            inp.logprobs,
+            inp.behaviour_logprobs,
+            inp.advantages,
+            inp.action_mask,
+            spans,
+            normalize=True,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            log_ratio_clamp=self.log_ratio_clamp,
+        )
 
 
 @POLICY_LOSSES.register("turn_ppo")
@@ -177,8 +190,18 @@ class TurnPPOLoss:
 
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
         if inp.turn_ids is None:
-            raise ValueError("turn_ppo needs PolicyLossInput.turn_ids (the trainer passes them to a loss that "
-                             "declares needs_turn_ids).")
-        return span_ratio_loss(inp.logprobs, inp.behaviour_logprobs, inp.advantages, inp.action_mask, inp.turn_ids,
-                               normalize=self.normalize, clip_low=self.clip_low, clip_high=self.clip_high,
-                               log_ratio_clamp=self.log_ratio_clamp)
+            raise ValueError(
+                "turn_ppo needs PolicyLossInput.turn_ids (the trainer passes them to a loss that "
+                "declares needs_turn_ids)."
+            )
+        return span_ratio_loss(
+            inp.logprobs,
+            inp.behaviour_logprobs,
+            inp.advantages,
+            inp.action_mask,
+            inp.turn_ids,
+            normalize=self.normalize,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            log_ratio_clamp=self.log_ratio_clamp,
+        )

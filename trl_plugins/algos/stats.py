@@ -9,7 +9,9 @@ import torch
 __all__ = ["importance_ratios", "quantiles"]
 
 
-def importance_ratios(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+def importance_ratios(
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, action_mask: torch.Tensor
+) -> torch.Tensor:
     """``exp(logprobs - behaviour_logprobs)`` at the action tokens, detached, as a flat float32 tensor.
 
     Args:

@@ -38,8 +38,10 @@ def _check(ok: bool, label: str, what: str) -> None:
         raise ContractError(f"{label}: {what}")
 
 
-_WHY_PICKLE = ("Plugins must pickle to an equal copy: a plugin may be sent to another process (a child process, "
-               "another rank) as its pickled copy, which must compute what the original computes")
+_WHY_PICKLE = (
+    "Plugins must pickle to an equal copy: a plugin may be sent to another process (a child process, "
+    "another rank) as its pickled copy, which must compute what the original computes"
+)
 _MISSING = object()
 
 
@@ -89,25 +91,35 @@ def _pickles(obj: Any, label: str, *, equal: bool = True) -> None:
     try:
         back = pickle.loads(pickle.dumps(obj))
     except Exception as exc:
-        raise ContractError(f"{label}: does not pickle ({type(exc).__name__}: {exc}). {_WHY_PICKLE}. Use a callable "
-                            f"class with its settings as attributes, or a module-level function, not a closure or a "
-                            f"lambda.") from exc
+        raise ContractError(
+            f"{label}: does not pickle ({type(exc).__name__}: {exc}). {_WHY_PICKLE}. Use a callable "
+            f"class with its settings as attributes, or a module-level function, not a closure or a "
+            f"lambda."
+        ) from exc
     if not equal or _same(obj, back):
         return
     if type(back) is not type(obj):
-        raise ContractError(f"{label}: its pickled copy is a {type(back).__qualname__}, not a {type(obj).__qualname__}. "
-                            f"{_WHY_PICKLE}.")
+        raise ContractError(
+            f"{label}: its pickled copy is a {type(back).__qualname__}, not a {type(obj).__qualname__}. {_WHY_PICKLE}."
+        )
     if type(obj).__eq__ is not object.__eq__:
-        raise ContractError(f"{label}: does not compare equal (==) to its pickled copy. {_WHY_PICKLE}. Its class defines "
-                            f"== (a dataclass compares its fields): every compared field must come back from pickle "
-                            f"equal (mark a counter or a cache field(compare=False)).")
+        raise ContractError(
+            f"{label}: does not compare equal (==) to its pickled copy. {_WHY_PICKLE}. Its class defines "
+            f"== (a dataclass compares its fields): every compared field must come back from pickle "
+            f"equal (mark a counter or a cache field(compare=False))."
+        )
     mine, theirs = _state(obj), _state(back)
-    changed = [f"{k} ({_shown(mine.get(k, _MISSING))} -> {_shown(theirs.get(k, _MISSING))})"
-               for k in sorted(mine.keys() | theirs.keys()) if not _same(mine.get(k, _MISSING), theirs.get(k, _MISSING))]
-    raise ContractError(f"{label}: its pickled copy has other attributes: {', '.join(changed)}. {_WHY_PICKLE}. A class "
-                        f"without __eq__ is compared by its attributes (vars()): keep every setting an attribute that "
-                        f"pickles (a __getstate__ must not drop one), or define __eq__ over the settings when the "
-                        f"pickle leaves runtime state out on purpose.")
+    changed = [
+        f"{k} ({_shown(mine.get(k, _MISSING))} -> {_shown(theirs.get(k, _MISSING))})"
+        for k in sorted(mine.keys() | theirs.keys())
+        if not _same(mine.get(k, _MISSING), theirs.get(k, _MISSING))
+    ]
+    raise ContractError(
+        f"{label}: its pickled copy has other attributes: {', '.join(changed)}. {_WHY_PICKLE}. A class "
+        f"without __eq__ is compared by its attributes (vars()): keep every setting an attribute that "
+        f"pickles (a __getstate__ must not drop one), or define __eq__ over the settings when the "
+        f"pickle leaves runtime state out on purpose."
+    )
 
 
 _N, _T = 6, 9

@@ -7,8 +7,8 @@ import random
 from typing import Any, Mapping
 
 from trl_plugins.contracts._base import _N, _T, _check, _declared, _pickles, _resolve
-from trl_plugins.protocols import as_advantage, as_policy_loss
 from trl_plugins.contracts.fakes import plan_violations, tree_plan_violations
+from trl_plugins.protocols import as_advantage, as_policy_loss
 from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput
 
 __all__ = ["check_advantage_contract", "check_policy_loss_contract", "check_packer_contract", "turns_of"]
@@ -51,7 +51,9 @@ def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = Non
     )
     out = est(inp)
     _check(isinstance(out, AdvantageOutput), label, f"returned {type(out).__name__}, not AdvantageOutput")
-    _check(tuple(out.advantages.shape) in {(_N,), (_N, _T)}, label, f"advantages of shape {tuple(out.advantages.shape)}")
+    _check(
+        tuple(out.advantages.shape) in {(_N,), (_N, _T)}, label, f"advantages of shape {tuple(out.advantages.shape)}"
+    )
     _check(bool(torch.isfinite(out.advantages).all()), label, "non-finite advantages")
     if out.advantages.dim() == 2:
         _check(bool((out.advantages[mask == 0] == 0).all()), label, "non-zero advantage off the action mask")
@@ -81,7 +83,11 @@ def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = N
     out = loss_fn(inp)
     _check(isinstance(out, PolicyLossOutput), label, f"returned {type(out).__name__}, not PolicyLossOutput")
     loss = out.per_token_loss
-    _check(tuple(loss.shape) == (_N, _T) and bool(torch.isfinite(loss).all()), label, "per-token loss not a finite (B, T) tensor")
+    _check(
+        tuple(loss.shape) == (_N, _T) and bool(torch.isfinite(loss).all()),
+        label,
+        "per-token loss not a finite (B, T) tensor",
+    )
     _check(bool((loss[mask == 0] == 0).all()), label, "non-zero loss off the action mask")
     loss.sum().backward()
     _check(bool((logp.grad[mask == 0] == 0).all()), label, "masked tokens receive gradient")
@@ -113,10 +119,15 @@ def check_packer_contract(plugin: Any) -> None:
             rows = []
             for _ in range(rng.randint(0, 12)):
                 shared = [rng.randrange(3, 50) for _ in range(rng.randint(5, 40))]
-                rows += [shared + [rng.randrange(3, 50) for _ in range(rng.randint(1, 60))] for _ in range(rng.randint(1, 6))]
+                rows += [
+                    shared + [rng.randrange(3, 50) for _ in range(rng.randint(1, 60))] for _ in range(rng.randint(1, 6))
+                ]
             trees = prefix_trees(rows)
-            plan = packer([len(r) for r in rows], max_items=7, max_padded_tokens=300, world_size=world_size,
-                          prefix_trees=trees)
+            plan = packer(
+                [len(r) for r in rows], max_items=7, max_padded_tokens=300, world_size=world_size, prefix_trees=trees
+            )
             problems = tree_plan_violations(plan, rows, trees, 7, 300, world_size)
             _check(not problems, label, f"with prefix_trees, world_size {world_size}: {problems}")
-    _check(pickle.loads(pickle.dumps(packer)) is packer, label, "does not pickle by reference (define it at module level)")
+    _check(
+        pickle.loads(pickle.dumps(packer)) is packer, label, "does not pickle by reference (define it at module level)"
+    )

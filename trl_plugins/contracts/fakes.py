@@ -62,7 +62,9 @@ def _shape_violations(plan: PackPlan, n: int, world_size: int) -> list[str]:
     return problems
 
 
-def plan_violations(plan: PackPlan, lengths: Sequence[int], max_items: int, max_padded_tokens: int, world_size: int) -> list[str]:
+def plan_violations(
+    plan: PackPlan, lengths: Sequence[int], max_items: int, max_padded_tokens: int, world_size: int
+) -> list[str]:
     """Everything wrong with a plan; empty when it is a valid partition within the limits."""
     from trl_plugins.packing import padded_area
 
@@ -76,8 +78,14 @@ def plan_violations(plan: PackPlan, lengths: Sequence[int], max_items: int, max_
     return problems
 
 
-def tree_plan_violations(plan: PackPlan, rows: Sequence[Sequence[int]], trees: Sequence[Any], max_items: int,
-                         max_padded_tokens: int, world_size: int) -> list[str]:
+def tree_plan_violations(
+    plan: PackPlan,
+    rows: Sequence[Sequence[int]],
+    trees: Sequence[Any],
+    max_items: int,
+    max_padded_tokens: int,
+    world_size: int,
+) -> list[str]:
     """Everything wrong with a plan made with ``prefix_trees=trees`` for items whose tokens are ``rows``: a partition
     with equal micro-batch counts, rows and the shared-prefix layout's area (as ``collate`` forms it) within the
     limits, and every tree that fits one micro-batch kept in one."""
@@ -98,6 +106,8 @@ def tree_plan_violations(plan: PackPlan, rows: Sequence[Sequence[int]], trees: S
     for tree in trees:
         fits = len(tree.members) <= max_items and tree_area(lengths, [tree]) <= max_padded_tokens
         if fits and len({home.get(i) for i in tree.members}) > 1:
-            problems.append(f"a tree of {len(tree.members)} items sharing {tree.prefix_len} tokens fits one "
-                            f"micro-batch but was split")
+            problems.append(
+                f"a tree of {len(tree.members)} items sharing {tree.prefix_len} tokens fits one "
+                f"micro-batch but was split"
+            )
     return problems

@@ -7,8 +7,8 @@ import random
 from typing import Any, Mapping, Sequence
 
 from trl_plugins.contracts._base import ContractError, _check, _declared, _pickles, _resolve
-from trl_plugins.protocols import as_reward
 from trl_plugins.contracts.fakes import make_trajectory
+from trl_plugins.protocols import as_reward
 from trl_plugins.types import StopReason, Trajectory
 
 __all__ = ["check_reward_contract"]
@@ -25,7 +25,9 @@ def _reward_cases() -> list[tuple[str, Trajectory]]:
         if reason.is_world_failure:
             continue
         traj = make_trajectory(random.Random(3), num_turns=2, stop_reason=reason)
-        traj.turns[0].text = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+        traj.turns[
+            0
+        ].text = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
         traj.turns[0].tool_calls = [ToolCall("code_interpreter", {"code": "print(6 * 7)"}, output="42\n", ok=True)]
         traj.turns[-1].text = "The answer is \\boxed{42}."
         traj.turns[-1].truncated = reason == StopReason.TURN_LENGTH
@@ -40,7 +42,9 @@ def _reward_cases() -> list[tuple[str, Trajectory]]:
     empty.turns[-1].completion_ids, empty.turns[-1].completion_logprobs, empty.turns[-1].text = [], [], ""
     cases.append(("with an empty last turn", empty))
     failed = make_trajectory(random.Random(7), num_turns=2, stop_reason=StopReason.INVALID_ACTION)
-    failed.turns[0].tool_calls = [ToolCall("code_interpreter", {"code": "1 / 0"}, output="ZeroDivisionError: division by zero")]
+    failed.turns[0].tool_calls = [
+        ToolCall("code_interpreter", {"code": "1 / 0"}, output="ZeroDivisionError: division by zero")
+    ]
     failed.turns[-1].text = "<tool_call>\n{not json"
     cases.append(("after a failed tool call, ending in a malformed one", failed))
     return cases
@@ -112,13 +116,19 @@ def check_reward_contract(
                 raise ContractError(f"{where}: {exc}") from None
             _check(pickle.dumps(traj) == before, where, "changed the trajectory it scored")
             _check(row == example, where, "changed the example (the dataset row every sample of the group shares)")
-        _check(len(set(values)) == 1, where,
-               f"returned {values[0]} and then {values[-1]} for the same trajectory and example; a reward must depend "
-               f"on them only (seed any randomness), or pass deterministic=False")
+        _check(
+            len(set(values)) == 1,
+            where,
+            f"returned {values[0]} and then {values[-1]} for the same trajectory and example; a reward must depend "
+            f"on them only (seed any randomness), or pass deterministic=False",
+        )
         if is_success is not None:
             verdict = is_success(values[0])
-            _check(isinstance(verdict, bool) or type(verdict).__name__ == "bool_", label,
-                   f"is_success({values[0]}) returned {verdict!r}, not a bool")
+            _check(
+                isinstance(verdict, bool) or type(verdict).__name__ == "bool_",
+                label,
+                f"is_success({values[0]}) returned {verdict!r}, not a bool",
+            )
     _pickles(reward, label, equal=False)
     try:
         close_plugin(reward)

@@ -28,8 +28,14 @@ def check_rollout_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None)
         name = "echo"
 
         def schema(self) -> dict:
-            return {"type": "function", "function": {"name": "echo", "description": "Echo the text.",
-                    "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+            return {
+                "type": "function",
+                "function": {
+                    "name": "echo",
+                    "description": "Echo the text.",
+                    "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+                },
+            }
 
         async def __call__(self, arguments: dict) -> ToolOutput:
             return ToolOutput(text=str(arguments.get("text")) + "\n", ok=True)
@@ -47,8 +53,13 @@ def check_rollout_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None)
         return tok(body, add_special_tokens=False)["input_ids"] + [end]
 
     rows = [{"id": "a", "prompt": "Say hi."}, {"id": "b", "prompt": "Say hi twice."}]
-    request = RolloutRequest(questions_from_rows(chat, rows), 2, ScriptedBackend(script, stop_token_ids=chat.stop_token_ids),
-                             chat, {"echo": tool})
+    request = RolloutRequest(
+        questions_from_rows(chat, rows),
+        2,
+        ScriptedBackend(script, stop_token_ids=chat.stop_token_ids),
+        chat,
+        {"echo": tool},
+    )
     result = rollout(request)
     trajs = result.trajectories
     _check(len(trajs) == 4, label, f"returned {len(trajs)} trajectories for 2 questions x 2 samples")
@@ -56,5 +67,7 @@ def check_rollout_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None)
     for t in trajs:
         validate_trajectory(t)
         if budget is not None:
-            _check(t.num_tokens <= budget, label, f"a trajectory of {t.num_tokens} tokens exceeds token_budget {budget}")
+            _check(
+                t.num_tokens <= budget, label, f"a trajectory of {t.num_tokens} tokens exceeds token_budget {budget}"
+            )
     _pickles(rollout, label)

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 from trl_plugins.contracts._base import ContractError, _check, _declared, _pickles, _resolve
 from trl_plugins.protocols import Tool, as_tool
-from trl_plugins.tools.base import schema_problem
 from trl_plugins.tiny import build_tokenizer
+from trl_plugins.tools.base import schema_problem
 
 __all__ = ["check_tool_contract"]
 
@@ -78,36 +78,56 @@ def check_tool_contract(
                 f"ToolOutput(infra_error=..., ok=False); the rollout counts an exception as the latter."
             ) from exc
         for out in outs:
-            _check(isinstance(out, ToolOutput) and isinstance(out.text, str) and isinstance(out.ok, bool), label,
-                   f"returned {out!r:.200} for arguments {args}, not a ToolOutput(text: str, ok: bool, ...)")
+            _check(
+                isinstance(out, ToolOutput) and isinstance(out.text, str) and isinstance(out.ok, bool),
+                label,
+                f"returned {out!r:.200} for arguments {args}, not a ToolOutput(text: str, ok: bool, ...)",
+            )
         return outs
 
     try:
-        _check(isinstance(tool, Tool), label, "is not a tool: it needs a name, a schema() method (the model is told the "
-                                              "tool exists only through it) and an async __call__(arguments)")
+        _check(
+            isinstance(tool, Tool),
+            label,
+            "is not a tool: it needs a name, a schema() method (the model is told the "
+            "tool exists only through it) and an async __call__(arguments)",
+        )
         declared = _declared(as_tool, tool, label)  # the run's own reading: name, idempotent, reductions
         name = declared.name
         label = f"{label} (name {name!r})" if isinstance(plugin, str) and plugin != name else label
         schema = tool.schema()
         problem = schema_problem(schema, name)
         _check(problem is None, label, str(problem))
-        _check(inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async (the rollout awaits it)")
+        _check(
+            inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async (the rollout awaits it)"
+        )
         params = schema["function"]["parameters"]
         props = params.get("properties", {})
         if arguments is None:
             arguments = {k: _SAMPLE_VALUES.get(props[k].get("type"), "1") for k in params.get("required", [])}
         arguments = dict(arguments)
         why = check_arguments(schema, arguments)
-        _check(why is None, label, f"the arguments {arguments} do not fit the schema ({why}): the rollout would refuse "
-                                   f"such a call as invalid_action before the tool runs")
+        _check(
+            why is None,
+            label,
+            f"the arguments {arguments} do not fit the schema ({why}): the rollout would refuse "
+            f"such a call as invalid_action before the tool runs",
+        )
         _check_renders_and_parses(label, schema, arguments)
         if declared.start_up_fn is not None:
             said = declared.start_up_fn()
-            _check(isinstance(said, str), label, f"start_up() returned {said!r:.100}; it returns what the trainer logs (a str)")
+            _check(
+                isinstance(said, str),
+                label,
+                f"start_up() returned {said!r:.100}; it returns what the trainer logs (a str)",
+            )
 
         for out in run(arguments) + (run(arguments, concurrent_calls) if concurrent_calls else []):
-            _check(out.infra_error is None, label,
-                   f"failed itself on the valid arguments {arguments}: infra_error={out.infra_error!r}")
+            _check(
+                out.infra_error is None,
+                label,
+                f"failed itself on the valid arguments {arguments}: infra_error={out.infra_error!r}",
+            )
         bad = [{}, {**arguments, "unexpected_argument": "1"}]
         bad += [{**arguments, k: _WRONG_VALUES.get(props[k].get("type"), None)} for k in params.get("required", [])]
         for args in bad:
@@ -115,16 +135,25 @@ def check_tool_contract(
             if why is None:  # valid after all (no required keys, extra keys allowed)
                 continue
             (out,) = run(args)
-            _check(not out.ok and out.infra_error is None, label,
-                   f"returned ok={out.ok}, infra_error={out.infra_error!r} for arguments {args} that break its schema "
-                   f"({why}); the model's mistake is ToolOutput(text='Error: ...', ok=False) so that it sees it, "
-                   f"not an infra_error (which ends the trajectory untrained)")
+            _check(
+                not out.ok and out.infra_error is None,
+                label,
+                f"returned ok={out.ok}, infra_error={out.infra_error!r} for arguments {args} that break its schema "
+                f"({why}); the model's mistake is ToolOutput(text='Error: ...', ok=False) so that it sees it, "
+                f"not an infra_error (which ends the trajectory untrained)",
+            )
 
         if declared.step_metrics_fn is not None:
             metrics = declared.step_metrics_fn()
-            _check(isinstance(metrics, dict) and all(isinstance(k, str) and isinstance(v, (int, float))
-                                                     and not isinstance(v, bool) for k, v in metrics.items()),
-                   label, f"step_metrics() returned {metrics!r:.200}; it must return {{name: float}}")
+            _check(
+                isinstance(metrics, dict)
+                and all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    for k, v in metrics.items()
+                ),
+                label,
+                f"step_metrics() returned {metrics!r:.200}; it must return {{name: float}}",
+            )
         _pickles(tool, label, equal=False)
 
         if declared.closes:
@@ -132,11 +161,16 @@ def check_tool_contract(
                 close_plugin(tool)
                 close_plugin(tool)
             except Exception as exc:
-                raise ContractError(f"{label}: close() raised {type(exc).__name__}: {exc} (it must be idempotent)") from exc
+                raise ContractError(
+                    f"{label}: close() raised {type(exc).__name__}: {exc} (it must be idempotent)"
+                ) from exc
             (out,) = run(arguments)
-            _check(out.infra_error is None, label,
-                   f"does not work after close(): infra_error={out.infra_error!r}; a closed tool starts its resources "
-                   f"again on its next call")
+            _check(
+                out.infra_error is None,
+                label,
+                f"does not work after close(): infra_error={out.infra_error!r}; a closed tool starts its resources "
+                f"again on its next call",
+            )
     except BaseException:
         with contextlib.suppress(Exception):  # the contract error is the news, not a second failure closing
             close_plugin(tool)
@@ -163,6 +197,9 @@ def _check_renders_and_parses(label: str, schema: dict, arguments: dict) -> None
     body = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
     completion = tok(body, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
     parsed = chat.parse(prompt, completion)
-    _check(parsed.kind == TurnKind.TOOL_CALL and parsed.tool_name == name and parsed.arguments == arguments, label,
-           f"a call of it with {arguments}, as the model writes it, parses as {parsed.kind} "
-           f"({parsed.tool_name!r}, {parsed.arguments!r}, error {parsed.error!r}), not as that call")
+    _check(
+        parsed.kind == TurnKind.TOOL_CALL and parsed.tool_name == name and parsed.arguments == arguments,
+        label,
+        f"a call of it with {arguments}, as the model writes it, parses as {parsed.kind} "
+        f"({parsed.tool_name!r}, {parsed.arguments!r}, error {parsed.error!r}), not as that call",
+    )

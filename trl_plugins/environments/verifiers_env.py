@@ -22,14 +22,19 @@ from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout.endpoint.agent import AgentEndpointRollout
 from trl_plugins.rollout.request import RolloutError
 
-__all__ = ["MAKE_INTERPRETER", "RUNNER", "VERIFIERS_VERSION", "VerifiersRollout", "describe_environment",
-           "verifiers_python"]
+__all__ = [
+    "MAKE_INTERPRETER",
+    "RUNNER",
+    "VERIFIERS_VERSION",
+    "VerifiersRollout",
+    "describe_environment",
+    "verifiers_python",
+]
 
 VERIFIERS_VERSION = "0.4.0"
 """The verifiers release this is built and tested against (``constraints/verifiers.txt`` pins it; the runner refuses
 another)."""
-MAKE_INTERPRETER = ("python3 -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q -r "
-                    "constraints/verifiers.txt")
+MAKE_INTERPRETER = "python3 -m venv .venv-verifiers && .venv-verifiers/bin/pip install -q -r constraints/verifiers.txt"
 """The one command (run in the repository's root) that makes verifiers' interpreter; ``.ci/run`` runs it."""
 RUNNER = str(Path(__file__).with_name("verifiers_runner.py"))
 """The runner, run by path in verifiers' interpreter (it imports nothing of trl_plugins)."""
@@ -44,19 +49,28 @@ def verifiers_python(explicit: str | None = None) -> str:
         RolloutError: none of them exists (the message gives :data:`MAKE_INTERPRETER`).
     """
     given = explicit or os.environ.get("TRL_PLUGINS_VERIFIERS_PYTHON")
-    candidates = [Path(given)] if given else [Path.cwd() / ".venv-verifiers/bin/python",
-                                              _REPO / ".venv-verifiers/bin/python"]
+    candidates = (
+        [Path(given)] if given else [Path.cwd() / ".venv-verifiers/bin/python", _REPO / ".venv-verifiers/bin/python"]
+    )
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
     where = f"{given} (python / TRL_PLUGINS_VERIFIERS_PYTHON)" if given else " or ".join(map(str, candidates))
-    raise RolloutError(f"verifiers' interpreter is not there: {where}. verifiers {VERIFIERS_VERSION} pins openai and mcp "
-                       f"versions that conflict with this project's, so it runs in a venv of its own; make it in the "
-                       f"repository's root with: {MAKE_INTERPRETER}")
+    raise RolloutError(
+        f"verifiers' interpreter is not there: {where}. verifiers {VERIFIERS_VERSION} pins openai and mcp "
+        f"versions that conflict with this project's, so it runs in a venv of its own; make it in the "
+        f"repository's root with: {MAKE_INTERPRETER}"
+    )
 
 
-def describe_environment(python: str, environment: str, config: dict | None = None, *, max_rows: int | None = None,
-                         time_limit_s: float | None = 300.0) -> dict:
+def describe_environment(
+    python: str,
+    environment: str,
+    config: dict | None = None,
+    *,
+    max_rows: int | None = None,
+    time_limit_s: float | None = 300.0,
+) -> dict:
     """What the runner says about ``environment`` in verifiers' interpreter: ``{"verifiers", "environment", "rewards":
     [{"name", "weight"}], "refused": [reasons], "rows": [row, ...]}``.
 
@@ -73,8 +87,10 @@ def describe_environment(python: str, environment: str, config: dict | None = No
         raise RolloutError(f"describing verifiers environment {environment!r} ran past {time_limit_s} s") from None
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or not lines:
-        raise RolloutError(f"verifiers environment {environment!r} cannot be loaded (the runner exited with status "
-                           f"{done.returncode}): {done.stderr.strip()[-1500:] or '(no stderr)'}")
+        raise RolloutError(
+            f"verifiers environment {environment!r} cannot be loaded (the runner exited with status "
+            f"{done.returncode}): {done.stderr.strip()[-1500:] or '(no stderr)'}"
+        )
     return json.loads(lines[-1])
 
 
@@ -85,7 +101,8 @@ class VerifiersRollout(AgentEndpointRollout):
     exporting its ``Taskset`` subclass) rolled out against the run's sampler: each trajectory is one run of the
     environment's own protocol (its tools, its user turns, its parsers) through the agent endpoint, token-exact as any
     agent's, and its rubric's reward functions are recorded by name (``agent_return/<name>``; the rubric's total,
-    weighted by its weights or by ``rubric_weights``, is ``agent_return``, which ``agent_reward`` trains on). The environment's dataset is
+    weighted by its weights or by ``rubric_weights``, is ``agent_return``, which ``agent_reward`` trains on). The
+    environment's dataset is
     :meth:`rows`. Refused at start-up: an environment that needs what the endpoint does not serve (named). The
     budgets and time limits are the endpoint's; ``agent`` and ``command`` are this plugin's own.
     """
@@ -110,19 +127,27 @@ class VerifiersRollout(AgentEndpointRollout):
 
     def __post_init__(self) -> None:
         if not self.environment or not isinstance(self.environment, str):
-            raise RolloutError("rollout 'verifiers' needs environment: a taskset id, 'package.module' or "
-                               "'path/to/file.py' (docs/environments.md).")
+            raise RolloutError(
+                "rollout 'verifiers' needs environment: a taskset id, 'package.module' or "
+                "'path/to/file.py' (docs/environments.md)."
+            )
         if self.agent is not None or self.command is not None:
-            raise RolloutError("rollout 'verifiers' runs the environment's own protocol: drop agent/command (use "
-                               "rollout: agent_endpoint for an agent of your own).")
+            raise RolloutError(
+                "rollout 'verifiers' runs the environment's own protocol: drop agent/command (use "
+                "rollout: agent_endpoint for an agent of your own)."
+            )
         if not isinstance(self.environment_config, dict):
-            raise RolloutError(f"environment_config must be a mapping of the taskset's config fields, got "
-                               f"{self.environment_config!r}.")
+            raise RolloutError(
+                f"environment_config must be a mapping of the taskset's config fields, got {self.environment_config!r}."
+            )
         if not isinstance(self.rubric_weights, dict) or not all(
-                isinstance(k, str) and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
-                for k, w in self.rubric_weights.items()):
-            raise RolloutError(f"rubric_weights must map the rubric's reward function names to finite numbers, e.g. "
-                               f"{{correct: 1.0, boxed: 0.5}}; got {self.rubric_weights!r}.")
+            isinstance(k, str) and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+            for k, w in self.rubric_weights.items()
+        ):
+            raise RolloutError(
+                f"rubric_weights must map the rubric's reward function names to finite numbers, e.g. "
+                f"{{correct: 1.0, boxed: 0.5}}; got {self.rubric_weights!r}."
+            )
         self.python = verifiers_python(self.python)
         config = json.dumps(self.environment_config, sort_keys=True)
         self.command = [self.python, RUNNER, "rollout", "--environment", self.environment, "--config", config]
@@ -131,20 +156,32 @@ class VerifiersRollout(AgentEndpointRollout):
         super().__post_init__()
         if self.max_rows is not None and self.max_rows < 1:
             raise RolloutError(f"max_rows must be >= 1 (or null for all), got {self.max_rows}.")
-        info = describe_environment(self.python, self.environment, self.environment_config, max_rows=self.max_rows,
-                                    time_limit_s=self.describe_time_limit_s)
+        info = describe_environment(
+            self.python,
+            self.environment,
+            self.environment_config,
+            max_rows=self.max_rows,
+            time_limit_s=self.describe_time_limit_s,
+        )
         if info.get("refused"):
-            raise RolloutError(f"verifiers environment {self.environment!r} needs what the agent endpoint does not serve: "
-                               + "; ".join(info["refused"]))
+            raise RolloutError(
+                f"verifiers environment {self.environment!r} needs what the agent endpoint does not serve: "
+                + "; ".join(info["refused"])
+            )
         if not info.get("rewards"):
-            raise RolloutError(f"verifiers environment {self.environment!r} has no reward functions (@vf.reward): "
-                               f"nothing would score its trajectories.")
+            raise RolloutError(
+                f"verifiers environment {self.environment!r} has no reward functions (@vf.reward): "
+                f"nothing would score its trajectories."
+            )
         own = {r["name"]: float(r["weight"]) for r in info["rewards"]}
         unknown = sorted(set(self.rubric_weights) - set(own))
         if unknown:
-            raise RolloutError(f"rubric_weights names {unknown}, which verifiers environment {self.environment!r}'s "
-                               f"rubric does not have; its reward functions: "
-                               + ", ".join(f"{name} x{weight:g}" for name, weight in own.items()) + ".")
+            raise RolloutError(
+                f"rubric_weights names {unknown}, which verifiers environment {self.environment!r}'s "
+                f"rubric does not have; its reward functions: "
+                + ", ".join(f"{name} x{weight:g}" for name, weight in own.items())
+                + "."
+            )
         for reward in info["rewards"]:
             if reward["name"] in self.rubric_weights:
                 reward["environment_weight"] = reward["weight"]
@@ -163,9 +200,16 @@ class VerifiersRollout(AgentEndpointRollout):
         return [dict(row) for row in self.environment_info["rows"]]
 
     def describe(self) -> str:
-        rubric = ", ".join(f"{r['name']} x{float(r['weight']):g}" + (
-            f" (rubric_weights; the environment's x{r['environment_weight']:g})" if "environment_weight" in r else "")
-            for r in self.environment_info["rewards"])
-        return (f"verifiers {self.environment_info.get('verifiers')} environment {self.environment!r} "
-                f"({len(self.environment_info['rows'])} rows; rubric {rubric}); {super().describe()}")
-
+        rubric = ", ".join(
+            f"{r['name']} x{float(r['weight']):g}"
+            + (
+                f" (rubric_weights; the environment's x{r['environment_weight']:g})"
+                if "environment_weight" in r
+                else ""
+            )
+            for r in self.environment_info["rewards"]
+        )
+        return (
+            f"verifiers {self.environment_info.get('verifiers')} environment {self.environment!r} "
+            f"({len(self.environment_info['rows'])} rows; rubric {rubric}); {super().describe()}"
+        )

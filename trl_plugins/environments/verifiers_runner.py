@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 PINNED = "0.4.0"
-"""The verifiers release this runner is written against (``trl_plugins.environments.verifiers_env.VERIFIERS_VERSION``)."""
+"""The verifiers release this runner is written against
+(``trl_plugins.environments.verifiers_env.VERIFIERS_VERSION``)."""
 HARNESS = "null"
 """The harness every environment is played with: verifiers' plain chat loop with the environment's MCP tools."""
 MODEL = "policy"
@@ -70,8 +71,10 @@ def _check_version() -> Any:
 
     version = importlib.metadata.version("verifiers")
     if version != PINNED:
-        _fail(f"this runner is written against verifiers {PINNED}, and the interpreter {sys.executable} has {version}: "
-              f"remake it with the pinned constraints/verifiers.txt")
+        _fail(
+            f"this runner is written against verifiers {PINNED}, and the interpreter {sys.executable} has {version}: "
+            f"remake it with the pinned constraints/verifiers.txt"
+        )
     return version
 
 
@@ -122,13 +125,17 @@ def _tasks(env: Any, limit: int | None = None) -> list[Any]:
     if limit is not None:
         return list(taskset.take(limit))
     if not taskset.bounded:
-        _fail(f"the taskset {name} is INFINITE (it generates tasks forever): set the rollout's max_rows to the number "
-              f"of tasks to train and evaluate on (rollout_kwargs: {{max_rows: 1000}})")
+        _fail(
+            f"the taskset {name} is INFINITE (it generates tasks forever): set the rollout's max_rows to the number "
+            f"of tasks to train and evaluate on (rollout_kwargs: {{max_rows: 1000}})"
+        )
     tasks = list(itertools.islice(taskset, MAX_ROWS + 1))
     if len(tasks) > MAX_ROWS:
-        _fail(f"the taskset {name} yields more than {MAX_ROWS:,} tasks (every row is read and held at start-up; a "
-              f"load() that never ends reads the same): set the rollout's max_rows to the number of tasks to train and "
-              f"evaluate on (rollout_kwargs: {{max_rows: 1000}})")
+        _fail(
+            f"the taskset {name} yields more than {MAX_ROWS:,} tasks (every row is read and held at start-up; a "
+            f"load() that never ends reads the same): set the rollout's max_rows to the number of tasks to train and "
+            f"evaluate on (rollout_kwargs: {{max_rows: 1000}})"
+        )
     return tasks
 
 
@@ -153,20 +160,30 @@ def _refusals(tasks: list[Any]) -> list[str]:
         for message in prompt if isinstance(prompt, list) else []:
             content = getattr(message, "content", None)
             if isinstance(content, list) and any(getattr(p, "type", "text") != "text" for p in content):
-                found.setdefault("images", f"images (task {task.data.idx}: a prompt with non-text content parts; the "
-                                           f"endpoint serves text)")
+                found.setdefault(
+                    "images",
+                    f"images (task {task.data.idx}: a prompt with non-text content parts; the endpoint serves text)",
+                )
         if getattr(task.data, "image", None):
-            found.setdefault("image", f"a container image (task {task.data.idx}: {task.data.image!r}; the runner plays "
-                                      f"every task in a local subprocess runtime)")
+            found.setdefault(
+                "image",
+                f"a container image (task {task.data.idx}: {task.data.image!r}; the runner plays "
+                f"every task in a local subprocess runtime)",
+            )
         if task.config.judges:
             names = [getattr(j, "id", type(j).__name__) for j in task.config.judges]
-            found.setdefault("judge", f"a judge model (task {task.data.idx}: {names}; a judge makes model calls of its "
-                                      f"own, and the endpoint serves only the policy being trained)")
+            found.setdefault(
+                "judge",
+                f"a judge model (task {task.data.idx}: {names}; a judge makes model calls of its "
+                f"own, and the endpoint serves only the policy being trained)",
+            )
         for toolset in type(task).toolsets(task.config):
             runtime = getattr(toolset.config, "runtime", None)
             if getattr(toolset.config, "url", None) or getattr(runtime, "type", "subprocess") != "subprocess":
-                found.setdefault("tools", f"a remote tool server ({type(toolset).__name__}: the runner serves tools in "
-                                          f"local subprocesses)")
+                found.setdefault(
+                    "tools",
+                    f"a remote tool server ({type(toolset).__name__}: the runner serves tools in local subprocesses)",
+                )
     return list(found.values())
 
 
@@ -182,12 +199,16 @@ def _role_refusals(taskset_id: str, config: dict) -> list[str]:
         found.append(f"several agents (roles {list(roles)}: a trajectory is one agent's conversation with the policy)")
     bundled = default_harness_id(taskset_id)
     if bundled not in ("bash", HARNESS):
-        found.append(f"a harness of its own (the taskset's {bundled!r}: the runner plays every role with verifiers' "
-                     f"{HARNESS!r} chat loop)")
+        found.append(
+            f"a harness of its own (the taskset's {bundled!r}: the runner plays every role with verifiers' "
+            f"{HARNESS!r} chat loop)"
+        )
     for name, spec in roles.items():
         if spec.harness is not None and spec.harness.id != HARNESS:
-            found.append(f"a harness of its own (role {name!r}: {spec.harness.id!r}: the runner plays every role with "
-                         f"verifiers' {HARNESS!r} chat loop)")
+            found.append(
+                f"a harness of its own (role {name!r}: {spec.harness.id!r}: the runner plays every role with "
+                f"verifiers' {HARNESS!r} chat loop)"
+            )
         if spec.client is not None or spec.model is not None:
             found.append(f"a model of its own (role {name!r}: its calls would not be the policy's)")
         pinned = spec.sampling.model_dump(exclude_none=True) if spec.sampling is not None else {}
@@ -203,8 +224,13 @@ def _row(index: int, task: Any) -> dict:
         prompt = ""
     elif isinstance(prompt, list):
         prompt = [{"role": m.get("role"), "content": m.get("content")} for m in prompt]
-    return {"id": str(data.get("name") or index), "prompt": prompt, "answer": str(data.get("answer", "")),
-            "task_index": index, "task": data}
+    return {
+        "id": str(data.get("name") or index),
+        "prompt": prompt,
+        "answer": str(data.get("answer", "")),
+        "task_index": index,
+        "task": data,
+    }
 
 
 def describe(spec: str, config: dict, max_rows: int | None = None) -> dict:
@@ -216,15 +242,22 @@ def describe(spec: str, config: dict, max_rows: int | None = None) -> dict:
     tasks = _tasks(env, max_rows)
     if not tasks:
         _fail(f"environment {spec!r} has no tasks")
-    return {"verifiers": version, "environment": spec, "harness": HARNESS, "rewards": _rewards(tasks[0]),
-            "refused": _role_refusals(taskset_id, config) + _refusals(tasks), "rows": [_row(i, t) for i, t in enumerate(tasks)]}
+    return {
+        "verifiers": version,
+        "environment": spec,
+        "harness": HARNESS,
+        "rewards": _rewards(tasks[0]),
+        "refused": _role_refusals(taskset_id, config) + _refusals(tasks),
+        "rows": [_row(i, t) for i, t in enumerate(tasks)],
+    }
 
 
 async def _episode(env: Any, task: Any) -> Any:
     from verifiers.v1.clients import EvalClientConfig, ModelContext
 
-    ctx = ModelContext(model=MODEL, client=EvalClientConfig(base_url=os.environ["OPENAI_BASE_URL"],
-                                                            api_key_var="OPENAI_API_KEY"))
+    ctx = ModelContext(
+        model=MODEL, client=EvalClientConfig(base_url=os.environ["OPENAI_BASE_URL"], api_key_var="OPENAI_API_KEY")
+    )
     async with env.serving():
         return await env.run_episode(task, ctx)
 
@@ -243,8 +276,10 @@ def rollout(spec: str, config: dict, row: dict, weights: dict[str, float] | None
         if not os.environ.get(name):
             _fail(f"{name} is not set: the agent endpoint sets it for each trajectory")
     if not isinstance(row.get("task"), dict):
-        _fail(f"the row holds no task (the rows come from the environment: VerifiersRollout.rows()); its keys are "
-              f"{sorted(row)}")
+        _fail(
+            f"the row holds no task (the rows come from the environment: VerifiersRollout.rows()); its keys are "
+            f"{sorted(row)}"
+        )
     taskset_id = _import_spec(spec)
     _local_uv_scripts()
     from verifiers.v1.utils.loaders import load_environment

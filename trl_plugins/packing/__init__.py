@@ -22,8 +22,14 @@ from trl_plugins.packing.packers import (
     pack_trees,
     padded_area,
 )
-from trl_plugins.packing.prefix_trees import (BOTH_LAYOUTS, layout_trees, prefix_lengths, prefix_trees, tree_area,
-                                              tree_tokens)
+from trl_plugins.packing.prefix_trees import (
+    BOTH_LAYOUTS,
+    layout_trees,
+    prefix_lengths,
+    prefix_trees,
+    tree_area,
+    tree_tokens,
+)
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan, PrefixTree
 
@@ -73,8 +79,14 @@ def supports_prefix_trees(strategy: str) -> bool:
 
 
 def pack_for_ranks(
-    lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int, world_size: int,
-    padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None,
+    lengths: Sequence[int],
+    *,
+    strategy: str,
+    max_items: int,
+    max_padded_tokens: int,
+    world_size: int,
+    padding_free: bool = False,
+    prefix_trees: Sequence[PrefixTree] | None = None,
 ) -> PackPlan:
     """Pack ``lengths`` into micro-batches for ``world_size`` ranks with the named strategy; with
     ``padding_free`` the budget is tokens (the packer must declare ``supports_padding_free``). ``prefix_trees``
@@ -90,15 +102,27 @@ def pack_for_ranks(
     if prefix_trees is not None and padding_free:
         raise PackingError(BOTH_LAYOUTS)
     if prefix_trees is not None and supports_prefix_trees(strategy):
-        return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,
-                      prefix_trees=list(prefix_trees))
+        return packer(
+            list(lengths),
+            max_items=max_items,
+            max_padded_tokens=max_padded_tokens,
+            world_size=world_size,
+            prefix_trees=list(prefix_trees),
+        )
     if not padding_free:
         return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size)
     if not supports_padding_free(strategy):
-        raise PackingError(f"packer {strategy!r} budgets padded area only (it does not declare supports_padding_free): "
-                           f"use ffd, optimal or balanced, or set padding_free=False.")
-    return packer(list(lengths), max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,
-                  padding_free=True)
+        raise PackingError(
+            f"packer {strategy!r} budgets padded area only (it does not declare supports_padding_free): "
+            f"use ffd, optimal or balanced, or set padding_free=False."
+        )
+    return packer(
+        list(lengths),
+        max_items=max_items,
+        max_padded_tokens=max_padded_tokens,
+        world_size=world_size,
+        padding_free=True,
+    )
 
 
 def pack(lengths: Sequence[int], *, strategy: str, max_items: int, max_padded_tokens: int) -> list[list[int]]:

@@ -33,7 +33,16 @@ from trl_plugins.packing.prefix_trees import BOTH_LAYOUTS, tree_area
 from trl_plugins.registry import PACKERS
 from trl_plugins.types import PackPlan, PrefixTree
 
-__all__ = ["PackingError", "ffd", "optimal", "balanced", "check_limits", "padded_area", "micro_batch_cost", "pack_trees"]
+__all__ = [
+    "PackingError",
+    "ffd",
+    "optimal",
+    "balanced",
+    "check_limits",
+    "padded_area",
+    "micro_batch_cost",
+    "pack_trees",
+]
 
 
 class PackingError(ValueError):
@@ -173,15 +182,18 @@ def _equalise(per_rank: list[list[list[int]]]) -> PackPlan:
     return PackPlan(ranks=[r + [[] for _ in range(most - len(r))] for r in per_rank])
 
 
-def _distribute_batches(lengths: Sequence[int], batches: list[list[int]], world_size: int, *,
-                        padding_free: bool = False) -> PackPlan:
+def _distribute_batches(
+    lengths: Sequence[int], batches: list[list[int]], world_size: int, *, padding_free: bool = False
+) -> PackPlan:
     if world_size == 1:
         return PackPlan(ranks=[batches])
     assignment = _lpt_assign([micro_batch_cost(lengths, b, padding_free=padding_free) for b in batches], world_size)
     return _equalise([[batches[k] for k in sorted(ks)] for ks in assignment])
 
 
-def _greedy_area_assign(lengths: Sequence[int], world_size: int, max_items: int, max_padded_tokens: int) -> list[list[int]]:
+def _greedy_area_assign(
+    lengths: Sequence[int], world_size: int, max_items: int, max_padded_tokens: int
+) -> list[list[int]]:
     # Longest first, each item onto the rank whose padded area grows least-loaded-after: joining a
     # rank's open micro-batch costs that batch's width (its first, longest row), opening one costs
     # the item's own length. Packs each rank first-fit-decreasing as it goes.
@@ -190,6 +202,7 @@ def _greedy_area_assign(lengths: Sequence[int], world_size: int, max_items: int,
     open_free = [0] * world_size  # free rows in it
     groups: list[list[int]] = [[] for _ in range(world_size)]
     for i in _sorted_desc(lengths):
+
         def after(r: int) -> int:
             return areas[r] + (open_width[r] if open_free[r] > 0 else lengths[i])
 
@@ -205,7 +218,9 @@ def _greedy_area_assign(lengths: Sequence[int], world_size: int, max_items: int,
     return groups
 
 
-def _contiguous_assign(lengths: Sequence[int], world_size: int, max_items: int, max_padded_tokens: int) -> list[list[int]]:
+def _contiguous_assign(
+    lengths: Sequence[int], world_size: int, max_items: int, max_padded_tokens: int
+) -> list[list[int]]:
     # Split the longest-first order into `world_size` contiguous runs (similar lengths share a
     # rank, so little padding) with the smallest feasible cap on a run's first-fit-decreasing
     # area, found by bisection on the cap.
@@ -247,8 +262,15 @@ def _plan_score(plan: PackPlan, lengths: Sequence[int], padding_free: bool = Fal
 
 
 @PACKERS.register("ffd")
-def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1,
-        padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None) -> PackPlan:
+def ffd(
+    lengths: Sequence[int],
+    *,
+    max_items: int,
+    max_padded_tokens: int,
+    world_size: int = 1,
+    padding_free: bool = False,
+    prefix_trees: Sequence[PrefixTree] | None = None,
+) -> PackPlan:
     """First-fit decreasing by padded area (the reference heuristic); ``padding_free``: by tokens.
 
     With ``world_size > 1`` the micro-batches are spread over ranks, largest area first onto the
@@ -264,13 +286,22 @@ def ffd(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world
     if prefix_trees is not None:
         return _with_trees(lengths, prefix_trees, max_items, max_padded_tokens, world_size, padding_free, "ffd")
     if padding_free:
-        return _distribute_batches(lengths, _token_batches(lengths, max_items, max_padded_tokens), world_size, padding_free=True)
+        return _distribute_batches(
+            lengths, _token_batches(lengths, max_items, max_padded_tokens), world_size, padding_free=True
+        )
     return _distribute_batches(lengths, _ffd_batches(lengths, max_items, max_padded_tokens), world_size)
 
 
 @PACKERS.register("optimal")
-def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1,
-            padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None) -> PackPlan:
+def optimal(
+    lengths: Sequence[int],
+    *,
+    max_items: int,
+    max_padded_tokens: int,
+    world_size: int = 1,
+    padding_free: bool = False,
+    prefix_trees: Sequence[PrefixTree] | None = None,
+) -> PackPlan:
     """Fewest micro-batches, then least padded area: exact, by a DP over the sorted lengths.
 
     ``padding_free``: fewest micro-batches by tokens (the tokens are then the same for every grouping); bin
@@ -286,15 +317,22 @@ def optimal(lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, w
     if prefix_trees is not None:
         return _with_trees(lengths, prefix_trees, max_items, max_padded_tokens, world_size, padding_free, "optimal")
     if padding_free:
-        return _distribute_batches(lengths, _fewest_token_batches(lengths, max_items, max_padded_tokens), world_size,
-                                   padding_free=True)
+        return _distribute_batches(
+            lengths, _fewest_token_batches(lengths, max_items, max_padded_tokens), world_size, padding_free=True
+        )
     return _distribute_batches(lengths, _optimal_batches(lengths, max_items, max_padded_tokens), world_size)
 
 
 @PACKERS.register("balanced")
 def balanced(
-    lengths: Sequence[int], *, max_items: int, max_padded_tokens: int, world_size: int = 1, area_tolerance: float = 0.01,
-    padding_free: bool = False, prefix_trees: Sequence[PrefixTree] | None = None,
+    lengths: Sequence[int],
+    *,
+    max_items: int,
+    max_padded_tokens: int,
+    world_size: int = 1,
+    area_tolerance: float = 0.01,
+    padding_free: bool = False,
+    prefix_trees: Sequence[PrefixTree] | None = None,
 ) -> PackPlan:
     """Per-rank micro-batches minimising the slowest rank's padded area.
 
@@ -335,9 +373,13 @@ def balanced(
         lap, k = divmod(pos, world_size)
         snake[k if lap % 2 == 0 else world_size - 1 - k].append(i)
     candidates.append(per_rank([sorted(g) for g in snake]))
-    candidates.append(per_rank([sorted(g) for g in _greedy_area_assign(lengths, world_size, max_items, max_padded_tokens)]))
+    candidates.append(
+        per_rank([sorted(g) for g in _greedy_area_assign(lengths, world_size, max_items, max_padded_tokens)])
+    )
     if lengths:
-        candidates.append(per_rank([sorted(g) for g in _contiguous_assign(lengths, world_size, max_items, max_padded_tokens)]))
+        candidates.append(
+            per_rank([sorted(g) for g in _contiguous_assign(lengths, world_size, max_items, max_padded_tokens)])
+        )
     scores = [_plan_score(p, lengths) for p in candidates]
     best_area = min(sc[0] for sc in scores)
     near = [k for k, sc in enumerate(scores) if sc[0] <= best_area * (1.0 + area_tolerance)]
@@ -350,12 +392,15 @@ def _balanced_tokens(lengths: Sequence[int], max_items: int, budget: int, world_
     # decide, then micro-batches per rank.
     if world_size == 1:
         return PackPlan(ranks=[_fewest_token_batches(lengths, max_items, budget)])
-    candidates = [_distribute_batches(lengths, _fewest_token_batches(lengths, max_items, budget), world_size,
-                                      padding_free=True)]
+    candidates = [
+        _distribute_batches(lengths, _fewest_token_batches(lengths, max_items, budget), world_size, padding_free=True)
+    ]
     ranks = []
     for items in _lpt_assign(lengths, world_size):
         items = sorted(items)
-        ranks.append([[items[k] for k in b] for b in _fewest_token_batches([lengths[i] for i in items], max_items, budget)])
+        ranks.append(
+            [[items[k] for k in b] for b in _fewest_token_batches([lengths[i] for i in items], max_items, budget)]
+        )
     candidates.append(_equalise(ranks))
     return min(candidates, key=lambda p: _plan_score(p, lengths, padding_free=True)[:2])
 
@@ -411,8 +456,9 @@ def _chunk(prefix_len: int, members: list[int]) -> PrefixTree:
     return PrefixTree(prefix_len if len(members) > 1 else 0, tuple(sorted(members)))
 
 
-def _tree_bins(lengths: Sequence[int], chunks: Sequence[PrefixTree], max_items: int, budget: int, *,
-               best_fit: bool) -> list[_Bin]:
+def _tree_bins(
+    lengths: Sequence[int], chunks: Sequence[PrefixTree], max_items: int, budget: int, *, best_fit: bool
+) -> list[_Bin]:
     # First-fit (or best-fit: the fullest) decreasing by a chunk's own area.
     bins: list[_Bin] = []
     for chunk in sorted(chunks, key=lambda c: (-tree_area(lengths, [c]), c.members[0])):
@@ -439,8 +485,15 @@ def _tree_plan_score(plan: PackPlan, lengths: Sequence[int], trees_of: dict[int,
     return max(areas, default=0), plan.num_micro_batches, sum(areas)
 
 
-def pack_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], *, max_items: int, max_padded_tokens: int,
-               world_size: int = 1, strategy: str = "optimal") -> PackPlan:
+def pack_trees(
+    lengths: Sequence[int],
+    trees: Sequence[PrefixTree],
+    *,
+    max_items: int,
+    max_padded_tokens: int,
+    world_size: int = 1,
+    strategy: str = "optimal",
+) -> PackPlan:
     """Micro-batches that keep each tree's members together, budgeted by
     :func:`~trl_plugins.packing.prefix_trees.tree_area`: the built-in packers' planner given ``prefix_trees``.
 
@@ -459,7 +512,9 @@ def pack_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], *, max_items
     batches = [b.items() for b in bins]
     if world_size == 1:
         return PackPlan(ranks=[batches])
-    candidates = [_equalise([[batches[k] for k in sorted(ks)] for ks in _lpt_assign([b.area for b in bins], world_size)])]
+    candidates = [
+        _equalise([[batches[k] for k in sorted(ks)] for ks in _lpt_assign([b.area for b in bins], world_size)])
+    ]
     if strategy == "balanced":
         per_rank = []
         for ks in _lpt_assign([tree_area(lengths, [c]) for c in chunks], world_size):
@@ -469,8 +524,15 @@ def pack_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], *, max_items
     return min(candidates, key=lambda p: _tree_plan_score(p, lengths, trees_of))
 
 
-def _with_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], max_items: int, max_padded_tokens: int,
-                world_size: int, padding_free: bool, strategy: str) -> PackPlan:
+def _with_trees(
+    lengths: Sequence[int],
+    trees: Sequence[PrefixTree],
+    max_items: int,
+    max_padded_tokens: int,
+    world_size: int,
+    padding_free: bool,
+    strategy: str,
+) -> PackPlan:
     if padding_free:
         raise PackingError(BOTH_LAYOUTS)
     members = sorted(i for t in trees for i in t.members)
@@ -479,8 +541,14 @@ def _with_trees(lengths: Sequence[int], trees: Sequence[PrefixTree], max_items: 
     for t in trees:
         if t.prefix_len < 0 or any(t.prefix_len > lengths[i] for i in t.members):
             raise PackingError(f"prefix tree {t} has a prefix longer than one of its members (or negative).")
-    return pack_trees(lengths, trees, max_items=max_items, max_padded_tokens=max_padded_tokens, world_size=world_size,
-                      strategy=strategy)
+    return pack_trees(
+        lengths,
+        trees,
+        max_items=max_items,
+        max_padded_tokens=max_padded_tokens,
+        world_size=world_size,
+        strategy=strategy,
+    )
 
 
 for _packer in (ffd, optimal, balanced):

@@ -18,8 +18,9 @@ from typing import Sequence
 
 from trl_plugins.types import PrefixTree
 
-BOTH_LAYOUTS = ("prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; pass one "
-                "of them.")
+BOTH_LAYOUTS = (
+    "prefix_trees (the shared-prefix layout) and padding_free are two layouts of a micro-batch; pass one of them."
+)
 
 __all__ = ["prefix_trees", "prefix_lengths", "layout_trees", "tree_area", "tree_tokens"]
 
@@ -86,7 +87,9 @@ def prefix_lengths(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> list[
     ``O(n^2)`` for ``n`` trees.
     """
     shared = [k for k, t in enumerate(trees) if t.prefix_len > 0]
-    lone = sorted((k for k, t in enumerate(trees) if t.prefix_len == 0), key=lambda k: (-lengths[trees[k].members[0]], k))
+    lone = sorted(
+        (k for k, t in enumerate(trees) if t.prefix_len == 0), key=lambda k: (-lengths[trees[k].members[0]], k)
+    )
     alone = [lengths[trees[k].members[0]] for k in lone]
     rows = sum(len(t.members) for t in trees)
     best: tuple[int, int, int] | None = None  # (area, W, cut)
@@ -96,7 +99,7 @@ def prefix_lengths(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> list[
         for cut in range(len(alone) + 1 if width else 1):  # alone[:cut] as prefix rows (longest first)
             used_width = max(heads + [min(alone[0], width)] if cut else heads, default=0)
             tail = max(alone[0] - width, 0) if cut else 0
-            widest = max([branch, tail, 1] + alone[cut:cut + 1])
+            widest = max([branch, tail, 1] + alone[cut : cut + 1])
             area = (len(heads) + cut) * used_width + rows * widest
             if best is None or area < best[0]:
                 best = (area, width, cut)
@@ -125,14 +128,18 @@ def layout_trees(lengths: Sequence[int], trees: Sequence[PrefixTree]) -> tuple[l
     used = prefix_lengths(lengths, trees)
     area = _area(lengths, trees, used)
     while True:
-        shared = [(lengths[i] - p, k, i) for k, (t, p) in enumerate(zip(trees, used)) if t.prefix_len > 0
-                  for i in t.members]
+        shared = [
+            (lengths[i] - p, k, i) for k, (t, p) in enumerate(zip(trees, used)) if t.prefix_len > 0 for i in t.members
+        ]
         if not shared:
             break
         _, k, i = max(shared)
         rest = tuple(m for m in trees[k].members if m != i)
-        moved = trees[:k] + trees[k + 1:] + [PrefixTree(trees[k].prefix_len if len(rest) > 1 else 0, rest),
-                                             PrefixTree(0, (i,))]
+        moved = (
+            trees[:k]
+            + trees[k + 1 :]
+            + [PrefixTree(trees[k].prefix_len if len(rest) > 1 else 0, rest), PrefixTree(0, (i,))]
+        )
         moved_used = prefix_lengths(lengths, moved)
         moved_area = _area(lengths, moved, moved_used)
         if moved_area >= area:

@@ -14,8 +14,21 @@ from trl_plugins.protocols.seams import PluginDeclarationError, Reduction
 if TYPE_CHECKING:  # annotations only: the seams' own modules import this one
     from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput, Trajectory
 
-__all__ = ["AdvantagePlugin", "PolicyLossPlugin", "RolloutPlugin", "ToolPlugin", "RewardPlugin", "as_advantage",
-           "as_policy_loss", "as_rollout", "as_tool", "is_tool_set", "tools_of", "as_reward", "close_plugin"]
+__all__ = [
+    "AdvantagePlugin",
+    "PolicyLossPlugin",
+    "RolloutPlugin",
+    "ToolPlugin",
+    "RewardPlugin",
+    "as_advantage",
+    "as_policy_loss",
+    "as_rollout",
+    "as_tool",
+    "is_tool_set",
+    "tools_of",
+    "as_reward",
+    "close_plugin",
+]
 
 
 def _label(seam: str, name: str | None, impl: Any) -> str:
@@ -24,7 +37,9 @@ def _label(seam: str, name: str | None, impl: Any) -> str:
 
 def _required_bool(impl: Any, member: str, label: str) -> bool:
     if not hasattr(impl, member):
-        raise PluginDeclarationError(label, f"does not declare {member} (a bool); see docs/plugins.md for the seam's protocol.")
+        raise PluginDeclarationError(
+            label, f"does not declare {member} (a bool); see docs/plugins.md for the seam's protocol."
+        )
     value = getattr(impl, member)
     if not isinstance(value, bool):
         raise PluginDeclarationError(label, f"declares {member}={value!r}; it must be a bool (docs/plugins.md).")
@@ -91,13 +106,18 @@ class _Adapter:
             return {}
         metrics = self.step_metrics_fn()
         if not isinstance(metrics, Mapping):
-            raise PluginDeclarationError(self.label, f"step_metrics() returned a {type(metrics).__name__}; it must return "
-                                         f"{{name: number}}.")
-        bad = {k: v for k, v in metrics.items()
-               if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float))}
+            raise PluginDeclarationError(
+                self.label, f"step_metrics() returned a {type(metrics).__name__}; it must return {{name: number}}."
+            )
+        bad = {
+            k: v
+            for k, v in metrics.items()
+            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float))
+        }
         if bad:
-            raise PluginDeclarationError(self.label, f"step_metrics() returned {bad}; each must be a str name and a "
-                                         f"number.")
+            raise PluginDeclarationError(
+                self.label, f"step_metrics() returned {bad}; each must be a str name and a number."
+            )
         return {self.metric_prefix + k: float(v) for k, v in metrics.items()}
 
     def metric_reductions(self) -> dict[str, str]:
@@ -250,8 +270,10 @@ class RewardPlugin(_Adapter):
             PluginDeclarationError: the component defines no ``is_success``.
         """
         if self.is_success_fn is None:
-            raise PluginDeclarationError(self.label, "has no is_success(value) method, so an evaluation cannot tell a "
-                                         "success from a failure by it.")
+            raise PluginDeclarationError(
+                self.label,
+                "has no is_success(value) method, so an evaluation cannot tell a success from a failure by it.",
+            )
         return bool(self.is_success_fn(value))
 
 
@@ -260,10 +282,14 @@ def as_advantage(impl: Any, name: str = "") -> AdvantagePlugin:
     if isinstance(impl, AdvantagePlugin):
         return impl
     label = _label("advantage", name, impl)
-    return AdvantagePlugin(name, impl, **_metric_members(impl, label),
-                           needs_values=_required_bool(impl, "needs_values", label),
-                           needs_groups=_required_bool(impl, "needs_groups", label),
-                           needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label))
+    return AdvantagePlugin(
+        name,
+        impl,
+        **_metric_members(impl, label),
+        needs_values=_required_bool(impl, "needs_values", label),
+        needs_groups=_required_bool(impl, "needs_groups", label),
+        needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label),
+    )
 
 
 def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
@@ -271,12 +297,16 @@ def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
     if isinstance(impl, PolicyLossPlugin):
         return impl
     label = _label("policy_loss", name, impl)
-    return PolicyLossPlugin(name, impl, **_metric_members(impl, label),
-                            needs_ref_logprobs=_required_bool(impl, "needs_ref_logprobs", label),
-                            needs_entropy=_required_bool(impl, "needs_entropy", label),
-                            supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label),
-                            needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label),
-                            token_local=_optional_bool(impl, "token_local", False, label))
+    return PolicyLossPlugin(
+        name,
+        impl,
+        **_metric_members(impl, label),
+        needs_ref_logprobs=_required_bool(impl, "needs_ref_logprobs", label),
+        needs_entropy=_required_bool(impl, "needs_entropy", label),
+        supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label),
+        needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label),
+        token_local=_optional_bool(impl, "token_local", False, label),
+    )
 
 
 def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
@@ -285,20 +315,29 @@ def as_rollout(impl: Any, name: str = "") -> RolloutPlugin:
         return impl
     label = _label("rollout", name, impl)
     if not hasattr(impl, "token_budget"):
-        raise PluginDeclarationError(label, "does not declare token_budget (max tokens of one trajectory, or None); "
-                                     "see docs/plugins.md.")
+        raise PluginDeclarationError(
+            label, "does not declare token_budget (max tokens of one trajectory, or None); see docs/plugins.md."
+        )
     budget = impl.token_budget
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise PluginDeclarationError(label, f"declares token_budget={budget!r}; it must be a positive int or None.")
     per_turn = _optional(impl, "tool_calls_per_turn", 1)
     if isinstance(per_turn, bool) or not isinstance(per_turn, int) or per_turn < 1:
-        raise PluginDeclarationError(label, f"declares tool_calls_per_turn={per_turn!r}; it must be an int >= 1 (the "
-                                     f"most tool calls of one turn it runs).")
-    return RolloutPlugin(name, impl, token_budget=budget, tool_calls_per_turn=per_turn,
-                         agent_conversation=_optional_bool(impl, "agent_conversation", False, label),
-                         offers_tools=_optional_bool(impl, "offers_tools", False, label),
-                         rederive_stop_fn=_optional_method(impl, "rederive_stop", label),
-                         rows_fn=_optional_method(impl, "rows", label))
+        raise PluginDeclarationError(
+            label,
+            f"declares tool_calls_per_turn={per_turn!r}; it must be an int >= 1 (the "
+            f"most tool calls of one turn it runs).",
+        )
+    return RolloutPlugin(
+        name,
+        impl,
+        token_budget=budget,
+        tool_calls_per_turn=per_turn,
+        agent_conversation=_optional_bool(impl, "agent_conversation", False, label),
+        offers_tools=_optional_bool(impl, "offers_tools", False, label),
+        rederive_stop_fn=_optional_method(impl, "rederive_stop", label),
+        rows_fn=_optional_method(impl, "rows", label),
+    )
 
 
 def as_tool(impl: Any, name: str = "") -> ToolPlugin:
@@ -309,10 +348,17 @@ def as_tool(impl: Any, name: str = "") -> ToolPlugin:
     own = _optional(impl, "name", None)
     label = _label("tool", name or own, impl)
     if not isinstance(own, str) or not own:
-        raise PluginDeclarationError(label, f"has name {own!r}; a tool needs a non-empty name (the one the model calls).")
-    return ToolPlugin(own, impl, **_metric_members(impl, label), idempotent=_optional_bool(impl, "idempotent", False, label),
-                      start_up_fn=_optional_method(impl, "start_up", label),
-                      end_episode_fn=_optional_method(impl, "end_episode", label))
+        raise PluginDeclarationError(
+            label, f"has name {own!r}; a tool needs a non-empty name (the one the model calls)."
+        )
+    return ToolPlugin(
+        own,
+        impl,
+        **_metric_members(impl, label),
+        idempotent=_optional_bool(impl, "idempotent", False, label),
+        start_up_fn=_optional_method(impl, "start_up", label),
+        end_episode_fn=_optional_method(impl, "end_episode", label),
+    )
 
 
 def is_tool_set(impl: Any) -> bool:
@@ -341,10 +387,13 @@ def _metric_members(impl: Any, label: str) -> dict[str, Any]:
     declared = dict(reductions_fn()) if reductions_fn is not None else {}
     bad = {k: v for k, v in declared.items() if v not in Reduction.__members__.values()}
     if bad:  # an unknown one would silently become a mean over ranks
-        raise PluginDeclarationError(label, f"step_metric_reductions() returned {bad}; each value must be one of "
-                                     f"{[str(r) for r in Reduction]}.")
-    return {"step_metrics_fn": _optional_method(impl, "step_metrics", label),
-            "reductions": {k: Reduction(v) for k, v in declared.items()}}
+        raise PluginDeclarationError(
+            label, f"step_metric_reductions() returned {bad}; each value must be one of {[str(r) for r in Reduction]}."
+        )
+    return {
+        "step_metrics_fn": _optional_method(impl, "step_metrics", label),
+        "reductions": {k: Reduction(v) for k, v in declared.items()},
+    }
 
 
 def as_reward(impl: Any, name: str = "", weight: float = 1.0) -> RewardPlugin:
@@ -353,7 +402,9 @@ def as_reward(impl: Any, name: str = "", weight: float = 1.0) -> RewardPlugin:
         return impl
     label = _label("reward component", name, impl)
     if not callable(impl):
-        raise PluginDeclarationError(label, f"is a {type(impl).__name__}, not callable as component(trajectory, example).")
+        raise PluginDeclarationError(
+            label, f"is a {type(impl).__name__}, not callable as component(trajectory, example)."
+        )
     if not math.isfinite(float(weight)):
         raise PluginDeclarationError(label, f"has weight {weight!r}; a weight must be a finite number.")
     return RewardPlugin(name, impl, weight=float(weight), is_success_fn=_optional_method(impl, "is_success", label))

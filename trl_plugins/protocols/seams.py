@@ -10,8 +10,16 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: the seams' own modules import this one
     from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput, Trajectory
 
-__all__ = ["Reduction", "PluginDeclarationError", "AdvantageEstimator", "PolicyLoss", "Rollout", "Tool", "ToolSet",
-           "RewardComponentFn"]
+__all__ = [
+    "Reduction",
+    "PluginDeclarationError",
+    "AdvantageEstimator",
+    "PolicyLoss",
+    "Rollout",
+    "Tool",
+    "ToolSet",
+    "RewardComponentFn",
+]
 
 
 class Reduction(enum.StrEnum):

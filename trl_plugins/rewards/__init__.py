@@ -41,13 +41,17 @@ def reward_value(value: Any) -> float:
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         raise TypeError(f"returned {value!r}, a bool; return a float (e.g. 1.0 for true, 0.0 for false).")
     if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
-        raise TypeError(f"returned {value!r} ({type(value).__name__}), not a number; a component scores one "
-                        f"trajectory with one float.")
+        raise TypeError(
+            f"returned {value!r} ({type(value).__name__}), not a number; a component scores one "
+            f"trajectory with one float."
+        )
     try:
         number = float(value)
     except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a tensor of several scores
-        raise TypeError(f"returned {value!r} ({type(value).__name__}), not one number ({exc}); a component scores "
-                        f"one trajectory with one float.") from None
+        raise TypeError(
+            f"returned {value!r} ({type(value).__name__}), not one number ({exc}); a component scores "
+            f"one trajectory with one float."
+        ) from None
     if not isfinite(number):
         raise ValueError(f"returned {number}; a reward must be finite.")
     return number

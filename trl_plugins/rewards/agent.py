@@ -35,5 +35,7 @@ class AgentReward:
         reward = example.get("reward")
         if isinstance(reward, (int, float)) and not isinstance(reward, bool):
             return float(reward)
-        raise ValueError("the agent returned no reward and the row has no 'reward': return a number from the agent, or "
-                         "configure a reward component that scores the trajectory.")
+        raise ValueError(
+            "the agent returned no reward and the row has no 'reward': return a number from the agent, or "
+            "configure a reward component that scores the trajectory."
+        )

@@ -79,9 +79,11 @@ def entry_of(example: Mapping[str, Any]) -> dict[str, Any]:
     """
     metadata = example.get("metadata")
     if not isinstance(metadata, Mapping) or "source_dataset" not in metadata:
-        raise KeyError(f"the reasoning_gym reward scores rows made by reasoning-gym: it needs the entry's metadata with "
-                       f"'source_dataset' in the row's 'metadata'; the row has {sorted(example)}. Use --task "
-                       f"reasoning_gym (its rows carry the whole entry).")
+        raise KeyError(
+            f"the reasoning_gym reward scores rows made by reasoning-gym: it needs the entry's metadata with "
+            f"'source_dataset' in the row's 'metadata'; the row has {sorted(example)}. Use --task "
+            f"reasoning_gym (its rows carry the whole entry)."
+        )
     return {"question": example.get("prompt"), "answer": example.get("answer"), "metadata": dict(metadata)}
 
 
@@ -123,7 +125,7 @@ class ReasoningGymReward:
         """The answer this component reads from ``trajectory`` (None: none given)."""
         if trajectory.stop_reason != StopReason.FINAL_ANSWER:
             return None
-        return extract_answer(final_text(trajectory)[-self.window_chars:], self.answer_format)
+        return extract_answer(final_text(trajectory)[-self.window_chars :], self.answer_format)
 
     def __call__(self, trajectory: Trajectory, example: Mapping[str, Any]) -> float:
         return score_answer(example, self.answer(trajectory))

@@ -6,6 +6,7 @@ The registered rollout plugin is ``multi_turn`` (:class:`~trl_plugins.rollout.en
 from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend, Sample, ScriptedBackend, VLLMBackend
 from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, ParsedTurn, ToolTurn, TurnKind
 from trl_plugins.rollout.engine import MultiTurnRollout
+from trl_plugins.rollout.replay import RenderReplayError, ReplayReport, replay_logprobs, replay_rendering
 from trl_plugins.rollout.request import (
     RolloutCancelled,
     RolloutError,
@@ -15,7 +16,6 @@ from trl_plugins.rollout.request import (
     derive_seed,
     questions_from_rows,
 )
-from trl_plugins.rollout.replay import RenderReplayError, ReplayReport, replay_logprobs, replay_rendering
 
 __all__ = [
     "GenerationBackend",

@@ -26,8 +26,16 @@ from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.types import LogprobSource, SamplingSettings
 
-__all__ = ["Sample", "GenerationBackend", "BackendBase", "HFGenerationBackend", "VLLMBackend", "ScriptedBackend", "cut_sample",
-           "cut_at_stop"]
+__all__ = [
+    "Sample",
+    "GenerationBackend",
+    "BackendBase",
+    "HFGenerationBackend",
+    "VLLMBackend",
+    "ScriptedBackend",
+    "cut_sample",
+    "cut_at_stop",
+]
 
 
 @dataclass
@@ -62,8 +70,9 @@ class GenerationBackend(Protocol):
         """Context for a whole multi-turn rollout."""
         ...
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int]) -> list[Sample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seeds: Sequence[int]
+    ) -> list[Sample]:
         """Sample one completion per prompt, row ``i`` with ``seeds[i]``."""
         ...
 
@@ -118,7 +127,8 @@ class BackendBase:
 
 
 def check_generate_args(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], seeds: Sequence[int]) -> bool:
-    """Check a ``generate`` call's arguments (one budget >= 1 and one seed per prompt); False when there are no prompts."""
+    """Check a ``generate`` call's arguments (one budget >= 1 and one seed per prompt); False when there are no
+    prompts."""
     if not len(prompts) == len(max_new_tokens) == len(seeds):
         raise ValueError("need one max_new_tokens and one seed per prompt.")
     if not prompts:
@@ -182,7 +192,7 @@ class _RowStop:
         self.start, self.stops = start, stops
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        done = [bool(s) and s.hit(input_ids[r, self.start:].tolist()) for r, s in enumerate(self.stops)]
+        done = [bool(s) and s.hit(input_ids[r, self.start :].tolist()) for r, s in enumerate(self.stops)]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -198,19 +208,20 @@ class _RowBudget:
 class HFGenerationBackend(BackendBase):
     """Sample with Hugging Face ``generate`` on the training model.
 
-    Rows are left-padded into one batch (split into chunks of ``max_batch_size``); behaviour log-probs
-    are ``log_softmax(logits / temperature)`` of the sampled tokens, i.e. of the temperature-scaled
-    distribution before top-p/top-k (``LogprobSource.TEMPERATURE_SCALED``). Each row samples with its own
-seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns differently never changes what a turn samples.
+        Rows are left-padded into one batch (split into chunks of ``max_batch_size``); behaviour log-probs
+        are ``log_softmax(logits / temperature)`` of the sampled tokens, i.e. of the temperature-scaled
+        distribution before top-p/top-k (``LogprobSource.TEMPERATURE_SCALED``). Each row samples with its own
+    seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns differently never changes what a turn
+    samples.
 
-    Args:
-        model: The policy (possibly wrapped by Accelerate/DeepSpeed when ``accelerator`` is given).
-        pad_token_id: Used for left padding.
-        stop_token_ids: Tokens that end a turn (e.g. ``<|im_end|>``).
-        sampling: Temperature, top-p, top-k, min-p, repetition penalty. ``temperature == 0`` is greedy.
-        accelerator: When given, ``session()`` unwraps the model for generation and, under ZeRO-3,
-            gathers the full weights once for the whole rollout (:func:`unwrapped_for_generation`).
-        max_batch_size: Rows per ``generate`` call (``None``: all at once).
+        Args:
+            model: The policy (possibly wrapped by Accelerate/DeepSpeed when ``accelerator`` is given).
+            pad_token_id: Used for left padding.
+            stop_token_ids: Tokens that end a turn (e.g. ``<|im_end|>``).
+            sampling: Temperature, top-p, top-k, min-p, repetition penalty. ``temperature == 0`` is greedy.
+            accelerator: When given, ``session()`` unwraps the model for generation and, under ZeRO-3,
+                gathers the full weights once for the whole rollout (:func:`unwrapped_for_generation`).
+            max_batch_size: Rows per ``generate`` call (``None``: all at once).
     """
 
     def __init__(
@@ -266,8 +277,14 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
     stop_strings = True
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int], stop: Sequence[StopStrings | None] | None = None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        *,
+        seeds: Sequence[int],
+        stop: Sequence[StopStrings | None] | None = None,
+    ) -> list[Sample]:
         """As :meth:`GenerationBackend.generate`; ``stop[i]`` ends row ``i`` at its first stop string."""
         if not check_generate_args(prompts, max_new_tokens, seeds):
             return []
@@ -275,12 +292,18 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
         step = self.max_batch_size or len(prompts)
         out: list[Sample] = []
         for k in range(0, len(prompts), step):
-            out += self._generate_chunk(prompts[k : k + step], max_new_tokens[k : k + step], seeds[k : k + step],
-                                        stops[k : k + step])
+            out += self._generate_chunk(
+                prompts[k : k + step], max_new_tokens[k : k + step], seeds[k : k + step], stops[k : k + step]
+            )
         return out
 
-    def _generate_chunk(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], seeds: Sequence[int],
-                        stops: Sequence[StopStrings | None]) -> list[Sample]:
+    def _generate_chunk(
+        self,
+        prompts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        seeds: Sequence[int],
+        stops: Sequence[StopStrings | None],
+    ) -> list[Sample]:
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         model = self._active if self._active is not None else self.model
@@ -301,8 +324,9 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
                 attention_mask=attention_mask.to(device),
                 generation_config=self._generation_config(int(budget_t.max())),
                 logits_processor=LogitsProcessorList(processors),
-                stopping_criteria=StoppingCriteriaList([_RowBudget(width, budget_t)]
-                                                       + ([_RowStop(width, stops)] if any(stops) else [])),
+                stopping_criteria=StoppingCriteriaList(
+                    [_RowBudget(width, budget_t)] + ([_RowStop(width, stops)] if any(stops) else [])
+                ),
                 # Inside a session the weights are whole on this rank (gathered under ZeRO-3): it generates on its own.
                 # transformers' default under ZeRO-3 with several processes (synced_gpus) all-reduces a "finished" flag
                 # every token, pairing unrelated generate calls of ranks that take different turns (a collective
@@ -317,8 +341,10 @@ seed (:func:`~trl_plugins.rollout.sampling.seeded_gumbel`), so batching turns di
             logits = logits / self.sampling.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
         stop = set(self.stop_token_ids)
-        return [cut_at_stop(cut_sample(sampled[r].tolist(), logprobs[r].tolist(), int(budgets[r]), stop), stops[r])
-                for r in range(len(prompts))]
+        return [
+            cut_at_stop(cut_sample(sampled[r].tolist(), logprobs[r].tolist(), int(budgets[r]), stop), stops[r])
+            for r in range(len(prompts))
+        ]
 
 
 @dataclass
@@ -354,8 +380,15 @@ class VLLMBackend(BackendBase):
 
     logprob_source = LogprobSource.PROCESSED
 
-    def __init__(self, vllm_generation: Any, *, stop_token_ids: Sequence[int], sampling: SamplingSettings,
-                 client: Any = None, max_concurrency: int = 64) -> None:
+    def __init__(
+        self,
+        vllm_generation: Any,
+        *,
+        stop_token_ids: Sequence[int],
+        sampling: SamplingSettings,
+        client: Any = None,
+        max_concurrency: int = 64,
+    ) -> None:
         self.vllm = vllm_generation
         self.mode = vllm_generation.mode
         self._synced = _SyncedStep()  # shared by the copies with_sampling makes: one engine, one weights step
@@ -365,8 +398,10 @@ class VLLMBackend(BackendBase):
             # TRL builds its client on the main process only (the attribute is absent elsewhere).
             self.client = client if client is not None else getattr(vllm_generation, "vllm_client", None)
             if self.client is None:
-                raise ValueError("vLLM server mode needs a VLLMClient on every rank to send that rank's turns; pass "
-                                 "client= (TRL's VLLMGeneration builds one on the main process only).")
+                raise ValueError(
+                    "vLLM server mode needs a VLLMClient on every rank to send that rank's turns; pass "
+                    "client= (TRL's VLLMGeneration builds one on the main process only)."
+                )
             if max_concurrency < 1:
                 raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
             self.max_concurrency = max_concurrency
@@ -394,7 +429,8 @@ class VLLMBackend(BackendBase):
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Any]:
-        """Colocate with sleep mode: wake the KV cache for the rollout, then sleep (level 2) so training has the memory."""
+        """Colocate with sleep mode: wake the KV cache for the rollout, then sleep (level 2) so training has the
+        memory."""
         sleep = self.mode == "colocate" and self.vllm.enable_sleep_mode
         if sleep:
             if self.vllm._llm_weights_sleeping:
@@ -426,8 +462,14 @@ class VLLMBackend(BackendBase):
 
     stop_strings = True
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int], stop: Sequence[StopStrings | None] | None = None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        *,
+        seeds: Sequence[int],
+        stop: Sequence[StopStrings | None] | None = None,
+    ) -> list[Sample]:
         """As :meth:`GenerationBackend.generate`; ``stop[i]`` goes to vLLM as row ``i``'s ``stop`` (its text kept in
         the output), and the sample is cut at the first token whose text holds one (as the endpoint matches it)."""
         if not check_generate_args(prompts, max_new_tokens, seeds):
@@ -443,18 +485,34 @@ class VLLMBackend(BackendBase):
 
             outputs = self.vllm.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts],
-                sampling_params=[trl_vllm.SamplingParams(**kw) for kw in params], use_tqdm=False,
+                sampling_params=[trl_vllm.SamplingParams(**kw) for kw in params],
+                use_tqdm=False,
             )
             for out in outputs:
                 completion = out.outputs[0]
                 ids = list(completion.token_ids)
-                lps = None if completion.logprobs is None else [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+                lps = (
+                    None
+                    if completion.logprobs is None
+                    else [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+                )
                 rows.append((ids, lps))
         else:
             for prompt, kw in zip(prompts, params):
                 kw = dict(kw)
-                core = {k: kw.pop(k) for k in ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                               "max_tokens", "logprobs")}
+                core = {
+                    k: kw.pop(k)
+                    for k in (
+                        "n",
+                        "temperature",
+                        "top_p",
+                        "top_k",
+                        "min_p",
+                        "repetition_penalty",
+                        "max_tokens",
+                        "logprobs",
+                    )
+                }
                 out = self.client.generate(prompts=[list(prompt)], **core, generation_kwargs=kw)
                 lps = out.get("logprobs")
                 rows.append((list(out["completion_ids"][0]), None if lps is None else [lp[0] for lp in lps[0]]))
@@ -462,8 +520,10 @@ class VLLMBackend(BackendBase):
         samples = []
         for (ids, lps), budget, s in zip(rows, max_new_tokens, stops):
             if lps is None or any(lp is None for lp in lps):
-                raise RuntimeError("vLLM returned no log-probs for a sampled token; the behaviour log-probs are needed "
-                                   "(TRL builds VLLMGeneration with logprobs=0, a server must allow --max-logprobs).")
+                raise RuntimeError(
+                    "vLLM returned no log-probs for a sampled token; the behaviour log-probs are needed "
+                    "(TRL builds VLLMGeneration with logprobs=0, a server must allow --max-logprobs)."
+                )
             samples.append(cut_at_stop(cut_sample(ids, lps, budget, stop), s))
         return samples
 
@@ -477,16 +537,23 @@ class ScriptedBackend(BackendBase):
     read the seed (per trajectory and turn), not count its calls: the order of calls follows tool timing.
     """
 
-    def __init__(self, script: Callable[..., list[int]], *, stop_token_ids: Sequence[int], logprob: float = -0.5,
-                 with_seed: bool = False) -> None:
+    def __init__(
+        self,
+        script: Callable[..., list[int]],
+        *,
+        stop_token_ids: Sequence[int],
+        logprob: float = -0.5,
+        with_seed: bool = False,
+    ) -> None:
         self.script, self.with_seed = script, with_seed
         self.stop_token_ids = list(stop_token_ids)
         self.logprob = logprob
         self.sampling = SamplingSettings()
         self.calls: list[int] = []
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int]) -> list[Sample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seeds: Sequence[int]
+    ) -> list[Sample]:
         self.calls.append(len(prompts))
         stop = set(self.stop_token_ids)
         out = []

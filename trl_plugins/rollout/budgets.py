@@ -41,8 +41,14 @@ class TrajectoryBudgets:
         return self.max_trajectory_tokens
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tool_calls", "max_tool_calls_per_turn", "max_assistant_tokens", "max_trajectory_tokens",
-                     "max_tool_response_tokens"):
+        for name in (
+            "max_turns",
+            "max_tool_calls",
+            "max_tool_calls_per_turn",
+            "max_assistant_tokens",
+            "max_trajectory_tokens",
+            "max_tool_response_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise RolloutError(f"{name} must be >= 1, got {getattr(self, name)}.")
 

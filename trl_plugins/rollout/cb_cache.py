@@ -22,7 +22,7 @@ __all__ = ["continuous_batching_config", "workload_cache_size", "CacheFootprint"
 _OWNED = {
     "return_logprobs": "the backend always returns the behaviour log-probs the loss needs",
     "seed": "each turn samples with its own seed, derived from --seed (the manager's seed would only reseed "
-            "torch's global generator)",
+    "torch's global generator)",
     "per_request_processors": "sampling settings come from temperature/top_p/top_k/min_p",
     "drop_unsupported_processors": "the backend installs its own sampler",
 }
@@ -44,15 +44,21 @@ def workload_cache_size(trajectories: int, tokens_per_trajectory: int, page_size
     (``keep_cache`` off) reuses the first sizing, which no longer fits once training holds more memory.
     """
     if trajectories < 1 or tokens_per_trajectory < 1 or page_size < 1:
-        raise ValueError(f"need trajectories, tokens_per_trajectory and page_size >= 1, got {trajectories}, "
-                         f"{tokens_per_trajectory} and {page_size}.")
+        raise ValueError(
+            f"need trajectories, tokens_per_trajectory and page_size >= 1, got {trajectories}, "
+            f"{tokens_per_trajectory} and {page_size}."
+        )
     num_blocks = trajectories * -(-tokens_per_trajectory // page_size)
     max_batch_tokens = min(8192, -(-max(trajectories, tokens_per_trajectory) // 64) * 64)
     return {"num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens}
 
 
-def continuous_batching_config(options: Mapping[str, Any] | str | None, *, trajectories: int | None = None,
-                               tokens_per_trajectory: int | None = None) -> Any:
+def continuous_batching_config(
+    options: Mapping[str, Any] | str | None,
+    *,
+    trajectories: int | None = None,
+    tokens_per_trajectory: int | None = None,
+) -> Any:
     """A ``ContinuousBatchingConfig`` from TRL's ``transformers_continuous_batching_config`` (a dict, or a JSON
     string from the command line), checked before any model loads.
 
@@ -69,17 +75,24 @@ def continuous_batching_config(options: Mapping[str, Any] | str | None, *, traje
         try:
             options = json.loads(options)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"transformers_continuous_batching_config must be a JSON object, got {options!r}: {exc}") from None
+            raise ValueError(
+                f"transformers_continuous_batching_config must be a JSON object, got {options!r}: {exc}"
+            ) from None
     options = dict(options or {})
     refused = sorted(set(options) & set(_OWNED))
     if refused:
-        raise ValueError("transformers_continuous_batching_config: "
-                         + "; ".join(f"{k!r} is refused ({_OWNED[k]})" for k in refused) + ". Remove it.")
+        raise ValueError(
+            "transformers_continuous_batching_config: "
+            + "; ".join(f"{k!r} is refused ({_OWNED[k]})" for k in refused)
+            + ". Remove it."
+        )
     fields = set(inspect.signature(ContinuousBatchingConfig).parameters)
     unknown = sorted(set(options) - fields)
     if unknown:
-        raise ValueError(f"transformers_continuous_batching_config: unknown key(s) {unknown}; "
-                         f"ContinuousBatchingConfig takes {sorted(fields - set(_OWNED))}.")
+        raise ValueError(
+            f"transformers_continuous_batching_config: unknown key(s) {unknown}; "
+            f"ContinuousBatchingConfig takes {sorted(fields - set(_OWNED))}."
+        )
     options.setdefault("max_memory_percent", 0.5)
     if trajectories is not None and tokens_per_trajectory is not None:
         page_size = options.get("page_size") or options.get("block_size") or ContinuousBatchingConfig.page_size
@@ -106,11 +119,13 @@ class CacheFootprint:
     batch: int
     """Tensors that scale with ``max_batch_tokens`` (inputs, outputs, the largest activation peak)."""
     masks: int
-    """The attention masks, ``max_batch_tokens x (cache tokens + max_batch_tokens)`` each (none with flash attention)."""
+    """The attention masks, ``max_batch_tokens x (cache tokens + max_batch_tokens)`` each (none with flash
+    attention)."""
     fixed: int
     """Trash sectors, and the LM-head rows when the model slices its logits."""
     available: int
-    """``max_memory_percent`` of the memory transformers sees (on a CPU: the process's NUMA node) minus what is in use."""
+    """``max_memory_percent`` of the memory transformers sees (on a CPU: the process's NUMA node) minus what is in
+    use."""
     seen: int
     """The memory transformers sees, before ``max_memory_percent``."""
     device: str
@@ -126,14 +141,22 @@ class CacheFootprint:
     def describe(self) -> str:
         """One line of figures: what is asked and what is allowed."""
         gb = 1e9
-        return (f"max_batch_tokens={self.max_batch_tokens}, num_blocks={self.num_blocks}, page_size={self.page_size}: "
-                f"{self.total / gb:.2f} GB ({self.masks / gb:.2f} GB attention masks, {self.cache / gb:.2f} GB KV cache, "
-                f"{(self.batch + self.fixed) / gb:.2f} GB batch tensors); transformers allows {self.available / gb:.2f} GB "
-                f"on {self.device} (max_memory_percent of the {self.seen / gb:.2f} GB it sees free there)")
+        return (
+            f"max_batch_tokens={self.max_batch_tokens}, num_blocks={self.num_blocks}, page_size={self.page_size}: "
+            f"{self.total / gb:.2f} GB ({self.masks / gb:.2f} GB attention masks, {self.cache / gb:.2f} GB KV cache, "
+            f"{(self.batch + self.fixed) / gb:.2f} GB batch tensors); transformers allows {self.available / gb:.2f} GB "
+            f"on {self.device} (max_memory_percent of the {self.seen / gb:.2f} GB it sees free there)"
+        )
 
 
-def _memory_handler(text_config: Any, cb_config: Any, dtype: torch.dtype, supports_logits_to_keep: bool,
-                    device: torch.device, in_use: int | None) -> Any:
+def _memory_handler(
+    text_config: Any,
+    cb_config: Any,
+    dtype: torch.dtype,
+    supports_logits_to_keep: bool,
+    device: torch.device,
+    in_use: int | None,
+) -> Any:
     # PagedAttentionCache.__init__'s geometry (transformers 5.24), without allocating the cache; the handler is the
     # one the cache sizes and checks itself with. Pinned by tests/test_continuous_batching.py.
     from math import lcm
@@ -145,14 +168,23 @@ def _memory_handler(text_config: Any, cb_config: Any, dtype: torch.dtype, suppor
     cb_config = resolve_continuous_batching_config(text_config, cb_config, None, True, device)
     heads = cb_cache.find_num_key_value_heads(text_config)
     groups = cb_cache.group_layers_by_attn_type(text_config)
-    allocators = [cb_cache.ATTN_TYPE_TO_ALLOCATOR[kind](index=i, layer_indices=layers, num_key_value_heads=heads,
-                                                        config=text_config, cache_dtype=dtype, page_size=cb_config.page_size,
-                                                        allow_block_sharing=cb_config.allow_block_sharing)
-                  for i, (kind, layers) in enumerate(groups.items())]
+    allocators = [
+        cb_cache.ATTN_TYPE_TO_ALLOCATOR[kind](
+            index=i,
+            layer_indices=layers,
+            num_key_value_heads=heads,
+            config=text_config,
+            cache_dtype=dtype,
+            page_size=cb_config.page_size,
+            allow_block_sharing=cb_config.allow_block_sharing,
+        )
+        for i, (kind, layers) in enumerate(groups.items())
+    ]
     bytes_per_sector = lcm(*(a.bytes_per_block for a in allocators), 128)
     tokens_per_sector = max((bytes_per_sector // a.bytes_per_block) * a.tokens_per_page for a in allocators)
     bytes_per_block = text_config.num_hidden_layers * cb_cache.FullAttentionCacheAllocator.get_bytes_per_page(
-        heads, cb_cache.find_head_dim(text_config), dtype, cb_config.page_size)
+        heads, cb_cache.find_head_dim(text_config), dtype, cb_config.page_size
+    )
 
     class _Handler(cb_cache.PagedAttentionMemoryHandler):  # type: ignore[misc]
         seen_free = 0
@@ -165,9 +197,16 @@ def _memory_handler(text_config: Any, cb_config: Any, dtype: torch.dtype, suppor
         def _check_footprint(self, max_batch_tokens: int, num_sectors: int) -> tuple[int, int]:
             return max_batch_tokens, num_sectors  # the figures, not transformers' bare MemoryError
 
-    return _Handler(config=text_config, cb_config=cb_config, dtype=dtype, bytes_per_sector=bytes_per_sector,
-                    tokens_per_sector=tokens_per_sector, bytes_per_block=bytes_per_block, attn_types=list(groups),
-                    model_supports_logits_to_keep=supports_logits_to_keep)
+    return _Handler(
+        config=text_config,
+        cb_config=cb_config,
+        dtype=dtype,
+        bytes_per_sector=bytes_per_sector,
+        tokens_per_sector=tokens_per_sector,
+        bytes_per_block=bytes_per_block,
+        attn_types=list(groups),
+        model_supports_logits_to_keep=supports_logits_to_keep,
+    )
 
 
 def _switches_to_flash(model: Any, cb_config: Any, device: torch.device) -> bool:
@@ -177,12 +216,16 @@ def _switches_to_flash(model: Any, cb_config: Any, device: torch.device) -> bool
 
     if is_flash_attention_requested(model.config) or device.type not in ("cuda", "xpu"):
         return False
-    return bool(cb_config.auto_switch_to_flash and getattr(model, "_supports_flash_attn", False)
-                and (is_flash_attn_3_available(kernels_fallback_ok=True) or is_flash_attn_2_available(kernels_fallback_ok=True)))
+    return bool(
+        cb_config.auto_switch_to_flash
+        and getattr(model, "_supports_flash_attn", False)
+        and (is_flash_attn_3_available(kernels_fallback_ok=True) or is_flash_attn_2_available(kernels_fallback_ok=True))
+    )
 
 
-def check_cache_fits(model: Any, cb_config: Any, *, in_use: int | None = None, error: type[Exception] = MemoryError,
-                     when: str = "") -> CacheFootprint:
+def check_cache_fits(
+    model: Any, cb_config: Any, *, in_use: int | None = None, error: type[Exception] = MemoryError, when: str = ""
+) -> CacheFootprint:
     """The footprint of ``model``'s paged cache under ``cb_config`` (:func:`cache_footprint`), or ``error`` saying what
     it needs, what transformers allows, and settings that fit.
 
@@ -197,24 +240,27 @@ def check_cache_fits(model: Any, cb_config: Any, *, in_use: int | None = None, e
         return footprint
     suggestion = None
     tokens, blocks = footprint.max_batch_tokens, footprint.num_blocks
-    candidates = [(m, blocks) for m in (tokens // 2 ** k for k in range(1, 8)) if m >= 64]
-    candidates += [(64, b) for b in (blocks // 2 ** k for k in range(1, 12)) if b >= 1]
+    candidates = [(m, blocks) for m in (tokens // 2**k for k in range(1, 8)) if m >= 64]
+    candidates += [(64, b) for b in (blocks // 2**k for k in range(1, 12)) if b >= 1]
     for m, b in candidates:
         trial = copy.deepcopy(cb_config)
         trial.max_batch_tokens, trial.num_blocks = m, b
         smaller = cache_footprint(model, trial, in_use=in_use)
         if smaller.fits:
-            suggestion = (f"transformers_continuous_batching_config "
-                          f"'{json.dumps({'max_batch_tokens': m, 'num_blocks': b, 'page_size': footprint.page_size})}' "
-                          f"({smaller.total / 1e9:.2f} GB, fits)")
+            suggestion = (
+                f"transformers_continuous_batching_config "
+                f"'{json.dumps({'max_batch_tokens': m, 'num_blocks': b, 'page_size': footprint.page_size})}' "
+                f"({smaller.total / 1e9:.2f} GB, fits)"
+            )
             break
     raise error(
         f"continuous batching: the paged KV cache does not fit: {footprint.describe()}{when}. "
         + (f"Set {suggestion}, or lower " if suggestion else "Lower ")
         + f"per_device_train_batch_size or the rollout's max_trajectory_tokens (the cache is sized for them when "
-          f"num_blocks and max_batch_tokens are unset), raise max_memory_percent (now {cb_config.max_memory_percent}) "
-          f"in transformers_continuous_batching_config, or generate with HF generate (drop "
-          f"use_transformers_continuous_batching).")
+        f"num_blocks and max_batch_tokens are unset), raise max_memory_percent (now {cb_config.max_memory_percent}) "
+        f"in transformers_continuous_batching_config, or generate with HF generate (drop "
+        f"use_transformers_continuous_batching)."
+    )
 
 
 def cache_footprint(model: Any, cb_config: Any, *, in_use: int | None = None) -> CacheFootprint:
@@ -235,11 +281,19 @@ def cache_footprint(model: Any, cb_config: Any, *, in_use: int | None = None) ->
     text_config = copy.deepcopy(model.config.get_text_config())
     if _switches_to_flash(model, cb_config, device):  # the manager will (flash attention needs no masks)
         text_config._attn_implementation = "paged|flash_attention_2"
-    handler = _memory_handler(text_config, copy.deepcopy(cb_config), model.dtype, callable(supports) and supports(),
-                              device, in_use)
+    handler = _memory_handler(
+        text_config, copy.deepcopy(cb_config), model.dtype, callable(supports) and supports(), device, in_use
+    )
     tokens, sectors = handler.infer_max_batch_tokens_and_num_sectors()  # as PagedAttentionCache sizes itself
     return CacheFootprint(
-        max_batch_tokens=tokens, num_blocks=sectors * handler.bytes_per_sector // handler.bytes_per_block,
-        page_size=handler.cb_config.page_size, cache=sectors * handler.bytes_per_cache_sector,
-        batch=tokens * handler.bytes_per_batch_token, masks=handler.attention_mask_bytes(tokens, sectors),
-        fixed=handler.fixed_overhead_bytes, available=handler.available_memory, seen=handler.seen_free, device=str(device))
+        max_batch_tokens=tokens,
+        num_blocks=sectors * handler.bytes_per_sector // handler.bytes_per_block,
+        page_size=handler.cb_config.page_size,
+        cache=sectors * handler.bytes_per_cache_sector,
+        batch=tokens * handler.bytes_per_batch_token,
+        masks=handler.attention_mask_bytes(tokens, sectors),
+        fixed=handler.fixed_overhead_bytes,
+        available=handler.available_memory,
+        seen=handler.seen_free,
+        device=str(device),
+    )

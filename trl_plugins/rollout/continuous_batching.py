@@ -35,7 +35,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.rollout.backends import (
     BackendBase,
     Sample,
@@ -53,13 +52,22 @@ from trl_plugins.rollout.cb_cache import (
 )
 from trl_plugins.rollout.sampling import _Warp, gumbel_from_keys, seeded_row_keys
 from trl_plugins.rollout.stops import StopStrings
+from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.types import SamplingSettings
 
-__all__ = ["ContinuousBatchingBackend", "continuous_batching_config", "workload_cache_size", "CacheFootprint",
-           "cache_footprint", "check_cache_fits", "CB_SAMPLE_SIGNATURE"]
+__all__ = [
+    "ContinuousBatchingBackend",
+    "continuous_batching_config",
+    "workload_cache_size",
+    "CacheFootprint",
+    "cache_footprint",
+    "check_cache_fits",
+    "CB_SAMPLE_SIGNATURE",
+]
 
 # The private method wrapped here: ModelRunner._sample(self, scores, output_ids) (transformers 5.24).
 CB_SAMPLE_SIGNATURE = "(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None"
+
 
 def _cb_processor_base() -> type:
     from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
@@ -100,7 +108,9 @@ class _SeededCBSampler:
         seeds, positions = [], []
         for future in requests_with_new_token:
             state = future.state
-            seed, prompt_len = self.rows.get(state.request_id, (0, 0))  # a row cancelled at a stop string: its last forward
+            seed, prompt_len = self.rows.get(
+                state.request_id, (0, 0)
+            )  # a row cancelled at a stop string: its last forward
             seeds.append(seed)
             positions.append(state.position_offset - prompt_len)  # 0 for the turn's first sampled token
         if not seeds:
@@ -144,20 +154,32 @@ class ContinuousBatchingBackend(BackendBase):
             refused: the manager's logits processors see only the last token, not the sequence.
         config: A ``ContinuousBatchingConfig`` (see :func:`continuous_batching_config`); ``None``: defaults.
         accelerator: When given, ``session()`` unwraps the model and, under ZeRO-3, gathers the full weights
-            once for the whole rollout (:func:`~trl_plugins.rollout.backends.unwrapped_for_generation`), as the HF backend does.
+            once for the whole rollout (:func:`~trl_plugins.rollout.backends.unwrapped_for_generation`), as the HF
+            backend does.
         keep_cache: Keep the manager's paged KV cache (and on a GPU its captured CUDA graphs) allocated
             between rollouts: faster rollouts, less memory for training. Off: it is freed after each rollout.
         max_concurrency: Turns in flight from the rollout engine (each its own request).
     """
 
-    def __init__(self, model: torch.nn.Module, *, stop_token_ids: Sequence[int], sampling: SamplingSettings = SamplingSettings(),
-                 config: Any = None, accelerator: Any = None, keep_cache: bool = False, max_concurrency: int = 256) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        stop_token_ids: Sequence[int],
+        sampling: SamplingSettings = SamplingSettings(),
+        config: Any = None,
+        accelerator: Any = None,
+        keep_cache: bool = False,
+        max_concurrency: int = 256,
+    ) -> None:
         if sampling.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {sampling.temperature}.")
         if sampling.repetition_penalty != 1.0:
-            raise ValueError(f"repetition_penalty={sampling.repetition_penalty} is refused with continuous batching: its "
-                             "logits processors see only the last token of each sequence. Use repetition_penalty=1.0, "
-                             "or generate with HF generate (drop use_transformers_continuous_batching).")
+            raise ValueError(
+                f"repetition_penalty={sampling.repetition_penalty} is refused with continuous batching: its "
+                "logits processors see only the last token of each sequence. Use repetition_penalty=1.0, "
+                "or generate with HF generate (drop use_transformers_continuous_batching)."
+            )
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
         self.model = model
@@ -186,16 +208,19 @@ class ContinuousBatchingBackend(BackendBase):
 
         # Greedy decoding over scores the sampler has already turned into its sample; no other processor.
         generation_config = GenerationConfig(do_sample=False, eos_token_id=self.stop_token_ids, max_new_tokens=1)
-        manager = model.init_continuous_batching(generation_config=generation_config,
-                                                 continuous_batching_config=copy.deepcopy(self.config))
+        manager = model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=copy.deepcopy(self.config)
+        )
         processors = manager.logit_processor
         ours = [p for p in processors.logits_processor if isinstance(p, _SeededCBSampler)]
         if ours:  # a manager a backend kept on this model (keep_cache): its sampler comes with it
             sampler = ours[0]
         else:
             if len(processors.logits_processor):
-                raise RuntimeError(f"continuous batching built logits processors {processors.logits_processor} from a "
-                                   "greedy generation config; this backend expects none (its sampler must be the only one).")
+                raise RuntimeError(
+                    f"continuous batching built logits processors {processors.logits_processor} from a "
+                    "greedy generation config; this backend expects none (its sampler must be the only one)."
+                )
             sampler = _sampler_class()(self.sampling)
             processors.logits_processor.append(sampler)
             processors.tensors_required += 1
@@ -265,7 +290,9 @@ class ContinuousBatchingBackend(BackendBase):
                 for rid in list(self._futures):
                     fut = self._futures.pop(rid)
                     if not fut.done():
-                        fut.set_exception(RuntimeError("the continuous-batching session ended before this turn finished"))
+                        fut.set_exception(
+                            RuntimeError("the continuous-batching session ended before this turn finished")
+                        )
 
     def close(self) -> None:
         """Wait for a background stop to finish (tests, the end of a run)."""
@@ -298,15 +325,23 @@ class ContinuousBatchingBackend(BackendBase):
                     waiting.set_result(out)
                 elif not manager.is_running():
                     error = manager.background_thread_status.fatal_error
-                    raise RuntimeError(f"the continuous-batching generation loop stopped ({error!r}); see its log above.")
+                    raise RuntimeError(
+                        f"the continuous-batching generation loop stopped ({error!r}); see its log above."
+                    )
             finally:
                 self._pump.release()
         return fut.result()
 
     stop_strings = True
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
-                 seeds: Sequence[int], stop: Sequence[StopStrings | None] | None = None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        *,
+        seeds: Sequence[int],
+        stop: Sequence[StopStrings | None] | None = None,
+    ) -> list[Sample]:
         """As :meth:`GenerationBackend.generate`. A row with stop strings (``stop[i]``) is streamed: the first step
         whose tokens hold one cancels the request (the manager has no stop strings) and is its sample."""
         import concurrent.futures
@@ -327,8 +362,13 @@ class ContinuousBatchingBackend(BackendBase):
             sampler.rows[rid] = (int(seed), len(prompt))
             if row_stop is not None:
                 self._stops[rid] = row_stop
-            added = manager.add_request(list(prompt), request_id=rid, max_new_tokens=int(budget),
-                                        eos_token_id=self.stop_token_ids, streaming=row_stop is not None)
+            added = manager.add_request(
+                list(prompt),
+                request_id=rid,
+                max_new_tokens=int(budget),
+                eos_token_id=self.stop_token_ids,
+                streaming=row_stop is not None,
+            )
             if added is None:
                 raise RuntimeError("the continuous-batching manager refused a request (it is stopping); see its log.")
             pending.append((rid, fut, int(budget)))
@@ -340,10 +380,13 @@ class ContinuousBatchingBackend(BackendBase):
                 if out.error is not None:
                     raise RuntimeError(f"continuous batching failed request {rid}: {out.error}")
                 if len(out.logprobs) != len(out.generated_tokens):
-                    raise RuntimeError(f"continuous batching returned {len(out.logprobs)} log-probs for "
-                                       f"{len(out.generated_tokens)} tokens (request {rid}).")
-                samples.append(cut_at_stop(cut_sample(out.generated_tokens, out.logprobs, budget, stop),
-                                           self._stops.get(rid)))
+                    raise RuntimeError(
+                        f"continuous batching returned {len(out.logprobs)} log-probs for "
+                        f"{len(out.generated_tokens)} tokens (request {rid})."
+                    )
+                samples.append(
+                    cut_at_stop(cut_sample(out.generated_tokens, out.logprobs, budget, stop), self._stops.get(rid))
+                )
         finally:
             for rid, _, _ in pending:
                 sampler.rows.pop(rid, None)

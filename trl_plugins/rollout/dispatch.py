@@ -40,8 +40,9 @@ async def settle(tasks: list[asyncio.Future], stop: threading.Event | None) -> b
     try:
         pending = set(tasks)
         while pending:
-            done, pending = await asyncio.wait(pending | ({watcher} if watcher else set()),
-                                               return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(
+                pending | ({watcher} if watcher else set()), return_when=asyncio.FIRST_COMPLETED
+            )
             if watcher in done:
                 return True
             pending.discard(watcher)
@@ -76,15 +77,26 @@ class ToolFailures:
         self.counts[key] += 1
         first = key not in self.seen
         self.seen.add(key)
-        logger.log(logging.WARNING if first else logging.DEBUG, "tool %r failed (attempt %d of %d): %s%s", tool, attempt,
-                   attempts, error, "; the first of its kind: later ones are logged at debug level and counted once "
-                   "per rollout" if first else "", exc_info=exc)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "tool %r failed (attempt %d of %d): %s%s",
+            tool,
+            attempt,
+            attempts,
+            error,
+            "; the first of its kind: later ones are logged at debug level and counted once per rollout"
+            if first
+            else "",
+            exc_info=exc,
+        )
 
     def flush(self) -> None:
         """Log this rollout's failures per kind (nothing when there were none) and start counting afresh."""
         if self.counts:
-            logger.warning("tool failures in this rollout: %s", "; ".join(
-                f"{tool!r} {kind} x {n}" for (tool, kind), n in sorted(self.counts.items())))
+            logger.warning(
+                "tool failures in this rollout: %s",
+                "; ".join(f"{tool!r} {kind} x {n}" for (tool, kind), n in sorted(self.counts.items())),
+            )
         self.counts.clear()
 
     def __getstate__(self) -> dict:
@@ -120,8 +132,9 @@ class Dispatcher:
     Calls run in worker threads, so tool calls and other trajectories proceed meanwhile.
     """
 
-    def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executor,
-                 result: RolloutResult) -> None:
+    def __init__(
+        self, backend: Any, loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executor, result: RolloutResult
+    ) -> None:
         self.backend, self.loop, self.pool, self.result = backend, loop, pool, result
         self.limit = concurrency(backend)
         self.ready: list[tuple[list[int], int, int, asyncio.Future, float, Any]] = []
@@ -152,8 +165,15 @@ class Dispatcher:
             if not self.in_flight:
                 self.busy_since = time.perf_counter()
             t0 = time.perf_counter()
-            call = self.loop.run_in_executor(self.pool, _generate_call, self.backend, [r[0] for r in batch],
-                                             [r[1] for r in batch], [r[2] for r in batch], [r[5] for r in batch])
+            call = self.loop.run_in_executor(
+                self.pool,
+                _generate_call,
+                self.backend,
+                [r[0] for r in batch],
+                [r[1] for r in batch],
+                [r[2] for r in batch],
+                [r[5] for r in batch],
+            )
             self.in_flight.add(call)
             self.result.rounds += 1
             call.add_done_callback(lambda f, batch=batch, t0=t0: self._done(f, batch, t0))
@@ -180,8 +200,9 @@ class Dispatcher:
             await asyncio.wait(set(self.in_flight))
 
 
-def _generate_call(backend: Any, prompts: list[list[int]], budgets: list[int], seeds: list[int],
-                   stops: list[Any] | None = None) -> Any:
+def _generate_call(
+    backend: Any, prompts: list[list[int]], budgets: list[int], seeds: list[int], stops: list[Any] | None = None
+) -> Any:
     """One backend call in a worker thread; any exception comes back as the value (checked by ``_done``)."""
     try:
         if stops and any(stops) and getattr(backend, "stop_strings", False):
@@ -189,8 +210,10 @@ def _generate_call(backend: Any, prompts: list[list[int]], budgets: list[int], s
         else:
             samples = backend.generate(prompts, budgets, seeds=seeds)
         if len(samples) != len(prompts):
-            raise RolloutError(f"{type(backend).__name__}.generate returned {len(samples)} samples for "
-                               f"{len(prompts)} prompts; it must return one per prompt, in order.")
+            raise RolloutError(
+                f"{type(backend).__name__}.generate returned {len(samples)} samples for "
+                f"{len(prompts)} prompts; it must return one per prompt, in order."
+            )
         return samples
     except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which re-raises it
         return exc

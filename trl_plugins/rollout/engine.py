@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl_plugins.aio import run_async
+from trl_plugins.protocols import ToolPlugin, tool_episode
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ParsedCall, TurnKind
@@ -35,7 +36,7 @@ from trl_plugins.rollout.request import (
     derive_seed,
     questions_from_rows,
 )
-from trl_plugins.protocols import ToolPlugin, tool_episode
+from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.tools.base import ToolOutput, valid_text
 from trl_plugins.types import (
     PolicyVersion,
@@ -45,9 +46,18 @@ from trl_plugins.types import (
     Trajectory,
     Turn,
 )
-from trl_plugins.rollout.validate import validate_trajectory
 
-__all__ = ["RolloutError", "RolloutCancelled", "RolloutQuestion", "questions_from_rows", "RolloutRequest", "RolloutResult", "MultiTurnRollout", "derive_seed", "critical_path"]
+__all__ = [
+    "RolloutError",
+    "RolloutCancelled",
+    "RolloutQuestion",
+    "questions_from_rows",
+    "RolloutRequest",
+    "RolloutResult",
+    "MultiTurnRollout",
+    "derive_seed",
+    "critical_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +70,9 @@ class _Live:
     tool_calls: int = 0
 
 
-async def _call_tool(tool: ToolPlugin, arguments: dict, *, retries: int = 0, failures: ToolFailures | None = None) -> ToolOutput:
+async def _call_tool(
+    tool: ToolPlugin, arguments: dict, *, retries: int = 0, failures: ToolFailures | None = None
+) -> ToolOutput:
     """One tool call. A tool that raises has failed (an infrastructure error, not the model's); a call
     that failed so is retried up to ``retries`` times when the tool declares itself ``idempotent``. Failures are
     logged through ``failures`` (once per kind with a traceback, then counted)."""
@@ -86,11 +98,19 @@ def _checked_output(out: Any) -> ToolOutput:
     """What a tool returned, checked at the seam: a :class:`ToolOutput` whose ``text`` is a ``str`` (else the tool
     broke its contract: an infrastructure error saying so), with code points no tokenizer can encode replaced."""
     if not isinstance(out, ToolOutput):
-        return ToolOutput(text="", ok=False, infra_error=f"the tool returned {type(out).__name__} {out!r:.60}, not a "
-                          f"ToolOutput")
+        return ToolOutput(
+            text="", ok=False, infra_error=f"the tool returned {type(out).__name__} {out!r:.60}, not a ToolOutput"
+        )
     if not isinstance(out.text, str):
-        return ToolOutput(text="", ok=False, latency_s=out.latency_s, infra_error=(
-            f"the tool returned ToolOutput.text of type {type(out.text).__name__} ({out.text!r:.60}); it must be a str"))
+        return ToolOutput(
+            text="",
+            ok=False,
+            latency_s=out.latency_s,
+            infra_error=(
+                f"the tool returned ToolOutput.text of type {type(out.text).__name__} ({out.text!r:.60}); it must be "
+                "a str"
+            ),
+        )
     out.text = valid_text(out.text)
     return out
 
@@ -153,7 +173,9 @@ class MultiTurnRollout(TrajectoryBudgets):
         live: list[_Live] = []
         for q in request.questions:
             for slot in range(request.group_size):
-                traj = Trajectory(turns=[], question_id=q.question_id, group_id=q.group_id, sample_index=slot, policy_version=version)
+                traj = Trajectory(
+                    turns=[], question_id=q.question_id, group_id=q.group_id, sample_index=slot, policy_version=version
+                )
                 result.trajectories.append(traj)
                 live.append(_Live(traj, list(q.prompt_ids), [TokenSource.PROMPT] * len(q.prompt_ids)))
 
@@ -220,14 +242,18 @@ class MultiTurnRollout(TrajectoryBudgets):
         return len(turns) - 1, None
 
     async def _run(self, request: RolloutRequest, result: RolloutResult, live: list[_Live], bar: Any) -> None:
-        """Every trajectory on its own coroutine; generation through one :class:`~trl_plugins.rollout.dispatch.Dispatcher`."""
+        """Every trajectory on its own coroutine; generation through one
+        :class:`~trl_plugins.rollout.dispatch.Dispatcher`."""
         loop = asyncio.get_running_loop()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency(request.backend),
-                                                   thread_name_prefix="generate") as pool:
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=concurrency(request.backend), thread_name_prefix="generate"
+        ) as pool:
             dispatcher = Dispatcher(request.backend, loop, pool, result)
             tools = ToolCounter(result)
-            tasks = [asyncio.ensure_future(self._trajectory(request, dispatcher, tools, st, index, bar))
-                     for index, st in enumerate(live)]
+            tasks = [
+                asyncio.ensure_future(self._trajectory(request, dispatcher, tools, st, index, bar))
+                for index, st in enumerate(live)
+            ]
             try:
                 await settle(tasks, request.stop)
             finally:
@@ -241,25 +267,30 @@ class MultiTurnRollout(TrajectoryBudgets):
             if unfinished:
                 raise RolloutCancelled(f"a stop was requested with {unfinished} trajectory(ies) unfinished")
 
-    async def _run_calls(self, request: RolloutRequest, tools: ToolCounter, calls: list[ParsedCall]) -> list[ToolOutput]:
+    async def _run_calls(
+        self, request: RolloutRequest, tools: ToolCounter, calls: list[ParsedCall]
+    ) -> list[ToolOutput]:
         """Every call of one turn, concurrently (a tool's own concurrency limit may queue them), results in call
         order."""
 
         async def one(call: ParsedCall) -> ToolOutput:
             with tools.running():
-                return await _call_tool(request.tools[call.name], call.arguments, retries=self.tool_retries,
-                                        failures=self._failures)
+                return await _call_tool(
+                    request.tools[call.name], call.arguments, retries=self.tool_retries, failures=self._failures
+                )
 
         return list(await asyncio.gather(*(one(call) for call in calls)))
 
-    async def _trajectory(self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live,
-                          index: int, bar: Any) -> None:
+    async def _trajectory(
+        self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live, index: int, bar: Any
+    ) -> None:
         """One trajectory, one episode of the tools (a tool's per-trajectory state is freed when it ends)."""
         async with tool_episode(request.tools.values()):
             await self._turns(request, dispatcher, tools, st, index, bar)
 
-    async def _turns(self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live,
-                     index: int, bar: Any) -> None:
+    async def _turns(
+        self, request: RolloutRequest, dispatcher: Dispatcher, tools: ToolCounter, st: _Live, index: int, bar: Any
+    ) -> None:
         """One trajectory's turns: generate, parse, call the tool, build the next prompt, until it stops."""
         chat = request.chat
 
@@ -289,7 +320,9 @@ class MultiTurnRollout(TrajectoryBudgets):
             )
             st.traj.turns.append(turn)
             if not sample.finished:
-                return finish(StopReason.TURN_LENGTH if budget == self.max_assistant_tokens else StopReason.TOKEN_BUDGET)
+                return finish(
+                    StopReason.TURN_LENGTH if budget == self.max_assistant_tokens else StopReason.TOKEN_BUDGET
+                )
             try:
                 parsed = chat.parse(st.prompt, sample.token_ids)
             except Exception as exc:  # a parser bug on odd model output must not end the whole rollout
@@ -306,17 +339,28 @@ class MultiTurnRollout(TrajectoryBudgets):
             calls = parsed.calls
             if len(calls) > self.max_tool_calls_per_turn:
                 # Over the cap: the action as written cannot be carried out, so none of it is (see docs/rollout.md).
-                st.traj.error = (f"the turn makes {len(calls)} tool calls, over max_tool_calls_per_turn="
-                                 f"{self.max_tool_calls_per_turn}: none of them ran")
+                st.traj.error = (
+                    f"the turn makes {len(calls)} tool calls, over max_tool_calls_per_turn="
+                    f"{self.max_tool_calls_per_turn}: none of them ran"
+                )
                 return finish(StopReason.INVALID_ACTION)
             if st.tool_calls + len(calls) > self.max_tool_calls:
                 turn.tool_calls = [ToolCall(name=c.name, arguments=c.arguments) for c in calls]
                 return finish(StopReason.MAX_TOOL_CALLS)
             outs = await self._run_calls(request, tools, calls)
             turn.tool_s = max(out.latency_s for out in outs)
-            turn.tool_calls = [ToolCall(name=c.name, arguments=c.arguments, output=out.text, ok=out.ok,
-                                        timed_out=out.timed_out, latency_s=out.latency_s, infra_error=out.infra_error)
-                               for c, out in zip(calls, outs)]
+            turn.tool_calls = [
+                ToolCall(
+                    name=c.name,
+                    arguments=c.arguments,
+                    output=out.text,
+                    ok=out.ok,
+                    timed_out=out.timed_out,
+                    latency_s=out.latency_s,
+                    infra_error=out.infra_error,
+                )
+                for c, out in zip(calls, outs)
+            ]
             failed = [call for call in turn.tool_calls if call.infra_error is not None]
             if failed:
                 # A tool failed, not the model: end here, without showing the model anything.
@@ -325,11 +369,15 @@ class MultiTurnRollout(TrajectoryBudgets):
                 st.traj.error = "; ".join(f"tool {call.name!r}: {call.infra_error}" for call in failed)
                 return finish(StopReason.ENVIRONMENT_ERROR)
             try:
-                tool_turn = chat.tool_results_turn(turn.completion_ids, [(c.name, out.text) for c, out in zip(calls, outs)],
-                                                   max_tokens=self.max_tool_response_tokens)
+                tool_turn = chat.tool_results_turn(
+                    turn.completion_ids,
+                    [(c.name, out.text) for c, out in zip(calls, outs)],
+                    max_tokens=self.max_tool_response_tokens,
+                )
             except Exception as exc:  # output the template or tokenizer cannot take: this trajectory's world failed
-                logger.exception("building the tool turn from a tool's output raised; the trajectory ends as "
-                                 "environment_error")
+                logger.exception(
+                    "building the tool turn from a tool's output raised; the trajectory ends as environment_error"
+                )
                 error = f"its output could not be rendered and tokenised: {type(exc).__name__}: {exc}"
                 for call in turn.tool_calls:
                     call.output, call.ok, call.infra_error = "", False, error

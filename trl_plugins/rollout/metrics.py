@@ -19,9 +19,20 @@ from trl_plugins.protocols import Reduction
 from trl_plugins.rollout.request import RolloutResult
 from trl_plugins.types import StopReason, Trajectory
 
-__all__ = ["TrajectorySummary", "summarize", "trajectory_metrics", "reward_metrics", "engine_metrics", "staleness_counts",
-           "staleness_metrics",
-           "rollout_metrics", "reduce_rank_metrics", "quantile", "throughput_metrics", "THROUGHPUT"]
+__all__ = [
+    "TrajectorySummary",
+    "summarize",
+    "trajectory_metrics",
+    "reward_metrics",
+    "engine_metrics",
+    "staleness_counts",
+    "staleness_metrics",
+    "rollout_metrics",
+    "reduce_rank_metrics",
+    "quantile",
+    "throughput_metrics",
+    "THROUGHPUT",
+]
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,9 @@ def reward_metrics(summaries: Sequence[TrajectorySummary], names: Sequence[str])
     by_group: dict[tuple[int, int], list[float]] = {}
     for s in summaries:
         by_group.setdefault(s.group, []).append(s.advantage)
-    out["rollout/degenerate_group_rate"] = sum(all(a == 0.0 for a in v) for v in by_group.values()) / max(len(by_group), 1)
+    out["rollout/degenerate_group_rate"] = sum(all(a == 0.0 for a in v) for v in by_group.values()) / max(
+        len(by_group), 1
+    )
     return out
 
 
@@ -192,19 +205,26 @@ def staleness_metrics(counts: Sequence[float]) -> dict[str, float]:
         if running >= 0.9 * total:
             p90 = k
             break
-    return {"train/staleness_mean": sum(k * c for k, c in enumerate(counts)) / total, "train/staleness_p90": float(p90),
-            "train/staleness_max": float(seen[-1]), "train/on_policy_token_frac": counts[0] / total}
+    return {
+        "train/staleness_mean": sum(k * c for k, c in enumerate(counts)) / total,
+        "train/staleness_p90": float(p90),
+        "train/staleness_max": float(seen[-1]),
+        "train/on_policy_token_frac": counts[0] / total,
+    }
 
 
 def engine_metrics(result: RolloutResult) -> dict[str, float]:
-    """What this rank's rollout engine did: timings, generate calls, most concurrent tool calls, segments per trajectory,
+    """What this rank's rollout engine did: timings, generate calls, most concurrent tool calls, segments per
+    trajectory,
     and how far the rollout's wall time is from its critical path (the longest trajectory's own generation + tool
     chain)."""
     turns = [turn for traj in result.trajectories for turn in traj.turns]
     n = max(len(result.trajectories), 1)
     return {
         # Datums per trajectory: above 1 where an agent behind the endpoint rewrote its history (Turn.segment_start).
-        "rollout/segments_per_trajectory": sum(t.num_segments for t in result.trajectories) / n if result.trajectories else 1.0,
+        "rollout/segments_per_trajectory": sum(t.num_segments for t in result.trajectories) / n
+        if result.trajectories
+        else 1.0,
         "rollout/max_concurrent_tool_calls": float(result.max_concurrent_tool_calls),
         "rollout/generate_calls": float(result.rounds),
         "rollout/critical_path_s": result.critical_path_s,
@@ -245,17 +265,25 @@ def throughput_metrics(values: Mapping[str, Sequence[float]]) -> dict[str, float
 
 
 _SUM = ("train/datums", "endpoint/tool_choice_unforced", "endpoint/text_format_unforced")
-_MAX = ("rollout/generate_calls", "rollout/max_concurrent_tool_calls", "rollout/critical_path_s",
-        "rollout/critical_path_ratio", "rollout/queue_s_mean")
+_MAX = (
+    "rollout/generate_calls",
+    "rollout/max_concurrent_tool_calls",
+    "rollout/critical_path_s",
+    "rollout/critical_path_ratio",
+    "rollout/queue_s_mean",
+)
 METRIC_REDUCTIONS = tuple(str(r) for r in Reduction)
 """How a plugin may declare its ``step_metrics()`` combine over ranks (``step_metric_reductions()``)."""
 _PER_RANK = {"timing/step_s": "step_s", "timing/rollout_s": "rollout_s", "train/datums": "datums"}
 
 
-def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None) -> dict[str, float]:
+def reduce_rank_metrics(
+    per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None
+) -> dict[str, float]:
     """Combine the per-rank metrics of one step by what each means.
 
-    ``timing/*``, ``memory/*``, generate calls, critical path and concurrency: the maximum over ranks (the step waits for the slowest);
+    ``timing/*``, ``memory/*``, generate calls, critical path and concurrency: the maximum over ranks (the step waits
+    for the slowest);
     counts such as ``train/datums``: the sum; a key in ``reductions`` (what plugins declare for their
     ``step_metrics()``: ``"sum"``, ``"max"``, ``"min"`` or ``"mean"``) as declared; anything else
     (values already global and identical on every rank): the mean over the ranks that reported it.
@@ -269,7 +297,9 @@ def reduce_rank_metrics(per_rank: Sequence[Mapping[str, Any]], reductions: Mappi
         declared = (reductions or {}).get(key)
         if declared is not None:
             if declared not in METRIC_REDUCTIONS:
-                raise ValueError(f"metric {key!r} declares the reduction {declared!r}; use one of {list(METRIC_REDUCTIONS)}.")
+                raise ValueError(
+                    f"metric {key!r} declares the reduction {declared!r}; use one of {list(METRIC_REDUCTIONS)}."
+                )
             how = Reduction(declared)
         elif key in _SUM:
             how = Reduction.SUM

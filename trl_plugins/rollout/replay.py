@@ -59,7 +59,11 @@ def replay_logprobs(
         for k in range(0, len(datums), batch_size):
             mb = collate(datums, list(range(k, min(k + batch_size, len(datums)))), pad_token_id=pad_token_id)
             lp = token_logprobs(
-                model, mb.input_ids.to(device), mb.attention_mask.to(device), mb.target_ids.to(device), temperature=temperature
+                model,
+                mb.input_ids.to(device),
+                mb.attention_mask.to(device),
+                mb.target_ids.to(device),
+                temperature=temperature,
             ).cpu()
             mask = mb.action_mask.bool()
             diffs.append((lp[mask].double() - mb.behaviour_logprobs[mask].double()).abs())
@@ -78,13 +82,16 @@ class RenderReplayError(ValueError):
 
 def conversation_messages(chat: Any, trajectory: Trajectory, messages: Sequence[dict]) -> list[dict]:
     """The trajectory as chat messages: ``messages`` (its first prompt's), then each assistant turn as the
-    tokenizer's parser reads it (content, reasoning, the call) and each tool call's output as a tool message (one per call, in call order)."""
+    tokenizer's parser reads it (content, reasoning, the call) and each tool call's output as a tool message (one per
+    call, in call order)."""
     out = [dict(m) for m in messages]
     for turn in trajectory.turns:
         parsed = _parse_message(chat, turn)
         out.append(parsed)
-        out.extend({"role": "tool", "name": call.name, "tool_call_id": f"call_{j}", "content": call.output}
-                   for j, call in enumerate(turn.tool_calls))
+        out.extend(
+            {"role": "tool", "name": call.name, "tool_call_id": f"call_{j}", "content": call.output}
+            for j, call in enumerate(turn.tool_calls)
+        )
     return out
 
 
@@ -113,16 +120,24 @@ def replay_rendering(chat: Any, trajectory: Trajectory, messages: Sequence[dict]
     full = list(turns[-1].prompt_ids) + list(turns[-1].completion_ids)
     conversation = conversation_messages(chat, trajectory, messages)
     last_is_tool = conversation[-1]["role"] == "tool"
-    rendered = list(tok.apply_chat_template(conversation, tools=chat.tools or None, tokenize=True,
-                                            add_generation_prompt=last_is_tool, return_dict=False,
-                                            **chat.template_kwargs))
+    rendered = list(
+        tok.apply_chat_template(
+            conversation,
+            tools=chat.tools or None,
+            tokenize=True,
+            add_generation_prompt=last_is_tool,
+            return_dict=False,
+            **chat.template_kwargs,
+        )
+    )
     k = _first_difference(full, rendered)
     if k == len(full):
         return rendered
     if k < len(turns[0].prompt_ids):
         raise RenderReplayError(
             f"the first prompt is not the rendering of the messages given (first difference at token {k}): pass the "
-            f"messages the rollout rendered its first prompt from.")
+            f"messages the rollout rendered its first prompt from."
+        )
     i = next(j for j, t in reversed(list(enumerate(turns))) if len(t.prompt_ids) <= k)
     turn, start = turns[i], len(turns[i].prompt_ids)
     final = i == len(turns) - 1
@@ -131,9 +146,13 @@ def replay_rendering(chat: Any, trajectory: Trajectory, messages: Sequence[dict]
         raise RenderReplayError(
             f"re-rendering differs in the tool turn after {where} (at token {k}: sampled {_show(tok, full, k)}, "
             f"rendered {_show(tok, rendered, k)})"
-            + (": its output was cut to its tail, and the parsed conversation holds the whole output"
-               if any(call.output_truncated for call in turn.tool_calls) else "")
-            + ". Train from the trajectory's tokens (build_datum), not from a re-rendering.")
+            + (
+                ": its output was cut to its tail, and the parsed conversation holds the whole output"
+                if any(call.output_truncated for call in turn.tool_calls)
+                else ""
+            )
+            + ". Train from the trajectory's tokens (build_datum), not from a re-rendering."
+        )
     stops = set(chat.stop_token_ids)
     sampled = tok.decode([t for t in turn.completion_ids if t not in stops], skip_special_tokens=False)
     end = next((j for j in range(start, len(rendered)) if rendered[j] in stops), len(rendered))
@@ -142,10 +161,11 @@ def replay_rendering(chat: Any, trajectory: Trajectory, messages: Sequence[dict]
     if not reasoning.strip() and written.endswith(sampled) and written != sampled:
         raise RenderReplayError(
             f"{where} was sampled without a reasoning block (the model skipped thinking: {_clip(sampled)}), and the "
-            f"template renders one before it ({written[:len(written) - len(sampled)]!r}): re-rendering puts tokens "
+            f"template renders one before it ({written[: len(written) - len(sampled)]!r}): re-rendering puts tokens "
             f"the model never sampled into that turn. The trajectory's tokens are what was sampled and train as "
             f"such; train from them (build_datum), not from a re-rendering, or keep thinking in every turn (e.g. a "
-            f"generation prompt that opens the reasoning block).")
+            f"generation prompt that opens the reasoning block)."
+        )
     if reasoning.strip() and re.sub(r"\s+", "", sampled) == re.sub(r"\s+", "", written):
         body = reasoning.strip()
         at_s, at_w = sampled.find(body), written.find(body)
@@ -160,22 +180,28 @@ def replay_rendering(chat: Any, trajectory: Trajectory, messages: Sequence[dict]
                 + f"sampled {sampled[:ends_s]!r}, the template writes {written[:ends_w]!r}: it strips the "
                 f"reasoning), so re-rendering the parsed turn gives other tokens than were sampled. The trajectory's "
                 f"tokens are what was sampled and train as such; train from them (build_datum), not from a "
-                f"re-rendering.")
+                f"re-rendering."
+            )
     raise RenderReplayError(
         f"re-rendering differs in {where} (at token {k}: sampled {_show(tok, full, k)}, rendered "
         f"{_show(tok, rendered, k)}; the parser read it as {_clip(str(_parse_message(chat, turn)))}). Train from the "
-        f"trajectory's tokens (build_datum), not from a re-rendering.")
+        f"trajectory's tokens (build_datum), not from a re-rendering."
+    )
 
 
 def _parse_message(chat: Any, turn: Any) -> dict:
-    parsed = chat.tokenizer.parse_response(list(turn.completion_ids), prefix=list(turn.prompt_ids),
-                                           tools=chat.tools or None) or {}
+    parsed = (
+        chat.tokenizer.parse_response(list(turn.completion_ids), prefix=list(turn.prompt_ids), tools=chat.tools or None)
+        or {}
+    )
     message = {"role": "assistant", "content": parsed.get("content") or ""}
     if _reasoning(parsed):
         message["reasoning_content"] = message["thinking"] = _reasoning(parsed)
     if turn.tool_calls:
-        message["tool_calls"] = [{"type": "function", "id": f"call_{j}", "function": {
-            "name": call.name, "arguments": call.arguments}} for j, call in enumerate(turn.tool_calls)]
+        message["tool_calls"] = [
+            {"type": "function", "id": f"call_{j}", "function": {"name": call.name, "arguments": call.arguments}}
+            for j, call in enumerate(turn.tool_calls)
+        ]
     return message
 
 
@@ -184,7 +210,7 @@ def _reasoning(parsed: dict) -> str:
 
 
 def _show(tok: Any, ids: Sequence[int], k: int) -> str:
-    return repr(tok.decode(list(ids[max(0, k - 3):k + 3]), skip_special_tokens=False))
+    return repr(tok.decode(list(ids[max(0, k - 3) : k + 3]), skip_special_tokens=False))
 
 
 def _clip(text: str, n: int = 80) -> str:

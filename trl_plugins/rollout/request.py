@@ -9,13 +9,20 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from trl_plugins.protocols import ToolPlugin, as_tool
 from trl_plugins.rollout.backends import GenerationBackend
 from trl_plugins.rollout.chat import ChatFormat
-from trl_plugins.protocols import ToolPlugin, as_tool
 from trl_plugins.types import Trajectory
 
-__all__ = ["RolloutError", "RolloutCancelled", "derive_seed", "RolloutQuestion", "questions_from_rows", "RolloutRequest",
-           "RolloutResult"]
+__all__ = [
+    "RolloutError",
+    "RolloutCancelled",
+    "derive_seed",
+    "RolloutQuestion",
+    "questions_from_rows",
+    "RolloutRequest",
+    "RolloutResult",
+]
 
 
 class RolloutError(ValueError):
@@ -47,8 +54,9 @@ class RolloutQuestion:
     """The dataset row it came from, for a rollout that hands it on (an agent behind the endpoint gets it)."""
 
 
-def questions_from_rows(chat: Any, rows: Sequence[Mapping[str, Any]], system_prompt: str | None = None,
-                        *, id_offset: int = 0) -> list[RolloutQuestion]:
+def questions_from_rows(
+    chat: Any, rows: Sequence[Mapping[str, Any]], system_prompt: str | None = None, *, id_offset: int = 0
+) -> list[RolloutQuestion]:
     """One :class:`RolloutQuestion` per dataset row, its group id the row's place in ``rows``.
 
     A row's ``prompt`` is a string (one user message) or a list of chat messages; ``system_prompt``

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REALISTIC_OUTPUTS", "TemplateVerdict", "check_template", "template_names", "template_matrix", "render_matrix"]
+__all__ = [
+    "REALISTIC_OUTPUTS",
+    "TemplateVerdict",
+    "check_template",
+    "template_names",
+    "template_matrix",
+    "render_matrix",
+]
 
 REALISTIC_OUTPUTS: dict[str, str] = {
     "print (trailing newline)": "42\n",
@@ -73,8 +80,9 @@ def _short(message: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def check_template(tokenizer: Any, tools: list[dict], *, template: str = "", thinking: str = "default",
-                   **template_kwargs: Any) -> TemplateVerdict:
+def check_template(
+    tokenizer: Any, tools: list[dict], *, template: str = "", thinking: str = "default", **template_kwargs: Any
+) -> TemplateVerdict:
     """Construct :class:`ChatFormat` for ``tokenizer`` and replay a conversation for every realistic output."""
     from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError
 
@@ -91,8 +99,9 @@ def check_template(tokenizer: Any, tools: list[dict], *, template: str = "", thi
     try:
         chat.verify(list(outputs.values()))
     except ChatTemplateError as exc:
-        return TemplateVerdict(template, thinking, "mismatch", f"all outputs in one conversation: {_short(str(exc))}",
-                               chat.stop_tokens)
+        return TemplateVerdict(
+            template, thinking, "mismatch", f"all outputs in one conversation: {_short(str(exc))}", chat.stop_tokens
+        )
     verdict = TemplateVerdict(template, thinking, "exact", "", chat.stop_tokens, [_short(n) for n in chat.notes])
     try:
         parallel = ChatFormat(tokenizer, tools, calls_per_turn=2, **template_kwargs)
@@ -135,7 +144,10 @@ def template_matrix(names: list[str] | None = None) -> list[TemplateVerdict]:
 
 def render_matrix(rows: list[TemplateVerdict]) -> str:
     """The Markdown table for ``docs/rollout.md``."""
-    lines = ["| template | thinking | verdict | parallel calls | stop tokens, or why refused |", "|---|---|---|---|---|"]
+    lines = [
+        "| template | thinking | verdict | parallel calls | stop tokens, or why refused |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         detail = ", ".join(f"`{s}`" for s in r.stop_tokens) if r.verdict == "exact" else r.reason
         if r.notes:
@@ -146,9 +158,11 @@ def render_matrix(rows: list[TemplateVerdict]) -> str:
         lines.append(f"| {r.template} | {r.thinking} | {r.verdict} | {r.parallel or '-'} | {detail} |")
     exact = sum(r.verdict == "exact" for r in rows)
     lines.append("")
-    lines.append(f"{exact} of {len(rows)} settings exact ({sum(r.parallel == 'exact' for r in rows)} of them with "
-                 f"parallel calls), {sum(r.verdict == 'refused' for r in rows)} refused, "
-                 f"{sum(r.verdict == 'mismatch' for r in rows)} mismatched.")
+    lines.append(
+        f"{exact} of {len(rows)} settings exact ({sum(r.parallel == 'exact' for r in rows)} of them with "
+        f"parallel calls), {sum(r.verdict == 'refused' for r in rows)} refused, "
+        f"{sum(r.verdict == 'mismatch' for r in rows)} mismatched."
+    )
     return "\n".join(lines)
 
 
@@ -168,7 +182,9 @@ if __name__ == "__main__":
 
     logging.disable(logging.WARNING)  # the accepted-with-a-note warnings; the table carries the notes
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", metavar="DOC", help="update the table in this file (docs/rollout.md) instead of printing it")
+    parser.add_argument(
+        "--write", metavar="DOC", help="update the table in this file (docs/rollout.md) instead of printing it"
+    )
     cli = parser.parse_args()
     if cli.write:
         write_docs(cli.write)

@@ -41,14 +41,19 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
             )
         if turn.completion_sources is not None and len(turn.completion_sources) != n:
             raise TrajectoryError(
-                f"{where}, turn {i}: {n} completion tokens but {len(turn.completion_sources)} "
-                f"completion_sources."
+                f"{where}, turn {i}: {n} completion tokens but {len(turn.completion_sources)} completion_sources."
             )
         if turn.segment_start and i == 0:
-            raise TrajectoryError(f"{where}, turn 0: marked segment_start; a first turn starts the trajectory's first "
-                                  f"segment by itself (segment_start marks a later turn whose prompt starts afresh).")
+            raise TrajectoryError(
+                f"{where}, turn 0: marked segment_start; a first turn starts the trajectory's first "
+                f"segment by itself (segment_start marks a later turn whose prompt starts afresh)."
+            )
         if turn.prompt_sources is not None:
-            prev = 0 if i == 0 or turn.segment_start else len(traj.turns[i - 1].prompt_ids) + len(traj.turns[i - 1].completion_ids)
+            prev = (
+                0
+                if i == 0 or turn.segment_start
+                else len(traj.turns[i - 1].prompt_ids) + len(traj.turns[i - 1].completion_ids)
+            )
             expected = len(turn.prompt_ids) - prev
             if len(turn.prompt_sources) != expected:
                 raise TrajectoryError(
@@ -98,8 +103,7 @@ def validate_trajectory(traj: Trajectory) -> TrajectoryReport:
         )
     if traj.stop_reason == StopReason.TURN_LENGTH and not last.truncated:
         raise TrajectoryError(
-            f"{where}: stop reason 'turn_length' but the last turn ({len(traj.turns) - 1}) is not "
-            f"marked truncated."
+            f"{where}: stop reason 'turn_length' but the last turn ({len(traj.turns) - 1}) is not marked truncated."
         )
     return TrajectoryReport(
         bootstrap_mask=int(traj.stop_reason.is_truncated),

@@ -11,11 +11,14 @@ import torch
 __all__ = ["WEIGHTS_SAMPLE", "weights_digest"]
 
 _SAMPLE_PER_TENSOR = 8
-WEIGHTS_SAMPLE = (f"sha256 over every parameter tensor, names sorted (a leading 'module.' wrapper prefix dropped): "
-                  f"its name, shape and {_SAMPLE_PER_TENSOR} values at evenly spaced flat indices, cast to float32")
+WEIGHTS_SAMPLE = (
+    f"sha256 over every parameter tensor, names sorted (a leading 'module.' wrapper prefix dropped): "
+    f"its name, shape and {_SAMPLE_PER_TENSOR} values at evenly spaced flat indices, cast to float32"
+)
 """What :func:`weights_digest` hashes. It reads ``8 x number of tensors`` values (a few KB for a 7B model), not the
 weights: a digest per sync costs a few milliseconds. Two different weights that agree on every sampled value are
 not told apart (an update changes every trained tensor's values almost everywhere, so a step is)."""
+
 
 def weights_digest(model: Any) -> str | None:
     """16 hex digits of :data:`WEIGHTS_SAMPLE` for ``model`` (an ``nn.Module``, possibly wrapped by DDP/Accelerate).
@@ -35,7 +38,9 @@ def weights_digest(model: Any) -> str | None:
             if hasattr(p, "ds_id") and getattr(getattr(p, "ds_status", None), "name", None) != "AVAILABLE":
                 return None  # DeepSpeed ZeRO-3 outside a gather: only this rank's shard is here
             flat = p.detach().reshape(-1)
-            k = min(_SAMPLE_PER_TENSOR, flat.numel())  # integer spacing: float indices round past the end of 1e8+ tensors
+            k = min(
+                _SAMPLE_PER_TENSOR, flat.numel()
+            )  # integer spacing: float indices round past the end of 1e8+ tensors
             idx = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
             values = flat[idx.to(flat.device)].to(device="cpu", dtype=torch.float32)
             h.update(f"{name}:{tuple(p.shape)}:".encode())

@@ -12,8 +12,16 @@
 from trl_plugins.run.build import KL_PENALTY_COMPONENT, Run, RunSpec, build_run, resolve_run
 from trl_plugins.run.sampler import SamplerKind, sampling_settings
 
-__all__ = ["Run", "RunSpec", "resolve_run", "build_run", "SamplerKind", "sampling_settings", "KL_PENALTY_COMPONENT",
-           "MultiTurnGRPOConfig"]
+__all__ = [
+    "Run",
+    "RunSpec",
+    "resolve_run",
+    "build_run",
+    "SamplerKind",
+    "sampling_settings",
+    "KL_PENALTY_COMPONENT",
+    "MultiTurnGRPOConfig",
+]
 
 
 def __getattr__(name: str):

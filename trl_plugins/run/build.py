@@ -76,8 +76,17 @@ class Run:
         version: The run-level policy version, once :meth:`bind_version` has recorded it.
     """
 
-    def __init__(self, spec: RunSpec, *, rollout: RolloutPlugin, tools: dict[str, ToolPlugin], rewards: list[RewardPlugin],
-                 advantage: AdvantagePlugin, policy_loss: PolicyLossPlugin, sampler: SamplerKind) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        rollout: RolloutPlugin,
+        tools: dict[str, ToolPlugin],
+        rewards: list[RewardPlugin],
+        advantage: AdvantagePlugin,
+        policy_loss: PolicyLossPlugin,
+        sampler: SamplerKind,
+    ) -> None:
         self.spec = spec
         self.rollout, self.tools, self.rewards = rollout, tools, rewards
         self.advantage, self.policy_loss = advantage, policy_loss
@@ -104,12 +113,18 @@ class Run:
         if self.chat is not None:
             if self.chat.tokenizer is tokenizer or self.chat.digest == tokenizer_digest(tokenizer):
                 return self.chat
-            raise ValueError("this run's chat format was built for another tokenizer or chat template; build a run "
-                             "per tokenizer.")
+            raise ValueError(
+                "this run's chat format was built for another tokenizer or chat template; build a run per tokenizer."
+            )
         c = self.config
-        self.chat = ChatFormat(tokenizer, [t.schema() for t in self.tools.values()], final_answer_pattern=c.final_answer_pattern,
-                               stop_tokens=c.stop_tokens, calls_per_turn=self.rollout.tool_calls_per_turn,
-                               **(c.chat_template_kwargs or {}))
+        self.chat = ChatFormat(
+            tokenizer,
+            [t.schema() for t in self.tools.values()],
+            final_answer_pattern=c.final_answer_pattern,
+            stop_tokens=c.stop_tokens,
+            calls_per_turn=self.rollout.tool_calls_per_turn,
+            **(c.chat_template_kwargs or {}),
+        )
         return self.chat
 
     def bind_version(self, model: Any) -> RunVersion:
@@ -122,8 +137,15 @@ class Run:
         if self.version is None:
             from trl_plugins.run.version import run_version
 
-            self.version = run_version(tokenizer_digest=self.chat.digest, tool_schemas=self.chat.tools, model=model,
-                                       sampler=self.sampler, rewards=self.rewards, tools=self.tools, rollout=self.rollout)
+            self.version = run_version(
+                tokenizer_digest=self.chat.digest,
+                tool_schemas=self.chat.tools,
+                model=model,
+                sampler=self.sampler,
+                rewards=self.rewards,
+                tools=self.tools,
+                rollout=self.rollout,
+            )
         return self.version
 
     def start_tools(self) -> dict[str, str]:
@@ -181,12 +203,25 @@ def _build(spec: RunSpec, tools: Mapping[str, Any] | None, reward_components: Ma
     config = spec.config
     built_tools = build_tools(config, tools)
     rewards = build_rewards(config, reward_components)
-    return Run(spec, rollout=build_rollout(config), tools=built_tools, rewards=rewards, advantage=build_advantage(config),
-               policy_loss=build_policy_loss(config), sampler=sampler_kind(config))
+    return Run(
+        spec,
+        rollout=build_rollout(config),
+        tools=built_tools,
+        rewards=rewards,
+        advantage=build_advantage(config),
+        policy_loss=build_policy_loss(config),
+        sampler=sampler_kind(config),
+    )
 
 
-def resolve_run(config: Any, *, provenance: Mapping[str, str] | None = None, peft_config: Any = None,
-                tools: Mapping[str, Any] | None = None, reward_components: Mapping[str, Any] | None = None) -> Run:
+def resolve_run(
+    config: Any,
+    *,
+    provenance: Mapping[str, str] | None = None,
+    peft_config: Any = None,
+    tools: Mapping[str, Any] | None = None,
+    reward_components: Mapping[str, Any] | None = None,
+) -> Run:
     """Build the run ``config`` describes and check what needs its plugins built; before any model loads.
 
     Args:
@@ -213,8 +248,11 @@ def resolve_run(config: Any, *, provenance: Mapping[str, str] | None = None, pef
         raise spec.explain(exc) from exc.__cause__
     try:
         # vLLM's log-probs are never the trainer's own; scope 'all' corrects HF-generated batches too.
-        always = (kind.is_vllm or config.mismatch_correction_scope == "all"
-                  or (config.async_replica and config.off_policy_objective == "decoupled"))  # async: stale tokens
+        always = (
+            kind.is_vllm
+            or config.mismatch_correction_scope == "all"
+            or (config.async_replica and config.off_policy_objective == "decoupled")
+        )  # async: stale tokens
         check_plugin_settings(config, run.rollout, run.advantage, run.policy_loss, correction_applies_always=always)
         check_peft_config(peft_config, config, needs_values=run.advantage.needs_values)
         check_sequence_parallel(config, policy_loss=run.policy_loss)  # a loss that spans shards
@@ -224,8 +262,9 @@ def resolve_run(config: Any, *, provenance: Mapping[str, str] | None = None, pef
     return run
 
 
-def build_run(spec: RunSpec, *, tools: Mapping[str, Any] | None = None,
-              reward_components: Mapping[str, Any] | None = None) -> Run:
+def build_run(
+    spec: RunSpec, *, tools: Mapping[str, Any] | None = None, reward_components: Mapping[str, Any] | None = None
+) -> Run:
     """The run of an already resolved ``spec`` (a child process, a process that received it pickled): its plugins
     built, nothing checked again."""
     return _build(spec, tools, reward_components)

@@ -33,8 +33,11 @@ def check_skip_names(config: Any) -> None:
     accepted = checkable_plugins(config)
     for name in config.skip_startup_checks:
         if name != "all" and name not in accepted:
-            raise SettingError("skip_startup_checks", f"{name!r} is no plugin this run checks at start-up; it checks "
-                                                      f"{accepted} (or 'all').{nearest(name, accepted)}")
+            raise SettingError(
+                "skip_startup_checks",
+                f"{name!r} is no plugin this run checks at start-up; it checks "
+                f"{accepted} (or 'all').{nearest(name, accepted)}",
+            )
 
 
 def _copy(plugin: Any, label: str) -> Any:
@@ -43,8 +46,11 @@ def _copy(plugin: Any, label: str) -> Any:
     try:
         return pickle.loads(pickle.dumps(plugin.impl))
     except Exception as exc:  # noqa: BLE001 - said as the contract check says it
-        raise SettingError(label, f"does not pickle ({type(exc).__name__}: {exc}); plugins must pickle to an equal "
-                                  f"copy (docs/plugins.md, 'Why plugins pickle').") from None
+        raise SettingError(
+            label,
+            f"does not pickle ({type(exc).__name__}: {exc}); plugins must pickle to an equal "
+            f"copy (docs/plugins.md, 'Why plugins pickle').",
+        ) from None
 
 
 def startup_checks(run: Any, example: Mapping[str, Any] | None = None) -> list[str]:
@@ -59,13 +65,20 @@ def startup_checks(run: Any, example: Mapping[str, Any] | None = None) -> list[s
     Raises:
         SettingError: a plugin failed its check; the message is the check's, with how to switch the check off.
     """
-    from trl_plugins.contracts import ContractError, check_advantage_contract, check_policy_loss_contract, check_reward_contract
+    from trl_plugins.contracts import (
+        ContractError,
+        check_advantage_contract,
+        check_policy_loss_contract,
+        check_reward_contract,
+    )
 
     c = run.config
     skip = set(c.skip_startup_checks)
     everything = "all" in skip
-    jobs = [(r.name, f"reward component {r.name!r}", r, lambda p: check_reward_contract(p, example=example))
-            for r in run.rewards]
+    jobs = [
+        (r.name, f"reward component {r.name!r}", r, lambda p: check_reward_contract(p, example=example))
+        for r in run.rewards
+    ]
     jobs.append((c.advantage, f"advantage {c.advantage!r}", run.advantage, check_advantage_contract))
     jobs.append((c.policy_loss, f"policy_loss {c.policy_loss!r}", run.policy_loss, check_policy_loss_contract))
     checked, skipped = [], []
@@ -77,11 +90,17 @@ def startup_checks(run: Any, example: Mapping[str, Any] | None = None) -> list[s
         try:
             check(_copy(plugin, label))
         except ContractError as exc:
-            raise SettingError(label, f"failed its start-up contract check: {exc} (pass --skip_startup_checks {name} "
-                                      f"to start without this check, e.g. for a remote or sampled judge).") from None
+            raise SettingError(
+                label,
+                f"failed its start-up contract check: {exc} (pass --skip_startup_checks {name} "
+                f"to start without this check, e.g. for a remote or sampled judge).",
+            ) from None
         except Exception as exc:  # noqa: BLE001 - a plugin that raises where the check calls it, named
-            raise SettingError(label, f"raised {type(exc).__name__}: {exc} in its start-up contract check (pass "
-                                      f"--skip_startup_checks {name} to start without it).") from exc
+            raise SettingError(
+                label,
+                f"raised {type(exc).__name__}: {exc} in its start-up contract check (pass "
+                f"--skip_startup_checks {name} to start without it).",
+            ) from exc
         checked.append(name)
     lines = []
     if checked:
@@ -104,7 +123,8 @@ def _names(text: str, word: str) -> bool:
 def prompt_warnings(system_prompt: str | None, tools: Mapping[str, Any]) -> list[str]:
     """What the system prompt gets wrong about the tools (``tools`` by the name the model calls them): a tool it
     does not name as a word (a longer name that contains it does not count), and argument names it shows
-    in a JSON call (``"arg":``) that are no argument of any tool's schema (the model would make calls the rollout refuses
+    in a JSON call (``"arg":``) that are no argument of any tool's schema (the model would make calls the rollout
+    refuses
     as ``invalid_action``). Empty when nothing is wrong."""
     prompt = system_prompt or ""
     out = []
@@ -113,13 +133,17 @@ def prompt_warnings(system_prompt: str | None, tools: Mapping[str, Any]) -> list
         params = tool.schema()["function"].get("parameters", {})
         properties[name] = list(params.get("properties", {}))
         if not _names(prompt, name):
-            out.append(f"system_prompt does not mention the tool {name!r}; only its schema reaches the model, which "
-                       f"may never call it (docs/plugins.md, 'Tools and the system prompt')")
+            out.append(
+                f"system_prompt does not mention the tool {name!r}; only its schema reaches the model, which "
+                f"may never call it (docs/plugins.md, 'Tools and the system prompt')"
+            )
     known = {arg for args in properties.values() for arg in args}
     shown = set(_ARGUMENT_SHOWN.findall(prompt)) - _ENVELOPE
     foreign = sorted(shown - known)
     if foreign and tools:
         takes = "; ".join(f"{name} takes {args}" for name, args in properties.items())
-        out.append(f"system_prompt shows argument(s) {foreign} that no tool's schema has ({takes}); a model that "
-                   f"follows the prompt writes calls the rollout refuses as invalid_action")
+        out.append(
+            f"system_prompt shows argument(s) {foreign} that no tool's schema has ({takes}); a model that "
+            f"follows the prompt writes calls the rollout refuses as invalid_action"
+        )
     return out

@@ -18,8 +18,16 @@ from typing import Any
 
 from trl_plugins.run.trl_fields import FieldKind, FieldRule
 
-__all__ = ["MODEL_FIELDS", "check_model_config", "check_model_dropout", "check_peft_config", "check_peft_model", "peft_config_from",
-           "model_init_kwargs", "render_table"]
+__all__ = [
+    "MODEL_FIELDS",
+    "check_model_config",
+    "check_model_dropout",
+    "check_peft_config",
+    "check_peft_model",
+    "peft_config_from",
+    "model_init_kwargs",
+    "render_table",
+]
 
 _H, _R = FieldKind.HONOURED, FieldKind.REFUSED
 
@@ -36,19 +44,49 @@ _LORA_DROPOUT = (
 
 MODEL_FIELDS: dict[str, FieldRule] = {
     "model_name_or_path": FieldRule(_H, "the policy to load (a recipe may give it a default of its own)."),
-    "model_revision": FieldRule(_R, "the policy and tokenizer, TRL's reference (beta > 0) and the held-out evaluation load model_name_or_path at its default revision; download the revision and pass its local path."),
-    "dtype": FieldRule(_H, "from_pretrained dtype of the policy (model_init_kwargs); at its default 'float32': float32, or 'auto' with --bf16; TRL's reference and the critic take the policy's dtype."),
-    "attn_implementation": FieldRule(_H, "from_pretrained attention of the policy (model_init_kwargs); TRL's reference takes the policy's."),
-    "use_peft": FieldRule(_H, "wraps the policy in a LoRA adapter built by TRL's get_peft_config; only the adapter (and lora_modules_to_save) trains, checkpoints hold the adapter."),
+    "model_revision": FieldRule(
+        _R,
+        "the policy and tokenizer, TRL's reference (beta > 0) and the held-out evaluation load model_name_or_path at "
+        "its default revision; download the revision and pass its local path.",
+    ),
+    "dtype": FieldRule(
+        _H,
+        "from_pretrained dtype of the policy (model_init_kwargs); at its default 'float32': float32, or 'auto' with "
+        "--bf16; TRL's reference and the critic take the policy's dtype.",
+    ),
+    "attn_implementation": FieldRule(
+        _H, "from_pretrained attention of the policy (model_init_kwargs); TRL's reference takes the policy's."
+    ),
+    "use_peft": FieldRule(
+        _H,
+        "wraps the policy in a LoRA adapter built by TRL's get_peft_config; only the adapter (and "
+        "lora_modules_to_save) trains, checkpoints hold the adapter.",
+    ),
     "lora_r": FieldRule(_H, "LoraConfig r (TRL's get_peft_config); refused without use_peft."),
     "lora_alpha": FieldRule(_H, "LoraConfig lora_alpha; refused without use_peft."),
     "lora_dropout": FieldRule(_H, "LoraConfig lora_dropout; " + _LORA_DROPOUT),
-    "lora_target_modules": FieldRule(_H, "LoraConfig target_modules (None: PEFT's default for the architecture, q_proj and v_proj for Qwen2); refused without use_peft."),
-    "lora_target_parameters": FieldRule(_H, "LoraConfig target_parameters (e.g. MoE expert weights); refused without use_peft."),
-    "lora_modules_to_save": FieldRule(_H, "LoraConfig modules_to_save: fully trained copies saved with the adapter and switched off with it for the reference; refused without use_peft."),
-    "lora_task_type": FieldRule(_H, "LoraConfig task_type; anything but CAUSAL_LM is refused (the policy is a causal LM)."),
+    "lora_target_modules": FieldRule(
+        _H,
+        "LoraConfig target_modules (None: PEFT's default for the architecture, q_proj and v_proj for Qwen2); refused "
+        "without use_peft.",
+    ),
+    "lora_target_parameters": FieldRule(
+        _H, "LoraConfig target_parameters (e.g. MoE expert weights); refused without use_peft."
+    ),
+    "lora_modules_to_save": FieldRule(
+        _H,
+        "LoraConfig modules_to_save: fully trained copies saved with the adapter and switched off with it for the "
+        "reference; refused without use_peft.",
+    ),
+    "lora_task_type": FieldRule(
+        _H, "LoraConfig task_type; anything but CAUSAL_LM is refused (the policy is a causal LM)."
+    ),
     "use_rslora": FieldRule(_H, "LoraConfig use_rslora (scaling lora_alpha / sqrt(r)); refused without use_peft."),
-    "use_dora": FieldRule(_H, "LoraConfig use_dora; refused without use_peft and under DeepSpeed ZeRO-3 (untested there: DoRA reads the base layer's weight in its own forward, outside ZeRO-3's gather of that layer)."),
+    "use_dora": FieldRule(
+        _H,
+        "LoraConfig use_dora; refused without use_peft and under DeepSpeed ZeRO-3 (untested there: DoRA reads the "
+        "base layer's weight in its own forward, outside ZeRO-3's gather of that layer).",
+    ),
     "load_in_8bit": FieldRule(_R, _QUANTISED),
     "load_in_4bit": FieldRule(_R, _QUANTISED),
     "bnb_4bit_quant_type": FieldRule(_R, "a setting of load_in_4bit, which is refused."),
@@ -57,8 +95,17 @@ MODEL_FIELDS: dict[str, FieldRule] = {
 }
 """The fate of every field of TRL's ``ModelConfig`` (``tests/test_lora.py`` fails when TRL adds one)."""
 
-_LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
-              "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+_LORA_ONLY = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_modules_to_save",
+    "lora_task_type",
+    "use_rslora",
+    "use_dora",
+)
 
 
 def _is_set(model_args: Any, name: str) -> bool:
@@ -83,14 +130,23 @@ def check_model_config(model_args: Any, config: Any) -> None:
     Raises:
         ValueError: one message naming every refused field and what to do instead.
     """
-    refused = [f"  - {name}={getattr(model_args, name)!r}: {rule.reason}" for name, rule in MODEL_FIELDS.items()
-               if rule.kind == FieldKind.REFUSED and _is_set(model_args, name)]
+    refused = [
+        f"  - {name}={getattr(model_args, name)!r}: {rule.reason}"
+        for name, rule in MODEL_FIELDS.items()
+        if rule.kind == FieldKind.REFUSED and _is_set(model_args, name)
+    ]
     if not model_args.use_peft:
-        refused += [f"  - {name}={getattr(model_args, name)!r}: a LoRA setting without --use_peft would be ignored; "
-                    f"add --use_peft or drop it." for name in _LORA_ONLY if _is_set(model_args, name)]
+        refused += [
+            f"  - {name}={getattr(model_args, name)!r}: a LoRA setting without --use_peft would be ignored; "
+            f"add --use_peft or drop it."
+            for name in _LORA_ONLY
+            if _is_set(model_args, name)
+        ]
     if refused:
-        raise ValueError("these model settings would be ignored or cannot work here (docs/training.md#lora lists "
-                         "every field):\n" + "\n".join(refused))
+        raise ValueError(
+            "these model settings would be ignored or cannot work here (docs/training.md#lora lists "
+            "every field):\n" + "\n".join(refused)
+        )
 
 
 def peft_config_from(model_args: Any) -> Any:
@@ -158,7 +214,9 @@ def check_model_dropout(model_or_config: Any, config: Any) -> None:
         model_or_config = AutoConfig.from_pretrained(model_or_config)
     found = dropout_probabilities(model_or_config)
     if found:
-        shown = ", ".join(f"{k}={v:g}" for k, v in list(found.items())[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        shown = ", ".join(f"{k}={v:g}" for k, v in list(found.items())[:4]) + (
+            f" and {len(found) - 4} more" if len(found) > 4 else ""
+        )
         raise ValueError(
             f"the policy has dropout ({shown}) and disable_dropout is off: it would act in the update's forward but "
             f"not in generation, so the on-policy ratio is no longer 1 and the clip acts on dropout noise (the reason "

@@ -33,8 +33,22 @@ from trl_plugins.registry import ADVANTAGES, REWARDS, ROLLOUTS, TOOLS, Registry
 from trl_plugins.tools.base import schema_problem
 from trl_plugins.types import AggregationMode
 
-__all__ = ["SettingError", "nearest", "fits", "check_kwargs", "describe_plugin", "plugin_params", "construct", "build_tools", "build_rewards", "build_rollout", "build_advantage",
-           "build_policy_loss", "context_limit", "check_plugin_settings"]
+__all__ = [
+    "SettingError",
+    "nearest",
+    "fits",
+    "check_kwargs",
+    "describe_plugin",
+    "plugin_params",
+    "construct",
+    "build_tools",
+    "build_rewards",
+    "build_rollout",
+    "build_advantage",
+    "build_policy_loss",
+    "context_limit",
+    "check_plugin_settings",
+]
 
 
 def plugin_params(target: Any) -> Mapping[str, inspect.Parameter] | None:
@@ -68,7 +82,11 @@ def _annotations(target: Any) -> dict[str, Any]:
     """The resolved annotations of a plugin's keyword parameters (empty when they cannot be resolved)."""
     try:
         if inspect.isclass(target):
-            hints = typing.get_type_hints(target) if dataclasses.is_dataclass(target) else typing.get_type_hints(target.__init__)
+            hints = (
+                typing.get_type_hints(target)
+                if dataclasses.is_dataclass(target)
+                else typing.get_type_hints(target.__init__)
+            )
         else:
             hints = typing.get_type_hints(target)
     except Exception:  # noqa: BLE001 - an annotation we cannot resolve is not checked
@@ -85,8 +103,15 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(str(m.value)) for m in tp)
     if typing.get_origin(tp) is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    names = {bool: "a bool (true or false, unquoted)", int: "an integer", float: "a number", str: "a string",
-             dict: "a mapping", list: "a list", tuple: "a list"}
+    names = {
+        bool: "a bool (true or false, unquoted)",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        dict: "a mapping",
+        list: "a list",
+        tuple: "a list",
+    }
     return names.get(typing.get_origin(tp) or tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -139,10 +164,15 @@ def check_kwargs(target: Any, kwargs: Mapping[str, Any], setting: str, plugin: s
     for key, value in kwargs.items():
         tp = hints.get(key)
         if tp is not None and fits(value, tp) is False:
-            quoted = " (quoted: write it without quotes)" if isinstance(value, str) and value.lower() in (
-                "true", "false", "null", "none") or _is_number(value) else ""
-            raise SettingError(f"{setting}[{key!r}]", f"{plugin} takes {_describe(tp)}, got {value!r} "
-                                                       f"({type(value).__name__}){quoted}.")
+            quoted = (
+                " (quoted: write it without quotes)"
+                if isinstance(value, str) and value.lower() in ("true", "false", "null", "none") or _is_number(value)
+                else ""
+            )
+            raise SettingError(
+                f"{setting}[{key!r}]",
+                f"{plugin} takes {_describe(tp)}, got {value!r} ({type(value).__name__}){quoted}.",
+            )
 
 
 def _is_number(value: Any) -> bool:
@@ -184,8 +214,11 @@ def check_keyed_kwargs(kwargs: Mapping[str, Any], names: Sequence[str], setting:
     """
     for key, value in kwargs.items():
         if key not in names:
-            raise SettingError(setting, f"has settings for {key!r}, which is not among {names_setting} {list(names)}; "
-                                        f"they would be used by nothing.{nearest(key, names)}")
+            raise SettingError(
+                setting,
+                f"has settings for {key!r}, which is not among {names_setting} {list(names)}; "
+                f"they would be used by nothing.{nearest(key, names)}",
+            )
         if not isinstance(value, Mapping):
             raise SettingError(f"{setting}[{key!r}]", f"must be a mapping of the plugin's settings, got {value!r}.")
 
@@ -218,8 +251,12 @@ def describe_plugin(plugin: Any, given: Mapping[str, Any] | None = None) -> dict
         elif param.default is not inspect.Parameter.empty:
             resolved[key] = param.default
     resolved.update({k: v for k, v in given.items() if k not in resolved})
-    return {"object": f"{module}:{getattr(target, '__qualname__', type(target).__name__)}", "package": package,
-            "version": version, "kwargs": resolved}
+    return {
+        "object": f"{module}:{getattr(target, '__qualname__', type(target).__name__)}",
+        "package": package,
+        "version": version,
+        "kwargs": resolved,
+    }
 
 
 def build_tools(config: Any, given: Mapping[str, Any] | None = None) -> dict[str, ToolPlugin]:
@@ -240,8 +277,10 @@ def build_tools(config: Any, given: Mapping[str, Any] | None = None) -> dict[str
         plugins = dict(given)
     else:
         check_keyed_kwargs(config.tool_kwargs, config.tools, "tool_kwargs", "tools")
-        plugins = {name: construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools")
-                   for name in config.tools}
+        plugins = {
+            name: construct(TOOLS, name, config.tool_kwargs.get(name, {}), f"tool_kwargs[{name!r}]", "tools")
+            for name in config.tools
+        }
     # A tool set (the mcp plugin) is as many tools as it lists at start-up, each shown to the model.
     built = [tool for name, impl in plugins.items() for tool in tools_of(impl, name)]
     tools = {tool.name: tool for tool in built}
@@ -257,28 +296,47 @@ def build_tools(config: Any, given: Mapping[str, Any] | None = None) -> dict[str
 def build_rewards(config: Any, given: Mapping[str, Any] | None = None) -> list[RewardPlugin]:
     """The configured reward components with their weights, in config order (``given`` supplies instances)."""
     given = dict(given or {})
-    check_keyed_kwargs(config.reward_component_kwargs, config.reward_components, "reward_component_kwargs",
-                       "reward_components")
-    return [as_reward(given[name] if name in given else
-                      construct(REWARDS, name, config.reward_component_kwargs.get(name, {}),
-                                f"reward_component_kwargs[{name!r}]", "reward_components"), name, weight)
-            for name, weight in zip(config.reward_components, config.reward_component_weights)]
+    check_keyed_kwargs(
+        config.reward_component_kwargs, config.reward_components, "reward_component_kwargs", "reward_components"
+    )
+    return [
+        as_reward(
+            given[name]
+            if name in given
+            else construct(
+                REWARDS,
+                name,
+                config.reward_component_kwargs.get(name, {}),
+                f"reward_component_kwargs[{name!r}]",
+                "reward_components",
+            ),
+            name,
+            weight,
+        )
+        for name, weight in zip(config.reward_components, config.reward_component_weights)
+    ]
 
 
 def build_rollout(config: Any) -> RolloutPlugin:
-    return as_rollout(construct(ROLLOUTS, config.rollout, config.rollout_kwargs, "rollout_kwargs", "rollout"), config.rollout)
+    return as_rollout(
+        construct(ROLLOUTS, config.rollout, config.rollout_kwargs, "rollout_kwargs", "rollout"), config.rollout
+    )
 
 
 def build_advantage(config: Any) -> AdvantagePlugin:
-    return as_advantage(construct(ADVANTAGES, config.advantage, config.advantage_kwargs, "advantage_kwargs", "advantage"),
-                        config.advantage)
+    return as_advantage(
+        construct(ADVANTAGES, config.advantage, config.advantage_kwargs, "advantage_kwargs", "advantage"),
+        config.advantage,
+    )
 
 
 def build_policy_loss(config: Any) -> PolicyLossPlugin:
     from trl_plugins.registry import POLICY_LOSSES
 
-    return as_policy_loss(construct(POLICY_LOSSES, config.policy_loss, config.policy_loss_kwargs, "policy_loss_kwargs",
-                                    "policy_loss"), config.policy_loss)
+    return as_policy_loss(
+        construct(POLICY_LOSSES, config.policy_loss, config.policy_loss_kwargs, "policy_loss_kwargs", "policy_loss"),
+        config.policy_loss,
+    )
 
 
 def context_limit(config: Any, rollout: RolloutPlugin) -> int | None:
@@ -289,8 +347,14 @@ def context_limit(config: Any, rollout: RolloutPlugin) -> int | None:
     return None if rollout.token_budget is None else rollout.token_budget - 1
 
 
-def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: AdvantagePlugin, policy_loss: PolicyLossPlugin,
-                          *, correction_applies_always: bool) -> None:
+def check_plugin_settings(
+    config: Any,
+    rollout: RolloutPlugin,
+    advantage: AdvantagePlugin,
+    policy_loss: PolicyLossPlugin,
+    *,
+    correction_applies_always: bool,
+) -> None:
     """Refuse what the selected plugins need but the run does not provide, and budgets that cannot fit.
 
     Args:
@@ -311,17 +375,21 @@ def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: Advant
             )
     if config.truncated_policy == "bootstrap" and not advantage.needs_values:
         raise ValueError(
-            f"truncated_policy='bootstrap' replaces a truncated trajectory's outcome reward by the critic's value of where "
+            "truncated_policy='bootstrap' replaces a truncated trajectory's outcome reward by the critic's value of "
+            "where "
             f"it stopped, but advantage {config.advantage!r} runs no critic; use --advantage gae, or truncated_policy "
             f"'wrong' (score truncations as wrong) or 'mask' (leave them out)."
         )
     if advantage.needs_groups and config.num_generations < 2:
-        raise ValueError(f"advantage {config.advantage!r} is group-relative and needs num_generations >= 2, got "
-                         f"{config.num_generations}.")
+        raise ValueError(
+            f"advantage {config.advantage!r} is group-relative and needs num_generations >= 2, got "
+            f"{config.num_generations}."
+        )
     if config.vllm_importance_sampling_correction and correction_applies_always and not policy_loss.supports_is_weights:
         raise ValueError(
             f"the sampler/trainer mismatch correction is on (vllm_importance_sampling_correction) and applies to every "
-            f"batch here, but policy_loss {config.policy_loss!r} does not declare supports_is_weights (it would drop the "
+            f"batch here, but policy_loss {config.policy_loss!r} does not declare supports_is_weights (it would drop "
+            "the "
             f"importance weights); use policy_loss='ppo_clip' or set vllm_importance_sampling_correction=False."
         )
     if policy_loss.needs_ref_logprobs and not config.beta > 0:
@@ -331,23 +399,38 @@ def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: Advant
         )
     unused_tools = bool(config.tools) and not rollout.offers_tools
     if rollout.agent_conversation and (unused_tools or config.system_prompt):
-        given = [f"tools={config.tools}"] * unused_tools + [f"system_prompt={config.system_prompt!r:.60}"] * bool(config.system_prompt)
-        offered = (" (its tools may be the run's: the agent asks for them, docs/agents.md#the-runs-tools)"
-                   if rollout.offers_tools else "")
+        given = [f"tools={config.tools}"] * unused_tools + [f"system_prompt={config.system_prompt!r:.60}"] * bool(
+            config.system_prompt
+        )
+        offered = (
+            " (its tools may be the run's: the agent asks for them, docs/agents.md#the-runs-tools)"
+            if rollout.offers_tools
+            else ""
+        )
         raise ValueError(
             f"rollout {config.rollout!r} runs an agent that writes its own conversation (its system prompt and "
             f"tools){offered}, so {' and '.join(given)} would be used by nothing: set "
             f"{'tools: [] and ' * unused_tools}system_prompt: null, and give the agent its prompt in its own code."
         )
     budget = rollout.token_budget
-    if AggregationMode(config.aggregation) == AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM and not (config.norm_length or 0) > 0:
+    if (
+        AggregationMode(config.aggregation) == AggregationMode.SEQ_MEAN_TOKEN_SUM_NORM
+        and not (config.norm_length or 0) > 0
+    ):
         raise ValueError(
             "aggregation='seq_mean_token_sum_norm' (Dr. GRPO) divides by a constant length: set norm_length, "
-            f"e.g. the most action tokens a trajectory can have{f' (the rollout budget is {budget})' if budget else ''}."
+            "e.g. the most action tokens a trajectory can "
+            f"have{f' (the rollout budget is {budget})' if budget else ''}."
         )
-    if config.use_vllm and config.vllm_max_model_length is not None and budget is not None and budget > config.vllm_max_model_length:
+    if (
+        config.use_vllm
+        and config.vllm_max_model_length is not None
+        and budget is not None
+        and budget > config.vllm_max_model_length
+    ):
         raise ValueError(
-            f"vllm_max_model_length={config.vllm_max_model_length} is shorter than the rollout's token budget of {budget} "
+            f"vllm_max_model_length={config.vllm_max_model_length} is shorter than the rollout's token budget of "
+            f"{budget} "
             f"(rollout_kwargs max_trajectory_tokens): vLLM would refuse the longest trajectories' turns. "
             f"Raise vllm_max_model_length or lower max_trajectory_tokens."
         )
@@ -358,12 +441,19 @@ def check_plugin_settings(config: Any, rollout: RolloutPlugin, advantage: Advant
             f"max_context_tokens={context}; lower the rollout budget to {context + 1} or raise max_context_tokens."
         )
     # The critic's value pass forwards a bootstrapped datum with one token more: the state after its last token.
-    longest = None if context is None else context + int(advantage.needs_values and config.truncated_policy == "bootstrap")
+    longest = (
+        None if context is None else context + int(advantage.needs_values and config.truncated_policy == "bootstrap")
+    )
     if longest is not None and longest > config.max_padded_tokens_per_micro_batch:
-        extra = (f" ({context} tokens plus the state after a truncated one's last token, which the critic's value pass "
-                 f"forwards under truncated_policy='bootstrap')" if longest > context else "")
+        extra = (
+            f" ({context} tokens plus the state after a truncated one's last token, which the critic's value pass "
+            f"forwards under truncated_policy='bootstrap')"
+            if longest > context
+            else ""
+        )
         raise ValueError(
             f"a datum can have {context} tokens but max_padded_tokens_per_micro_batch is "
-            f"{config.max_padded_tokens_per_micro_batch}: the longest forward{extra} would fit in no micro-batch. Raise "
+            f"{config.max_padded_tokens_per_micro_batch}: the longest forward{extra} would fit in no micro-batch. "
+            "Raise "
             f"max_padded_tokens_per_micro_batch to at least {longest} or lower the rollout budget."
         )

@@ -10,8 +10,15 @@ from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend,
 from trl_plugins.rollout.chat import ChatFormat
 from trl_plugins.types import LogprobSource, SamplingSettings
 
-__all__ = ["SamplerKind", "sampler_kind", "sampling_settings", "check_sampler_available", "make_backend",
-           "continuous_batching_options", "check_continuous_batching_memory"]
+__all__ = [
+    "SamplerKind",
+    "sampler_kind",
+    "sampling_settings",
+    "check_sampler_available",
+    "make_backend",
+    "continuous_batching_options",
+    "check_continuous_batching_memory",
+]
 
 
 class SamplerKind(enum.StrEnum):
@@ -46,7 +53,8 @@ class SamplerKind(enum.StrEnum):
 
 
 def sampler_kind(config: Any) -> SamplerKind:
-    """The sampler ``config`` asks for (``use_vllm`` and continuous batching exclude each other: the config refuses both)."""
+    """The sampler ``config`` asks for (``use_vllm`` and continuous batching exclude each other: the config refuses
+    both)."""
     if config.use_vllm:
         return SamplerKind.VLLM_SERVER if config.vllm_mode == "server" else SamplerKind.VLLM_COLOCATE
     if config.use_transformers_continuous_batching:
@@ -57,8 +65,11 @@ def sampler_kind(config: Any) -> SamplerKind:
 def sampling_settings(config: Any, *, temperature: float | None = None) -> SamplingSettings:
     """The config's sampling settings (``temperature`` overrides the config's)."""
     return SamplingSettings(
-        temperature=config.temperature if temperature is None else temperature, top_p=config.top_p,
-        top_k=config.top_k or 0, min_p=config.min_p or 0.0, repetition_penalty=config.repetition_penalty,
+        temperature=config.temperature if temperature is None else temperature,
+        top_p=config.top_p,
+        top_k=config.top_k or 0,
+        min_p=config.min_p or 0.0,
+        repetition_penalty=config.repetition_penalty,
     )
 
 
@@ -80,9 +91,19 @@ def check_sampler_available(kind: SamplerKind) -> None:
         )
 
 
-def make_backend(kind: SamplerKind, config: Any, chat: ChatFormat, *, model: Any = None, pad_token_id: int | None = None,
-                 accelerator: Any = None, vllm_generation: Any = None, temperature: float | None = None,
-                 token_budget: int | None = None, trajectories: int | None = None) -> GenerationBackend:
+def make_backend(
+    kind: SamplerKind,
+    config: Any,
+    chat: ChatFormat,
+    *,
+    model: Any = None,
+    pad_token_id: int | None = None,
+    accelerator: Any = None,
+    vllm_generation: Any = None,
+    temperature: float | None = None,
+    token_budget: int | None = None,
+    trajectories: int | None = None,
+) -> GenerationBackend:
     """The backend of sampler ``kind`` with the config's sampling settings (``temperature`` overrides the config's).
 
     Args:
@@ -101,22 +122,32 @@ def make_backend(kind: SamplerKind, config: Any, chat: ChatFormat, *, model: Any
             from trl.generation import vllm_client as trl_client
 
             base = config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}"
-            client = trl_client.VLLMClient(base_url=base, group_port=config.vllm_group_port,
-                                           connection_timeout=config.vllm_server_timeout)
-        return VLLMBackend(vllm_generation, stop_token_ids=chat.stop_token_ids, sampling=sampling, client=client,
-                           max_concurrency=config.vllm_max_concurrent_requests)
+            client = trl_client.VLLMClient(
+                base_url=base, group_port=config.vllm_group_port, connection_timeout=config.vllm_server_timeout
+            )
+        return VLLMBackend(
+            vllm_generation,
+            stop_token_ids=chat.stop_token_ids,
+            sampling=sampling,
+            client=client,
+            max_concurrency=config.vllm_max_concurrent_requests,
+        )
     if kind is SamplerKind.CONTINUOUS_BATCHING:
         from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend
 
         if token_budget is None:
             token_budget = getattr(model, "module", model).config.max_position_embeddings
         return ContinuousBatchingBackend(
-            model, stop_token_ids=chat.stop_token_ids, sampling=sampling,
-            config=continuous_batching_options(config, token_budget, trajectories), accelerator=accelerator,
+            model,
+            stop_token_ids=chat.stop_token_ids,
+            sampling=sampling,
+            config=continuous_batching_options(config, token_budget, trajectories),
+            accelerator=accelerator,
             keep_cache=config.continuous_batching_keep_cache,
         )
-    return HFGenerationBackend(model, pad_token_id=pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling,
-                               accelerator=accelerator)
+    return HFGenerationBackend(
+        model, pad_token_id=pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling, accelerator=accelerator
+    )
 
 
 def continuous_batching_options(config: Any, token_budget: int, trajectories: int | None = None) -> Any:
@@ -126,12 +157,16 @@ def continuous_batching_options(config: Any, token_budget: int, trajectories: in
     (:func:`~trl_plugins.rollout.continuous_batching.workload_cache_size`)."""
     from trl_plugins.rollout.continuous_batching import continuous_batching_config
 
-    return continuous_batching_config(config.transformers_continuous_batching_config,
-                                      trajectories=trajectories or config.per_device_train_batch_size,
-                                      tokens_per_trajectory=token_budget)
+    return continuous_batching_config(
+        config.transformers_continuous_batching_config,
+        trajectories=trajectories or config.per_device_train_batch_size,
+        tokens_per_trajectory=token_budget,
+    )
 
 
-def check_continuous_batching_memory(run: Any, model_path: str, *, dtype: Any = None, trainable_fraction: float = 1.0) -> str:
+def check_continuous_batching_memory(
+    run: Any, model_path: str, *, dtype: Any = None, trainable_fraction: float = 1.0
+) -> str:
     """Before the weights load: will the run's continuous-batching cache (:func:`continuous_batching_options`) fit in
     the memory transformers will allow when it builds it at a rollout's start? Returns one line of figures for the
     banner.
@@ -157,13 +192,23 @@ def check_continuous_batching_memory(run: Any, model_path: str, *, dtype: Any = 
     with torch.device("meta"):
         # The class itself, not from_config: under ZeRO-3 that builds inside deepspeed.zero.Init, which cannot
         # initialise meta tensors.
-        model = (model_class(model_config) if model_class is not None
-                 else AutoModelForCausalLM.from_config(model_config)).to(dtype)
+        model = (
+            model_class(model_config) if model_class is not None else AutoModelForCausalLM.from_config(model_config)
+        ).to(dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state = int(weights * (1 + 3 * trainable_fraction))
     _, _, reserved, allocated = get_device_and_memory_breakdown()
-    cb_config = continuous_batching_options(run.config, run.rollout.token_budget or model.config.max_position_embeddings)
-    footprint = check_cache_fits(model, cb_config, in_use=max(reserved, allocated) + state, error=ValueError,
-                                 when=f", with the model and its training state (~{state / 1e9:.2f} GB, estimated) loaded")
-    return (f"continuous-batching cache {footprint.total / 1e9:.2f} GB of the {footprint.available / 1e9:.2f} GB "
-            f"transformers will allow (max_batch_tokens={footprint.max_batch_tokens}, num_blocks={footprint.num_blocks})")
+    cb_config = continuous_batching_options(
+        run.config, run.rollout.token_budget or model.config.max_position_embeddings
+    )
+    footprint = check_cache_fits(
+        model,
+        cb_config,
+        in_use=max(reserved, allocated) + state,
+        error=ValueError,
+        when=f", with the model and its training state (~{state / 1e9:.2f} GB, estimated) loaded",
+    )
+    return (
+        f"continuous-batching cache {footprint.total / 1e9:.2f} GB of the {footprint.available / 1e9:.2f} GB "
+        f"transformers will allow (max_batch_tokens={footprint.max_batch_tokens}, num_blocks={footprint.num_blocks})"
+    )

@@ -143,7 +143,7 @@ _LOSS_TYPE_AGGREGATION = {
 }
 _LOSS_TYPE_REFUSED = {
     "bnpo": "divides by each micro-batch's own token count; use loss_type='dapo' (aggregation='token_mean', "
-            "the exact global token mean)",
+    "the exact global token mean)",
     "cispo": "is another policy loss (clipped-ratio REINFORCE)",
     "sapo": "is another policy loss (soft sigmoid gate instead of the clip)",
     "vespo": "is another policy loss (sequence-level gamma weights)",
@@ -208,9 +208,11 @@ _ENTROPY = "adaptive entropy control (Skywork-OR1) is not implemented; set a fix
 _REF_SYNC = "the reference model is never synchronised with the policy (TR-DPO is not implemented)"
 _LOGS = "a setting of log_completions, which is refused; trajectory_table_steps/_rows log multi-turn tables"
 _CB_OWNER = "MultiTurnGRPOConfig._check_continuous_batching"
-_ONE_STEP = ("one step is one rollout batch and one optimizer update: keep gradient_accumulation_steps=1 and "
-             "steps_per_generation=1 (micro-batching is the packer's job: max_items_per_micro_batch, "
-             "max_padded_tokens_per_micro_batch; num_iterations reuses a rollout)")
+_ONE_STEP = (
+    "one step is one rollout batch and one optimizer update: keep gradient_accumulation_steps=1 and "
+    "steps_per_generation=1 (micro-batching is the packer's job: max_items_per_micro_batch, "
+    "max_padded_tokens_per_micro_batch; num_iterations reuses a rollout)"
+)
 _HF = "the HF Trainer loop"
 _KL_OWNER = "MultiTurnGRPOConfig._map_kl_and_entropy"
 _IS_OWNER = "MultiTurnGRPOConfig._check_mismatch_correction"
@@ -224,8 +226,10 @@ def _vllm_setting(name: str, mode: str | None) -> Callable[[Any], bool]:
     return ok
 
 
-_COLOCATE_ONLY = ("; refused when set (off TRL's default) without use_vllm or with vllm_mode='server', where it would "
-                  "do nothing: {instead}, or use vllm_mode='colocate'.")
+_COLOCATE_ONLY = (
+    "; refused when set (off TRL's default) without use_vllm or with vllm_mode='server', where it would "
+    "do nothing: {instead}, or use vllm_mode='colocate'."
+)
 _ON_THE_SERVER = "set it where the server starts instead (trl vllm-serve {flag}) and drop it here"
 _SERVER_ONLY = "; refused when set without use_vllm or with vllm_mode='colocate', where it would do nothing."
 
@@ -237,32 +241,105 @@ def _generation_batch_ok(c: Any) -> bool:
 
 TRL_FIELDS: dict[str, FieldRule] = {
     # GRPOConfig's own fields: the algorithm
-    "epsilon": FieldRule(_M, "policy_loss_kwargs['clip_low']: the ratio's lower bound 1 - epsilon.", apply=_map_epsilon),
-    "epsilon_high": FieldRule(_M, "policy_loss_kwargs['clip_high']: upper bound 1 + epsilon_high; None keeps the policy loss's own (ppo_clip: 0.28, where TRL takes epsilon).", apply=_map_epsilon_high),
-    "delta": FieldRule(_M, "policy_loss_kwargs['dual_clip']: caps a negative-advantage token's ratio at delta, exactly TRL's two-sided clip when delta > 1 + clip_high (refused otherwise).", apply=_map_delta),
-    "loss_type": FieldRule(_M, "aggregation: dapo = token_mean, grpo = seq_mean_token_mean, dr_grpo = seq_mean_token_sum_norm (norm_length = max_completion_length), luspo = seq_mean_token_sum; bnpo, cispo, sapo, vespo refused.", apply=_map_loss_type),
-    "max_completion_length": FieldRule(_M, "only the Dr. GRPO constant norm_length (with seq_mean_token_sum_norm); refused otherwise when changed: generation budgets are rollout_kwargs max_assistant_tokens / max_trajectory_tokens.", apply=_map_max_completion_length),
-    "scale_rewards": FieldRule(_M, "advantage_kwargs['scale_by_std']: 'group' (or True) keeps the group std, 'none' (or False) sets False; 'batch' refused.", apply=_map_scale_rewards),
-    "mask_truncated_completions": FieldRule(_M, "True sets truncated_policy='mask' (which also leaves them out of their group's mean and std; TRL keeps their rewards there).", apply=_map_mask_truncated_completions),
-    "entropy_coef": FieldRule(_M, "policy_loss_kwargs['entropy_coef'] (mapped with the entropy bonus's checks).", owner=_KL_OWNER),
-    "beta": FieldRule(_H, "reference-KL coefficient: policy_loss_kwargs kl_coef (kl_penalty='loss') or a KL reward (kl_penalty='reward').", owner=_KL_OWNER),
+    "epsilon": FieldRule(
+        _M, "policy_loss_kwargs['clip_low']: the ratio's lower bound 1 - epsilon.", apply=_map_epsilon
+    ),
+    "epsilon_high": FieldRule(
+        _M,
+        "policy_loss_kwargs['clip_high']: upper bound 1 + epsilon_high; None keeps the policy loss's own (ppo_clip: "
+        "0.28, where TRL takes epsilon).",
+        apply=_map_epsilon_high,
+    ),
+    "delta": FieldRule(
+        _M,
+        "policy_loss_kwargs['dual_clip']: caps a negative-advantage token's ratio at delta, exactly TRL's two-sided "
+        "clip when delta > 1 + clip_high (refused otherwise).",
+        apply=_map_delta,
+    ),
+    "loss_type": FieldRule(
+        _M,
+        "aggregation: dapo = token_mean, grpo = seq_mean_token_mean, dr_grpo = seq_mean_token_sum_norm (norm_length "
+        "= max_completion_length), luspo = seq_mean_token_sum; bnpo, cispo, sapo, vespo refused.",
+        apply=_map_loss_type,
+    ),
+    "max_completion_length": FieldRule(
+        _M,
+        "only the Dr. GRPO constant norm_length (with seq_mean_token_sum_norm); refused otherwise when changed: "
+        "generation budgets are rollout_kwargs max_assistant_tokens / max_trajectory_tokens.",
+        apply=_map_max_completion_length,
+    ),
+    "scale_rewards": FieldRule(
+        _M,
+        "advantage_kwargs['scale_by_std']: 'group' (or True) keeps the group std, 'none' (or False) sets False; "
+        "'batch' refused.",
+        apply=_map_scale_rewards,
+    ),
+    "mask_truncated_completions": FieldRule(
+        _M,
+        "True sets truncated_policy='mask' (which also leaves them out of their group's mean and std; TRL keeps "
+        "their rewards there).",
+        apply=_map_mask_truncated_completions,
+    ),
+    "entropy_coef": FieldRule(
+        _M, "policy_loss_kwargs['entropy_coef'] (mapped with the entropy bonus's checks).", owner=_KL_OWNER
+    ),
+    "beta": FieldRule(
+        _H,
+        "reference-KL coefficient: policy_loss_kwargs kl_coef (kl_penalty='loss') or a KL reward "
+        "(kl_penalty='reward').",
+        owner=_KL_OWNER,
+    ),
     "num_generations": FieldRule(_H, "group size: each question is rolled out this many times, on one rank."),
-    "num_iterations": FieldRule(_H, "updates per rollout: one rollout's datums serve k steps; the ratio is taken against the sampler's log-probs (the trainer's own pi_old when the mismatch correction applies)."),
-    "temperature": FieldRule(_H, "sampling temperature (hf_backend) and the temperature of the update's log-probs, as in TRL."),
-    "top_p": FieldRule(_H, "passed to HF generate by hf_backend (behaviour log-probs are of the temperature-scaled distribution, as TRL's)."),
+    "num_iterations": FieldRule(
+        _H,
+        "updates per rollout: one rollout's datums serve k steps; the ratio is taken against the sampler's log-probs "
+        "(the trainer's own pi_old when the mismatch correction applies).",
+    ),
+    "temperature": FieldRule(
+        _H, "sampling temperature (hf_backend) and the temperature of the update's log-probs, as in TRL."
+    ),
+    "top_p": FieldRule(
+        _H,
+        "passed to HF generate by hf_backend (behaviour log-probs are of the temperature-scaled distribution, as "
+        "TRL's).",
+    ),
     "top_k": FieldRule(_H, "passed to HF generate by hf_backend (0: off)."),
     "min_p": FieldRule(_H, "passed to HF generate by hf_backend (None: off)."),
     "repetition_penalty": FieldRule(_H, "passed to HF generate by hf_backend."),
     "shuffle_dataset": FieldRule(_H, "TRL's RepeatSampler shuffles the questions with seed."),
-    "model_init_kwargs": FieldRule(_H, "TRL loads a policy given by name with them (ignored with TRL's warning for a model instance)."),
+    "model_init_kwargs": FieldRule(
+        _H, "TRL loads a policy given by name with them (ignored with TRL's warning for a model instance)."
+    ),
     "trust_remote_code": FieldRule(_H, "TRL passes it to model and tokenizer loading."),
-    "disable_dropout": FieldRule(_H, "True: every dropout of the policy, its reference and the critic set to 0, attention dropout included (TRL's disable_dropout_in_model sets nn.Dropout only). False (TRL's default) with any dropout in the policy's config or modules is refused, as lora_dropout is."),
-    "cast_lm_head_to_fp32": FieldRule(_H, "TRL's __init__ casts the policy's lm_head to fp32; our forward and generation use that model."),
-    "importance_sampling_level": FieldRule(_R, "'sequence' (GSPO): the policy losses here use token-level ratios; register a sequence-level policy-loss plugin."),
+    "disable_dropout": FieldRule(
+        _H,
+        "True: every dropout of the policy, its reference and the critic set to 0, attention dropout included (TRL's "
+        "disable_dropout_in_model sets nn.Dropout only). False (TRL's default) with any dropout in the policy's "
+        "config or modules is refused, as lora_dropout is.",
+    ),
+    "cast_lm_head_to_fp32": FieldRule(
+        _H, "TRL's __init__ casts the policy's lm_head to fp32; our forward and generation use that model."
+    ),
+    "importance_sampling_level": FieldRule(
+        _R,
+        "'sequence' (GSPO): the policy losses here use token-level ratios; register a sequence-level policy-loss "
+        "plugin.",
+    ),
     "top_entropy_quantile": FieldRule(_R, "below 1: the update has no high-entropy token mask."),
-    "off_policy_mask_threshold": FieldRule(_R, "off-policy sequence masking is not implemented (the clip bounds and dual_clip limit stale tokens)."),
-    "use_bias_correction_kl": FieldRule(_M, "policy_loss_kwargs['kl_importance_weight'] with beta > 0 and kl_penalty='loss': the KL term times the differentiable importance ratio, as in TRL (default True).", owner=_KL_OWNER),
-    "router_aux_loss_coef": FieldRule(_R, "the update adds no MoE load-balancing loss (TRL adds the model's own coefficient even at None, so train dense models)."),
+    "off_policy_mask_threshold": FieldRule(
+        _R, "off-policy sequence masking is not implemented (the clip bounds and dual_clip limit stale tokens)."
+    ),
+    "use_bias_correction_kl": FieldRule(
+        _M,
+        "policy_loss_kwargs['kl_importance_weight'] with beta > 0 and kl_penalty='loss': the KL term times the "
+        "differentiable importance ratio, as in TRL (default True).",
+        owner=_KL_OWNER,
+    ),
+    "router_aux_loss_coef": FieldRule(
+        _R,
+        "the update adds no MoE load-balancing loss (TRL adds the model's own coefficient even at None, so train "
+        "dense models).",
+    ),
     "sapo_temperature_neg": FieldRule(_R, "read only by loss_type='sapo', which is refused."),
     "sapo_temperature_pos": FieldRule(_R, "read only by loss_type='sapo', which is refused."),
     "vespo_k_pos": FieldRule(_R, "read only by loss_type='vespo', which is refused."),
@@ -279,52 +356,185 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "entropy_target": FieldRule(_R, _ENTROPY + "."),
     # GRPOConfig: rewards, rollout, batching
     "reward_weights": FieldRule(_R, "use reward_component_weights (one weight per reward_components entry)."),
-    "multi_objective_aggregation": FieldRule(_R, "the reward is the weighted sum of the components, normalised by the advantage plugin (TRL's 'sum_then_normalize'); per-component normalisation is not implemented."),
+    "multi_objective_aggregation": FieldRule(
+        _R,
+        "the reward is the weighted sum of the components, normalised by the advantage plugin (TRL's "
+        "'sum_then_normalize'); per-component normalisation is not implemented.",
+    ),
     "max_tool_calling_iterations": FieldRule(_R, "use rollout_kwargs max_turns / max_tool_calls."),
-    "generation_batch_size": FieldRule(_R, "one step is one rollout batch of per_device_train_batch_size x processes; leave it and steps_per_generation unset.", ok=_generation_batch_ok),
+    "generation_batch_size": FieldRule(
+        _R,
+        "one step is one rollout batch of per_device_train_batch_size x processes; leave it and steps_per_generation "
+        "unset.",
+        ok=_generation_batch_ok,
+    ),
     "steps_per_generation": FieldRule(_R, _ONE_STEP + ".", ok=lambda c: c.steps_per_generation == 1),
-    "generation_kwargs": FieldRule(_R, "hf_backend builds its GenerationConfig from temperature, top_p, top_k, min_p and repetition_penalty only."),
-    "chat_template_kwargs": FieldRule(_H, "passed to every apply_chat_template call of the run's ChatFormat (e.g. enable_thinking); its start-up check runs with them."),
+    "generation_kwargs": FieldRule(
+        _R, "hf_backend builds its GenerationConfig from temperature, top_p, top_k, min_p and repetition_penalty only."
+    ),
+    "chat_template_kwargs": FieldRule(
+        _H,
+        "passed to every apply_chat_template call of the run's ChatFormat (e.g. enable_thinking); its start-up check "
+        "runs with them.",
+    ),
     "cache_implementation": FieldRule(_R, "hf_backend passes no cache implementation to generate."),
-    "ds3_gather_for_generation": FieldRule(_R, "False: the rollout always gathers ZeRO-3 weights once (per-turn collectives would hang when ranks take different turn counts)."),
-    "pad_to_multiple_of": FieldRule(_R, "an integer: the packer pads each micro-batch to its widest row ('auto' and None are accepted).", ok=lambda c: c.pad_to_multiple_of in (None, "auto")),
+    "ds3_gather_for_generation": FieldRule(
+        _R,
+        "False: the rollout always gathers ZeRO-3 weights once (per-turn collectives would hang when ranks take "
+        "different turn counts).",
+    ),
+    "pad_to_multiple_of": FieldRule(
+        _R,
+        "an integer: the packer pads each micro-batch to its widest row ('auto' and None are accepted).",
+        ok=lambda c: c.pad_to_multiple_of in (None, "auto"),
+    ),
     "num_generations_eval": FieldRule(_R, _EVAL + "."),
-    "use_vllm": FieldRule(_H, "rollout turns are sampled by vLLM (VLLMBackend over TRL's VLLMGeneration), each turn submitted on its own; weights are pushed before each rollout."),
-    "vllm_mode": FieldRule(_H, "'colocate' (vLLM in each training process) or 'server' (every rank sends its own turns to the server); refused when set without use_vllm.", ok=lambda c: c.vllm_mode in ("colocate", "server") and _vllm_setting("vllm_mode", None)(c)),
-    "vllm_model_impl": FieldRule(_H, "passed to vLLM by TRL's VLLMGeneration (colocate)" + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--vllm_model_impl")), ok=_vllm_setting("vllm_model_impl", "colocate")),
-    "vllm_enable_sleep_mode": FieldRule(_H, "colocate: vLLM sleeps (level 2) after each rollout and its weights are pushed again before the next" + _COLOCATE_ONLY.format(instead="a server keeps its own memory (trl vllm-serve has no sleep mode): drop it"), ok=_vllm_setting("vllm_enable_sleep_mode", "colocate")),
-    "vllm_structured_outputs_regex": FieldRule(_R, "one regex would constrain every turn of a multi-turn rollout alike (tool calls, answers); constrain turns in a rollout plugin instead."),
-    "vllm_server_base_url": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_base_url", "server")),
-    "vllm_server_host": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_host", "server")),
-    "vllm_server_port": FieldRule(_H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_port", "server")),
-    "vllm_server_timeout": FieldRule(_H, _VLLM + " (server): how long every rank waits for the server" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_timeout", "server")),
-    "vllm_group_port": FieldRule(_H, _VLLM + " (server): the weight-update group" + _SERVER_ONLY, ok=_vllm_setting("vllm_group_port", "server")),
-    "vllm_gpu_memory_utilization": FieldRule(_H, _VLLM + " (colocate)" + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--gpu_memory_utilization")), ok=_vllm_setting("vllm_gpu_memory_utilization", "colocate")),
-    "vllm_max_model_length": FieldRule(_H, _VLLM + " (colocate), refused at start-up when shorter than the rollout's token budget" + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--max_model_len")), ok=_vllm_setting("vllm_max_model_length", "colocate")),
-    "vllm_tensor_parallel_size": FieldRule(_R, "colocate tensor parallelism gathers the prompts of a rank group on every generate call, a collective per turn that per-trajectory turns cannot keep in step; keep 1, or use vllm_mode='server' with the server's own --tensor-parallel-size.", ok=lambda c: c.vllm_tensor_parallel_size == 1),
-    "vllm_importance_sampling_correction": FieldRule(_H, "switch of the sampler/trainer mismatch correction (TIS/MIS, docs/training.md): old log-probs from the trainer's forward, loss weighted by pi_old/pi_sampler; applies to batches whose log-probs are not the trainer's own (vLLM), or to every batch with mismatch_correction_scope='all'.", owner=_IS_OWNER),
-    "vllm_importance_sampling_mode": FieldRule(_H, "token_truncate, token_mask, sequence_truncate or sequence_mask, as in TRL; refused when set but the correction cannot apply (HF generate with mismatch_correction_scope='foreign', or correction off).", owner=_IS_OWNER),
-    "vllm_importance_sampling_clip_max": FieldRule(_H, "C_max of the importance weight, as in TRL (None: no upper bound); refused when set but the correction cannot apply.", owner=_IS_OWNER),
-    "vllm_importance_sampling_clip_min": FieldRule(_H, "C_min of the importance weight, as in TRL (None: no lower bound); refused when set but the correction cannot apply.", owner=_IS_OWNER),
-    "vllm_importance_sampling_cap": FieldRule(_H, "deprecated in TRL, whose __post_init__ copies it into vllm_importance_sampling_clip_max (same rules).", owner=_IS_OWNER),
-    "use_transformers_continuous_batching": FieldRule(_H, "rollouts generate with transformers' continuous batching (ContinuousBatchingBackend): one request per turn, a trajectory's next turn submitted as soon as its tool returns; refused with use_vllm and with repetition_penalty != 1.", owner=_CB_OWNER),
-    "transformers_continuous_batching_config": FieldRule(_H, "ContinuousBatchingConfig keyword arguments (max_memory_percent defaults to 0.5, as in TRL; num_blocks and max_batch_tokens left unset are sized from the workload: per_device_train_batch_size trajectories x the rollout's token budget), checked at start-up (the recipe also checks that the cache fits before the model loads); return_logprobs, seed, per_request_processors and drop_unsupported_processors are refused (the backend sets them); refused without use_transformers_continuous_batching.", owner=_CB_OWNER),
-    "use_transformers_paged": FieldRule(_H, "deprecated in TRL, whose __post_init__ turns it into use_transformers_continuous_batching=True (same rules).", owner=_CB_OWNER),
-    "log_completions": FieldRule(_R, "TRL's single-turn completions table; trajectory_table_steps/_rows log multi-turn trajectories (the trainer refuses it too)."),
+    "use_vllm": FieldRule(
+        _H,
+        "rollout turns are sampled by vLLM (VLLMBackend over TRL's VLLMGeneration), each turn submitted on its own; "
+        "weights are pushed before each rollout.",
+    ),
+    "vllm_mode": FieldRule(
+        _H,
+        "'colocate' (vLLM in each training process) or 'server' (every rank sends its own turns to the server); "
+        "refused when set without use_vllm.",
+        ok=lambda c: c.vllm_mode in ("colocate", "server") and _vllm_setting("vllm_mode", None)(c),
+    ),
+    "vllm_model_impl": FieldRule(
+        _H,
+        "passed to vLLM by TRL's VLLMGeneration (colocate)"
+        + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--vllm_model_impl")),
+        ok=_vllm_setting("vllm_model_impl", "colocate"),
+    ),
+    "vllm_enable_sleep_mode": FieldRule(
+        _H,
+        "colocate: vLLM sleeps (level 2) after each rollout and its weights are pushed again before the next"
+        + _COLOCATE_ONLY.format(instead="a server keeps its own memory (trl vllm-serve has no sleep mode): drop it"),
+        ok=_vllm_setting("vllm_enable_sleep_mode", "colocate"),
+    ),
+    "vllm_structured_outputs_regex": FieldRule(
+        _R,
+        "one regex would constrain every turn of a multi-turn rollout alike (tool calls, answers); constrain turns "
+        "in a rollout plugin instead.",
+    ),
+    "vllm_server_base_url": FieldRule(
+        _H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_base_url", "server")
+    ),
+    "vllm_server_host": FieldRule(
+        _H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_host", "server")
+    ),
+    "vllm_server_port": FieldRule(
+        _H, _VLLM + " (server)" + _SERVER_ONLY, ok=_vllm_setting("vllm_server_port", "server")
+    ),
+    "vllm_server_timeout": FieldRule(
+        _H,
+        _VLLM + " (server): how long every rank waits for the server" + _SERVER_ONLY,
+        ok=_vllm_setting("vllm_server_timeout", "server"),
+    ),
+    "vllm_group_port": FieldRule(
+        _H, _VLLM + " (server): the weight-update group" + _SERVER_ONLY, ok=_vllm_setting("vllm_group_port", "server")
+    ),
+    "vllm_gpu_memory_utilization": FieldRule(
+        _H,
+        _VLLM + " (colocate)" + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--gpu_memory_utilization")),
+        ok=_vllm_setting("vllm_gpu_memory_utilization", "colocate"),
+    ),
+    "vllm_max_model_length": FieldRule(
+        _H,
+        _VLLM
+        + " (colocate), refused at start-up when shorter than the rollout's token budget"
+        + _COLOCATE_ONLY.format(instead=_ON_THE_SERVER.format(flag="--max_model_len")),
+        ok=_vllm_setting("vllm_max_model_length", "colocate"),
+    ),
+    "vllm_tensor_parallel_size": FieldRule(
+        _R,
+        "colocate tensor parallelism gathers the prompts of a rank group on every generate call, a collective per "
+        "turn that per-trajectory turns cannot keep in step; keep 1, or use vllm_mode='server' with the server's own "
+        "--tensor-parallel-size.",
+        ok=lambda c: c.vllm_tensor_parallel_size == 1,
+    ),
+    "vllm_importance_sampling_correction": FieldRule(
+        _H,
+        "switch of the sampler/trainer mismatch correction (TIS/MIS, docs/training.md): old log-probs from the "
+        "trainer's forward, loss weighted by pi_old/pi_sampler; applies to batches whose log-probs are not the "
+        "trainer's own (vLLM), or to every batch with mismatch_correction_scope='all'.",
+        owner=_IS_OWNER,
+    ),
+    "vllm_importance_sampling_mode": FieldRule(
+        _H,
+        "token_truncate, token_mask, sequence_truncate or sequence_mask, as in TRL; refused when set but the "
+        "correction cannot apply (HF generate with mismatch_correction_scope='foreign', or correction off).",
+        owner=_IS_OWNER,
+    ),
+    "vllm_importance_sampling_clip_max": FieldRule(
+        _H,
+        "C_max of the importance weight, as in TRL (None: no upper bound); refused when set but the correction "
+        "cannot apply.",
+        owner=_IS_OWNER,
+    ),
+    "vllm_importance_sampling_clip_min": FieldRule(
+        _H,
+        "C_min of the importance weight, as in TRL (None: no lower bound); refused when set but the correction "
+        "cannot apply.",
+        owner=_IS_OWNER,
+    ),
+    "vllm_importance_sampling_cap": FieldRule(
+        _H,
+        "deprecated in TRL, whose __post_init__ copies it into vllm_importance_sampling_clip_max (same rules).",
+        owner=_IS_OWNER,
+    ),
+    "use_transformers_continuous_batching": FieldRule(
+        _H,
+        "rollouts generate with transformers' continuous batching (ContinuousBatchingBackend): one request per turn, "
+        "a trajectory's next turn submitted as soon as its tool returns; refused with use_vllm and with "
+        "repetition_penalty != 1.",
+        owner=_CB_OWNER,
+    ),
+    "transformers_continuous_batching_config": FieldRule(
+        _H,
+        "ContinuousBatchingConfig keyword arguments (max_memory_percent defaults to 0.5, as in TRL; num_blocks and "
+        "max_batch_tokens left unset are sized from the workload: per_device_train_batch_size trajectories x the "
+        "rollout's token budget), checked at start-up (the recipe also checks that the cache fits before the model "
+        "loads); return_logprobs, seed, per_request_processors and drop_unsupported_processors are refused (the "
+        "backend sets them); refused without use_transformers_continuous_batching.",
+        owner=_CB_OWNER,
+    ),
+    "use_transformers_paged": FieldRule(
+        _H,
+        "deprecated in TRL, whose __post_init__ turns it into use_transformers_continuous_batching=True (same rules).",
+        owner=_CB_OWNER,
+    ),
+    "log_completions": FieldRule(
+        _R,
+        "TRL's single-turn completions table; trajectory_table_steps/_rows log multi-turn trajectories (the trainer "
+        "refuses it too).",
+    ),
     "log_multimodal": FieldRule(_R, _LOGS + "."),
     "num_completions_to_print": FieldRule(_R, _LOGS + "."),
     "log_unique_prompts": FieldRule(_R, _LOGS + "."),
     "log_completions_hub_repo": FieldRule(_R, _LOGS + "."),
     # TrainingArguments: the update, the optimizer and precision
-    "per_device_train_batch_size": FieldRule(_H, "trajectories per rank per step (TRL: completions per device), a multiple of num_generations."),
+    "per_device_train_batch_size": FieldRule(
+        _H, "trajectories per rank per step (TRL: completions per device), a multiple of num_generations."
+    ),
     "gradient_accumulation_steps": FieldRule(_R, _ONE_STEP + ".", ok=lambda c: c.gradient_accumulation_steps == 1),
-    "max_grad_norm": FieldRule(_H, "the HF loop clips after our backward (DeepSpeed: its gradient_clipping); 0 turns it off."),
-    "average_tokens_across_devices": FieldRule(_R, "False: the loss always divides by global token and sequence counts over all ranks; there is nothing to switch off."),
+    "max_grad_norm": FieldRule(
+        _H, "the HF loop clips after our backward (DeepSpeed: its gradient_clipping); 0 turns it off."
+    ),
+    "average_tokens_across_devices": FieldRule(
+        _R,
+        "False: the loss always divides by global token and sequence counts over all ranks; there is nothing to "
+        "switch off.",
+    ),
     "learning_rate": FieldRule(_H, _HF + " (optimizer)."),
     "lr_scheduler_type": FieldRule(_H, _HF + " (scheduler)."),
     "lr_scheduler_kwargs": FieldRule(_H, _HF + " (scheduler)."),
     "warmup_steps": FieldRule(_H, _HF + " (scheduler)."),
-    "optim": FieldRule(_H, _HF + "; schedule_free_* refused (Trainer.training_step, which we replace, switches them to train mode).", ok=lambda c: not str(_plain(c.optim)).startswith("schedule_free")),
+    "optim": FieldRule(
+        _H,
+        _HF + "; schedule_free_* refused (Trainer.training_step, which we replace, switches them to train mode).",
+        ok=lambda c: not str(_plain(c.optim)).startswith("schedule_free"),
+    ),
     "optim_args": FieldRule(_H, _HF + " (optimizer)."),
     "weight_decay": FieldRule(_H, _HF + " (optimizer)."),
     "adam_beta1": FieldRule(_H, _HF + " (optimizer)."),
@@ -334,17 +544,29 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "bf16": FieldRule(_H, _HF + " (Accelerate mixed precision around our forward)."),
     "fp16": FieldRule(_H, _HF + " (Accelerate mixed precision and loss scaling in accelerator.backward)."),
     "tf32": FieldRule(_H, _HF + "."),
-    "activation_checkpointing": FieldRule(_H, _HF + " enables it on the policy for our forward (generation runs in eval mode)."),
+    "activation_checkpointing": FieldRule(
+        _H, _HF + " enables it on the policy for our forward (generation runs in eval mode)."
+    ),
     "activation_checkpointing_kwargs": FieldRule(_H, _HF + "."),
     "gradient_checkpointing": FieldRule(_H, _HF + " (deprecated alias of activation_checkpointing)."),
     "gradient_checkpointing_kwargs": FieldRule(_H, _HF + " (deprecated alias of activation_checkpointing_kwargs)."),
     "torch_compile": FieldRule(_H, _HF + " compiles the policy that our forward uses."),
     "torch_compile_backend": FieldRule(_H, _HF + "."),
     "torch_compile_mode": FieldRule(_H, _HF + "."),
-    "use_liger_kernel": FieldRule(_H, _HF + " patches Liger's layer kernels into the policy (TRL refuses its fused cross-entropy)."),
+    "use_liger_kernel": FieldRule(
+        _H, _HF + " patches Liger's layer kernels into the policy (TRL refuses its fused cross-entropy)."
+    ),
     "liger_kernel_config": FieldRule(_H, _HF + "."),
-    "use_cache": FieldRule(_H, "no effect: training forwards pass use_cache=False and generate always uses its KV cache (in TRL it only costs memory)."),
-    "neftune_noise_alpha": FieldRule(_R, "NEFTune noise would perturb the training forward but not generation (eval mode), biasing every importance ratio."),
+    "use_cache": FieldRule(
+        _H,
+        "no effect: training forwards pass use_cache=False and generate always uses its KV cache (in TRL it only "
+        "costs memory).",
+    ),
+    "neftune_noise_alpha": FieldRule(
+        _R,
+        "NEFTune noise would perturb the training forward but not generation (eval mode), biasing every importance "
+        "ratio.",
+    ),
     "torch_empty_cache_steps": FieldRule(_R, "acted on in Trainer.training_step, which this trainer replaces."),
     "auto_find_batch_size": FieldRule(_R, "TRL refuses it: shrinking the batch would split the groups."),
     "label_smoothing_factor": FieldRule(_R, "there is no cross-entropy on labels in RL (TRL ignores it too)."),
@@ -353,10 +575,17 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "max_steps": FieldRule(_H, _HF + "."),
     "seed": FieldRule(_H, _HF + " and TRL's sampler; every rollout's sampling seed derives from (seed, step, rank)."),
     "full_determinism": FieldRule(_H, _HF + "."),
-    "data_seed": FieldRule(_R, "TRL's RepeatSampler shuffles with seed and never reads data_seed (TRL ignores it too)."),
-    "train_sampling_strategy": FieldRule(_R, "TRL's RepeatSampler replaces the HF sampler (TRL ignores it too); shuffle_dataset=False keeps dataset order."),
+    "data_seed": FieldRule(
+        _R, "TRL's RepeatSampler shuffles with seed and never reads data_seed (TRL ignores it too)."
+    ),
+    "train_sampling_strategy": FieldRule(
+        _R,
+        "TRL's RepeatSampler replaces the HF sampler (TRL ignores it too); shuffle_dataset=False keeps dataset order.",
+    ),
     "length_column_name": FieldRule(_R, "only read with train_sampling_strategy, which is refused."),
-    "remove_unused_columns": FieldRule(_H, "as in TRL: True keeps only 'prompt', so reward components lose columns such as 'answer'."),
+    "remove_unused_columns": FieldRule(
+        _H, "as in TRL: True keeps only 'prompt', so reward components lose columns such as 'answer'."
+    ),
     "label_names": FieldRule(_R, "there are no labels in RL (TRL ignores it too)."),
     "dataloader_drop_last": FieldRule(_H, _HF + " (data loader)."),
     "dataloader_num_workers": FieldRule(_H, _HF + " (data loader)."),
@@ -374,7 +603,9 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "log_level": FieldRule(_H, _HF + "."),
     "log_level_replica": FieldRule(_H, _HF + "."),
     "disable_tqdm": FieldRule(_H, _HF + "; also turns off the rollout progress bar."),
-    "include_num_input_tokens_seen": FieldRule(_R, "counts the batches' input_ids, which question rows do not have; see the train/input_tokens metric."),
+    "include_num_input_tokens_seen": FieldRule(
+        _R, "counts the batches' input_ids, which question rows do not have; see the train/input_tokens metric."
+    ),
     "report_to": FieldRule(_H, _HF + " (W&B also gets the trajectory tables)."),
     "run_name": FieldRule(_H, _HF + "."),
     "project": FieldRule(_H, _HF + " (Trackio)."),
@@ -384,8 +615,15 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "skip_memory_metrics": FieldRule(_H, _HF + "."),
     "debug": FieldRule(_H, _HF + "."),
     # TrainingArguments: evaluation (TRL's loop generates single-turn completions)
-    "eval_strategy": FieldRule(_R, "TRL's evaluation loop generates single-turn completions; evaluate multi-turn with trl_plugins.evaluation.evaluate_policy (the recipes' held-out evaluation)."),
-    "do_eval": FieldRule(_R, "evaluation is trl_plugins.evaluation.evaluate_policy (the recipes' held-out evaluation), not the Trainer's."),
+    "eval_strategy": FieldRule(
+        _R,
+        "TRL's evaluation loop generates single-turn completions; evaluate multi-turn with "
+        "trl_plugins.evaluation.evaluate_policy (the recipes' held-out evaluation).",
+    ),
+    "do_eval": FieldRule(
+        _R,
+        "evaluation is trl_plugins.evaluation.evaluate_policy (the recipes' held-out evaluation), not the Trainer's.",
+    ),
     "eval_steps": FieldRule(_R, _EVAL + "."),
     "eval_delay": FieldRule(_R, _EVAL + "."),
     "per_device_eval_batch_size": FieldRule(_R, _EVAL + "."),
@@ -402,16 +640,28 @@ TRL_FIELDS: dict[str, FieldRule] = {
     "metric_for_best_model": FieldRule(_R, "needs evaluation metrics, and the evaluation loop is refused."),
     "greater_is_better": FieldRule(_R, "needs evaluation metrics, and the evaluation loop is refused."),
     # TrainingArguments: checkpoints and the Hub
-    "output_dir": FieldRule(_H, "checkpoints, metrics.jsonl, logger files, trajectories/ (the viewer's batches) and run_config/ (the config and tokenizer, saved when training starts; docs/replay.md)."),
-    "save_strategy": FieldRule(_H, _HF + "; 'best' refused (it needs evaluation metrics).", ok=lambda c: _plain(c.save_strategy) != "best"),
+    "output_dir": FieldRule(
+        _H,
+        "checkpoints, metrics.jsonl, logger files, trajectories/ (the viewer's batches) and run_config/ (the config "
+        "and tokenizer, saved when training starts; docs/replay.md).",
+    ),
+    "save_strategy": FieldRule(
+        _H, _HF + "; 'best' refused (it needs evaluation metrics).", ok=lambda c: _plain(c.save_strategy) != "best"
+    ),
     "save_steps": FieldRule(_H, _HF + "."),
     "save_total_limit": FieldRule(_H, "older checkpoints are rotated out only after the new one is marked complete."),
     "save_on_each_node": FieldRule(_H, _HF + "."),
     "save_only_model": FieldRule(_H, _HF + " (no resume from such checkpoints, as in TRL)."),
-    "enable_jit_checkpoint": FieldRule(_H, _HF + "; the SIGTERM checkpoint goes through our _save_checkpoint (completion marker)."),
+    "enable_jit_checkpoint": FieldRule(
+        _H, _HF + "; the SIGTERM checkpoint goes through our _save_checkpoint (completion marker)."
+    ),
     "ignore_data_skip": FieldRule(_H, _HF + " (on resume)."),
     "restore_callback_states_from_checkpoint": FieldRule(_H, _HF + " (on resume)."),
-    "resume_from_checkpoint": FieldRule(_H, "a script flag: a recipe passes it to train(), where True, 'true' or 'latest' mean the newest complete checkpoint, checked before it loads (docs/training.md#resuming)."),
+    "resume_from_checkpoint": FieldRule(
+        _H,
+        "a script flag: a recipe passes it to train(), where True, 'true' or 'latest' mean the newest complete "
+        "checkpoint, checked before it loads (docs/training.md#resuming).",
+    ),
     "push_to_hub": FieldRule(_H, _HF + " (with TRL's model card)."),
     "hub_token": FieldRule(_H, _HF + "."),
     "hub_private_repo": FieldRule(_H, _HF + "."),
@@ -422,10 +672,22 @@ TRL_FIELDS: dict[str, FieldRule] = {
     # TrainingArguments: devices and distribution
     "use_cpu": FieldRule(_H, "Accelerate (needed for CPU DDP and bf16 on CPU: docs/training.md)."),
     "accelerator_config": FieldRule(_H, "Accelerate, through the HF loop."),
-    "deepspeed": FieldRule(_H, "ZeRO-2/3 through the HF loop (tested; the update sets DeepSpeed's accumulation boundary itself)."),
-    "fsdp": FieldRule(_R, "untested: the rollout gathers full weights for generation only under DeepSpeed ZeRO-3, and ranks take different turn counts; use accelerate_configs/zero3.yaml."),
+    "deepspeed": FieldRule(
+        _H, "ZeRO-2/3 through the HF loop (tested; the update sets DeepSpeed's accumulation boundary itself)."
+    ),
+    "fsdp": FieldRule(
+        _R,
+        "untested: the rollout gathers full weights for generation only under DeepSpeed ZeRO-3, and ranks take "
+        "different turn counts; use accelerate_configs/zero3.yaml.",
+    ),
     "fsdp_config": FieldRule(_R, "read only with fsdp, which is refused."),
-    "parallelism_config": FieldRule(_M, "sequence_parallel_size: sp_size with sp_backend='deepspeed' (Ulysses in the policy update's forward and backward, docs/training.md); tensor, context and sharded data parallelism refused; an accelerate config's parallelism_config alike.", owner="MultiTurnGRPOConfig.__post_init__ (trl_plugins.run.parallelism)"),
+    "parallelism_config": FieldRule(
+        _M,
+        "sequence_parallel_size: sp_size with sp_backend='deepspeed' (Ulysses in the policy update's forward and "
+        "backward, docs/training.md); tensor, context and sharded data parallelism refused; an accelerate config's "
+        "parallelism_config alike.",
+        owner="MultiTurnGRPOConfig.__post_init__ (trl_plugins.run.parallelism)",
+    ),
     "ddp_find_unused_parameters": FieldRule(_H, _HF + " (DDP)."),
     "ddp_bucket_cap_mb": FieldRule(_H, _HF + " (DDP)."),
     "ddp_broadcast_buffers": FieldRule(_H, _HF + " (DDP)."),

@@ -16,8 +16,15 @@ from trl_plugins.protocols import PluginDeclarationError
 from trl_plugins.rollout.weights import WEIGHTS_SAMPLE, weights_digest
 from trl_plugins.types import AdapterSpec, RunVersion
 
-__all__ = ["WEIGHTS_SAMPLE", "weights_digest", "plugin_version", "plugin_versions", "tool_schemas_digest",
-           "run_version", "version_differences"]
+__all__ = [
+    "WEIGHTS_SAMPLE",
+    "weights_digest",
+    "plugin_version",
+    "plugin_versions",
+    "tool_schemas_digest",
+    "run_version",
+    "version_differences",
+]
 
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft", "vllm", "trl_plugins")
 
@@ -29,7 +36,9 @@ def plugin_version(plugin: Any) -> str | None:
     declared = getattr(impl, "version", None)
     if isinstance(declared, (str, int, float)) and not isinstance(declared, bool):
         return str(declared)
-    module = getattr(impl if isinstance(impl, type) or hasattr(impl, "__code__") else type(impl), "__module__", "") or ""
+    module = (
+        getattr(impl if isinstance(impl, type) or hasattr(impl, "__code__") else type(impl), "__module__", "") or ""
+    )
     top = module.split(".")[0]
     for dist in metadata.packages_distributions().get(top, []):
         try:
@@ -55,10 +64,16 @@ def plugin_versions(key: str, plugin: Any) -> dict[str, str | None]:
     if method is None:
         return out
     parts = method() if callable(method) else method
-    if not callable(method) or not isinstance(parts, Mapping) or not all(
-            isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in parts.items()):
-        raise PluginDeclarationError(getattr(plugin, "label", key), f"declares versions = {parts!r}; it must be a method returning "
-                                     f"{{part: version string or None}} (docs/replay.md).")
+    if (
+        not callable(method)
+        or not isinstance(parts, Mapping)
+        or not all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in parts.items())
+    ):
+        raise PluginDeclarationError(
+            getattr(plugin, "label", key),
+            f"declares versions = {parts!r}; it must be a method returning "
+            f"{{part: version string or None}} (docs/replay.md).",
+        )
     out.update({f"{key}/{part}": v for part, v in sorted(parts.items())})
     return out
 
@@ -88,14 +103,24 @@ def _adapters(model: Any) -> tuple[AdapterSpec, ...]:
         targets = getattr(cfg, "target_modules", None) or ()
         targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
         kind = getattr(cfg, "peft_type", None)
-        out.append(AdapterSpec(name=str(name), kind=str(getattr(kind, "value", kind)), rank=getattr(cfg, "r", None),
-                               targets=targets))
+        out.append(
+            AdapterSpec(
+                name=str(name), kind=str(getattr(kind, "value", kind)), rank=getattr(cfg, "r", None), targets=targets
+            )
+        )
     return tuple(out)
 
 
-def run_version(*, tokenizer_digest: str, tool_schemas: Sequence[Mapping[str, Any]], model: Any, sampler: str,
-                rewards: Sequence[Any] = (), tools: Mapping[str, Any] | None = None,
-                rollout: Any = None) -> RunVersion:
+def run_version(
+    *,
+    tokenizer_digest: str,
+    tool_schemas: Sequence[Mapping[str, Any]],
+    model: Any,
+    sampler: str,
+    rewards: Sequence[Any] = (),
+    tools: Mapping[str, Any] | None = None,
+    rollout: Any = None,
+) -> RunVersion:
     """The run-level record of a run whose policy is ``model`` (unwrapped or not; PEFT adapters read from it).
 
     Args:
@@ -110,8 +135,13 @@ def run_version(*, tokenizer_digest: str, tool_schemas: Sequence[Mapping[str, An
     inner = getattr(model, "module", model)
     params = next(iter(inner.parameters()), None) if isinstance(inner, torch.nn.Module) else None
     quant = getattr(getattr(inner, "config", None), "quantization_config", None)
-    quant_method = None if quant is None else str(getattr(quant, "quant_method", None) or
-                                                 (quant.get("quant_method") if isinstance(quant, Mapping) else quant))
+    quant_method = (
+        None
+        if quant is None
+        else str(
+            getattr(quant, "quant_method", None) or (quant.get("quant_method") if isinstance(quant, Mapping) else quant)
+        )
+    )
     versions: dict[str, str | None] = {}
     for r in rewards:
         versions.update(plugin_versions(f"reward/{r.name}", r))
@@ -120,9 +150,15 @@ def run_version(*, tokenizer_digest: str, tool_schemas: Sequence[Mapping[str, An
     if rollout is not None:
         versions.update(plugin_versions(f"rollout/{rollout.name}", rollout))
     return RunVersion(
-        tokenizer_digest=tokenizer_digest, dtype=str(params.dtype).removeprefix("torch.") if params is not None else "",
-        quantization=quant_method, adapters=_adapters(inner), sampler=str(sampler), packages=_package_versions(),
-        tool_schemas_digest=tool_schemas_digest(tool_schemas), plugin_versions=versions, weights_sample=WEIGHTS_SAMPLE,
+        tokenizer_digest=tokenizer_digest,
+        dtype=str(params.dtype).removeprefix("torch.") if params is not None else "",
+        quantization=quant_method,
+        adapters=_adapters(inner),
+        sampler=str(sampler),
+        packages=_package_versions(),
+        tool_schemas_digest=tool_schemas_digest(tool_schemas),
+        plugin_versions=versions,
+        weights_sample=WEIGHTS_SAMPLE,
     )
 
 
@@ -135,7 +171,9 @@ def version_differences(saved: RunVersion, current: RunVersion) -> list[str]:
         if key in ("packages", "plugin_versions"):
             for name in sorted(set(a[key]) | set(b[key])):
                 if a[key].get(name, "absent") != b[key].get(name, "absent"):
-                    out.append(f"{key}[{name}]: {a[key].get(name, 'absent')} (saved) vs {b[key].get(name, 'absent')} (current)")
+                    out.append(
+                        f"{key}[{name}]: {a[key].get(name, 'absent')} (saved) vs {b[key].get(name, 'absent')} (current)"
+                    )
         elif a[key] != b[key]:
             out.append(f"{key}: {a[key]} (saved) vs {b[key]} (current)")
     return out

@@ -135,17 +135,28 @@ def schema_problem(schema: Any, name: str) -> str | None:
         return f"schema() returned {schema!r:.200}; it must be {{'type': 'function', 'function': {{...}}}}"
     fn = schema["function"]
     if fn.get("name") != name:
-        return (f"schema()['function']['name'] is {fn.get('name')!r}, but the tool's name is {name!r}. The model calls a "
-                f"tool by the name its schema shows, and the rollout finds the tool by its own name, so every call "
-                f"would find no tool: make the two the same")
+        return (
+            f"schema()['function']['name'] is {fn.get('name')!r}, but the tool's name is {name!r}. The model calls a "
+            f"tool by the name its schema shows, and the rollout finds the tool by its own name, so every call "
+            f"would find no tool: make the two the same"
+        )
     if not isinstance(fn.get("description"), str) or not fn["description"].strip():
         return "schema()['function'] has no 'description': the model is told what the tool does only there"
     params = fn.get("parameters")
-    if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(params.get("properties", {}), dict):
-        return "schema()['function']['parameters'] must be a JSON-schema object: {'type': 'object', 'properties': {...}}"
+    if (
+        not isinstance(params, dict)
+        or params.get("type") != "object"
+        or not isinstance(params.get("properties", {}), dict)
+    ):
+        return (
+            "schema()['function']['parameters'] must be a JSON-schema object: {'type': 'object', 'properties': {...}}"
+        )
     props, required = params.get("properties", {}), params.get("required", [])
     if not isinstance(required, list) or any(k not in props for k in required):
-        return f"schema()['function']['parameters']['required'] ({required!r}) must list keys of 'properties' ({sorted(props)})"
+        return (
+            f"schema()['function']['parameters']['required'] ({required!r}) must list keys of 'properties' "
+            f"({sorted(props)})"
+        )
     try:
         json.dumps(schema)
     except (TypeError, ValueError) as exc:

@@ -74,8 +74,10 @@ class CodeInterpreter(ClosingTool):
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "remote"):
-            raise ValueError(f"backend must be 'local' (a sandbox on this machine) or 'remote' (a sandbox server), "
-                             f"got {self.backend!r}")
+            raise ValueError(
+                f"backend must be 'local' (a sandbox on this machine) or 'remote' (a sandbox server), "
+                f"got {self.backend!r}"
+            )
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         if self.retries < 0 or self.retry_backoff_s < 0:
@@ -88,15 +90,26 @@ class CodeInterpreter(ClosingTool):
             self.mode = self.mode or "warm"
             self.isolation = self.isolation or "auto"
             return
-        server_side = {k: v for k, v in (("mode", self.mode), ("isolation", self.isolation),
-                                         ("hidden_paths", tuple(self.hidden_paths) or None)) if v is not None}
+        server_side = {
+            k: v
+            for k, v in (
+                ("mode", self.mode),
+                ("isolation", self.isolation),
+                ("hidden_paths", tuple(self.hidden_paths) or None),
+            )
+            if v is not None
+        }
         if server_side:
-            raise ValueError(f"{sorted(server_side)} are the sandbox server's settings, not the client's: with "
-                             f"backend='remote' remove them from tool_kwargs and start the server with them "
-                             f"(--mode, --isolation, --hidden-path; docs/sandbox_service.md)")
+            raise ValueError(
+                f"{sorted(server_side)} are the sandbox server's settings, not the client's: with "
+                f"backend='remote' remove them from tool_kwargs and start the server with them "
+                f"(--mode, --isolation, --hidden-path; docs/sandbox_service.md)"
+            )
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"backend='remote' needs url, the server's base URL such as 'http://sandbox-host:8000'; "
-                             f"got {self.url!r}")
+            raise ValueError(
+                f"backend='remote' needs url, the server's base URL such as 'http://sandbox-host:8000'; "
+                f"got {self.url!r}"
+            )
 
     def schema(self) -> dict[str, Any]:
         return {
@@ -125,14 +138,23 @@ class CodeInterpreter(ClosingTool):
             if self.backend == "remote":
                 token = os.environ.get(self.token_env, "").strip() or None
                 if token is None and self.protocol == "trl":
-                    raise RuntimeError(f"the code interpreter's sandbox server needs its token in the environment "
-                                       f"variable {self.token_env} (the one the server was started with)")
+                    raise RuntimeError(
+                        f"the code interpreter's sandbox server needs its token in the environment "
+                        f"variable {self.token_env} (the one the server was started with)"
+                    )
                 from trl_plugins.tools.sandbox.remote import RemoteSandbox  # httpx: only when used
 
                 self._sandbox = RemoteSandbox(
-                    self.url, token, protocol=self.protocol, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                    max_output_chars=self.max_output_chars, max_concurrency=self.max_concurrency,
-                    retries=self.retries, retry_backoff_s=self.retry_backoff_s)
+                    self.url,
+                    token,
+                    protocol=self.protocol,
+                    timeout_s=self.timeout_s,
+                    memory_mb=self.memory_mb,
+                    max_output_chars=self.max_output_chars,
+                    max_concurrency=self.max_concurrency,
+                    retries=self.retries,
+                    retry_backoff_s=self.retry_backoff_s,
+                )
             else:
                 self._sandbox = PythonSandbox(
                     timeout_s=self.timeout_s,
@@ -168,8 +190,12 @@ class CodeInterpreter(ClosingTool):
             return ToolOutput(text=str(exc), ok=False)
         if result.exit_code is None and not result.timed_out:
             # The sandbox failed (could not start, crashed): not the model's code.
-            return ToolOutput(text=result.stderr, ok=False, latency_s=result.latency_s,
-                              infra_error=result.stderr.strip() or "the sandbox failed")
+            return ToolOutput(
+                text=result.stderr,
+                ok=False,
+                latency_s=result.latency_s,
+                infra_error=result.stderr.strip() or "the sandbox failed",
+            )
         text = result.stdout
         if not result.ok:
             text = (text + ("\n" if text and not text.endswith("\n") else "") + result.stderr).strip("\n")
@@ -189,8 +215,14 @@ class CodeInterpreter(ClosingTool):
     def step_metric_reductions(self) -> dict[str, str]:
         """How :meth:`step_metrics` combine over ranks: counts add up, the largest latency is the largest;
         the latency percentiles are each rank's, averaged (``rollout/tool_latency_*`` are exact)."""
-        return {"sandbox/calls": "sum", "sandbox/successes": "sum", "sandbox/errors": "sum", "sandbox/timeouts": "sum",
-                "sandbox/retries": "sum", "sandbox/latency_max_s": "max"}
+        return {
+            "sandbox/calls": "sum",
+            "sandbox/successes": "sum",
+            "sandbox/errors": "sum",
+            "sandbox/timeouts": "sum",
+            "sandbox/retries": "sum",
+            "sandbox/latency_max_s": "max",
+        }
 
     def close(self) -> None:
         """Stop the sandbox's interpreters (remote: close the connections)."""

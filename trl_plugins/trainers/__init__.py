@@ -4,8 +4,15 @@ multi-rank passes over datums (the update, the critic, the no-gradient log-probs
 from trl_plugins.trainers.interrupts import TrainingInterrupted
 from trl_plugins.trainers.update import UpdateResult, UpdateSettings, policy_update
 
-__all__ = ["UpdateSettings", "UpdateResult", "policy_update", "MultiTurnGRPOConfig", "MultiTurnGRPOTrainer",
-           "TrainingInterrupted", "NoPolicyUpdate"]
+__all__ = [
+    "UpdateSettings",
+    "UpdateResult",
+    "policy_update",
+    "MultiTurnGRPOConfig",
+    "MultiTurnGRPOTrainer",
+    "TrainingInterrupted",
+    "NoPolicyUpdate",
+]
 
 
 def __getattr__(name: str):

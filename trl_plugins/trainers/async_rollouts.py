@@ -45,7 +45,14 @@ from trl_plugins.trainers.replica import (
 )
 from trl_plugins.types import Datum
 
-__all__ = ["AsyncRollouts", "OffPolicyDrift", "ServerRollouts", "check_off_policy", "off_policy_figures", "probe_tolerance"]
+__all__ = [
+    "AsyncRollouts",
+    "OffPolicyDrift",
+    "ServerRollouts",
+    "check_off_policy",
+    "off_policy_figures",
+    "probe_tolerance",
+]
 
 
 class OffPolicyDrift(RuntimeError):
@@ -158,8 +165,9 @@ class ServerRollouts:
         self.pushed_step = -1
         self.probe_due = False
         c = parts["config"]  # streaming: every queued batch at once; else one after another
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=c.max_staleness + 1 if c.async_streaming else 1,
-                                                           thread_name_prefix="async-rollout")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=c.max_staleness + 1 if c.async_streaming else 1, thread_name_prefix="async-rollout"
+        )
         self._futures: dict[Any, concurrent.futures.Future] = {}
         self._starts: dict[Any, int] = {}
         self.dtype: torch.dtype | None = None
@@ -169,7 +177,9 @@ class ServerRollouts:
         self._full_weights: Callable[[], ContextManager[torch.nn.Module]] | None = None
 
     def view(self, sampling: Any = None, *, pushes: bool = True) -> _ServerView:
-        return _ServerView(self, self._backend if sampling is None else self._backend.with_sampling(sampling), pushes=pushes)
+        return _ServerView(
+            self, self._backend if sampling is None else self._backend.with_sampling(sampling), pushes=pushes
+        )
 
     def push(self, step: int, full_weights: Callable[[], ContextManager[torch.nn.Module]] | None = None) -> None:
         """Bring the server to the weights of ``step`` once the requests in flight have finished; then probe."""
@@ -187,9 +197,11 @@ class ServerRollouts:
         from trl_plugins.types import SamplingSettings
 
         prompt = self.parts.chat.initial_prompt_ids([{"role": "user", "content": "Probe: say something."}])
-        (sample,) = self._backend.with_sampling(SamplingSettings(temperature=1.0)).generate([prompt], [16], seeds=[1234])
+        (sample,) = self._backend.with_sampling(SamplingSettings(temperature=1.0)).generate(
+            [prompt], [16], seeds=[1234]
+        )
         with self._full_weights() as model:
-            mine = probe_logprobs(model, torch.tensor(list(prompt) + list(sample.token_ids)))[len(prompt) - 1:]
+            mine = probe_logprobs(model, torch.tensor(list(prompt) + list(sample.token_ids)))[len(prompt) - 1 :]
             self.dtype = next(model.parameters()).dtype
         self._probes[step] = (torch.tensor(sample.logprobs, dtype=torch.float32), mine)
 
@@ -199,8 +211,17 @@ class ServerRollouts:
         start = self.pushed_step
         view = self.view(pushes=False)
 
-        self._futures[key] = self._pool.submit(rollout_rows, self.parts, view, list(rows), group_size=group_size,
-                                               seed=seed, policy_step=start, id_offset=id_offset, stop=self._stop)
+        self._futures[key] = self._pool.submit(
+            rollout_rows,
+            self.parts,
+            view,
+            list(rows),
+            group_size=group_size,
+            seed=seed,
+            policy_step=start,
+            id_offset=id_offset,
+            stop=self._stop,
+        )
         self._starts[key] = start
 
     def result(self, key: Any, *, cancelled: Callable[[], bool] | None = None) -> ReplicaResult | None:
@@ -240,8 +261,16 @@ class AsyncRollouts:
         token_budget: The rollout's token budget.
     """
 
-    def __init__(self, config: Any, parts: dict[str, Any], *, sampler: Any, pad_token_id: int | None,
-                 token_budget: int | None, server_backend: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        parts: dict[str, Any],
+        *,
+        sampler: Any,
+        pad_token_id: int | None,
+        token_budget: int | None,
+        server_backend: Any = None,
+    ) -> None:
         self.config, self.parts, self.sampler = config, parts, sampler
         self.pad_token_id, self.token_budget = pad_token_id, token_budget
         self._server_backend = server_backend
@@ -263,7 +292,9 @@ class AsyncRollouts:
         """This step's batch from ``epoch_iterator``, after reading up to ``max_staleness`` more (not beyond
         ``steps_left`` steps, nor beyond the epoch). A new epoch's iterator starts a new read-ahead."""
         if num_batches != 1:
-            raise ValueError(f"async_rollouts takes one batch per step, got {num_batches} (gradient_accumulation_steps stays 1).")
+            raise ValueError(
+                f"async_rollouts takes one batch per step, got {num_batches} (gradient_accumulation_steps stays 1)."
+            )
         if epoch_iterator is not self._iterator:
             self._iterator, self._ahead = epoch_iterator, deque()
         want = 1 + max(0, min(self.config.max_staleness, steps_left - 1))
@@ -278,10 +309,17 @@ class AsyncRollouts:
 
     # -- the rollout of a step -------------------------------------------------------------------------
 
-    def roll_out(self, step: int, rows: list[dict], upcoming: Sequence[list[dict]],
-                 full_weights: Callable[[], ContextManager[torch.nn.Module]], *,
-                 group_size: int, seed: Callable[[int], int],
-                 cancelled: Callable[[], bool] | None = None) -> tuple[ReplicaResult | None, dict[str, float]]:
+    def roll_out(
+        self,
+        step: int,
+        rows: list[dict],
+        upcoming: Sequence[list[dict]],
+        full_weights: Callable[[], ContextManager[torch.nn.Module]],
+        *,
+        group_size: int,
+        seed: Callable[[int], int],
+        cancelled: Callable[[], bool] | None = None,
+    ) -> tuple[ReplicaResult | None, dict[str, float]]:
         """Step ``step``'s rollout of ``rows`` (None: ``cancelled`` while waiting), after pushing the weights of
         ``step`` and queueing ``upcoming`` (the rows of steps ``step + 1, ...``). ``full_weights()`` enters the
         unwrapped policy with its full weights (under ZeRO-3 gathered: a collective, so every rank calls this at the
@@ -303,10 +341,17 @@ class AsyncRollouts:
                 self._probe = probe_tokens(model.config.vocab_size)
                 self._dtype = next(model.parameters()).dtype
                 self._trainer_probes[step] = probe_logprobs(model, self._probe)
-                self.producer = GenerationReplica(model, policy_step=step, parts=self.parts, sampler=self.sampler,
-                                                 pad_token_id=self.pad_token_id, token_budget=self.token_budget,
-                                                 probe=self._probe, threads=c.async_replica_threads,
-                                                 streaming=bool(c.async_streaming))
+                self.producer = GenerationReplica(
+                    model,
+                    policy_step=step,
+                    parts=self.parts,
+                    sampler=self.sampler,
+                    pad_token_id=self.pad_token_id,
+                    token_budget=self.token_budget,
+                    probe=self._probe,
+                    threads=c.async_replica_threads,
+                    streaming=bool(c.async_streaming),
+                )
         elif self.producer.pushed_step != step:
             with full_weights() as model:
                 self._trainer_probes[step] = probe_logprobs(model, self._probe)
@@ -344,12 +389,15 @@ class AsyncRollouts:
             worst = max(worst, diff)
             if tolerance >= 0 and not diff <= tolerance:
                 raise OffPolicyDrift(
-                    f"weight-push probe: after the push of step {pushed}'s weights, the generation replica's log-probs of "
-                    f"the fixed probe sequence differ from the trainer's by {diff:.3g} (max over {mine.numel()} tokens), "
+                    f"weight-push probe: after the push of step {pushed}'s weights, the generation replica's "
+                    "log-probs of "
+                    f"the fixed probe sequence differ from the trainer's by {diff:.3g} (max over {mine.numel()} "
+                    "tokens), "
                     f"over async_probe_tolerance={tolerance:g}: the replica is not sampling with the weights it "
                     f"says it has (a weight sync that did nothing?). The run stops rather than train on them; if the "
                     f"gap is numerical (another dtype or kernel), raise async_probe_tolerance (a negative value turns "
-                    f"the check off).")
+                    f"the check off)."
+                )
         return worst
 
     def generation_backend(self, sampling: Any) -> Any:
@@ -380,11 +428,13 @@ def check_off_policy(config: Any, totals: Sequence[float]) -> dict[str, float]:
             f"log-prob gap: this step's mean |log pi_prox - log pi_behaviour| over {int(n)} trained tokens is "
             f"{mean_gap:.3g}, over async_max_logprob_gap={limit:g}: the weights that sampled them are too far from the "
             f"ones being trained (max_staleness={config.max_staleness}) or the replica's log-probs are wrong. Lower "
-            f"max_staleness or the learning rate, or raise async_max_logprob_gap (None turns the check off).")
+            f"max_staleness or the learning rate, or raise async_max_logprob_gap (None turns the check off)."
+        )
     floor = config.async_min_importance_ess
     if floor is not None and ess < floor:
         raise OffPolicyDrift(
             f"importance-weight ESS: this step's effective sample size of pi_prox / pi_behaviour over {int(n)} trained "
             f"tokens is {ess:.3g}, under async_min_importance_ess={floor:g}: a few tokens carry the update. Lower "
-            f"max_staleness or the learning rate, or lower async_min_importance_ess (None turns the check off).")
+            f"max_staleness or the learning rate, or lower async_min_importance_ess (None turns the check off)."
+        )
     return {"async/logprob_gap": mean_gap, "async/importance_ess": ess}

@@ -51,8 +51,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _check_result(rollout_name: str, result: Any, questions: Sequence[Any], group_size: int, digest: str,
-                  run_digest: str | None = None) -> None:
+def _check_result(
+    rollout_name: str,
+    result: Any,
+    questions: Sequence[Any],
+    group_size: int,
+    digest: str,
+    run_digest: str | None = None,
+) -> None:
     where = f"rollout plugin {rollout_name!r}"
     if not isinstance(result, RolloutResult):
         raise TrajectoryError(f"{where} returned {type(result).__name__}; a rollout returns a RolloutResult.")
@@ -113,10 +119,21 @@ def rollout_rows(
     chat: ChatFormat = run.chat
     questions = questions_from_rows(chat, rows, run.config.system_prompt, id_offset=id_offset)
     backend.sync_weights(policy_step)
-    request = RolloutRequest(questions, group_size, backend, chat, run.tools, policy_step=policy_step, seed=seed,
-                             progress=progress, stop=stop)
+    request = RolloutRequest(
+        questions,
+        group_size,
+        backend,
+        chat,
+        run.tools,
+        policy_step=policy_step,
+        seed=seed,
+        progress=progress,
+        stop=stop,
+    )
     result = run.rollout(request)
-    weights = backend.weights_digest()  # after the sync (and, under ZeRO-3, taken in the rollout's gather): what sampled
+    weights = (
+        backend.weights_digest()
+    )  # after the sync (and, under ZeRO-3, taken in the rollout's gather): what sampled
     run_digest = None if run.version is None else run.version.digest
     _check_result(run.rollout.name, result, questions, group_size, chat.digest, run_digest)
     _stamp_versions(result.trajectories, weights, run_digest, policy_step)
@@ -131,8 +148,10 @@ def _stamp_versions(trajectories: Sequence[Trajectory], weights: str | None, run
         v = traj.policy_version
         if v is None:
             continue
-        new = (v.weights_digest if v.weights_digest is not None or v.step != step else weights,
-               v.run_digest if v.run_digest is not None else run_digest)
+        new = (
+            v.weights_digest if v.weights_digest is not None or v.step != step else weights,
+            v.run_digest if v.run_digest is not None else run_digest,
+        )
         if new == (v.weights_digest, v.run_digest):
             continue
         if id(v) not in stamped:
@@ -165,8 +184,13 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def score_trajectories(rewards: Sequence[RewardPlugin], trajectories: Sequence[Trajectory],
-                       rows: Sequence[Mapping[str, Any]], *, time_limit_s: float | None = None) -> dict[str, int]:
+def score_trajectories(
+    rewards: Sequence[RewardPlugin],
+    trajectories: Sequence[Trajectory],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    time_limit_s: float | None = None,
+) -> dict[str, int]:
     """Store each reward component (name, value, weight) on each trajectory; ``rows[traj.group_id]`` is its example.
 
     A component that raises, returns anything but one finite number (:func:`~trl_plugins.rewards.reward_value`) or
@@ -202,7 +226,9 @@ def score_trajectories(rewards: Sequence[RewardPlugin], trajectories: Sequence[T
                 failures[name] = failures.get(name, 0) + 1
                 traj.stop_reason = StopReason.VERIFIER_ERROR
                 traj.error = f"reward component {name!r}: {type(exc).__name__}: {exc}"
-                logger.warning("verifier_error on question %r sample %d: %s", traj.question_id, traj.sample_index, traj.error)
+                logger.warning(
+                    "verifier_error on question %r sample %d: %s", traj.question_id, traj.sample_index, traj.error
+                )
                 components = []
                 break
             components.append(RewardComponent(name, value, weight))
@@ -210,8 +236,9 @@ def score_trajectories(rewards: Sequence[RewardPlugin], trajectories: Sequence[T
     return failures
 
 
-def left_out_reasons(trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
-                     ) -> list[LeftOutReason | None]:
+def left_out_reasons(
+    trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
+) -> list[LeftOutReason | None]:
     """Per trajectory, why it carries no training signal (neither scored against its group nor trained on), or None.
 
     - Every world failure (``environment_error``, ``verifier_error``, ``cancelled``): the infrastructure's fault.
@@ -220,8 +247,12 @@ def left_out_reasons(trajectories: Sequence[Trajectory], *, mask_truncated: bool
       ``min_valid_group_fraction`` (too few left to compare).
     """
     reasons: list[LeftOutReason | None] = [
-        LeftOutReason.WORLD_FAILURE if t.world_failure else LeftOutReason.TRUNCATED if mask_truncated and t.truncated
-        else None for t in trajectories
+        LeftOutReason.WORLD_FAILURE
+        if t.world_failure
+        else LeftOutReason.TRUNCATED
+        if mask_truncated and t.truncated
+        else None
+        for t in trajectories
     ]
     by_group: dict[int, list[int]] = {}
     for i, t in enumerate(trajectories):
@@ -235,15 +266,25 @@ def left_out_reasons(trajectories: Sequence[Trajectory], *, mask_truncated: bool
     return reasons
 
 
-def training_mask(trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
-                  ) -> list[bool]:
+def training_mask(
+    trajectories: Sequence[Trajectory], *, mask_truncated: bool, min_valid_group_fraction: float = 0.0
+) -> list[bool]:
     """Per trajectory, whether the update leaves it out (:func:`left_out_reasons` is not None)."""
-    return [r is not None for r in left_out_reasons(trajectories, mask_truncated=mask_truncated,
-                                                    min_valid_group_fraction=min_valid_group_fraction)]
+    return [
+        r is not None
+        for r in left_out_reasons(
+            trajectories, mask_truncated=mask_truncated, min_valid_group_fraction=min_valid_group_fraction
+        )
+    ]
 
 
-def build_datums_for_update(trajectories: Sequence[Trajectory], left_out: Sequence[Any], *,
-                            max_context_tokens: int | None, bootstrap_truncated: bool = False) -> list[Datum]:
+def build_datums_for_update(
+    trajectories: Sequence[Trajectory],
+    left_out: Sequence[Any],
+    *,
+    max_context_tokens: int | None,
+    bootstrap_truncated: bool = False,
+) -> list[Datum]:
     """One datum per segment of each trajectory the update trains on (those ``left_out`` marks are skipped; a
     trajectory is one segment unless an agent rewrote its history: :attr:`~trl_plugins.types.Trajectory.num_segments`),
     advantages still 0.
@@ -270,7 +311,9 @@ def kl_per_token(datum: Datum, estimator: str) -> torch.Tensor:
     """``(T,)`` estimate of KL(behaviour || reference) at each action position of ``datum`` (0 elsewhere),
     from the sampler's behaviour log-probs and the datum's reference log-probs, in float64."""
     if datum.ref_logprobs is None:
-        raise ValueError("the KL to the reference needs datums with reference log-probs; call reference_logprobs() first.")
+        raise ValueError(
+            "the KL to the reference needs datums with reference log-probs; call reference_logprobs() first."
+        )
     mask = torch.tensor(datum.action_mask, dtype=torch.float64)
     behaviour = torch.tensor(datum.behaviour_logprobs, dtype=torch.float64)
     ref = torch.where(mask.bool(), torch.tensor(datum.ref_logprobs, dtype=torch.float64), behaviour)
@@ -295,7 +338,9 @@ def add_kl_penalty(trajectories: Sequence[Trajectory], datums: Sequence[Datum], 
         traj.reward_components.append(RewardComponent(KL_PENALTY_COMPONENT, -total, beta))
 
 
-def turn_tensors(datums: Sequence[Datum], width: int, *, label: str = "the estimator") -> tuple[torch.Tensor, torch.Tensor]:
+def turn_tensors(
+    datums: Sequence[Datum], width: int, *, label: str = "the estimator"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(turn_ids, turn_state_ids)`` of ``datums``, each ``(N, width)`` long and -1 off the action positions: each
     action position's turn (``Datum.turn_ids``) and an id of the state its turn was taken from, the datum's tokens up
     to the turn's first sampled token, interned over ``datums`` (equal ids exactly for equal prefixes).
@@ -309,8 +354,10 @@ def turn_tensors(datums: Sequence[Datum], width: int, *, label: str = "the estim
     states: dict[tuple[int, ...], int] = {}
     for row, d in enumerate(datums):
         if d.turn_ids is None:
-            raise ValueError(f"{label} needs turn ids (needs_turn_ids), but datum {row} carries none: build datums with "
-                             f"trl_plugins.datum.build_datums.")
+            raise ValueError(
+                f"{label} needs turn ids (needs_turn_ids), but datum {row} carries none: build datums with "
+                f"trl_plugins.datum.build_datums."
+            )
         turn_ids[row, : d.num_tokens] = torch.tensor(d.turn_ids, dtype=torch.long)
         first: dict[int, int] = {}
         for pos, k in enumerate(d.turn_ids):
@@ -335,18 +382,23 @@ def _checked(plugin: AdvantagePlugin, what: str, tensor: Any, shapes: list[tuple
         raise ValueError(
             f"{plugin.label} returned {what} of shape {got} for {shapes[0][0]} trajectories; an estimator returns one "
             f"advantage per trajectory, shape {shapes[0]}, or one per datum position, shape (N, T)"
-            + (f" = {shapes[1]}" if len(shapes) > 1 else "") + "."
+            + (f" = {shapes[1]}" if len(shapes) > 1 else "")
+            + "."
         )
     if not bool(torch.isfinite(tensor).all()):
         flat = tensor.reshape(-1)
         bad = int((~torch.isfinite(flat)).nonzero()[0])
         row = bad // tensor.shape[1] if tensor.dim() > 1 and tensor.shape[1] else bad
-        raise ValueError(f"{plugin.label} returned a non-finite {what.removesuffix('s')} ({float(flat[bad])}) for "
-                         f"trajectory {row} of the batch.")
+        raise ValueError(
+            f"{plugin.label} returned a non-finite {what.removesuffix('s')} ({float(flat[bad])}) for "
+            f"trajectory {row} of the batch."
+        )
     return tensor
 
 
-def _assign_to_segments(advantage: AdvantagePlugin, trajectories: Sequence[Trajectory], datums: Sequence[Datum]) -> None:
+def _assign_to_segments(
+    advantage: AdvantagePlugin, trajectories: Sequence[Trajectory], datums: Sequence[Datum]
+) -> None:
     """Outcome advantages where a trajectory has several datums (segments): the estimator sees one row per trajectory
     (its last segment), so its group statistics count every trajectory once, and each segment gets its trajectory's
     advantage on every action position."""
@@ -354,7 +406,8 @@ def _assign_to_segments(advantage: AdvantagePlugin, trajectories: Sequence[Traje
         raise ValueError(
             f"{advantage.label} credits turns by their place in a datum, but this batch has trajectories of several "
             f"segments (an agent rewrote its history, so their turns are spread over datums); use an outcome "
-            f"estimator (group, rloo, dr_grpo) or gae, or keep the agent from rewriting its history.")
+            f"estimator (group, rloo, dr_grpo) or gae, or keep the agent from rewriting its history."
+        )
     last = {d.trajectory_index: d for d in datums}
     rows = list(last.values())
     assign_advantages(advantage, trajectories, rows)
@@ -364,7 +417,8 @@ def _assign_to_segments(advantage: AdvantagePlugin, trajectories: Sequence[Traje
             raise ValueError(
                 f"{advantage.label} returned per-position advantages, which cannot be spread over a trajectory of "
                 f"several segments (an agent rewrote its history); use an estimator with one advantage per "
-                f"trajectory, or gae.")
+                f"trajectory, or gae."
+            )
     for d in datums:
         a = trajectories[d.trajectory_index].advantage
         d.advantages = [a if m else 0.0 for m in d.action_mask]
@@ -384,14 +438,16 @@ def assign_advantages(
 
     The estimator sees the datums' trajectories only (left-out ones are not in its statistics): their total
     rewards (float64; 0 for a datum that bootstraps when the estimator ``needs_values``: the value after its last
-    token stands for the rest of the episode, its outcome reward is not counted on top) and group ids, and, when it ``needs_values``, the datums' action masks, rollout-time values
+    token stands for the rest of the episode, its outcome reward is not counted on top) and group ids, and, when it
+    ``needs_values``, the datums' action masks, rollout-time values
     (``old_values``), bootstrap mask and values (truncated trajectories bootstrap from the value after their last
     token), optional per-token rewards and ``all_reduce`` for global statistics. It returns per trajectory ``(N,)``
     (put on every action position of the datum) or per datum position ``(N, T)`` (with ``returns``, the value
     targets, when it ``needs_values``). ``traj.advantage`` is the trajectory's advantage, or the mean over its action
     tokens (for the logs); left-out trajectories get 0. A trajectory of several segments (datums): an outcome
     estimator sees it once (its last segment) and every segment gets its advantage; an estimator that
-    ``needs_values`` sees each segment, every one but the last bootstrapping from the value where it ends. Every rank must call it when the estimator
+    ``needs_values`` sees each segment, every one but the last bootstrapping from the value where it ends. Every rank
+    must call it when the estimator
     ``needs_values`` (``all_reduce`` may be collective).
 
     Raises:
@@ -407,8 +463,13 @@ def assign_advantages(
     n = len(datums)
     width = max((d.num_tokens for d in datums), default=0)
     inp = AdvantageInput(
-        rewards=torch.tensor([0.0 if advantage.needs_values and d.bootstrap_mask else trajectories[d.trajectory_index].reward
-                              for d in datums], dtype=torch.float64),
+        rewards=torch.tensor(
+            [
+                0.0 if advantage.needs_values and d.bootstrap_mask else trajectories[d.trajectory_index].reward
+                for d in datums
+            ],
+            dtype=torch.float64,
+        ),
         group_ids=torch.tensor([trajectories[d.trajectory_index].group_id for d in datums], dtype=torch.long),
     )
     mask = _padded([d.action_mask for d in datums], width)

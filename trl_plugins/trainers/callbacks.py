@@ -94,14 +94,30 @@ class ViewerPages(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         every, step, trainer = args.viewer_steps, state.global_step, self.trainer
         batch = trainer.last_batch
-        if not every or step % every or not trainer.accelerator.is_main_process or batch is None or not batch.trajectories:
+        if (
+            not every
+            or step % every
+            or not trainer.accelerator.is_main_process
+            or batch is None
+            or not batch.trajectories
+        ):
             return
         try:
             json_path, html_path = write_step_pages(
-                args.output_dir, step, batch.trajectories, batch.datums, trainer.processing_class,
-                log_to_wandb="wandb" in (args.report_to or []), rows=batch.rows, left_out=batch.left_out,
-                forwarded=batch.forwarded, update_skipped=batch.update_skipped, max_trajectories=args.viewer_trajectories,
-                version=trainer.run.version, tool_schemas=trainer.run.chat.tools, chat_settings=chat_settings(trainer.run),
+                args.output_dir,
+                step,
+                batch.trajectories,
+                batch.datums,
+                trainer.processing_class,
+                log_to_wandb="wandb" in (args.report_to or []),
+                rows=batch.rows,
+                left_out=batch.left_out,
+                forwarded=batch.forwarded,
+                update_skipped=batch.update_skipped,
+                max_trajectories=args.viewer_trajectories,
+                version=trainer.run.version,
+                tool_schemas=trainer.run.chat.tools,
+                chat_settings=chat_settings(trainer.run),
             )
         except Exception:  # a diagnostic page must not end a run that has trained fine: said loudly, training goes on
             logger.exception("trajectory viewer: the page of step %d could not be written (training continues)", step)
@@ -112,10 +128,14 @@ class ViewerPages(TrainerCallback):
 def chat_settings(run: Any) -> dict[str, Any]:
     """What a replay needs to rebuild ``run``'s chat format and each turn's prompt (a saved batch's ``chat``)."""
     c, chat = run.config, run.chat
-    return {"system_prompt": c.system_prompt, "final_answer_pattern": c.final_answer_pattern,
-            "stop_tokens": list(chat.stop_tokens), "calls_per_turn": chat.calls_per_turn,
-            "chat_template_kwargs": dict(chat.template_kwargs),
-            "max_tool_response_tokens": getattr(run.rollout.impl, "max_tool_response_tokens", None)}
+    return {
+        "system_prompt": c.system_prompt,
+        "final_answer_pattern": c.final_answer_pattern,
+        "stop_tokens": list(chat.stop_tokens),
+        "calls_per_turn": chat.calls_per_turn,
+        "chat_template_kwargs": dict(chat.template_kwargs),
+        "max_tool_response_tokens": getattr(run.rollout.impl, "max_tool_response_tokens", None),
+    }
 
 
 def log_trajectory_tables(trainer: Any, step: int) -> bool:
@@ -133,6 +153,11 @@ def log_trajectory_tables(trainer: Any, step: int) -> bool:
     names, limit = trainer.run.reward_names(), trainer.args.trajectory_table_rows
     rows = trajectory_rows(batch.trajectories, batch.rows, step=step, reward_names=names, max_rows=limit)
     turns = turn_rows(batch.trajectories, step=step, max_rows=limit)
-    wandb.log({"trajectories": wandb.Table(columns=trajectory_columns(names), data=rows),
-               "trajectory_turns": wandb.Table(columns=TURN_COLUMNS, data=turns)}, commit=False)
+    wandb.log(
+        {
+            "trajectories": wandb.Table(columns=trajectory_columns(names), data=rows),
+            "trajectory_turns": wandb.Table(columns=TURN_COLUMNS, data=turns),
+        },
+        commit=False,
+    )
     return True

@@ -23,8 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = [
-    "COMPLETE_MARKER", "latest_complete_checkpoint", "mark_complete", "complete_checkpoints", "CheckpointDamaged",
-    "check_checkpoint", "ResumePoint", "resolve_resume", "wants_latest", "set_aside_damaged", "trim_metrics_log",
+    "COMPLETE_MARKER",
+    "latest_complete_checkpoint",
+    "mark_complete",
+    "complete_checkpoints",
+    "CheckpointDamaged",
+    "check_checkpoint",
+    "ResumePoint",
+    "resolve_resume",
+    "wants_latest",
+    "set_aside_damaged",
+    "trim_metrics_log",
 ]
 
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -33,8 +42,14 @@ COMPLETE_MARKER = "checkpoint_complete.json"
 LATEST = ("true", "latest")
 """Values of ``resume_from_checkpoint`` (any case; or ``True``) that mean the newest complete checkpoint."""
 
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-            "adapter_model.safetensors", "adapter_model.bin")
+_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
 
 
 def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -73,8 +88,15 @@ def mark_complete(folder: str, *, global_step: int, tokenizer_digest: str, versi
     tmp = os.path.join(folder, COMPLETE_MARKER + ".tmp")
     record = None if version is None else {**version.to_dict(), "digest": version.digest}
     with open(tmp, "w") as f:
-        json.dump({"global_step": global_step, "tokenizer_digest": tokenizer_digest, "version": record,
-                   "files": _files(folder)}, f)
+        json.dump(
+            {
+                "global_step": global_step,
+                "tokenizer_digest": tokenizer_digest,
+                "version": record,
+                "files": _files(folder),
+            },
+            f,
+        )
     os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
 
 
@@ -101,7 +123,10 @@ def _check_safetensors(path: str, size: int) -> str | None:
             return f"unreadable safetensors header ({exc})"
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
-        return f"{size} bytes but its header describes {8 + n + end}: {'truncated' if size < 8 + n + end else 'extra bytes'}"
+        return (
+            f"{size} bytes but its header describes {8 + n + end}: "
+            f"{'truncated' if size < 8 + n + end else 'extra bytes'}"
+        )
     return None
 
 
@@ -131,6 +156,7 @@ def check_checkpoint(folder: str, *, needs_optimizer: bool = True) -> None:
     Raises:
         CheckpointDamaged: naming the first damaged or missing file.
     """
+
     def damaged(file: str, reason: str) -> CheckpointDamaged:
         return CheckpointDamaged(folder, os.path.join(folder, file), reason)
 
@@ -138,8 +164,11 @@ def check_checkpoint(folder: str, *, needs_optimizer: bool = True) -> None:
         raise CheckpointDamaged(folder, folder, "not a folder")
     marker = os.path.join(folder, COMPLETE_MARKER)
     if not os.path.isfile(marker):
-        raise damaged(COMPLETE_MARKER, "missing: the save was cut short (the marker is written last), or the folder "
-                                       "was not written by MultiTurnGRPOTrainer")
+        raise damaged(
+            COMPLETE_MARKER,
+            "missing: the save was cut short (the marker is written last), or the folder "
+            "was not written by MultiTurnGRPOTrainer",
+        )
     try:
         with open(marker) as f:
             recorded = json.load(f).get("files")
@@ -179,7 +208,9 @@ def check_checkpoint(folder: str, *, needs_optimizer: bool = True) -> None:
                 for shard in sorted(set(json.load(f).get("weight_map", {}).values())):
                     if shard not in files:
                         raise damaged(shard, f"missing (named by {index})")
-    deepspeed_dirs = sorted({rel.split(os.sep)[0] for rel in files if re.match(r"global_step\d+" + re.escape(os.sep), rel)})
+    deepspeed_dirs = sorted(
+        {rel.split(os.sep)[0] for rel in files if re.match(r"global_step\d+" + re.escape(os.sep), rel)}
+    )
     if deepspeed_dirs:
         if "latest" not in files:
             raise damaged("latest", "missing (DeepSpeed reads the name of its global_step folder from it)")
@@ -190,7 +221,9 @@ def check_checkpoint(folder: str, *, needs_optimizer: bool = True) -> None:
         if not any(rel.startswith(tag + os.sep) and rel.endswith("model_states.pt") for rel in files):
             raise damaged(tag, "has no *model_states.pt")
     elif not any(name in files for name in _WEIGHTS):
-        raise damaged("model.safetensors", f"missing: no weights ({', '.join(_WEIGHTS)}) and no DeepSpeed global_step folder")
+        raise damaged(
+            "model.safetensors", f"missing: no weights ({', '.join(_WEIGHTS)}) and no DeepSpeed global_step folder"
+        )
     if needs_optimizer:
         if deepspeed_dirs:  # under ZeRO the optimizer state is in *optim_states.pt; without ZeRO in the model states
             zero = any(rel.startswith(tag + os.sep) and "zero_pp_rank" in rel for rel in files)
@@ -223,8 +256,9 @@ def _step(folder: str) -> int:
         return int(json.load(f)["global_step"])
 
 
-def resolve_resume(value: Any, output_dir: str, *, fallback: bool = False, needs_optimizer: bool = True,
-                   max_steps: int | None = None) -> ResumePoint | None:
+def resolve_resume(
+    value: Any, output_dir: str, *, fallback: bool = False, needs_optimizer: bool = True, max_steps: int | None = None
+) -> ResumePoint | None:
     """What ``resume_from_checkpoint=value`` resumes from, checked (:func:`check_checkpoint`) before anything loads.
 
     ``value``: ``None``/``False`` (no resume), ``True``/``"true"``/``"latest"`` (the newest complete checkpoint
@@ -240,9 +274,11 @@ def resolve_resume(value: Any, output_dir: str, *, fallback: bool = False, needs
     """
     if value is None or value is False:
         if fallback:
-            raise ValueError("resume_fallback=True says what to do when the checkpoint to resume from is damaged, but this "
-                             "run does not resume: pass resume_from_checkpoint (true, latest or a checkpoint folder) or "
-                             "drop resume_fallback.")
+            raise ValueError(
+                "resume_fallback=True says what to do when the checkpoint to resume from is damaged, but this "
+                "run does not resume: pass resume_from_checkpoint (true, latest or a checkpoint folder) or "
+                "drop resume_fallback."
+            )
         return None
     if wants_latest(value):
         candidates = complete_checkpoints(output_dir)
@@ -255,11 +291,14 @@ def resolve_resume(value: Any, output_dir: str, *, fallback: bool = False, needs
     elif isinstance(value, (str, os.PathLike)):
         folder = os.fspath(value)
         if not os.path.isdir(folder):
-            raise ValueError(f"resume_from_checkpoint={folder!r} is not a checkpoint folder: pass a checkpoint-N folder, "
-                             f"'true' or 'latest' (the newest complete checkpoint of output_dir), or leave it unset.")
+            raise ValueError(
+                f"resume_from_checkpoint={folder!r} is not a checkpoint folder: pass a checkpoint-N folder, "
+                f"'true' or 'latest' (the newest complete checkpoint of output_dir), or leave it unset."
+            )
         m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.normpath(folder)))
-        older = [f for s, f in complete_checkpoints(os.path.dirname(os.path.normpath(folder)))
-                 if m and s < int(m.group(1))]
+        older = [
+            f for s, f in complete_checkpoints(os.path.dirname(os.path.normpath(folder))) if m and s < int(m.group(1))
+        ]
         folders = [folder] + older
     else:
         raise ValueError(f"resume_from_checkpoint must be a folder, 'true' or 'latest'; got {value!r}.")
@@ -270,20 +309,34 @@ def resolve_resume(value: Any, output_dir: str, *, fallback: bool = False, needs
         except CheckpointDamaged as exc:
             if not fallback:
                 previous = next((f for f in folders[1:] if f != folder), None)
-                how = (f"To resume from the previous complete checkpoint ({previous}) instead, add --resume_fallback true (resume_fallback=True)"
-                       if previous else "There is no earlier complete checkpoint to fall back to")
-                raise CheckpointDamaged(exc.checkpoint, exc.file, exc.reason,
-                                        f"Nothing was deleted. {how}, or pass another checkpoint folder.") from None
+                how = (
+                    f"To resume from the previous complete checkpoint ({previous}) instead, add --resume_fallback "
+                    "true (resume_fallback=True)"
+                    if previous
+                    else "There is no earlier complete checkpoint to fall back to"
+                )
+                raise CheckpointDamaged(
+                    exc.checkpoint,
+                    exc.file,
+                    exc.reason,
+                    f"Nothing was deleted. {how}, or pass another checkpoint folder.",
+                ) from None
             skipped.append(exc)
             continue
         point = ResumePoint(folder, _step(folder), skipped)
         if max_steps is not None and 0 < max_steps <= point.step:
-            raise ValueError(f"{folder} is at step {point.step} and max_steps={max_steps}: nothing is left to train. "
-                             f"Raise max_steps to train on from it.")
+            raise ValueError(
+                f"{folder} is at step {point.step} and max_steps={max_steps}: nothing is left to train. "
+                f"Raise max_steps to train on from it."
+            )
         return point
-    raise CheckpointDamaged(skipped[0].checkpoint, skipped[0].file, skipped[0].reason,
-                            f"resume_fallback=True found no intact checkpoint to fall back to (also damaged: "
-                            f"{'; '.join(f'{e.file}: {e.reason}' for e in skipped[1:]) or 'none older'}). Nothing was deleted.")
+    raise CheckpointDamaged(
+        skipped[0].checkpoint,
+        skipped[0].file,
+        skipped[0].reason,
+        f"resume_fallback=True found no intact checkpoint to fall back to (also damaged: "
+        f"{'; '.join(f'{e.file}: {e.reason}' for e in skipped[1:]) or 'none older'}). Nothing was deleted.",
+    )
 
 
 def set_aside_damaged(point: ResumePoint, log: Callable[[str], None]) -> list[str]:

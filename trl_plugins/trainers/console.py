@@ -37,6 +37,7 @@ def compact_line(logs: Mapping[str, Any], *, step: int, max_steps: int | None = 
     and ``memory/cuda_max_allocated_mb``, ``heldout/accuracy``; a record with none of them (the end-of-training
     summary, an evaluation) is printed as ``key value`` pairs.
     """
+
     def has(key: str) -> bool:
         return isinstance(logs.get(key), (int, float)) and not isinstance(logs.get(key), bool)
 
@@ -45,18 +46,22 @@ def compact_line(logs: Mapping[str, Any], *, step: int, max_steps: int | None = 
     if has("reward/total"):
         parts.append(f"reward {_num(logs['reward/total'])}")
     for key in logs:
-        name = key[len("reward/"):] if key.startswith("reward/") else None
+        name = key[len("reward/") :] if key.startswith("reward/") else None
         if name and "/" not in name and name not in _NOT_COMPONENTS and has(key):
             parts.append(f"{name} {_num(logs[key])}")
     loss = "train/policy_loss" if has("train/policy_loss") else "loss"
     # (metric, "<label> {value}<unit>", scale): each part only when its metric is in the record.
-    for key, label, scale, fmt in (("rollout/tool_calls_mean", "tools {}", 1, _num), (loss, "loss {}", 1, _num),
-                                   ("train/kl_k3", "kl {}", 1, _num), ("heldout/accuracy", "heldout {}", 1, _num),
-                                   ("rollout/generated_tokens_per_s", "gen {} tok/s", 1, _num),
-                                   ("train/forward_tokens_per_s", "train {} tok/s", 1, _num),
-                                   ("timing/step_s", "{} s", 1, _num),
-                                   ("memory/peak_rss_mb", "rss {} GB", 1024, lambda v: f"{v:.2g}"),
-                                   ("memory/cuda_max_allocated_mb", "gpu {} GB", 1024, lambda v: f"{v:.3g}")):
+    for key, label, scale, fmt in (
+        ("rollout/tool_calls_mean", "tools {}", 1, _num),
+        (loss, "loss {}", 1, _num),
+        ("train/kl_k3", "kl {}", 1, _num),
+        ("heldout/accuracy", "heldout {}", 1, _num),
+        ("rollout/generated_tokens_per_s", "gen {} tok/s", 1, _num),
+        ("train/forward_tokens_per_s", "train {} tok/s", 1, _num),
+        ("timing/step_s", "{} s", 1, _num),
+        ("memory/peak_rss_mb", "rss {} GB", 1024, lambda v: f"{v:.2g}"),
+        ("memory/cuda_max_allocated_mb", "gpu {} GB", 1024, lambda v: f"{v:.3g}"),
+    ):
         if has(key):
             parts.append(label.format(fmt(logs[key] / scale)))
     if not parts:  # not a training step's record: show what it holds, briefly

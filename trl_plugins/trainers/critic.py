@@ -26,14 +26,30 @@ import torch
 
 from trl_plugins.algos import aggregate, clipped_value_loss
 from trl_plugins.modeling import gather_positions, model_inputs, shared_prefix_outputs, unpack
-from trl_plugins.trainers.micro_batches import (GradientSync, ensure_layout_checked, forward_no_grad, local_plan,
-                                                micro_batches, shared_prefix_on)
+from trl_plugins.trainers.micro_batches import (
+    GradientSync,
+    ensure_layout_checked,
+    forward_no_grad,
+    local_plan,
+    micro_batches,
+    shared_prefix_on,
+)
 from trl_plugins.trainers.ranks import is_deepspeed, merge_over_ranks, reduce_over_ranks
 from trl_plugins.trainers.update import UpdateSettings
 from trl_plugins.types import Datum, MicroBatch
 
-__all__ = ["build_critic", "prepare_critic", "critic_values", "micro_batch_values", "rollout_values", "value_update", "ValueUpdateResult",
-           "save_critic", "load_critic", "critic_state_dict"]
+__all__ = [
+    "build_critic",
+    "prepare_critic",
+    "critic_values",
+    "micro_batch_values",
+    "rollout_values",
+    "value_update",
+    "ValueUpdateResult",
+    "save_critic",
+    "load_critic",
+    "critic_state_dict",
+]
 
 CRITIC_DIR = "critic"
 """Sub-folder of a checkpoint that holds the critic and its optimizer."""
@@ -83,9 +99,14 @@ def _initialise(critic: torch.nn.Module, backbone: dict) -> None:
             critic.score.bias.zero_()
 
 
-def prepare_critic(accelerator: Any, critic: torch.nn.Module, *, learning_rate: float, weight_decay: float = 0.0,
-                   optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
-                   ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def prepare_critic(
+    accelerator: Any,
+    critic: torch.nn.Module,
+    *,
+    learning_rate: float,
+    weight_decay: float = 0.0,
+    optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Wrap the critic like the policy and give it its own optimizer (AdamW): ``(model, optimizer)``.
 
     Under DeepSpeed it becomes its own engine (the run's DeepSpeed config without the optimizer and
@@ -107,8 +128,12 @@ def prepare_critic(accelerator: Any, critic: torch.nn.Module, *, learning_rate: 
     return model, optimizer_cls(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
 
 
-def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def critic_values(
+    critic: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``(B, T)`` values ``V_t`` of the states ``input_ids[:, : t + 1]``, in float32 at least (``position_ids``
     with ``attention_mask=None``: packed sequences)."""
     kwargs = {} if position_ids is None else {"position_ids": position_ids}
@@ -121,13 +146,16 @@ def micro_batch_values(critic: torch.nn.Module, mb: MicroBatch, device: Any) -> 
     shared-prefix one: :func:`~trl_plugins.modeling.shared_prefix_outputs`), ``(B, T)``, 0 on padding in the
     padding-free and shared-prefix layouts."""
     if mb.shared_prefix is not None:
-        values = gather_positions(tuple(part[..., 0] for part in shared_prefix_outputs(critic, mb.shared_prefix, device)), mb)
+        values = gather_positions(
+            tuple(part[..., 0] for part in shared_prefix_outputs(critic, mb.shared_prefix, device)), mb
+        )
         return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
     return unpack(critic_values(critic, **model_inputs(mb, device)), mb)
 
 
-def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings,
-                   *, pad_token_id: int) -> list[float]:
+def rollout_values(
+    accelerator: Any, critic: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *, pad_token_id: int
+) -> list[float]:
     """Fill ``datum.old_values`` and return, per datum, the value of the state after its last token (0.0 for a datum
     that does not bootstrap).
 
@@ -136,14 +164,24 @@ def rollout_values(accelerator: Any, critic: torch.nn.Module, datums: Sequence[D
     bootstraps from (the one token more that the start-up check counts), the others as they are. Every rank must
     call it.
     """
-    forwarded = [Datum(input_ids=d.input_ids + d.target_ids[-1:], target_ids=d.target_ids + [pad_token_id],
-                       behaviour_logprobs=d.behaviour_logprobs + [0.0], advantages=d.advantages + [0.0],
-                       action_mask=d.action_mask + [0], sources=list(d.sources) + [d.sources[-1]])
-                 if d.bootstrap_mask else d for d in datums]
+    forwarded = [
+        Datum(
+            input_ids=d.input_ids + d.target_ids[-1:],
+            target_ids=d.target_ids + [pad_token_id],
+            behaviour_logprobs=d.behaviour_logprobs + [0.0],
+            advantages=d.advantages + [0.0],
+            action_mask=d.action_mask + [0],
+            sources=list(d.sources) + [d.sources[-1]],
+        )
+        if d.bootstrap_mask
+        else d
+        for d in datums
+    ]
     after = [0.0] * len(datums)
 
-    for idx, values in forward_no_grad(accelerator, critic, forwarded, config, micro_batch_values, pad_token_id=pad_token_id,
-                                       name="the critic"):
+    for idx, values in forward_no_grad(
+        accelerator, critic, forwarded, config, micro_batch_values, pad_token_id=pad_token_id, name="the critic"
+    ):
         for row, i in enumerate(idx):
             n = datums[i].num_tokens
             datums[i].old_values = [float(v) for v in values[row, :n]]
@@ -182,9 +220,18 @@ class _TargetSums:
     sequences: float = 0.0
 
 
-def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.optim.Optimizer, datums: Sequence[Datum],
-                 config: UpdateSettings, *, vf_clip: float, vf_coef: float, max_grad_norm: float | None,
-                 pad_token_id: int) -> ValueUpdateResult:
+def value_update(
+    accelerator: Any,
+    critic: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    datums: Sequence[Datum],
+    config: UpdateSettings,
+    *,
+    vf_clip: float,
+    vf_coef: float,
+    max_grad_norm: float | None,
+    pad_token_id: int,
+) -> ValueUpdateResult:
     """One exact critic step on this rank's ``datums`` (with ``old_values`` and ``returns``); every rank calls it.
 
     The loss is ``vf_coef * sum_t 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old +- vf_clip) - R_t)^2) / N_tok``
@@ -194,7 +241,9 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
     world = accelerator.num_processes
     datums = list(datums)
     if any(d.old_values is None or d.returns is None for d in datums):
-        raise ValueError("value_update needs datums with old_values and returns; call rollout_values() and the advantages first.")
+        raise ValueError(
+            "value_update needs datums with old_values and returns; call rollout_values() and the advantages first."
+        )
     # Global statistics of the targets (explained variance, logging), in float64.
     local = _TargetSums(sequences=float(sum(d.num_loss_tokens > 0 for d in datums)))
     for d in datums:
@@ -216,17 +265,28 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
     steps = 0
     ensure_layout_checked(accelerator, critic, config, name="the critic")
     critic.train()
-    for step in micro_batches(accelerator, datums, local_plan(datums, config), pad_token_id=pad_token_id,
-                              padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config),
-                              with_values=True):
+    for step in micro_batches(
+        accelerator,
+        datums,
+        local_plan(datums, config),
+        pad_token_id=pad_token_id,
+        padding_free=bool(config.padding_free),
+        shared_prefix=shared_prefix_on(config),
+        with_values=True,
+    ):
         mb = step.batch
         steps += 1
         mask = mb.action_mask.to(device)
         with sync.context(step.last):
             values = micro_batch_values(critic, mb, device)
             out = clipped_value_loss(values, mb.old_values.to(device), mb.returns.to(device), mask, clip_range=vf_clip)
-            loss = vf_coef * aggregate(out.per_token_loss, mask, "token_mean", num_tokens=num_tokens,
-                                       num_sequences=num_seqs, dp_size=world) * mb.weight
+            loss = (
+                vf_coef
+                * aggregate(
+                    out.per_token_loss, mask, "token_mean", num_tokens=num_tokens, num_sequences=num_seqs, dp_size=world
+                )
+                * mb.weight
+            )
             sync.backward(loss)
         loss_total += float(loss.detach()) / world
         clipped += float(out.clipped)
@@ -245,9 +305,13 @@ def value_update(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opt
     r_var = max(r_sq / num_tokens - r_mean**2, 0.0)
     e_var = max(e_sq / num_tokens - (e_sum / num_tokens) ** 2, 0.0)
     return ValueUpdateResult(
-        loss=loss_sum, clip_frac=clipped_all / num_tokens,
+        loss=loss_sum,
+        clip_frac=clipped_all / num_tokens,
         explained_variance=1.0 - e_var / r_var if r_var > 0 else 0.0,
-        returns_mean=r_mean, returns_std=r_var**0.5, values_mean=v_sum / num_tokens, num_micro_batches=steps,
+        returns_mean=r_mean,
+        returns_std=r_var**0.5,
+        values_mean=v_sum / num_tokens,
+        num_micro_batches=steps,
     )
 
 
@@ -259,8 +323,10 @@ def save_critic(accelerator: Any, critic: torch.nn.Module, optimizer: torch.opti
         return
     if accelerator.is_main_process:
         os.makedirs(path, exist_ok=True)
-        torch.save({"model": accelerator.unwrap_model(critic).state_dict(), "optimizer": optimizer.state_dict()},
-                   os.path.join(path, "state.pt"))
+        torch.save(
+            {"model": accelerator.unwrap_model(critic).state_dict(), "optimizer": optimizer.state_dict()},
+            os.path.join(path, "state.pt"),
+        )
     accelerator.wait_for_everyone()
 
 

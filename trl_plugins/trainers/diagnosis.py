@@ -10,8 +10,15 @@ from typing import Iterable, Mapping, Sequence
 
 from trl_plugins.types import LeftOutReason
 
-__all__ = ["error_kind", "top_error_kinds", "likely_cause", "environment_error_message", "SKIP_COUNTS",
-           "skip_counts", "nothing_to_train"]
+__all__ = [
+    "error_kind",
+    "top_error_kinds",
+    "likely_cause",
+    "environment_error_message",
+    "SKIP_COUNTS",
+    "skip_counts",
+    "nothing_to_train",
+]
 
 _KIND_CHARS = 200
 _QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
@@ -33,31 +40,49 @@ def top_error_kinds(errors: Iterable[str | None], k: int = 3) -> list[tuple[str,
     for error in errors:
         kind = error_kind(error)
         counts[kind] += 1
-        examples.setdefault(kind, ((error or "").strip().splitlines() or ["no message"])[0][:_KIND_CHARS * 2])
+        examples.setdefault(kind, ((error or "").strip().splitlines() or ["no message"])[0][: _KIND_CHARS * 2])
     return [(kind, n, examples[kind]) for kind, n in counts.most_common(k)]
 
 
 _CAUSES: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("404", "notfounderror", "no such endpoint", "no live trajectory has this session key"),
-     "the agent could not reach the endpoint: use the base_url (or, for a command, the OPENAI_BASE_URL and "
-     "OPENAI_API_KEY) the rollout hands it, not a URL of its own, and send POST <base_url>/chat/completions"),
-    (("connection", "refused", "unreachable", "name or service not known"),
-     "something the rollout calls is not reachable (a tool service, a remote sandbox, or an agent posting to an address "
-     "of its own): check it is up and that the agent uses the base_url the rollout hands it"),
-    (("agent_time_limit_s", "request_time_limit_s", "timed out", "timeout"),
-     "the agent or a request ran past its time limit: make it faster, or raise agent_time_limit_s / request_time_limit_s "
-     "(the tool's timeout_s for a tool)"),
-    (("isolation", "sandbox", "bwrap", "unshare"),
-     "the tool's sandbox failed: check its isolation works on this machine (docs/sandbox.md; the start-up banner names "
-     "the isolation in force) or that its remote sandbox is up"),
-    (("the agent failed", "the agent command exited"),
-     "the agent raises on every call: run it once by hand on a training row and fix what it raises"),
-    (("the agent returned",),
-     "the agent returns something the rollout cannot record: return None, a number or a mapping of numbers, after "
-     "asking the model at least once"),
-    (("tool '",),
-     "a tool fails on every call (its service, its sandbox, or its own bug): call it once by hand with the arguments "
-     "in the trajectory"),
+    (
+        ("404", "notfounderror", "no such endpoint", "no live trajectory has this session key"),
+        "the agent could not reach the endpoint: use the base_url (or, for a command, the OPENAI_BASE_URL and "
+        "OPENAI_API_KEY) the rollout hands it, not a URL of its own, and send POST <base_url>/chat/completions",
+    ),
+    (
+        ("connection", "refused", "unreachable", "name or service not known"),
+        "something the rollout calls is not reachable (a tool service, a remote sandbox, or an agent posting to an "
+        "address "
+        "of its own): check it is up and that the agent uses the base_url the rollout hands it",
+    ),
+    (
+        ("agent_time_limit_s", "request_time_limit_s", "timed out", "timeout"),
+        "the agent or a request ran past its time limit: make it faster, or raise agent_time_limit_s / "
+        "request_time_limit_s "
+        "(the tool's timeout_s for a tool)",
+    ),
+    (
+        ("isolation", "sandbox", "bwrap", "unshare"),
+        "the tool's sandbox failed: check its isolation works on this machine (docs/sandbox.md; the start-up banner "
+        "names "
+        "the isolation in force) or that its remote sandbox is up",
+    ),
+    (
+        ("the agent failed", "the agent command exited"),
+        "the agent raises on every call: run it once by hand on a training row and fix what it raises",
+    ),
+    (
+        ("the agent returned",),
+        "the agent returns something the rollout cannot record: return None, a number or a mapping of numbers, after "
+        "asking the model at least once",
+    ),
+    (
+        ("tool '",),
+        "a tool fails on every call (its service, its sandbox, or its own bug): call it once by hand with the "
+        "arguments "
+        "in the trajectory",
+    ),
 )
 
 
@@ -72,22 +97,27 @@ def likely_cause(kind: str) -> str:
 
 def environment_error_message(rate: float, limit: float, kinds: Sequence[tuple[str, int, str]], num_errors: int) -> str:
     """The stop of a step in which ``rate`` (over ``limit``) of the trajectories not cancelled ended
-    ``environment_error``: the most common of ``kinds`` (each rank's :func:`top_error_kinds`, merged here; ``num_errors``
+    ``environment_error``: the most common of ``kinds`` (each rank's :func:`top_error_kinds`, merged here;
+    ``num_errors``
     the step's count over the ranks), an example of it, and its usual cause."""
     merged: Counter[str] = Counter()
     examples: dict[str, str] = {}
     for kind, n, example in kinds:
         merged[kind] += n
         examples.setdefault(kind, example)
-    head = (f"{rate:.0%} of this step's trajectories (all ranks, cancelled ones not counted) ended environment_error, "
-            f"over max_environment_error_rate={limit}: the rollout's world is broken, not the policy, so the run stops "
-            f"instead of skipping every step.")
+    head = (
+        f"{rate:.0%} of this step's trajectories (all ranks, cancelled ones not counted) ended environment_error, "
+        f"over max_environment_error_rate={limit}: the rollout's world is broken, not the policy, so the run stops "
+        f"instead of skipping every step."
+    )
     if not merged:
         return head
     (first, n), *others = merged.most_common(3)
     also = "".join(f"; then ({m}) {examples[kind]}" for kind, m in others)
-    return (f"{head} Most common error ({n} of {num_errors}): {examples[first]}{also}. Likely cause: "
-            f"{likely_cause(first)}. Fix it, or raise max_environment_error_rate.")
+    return (
+        f"{head} Most common error ({n} of {num_errors}): {examples[first]}{also}. Likely cause: "
+        f"{likely_cause(first)}. Fix it, or raise max_environment_error_rate."
+    )
 
 
 SKIP_COUNTS = ("trajectories", "datums", "forwarded", *(r.value for r in LeftOutReason))
@@ -103,12 +133,17 @@ _LEFT_OUT_WORDS: Mapping[str, str] = {
 }
 
 
-def skip_counts(num_trajectories: int, num_datums: int, num_forwarded: int,
-                left_out: Iterable[LeftOutReason | None]) -> list[float]:
+def skip_counts(
+    num_trajectories: int, num_datums: int, num_forwarded: int, left_out: Iterable[LeftOutReason | None]
+) -> list[float]:
     """One rank's counts in :data:`SKIP_COUNTS` order."""
     reasons = Counter(r for r in left_out if r is not None)
-    return [float(num_trajectories), float(num_datums), float(num_forwarded),
-            *(float(reasons[r]) for r in LeftOutReason)]
+    return [
+        float(num_trajectories),
+        float(num_datums),
+        float(num_forwarded),
+        *(float(reasons[r]) for r in LeftOutReason),
+    ]
 
 
 def nothing_to_train(counts: Sequence[float]) -> str:
@@ -117,8 +152,10 @@ def nothing_to_train(counts: Sequence[float]) -> str:
     named = dict(zip(SKIP_COUNTS, (int(c) for c in counts)))
     total, zero = named["trajectories"], named["datums"] - named["forwarded"]
     if total and zero == total:
-        return (f"no trajectory to train on: every group's rewards were equal (all {total} trajectories of the step, "
-                f"all ranks, have advantage 0)")
+        return (
+            f"no trajectory to train on: every group's rewards were equal (all {total} trajectories of the step, "
+            f"all ranks, have advantage 0)"
+        )
     parts = [f"{named[r.value]} {_LEFT_OUT_WORDS[r]}" for r in LeftOutReason if named[r.value]]
     if zero:
         parts.append(f"{zero} with zero advantage (equal rewards within their group)")

@@ -40,8 +40,11 @@ class TrainingInterrupted(RuntimeError):
 
     def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
         name = signal.Signals(signum).name
-        where = (f"resume with --resume_from_checkpoint {checkpoint}" if checkpoint else
-                 "no checkpoint was written (nothing was trained yet); start again")
+        where = (
+            f"resume with --resume_from_checkpoint {checkpoint}"
+            if checkpoint
+            else "no checkpoint was written (nothing was trained yet); start again"
+        )
         super().__init__(f"training stopped on {name} after step {step}; {where}.")
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
@@ -104,8 +107,11 @@ class StopSignals:
         self.signum = signum
         self._first_at = time.monotonic()
         self.event.set()
-        logger.warning("%s received: stopping at the next safe point and writing a checkpoint (send it again to stop "
-                       "at once, without one)", signal.Signals(signum).name)
+        logger.warning(
+            "%s received: stopping at the next safe point and writing a checkpoint (send it again to stop "
+            "at once, without one)",
+            signal.Signals(signum).name,
+        )
 
 
 def die_with_launcher() -> bool:

@@ -24,8 +24,17 @@ from trl_plugins.packing import pack_for_ranks, prefix_trees, supports_prefix_tr
 from trl_plugins.trainers.ranks import is_deepspeed, reduce_over_ranks
 from trl_plugins.types import Datum, MicroBatch
 
-__all__ = ["MicroBatchStep", "micro_batches", "local_plan", "plan_for_ranks", "pack_limits", "shared_prefix_on",
-           "GradientSync", "ensure_layout_checked", "forward_no_grad"]
+__all__ = [
+    "MicroBatchStep",
+    "micro_batches",
+    "local_plan",
+    "plan_for_ranks",
+    "pack_limits",
+    "shared_prefix_on",
+    "GradientSync",
+    "ensure_layout_checked",
+    "forward_no_grad",
+]
 
 
 def shared_prefix_on(config: Any) -> bool:
@@ -36,8 +45,11 @@ def shared_prefix_on(config: Any) -> bool:
 
 def pack_limits(config: Any) -> dict[str, Any]:
     """The packer's limits from the run's config: rows and padded area (tokens, padding-free) per micro-batch."""
-    return {"max_items": config.max_items_per_micro_batch, "max_padded_tokens": config.max_padded_tokens_per_micro_batch,
-            "padding_free": bool(config.padding_free)}
+    return {
+        "max_items": config.max_items_per_micro_batch,
+        "max_padded_tokens": config.max_padded_tokens_per_micro_batch,
+        "padding_free": bool(config.padding_free),
+    }
 
 
 def plan_for_ranks(datums: Sequence[Datum], config: Any, world_size: int) -> list[list[list[int]]]:
@@ -45,8 +57,13 @@ def plan_for_ranks(datums: Sequence[Datum], config: Any, world_size: int) -> lis
     shared-prefix layout a packer that takes them is given the datums' prefix trees (the datums that begin alike)."""
     wanted = shared_prefix_on(config) and supports_prefix_trees(config.packer)
     trees = prefix_trees([d.input_ids for d in datums]) if wanted else None
-    plan = pack_for_ranks([d.num_tokens for d in datums], strategy=config.packer, world_size=world_size,
-                          prefix_trees=trees, **pack_limits(config))
+    plan = pack_for_ranks(
+        [d.num_tokens for d in datums],
+        strategy=config.packer,
+        world_size=world_size,
+        prefix_trees=trees,
+        **pack_limits(config),
+    )
     return [[list(mb) for mb in rank] for rank in plan.ranks]
 
 
@@ -69,9 +86,17 @@ class MicroBatchStep:
     """The pass's last micro-batch: where a gradient pass synchronises."""
 
 
-def micro_batches(accelerator: Any, datums: Sequence[Datum], batches: Sequence[Sequence[int]], *, pad_token_id: int,
-                  padding_free: bool, shared_prefix: bool = False, with_ref: bool = False,
-                  with_values: bool = False) -> Iterator[MicroBatchStep]:
+def micro_batches(
+    accelerator: Any,
+    datums: Sequence[Datum],
+    batches: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    padding_free: bool,
+    shared_prefix: bool = False,
+    with_ref: bool = False,
+    with_values: bool = False,
+) -> Iterator[MicroBatchStep]:
     """This rank's ``batches`` of ``datums``, collated, then dummies up to the most micro-batches any rank has.
 
     A collective (one all-reduce, before the first step): every rank iterates it to the end, in step.
@@ -82,9 +107,13 @@ def micro_batches(accelerator: Any, datums: Sequence[Datum], batches: Sequence[S
     steps = int(steps)
     padded = [list(b) for b in batches] + [[] for _ in range(steps - len(batches))]
     for k, idx in enumerate(padded):
-        mb = (collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free, shared_prefix=shared_prefix)
-              if idx else dummy_micro_batch(pad_token_id=pad_token_id, with_ref=with_ref, with_values=with_values,
-                                            shared_prefix=shared_prefix))
+        mb = (
+            collate(datums, idx, pad_token_id=pad_token_id, padding_free=padding_free, shared_prefix=shared_prefix)
+            if idx
+            else dummy_micro_batch(
+                pad_token_id=pad_token_id, with_ref=with_ref, with_values=with_values, shared_prefix=shared_prefix
+            )
+        )
         yield MicroBatchStep(k, idx, mb, last=k == steps - 1)
 
 
@@ -143,8 +172,10 @@ def ensure_layout_checked(accelerator: Any, model: torch.nn.Module, config: Any,
     attention keeps packed datums apart (:func:`~trl_plugins.modeling.check_packed_isolation`), in the shared-prefix
     layout that its outputs equal the padded layout's (:func:`~trl_plugins.modeling.check_shared_prefix`). Every rank
     must call it (a forward)."""
-    layout = [(config.padding_free, _PACKING_CHECKED, check_packed_isolation),
-              (shared_prefix_on(config), _SHARING_CHECKED, check_shared_prefix)]
+    layout = [
+        (config.padding_free, _PACKING_CHECKED, check_packed_isolation),
+        (shared_prefix_on(config), _SHARING_CHECKED, check_shared_prefix),
+    ]
     inner = accelerator.unwrap_model(model) if accelerator is not None else model
     for on, checked, check in layout:
         if on and inner not in checked:
@@ -179,8 +210,14 @@ def forward_no_grad(
     try:
         with context() if context is not None else contextlib.nullcontext():
             ensure_layout_checked(accelerator, model, config, name=name)
-            for step in micro_batches(accelerator, datums, local_plan(datums, config), pad_token_id=pad_token_id,
-                                      padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config)):
+            for step in micro_batches(
+                accelerator,
+                datums,
+                local_plan(datums, config),
+                pad_token_id=pad_token_id,
+                padding_free=bool(config.padding_free),
+                shared_prefix=shared_prefix_on(config),
+            ):
                 result = forward(model, step.batch, accelerator.device)
                 if step.datum_indices:
                     out.append((step.datum_indices, result.float().cpu()))

@@ -29,7 +29,8 @@ def name_local_base_model(card_path: str | os.PathLike, name_or_path: str | None
 
 
 def _fill_in(card_path: str | os.PathLike, placeholder: str, text: str) -> bool:
-    """Replace ``placeholder`` with ``text`` in the card at ``card_path``; False when there is no card or no placeholder."""
+    """Replace ``placeholder`` with ``text`` in the card at ``card_path``; False when there is no card or no
+    placeholder."""
     path = Path(card_path)
     if not path.is_file():
         return False

@@ -30,17 +30,23 @@ from typing import Any, Mapping
 import torch
 from trl import GRPOTrainer
 
+from trl_plugins.modeling import disable_dropout
 from trl_plugins.rollout import derive_seed
 from trl_plugins.rollout.backends import unwrapped_for_generation
 from trl_plugins.rollout.metrics import throughput_metrics
 from trl_plugins.run import Run, resolve_run
 from trl_plugins.run.config import MultiTurnGRPOConfig
-from trl_plugins.modeling import disable_dropout
 from trl_plugins.run.lora import check_model_dropout, check_peft_model
 from trl_plugins.run.sampler import make_backend, sampling_settings
 from trl_plugins.trainers.async_rollouts import AsyncRollouts
-from trl_plugins.trainers.callbacks import (OptimizerTimer, PeakMemory, SaveRunConfig, StopAtStepEnd, ViewerPages,
-                                            log_trajectory_tables)
+from trl_plugins.trainers.callbacks import (
+    OptimizerTimer,
+    PeakMemory,
+    SaveRunConfig,
+    StopAtStepEnd,
+    ViewerPages,
+    log_trajectory_tables,
+)
 from trl_plugins.trainers.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
 from trl_plugins.trainers.console import use_compact_console
 from trl_plugins.trainers.critic import build_critic, prepare_critic
@@ -112,20 +118,33 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
             if peft_config is not None and peft_config is not run.spec.peft_config:
                 raise ValueError("peft_config differs from the run's: pass it to resolve_run().")
             args, peft_config = run.config, run.spec.peft_config
-        if args.dynamic_sampling and train_dataset is not None and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
-            raise ValueError(f"dynamic_sampling refills a step with rows drawn by index from the training set, but "
-                             f"train_dataset is a {type(train_dataset).__name__} (no length or indexing, e.g. streamed): "
-                             f"pass a datasets.Dataset (e.g. Dataset.from_list(list(stream.take(n)))), or set "
-                             f"dynamic_sampling=False.")
+        if (
+            args.dynamic_sampling
+            and train_dataset is not None
+            and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__"))
+        ):
+            raise ValueError(
+                f"dynamic_sampling refills a step with rows drawn by index from the training set, but "
+                f"train_dataset is a {type(train_dataset).__name__} (no length or indexing, e.g. streamed): "
+                f"pass a datasets.Dataset (e.g. Dataset.from_list(list(stream.take(n)))), or set "
+                f"dynamic_sampling=False."
+            )
         self.run = run
         run.start_tools()  # e.g. the sandbox isolation in force, said before any model work
         check_peft_model(model, args, needs_values=run.advantage.needs_values)
         check_model_dropout(model, args)  # dropout is refused unless disable_dropout, which then removes all of it
         # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
         critic = build_critic(model) if run.advantage.needs_values else None
-        super().__init__(model=model, reward_funcs=[_ScoredByPlugins()], args=args, train_dataset=train_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config)
+        super().__init__(
+            model=model,
+            reward_funcs=[_ScoredByPlugins()],
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
         run.bind_tokenizer(self.processing_class)
         run.bind_version(self.model)  # after TRL's PEFT wrap: the adapter set is on the model now
         if args.disable_dropout:  # TRL's disable_dropout_in_model sets nn.Dropout only, not attention dropout
@@ -135,24 +154,39 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         args.resolve_padding_free(self.accelerator.unwrap_model(self.model))  # auto: by the attention implementation
         args.resolve_shared_prefix(self.accelerator.unwrap_model(self.model))  # after TRL settled the checkpointing
         # sequence_parallel_size > 1: checked on the loaded model, the update's attention redirected (no compute yet).
-        sequence_parallel = setup_sequence_parallel(self.accelerator, self.accelerator.unwrap_model(self.model), args,
-                                                    policy_loss=run.policy_loss)
+        sequence_parallel = setup_sequence_parallel(
+            self.accelerator, self.accelerator.unwrap_model(self.model), args, policy_loss=run.policy_loss
+        )
         # One sampler for the run, its model refreshed per rollout (Accelerate/DeepSpeed wrap it when training starts);
         # vLLM: TRL's __init__ built self.vllm_generation (colocate or server), turns go through it.
-        self._sampler = make_backend(run.sampler, args, run.chat, model=self.model_wrapped,
-                                     pad_token_id=self.processing_class.pad_token_id, accelerator=self.accelerator,
-                                     vllm_generation=self.vllm_generation if run.sampler.is_vllm else None,
-                                     token_budget=run.rollout.token_budget)
+        self._sampler = make_backend(
+            run.sampler,
+            args,
+            run.chat,
+            model=self.model_wrapped,
+            pad_token_id=self.processing_class.pad_token_id,
+            accelerator=self.accelerator,
+            vllm_generation=self.vllm_generation if run.sampler.is_vllm else None,
+            token_budget=run.rollout.token_budget,
+        )
         if critic is not None:
             if not self.is_deepspeed_enabled:  # DeepSpeed places (and under ZeRO-3 shards) it itself
                 critic.to(device=self.accelerator.device, dtype=next(self.model.parameters()).dtype)
             self._critic, self._critic_optimizer = prepare_critic(
-                self.accelerator, critic, learning_rate=args.critic_learning_rate or args.learning_rate,
-                weight_decay=args.weight_decay, optimizer_cls=torch.optim.SGD if args.critic_optim == "sgd" else torch.optim.AdamW,
+                self.accelerator,
+                critic,
+                learning_rate=args.critic_learning_rate or args.learning_rate,
+                weight_decay=args.weight_decay,
+                optimizer_cls=torch.optim.SGD if args.critic_optim == "sgd" else torch.optim.AdamW,
             )
-        self.step_runner = StepRunner(run, self.accelerator, pad_token_id=self.processing_class.pad_token_id,
-                                critic=self._critic, critic_optimizer=self._critic_optimizer,
-                                sequence_parallel=sequence_parallel)
+        self.step_runner = StepRunner(
+            run,
+            self.accelerator,
+            pad_token_id=self.processing_class.pad_token_id,
+            critic=self._critic,
+            critic_optimizer=self._critic_optimizer,
+            sequence_parallel=sequence_parallel,
+        )
         self.add_callback(OptimizerTimer(self))
         self.add_callback(PeakMemory(self))
         if args.console_metrics == "compact":
@@ -163,19 +197,29 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
         """Where every logged record goes, one JSON line per logging step."""
         self.last_batch: StepBatch | None = None
-        """The last rollout batch: trajectories, datums, rows, and why the update left each out (the viewer reads it)."""
+        """The last rollout batch: trajectories, datums, rows, and why the update left each out (the viewer reads
+        it)."""
         # How the plugins' step_metrics() combine over ranks (what they declare).
-        self._metric_reductions = {k: v for plugin in (*run.tools.values(), run.advantage, run.policy_loss)
-                                   for k, v in plugin.metric_reductions().items()}
+        self._metric_reductions = {
+            k: v
+            for plugin in (*run.tools.values(), run.advantage, run.policy_loss)
+            for k, v in plugin.metric_reductions().items()
+        }
         self._last_table_step = -1
         # async_rollouts: a generation replica samples the next batches while this one trains (docs/training.md).
         # vLLM server mode: no replica, the rollouts run on threads of this process against the server.
-        self._async = AsyncRollouts(args, dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args,
-                                         version=run.version),
-                                    sampler=run.sampler, pad_token_id=self.processing_class.pad_token_id,
-                                    token_budget=run.rollout.token_budget,
-                                    server_backend=self._sampler.with_sampling(sampling_settings(args))
-                                    if run.sampler.is_vllm else None) if args.async_replica else None
+        self._async = (
+            AsyncRollouts(
+                args,
+                dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args, version=run.version),
+                sampler=run.sampler,
+                pad_token_id=self.processing_class.pad_token_id,
+                token_budget=run.rollout.token_budget,
+                server_backend=self._sampler.with_sampling(sampling_settings(args)) if run.sampler.is_vllm else None,
+            )
+            if args.async_replica
+            else None
+        )
 
     def generation_backend(self, *, temperature: float | None = None) -> Any:
         """The run's sampler (vLLM, transformers' continuous batching or HF generate on the training model) with the
@@ -226,7 +270,9 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         metrics["timing/step_s"] = time.perf_counter() - start  # memory/*: PeakMemory, after the optimizer step
         merged = self.step_runner.merge_metrics(metrics, batch.summaries if fresh else None, self._metric_reductions)
         self.record_metrics(merged)
-        self._count_update(batch.update_skipped, warmup=batch.skipped_for_warmup, limit=self.args.max_steps_without_update)
+        self._count_update(
+            batch.update_skipped, warmup=batch.skipped_for_warmup, limit=self.args.max_steps_without_update
+        )
         return loss
 
     def _sampler_for_step(self) -> Any:
@@ -236,9 +282,15 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         backend = self.generation_backend()
 
         def sample(part: list[dict], seed: int, id_offset: int = 0) -> tuple[Any, StepBatch]:
-            result = steps.roll_out(backend, part, policy_step=step, seed=seed, id_offset=id_offset,
-                                    progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
-                                    stop=self.stop_event)
+            result = steps.roll_out(
+                backend,
+                part,
+                policy_step=step,
+                seed=seed,
+                id_offset=id_offset,
+                progress=args.progress_rollout and not args.disable_tqdm and self.accelerator.is_local_main_process,
+                stop=self.stop_event,
+            )
             # Every rank agrees here, before the round's first other collective, whether a stop was requested.
             self._raise_if_stop_agreed()
             assert result is not None  # a cancelled rollout means this rank asked for the stop
@@ -251,11 +303,19 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         args, step, rank = self.args, self.state.global_step, self.accelerator.process_index
 
         def refill(indices: list[int], round_index: int, id_offset: int) -> tuple[Any, StepBatch]:
-            return sample([self.train_dataset[i] for i in indices], derive_seed(args.seed, step, rank, "refill", round_index),
-                          id_offset=id_offset)
+            return sample(
+                [self.train_dataset[i] for i in indices],
+                derive_seed(args.seed, step, rank, "refill", round_index),
+                id_offset=id_offset,
+            )
 
-        return self.step_runner.fill(result, batch, sample=refill, num_rows=len(self.train_dataset),
-                                     seed=derive_seed(args.seed, step, "refill-rows"))
+        return self.step_runner.fill(
+            result,
+            batch,
+            sample=refill,
+            num_rows=len(self.train_dataset),
+            seed=derive_seed(args.seed, step, "refill-rows"),
+        )
 
     def _roll_out(self, rows: list[dict]) -> StepBatch:
         """Phases 1-6 of :mod:`~trl_plugins.trainers.phases` on this rank's rows (collectives inside: every rank)."""
@@ -287,9 +347,14 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         upcoming = [list(b)[:: self.num_generations] for b in self._async.upcoming]
         stop = self.stop_event
         answer, metrics = self._async.roll_out(
-            step, rows, upcoming, lambda: unwrapped_for_generation(self.model_wrapped, self.accelerator),
+            step,
+            rows,
+            upcoming,
+            lambda: unwrapped_for_generation(self.model_wrapped, self.accelerator),
             group_size=self.num_generations,
-            seed=lambda s: derive_seed(args.seed, s, rank), cancelled=(lambda: stop.is_set()) if stop is not None else None)
+            seed=lambda s: derive_seed(args.seed, s, rank),
+            cancelled=(lambda: stop.is_set()) if stop is not None else None,
+        )
         self._raise_if_stop_agreed()  # every rank agrees here, as after a synchronous rollout
         assert answer is not None  # a cancelled wait means this rank asked for the stop
         batch = steps.score(answer.result, rows, policy_step=answer.policy_step)
@@ -345,8 +410,14 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
             if step != self._last_table_step and log_trajectory_tables(self, step):
                 self._last_table_step = step
 
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: str | list[str] | None = None, *, model_path: str | None = None) -> None:
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        *,
+        model_path: str | None = None,
+    ) -> None:
         """TRL's card (``output_dir/README.md``), naming the base model also when it was loaded from a local
         folder (TRL names only Hub ids, which left "fine-tuned version of [None]"), and with a quick-start that loads
         the trained model from ``model_path`` (default: ``output_dir``) when the run pushes to no Hub repo (TRL's

@@ -47,6 +47,7 @@ from trl_plugins.rollout.metrics import (
     trajectory_metrics,
 )
 from trl_plugins.run import Run
+from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
 from trl_plugins.trainers.batch import (
     add_kl_penalty,
     assign_advantages,
@@ -65,8 +66,14 @@ from trl_plugins.trainers.diagnosis import (
     top_error_kinds,
 )
 from trl_plugins.trainers.ranks import all_reduce_sum, reduce_over_ranks
-from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
-from trl_plugins.trainers.update import datums_to_forward, decoupled_objective, mismatch_correction_applies, old_logprobs, policy_update, reference_logprobs
+from trl_plugins.trainers.update import (
+    datums_to_forward,
+    decoupled_objective,
+    mismatch_correction_applies,
+    old_logprobs,
+    policy_update,
+    reference_logprobs,
+)
 from trl_plugins.types import Datum, LeftOutReason, StopReason, Trajectory
 
 REPLAY_SAMPLE = 2
@@ -121,8 +128,16 @@ class StepRunner:
         sequence_parallel: This rank's sequence-parallel group (the policy update's forwards split), or None.
     """
 
-    def __init__(self, run: Run, accelerator: Any, *, pad_token_id: int, critic: Any = None, critic_optimizer: Any = None,
-                 sequence_parallel: Any = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        accelerator: Any,
+        *,
+        pad_token_id: int,
+        critic: Any = None,
+        critic_optimizer: Any = None,
+        sequence_parallel: Any = None,
+    ) -> None:
         self.run, self.accelerator, self.pad_token_id = run, accelerator, pad_token_id
         self.critic, self.critic_optimizer = critic, critic_optimizer
         self.sequence_parallel = sequence_parallel
@@ -130,12 +145,30 @@ class StepRunner:
 
     # -- once per rollout batch ----------------------------------------------------------------------
 
-    def roll_out(self, backend: Any, rows: list[dict], *, policy_step: int, seed: int, progress: bool,
-                 stop: Any, id_offset: int = 0) -> RolloutResult | None:
+    def roll_out(
+        self,
+        backend: Any,
+        rows: list[dict],
+        *,
+        policy_step: int,
+        seed: int,
+        progress: bool,
+        stop: Any,
+        id_offset: int = 0,
+    ) -> RolloutResult | None:
         """1. This rank's trajectories (None: a stop request cancelled the rollout here)."""
         try:
-            return rollout_rows(self.run, backend, rows, group_size=self.config.num_generations, seed=seed,
-                                policy_step=policy_step, id_offset=id_offset, progress=progress, stop=stop)
+            return rollout_rows(
+                self.run,
+                backend,
+                rows,
+                group_size=self.config.num_generations,
+                seed=seed,
+                policy_step=policy_step,
+                id_offset=id_offset,
+                progress=progress,
+                stop=stop,
+            )
         except RolloutCancelled:
             return None
 
@@ -148,19 +181,31 @@ class StepRunner:
         scoring_s = time.perf_counter() - start
         example = next((t.error for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR), None)
         metrics = self._check_world_failures(failures, trajs, example=example)
-        left_out = left_out_reasons(trajs, mask_truncated=c.truncated_policy == "mask",
-                                    min_valid_group_fraction=c.min_valid_group_fraction)
+        left_out = left_out_reasons(
+            trajs, mask_truncated=c.truncated_policy == "mask", min_valid_group_fraction=c.min_valid_group_fraction
+        )
         metrics.update({**engine_metrics(result), "timing/scoring_s": scoring_s})
         return StepBatch(policy_step, list(rows), trajs, left_out, [], metrics=metrics)
 
     def build_datums(self, batch: StepBatch) -> None:
         """3. One datum per trajectory the update trains on."""
         c = self.config
-        batch.datums = build_datums_for_update(batch.trajectories, batch.left_out, max_context_tokens=self.run.max_context_tokens,
-                                               bootstrap_truncated=c.truncated_policy == "bootstrap")
+        batch.datums = build_datums_for_update(
+            batch.trajectories,
+            batch.left_out,
+            max_context_tokens=self.run.max_context_tokens,
+            bootstrap_truncated=c.truncated_policy == "bootstrap",
+        )
 
-    def fill(self, result: RolloutResult, batch: StepBatch, *,
-             sample: Callable[[list[int], int, int], tuple[RolloutResult, StepBatch]], num_rows: int, seed: int) -> StepBatch:
+    def fill(
+        self,
+        result: RolloutResult,
+        batch: StepBatch,
+        *,
+        sample: Callable[[list[int], int, int], tuple[RolloutResult, StepBatch]],
+        num_rows: int,
+        seed: int,
+    ) -> StepBatch:
         """2b. Dynamic sampling (``dynamic_sampling``; :mod:`~trl_plugins.algos.dynamic_sampling`): keep the step's
         first informative groups, drop the rest, and refill from the training set until the step holds as many groups
         as its first round did over the ranks, or ``dynamic_sampling_max_groups`` is reached. The decisions are the
@@ -181,15 +226,26 @@ class StepRunner:
         while True:
             flags = informative_groups(
                 [_metric_of(t, c.dynamic_sampling_metric) for t in batch.trajectories],
-                [t.group_id for t in batch.trajectories], [r is None for r in batch.left_out], len(batch.rows))
+                [t.group_id for t in batch.trajectories],
+                [r is None for r in batch.left_out],
+                len(batch.rows),
+            )
             by_rank = _gather_lists(acc, flags)
             in_order = [f for rank_flags in by_rank for f in rank_flags]  # the round's global order
             counted = plan.next_count  # the round's first `counted` groups count; the rest are fillers
             plan, keep = plan_round(plan, in_order[:counted])
             first = sum(len(f) for f in by_rank[:rank])
             mine = range(first, first + len(flags))
-            rounds.append(_Round(result, batch, flags, [i < counted and keep[i] for i in mine],
-                                 [i >= counted for i in mine], len(in_order)))
+            rounds.append(
+                _Round(
+                    result,
+                    batch,
+                    flags,
+                    [i < counted and keep[i] for i in mine],
+                    [i >= counted for i in mine],
+                    len(in_order),
+                )
+            )
             if plan.next_count == 0:
                 break
             share = refill_share(plan, rank, world)
@@ -197,16 +253,18 @@ class StepRunner:
             result, batch = sample(indices, len(rounds), sum(len(r.batch.rows) for r in rounds))
         merged = _merge_rounds(rounds, self.config.num_generations)
         fillers = sum(r.groups for r in rounds) - plan.drawn
-        merged.metrics.update({
-            "dynamic_sampling/rounds": float(plan.rounds),
-            "dynamic_sampling/groups_drawn": float(plan.drawn),
-            "dynamic_sampling/draw_factor": plan.drawn / max(plan.target, 1),
-            "dynamic_sampling/informative_frac": plan.informative / max(plan.drawn, 1),
-            "dynamic_sampling/kept_groups": float(plan.kept),
-            "dynamic_sampling/short_groups": float(plan.target - plan.kept),
-            "dynamic_sampling/surplus_groups": float(plan.informative - plan.kept),
-            "dynamic_sampling/filler_groups": float(fillers),
-        })
+        merged.metrics.update(
+            {
+                "dynamic_sampling/rounds": float(plan.rounds),
+                "dynamic_sampling/groups_drawn": float(plan.drawn),
+                "dynamic_sampling/draw_factor": plan.drawn / max(plan.target, 1),
+                "dynamic_sampling/informative_frac": plan.informative / max(plan.drawn, 1),
+                "dynamic_sampling/kept_groups": float(plan.kept),
+                "dynamic_sampling/short_groups": float(plan.target - plan.kept),
+                "dynamic_sampling/surplus_groups": float(plan.informative - plan.kept),
+                "dynamic_sampling/filler_groups": float(fillers),
+            }
+        )
         return merged
 
     def reference(self, batch: StepBatch, model: Any, context: Callable[[], Any] | None) -> None:
@@ -235,8 +293,14 @@ class StepRunner:
             token_rewards = [-c.beta * kl_per_token(d, c.kl_estimator) for d in datums]
             add_kl_penalty(trajs, datums, beta=0.0, estimator=c.kl_estimator)
         world = self.accelerator.num_processes
-        assign_advantages(self.run.advantage, trajs, datums, bootstrap_values=after, token_rewards=token_rewards,
-                          all_reduce=(lambda t: all_reduce_sum(self.accelerator, t)) if world > 1 else None)
+        assign_advantages(
+            self.run.advantage,
+            trajs,
+            datums,
+            bootstrap_values=after,
+            token_rewards=token_rewards,
+            all_reduce=(lambda t: all_reduce_sum(self.accelerator, t)) if world > 1 else None,
+        )
 
     def old_logprobs(self, batch: StepBatch, policy: Any) -> None:
         """6. The policy's own log-probs of the sampling weights (pi_old) when the mismatch correction applies (an
@@ -267,8 +331,11 @@ class StepRunner:
         every = self.config.replay_every_steps
         if not every or step % every:
             return
-        sample = [dataclasses.replace(d, old_logprobs=None) for d in batch.datums
-                  if (v := batch.trajectories[d.trajectory_index].policy_version) is not None and v.step == step]
+        sample = [
+            dataclasses.replace(d, old_logprobs=None)
+            for d in batch.datums
+            if (v := batch.trajectories[d.trajectory_index].policy_version) is not None and v.step == step
+        ]
         sample = sample[:REPLAY_SAMPLE]
         old_logprobs(self.accelerator, policy, sample, self.config, pad_token_id=self.pad_token_id)
         gaps = [abs(o - b) for d in sample for o, b, m in zip(d.old_logprobs, d.behaviour_logprobs, d.action_mask) if m]
@@ -293,43 +360,71 @@ class StepRunner:
 
     # -- every step ------------------------------------------------------------------------------------
 
-    def update(self, batch: StepBatch, model: Any, optimizer: Any, *, global_step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def update(
+        self, batch: StepBatch, model: Any, optimizer: Any, *, global_step: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """7. The policy update (or why none), and 8. the critic's; returns the loss and the update's metrics."""
         c, run = self.config, self.run
         metrics: dict[str, float] = {}
         forwarded = datums_to_forward(batch.datums, run.policy_loss, c)
         batch.forwarded = frozenset(batch.datums[i].trajectory_index for i in forwarded)
         # With what each rank left out, in the same all-reduce: a skip says why, the same on every rank.
-        counts = reduce_over_ranks(self.accelerator, skip_counts(len(batch.trajectories), len(batch.datums),
-                                                                 len(forwarded), batch.left_out), "sum")
+        counts = reduce_over_ranks(
+            self.accelerator,
+            skip_counts(len(batch.trajectories), len(batch.datums), len(forwarded), batch.left_out),
+            "sum",
+        )
         total = counts[SKIP_COUNTS.index("forwarded")]
         warmup = self.critic is not None and global_step < c.critic_warmup_steps
         if self.critic is not None:
             metrics["critic/warmup"] = float(warmup)
-        batch.update_skipped = ("the critic's warm-up, critic_warmup_steps" if warmup else
-                                nothing_to_train(counts) if total == 0 else None)
+        batch.update_skipped = (
+            "the critic's warm-up, critic_warmup_steps" if warmup else nothing_to_train(counts) if total == 0 else None
+        )
         batch.skipped_for_warmup = warmup
         if batch.update_skipped:
             metrics["train/update_skipped"] = 1.0
             loss = torch.zeros((), device=c.device)
         else:
             start = time.perf_counter()
-            result = policy_update(self.accelerator, model, optimizer, batch.datums, run.policy_loss, c,
-                                   pad_token_id=self.pad_token_id, step_optimizer=False,
-                                   sequence_parallel=self.sequence_parallel)
+            result = policy_update(
+                self.accelerator,
+                model,
+                optimizer,
+                batch.datums,
+                run.policy_loss,
+                c,
+                pad_token_id=self.pad_token_id,
+                step_optimizer=False,
+                sequence_parallel=self.sequence_parallel,
+            )
             metrics["timing/forward_backward_s"] = time.perf_counter() - start
             metrics.update(_update_metrics(result))
             loss = torch.tensor(result.loss, device=c.device)
         if self.critic is not None:
             start = time.perf_counter()
-            vr = value_update(self.accelerator, self.critic, self.critic_optimizer, batch.datums, c, vf_clip=c.vf_clip,
-                              vf_coef=c.vf_coef, max_grad_norm=c.max_grad_norm, pad_token_id=self.pad_token_id)
-            metrics.update({
-                "critic/value_loss": vr.loss, "critic/clip_frac": vr.clip_frac,
-                "critic/explained_variance": vr.explained_variance, "critic/returns_mean": vr.returns_mean,
-                "critic/returns_std": vr.returns_std, "critic/values_mean": vr.values_mean,
-                "timing/critic_update_s": time.perf_counter() - start,
-            })
+            vr = value_update(
+                self.accelerator,
+                self.critic,
+                self.critic_optimizer,
+                batch.datums,
+                c,
+                vf_clip=c.vf_clip,
+                vf_coef=c.vf_coef,
+                max_grad_norm=c.max_grad_norm,
+                pad_token_id=self.pad_token_id,
+            )
+            metrics.update(
+                {
+                    "critic/value_loss": vr.loss,
+                    "critic/clip_frac": vr.clip_frac,
+                    "critic/explained_variance": vr.explained_variance,
+                    "critic/returns_mean": vr.returns_mean,
+                    "critic/returns_std": vr.returns_std,
+                    "critic/values_mean": vr.values_mean,
+                    "timing/critic_update_s": time.perf_counter() - start,
+                }
+            )
         # How stale the trained tokens are: optimizer steps between the weights that sampled each and these.
         counts = reduce_over_ranks(self.accelerator, staleness_counts(batch.datums, global_step), "sum")
         metrics.update(staleness_metrics(counts))
@@ -338,8 +433,9 @@ class StepRunner:
         metrics.update(run.policy_loss.step_metrics())
         return loss, metrics
 
-    def merge_metrics(self, metrics: Mapping[str, float], summaries: list[TrajectorySummary] | None,
-                      reductions: Mapping[str, str]) -> dict[str, float]:
+    def merge_metrics(
+        self, metrics: Mapping[str, float], summaries: list[TrajectorySummary] | None, reductions: Mapping[str, str]
+    ) -> dict[str, float]:
         """9. One gather per step: every rank's metrics and trajectory summaries. Trajectory metrics are computed over
         the union of all ranks' trajectories; the rest is reduced by its meaning
         (:func:`~trl_plugins.rollout.metrics.reduce_rank_metrics`). Every rank gets the same numbers."""
@@ -357,8 +453,9 @@ class StepRunner:
             out.update(reward_metrics(union, self.run.reward_names()))
         return out
 
-    def _check_world_failures(self, failures: Mapping[str, int], trajs: list[Trajectory], *,
-                              example: str | None = None) -> dict[str, float]:
+    def _check_world_failures(
+        self, failures: Mapping[str, int], trajs: list[Trajectory], *, example: str | None = None
+    ) -> dict[str, float]:
         """Verifier and environment error rates of the step over all ranks (one all-reduce); stops the run, on every
         rank alike, above ``max_verifier_error_rate`` or ``max_environment_error_rate`` (the latter over the
         trajectories not cancelled; before stopping, one gather of each rank's three most common error kinds names
@@ -366,11 +463,15 @@ class StepRunner:
         names = [r.name for r in self.run.rewards]
         environment = [t for t in trajs if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
         live = sum(t.stop_reason != StopReason.CANCELLED for t in trajs)
-        counts = reduce_over_ranks(self.accelerator, [float(failures.get(name, 0)) for name in names]
-                                   + [float(len(trajs)), float(len(environment)), float(live)], "sum")
+        counts = reduce_over_ranks(
+            self.accelerator,
+            [float(failures.get(name, 0)) for name in names]
+            + [float(len(trajs)), float(len(environment)), float(live)],
+            "sum",
+        )
         total = max(counts[len(names)], 1.0)
         rates = {f"reward/verifier_error_rate/{name}": c / total for name, c in zip(names, counts)}
-        rate = sum(counts[:len(names)]) / total
+        rate = sum(counts[: len(names)]) / total
         limit = self.config.max_verifier_error_rate
         if rate > limit:
             worst = max(zip(names, counts), key=lambda item: item[1])[0]
@@ -439,8 +540,13 @@ def _merge_rounds(rounds: list[_Round], group_size: int) -> StepBatch:
         for traj, reason in zip(r.batch.trajectories, r.batch.left_out):
             g = traj.group_id
             if reason is None and not r.keep[g]:
-                reason = (LeftOutReason.FILLER if r.filler[g] else LeftOutReason.SURPLUS if r.informative[g]
-                          else LeftOutReason.EQUAL_REWARDS)
+                reason = (
+                    LeftOutReason.FILLER
+                    if r.filler[g]
+                    else LeftOutReason.SURPLUS
+                    if r.informative[g]
+                    else LeftOutReason.EQUAL_REWARDS
+                )
             traj.group_id += len(rows)
             trajs.append(traj)
             left_out.append(reason)
@@ -451,11 +557,15 @@ def _merge_rounds(rounds: list[_Round], group_size: int) -> StepBatch:
         metrics["timing/scoring_s"] += r.batch.metrics.get("timing/scoring_s", 0.0)
     results = [r.result for r in rounds]
     merged = RolloutResult(
-        trajectories=trajs, rounds=sum(x.rounds for x in results), generation_s=sum(x.generation_s for x in results),
-        tools_s=sum(x.tools_s for x in results), total_s=sum(x.total_s for x in results),
+        trajectories=trajs,
+        rounds=sum(x.rounds for x in results),
+        generation_s=sum(x.generation_s for x in results),
+        tools_s=sum(x.tools_s for x in results),
+        total_s=sum(x.total_s for x in results),
         critical_path_s=sum(x.critical_path_s for x in results),
         max_concurrent_tool_calls=max(x.max_concurrent_tool_calls for x in results),
-        counters={k: sum(x.counters.get(k, 0.0) for x in results) for x in results for k in x.counters})
+        counters={k: sum(x.counters.get(k, 0.0) for x in results) for x in results for k in x.counters},
+    )
     metrics.update(engine_metrics(merged))
     return StepBatch(rounds[0].batch.policy_step, rows, trajs, left_out, [], metrics=metrics)
 

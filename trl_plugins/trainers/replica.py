@@ -129,7 +129,9 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         tensor = value.detach().to("cpu", copy=True)
         if name in deltas:
             tensor += deltas[name].to(device=tensor.device, dtype=tensor.dtype)
-        out[name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")] = tensor
+        out[
+            name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")
+        ] = tensor
     return out
 
 
@@ -148,7 +150,8 @@ class GenerationReplica:
         model: The policy (unwrapped); its class, config and current weights build the replica's copy (a PEFT
             model's base class and config, with the adapters merged into the weights: :func:`cpu_state_dict`).
         policy_step: The optimizer step of ``model``'s current weights.
-        parts: What the rollout needs: ``rollout``, ``tools``, ``chat``, ``config`` and ``version`` (the run's; pickled).
+        parts: What the rollout needs: ``rollout``, ``tools``, ``chat``, ``config`` and ``version`` (the run's;
+        pickled).
         sampler: The run's :class:`~trl_plugins.run.sampler.SamplerKind` (HF generate or continuous batching).
         pad_token_id: HF generate's padding id.
         token_budget: The rollout's token budget (sizes a continuous-batching cache).
@@ -160,23 +163,44 @@ class GenerationReplica:
             weights loaded between batches.
     """
 
-    def __init__(self, model: torch.nn.Module, *, policy_step: int, parts: Mapping[str, Any], sampler: Any,
-                 pad_token_id: int | None, token_budget: int | None, probe: torch.Tensor, threads: int | None = None,
-                 streaming: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        policy_step: int,
+        parts: Mapping[str, Any],
+        sampler: Any,
+        pad_token_id: int | None,
+        token_budget: int | None,
+        probe: torch.Tensor,
+        threads: int | None = None,
+        streaming: bool = False,
+    ) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
         base = base_model(model)
-        init = dict(model_class=type(base), model_config=base.config,
-                    generation_config=getattr(base, "generation_config", None),
-                    dtype=next(base.parameters()).dtype, state=cpu_state_dict(model), policy_step=policy_step,
-                    parts=dict(parts), sampler=sampler, pad_token_id=pad_token_id, token_budget=token_budget,
-                    probe=probe, threads=threads or max(1, _usable_cpus() // 2), parent=os.getpid(),
-                    streaming=streaming)
-        self._process = ctx.Process(target=_serve, args=(self._jobs, self._results, init), daemon=True,
-                                    name="trl-plugins-replica")
+        init = dict(
+            model_class=type(base),
+            model_config=base.config,
+            generation_config=getattr(base, "generation_config", None),
+            dtype=next(base.parameters()).dtype,
+            state=cpu_state_dict(model),
+            policy_step=policy_step,
+            parts=dict(parts),
+            sampler=sampler,
+            pad_token_id=pad_token_id,
+            token_budget=token_budget,
+            probe=probe,
+            threads=threads or max(1, _usable_cpus() // 2),
+            parent=os.getpid(),
+            streaming=streaming,
+        )
+        self._process = ctx.Process(
+            target=_serve, args=(self._jobs, self._results, init), daemon=True, name="trl-plugins-replica"
+        )
         with _main_not_rerun():
             self._process.start()
         self._pending: list[Any] = []
@@ -194,7 +218,9 @@ class GenerationReplica:
         self._jobs.put(("weights", step, dict(state)))
         self.pushed_step = step
 
-    def submit(self, key: Any, rows: Sequence[Mapping[str, Any]], *, group_size: int, seed: int, id_offset: int = 0) -> None:
+    def submit(
+        self, key: Any, rows: Sequence[Mapping[str, Any]], *, group_size: int, seed: int, id_offset: int = 0
+    ) -> None:
         """Queue a rollout of ``rows`` (each ``group_size`` times), answered by :meth:`result` with ``key``."""
         self._jobs.put(("rollout", key, [dict(r) for r in rows], group_size, seed, id_offset))
         self._pending.append(key)
@@ -224,20 +250,26 @@ class GenerationReplica:
                 if not self._process.is_alive():
                     if stop_pending(cancelled):
                         return None
-                    raise ReplicaError(f"the generation replica (pid {self._process.pid}) {self._how_it_ended()} "
-                                       f"without an error message.") from None
+                    raise ReplicaError(
+                        f"the generation replica (pid {self._process.pid}) {self._how_it_ended()} "
+                        f"without an error message."
+                    ) from None
                 continue
             except Exception as exc:  # noqa: BLE001 - an answer it left half-shared: its tensors' owner is gone
                 if stop_pending(cancelled):
                     return None
-                raise ReplicaError(f"reading the generation replica's answer failed ({type(exc).__name__}: {exc}); the "
-                                   f"replica (pid {self._process.pid}) {self._how_it_ended()}.") from exc
+                raise ReplicaError(
+                    f"reading the generation replica's answer failed ({type(exc).__name__}: {exc}); the "
+                    f"replica (pid {self._process.pid}) {self._how_it_ended()}."
+                ) from exc
             kind = message[0]
             if kind == "error":
                 self.close()
                 if stop_pending(cancelled):
-                    logger.info("the generation replica failed while a stop was pending (the stop stands): %s",
-                                message[1].strip().splitlines()[-1:])
+                    logger.info(
+                        "the generation replica failed while a stop was pending (the stop stands): %s",
+                        message[1].strip().splitlines()[-1:],
+                    )
                     return None
                 raise ReplicaError(f"the generation replica failed:\n{message[1]}")
             if kind == "probe":
@@ -287,7 +319,9 @@ def _main_not_rerun() -> Iterator[None]:
     again in the child unless it is guarded by ``if __name__ == "__main__"``, which a user's training script may not be;
     the replica needs nothing from it). Objects sent to it must then be importable, not defined in ``__main__``."""
     main = sys.modules.get("__main__")
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    saved = {
+        name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__
+    }
     try:
         for name in saved:
             if name == "__spec__":
@@ -364,8 +398,14 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
         parts = SimpleNamespace(**init["parts"])
         for tool in parts.tools.values():
             tool.start_up()
-        backend = make_backend(init["sampler"], parts.config, parts.chat, model=model, pad_token_id=init["pad_token_id"],
-                               token_budget=init["token_budget"])
+        backend = make_backend(
+            init["sampler"],
+            parts.config,
+            parts.chat,
+            model=model,
+            pad_token_id=init["pad_token_id"],
+            token_budget=init["token_budget"],
+        )
         lock = threading.Lock()
         if init["streaming"]:
             backend = _ReplicaSampler(backend, lock, version)
@@ -378,8 +418,9 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
     def roll_out(key: Any, rows: Any, group_size: int, seed: int, id_offset: int) -> None:
         start = version[0]  # the trajectories' version; with streaming later turns may be newer (stamped per call)
         try:
-            result = rollout_rows(parts, backend, rows, group_size=group_size, seed=seed, policy_step=start,
-                                  id_offset=id_offset)
+            result = rollout_rows(
+                parts, backend, rows, group_size=group_size, seed=seed, policy_step=start, id_offset=id_offset
+            )
             tool_metrics = {}
             for tool in parts.tools.values():
                 tool_metrics.update(tool.step_metrics())
@@ -407,8 +448,9 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
                 continue
             _, key, rows, group_size, seed, id_offset = message
             if init["streaming"]:
-                threading.Thread(target=roll_out, args=(key, rows, group_size, seed, id_offset), daemon=True,
-                                 name=f"rollout-{key}").start()
+                threading.Thread(
+                    target=roll_out, args=(key, rows, group_size, seed, id_offset), daemon=True, name=f"rollout-{key}"
+                ).start()
             else:
                 roll_out(key, rows, group_size, seed, id_offset)
     except BaseException:  # noqa: BLE001

@@ -74,7 +74,11 @@ class Resilient:
             raise NoPolicyUpdate(
                 f"{self._skips_in_a_row} steps in a row made no policy update (max_steps_without_update={limit}); the "
                 f"last one: {skipped}. Nothing is being trained: check the rewards vary within a group (the reward "
-                f"components, the task's difficulty), what the left-out reasons say, or set max_steps_without_update=0.", finished=False)
+                "components, the task's difficulty), what the left-out reasons say, or set "
+                "max_steps_without_update=0.",
+                finished=False,
+            )
+
     _critic: Any = None
     _critic_optimizer: Any = None
 
@@ -99,17 +103,26 @@ class Resilient:
             save_critic(self.accelerator, self._critic, self._critic_optimizer, folder)
             self.accelerator.wait_for_everyone()  # the marker lists every rank's files
         if self.args.should_save:
-            mark_complete(folder, global_step=self.state.global_step, tokenizer_digest=self.run.chat.digest,
-                          version=self.run.version)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+            mark_complete(
+                folder,
+                global_step=self.state.global_step,
+                tokenizer_digest=self.run.chat.digest,
+                version=self.run.version,
+            )
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=False,
+            )
 
     def train(self, resume_from_checkpoint: str | bool | ResumePoint | None = None, *args: Any, **kwargs: Any) -> Any:
         """As ``Trainer.train``; ``resume_from_checkpoint`` ``True``, ``"true"`` or ``"latest"`` (any case) takes the
         newest *complete* checkpoint of ``output_dir``; a :class:`~trl_plugins.trainers.checkpoints.ResumePoint`
         (what a recipe resolved before the model loaded) is taken as it is.
 
-        A checkpoint named here is checked before anything loads it (:func:`~trl_plugins.trainers.checkpoints.resolve_resume`):
+        A checkpoint named here is checked before anything loads it
+        (:func:`~trl_plugins.trainers.checkpoints.resolve_resume`):
         a damaged one is refused naming the file (:class:`~trl_plugins.trainers.checkpoints.CheckpointDamaged`),
         or with ``resume_fallback`` the previous complete one is taken (the damaged one moved aside). The step
         and folder resumed from are logged and printed; the interrupted run's records after that step are moved
@@ -134,8 +147,13 @@ class Resilient:
         if isinstance(resume_from_checkpoint, ResumePoint):
             point: ResumePoint | None = resume_from_checkpoint
         else:
-            point = resolve_resume(resume_from_checkpoint, self.args.output_dir, fallback=self.args.resume_fallback,
-                                   needs_optimizer=not self.args.save_only_model, max_steps=self.args.max_steps)
+            point = resolve_resume(
+                resume_from_checkpoint,
+                self.args.output_dir,
+                fallback=self.args.resume_fallback,
+                needs_optimizer=not self.args.save_only_model,
+                max_steps=self.args.max_steps,
+            )
         folder = None if point is None else point.folder
         if point is not None:
             self._prepare_resume(point)
@@ -152,8 +170,11 @@ class Resilient:
             if self._steps_for_update and not self.policy_updates:
                 raise NoPolicyUpdate(
                     f"the run finished without one policy update: all {self._steps_for_update} of its steps skipped it "
-                    f"(the last: {self._last_skip}); its weights are the starting ones. Check the rewards vary within a "
-                    f"group (the reward components, the task's difficulty) and what the left-out reasons say.", finished=True)
+                    f"(the last: {self._last_skip}); its weights are the starting ones. Check the rewards vary "
+                    "within a "
+                    f"group (the reward components, the task's difficulty) and what the left-out reasons say.",
+                    finished=True,
+                )
             return output
         except StopAgreed as stop:  # stopped mid-step, before the update changed anything
             raise self._interrupted(stop.signum) from None
@@ -187,7 +208,10 @@ class Resilient:
         if point.skipped:
             self.accelerator.wait_for_everyone()  # every rank has checked them before they move
             for exc in point.skipped:
-                say(f"resume_fallback: {exc.file} is damaged ({exc.reason}); falling back to {point.folder}", logging.WARNING)
+                say(
+                    f"resume_fallback: {exc.file} is damaged ({exc.reason}); falling back to {point.folder}",
+                    logging.WARNING,
+                )
             if main:
                 set_aside_damaged(point, log=lambda m: say(m, logging.WARNING))
         of = f" of {self.args.max_steps}" if self.args.max_steps and self.args.max_steps > 0 else ""
@@ -195,8 +219,10 @@ class Resilient:
         if main:
             moved, aside = trim_metrics_log(self.metrics_path, point.step)
             if moved:
-                say(f"metrics.jsonl: {moved} record(s) the interrupted run wrote after step {point.step} moved to "
-                    f"{aside}; the file continues from step {point.step}")
+                say(
+                    f"metrics.jsonl: {moved} record(s) the interrupted run wrote after step {point.step} moved to "
+                    f"{aside}; the file continues from step {point.step}"
+                )
 
     def stop_agreed(self) -> int:
         """The signal of a stop any rank was asked for (0: none). A collective: every rank calls it at the
@@ -237,8 +263,9 @@ class Resilient:
 
     def _emergency_checkpoint(self) -> None:
         if self.accelerator.num_processes > 1:
-            logger.warning("no emergency checkpoint with %d processes (saving is a collective)",
-                           self.accelerator.num_processes)
+            logger.warning(
+                "no emergency checkpoint with %d processes (saving is a collective)", self.accelerator.num_processes
+            )
             return
         try:
             folder = self._checkpoint_this_step()

@@ -29,8 +29,14 @@ import torch
 from trl_plugins.trainers.micro_batches import local_plan, plan_for_ranks
 from trl_plugins.types import Datum
 
-__all__ = ["SequenceParallel", "setup_sequence_parallel", "split_attention", "group_plan", "shard_micro_batch",
-           "ShardedMicroBatch"]
+__all__ = [
+    "SequenceParallel",
+    "setup_sequence_parallel",
+    "split_attention",
+    "group_plan",
+    "shard_micro_batch",
+    "ShardedMicroBatch",
+]
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,9 @@ def _group(size: int) -> Any:
     return _GROUPS[key]
 
 
-def setup_sequence_parallel(accelerator: Any, model: torch.nn.Module, config: Any, *, policy_loss: Any = None) -> SequenceParallel | None:
+def setup_sequence_parallel(
+    accelerator: Any, model: torch.nn.Module, config: Any, *, policy_loss: Any = None
+) -> SequenceParallel | None:
     """Check and set up ``config.sequence_parallel_size`` for ``model`` (the unwrapped policy); every rank must call
     it (it makes the process groups). None when it is 1.
 
@@ -86,8 +94,13 @@ def setup_sequence_parallel(accelerator: Any, model: torch.nn.Module, config: An
     from trl_plugins.run.parallelism import check_sequence_parallel
     from trl_plugins.trainers.ranks import is_deepspeed
 
-    check_sequence_parallel(config, model.config, world_size=accelerator.num_processes,
-                            deepspeed=is_deepspeed(accelerator), policy_loss=policy_loss)
+    check_sequence_parallel(
+        config,
+        model.config,
+        world_size=accelerator.num_processes,
+        deepspeed=is_deepspeed(accelerator),
+        policy_loss=policy_loss,
+    )
     from accelerate.big_modeling import _refuse_recurrent_layers_under_sequence_parallelism
 
     _refuse_recurrent_layers_under_sequence_parallelism(model)
@@ -102,14 +115,26 @@ def setup_sequence_parallel(accelerator: Any, model: torch.nn.Module, config: An
     if impl not in _REDIRECTED:
         original = ALL_ATTENTION_FUNCTIONS[impl]
         ulysses = UlyssesSPAttentionHF(
-            attn=original, batch_size=1, attn_head_count=text.num_attention_heads,
+            attn=original,
+            batch_size=1,
+            attn_head_count=text.num_attention_heads,
             attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            kv_head_count=text.num_key_value_heads or text.num_attention_heads, num_hidden_layers=text.num_hidden_layers,
-            process_group=_group(size), seq_length_is_variable=True)
+            kv_head_count=text.num_key_value_heads or text.num_attention_heads,
+            num_hidden_layers=text.num_hidden_layers,
+            process_group=_group(size),
+            seq_length_is_variable=True,
+        )
         ulysses.core_attn_implementation = impl
 
-        def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        def attention(
+            module: torch.nn.Module,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: Any,
+            *args: Any,
+            **kwargs: Any,
+        ) -> Any:
             if getattr(_ROUTE, "split", False):
                 # One datum per shard row, in order: causal attention over the gathered sequence is its own (the mask
                 # transformers built is for the local shard, and Ulysses attends by position).
@@ -119,11 +144,17 @@ def setup_sequence_parallel(accelerator: Any, model: torch.nn.Module, config: An
         ALL_ATTENTION_FUNCTIONS[impl] = attention
         _REDIRECTED[impl] = ulysses
     elif _REDIRECTED[impl].world_size != size:
-        raise ValueError(f"this process already splits {impl!r} attention over {_REDIRECTED[impl].world_size} ranks; "
-                         f"one sequence_parallel_size per process.")
+        raise ValueError(
+            f"this process already splits {impl!r} attention over {_REDIRECTED[impl].world_size} ranks; "
+            f"one sequence_parallel_size per process."
+        )
     world = accelerator.num_processes
-    return SequenceParallel(size=size, rank=accelerator.process_index % size, group_index=accelerator.process_index // size,
-                            num_groups=world // size)
+    return SequenceParallel(
+        size=size,
+        rank=accelerator.process_index % size,
+        group_index=accelerator.process_index // size,
+        num_groups=world // size,
+    )
 
 
 @contextlib.contextmanager
@@ -163,7 +194,7 @@ def group_plan(datums: Sequence[Datum], config: Any, sp: SequenceParallel) -> tu
         everything = [d for part in parts for d in part]
         return everything, plan_for_ranks(everything, one, sp.num_groups)[sp.group_index]
     first = sp.group_index * sp.size
-    mine = [d for part in parts[first: first + sp.size] for d in part]
+    mine = [d for part in parts[first : first + sp.size] for d in part]
     return mine, local_plan(mine, one)
 
 
@@ -188,16 +219,24 @@ class ShardedMicroBatch:
     take: Callable[[torch.Tensor], torch.Tensor]
     """This shard of another ``(B, T)`` tensor of the micro-batch (e.g. importance weights taken on the whole row)."""
 
-    def logprobs(self, model: torch.nn.Module, device: Any, *, temperature: float, with_entropy: bool,
-                 chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logprobs(
+        self, model: torch.nn.Module, device: Any, *, temperature: float, with_entropy: bool, chunk_size: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The shard's log-probs (and entropies), ``(1, L)``, at its action positions: the forward of its positions,
         inside :func:`split_attention` (every member of the group at once)."""
         from trl_plugins.modeling import token_logprobs_and_entropy
 
         return token_logprobs_and_entropy(
-            model, self.input_ids.to(device), None, self.target_ids.to(device), temperature=temperature,
-            with_entropy=with_entropy, position_ids=self.position_ids.to(device),
-            needed=(self.action_mask.bool() & self.real).to(device), chunk_size=chunk_size)
+            model,
+            self.input_ids.to(device),
+            None,
+            self.target_ids.to(device),
+            temperature=temperature,
+            with_entropy=with_entropy,
+            position_ids=self.position_ids.to(device),
+            needed=(self.action_mask.bool() & self.real).to(device),
+            chunk_size=chunk_size,
+        )
 
 
 def shard_micro_batch(mb: Any, sp: SequenceParallel, *, pad_token_id: int) -> ShardedMicroBatch:
@@ -209,7 +248,9 @@ def shard_micro_batch(mb: Any, sp: SequenceParallel, *, pad_token_id: int) -> Sh
     """
     real = mb.attention_mask.bool()
     if int(real.any(dim=1).sum()) > 1:
-        raise ValueError(f"a sequence-parallel micro-batch holds one datum; this one holds {int(real.any(dim=1).sum())}.")
+        raise ValueError(
+            f"a sequence-parallel micro-batch holds one datum; this one holds {int(real.any(dim=1).sum())}."
+        )
     n = int(real.sum())
     length = -(-max(n, 1) // sp.size)
     start, end = sp.rank * length, (sp.rank + 1) * length
@@ -224,8 +265,16 @@ def shard_micro_batch(mb: Any, sp: SequenceParallel, *, pad_token_id: int) -> Sh
         return None if x is None else take(x)
 
     return ShardedMicroBatch(
-        input_ids=take(mb.input_ids, pad_token_id), position_ids=torch.arange(start, end)[None, :],
-        target_ids=take(mb.target_ids, pad_token_id), real=take(real.to(torch.long)).bool(),
-        action_mask=take(mb.action_mask), behaviour_logprobs=take(mb.behaviour_logprobs), advantages=take(mb.advantages),
-        ref_logprobs=maybe(mb.ref_logprobs), old_logprobs=maybe(mb.old_logprobs), turn_ids=maybe(mb.turn_ids),
-        row_tokens=mb.action_mask.to(torch.float32).sum().reshape(1), take=take)
+        input_ids=take(mb.input_ids, pad_token_id),
+        position_ids=torch.arange(start, end)[None, :],
+        target_ids=take(mb.target_ids, pad_token_id),
+        real=take(real.to(torch.long)).bool(),
+        action_mask=take(mb.action_mask),
+        behaviour_logprobs=take(mb.behaviour_logprobs),
+        advantages=take(mb.advantages),
+        ref_logprobs=maybe(mb.ref_logprobs),
+        old_logprobs=maybe(mb.old_logprobs),
+        turn_ids=maybe(mb.turn_ids),
+        row_tokens=mb.action_mask.to(torch.float32).sum().reshape(1),
+        take=take,
+    )

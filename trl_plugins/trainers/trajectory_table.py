@@ -15,8 +15,18 @@ from trl_plugins.types import Trajectory
 
 __all__ = ["trajectory_columns", "trajectory_rows", "transcript", "prompt_text", "TURN_COLUMNS", "turn_rows"]
 
-TURN_COLUMNS = ["step", "question_id", "sample", "turn", "assistant", "tool", "arguments", "tool_output", "tool_ok",
-                "policy_step"]
+TURN_COLUMNS = [
+    "step",
+    "question_id",
+    "sample",
+    "turn",
+    "assistant",
+    "tool",
+    "arguments",
+    "tool_output",
+    "tool_ok",
+    "policy_step",
+]
 """``policy_step``: the optimizer step of the weights that sampled the turn."""
 
 
@@ -25,7 +35,9 @@ def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Sequence):
-        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, Mapping) else str(m) for m in prompt)
+        return "\n".join(
+            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, Mapping) else str(m) for m in prompt
+        )
     return "" if prompt is None else str(prompt)
 
 
@@ -48,7 +60,8 @@ def _outcome(call: Any) -> str:
 
 
 def transcript(trajectory: Trajectory) -> str:
-    """Every turn in order: ``[assistant i]`` text, ``[tool call i] name {arguments}``, ``[tool output i] (ok|error, ...)`` output."""
+    """Every turn in order: ``[assistant i]`` text, ``[tool call i] name {arguments}``, ``[tool output i] (ok|error,
+    ...)`` output."""
     parts = []
     for i, turn in enumerate(trajectory.turns, start=1):
         parts.append(f"[assistant {i}]\n{turn.text}")
@@ -61,12 +74,31 @@ def transcript(trajectory: Trajectory) -> str:
 
 def trajectory_columns(reward_names: Sequence[str]) -> list[str]:
     """The columns of :func:`trajectory_rows`: one ``reward/<name>`` per component, in the order given."""
-    return ["step", "question_id", "sample", "prompt", "answer", "transcript", "turns", "tool_calls", "stop_reason",
-            "error", "reward", *[f"reward/{name}" for name in reward_names], "advantage"]
+    return [
+        "step",
+        "question_id",
+        "sample",
+        "prompt",
+        "answer",
+        "transcript",
+        "turns",
+        "tool_calls",
+        "stop_reason",
+        "error",
+        "reward",
+        *[f"reward/{name}" for name in reward_names],
+        "advantage",
+    ]
 
 
-def trajectory_rows(trajectories: Sequence[Trajectory], rows: Sequence[Mapping[str, Any]], *, step: int,
-                    reward_names: Sequence[str], max_rows: int | None = None) -> list[list[Any]]:
+def trajectory_rows(
+    trajectories: Sequence[Trajectory],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    step: int,
+    reward_names: Sequence[str],
+    max_rows: int | None = None,
+) -> list[list[Any]]:
     """One row per trajectory (the first ``max_rows``), in :func:`trajectory_columns` order.
 
     ``rows[trajectory.group_id]`` is the trajectory's dataset row (its ``prompt`` and ``answer``, "" when it has
@@ -77,12 +109,23 @@ def trajectory_rows(trajectories: Sequence[Trajectory], rows: Sequence[Mapping[s
         row = rows[t.group_id] if 0 <= t.group_id < len(rows) else {}
         values = {c.name: float(c.value) for c in t.reward_components}
         answer = row.get("answer", "")
-        out.append([
-            step, t.question_id, t.sample_index, prompt_text(row.get("prompt")), "" if answer is None else str(answer),
-            transcript(t), len(t.turns), t.num_tool_calls, "" if t.stop_reason is None else str(t.stop_reason.value),
-            t.error or "", t.reward, *[values.get(name) for name in reward_names],
-            None if t.advantage is None else float(t.advantage),
-        ])
+        out.append(
+            [
+                step,
+                t.question_id,
+                t.sample_index,
+                prompt_text(row.get("prompt")),
+                "" if answer is None else str(answer),
+                transcript(t),
+                len(t.turns),
+                t.num_tool_calls,
+                "" if t.stop_reason is None else str(t.stop_reason.value),
+                t.error or "",
+                t.reward,
+                *[values.get(name) for name in reward_names],
+                None if t.advantage is None else float(t.advantage),
+            ]
+        )
     return out
 
 
@@ -94,7 +137,18 @@ def turn_rows(trajectories: Sequence[Trajectory], *, step: int, max_rows: int | 
     for t in list(trajectories)[:max_rows]:
         for i, (turn, sampled_by) in enumerate(zip(t.turns, t.turn_policy_steps()), start=1):
             calls = turn.tool_calls
-            out.append([step, t.question_id, t.sample_index, i, turn.text,
-                        ", ".join(c.name for c in calls), "\n".join(_arguments(c.arguments) for c in calls),
-                        "\n".join(c.output for c in calls), all(c.ok for c in calls) if calls else None, sampled_by])
+            out.append(
+                [
+                    step,
+                    t.question_id,
+                    t.sample_index,
+                    i,
+                    turn.text,
+                    ", ".join(c.name for c in calls),
+                    "\n".join(_arguments(c.arguments) for c in calls),
+                    "\n".join(c.output for c in calls),
+                    all(c.ok for c in calls) if calls else None,
+                    sampled_by,
+                ]
+            )
     return out

@@ -60,8 +60,14 @@ from trl_plugins.types import (
 )
 
 __all__ = [
-    "UpdateSettings", "UpdateResult", "policy_update", "reference_logprobs", "old_logprobs",
-    "mismatch_correction_applies", "datums_to_forward", "TRAINER_LOGPROB_SOURCE",
+    "UpdateSettings",
+    "UpdateResult",
+    "policy_update",
+    "reference_logprobs",
+    "old_logprobs",
+    "mismatch_correction_applies",
+    "datums_to_forward",
+    "TRAINER_LOGPROB_SOURCE",
 ]
 
 TRAINER_LOGPROB_SOURCE = LogprobSource.TEMPERATURE_SCALED
@@ -177,24 +183,41 @@ def datums_to_forward(datums: Sequence[Datum], policy_loss: Any, config: UpdateS
     return [i for i, d in enumerate(datums) if any(a != 0.0 for a in d.advantages)]
 
 
-def _fill_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, field_name: str,
-                   *, pad_token_id: int, context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
+def _fill_logprobs(
+    accelerator: Any,
+    model: torch.nn.Module,
+    datums: Sequence[Datum],
+    config: UpdateSettings,
+    field_name: str,
+    *,
+    pad_token_id: int,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> None:
     temperature = config.temperature or 1.0
 
     def forward(m: torch.nn.Module, mb: MicroBatch, device: Any) -> torch.Tensor:
-        return micro_batch_logprobs(m, mb, device, temperature=temperature, needed=mb.action_mask,
-                                    chunk_size=logprob_chunk_size(m, config))[0]
+        return micro_batch_logprobs(
+            m, mb, device, temperature=temperature, needed=mb.action_mask, chunk_size=logprob_chunk_size(m, config)
+        )[0]
 
     name = "the reference model" if field_name == "ref_logprobs" else "the policy"
-    for idx, lp in forward_no_grad(accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context,
-                                   name=name):
+    for idx, lp in forward_no_grad(
+        accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context, name=name
+    ):
         for row, i in enumerate(idx):
             n = datums[i].num_tokens
             setattr(datums[i], field_name, [float(x) if m else 0.0 for x, m in zip(lp[row, :n], datums[i].action_mask)])
 
 
-def reference_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *,
-                       pad_token_id: int, context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
+def reference_logprobs(
+    accelerator: Any,
+    model: torch.nn.Module,
+    datums: Sequence[Datum],
+    config: UpdateSettings,
+    *,
+    pad_token_id: int,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> None:
     """Fill ``datum.ref_logprobs`` with the reference model's log-probs at the sampling temperature;
     every rank must call it. Called once per rollout batch, so reused rollouts keep them.
 
@@ -205,8 +228,9 @@ def reference_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequenc
     _fill_logprobs(accelerator, model, datums, config, "ref_logprobs", pad_token_id=pad_token_id, context=context)
 
 
-def old_logprobs(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *,
-                 pad_token_id: int) -> None:
+def old_logprobs(
+    accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *, pad_token_id: int
+) -> None:
     """Fill ``datum.old_logprobs`` with the policy's own no-gradient log-probs at the sampling temperature;
     every rank must call it (same packing, same number of forwards per rank).
 
@@ -229,7 +253,9 @@ def decoupled_objective(config: Any) -> bool:
     return bool(getattr(config, "async_replica", False) and config.off_policy_objective == "decoupled")
 
 
-def mismatch_correction_applies(accelerator: Any, trajectories: Sequence[Trajectory], policy_loss: Any, config: Any) -> bool:
+def mismatch_correction_applies(
+    accelerator: Any, trajectories: Sequence[Trajectory], policy_loss: Any, config: Any
+) -> bool:
     """Whether this rollout batch gets the sampler/trainer mismatch correction; the same answer on every rank.
 
     It applies when ``vllm_importance_sampling_correction`` is on and either ``mismatch_correction_scope``
@@ -249,8 +275,10 @@ def mismatch_correction_applies(accelerator: Any, trajectories: Sequence[Traject
     if config.mismatch_correction_scope == "all" or decoupled_objective(config):
         applies = True
     else:
-        foreign = any(t.policy_version is not None and t.policy_version.logprob_source != TRAINER_LOGPROB_SOURCE
-                      for t in trajectories)
+        foreign = any(
+            t.policy_version is not None and t.policy_version.logprob_source != TRAINER_LOGPROB_SOURCE
+            for t in trajectories
+        )
         (any_foreign,) = reduce_over_ranks(accelerator, [float(foreign)], "max")
         applies = bool(any_foreign)
     loss = as_policy_loss(policy_loss)
@@ -275,18 +303,25 @@ def _denominators(accelerator: Any, datums: Sequence[Datum]) -> tuple[float, flo
 def _check_inputs(datums: Sequence[Datum], loss: PolicyLossPlugin) -> tuple[bool, bool]:
     with_ref = bool(datums) and all(d.ref_logprobs is not None for d in datums)
     if loss.needs_ref_logprobs and datums and not with_ref:
-        raise ValueError("the policy loss reads reference log-probs but the datums carry none; call reference_logprobs() first.")
+        raise ValueError(
+            "the policy loss reads reference log-probs but the datums carry none; call reference_logprobs() first."
+        )
     with_old = bool(datums) and all(d.old_logprobs is not None for d in datums)
     if datums and not with_old and any(d.old_logprobs is not None for d in datums):
-        raise ValueError("some datums carry old_logprobs and some do not; call old_logprobs() on every datum the update forwards.")
+        raise ValueError(
+            "some datums carry old_logprobs and some do not; call old_logprobs() on every datum the update forwards."
+        )
     if with_old and not loss.supports_is_weights:
-        raise ValueError(f"the datums carry old_logprobs (mismatch correction) but {loss.label} does not declare "
-                         f"supports_is_weights.")
+        raise ValueError(
+            f"the datums carry old_logprobs (mismatch correction) but {loss.label} does not declare "
+            f"supports_is_weights."
+        )
     return with_ref, with_old
 
 
-def _plan(accelerator: Any, datums: list[Datum], config: UpdateSettings,
-          sp: SequenceParallel | None) -> tuple[list[Datum], list[list[int]], float]:
+def _plan(
+    accelerator: Any, datums: list[Datum], config: UpdateSettings, sp: SequenceParallel | None
+) -> tuple[list[Datum], list[list[int]], float]:
     """``(datums, this rank's micro-batches, planning seconds)``; with ``rebalance_ranks`` the datums are every
     rank's (gathered, in rank order) and the plan spans the ranks; under sequence parallelism the plan is its group's
     (:func:`~trl_plugins.trainers.sequence_parallel.group_plan`)."""
@@ -304,9 +339,21 @@ def _plan(accelerator: Any, datums: list[Datum], config: UpdateSettings,
     return datums, batches, time.perf_counter() - start
 
 
-def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], batches: list[list[int]],
-              loss_fn: PolicyLossPlugin, config: UpdateSettings, *, pad_token_id: int, num_tokens: float, num_seqs: float,
-              any_ref: bool, is_mode: ImportanceSamplingMode | None, sp: SequenceParallel | None) -> _Pass:
+def _run_pass(
+    accelerator: Any,
+    model: torch.nn.Module,
+    datums: Sequence[Datum],
+    batches: list[list[int]],
+    loss_fn: PolicyLossPlugin,
+    config: UpdateSettings,
+    *,
+    pad_token_id: int,
+    num_tokens: float,
+    num_seqs: float,
+    any_ref: bool,
+    is_mode: ImportanceSamplingMode | None,
+    sp: SequenceParallel | None,
+) -> _Pass:
     world, device = accelerator.num_processes, accelerator.device
     temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
     sync = GradientSync(accelerator, model)
@@ -314,17 +361,28 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
     ensure_layout_checked(accelerator, model, config)
     chunk_size = logprob_chunk_size(model, config)
     model.train()
-    for step in micro_batches(accelerator, datums, batches, pad_token_id=pad_token_id,
-                              padding_free=bool(config.padding_free), shared_prefix=shared_prefix_on(config),
-                              with_ref=any_ref):
+    for step in micro_batches(
+        accelerator,
+        datums,
+        batches,
+        pad_token_id=pad_token_id,
+        padding_free=bool(config.padding_free),
+        shared_prefix=shared_prefix_on(config),
+        with_ref=any_ref,
+    ):
         mb, idx = step.batch, step.datum_indices
         out.steps += 1
         # The importance weights from the whole row (a sequence-level weight spans the shards), before any split.
         is_w = None
         if mb.old_logprobs is not None:
-            is_w = importance_weights(mb.old_logprobs.to(device), mb.behaviour_logprobs.to(device),
-                                      mb.action_mask.to(device), is_mode, clip_min=config.vllm_importance_sampling_clip_min,
-                                      clip_max=config.vllm_importance_sampling_clip_max)
+            is_w = importance_weights(
+                mb.old_logprobs.to(device),
+                mb.behaviour_logprobs.to(device),
+                mb.action_mask.to(device),
+                is_mode,
+                clip_min=config.vllm_importance_sampling_clip_min,
+                clip_max=config.vllm_importance_sampling_clip_max,
+            )
         # Under sequence parallelism this rank's shard of the (one-datum) micro-batch; figures per datum counted once
         # per group, per token on each shard.
         view = mb if sp is None else shard_micro_batch(mb, sp, pad_token_id=pad_token_id)
@@ -336,25 +394,49 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
         mask = view.action_mask.to(device)
         with sync.context(step.last), split_attention() if sp is not None else contextlib.nullcontext():
             if sp is None:
-                logp, entropy = micro_batch_logprobs(model, mb, device, temperature=temperature,
-                                                     with_entropy=loss_fn.needs_entropy, needed=mb.action_mask,
-                                                     chunk_size=chunk_size)
+                logp, entropy = micro_batch_logprobs(
+                    model,
+                    mb,
+                    device,
+                    temperature=temperature,
+                    with_entropy=loss_fn.needs_entropy,
+                    needed=mb.action_mask,
+                    chunk_size=chunk_size,
+                )
             else:
-                logp, entropy = view.logprobs(model, device, temperature=temperature, with_entropy=loss_fn.needs_entropy,
-                                              chunk_size=chunk_size)
+                logp, entropy = view.logprobs(
+                    model, device, temperature=temperature, with_entropy=loss_fn.needs_entropy, chunk_size=chunk_size
+                )
             ref = None if view.ref_logprobs is None else view.ref_logprobs.to(device)
             # The PPO anchor: the sampler's log-probs, or with the mismatch correction the trainer's own
             # (pi_old), the sampler-to-trainer gap then going into the importance weights.
             anchor = view.behaviour_logprobs.to(device) if view.old_logprobs is None else view.old_logprobs.to(device)
             weights = None if is_w is None else is_w.weights if sp is None else view.take(is_w.weights).to(device)
-            result = loss_fn(PolicyLossInput(
-                logprobs=logp, behaviour_logprobs=anchor, advantages=view.advantages.to(device), action_mask=mask,
-                ref_logprobs=ref if loss_fn.needs_ref_logprobs else None, entropy=entropy, is_weights=weights,
-                turn_ids=_turn_ids(view, device) if loss_fn.needs_turn_ids else None,
-            ))
-            loss = aggregate(result.per_token_loss, mask, config.aggregation, num_tokens=num_tokens, num_sequences=num_seqs,
-                             norm_length=config.norm_length, dp_size=world,
-                             row_tokens=None if sp is None else view.row_tokens.to(device)) * mb.weight
+            result = loss_fn(
+                PolicyLossInput(
+                    logprobs=logp,
+                    behaviour_logprobs=anchor,
+                    advantages=view.advantages.to(device),
+                    action_mask=mask,
+                    ref_logprobs=ref if loss_fn.needs_ref_logprobs else None,
+                    entropy=entropy,
+                    is_weights=weights,
+                    turn_ids=_turn_ids(view, device) if loss_fn.needs_turn_ids else None,
+                )
+            )
+            loss = (
+                aggregate(
+                    result.per_token_loss,
+                    mask,
+                    config.aggregation,
+                    num_tokens=num_tokens,
+                    num_sequences=num_seqs,
+                    norm_length=config.norm_length,
+                    dp_size=world,
+                    row_tokens=None if sp is None else view.row_tokens.to(device),
+                )
+                * mb.weight
+            )
             sync.backward(loss)
         out.sums.loss += float(loss.detach()) / world
         if not idx:
@@ -373,8 +455,12 @@ def _run_pass(accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum],
                 if weights is not None:
                     kl_w = kl_w * weights
                 for est in KLEstimator:
-                    setattr(out.sums, f"kl_{est.value}",
-                            getattr(out.sums, f"kl_{est.value}") + float((kl_estimate(logp.detach(), safe_ref, est) * kl_w).sum()))
+                    setattr(
+                        out.sums,
+                        f"kl_{est.value}",
+                        getattr(out.sums, f"kl_{est.value}")
+                        + float((kl_estimate(logp.detach(), safe_ref, est) * kl_w).sum()),
+                    )
                 out.sums.ref_logprob_gap += float(((logp.detach() - safe_ref).abs() * mask).sum())
             if entropy is not None:
                 out.sums.entropy += float((entropy.detach() * mask).sum())
@@ -431,8 +517,20 @@ def policy_update(
     any_ref, any_old = any_ref > 0, any_old > 0
     is_mode = ImportanceSamplingMode(config.vllm_importance_sampling_mode) if any_old else None
     # 3. pass.
-    done = _run_pass(accelerator, model, datums, batches, loss_fn, config, pad_token_id=pad_token_id, num_tokens=num_tokens,
-                     num_seqs=num_seqs, any_ref=any_ref, is_mode=is_mode, sp=sp)
+    done = _run_pass(
+        accelerator,
+        model,
+        datums,
+        batches,
+        loss_fn,
+        config,
+        pad_token_id=pad_token_id,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        any_ref=any_ref,
+        is_mode=is_mode,
+        sp=sp,
+    )
     # 4. step.
     grad_norm = None
     if not is_deepspeed(accelerator) and step_optimizer:
@@ -443,7 +541,9 @@ def policy_update(
     # 5. statistics over the ranks.
     qs = (0.1, 0.5, 0.9)
     all_r = gather_values(accelerator, torch.cat(done.ratios) if done.ratios else torch.zeros(0))
-    ratio_qs = {f"ratio_p{int(q * 100)}": v for q, v in zip(qs, quantiles(all_r, qs).tolist())} if all_r.numel() else None
+    ratio_qs = (
+        {f"ratio_p{int(q * 100)}": v for q, v in zip(qs, quantiles(all_r, qs).tolist())} if all_r.numel() else None
+    )
     sums = merge_over_ranks(accelerator, done.sums, _PassSums)
     total = {f.name: float(getattr(sums, f.name)) for f in fields(_PassSums)}
     denom = max(total["forwarded_tokens"], 1.0)
@@ -475,6 +575,8 @@ def _turn_ids(mb: Any, device: Any) -> torch.Tensor:
         ValueError: datums built without turn ids (by hand, before they existed).
     """
     if mb.turn_ids is None:
-        raise ValueError("the policy loss needs turn ids (needs_turn_ids), but the micro-batch's datums carry none: "
-                         "build them with trl_plugins.datum.build_datums.")
+        raise ValueError(
+            "the policy loss needs turn ids (needs_turn_ids), but the micro-batch's datums carry none: "
+            "build them with trl_plugins.datum.build_datums."
+        )
     return mb.turn_ids.to(device)

@@ -13,38 +13,38 @@ seams' inputs, outputs and statistics), :mod:`.batches` (micro-batches and packi
 """
 
 from trl_plugins.types.algos import (
-    AggregationMode,
-    KLEstimator,
-    ImportanceSamplingMode,
-    MismatchStats,
-    ImportanceWeights,
     AdvantageInput,
     AdvantageOutput,
+    AggregationMode,
+    ImportanceSamplingMode,
+    ImportanceWeights,
+    KLEstimator,
+    MismatchStats,
     PolicyLossInput,
-    PolicyLossStats,
     PolicyLossOutput,
+    PolicyLossStats,
     ValueLossOutput,
     merge_stats,
     stat_reductions,
 )
 from trl_plugins.types.batches import MicroBatch, PackPlan, PrefixTree, SharedPrefixLayout
-from trl_plugins.types.version import AdapterSpec, RunVersion
 from trl_plugins.types.trajectory import (
     PLACEHOLDER_LOGPROB,
+    Datum,
     LeftOutReason,
-    TokenSource,
-    StopReason,
     LogprobSource,
-    SamplingSettings,
     PolicyVersion,
     RewardComponent,
+    SamplingSettings,
+    StopReason,
+    TokenSource,
     ToolCall,
-    Turn,
     Trajectory,
-    TrajectoryReport,
     TrajectoryError,
-    Datum,
+    TrajectoryReport,
+    Turn,
 )
+from trl_plugins.types.version import AdapterSpec, RunVersion
 
 __all__ = [
     "PLACEHOLDER_LOGPROB",

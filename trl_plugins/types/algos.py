@@ -175,7 +175,8 @@ class AdvantageInput:
     values: torch.Tensor | None = None
     """``(N, T)`` critic value of the state before each position's target (gae)."""
     bootstrap_mask: torch.Tensor | None = None
-    """``(N,)`` 1 for truncated trajectories whose last state is bootstrapped (``truncated_policy='bootstrap'``; gae)."""
+    """``(N,)`` 1 for truncated trajectories whose last state is bootstrapped (``truncated_policy='bootstrap'``;
+    gae)."""
     bootstrap_values: torch.Tensor | None = None
     """``(N,)`` value of the state after the last token, used where ``bootstrap_mask`` is 1 (gae)."""
     token_rewards: torch.Tensor | None = None

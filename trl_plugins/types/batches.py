@@ -55,7 +55,7 @@ class SharedPrefixLayout:
     @property
     def num_tokens(self) -> int:
         """Real tokens the two forwards compute: each shared prefix once, then every branch."""
-        return int(self.prefix_mask.sum()) + int(self.branch_mask[:, self.prefix_ids.shape[1]:].sum())
+        return int(self.prefix_mask.sum()) + int(self.branch_mask[:, self.prefix_ids.shape[1] :].sum())
 
     @property
     def area(self) -> int:

@@ -6,7 +6,22 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["PLACEHOLDER_LOGPROB", "TokenSource", "StopReason", "LeftOutReason", "LogprobSource", "SamplingSettings", "PolicyVersion", "RewardComponent", "ToolCall", "Turn", "Trajectory", "TrajectoryReport", "TrajectoryError", "Datum"]
+__all__ = [
+    "PLACEHOLDER_LOGPROB",
+    "TokenSource",
+    "StopReason",
+    "LeftOutReason",
+    "LogprobSource",
+    "SamplingSettings",
+    "PolicyVersion",
+    "RewardComponent",
+    "ToolCall",
+    "Turn",
+    "Trajectory",
+    "TrajectoryReport",
+    "TrajectoryError",
+    "Datum",
+]
 
 
 PLACEHOLDER_LOGPROB = 0.0
@@ -84,7 +99,8 @@ class LeftOutReason(enum.StrEnum):
     viewer)."""
 
     WORLD_FAILURE = "world_failure"
-    """The infrastructure failed it (``environment_error``, ``verifier_error``, ``cancelled``): not the policy's fault."""
+    """The infrastructure failed it (``environment_error``, ``verifier_error``, ``cancelled``): not the policy's
+    fault."""
     TRUNCATED = "truncated"
     """A budget cut it and ``truncated_policy='mask'`` leaves truncated trajectories out."""
     GROUP_TOO_SMALL = "group_too_small"

@@ -62,8 +62,10 @@ class RunVersion:
         """The record :meth:`to_dict` wrote (unknown keys ignored, so a newer file still reads)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
-        kwargs["adapters"] = tuple(AdapterSpec(a["name"], a["kind"], a.get("rank"), tuple(a.get("targets", ())))
-                                   for a in data.get("adapters", ()))
+        kwargs["adapters"] = tuple(
+            AdapterSpec(a["name"], a["kind"], a.get("rank"), tuple(a.get("targets", ())))
+            for a in data.get("adapters", ())
+        )
         return cls(**kwargs)
 
     @property

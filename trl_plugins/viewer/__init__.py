@@ -18,7 +18,15 @@ token, which is context only), ``data-source``, ``data-mask``, ``data-logprob``,
 ``data-id``; numbers are written as Python's ``repr`` of the datum's float, so they compare exactly.
 """
 
-from trl_plugins.viewer.batch import FORMAT, UpdateRole, ViewerError, datum_from_dict, load_batch, make_batch, save_batch
+from trl_plugins.viewer.batch import (
+    FORMAT,
+    UpdateRole,
+    ViewerError,
+    datum_from_dict,
+    load_batch,
+    make_batch,
+    save_batch,
+)
 from trl_plugins.viewer.cli import main
 from trl_plugins.viewer.page import SOURCE_COLOURS, display_text, render_html, write_step_pages
 

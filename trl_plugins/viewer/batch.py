@@ -18,7 +18,16 @@ from typing import Any, Collection, Mapping, Sequence
 from trl_plugins.datum import DatumError, build_datum
 from trl_plugins.types import Datum, LeftOutReason, PolicyVersion, RunVersion, TokenSource, Trajectory
 
-__all__ = ["FORMAT", "READABLE_FORMATS", "UpdateRole", "ViewerError", "make_batch", "save_batch", "load_batch", "datum_from_dict"]
+__all__ = [
+    "FORMAT",
+    "READABLE_FORMATS",
+    "UpdateRole",
+    "ViewerError",
+    "make_batch",
+    "save_batch",
+    "load_batch",
+    "datum_from_dict",
+]
 
 FORMAT = "trl_plugins.viewer/3"
 """Value of a saved batch's ``format`` key. Format 3 holds the full dataset rows, tool arguments and outputs (format 2
@@ -72,10 +81,15 @@ def _floats(xs: Sequence[float] | None) -> list[float | None] | None:
 
 def _datum_to_dict(d: Datum) -> dict:
     out = {
-        "input_ids": list(d.input_ids), "target_ids": list(d.target_ids),
-        "behaviour_logprobs": _floats(d.behaviour_logprobs), "advantages": _floats(d.advantages),
-        "action_mask": [int(m) for m in d.action_mask], "sources": [_source_name(s) for s in d.sources],
-        "trajectory_index": d.trajectory_index, "group_id": d.group_id, "bootstrap_mask": d.bootstrap_mask,
+        "input_ids": list(d.input_ids),
+        "target_ids": list(d.target_ids),
+        "behaviour_logprobs": _floats(d.behaviour_logprobs),
+        "advantages": _floats(d.advantages),
+        "action_mask": [int(m) for m in d.action_mask],
+        "sources": [_source_name(s) for s in d.sources],
+        "trajectory_index": d.trajectory_index,
+        "group_id": d.group_id,
+        "bootstrap_mask": d.bootstrap_mask,
     }
     for name in ("ref_logprobs", "old_logprobs", "old_values", "returns"):
         value = getattr(d, name)
@@ -90,7 +104,11 @@ def _datum_to_dict(d: Datum) -> dict:
 
 def datum_from_dict(data: Mapping[str, Any]) -> Datum:
     """The :class:`~trl_plugins.types.Datum` a saved batch stores (a ``trajectories[i]["datum"]`` entry; copied)."""
-    kwargs = {f.name: list(v) if isinstance(v := data[f.name], list) else v for f in dataclasses.fields(Datum) if f.name in data}
+    kwargs = {
+        f.name: list(v) if isinstance(v := data[f.name], list) else v
+        for f in dataclasses.fields(Datum)
+        if f.name in data
+    }
     kwargs["sources"] = [TokenSource[s.upper()] for s in data["sources"]]
     return Datum(**kwargs)
 
@@ -121,15 +139,22 @@ def _question(row: Mapping[str, Any]) -> str | None:
 
 _LEFT_OUT_NOTES = {
     LeftOutReason.TRUNCATED: "truncated, and truncated_policy='mask'",
-    LeftOutReason.GROUP_TOO_SMALL: "too few members of its group survived the infrastructure (min_valid_group_fraction)",
+    LeftOutReason.GROUP_TOO_SMALL: "too few members of its group survived the infrastructure "
+    "(min_valid_group_fraction)",
     LeftOutReason.EQUAL_REWARDS: "dynamic sampling dropped its group: its members' rewards were all equal",
     LeftOutReason.SURPLUS: "dynamic sampling dropped its group: the batch was full before it was drawn",
     LeftOutReason.FILLER: "dynamic sampling drew it only so that every rank generates; never kept",
 }
 
 
-def _role(traj: Trajectory, datum: Datum | None, left_out: LeftOutReason | None, in_update: bool,
-          forwarded: bool | None, update_skipped: str | None = None) -> tuple[UpdateRole, str]:
+def _role(
+    traj: Trajectory,
+    datum: Datum | None,
+    left_out: LeftOutReason | None,
+    in_update: bool,
+    forwarded: bool | None,
+    update_skipped: str | None = None,
+) -> tuple[UpdateRole, str]:
     if update_skipped and in_update:
         return UpdateRole.UPDATE_SKIPPED, f"not trained on: the step's policy update was skipped ({update_skipped})"
     if not in_update:
@@ -139,8 +164,11 @@ def _role(traj: Trajectory, datum: Datum | None, left_out: LeftOutReason | None,
             why = _LEFT_OUT_NOTES.get(left_out, "left out of the update (no reason recorded)")
         return UpdateRole.LEFT_OUT, f"not trained on: {why}"
     if datum is not None and all(a == 0.0 for a in datum.advantages):
-        how = ("its forward/backward was skipped (drop_zero_advantage)" if forwarded is False else
-               "it adds no policy-gradient signal")
+        how = (
+            "its forward/backward was skipped (drop_zero_advantage)"
+            if forwarded is False
+            else "it adds no policy-gradient signal"
+        )
         return UpdateRole.ZERO_ADVANTAGE, f"advantage 0: in the loss denominators, but {how}"
     return UpdateRole.TRAINED, "trained on"
 
@@ -149,12 +177,33 @@ def _turns(traj: Trajectory) -> list[dict]:
     out, pos, steps = [], 0, traj.turn_policy_steps()
     for i, turn in enumerate(traj.turns):
         start = len(turn.prompt_ids)
-        calls = [{"name": c.name, "arguments": _scalar(c.arguments), "output": _scalar(c.output), "ok": c.ok,
-                  "timed_out": c.timed_out, "output_truncated": c.output_truncated, "latency_s": _finite(c.latency_s),
-                  "infra_error": c.infra_error} for c in turn.tool_calls]
-        out.append({"index": i, "prompt_start": pos, "completion_start": start, "completion_end": start + len(turn.completion_ids),
-                    "text": turn.text, "truncated": turn.truncated, "tool_calls": calls,
-                    "policy_step": steps[i], "seed": turn.seed, "segment_start": turn.segment_start})
+        calls = [
+            {
+                "name": c.name,
+                "arguments": _scalar(c.arguments),
+                "output": _scalar(c.output),
+                "ok": c.ok,
+                "timed_out": c.timed_out,
+                "output_truncated": c.output_truncated,
+                "latency_s": _finite(c.latency_s),
+                "infra_error": c.infra_error,
+            }
+            for c in turn.tool_calls
+        ]
+        out.append(
+            {
+                "index": i,
+                "prompt_start": pos,
+                "completion_start": start,
+                "completion_end": start + len(turn.completion_ids),
+                "text": turn.text,
+                "truncated": turn.truncated,
+                "tool_calls": calls,
+                "policy_step": steps[i],
+                "seed": turn.seed,
+                "segment_start": turn.segment_start,
+            }
+        )
         pos = start + len(turn.completion_ids)
     return out
 
@@ -197,13 +246,14 @@ def make_batch(
             re-derives every turn's prompt from them.
 
     Returns:
-        ``{"format", "step", "created", "version", "tool_schemas", "chat", "num_trajectories", "trajectories": [...]}``; each trajectory holds
+        ``{"format", "step", "created", "version", "tool_schemas", "chat", "num_trajectories", "trajectories": [...]}``;
+        each trajectory holds
         its ids, stop reason, reward components, advantage, ``update_role``/``update_note``, ``turns`` (token
         boundaries in the whole sequence, text, tool calls), ``tokens`` (every id and its decoded string),
         ``datum`` (or ``datum_error``) and ``datum_for_display``.
     """
     by_index = {d.trajectory_index: d for d in datums}
-    keep = list(trajectories)[: max_trajectories] if max_trajectories is not None else list(trajectories)
+    keep = list(trajectories)[:max_trajectories] if max_trajectories is not None else list(trajectories)
     out = []
     for i, traj in enumerate(keep):
         reason = left_out[i] if left_out is not None else None
@@ -211,24 +261,45 @@ def make_batch(
         datum, for_display, error = by_index.get(i), False, None
         if datum is None:
             try:
-                datum = build_datum(traj, advantage=traj.advantage if traj.advantage is not None else 0.0, trajectory_index=i)
+                datum = build_datum(
+                    traj, advantage=traj.advantage if traj.advantage is not None else 0.0, trajectory_index=i
+                )
                 for_display = True
             except (DatumError, ValueError) as exc:
                 error = str(exc)
-        role, note = _role(traj, datum, reason, in_update, None if forwarded is None else i in forwarded, update_skipped)
+        role, note = _role(
+            traj, datum, reason, in_update, None if forwarded is None else i in forwarded, update_skipped
+        )
         entry: dict[str, Any] = {
-            "index": i, "question_id": traj.question_id, "group_id": traj.group_id, "sample_index": traj.sample_index,
+            "index": i,
+            "question_id": traj.question_id,
+            "group_id": traj.group_id,
+            "sample_index": traj.sample_index,
             "stop_reason": None if traj.stop_reason is None else str(traj.stop_reason),
-            "stop_kind": ("terminated" if traj.terminated else "truncated" if traj.truncated else
-                          "world_failure" if traj.world_failure else "unfinished"),
-            "error": traj.error, "reward": _finite(traj.reward), "advantage": _finite(traj.advantage),
-            "reward_components": [{"name": c.name, "value": _finite(c.value), "weight": _finite(c.weight)}
-                                  for c in traj.reward_components],
+            "stop_kind": (
+                "terminated"
+                if traj.terminated
+                else "truncated"
+                if traj.truncated
+                else "world_failure"
+                if traj.world_failure
+                else "unfinished"
+            ),
+            "error": traj.error,
+            "reward": _finite(traj.reward),
+            "advantage": _finite(traj.advantage),
+            "reward_components": [
+                {"name": c.name, "value": _finite(c.value), "weight": _finite(c.weight)} for c in traj.reward_components
+            ],
             "policy_step": None if traj.policy_version is None else traj.policy_version.step,
             "policy_version": _policy_version(traj.policy_version),
-            "update_role": str(role), "update_note": note, "left_out": None if reason is None else str(reason),
+            "update_role": str(role),
+            "update_note": note,
+            "left_out": None if reason is None else str(reason),
             "turns": _turns(traj),
-            "datum": None if datum is None else _datum_to_dict(datum), "datum_for_display": for_display, "datum_error": error,
+            "datum": None if datum is None else _datum_to_dict(datum),
+            "datum_for_display": for_display,
+            "datum_error": error,
         }
         if rows is not None and 0 <= traj.group_id < len(rows):
             row = rows[traj.group_id]
@@ -244,25 +315,36 @@ def make_batch(
             entry["tokens"] = {"ids": ids, "strings": _decode(tokenizer, ids)}
         out.append(entry)
     return {
-        "format": FORMAT, "step": step, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "format": FORMAT,
+        "step": step,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "version": None if version is None else {**version.to_dict(), "digest": version.digest},
         "tool_schemas": None if tool_schemas is None else _scalar(list(tool_schemas)),
         "chat": None if chat_settings is None else _scalar(dict(chat_settings)),
-        "num_trajectories": len(trajectories), "trajectories": out,
+        "num_trajectories": len(trajectories),
+        "trajectories": out,
     }
 
 
 def _policy_version(v: PolicyVersion | None) -> dict | None:
     if v is None:
         return None
-    return {"step": v.step, "tokenizer_digest": v.tokenizer_digest, "weights_digest": v.weights_digest,
-            "run_digest": v.run_digest, "sampling": dataclasses.asdict(v.sampling), "logprob_source": str(v.logprob_source)}
+    return {
+        "step": v.step,
+        "tokenizer_digest": v.tokenizer_digest,
+        "weights_digest": v.weights_digest,
+        "run_digest": v.run_digest,
+        "sampling": dataclasses.asdict(v.sampling),
+        "logprob_source": str(v.logprob_source),
+    }
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> list[str] | None:
     if tokenizer is None:
         return None
-    return list(tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    return list(
+        tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    )
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -276,8 +358,13 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def save_batch(path: str | os.PathLike, trajectories: Sequence[Trajectory], datums: Sequence[Datum], tokenizer: Any = None,
-               **kwargs: Any) -> dict:
+def save_batch(
+    path: str | os.PathLike,
+    trajectories: Sequence[Trajectory],
+    datums: Sequence[Datum],
+    tokenizer: Any = None,
+    **kwargs: Any,
+) -> dict:
     """Write :func:`make_batch` (same arguments) to ``path`` as JSON (atomically: a crash leaves the old file or
     none, never half of one). Returns the batch."""
     batch = make_batch(trajectories, datums, tokenizer, **kwargs)
@@ -293,19 +380,24 @@ def load_batch(path: str | os.PathLike) -> dict:
     """
     p = Path(path)
     if not p.is_file():
-        raise ViewerError(f"{p}: no such file. A saved batch is what the trainer writes every viewer_steps steps as "
-                          f"output_dir/trajectories/step-<step>.json (or save_batch() writes).")
+        raise ViewerError(
+            f"{p}: no such file. A saved batch is what the trainer writes every viewer_steps steps as "
+            f"output_dir/trajectories/step-<step>.json (or save_batch() writes)."
+        )
     try:
         batch = json.loads(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise ViewerError(f"{p} is not a text file ({exc}); give a saved batch (.json).") from None
     except json.JSONDecodeError as exc:
-        raise ViewerError(f"{p} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); was it cut short "
-                          f"or edited? Write it again with save_batch() or take another step's file.") from None
+        raise ViewerError(
+            f"{p} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); was it cut short "
+            f"or edited? Write it again with save_batch() or take another step's file."
+        ) from None
     if not isinstance(batch, dict) or batch.get("format") not in READABLE_FORMATS:
         got = batch.get("format") if isinstance(batch, dict) else type(batch).__name__
-        raise ViewerError(f"{p} is not a saved trajectory batch: its format is {got!r}, expected one of "
-                          f"{list(READABLE_FORMATS)}.")
+        raise ViewerError(
+            f"{p} is not a saved trajectory batch: its format is {got!r}, expected one of {list(READABLE_FORMATS)}."
+        )
     batch.setdefault("version", None)  # format 2 recorded neither
     batch.setdefault("tool_schemas", None)
     batch.setdefault("chat", None)
@@ -314,10 +406,15 @@ def load_batch(path: str | os.PathLike) -> dict:
     for i, t in enumerate(batch["trajectories"]):
         d = t.get("datum") if isinstance(t, dict) else None
         if d is not None:
-            lengths = {k: len(d.get(k) or []) for k in ("target_ids", "behaviour_logprobs", "advantages", "action_mask", "sources")}
+            lengths = {
+                k: len(d.get(k) or [])
+                for k in ("target_ids", "behaviour_logprobs", "advantages", "action_mask", "sources")
+            }
             if len(set(lengths.values())) != 1 or len(t.get("tokens", {}).get("ids", [])) != lengths["target_ids"] + 1:
-                raise ViewerError(f"{p}: trajectory {i}'s datum arrays disagree in length ({lengths}, "
-                                  f"{len(t.get('tokens', {}).get('ids', []))} tokens); the file is damaged.")
+                raise ViewerError(
+                    f"{p}: trajectory {i}'s datum arrays disagree in length ({lengths}, "
+                    f"{len(t.get('tokens', {}).get('ids', []))} tokens); the file is damaged."
+                )
     return batch
 
 

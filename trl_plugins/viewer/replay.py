@@ -62,8 +62,16 @@ from trl_plugins.viewer.replay_report import (
     default_tolerance,
 )
 
-__all__ = ["Difference", "ReplayReport", "ReplayRefused", "replay_batch", "saved_trajectory", "default_tolerance",
-           "CHECKS"]
+__all__ = [
+    "Difference",
+    "ReplayReport",
+    "ReplayRefused",
+    "replay_batch",
+    "saved_trajectory",
+    "default_tolerance",
+    "CHECKS",
+]
+
 
 def _nan(x: Any) -> float:
     return float("nan") if x is None else float(x)
@@ -82,31 +90,66 @@ def saved_trajectory(entry: Mapping[str, Any]) -> Trajectory:
         raise ValueError(f"no datum was saved ({entry.get('datum_error') or 'none recorded'})")
     ids = list(entry["tokens"]["ids"])
     logprobs = [math.nan] + [_nan(x) for x in datum["behaviour_logprobs"]]
-    sources = [TokenSource[entry.get("first_source", "prompt").upper()]] + [TokenSource[s.upper()] for s in datum["sources"]]
+    sources = [TokenSource[entry.get("first_source", "prompt").upper()]] + [
+        TokenSource[s.upper()] for s in datum["sources"]
+    ]
     turns, added = [], 0  # added: where the tokens this turn's prompt adds begin
     for t in entry["turns"]:
         start, end = t["completion_start"], t["completion_end"]
         if t.get("segment_start") or start < added:
             raise ValueError("it has a segmented turn (a rewritten conversation), which the replay does not rebuild")
-        calls = [ToolCall(name=c["name"], arguments=c["arguments"], output=c["output"] or "", ok=bool(c["ok"]),
-                          timed_out=bool(c["timed_out"]), output_truncated=bool(c["output_truncated"]),
-                          infra_error=c.get("infra_error")) for c in t["tool_calls"]]
-        turn = Turn(prompt_ids=ids[:start], completion_ids=ids[start:end], completion_logprobs=logprobs[start:end],
-                    text=t["text"], prompt_sources=sources[added:start], completion_sources=sources[start:end],
-                    truncated=bool(t["truncated"]), tool_calls=calls, policy_step=t.get("policy_step"),
-                    seed=t.get("seed"))
+        calls = [
+            ToolCall(
+                name=c["name"],
+                arguments=c["arguments"],
+                output=c["output"] or "",
+                ok=bool(c["ok"]),
+                timed_out=bool(c["timed_out"]),
+                output_truncated=bool(c["output_truncated"]),
+                infra_error=c.get("infra_error"),
+            )
+            for c in t["tool_calls"]
+        ]
+        turn = Turn(
+            prompt_ids=ids[:start],
+            completion_ids=ids[start:end],
+            completion_logprobs=logprobs[start:end],
+            text=t["text"],
+            prompt_sources=sources[added:start],
+            completion_sources=sources[start:end],
+            truncated=bool(t["truncated"]),
+            tool_calls=calls,
+            policy_step=t.get("policy_step"),
+            seed=t.get("seed"),
+        )
         turns.append(turn)
         added = end
     pv = entry.get("policy_version")
-    version = None if pv is None else PolicyVersion(
-        step=pv["step"], tokenizer_digest=pv["tokenizer_digest"], weights_digest=pv.get("weights_digest"),
-        sampling=SamplingSettings(**pv["sampling"]), logprob_source=LogprobSource(pv["logprob_source"]),
-        run_digest=pv.get("run_digest"))
+    version = (
+        None
+        if pv is None
+        else PolicyVersion(
+            step=pv["step"],
+            tokenizer_digest=pv["tokenizer_digest"],
+            weights_digest=pv.get("weights_digest"),
+            sampling=SamplingSettings(**pv["sampling"]),
+            logprob_source=LogprobSource(pv["logprob_source"]),
+            run_digest=pv.get("run_digest"),
+        )
+    )
     return Trajectory(
-        turns=turns, question_id=entry["question_id"], group_id=entry["group_id"], sample_index=entry["sample_index"],
+        turns=turns,
+        question_id=entry["question_id"],
+        group_id=entry["group_id"],
+        sample_index=entry["sample_index"],
         stop_reason=None if entry.get("stop_reason") is None else StopReason(entry["stop_reason"]),
-        reward_components=[RewardComponent(c["name"], _nan(c["value"]), _nan(c["weight"])) for c in entry["reward_components"]],
-        advantage=entry.get("advantage"), policy_version=version, error=entry.get("error"))
+        reward_components=[
+            RewardComponent(c["name"], _nan(c["value"]), _nan(c["weight"])) for c in entry["reward_components"]
+        ],
+        advantage=entry.get("advantage"),
+        policy_version=version,
+        error=entry.get("error"),
+    )
 
 
 def _messages(batch: Mapping[str, Any], entry: Mapping[str, Any]) -> list[dict]:
@@ -124,20 +167,27 @@ def _version_gate(batch: Mapping[str, Any], tokenizer: Any, run: Any, *, tools: 
     out = []
     now = tokenizer_digest(tokenizer)
     if saved["tokenizer_digest"] != now:
-        out.append(f"tokenizer/chat-template digest: {saved['tokenizer_digest']} (saved) vs {now} (current): the saved "
-                   f"ids mean other text with this tokenizer, or the template renders other tokens")
+        out.append(
+            f"tokenizer/chat-template digest: {saved['tokenizer_digest']} (saved) vs {now} (current): the saved "
+            f"ids mean other text with this tokenizer, or the template renders other tokens"
+        )
     if run is not None:
         current = tool_schemas_digest(run.chat.tools)
         if current != saved["tool_schemas_digest"]:
-            out.append(f"tool schemas digest: {saved['tool_schemas_digest']} (saved) vs {current} (current): the model "
-                       f"was shown other tools than the run now has")
+            out.append(
+                f"tool schemas digest: {saved['tool_schemas_digest']} (saved) vs {current} (current): the model "
+                f"was shown other tools than the run now has"
+            )
     versions = saved.get("plugin_versions") or {}
     plugins = [(f"reward/{r.name}", r) for r in (run.rewards if run is not None and rewards else [])]
     plugins += [(f"tool/{n}", t) for n, t in (run.tools.items() if run is not None and tools else [])]
     if run is not None and rewards:  # the stop reason is re-derived by the rollout's rules
         plugins.append((f"rollout/{run.rollout.name}", run.rollout))
-    why = {"reward": "the verifier changed: it may score the same trajectory differently",
-           "tool": "the tool changed: its outputs may differ", "rollout": "the rollout's rules changed"}
+    why = {
+        "reward": "the verifier changed: it may score the same trajectory differently",
+        "tool": "the tool changed: its outputs may differ",
+        "rollout": "the rollout's rules changed",
+    }
     for root, plugin in plugins:
         if root not in versions:
             continue  # saved before this plugin's version was recorded
@@ -153,9 +203,14 @@ def _chat(batch: Mapping[str, Any], tokenizer: Any, run: Any) -> ChatFormat:
     if run is not None and run.chat is not None and run.chat.tokenizer is tokenizer:
         return run.chat
     c = batch.get("chat") or {}
-    return ChatFormat(tokenizer, batch.get("tool_schemas") or [], final_answer_pattern=c.get("final_answer_pattern"),
-                      stop_tokens=c.get("stop_tokens"), calls_per_turn=c.get("calls_per_turn") or 1,
-                      **(c.get("chat_template_kwargs") or {}))
+    return ChatFormat(
+        tokenizer,
+        batch.get("tool_schemas") or [],
+        final_answer_pattern=c.get("final_answer_pattern"),
+        stop_tokens=c.get("stop_tokens"),
+        calls_per_turn=c.get("calls_per_turn") or 1,
+        **(c.get("chat_template_kwargs") or {}),
+    )
 
 
 def _rerun_tools(run: Any, traj: Trajectory, i: int, report: ReplayReport) -> list[list[str]]:
@@ -167,10 +222,16 @@ def _rerun_tools(run: Any, traj: Trajectory, i: int, report: ReplayReport) -> li
         for call in turn.tool_calls:
             tool = run.tools.get(call.name)
             if tool is None or not tool.idempotent or call.infra_error:
-                why = ("the run has no such tool" if tool is None else "it is not idempotent" if not tool.idempotent
-                       else "it failed in the infrastructure")
-                report.notes.append(f"trajectory {i}, turn {t}: tool call {call.name!r} not re-run ({why}); its saved "
-                                    f"output stands")
+                why = (
+                    "the run has no such tool"
+                    if tool is None
+                    else "it is not idempotent"
+                    if not tool.idempotent
+                    else "it failed in the infrastructure"
+                )
+                report.notes.append(
+                    f"trajectory {i}, turn {t}: tool call {call.name!r} not re-run ({why}); its saved output stands"
+                )
                 mine.append(call.output)
                 continue
             out = asyncio.run(_call_tool(tool, dict(call.arguments)))
@@ -179,15 +240,29 @@ def _rerun_tools(run: Any, traj: Trajectory, i: int, report: ReplayReport) -> li
     return outputs
 
 
-def _check_rendering(chat: ChatFormat, batch: Mapping[str, Any], entry: Mapping[str, Any], traj: Trajectory, i: int,
-                     outputs: list[list[str]] | None, check: str) -> Difference | None:
+def _check_rendering(
+    chat: ChatFormat,
+    batch: Mapping[str, Any],
+    entry: Mapping[str, Any],
+    traj: Trajectory,
+    i: int,
+    outputs: list[list[str]] | None,
+    check: str,
+) -> Difference | None:
     tok = chat.tokenizer
     turns = traj.turns
     first = chat.initial_prompt_ids(_messages(batch, entry))
     k = _first_difference(turns[0].prompt_ids, first)
     if k is not None:
-        return Difference(check, i, "the first prompt renders differently", 0, k, _text(tok, turns[0].prompt_ids, k),
-                          _text(tok, first, k))
+        return Difference(
+            check,
+            i,
+            "the first prompt renders differently",
+            0,
+            k,
+            _text(tok, turns[0].prompt_ids, k),
+            _text(tok, first, k),
+        )
     mtr = (batch.get("chat") or {}).get("max_tool_response_tokens")
     for t in range(1, len(turns)):
         prev = turns[t - 1]
@@ -195,22 +270,41 @@ def _check_rendering(chat: ChatFormat, batch: Mapping[str, Any], entry: Mapping[
         if outputs and check == "tools":
             for j, c in enumerate(prev.tool_calls):
                 if outputs[t - 1][j] != c.output:
-                    expected = prev.prompt_ids + prev.completion_ids + chat.tool_results_turn(
-                        prev.completion_ids, results, max_tokens=mtr).ids
+                    expected = (
+                        prev.prompt_ids
+                        + prev.completion_ids
+                        + chat.tool_results_turn(prev.completion_ids, results, max_tokens=mtr).ids
+                    )
                     k = _first_difference(turns[t].prompt_ids, expected)
-                    return Difference(check, i, f"tool call {j} ({c.name!r}) returned {outputs[t - 1][j][:80]!r} where "
-                                      f"it returned {c.output[:80]!r}", t - 1, k,
-                                      None if k is None else _text(tok, turns[t].prompt_ids, k),
-                                      None if k is None else _text(tok, expected, k))
+                    return Difference(
+                        check,
+                        i,
+                        f"tool call {j} ({c.name!r}) returned {outputs[t - 1][j][:80]!r} where "
+                        f"it returned {c.output[:80]!r}",
+                        t - 1,
+                        k,
+                        None if k is None else _text(tok, turns[t].prompt_ids, k),
+                        None if k is None else _text(tok, expected, k),
+                    )
             continue
         if not results:
             continue  # a turn after one without calls is the rollout's own continuation: nothing to re-derive
-        expected = prev.prompt_ids + prev.completion_ids + chat.tool_results_turn(prev.completion_ids, results,
-                                                                                   max_tokens=mtr).ids
+        expected = (
+            prev.prompt_ids
+            + prev.completion_ids
+            + chat.tool_results_turn(prev.completion_ids, results, max_tokens=mtr).ids
+        )
         k = _first_difference(turns[t].prompt_ids, expected)
         if k is not None:
-            return Difference(check, i, f"the tool turn after turn {t - 1} renders differently", t, k,
-                              _text(tok, turns[t].prompt_ids, k), _text(tok, expected, k))
+            return Difference(
+                check,
+                i,
+                f"the tool turn after turn {t - 1} renders differently",
+                t,
+                k,
+                _text(tok, turns[t].prompt_ids, k),
+                _text(tok, expected, k),
+            )
     return None
 
 
@@ -219,8 +313,9 @@ def _turn_of(traj: Trajectory, position: int) -> int:
 
 
 @torch.no_grad()
-def _check_logprobs(model: Any, tok: Any, entries: list[tuple[int, Mapping, Trajectory]], tolerance: float,
-                    report: ReplayReport) -> None:
+def _check_logprobs(
+    model: Any, tok: Any, entries: list[tuple[int, Mapping, Trajectory]], tolerance: float, report: ReplayReport
+) -> None:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -230,8 +325,17 @@ def _check_logprobs(model: Any, tok: Any, entries: list[tuple[int, Mapping, Traj
             d = entry["datum"]
             sampling = traj.policy_version.sampling if traj.policy_version else SamplingSettings()
             ids = torch.tensor([d["input_ids"]], device=device)
-            lp = token_logprobs(model, ids, torch.ones_like(ids), torch.tensor([d["target_ids"]], device=device),
-                                temperature=sampling.temperature or 1.0)[0].double().cpu()
+            lp = (
+                token_logprobs(
+                    model,
+                    ids,
+                    torch.ones_like(ids),
+                    torch.tensor([d["target_ids"]], device=device),
+                    temperature=sampling.temperature or 1.0,
+                )[0]
+                .double()
+                .cpu()
+            )
             saved = torch.tensor([_nan(x) for x in d["behaviour_logprobs"]], dtype=torch.float64)
             mask = torch.tensor(d["action_mask"], dtype=torch.bool)
             gap = (lp - saved).abs()
@@ -240,33 +344,57 @@ def _check_logprobs(model: Any, tok: Any, entries: list[tuple[int, Mapping, Traj
             beyond = torch.nonzero(gap > tolerance).flatten()
             if len(beyond):
                 j = int(beyond[0])
-                report.differences.append(Difference(
-                    "logprobs", i, f"log-prob of action token {_text(tok, entry['tokens']['ids'], j + 1)} differs by "
-                    f"{float(gap[j]):.3g} (> {tolerance:.3g}; {len(beyond)} such tokens)", _turn_of(traj, j + 1), j + 1,
-                    f"{float(saved[j]):.6f}", f"{float(lp[j]):.6f}"))
+                report.differences.append(
+                    Difference(
+                        "logprobs",
+                        i,
+                        f"log-prob of action token {_text(tok, entry['tokens']['ids'], j + 1)} differs by "
+                        f"{float(gap[j]):.3g} (> {tolerance:.3g}; {len(beyond)} such tokens)",
+                        _turn_of(traj, j + 1),
+                        j + 1,
+                        f"{float(saved[j]):.6f}",
+                        f"{float(lp[j]):.6f}",
+                    )
+                )
     finally:
         model.train(was_training)
     every = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
-    report.logprobs = {"max_abs_diff": float(every.max()) if len(every) else 0.0,
-                       "p99_abs_diff": float(torch.quantile(every, 0.99)) if len(every) else 0.0,
-                       "tolerance": tolerance, "num_tokens": float(len(every)),
-                       "beyond": float((every > tolerance).sum())}
+    report.logprobs = {
+        "max_abs_diff": float(every.max()) if len(every) else 0.0,
+        "p99_abs_diff": float(torch.quantile(every, 0.99)) if len(every) else 0.0,
+        "tolerance": tolerance,
+        "num_tokens": float(len(every)),
+        "beyond": float((every > tolerance).sum()),
+    }
 
 
-def _check_rewards(run: Any, batch: Mapping[str, Any], entry: Mapping[str, Any], traj: Trajectory, i: int) -> Difference | None:
+def _check_rewards(
+    run: Any, batch: Mapping[str, Any], entry: Mapping[str, Any], traj: Trajectory, i: int
+) -> Difference | None:
     from trl_plugins.rewards import reward_value
 
     row = entry.get("row")
     if not isinstance(row, Mapping):
-        return Difference("rewards", i, "no dataset row was saved (a format-2 file): the components cannot be recomputed")
+        return Difference(
+            "rewards", i, "no dataset row was saved (a format-2 file): the components cannot be recomputed"
+        )
     saved = {c.name: c.value for c in traj.reward_components}
     for component in run.rewards:
         if component.name not in saved:
-            return Difference("rewards", i, f"component {component.name!r} was not saved", None, None, "absent", "present")
+            return Difference(
+                "rewards", i, f"component {component.name!r} was not saved", None, None, "absent", "present"
+            )
         value = reward_value(component(traj, row))
         if not math.isclose(value, saved[component.name], rel_tol=1e-9, abs_tol=1e-12):
-            return Difference("rewards", i, f"component {component.name!r} scores it differently", None, None,
-                              repr(saved[component.name]), repr(value))
+            return Difference(
+                "rewards",
+                i,
+                f"component {component.name!r} scores it differently",
+                None,
+                None,
+                repr(saved[component.name]),
+                repr(value),
+            )
     return None
 
 
@@ -278,16 +406,33 @@ def _check_stop(run: Any, chat: ChatFormat, traj: Trajectory, i: int, report: Re
     derivable, which a note says)."""
     saved, last = traj.stop_reason, len(traj.turns) - 1
     if saved in _WORLD_STOPS:
-        report.notes.append(f"trajectory {i}: its stop reason {saved} was set by the world around the rollout, not by "
-                            f"its turns: not re-derived")
+        report.notes.append(
+            f"trajectory {i}: its stop reason {saved} was set by the world around the rollout, not by "
+            f"its turns: not re-derived"
+        )
         return None
     turn, reason = run.rollout.rederive_stop_fn(traj, chat)
     if turn < last:
-        return Difference("stop_reason", i, f"the rollout's rules now end it after turn {turn} ({reason}), but it went "
-                          f"on to turn {last} and ended {saved}", max(turn, 0), None, "another turn", str(reason))
+        return Difference(
+            "stop_reason",
+            i,
+            f"the rollout's rules now end it after turn {turn} ({reason}), but it went "
+            f"on to turn {last} and ended {saved}",
+            max(turn, 0),
+            None,
+            "another turn",
+            str(reason),
+        )
     if reason != saved:
-        return Difference("stop_reason", i, "the stop reason re-derived from its saved turns differs", last, None,
-                          str(saved), "another turn" if reason is None else str(reason))
+        return Difference(
+            "stop_reason",
+            i,
+            "the stop reason re-derived from its saved turns differs",
+            last,
+            None,
+            str(saved),
+            "another turn" if reason is None else str(reason),
+        )
     return None
 
 
@@ -301,41 +446,55 @@ def _why_not_resampled(batch: Mapping[str, Any], traj: Trajectory) -> str | None
     if version is None:
         return "no version was saved (a format-2 file), so the sampler that drew it is unknown"
     if version.get("sampler") not in _RESAMPLERS:
-        return (f"it was sampled by {version.get('sampler') or 'an unrecorded sampler'}, whose seeded draws are made "
-                f"inside the vLLM engine; only {' and '.join(_RESAMPLERS)} batches are regenerated (with transformers)")
+        return (
+            f"it was sampled by {version.get('sampler') or 'an unrecorded sampler'}, whose seeded draws are made "
+            f"inside the vLLM engine; only {' and '.join(_RESAMPLERS)} batches are regenerated (with transformers)"
+        )
     if traj.policy_version is None:
         return "no policy version was saved, so its sampling settings are unknown"
     missing = [t for t, turn in enumerate(traj.turns) if turn.seed is None]
     if missing:
-        return (f"no sampling seed was saved for turn(s) {missing} (a batch saved before seeds were recorded, or a "
-                f"rollout that does not record Turn.seed)")
+        return (
+            f"no sampling seed was saved for turn(s) {missing} (a batch saved before seeds were recorded, or a "
+            f"rollout that does not record Turn.seed)"
+        )
     return None
 
 
-def _check_resample(model: Any, chat: ChatFormat, entries: list[tuple[int, Mapping, Trajectory]], step: int | None,
-                    report: ReplayReport) -> None:
+def _check_resample(
+    model: Any, chat: ChatFormat, entries: list[tuple[int, Mapping, Trajectory]], step: int | None, report: ReplayReport
+) -> None:
     from trl_plugins.rollout.backends import HFGenerationBackend
 
     tok = chat.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else chat.stop_token_ids[0]
     for i, _, traj in entries:
-        backend = HFGenerationBackend(model, pad_token_id=pad, stop_token_ids=chat.stop_token_ids,
-                                      sampling=traj.policy_version.sampling)
+        backend = HFGenerationBackend(
+            model, pad_token_id=pad, stop_token_ids=chat.stop_token_ids, sampling=traj.policy_version.sampling
+        )
         steps = traj.turn_policy_steps()
         for t, turn in enumerate(traj.turns):
             if step is not None and steps[t] != step:
-                report.notes.append(f"trajectory {i}, turn {t}: sampled at step {steps[t]}, not resampled with step "
-                                    f"{step}'s weights")
+                report.notes.append(
+                    f"trajectory {i}, turn {t}: sampled at step {steps[t]}, not resampled with step {step}'s weights"
+                )
                 continue
             if not turn.completion_ids:
                 continue
             (sample,) = backend.generate([turn.prompt_ids], [len(turn.completion_ids)], seeds=[turn.seed])
             k = _first_difference(turn.completion_ids, sample.token_ids)
             if k is not None:
-                report.differences.append(Difference(
-                    "resample", i, f"turn {t} draws other tokens from its seed {turn.seed}", t,
-                    len(turn.prompt_ids) + k, _text(tok, turn.completion_ids, k) or "end",
-                    _text(tok, sample.token_ids, k) or "end"))
+                report.differences.append(
+                    Difference(
+                        "resample",
+                        i,
+                        f"turn {t} draws other tokens from its seed {turn.seed}",
+                        t,
+                        len(turn.prompt_ids) + k,
+                        _text(tok, turn.completion_ids, k) or "end",
+                        _text(tok, sample.token_ids, k) or "end",
+                    )
+                )
                 break  # later turns' prompts follow the saved tokens, not these
 
 
@@ -351,18 +510,39 @@ def _check_datum(entry: Mapping[str, Any], traj: Trajectory, i: int, tok: Any) -
         if name == "advantages" and per_token_advantage:
             continue
         a, b = list(getattr(saved, name)), list(getattr(rebuilt, name))
-        same = [x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
-                or (x is None and isinstance(y, float) and math.isnan(y)) for x, y in zip(a, b)]
+        same = [
+            x == y
+            or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+            or (x is None and isinstance(y, float) and math.isnan(y))
+            for x, y in zip(a, b)
+        ]
         if len(a) != len(b) or not all(same):
             k = same.index(False) if not all(same) else min(len(a), len(b))
-            return Difference("datum", i, f"{name} differs (token {_text(tok, ids, k + 1)})", _turn_of(traj, k + 1), k + 1,
-                              repr(a[k]) if k < len(a) else "end", repr(b[k]) if k < len(b) else "end")
+            return Difference(
+                "datum",
+                i,
+                f"{name} differs (token {_text(tok, ids, k + 1)})",
+                _turn_of(traj, k + 1),
+                k + 1,
+                repr(a[k]) if k < len(a) else "end",
+                repr(b[k]) if k < len(b) else "end",
+            )
     return None
 
 
-def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None, model_step: int | None = None,
-                 run: Any = None, tools: bool = False, rewards: bool = False, resample: bool = False,
-                 anyway: bool = False, tolerance: float | None = None) -> ReplayReport:
+def replay_batch(
+    batch: Mapping[str, Any],
+    tokenizer: Any,
+    *,
+    model: Any = None,
+    model_step: int | None = None,
+    run: Any = None,
+    tools: bool = False,
+    rewards: bool = False,
+    resample: bool = False,
+    anyway: bool = False,
+    tolerance: float | None = None,
+) -> ReplayReport:
     """Re-derive a saved batch (:func:`~trl_plugins.viewer.load_batch`) and report the first difference per
     trajectory and check (module docstring).
 
@@ -389,8 +569,10 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
     if (tools or rewards) and run is None:
         raise ValueError("tools=True and rewards=True re-run the run's plugins: pass run= (resolve_run(config)).")
     if resample and model is None:
-        raise ValueError("resample=True regenerates the turns with the weights that sampled them: pass model= (the "
-                         "checkpoint of the batch's policy_step).")
+        raise ValueError(
+            "resample=True regenerates the turns with the weights that sampled them: pass model= (the "
+            "checkpoint of the batch's policy_step)."
+        )
     report = ReplayReport()
     if run is not None and run.chat is None:
         run.bind_tokenizer(tokenizer)  # its tool schemas as the model would now be shown them
@@ -398,13 +580,18 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
         run.start_tools()  # a tool's versions() may need it started (an MCP server reports its version on connect)
     changed = _version_gate(batch, tokenizer, run, tools=tools, rewards=rewards)
     if changed and not anyway:
-        raise ReplayRefused("the saved batch was made with another version than the current one:\n  - "
-                            + "\n  - ".join(changed) + "\nReplay with the run's own tokenizer, tools and components "
-                            "(e.g. --checkpoint of that run), or pass --anyway to compare regardless (labelled).")
+        raise ReplayRefused(
+            "the saved batch was made with another version than the current one:\n  - "
+            + "\n  - ".join(changed)
+            + "\nReplay with the run's own tokenizer, tools and components "
+            "(e.g. --checkpoint of that run), or pass --anyway to compare regardless (labelled)."
+        )
     report.ran_anyway = changed
     if batch.get("version") is None:
-        report.notes.append(f"{batch.get('format')}: no version was saved, so none was checked; the first prompt is "
-                            f"rebuilt from the saved question alone and tool outputs over 4,000 characters were cut")
+        report.notes.append(
+            f"{batch.get('format')}: no version was saved, so none was checked; the first prompt is "
+            f"rebuilt from the saved question alone and tool outputs over 4,000 characters were cut"
+        )
     chat = _chat(batch, tokenizer, run)
     entries = []
     for i, entry in enumerate(batch["trajectories"]):
@@ -425,33 +612,46 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
                 report.differences.append(found)
     if model is not None:
         steps = sorted({v.step for v in version_of.values() if v is not None})
-        chosen = [(i, e, t) for i, e, t in entries if model_step is None or (t.policy_version and t.policy_version.step == model_step)]
+        chosen = [
+            (i, e, t)
+            for i, e, t in entries
+            if model_step is None or (t.policy_version and t.policy_version.step == model_step)
+        ]
         if not chosen and not anyway:
-            raise ReplayRefused(f"the weights given are step {model_step}, but the batch was sampled at step(s) {steps}: "
-                                f"a batch is sampled by the weights of its trajectories' policy_step, not those of the "
-                                f"step that trained on it. Give checkpoint-{steps[0] if steps else 'N'} (the base model "
-                                f"for step 0), or pass --anyway to measure the gap to these weights.")
+            raise ReplayRefused(
+                f"the weights given are step {model_step}, but the batch was sampled at step(s) {steps}: "
+                f"a batch is sampled by the weights of its trajectories' policy_step, not those of the "
+                f"step that trained on it. Give checkpoint-{steps[0] if steps else 'N'} (the base model "
+                f"for step 0), or pass --anyway to measure the gap to these weights."
+            )
         at_step = model_step if chosen else None  # None: every turn is compared with these weights (anyway)
         if not chosen:
             report.ran_anyway.append(f"weights of step {model_step} compared with tokens sampled at step(s) {steps}")
             chosen = entries
         for i, _, t in entries:
             if (i, _, t) not in chosen:
-                report.notes.append(f"trajectory {i} sampled at step {t.policy_version.step if t.policy_version else '?'}: "
-                                    f"its log-probs are not compared with step {model_step}'s weights")
+                report.notes.append(
+                    f"trajectory {i} sampled at step {t.policy_version.step if t.policy_version else '?'}: "
+                    f"its log-probs are not compared with step {model_step}'s weights"
+                )
         pv = next((t.policy_version for _, _, t in chosen if t.policy_version), None)
-        tol = tolerance if tolerance is not None else default_tolerance(batch.get("version"),
-                                                                         None if pv is None else str(pv.logprob_source))
+        tol = (
+            tolerance
+            if tolerance is not None
+            else default_tolerance(batch.get("version"), None if pv is None else str(pv.logprob_source))
+        )
         report.compared["logprobs"] = len(chosen)
         _check_logprobs(model, tokenizer, chosen, tol, report)
         if resample:
             why = {i: _why_not_resampled(batch, t) for i, _, t in chosen}
             able = [(i, e, t) for i, e, t in chosen if why[i] is None]
             if not able:
-                raise ReplayRefused("--resample: no trajectory of this batch can be regenerated deterministically:\n  - "
-                                    + "\n  - ".join(f"trajectory {i}: {w}" for i, w in why.items())
-                                    + "\nReplay without --resample (the log-prob check compares these weights with "
-                                    "the saved tokens all the same).")
+                raise ReplayRefused(
+                    "--resample: no trajectory of this batch can be regenerated deterministically:\n  - "
+                    + "\n  - ".join(f"trajectory {i}: {w}" for i, w in why.items())
+                    + "\nReplay without --resample (the log-prob check compares these weights with "
+                    "the saved tokens all the same)."
+                )
             report.notes += [f"trajectory {i} not resampled: {w}" for i, w in why.items() if w is not None]
             report.compared["resample"] = len(able)
             _check_resample(model, chat, able, at_step, report)
@@ -459,8 +659,9 @@ def replay_batch(batch: Mapping[str, Any], tokenizer: Any, *, model: Any = None,
         report.compared["rewards"] = len(entries)
         report.differences += [d for i, e, t in entries if (d := _check_rewards(run, batch, e, t, i)) is not None]
         if run.rollout.rederive_stop_fn is None:
-            report.notes.append(f"{run.rollout.label} declares no rederive_stop(trajectory, chat): the stop reasons are "
-                                f"not re-derived")
+            report.notes.append(
+                f"{run.rollout.label} declares no rederive_stop(trajectory, chat): the stop reasons are not re-derived"
+            )
         else:
             report.compared["stop_reason"] = len(entries)
             report.differences += [d for i, _, t in entries if (d := _check_stop(run, chat, t, i, report)) is not None]

@@ -1,5 +1,6 @@
 """``python -m trl_plugins.replay BATCH.json [--run DIR] [--checkpoint DIR] [--tools] [--rewards] [--resample]`` (also
-``trl-plugins-replay``): re-derive a saved batch and name the first difference (:func:`~trl_plugins.viewer.replay.replay_batch`).
+``trl-plugins-replay``): re-derive a saved batch and name the first difference
+(:func:`~trl_plugins.viewer.replay.replay_batch`).
 
 The tokenizer and, for ``--tools``/``--rewards``, the run's plugins come from the run's output folder
 (``output_dir/run_config/``, :mod:`trl_plugins.run.saved`): ``--run``, else the folder of a batch saved as
@@ -55,8 +56,10 @@ def _run_from_config(folder: Path, tokenizer: Any) -> Any:
 
     args = folder / CONFIG_FILE
     if not args.is_file():
-        raise FileNotFoundError(f"{args}: missing; --tools and --rewards rebuild the run's plugins from the config the "
-                                f"trainer saved there (give a checkpoint-N folder)")
+        raise FileNotFoundError(
+            f"{args}: missing; --tools and --rewards rebuild the run's plugins from the config the "
+            f"trainer saved there (give a checkpoint-N folder)"
+        )
     run = resolve_run(torch.load(args, weights_only=False))
     run.bind_tokenizer(tokenizer)
     return run
@@ -71,9 +74,11 @@ def _output_dir_of(batch: Path) -> Path | None:
 def _saved_config(run_dir: Path) -> Path:
     folder = run_dir / RUN_CONFIG_DIR
     if not (folder / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{folder / CONFIG_FILE}: missing; the trainer saves the run's config and tokenizer "
-                                f"there when training starts (a run started before it did has none): give --checkpoint "
-                                f"output_dir/checkpoint-N")
+        raise FileNotFoundError(
+            f"{folder / CONFIG_FILE}: missing; the trainer saves the run's config and tokenizer "
+            f"there when training starts (a run started before it did has none): give --checkpoint "
+            f"output_dir/checkpoint-N"
+        )
     return folder
 
 
@@ -82,29 +87,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trl_plugins.viewer.batch import ViewerError, load_batch
     from trl_plugins.viewer.replay import ReplayRefused, replay_batch
 
-    parser = argparse.ArgumentParser(prog="python -m trl_plugins.replay", description=(
-        "Re-derive a saved trajectory batch (tokens, log-probs, tool turns, rewards, datums) with the current code "
-        "and name the first difference per trajectory."))
+    parser = argparse.ArgumentParser(
+        prog="python -m trl_plugins.replay",
+        description=(
+            "Re-derive a saved trajectory batch (tokens, log-probs, tool turns, rewards, datums) with the current code "
+            "and name the first difference per trajectory."
+        ),
+    )
     parser.add_argument("batch", help="a saved batch, e.g. output_dir/trajectories/step-000010.json")
-    parser.add_argument("--run", metavar="DIR", help="the run's output folder: its run_config/ (the config and "
-                        "tokenizer the trainer saved when training started) rebuilds the plugins for --tools and "
-                        "--rewards and gives the tokenizer (default: the folder of a batch saved as "
-                        "DIR/trajectories/step-N.json)")
-    parser.add_argument("--checkpoint", help="a checkpoint of the step that sampled the batch (checkpoint-N; the base "
-                        "model for step 0): its log-probs are compared, its tokenizer is the current one, and without "
-                        "--run its training_args.bin rebuilds the plugins")
-    parser.add_argument("--tokenizer", help="the tokenizer folder to re-render with (default: the checkpoint's, else "
-                        "the run's)")
-    parser.add_argument("--tools", action="store_true", help="re-run the idempotent tool calls and compare their outputs")
-    parser.add_argument("--rewards", action="store_true", help="recompute every reward component and re-derive each "
-                        "trajectory's stop reason from its turns")
-    parser.add_argument("--resample", action="store_true", help="regenerate each seeded turn with --checkpoint's weights "
-                        "and the saved sampling settings and name the first token that differs (HF generate and "
-                        "continuous-batching batches; a trajectory that lacks what it needs is named, with what)")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest accepted log-prob difference (default: 1e-4 for fp32, 1e-2 for bf16/fp16 or vLLM)")
-    parser.add_argument("--anyway", action="store_true", help="compare even when the tokenizer, the tool schemas, a "
-                        "verifier's version or the checkpoint's step differ (the report says so; exit 1)")
+    parser.add_argument(
+        "--run",
+        metavar="DIR",
+        help="the run's output folder: its run_config/ (the config and "
+        "tokenizer the trainer saved when training started) rebuilds the plugins for --tools and "
+        "--rewards and gives the tokenizer (default: the folder of a batch saved as "
+        "DIR/trajectories/step-N.json)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        help="a checkpoint of the step that sampled the batch (checkpoint-N; the base "
+        "model for step 0): its log-probs are compared, its tokenizer is the current one, and without "
+        "--run its training_args.bin rebuilds the plugins",
+    )
+    parser.add_argument(
+        "--tokenizer", help="the tokenizer folder to re-render with (default: the checkpoint's, else the run's)"
+    )
+    parser.add_argument(
+        "--tools", action="store_true", help="re-run the idempotent tool calls and compare their outputs"
+    )
+    parser.add_argument(
+        "--rewards",
+        action="store_true",
+        help="recompute every reward component and re-derive each trajectory's stop reason from its turns",
+    )
+    parser.add_argument(
+        "--resample",
+        action="store_true",
+        help="regenerate each seeded turn with --checkpoint's weights "
+        "and the saved sampling settings and name the first token that differs (HF generate and "
+        "continuous-batching batches; a trajectory that lacks what it needs is named, with what)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="largest accepted log-prob difference (default: 1e-4 for fp32, 1e-2 for bf16/fp16 or vLLM)",
+    )
+    parser.add_argument(
+        "--anyway",
+        action="store_true",
+        help="compare even when the tokenizer, the tool schemas, a "
+        "verifier's version or the checkpoint's step differ (the report says so; exit 1)",
+    )
     args = parser.parse_args(argv)
     if args.resample and not args.checkpoint:
         parser.error("--resample regenerates the turns with the weights that sampled them: give --checkpoint")
@@ -114,11 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = (Path(args.run) if args.run else _output_dir_of(Path(args.batch))) if wants_run else None
     if wants_run and run_dir is None:
         asked = " and ".join(flag for flag, on in (("--tools", args.tools), ("--rewards", args.rewards)) if on)
-        need = (f"{asked} rebuild{'' if args.tools and args.rewards else 's'} the run's plugins from its saved config"
-                if plugins else "the replay needs the run's tokenizer")
-        print(f"error: {need}, and {args.batch} is not in a run's output folder (output_dir/trajectories/step-N.json): "
-              f"give --run OUTPUT_DIR or --checkpoint output_dir/checkpoint-N"
-              f"{'' if plugins else ' or --tokenizer DIR'}", file=sys.stderr)
+        need = (
+            f"{asked} rebuild{'' if args.tools and args.rewards else 's'} the run's plugins from its saved config"
+            if plugins
+            else "the replay needs the run's tokenizer"
+        )
+        print(
+            f"error: {need}, and {args.batch} is not in a run's output folder (output_dir/trajectories/step-N.json): "
+            f"give --run OUTPUT_DIR or --checkpoint output_dir/checkpoint-N"
+            f"{'' if plugins else ' or --tokenizer DIR'}",
+            file=sys.stderr,
+        )
         return 2
     model = step = run = None
     try:
@@ -132,8 +172,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or saved)
         if plugins:
             run = _run_from_config(saved or Path(args.checkpoint), tokenizer)
-        report = replay_batch(batch, tokenizer, model=model, model_step=step, run=run, tools=args.tools,
-                              rewards=args.rewards, resample=args.resample, anyway=args.anyway, tolerance=args.tolerance)
+        report = replay_batch(
+            batch,
+            tokenizer,
+            model=model,
+            model_step=step,
+            run=run,
+            tools=args.tools,
+            rewards=args.rewards,
+            resample=args.resample,
+            anyway=args.anyway,
+            tolerance=args.tolerance,
+        )
     except (ViewerError, ReplayRefused, FileNotFoundError, ValueError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -39,8 +39,11 @@ class Difference:
     """The re-derived side."""
 
     def line(self) -> str:
-        where = ", ".join(f"{k} {v}" for k, v in (("trajectory", self.trajectory), ("turn", self.turn),
-                                                  ("token", self.token)) if v is not None)
+        where = ", ".join(
+            f"{k} {v}"
+            for k, v in (("trajectory", self.trajectory), ("turn", self.turn), ("token", self.token))
+            if v is not None
+        )
         sides = "" if self.saved is None and self.current is None else f": saved {self.saved}, now {self.current}"
         return f"[{self.check}] {where + ': ' if where else ''}{self.what}{sides}"
 
@@ -72,17 +75,29 @@ class ReplayReport:
         for check in CHECKS:
             if check in self.compared:
                 found = [d for d in self.differences if d.check == check]
-                lines.append(f"{check}: {self.compared[check]} trajectories compared, "
-                             + (f"{len(found)} differ" if found else "all equal"))
+                lines.append(
+                    f"{check}: {self.compared[check]} trajectories compared, "
+                    + (f"{len(found)} differ" if found else "all equal")
+                )
         if self.logprobs is not None:
             lp = self.logprobs
-            lines.append(f"logprobs: max |saved - recomputed| {lp['max_abs_diff']:.3g}, p99 {lp['p99_abs_diff']:.3g} over "
-                         f"{int(lp['num_tokens'])} action tokens; {int(lp['beyond'])} beyond the tolerance "
-                         f"{lp['tolerance']:.3g}")
+            lines.append(
+                f"logprobs: max |saved - recomputed| {lp['max_abs_diff']:.3g}, p99 {lp['p99_abs_diff']:.3g} over "
+                f"{int(lp['num_tokens'])} action tokens; {int(lp['beyond'])} beyond the tolerance "
+                f"{lp['tolerance']:.3g}"
+            )
         lines += [("  " + label if label else "  ") + d.line() for d in self.differences]
         lines += [f"note: {n}" for n in self.notes]
-        lines.append("replay: " + ("everything compared equal" if self.ok else "DIFFERENCES FOUND" if self.differences
-                                   else "equal, but only because version differences were overridden"))
+        lines.append(
+            "replay: "
+            + (
+                "everything compared equal"
+                if self.ok
+                else "DIFFERENCES FOUND"
+                if self.differences
+                else "equal, but only because version differences were overridden"
+            )
+        )
         return "\n".join(lines)
 
 

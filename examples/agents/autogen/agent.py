@@ -33,8 +33,13 @@ SYSTEM_PROMPT = (
 )
 """The recipe's system prompt (examples/openai_agent/agent.py): the embedded default was cold-started with it."""
 
-MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "structured_output": False,
-              "family": "unknown"}
+MODEL_INFO = {
+    "vision": False,
+    "function_calling": True,
+    "json_output": False,
+    "structured_output": False,
+    "family": "unknown",
+}
 """What AutoGen needs to be told about a model whose name is not one of OpenAI's (it refuses to guess)."""
 
 _tools: openai.AsyncOpenAI | None = None
@@ -45,7 +50,9 @@ async def code_interpreter(code: str) -> str:
     global _tools
     if _tools is None:
         _tools = openai.AsyncOpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY: this trajectory's session
-    reply = await _tools.post("tools/call", cast_to=object, body={"name": "code_interpreter", "arguments": {"code": code}})
+    reply = await _tools.post(
+        "tools/call", cast_to=object, body={"name": "code_interpreter", "arguments": {"code": code}}
+    )
     return reply["content"]
 
 
@@ -58,10 +65,20 @@ def score(text: str, row: dict) -> float:
 async def solve(row: dict, *, stream: bool = False) -> float:
     """Run the agent on the row's question; 1.0 when its last message's answer is the row's (0.0 when a budget of
     the run ended the trajectory: the endpoint refuses the next request with ``trajectory_ended``)."""
-    model_client = OpenAIChatCompletionClient(model="policy", base_url=os.environ["OPENAI_BASE_URL"],
-                                              api_key=os.environ["OPENAI_API_KEY"], model_info=MODEL_INFO)
-    agent = AssistantAgent("solver", model_client=model_client, tools=[code_interpreter], system_message=SYSTEM_PROMPT,
-                           max_tool_iterations=4, model_client_stream=stream)
+    model_client = OpenAIChatCompletionClient(
+        model="policy",
+        base_url=os.environ["OPENAI_BASE_URL"],
+        api_key=os.environ["OPENAI_API_KEY"],
+        model_info=MODEL_INFO,
+    )
+    agent = AssistantAgent(
+        "solver",
+        model_client=model_client,
+        tools=[code_interpreter],
+        system_message=SYSTEM_PROMPT,
+        max_tool_iterations=4,
+        model_client_stream=stream,
+    )
     try:
         if stream:
             result = None

@@ -51,8 +51,14 @@ def build_lm(*, cache: bool = False) -> dspy.LM:
     client; its default (``auto``) hands a model to LiteLLM wherever ``OPENAI_BASE_URL`` is set, as it is for every
     command the endpoint runs, and importing LiteLLM costs ~3 s of CPU per process and fetches a price list from the
     network (retried, then given up offline) unless ``LITELLM_LOCAL_MODEL_COST_MAP=True``."""
-    return dspy.LM("openai/policy", api_base=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"],
-                   cache=cache, num_retries=0, engine="lm15")
+    return dspy.LM(
+        "openai/policy",
+        api_base=os.environ["OPENAI_BASE_URL"],
+        api_key=os.environ["OPENAI_API_KEY"],
+        cache=cache,
+        num_retries=0,
+        engine="lm15",
+    )
 
 
 def score(text: str, row: dict) -> float:

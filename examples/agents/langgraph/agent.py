@@ -82,7 +82,8 @@ async def solve_streamed(client: openai.AsyncOpenAI, row: dict) -> float:
     text = ""  # every token the model streamed: the last \\boxed{} in it is the answer
     try:
         async for chunk, metadata in build_agent(client).astream(
-                {"messages": [{"role": "user", "content": row["prompt"]}]}, stream_mode="messages"):
+            {"messages": [{"role": "user", "content": row["prompt"]}]}, stream_mode="messages"
+        ):
             if isinstance(chunk, AIMessage) and metadata.get("langgraph_node") == "agent":
                 text += chunk.text
     except openai.BadRequestError as exc:

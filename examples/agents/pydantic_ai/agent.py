@@ -64,8 +64,9 @@ async def code_interpreter(code: str) -> str:
 async def solve(client: openai.AsyncOpenAI, row: dict) -> float:
     """``agent.run`` on the question; 1.0 when the typed answer is the row's (``agent_return``, trained on through
     ``agent_reward``)."""
-    model = OpenAIResponsesModel("policy", provider=OpenAIProvider(base_url=str(client.base_url),
-                                                                   api_key=client.api_key))
+    model = OpenAIResponsesModel(
+        "policy", provider=OpenAIProvider(base_url=str(client.base_url), api_key=client.api_key)
+    )
     try:
         result = await agent.run(row["prompt"], model=model)
     except ModelRequestRejectedError as exc:  # pydantic-ai's for the client's 400

@@ -61,8 +61,9 @@ def solve(client: openai.OpenAI, row: dict) -> float:
     """``agent.run`` on the question (at most 4 steps, the recipe's ``max_turns``); 1.0 when the answer given to
     ``final_answer`` is the row's (``agent_return``, trained on through ``agent_reward``)."""
     model = OpenAIServerModel(model_id="policy", api_base=str(client.base_url), api_key=client.api_key)
-    agent = ToolCallingAgent(tools=[code_interpreter], model=model, instructions=INSTRUCTIONS, max_steps=4,
-                             verbosity_level=0)
+    agent = ToolCallingAgent(
+        tools=[code_interpreter], model=model, instructions=INSTRUCTIONS, max_steps=4, verbosity_level=0
+    )
     try:
         answer = agent.run(row["prompt"])
     except AgentGenerationError as exc:  # smolagents wraps the client's error

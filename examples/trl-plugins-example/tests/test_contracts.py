@@ -31,4 +31,6 @@ def test_rank_keeps_the_advantage_contract():
 
 def test_cispo_keeps_the_policy_loss_contract():
     check_policy_loss_contract("cispo")  # needs_entropy False: no entropy term
-    check_policy_loss_contract("cispo", {"max_weight": 1.0, "entropy_coef": 0.01})  # every ratio above 1 capped; bonus on
+    check_policy_loss_contract(
+        "cispo", {"max_weight": 1.0, "entropy_coef": 0.01}
+    )  # every ratio above 1 capped; bonus on

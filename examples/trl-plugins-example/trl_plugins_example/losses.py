@@ -96,8 +96,10 @@ class CISPOLoss:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_weight) and self.max_weight >= 1.0):
-            raise ValueError(f"cispo: max_weight must be a finite number >= 1 (an on-policy token has weight 1), "
-                             f"got {self.max_weight}.")
+            raise ValueError(
+                f"cispo: max_weight must be a finite number >= 1 (an on-policy token has weight 1), "
+                f"got {self.max_weight}."
+            )
         if not (math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0):
             raise ValueError(f"cispo: entropy_coef must be a finite number >= 0, got {self.entropy_coef}.")
 
@@ -107,8 +109,14 @@ class CISPOLoss:
         return self.entropy_coef != 0.0
 
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
-        out = cispo_loss(inp.logprobs, inp.behaviour_logprobs, inp.advantages, inp.action_mask,
-                         max_weight=self.max_weight, is_weights=inp.is_weights)
+        out = cispo_loss(
+            inp.logprobs,
+            inp.behaviour_logprobs,
+            inp.advantages,
+            inp.action_mask,
+            max_weight=self.max_weight,
+            is_weights=inp.is_weights,
+        )
         if not self.entropy_coef:
             return out
         if inp.entropy is None:

@@ -11,7 +11,15 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from trl_plugins.rollout.chat.vocab import (
-    _A, _ARG, _OPTIONS, _T, ChatTemplateError, ToolTurn, TurnKind, _encode, _first_difference,
+    _A,
+    _ARG,
+    _OPTIONS,
+    _T,
+    ChatTemplateError,
+    ToolTurn,
+    TurnKind,
+    _encode,
+    _first_difference,
 )
 from trl_plugins.types import TokenSource
 
@@ -70,8 +78,10 @@ def _training_alternative(chat_format: Any, tokenizer: Any, tools: Sequence[dict
         return ""
     finally:
         tokenizer.chat_template = original
-    return ("TRL's training variant of this template passes this check: `tokenizer.chat_template = "
-            "trl.chat_template_utils.get_training_chat_template(tokenizer)`. ")
+    return (
+        "TRL's training variant of this template passes this check: `tokenizer.chat_template = "
+        "trl.chat_template_utils.get_training_chat_template(tokenizer)`. "
+    )
 
 
 class TemplateChecks:
@@ -105,7 +115,9 @@ class TemplateChecks:
     def _check_renders_tools(self) -> None:
         """The template must show the tool schemas and render structured calls (some drop them silently)."""
         if self.tools:
-            prompt = self._render([{"role": "user", "content": "question"}], add_generation_prompt=True, tools=self.tools)
+            prompt = self._render(
+                [{"role": "user", "content": "question"}], add_generation_prompt=True, tools=self.tools
+            )
             missing = [n for n in self._schemas if n not in prompt]
             if missing:
                 raise ChatTemplateError(
@@ -135,8 +147,10 @@ class TemplateChecks:
             probes.append((name, {key: f"{_ARG}_{k}" for k, key in enumerate(keys)}))
         inside: set[str] = set()
         for name, arguments in probes:
-            messages = [{"role": "user", "content": "question"},
-                        {"role": "assistant", "content": "", "tool_calls": [self._call(name, arguments)]}]
+            messages = [
+                {"role": "user", "content": "question"},
+                {"role": "assistant", "content": "", "tool_calls": [self._call(name, arguments)]},
+            ]
             rendered = self._render(messages, add_generation_prompt=False)
             start = _first_difference(rendered, self._generation_prompt_text)
             last = rendered.rfind(_ARG)
@@ -155,20 +169,24 @@ class TemplateChecks:
         if stop_tokens is not None:
             bad = [s for s in stop_tokens if len(_encode(tok, s)) != 1]
             if bad or not stop_tokens:
-                raise ChatTemplateError(f"stop_tokens must be single tokens of this tokenizer; {bad or 'none given'} "
-                                        f"are not (each must encode to exactly one id).")
+                raise ChatTemplateError(
+                    f"stop_tokens must be single tokens of this tokenizer; {bad or 'none given'} "
+                    f"are not (each must encode to exactly one id)."
+                )
             stops = list(stop_tokens)
             call_candidates = stops
         else:
             stops, call_candidates = [], self._special
         # The call's stop is the first candidate after the call that the template never writes inside one.
         inside = self._inside_call_tokens(call_candidates)
-        hit = self._first_special(rendered, rendered.index(_ARG) + len(_ARG), [c for c in call_candidates if c not in inside])
+        hit = self._first_special(
+            rendered, rendered.index(_ARG) + len(_ARG), [c for c in call_candidates if c not in inside]
+        )
         if hit is None or hit[0] > rendered.index(_T):
             raise ChatTemplateError(
                 "the chat template ends a tool-call turn without a control token"
                 + (" from stop_tokens" if stop_tokens is not None else "")
-                + f" (after the call it renders {rendered[rendered.index(_ARG) + len(_ARG):rendered.index(_T)]!r} "
+                + f" (after the call it renders {rendered[rendered.index(_ARG) + len(_ARG) : rendered.index(_T)]!r} "
                 f"before the tool output"
                 + (f"; {sorted(inside)} also occur inside a call, so they cannot end one" if inside else "")
                 + "), so generation cannot stop at the end of a call. Pass "
@@ -195,7 +213,7 @@ class TemplateChecks:
         """
         nxt = self._render(answer + [{"role": "user", "content": "next"}], add_generation_prompt=False)
         opener = self._first_special(nxt, nxt.index(_A) + len(_A), self._special) if _A in nxt else None
-        tail = final[final.index(_A) + len(_A):]
+        tail = final[final.index(_A) + len(_A) :]
         raise ChatTemplateError(
             "the chat template renders no control token after a final answer ("
             + (f"only {tail!r}" if tail else "the conversation ends with the answer")
@@ -203,7 +221,8 @@ class TemplateChecks:
             + (f"; only a next user message brings one, {opener[1]!r}, which opens that message" if opener else "")
             + ", so nothing ends the model's last turn: a stop token there would be trained as an action though the "
             "template never renders it after the answer, and without one the model cannot learn to stop. "
-            + _training_alternative(type(self), self.tokenizer, self.tools, self.template_kwargs) + _OPTIONS
+            + _training_alternative(type(self), self.tokenizer, self.tools, self.template_kwargs)
+            + _OPTIONS
         )
 
     def _generation_prompt_leaves_reasoning_open(self) -> bool:
@@ -213,8 +232,10 @@ class TemplateChecks:
         (``enable_thinking=False`` passed, or the template's default when it is not), or where the
         generation prompt itself closes an empty reasoning block.
         """
-        probe = [{"role": "user", "content": "question"},
-                 {"role": "assistant", "content": _A, "reasoning_content": _T, "thinking": _T}]
+        probe = [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": _A, "reasoning_content": _T, "thinking": _T},
+        ]
         if _T not in self._render(probe, add_generation_prompt=False):
             return False
         if "enable_thinking" in str(self.tokenizer.chat_template or ""):
@@ -228,7 +249,7 @@ class TemplateChecks:
                 if self._generation_prompt_text == off and off != on:
                     return False
         user = [{"role": "user", "content": "question"}]
-        tail = self._generation_prompt_text[len(self._render(user, add_generation_prompt=False)):]
+        tail = self._generation_prompt_text[len(self._render(user, add_generation_prompt=False)) :]
         return not re.search(r"</think>|<channel\|>", tail)
 
     def _check_exact(self) -> None:
@@ -251,10 +272,12 @@ class TemplateChecks:
                 continue
             first = errors[0] if errors else None
             if (with_text, reasoning) != variants[0]:
-                note = (f"the chat template reproduces tool turns exactly only without text before a tool call: "
-                        f"what the model "
-                        f"writes there is kept in the trajectory as sampled, but the template renders the history "
-                        f"differently (with it: {str(first).removesuffix(' ' + _OPTIONS)})")
+                note = (
+                    f"the chat template reproduces tool turns exactly only without text before a tool call: "
+                    f"what the model "
+                    f"writes there is kept in the trajectory as sampled, but the template renders the history "
+                    f"differently (with it: {str(first).removesuffix(' ' + _OPTIONS)})"
+                )
                 self.notes.append(note)
                 logger.warning(note)
             return
@@ -275,8 +298,9 @@ class TemplateChecks:
             ChatTemplateError: where the incremental path departs from the template.
         """
         with_text = not any("text before a tool call" in n for n in self.notes)
-        self._replay_conversation(with_text=with_text, reasoning=self.reasoning, outputs=outputs,
-                                  calls_per_turn=calls_per_turn)
+        self._replay_conversation(
+            with_text=with_text, reasoning=self.reasoning, outputs=outputs, calls_per_turn=calls_per_turn
+        )
 
     def _check_parallel_calls(self, calls_per_turn: int) -> None:
         """Refuse a template that cannot render ``calls_per_turn`` calls in one turn token for token."""
@@ -291,16 +315,27 @@ class TemplateChecks:
                 f"(docs/rollout.md, 'Parallel tool calls')."
             ) from exc
 
-    def _replay_conversation(self, *, with_text: bool, reasoning: bool, outputs: Sequence[str] = ("42\n", ""),
-                             calls_per_turn: int = 1) -> None:
+    def _replay_conversation(
+        self, *, with_text: bool, reasoning: bool, outputs: Sequence[str] = ("42\n", ""), calls_per_turn: int = 1
+    ) -> None:
         name = self._tool_name()
         reasoning = {"reasoning_content": "I compute it.", "thinking": "I compute it."} if reasoning else {}
         texts = ["Let me run it.", "Once more.", "And again."]
         width = calls_per_turn
-        turns = [({"role": "assistant", "content": texts[k % 3] if with_text else "",
-                   "tool_calls": [self._call(name, self._sample_arguments(name, k * width + j), j) for j in range(width)],
-                   **reasoning}, out)
-                 for k, out in enumerate(outputs)]
+        turns = [
+            (
+                {
+                    "role": "assistant",
+                    "content": texts[k % 3] if with_text else "",
+                    "tool_calls": [
+                        self._call(name, self._sample_arguments(name, k * width + j), j) for j in range(width)
+                    ],
+                    **reasoning,
+                },
+                out,
+            )
+            for k, out in enumerate(outputs)
+        ]
         turns.append(({"role": "assistant", "content": "The answer is \\boxed{42}.", **reasoning}, None))
         tools = self.tools or None
         messages: list[dict] = [{"role": "user", "content": "What is 6 * 7?"}]
@@ -308,7 +343,7 @@ class TemplateChecks:
         tok = self.tokenizer
 
         def show(ids: Sequence[int], k: int) -> str:
-            return repr(tok.decode(list(ids[max(0, k - 3):k + 3]), skip_special_tokens=False))
+            return repr(tok.decode(list(ids[max(0, k - 3) : k + 3]), skip_special_tokens=False))
 
         for i, (turn, output) in enumerate(turns):
             messages.append(turn)
@@ -323,7 +358,8 @@ class TemplateChecks:
                     f"renders the earlier conversation differently (at token {k}: {show(prompt, k)} became "
                     f"{show(expected, k)}; e.g. it strips earlier reasoning or rewrites earlier tool calls), so "
                     f"training sequences would differ from what the template shows the model. "
-                    + _training_alternative(type(self), tok, self.tools, self.template_kwargs) + _OPTIONS
+                    + _training_alternative(type(self), tok, self.tools, self.template_kwargs)
+                    + _OPTIONS
                 )
             end = next((j for j in range(len(prompt), len(expected)) if expected[j] in self.stop_token_ids), None)
             if end is None:
@@ -332,7 +368,7 @@ class TemplateChecks:
                     f"({', '.join(self.stop_tokens)}), so generation would not stop where the template ends the "
                     f"turn. Pass stop_tokens=[...] naming the token that ends a turn. " + _OPTIONS
                 )
-            completion = expected[len(prompt): end + 1]
+            completion = expected[len(prompt) : end + 1]
             parsed = self.parse(prompt, completion)
             want = [(name, c["function"]["arguments"]) for c in turn.get("tool_calls", [])]
             if output is None:
@@ -350,7 +386,9 @@ class TemplateChecks:
             tool_turn = self.tool_results_turn(completion, [(name, out) for out in results])
             nxt = prompt + completion + tool_turn.ids
             forged = self._control_re is not None and self._control_re.search(output) is not None
-            if forged and self._same_text_without_forged_controls(nxt, expected, len(prompt) + len(completion), tool_turn):
+            if forged and self._same_text_without_forged_controls(
+                nxt, expected, len(prompt) + len(completion), tool_turn
+            ):
                 nxt = expected  # the one deliberate difference: control-token text in tool output stays text
             if nxt != expected:
                 k = _first_difference(nxt, expected)
@@ -360,11 +398,15 @@ class TemplateChecks:
                 )
             prompt = nxt
 
-    def _same_text_without_forged_controls(self, ours: list[int], template: list[int], start: int,
-                                           turn: ToolTurn) -> bool:
+    def _same_text_without_forged_controls(
+        self, ours: list[int], template: list[int], start: int, turn: ToolTurn
+    ) -> bool:
         """Our tool turn reads as the template's text, and none of its observation tokens is a control token."""
         decode = self.tokenizer.decode
-        return (ours[:start] == template[:start]
-                and decode(ours, skip_special_tokens=False) == decode(template, skip_special_tokens=False)
-                and not any(t in self._control_ids for t, src in zip(turn.ids, turn.sources)
-                            if src == TokenSource.OBSERVATION))
+        return (
+            ours[:start] == template[:start]
+            and decode(ours, skip_special_tokens=False) == decode(template, skip_special_tokens=False)
+            and not any(
+                t in self._control_ids for t, src in zip(turn.ids, turn.sources) if src == TokenSource.OBSERVATION
+            )
+        )

@@ -57,8 +57,14 @@ fit whole holds the longest tail that does; text usually takes 2-6 characters a 
 tokenizer that packs more) is widened until it does not."""
 
 
-_PROBE_SCHEMA = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {
-    "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+_PROBE_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
 """What a format without tools checks its template with (an exact template is exact whatever the tool)."""
 
 
@@ -112,8 +118,11 @@ class ChatFormat(TemplateChecks, TurnParsing):
         strings = sorted(added, key=len, reverse=True)
         self._control_re = re.compile("|".join(re.escape(s) for s in strings)) if strings else None
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self._special = sorted({t.content for t in decoder.values() if getattr(t, "special", False)}
-                               | set(tokenizer.all_special_tokens), key=len, reverse=True)
+        self._special = sorted(
+            {t.content for t in decoder.values() if getattr(t, "special", False)} | set(tokenizer.all_special_tokens),
+            key=len,
+            reverse=True,
+        )
         self._check_renders_tools()
         self._ensure_response_parser()
         self._derive_stops(stop_tokens)
@@ -123,8 +132,14 @@ class ChatFormat(TemplateChecks, TurnParsing):
         self.calls_per_turn = calls_per_turn
         """The most calls of one turn the rollout may run; above 1 checked at construction (with ``check_prefix``)."""
         if check_prefix and not self.tools:  # nothing to call: the template is checked with a probe tool instead
-            ChatFormat(tokenizer, [_PROBE_SCHEMA], final_answer_pattern=final_answer_pattern, stop_tokens=self.stop_tokens,
-                       calls_per_turn=calls_per_turn, **template_kwargs)
+            ChatFormat(
+                tokenizer,
+                [_PROBE_SCHEMA],
+                final_answer_pattern=final_answer_pattern,
+                stop_tokens=self.stop_tokens,
+                calls_per_turn=calls_per_turn,
+                **template_kwargs,
+            )
         elif check_prefix:
             self._check_exact()
             if calls_per_turn > 1:
@@ -141,9 +156,14 @@ class ChatFormat(TemplateChecks, TurnParsing):
         key = json.dumps(list(tools), sort_keys=True)
         cache = self.__dict__.setdefault("_for_tools", {})
         if key not in cache:
-            cache[key] = ChatFormat(self.tokenizer, tools, final_answer_pattern=self.final_answer_re.pattern
-                                    if self.final_answer_re else None, stop_tokens=self.stop_tokens,
-                                    calls_per_turn=self.calls_per_turn, **self.template_kwargs)
+            cache[key] = ChatFormat(
+                self.tokenizer,
+                tools,
+                final_answer_pattern=self.final_answer_re.pattern if self.final_answer_re else None,
+                stop_tokens=self.stop_tokens,
+                calls_per_turn=self.calls_per_turn,
+                **self.template_kwargs,
+            )
         return cache[key]
 
     # -- rendering ----------------------------------------------------------------------------
@@ -153,8 +173,11 @@ class ChatFormat(TemplateChecks, TurnParsing):
 
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **{**self.template_kwargs, **overrides}
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.template_kwargs, **overrides},
             )
         except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
             roles = " -> ".join(m["role"] for m in messages)
@@ -167,7 +190,9 @@ class ChatFormat(TemplateChecks, TurnParsing):
         """Whether the template renders two conversations (with this format's tools, a generation prompt after) to
         the same text: e.g. whether it shows an earlier assistant turn's reasoning at all."""
         tools = list(self.tools) or None
-        return self._render(a, add_generation_prompt=True, tools=tools) == self._render(b, add_generation_prompt=True, tools=tools)
+        return self._render(a, add_generation_prompt=True, tools=tools) == self._render(
+            b, add_generation_prompt=True, tools=tools
+        )
 
     @staticmethod
     def _call(name: str, arguments: dict, k: int = 0) -> dict:
@@ -178,15 +203,17 @@ class ChatFormat(TemplateChecks, TurnParsing):
         return {"role": "tool", "name": name, "tool_call_id": f"call_{k}", "content": content}
 
     def _tool_name(self) -> str:
-        return next(iter(self._schemas), "probe_tool")  # only renders the template's own probes when no tool is configured
+        return next(
+            iter(self._schemas), "probe_tool"
+        )  # only renders the template's own probes when no tool is configured
 
     def _arg_key(self, name: str) -> str:
-        params = (self._schemas.get(name, {}).get("function", {}).get("parameters") or {})
+        params = self._schemas.get(name, {}).get("function", {}).get("parameters") or {}
         return next(iter(params.get("required") or params.get("properties") or ["code"]))
 
     def _sample_arguments(self, name: str, k: int) -> dict[str, Any]:
         """Arguments that fit ``name``'s schema (every required property, of its type), different for each ``k``."""
-        params = (self._schemas.get(name, {}).get("function", {}).get("parameters") or {})
+        params = self._schemas.get(name, {}).get("function", {}).get("parameters") or {}
         props = params.get("properties") or {}
         samples = {"integer": k + 6, "number": k + 0.5, "boolean": k % 2 == 0, "array": [k, 7], "object": {"n": k}}
         keys = list(params.get("required") or []) or list(props)[:1] or ["code"]
@@ -229,8 +256,15 @@ class ChatFormat(TemplateChecks, TurnParsing):
         start, end = next(pair for pair in MARKS if pair[0] not in rendered and pair[1] not in rendered)
         special = self._special_pattern()
         for assistant in (pattern, special):
-            marked = [map_texts(m, lambda t, p=(assistant if m.get("role") == "assistant" else pattern):
-                                p.sub(f"{start}\\g<0>{end}", t) if p else t) for m in messages]
+            marked = [
+                map_texts(
+                    m,
+                    lambda t, p=(assistant if m.get("role") == "assistant" else pattern): (
+                        p.sub(f"{start}\\g<0>{end}", t) if p else t
+                    ),
+                )
+                for m in messages
+            ]
             unmarked = unmark(self.tokenizer.apply_chat_template(marked, tokenize=False, **kwargs), start, end)
             if unmarked is not None and unmarked[0] == rendered:
                 return self._tokenize_turn(*unmarked)[0]
@@ -246,14 +280,19 @@ class ChatFormat(TemplateChecks, TurnParsing):
         return self._special_re
 
     def _rendering(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
-        messages = self._call_messages(*names) + [self._tool_message(n, o, k) for k, (n, o) in enumerate(zip(names, outputs))]
+        messages = self._call_messages(*names) + [
+            self._tool_message(n, o, k) for k, (n, o) in enumerate(zip(names, outputs))
+        ]
         return self._render(messages, add_generation_prompt=True)
 
     @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool names)
     def _turn_start(self, names: tuple[str, ...]) -> int:
-        """Where the tool turn starts in the rendering of a turn calling ``names``: at the stop token ending the calls."""
+        """Where the tool turn starts in the rendering of a turn calling ``names``: at the stop token ending the
+        calls."""
         rendered = self._rendering(names, _placeholders(len(names)))
-        return rendered.index(self._call_stop, rendered.rindex(_ARG, 0, rendered.index(_placeholders(len(names))[0])) + len(_ARG))
+        return rendered.index(
+            self._call_stop, rendered.rindex(_ARG, 0, rendered.index(_placeholders(len(names))[0])) + len(_ARG)
+        )
 
     @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool names)
     def _placeholder_glue(self, names: tuple[str, ...]) -> str:
@@ -262,16 +301,24 @@ class ChatFormat(TemplateChecks, TurnParsing):
     def _glue(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
         """The template's rendering after a turn calling ``names`` whose tool messages hold ``outputs``, from the stop
         token ending the calls to the next generation prompt."""
-        return self._rendering(names, outputs)[self._turn_start(names):]
+        return self._rendering(names, outputs)[self._turn_start(names) :]
 
-    def tool_turn(self, completion_ids: Sequence[int], output: str, *, tool_name: str | None = None,
-                  arguments: dict | None = None, max_tokens: int | None = None) -> ToolTurn:
+    def tool_turn(
+        self,
+        completion_ids: Sequence[int],
+        output: str,
+        *,
+        tool_name: str | None = None,
+        arguments: dict | None = None,
+        max_tokens: int | None = None,
+    ) -> ToolTurn:
         """The tokens to append after a sampled completion that called ``tool_name`` and got ``output``: the one-call
         case of :meth:`tool_results_turn`."""
         return self.tool_results_turn(completion_ids, [(tool_name or self._tool_name(), output)], max_tokens=max_tokens)
 
-    def tool_results_turn(self, completion_ids: Sequence[int], results: Sequence[tuple[str, str]], *,
-                          max_tokens: int | None = None) -> ToolTurn:
+    def tool_results_turn(
+        self, completion_ids: Sequence[int], results: Sequence[tuple[str, str]], *, max_tokens: int | None = None
+    ) -> ToolTurn:
         """The tokens to append after a sampled completion whose calls (one, or several in one turn) returned
         ``results``: ``(tool name, output)`` per call, in the order of the calls.
 
@@ -295,7 +342,7 @@ class ChatFormat(TemplateChecks, TurnParsing):
         ids, sources, counts = self._rendered_turn(names, texts)
         for k in range(len(texts)):  # a tail that fits whole may not be the longest that fits: widen it
             while len(texts[k]) < len(whole[k]) and counts[k] <= max_tokens:
-                texts[k] = whole[k][-4 * len(texts[k]):]
+                texts[k] = whole[k][-4 * len(texts[k]) :]
                 ids, sources, counts = self._rendered_turn(names, texts)
         cut = [False] * len(texts)
         while max_tokens is not None and any(c > max_tokens for c in counts):
@@ -311,8 +358,14 @@ class ChatFormat(TemplateChecks, TurnParsing):
                 break
         return ToolTurn(ids[k:], sources[k:], any(cut), tuple(cut))
 
-    def messages_turn(self, completion_ids: Sequence[int], called: Sequence[str], messages: Sequence[dict], *,
-                      max_tokens: int | None = None) -> ToolTurn:
+    def messages_turn(
+        self,
+        completion_ids: Sequence[int],
+        called: Sequence[str],
+        messages: Sequence[dict],
+        *,
+        max_tokens: int | None = None,
+    ) -> ToolTurn:
         """The tokens to append after a sampled completion (which called the tools ``called``, in order; none for a
         plain reply) when the conversation goes on with ``messages``: tool results, user or system messages, each a
         chat message whose ``content`` is a string (a tool message also names its tool).
@@ -326,10 +379,14 @@ class ChatFormat(TemplateChecks, TurnParsing):
         Raises:
             ChatTemplateError: the template renders no stop token between the turn and the messages.
         """
-        if called and len(messages) == len(called) and all(
-                m.get("role") == "tool" and m.get("name") == n for m, n in zip(messages, called)):
-            return self.tool_results_turn(completion_ids, [(n, m.get("content") or "") for n, m in zip(called, messages)],
-                                          max_tokens=max_tokens)
+        if (
+            called
+            and len(messages) == len(called)
+            and all(m.get("role") == "tool" and m.get("name") == n for m, n in zip(messages, called))
+        ):
+            return self.tool_results_turn(
+                completion_ids, [(n, m.get("content") or "") for n, m in zip(called, messages)], max_tokens=max_tokens
+            )
         if called:
             probe, anchor = self._call_messages(*called), _ARG
         else:
@@ -338,14 +395,18 @@ class ChatFormat(TemplateChecks, TurnParsing):
         texts = [valid_text(m.get("content") or "") for m in messages]
 
         def render(contents: Sequence[str]) -> str:
-            return self._render(probe + [{**m, "content": c} for m, c in zip(messages, contents)], add_generation_prompt=True)
+            return self._render(
+                probe + [{**m, "content": c} for m, c in zip(messages, contents)], add_generation_prompt=True
+            )
 
         previous = render(slots)
         first = previous.index(slots[0])
         hit = self._first_special(previous, previous.rindex(anchor, 0, first) + len(anchor), self.stop_tokens)
         if hit is None or hit[0] > first:
-            raise ChatTemplateError(f"the chat template renders no stop token ({', '.join(self.stop_tokens)}) between an "
-                                    f"assistant turn and the messages after it, so they cannot continue its tokens.")
+            raise ChatTemplateError(
+                f"the chat template renders no stop token ({', '.join(self.stop_tokens)}) between an "
+                f"assistant turn and the messages after it, so they cannot continue its tokens."
+            )
         start = hit[0]
         current, regions = list(slots), []
         for k, text in enumerate(texts):  # as in _rendered_turn: each content's region is where filling it in changed
@@ -365,7 +426,9 @@ class ChatFormat(TemplateChecks, TurnParsing):
                 break
         return ToolTurn(ids[k:], sources[k:], False, tuple(False for _ in messages))
 
-    def _rendered_turn(self, names: tuple[str, ...], texts: Sequence[str]) -> tuple[list[int], list[TokenSource], list[int]]:
+    def _rendered_turn(
+        self, names: tuple[str, ...], texts: Sequence[str]
+    ) -> tuple[list[int], list[TokenSource], list[int]]:
         """The whole tool turn after calls to ``names`` that returned ``texts``, tokenised, with its provenance and
         each output's OBSERVATION tokens.
 
@@ -392,8 +455,15 @@ class ChatFormat(TemplateChecks, TurnParsing):
                 counts[owner] += 1
         return ids, sources, counts
 
-    def _cut_to_budget(self, names: tuple[str, ...], texts: Sequence[str], k: int, max_tokens: int, full: int,
-                       before: int | None = None) -> str:
+    def _cut_to_budget(
+        self,
+        names: tuple[str, ...],
+        texts: Sequence[str],
+        k: int,
+        max_tokens: int,
+        full: int,
+        before: int | None = None,
+    ) -> str:
         """The longest tail of ``texts[k]`` (behind a marker saying it was cut) that the template renders in at most
         ``max_tokens`` OBSERVATION tokens in this tool turn; ``full`` is what ``texts[k]`` took. With ``before`` (how
         many characters of the output precede ``texts[k]``, never tokenised) the marker counts characters cut.
@@ -404,7 +474,7 @@ class ChatFormat(TemplateChecks, TurnParsing):
         text = texts[k]
 
         def count(candidate: str) -> int:
-            return self._rendered_turn(names, [*texts[:k], candidate, *texts[k + 1:]])[2][k]
+            return self._rendered_turn(names, [*texts[:k], candidate, *texts[k + 1 :]])[2][k]
 
         def counted(at: int) -> str:
             return f"[... {(before or 0) + at} earlier characters cut ...]\n"
@@ -444,7 +514,9 @@ class ChatFormat(TemplateChecks, TurnParsing):
             marker = counted(hi)
         return marker + text[hi:]
 
-    def _tokenize_turn(self, text: str, regions: Sequence[tuple[int, int]]) -> tuple[list[int], list[TokenSource], list[int]]:
+    def _tokenize_turn(
+        self, text: str, regions: Sequence[tuple[int, int]]
+    ) -> tuple[list[int], list[TokenSource], list[int]]:
         """Tokenise ``text`` as one piece, except that control-token text inside the output ``regions`` (``[lo, hi)``,
         in order) is split. Returns the ids, their provenance and, per token, the region it holds output of (-1:
         none)."""

@@ -48,7 +48,9 @@ def escape(pattern: re.Pattern, text: str) -> str:
     """``text`` with a space after the first character of each match of ``pattern`` (a few rounds: a space inserted
     can complete an overlapping match)."""
     for _ in range(4):
-        text, n = pattern.subn(lambda m: m.group(0)[:1] + " " + m.group(0)[1:] if len(m.group(0)) > 1 else m.group(0), text)
+        text, n = pattern.subn(
+            lambda m: m.group(0)[:1] + " " + m.group(0)[1:] if len(m.group(0)) > 1 else m.group(0), text
+        )
         if not n:
             break
     return text
@@ -61,9 +63,9 @@ def unmark(text: str, start: str, end: str) -> tuple[str, list[tuple[int, int]]]
     at = size = 0
     while (lo := text.find(start, at)) >= 0:
         hi = text.find(end, lo + 1)
-        if hi < 0 or end in text[at:lo] or start in text[lo + 1:hi]:
+        if hi < 0 or end in text[at:lo] or start in text[lo + 1 : hi]:
             return None
-        out += [text[at:lo], text[lo + 1:hi]]
+        out += [text[at:lo], text[lo + 1 : hi]]
         size += lo - at
         regions.append((size, size + hi - lo - 1))
         size += hi - lo - 1

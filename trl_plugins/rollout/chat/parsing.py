@@ -25,16 +25,18 @@ class TurnParsing:
         calls = json.loads(calls_json)
         names = tuple(name for name, _ in calls)
         placeholders = _placeholders(len(calls))
-        messages = [{"role": "user", "content": "question"},
-                    {"role": "assistant", "content": "", "tool_calls": [self._call(n, a, k) for k, (n, a) in enumerate(calls)]},
-                    *[self._tool_message(n, p, k) for k, (n, p) in enumerate(zip(names, placeholders))]]
+        messages = [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": "", "tool_calls": [self._call(n, a, k) for k, (n, a) in enumerate(calls)]},
+            *[self._tool_message(n, p, k) for k, (n, p) in enumerate(zip(names, placeholders))],
+        ]
         rendered = self._render(messages, add_generation_prompt=True)
         start = _first_difference(rendered, self._generation_prompt_text)
         end = rendered.index(placeholders[0])
         stop = rendered.rfind(self._call_stop, start, end)
-        call = rendered[start:stop if stop >= 0 else end]
+        call = rendered[start : stop if stop >= 0 else end]
         marker = self._call_marker
-        return re.sub(r"\s+", "", call[call.find(marker):] if marker and marker in call else call)
+        return re.sub(r"\s+", "", call[call.find(marker) :] if marker and marker in call else call)
 
     @cached_property
     def _generation_prompt_text(self) -> str:
@@ -47,7 +49,7 @@ class TurnParsing:
         name = self._tool_name()
         rendered = self._render(self._call_messages(name), add_generation_prompt=False)
         start = _first_difference(rendered, self._generation_prompt_text)
-        segment = rendered[start:rendered.index(name, start)]
+        segment = rendered[start : rendered.index(name, start)]
         added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
         hits = [(segment.rfind(s), s) for s in added if s in segment]  # the control token nearest the name
         return max(hits)[1] if hits else segment.strip()
@@ -92,13 +94,17 @@ class TurnParsing:
         for call in calls:
             fn = call.get("function", call) if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                return ParsedTurn(TurnKind.INVALID, content=content,
-                                  error=f"malformed tool call: {call!r:.80} is not an object with a string name")
+                return ParsedTurn(
+                    TurnKind.INVALID,
+                    content=content,
+                    error=f"malformed tool call: {call!r:.80} is not an object with a string name",
+                )
             name, arguments = fn.get("name"), fn.get("arguments")
             if name not in self._schemas:
                 known = ", ".join(self._schemas) or "none"
-                return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name,
-                                  error=f"unknown tool {name!r} (tools: {known})")
+                return ParsedTurn(
+                    TurnKind.INVALID, content=content, tool_name=name, error=f"unknown tool {name!r} (tools: {known})"
+                )
             problem = check_arguments(self._schemas[name], arguments)
             if problem:
                 return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name, error=problem)
@@ -111,13 +117,17 @@ class TurnParsing:
         if not bare.endswith(canonical) and not single:
             at = bare.rfind(canonical[: max(1, len(canonical) // 2)])
             written = ", ".join(f"{c.name}({json.dumps(c.arguments)})" for c in checked)
-            what = ("text after the tool call" if canonical in bare else
-                    "the call as written does not read back as parsed (the parser left part of it unaccounted "
-                    f"for: it understood {written}, which the template writes as "
-                    f"{canonical[:120]!r}{' at ' + str(at) if at >= 0 else ''})")
+            what = (
+                "text after the tool call"
+                if canonical in bare
+                else "the call as written does not read back as parsed (the parser left part of it unaccounted "
+                f"for: it understood {written}, which the template writes as "
+                f"{canonical[:120]!r}{' at ' + str(at) if at >= 0 else ''})"
+            )
             return ParsedTurn(TurnKind.INVALID, content=content, tool_name=name, error=what)
-        return ParsedTurn(TurnKind.TOOL_CALL, content=content, tool_name=name, arguments=arguments, calls=checked,
-                          reasoning=reasoning)
+        return ParsedTurn(
+            TurnKind.TOOL_CALL, content=content, tool_name=name, arguments=arguments, calls=checked, reasoning=reasoning
+        )
 
     def _json_call_accounts_for(self, text: str, name: str, arguments: Any) -> bool:
         """Whether the call, from its opening marker on, is one JSON object holding exactly the parsed call
@@ -128,7 +138,7 @@ class TurnParsing:
         at = text.rfind(marker) if marker else -1
         if at < 0:
             return False
-        body = text[at + len(marker):] if marker in self.tokenizer.get_added_vocab() else text[at:]
+        body = text[at + len(marker) :] if marker in self.tokenizer.get_added_vocab() else text[at:]
         start = body.find("{")
         if start < 0 or body[:start].strip():
             return False
@@ -136,7 +146,7 @@ class TurnParsing:
             obj, end = json.JSONDecoder().raw_decode(body[start:])
         except ValueError:
             return False
-        rest = body[start + end:]
+        rest = body[start + end :]
         if self._control_re is not None:
             rest = self._control_re.sub("", rest)
         args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None

@@ -37,9 +37,16 @@ from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.dispatch import Dispatcher, concurrency, settle
 from trl_plugins.rollout.endpoint.api import check_request
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
-from trl_plugins.rollout.endpoint.runs import (COMMAND_AGENTS_PER_CORE, NOTHING_ASKED, AgentFailed, AgentLoop, let_go,
-                                               run_command, usable_cores)
 from trl_plugins.rollout.endpoint.responses import chat_body, response_body, response_stream
+from trl_plugins.rollout.endpoint.runs import (
+    COMMAND_AGENTS_PER_CORE,
+    NOTHING_ASKED,
+    AgentFailed,
+    AgentLoop,
+    let_go,
+    run_command,
+    usable_cores,
+)
 from trl_plugins.rollout.endpoint.session import Session
 from trl_plugins.rollout.endpoint.streams import chat_stream
 from trl_plugins.rollout.endpoint.tools import end_tool_episode, serve_tools
@@ -54,7 +61,6 @@ __all__ = ["AgentEndpointRollout", "AGENT_REWARD", "ROW_REWARD", "record_rewards
 logger = logging.getLogger(__name__)
 
 
-
 _LOADING = threading.Lock()
 
 
@@ -67,9 +73,13 @@ def count_unforced(result: RolloutResult, kind: str, key: str = "endpoint/tool_c
     result.counters[key] = result.counters.get(key, 0.0) + 1.0
     if kind not in _UNFORCED_LOGGED:
         _UNFORCED_LOGGED.add(kind)
-        logger.warning("an agent sent tool_choice (or text.format) %r; it is served as 'auto' (the model chooses: forcing "
-                       "it would constrain sampling or render the turn without tools). Counted as %s; set "
-                       "refuse_unforced_tool_choice: true to refuse it instead.", kind, key)
+        logger.warning(
+            "an agent sent tool_choice (or text.format) %r; it is served as 'auto' (the model chooses: forcing "
+            "it would constrain sampling or render the turn without tools). Counted as %s; set "
+            "refuse_unforced_tool_choice: true to refuse it instead.",
+            kind,
+            key,
+        )
 
 
 def _load(spec: str) -> Callable[..., Any]:
@@ -100,8 +110,10 @@ def _load(spec: str) -> Callable[..., Any]:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        raise RolloutError(f"agent={spec!r} cannot be imported: {type(exc).__name__}: {exc}. Name an importable "
-                           f"'package.module:function' (its folder on PYTHONPATH).") from exc
+        raise RolloutError(
+            f"agent={spec!r} cannot be imported: {type(exc).__name__}: {exc}. Name an importable "
+            f"'package.module:function' (its folder on PYTHONPATH)."
+        ) from exc
     if not callable(obj):
         raise RolloutError(f"agent={spec!r} is a {type(obj).__name__}, not a function agent(client, row).")
     return obj
@@ -143,7 +155,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
     """Refuse (400) a ``tool_choice`` of ``none``, ``required`` or a named function instead of serving it as
     ``auto`` (the model chooses; counted as ``endpoint/tool_choice_unforced``, logged once). docs/agents.md."""
     restore_dropped_reasoning: bool = False
-    """An earlier reply sent back without its reasoning, where the chat template would render that reasoning (Qwen3-style
+    """An earlier reply sent back without its reasoning, where the chat template would render that reasoning
+    (Qwen3-style
     templates keep it after the last user message), continues the segment with the reasoning restored from the record
     (counted ``endpoint/reasoning_restored``), instead of a rewrite (a new segment: what the model sees when the
     framework serves it; counted ``endpoint/reasoning_dropped_rewrites``). Training then sees reasoning the deployed
@@ -151,7 +164,8 @@ class AgentEndpointRollout(TrajectoryBudgets):
     agent_conversation: ClassVar[bool] = True
     """Capability: the agent writes the conversation (its system prompt and tools), not the run."""
     offers_tools: ClassVar[bool] = True
-    """Capability: the run's ``tools`` are offered to the agent (``GET <base_url>/tools``, ``POST <base_url>/tools/call``)."""
+    """Capability: the run's ``tools`` are offered to the agent (``GET <base_url>/tools``, ``POST
+    <base_url>/tools/call``)."""
     _token: str = field(default_factory=lambda: secrets.token_urlsafe(32), init=False, repr=False, compare=False)
     _failures_seen: set = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -160,8 +174,10 @@ class AgentEndpointRollout(TrajectoryBudgets):
         if (self.agent is None) == (self.command is None):
             raise RolloutError("agent_endpoint needs exactly one of agent ('package.module:function') and command.")
         if self.agent is not None and importlib.util.find_spec("openai") is None:
-            raise RolloutError("agent_endpoint hands function agents an openai SDK client, and openai is not installed: "
-                               "pip install 'trl-plugins[agents]' (or run the agent as a command).")
+            raise RolloutError(
+                "agent_endpoint hands function agents an openai SDK client, and openai is not installed: "
+                "pip install 'trl-plugins[agents]' (or run the agent as a command)."
+            )
         if isinstance(self.agent, str):
             _load(self.agent)  # now, at start-up: a typo must not wait for the first rollout
         if isinstance(self.command, str):
@@ -195,11 +211,15 @@ class AgentEndpointRollout(TrajectoryBudgets):
             at_once = f"at most {self.max_concurrent_agents} at once (max_concurrent_agents)"
         elif self.command is not None:
             cores = usable_cores()
-            at_once = (f"at most {COMMAND_AGENTS_PER_CORE * cores} at once ({COMMAND_AGENTS_PER_CORE} per usable core x "
-                       f"{cores}; max_concurrent_agents sets it)")
+            at_once = (
+                f"at most {COMMAND_AGENTS_PER_CORE * cores} at once ({COMMAND_AGENTS_PER_CORE} per usable core x "
+                f"{cores}; max_concurrent_agents sets it)"
+            )
         else:
             at_once = "every trajectory of a rollout at once (max_concurrent_agents limits it)"
-        limit = "no time limit" if self.agent_time_limit_s is None else f"agent_time_limit_s={self.agent_time_limit_s:g}"
+        limit = (
+            "no time limit" if self.agent_time_limit_s is None else f"agent_time_limit_s={self.agent_time_limit_s:g}"
+        )
         return f"{kind}: {at_once}; each within {limit} from its own start"
 
     def __call__(self, request: RolloutRequest) -> RolloutResult:
@@ -212,17 +232,30 @@ class AgentEndpointRollout(TrajectoryBudgets):
         if request.group_size < 1:
             raise RolloutError(f"group_size must be >= 1, got {request.group_size}.")
         if request.backend.requires_lockstep:
-            raise RolloutError(f"{type(request.backend).__name__} generates in lock-step across ranks (a collective per "
-                               f"call), which agents running on their own cannot follow.")
+            raise RolloutError(
+                f"{type(request.backend).__name__} generates in lock-step across ranks (a collective per "
+                f"call), which agents running on their own cannot follow."
+            )
         chat, backend = request.chat, request.backend
         self.check_chat(chat)
-        version = PolicyVersion(step=request.policy_step, tokenizer_digest=chat.digest, sampling=backend.sampling,
-                                logprob_source=backend.logprob_source)
+        version = PolicyVersion(
+            step=request.policy_step,
+            tokenizer_digest=chat.digest,
+            sampling=backend.sampling,
+            logprob_source=backend.logprob_source,
+        )
         result = RolloutResult(trajectories=[])
         for q in request.questions:
             for slot in range(request.group_size):
-                result.trajectories.append(Trajectory(turns=[], question_id=q.question_id, group_id=q.group_id,
-                                                      sample_index=slot, policy_version=version))
+                result.trajectories.append(
+                    Trajectory(
+                        turns=[],
+                        question_id=q.question_id,
+                        group_id=q.group_id,
+                        sample_index=slot,
+                        policy_version=version,
+                    )
+                )
         start = time.perf_counter()
         try:
             with backend.session():
@@ -248,25 +281,31 @@ class AgentEndpointRollout(TrajectoryBudgets):
     async def _run(self, request: RolloutRequest, result: RolloutResult) -> None:
         loop = asyncio.get_running_loop()
         sessions: dict[str, Session] = {}
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency(request.backend), thread_name_prefix="generate")
+        pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=concurrency(request.backend), thread_name_prefix="generate"
+        )
         at_once = self.concurrency(len(result.trajectories))
-        agent_pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrent_agents or min(64, at_once),
-                                                           thread_name_prefix="agent")
+        agent_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.max_concurrent_agents or min(64, at_once), thread_name_prefix="agent"
+        )
         dispatcher = Dispatcher(request.backend, loop, pool, result)
         server = JsonServer(lambda incoming: self._serve(incoming, sessions, request, result))
         await server.start()
         http = _HttpClients(connections=len(result.trajectories))
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(result.trajectories), desc="agents", unit="traj", disable=not request.progress, leave=False)
+        bar = tqdm(
+            total=len(result.trajectories), desc="agents", unit="traj", disable=not request.progress, leave=False
+        )
         limit = asyncio.Semaphore(at_once)
 
         def chat_for(tools: list[dict]) -> ChatFormat:
             try:
                 return request.chat.for_tools(tools)
             except Exception as exc:
-                raise HttpError(400, f"the chat template cannot take these tools: {type(exc).__name__}: {exc}",
-                                param="tools") from exc
+                raise HttpError(
+                    400, f"the chat template cannot take these tools: {type(exc).__name__}: {exc}", param="tools"
+                ) from exc
 
         fn = _load(self.agent) if isinstance(self.agent, str) else self.agent  # once per rollout (None: a command)
         agent_loop = AgentLoop() if fn is not None and inspect.iscoroutinefunction(fn) else None
@@ -275,13 +314,35 @@ class AgentEndpointRollout(TrajectoryBudgets):
         for index, traj in enumerate(result.trajectories):
             q = request.questions[index // group]
             key = secrets.token_urlsafe(16)
-            session = Session(key, index, traj, self, self.request_time_limit_s, chat_for, dispatcher.generate, request.seed,
-                              request.policy_step, restore_dropped_reasoning=self.restore_dropped_reasoning,
-                              counters=result.counters)
+            session = Session(
+                key,
+                index,
+                traj,
+                self,
+                self.request_time_limit_s,
+                chat_for,
+                dispatcher.generate,
+                request.seed,
+                request.policy_step,
+                restore_dropped_reasoning=self.restore_dropped_reasoning,
+                counters=result.counters,
+            )
             sessions[key] = session
             base_url = f"http://127.0.0.1:{server.port}/s/{key}/v1"
-            task = asyncio.ensure_future(self._one(fn, session, dict(q.row or {}), base_url, sessions, limit, agent_pool,
-                                                   agent_loop, http, request.tools))
+            task = asyncio.ensure_future(
+                self._one(
+                    fn,
+                    session,
+                    dict(q.row or {}),
+                    base_url,
+                    sessions,
+                    limit,
+                    agent_pool,
+                    agent_loop,
+                    http,
+                    request.tools,
+                )
+            )
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         stopped = False
@@ -302,34 +363,55 @@ class AgentEndpointRollout(TrajectoryBudgets):
         if stopped and unfinished:
             raise RolloutCancelled(f"a stop was requested with {unfinished} agent run(s) unfinished")
 
-    async def _serve(self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest,
-                     result: RolloutResult) -> tuple[int, Any]:
+    async def _serve(
+        self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest, result: RolloutResult
+    ) -> tuple[int, Any]:
         given = http.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
-            raise HttpError(401, "missing or wrong API key: use the key this run gave the agent (OPENAI_API_KEY for a "
-                                 "command).", kind="authentication_error", code="invalid_api_key")
+            raise HttpError(
+                401,
+                "missing or wrong API key: use the key this run gave the agent (OPENAI_API_KEY for a command).",
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
         parts = http.path.split("?", 1)[0].split("/")
         if len(parts) < 4 or parts[1] != "s" or parts[3] != "v1":
-            raise HttpError(404, f"no such endpoint {http.path!r}: use the base URL the run gave the agent "
-                                 f"(http://127.0.0.1:<port>/s/<session>/v1).", code="not_found")
+            raise HttpError(
+                404,
+                f"no such endpoint {http.path!r}: use the base URL the run gave the agent "
+                f"(http://127.0.0.1:<port>/s/<session>/v1).",
+                code="not_found",
+            )
         session = sessions.get(parts[2])
         if session is None:
-            raise HttpError(404, "no live trajectory has this session key (it finished, or never existed): each agent "
-                                 "run uses the base URL it was given, while it runs.", code="unknown_session")
+            raise HttpError(
+                404,
+                "no live trajectory has this session key (it finished, or never existed): each agent "
+                "run uses the base URL it was given, while it runs.",
+                code="unknown_session",
+            )
         route = "/".join(parts[4:])
         if http.method == "GET" and route == "models":
             return 200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "trl-plugins"}]}
         if route == "tools" or route.startswith("tools/"):
-            return 200, await serve_tools(http.method, route, http.json() if http.method == "POST" else None, session,
-                                          request.tools)
+            return 200, await serve_tools(
+                http.method, route, http.json() if http.method == "POST" else None, session, request.tools
+            )
         if http.method != "POST" or route not in ("chat/completions", "responses"):
-            raise HttpError(404, f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions, "
-                                 f"POST /responses, GET /models and the run's tools (GET /tools, POST /tools/call).",
-                            code="not_found")
+            raise HttpError(
+                404,
+                f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions, "
+                f"POST /responses, GET /models and the run's tools (GET /tools, POST /tools/call).",
+                code="not_found",
+            )
         raw, echo = (http.json(), None) if route == "chat/completions" else chat_body(http.json())
-        body = check_request(raw, sampling=request.backend.sampling, max_assistant_tokens=self.max_assistant_tokens,
-                             calls_per_turn=self.max_tool_calls_per_turn,
-                             refuse_unforced_tool_choice=self.refuse_unforced_tool_choice)
+        body = check_request(
+            raw,
+            sampling=request.backend.sampling,
+            max_assistant_tokens=self.max_assistant_tokens,
+            calls_per_turn=self.max_tool_calls_per_turn,
+            refuse_unforced_tool_choice=self.refuse_unforced_tool_choice,
+        )
         if echo is not None:
             self._responses_history(session, body, echo, result)
         if body.tool_choice_unforced is not None:
@@ -337,8 +419,13 @@ class AgentEndpointRollout(TrajectoryBudgets):
         reply = await session.complete(body)
         if echo is None:
             return 200, chat_stream(reply, include_usage=body.include_usage) if body.stream else reply
-        response = response_body(reply, echo, response_id=f"resp_{session.index}_{len(session.traj.turns)}",
-                                 model=body.model, sampling=request.backend.sampling)
+        response = response_body(
+            reply,
+            echo,
+            response_id=f"resp_{session.index}_{len(session.traj.turns)}",
+            model=body.model,
+            sampling=request.backend.sampling,
+        )
         session.response_id = response["id"]
         return 200, response_stream(response) if body.stream else response
 
@@ -346,18 +433,26 @@ class AgentEndpointRollout(TrajectoryBudgets):
         """``previous_response_id``: the conversation is the session's record (its last request and reply), then the
         new input; ``text.format`` other than text: served unforced (or refused, as ``tool_choice``)."""
         if echo["format_unforced"] and self.refuse_unforced_tool_choice:
-            raise HttpError(400, f"text.format {echo['text']['format'].get('type')!r} is not honoured "
-                                 f"(refuse_unforced_tool_choice is set): forcing a JSON output would constrain sampling, "
-                                 f"so the behaviour log-probs would not be the policy's. Omit text.format.", param="text")
+            raise HttpError(
+                400,
+                f"text.format {echo['text']['format'].get('type')!r} is not honoured "
+                f"(refuse_unforced_tool_choice is set): forcing a JSON output would constrain sampling, "
+                f"so the behaviour log-probs would not be the policy's. Omit text.format.",
+                param="text",
+            )
         if echo["format_unforced"]:
             count_unforced(result, "text.format", key="endpoint/text_format_unforced")
         prev = echo["previous_response_id"]
         if prev is None:
             return
         if prev != session.response_id or session.messages is None or session.reply is None:
-            raise HttpError(400, f"previous_response_id={prev!r} is not this session's last response "
-                                 f"({session.response_id!r}): only the last one is kept. Send the whole conversation as "
-                                 f"input (with store=false) instead.", param="previous_response_id")
+            raise HttpError(
+                400,
+                f"previous_response_id={prev!r} is not this session's last response "
+                f"({session.response_id!r}): only the last one is kept. Send the whole conversation as "
+                f"input (with store=false) instead.",
+                param="previous_response_id",
+            )
         prior = [*session.messages, session.reply]
         new = body.messages
         if echo["instructions"]:
@@ -365,9 +460,19 @@ class AgentEndpointRollout(TrajectoryBudgets):
             prior = [system, *prior[1:]] if prior[0]["role"] == "system" else [system, *prior]
         body.messages = prior + new
 
-    async def _one(self, fn: Callable[..., Any] | None, session: Session, row: dict, base_url: str,
-                   sessions: dict[str, Session], limit: asyncio.Semaphore, agent_pool: concurrent.futures.Executor,
-                   agent_loop: AgentLoop | None, http: _HttpClients, tools: Mapping[str, Any]) -> None:
+    async def _one(
+        self,
+        fn: Callable[..., Any] | None,
+        session: Session,
+        row: dict,
+        base_url: str,
+        sessions: dict[str, Session],
+        limit: asyncio.Semaphore,
+        agent_pool: concurrent.futures.Executor,
+        agent_loop: AgentLoop | None,
+        http: _HttpClients,
+        tools: Mapping[str, Any],
+    ) -> None:
         async with limit:
             run, cancel = self._invoke(fn, row, base_url, agent_pool, agent_loop, http)
             try:
@@ -381,7 +486,9 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 if not run.done():
                     # Its trajectory ends first, so that whatever it asks or returns from now on counts for nothing;
                     # it is not waited for past the grace (an agent may catch its cancellation and run on).
-                    session.end(StopReason.ENVIRONMENT_ERROR, f"the agent ran past agent_time_limit_s={self.agent_time_limit_s}")
+                    session.end(
+                        StopReason.ENVIRONMENT_ERROR, f"the agent ran past agent_time_limit_s={self.agent_time_limit_s}"
+                    )
                     sessions.pop(session.key, None)
                     await let_go(run, cancel)
                     return
@@ -393,8 +500,13 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 kind = type(exc).__name__
                 if kind not in self._failures_seen:  # the first of each kind with its traceback, the rest counted
                     self._failures_seen.add(kind)
-                    logger.warning("an agent failed (its trajectory ends as environment_error; later %s failures are "
-                                   "logged at debug level): %s", kind, exc, exc_info=exc)
+                    logger.warning(
+                        "an agent failed (its trajectory ends as environment_error; later %s failures are "
+                        "logged at debug level): %s",
+                        kind,
+                        exc,
+                        exc_info=exc,
+                    )
                 else:
                     logger.debug("an agent failed: %s: %s", kind, exc)
             else:
@@ -412,15 +524,27 @@ class AgentEndpointRollout(TrajectoryBudgets):
                     session.end(StopReason.CANCELLED, "the rollout was stopped while the agent ran")
                 await end_tool_episode(session, tools)  # its per-trajectory tool servers stop with it
 
-    def _invoke(self, fn: Callable[..., Any] | None, row: dict, base_url: str, agent_pool: concurrent.futures.Executor,
-                agent_loop: AgentLoop | None, http: _HttpClients) -> tuple[asyncio.Future, Callable[[], None]]:
+    def _invoke(
+        self,
+        fn: Callable[..., Any] | None,
+        row: dict,
+        base_url: str,
+        agent_pool: concurrent.futures.Executor,
+        agent_loop: AgentLoop | None,
+        http: _HttpClients,
+    ) -> tuple[asyncio.Future, Callable[[], None]]:
         """Start the agent: a future (of this loop) that ends when the agent does, and a function that cancels it (a
         command's processes are killed; an ``async def`` agent gets CancelledError; a thread cannot be stopped)."""
         if fn is None:
             # The OpenAI Agents SDK sends traces to its vendor's servers by default: not from a training run's agents
             # (set the variable to 0 in the trainer's environment to keep them).
-            env = {"OPENAI_AGENTS_DISABLE_TRACING": "1", **os.environ, "OPENAI_BASE_URL": base_url,
-                   "OPENAI_API_KEY": self._token, "TRL_PLUGINS_ROW": json.dumps(row, default=str)}
+            env = {
+                "OPENAI_AGENTS_DISABLE_TRACING": "1",
+                **os.environ,
+                "OPENAI_BASE_URL": base_url,
+                "OPENAI_API_KEY": self._token,
+                "TRL_PLUGINS_ROW": json.dumps(row, default=str),
+            }
             task = asyncio.ensure_future(run_command(self.command, row, env))
             return task, task.cancel
         import openai
@@ -428,6 +552,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
         timeout = None if self.request_time_limit_s is None else self.request_time_limit_s + 30.0
         settings = dict(base_url=base_url, api_key=self._token, max_retries=0, timeout=timeout)
         if agent_loop is not None:
+
             async def run() -> Any:  # on the agents' loop, where its client's connections live
                 return await fn(openai.AsyncOpenAI(**settings, http_client=http.shared(asynchronous=True)), row)
 
@@ -435,6 +560,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
         client = openai.OpenAI(**settings, http_client=http.shared(asynchronous=False))
         future = asyncio.get_running_loop().run_in_executor(agent_pool, fn, client, row)
         return future, future.cancel
+
 
 class _HttpClients:
     """One HTTP connection pool per rollout that every agent's client shares (a client of its own costs ~27 ms of
@@ -448,8 +574,9 @@ class _HttpClients:
         if asynchronous not in self.clients:
             import openai
 
-            limits = openai.DEFAULT_CONNECTION_LIMITS.__class__(max_connections=self.connections + 8,
-                                                              max_keepalive_connections=self.connections + 8)
+            limits = openai.DEFAULT_CONNECTION_LIMITS.__class__(
+                max_connections=self.connections + 8, max_keepalive_connections=self.connections + 8
+            )
             kind = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
             self.clients[asynchronous] = kind(limits=limits)
         return self.clients[asynchronous]
@@ -476,9 +603,13 @@ def record_rewards(traj: Trajectory, value: Any, row: Mapping[str, Any]) -> str 
         if number is None and not isinstance(value, Mapping):
             continue
         if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
-            return (f"the agent returned {value!r:.200}; an agent returns None, a finite number (its reward) or a mapping "
-                    f"of names to finite numbers ('reward', and other components to record)")
-        components.append(RewardComponent(AGENT_REWARD if key == "reward" else f"{AGENT_REWARD}/{key}", float(number), 0.0))
+            return (
+                f"the agent returned {value!r:.200}; an agent returns None, a finite number (its reward) or a mapping "
+                f"of names to finite numbers ('reward', and other components to record)"
+            )
+        components.append(
+            RewardComponent(AGENT_REWARD if key == "reward" else f"{AGENT_REWARD}/{key}", float(number), 0.0)
+        )
     reward = row.get("reward")
     if isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward):
         components.append(RewardComponent(ROW_REWARD, float(reward), 0.0))
@@ -493,7 +624,16 @@ def _close_turnless(request: RolloutRequest, result: RolloutResult) -> None:
     for index, traj in enumerate(result.trajectories):
         if not traj.turns:
             prompt = list(request.questions[index // group].prompt_ids)
-            traj.turns.append(Turn(prompt_ids=prompt, completion_ids=[], completion_logprobs=[],
-                                   prompt_sources=[TokenSource.PROMPT] * len(prompt)))
+            traj.turns.append(
+                Turn(
+                    prompt_ids=prompt,
+                    completion_ids=[],
+                    completion_logprobs=[],
+                    prompt_sources=[TokenSource.PROMPT] * len(prompt),
+                )
+            )
             if traj.stop_reason is None or not traj.stop_reason.is_world_failure:
-                traj.stop_reason, traj.error = StopReason.ENVIRONMENT_ERROR, traj.error or "the agent asked the model nothing"
+                traj.stop_reason, traj.error = (
+                    StopReason.ENVIRONMENT_ERROR,
+                    traj.error or "the agent asked the model nothing",
+                )

@@ -27,8 +27,15 @@ renderer recurse, so a deeper value would fail inside them)."""
 class HttpError(Exception):
     """An error response: its status and an OpenAI-style error body (``message``, ``type``, ``code``, ``param``)."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
 
@@ -58,8 +65,11 @@ class HttpRequest:
         except RecursionError:  # deeper than Python's parser goes
             value, deep = None, True
         if deep or json_depth(value) > MAX_JSON_DEPTH:
-            raise HttpError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels; chat requests nest a "
-                                 f"few.", code="nested_too_deeply")
+            raise HttpError(
+                400,
+                f"the request body nests deeper than {MAX_JSON_DEPTH} levels; chat requests nest a few.",
+                code="nested_too_deeply",
+            )
         return value
 
 
@@ -72,8 +82,10 @@ class EventStream:
     done: bool = False
 
     def encode(self) -> bytes:
-        parts = [(f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-                 for name, data in self.events]
+        parts = [
+            (f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+            for name, data in self.events
+        ]
         if self.done:
             parts.append("data: [DONE]\n\n")
         return "".join(parts).encode()
@@ -101,7 +113,8 @@ class _AmbiguousFraming(Exception):
 
 
 class JsonServer:
-    """Serves ``handler(request) -> (status, JSON-able body or EventStream)`` on ``127.0.0.1``; a raised :class:`HttpError` becomes its
+    """Serves ``handler(request) -> (status, JSON-able body or EventStream)`` on ``127.0.0.1``; a raised
+    :class:`HttpError` becomes its
     error response, any other exception a 500 saying what it was (and is logged)."""
 
     def __init__(self, handler: Handler) -> None:
@@ -134,8 +147,11 @@ class JsonServer:
                     request = await self._read(conn, reader)
                 except _AmbiguousFraming as exc:  # answered, then closed: what follows cannot be told apart
                     data = json.dumps(HttpError(400, str(exc)).body()).encode()
-                    headers = [("content-type", "application/json"), ("content-length", str(len(data))),
-                               ("connection", "close")]
+                    headers = [
+                        ("content-type", "application/json"),
+                        ("content-length", str(len(data))),
+                        ("connection", "close"),
+                    ]
                     writer.write(conn.send(h11.Response(status_code=400, headers=headers)))
                     writer.write(conn.send(h11.Data(data=data)))
                     writer.write(conn.send(h11.EndOfMessage()))
@@ -149,8 +165,10 @@ class JsonServer:
                     status, body = exc.status, exc.body()
                 except Exception as exc:  # noqa: BLE001 - the endpoint's own bug: say it, keep serving
                     logger.exception("the agent endpoint failed to serve %s %s", request.method, request.path)
-                    status, body = 500, HttpError(500, f"the endpoint failed: {type(exc).__name__}: {exc}",
-                                                  kind="server_error").body()
+                    status, body = (
+                        500,
+                        HttpError(500, f"the endpoint failed: {type(exc).__name__}: {exc}", kind="server_error").body(),
+                    )
                 if isinstance(body, EventStream):
                     data, kind = body.encode(), "text/event-stream; charset=utf-8"
                 else:

@@ -43,7 +43,7 @@ def _below(root: int) -> list[int]:
                 stat = f.read()
         except OSError:  # it ended meanwhile
             continue
-        ppid = int(stat[stat.rfind(b")") + 2:].split()[1])  # the field after the state, past the command's name
+        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])  # the field after the state, past the command's name
         children.setdefault(ppid, []).append(int(name))
     found, todo = [], [root]
     while todo:
@@ -97,10 +97,16 @@ def main(argv: list[str]) -> None:
             prctl = ctypes.CDLL(None, use_errno=True).prctl
         except (AttributeError, OSError):  # not Linux
             prctl = None
-        if prctl is None or prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 or prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        if (
+            prctl is None
+            or prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0
+            or prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0
+        ):
             why = os.strerror(ctypes.get_errno()) if prctl is not None else "no prctl on this system"
-            sys.stderr.write(f"the agent endpoint cannot run the command under a subreaper (prctl: {why}; Linux 3.4 or "
-                             f"later needed)\n")
+            sys.stderr.write(
+                f"the agent endpoint cannot run the command under a subreaper (prctl: {why}; Linux 3.4 or "
+                f"later needed)\n"
+            )
             os._exit(SETUP_FAILED)
         if os.getppid() != parent:  # the rollout died before the death signal was armed
             os._exit(SETUP_FAILED)

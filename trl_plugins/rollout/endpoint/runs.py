@@ -17,8 +17,16 @@ import sys
 import threading
 from typing import Any, Awaitable, Callable
 
-__all__ = ["AGENT_GRACE_S", "COMMAND_AGENTS_PER_CORE", "NOTHING_ASKED", "AgentFailed", "AgentLoop", "let_go", "run_command",
-           "usable_cores"]
+__all__ = [
+    "AGENT_GRACE_S",
+    "COMMAND_AGENTS_PER_CORE",
+    "NOTHING_ASKED",
+    "AgentFailed",
+    "AgentLoop",
+    "let_go",
+    "run_command",
+    "usable_cores",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +38,11 @@ do (plus as much again at its end when an ``async def`` agent blocks its event l
 COMMAND_AGENTS_PER_CORE = 2
 """``command`` agents running at once per usable core, where ``max_concurrent_agents`` is not set."""
 
-NOTHING_ASKED = ("the agent returned without asking the model anything (did a response cache answer it? DSPy's keys "
-                 "leave out api_base, so it replays completions of earlier runs, steps and samples, of any model: build "
-                 "the program's LM with dspy.LM(..., cache=False))")
+NOTHING_ASKED = (
+    "the agent returned without asking the model anything (did a response cache answer it? DSPy's keys "
+    "leave out api_base, so it replays completions of earlier runs, steps and samples, of any model: build "
+    "the program's LM with dspy.LM(..., cache=False))"
+)
 """An agent's trajectory that never reached the endpoint (docs/agents.md, DSPy's traps)."""
 
 
@@ -61,9 +71,20 @@ async def run_command(command: list[str], row: dict, env: dict[str, str]) -> Any
     output = _CommandOutput(loop)
     try:
         transport, _ = await loop.subprocess_exec(
-            lambda: output, sys.executable, "-I", "-S", _REAPER, str(os.getpid()), "--", *command,
-            stdin=asyncio.subprocess.PIPE, stdout=output.writers[1], stderr=output.writers[2], env=env,
-            start_new_session=True)
+            lambda: output,
+            sys.executable,
+            "-I",
+            "-S",
+            _REAPER,
+            str(os.getpid()),
+            "--",
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=output.writers[1],
+            stderr=output.writers[2],
+            env=env,
+            start_new_session=True,
+        )
     except BaseException:
         output.close()
         raise
@@ -82,8 +103,11 @@ async def run_command(command: list[str], row: dict, env: dict[str, str]) -> Any
             try:
                 await asyncio.wait_for(output.exited.wait(), AGENT_GRACE_S)
             except asyncio.TimeoutError:
-                logger.warning("an agent command's reaper did not exit within %s s of SIGTERM; it is killed, and what "
-                               "it had not killed yet may run on", AGENT_GRACE_S)
+                logger.warning(
+                    "an agent command's reaper did not exit within %s s of SIGTERM; it is killed, and what "
+                    "it had not killed yet may run on",
+                    AGENT_GRACE_S,
+                )
             raise
         out, err = output.drain()
         returncode = transport.get_returncode()
@@ -99,8 +123,10 @@ async def run_command(command: list[str], row: dict, env: dict[str, str]) -> Any
     try:
         return json.loads(lines[-1])
     except ValueError:
-        raise AgentFailed(f"the agent command's last line of stdout is not JSON: {lines[-1][:200]!r}; print its "
-                          f"result (a number, a mapping of numbers, or null) as JSON on the last line.") from None
+        raise AgentFailed(
+            f"the agent command's last line of stdout is not JSON: {lines[-1][:200]!r}; print its "
+            f"result (a number, a mapping of numbers, or null) as JSON on the last line."
+        ) from None
 
 
 class _CommandOutput(asyncio.SubprocessProtocol):
@@ -232,8 +258,10 @@ class AgentLoop:
         try:
             await asyncio.wait_for(done, AGENT_GRACE_S)
         except asyncio.TimeoutError:
-            logger.warning("an async agent blocks its event loop in code of its own; the rollout goes on without it "
-                           "(its thread runs until that code returns)")
+            logger.warning(
+                "an async agent blocks its event loop in code of its own; the rollout goes on without it "
+                "(its thread runs until that code returns)"
+            )
             self.loop.call_soon_threadsafe(self.loop.stop)
         except Exception:  # noqa: BLE001 - closing the agents' pool failed; it goes with the loop
             logger.debug("closing the agents' connection pool failed", exc_info=True)
@@ -245,7 +273,10 @@ async def let_go(run: asyncio.Future, cancel: Callable[[], None]) -> None:
     cancel()
     await asyncio.wait({run}, timeout=AGENT_GRACE_S)
     if not run.done():
-        logger.warning("an agent still ran %s s after it was cancelled at its time limit or a stop; the rollout goes on "
-                       "without it (its trajectory has ended and its requests are refused)", AGENT_GRACE_S)
+        logger.warning(
+            "an agent still ran %s s after it was cancelled at its time limit or a stop; the rollout goes on "
+            "without it (its trajectory has ended and its requests are refused)",
+            AGENT_GRACE_S,
+        )
     elif not run.cancelled():
         run.exception()  # read: what it raised or returned after its end counts for nothing

@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from trl_plugins.rollout.backends import Sample
 from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.endpoint.api import ChatRequest, completion_body, template_messages
 from trl_plugins.rollout.endpoint.http import HttpError
-from trl_plugins.rollout.backends import Sample
 from trl_plugins.rollout.request import derive_seed
 from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.types import StopReason, TokenSource, ToolCall, Trajectory, Turn
@@ -94,17 +94,25 @@ class Session:
     async def complete(self, request: ChatRequest) -> dict[str, Any]:
         """Serve one request: the response body, or :class:`HttpError` (the trajectory ended, budgets, a timeout)."""
         if self.lock.locked():
-            raise HttpError(400, "another request of this session is still being served: a trajectory is one "
-                                 "conversation, one request at a time (start parallel conversations as separate "
-                                 "trajectories).", code="concurrent_request")
+            raise HttpError(
+                400,
+                "another request of this session is still being served: a trajectory is one "
+                "conversation, one request at a time (start parallel conversations as separate "
+                "trajectories).",
+                code="concurrent_request",
+            )
         async with self.lock:
             return await self._complete(request)
 
     def _refuse_ended(self) -> HttpError:
         reason = self.traj.stop_reason
         why = f": {self.traj.error}" if self.traj.error else ""
-        return HttpError(400, f"this trajectory has ended ({reason.value if reason else 'unknown'}{why}); the "
-                              f"conversation cannot go on. Return from the agent.", code="trajectory_ended")
+        return HttpError(
+            400,
+            f"this trajectory has ended ({reason.value if reason else 'unknown'}{why}); the "
+            f"conversation cannot go on. Return from the agent.",
+            code="trajectory_ended",
+        )
 
     async def _complete(self, request: ChatRequest) -> dict[str, Any]:
         self._record_tool_outputs(request.messages)  # also when it ended at that turn: what the tools returned
@@ -113,16 +121,24 @@ class Session:
         chat = self.chat_for(request.tools)
         turns, b = self.traj.turns, self.budgets
         history = await self._extension(request, chat)
-        new = None if history is None else history[len(self.messages) + 1:]
+        new = None if history is None else history[len(self.messages) + 1 :]
         if new is not None:
             last = turns[-1]
             called = [c["name"] for c in (self.reply or {}).get("tool_calls", [])]
             try:  # off the loop, which every agent shares: cutting a long output takes a while
-                cont = await asyncio.to_thread(chat.messages_turn, last.completion_ids, called, template_messages(
-                    history)[-len(new):], max_tokens=b.max_tool_response_tokens)
+                cont = await asyncio.to_thread(
+                    chat.messages_turn,
+                    last.completion_ids,
+                    called,
+                    template_messages(history)[-len(new) :],
+                    max_tokens=b.max_tool_response_tokens,
+                )
             except Exception as exc:  # output the template or tokenizer cannot take: the world's failure
-                self.end(StopReason.ENVIRONMENT_ERROR, f"the messages after turn {len(turns) - 1} could not be rendered "
-                                                       f"and tokenised: {type(exc).__name__}: {exc}")
+                self.end(
+                    StopReason.ENVIRONMENT_ERROR,
+                    f"the messages after turn {len(turns) - 1} could not be rendered "
+                    f"and tokenised: {type(exc).__name__}: {exc}",
+                )
                 raise HttpError(400, str(self.traj.error), code="unrenderable_messages") from exc
             for call, cut in zip(last.tool_calls, cont.truncated_outputs):
                 call.output_truncated = cut
@@ -131,8 +147,11 @@ class Session:
             try:
                 prompt = await asyncio.to_thread(chat.initial_prompt_ids, template_messages(request.messages))
             except Exception as exc:
-                raise HttpError(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
-                                param="messages") from exc
+                raise HttpError(
+                    400,
+                    f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                    param="messages",
+                ) from exc
             sources, segment_start = [TokenSource.PROMPT] * len(prompt), bool(turns)
         if self.ended:  # ended while its tokens were built (the agent's time limit, a stop request)
             raise self._refuse_ended()
@@ -141,8 +160,11 @@ class Session:
             raise self._refuse_ended()
         if len(prompt) >= b.max_trajectory_tokens:
             if not turns:
-                self.end(StopReason.ENVIRONMENT_ERROR, f"the agent's first request renders {len(prompt)} tokens, which "
-                                                       f"leaves no room in max_trajectory_tokens={b.max_trajectory_tokens}")
+                self.end(
+                    StopReason.ENVIRONMENT_ERROR,
+                    f"the agent's first request renders {len(prompt)} tokens, which "
+                    f"leaves no room in max_trajectory_tokens={b.max_trajectory_tokens}",
+                )
             self.end(StopReason.TOKEN_BUDGET)
             raise self._refuse_ended()
         room = b.max_trajectory_tokens - len(prompt)
@@ -153,11 +175,14 @@ class Session:
         decode = functools.partial(tok.decode, skip_special_tokens=True)
         stops = StopStrings(request.stop, decode) if request.stop else None
         try:
-            sample, gen_s, queue_s = await asyncio.wait_for(self.generate(prompt, budget, seed, stops),
-                                                            self.request_time_limit_s)
+            sample, gen_s, queue_s = await asyncio.wait_for(
+                self.generate(prompt, budget, seed, stops), self.request_time_limit_s
+            )
         except asyncio.TimeoutError:
-            self.end(StopReason.ENVIRONMENT_ERROR, f"the model did not answer within request_time_limit_s="
-                                                   f"{self.request_time_limit_s}")
+            self.end(
+                StopReason.ENVIRONMENT_ERROR,
+                f"the model did not answer within request_time_limit_s={self.request_time_limit_s}",
+            )
             raise HttpError(504, str(self.traj.error), code="timeout", kind="server_error") from None
         if self.ended:  # ended while it waited (the agent's time limit, a stop request)
             raise self._refuse_ended()
@@ -165,13 +190,22 @@ class Session:
         stopped = stops.cut(sample.token_ids, plain) if stops else None
         if stopped is not None:  # what the backend sampled past the stop is not the turn's (none, where it ended there)
             k, at = stopped
-            sample = Sample(sample.token_ids[:k + 1], sample.logprobs[:k + 1], finished=True, policy_step=sample.policy_step)
+            sample = Sample(
+                sample.token_ids[: k + 1], sample.logprobs[: k + 1], finished=True, policy_step=sample.policy_step
+            )
             plain = decode(sample.token_ids)[:at]
-        turn = Turn(prompt_ids=prompt, completion_ids=sample.token_ids, completion_logprobs=sample.logprobs,
-                    text=tok.decode(sample.token_ids, skip_special_tokens=False), prompt_sources=sources,
-                    truncated=not sample.finished, generation_s=gen_s, queue_s=queue_s,
-                    policy_step=self.policy_step if sample.policy_step is None else sample.policy_step,
-                    segment_start=segment_start)
+        turn = Turn(
+            prompt_ids=prompt,
+            completion_ids=sample.token_ids,
+            completion_logprobs=sample.logprobs,
+            text=tok.decode(sample.token_ids, skip_special_tokens=False),
+            prompt_sources=sources,
+            truncated=not sample.finished,
+            generation_s=gen_s,
+            queue_s=queue_s,
+            policy_step=self.policy_step if sample.policy_step is None else sample.policy_step,
+            segment_start=segment_start,
+        )
         turns.append(turn)
         self.messages, self.tools, self.tokens = request.messages, request.tools, prompt + sample.token_ids
         calls: list[dict] = []
@@ -184,15 +218,27 @@ class Session:
             if stopped is not None and not calls:  # the text before the stop, as the OpenAI API returns it
                 at = stops.first(content)
                 content = content[:at] if at >= 0 else content
-        self.reply = {"role": "assistant", "content": content or "", **({"tool_calls": calls} if calls else {}),
-                      **({"reasoning_content": reasoning} if reasoning else {})}
+        self.reply = {
+            "role": "assistant",
+            "content": content or "",
+            **({"tool_calls": calls} if calls else {}),
+            **({"reasoning_content": reasoning} if reasoning else {}),
+        }
         self.replied_at = time.perf_counter()
-        return completion_body(completion_id=f"chatcmpl-{self.index}-{len(turns)}", model=request.model,
-                               content=content if content or not calls else None, calls=calls, finish_reason=finish,
-                               prompt_tokens=len(prompt), completion_tokens=len(sample.token_ids), reasoning=reasoning)
+        return completion_body(
+            completion_id=f"chatcmpl-{self.index}-{len(turns)}",
+            model=request.model,
+            content=content if content or not calls else None,
+            calls=calls,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(sample.token_ids),
+            reasoning=reasoning,
+        )
 
     def _read_turn(self, chat: ChatFormat, turn: Turn, plain: str) -> tuple[str, str, list[dict], str]:
-        """Parse a finished turn as the built-in rollout does: ``(content, finish_reason, calls, reasoning)``; an invalid action
+        """Parse a finished turn as the built-in rollout does: ``(content, finish_reason, calls, reasoning)``; an
+        invalid action
         or a budget spent ends the trajectory (the reply still goes back to the agent)."""
         b = self.budgets
         try:
@@ -208,12 +254,14 @@ class Session:
             self.end(StopReason.INVALID_ACTION, parsed.error or "the turn is neither a tool call nor an answer")
             return plain, "stop", [], ""
         if len(parsed.calls) > b.max_tool_calls_per_turn:
-            self.end(StopReason.INVALID_ACTION, f"the turn makes {len(parsed.calls)} tool calls, over "
-                                                f"max_tool_calls_per_turn={b.max_tool_calls_per_turn}")
+            self.end(
+                StopReason.INVALID_ACTION,
+                f"the turn makes {len(parsed.calls)} tool calls, over "
+                f"max_tool_calls_per_turn={b.max_tool_calls_per_turn}",
+            )
             return plain, "stop", [], ""
         k = len(self.traj.turns) - 1
-        calls = [{"id": f"call_{k}_{j}", "name": c.name, "arguments": c.arguments}
-                 for j, c in enumerate(parsed.calls)]
+        calls = [{"id": f"call_{k}_{j}", "name": c.name, "arguments": c.arguments} for j, c in enumerate(parsed.calls)]
         turn.tool_calls = [ToolCall(name=c.name, arguments=c.arguments) for c in parsed.calls]
         if self.tool_calls + len(calls) > b.max_tool_calls:
             self.end(StopReason.MAX_TOOL_CALLS)
@@ -232,7 +280,7 @@ class Session:
         msgs = request.messages
         if len(msgs) <= n + 1 or msgs[:n] != self.messages:
             return None
-        new = msgs[n + 1:]
+        new = msgs[n + 1 :]
         if any(m["role"] == "assistant" for m in new):
             return None  # the agent wrote an assistant turn itself: context, not the policy's
         sent, ours = msgs[n], self.reply
@@ -242,8 +290,11 @@ class Session:
         if match == "reasoning dropped":
             # Dropped where the template would not render it anyway: the same tokens either way.
             bare = {k: v for k, v in ours.items() if k != "reasoning_content"}
-            alike = await asyncio.to_thread(chat.renders_alike, template_messages(self.messages + [ours] + new),
-                                            template_messages(self.messages + [bare] + new))
+            alike = await asyncio.to_thread(
+                chat.renders_alike,
+                template_messages(self.messages + [ours] + new),
+                template_messages(self.messages + [bare] + new),
+            )
             if not alike:
                 if not self.restore_dropped_reasoning:
                     self._count("endpoint/reasoning_dropped_rewrites")

@@ -32,8 +32,20 @@ def chat_stream(body: dict[str, Any], *, include_usage: bool) -> EventStream:
     if message.get("content"):
         events.append(chunk({"content": message["content"]}))
     for k, call in enumerate(message.get("tool_calls") or []):
-        events.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function", "function": {
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}}]}))
+        events.append(
+            chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": k,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
+                        }
+                    ]
+                }
+            )
+        )
     events.append(chunk({}, choice["finish_reason"]))
     if include_usage:
         events.append((None, {**head, "choices": [], "usage": body["usage"]}))

@@ -28,16 +28,27 @@ def _listing(tools: Mapping[str, ToolPlugin]) -> dict[str, Any]:
 
 def _arguments(body: Any, tools: Mapping[str, ToolPlugin]) -> tuple[ToolPlugin, dict[str, Any]]:
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-        raise HttpError(400, 'POST tools/call takes {"name": <a tool of GET tools>, "arguments": {...} or its JSON '
-                             'text (as a tool call\'s function.arguments)}', param="name")
+        raise HttpError(
+            400,
+            'POST tools/call takes {"name": <a tool of GET tools>, "arguments": {...} or its JSON '
+            "text (as a tool call's function.arguments)}",
+            param="name",
+        )
     unknown = set(body) - {"name", "arguments", "tool_call_id"}
     if unknown:
-        raise HttpError(400, f"POST tools/call takes name, arguments and tool_call_id; not {sorted(unknown)}",
-                        param=sorted(unknown)[0])
+        raise HttpError(
+            400,
+            f"POST tools/call takes name, arguments and tool_call_id; not {sorted(unknown)}",
+            param=sorted(unknown)[0],
+        )
     tool = tools.get(body["name"])
     if tool is None:
-        raise HttpError(404, f"the run offers no tool {body['name']!r}; GET tools lists {sorted(tools)}",
-                        param="name", code="unknown_tool")
+        raise HttpError(
+            404,
+            f"the run offers no tool {body['name']!r}; GET tools lists {sorted(tools)}",
+            param="name",
+            code="unknown_tool",
+        )
     arguments = body.get("arguments", {})
     if isinstance(arguments, str):
         try:
@@ -61,8 +72,11 @@ async def serve_tools(method: str, route: str, body: Any, session: Session, tool
     if method == "GET" and route == "tools":
         return _listing(tools)
     if method != "POST" or route != "tools/call":
-        raise HttpError(404, f"{method} /{route} is not served; the run's tools are GET tools and POST tools/call.",
-                        code="not_found")
+        raise HttpError(
+            404,
+            f"{method} /{route} is not served; the run's tools are GET tools and POST tools/call.",
+            code="not_found",
+        )
     tool, arguments = _arguments(body, tools)
     if session.ended:
         raise session._refuse_ended()

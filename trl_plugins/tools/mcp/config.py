@@ -76,8 +76,12 @@ class ServerSpec:
         def sub(text: str) -> str:
             return text.replace("{workdir}", workdir)
 
-        return dataclasses.replace(self, args=tuple(sub(a) for a in self.args), env={k: sub(v) for k, v in self.env.items()},
-                                   cwd=sub(self.cwd) if self.cwd is not None else workdir)
+        return dataclasses.replace(
+            self,
+            args=tuple(sub(a) for a in self.args),
+            env={k: sub(v) for k, v in self.env.items()},
+            cwd=sub(self.cwd) if self.cwd is not None else workdir,
+        )
 
     def describe(self) -> str:
         if self.command is not None:
@@ -95,15 +99,21 @@ def _strings(value: Any, what: str) -> dict[str, str]:
 def _server(name: str, raw: Any) -> ServerSpec:
     where = f"mcpServers[{name!r}]"
     if not isinstance(raw, Mapping):
-        raise ValueError(f"{where} must be an object with 'command' (stdio) or 'url' (streamable HTTP), got {raw!r:.200}")
+        raise ValueError(
+            f"{where} must be an object with 'command' (stdio) or 'url' (streamable HTTP), got {raw!r:.200}"
+        )
     unknown = set(raw) - STDIO_KEYS - HTTP_KEYS - OUR_KEYS
     if unknown:
-        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; a stdio server takes {sorted(STDIO_KEYS)}, an "
-                         f"HTTP server {sorted(HTTP_KEYS)}, and both {sorted(OUR_KEYS)}")
+        raise ValueError(
+            f"{where} has unknown keys {sorted(unknown)}; a stdio server takes {sorted(STDIO_KEYS)}, an "
+            f"HTTP server {sorted(HTTP_KEYS)}, and both {sorted(OUR_KEYS)}"
+        )
     kind = raw.get("type")
     if kind not in (None, "stdio", "http", "streamable-http", "streamableHttp"):
-        raise ValueError(f"{where}['type'] is {kind!r}; this client speaks 'stdio' and 'http' (streamable HTTP). An "
-                         f"SSE-only server is not supported: put it behind its streamable HTTP endpoint")
+        raise ValueError(
+            f"{where}['type'] is {kind!r}; this client speaks 'stdio' and 'http' (streamable HTTP). An "
+            f"SSE-only server is not supported: put it behind its streamable HTTP endpoint"
+        )
     has_cmd, has_url = "command" in raw, "url" in raw
     if has_cmd == has_url:
         raise ValueError(f"{where} needs exactly one of 'command' (a stdio server) and 'url' (streamable HTTP)")
@@ -132,17 +142,23 @@ def _server(name: str, raw: Any) -> ServerSpec:
     if session not in ("per_trajectory", "shared"):
         raise ValueError(f"{where}['session'] must be 'per_trajectory' or 'shared', got {session!r}")
     if has_url and session != "shared":
-        raise ValueError(f"{where} is an HTTP server, shared by every trajectory (its state is the server's to keep "
-                         f"apart); remove session, or run it as a stdio server for a process per trajectory")
+        raise ValueError(
+            f"{where} is an HTTP server, shared by every trajectory (its state is the server's to keep "
+            f"apart); remove session, or run it as a stdio server for a process per trajectory"
+        )
     copy = raw.get("copy")
     if copy is not None and (session != "per_trajectory" or not isinstance(copy, str) or not os.path.exists(copy)):
-        raise ValueError(f"{where}['copy'] is {copy!r}: it must name an existing file or directory, and only a "
-                         f"per_trajectory server has a working directory to copy it into")
+        raise ValueError(
+            f"{where}['copy'] is {copy!r}: it must name an existing file or directory, and only a "
+            f"per_trajectory server has a working directory to copy it into"
+        )
     common.update(session=session, copy=copy)
     if has_url:
         if raw.get("sandbox"):
-            raise ValueError(f"{where} is an HTTP server: the sandbox runs stdio servers (the process it starts); "
-                             f"isolate an HTTP server where it runs, or start it as a stdio server")
+            raise ValueError(
+                f"{where} is an HTTP server: the sandbox runs stdio servers (the process it starts); "
+                f"isolate an HTTP server where it runs, or start it as a stdio server"
+            )
         url = raw["url"]
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"{where}['url'] must be an http(s) URL, got {url!r}")
@@ -157,8 +173,10 @@ def _server(name: str, raw: Any) -> ServerSpec:
         raise ValueError(f"{where}['cwd'] is {cwd!r}, not a directory here")
     sandbox = parse_sandbox(raw.get("sandbox"), where)
     if sandbox is not None and cwd not in (None, "{workdir}"):
-        raise ValueError(f"{where}['cwd'] is {cwd!r}, but a sandboxed server works in its own writable directory "
-                         f"({{workdir}}); show it host files read-only with sandbox: {{readable: [...]}}")
+        raise ValueError(
+            f"{where}['cwd'] is {cwd!r}, but a sandboxed server works in its own writable directory "
+            f"({{workdir}}); show it host files read-only with sandbox: {{readable: [...]}}"
+        )
     env = _strings(raw.get("env", {}), f"{where}['env']")
     try:  # the PATH the server is started with: its own env's, else the sandbox's or this process's
         command = find_command(command, env.get("PATH", sandbox_path() if sandbox is not None else None))
@@ -174,8 +192,10 @@ def load_servers(mcp_servers: Mapping[str, Any] | None, config: str | None) -> l
     Raises:
         ValueError: neither or both given, an unreadable file, or a server entry that is malformed (says which key)."""
     if (mcp_servers is None) == (config is None):
-        raise ValueError("the mcp tool needs exactly one of mcpServers (the servers, as in an MCP client's config) "
-                         "and config (the path of a JSON file holding {'mcpServers': {...}})")
+        raise ValueError(
+            "the mcp tool needs exactly one of mcpServers (the servers, as in an MCP client's config) "
+            "and config (the path of a JSON file holding {'mcpServers': {...}})"
+        )
     if config is not None:
         try:
             with open(config, encoding="utf-8") as f:

@@ -18,6 +18,11 @@ from typing import Any, Awaitable, TypeVar
 from trl_plugins.tools.mcp.config import ServerSpec
 from trl_plugins.tools.mcp.isolation import SandboxUnavailable
 
+try:
+    BaseExceptionGroup  # noqa: B018 - a builtin from Python 3.11
+except NameError:  # Python 3.10: the backport anyio (the mcp SDK's) depends on there
+    from exceptiongroup import BaseExceptionGroup
+
 __all__ = ["LoopThread", "ServerConnection", "ServerFailed", "InputRequested", "STDERR_TAIL_LINES"]
 
 logger = logging.getLogger(__name__)
@@ -106,9 +111,12 @@ class ServerConnection:
                 command, env, cwd = self._sandboxed.argv(), self._sandboxed.env, None
             # Under the reaper (standard library only): the server and what it starts die with this process, a kill -9
             # included (PR_SET_PDEATHSIG follows the spawning thread: the loop thread, alive as long as the process).
-            params = StdioServerParameters(command=sys.executable,
-                                           args=["-I", "-S", str(REAPER), str(os.getpid()), "--", *command],
-                                           env=env, cwd=cwd)
+            params = StdioServerParameters(
+                command=sys.executable,
+                args=["-I", "-S", str(REAPER), str(os.getpid()), "--", *command],
+                env=env,
+                cwd=cwd,
+            )
             return stdio_client(params, errlog=self._errlog)
         if not self.spec.headers:
             return self.spec.url
@@ -133,16 +141,24 @@ class ServerConnection:
         method = getattr(getattr(message, "root", message), "method", None)
         if method == "notifications/tools/list_changed":
             self.list_changed += 1
-            logger.warning("MCP server %r says its tool list changed; the run keeps the list it started with (the "
-                           "prompt would change mid-run)", self.spec.name)
+            logger.warning(
+                "MCP server %r says its tool list changed; the run keeps the list it started with (the "
+                "prompt would change mid-run)",
+                self.spec.name,
+            )
 
     async def _hold(self, ready: asyncio.Future) -> None:
         from mcp.client import Client
 
         try:
-            async with Client(self._transport(), mode=self.spec.protocol, sampling_callback=self._sampling,
-                              elicitation_callback=self._elicitation, message_handler=self._messages,
-                              cache=None) as client:
+            async with Client(
+                self._transport(),
+                mode=self.spec.protocol,
+                sampling_callback=self._sampling,
+                elicitation_callback=self._elicitation,
+                message_handler=self._messages,
+                cache=None,
+            ) as client:
                 self.client, self.protocol_version = client, client.protocol_version
                 ready.set_result(None)
                 await self._stop.wait()
@@ -175,10 +191,14 @@ class ServerConnection:
     def failure(self, what: str, exc: BaseException | None = None) -> str:
         why = "" if exc is None else f": {type(exc).__name__}: {_unwrap(exc)}"
         tail = self.stderr_tail()
-        check = ("check that the command runs by itself and speaks MCP on stdout" if self.spec.command else
-                 "check that the server is running and serves MCP (streamable HTTP) at that URL")
-        return (f"MCP server {self.spec.name!r} ({self.spec.describe()}) {what}{why}; {check}"
-                + (f". Its stderr ends:\n{tail}" if tail else " (it wrote nothing to stderr)"))
+        check = (
+            "check that the command runs by itself and speaks MCP on stdout"
+            if self.spec.command
+            else "check that the server is running and serves MCP (streamable HTTP) at that URL"
+        )
+        return f"MCP server {self.spec.name!r} ({self.spec.describe()}) {what}{why}; {check}" + (
+            f". Its stderr ends:\n{tail}" if tail else " (it wrote nothing to stderr)"
+        )
 
     async def list_tools(self) -> list[Any]:
         tools, cursor = [], None
@@ -204,8 +224,9 @@ class ServerConnection:
             try:
                 return await asyncio.wait_for(self.client.call_tool(name, arguments), self.spec.timeout_s)
             except asyncio.TimeoutError as exc:
-                raise ServerFailed(self.failure(f"did not answer a call of {name!r} within {self.spec.timeout_s:g} s "
-                                                f"(timeout_s)")) from exc
+                raise ServerFailed(
+                    self.failure(f"did not answer a call of {name!r} within {self.spec.timeout_s:g} s (timeout_s)")
+                ) from exc
             except MCPError as exc:
                 if "trl_plugins: this training run answers no" in str(exc):
                     raise InputRequested(str(exc)) from exc
@@ -214,8 +235,11 @@ class ServerConnection:
                     self.input_requests += 1
                     raise InputRequested(str(exc)) from exc
                 self.client = None  # the next call opens a new session (a crashed stdio server is restarted)
-                what = ("closed the connection (it exited or crashed)" if "Connection closed" in str(exc) else
-                        "answered with a protocol error")
+                what = (
+                    "closed the connection (it exited or crashed)"
+                    if "Connection closed" in str(exc)
+                    else "answered with a protocol error"
+                )
                 raise ServerFailed(self.failure(f"{what} during a call of {name!r}", exc)) from exc
             except Exception as exc:  # noqa: BLE001 - transport, crash, a result that breaks the schema
                 self.client = None

@@ -22,8 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxSpec", "SandboxedLaunch", "SandboxUnavailable", "parse_sandbox", "SANDBOX_KEYS", "LAUNCH_ENV",
-           "EXEC_SCRIPT"]
+__all__ = [
+    "SandboxSpec",
+    "SandboxedLaunch",
+    "SandboxUnavailable",
+    "parse_sandbox",
+    "SANDBOX_KEYS",
+    "LAUNCH_ENV",
+    "EXEC_SCRIPT",
+]
 
 logger = logging.getLogger(__name__)
 _announced: set[tuple[str, str]] = set()
@@ -81,8 +88,10 @@ def parse_sandbox(raw: Any, where: str) -> SandboxSpec | None:
         raise ValueError(f"{what} has unknown keys {sorted(unknown)}; it takes {sorted(SANDBOX_KEYS)}")
     isolation = raw.get("isolation", "auto")
     if isolation not in ("auto", "bwrap", "unshare"):
-        raise ValueError(f"{what}['isolation'] must be 'auto', 'bwrap' or 'unshare', got {isolation!r}"
-                         + ("; 'none' isolates nothing: leave sandbox out instead" if isolation == "none" else ""))
+        raise ValueError(
+            f"{what}['isolation'] must be 'auto', 'bwrap' or 'unshare', got {isolation!r}"
+            + ("; 'none' isolates nothing: leave sandbox out instead" if isolation == "none" else "")
+        )
     paths = {}
     for key in ("readable", "hidden"):
         value = raw.get(key, [])
@@ -118,27 +127,33 @@ def resolve_isolation(name: str, server: str) -> tuple[Any, str | None]:
     try:
         isolation = detect_isolation() if name == "auto" else Isolation(name)
     except RuntimeError as exc:
-        raise SandboxUnavailable(f"MCP server {server!r} is to run sandboxed, but {exc}. Without a sandbox it would "
-                                 f"run with the trainer's user, files and network: remove 'sandbox' only if that is "
-                                 f"acceptable") from exc
+        raise SandboxUnavailable(
+            f"MCP server {server!r} is to run sandboxed, but {exc}. Without a sandbox it would "
+            f"run with the trainer's user, files and network: remove 'sandbox' only if that is "
+            f"acceptable"
+        ) from exc
     program = resolve_program(isolation)
     reason = probe(isolation, program) if name != "auto" else None
     if reason is not None:
-        raise SandboxUnavailable(f"MCP server {server!r} asks for sandbox isolation {name!r}, which does not work on "
-                                 f"this machine: {reason}. Use isolation: auto for the strongest that does")
+        raise SandboxUnavailable(
+            f"MCP server {server!r} asks for sandbox isolation {name!r}, which does not work on "
+            f"this machine: {reason}. Use isolation: auto for the strongest that does"
+        )
     return isolation, program
 
 
 def _cell_code(command: str, args: Sequence[str], env: Mapping[str, str], workdir: str, copy: str | None) -> str:
     # Runs as the sandbox's cell (limits and seccomp in force): seed the writable directory, become the server.
-    return (f"import os, shutil\n"
-            f"copy, workdir = {copy!r}, {workdir!r}\n"
-            f"if copy is not None and os.path.isdir(copy):\n"
-            f"    shutil.copytree(copy, workdir, dirs_exist_ok=True, symlinks=True)\n"
-            f"elif copy is not None:\n"
-            f"    shutil.copy2(copy, workdir)\n"
-            f"os.chdir(workdir)\n"
-            f"os.execvpe({command!r}, {[command, *args]!r}, {dict(env)!r})\n")
+    return (
+        f"import os, shutil\n"
+        f"copy, workdir = {copy!r}, {workdir!r}\n"
+        f"if copy is not None and os.path.isdir(copy):\n"
+        f"    shutil.copytree(copy, workdir, dirs_exist_ok=True, symlinks=True)\n"
+        f"elif copy is not None:\n"
+        f"    shutil.copy2(copy, workdir)\n"
+        f"os.chdir(workdir)\n"
+        f"os.execvpe({command!r}, {[command, *args]!r}, {dict(env)!r})\n"
+    )
 
 
 class SandboxedLaunch:
@@ -155,16 +170,30 @@ class SandboxedLaunch:
         SandboxUnavailable: no isolation works here (the probe's reason).
         RuntimeError: the cgroup cannot be made, or the launch is too large."""
 
-    def __init__(self, command: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
-                 copy: str | None, sandbox: SandboxSpec, name: str) -> None:
+    def __init__(
+        self,
+        command: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        copy: str | None,
+        sandbox: SandboxSpec,
+        name: str,
+    ) -> None:
         from trl_plugins.tools.sandbox.launcher import SCRATCH, Launcher, Limits, call_cgroup
 
         isolation, program = resolve_isolation(sandbox.isolation, name)
         self.isolation = isolation
         if (name, isolation.value) not in _announced:  # once per server: a per-trajectory one starts many times
             _announced.add((name, isolation.value))
-            logger.info("MCP server %r runs sandboxed: isolation=%s, network %s, memory %d MB, disk %d MB", name,
-                        isolation.value, "on" if sandbox.network else "off", sandbox.memory_mb, sandbox.disk_mb)
+            logger.info(
+                "MCP server %r runs sandboxed: isolation=%s, network %s, memory %d MB, disk %d MB",
+                name,
+                isolation.value,
+                "on" if sandbox.network else "off",
+                sandbox.memory_mb,
+                sandbox.disk_mb,
+            )
         self.workdir = cwd or SCRATCH
         shown = [*sandbox.readable, *([copy] if copy is not None else [])]
         launcher = Launcher.create(isolation, sandbox.hidden, program, extra_shown=shown, network=sandbox.network)
@@ -181,8 +210,16 @@ class SandboxedLaunch:
             code = _cell_code(command, args, env_inside, self.workdir, copy)
             # A persistent process: no CPU-time limit of a call (each call has the server's timeout_s); the file
             # size limit is the disk's.
-            cfg = launcher.runner_config("cell", limits, self.workdir, code_fd=code_fd, status_fd=status_fd,
-                                         cgroup_fds=cgroup_fds, cpu_s=1 << 30, fsize_bytes=sandbox.disk_mb << 20)
+            cfg = launcher.runner_config(
+                "cell",
+                limits,
+                self.workdir,
+                code_fd=code_fd,
+                status_fd=status_fd,
+                cgroup_fds=cgroup_fds,
+                cpu_s=1 << 30,
+                fsize_bytes=sandbox.disk_mb << 20,
+            )
             argv, launch_fds = launcher.command("cell", cfg, self.workdir)
             try:
                 for fd in launch_fds:
@@ -203,8 +240,10 @@ class SandboxedLaunch:
         launch = json.dumps({"argv": argv, "fds": fds, "env": popen["env"], "cwd": popen["cwd"]})
         if len(launch) > _ENV_LIMIT:
             self.release()
-            raise RuntimeError(f"MCP server {name!r}: its sandbox launch ({len(launch)} bytes: the paths shown and "
-                               f"hidden) does not fit in one environment variable; name fewer paths")
+            raise RuntimeError(
+                f"MCP server {name!r}: its sandbox launch ({len(launch)} bytes: the paths shown and "
+                f"hidden) does not fit in one environment variable; name fewer paths"
+            )
         self.env = {LAUNCH_ENV: launch}
 
     @classmethod

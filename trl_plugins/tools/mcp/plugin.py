@@ -17,7 +17,12 @@ __all__ = ["McpTools", "McpTool", "observation_text"]
 
 logger = logging.getLogger(__name__)
 
-_DROPPED = {"image": "an image", "audio": "audio", "resource_link": "a resource link", "resource": "an embedded resource"}
+_DROPPED = {
+    "image": "an image",
+    "audio": "audio",
+    "resource_link": "a resource link",
+    "resource": "an embedded resource",
+}
 
 
 def _placeholder(block: Any) -> str:
@@ -82,13 +87,17 @@ def _check_input_schema(server: str, tool: Any) -> dict[str, Any]:
     schema = tool.input_schema
     where = f"MCP server {server!r}'s tool {tool.name!r}"
     if not isinstance(schema, dict) or schema.get("type") != "object":
-        raise ValueError(f"{where} has input schema {schema!r:.200}; MCP requires an object schema. Exclude the tool "
-                         f"(exclude: [{tool.name!r}]) or fix the server")
+        raise ValueError(
+            f"{where} has input schema {schema!r:.200}; MCP requires an object schema. Exclude the tool "
+            f"(exclude: [{tool.name!r}]) or fix the server"
+        )
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise ValueError(f"{where}'s input schema is not valid JSON Schema 2020-12: {exc.message}. Exclude the tool "
-                         f"(exclude: [{tool.name!r}]) or fix the server") from exc
+        raise ValueError(
+            f"{where}'s input schema is not valid JSON Schema 2020-12: {exc.message}. Exclude the tool "
+            f"(exclude: [{tool.name!r}]) or fix the server"
+        ) from exc
     return schema
 
 
@@ -109,8 +118,10 @@ class McpTool:
     _stats: dict[str, float] = field(default_factory=dict, repr=False)
 
     def schema(self) -> dict[str, Any]:
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     @property
     def version(self) -> str:
@@ -122,7 +133,7 @@ class McpTool:
     async def __call__(self, arguments: dict[str, Any]) -> ToolOutput:
         # The rollout refuses such a call before (invalid_action); a caller that did not check gets the model's error.
         problem = check_arguments(self.schema(), arguments)
-        out = (ToolOutput(text=f"Error: {problem}.", ok=False) if problem else await self.owner.call(self, arguments))
+        out = ToolOutput(text=f"Error: {problem}.", ok=False) if problem else await self.owner.call(self, arguments)
         s = self._stats
         s["calls"] = s.get("calls", 0) + 1
         s["errors"] = s.get("errors", 0) + (not out.ok and out.infra_error is None)
@@ -142,8 +153,10 @@ class McpTool:
         return out
 
     def step_metric_reductions(self) -> dict[str, str]:
-        return {f"mcp/{self.name}/{k}": r for k, r in
-                (("calls", "sum"), ("errors", "sum"), ("infra_errors", "sum"), ("latency_max_s", "max"))}
+        return {
+            f"mcp/{self.name}/{k}": r
+            for k, r in (("calls", "sum"), ("errors", "sum"), ("infra_errors", "sum"), ("latency_max_s", "max"))
+        }
 
     def start_up(self) -> str:
         """Its server, how it is reached and the protocol revision spoken (the servers connect if not yet)."""
@@ -222,7 +235,9 @@ class McpTools(ClosingTool):
         from trl_plugins.tools.mcp.connection import ServerConnection
 
         scratch = {s.name: _workdir(s) for s in self._servers if s.session == "per_trajectory"}
-        conns = {s.name: ServerConnection(s.in_workdir(scratch[s.name]) if s.name in scratch else s) for s in self._servers}
+        conns = {
+            s.name: ServerConnection(s.in_workdir(scratch[s.name]) if s.name in scratch else s) for s in self._servers
+        }
         results = await asyncio.gather(*(c.open(self.start_timeout_s) for c in conns.values()), return_exceptions=True)
         failed = [str(r) for r in results if isinstance(r, BaseException)]
         if failed:
@@ -263,18 +278,31 @@ class McpTools(ClosingTool):
                 if (self.include is not None and name not in self.include) or name in self.exclude:
                     continue  # left out: a name two servers offer clashes only where it is kept
                 if first != spec.name:
-                    raise ValueError(f"MCP servers {first!r} and {spec.name!r} both offer a tool {name!r}; set "
-                                     f"prefix_tools: true (tools named <server>__<tool>, each kept or left out by that "
-                                     f"name) or leave the name out (exclude: [{name!r}] leaves out both)")
+                    raise ValueError(
+                        f"MCP servers {first!r} and {spec.name!r} both offer a tool {name!r}; set "
+                        f"prefix_tools: true (tools named <server>__<tool>, each kept or left out by that "
+                        f"name) or leave the name out (exclude: [{name!r}] leaves out both)"
+                    )
                 description = (t.description or "").strip() or (
-                    f"The tool {t.name!r} of the MCP server {spec.name!r} (it gives no description).")
-                tools.append(McpTool(name, spec.name, t.name, description, _check_input_schema(spec.name, t),
-                                     spec.is_idempotent(t.name), self))
+                    f"The tool {t.name!r} of the MCP server {spec.name!r} (it gives no description)."
+                )
+                tools.append(
+                    McpTool(
+                        name,
+                        spec.name,
+                        t.name,
+                        description,
+                        _check_input_schema(spec.name, t),
+                        spec.is_idempotent(t.name),
+                        self,
+                    )
+                )
         for key, names in (("include", self.include or []), ("exclude", self.exclude)):
             unknown = [n for n in names if n not in seen]
             if unknown:
-                raise ValueError(f"the mcp tool's {key} names {unknown}, which no server lists; the servers list "
-                                 f"{sorted(seen)}")
+                raise ValueError(
+                    f"the mcp tool's {key} names {unknown}, which no server lists; the servers list {sorted(seen)}"
+                )
         if not tools:
             raise ValueError(f"the mcp tool's servers offer no tool after include/exclude (they list {sorted(seen)})")
         return tools
@@ -287,8 +315,10 @@ class McpTools(ClosingTool):
         (a closed set keeps what its servers announced)."""
         if not self._identities:
             self.member_tools()
-        return {s.name: f"{self._identities[s.name]} (MCP server {s.name!r}, protocol {self._protocols[s.name]})"
-                for s in self._servers}
+        return {
+            s.name: f"{self._identities[s.name]} (MCP server {s.name!r}, protocol {self._protocols[s.name]})"
+            for s in self._servers
+        }
 
     def server_line(self, server: str) -> str:
         """``server``, how it is reached and the protocol revision it speaks (connecting first if not yet)."""
@@ -379,8 +409,12 @@ class McpTools(ClosingTool):
         try:
             result = await self._ensure_loop().arun(self._call_on_loop(tool, arguments))
         except InputRequested as exc:
-            return ToolOutput(text=f"Error: the tool {tool.name!r} asked for input from the client ({exc}), which "
-                                   f"this run cannot give.", ok=False, latency_s=time.perf_counter() - start)
+            return ToolOutput(
+                text=f"Error: the tool {tool.name!r} asked for input from the client ({exc}), which "
+                f"this run cannot give.",
+                ok=False,
+                latency_s=time.perf_counter() - start,
+            )
         except (ServerFailed, RuntimeError) as exc:
             return ToolOutput(text="", ok=False, latency_s=time.perf_counter() - start, infra_error=str(exc))
         text = observation_text(result)

@@ -43,8 +43,8 @@ from trl_plugins.tools.sandbox.launcher import (
     Limits,
     run_cold,
 )
-from trl_plugins.tools.sandbox.probing import detect_isolation
 from trl_plugins.tools.sandbox.pool import ServerDied, WarmPool, WarmServer
+from trl_plugins.tools.sandbox.probing import detect_isolation
 
 __all__ = [
     "ExecResult",
@@ -193,8 +193,10 @@ def _status_line(timeout_s: float, exit_code: int | None, timed_out: bool, memor
     if timed_out:
         return f"TimeoutError: execution exceeded {timeout_s} s wall-clock limit and was killed"
     if oom_killed and exit_code is not None and exit_code != 0:
-        return (f"MemoryError: the call's processes together exceeded the memory limit of {memory_mb} MB "
-                f"(shared memory and files in /tmp included) and were killed")
+        return (
+            f"MemoryError: the call's processes together exceeded the memory limit of {memory_mb} MB "
+            f"(shared memory and files in /tmp included) and were killed"
+        )
     if exit_code is not None and exit_code < 0:
         sig = -exit_code
         hint = {
@@ -263,21 +265,31 @@ class PythonSandbox:
     ) -> None:
         _check_number("timeout_s", timeout_s, 0.01, False, "it is the wall-clock limit of one call in seconds")
         _check_number("memory_mb", memory_mb, 32, True, "it is the address space (MB) the code may use")
-        _check_number("max_output_chars", max_output_chars, 256, True,
-                      "it bounds how much of stdout/stderr is returned (the tail is kept)")
+        _check_number(
+            "max_output_chars",
+            max_output_chars,
+            256,
+            True,
+            "it bounds how much of stdout/stderr is returned (the tail is kept)",
+        )
         _check_number("max_concurrency", max_concurrency, 1, True, "it is how many calls may run at once")
         _check_number("disk_mb", disk_mb, 1, True, "it is the size of the private scratch tmpfs in MB")
         if mode not in ("cold", "warm"):
-            raise ValueError(f"mode must be 'cold' (fresh interpreter per call) or 'warm' (pre-started "
-                             f"servers that fork per call), got {mode!r}")
+            raise ValueError(
+                f"mode must be 'cold' (fresh interpreter per call) or 'warm' (pre-started "
+                f"servers that fork per call), got {mode!r}"
+            )
         if isinstance(warm_imports, str) or not isinstance(warm_imports, Iterable):
-            raise ValueError(f"warm_imports must be a sequence of module names such as ('numpy', 'sympy'), "
-                             f"got {warm_imports!r}")
+            raise ValueError(
+                f"warm_imports must be a sequence of module names such as ('numpy', 'sympy'), got {warm_imports!r}"
+            )
         warm_imports = tuple(warm_imports)
         bad = [m for m in warm_imports if not isinstance(m, str) or not all(p.isidentifier() for p in m.split("."))]
         if bad:
             raise ValueError(f"warm_imports contains invalid module names {bad}; use dotted names like 'numpy.linalg'")
-        if isinstance(extra_hidden_paths, str) or not all(isinstance(p, str) and p.startswith("/") for p in extra_hidden_paths):
+        if isinstance(extra_hidden_paths, str) or not all(
+            isinstance(p, str) and p.startswith("/") for p in extra_hidden_paths
+        ):
             raise ValueError(f"extra_hidden_paths must be a sequence of absolute paths, got {extra_hidden_paths!r}")
         self.isolation, program = self._resolve_isolation(isolation)
         self.mode = mode
@@ -312,8 +324,10 @@ class PythonSandbox:
         program = launcher.resolve_program(resolved)
         reason = probing.probe(resolved, program)
         if reason is not None:
-            raise RuntimeError(f"isolation {resolved.value!r} does not work on this machine: {reason}. "
-                               f"Use isolation='auto' to take the strongest that does.")
+            raise RuntimeError(
+                f"isolation {resolved.value!r} does not work on this machine: {reason}. "
+                f"Use isolation='auto' to take the strongest that does."
+            )
         return resolved, program
 
     def run(self, code: str) -> ExecResult:
@@ -415,20 +429,25 @@ class PythonSandbox:
         if self._launcher.cgroups is not None:
             memory = f"{self.memory_mb} MB per call, all its processes and shared memory (cgroup)"
         else:
-            memory = (f"{self.memory_mb} MB per process (RLIMIT_AS; no cgroup here: memfd and System V "
-                      f"shared memory refused)")
+            memory = (
+                f"{self.memory_mb} MB per process (RLIMIT_AS; no cgroup here: memfd and System V shared memory refused)"
+            )
         return f"sandbox isolation={self.isolation.value}, mode={self.mode}, memory {memory}"
 
     def __repr__(self) -> str:
-        return (f"PythonSandbox(mode={self.mode!r}, isolation={self.isolation.value!r}, timeout_s={self.timeout_s}, "
-                f"memory_mb={self.memory_mb}, max_concurrency={self.max_concurrency})")
+        return (
+            f"PythonSandbox(mode={self.mode!r}, isolation={self.isolation.value!r}, timeout_s={self.timeout_s}, "
+            f"memory_mb={self.memory_mb}, max_concurrency={self.max_concurrency})"
+        )
 
     def _get_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._executor_lock:
             if self._closed:
                 raise RuntimeError("the sandbox is closed; create a new PythonSandbox")
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="sandbox")
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self.max_concurrency, thread_name_prefix="sandbox"
+                )
             return self._executor
 
     def _run_warm(self, code: str) -> dict:
@@ -445,8 +464,9 @@ class PythonSandbox:
         common = {"latency_s": latency_s, "isolation": self.isolation.value, "mode": self.mode}
         if raw.get("error"):
             logger.error("sandbox: call failed inside the sandbox machinery: %s", raw["error"])
-            return ExecResult(ok=False, stdout="", stderr=f"SandboxError: {raw['error']}\n", exit_code=None,
-                              timed_out=False, **common)
+            return ExecResult(
+                ok=False, stdout="", stderr=f"SandboxError: {raw['error']}\n", exit_code=None, timed_out=False, **common
+            )
         exit_code, timed_out = raw["exit_code"], raw["timed_out"]
         line = _status_line(self.timeout_s, exit_code, timed_out, self.memory_mb, raw.get("oom_killed", False))
         return ExecResult(

@@ -25,8 +25,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trl_plugins.http_framing import framing_problem, request_head
 
-__all__ = ["ConnectionStats", "guarded_protocol", "raise_open_files_limit", "connection_cap", "quiet_accept_errors",
-           "serve"]
+__all__ = [
+    "ConnectionStats",
+    "guarded_protocol",
+    "raise_open_files_limit",
+    "connection_cap",
+    "quiet_accept_errors",
+    "serve",
+]
 
 logger = logging.getLogger("trl_plugins.tools.sandbox.service")
 
@@ -96,8 +102,10 @@ class _AcceptErrors(logging.Filter):
             self.held += 1
             return False
         held = f"{self.held} more held back since the last such line" if self.held else "more are held back"
-        record.msg = (f"socket.accept() out of system resource: out of file descriptors ({held}; one line per "
-                      f"{self.every_s:g} s; see --max-connections)")
+        record.msg = (
+            f"socket.accept() out of system resource: out of file descriptors ({held}; one line per "
+            f"{self.every_s:g} s; see --max-connections)"
+        )
         record.args, record.exc_info, record.exc_text = (), None, None
         self.last, self.held = now, 0
         return True
@@ -111,8 +119,10 @@ def quiet_accept_errors(every_s: float = 60.0) -> logging.Filter:
 
 
 _FULL_BODY = b'{"error": "busy: every open connection carries a call; retry later"}'
-_FULL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-         b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_FULL_BODY), _FULL_BODY))
+_FULL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_FULL_BODY), _FULL_BODY)
+)
 
 
 class _CheckedConnection(h11.Connection):
@@ -161,12 +171,16 @@ def guarded_protocol(stats: ConnectionStats, *, read_timeout_s: float) -> type[H
             stats.open = open_now
             # uvicorn arms its keep-alive wait only after an answer: a connection that never sends a request is
             # closed by the same timer.
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                self.timeout_keep_alive_handler)
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
         def _make_room(self) -> bool:
-            idle = [c for c in self.connections if c is not self and (c.cycle is None or c.cycle.response_complete)
-                    and not c.transport.is_closing()]
+            idle = [
+                c
+                for c in self.connections
+                if c is not self and (c.cycle is None or c.cycle.response_complete) and not c.transport.is_closing()
+            ]
             if not idle:
                 return False
             oldest = min(idle, key=lambda c: c.idle_since)
@@ -227,18 +241,34 @@ def serve(app, config, *, host: str, port: int, log_level: str) -> None:
         SystemExit: the open-files limit leaves no room for connections."""
     stats = app.state.service.connections
     stats.open_files_limit = raise_open_files_limit()
-    stats.max = connection_cap(config.max_connections, stats.open_files_limit, max_concurrency=config.max_concurrency,
-                               max_limit_sets=config.max_limit_sets)
+    stats.max = connection_cap(
+        config.max_connections,
+        stats.open_files_limit,
+        max_concurrency=config.max_concurrency,
+        max_limit_sets=config.max_limit_sets,
+    )
     if stats.max < 1:
-        raise SystemExit(f"sandbox service: the open-files limit ({stats.open_files_limit}) leaves no room for "
-                         f"connections next to the sandboxes; raise it (ulimit -n) or lower --max-concurrency")
+        raise SystemExit(
+            f"sandbox service: the open-files limit ({stats.open_files_limit}) leaves no room for "
+            f"connections next to the sandboxes; raise it (ulimit -n) or lower --max-concurrency"
+        )
     if stats.max < config.max_connections:
-        logger.warning("sandbox service: at most %d connections (not --max-connections %d): the open-files limit is "
-                       "%d; raise it (ulimit -n) to serve more", stats.max, config.max_connections,
-                       stats.open_files_limit)
+        logger.warning(
+            "sandbox service: at most %d connections (not --max-connections %d): the open-files limit is "
+            "%d; raise it (ulimit -n) to serve more",
+            stats.max,
+            config.max_connections,
+            stats.open_files_limit,
+        )
     quiet_accept_errors()
     # The pinned h11 protocol is the one whose framing is checked here (uvicorn's "auto" takes httptools where it is
     # installed). The keep-alive wait is the idle timeout.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, server_header=False,
-                http=guarded_protocol(stats, read_timeout_s=config.read_timeout_s),
-                timeout_keep_alive=config.idle_timeout_s)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        server_header=False,
+        http=guarded_protocol(stats, read_timeout_s=config.read_timeout_s),
+        timeout_keep_alive=config.idle_timeout_s,
+    )

@@ -124,7 +124,10 @@ class CommandNotFound(LookupError):
 def interpreter_scripts() -> list[str]:
     """The running interpreter's own scripts folders: ``sysconfig``'s ``scripts`` path, and the folder of
     ``sys.executable`` where that differs (the link's folder, not its target's: a virtual environment's ``bin``)."""
-    folders = [sysconfig.get_path("scripts"), os.path.dirname(os.path.abspath(sys.executable)) if sys.executable else ""]
+    folders = [
+        sysconfig.get_path("scripts"),
+        os.path.dirname(os.path.abspath(sys.executable)) if sys.executable else "",
+    ]
     return list(dict.fromkeys(f for f in folders if f))
 
 
@@ -144,9 +147,11 @@ def find_command(command: str, path: str | None = None) -> str:
         found = shutil.which(command, path=where) if where else None
         if found is not None:
             return os.path.abspath(found)
-    raise CommandNotFound(f"command {command!r} is found neither on PATH ({searched or 'empty'}) nor in this "
-                          f"interpreter's scripts folder ({os.pathsep.join(scripts)}): install it into this environment "
-                          f"({sys.executable} -m pip install ...) or give its absolute path")
+    raise CommandNotFound(
+        f"command {command!r} is found neither on PATH ({searched or 'empty'}) nor in this "
+        f"interpreter's scripts folder ({os.pathsep.join(scripts)}): install it into this environment "
+        f"({sys.executable} -m pip install ...) or give its absolute path"
+    )
 
 
 def sandbox_path() -> str:
@@ -172,8 +177,14 @@ class Launcher:
     network namespace of their own all the same."""
 
     @staticmethod
-    def create(isolation: Isolation, extra_hidden: Sequence[str] = (), program: str | None = None,
-               cgroups: bool = True, extra_shown: Sequence[str] = (), network: bool = False) -> Launcher:
+    def create(
+        isolation: Isolation,
+        extra_hidden: Sequence[str] = (),
+        program: str | None = None,
+        cgroups: bool = True,
+        extra_shown: Sequence[str] = (),
+        network: bool = False,
+    ) -> Launcher:
         as_root = os.geteuid() == 0
         layout, late = layout_for(extra_hidden, extra_shown) if isolation != Isolation.NONE else ((), ())
         program = program or resolve_program(isolation)
@@ -238,8 +249,15 @@ class Launcher:
         if self.isolation == Isolation.NONE:
             return interp, [cfg_fd]
         if self.isolation == Isolation.UNSHARE:
-            flags = ["--ipc", "--uts", *([] if self.network else ["--net"]), "--pid", "--fork", "--kill-child",
-                     "--mount-proc"]
+            flags = [
+                "--ipc",
+                "--uts",
+                *([] if self.network else ["--net"]),
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+            ]
             return [self.program, *flags, *([] if self.as_root else ["--map-root-user"]), "--", *interp], [cfg_fd]
         args = self._bwrap_args(role, cfg, scratch)
         args_fd = memfd_with("sandbox-bwrap-args", b"".join(a.encode() + b"\0" for a in args))
@@ -247,8 +265,13 @@ class Launcher:
 
     def _bwrap_args(self, role: str, cfg: dict, scratch: str) -> list[str]:
         disk = str(cfg["disk_bytes"])
-        args = ["--unshare-ipc", "--unshare-pid", *([] if self.network else ["--unshare-net"]), "--unshare-uts",
-                "--unshare-cgroup-try"]
+        args = [
+            "--unshare-ipc",
+            "--unshare-pid",
+            *([] if self.network else ["--unshare-net"]),
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+        ]
         if not self.as_root:
             args.append("--unshare-user")
         args += ["--hostname", "sandbox", "--die-with-parent", "--new-session"]
@@ -347,8 +370,9 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
     out_fd, err_fd = os.memfd_create("sandbox-stdout"), os.memfd_create("sandbox-stderr")
     status_r, status_w = os.pipe()
     try:
-        cfg = launcher.runner_config("cell", limits, scratch, code_fd=code_fd, status_fd=status_w,
-                                     cgroup_fds=cgroup_fds)
+        cfg = launcher.runner_config(
+            "cell", limits, scratch, code_fd=code_fd, status_fd=status_w, cgroup_fds=cgroup_fds
+        )
         argv, launch_fds = launcher.command("cell", cfg, scratch)
         try:
             proc = subprocess.Popen(
@@ -384,20 +408,38 @@ def run_cold(launcher: Launcher, limits: Limits, code: str) -> dict:
             cgroup.kill_all()
             oom_kills = cgroup.oom_kills()
         mc = limits.max_output_chars
-        (stdout, t1), (stderr, t2) = (read_tail(out_fd, mc, OUTPUT_FILE_LIMIT_BYTES),
-                                      read_tail(err_fd, mc, OUTPUT_FILE_LIMIT_BYTES))
+        (stdout, t1), (stderr, t2) = (
+            read_tail(out_fd, mc, OUTPUT_FILE_LIMIT_BYTES),
+            read_tail(err_fd, mc, OUTPUT_FILE_LIMIT_BYTES),
+        )
         if not started:
             reported = status.decode(errors="replace")
-            detail = (reported[1:].strip() if reported.startswith("E") else stderr.strip().splitlines()[-1]
-                      if stderr.strip() else f"exit status {proc.returncode}")
+            detail = (
+                reported[1:].strip()
+                if reported.startswith("E")
+                else stderr.strip().splitlines()[-1]
+                if stderr.strip()
+                else f"exit status {proc.returncode}"
+            )
             return {"error": f"the sandbox did not start ({detail})", "setup_log": stderr}
         # The code's exit code is what its parent in the sandbox saw (a signal death reads -N in every mode; bwrap
         # itself would report 128 + N). A call that ran out of time was killed by us.
         wait_status = exit_status(status_lines(status))
-        exit_code = (-signal.SIGKILL if timed_out else os.waitstatus_to_exitcode(wait_status) if wait_status is not None
-                     else proc.returncode)
-        return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "timed_out": timed_out,
-                "truncated": t1 or t2, "oom_killed": oom_kills > 0}
+        exit_code = (
+            -signal.SIGKILL
+            if timed_out
+            else os.waitstatus_to_exitcode(wait_status)
+            if wait_status is not None
+            else proc.returncode
+        )
+        return {
+            "stdout": stdout,
+            "stderr": stderr,
+            "exit_code": exit_code,
+            "timed_out": timed_out,
+            "truncated": t1 or t2,
+            "oom_killed": oom_kills > 0,
+        }
     finally:
         for fd in (code_fd, out_fd, err_fd, status_r, status_w, *cgroup_fds):
             if fd >= 0:

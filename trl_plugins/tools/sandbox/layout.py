@@ -13,8 +13,19 @@ from trl_plugins.tools.sandbox.runner import PRIVATE_TMPFS, under
 
 logger = logging.getLogger(__name__)
 
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
-                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
+SYSTEM_PATHS = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+)
 """Host paths shown read-only in bwrap/unshare modes besides the interpreter's own (system libraries
 and tools; symbolic links stay links). Nothing else of the host is visible."""
 
@@ -50,8 +61,9 @@ def interpreter_paths() -> list[str]:
     return out
 
 
-def layout_for(extra_hidden: Sequence[str], extra_shown: Sequence[str] = ()) -> tuple[tuple[tuple[str, ...], ...],
-                                                                                    tuple[str, ...]]:
+def layout_for(
+    extra_hidden: Sequence[str], extra_shown: Sequence[str] = ()
+) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
     """What the sandbox shows: ``(ops, late)``. ``ops`` in order: ``("symlink", target, path)``,
     ``("ro-bind", path)``, ``("cover", path)`` (an extra hidden path inside a shown one); ``late``:
     interpreter paths under ``/tmp`` or ``/dev/shm``, bound after those private tmpfs are mounted.

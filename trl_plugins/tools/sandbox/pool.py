@@ -50,8 +50,16 @@ class WarmServer:
     itself. The server never holds call data.
     """
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, log_fd: int, private_dir: str | None,
-                 cgroup: CallCgroup | None, namespaced: bool, max_output_chars: int):
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        sock: socket.socket,
+        log_fd: int,
+        private_dir: str | None,
+        cgroup: CallCgroup | None,
+        namespaced: bool,
+        max_output_chars: int,
+    ):
         self.proc = proc
         self.sock = sock
         self.log_fd = log_fd
@@ -87,8 +95,11 @@ class WarmServer:
         Raises:
             ServerDied: the server exited or closed its socket.
         """
-        fds = [memfd_with("sandbox-code", code.encode("utf-8", "surrogatepass")), os.memfd_create("sandbox-stdout"),
-               os.memfd_create("sandbox-stderr")]
+        fds = [
+            memfd_with("sandbox-code", code.encode("utf-8", "surrogatepass")),
+            os.memfd_create("sandbox-stdout"),
+            os.memfd_create("sandbox-stderr"),
+        ]
         try:
             try:
                 socket.send_fds(self.sock, [json.dumps({"timeout_s": timeout_s}).encode()], fds)
@@ -113,7 +124,8 @@ class WarmServer:
             if not result.get("error"):
                 (result["stdout"], t1), (result["stderr"], t2) = (
                     read_tail(fds[1], self.max_output_chars, OUTPUT_FILE_LIMIT_BYTES),
-                    read_tail(fds[2], self.max_output_chars, OUTPUT_FILE_LIMIT_BYTES))
+                    read_tail(fds[2], self.max_output_chars, OUTPUT_FILE_LIMIT_BYTES),
+                )
                 result["truncated"] = t1 or t2
             return result
         finally:
@@ -214,15 +226,26 @@ class WarmPool:
         cgroup = call_cgroup(self.launcher, self.limits)
         cgroup_fds = cgroup.open_tasks() if cgroup is not None else []
         host_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cfg = self.launcher.runner_config("server", self.limits, scratch, warm_imports=list(self.warm_imports),
-                                          cgroup_fds=cgroup_fds, proto_fd=server_end.fileno())
+        cfg = self.launcher.runner_config(
+            "server",
+            self.limits,
+            scratch,
+            warm_imports=list(self.warm_imports),
+            cgroup_fds=cgroup_fds,
+            proto_fd=server_end.fileno(),
+        )
         argv, launch_fds = self.launcher.command("server", cfg, scratch)
         log_fd = os.memfd_create("sandbox-server-log")
 
         def spawn() -> subprocess.Popen:
-            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_fd,
-                                    pass_fds=(*cgroup_fds, *launch_fds, server_end.fileno()),
-                                    **self.launcher.popen_kwargs(scratch))
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log_fd,
+                pass_fds=(*cgroup_fds, *launch_fds, server_end.fileno()),
+                **self.launcher.popen_kwargs(scratch),
+            )
 
         try:
             proc = self._spawner.submit(spawn).result()
@@ -236,15 +259,24 @@ class WarmPool:
             for fd in (*cgroup_fds, *launch_fds):
                 os.close(fd)
             server_end.close()
-        server = WarmServer(proc, host_end, log_fd, private_dir, cgroup, self.launcher.isolation != Isolation.NONE,
-                            self.limits.max_output_chars)
+        server = WarmServer(
+            proc,
+            host_end,
+            log_fd,
+            private_dir,
+            cgroup,
+            self.launcher.isolation != Isolation.NONE,
+            self.limits.max_output_chars,
+        )
         try:
             server.wait_ready(SERVER_START_TIMEOUT_S)
         except (ServerDied, TimeoutError) as e:
             log = server.log().strip()
             server.kill()
-            raise RuntimeError(f"could not start a warm sandbox server under {self.launcher.isolation}: {e}"
-                               + (f"\nserver log:\n{log}" if log else "")) from None
+            raise RuntimeError(
+                f"could not start a warm sandbox server under {self.launcher.isolation}: {e}"
+                + (f"\nserver log:\n{log}" if log else "")
+            ) from None
         if self.fresh_proc is None:
             self.fresh_proc = server.fresh_proc
             if not server.fresh_proc and self.launcher.isolation != Isolation.NONE:

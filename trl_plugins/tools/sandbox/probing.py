@@ -37,8 +37,11 @@ def probe(isolation: Isolation, program: str | None = None) -> str | None:
     if isolation != Isolation.NONE:
         program = program or resolve_program(isolation)
         if program is None:
-            where = f"${PROGRAM_ENV[isolation.value]} is set but names no executable" if os.environ.get(
-                PROGRAM_ENV[isolation.value]) is not None else "not found on PATH"
+            where = (
+                f"${PROGRAM_ENV[isolation.value]} is set but names no executable"
+                if os.environ.get(PROGRAM_ENV[isolation.value]) is not None
+                else "not found on PATH"
+            )
             install = f"install bubblewrap: {INSTALL_BWRAP}" if isolation == Isolation.BWRAP else "install util-linux"
             return f"{isolation.value} {where} ({install})"
         if isolation == Isolation.UNSHARE and os.uname().machine not in SYSCALLS:
@@ -60,8 +63,10 @@ def _probe_launch(isolation: Isolation, program: str | None) -> str | None:
         tail = raw["stderr"].strip().splitlines()
         reason = f"probe exited with {raw['exit_code']}: {tail[-1] if tail else 'no output'}"
     if isolation == Isolation.NONE and os.geteuid() == 0:
-        reason += (f" (as root, 'none' runs the code as uid {SANDBOX_UID}, which must be able to read "
-                   f"the interpreter {os.path.realpath(sys.executable)}; use bwrap/unshare instead)")
+        reason += (
+            f" (as root, 'none' runs the code as uid {SANDBOX_UID}, which must be able to read "
+            f"the interpreter {os.path.realpath(sys.executable)}; use bwrap/unshare instead)"
+        )
     if isolation == Isolation.BWRAP:
         reason += f" (bwrap needs user namespaces or root; check `{program} --ro-bind / / true`)"
     if isolation != Isolation.NONE:
@@ -100,13 +105,17 @@ def namespace_fixes(sysctl, as_root: bool, bwrap: str | None) -> list[str]:
             f"/etc/apparmor.d/bwrap holding `abi <abi/4.0>, include <tunables/global> profile bwrap {profile} "
             "flags=(unconfined) { userns, }`, loaded with `apparmor_parser -r /etc/apparmor.d/bwrap`; or lift the "
             "restriction machine-wide: `sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (kept across "
-            "reboots in /etc/sysctl.d/); or run as root")
+            "reboots in /etc/sysctl.d/); or run as root"
+        )
     if not as_root and sysctl("kernel.unprivileged_userns_clone") == "0":
-        fixes.append("unprivileged user namespaces are switched off (kernel.unprivileged_userns_clone=0, Debian's "
-                     "older kernels): `sysctl -w kernel.unprivileged_userns_clone=1`, or run as root")
+        fixes.append(
+            "unprivileged user namespaces are switched off (kernel.unprivileged_userns_clone=0, Debian's "
+            "older kernels): `sysctl -w kernel.unprivileged_userns_clone=1`, or run as root"
+        )
     if sysctl("user.max_user_namespaces") == "0":
-        fixes.append("no user namespace may be made (user.max_user_namespaces=0): "
-                     "`sysctl -w user.max_user_namespaces=15000`")
+        fixes.append(
+            "no user namespace may be made (user.max_user_namespaces=0): `sysctl -w user.max_user_namespaces=15000`"
+        )
     if bwrap is None:
         fixes.append(f"bubblewrap is not installed: {INSTALL_BWRAP}")
     return fixes
@@ -134,13 +143,17 @@ def detect_isolation() -> Isolation:
         reasons[isolation] = reason
     fixes = namespace_fixes(read_sysctl, os.geteuid() == 0, resolve_program(Isolation.BWRAP))
     raise RuntimeError(
-        "no sandbox isolation works here: " + "; ".join(f"{k.value}: {v}" for k, v in reasons.items())
-        + (". What applies here: " + "; ".join(fixes) if fixes else
-           ". None of the known causes (AppArmor's or Debian's restriction of user namespaces, "
-           "user.max_user_namespaces=0, no bubblewrap) is in force; in a container, its seccomp profile or missing "
-           "privileges may refuse namespaces (Docker: --security-opt seccomp=unconfined), or run as root")
+        "no sandbox isolation works here: "
+        + "; ".join(f"{k.value}: {v}" for k, v in reasons.items())
+        + (
+            ". What applies here: " + "; ".join(fixes)
+            if fixes
+            else ". None of the known causes (AppArmor's or Debian's restriction of user namespaces, "
+            "user.max_user_namespaces=0, no bubblewrap) is in force; in a container, its seccomp profile or missing "
+            "privileges may refuse namespaces (Docker: --security-opt seccomp=unconfined), or run as root"
+        )
         + ". To run model code WITHOUT isolation (rlimits, cgroups and seccomp only: it can read the host's files, "
-          "reach its network and signal its processes), pass isolation='none' explicitly."
+        "reach its network and signal its processes), pass isolation='none' explicitly."
     )
 
 
@@ -162,7 +175,9 @@ def warn_fallback_once(reason: str) -> None:
         "namespace (the code sees the host's cgroup path in /proc/self/cgroup) and the file tree is built by this "
         "project's runner (runner.setup_unshare_fs), not by bubblewrap; PID, network, IPC, UTS, mount and user "
         "namespaces, limits and the seccomp filter are the same (docs/sandbox.md). For bubblewrap: %s.",
-        reason, INSTALL_BWRAP)
+        reason,
+        INSTALL_BWRAP,
+    )
 
 
 def log_isolation_once(isolation: Isolation, mode: str) -> None:
@@ -175,8 +190,9 @@ def log_isolation_once(isolation: Isolation, mode: str) -> None:
         _logged_isolations.add((isolation, ""))
     logger.info("sandbox: running model code under isolation=%s, mode=%s", isolation.value, mode)
     if warn:
-        missing = "; ".join(f"{i.value}: {r}" for i in (Isolation.BWRAP, Isolation.UNSHARE)
-                            if (r := probe(i, resolve_program(i))))
+        missing = "; ".join(
+            f"{i.value}: {r}" for i in (Isolation.BWRAP, Isolation.UNSHARE) if (r := probe(i, resolve_program(i)))
+        )
         logger.warning(
             "sandbox: isolation=none gives NO filesystem, network or process isolation (only rlimits): "
             "model code can read files, open sockets and leave processes behind. %s. "

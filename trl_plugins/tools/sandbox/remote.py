@@ -21,8 +21,7 @@ from typing import Any
 
 import httpx
 
-from trl_plugins.tools.sandbox import CallStats, ExecResult, SandboxStats
-from trl_plugins.tools.sandbox import wire
+from trl_plugins.tools.sandbox import CallStats, ExecResult, SandboxStats, wire
 from trl_plugins.tools.sandbox.wire import PROTOCOLS, CodeRejected
 
 __all__ = ["RemoteSandbox", "CodeRejected", "PROTOCOLS"]
@@ -58,9 +57,21 @@ class RemoteSandbox:
         ValueError: ``protocol`` is unknown or ``url`` is not an http(s) URL.
     """
 
-    def __init__(self, url: str, token: str | None, *, protocol: str = "trl", timeout_s: float = 5.0,
-                 memory_mb: int = 1024, max_output_chars: int = 8000, max_concurrency: int = 8, retries: int = 3,
-                 retry_backoff_s: float = 0.5, connect_timeout_s: float = 5.0, deadline_slack_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        protocol: str = "trl",
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        max_output_chars: int = 8000,
+        max_concurrency: int = 8,
+        retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        connect_timeout_s: float = 5.0,
+        deadline_slack_s: float = 10.0,
+    ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -82,8 +93,12 @@ class RemoteSandbox:
             headers["Authorization"] = f"Bearer {token}"
         # A synchronous client used from worker threads: one connection pool for every event loop (the rollout runs
         # a new loop per batch, and an async client is tied to the loop that made it).
-        self._client = httpx.Client(headers=headers, limits=httpx.Limits(
-            max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=10.0))
+        self._client = httpx.Client(
+            headers=headers,
+            limits=httpx.Limits(
+                max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=10.0
+            ),
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="remote-sandbox")
         self._stats = CallStats()
         self._closed = False
@@ -102,38 +117,55 @@ class RemoteSandbox:
         else:
             pong = self._get_json(wire.SANDBOXFUSION_PING_PATH)
             if pong != "pong":
-                raise RuntimeError(f"{self.url}{wire.SANDBOXFUSION_PING_PATH} answered {pong!r:.200}, not 'pong': "
-                                   f"not a SandboxFusion server")
+                raise RuntimeError(
+                    f"{self.url}{wire.SANDBOXFUSION_PING_PATH} answered {pong!r:.200}, not 'pong': "
+                    f"not a SandboxFusion server"
+                )
         probe = self.run("print(6 * 7)")
         if probe.exit_code is None or probe.stdout.strip() != "42":
-            raise RuntimeError(f"the sandbox server at {self.url} did not run a test call correctly: "
-                               f"{(probe.stderr or probe.stdout).strip()!r:.400}")
+            raise RuntimeError(
+                f"the sandbox server at {self.url} did not run a test call correctly: "
+                f"{(probe.stderr or probe.stdout).strip()!r:.400}"
+            )
         self.reset_step_stats()
         return self.describe()
 
     def _load_health(self) -> None:
         health = self._get_json(wire.HEALTH_PATH)
         if not isinstance(health, dict) or health.get("service") != wire.SERVICE_NAME:
-            raise RuntimeError(f"{self.url}{wire.HEALTH_PATH} did not answer as a trl-plugins sandbox server "
-                               f"({health!r:.200}); for a SandboxFusion fleet set protocol='sandboxfusion'")
+            raise RuntimeError(
+                f"{self.url}{wire.HEALTH_PATH} did not answer as a trl-plugins sandbox server "
+                f"({health!r:.200}); for a SandboxFusion fleet set protocol='sandboxfusion'"
+            )
         caps = health.get("caps", {})
-        over = [f"{name}={mine} > the server's cap {caps[cap]}" for name, mine, cap in (
-            ("timeout_s", self.timeout_s, "max_timeout_s"), ("memory_mb", self.memory_mb, "max_memory_mb"),
-            ("max_output_chars", self.max_output_chars, "max_output_chars")) if mine > caps.get(cap, mine)]
+        over = [
+            f"{name}={mine} > the server's cap {caps[cap]}"
+            for name, mine, cap in (
+                ("timeout_s", self.timeout_s, "max_timeout_s"),
+                ("memory_mb", self.memory_mb, "max_memory_mb"),
+                ("max_output_chars", self.max_output_chars, "max_output_chars"),
+            )
+            if mine > caps.get(cap, mine)
+        ]
         if over:
-            raise RuntimeError(f"the sandbox server at {self.url} refuses these limits: {', '.join(over)}. Lower "
-                               f"them in tool_kwargs, or restart the server with higher caps")
+            raise RuntimeError(
+                f"the sandbox server at {self.url} refuses these limits: {', '.join(over)}. Lower "
+                f"them in tool_kwargs, or restart the server with higher caps"
+            )
         self.health = health
         self.queue_wait_s = float(health.get("max_queue_wait_s", 0.0))
         self.max_request_bytes = caps.get("max_request_bytes")
 
     def _get_json(self, path: str) -> Any:
         try:
-            response = self._client.get(self.url + path, timeout=httpx.Timeout(self.connect_timeout_s + 5.0,
-                                                                                connect=self.connect_timeout_s))
+            response = self._client.get(
+                self.url + path, timeout=httpx.Timeout(self.connect_timeout_s + 5.0, connect=self.connect_timeout_s)
+            )
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"the sandbox server at {self.url} is unreachable ({type(exc).__name__}: {exc}); "
-                               f"start it (docs/sandbox_service.md) or fix the code interpreter's url") from None
+            raise RuntimeError(
+                f"the sandbox server at {self.url} is unreachable ({type(exc).__name__}: {exc}); "
+                f"start it (docs/sandbox_service.md) or fix the code interpreter's url"
+            ) from None
         if response.status_code != 200:
             raise RuntimeError(f"GET {self.url}{path} answered HTTP {response.status_code}: {response.text[:200]!r}")
         try:
@@ -146,14 +178,18 @@ class RemoteSandbox:
         limits = f"timeout {self.timeout_s:g} s, memory {self.memory_mb} MB, output {self.max_output_chars} chars"
         if self.protocol == "trl":
             h = self.health or {}
-            return (f"remote sandbox at {self.url} (trl-plugins server {h.get('version', '?')}): "
-                    f"{h.get('sandbox') or 'isolation=' + str(h.get('isolation', '?'))}; hidden paths "
-                    f"({h.get('hidden_paths', '?')} extra) and isolation are the server's; limits per call {limits}, "
-                    f"enforced by the server; {h.get('max_concurrency', '?')} calls at once, queue "
-                    f"{h.get('queue_size', '?')}")
-        return (f"remote sandbox at {self.url} (SandboxFusion run_code API): isolation, hidden paths and the memory "
-                f"limit are the fleet's and NOT checked by this client (they hold only on a trl-plugins server); "
-                f"asks for {limits} (the output is cut here)")
+            return (
+                f"remote sandbox at {self.url} (trl-plugins server {h.get('version', '?')}): "
+                f"{h.get('sandbox') or 'isolation=' + str(h.get('isolation', '?'))}; hidden paths "
+                f"({h.get('hidden_paths', '?')} extra) and isolation are the server's; limits per call {limits}, "
+                f"enforced by the server; {h.get('max_concurrency', '?')} calls at once, queue "
+                f"{h.get('queue_size', '?')}"
+            )
+        return (
+            f"remote sandbox at {self.url} (SandboxFusion run_code API): isolation, hidden paths and the memory "
+            f"limit are the fleet's and NOT checked by this client (they hold only on a trl-plugins server); "
+            f"asks for {limits} (the output is cut here)"
+        )
 
     # -- calls ------------------------------------------------------------------------------------------------------
 
@@ -174,14 +210,23 @@ class RemoteSandbox:
         if self._closed:
             raise RuntimeError("the remote sandbox is closed; create a new RemoteSandbox")
         if self.protocol == "trl":
-            path, body = wire.RUN_PATH, {"code": code, "timeout_s": self.timeout_s, "memory_mb": self.memory_mb,
-                                         "max_output_chars": self.max_output_chars}
+            path, body = (
+                wire.RUN_PATH,
+                {
+                    "code": code,
+                    "timeout_s": self.timeout_s,
+                    "memory_mb": self.memory_mb,
+                    "max_output_chars": self.max_output_chars,
+                },
+            )
         else:
             path, body = wire.SANDBOXFUSION_RUN_PATH, wire.sandboxfusion_request(code, self.timeout_s, self.memory_mb)
         content = json.dumps(body).encode()  # ASCII escapes: a lone surrogate in the code travels as text does
         if self.max_request_bytes is not None and len(content) > self.max_request_bytes:
-            raise CodeRejected(f"Error: the code is too long for the sandbox ({len(content):,} bytes with its "
-                               f"wrapping; the server takes at most {self.max_request_bytes:,}). Write shorter code.")
+            raise CodeRejected(
+                f"Error: the code is too long for the sandbox ({len(content):,} bytes with its "
+                f"wrapping; the server takes at most {self.max_request_bytes:,}). Write shorter code."
+            )
         t0 = time.perf_counter()
         result = self._send(path, content, t0)
         self._stats.add(result)
@@ -218,23 +263,31 @@ class RemoteSandbox:
 
     def _attempt(self, path: str, content: bytes, timeout: httpx.Timeout, t0: float) -> ExecResult:
         try:
-            response = self._client.post(self.url + path, content=content, timeout=timeout,
-                                         headers={"Content-Type": "application/json"})
+            response = self._client.post(
+                self.url + path, content=content, timeout=timeout, headers={"Content-Type": "application/json"}
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _NotStarted(f"could not connect to {self.url} ({type(exc).__name__}: {exc})") from None
         except httpx.TimeoutException as exc:
-            return self._failure(f"no answer from {self.url} within {timeout.read:g} s ({type(exc).__name__}); the "
-                                 f"call may have run", t0)
+            return self._failure(
+                f"no answer from {self.url} within {timeout.read:g} s ({type(exc).__name__}); the call may have run", t0
+            )
         except httpx.HTTPError as exc:  # the connection broke mid-call: the server died or a proxy cut it
-            return self._failure(f"the connection to {self.url} broke during the call ({type(exc).__name__}: {exc}); "
-                                 f"the call may have run", t0)
+            return self._failure(
+                f"the connection to {self.url} broke during the call ({type(exc).__name__}: {exc}); "
+                f"the call may have run",
+                t0,
+            )
         status = response.status_code
         if status in _RETRYABLE_STATUS:
-            raise _NotStarted(f"the server was busy (HTTP {status}: {_message(response)})",
-                              _retry_after(response.headers.get("Retry-After")))
+            raise _NotStarted(
+                f"the server was busy (HTTP {status}: {_message(response)})",
+                _retry_after(response.headers.get("Retry-After")),
+            )
         if status == 413:
-            raise CodeRejected(f"Error: the code is too long for the sandbox ({_message(response)}). Write shorter "
-                               f"code.")
+            raise CodeRejected(
+                f"Error: the code is too long for the sandbox ({_message(response)}). Write shorter code."
+            )
         if status == 400 and _field(response) == "code":  # the model's code (a lone surrogate): its lesson
             raise CodeRejected(_message(response))
         if status in (401, 403):
@@ -251,8 +304,16 @@ class RemoteSandbox:
             return self._failure(f"malformed answer from {self.url}{path}: {exc}", t0)
 
     def _failure(self, why: str, t0: float) -> ExecResult:
-        return ExecResult(ok=False, stdout="", stderr=f"SandboxServiceError: {why}\n", exit_code=None, timed_out=False,
-                          latency_s=time.perf_counter() - t0, isolation="remote", mode=self.protocol)
+        return ExecResult(
+            ok=False,
+            stdout="",
+            stderr=f"SandboxServiceError: {why}\n",
+            exit_code=None,
+            timed_out=False,
+            latency_s=time.perf_counter() - t0,
+            isolation="remote",
+            mode=self.protocol,
+        )
 
     # -- statistics and lifecycle ----------------------------------------------------------------------------------
 

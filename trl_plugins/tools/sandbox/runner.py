@@ -30,25 +30,82 @@ PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 SYSCALLS = {
     # audit arch, then the numbers of the system calls the runner makes or denies, per machine.
-    "x86_64": {"arch": 0xC000003E, "pivot_root": 155, "keyctl": 250, "add_key": 248, "request_key": 249,
-               "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "flock": 73, "fcntl": 72,
-               "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254, "fanotify_init": 300,
-               "fanotify_mark": 301, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-               "userfaultfd": 323, "perf_event_open": 298, "bpf": 321, "setns": 308, "unshare": 272, "clone": 56,
-               "clone3": 435},
-    "aarch64": {"arch": 0xC00000B7, "pivot_root": 41, "keyctl": 219, "add_key": 217, "request_key": 218,
-                "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "flock": 32, "fcntl": 25,
-                "inotify_init1": 26, "inotify_add_watch": 27, "fanotify_init": 262, "fanotify_mark": 263,
-                "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "userfaultfd": 282,
-                "perf_event_open": 241, "bpf": 280, "setns": 268, "unshare": 97, "clone": 220, "clone3": 435},
+    "x86_64": {
+        "arch": 0xC000003E,
+        "pivot_root": 155,
+        "keyctl": 250,
+        "add_key": 248,
+        "request_key": 249,
+        "memfd_create": 319,
+        "memfd_secret": 447,
+        "shmget": 29,
+        "flock": 73,
+        "fcntl": 72,
+        "inotify_init": 253,
+        "inotify_init1": 294,
+        "inotify_add_watch": 254,
+        "fanotify_init": 300,
+        "fanotify_mark": 301,
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "userfaultfd": 323,
+        "perf_event_open": 298,
+        "bpf": 321,
+        "setns": 308,
+        "unshare": 272,
+        "clone": 56,
+        "clone3": 435,
+    },
+    "aarch64": {
+        "arch": 0xC00000B7,
+        "pivot_root": 41,
+        "keyctl": 219,
+        "add_key": 217,
+        "request_key": 218,
+        "memfd_create": 279,
+        "memfd_secret": 447,
+        "shmget": 194,
+        "flock": 32,
+        "fcntl": 25,
+        "inotify_init1": 26,
+        "inotify_add_watch": 27,
+        "fanotify_init": 262,
+        "fanotify_mark": 263,
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "userfaultfd": 282,
+        "perf_event_open": 241,
+        "bpf": 280,
+        "setns": 268,
+        "unshare": 97,
+        "clone": 220,
+        "clone3": 435,
+    },
 }
 """System call numbers by ``os.uname().machine``; elsewhere the unshare mode and the seccomp filter are unavailable."""
 FCNTL_DENIED_COMMANDS = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
 """F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_GETLEASE (file locks and
 leases) and F_NOTIFY (directory change notification)."""
-DENIED_ALWAYS = ("keyctl", "add_key", "request_key", "flock", "inotify_init", "inotify_init1", "inotify_add_watch",
-                 "fanotify_init", "fanotify_mark", "io_uring_setup", "io_uring_enter", "io_uring_register",
-                 "userfaultfd", "perf_event_open", "bpf", "setns")
+DENIED_ALWAYS = (
+    "keyctl",
+    "add_key",
+    "request_key",
+    "flock",
+    "inotify_init",
+    "inotify_init1",
+    "inotify_add_watch",
+    "fanotify_init",
+    "fanotify_mark",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "userfaultfd",
+    "perf_event_open",
+    "bpf",
+    "setns",
+)
 """Denied (EPERM) in every mode: the kernel keyrings (shared with the host and between calls); file locks and
 file-change notifications (inotify, fanotify; with the ``fcntl`` commands above): channels between concurrent
 calls through any file they can both open, read-only ones included, that also count the trainer's own opens;
@@ -57,11 +114,15 @@ userfaultfd, perf events, bpf, joining namespaces)."""
 DENIED_WITHOUT_CGROUP = ("memfd_create", "memfd_secret", "shmget")
 """Denied when no per-call memory cgroup counts shared memory: anonymous files and System V segments
 are not bounded by ``RLIMIT_AS``."""
-DENIED_NOTE = ("(The sandbox denies some operations: file locks and change notifications, new namespaces, io_uring, "
-               "perf events, bpf, userfaultfd, kernel keyrings.)")
+DENIED_NOTE = (
+    "(The sandbox denies some operations: file locks and change notifications, new namespaces, io_uring, "
+    "perf events, bpf, userfaultfd, kernel keyrings.)"
+)
 """Printed after the traceback of code that died of an EPERM or ENOSYS error, which may be the seccomp filter's."""
 CLONE_NEWCGROUP, CLONE_NEWTIME = 0x02000000, 0x00000080
-NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+NAMESPACE_FLAGS = (
+    CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+)
 """``unshare`` and ``clone`` with any of these flags fail with EPERM where new namespaces are banned (``unshare``
 also with ``CLONE_NEWTIME``, which in ``clone`` is part of the exit signal); ``clone3``, whose flags sit in
 memory a filter cannot read, fails with ENOSYS, so the C library falls back to ``clone`` (threads, ``fork``,
@@ -75,8 +136,19 @@ PRIVATE_TMPFS = ("/tmp", "/dev/shm")
 """Replaced by a fresh tmpfs in every sandbox (and in every warm call)."""
 CELL_FILENAME = "<cell>"
 """Filename of the model's code in tracebacks; frames of any other file are the runner's and hidden."""
-CHILD_MODULES = ("ast", "atexit", "builtins", "io", "linecache", "random", "shutil", "tempfile", "threading",
-                 "traceback", "types")
+CHILD_MODULES = (
+    "ast",
+    "atexit",
+    "builtins",
+    "io",
+    "linecache",
+    "random",
+    "shutil",
+    "tempfile",
+    "threading",
+    "traceback",
+    "types",
+)
 """What every warm call's child needs anyway: imported once by the server instead of once per call."""
 
 
@@ -100,8 +172,7 @@ def prctl(libc: ctypes.CDLL, option: int, arg: int) -> int:
     return libc.prctl(option, arg, 0, 0, 0)
 
 
-def mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int,
-          data: str | None) -> None:
+def mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
@@ -110,13 +181,23 @@ def set_readonly(libc: ctypes.CDLL, path: str, recursive: bool, extra: int = 0) 
     # mount_setattr(2) (Linux >= 5.12): flips the read-only flag (and ``extra`` MOUNT_ATTR_* flags) of a whole
     # mount tree at once, in our mount namespace only.
     class MountAttr(ctypes.Structure):
-        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+        _fields_ = [
+            ("attr_set", ctypes.c_uint64),
+            ("attr_clr", ctypes.c_uint64),
+            ("propagation", ctypes.c_uint64),
+            ("userns_fd", ctypes.c_uint64),
+        ]
 
     attr = MountAttr(MOUNT_ATTR_RDONLY | extra, 0, 0, 0)
     flags = AT_RECURSIVE if recursive else 0
-    ret = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(flags),
-                       ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    ret = libc.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        path.encode(),
+        ctypes.c_uint(flags),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
     check(0 if ret == 0 else -1, f"mount_setattr {path}")
 
 
@@ -124,8 +205,11 @@ def write_id_maps(uid: int, gid: int) -> None:
     # Map our own uid/gid (from the parent namespace) and nothing else: allowed without privilege.
     # Inside, 0 becomes 65534: mapping root needs CAP_SETFCAP in the parent (Linux >= 5.12).
     inside_uid, inside_gid = uid or OVERFLOW_ID, gid or OVERFLOW_ID
-    for name, text in (("uid_map", f"{inside_uid} {uid} 1\n"), ("setgroups", "deny\n"),
-                       ("gid_map", f"{inside_gid} {gid} 1\n")):
+    for name, text in (
+        ("uid_map", f"{inside_uid} {uid} 1\n"),
+        ("setgroups", "deny\n"),
+        ("gid_map", f"{inside_gid} {gid} 1\n"),
+    ):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
 
@@ -185,7 +269,13 @@ def seccomp_program(deny: list[str], no_namespaces: bool) -> SockFprog:
     if no_namespaces:
         prog += [(jeq, 0, 1, nrs["clone3"]), (ret, 0, 0, enosys)]
         for name, flags in (("unshare", NAMESPACE_FLAGS | CLONE_NEWTIME), ("clone", NAMESPACE_FLAGS)):
-            prog += [(jeq, 0, 4, nrs[name]), (ld, 0, 0, 16), (jset, 0, 1, flags), (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+            prog += [
+                (jeq, 0, 4, nrs[name]),
+                (ld, 0, 0, 16),
+                (jset, 0, 1, flags),
+                (ret, 0, 0, eperm),
+                (ret, 0, 0, allow),
+            ]
     prog += [(jeq, 0, 1 + 2 * len(FCNTL_DENIED_COMMANDS), nrs["fcntl"]), (ld, 0, 0, 24)]  # fcntl(fd, cmd, ...)
     for cmd in FCNTL_DENIED_COMMANDS:
         prog += [(jeq, 0, 1, cmd), (ret, 0, 0, eperm)]
@@ -281,8 +371,13 @@ def setup_unshare_fs(cfg: dict, libc: ctypes.CDLL) -> None:
         os.close(fd)
     os.mkdir(new + "/dev/pts")
     mount(libc, "devpts", new + "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
-    for link, target in (("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for link, target in (
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{new}/dev/{link}")
     for p in PRIVATE_TMPFS:  # /tmp and /dev/shm
         os.makedirs(new + p, exist_ok=True)
@@ -531,8 +626,9 @@ def call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: int, scr
     exit_like_interpreter(exec_cell(code))
 
 
-def setup_call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: int, scratch: str,
-                     report_fd: list[int]) -> str:
+def setup_call_child(
+    cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: int, scratch: str, report_fd: list[int]
+) -> str:
     import atexit
 
     join_cgroups(cfg, close=False)  # before the forks below: the code's process starts inside the call's budget
@@ -541,8 +637,10 @@ def setup_call_child(cfg: dict, libc: ctypes.CDLL, fds: list[int], status_fd: in
         # stays outside the new PID namespace.
         uid, gid = os.getuid(), os.getgid()
         prctl(libc, PR_SET_DUMPABLE, 1)
-        check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
-              "unshare per-call namespaces")
+        check(
+            libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
+            "unshare per-call namespaces",
+        )
         write_id_maps(uid, gid)
         # The first process made now is PID 1 of the new namespace, the code's process is not: signals without a
         # handler (alarm(), kill(self)) act on it as anywhere else. PID 1 is the init program (an exec-only copy
@@ -663,7 +761,7 @@ def reseed(rngs: list) -> None:
     seeds = os.urandom(4 * len(rngs))
     for i, rng in enumerate(rngs):
         try:
-            rng.seed(int.from_bytes(seeds[4 * i:4 * i + 4], "little"))
+            rng.seed(int.from_bytes(seeds[4 * i : 4 * i + 4], "little"))
         except Exception:
             pass
     np_random = sys.modules.get("numpy.random")  # its global RandomState is not tracked by gc
@@ -786,8 +884,11 @@ def serve_one(req: dict, fds: list[int], cfg: dict, libc: ctypes.CDLL, started=N
         if not reap(statuses, ours, time.monotonic() + grace):
             result["stuck"] = True
         errors = [x[1:] for x in lines if x.startswith("E")]
-        result["error"] = errors[0] if errors else (f"sandbox set-up did not complete ({lines!r}, wait status "
-                                                    f"{statuses.get(target)})")
+        result["error"] = (
+            errors[0]
+            if errors
+            else (f"sandbox set-up did not complete ({lines!r}, wait status {statuses.get(target)})")
+        )
     else:
         import select
 
@@ -882,8 +983,16 @@ def serve(cfg: dict, libc: ctypes.CDLL) -> None:
     if why is not None:
         sock.send(json.dumps({"ready": False, "error": why}).encode())
         return
-    sock.send(json.dumps({"ready": True, "failed_imports": failed, "fresh_proc": cfg["fresh_proc"],
-                          "forked_init": None if cfg["init_fd"] is not None else init_note}).encode())
+    sock.send(
+        json.dumps(
+            {
+                "ready": True,
+                "failed_imports": failed,
+                "fresh_proc": cfg["fresh_proc"],
+                "forked_init": None if cfg["init_fd"] is not None else init_note,
+            }
+        ).encode()
+    )
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, 4096, 3)
@@ -912,8 +1021,9 @@ def probe_call(cfg: dict, libc: ctypes.CDLL) -> str | None:
         os.lseek(probe[0], 0, os.SEEK_SET)
         answer = serve_one({"timeout_s": 30.0}, probe, cfg, libc)
         if answer.get("error") or answer.get("exit_code") != 0:
-            return (answer.get("error") or read_tail(probe[2], 2000, 1 << 20)[0]
-                    or f"exit status {answer.get('exit_code')}")
+            return (
+                answer.get("error") or read_tail(probe[2], 2000, 1 << 20)[0] or f"exit status {answer.get('exit_code')}"
+            )
         cfg["fresh_proc"] = answer["fresh_proc"]
         return None
     finally:
@@ -947,8 +1057,9 @@ def main() -> None:
     # The configuration comes from a descriptor, not the command line: /proc/<pid>/cmdline is readable by the code.
     with os.fdopen(int(sys.argv[1]), "rb") as f:
         cfg = json.loads(f.read())
-    close_fds_except({cfg.get("code_fd", -1), cfg.get("status_fd", -1), cfg.get("proto_fd", -1),
-                      *cfg.get("cgroup_fds", ())})
+    close_fds_except(
+        {cfg.get("code_fd", -1), cfg.get("status_fd", -1), cfg.get("proto_fd", -1), *cfg.get("cgroup_fds", ())}
+    )
     libc = load_libc()
     setup_process(cfg, libc)
     if cfg["role"] == "server":

@@ -15,7 +15,8 @@ limits are honoured up to the server's caps and refused above them (400); reques
 - ``POST /run_code``: token: SandboxFusion's API, Python only; ``GET /v1/ping`` answers ``"pong"`` as theirs does.
 
 Runs under uvicorn's h11 protocol with the checks of :mod:`.connections` (framing, a connection cap under the
-open-files limit, idle and read timeouts; ``pip install 'trl-plugins[server]'``); imports no torch. docs/sandbox_service.md has the
+open-files limit, idle and read timeouts; ``pip install 'trl-plugins[server]'``); imports no torch.
+docs/sandbox_service.md has the
 operator's guide (TLS through a reverse proxy, several runs on one server, the benchmark figures).
 """
 
@@ -46,8 +47,7 @@ from starlette.routing import Route
 
 import trl_plugins
 from trl_plugins.http_framing import framed_two_ways
-from trl_plugins.tools.sandbox import PythonSandbox, detect_isolation
-from trl_plugins.tools.sandbox import wire
+from trl_plugins.tools.sandbox import PythonSandbox, detect_isolation, wire
 from trl_plugins.tools.sandbox.admission import Admission, Busy
 from trl_plugins.tools.sandbox.connections import ConnectionStats, serve
 from trl_plugins.tools.sandbox.service_config import MIN_TOKEN_CHARS, TOKEN_ENV, ServiceConfig
@@ -55,6 +55,7 @@ from trl_plugins.tools.sandbox.service_config import MIN_TOKEN_CHARS, TOKEN_ENV,
 __all__ = ["ServiceConfig", "build_app", "main", "TOKEN_ENV", "MIN_TOKEN_CHARS"]
 
 logger = logging.getLogger("trl_plugins.tools.sandbox.service")  # also under `python -m`
+
 
 class _Refused(Exception):
     def __init__(self, status: int, message: str, field: str | None = None) -> None:
@@ -108,9 +109,15 @@ class _Service:
 
     def _new_sandbox(self, limits: tuple[float, int, int]) -> PythonSandbox:
         timeout_s, memory_mb, max_output_chars = limits
-        return PythonSandbox(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars,
-                             max_concurrency=self.config.max_concurrency, mode=self.config.mode,
-                             isolation=self.isolation, extra_hidden_paths=self.config.hidden_paths)
+        return PythonSandbox(
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            max_output_chars=max_output_chars,
+            max_concurrency=self.config.max_concurrency,
+            mode=self.config.mode,
+            isolation=self.isolation,
+            extra_hidden_paths=self.config.hidden_paths,
+        )
 
     def start(self) -> None:
         """Build the sandbox for the default limits (failing here if isolation does not work) and warm it."""
@@ -118,8 +125,12 @@ class _Service:
         sandbox.warm_up()
         self.sandboxes[self.default_limits()] = sandbox
         self.describe = sandbox.describe()
-        logger.info("sandbox service: %s; %d calls at once, queue %d", self.describe, self.config.max_concurrency,
-                    self.config.queue_size)
+        logger.info(
+            "sandbox service: %s; %d calls at once, queue %d",
+            self.describe,
+            self.config.max_concurrency,
+            self.config.queue_size,
+        )
 
     async def sandbox_for(self, limits: tuple[float, int, int]) -> PythonSandbox:
         if limits in self.sandboxes:
@@ -183,8 +194,11 @@ class _Service:
         # compare_digest on equal-length inputs does not leak where they differ; a wrong length leaks only that.
         if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self.token):
             self.counters.refused_auth += 1
-            raise _Refused(401, "missing or wrong token: send 'Authorization: Bearer <token>' with the server's "
-                                "token (TRL_SANDBOX_TOKEN)")
+            raise _Refused(
+                401,
+                "missing or wrong token: send 'Authorization: Bearer <token>' with the server's "
+                "token (TRL_SANDBOX_TOKEN)",
+            )
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         cap = self.config.max_request_bytes
@@ -208,8 +222,9 @@ class _Service:
         except (ValueError, UnicodeDecodeError) as exc:
             raise self.bad_request(f"the body is not JSON: {exc}", "body") from None
         except RecursionError:
-            raise self.bad_request("the body nests too deeply to parse; the API's fields are flat (a string and "
-                                   "numbers)", "body") from None
+            raise self.bad_request(
+                "the body nests too deeply to parse; the API's fields are flat (a string and numbers)", "body"
+            ) from None
         if not isinstance(body, dict):
             raise self.bad_request("the body must be a JSON object")
         return body
@@ -228,28 +243,43 @@ class _Service:
             raise self.bad_request(problem, "code")
         return code
 
-    def limits_from(self, timeout_s: Any, memory_mb: Any, output_chars: Any,
-                    names: Sequence[str] = ("timeout_s", "memory_mb", "max_output_chars")) -> tuple[float, int, int]:
+    def limits_from(
+        self,
+        timeout_s: Any,
+        memory_mb: Any,
+        output_chars: Any,
+        names: Sequence[str] = ("timeout_s", "memory_mb", "max_output_chars"),
+    ) -> tuple[float, int, int]:
         """The call's limits: defaults where None, refused (400 naming the field, as ``names`` call them) when
         malformed or above a cap."""
         c = self.config
-        checks = ((names[0], timeout_s, c.default_timeout_s, c.max_timeout_s, "--max-timeout-s", 0.01, False),
-                  (names[1], memory_mb, c.default_memory_mb, c.max_memory_mb, "--max-memory-mb", 32, True),
-                  (names[2], output_chars, c.default_output_chars, c.max_output_chars, "--max-output-chars", 256,
-                   True))
+        checks = (
+            (names[0], timeout_s, c.default_timeout_s, c.max_timeout_s, "--max-timeout-s", 0.01, False),
+            (names[1], memory_mb, c.default_memory_mb, c.max_memory_mb, "--max-memory-mb", 32, True),
+            (names[2], output_chars, c.default_output_chars, c.max_output_chars, "--max-output-chars", 256, True),
+        )
         out = []
         for name, value, default, cap, flag, minimum, integer in checks:
             if value is None:
                 value = default
             kind = int if integer else (int, float)
             # An int is compared as it is: JSON integers have no bound, and math.isfinite(10**400) overflows.
-            if (isinstance(value, bool) or not isinstance(value, kind) or isinstance(value, float)
-                    and not math.isfinite(value) or value < minimum):
-                raise self.bad_request(f"{name} must be {'an integer' if integer else 'a number'} >= {minimum}, "
-                                       f"got {_shown(value)}", name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, kind)
+                or isinstance(value, float)
+                and not math.isfinite(value)
+                or value < minimum
+            ):
+                raise self.bad_request(
+                    f"{name} must be {'an integer' if integer else 'a number'} >= {minimum}, got {_shown(value)}", name
+                )
             if value > cap:
-                raise self.bad_request(f"{name}={_shown(value)} is above this server's cap of {cap}: ask for at most "
-                                       f"{cap}, or start the server with a higher {flag}", name)
+                raise self.bad_request(
+                    f"{name}={_shown(value)} is above this server's cap of {cap}: ask for at most "
+                    f"{cap}, or start the server with a higher {flag}",
+                    name,
+                )
             out.append(value)
         return (float(out[0]), int(out[1]), int(out[2]))
 
@@ -342,8 +372,13 @@ def _guarded(handler):
             return await handler(service, request)
         except _Refused as exc:
             if exc.status != 400:
-                logger.warning("sandbox service: refused %s %s from %s: %s", request.method, request.url.path,
-                               request.client.host if request.client else "?", exc)
+                logger.warning(
+                    "sandbox service: refused %s %s from %s: %s",
+                    request.method,
+                    request.url.path,
+                    request.client.host if request.client else "?",
+                    exc,
+                )
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
             return _error(exc.status, str(exc), exc.field, **headers)
         except Busy as exc:
@@ -368,8 +403,9 @@ async def _run(service: _Service, request: Request) -> JSONResponse:
     body = await service.read_json(request)
     unknown = sorted(set(body) - {"code", "timeout_s", "memory_mb", "max_output_chars"})
     if unknown:
-        raise service.bad_request(f"unknown fields {unknown}; /v1/run takes code, timeout_s, memory_mb, "
-                                  f"max_output_chars", unknown[0])
+        raise service.bad_request(
+            f"unknown fields {unknown}; /v1/run takes code, timeout_s, memory_mb, max_output_chars", unknown[0]
+        )
     code = service.code_from(body)
     limits = service.limits_from(body.get("timeout_s"), body.get("memory_mb"), body.get("max_output_chars"))
     result, queue_s = await service.execute(request, code, limits)
@@ -380,15 +416,15 @@ async def _run_code(service: _Service, request: Request) -> JSONResponse:
     service.check_token(request)
     body = await service.read_json(request)
     if body.get("language") != "python":
-        raise service.bad_request(f"this server runs only language 'python', got {body.get('language')!r:.40}",
-                                  "language")
+        raise service.bad_request(
+            f"this server runs only language 'python', got {body.get('language')!r:.40}", "language"
+        )
     code = service.code_from(body)
     for name in ("files", "fetch_files", "args"):
         if body.get(name):
             raise service.bad_request(f"'{name}' is not supported by this server; send the code alone", name)
     if body.get("stdin"):
-        raise service.bad_request("'stdin' is not supported by this server: the code runs with an empty stdin",
-                                  "stdin")
+        raise service.bad_request("'stdin' is not supported by this server: the code runs with an empty stdin", "stdin")
     memory = body.get("memory_limit_MB")
     memory = None if memory is None or memory == -1 else memory
     limits = service.limits_from(body.get("run_timeout"), memory, None, ("run_timeout", "memory_limit_MB", "-"))
@@ -430,8 +466,10 @@ def _read_token(token_file: str | None) -> str:
     if token_file is None:
         token = os.environ.get(TOKEN_ENV, "").strip()
         if not token:
-            raise SystemExit(f"no token: set {TOKEN_ENV} or pass --token-file PATH (make one with "
-                             f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+            raise SystemExit(
+                f"no token: set {TOKEN_ENV} or pass --token-file PATH (make one with "
+                f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            )
         return token
     try:
         mode = os.stat(token_file).st_mode
@@ -446,17 +484,33 @@ def _read_token(token_file: str | None) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d = ServiceConfig.__dataclass_fields__
-    p = argparse.ArgumentParser(prog="python -m trl_plugins.tools.sandbox.service",
-                                description="Serve the Python sandbox over HTTP (docs/sandbox_service.md).")
+    p = argparse.ArgumentParser(
+        prog="python -m trl_plugins.tools.sandbox.service",
+        description="Serve the Python sandbox over HTTP (docs/sandbox_service.md).",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token-file", default=None, help=f"file holding the token (default: ${TOKEN_ENV})")
     p.add_argument("--mode", choices=["warm", "cold"], default=d["mode"].default)
     p.add_argument("--isolation", choices=["auto", "bwrap", "unshare", "none"], default=d["isolation"].default)
-    p.add_argument("--hidden-path", action="append", default=[], dest="hidden_paths",
-                   help="absolute path the code must not read (repeatable)")
-    for name in ("max_concurrency", "queue_size", "max_memory_mb", "max_output_chars", "default_memory_mb",
-                 "default_output_chars", "max_request_bytes", "max_limit_sets", "max_connections"):
+    p.add_argument(
+        "--hidden-path",
+        action="append",
+        default=[],
+        dest="hidden_paths",
+        help="absolute path the code must not read (repeatable)",
+    )
+    for name in (
+        "max_concurrency",
+        "queue_size",
+        "max_memory_mb",
+        "max_output_chars",
+        "default_memory_mb",
+        "default_output_chars",
+        "max_request_bytes",
+        "max_limit_sets",
+        "max_connections",
+    ):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
     for name in ("max_queue_wait_s", "max_timeout_s", "default_timeout_s", "idle_timeout_s", "read_timeout_s"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default)

@@ -65,26 +65,44 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, str) or len(self.token) < MIN_TOKEN_CHARS:
-            raise ValueError(f"the token must be at least {MIN_TOKEN_CHARS} characters; make one with "
-                             f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
-        for name in ("max_concurrency", "max_limit_sets", "max_memory_mb", "max_output_chars", "max_request_bytes",
-                     "max_connections"):
+            raise ValueError(
+                f"the token must be at least {MIN_TOKEN_CHARS} characters; make one with "
+                f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        for name in (
+            "max_concurrency",
+            "max_limit_sets",
+            "max_memory_mb",
+            "max_output_chars",
+            "max_request_bytes",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.queue_size < 0 or min(self.max_queue_wait_s, self.max_timeout_s, self.idle_timeout_s,
-                                      self.read_timeout_s) <= 0:
-            raise ValueError("queue_size must be >= 0; max_queue_wait_s, max_timeout_s, idle_timeout_s and "
-                             "read_timeout_s > 0")
-        defaults = {"default_timeout_s": (self.default_timeout_s, self.max_timeout_s),
-                    "default_memory_mb": (self.default_memory_mb, self.max_memory_mb),
-                    "default_output_chars": (self.default_output_chars, self.max_output_chars)}
+        if (
+            self.queue_size < 0
+            or min(self.max_queue_wait_s, self.max_timeout_s, self.idle_timeout_s, self.read_timeout_s) <= 0
+        ):
+            raise ValueError(
+                "queue_size must be >= 0; max_queue_wait_s, max_timeout_s, idle_timeout_s and read_timeout_s > 0"
+            )
+        defaults = {
+            "default_timeout_s": (self.default_timeout_s, self.max_timeout_s),
+            "default_memory_mb": (self.default_memory_mb, self.max_memory_mb),
+            "default_output_chars": (self.default_output_chars, self.max_output_chars),
+        }
         for name, (value, cap) in defaults.items():
             if value > cap:
                 raise ValueError(f"{name}={value} is above its cap {cap}; raise the cap or lower the default")
 
     def caps(self) -> dict[str, Any]:
         """The per-call caps and defaults, as ``/health`` reports them."""
-        return {"max_timeout_s": self.max_timeout_s, "max_memory_mb": self.max_memory_mb,
-                "max_output_chars": self.max_output_chars, "max_request_bytes": self.max_request_bytes,
-                "default_timeout_s": self.default_timeout_s, "default_memory_mb": self.default_memory_mb,
-                "default_output_chars": self.default_output_chars}
+        return {
+            "max_timeout_s": self.max_timeout_s,
+            "max_memory_mb": self.max_memory_mb,
+            "max_output_chars": self.max_output_chars,
+            "max_request_bytes": self.max_request_bytes,
+            "default_timeout_s": self.default_timeout_s,
+            "default_memory_mb": self.default_memory_mb,
+            "default_output_chars": self.default_output_chars,
+        }

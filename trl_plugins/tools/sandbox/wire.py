@@ -21,9 +21,22 @@ from typing import Any
 from trl_plugins.tools.sandbox import ExecResult
 
 __all__ = [
-    "SERVICE_NAME", "RUN_PATH", "HEALTH_PATH", "STATS_PATH", "SANDBOXFUSION_RUN_PATH", "SANDBOXFUSION_PING_PATH",
-    "CLIENT_HEADER", "PROTOCOLS", "CodeRejected", "WireError", "code_problem", "result_to_json", "result_from_json",
-    "result_to_sandboxfusion", "result_from_sandboxfusion", "sandboxfusion_request",
+    "SERVICE_NAME",
+    "RUN_PATH",
+    "HEALTH_PATH",
+    "STATS_PATH",
+    "SANDBOXFUSION_RUN_PATH",
+    "SANDBOXFUSION_PING_PATH",
+    "CLIENT_HEADER",
+    "PROTOCOLS",
+    "CodeRejected",
+    "WireError",
+    "code_problem",
+    "result_to_json",
+    "result_from_json",
+    "result_to_sandboxfusion",
+    "result_from_sandboxfusion",
+    "sandboxfusion_request",
 ]
 
 SERVICE_NAME = "trl-plugins-sandbox"
@@ -77,8 +90,16 @@ def result_from_json(body: Any) -> ExecResult:
     """
     if not isinstance(body, dict):
         raise WireError(f"expected a JSON object, got {type(body).__name__}")
-    kinds = {"ok": bool, "stdout": str, "stderr": str, "timed_out": bool, "latency_s": (int, float),
-             "output_truncated": bool, "isolation": str, "mode": str}
+    kinds = {
+        "ok": bool,
+        "stdout": str,
+        "stderr": str,
+        "timed_out": bool,
+        "latency_s": (int, float),
+        "output_truncated": bool,
+        "isolation": str,
+        "mode": str,
+    }
     for name, kind in kinds.items():
         if not isinstance(body.get(name), kind):
             raise WireError(f"field {name!r} is {body.get(name)!r:.80}, expected {kind}")
@@ -95,15 +116,26 @@ def result_to_sandboxfusion(result: ExecResult) -> dict[str, Any]:
     (the sandbox failed: ``exit_code`` None without a timeout), as SandboxFusion's own server sets it.
     """
     if result.exit_code is None and not result.timed_out:
-        return {"status": "SandboxError", "message": result.stderr, "compile_result": None, "run_result": None,
-                "executor_pod_name": None, "files": {}}
+        return {
+            "status": "SandboxError",
+            "message": result.stderr,
+            "compile_result": None,
+            "run_result": None,
+            "executor_pod_name": None,
+            "files": {},
+        }
     run_status = "TimeLimitExceeded" if result.timed_out else "Finished"
     return {
         "status": "Success" if result.ok else "Failed",
         "message": "",
         "compile_result": None,
-        "run_result": {"status": run_status, "execution_time": result.latency_s, "return_code": result.exit_code,
-                       "stdout": result.stdout, "stderr": result.stderr},
+        "run_result": {
+            "status": run_status,
+            "execution_time": result.latency_s,
+            "return_code": result.exit_code,
+            "stdout": result.stdout,
+            "stderr": result.stderr,
+        },
         "executor_pod_name": None,
         "files": {},
     }
@@ -111,15 +143,25 @@ def result_to_sandboxfusion(result: ExecResult) -> dict[str, Any]:
 
 def sandboxfusion_request(code: str, timeout_s: float, memory_mb: int) -> dict[str, Any]:
     """SandboxFusion's ``RunCodeRequest`` for one Python call."""
-    return {"code": code, "language": "python", "run_timeout": timeout_s, "compile_timeout": timeout_s,
-            "memory_limit_MB": memory_mb, "stdin": None, "files": {}, "fetch_files": []}
+    return {
+        "code": code,
+        "language": "python",
+        "run_timeout": timeout_s,
+        "compile_timeout": timeout_s,
+        "memory_limit_MB": memory_mb,
+        "stdin": None,
+        "files": {},
+        "fetch_files": [],
+    }
 
 
 def _tail(text: str, max_chars: int) -> tuple[str, bool]:
     if len(text) <= max_chars:
         return text, False
-    marker = (f"[sandbox: output truncated, {len(text) - max_chars:,} characters cut; "
-              f"the last {max_chars:,} characters follow]")
+    marker = (
+        f"[sandbox: output truncated, {len(text) - max_chars:,} characters cut; "
+        f"the last {max_chars:,} characters follow]"
+    )
     return marker + "\n" + text[-max_chars:], True
 
 
@@ -139,8 +181,16 @@ def result_from_sandboxfusion(body: Any, timeout_s: float, max_output_chars: int
     run = body.get("run_result")
     if body["status"] == "SandboxError" or (isinstance(run, dict) and run.get("status") == "Error"):
         message = str(body.get("message") or (run or {}).get("stderr") or "the fleet reported a SandboxError")
-        return ExecResult(ok=False, stdout="", stderr=f"SandboxError: {message}\n", exit_code=None, timed_out=False,
-                          latency_s=latency_s, isolation="fleet", mode="sandboxfusion")
+        return ExecResult(
+            ok=False,
+            stdout="",
+            stderr=f"SandboxError: {message}\n",
+            exit_code=None,
+            timed_out=False,
+            latency_s=latency_s,
+            isolation="fleet",
+            mode="sandboxfusion",
+        )
     if not isinstance(run, dict) or run.get("status") not in ("Finished", "TimeLimitExceeded"):
         raise WireError(f"RunCodeResponse with status {body['status']!r} has no usable run_result: {run!r:.200}")
     code = run.get("return_code")
@@ -156,6 +206,14 @@ def result_from_sandboxfusion(body: Any, timeout_s: float, max_output_chars: int
     execution_time = run.get("execution_time")
     if isinstance(execution_time, (int, float)) and math.isfinite(execution_time):
         latency_s = float(execution_time)
-    return ExecResult(ok=code == 0 and not timed_out, stdout=stdout, stderr=stderr, exit_code=code,
-                      timed_out=timed_out, latency_s=latency_s, output_truncated=cut_out or cut_err,
-                      isolation="fleet", mode="sandboxfusion")
+    return ExecResult(
+        ok=code == 0 and not timed_out,
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=code,
+        timed_out=timed_out,
+        latency_s=latency_s,
+        output_truncated=cut_out or cut_err,
+        isolation="fleet",
+        mode="sandboxfusion",
+    )
