@@ -31,7 +31,7 @@ def child(path: str, length: int, chunk_size: int | None, device: str = "cpu") -
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import trl_plugins.modeling as modeling
+    import trl_plugins.modeling.logprobs as modeling
     from trl_plugins.algos import PPOClipLoss
     from trl_plugins.algos.aggregation import aggregate
     from trl_plugins.datum import collate

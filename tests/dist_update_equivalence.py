@@ -294,7 +294,7 @@ def chunked_head_check(args, accelerator) -> None:
     """Both ranks take the same micro-batch, so the ranks' averaged gradient is one process's."""
     from deepspeed.utils import safe_get_full_grad
 
-    from trl_plugins.modeling import _full_logits_logprobs, micro_batch_logprobs
+    from trl_plugins.modeling import full_logits_logprobs, micro_batch_logprobs
 
     datums = [d for p in all_datums(1) for d in p][:4]
     mb = collate(datums, list(range(len(datums))), pad_token_id=0)
@@ -307,7 +307,7 @@ def chunked_head_check(args, accelerator) -> None:
     for kind, build in HEAD_MODELS.items():
         reference, model = build(), build()
         logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        ref_lp, ref_ent = _full_logits_logprobs(logits, mb.target_ids, 0.7, True)
+        ref_lp, ref_ent = full_logits_logprobs(logits, mb.target_ids, 0.7, True)
         ((ref_lp * weights)[act].sum() + 0.1 * ref_ent[act].sum()).backward()
         previous = zero.get("stage3_param_persistence_threshold")
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned, the head's too
@@ -338,7 +338,7 @@ def chunked_head_check(args, accelerator) -> None:
             phase[0] = "forward"
             if size is None:
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-                lp, ent = _full_logits_logprobs(logits, mb.target_ids, 0.7, True)
+                lp, ent = full_logits_logprobs(logits, mb.target_ids, 0.7, True)
             else:
                 lp, ent = micro_batch_logprobs(
                     model,

@@ -1,4 +1,4 @@
-"""The output projection in chunks (trl_plugins.chunked_head): log-probs, entropies and gradients equal today's
+"""The output projection in chunks (trl_plugins.modeling.chunked_head): log-probs, entropies and gradients equal today's
 full-logits path (``log_softmax(lm_head(h) / T)`` over every position, 1e-5 relative) in the three layouts, on several
 architectures, with a temperature, tied embeddings, LoRA (on lm_head or not) and activation checkpointing, with chunks
 of 5 positions (so chunk boundaries fall inside shared-prefix branches); positions that need no log-prob get 0; and
@@ -15,9 +15,9 @@ import torch
 
 from conftest import rel_err
 from test_shared_prefix import _model, group_datums
-from trl_plugins.chunked_head import auto_chunk_size, chunkable, logprob_chunk_size
 from trl_plugins.datum import collate
 from trl_plugins.modeling import micro_batch_logprobs
+from trl_plugins.modeling.chunked_head import auto_chunk_size, chunkable, logprob_chunk_size
 
 CHUNK = 5
 
@@ -113,7 +113,7 @@ def test_an_adapters_dropout_on_the_head_draws_the_same_masks_in_the_backwards_r
     # the same adapter by plain autograd (no recompute), from the same random state.
     from peft import LoraConfig, get_peft_model
 
-    from trl_plugins.chunked_head import _chunk, chunked_logprobs_and_entropy, output_head
+    from trl_plugins.modeling.chunked_head import _chunk, chunked_logprobs_and_entropy, output_head
 
     torch.manual_seed(0)
     model = get_peft_model(
@@ -211,7 +211,7 @@ def test_the_heads_pass_through_is_the_entering_threads_only():
     # and a forward a hook library set on the head is given back after.
     import threading
 
-    from trl_plugins.chunked_head import hidden_states_instead_of_logits, output_head
+    from trl_plugins.modeling.chunked_head import hidden_states_instead_of_logits, output_head
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
     tok = build_tokenizer("qwen2_5")

@@ -213,7 +213,7 @@ def chunked_head_errors(device: str, attn: str, dtype: torch.dtype) -> dict[str,
 
     from conftest import make_trajectory
     from trl_plugins.datum import build_datum, collate
-    from trl_plugins.modeling import _full_logits_logprobs, micro_batch_logprobs
+    from trl_plugins.modeling import full_logits_logprobs, micro_batch_logprobs
 
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok, attn_implementation=attn).to(device, dtype=dtype).train()
@@ -229,7 +229,7 @@ def chunked_head_errors(device: str, attn: str, dtype: torch.dtype) -> dict[str,
     logits = model(
         input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False
     ).logits
-    ref_lp, ref_ent = _full_logits_logprobs(logits, mb.target_ids.to(device), 0.7, True)
+    ref_lp, ref_ent = full_logits_logprobs(logits, mb.target_ids.to(device), 0.7, True)
     lp, ent = micro_batch_logprobs(
         model, mb, device, temperature=0.7, with_entropy=True, needed=mb.action_mask, chunk_size=5
     )

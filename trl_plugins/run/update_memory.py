@@ -80,7 +80,7 @@ def check_update_memory(
         ValueError: the update's activations and the training state exceed the free memory; the message gives the
             figures and what to change.
     """
-    from trl_plugins.chunked_head import auto_chunk_size
+    from trl_plugins.modeling.chunked_head import auto_chunk_size
 
     text = getattr(model_config, "text_config", None) or model_config
     hidden, vocab = int(text.hidden_size), int(text.vocab_size)

@@ -33,8 +33,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
-from trl_plugins.chunked_head import logprob_chunk_size
 from trl_plugins.modeling import micro_batch_logprobs
+from trl_plugins.modeling.chunked_head import logprob_chunk_size
 from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
 from trl_plugins.trainers.micro_batches import (
     GradientSync,

@@ -1,4 +1,5 @@
-"""Forward passes shared by the rollout (replay check) and the trainer: per-token log-probs."""
+"""Forward passes shared by the rollout (replay check) and the trainer: per-token log-probs (with the chunked head,
+:mod:`.chunked_head`, where the vocabulary is large), in every micro-batch layout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, Iterator
 
 import torch
 
-from trl_plugins.chunked_head import (
+from trl_plugins.modeling.chunked_head import (
     auto_chunk_size,
     chunkable,
     chunked_logprobs_and_entropy,
@@ -15,9 +16,10 @@ from trl_plugins.chunked_head import (
     hidden_states_instead_of_logits,
     output_head,
 )
-from trl_plugins.dropout import disable_dropout, dropout_probabilities
+from trl_plugins.modeling.dropout import disable_dropout, dropout_probabilities
 
 __all__ = [
+    "full_logits_logprobs",
     "token_logprobs",
     "token_logprobs_and_entropy",
     "selective_log_softmax",
@@ -88,13 +90,13 @@ def token_logprobs_and_entropy(
     ``position_ids`` (with ``attention_mask=None``): packed sequences, see :func:`micro_batch_logprobs`.
 
     The forward stops at the final hidden states and the output projection runs ``chunk_size`` positions at a time
-    (:mod:`trl_plugins.chunked_head`; None: :func:`~trl_plugins.chunked_head.auto_chunk_size`), only at the
+    (:mod:`.chunked_head`; None: :func:`~.chunked_head.auto_chunk_size`), only at the
     ``needed`` positions (``(B, T)`` bool; None: every position), the others 0. A model whose logits are more than
-    its head's output (soft-capping, logit scaling) takes the full logits (:func:`~trl_plugins.chunked_head.chunkable`).
+    its head's output (soft-capping, logit scaling) takes the full logits (:func:`~.chunked_head.chunkable`).
     """
     kwargs = {} if position_ids is None else {"position_ids": position_ids}
     if not chunkable(model):
-        return _full_logits_logprobs(
+        return full_logits_logprobs(
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits,
             target_ids,
             temperature,
@@ -114,7 +116,7 @@ def token_logprobs_and_entropy(
         )
 
 
-def _full_logits_logprobs(
+def full_logits_logprobs(
     logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if temperature != 1.0:
