@@ -87,7 +87,7 @@ def test_a_row_samples_the_same_whatever_shares_its_batch(setup, sampling, kind)
 
 
 def test_seeded_gumbel_samples_the_softmax_and_honours_top_k_top_p():
-    from trl_plugins.rollout.sampling import _SeededSampling, seeded_gumbel
+    from trl_plugins.rollout.sampling import SeededSampling, seeded_gumbel
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 20000
@@ -100,7 +100,7 @@ def test_seeded_gumbel_samples_the_softmax_and_honours_top_k_top_p():
     # Another position gives other draws (the noise is not reused across positions).
     assert not torch.equal(seeded_gumbel(seeds[:50], 3, 6), seeded_gumbel(seeds[:50], 4, 6))
     # The processor applies temperature, then top-k: tokens outside the top 2 are never picked.
-    proc = _SeededSampling(SamplingSettings(temperature=0.5, top_k=2), seeds[:2000].tolist(), start=0)
+    proc = SeededSampling(SamplingSettings(temperature=0.5, top_k=2), seeds[:2000].tolist(), start=0)
     scores = proc(torch.zeros((2000, 0), dtype=torch.long), logits.expand(2000, -1).clone())
     chosen = set(scores.argmax(-1).tolist())
     assert chosen == {0, 1}

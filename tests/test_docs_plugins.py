@@ -222,7 +222,7 @@ def _declaration_problems(block: str, monkeypatch) -> list[str]:
     import types
 
     from trl_plugins.contracts import ContractError
-    from trl_plugins.contracts._base import _pickles
+    from trl_plugins.contracts._base import check_pickles
     from trl_plugins.protocols import PluginDeclarationError, as_advantage, as_policy_loss
 
     module = types.ModuleType("docs_plugins_declarations")  # a real module, so that pickle finds its classes
@@ -253,7 +253,7 @@ def _declaration_problems(block: str, monkeypatch) -> list[str]:
         problems.append("RankAdvantage is meant to be a plain class without __eq__")
     for plugin in (rank(scale=0.5), cispo(max_weight=3.0)):
         try:
-            _pickles(plugin, type(plugin).__name__)
+            check_pickles(plugin, type(plugin).__name__)
         except ContractError as exc:
             problems.append(str(exc))
     return problems

@@ -364,14 +364,14 @@ def test_a_tool_that_fails_every_call_logs_one_traceback_per_kind_and_counts(cap
     from trl_plugins.protocols import as_tool
     from trl_plugins.rollout import MultiTurnRollout
     from trl_plugins.rollout.dispatch import ToolFailures
-    from trl_plugins.rollout.engine import _call_tool
+    from trl_plugins.rollout.engine import call_tool
 
     failures = ToolFailures()
     caplog.set_level(logging.DEBUG, logger="trl_plugins.rollout.engine")
     for _ in range(5):
-        out = asyncio.run(_call_tool(as_tool(Raising()), {}, retries=1, failures=failures))
+        out = asyncio.run(call_tool(as_tool(Raising()), {}, retries=1, failures=failures))
         assert out.infra_error == "ValueError: boom"  # each call still fails as before: one retry, then an env error
-    asyncio.run(_call_tool(as_tool(Raising(KeyError)), {}, retries=0, failures=failures))
+    asyncio.run(call_tool(as_tool(Raising(KeyError)), {}, retries=0, failures=failures))
     with_traceback = [r for r in caplog.records if r.exc_info]
     assert [(r.levelno, r.exc_info[0]) for r in with_traceback if r.levelno == logging.WARNING] == [
         (logging.WARNING, ValueError),
@@ -385,7 +385,7 @@ def test_a_tool_that_fails_every_call_logs_one_traceback_per_kind_and_counts(cap
     ]
     caplog.clear()
     failures.flush()
-    asyncio.run(_call_tool(as_tool(Raising()), {}, retries=0, failures=failures))
+    asyncio.run(call_tool(as_tool(Raising()), {}, retries=0, failures=failures))
     assert all(r.levelno == logging.DEBUG for r in caplog.records)  # a known kind stays quiet in the next rollout
     # The rollout that keeps the log still equals its pickled copy (plugins travel to child processes).
     rollout = MultiTurnRollout()

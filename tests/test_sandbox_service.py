@@ -534,11 +534,11 @@ def test_refused_connections_are_retried_then_reported(token_env):
 
 def test_the_rollout_ends_such_a_call_as_environment_error(token_env):
     # The seam the local path uses: an infra_error from the tool, retried once as idempotent, then reported.
-    from trl_plugins.rollout.engine import _call_tool
+    from trl_plugins.rollout.engine import call_tool
 
     with refusing_port() as port:
         tool = CodeInterpreter(backend="remote", url=f"http://127.0.0.1:{port.getsockname()[1]}", retries=0)
-        out = run_async(_call_tool(tool, {"code": "print(1)"}, retries=1))
+        out = run_async(call_tool(tool, {"code": "print(1)"}, retries=1))
         tool.close()
     assert out.infra_error and "could not connect" in out.infra_error
 

@@ -14,7 +14,7 @@ class ContractError(AssertionError):
     """A plugin breaks its seam's contract; the message names the plugin and what is wrong."""
 
 
-def _resolve(registry: Any, plugin: Any, kwargs: Mapping[str, Any] | None) -> tuple[str, Any]:
+def resolve_plugin(registry: Any, plugin: Any, kwargs: Mapping[str, Any] | None) -> tuple[str, Any]:
     """``(label, instance)`` for a registry name / ``"pkg.mod:attr"`` (constructed with ``kwargs``) or an instance."""
     if isinstance(plugin, str):
         target = registry.get(plugin)
@@ -22,7 +22,7 @@ def _resolve(registry: Any, plugin: Any, kwargs: Mapping[str, Any] | None) -> tu
     return f"{registry.seam} plugin {type(plugin).__name__}", plugin
 
 
-def _declared(adapt: Any, plugin: Any, label: str) -> Any:
+def read_declarations(adapt: Any, plugin: Any, label: str) -> Any:
     """The plugin with its declarations read by the run's own adapter (:mod:`trl_plugins.protocols`): what the run
     refuses, the check refuses, with the same words."""
     from trl_plugins.protocols import PluginDeclarationError
@@ -33,7 +33,7 @@ def _declared(adapt: Any, plugin: Any, label: str) -> Any:
         raise ContractError(f"{label}: {exc.what}") from None
 
 
-def _check(ok: bool, label: str, what: str) -> None:
+def check(ok: bool, label: str, what: str) -> None:
     if not ok:
         raise ContractError(f"{label}: {what}")
 
@@ -86,7 +86,7 @@ def _shown(value: Any) -> str:
     return "missing" if value is _MISSING else f"{value!r:.60}"
 
 
-def _pickles(obj: Any, label: str, *, equal: bool = True) -> None:
+def check_pickles(obj: Any, label: str, *, equal: bool = True) -> None:
     """``obj`` pickles and, with ``equal``, its pickled copy equals it (:func:`_same`); the message says why it must."""
     try:
         back = pickle.loads(pickle.dumps(obj))
@@ -122,5 +122,5 @@ def _pickles(obj: Any, label: str, *, equal: bool = True) -> None:
     )
 
 
-_N, _T = 6, 9
+BATCH_ROWS, BATCH_WIDTH = 6, 9
 """Rows and width of the synthetic batches the algorithm checks feed a plugin."""

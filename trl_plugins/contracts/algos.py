@@ -6,7 +6,7 @@ import pickle
 import random
 from typing import Any, Mapping
 
-from trl_plugins.contracts._base import _N, _T, _check, _declared, _pickles, _resolve
+from trl_plugins.contracts._base import BATCH_ROWS, BATCH_WIDTH, check, check_pickles, read_declarations, resolve_plugin
 from trl_plugins.contracts.fakes import plan_violations, tree_plan_violations
 from trl_plugins.protocols import as_advantage, as_policy_loss
 from trl_plugins.types import AdvantageInput, AdvantageOutput, PolicyLossInput, PolicyLossOutput
@@ -33,31 +33,33 @@ def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = Non
 
     from trl_plugins.registry import ADVANTAGES
 
-    label, est = _resolve(ADVANTAGES, plugin, kwargs)
-    _declared(as_advantage, est, label)  # needs_values, needs_groups: bools
+    label, est = resolve_plugin(ADVANTAGES, plugin, kwargs)
+    read_declarations(as_advantage, est, label)  # needs_values, needs_groups: bools
     g = torch.Generator().manual_seed(0)
-    mask = (torch.rand(_N, _T, generator=g) < 0.6).float()
+    mask = (torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g) < 0.6).float()
     mask[:, -1] = 1
     inp = AdvantageInput(
-        rewards=torch.randn(_N, generator=g),
+        rewards=torch.randn(BATCH_ROWS, generator=g),
         group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
         action_mask=mask,
-        values=torch.randn(_N, _T, generator=g),
+        values=torch.randn(BATCH_ROWS, BATCH_WIDTH, generator=g),
         bootstrap_mask=torch.tensor([0, 1, 0, 0, 1, 0]),
-        bootstrap_values=torch.randn(_N, generator=g),
-        token_rewards=torch.zeros(_N, _T),
+        bootstrap_values=torch.randn(BATCH_ROWS, generator=g),
+        token_rewards=torch.zeros(BATCH_ROWS, BATCH_WIDTH),
         turn_ids=turns_of(mask),
         turn_state_ids=torch.where(mask.bool(), turns_of(mask) + 10 * torch.tensor([0, 0, 1, 0, 1, 2])[:, None], -1),
     )
     out = est(inp)
-    _check(isinstance(out, AdvantageOutput), label, f"returned {type(out).__name__}, not AdvantageOutput")
-    _check(
-        tuple(out.advantages.shape) in {(_N,), (_N, _T)}, label, f"advantages of shape {tuple(out.advantages.shape)}"
+    check(isinstance(out, AdvantageOutput), label, f"returned {type(out).__name__}, not AdvantageOutput")
+    check(
+        tuple(out.advantages.shape) in {(BATCH_ROWS,), (BATCH_ROWS, BATCH_WIDTH)},
+        label,
+        f"advantages of shape {tuple(out.advantages.shape)}",
     )
-    _check(bool(torch.isfinite(out.advantages).all()), label, "non-finite advantages")
+    check(bool(torch.isfinite(out.advantages).all()), label, "non-finite advantages")
     if out.advantages.dim() == 2:
-        _check(bool((out.advantages[mask == 0] == 0).all()), label, "non-zero advantage off the action mask")
-    _pickles(est, label)
+        check(bool((out.advantages[mask == 0] == 0).all()), label, "non-zero advantage off the action mask")
+    check_pickles(est, label)
 
 
 def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -66,33 +68,35 @@ def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = N
 
     from trl_plugins.registry import POLICY_LOSSES
 
-    label, loss_fn = _resolve(POLICY_LOSSES, plugin, kwargs)
-    _declared(as_policy_loss, loss_fn, label)  # needs_ref_logprobs, needs_entropy: bools; supports_is_weights optional
+    label, loss_fn = resolve_plugin(POLICY_LOSSES, plugin, kwargs)
+    read_declarations(
+        as_policy_loss, loss_fn, label
+    )  # needs_ref_logprobs, needs_entropy: bools; supports_is_weights optional
     g = torch.Generator().manual_seed(1)
-    mask = (torch.rand(_N, _T, generator=g) < 0.5).float()
-    logp = (-torch.rand(_N, _T, generator=g) * 3).requires_grad_(True)
+    mask = (torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g) < 0.5).float()
+    logp = (-torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g) * 3).requires_grad_(True)
     inp = PolicyLossInput(
         logprobs=logp,
-        behaviour_logprobs=logp.detach() + 0.3 * torch.randn(_N, _T, generator=g),
-        advantages=torch.randn(_N, _T, generator=g) * mask,
+        behaviour_logprobs=logp.detach() + 0.3 * torch.randn(BATCH_ROWS, BATCH_WIDTH, generator=g),
+        advantages=torch.randn(BATCH_ROWS, BATCH_WIDTH, generator=g) * mask,
         action_mask=mask,
         ref_logprobs=logp.detach() + 0.1,
-        entropy=torch.rand(_N, _T, generator=g),
+        entropy=torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g),
         turn_ids=turns_of(mask),
     )
     out = loss_fn(inp)
-    _check(isinstance(out, PolicyLossOutput), label, f"returned {type(out).__name__}, not PolicyLossOutput")
+    check(isinstance(out, PolicyLossOutput), label, f"returned {type(out).__name__}, not PolicyLossOutput")
     loss = out.per_token_loss
-    _check(
-        tuple(loss.shape) == (_N, _T) and bool(torch.isfinite(loss).all()),
+    check(
+        tuple(loss.shape) == (BATCH_ROWS, BATCH_WIDTH) and bool(torch.isfinite(loss).all()),
         label,
         "per-token loss not a finite (B, T) tensor",
     )
-    _check(bool((loss[mask == 0] == 0).all()), label, "non-zero loss off the action mask")
+    check(bool((loss[mask == 0] == 0).all()), label, "non-zero loss off the action mask")
     loss.sum().backward()
-    _check(bool((logp.grad[mask == 0] == 0).all()), label, "masked tokens receive gradient")
-    _check(float(logp.grad[mask == 1].abs().sum()) > 0, label, "no gradient on the action tokens")
-    _pickles(loss_fn, label)
+    check(bool((logp.grad[mask == 0] == 0).all()), label, "masked tokens receive gradient")
+    check(float(logp.grad[mask == 1].abs().sum()) > 0, label, "no gradient on the action tokens")
+    check_pickles(loss_fn, label)
 
 
 def check_packer_contract(plugin: Any) -> None:
@@ -108,9 +112,9 @@ def check_packer_contract(plugin: Any) -> None:
         lengths = [rng.randint(1, 500) for _ in range(rng.randint(0, 60))]
         plan = packer(lengths, max_items=7, max_padded_tokens=1500, world_size=world_size)
         problems = plan_violations(plan, lengths, 7, 1500, world_size)
-        _check(not problems, label, f"world_size {world_size}: {problems}")
+        check(not problems, label, f"world_size {world_size}: {problems}")
     declared = getattr(packer, "supports_prefix_trees", False)
-    _check(isinstance(declared, bool), label, f"declares supports_prefix_trees={declared!r}; it must be a bool")
+    check(isinstance(declared, bool), label, f"declares supports_prefix_trees={declared!r}; it must be a bool")
     if declared:
         # Groups of 1-6 items sharing 5-40 leading tokens, and lone items; budgets that cut some trees.
         from trl_plugins.packing import prefix_trees
@@ -127,7 +131,7 @@ def check_packer_contract(plugin: Any) -> None:
                 [len(r) for r in rows], max_items=7, max_padded_tokens=300, world_size=world_size, prefix_trees=trees
             )
             problems = tree_plan_violations(plan, rows, trees, 7, 300, world_size)
-            _check(not problems, label, f"with prefix_trees, world_size {world_size}: {problems}")
-    _check(
+            check(not problems, label, f"with prefix_trees, world_size {world_size}: {problems}")
+    check(
         pickle.loads(pickle.dumps(packer)) is packer, label, "does not pickle by reference (define it at module level)"
     )

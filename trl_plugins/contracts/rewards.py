@@ -6,7 +6,7 @@ import pickle
 import random
 from typing import Any, Mapping, Sequence
 
-from trl_plugins.contracts._base import ContractError, _check, _declared, _pickles, _resolve
+from trl_plugins.contracts._base import ContractError, check, check_pickles, read_declarations, resolve_plugin
 from trl_plugins.contracts.fakes import make_trajectory
 from trl_plugins.protocols import as_reward
 from trl_plugins.types import StopReason, Trajectory
@@ -88,14 +88,14 @@ def check_reward_contract(
     from trl_plugins.rollout.validate import validate_trajectory
     from trl_plugins.tools.base import close_plugin
 
-    label, reward = _resolve(REWARDS, plugin, kwargs)
-    _check(callable(reward), label, f"{type(reward).__name__} is not callable as component(trajectory, example)")
+    label, reward = resolve_plugin(REWARDS, plugin, kwargs)
+    check(callable(reward), label, f"{type(reward).__name__} is not callable as component(trajectory, example)")
     example = dict(example if example is not None else {"answer": "42", "prompt": "What is 6 * 7?"})
     if trajectories is None:
         cases = _reward_cases()
     else:
         cases = [(f"number {i} (stopped by {t.stop_reason})", t) for i, t in enumerate(trajectories)]
-    is_success = _declared(as_reward, reward, label).is_success_fn
+    is_success = read_declarations(as_reward, reward, label).is_success_fn
     for what, traj in cases:
         validate_trajectory(traj)  # the trainer scores only trajectories that pass it
         where = f"{label} on the trajectory {what}"
@@ -114,9 +114,9 @@ def check_reward_contract(
                 values.append(reward_value(returned))
             except (TypeError, ValueError) as exc:
                 raise ContractError(f"{where}: {exc}") from None
-            _check(pickle.dumps(traj) == before, where, "changed the trajectory it scored")
-            _check(row == example, where, "changed the example (the dataset row every sample of the group shares)")
-        _check(
+            check(pickle.dumps(traj) == before, where, "changed the trajectory it scored")
+            check(row == example, where, "changed the example (the dataset row every sample of the group shares)")
+        check(
             len(set(values)) == 1,
             where,
             f"returned {values[0]} and then {values[-1]} for the same trajectory and example; a reward must depend "
@@ -124,12 +124,12 @@ def check_reward_contract(
         )
         if is_success is not None:
             verdict = is_success(values[0])
-            _check(
+            check(
                 isinstance(verdict, bool) or type(verdict).__name__ == "bool_",
                 label,
                 f"is_success({values[0]}) returned {verdict!r}, not a bool",
             )
-    _pickles(reward, label, equal=False)
+    check_pickles(reward, label, equal=False)
     try:
         close_plugin(reward)
         close_plugin(reward)

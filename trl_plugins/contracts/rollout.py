@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from trl_plugins.contracts._base import _check, _declared, _pickles, _resolve
+from trl_plugins.contracts._base import check, check_pickles, read_declarations, resolve_plugin
 from trl_plugins.protocols import as_rollout
 from trl_plugins.tiny import build_tokenizer
 
@@ -21,8 +21,8 @@ def check_rollout_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None)
     from trl_plugins.rollout.validate import validate_trajectory
     from trl_plugins.tools.base import ToolOutput
 
-    label, rollout = _resolve(ROLLOUTS, plugin, kwargs)
-    budget = _declared(as_rollout, rollout, label).token_budget  # a positive int or None
+    label, rollout = resolve_plugin(ROLLOUTS, plugin, kwargs)
+    budget = read_declarations(as_rollout, rollout, label).token_budget  # a positive int or None
 
     class EchoTool:
         name = "echo"
@@ -62,12 +62,10 @@ def check_rollout_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None)
     )
     result = rollout(request)
     trajs = result.trajectories
-    _check(len(trajs) == 4, label, f"returned {len(trajs)} trajectories for 2 questions x 2 samples")
-    _check([t.question_id for t in trajs] == ["a", "a", "b", "b"], label, "trajectories are not question-major")
+    check(len(trajs) == 4, label, f"returned {len(trajs)} trajectories for 2 questions x 2 samples")
+    check([t.question_id for t in trajs] == ["a", "a", "b", "b"], label, "trajectories are not question-major")
     for t in trajs:
         validate_trajectory(t)
         if budget is not None:
-            _check(
-                t.num_tokens <= budget, label, f"a trajectory of {t.num_tokens} tokens exceeds token_budget {budget}"
-            )
-    _pickles(rollout, label)
+            check(t.num_tokens <= budget, label, f"a trajectory of {t.num_tokens} tokens exceeds token_budget {budget}")
+    check_pickles(rollout, label)

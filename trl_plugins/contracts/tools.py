@@ -7,7 +7,7 @@ import contextlib
 import inspect
 from typing import Any, Mapping
 
-from trl_plugins.contracts._base import ContractError, _check, _declared, _pickles, _resolve
+from trl_plugins.contracts._base import ContractError, check, check_pickles, read_declarations, resolve_plugin
 from trl_plugins.protocols import Tool, as_tool
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.tools.base import schema_problem
@@ -54,11 +54,11 @@ def check_tool_contract(
     from trl_plugins.registry import TOOLS
     from trl_plugins.tools.base import ToolOutput, check_arguments, close_plugin
 
-    label, tool = _resolve(TOOLS, plugin, kwargs)
+    label, tool = resolve_plugin(TOOLS, plugin, kwargs)
     if is_tool_set(tool):  # a tool set (mcp): each member is a tool of the run
         try:
             members = tool.member_tools()
-            _check(members, label, "member_tools() listed no tool")
+            check(members, label, "member_tools() listed no tool")
             for member in members:
                 check_tool_contract(member, arguments=arguments, concurrent_calls=concurrent_calls)
         finally:
@@ -78,7 +78,7 @@ def check_tool_contract(
                 f"ToolOutput(infra_error=..., ok=False); the rollout counts an exception as the latter."
             ) from exc
         for out in outs:
-            _check(
+            check(
                 isinstance(out, ToolOutput) and isinstance(out.text, str) and isinstance(out.ok, bool),
                 label,
                 f"returned {out!r:.200} for arguments {args}, not a ToolOutput(text: str, ok: bool, ...)",
@@ -86,28 +86,26 @@ def check_tool_contract(
         return outs
 
     try:
-        _check(
+        check(
             isinstance(tool, Tool),
             label,
             "is not a tool: it needs a name, a schema() method (the model is told the "
             "tool exists only through it) and an async __call__(arguments)",
         )
-        declared = _declared(as_tool, tool, label)  # the run's own reading: name, idempotent, reductions
+        declared = read_declarations(as_tool, tool, label)  # the run's own reading: name, idempotent, reductions
         name = declared.name
         label = f"{label} (name {name!r})" if isinstance(plugin, str) and plugin != name else label
         schema = tool.schema()
         problem = schema_problem(schema, name)
-        _check(problem is None, label, str(problem))
-        _check(
-            inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async (the rollout awaits it)"
-        )
+        check(problem is None, label, str(problem))
+        check(inspect.iscoroutinefunction(type(tool).__call__), label, "__call__ must be async (the rollout awaits it)")
         params = schema["function"]["parameters"]
         props = params.get("properties", {})
         if arguments is None:
             arguments = {k: _SAMPLE_VALUES.get(props[k].get("type"), "1") for k in params.get("required", [])}
         arguments = dict(arguments)
         why = check_arguments(schema, arguments)
-        _check(
+        check(
             why is None,
             label,
             f"the arguments {arguments} do not fit the schema ({why}): the rollout would refuse "
@@ -116,14 +114,14 @@ def check_tool_contract(
         _check_renders_and_parses(label, schema, arguments)
         if declared.start_up_fn is not None:
             said = declared.start_up_fn()
-            _check(
+            check(
                 isinstance(said, str),
                 label,
                 f"start_up() returned {said!r:.100}; it returns what the trainer logs (a str)",
             )
 
         for out in run(arguments) + (run(arguments, concurrent_calls) if concurrent_calls else []):
-            _check(
+            check(
                 out.infra_error is None,
                 label,
                 f"failed itself on the valid arguments {arguments}: infra_error={out.infra_error!r}",
@@ -135,7 +133,7 @@ def check_tool_contract(
             if why is None:  # valid after all (no required keys, extra keys allowed)
                 continue
             (out,) = run(args)
-            _check(
+            check(
                 not out.ok and out.infra_error is None,
                 label,
                 f"returned ok={out.ok}, infra_error={out.infra_error!r} for arguments {args} that break its schema "
@@ -145,7 +143,7 @@ def check_tool_contract(
 
         if declared.step_metrics_fn is not None:
             metrics = declared.step_metrics_fn()
-            _check(
+            check(
                 isinstance(metrics, dict)
                 and all(
                     isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -154,7 +152,7 @@ def check_tool_contract(
                 label,
                 f"step_metrics() returned {metrics!r:.200}; it must return {{name: float}}",
             )
-        _pickles(tool, label, equal=False)
+        check_pickles(tool, label, equal=False)
 
         if declared.closes:
             try:
@@ -165,7 +163,7 @@ def check_tool_contract(
                     f"{label}: close() raised {type(exc).__name__}: {exc} (it must be idempotent)"
                 ) from exc
             (out,) = run(arguments)
-            _check(
+            check(
                 out.infra_error is None,
                 label,
                 f"does not work after close(): infra_error={out.infra_error!r}; a closed tool starts its resources "
@@ -193,11 +191,11 @@ def _check_renders_and_parses(label: str, schema: dict, arguments: dict) -> None
     except ChatTemplateError as exc:
         raise ContractError(f"{label}: the chat format refuses its schema: {exc}") from exc
     prompt = chat.initial_prompt_ids([{"role": "user", "content": "question"}])
-    _check(name in tok.decode(prompt), label, "its schema does not reach the prompt the model sees")
+    check(name in tok.decode(prompt), label, "its schema does not reach the prompt the model sees")
     body = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
     completion = tok(body, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
     parsed = chat.parse(prompt, completion)
-    _check(
+    check(
         parsed.kind == TurnKind.TOOL_CALL and parsed.tool_name == name and parsed.arguments == arguments,
         label,
         f"a call of it with {arguments}, as the model writes it, parses as {parsed.kind} "

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from trl_plugins.rollout.sampling import _SeededSampling
+from trl_plugins.rollout.sampling import SeededSampling
 from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.types import LogprobSource, SamplingSettings
@@ -258,7 +258,7 @@ class HFGenerationBackend(BackendBase):
     def _generation_config(self, max_new_tokens: int) -> Any:
         from transformers import GenerationConfig
 
-        # Decoding is greedy over scores that _SeededSampling has already warped and noised (a sample).
+        # Decoding is greedy over scores that SeededSampling has already warped and noised (a sample).
         s = self.sampling
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
@@ -317,7 +317,7 @@ class HFGenerationBackend(BackendBase):
         budget_t = torch.tensor(list(budgets), dtype=torch.long)
         was_training = model.training
         model.eval()
-        processors = [] if self.sampling.temperature == 0 else [_SeededSampling(self.sampling, seeds, width)]
+        processors = [] if self.sampling.temperature == 0 else [SeededSampling(self.sampling, seeds, width)]
         try:
             result = model.generate(
                 input_ids=input_ids.to(device),

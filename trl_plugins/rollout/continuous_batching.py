@@ -50,7 +50,7 @@ from trl_plugins.rollout.cb_cache import (
     continuous_batching_config,
     workload_cache_size,
 )
-from trl_plugins.rollout.sampling import _Warp, gumbel_from_keys, seeded_row_keys
+from trl_plugins.rollout.sampling import Warp, gumbel_from_keys, seeded_row_keys
 from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.rollout.weights import weights_digest
 from trl_plugins.types import SamplingSettings
@@ -99,7 +99,7 @@ class _SeededCBSampler:
     def use(self, sampling: SamplingSettings) -> None:
         """Sample with ``sampling`` from now on (a manager kept between rollouts serves several settings)."""
         self.sampling = sampling
-        self.warp = None if sampling.temperature == 0 else _Warp(sampling)
+        self.warp = None if sampling.temperature == 0 else Warp(sampling)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)

@@ -70,7 +70,7 @@ class _Live:
     tool_calls: int = 0
 
 
-async def _call_tool(
+async def call_tool(
     tool: ToolPlugin, arguments: dict, *, retries: int = 0, failures: ToolFailures | None = None
 ) -> ToolOutput:
     """One tool call. A tool that raises has failed (an infrastructure error, not the model's); a call
@@ -275,7 +275,7 @@ class MultiTurnRollout(TrajectoryBudgets):
 
         async def one(call: ParsedCall) -> ToolOutput:
             with tools.running():
-                return await _call_tool(
+                return await call_tool(
                     request.tools[call.name], call.arguments, retries=self.tool_retries, failures=self._failures
                 )
 

@@ -19,7 +19,7 @@ import torch
 
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
-from trl_plugins.rollout.chat.vocab import _first_difference
+from trl_plugins.rollout.chat.vocab import first_difference
 from trl_plugins.types import Trajectory
 
 __all__ = ["ReplayReport", "replay_logprobs", "RenderReplayError", "conversation_messages", "replay_rendering"]
@@ -130,7 +130,7 @@ def replay_rendering(chat: Any, trajectory: Trajectory, messages: Sequence[dict]
             **chat.template_kwargs,
         )
     )
-    k = _first_difference(full, rendered)
+    k = first_difference(full, rendered)
     if k == len(full):
         return rendered
     if k < len(turns[0].prompt_ids):

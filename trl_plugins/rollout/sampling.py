@@ -50,7 +50,7 @@ def seeded_gumbel(seeds: torch.Tensor, position: int, vocab_size: int) -> torch.
     return gumbel_from_keys(seeded_row_keys(seeds, position), vocab_size)
 
 
-class _Warp:
+class Warp:
     # The distribution a turn samples from: temperature, then top-k / top-p / min-p (transformers' own warpers).
     def __init__(self, sampling: SamplingSettings) -> None:
         from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -71,11 +71,11 @@ class _Warp:
         return scores
 
 
-class _SeededSampling:
+class SeededSampling:
     # An HF logits processor that turns greedy decoding into sampling with per-row seeds: the warped scores
-    # (_Warp), then Gumbel noise; generate's argmax is the sample.
+    # (Warp), then Gumbel noise; generate's argmax is the sample.
     def __init__(self, sampling: SamplingSettings, seeds: Sequence[int], start: int) -> None:
-        self.warp, self.start = _Warp(sampling), start
+        self.warp, self.start = Warp(sampling), start
         self.seeds = torch.tensor([int(s) for s in seeds], dtype=torch.int64)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,7 @@ class ViewerError(ValueError):
     """A saved batch cannot be read or drawn; the message names the file and what to do."""
 
 
-def _source_name(source: Any) -> str:
+def source_name(source: Any) -> str:
     return TokenSource(int(source)).name.lower()
 
 
@@ -86,7 +86,7 @@ def _datum_to_dict(d: Datum) -> dict:
         "behaviour_logprobs": _floats(d.behaviour_logprobs),
         "advantages": _floats(d.advantages),
         "action_mask": [int(m) for m in d.action_mask],
-        "sources": [_source_name(s) for s in d.sources],
+        "sources": [source_name(s) for s in d.sources],
         "trajectory_index": d.trajectory_index,
         "group_id": d.group_id,
         "bootstrap_mask": d.bootstrap_mask,
@@ -311,7 +311,7 @@ def make_batch(
         if datum is not None:
             ids = list(datum.input_ids) + [datum.target_ids[-1]] if datum.target_ids else list(datum.input_ids)
             first = traj.turns[0].prompt_sources
-            entry["first_source"] = _source_name(first[0] if first else TokenSource.PROMPT)
+            entry["first_source"] = source_name(first[0] if first else TokenSource.PROMPT)
             entry["tokens"] = {"ids": ids, "strings": _decode(tokenizer, ids)}
         out.append(entry)
     return {
@@ -347,7 +347,7 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> list[str] | None:
     )
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open() honours the umask (mkstemp would make it 0600)
     try:
@@ -368,7 +368,7 @@ def save_batch(
     """Write :func:`make_batch` (same arguments) to ``path`` as JSON (atomically: a crash leaves the old file or
     none, never half of one). Returns the batch."""
     batch = make_batch(trajectories, datums, tokenizer, **kwargs)
-    _write_atomic(Path(path), json.dumps(batch, allow_nan=False, ensure_ascii=False))
+    write_atomic(Path(path), json.dumps(batch, allow_nan=False, ensure_ascii=False))
     return batch
 
 

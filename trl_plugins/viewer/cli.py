@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from trl_plugins.viewer.batch import ViewerError, _write_atomic, load_batch
+from trl_plugins.viewer.batch import ViewerError, load_batch, write_atomic
 from trl_plugins.viewer.page import render_html
 
 __all__ = ["main"]
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    _write_atomic(out, page)
+    write_atomic(out, page)
     shown = (
         len(batch["trajectories"])
         if args.max_trajectories is None

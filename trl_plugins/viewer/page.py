@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from trl_plugins.types import Datum, TokenSource, Trajectory
-from trl_plugins.viewer.batch import _source_name, _write_atomic, save_batch
+from trl_plugins.viewer.batch import save_batch, source_name, write_atomic
 
 __all__ = ["SOURCE_COLOURS", "display_text", "render_html", "write_step_pages"]
 
@@ -379,7 +379,7 @@ def render_html(
     step = batch.get("step")
     title = title or (f"Trajectories, step {step}" if step is not None else "Trajectories")
     legend = "".join(
-        f'<span><span class="sw s-{_source_name(s)}" data-source="{_source_name(s)}"></span>{label}</span>'
+        f'<span><span class="sw s-{source_name(s)}" data-source="{source_name(s)}"></span>{label}</span>'
         for s, label in (
             (TokenSource.PROMPT, "prompt (system, user, first template header)"),
             (TokenSource.ACTION, "sampled action (trained)"),
@@ -443,7 +443,7 @@ def write_step_pages(
     json_path, html_path = folder / f"step-{step:06d}.json", folder / f"step-{step:06d}.html"
     batch = save_batch(json_path, trajectories, datums, tokenizer, step=step, **kwargs)
     page = render_html(batch)
-    _write_atomic(html_path, page)
+    write_atomic(html_path, page)
     if log_to_wandb:
         import wandb
 

@@ -57,9 +57,9 @@ from trl_plugins.viewer.replay_report import (
     Difference,
     ReplayRefused,
     ReplayReport,
-    _first_difference,
-    _text,
     default_tolerance,
+    first_mismatch,
+    token_text,
 )
 
 __all__ = [
@@ -214,7 +214,7 @@ def _chat(batch: Mapping[str, Any], tokenizer: Any, run: Any) -> ChatFormat:
 
 
 def _rerun_tools(run: Any, traj: Trajectory, i: int, report: ReplayReport) -> list[list[str]]:
-    from trl_plugins.rollout.engine import _call_tool
+    from trl_plugins.rollout.engine import call_tool
 
     outputs: list[list[str]] = []
     for t, turn in enumerate(traj.turns):
@@ -234,7 +234,7 @@ def _rerun_tools(run: Any, traj: Trajectory, i: int, report: ReplayReport) -> li
                 )
                 mine.append(call.output)
                 continue
-            out = asyncio.run(_call_tool(tool, dict(call.arguments)))
+            out = asyncio.run(call_tool(tool, dict(call.arguments)))
             mine.append(out.text)
         outputs.append(mine)
     return outputs
@@ -252,7 +252,7 @@ def _check_rendering(
     tok = chat.tokenizer
     turns = traj.turns
     first = chat.initial_prompt_ids(_messages(batch, entry))
-    k = _first_difference(turns[0].prompt_ids, first)
+    k = first_mismatch(turns[0].prompt_ids, first)
     if k is not None:
         return Difference(
             check,
@@ -260,8 +260,8 @@ def _check_rendering(
             "the first prompt renders differently",
             0,
             k,
-            _text(tok, turns[0].prompt_ids, k),
-            _text(tok, first, k),
+            token_text(tok, turns[0].prompt_ids, k),
+            token_text(tok, first, k),
         )
     mtr = (batch.get("chat") or {}).get("max_tool_response_tokens")
     for t in range(1, len(turns)):
@@ -275,7 +275,7 @@ def _check_rendering(
                         + prev.completion_ids
                         + chat.tool_results_turn(prev.completion_ids, results, max_tokens=mtr).ids
                     )
-                    k = _first_difference(turns[t].prompt_ids, expected)
+                    k = first_mismatch(turns[t].prompt_ids, expected)
                     return Difference(
                         check,
                         i,
@@ -283,8 +283,8 @@ def _check_rendering(
                         f"it returned {c.output[:80]!r}",
                         t - 1,
                         k,
-                        None if k is None else _text(tok, turns[t].prompt_ids, k),
-                        None if k is None else _text(tok, expected, k),
+                        None if k is None else token_text(tok, turns[t].prompt_ids, k),
+                        None if k is None else token_text(tok, expected, k),
                     )
             continue
         if not results:
@@ -294,7 +294,7 @@ def _check_rendering(
             + prev.completion_ids
             + chat.tool_results_turn(prev.completion_ids, results, max_tokens=mtr).ids
         )
-        k = _first_difference(turns[t].prompt_ids, expected)
+        k = first_mismatch(turns[t].prompt_ids, expected)
         if k is not None:
             return Difference(
                 check,
@@ -302,8 +302,8 @@ def _check_rendering(
                 f"the tool turn after turn {t - 1} renders differently",
                 t,
                 k,
-                _text(tok, turns[t].prompt_ids, k),
-                _text(tok, expected, k),
+                token_text(tok, turns[t].prompt_ids, k),
+                token_text(tok, expected, k),
             )
     return None
 
@@ -348,7 +348,7 @@ def _check_logprobs(
                     Difference(
                         "logprobs",
                         i,
-                        f"log-prob of action token {_text(tok, entry['tokens']['ids'], j + 1)} differs by "
+                        f"log-prob of action token {token_text(tok, entry['tokens']['ids'], j + 1)} differs by "
                         f"{float(gap[j]):.3g} (> {tolerance:.3g}; {len(beyond)} such tokens)",
                         _turn_of(traj, j + 1),
                         j + 1,
@@ -482,7 +482,7 @@ def _check_resample(
             if not turn.completion_ids:
                 continue
             (sample,) = backend.generate([turn.prompt_ids], [len(turn.completion_ids)], seeds=[turn.seed])
-            k = _first_difference(turn.completion_ids, sample.token_ids)
+            k = first_mismatch(turn.completion_ids, sample.token_ids)
             if k is not None:
                 report.differences.append(
                     Difference(
@@ -491,8 +491,8 @@ def _check_resample(
                         f"turn {t} draws other tokens from its seed {turn.seed}",
                         t,
                         len(turn.prompt_ids) + k,
-                        _text(tok, turn.completion_ids, k) or "end",
-                        _text(tok, sample.token_ids, k) or "end",
+                        token_text(tok, turn.completion_ids, k) or "end",
+                        token_text(tok, sample.token_ids, k) or "end",
                     )
                 )
                 break  # later turns' prompts follow the saved tokens, not these
@@ -521,7 +521,7 @@ def _check_datum(entry: Mapping[str, Any], traj: Trajectory, i: int, tok: Any) -
             return Difference(
                 "datum",
                 i,
-                f"{name} differs (token {_text(tok, ids, k + 1)})",
+                f"{name} differs (token {token_text(tok, ids, k + 1)})",
                 _turn_of(traj, k + 1),
                 k + 1,
                 repr(a[k]) if k < len(a) else "end",

@@ -110,10 +110,10 @@ def default_tolerance(version: Mapping[str, Any] | None, logprob_source: str | N
     return 1e-4
 
 
-def _text(tokenizer: Any, ids: Sequence[int], k: int) -> str | None:
+def token_text(tokenizer: Any, ids: Sequence[int], k: int) -> str | None:
     return None if k >= len(ids) else repr(tokenizer.decode([ids[k]], skip_special_tokens=False))
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
     k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return None if k == len(a) == len(b) else k

@@ -11,15 +11,15 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from trl_plugins.rollout.chat.vocab import (
-    _A,
-    _ARG,
-    _OPTIONS,
-    _T,
+    ARG_SENTINEL,
+    ASSISTANT_SENTINEL,
+    TEMPLATE_OPTIONS,
+    TOOL_SENTINEL,
     ChatTemplateError,
     ToolTurn,
     TurnKind,
-    _encode,
-    _first_difference,
+    encode_text,
+    first_difference,
 )
 from trl_plugins.types import TokenSource
 
@@ -122,14 +122,16 @@ class TemplateChecks:
             if missing:
                 raise ChatTemplateError(
                     f"the chat template does not show the tool schemas to the model: the tool name(s) {missing} "
-                    f"are missing from the rendered prompt, so the model is never told what it can call. " + _OPTIONS
+                    f"are missing from the rendered prompt, so the model is never told what it can call. "
+                    + TEMPLATE_OPTIONS
                 )
         name = self._tool_name()
         text = self._render(self._call_messages(name), add_generation_prompt=False)
-        if _ARG not in text or name not in text:
+        if ARG_SENTINEL not in text or name not in text:
             raise ChatTemplateError(
                 f"the chat template drops structured tool calls: an assistant message calling {name!r} renders "
-                f"without the call, so the history a deployed model sees would not hold its own calls. " + _OPTIONS
+                f"without the call, so the history a deployed model sees would not hold its own calls. "
+                + TEMPLATE_OPTIONS
             )
 
     def _inside_call_tokens(self, candidates: Sequence[str]) -> set[str]:
@@ -141,10 +143,10 @@ class TemplateChecks:
         ``<|"|>`` opens every string argument, so it lies before the first placeholder.
         """
         first = self._tool_name()
-        probes = [(first, {self._arg_key(first): _ARG, "probe_second_argument": _ARG + "_2"})]
+        probes = [(first, {self._arg_key(first): ARG_SENTINEL, "probe_second_argument": ARG_SENTINEL + "_2"})]
         for name, schema in self._schemas.items():
             keys = list((schema.get("function", {}).get("parameters") or {}).get("properties") or [self._arg_key(name)])
-            probes.append((name, {key: f"{_ARG}_{k}" for k, key in enumerate(keys)}))
+            probes.append((name, {key: f"{ARG_SENTINEL}_{k}" for k, key in enumerate(keys)}))
         inside: set[str] = set()
         for name, arguments in probes:
             messages = [
@@ -152,22 +154,24 @@ class TemplateChecks:
                 {"role": "assistant", "content": "", "tool_calls": [self._call(name, arguments)]},
             ]
             rendered = self._render(messages, add_generation_prompt=False)
-            start = _first_difference(rendered, self._generation_prompt_text)
-            last = rendered.rfind(_ARG)
+            start = first_difference(rendered, self._generation_prompt_text)
+            last = rendered.rfind(ARG_SENTINEL)
             inside |= {c for c in candidates if c in rendered[start:last]}
         return inside
 
     def _derive_stops(self, stop_tokens: Sequence[str] | None) -> None:
         tok = self.tokenizer
         name = self._tool_name()
-        rendered = self._render(self._call_messages(name) + [self._tool_message(name, _T)], add_generation_prompt=True)
-        if _T not in rendered:
+        rendered = self._render(
+            self._call_messages(name) + [self._tool_message(name, TOOL_SENTINEL)], add_generation_prompt=True
+        )
+        if TOOL_SENTINEL not in rendered:
             raise ChatTemplateError(
                 "the chat template does not render a tool message after an assistant tool call (the tool output "
-                "is missing from its output): it does not support tool turns. " + _OPTIONS
+                "is missing from its output): it does not support tool turns. " + TEMPLATE_OPTIONS
             )
         if stop_tokens is not None:
-            bad = [s for s in stop_tokens if len(_encode(tok, s)) != 1]
+            bad = [s for s in stop_tokens if len(encode_text(tok, s)) != 1]
             if bad or not stop_tokens:
                 raise ChatTemplateError(
                     f"stop_tokens must be single tokens of this tokenizer; {bad or 'none given'} "
@@ -180,24 +184,29 @@ class TemplateChecks:
         # The call's stop is the first candidate after the call that the template never writes inside one.
         inside = self._inside_call_tokens(call_candidates)
         hit = self._first_special(
-            rendered, rendered.index(_ARG) + len(_ARG), [c for c in call_candidates if c not in inside]
+            rendered, rendered.index(ARG_SENTINEL) + len(ARG_SENTINEL), [c for c in call_candidates if c not in inside]
         )
-        if hit is None or hit[0] > rendered.index(_T):
+        if hit is None or hit[0] > rendered.index(TOOL_SENTINEL):
+            after_call = rendered[rendered.index(ARG_SENTINEL) + len(ARG_SENTINEL) : rendered.index(TOOL_SENTINEL)]
             raise ChatTemplateError(
                 "the chat template ends a tool-call turn without a control token"
                 + (" from stop_tokens" if stop_tokens is not None else "")
-                + f" (after the call it renders {rendered[rendered.index(_ARG) + len(_ARG) : rendered.index(_T)]!r} "
+                + f" (after the call it renders {after_call!r} "
                 f"before the tool output"
                 + (f"; {sorted(inside)} also occur inside a call, so they cannot end one" if inside else "")
                 + "), so generation cannot stop at the end of a call. Pass "
-                "stop_tokens=[...] naming the token that ends a call turn, or use another template. " + _OPTIONS
+                "stop_tokens=[...] naming the token that ends a call turn, or use another template. " + TEMPLATE_OPTIONS
             )
         self._call_stop = hit[1]
         if stop_tokens is None:
-            answer = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _A}]
+            answer = [{"role": "user", "content": "question"}, {"role": "assistant", "content": ASSISTANT_SENTINEL}]
             final = self._render(answer, add_generation_prompt=False)
-            end = self._first_special(final, final.index(_A) + len(_A), self._special) if _A in final else None
-            if end is None and _A in final:
+            end = (
+                self._first_special(final, final.index(ASSISTANT_SENTINEL) + len(ASSISTANT_SENTINEL), self._special)
+                if ASSISTANT_SENTINEL in final
+                else None
+            )
+            if end is None and ASSISTANT_SENTINEL in final:
                 self._refuse_open_final_answer(answer, final)
             stops = [self._call_stop] + ([end[1]] if end else []) + ([tok.eos_token] if tok.eos_token else [])
         self.stop_tokens = list(dict.fromkeys(stops))
@@ -212,8 +221,12 @@ class TemplateChecks:
         would be a token the template never renders after a final answer; left out, the model never learns to stop.
         """
         nxt = self._render(answer + [{"role": "user", "content": "next"}], add_generation_prompt=False)
-        opener = self._first_special(nxt, nxt.index(_A) + len(_A), self._special) if _A in nxt else None
-        tail = final[final.index(_A) + len(_A) :]
+        opener = (
+            self._first_special(nxt, nxt.index(ASSISTANT_SENTINEL) + len(ASSISTANT_SENTINEL), self._special)
+            if ASSISTANT_SENTINEL in nxt
+            else None
+        )
+        tail = final[final.index(ASSISTANT_SENTINEL) + len(ASSISTANT_SENTINEL) :]
         raise ChatTemplateError(
             "the chat template renders no control token after a final answer ("
             + (f"only {tail!r}" if tail else "the conversation ends with the answer")
@@ -222,7 +235,7 @@ class TemplateChecks:
             + ", so nothing ends the model's last turn: a stop token there would be trained as an action though the "
             "template never renders it after the answer, and without one the model cannot learn to stop. "
             + _training_alternative(type(self), self.tokenizer, self.tools, self.template_kwargs)
-            + _OPTIONS
+            + TEMPLATE_OPTIONS
         )
 
     def _generation_prompt_leaves_reasoning_open(self) -> bool:
@@ -234,9 +247,14 @@ class TemplateChecks:
         """
         probe = [
             {"role": "user", "content": "question"},
-            {"role": "assistant", "content": _A, "reasoning_content": _T, "thinking": _T},
+            {
+                "role": "assistant",
+                "content": ASSISTANT_SENTINEL,
+                "reasoning_content": TOOL_SENTINEL,
+                "thinking": TOOL_SENTINEL,
+            },
         ]
-        if _T not in self._render(probe, add_generation_prompt=False):
+        if TOOL_SENTINEL not in self._render(probe, add_generation_prompt=False):
             return False
         if "enable_thinking" in str(self.tokenizer.chat_template or ""):
             user = [{"role": "user", "content": "question"}]
@@ -276,15 +294,15 @@ class TemplateChecks:
                     f"the chat template reproduces tool turns exactly only without text before a tool call: "
                     f"what the model "
                     f"writes there is kept in the trajectory as sampled, but the template renders the history "
-                    f"differently (with it: {str(first).removesuffix(' ' + _OPTIONS)})"
+                    f"differently (with it: {str(first).removesuffix(' ' + TEMPLATE_OPTIONS)})"
                 )
                 self.notes.append(note)
                 logger.warning(note)
             return
-        a, b = (str(e).removesuffix(" " + _OPTIONS) for e in errors)
+        a, b = (str(e).removesuffix(" " + TEMPLATE_OPTIONS) for e in errors)
         if a == b:
             raise errors[0]
-        raise ChatTemplateError(f"with text before a tool call: {a} Without it: {b} {_OPTIONS}")
+        raise ChatTemplateError(f"with text before a tool call: {a} Without it: {b} {TEMPLATE_OPTIONS}")
 
     def verify(self, outputs: Sequence[str] = ("42\n", ""), *, calls_per_turn: int = 1) -> None:
         """Replay a conversation whose tool calls return ``outputs`` and check it against the template.
@@ -310,8 +328,8 @@ class TemplateChecks:
             raise ChatTemplateError(
                 f"the rollout runs up to {calls_per_turn} tool calls of one turn (parallel calls), but this chat "
                 f"template cannot follow a turn with {calls_per_turn} calls token for token: "
-                f"{str(exc).removesuffix(' ' + _OPTIONS)} Set rollout_kwargs max_tool_calls_per_turn: 1 (a turn with "
-                f"several calls is then an invalid_action), or use a template whose parallel calls are exact "
+                f"{str(exc).removesuffix(' ' + TEMPLATE_OPTIONS)} Set rollout_kwargs max_tool_calls_per_turn: 1 (a "
+                f"turn with several calls is then an invalid_action), or use a template whose parallel calls are exact "
                 f"(docs/rollout.md, 'Parallel tool calls')."
             ) from exc
 
@@ -350,23 +368,23 @@ class TemplateChecks:
             # Each call of a turn returns its own output (the first the one given, then numbered variants of it).
             results = [] if output is None else [output] + [f"{j}: {output}" for j in range(1, width)]
             messages += [self._tool_message(name, out, j) for j, out in enumerate(results)]
-            expected = _encode(tok, self._render(messages, add_generation_prompt=output is not None, tools=tools))
+            expected = encode_text(tok, self._render(messages, add_generation_prompt=output is not None, tools=tools))
             if expected[: len(prompt)] != prompt:
-                k = _first_difference(prompt, expected)
+                k = first_difference(prompt, expected)
                 raise ChatTemplateError(
                     f"the chat template is not prefix-preserving for tool turns: after assistant turn {i + 1} it "
                     f"renders the earlier conversation differently (at token {k}: {show(prompt, k)} became "
                     f"{show(expected, k)}; e.g. it strips earlier reasoning or rewrites earlier tool calls), so "
                     f"training sequences would differ from what the template shows the model. "
                     + _training_alternative(type(self), tok, self.tools, self.template_kwargs)
-                    + _OPTIONS
+                    + TEMPLATE_OPTIONS
                 )
             end = next((j for j in range(len(prompt), len(expected)) if expected[j] in self.stop_token_ids), None)
             if end is None:
                 raise ChatTemplateError(
                     f"the chat template renders assistant turn {i + 1} without any stop token "
                     f"({', '.join(self.stop_tokens)}), so generation would not stop where the template ends the "
-                    f"turn. Pass stop_tokens=[...] naming the token that ends a turn. " + _OPTIONS
+                    f"turn. Pass stop_tokens=[...] naming the token that ends a turn. " + TEMPLATE_OPTIONS
                 )
             completion = expected[len(prompt) : end + 1]
             parsed = self.parse(prompt, completion)
@@ -379,7 +397,7 @@ class TemplateChecks:
                 raise ChatTemplateError(
                     f"the tool-call parser for this chat template does not read back the template's own assistant "
                     f"turn {i + 1} ({tok.decode(completion, skip_special_tokens=False)!r} parsed as {parsed.kind}"
-                    f"{': ' + parsed.error if parsed.error else ''}). " + _OPTIONS
+                    f"{': ' + parsed.error if parsed.error else ''}). " + TEMPLATE_OPTIONS
                 )
             if output is None:
                 return
@@ -391,10 +409,10 @@ class TemplateChecks:
             ):
                 nxt = expected  # the one deliberate difference: control-token text in tool output stays text
             if nxt != expected:
-                k = _first_difference(nxt, expected)
+                k = first_difference(nxt, expected)
                 raise ChatTemplateError(
                     f"the tool turn after assistant turn {i + 1} does not tokenise as the template's rendering (at "
-                    f"token {k}: {show(nxt, k)} where the template has {show(expected, k)}). " + _OPTIONS
+                    f"token {k}: {show(nxt, k)} where the template has {show(expected, k)}). " + TEMPLATE_OPTIONS
                 )
             prompt = nxt
 

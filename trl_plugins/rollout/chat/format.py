@@ -31,14 +31,14 @@ from trl_plugins.rollout.chat.checks import TemplateChecks
 from trl_plugins.rollout.chat.marks import MARKS, escape, map_texts, texts_of, unmark
 from trl_plugins.rollout.chat.parsing import TurnParsing
 from trl_plugins.rollout.chat.vocab import (
-    _A,
-    _ARG,
-    _OPTIONS,
+    ARG_SENTINEL,
+    ASSISTANT_SENTINEL,
+    TEMPLATE_OPTIONS,
     ChatTemplateError,
     ToolTurn,
-    _encode,
-    _first_difference,
-    _placeholders,
+    encode_text,
+    first_difference,
+    placeholder_outputs,
     tokenizer_digest,
 )
 from trl_plugins.tools.base import valid_text
@@ -183,7 +183,7 @@ class ChatFormat(TemplateChecks, TurnParsing):
             roles = " -> ".join(m["role"] for m in messages)
             raise ChatTemplateError(
                 f"the chat template cannot render a tool conversation ({roles}): {type(exc).__name__}: {exc}. "
-                f"It does not support tool turns the way this rollout uses them. " + _OPTIONS
+                f"It does not support tool turns the way this rollout uses them. " + TEMPLATE_OPTIONS
             ) from exc
 
     def renders_alike(self, a: list[dict], b: list[dict]) -> bool:
@@ -221,7 +221,7 @@ class ChatFormat(TemplateChecks, TurnParsing):
 
     def _call_messages(self, *names: str) -> list[dict]:
         """A question and an assistant turn calling each of ``names`` (in one turn) with the argument placeholder."""
-        calls = [self._call(name, {self._arg_key(name): _ARG}, k) for k, name in enumerate(names)]
+        calls = [self._call(name, {self._arg_key(name): ARG_SENTINEL}, k) for k, name in enumerate(names)]
         return [{"role": "user", "content": "question"}, {"role": "assistant", "content": "", "tool_calls": calls}]
 
     def _first_special(self, text: str, start: int, strings: Sequence[str]) -> tuple[int, str] | None:
@@ -289,14 +289,15 @@ class ChatFormat(TemplateChecks, TurnParsing):
     def _turn_start(self, names: tuple[str, ...]) -> int:
         """Where the tool turn starts in the rendering of a turn calling ``names``: at the stop token ending the
         calls."""
-        rendered = self._rendering(names, _placeholders(len(names)))
+        rendered = self._rendering(names, placeholder_outputs(len(names)))
         return rendered.index(
-            self._call_stop, rendered.rindex(_ARG, 0, rendered.index(_placeholders(len(names))[0])) + len(_ARG)
+            self._call_stop,
+            rendered.rindex(ARG_SENTINEL, 0, rendered.index(placeholder_outputs(len(names))[0])) + len(ARG_SENTINEL),
         )
 
     @lru_cache(maxsize=64)  # noqa: B019 - one ChatFormat per run; the cache is per (self, tool names)
     def _placeholder_glue(self, names: tuple[str, ...]) -> str:
-        return self._glue(names, _placeholders(len(names)))
+        return self._glue(names, placeholder_outputs(len(names)))
 
     def _glue(self, names: tuple[str, ...], outputs: Sequence[str]) -> str:
         """The template's rendering after a turn calling ``names`` whose tool messages hold ``outputs``, from the stop
@@ -388,10 +389,13 @@ class ChatFormat(TemplateChecks, TurnParsing):
                 completion_ids, [(n, m.get("content") or "") for n, m in zip(called, messages)], max_tokens=max_tokens
             )
         if called:
-            probe, anchor = self._call_messages(*called), _ARG
+            probe, anchor = self._call_messages(*called), ARG_SENTINEL
         else:
-            probe, anchor = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _A}], _A
-        slots = _placeholders(len(messages))
+            probe, anchor = (
+                [{"role": "user", "content": "question"}, {"role": "assistant", "content": ASSISTANT_SENTINEL}],
+                ASSISTANT_SENTINEL,
+            )
+        slots = placeholder_outputs(len(messages))
         texts = [valid_text(m.get("content") or "") for m in messages]
 
         def render(contents: Sequence[str]) -> str:
@@ -414,8 +418,8 @@ class ChatFormat(TemplateChecks, TurnParsing):
             after = len(previous) - at - len(current[k])
             current[k] = text
             rendered = render(current)
-            lo = min(_first_difference(rendered, previous), at)
-            hi = len(rendered) - min(_first_difference(rendered[::-1], previous[::-1]), after)
+            lo = min(first_difference(rendered, previous), at)
+            hi = len(rendered) - min(first_difference(rendered[::-1], previous[::-1]), after)
             regions.append((lo - start, max(hi, lo) - start))
             previous = rendered
         ids, sources, _ = self._tokenize_turn(previous[start:], regions)
@@ -436,7 +440,7 @@ class ChatFormat(TemplateChecks, TurnParsing):
         rest placeholders differs from the one with ``0..k-1`` filled in only around output ``k`` (what the template
         wrote for it, trimmed or escaped), so text an output shares with the template's markup cannot confuse it.
         """
-        current = list(_placeholders(len(names)))
+        current = list(placeholder_outputs(len(names)))
         previous = self._placeholder_glue(names)
         regions = []
         for k, text in enumerate(texts):
@@ -444,8 +448,8 @@ class ChatFormat(TemplateChecks, TurnParsing):
             after = len(previous) - at - len(current[k])
             current[k] = text
             glue = self._glue(names, current)
-            lo = min(_first_difference(glue, previous), at)
-            hi = len(glue) - min(_first_difference(glue[::-1], previous[::-1]), after)
+            lo = min(first_difference(glue, previous), at)
+            hi = len(glue) - min(first_difference(glue[::-1], previous[::-1]), after)
             regions.append((lo, max(hi, lo)))
             previous = glue
         ids, sources, owners = self._tokenize_turn(previous, regions)
@@ -482,7 +486,7 @@ class ChatFormat(TemplateChecks, TurnParsing):
         # A marker tells the model output was cut; it may take at most a quarter of the budget. Counting characters,
         # its number is known once the cut is: the search runs with the largest it can be, then it is set.
         first = counted(len(text)) if before is not None else f"[... {full - max_tokens} earlier tokens cut ...]\n"
-        markers = [m for m in (first, "[...]\n") if len(_encode(self.tokenizer, m)) <= max_tokens // 4] + [""]
+        markers = [m for m in (first, "[...]\n") if len(encode_text(self.tokenizer, m)) <= max_tokens // 4] + [""]
         marker = next(m for m in markers if not m or count(m) <= max_tokens)
         fitting = {len(text)}
 

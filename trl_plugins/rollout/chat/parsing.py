@@ -7,7 +7,7 @@ import re
 from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
-from trl_plugins.rollout.chat.vocab import ParsedCall, ParsedTurn, TurnKind, _first_difference, _placeholders
+from trl_plugins.rollout.chat.vocab import ParsedCall, ParsedTurn, TurnKind, first_difference, placeholder_outputs
 from trl_plugins.tools.base import check_arguments
 
 __all__ = ["TurnParsing"]
@@ -24,14 +24,14 @@ class TurnParsing:
 
         calls = json.loads(calls_json)
         names = tuple(name for name, _ in calls)
-        placeholders = _placeholders(len(calls))
+        placeholders = placeholder_outputs(len(calls))
         messages = [
             {"role": "user", "content": "question"},
             {"role": "assistant", "content": "", "tool_calls": [self._call(n, a, k) for k, (n, a) in enumerate(calls)]},
             *[self._tool_message(n, p, k) for k, (n, p) in enumerate(zip(names, placeholders))],
         ]
         rendered = self._render(messages, add_generation_prompt=True)
-        start = _first_difference(rendered, self._generation_prompt_text)
+        start = first_difference(rendered, self._generation_prompt_text)
         end = rendered.index(placeholders[0])
         stop = rendered.rfind(self._call_stop, start, end)
         call = rendered[start : stop if stop >= 0 else end]
@@ -48,7 +48,7 @@ class TurnParsing:
         """The text that opens a call (``<tool_call>``, ``<|tool_call>call:``, ``{"name": "``)."""
         name = self._tool_name()
         rendered = self._render(self._call_messages(name), add_generation_prompt=False)
-        start = _first_difference(rendered, self._generation_prompt_text)
+        start = first_difference(rendered, self._generation_prompt_text)
         segment = rendered[start : rendered.index(name, start)]
         added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
         hits = [(segment.rfind(s), s) for s in added if s in segment]  # the control token nearest the name

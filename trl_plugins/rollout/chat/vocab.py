@@ -12,9 +12,9 @@ from trl_plugins.types import TokenSource
 
 __all__ = ["ChatTemplateError", "TurnKind", "ParsedCall", "ParsedTurn", "ToolTurn", "tokenizer_digest"]
 
-_A = "ASSISTANT_SENTINEL_7f3a"
-_T = "TOOL_SENTINEL_9c2e"
-_ARG = "ARG_SENTINEL_5d1b"
+ASSISTANT_SENTINEL = "ASSISTANT_SENTINEL_7f3a"
+TOOL_SENTINEL = "TOOL_SENTINEL_9c2e"
+ARG_SENTINEL = "ARG_SENTINEL_5d1b"
 
 
 class ChatTemplateError(ValueError):
@@ -87,20 +87,20 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _placeholders(n: int) -> tuple[str, ...]:
+def placeholder_outputs(n: int) -> tuple[str, ...]:
     """A placeholder output per call of a turn with ``n`` calls, none a prefix of another."""
-    return (_T,) if n == 1 else tuple(f"{_T}_{k}_" for k in range(n))
+    return (TOOL_SENTINEL,) if n == 1 else tuple(f"{TOOL_SENTINEL}_{k}_" for k in range(n))
 
 
-def _first_difference(a: Sequence, b: Sequence) -> int:
+def first_difference(a: Sequence, b: Sequence) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-_OPTIONS = (
+TEMPLATE_OPTIONS = (
     "Options: (1) use a chat template that renders tool turns and keeps the history verbatim (TRL's "
     "`_training` templates do: `from trl.chat_template_utils import get_training_chat_template; "
     "tokenizer.chat_template = get_training_chat_template(tokenizer)`, or one of the templates listed as exact "
