@@ -1,5 +1,5 @@
 """Jobs for ``retool.launch.run_in_child`` tests, in a module that imports nothing heavy: a child that unpickles one
-of them imports only this (a job from test_recipe.py would import torch and TRL first, seconds per child)."""
+of them imports only this (a job defined in test_recipe.py would import torch and TRL first, seconds per child)."""
 
 from __future__ import annotations
 

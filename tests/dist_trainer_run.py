@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_trainer import TokenReward  # noqa: E402
+from support.trainer import TokenReward  # noqa: E402
 from trl_plugins.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer, TrainingInterrupted  # noqa: E402
 
@@ -136,7 +136,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--broken_world",
         action="store_true",
         help="every trajectory of rank 1 and one of rank 0 end "
-        "environment_error (test_trainer:RankBrokenWorldRollout): over max_environment_error_rate",
+        "environment_error (support.trainer:RankBrokenWorldRollout): over max_environment_error_rate",
     )
     ap.add_argument("--constant_reward", action="store_true", help="a reward of 1 for every trajectory: no update")
     ap.add_argument(
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> None:
         **({"advantage": "gae", "critic_learning_rate": 1e-2, "critic_optim": "sgd"} if args.gae else {}),
         **(
             {
-                "rollout": "test_trainer:ScriptedToolRollout",
+                "rollout": "support.trainer:ScriptedToolRollout",
                 "reward_time_limit_s": 0.5,
                 "max_verifier_error_rate": 0.9,
                 "max_environment_error_rate": 0.9,
@@ -207,9 +207,9 @@ def run(args: argparse.Namespace) -> None:
             if args.flaky
             else {}
         ),
-        **({"rollout": "test_trainer:PerRowSeedRollout"} if args.per_row_seed else {}),
-        **({"rollout": "test_trainer:SlowToolRollout"} if args.slow_tool else {}),
-        **({"rollout": "test_trainer:RankBrokenWorldRollout"} if args.broken_world else {}),
+        **({"rollout": "support.trainer:PerRowSeedRollout"} if args.per_row_seed else {}),
+        **({"rollout": "support.trainer:SlowToolRollout"} if args.slow_tool else {}),
+        **({"rollout": "support.trainer:RankBrokenWorldRollout"} if args.broken_world else {}),
         **(
             {"dynamic_sampling": True, "dynamic_sampling_max_groups": args.dynamic_sampling}
             if args.dynamic_sampling
@@ -231,12 +231,12 @@ def run(args: argparse.Namespace) -> None:
     )
     reward = SlotReward() if args.slot_reward else TokenReward()
     if args.constant_reward:
-        from test_trainer import ConstantReward
+        from support.trainer import ConstantReward
 
         reward = ConstantReward()
     extra = {}
     if args.flaky:
-        from test_trainer import FlakyCodeTool, PickyVerifier
+        from support.trainer import FlakyCodeTool, PickyVerifier
 
         reward, extra = PickyVerifier(), {"tools": {"code_interpreter": FlakyCodeTool()}}
     if args.lora:

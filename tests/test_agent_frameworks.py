@@ -19,12 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from test_agent_endpoint import SCHEMA, EchoTool, chat, run_code  # noqa: F401 - chat is a fixture
+from support.endpoint import SCHEMA, EchoTool, endpoint_chat, run_code
 from trl_plugins.rollout import ChatFormat, RolloutQuestion, RolloutRequest, ScriptedBackend
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
 from trl_plugins.rollout.endpoint.agent import NOTHING_ASKED, _load
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.types import StopReason
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return endpoint_chat()
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

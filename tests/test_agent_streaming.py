@@ -7,8 +7,14 @@ import json
 
 import pytest
 
-from test_agent_endpoint import SCHEMA, chat, request, run_code, tool_agent  # noqa: F401 - chat is a fixture
+from support.endpoint import SCHEMA, endpoint_chat, request, run_code, tool_agent
 from trl_plugins.rollout.endpoint import AgentEndpointRollout
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return endpoint_chat()
+
 
 SEEN: list = []
 

@@ -16,28 +16,22 @@ import time
 import pytest
 import torch
 
-from test_trainer import TokenReward, _config, _dataset
-from test_vllm import _same_weights, _train, patched, saved  # noqa: F401 - fixtures
+from support.trainer import TokenReward, tiny_config, tiny_dataset, tiny_trainer
+from support.vllm import install_fake_vllm, same_weights, save_tiny_model, train_with_vllm
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory)
+
+
+@pytest.fixture()
+def patched(monkeypatch):
+    return install_fake_vllm(monkeypatch)
+
+
 HERE = os.path.dirname(__file__)
-
-
-def _trainer(tmp_path, n_rows=8, **overrides):
-    from trl_plugins.trainers import MultiTurnGRPOTrainer
-
-    tok = build_tokenizer("qwen2_5")
-    torch.manual_seed(0)
-    model = build_tiny_model(tok)
-    overrides.setdefault("per_device_train_batch_size", 8)  # 4 questions x 2 per step: 2 steps per epoch of 8 rows
-    trainer = MultiTurnGRPOTrainer(
-        model,
-        _config(tmp_path, **overrides),
-        train_dataset=_dataset(n_rows),
-        processing_class=tok,
-        reward_components={"length": TokenReward()},
-    )
-    return trainer
 
 
 def _record_batches(trainer):
@@ -85,19 +79,19 @@ def _records(tmp_path):
 )
 def test_settings_are_honoured_or_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
-        _config(tmp_path, **overrides)
+        tiny_config(tmp_path, **overrides)
 
 
 def test_what_is_not_built_yet_is_refused_before_anything_loads(tmp_path):
-    c = _config(tmp_path, async_rollouts=True)
+    c = tiny_config(tmp_path, async_rollouts=True)
     assert c.async_unavailable({}) == []
     c.use_vllm, c.vllm_mode = True, "colocate"  # (vLLM itself is not installed here)
     assert "vLLM colocate mode" in c.async_unavailable({})[0]
     c.vllm_mode = "server"
     assert c.async_unavailable({}) == []
     with pytest.raises(ValueError, match=r"not available with num_iterations=2.*Or set max_staleness=0"):
-        _config(tmp_path, async_rollouts=True, num_iterations=2)
-    _config(tmp_path, async_rollouts=True, max_staleness=0, num_iterations=2)  # the synchronous loop does it
+        tiny_config(tmp_path, async_rollouts=True, num_iterations=2)
+    tiny_config(tmp_path, async_rollouts=True, max_staleness=0, num_iterations=2)  # the synchronous loop does it
 
 
 def test_span_losses_are_refused_with_the_decoupled_objective(tmp_path):
@@ -106,10 +100,10 @@ def test_span_losses_are_refused_with_the_decoupled_objective(tmp_path):
     # The decoupled objective weighs tokens by pi_prox / pi_behaviour: a loss that drops the weights cannot train it.
     with pytest.raises(ValueError, match="supports_is_weights"):
         resolve_run(
-            _config(tmp_path, async_rollouts=True, policy_loss="gspo"), reward_components={"length": TokenReward()}
+            tiny_config(tmp_path, async_rollouts=True, policy_loss="gspo"), reward_components={"length": TokenReward()}
         )
     run = resolve_run(
-        _config(tmp_path, async_rollouts=True, policy_loss="gspo", off_policy_objective="behaviour"),
+        tiny_config(tmp_path, async_rollouts=True, policy_loss="gspo", off_policy_objective="behaviour"),
         reward_components={"length": TokenReward()},
     )
     run.close()
@@ -155,8 +149,8 @@ def test_async_rollouts_train_a_lora_adapter(tmp_path):
     torch.manual_seed(0)
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, learning_rate=5e-2),
-        train_dataset=_dataset(12),
+        tiny_config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, learning_rate=5e-2),
+        train_dataset=tiny_dataset(12),
         processing_class=tok,
         reward_components={"length": TokenReward()},
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
@@ -170,7 +164,7 @@ def test_async_rollouts_train_a_lora_adapter(tmp_path):
 
 
 def test_the_decoupled_weight_is_per_token_unless_chosen():
-    from test_trainer import _config as cfg
+    from support.trainer import tiny_config as cfg
 
     assert cfg("/tmp/x", async_rollouts=True).vllm_importance_sampling_mode == "token_truncate"
     assert (
@@ -187,7 +181,7 @@ def test_off_policy_figures_by_hand():
     import random
 
     from conftest import make_trajectory
-    from test_trainer import _config as cfg
+    from support.trainer import tiny_config as cfg
     from trl_plugins.datum import build_datum
     from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
 
@@ -229,7 +223,7 @@ def test_off_policy_figures_by_hand():
 def synchronous_twin(tmp_path_factory):
     """The synchronous loop on the async tests' workload (12 rows, 4 per step: 3 steps per epoch, 6 steps): each
     step's rows and batch, and the final parameters."""
-    trainer = _trainer(tmp_path_factory.mktemp("sync"), n_rows=12, max_steps=6)
+    trainer = tiny_trainer(tmp_path_factory.mktemp("sync"), n_rows=12, max_steps=6)
     seen = _record_batches(trainer)
     trainer.train()
     return seen, [p.detach().clone() for p in trainer.model.parameters()]
@@ -237,7 +231,7 @@ def synchronous_twin(tmp_path_factory):
 
 @pytest.mark.slow
 def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(tmp_path, synchronous_twin):
-    trainer = _trainer(tmp_path, n_rows=12, max_steps=6, async_rollouts=True, max_staleness=0)
+    trainer = tiny_trainer(tmp_path, n_rows=12, max_steps=6, async_rollouts=True, max_staleness=0)
     trainer.train()
     assert trainer._async is None
     assert all(torch.equal(a, b.detach()) for a, b in zip(synchronous_twin[1], trainer.model.parameters()))
@@ -250,7 +244,7 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, synchr
     # weights of step - k or newer: the read-ahead stays within an epoch (the HF loop makes the next epoch's loader
     # only when this one ends), so the first batches of an epoch are queued when it starts, with that step's weights.
     sync_seen, _ = synchronous_twin
-    trainer = _trainer(tmp_path, n_rows=12, max_steps=6, async_rollouts=True, max_staleness=k)
+    trainer = tiny_trainer(tmp_path, n_rows=12, max_steps=6, async_rollouts=True, max_staleness=k)
     seen = _record_batches(trainer)
     snapshots = _capture_updates(trainer)
     trainer.train()
@@ -266,7 +260,7 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, synchr
             assert x.completion_logprobs == pytest.approx(y.completion_logprobs, abs=1e-5)
     for epoch in range(2):
         rows = [r for s, rs, _ in seen[3 * epoch : 3 * epoch + 3] for r in rs]
-        assert sorted(rows) == sorted(r["prompt"] for r in _dataset(12))
+        assert sorted(rows) == sorted(r["prompt"] for r in tiny_dataset(12))
     # Pacing: batch s is queued once the weights of step s - k are pushed; the replica runs queued batches in order.
     assert [batch.policy_step for _, _, batch in seen] == versions
     for step, _, batch in seen:
@@ -335,7 +329,7 @@ def test_a_weight_push_that_does_nothing_stops_the_run(tmp_path, monkeypatch):
     from trl_plugins.trainers import async_rollouts
     from trl_plugins.trainers.async_rollouts import OffPolicyDrift
 
-    trainer = _trainer(tmp_path, max_steps=3, async_rollouts=True)
+    trainer = tiny_trainer(tmp_path, max_steps=3, async_rollouts=True)
     first = async_rollouts.cpu_state_dict(trainer.model)
     monkeypatch.setattr(async_rollouts, "cpu_state_dict", lambda model: first)  # the replica keeps step 0's weights
     with pytest.raises(
@@ -349,7 +343,7 @@ def test_a_weight_push_that_does_nothing_stops_the_run(tmp_path, monkeypatch):
 def test_a_failing_replica_names_its_error_and_leaves_no_process(tmp_path):
     from trl_plugins.trainers.replica import ReplicaError
 
-    trainer = _trainer(
+    trainer = tiny_trainer(
         tmp_path,
         max_steps=2,
         async_rollouts=True,
@@ -388,7 +382,7 @@ _JOB = textwrap.dedent("""
     import json, os, signal, sys
     sys.path.insert(0, {tests!r})
     from transformers import TrainerCallback
-    from test_async_rollouts import _trainer
+    from support.trainer import tiny_trainer
     from pathlib import Path
 
     out, mode, at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -406,7 +400,7 @@ _JOB = textwrap.dedent("""
             if mode.endswith("kill") and state.global_step == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer = _trainer(out, n_rows=8, max_steps=6, async_rollouts=True, max_staleness=2, save_strategy="steps",
+    trainer = tiny_trainer(out, n_rows=8, max_steps=6, async_rollouts=True, max_staleness=2, save_strategy="steps",
                        save_steps=2)
     trainer.add_callback(Record())
     trainer.train(resume_from_checkpoint=mode.startswith("resume"))
@@ -449,7 +443,7 @@ def test_stops_in_the_middle_then_resumes_train_each_row_once(tmp_path):
     final = {}
     for r in records:  # a step the kill cut short is trained again after the resume: the last record counts
         final[r["step"]] = r["rows"]
-    everything = sorted(r["prompt"] for r in _dataset(8))
+    everything = sorted(r["prompt"] for r in tiny_dataset(8))
     for epoch in range(3):
         assert sorted(final[2 * epoch + 1] + final[2 * epoch + 2]) == everything
 
@@ -463,7 +457,7 @@ def test_async_rollouts_against_a_vllm_server(tmp_path, saved, patched):
 
     path = saved[0]
     with fake.FakeVLLMServer(path) as server:
-        trainer, seen = _train(
+        trainer, seen = train_with_vllm(
             tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url, max_steps=3, async_rollouts=True
         )
         # 4 rows, 2 per step: steps 0 and 2 start an epoch (sampled by their own step's weights), step 1 was queued
@@ -479,7 +473,7 @@ def test_async_rollouts_against_a_vllm_server(tmp_path, saved, patched):
         assert trainer._async.producer is None  # the rollout threads stopped when training ended
         # After training (an evaluation of the trained model), the sampler still syncs through a drained push.
         trainer.generation_backend().sync_weights(trainer.state.global_step)
-        assert _same_weights(server.engine.model, trainer)
+        assert same_weights(server.engine.model, trainer)
 
 
 @pytest.mark.slow
@@ -491,7 +485,7 @@ def test_a_server_whose_logprobs_are_off_stops_the_run_at_the_probe(tmp_path, sa
 
     with fake.FakeVLLMServer(saved[0], logprob_shift=0.5) as server:
         with pytest.raises(OffPolicyDrift, match=r"weight-push probe: after the push of step 0's weights.* by 0.5"):
-            _train(
+            train_with_vllm(
                 tmp_path,
                 saved[0],
                 vllm_mode="server",
@@ -518,8 +512,8 @@ def test_async_rollouts_with_dynamic_sampling_refill_in_the_trainer(tmp_path):
     torch.manual_seed(0)
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, dynamic_sampling=True),
-        train_dataset=_dataset(12),
+        tiny_config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, dynamic_sampling=True),
+        train_dataset=tiny_dataset(12),
         processing_class=tok,
         reward_components={"length": HalfConstantReward()},
     )
@@ -540,7 +534,7 @@ def test_turns_record_the_weights_that_sampled_them_when_weights_change_mid_traj
     # the version it started with, its turns say which weights sampled each, and its datum carries them per token.
     import threading
 
-    from test_rollout import SCHEMA, FakeTool, scripted
+    from support.rollout import SCHEMA, FakeTool, scripted
     from trl_plugins.datum import build_datum
     from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest
     from trl_plugins.trainers.replica import StampedSampler

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import code_schema
+from support.rollout import make_backend
 from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
@@ -30,20 +31,6 @@ def setup():
 
 
 BACKENDS = ["hf", "continuous_batching"]
-
-
-def make_backend(kind, setup, **sampling):
-    tok, chat, model, _ = setup
-    if kind == "continuous_batching":
-        from trl_plugins.rollout.continuous_batching import ContinuousBatchingBackend, continuous_batching_config
-
-        config = continuous_batching_config({"page_size": 16, "num_blocks": 64, "max_batch_tokens": 256})
-        return ContinuousBatchingBackend(
-            model, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling), config=config
-        )
-    return HFGenerationBackend(
-        model, pad_token_id=tok.pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=SamplingSettings(**sampling)
-    )
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

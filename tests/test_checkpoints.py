@@ -7,53 +7,17 @@ import json
 import os
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
+from support.checkpoints import fake_checkpoint, snapshot, truncate
 from trl_plugins.trainers.checkpoints import (
     COMPLETE_MARKER,
     CheckpointDamaged,
     check_checkpoint,
     latest_complete_checkpoint,
-    mark_complete,
     resolve_resume,
     set_aside_damaged,
     trim_metrics_log,
 )
-
-
-def fake_checkpoint(folder, step, *, deepspeed=False, marker=True):
-    """What the HF Trainer saves (weights, optimizer, scheduler, trainer state), small, plus our marker."""
-    folder.mkdir(parents=True)
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
-    (folder / "config.json").write_text("{}")
-    if deepspeed:
-        tag = folder / f"global_step{step}"
-        tag.mkdir()
-        torch.save({"module": {"w": torch.zeros(8)}}, tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-        torch.save({"optimizer_state_dict": {"m": torch.zeros(64)}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-        (folder / "latest").write_text(f"global_step{step}")
-    else:
-        save_file({"w": torch.arange(64, dtype=torch.float32).reshape(8, 8)}, str(folder / "model.safetensors"))
-        torch.save({"state": {0: {"exp_avg": torch.zeros(64)}}}, folder / "optimizer.pt")
-        torch.save({"last_epoch": step}, folder / "scheduler.pt")
-    if marker:
-        mark_complete(str(folder), global_step=step, tokenizer_digest="d")
-    return folder
-
-
-def snapshot(root):
-    """Every file under ``root`` with its bytes: what 'nothing was deleted or changed' compares."""
-    return {
-        os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
-        for d, _, names in os.walk(root)
-        for n in names
-    }
-
-
-def truncate(path, by=16):
-    data = path.read_bytes()
-    path.write_bytes(data[:-by])
 
 
 def test_the_marker_records_every_file_and_its_size(tmp_path):

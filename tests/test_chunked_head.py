@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import rel_err
-from test_shared_prefix import _model, group_datums
+from support.prefix import group_datums, small_model
 from trl_plugins.datum import collate
 from trl_plugins.modeling import micro_batch_logprobs
 from trl_plugins.modeling.chunked_head import auto_chunk_size, chunkable, logprob_chunk_size
@@ -90,7 +90,7 @@ def _compare(model, layout, *, temperature=0.7, chunk=CHUNK, chunked=True):
     ],
 )
 def test_chunked_log_probs_entropy_and_gradients_equal_the_full_logits(arch, layout):
-    model = (_tied() if arch == "tied" else _model(arch)).train()
+    model = (_tied() if arch == "tied" else small_model(arch)).train()
     if arch == "tied":
         assert model.lm_head.weight is model.model.embed_tokens.weight
     _compare(model, layout)
@@ -101,7 +101,7 @@ def test_lora_with_or_without_adapters_on_the_head(targets):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(
-        _model("qwen2_sdpa"), LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        small_model("qwen2_sdpa"), LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     ).train()
     assert chunkable(model)
     _compare(model, "shared_prefix", temperature=1.3)
@@ -117,7 +117,7 @@ def test_an_adapters_dropout_on_the_head_draws_the_same_masks_in_the_backwards_r
 
     torch.manual_seed(0)
     model = get_peft_model(
-        _model("qwen2_sdpa"),
+        small_model("qwen2_sdpa"),
         LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], lora_dropout=0.5, init_lora_weights=False),
     ).train()
     head = output_head(model)
@@ -149,7 +149,7 @@ def test_an_adapters_dropout_on_the_head_draws_the_same_masks_in_the_backwards_r
 
 @pytest.mark.parametrize("layout", ["padding_free", "shared_prefix"])
 def test_under_activation_checkpointing(layout):
-    model = _model("qwen2_sdpa").train()
+    model = small_model("qwen2_sdpa").train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _compare(model, layout, temperature=1.0)
 
@@ -169,7 +169,7 @@ class CountingHead(torch.nn.Linear):
 
 @pytest.mark.parametrize("layout", ["padded", "padding_free", "shared_prefix"])
 def test_the_vocabulary_is_never_projected_for_more_than_one_chunk(layout):
-    model = _model("qwen2_sdpa").train()
+    model = small_model("qwen2_sdpa").train()
     model.lm_head = CountingHead(model.lm_head)
     mb = _layout(group_datums(groups=2, size=2), layout)
     n_action = int(mb.action_mask.sum())
@@ -187,7 +187,7 @@ def test_the_vocabulary_is_never_projected_for_more_than_one_chunk(layout):
 def test_the_chunk_size_comes_from_the_config_or_the_vocabulary_and_a_memory_budget():
     from types import SimpleNamespace
 
-    model = _model("qwen2_sdpa")
+    model = small_model("qwen2_sdpa")
     # 256 MiB / (151,936 x 4 bytes x 4 copies) = 110.4 -> 110 positions; tiny vocabularies are capped by memory only.
     assert auto_chunk_size(151_936) == 110 and auto_chunk_size(151_936, 64 * 2**20) == 27
     assert auto_chunk_size(10**9) == 16  # at least 16 positions
@@ -197,7 +197,7 @@ def test_the_chunk_size_comes_from_the_config_or_the_vocabulary_and_a_memory_bud
 
 
 def test_a_model_whose_logits_are_more_than_its_head_keeps_the_full_logits():
-    model = _model("qwen2_sdpa")
+    model = small_model("qwen2_sdpa")
     model.config.final_logit_softcapping = 30.0  # Gemma 2's soft-capping happens after lm_head
     assert not chunkable(model)
     model.config.final_logit_softcapping = None
@@ -250,7 +250,7 @@ def test_a_forward_hook_on_the_head_keeps_the_full_logits_and_still_shapes_them(
     # A hook on lm_head (a logit bias a library adds, say) would meet the hidden states the chunks pass through, or
     # be skipped by the head that runs every chunk in one autograd function: such a model keeps the full logits,
     # hook and all (values and gradients as the reference's, which runs it).
-    model = _model("qwen2_sdpa")
+    model = small_model("qwen2_sdpa")
     bias = torch.linspace(-2.0, 2.0, model.config.vocab_size)
     handle = model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
     assert not chunkable(model)

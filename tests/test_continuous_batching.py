@@ -266,8 +266,8 @@ def test_the_wrapped_transformers_internals_keep_their_shape():
 def _train(tmp_path, **overrides):
     import json
 
-    from test_trainer import TokenReward, _dataset
-    from test_trainer import _config as trainer_config
+    from support.trainer import TokenReward, tiny_dataset
+    from support.trainer import tiny_config as trainer_config
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
@@ -275,7 +275,7 @@ def _train(tmp_path, **overrides):
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
         config,
-        train_dataset=_dataset(),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ASSETS
+from support.tools import EchoTool, MedianTool, RaisingTool, echo_schema
 from trl_plugins.contracts import (
     ContractError,
     check_advantage_contract,
@@ -204,28 +205,6 @@ class _VagueSuccess:
         return "yes" if value > 0 else ""
 
 
-def _schema(name="raiser", **function):
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": "Echo the text.",
-            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
-            **function,
-        },
-    }
-
-
-class _RaisingTool:
-    name = "raiser"
-
-    def schema(self):
-        return _schema()
-
-    async def __call__(self, arguments):
-        return ToolOutput(text=arguments["text"], ok=True)  # KeyError on arguments without "text"
-
-
 class _NoSchemaTool:
     name = "schemaless"
 
@@ -233,53 +212,41 @@ class _NoSchemaTool:
         return ToolOutput(text="", ok=True)
 
 
-class _MisnamedTool(_RaisingTool):
+class _MisnamedTool(RaisingTool):
     def schema(self):
-        return _schema(name="other")
+        return echo_schema(name="other")
 
 
-class _UndescribedTool(_RaisingTool):
+class _UndescribedTool(RaisingTool):
     def schema(self):
-        schema = _schema()
+        schema = echo_schema()
         del schema["function"]["description"]
         return schema
 
 
-class _StringTool(_RaisingTool):
+class _StringTool(RaisingTool):
     async def __call__(self, arguments):
         return str(arguments.get("text"))
 
 
-class _SyncTool(_RaisingTool):
+class _SyncTool(RaisingTool):
     def __call__(self, arguments):
         return ToolOutput(text="", ok=True)
 
 
-class _AcceptsAnythingTool(_RaisingTool):
+class _AcceptsAnythingTool(RaisingTool):
     async def __call__(self, arguments):
         return ToolOutput(text=str(arguments), ok=True)
 
 
-class _BlamesInfraTool(_RaisingTool):
+class _BlamesInfraTool(RaisingTool):
     async def __call__(self, arguments):
         if not isinstance(arguments.get("text"), str):
             return ToolOutput(text="", ok=False, infra_error="bad arguments")
         return ToolOutput(text=arguments["text"], ok=True)
 
 
-class _EchoTool(_RaisingTool):
-    """Keeps the contract: the base of the broken ones below."""
-
-    async def __call__(self, arguments):
-        if not isinstance(arguments.get("text"), str):
-            return ToolOutput(text="Error: text must be a string", ok=False)
-        return ToolOutput(text=arguments["text"], ok=True)
-
-    def close(self):
-        pass
-
-
-class _CloseOnceTool(_EchoTool):
+class _CloseOnceTool(EchoTool):
     def __init__(self):
         self.closed = False
 
@@ -287,14 +254,6 @@ class _CloseOnceTool(_EchoTool):
         if self.closed:
             raise RuntimeError("already closed")
         self.closed = True
-
-
-class _MedianTool(_EchoTool):
-    def step_metrics(self):
-        return {"echo/calls": 1.0}
-
-    def step_metric_reductions(self):
-        return {"echo/calls": "median"}
 
 
 class _NoBudgetRollout:
@@ -503,7 +462,7 @@ def test_reward_contract_takes_the_authors_trajectories_and_example():
 @pytest.mark.parametrize(
     "plugin, message",
     [
-        (_RaisingTool(), r"tools plugin _RaisingTool: raised KeyError: 'text' on arguments \{\}. A tool never raises"),
+        (RaisingTool(), r"tools plugin RaisingTool: raised KeyError: 'text' on arguments \{\}. A tool never raises"),
         (_NoSchemaTool(), r"tools plugin _NoSchemaTool: is not a tool: it needs a name, a schema\(\) method"),
         (
             _MisnamedTool(),
@@ -519,7 +478,7 @@ def test_reward_contract_takes_the_authors_trajectories_and_example():
         ),
         (_BlamesInfraTool(), r"_BlamesInfraTool: returned ok=False, infra_error='bad arguments' for arguments \{\}"),
         (_CloseOnceTool(), r"_CloseOnceTool: close\(\) raised RuntimeError: already closed \(it must be idempotent\)"),
-        (_MedianTool(), r"_MedianTool: step_metric_reductions\(\) returned \{'echo/calls': 'median'\}"),
+        (MedianTool(), r"MedianTool: step_metric_reductions\(\) returned \{'echo/calls': 'median'\}"),
     ],
     ids=[
         "raises-on-bad-arguments",
@@ -540,7 +499,7 @@ def test_tool_contract_catches(plugin, message):
 
 
 def test_tool_contract_checks_the_authors_arguments_against_the_schema():
-    tool = _EchoTool()
+    tool = EchoTool()
     check_tool_contract(tool, arguments={"text": "hello"})
     with pytest.raises(
         ContractError,

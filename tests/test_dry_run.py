@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s, refusing
-from test_recipe import ROOT, _recipe_module
+from support.recipes import ROOT, recipe_module
 
 
 def _listing(folder: Path) -> list[tuple[str, int, int]]:
@@ -76,7 +76,7 @@ def test_a_dry_run_of_the_embedded_default_on_an_empty_cache_takes_seconds_and_l
 def test_a_dry_run_at_a_filled_output_dir_refuses_it_or_says_what_would_move_and_moves_nothing(
     tmp_path, monkeypatch, no_child_no_tracker, capsys
 ):
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))  # empty: the embedded default stands in
     out = tmp_path / "out"
     _earlier_run(out)
@@ -101,7 +101,7 @@ def test_a_dry_run_at_a_filled_output_dir_refuses_it_or_says_what_would_move_and
 def test_a_dry_run_refuses_a_bad_chat_template_with_the_runs_refusal(tmp_path, no_child_no_tracker):
     from trl_plugins.tiny import build_tokenizer
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     tokenizer_dir = tmp_path / "qwen3-tokenizer"  # a tokenizer only: a dry run never asks for weights
     build_tokenizer("qwen3").save_pretrained(tokenizer_dir)
     script_args, args = retool_ppo.parse_args(
@@ -145,7 +145,7 @@ def test_a_dry_run_refuses_a_bad_chat_template_with_the_runs_refusal(tmp_path, n
 def test_a_dry_run_refuses_an_update_that_cannot_run_here_before_the_model_loads(
     flags, match, tmp_path, monkeypatch, no_child_no_tracker
 ):
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path / "cache"))
     script_args, args = retool_ppo.parse_args(
         ["--dry_run", "true", "--output_dir", str(tmp_path / "out"), "--report_to", "none", *flags]

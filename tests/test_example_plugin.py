@@ -362,7 +362,7 @@ class ConstantReward:
 
 def test_the_run_refuses_what_the_example_plugins_cannot_have(example, tmp_path):
     # The declarations take part in the run's checks, named by their entry-point names.
-    from test_trainer import _config
+    from support.trainer import tiny_config
     from trl_plugins.run import resolve_run
 
     # rank's needs_values = False: critic settings are refused, since no critic would run.
@@ -370,7 +370,7 @@ def test_the_run_refuses_what_the_example_plugins_cannot_have(example, tmp_path)
         ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'rank' runs none"
     ):
         resolve_run(
-            _config(tmp_path, advantage="rank", critic_learning_rate=1e-4),
+            tiny_config(tmp_path, advantage="rank", critic_learning_rate=1e-4),
             reward_components={"length": ConstantReward()},
         )
     # (needs_groups = True would refuse num_generations < 2, but TRL's GRPOConfig refuses that first, for every estimator.)
@@ -380,7 +380,7 @@ def test_the_run_refuses_what_the_example_plugins_cannot_have(example, tmp_path)
         match=r"needs a policy loss that takes \['kl_coef', 'kl_estimator'.*policy_loss 'cispo' "
         r"does not",
     ):
-        _config(tmp_path, policy_loss="cispo", beta=0.1, kl_penalty="loss")
+        tiny_config(tmp_path, policy_loss="cispo", beta=0.1, kl_penalty="loss")
 
 
 def test_the_packages_own_contract_tests_pass_on_the_installed_copy(example):
@@ -497,7 +497,7 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
     import json
     import logging
 
-    from test_trainer import TokenReward, _config, _dataset
+    from support.trainer import TokenReward, tiny_config, tiny_dataset
     from trl_plugins.protocols import Reduction
     from trl_plugins.rollout.metrics import reduce_rank_metrics
     from trl_plugins.run import resolve_run
@@ -517,7 +517,7 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
     monkeypatch.setattr(calculator, "evaluate", flaky)
     monkeypatch.setattr(calculator, "close", lambda self: closed.append(self.name))
     # Answers of three lengths: TokenReward tells a group's samples apart, so the run updates (one that never does fails).
-    config = _config(
+    config = tiny_config(
         tmp_path,
         tools=["calculator"],
         rollout="test_example_plugin:VaryingCalculatorScript",
@@ -537,7 +537,7 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
         "calculator/errors": Reduction.SUM,
     }
     tok = build_tokenizer("qwen2_5")
-    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), train_dataset=_dataset(), processing_class=tok, run=run)
+    trainer = MultiTurnGRPOTrainer(build_tiny_model(tok), train_dataset=tiny_dataset(), processing_class=tok, run=run)
     trainer.train()
     records = [
         json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
@@ -557,7 +557,7 @@ def test_a_third_party_tool_declaring_capabilities_takes_part_in_every_decision(
     undeclared = resolve_run(config, reward_components={"length": TokenReward()})
     assert not undeclared.tools["calculator"].idempotent
     trainer = MultiTurnGRPOTrainer(
-        build_tiny_model(tok), train_dataset=_dataset(), processing_class=tok, run=undeclared
+        build_tiny_model(tok), train_dataset=tiny_dataset(), processing_class=tok, run=undeclared
     )
     trainer.train()
     first = [
@@ -583,7 +583,7 @@ def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monk
 
     import torch
 
-    from test_trainer import _config, _dataset
+    from support.trainer import tiny_config, tiny_dataset
     from trl_plugins.run import resolve_run
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
@@ -597,7 +597,7 @@ def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monk
         return cispo_call(self, inp)
 
     monkeypatch.setattr(cispo, "__call__", recording)
-    config = _config(
+    config = tiny_config(
         tmp_path,
         tools=["calculator"],
         reward_components=["concise"],
@@ -620,7 +620,7 @@ def test_the_example_trains_with_all_four_of_its_plugins(example, tmp_path, monk
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = MultiTurnGRPOTrainer(model, train_dataset=_dataset(), processing_class=tok, run=run)
+    trainer = MultiTurnGRPOTrainer(model, train_dataset=tiny_dataset(), processing_class=tok, run=run)
     trainer.train()
     assert trainer.state.global_step == 2
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))

@@ -9,19 +9,25 @@ import random
 import pytest
 
 from conftest import rel_err
-from test_gradient_equivalence import (  # noqa: F401 - setup is the shared module fixture
+from support.gradients import (
     LOSSES,
     MODES,
     PAD,
     TOL,
-    _ddp,
-    _packings,
     accumulate,
+    ddp_gradient,
     global_denominators,
+    gradient_batch,
     micro_batch_loss,
-    setup,
+    packings,
 )
 from trl_plugins.datum import collate
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_factory):
+    return gradient_batch(tiny_model_factory)
+
 
 SPAN_LOSSES = [name for name in LOSSES if name != "ppo_clip"]
 
@@ -43,7 +49,7 @@ def test_micro_batch_packing_does_not_change_the_gradient(setup, mode, loss):
     model, datums = setup
     reference = accumulate(model, datums, [list(range(len(datums)))], mode, loss=loss)
     assert float(reference.abs().max()) > 0
-    for name, batches in _packings(datums).items():
+    for name, batches in packings(datums).items():
         err = rel_err(accumulate(model, datums, batches, mode, loss=loss), reference)
         assert err < TOL, f"{loss} / {mode} / {name}: relative gradient error {err:.2e}"
 
@@ -56,7 +62,7 @@ def test_two_data_parallel_ranks_match_one_batch(setup, mode, loss):
     order = list(range(len(datums)))
     random.Random(5).shuffle(order)
     rank_items = [order[:5], order[5:]]  # unequal: 5 and 11 datums
-    err = rel_err(_ddp(model, datums, rank_items, mode, dp_size_factor=2, loss=loss), reference)
+    err = rel_err(ddp_gradient(model, datums, rank_items, mode, dp_size_factor=2, loss=loss), reference)
     assert err < TOL, f"{loss} / {mode}: 2-rank gradient error {err:.2e}"
-    bad = rel_err(_ddp(model, datums, rank_items, mode, dp_size_factor=1, loss=loss), reference)
+    bad = rel_err(ddp_gradient(model, datums, rank_items, mode, dp_size_factor=1, loss=loss), reference)
     assert bad > 0.4  # negative control: forgetting that DDP averages

@@ -77,7 +77,7 @@ print("not reached")
 
 
 def test_a_stop_request_cancels_the_tool_calls_in_flight():
-    from test_rollout import SCHEMA, scripted
+    from support.rollout import SCHEMA, scripted
     from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutCancelled, RolloutRequest, questions_from_rows
     from trl_plugins.tiny import build_tokenizer
     from trl_plugins.tools.base import ToolOutput

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_trainer import TokenReward, _config, _dataset
+from support.trainer import TokenReward, tiny_config, tiny_dataset
 from trl_plugins.run.lora import (
     MODEL_FIELDS,
     check_model_config,
@@ -112,7 +112,7 @@ def test_the_recipe_refuses_what_cannot_work_before_any_model_loads(monkeypatch,
 def test_check_peft_refuses_other_adapters_dora_under_zero3_and_a_wrapped_policy_with_a_critic(tmp_path):
     from peft import PromptTuningConfig, get_peft_model
 
-    config = _config(tmp_path)
+    config = tiny_config(tmp_path)
     check_peft_config(_lora(), config)  # plain LoRA passes
     with pytest.raises(ValueError, match="only LoRA adapters are supported"):
         check_peft_config(PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), config)
@@ -139,8 +139,8 @@ def _trainer(out, tok, model, **overrides):
 
     return MultiTurnGRPOTrainer(
         model,
-        _config(out, **overrides),
-        train_dataset=_dataset(8),
+        tiny_config(out, **overrides),
+        train_dataset=tiny_dataset(8),
         processing_class=tok,
         reward_components={"length": TokenReward()},
         peft_config=_lora(),

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from test_mcp_tool import _alive, _children  # noqa: E402 - the same process helpers
+from support.processes import alive, own_children  # noqa: E402 - the same process helpers
 from trl_plugins.protocols import as_tool, tool_episode  # noqa: E402
 from trl_plugins.tools.mcp.plugin import McpTools  # noqa: E402
 
@@ -93,12 +93,12 @@ def test_a_hundred_trajectories_leave_no_process_no_descriptor_no_directory():
 
     try:
         asyncio.run(batch(2))  # the client's loop thread and its first session's one-off state exist from here on
-        earlier, fds = _children(), _fds()
+        earlier, fds = own_children(), _fds()
         dirs = set(Path(tempfile.gettempdir()).glob("mcp-tiny-*"))
         servers = [p for _ in range(10) for p in asyncio.run(batch(10))]
         assert len(set(servers)) == 100 and tools.sessions_started == 102 and tools.live_sessions() == 0
-        assert not (_children() - earlier), "a reaper outlived its trajectory"
-        assert not [p for p in servers if _alive(p)], "a server outlived its trajectory"
+        assert not (own_children() - earlier), "a reaper outlived its trajectory"
+        assert not [p for p in servers if alive(p)], "a server outlived its trajectory"
         assert _fds() == fds, "descriptors leaked"
         assert set(Path(tempfile.gettempdir()).glob("mcp-tiny-*")) == dirs
     finally:
@@ -191,12 +191,12 @@ def test_an_endpoint_agent_gets_the_mcp_tools_and_trains_the_built_in_rollouts_t
         return RolloutRequest(qs, 1, _echo_policy(chat), chat, members, policy_step=1, seed=3)
 
     try:
-        earlier = _children()
+        earlier = own_children()
         built_in = MultiTurnRollout(max_tool_calls_per_turn=2)(request())
         started = tools.sessions_started
         served = AgentEndpointRollout(agent=_mcp_agent, max_tool_calls_per_turn=2)(request())
         assert tools.sessions_started - started == 3  # the three trajectories that called: a server each
-        assert tools.live_sessions() == 0 and not (_children() - earlier)
+        assert tools.live_sessions() == 0 and not (own_children() - earlier)
         for a, b in zip(built_in.trajectories, served.trajectories, strict=True):
             assert b.stop_reason == a.stop_reason == StopReason.FINAL_ANSWER, b.error
             assert [t.prompt_ids for t in b.turns] == [t.prompt_ids for t in a.turns]

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("mcp")
 
+from support.processes import alive, children_of, own_children, parent_pid
 from trl_plugins.run.plugins import build_tools  # noqa: E402
 from trl_plugins.tools.base import check_arguments  # noqa: E402
 from trl_plugins.tools.mcp.plugin import McpTools  # noqa: E402
@@ -25,12 +26,6 @@ TOY = str(Path(__file__).parent / "mcp_servers" / "toy.py")
 
 def _stdio(*extra: str, **kw) -> dict:
     return {"command": sys.executable, "args": [TOY, *extra], **kw}
-
-
-def _children() -> set[int]:
-    import os
-
-    return set(_kids(os.getpid()))
 
 
 def _call(tool, args):
@@ -135,7 +130,9 @@ def test_calls_to_a_server_run_within_its_concurrency_limit(toy):
 
 
 def test_hung_and_crashed_server_are_infra_errors_and_the_next_call_works():
-    earlier = _children()  # processes an earlier test in this worker left running (a warm sandbox) are not this test's
+    earlier = (
+        own_children()
+    )  # processes an earlier test in this worker left running (a warm sandbox) are not this test's
     tools = McpTools(mcpServers={"toy": _stdio(timeout_s=1, session="shared", idempotent=["add"])})
     t = {x.name: x for x in tools.member_tools()}
     try:
@@ -152,9 +149,9 @@ def test_hung_and_crashed_server_are_infra_errors_and_the_next_call_works():
         assert garbage.infra_error and "did not answer a call of 'garbage'" in garbage.infra_error
         assert t["crash"].idempotent is False and t["add"].idempotent is True  # as declared: only 'add' is retried
     finally:
-        before = _children() - earlier
+        before = own_children() - earlier
         tools.close()
-    assert not (before & _children()), "a server process outlived close()"
+    assert not (before & own_children()), "a server process outlived close()"
 
 
 def test_server_that_cannot_start_is_refused_with_its_stderr():
@@ -355,19 +352,19 @@ def test_per_trajectory_sessions_never_share_state_and_leave_nothing(tmp_path, m
             assert (await t["remember"]({"word": word})).text == "ok"
             await asyncio.sleep(0.2)  # both trajectories' servers are up at once
             seen[word] = (await t["recall"]({})).text
-            seen[word + "_pids"] = _children()
+            seen[word + "_pids"] = own_children()
             seen[word + "_dirs"] = set(private.glob("mcp-toy-*"))
 
     async def both() -> None:
         await asyncio.gather(trajectory("a"), trajectory("b"))
 
     try:
-        before, dirs = _children(), set(private.glob("mcp-toy-*"))
+        before, dirs = own_children(), set(private.glob("mcp-toy-*"))
         asyncio.run(both())
         # Its own process (memory), its own directory (the file; {workdir} in args), each with the copy.
         assert seen["a"] == "a|a|memory.txt,repo.txt" and seen["b"] == "b|b|memory.txt,repo.txt"
         assert len(seen["a_pids"] - before) >= 2 and tools.sessions_started == 2
-        assert tools.live_sessions() == 0 and not ((seen["a_pids"] | seen["b_pids"]) - before) & _children()
+        assert tools.live_sessions() == 0 and not ((seen["a_pids"] | seen["b_pids"]) - before) & own_children()
         assert dirs == set() and len(seen["a_dirs"]) == 2  # both trajectories' working directories, while they ran
         assert set(private.glob("mcp-toy-*")) == set()  # gone
     finally:
@@ -393,36 +390,19 @@ time.sleep(60)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        below = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(int(d.name)) == proc.pid]
+        below = [
+            int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and parent_pid(int(d.name)) == proc.pid
+        ]
         assert below, "the server process was not found"
-        server_pids = below + [p for b in below for p in _kids(b)]
+        server_pids = below + [p for b in below for p in children_of(b)]
         os.kill(proc.pid, getattr(signal, sig))
         proc.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in server_pids):
+        while time.monotonic() < deadline and any(alive(p) for p in server_pids):
             time.sleep(0.05)
-        assert not [p for p in server_pids if _alive(p)]
+        assert not [p for p in server_pids if alive(p)]
     finally:
         proc.kill()
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _kids(pid: int) -> list[int]:
-    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(int(d.name)) == pid]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error():
@@ -463,7 +443,7 @@ def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error(
     backend = ScriptedBackend(policy, stop_token_ids=chat.stop_token_ids)
     questions = [RolloutQuestion(k, firsts[k], group_id=i) for i, k in enumerate(calls)]
     try:
-        before = _children()
+        before = own_children()
         result = MultiTurnRollout(max_turns=3, max_trajectory_tokens=2048)(
             RolloutRequest(questions, 1, backend, chat, members)
         )
@@ -477,7 +457,7 @@ def test_rollout_prompt_observation_tokens_invalid_action_and_environment_error(
         assert tok.decode(observation) == "5"
         assert bad.stop_reason == StopReason.INVALID_ACTION and "argument 'a' must be of type integer" in bad.error
         assert crash.stop_reason == StopReason.ENVIRONMENT_ERROR and "exited or crashed" in crash.error
-        assert tools.live_sessions() == 0 and not (_children() - before)
+        assert tools.live_sessions() == 0 and not (own_children() - before)
     finally:
         tools.close()
 
@@ -527,7 +507,7 @@ def _below_a_spawned_process(pid: int) -> bool:
     """Whether an ancestor of ``pid`` is a process multiprocessing spawned (the generation replica)."""
     import os
 
-    while (pid := _parent(pid)) > 1 and pid != os.getpid():
+    while (pid := parent_pid(pid)) > 1 and pid != os.getpid():
         try:
             if b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return True
@@ -544,7 +524,7 @@ def test_mcp_tools_start_in_the_asynchronous_replica_and_leave_nothing(tmp_path)
 
     from transformers import TrainerCallback
 
-    from test_trainer import TokenReward, _config, _dataset
+    from support.trainer import TokenReward, tiny_config, tiny_dataset
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
@@ -558,7 +538,7 @@ def test_mcp_tools_start_in_the_asynchronous_replica_and_leave_nothing(tmp_path)
     tok = build_tokenizer("qwen2_5")
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    config = _config(
+    config = tiny_config(
         tmp_path,
         per_device_train_batch_size=8,
         max_steps=2,
@@ -571,7 +551,7 @@ def test_mcp_tools_start_in_the_asynchronous_replica_and_leave_nothing(tmp_path)
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
         config,
-        train_dataset=_dataset(8),
+        train_dataset=tiny_dataset(8),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )

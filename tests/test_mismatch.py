@@ -513,8 +513,8 @@ class UnshiftedRollout(ShiftedRollout):
 
 
 def _train(tmp_path, **overrides):
-    from test_trainer import TokenReward, _dataset
-    from test_trainer import _config as trainer_config
+    from support.trainer import TokenReward, tiny_dataset
+    from support.trainer import tiny_config as trainer_config
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
@@ -522,7 +522,7 @@ def _train(tmp_path, **overrides):
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
         trainer_config(tmp_path, max_steps=1, drop_zero_advantage=False, **overrides),
-        train_dataset=_dataset(),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )

@@ -219,7 +219,7 @@ def test_training_steps_are_the_same_in_every_layout(tmp_path):
 
     from datasets import Dataset
 
-    from test_trainer import TokenReward, _config
+    from support.trainer import TokenReward, tiny_config
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     questions = ["What is 1 + 1?", "Add 12 and 30, then multiply by 7. " * 3, "What is 2 * 3?", "Compute 5 - 9 " * 6]
@@ -235,7 +235,7 @@ def test_training_steps_are_the_same_in_every_layout(tmp_path):
         out = tmp_path / layout
         trainer = MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(
+            tiny_config(
                 out,
                 padding_free=padding_free,
                 shared_prefix=shared_prefix,

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import tiny_recipe_inputs
-from test_recipe import _recipe_module
-from test_run import _config
+from support.recipes import recipe_module
+from support.run import counting_config
 from trl_plugins.algos.advantages import GroupAdvantage
 from trl_plugins.algos.losses import PPOClipLoss
 from trl_plugins.tools.base import ToolOutput
@@ -171,7 +171,7 @@ REFUSED = [
 def test_every_seam_refuses_a_bad_setting_in_one_line_before_any_model(
     tmp_path, argv, message, no_model_no_eval, capsys
 ):
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     argv = argv + ["--output_dir", str(tmp_path / "out"), "--report_to", "none"]
     with pytest.raises(SystemExit) as refused:
         retool_ppo.main(*retool_ppo.parse_args(argv))
@@ -278,13 +278,13 @@ def test_a_changed_plugin_drops_the_kwargs_a_lower_layer_wrote_for_another(tmp_p
         and "other.yaml chose 'test_plugin_author:PlainLoss'" in script_args.dropped_kwargs[0]
     )
     # Per-name kwargs: only the entries of names a higher layer took out of the list go.
-    script_args, args = parse_args(["--tools", "test_run:CountingTool"] + base)
+    script_args, args = parse_args(["--tools", "support.run:CountingTool"] + base)
     assert args.tool_kwargs == {}
     assert script_args.dropped_kwargs == [
         "tool_kwargs for ['code_interpreter'] from retool_ppo.yaml dropped: the command "
-        "line set tools ['test_run:CountingTool'] without them"
+        "line set tools ['support.run:CountingTool'] without them"
     ]
-    _, args = parse_args(["--tools", "code_interpreter", "test_run:CountingTool"] + base)
+    _, args = parse_args(["--tools", "code_interpreter", "support.run:CountingTool"] + base)
     assert set(args.tool_kwargs) == {"code_interpreter"}
 
 
@@ -301,13 +301,13 @@ def test_a_tool_whose_schema_names_another_tool_is_refused_when_the_run_is_built
         r"tool's name is 'echo'\. The model calls a tool by the name its schema shows.*"
         r"make the two the same\.$",
     ):
-        resolve_run(_config(tmp_path, tools=["test_plugin_author:MisnamedTool"]))
-    resolve_run(_config(tmp_path)).close()  # negative control: test_run's echo tool names itself in its schema
+        resolve_run(counting_config(tmp_path, tools=["test_plugin_author:MisnamedTool"]))
+    resolve_run(counting_config(tmp_path)).close()  # negative control: test_run's echo tool names itself in its schema
 
 
 def test_the_prompt_check_matches_whole_names_and_the_schemas_arguments(tmp_path):
     from retool.startup import format_banner
-    from test_run import CountingTool
+    from support.run import CountingTool
     from trl_plugins.protocols import as_tool
     from trl_plugins.run import resolve_run
     from trl_plugins.run.checks import prompt_warnings
@@ -322,12 +322,14 @@ def test_the_prompt_check_matches_whole_names_and_the_schemas_arguments(tmp_path
         "system_prompt shows argument(s) ['loud', 'message'] that no tool's schema has (echo takes ['text'])"
     )
     # A tool configured by import path is checked by the name the model calls it: no false warning.
-    run = resolve_run(_config(tmp_path))  # tools=["test_run:CountingTool"], system_prompt="You may use the echo tool."
+    run = resolve_run(
+        counting_config(tmp_path)
+    )  # tools=["support.run:CountingTool"], system_prompt="You may use the echo tool."
     script_args = _script_args()
     banner = format_banner(script_args, run, world_size=1, device="cpu", distributed="single process")
-    assert "warning" not in banner and "tool:         test_run:CountingTool {} (the model calls it 'echo')" in banner
+    assert "warning" not in banner and "tool:         support.run:CountingTool {} (the model calls it 'echo')" in banner
     run.close()
-    run = resolve_run(_config(tmp_path, system_prompt="Answer."))
+    run = resolve_run(counting_config(tmp_path, system_prompt="Answer."))
     assert "warning:      system_prompt does not mention the tool 'echo'" in format_banner(
         script_args, run, world_size=1, device="cpu", distributed="single process"
     )
@@ -408,7 +410,7 @@ def test_run_async_does_not_chain_a_coroutines_error_to_the_event_loop_check():
 
 
 def test_a_reward_returning_nan_is_refused_at_start_up_unless_its_check_is_switched_off(tmp_path, no_model_no_eval):
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     argv = [
         "--reward_components",
         "correct",
@@ -442,30 +444,32 @@ def test_start_up_checks_run_on_copies_and_say_what_they_skipped(tmp_path):
     from trl_plugins.run.plugins import SettingError
 
     run = resolve_run(
-        _config(tmp_path, advantage="test_plugin_author:MeteredAdvantage", policy_loss="test_plugin_author:MeteredLoss")
+        counting_config(
+            tmp_path, advantage="test_plugin_author:MeteredAdvantage", policy_loss="test_plugin_author:MeteredLoss"
+        )
     )
     lines = startup_checks(run, {"prompt": "What is 1 + 1?", "answer": "2"})
     assert lines[0].startswith("passed their contract checks (") and lines[0].endswith(
-        "test_run:CountingReward, test_plugin_author:MeteredAdvantage, test_plugin_author:MeteredLoss"
+        "support.run:CountingReward, test_plugin_author:MeteredAdvantage, test_plugin_author:MeteredLoss"
     )
     assert run.advantage.impl.seen == 0 and run.policy_loss.impl.calls == 0  # the checks called copies
     run.close()
-    run = resolve_run(_config(tmp_path, skip_startup_checks=["test_run:CountingReward"]))
+    run = resolve_run(counting_config(tmp_path, skip_startup_checks=["support.run:CountingReward"]))
     lines = startup_checks(run)
-    assert lines[-1] == "not checked (skip_startup_checks): test_run:CountingReward"
+    assert lines[-1] == "not checked (skip_startup_checks): support.run:CountingReward"
     assert (
         "checks:       each reward, the advantage and the policy loss run their contract check on a copy before any "
-        "model loads; skipped (skip_startup_checks): test_run:CountingReward"
+        "model loads; skipped (skip_startup_checks): support.run:CountingReward"
         in format_banner(_script_args(), run, world_size=1, device="cpu", distributed="single process")
     )
     run.close()
-    run = resolve_run(_config(tmp_path, skip_startup_checks=["all"]))
+    run = resolve_run(counting_config(tmp_path, skip_startup_checks=["all"]))
     assert startup_checks(run) == [
-        "not checked (skip_startup_checks): test_run:CountingReward, test_run:CountingAdvantage, test_run:CountingLoss"
+        "not checked (skip_startup_checks): support.run:CountingReward, support.run:CountingAdvantage, support.run:CountingLoss"
     ]
     run.close()
     # A loss that breaks its contract is named, with what it broke and how to skip the check.
-    run = resolve_run(_config(tmp_path, policy_loss="test_plugin_author:LeakyLoss"))
+    run = resolve_run(counting_config(tmp_path, policy_loss="test_plugin_author:LeakyLoss"))
     with pytest.raises(
         SettingError,
         match=r"policy_loss 'test_plugin_author:LeakyLoss': failed its start-up contract "
@@ -474,7 +478,7 @@ def test_start_up_checks_run_on_copies_and_say_what_they_skipped(tmp_path):
         startup_checks(run)
     run.close()
     # One that raises in its check is named too, with its own error.
-    run = resolve_run(_config(tmp_path, policy_loss="test_plugin_author:PlainLoss"))
+    run = resolve_run(counting_config(tmp_path, policy_loss="test_plugin_author:PlainLoss"))
     with pytest.raises(
         SettingError,
         match=r"policy_loss 'test_plugin_author:PlainLoss': raised ZeroDivisionError: "
@@ -512,7 +516,7 @@ def test_advantage_and_loss_plugins_report_step_metrics(tmp_path):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     run = resolve_run(
-        _config(
+        counting_config(
             tmp_path,
             advantage="test_plugin_author:MeteredAdvantage",
             policy_loss="test_plugin_author:MeteredLoss",
@@ -621,7 +625,7 @@ class BreaksAtStepTwo:
 
 @pytest.mark.slow
 def test_a_run_that_stops_still_writes_its_metrics_and_summary(tmp_path, monkeypatch):
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     model_dir, data = tiny_recipe_inputs(tmp_path)
     out = tmp_path / "out"
     argv = [

@@ -89,7 +89,7 @@ def test_staleness_distribution_by_hand():
 def test_the_trainer_records_versions_and_reports_staleness(tmp_path):
     # Two updates on one rollout (num_iterations 2): the tokens sampled at step 0 are 0 steps stale at the first
     # update and 1 at the second. Every turn of the batch says step 0, in the W&B turn rows and the viewer's page.
-    from test_trainer import TokenReward, _config, _dataset
+    from support.trainer import TokenReward, tiny_config, tiny_dataset
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.trainers.trajectory_table import TURN_COLUMNS, turn_rows
@@ -97,8 +97,8 @@ def test_the_trainer_records_versions_and_reports_staleness(tmp_path):
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, num_iterations=2, viewer_steps=1),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, num_iterations=2, viewer_steps=1),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )

@@ -218,9 +218,9 @@ def test_a_row_without_reasoning_gyms_metadata_is_named():
 
 
 def _recipe():
-    from test_recipe import _recipe_module
+    from support.recipes import recipe_module
 
-    return _recipe_module()
+    return recipe_module()
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
+from support.recipes import ROOT, recipe_module
 from trl_plugins.evaluation import pass_at_k, summarise
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 
-ROOT = Path(__file__).resolve().parent.parent
 # A build that takes seconds: a handful of transcripts, a fraction of an epoch.
 TINY_EMBEDDED = {
     "cold_start_problems": 24,
@@ -27,22 +27,13 @@ TINY_EMBEDDED = {
 }
 
 
-def _recipe_module():
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import retool_ppo
-    finally:
-        sys.path.pop(0)
-    return retool_ppo
-
-
 @pytest.mark.parametrize(
     "path",
     sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "examples").rglob("*.yaml")),
     ids=lambda p: p.name,
 )
 def test_every_recipe_yaml_loads_and_validates(path):
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     values = yaml.safe_load(path.read_text())
     assert isinstance(values, dict) and values
     script_args, training_args = retool_ppo.parse_args(["--config", str(path)])
@@ -59,7 +50,7 @@ def test_every_recipe_yaml_loads_and_validates(path):
 def test_default_yaml_is_the_retool_setup():
     import torch
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     _, args = retool_ppo.parse_args([])
     assert args.policy_loss == "ppo_clip"
     assert (1 - args.policy_loss_kwargs["clip_low"], 1 + args.policy_loss_kwargs["clip_high"]) == pytest.approx(
@@ -73,7 +64,7 @@ def test_default_yaml_is_the_retool_setup():
 
 
 def test_command_line_overrides_the_yaml_and_bad_values_are_named():
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     script_args, args = retool_ppo.parse_args(
         ["--max_steps", "3", "--eval_problems", "7", "--truncated_policy", "mask"]
     )
@@ -169,7 +160,7 @@ def test_changed_system_prompt_reuses_the_cached_embedded_default(tmp_path, monk
     from retool import default_model
     from retool.coldstart import DEFAULT_SYSTEM_PROMPT
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path))
     monkeypatch.setattr(default_model, "run_in_child", lambda fn, *args, what, **kwargs: fn(*args, **kwargs))
     embedded = ["--embedded", json.dumps(TINY_EMBEDDED)]
@@ -402,7 +393,7 @@ def _launch(
 
     The tiny default earns neither of the recipe's rewards in two steps (every group's rewards equal: no update, and
     the recipe exits 1 for a run that trained nothing), so a third component that varies with the sampled tokens
-    (``test_trainer:TokenReward``, weight 0.1) gives the update something to train on."""
+    (``support.trainer:TokenReward``, weight 0.1) gives the update something to train on."""
     env = cpu_launch_env(
         TRL_PLUGINS_CACHE=str(cache or tmp_path / "cache"),
         WANDB_MODE="offline",
@@ -440,7 +431,7 @@ def _launch(
         "--reward_components",
         "correct",
         "format",
-        "test_trainer:TokenReward",
+        "support.trainer:TokenReward",
         "--reward_component_weights",
         "1.0",
         "0.1",
@@ -754,7 +745,7 @@ def test_evaluation_settings_are_refused_before_anything_is_built():
     from retool.evaluate import check_eval_settings
     from trl_plugins.run import resolve_run
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     script_args, args = retool_ppo.parse_args([])
     assert check_eval_settings(script_args, resolve_run(args)) == [1, 4]
     script_args, args = retool_ppo.parse_args(["--reward_components", "format", "--reward_component_weights", "1.0"])
@@ -778,7 +769,7 @@ def _refusal(argv: list[str], monkeypatch) -> str:
     imports) left out, and the environment and torch's thread count put back."""
     import torch
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     monkeypatch.setattr("retool.launch.prepare_child", lambda *a, **k: None)
     environ, threads = dict(os.environ), torch.get_num_threads()
     try:
@@ -837,7 +828,7 @@ def test_an_output_folder_an_earlier_run_filled_is_refused_unless_resuming_or_ov
 
 
 def test_a_negative_learning_rate_is_refused_when_the_config_is_parsed():
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     with pytest.raises(SystemExit, match="learning_rate must be > 0, got -0.001"):
         retool_ppo.parse_args(["--learning_rate=-1e-3"])
 
@@ -855,7 +846,7 @@ def test_a_single_file_is_split_into_disjoint_training_and_held_out_rows(tmp_pat
 
     prompts = [f"What is {i} + {2 * i}?" for i in range(40)]
     data = _write_jsonl(tmp_path / "arith.jsonl", prompts)
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     script_args, _ = retool_ppo.parse_args(["--dataset_name", str(data)])
     said: list[str] = []
     train = task_rows(script_args, "train", size=None, log=said.append)
@@ -883,7 +874,7 @@ def test_a_single_file_is_split_into_disjoint_training_and_held_out_rows(tmp_pat
 def test_a_split_that_cannot_be_held_out_is_refused_saying_what_to_do(tmp_path):
     from retool.data import task_rows
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     small = _write_jsonl(tmp_path / "small.jsonl", ["What is 1 + 1?", "What is 2 + 2?", "What is 3 + 3?"])
     before = small.read_text()
     script_args, _ = retool_ppo.parse_args(["--dataset_name", str(small)])
@@ -908,7 +899,7 @@ def test_a_split_that_cannot_be_held_out_is_refused_saying_what_to_do(tmp_path):
 def test_a_dataset_folder_uses_its_own_test_split_or_holds_out_part_of_its_training_split(tmp_path):
     from retool.data import task_rows
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     both = tmp_path / "both"
     both.mkdir()
     _write_jsonl(both / "train.jsonl", [f"train {i}" for i in range(20)])
@@ -945,7 +936,7 @@ def test_naming_the_training_split_as_the_held_out_split_is_refused():
     from retool.evaluate import check_eval_settings
     from trl_plugins.run import resolve_run
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     script_args, args = retool_ppo.parse_args(["--dataset_test_split", "train"])
     with pytest.raises(
         SystemExit, match=r"both 'train': the held-out evaluation would score the training rows.*--eval_problems 0"
@@ -1024,7 +1015,7 @@ def test_a_failed_child_evaluation_reports_the_childs_own_error(tmp_path, monkey
     # (A failing and a silent job: test_run_in_child_passes_objects_and_returns_the_result.)
     # The recipe's own evaluation, of a checkpoint that is not there: the child's error names the folder, and
     # nothing guesses about dataset splits.
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     script_args, args = retool_ppo.parse_args(["--output_dir", str(tmp_path / "out")])
     missing = tmp_path / "no-such-checkpoint"
     with pytest.raises(ChildProcessError) as failed:
@@ -1122,7 +1113,7 @@ def test_main_command_on_a_single_file_with_continuous_batching_trains_a_lora_ad
 def test_a_damaged_checkpoint_stops_the_recipe_before_anything_is_built(tmp_path, monkeypatch):
     # --resume_from_checkpoint latest with the newest checkpoint truncated: refused naming the file, before the
     # embedded default is built or any model loads; nothing in the output folder is touched.
-    from test_checkpoints import fake_checkpoint, snapshot, truncate
+    from support.checkpoints import fake_checkpoint, snapshot, truncate
 
     out = tmp_path / "out"
     for step in (1, 2):
@@ -1371,7 +1362,7 @@ def test_a_reasoning_gym_task_trains_two_steps_scored_by_its_own_scorer(tmp_path
             "--reward_components",
             "reasoning_gym",
             "format",
-            "test_trainer:TokenReward",
+            "support.trainer:TokenReward",
         ],
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -1427,7 +1418,7 @@ def test_a_verifiers_environment_trains_two_steps_scored_by_its_rubric(tmp_path,
             "--reward_components",
             "agent_reward",
             "correct",
-            "test_trainer:SampleIndexReward",
+            "support.trainer:SampleIndexReward",
             "--reward_component_weights",
             "1.0",
             "0.0",

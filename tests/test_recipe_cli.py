@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s, tiny_recipe_inputs
-from test_recipe import ROOT, _recipe_module
+from support.recipes import ROOT, recipe_module
 
 
 def _write(path: Path, text: str) -> Path:
@@ -143,7 +143,7 @@ def test_help_lists_config_then_the_recipe_and_plugin_fields_before_trls():
 
 
 def test_a_bad_plugin_kwarg_is_refused_before_any_model_load_or_evaluation(tmp_path, no_model_no_eval, capsys):
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("an earlier file")
@@ -167,7 +167,7 @@ def test_a_chat_template_that_fails_the_prefix_check_is_refused_before_the_model
 ):
     from trl_plugins.tiny import build_tokenizer
 
-    retool_ppo = _recipe_module()
+    retool_ppo = recipe_module()
     tokenizer_dir = tmp_path / "qwen3-tokenizer"  # a tokenizer only: the model must never be asked for
     build_tokenizer("qwen3").save_pretrained(tokenizer_dir)
     out = tmp_path / "out"

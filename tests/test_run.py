@@ -8,80 +8,14 @@ import json
 import pickle
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_recipe_inputs
-from trl_plugins.algos.advantages import GroupAdvantage
-from trl_plugins.algos.losses import PPOClipLoss
-from trl_plugins.rollout import MultiTurnRollout
-from trl_plugins.tools.base import ToolOutput
+from support.run import BUILT, CountingTool, counting_config
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILT: Counter = Counter()
-"""Constructions of the counting plugins below, by seam."""
-
-
-@dataclass
-class CountingRollout(MultiTurnRollout):
-    def __post_init__(self) -> None:
-        BUILT["rollout"] += 1
-        super().__post_init__()
-
-
-@dataclass
-class CountingAdvantage(GroupAdvantage):
-    def __post_init__(self) -> None:
-        BUILT["advantage"] += 1
-
-
-@dataclass
-class CountingLoss(PPOClipLoss):
-    def __post_init__(self) -> None:
-        BUILT["policy_loss"] += 1
-        super().__post_init__()
-
-
-class CountingTool:
-    name = "echo"
-
-    def __init__(self) -> None:
-        BUILT["tool"] += 1
-
-    def schema(self) -> dict:
-        return {
-            "type": "function",
-            "function": {
-                "name": "echo",
-                "description": "Echo the text.",
-                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
-            },
-        }
-
-    async def __call__(self, arguments: dict) -> ToolOutput:
-        return ToolOutput(text=str(arguments.get("text")), ok=True)
-
-
-class CountingReward:
-    def __init__(self) -> None:
-        BUILT["reward"] += 1
-
-    def __call__(self, trajectory, example) -> float:
-        return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
-
-    def is_success(self, value: float) -> bool:
-        return value > 0.5
-
-
-PLUGINS = dict(
-    rollout="test_run:CountingRollout",
-    advantage="test_run:CountingAdvantage",
-    policy_loss="test_run:CountingLoss",
-    tools=["test_run:CountingTool"],
-    reward_components=["test_run:CountingReward"],
-)
 
 
 @pytest.fixture
@@ -110,32 +44,6 @@ def checks(monkeypatch):
     return counts
 
 
-def _config(tmp_path, **overrides):
-    from trl_plugins.trainers import MultiTurnGRPOConfig
-
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_steps=1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        learning_rate=5e-3,
-        seed=0,
-        disable_tqdm=True,
-        bf16=False,
-        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-        max_padded_tokens_per_micro_batch=4000,
-        reward_components=["test_run:CountingReward"],
-        system_prompt="You may use the echo tool.",
-    )
-    kwargs.update(PLUGINS)
-    kwargs.update(overrides)
-    return MultiTurnGRPOConfig(**kwargs)
-
-
 def test_a_run_builds_each_plugin_once_and_checks_each_setting_once(tmp_path, checks):
     from datasets import Dataset
 
@@ -144,7 +52,7 @@ def test_a_run_builds_each_plugin_once_and_checks_each_setting_once(tmp_path, ch
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
-    config = _config(tmp_path)
+    config = counting_config(tmp_path)
     assert checks == {"apply_trl_fields": 1} and BUILT == {}  # the config checks its own fields; builds nothing
     run = resolve_run(config)
     once = {"rollout": 1, "advantage": 1, "policy_loss": 1, "tool": 1, "reward": 1}
@@ -170,7 +78,7 @@ def test_a_run_builds_each_plugin_once_and_checks_each_setting_once(tmp_path, ch
         trainer.run,
         samples=2,
         ks=(1,),
-        success_component="test_run:CountingReward",
+        success_component="support.run:CountingReward",
         backend=trainer.generation_backend(),
     )
     assert result.problems == 2
@@ -195,17 +103,18 @@ def test_a_run_refuses_what_its_plugins_cannot_serve_before_any_model(tmp_path, 
         match=r"the rollout's token budget of 600 makes datums of up to 599 tokens, over "
         r"max_context_tokens=300",
     ):
-        resolve_run(_config(tmp_path, max_context_tokens=300))
-    with pytest.raises(
-        ValueError, match=r"\['critic_learning_rate'\] configure the critic, but advantage 'test_run:CountingAdvantage'"
-    ):
-        resolve_run(_config(tmp_path, critic_learning_rate=1e-4))
+        resolve_run(counting_config(tmp_path, max_context_tokens=300))
     with pytest.raises(
         ValueError,
-        match="tool_kwargs\\['test_run:CountingTool'\\]: tools plugin 'test_run:CountingTool' takes no "
+        match=r"\['critic_learning_rate'\] configure the critic, but advantage 'support.run:CountingAdvantage'",
+    ):
+        resolve_run(counting_config(tmp_path, critic_learning_rate=1e-4))
+    with pytest.raises(
+        ValueError,
+        match="tool_kwargs\\['support.run:CountingTool'\\]: tools plugin 'support.run:CountingTool' takes no "
         "'text'; it accepts \\[\\]",
     ):
-        resolve_run(_config(tmp_path, tool_kwargs={"test_run:CountingTool": {"text": "x"}}))
+        resolve_run(counting_config(tmp_path, tool_kwargs={"support.run:CountingTool": {"text": "x"}}))
 
 
 def test_a_trainer_given_a_run_takes_nothing_that_would_build_another(tmp_path):
@@ -213,13 +122,13 @@ def test_a_trainer_given_a_run_takes_nothing_that_would_build_another(tmp_path):
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
-    config = _config(tmp_path)
+    config = counting_config(tmp_path)
     run = resolve_run(config)
     tok = build_tokenizer("qwen2_5")
     with pytest.raises(ValueError, match="built into the run: pass them to resolve_run"):
         MultiTurnGRPOTrainer(build_tiny_model(tok), processing_class=tok, run=run, tools={"echo": CountingTool()})
     with pytest.raises(ValueError, match="args differs from the run's config"):
-        MultiTurnGRPOTrainer(build_tiny_model(tok), _config(tmp_path), processing_class=tok, run=run)
+        MultiTurnGRPOTrainer(build_tiny_model(tok), counting_config(tmp_path), processing_class=tok, run=run)
     run.close()
 
 
@@ -294,16 +203,16 @@ def test_the_recipe_resolves_its_run_once_for_the_trainer_and_the_periodic_evalu
         "no",
         "--reward_components",
         "correct",
-        "test_run:CountingReward",
+        "support.run:CountingReward",
         "--reward_component_weights",
         "1.0",
         "1.0",
         "--rollout",
-        "test_run:CountingRollout",
+        "support.run:CountingRollout",
         "--advantage",
-        "test_run:CountingAdvantage",
+        "support.run:CountingAdvantage",
         "--policy_loss",
-        "test_run:CountingLoss",
+        "support.run:CountingLoss",
         "--rollout_kwargs",
         '{"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 1024}',
         "--max_padded_tokens_per_micro_batch",

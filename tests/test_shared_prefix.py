@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_trajectory, rel_err
+from conftest import rel_err
+from support.prefix import group_datums, small_model
 from trl_plugins.algos import PPOClipLoss
-from trl_plugins.datum import build_datum, collate, shared_prefix_layout
+from trl_plugins.datum import collate, shared_prefix_layout
 from trl_plugins.modeling import (
     SharedPrefixUnsupported,
     check_shared_prefix,
@@ -35,65 +36,6 @@ from trl_plugins.packing import (
     tree_tokens,
 )
 from trl_plugins.types import PrefixTree
-
-
-def group_datums(seed: int = 7, groups: int = 3, size: int = 3, extra: int = 1, vocab: int = 200) -> list:
-    """``groups`` groups of ``size`` trajectories sharing a prompt (1-3 turns each), then ``extra`` lone ones."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(groups):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(5, 24))]
-        for _ in range(size):
-            traj = make_trajectory(rng, num_turns=rng.randint(1, 3), prompt=prompt, group_id=g, vocab=vocab)
-            out.append(
-                build_datum(traj, advantage=rng.choice([-1, 1]) * rng.uniform(0.2, 1.5), trajectory_index=len(out))
-            )
-    for _ in range(extra):
-        out.append(
-            build_datum(make_trajectory(rng, num_turns=2, vocab=vocab), advantage=0.7, trajectory_index=len(out))
-        )
-    return out
-
-
-def _model(arch: str):
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    small = dict(
-        vocab_size=200,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    attn = "eager" if arch.endswith("eager") else "sdpa"
-    if arch.startswith("qwen2_sliding"):  # a window of 6, shorter than every shared prompt
-        model = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=6, max_window_layers=0))
-    elif arch == "qwen2_hybrid":  # one full-attention layer, one sliding-window layer
-        model = Qwen2ForCausalLM(
-            Qwen2Config(
-                **small, use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]
-            )
-        )
-    elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**small))
-    elif arch == "mistral_sliding":
-        model = MistralForCausalLM(MistralConfig(**small, sliding_window=5))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**small))
-    model.config._attn_implementation = attn
-    return model
-
 
 ARCHS = [
     "qwen2_eager",
@@ -215,7 +157,7 @@ def test_a_prefix_longer_than_the_others_is_cut_where_its_rest_fits_the_branch_w
 
 def assert_same_log_probs(rows):
     """The layout chosen for ``rows`` gives the padded layout's log-probs (a sliding-window model)."""
-    model = _model("qwen2_sliding_sdpa")
+    model = small_model("qwen2_sliding_sdpa")
     padded, mine = collate_rows(rows), collate_rows(rows, shared_prefix=True)
     with torch.no_grad():
         a, b = micro_batch_logprobs(model, padded, "cpu")[0], micro_batch_logprobs(model, mine, "cpu")[0]
@@ -245,7 +187,7 @@ def collate_rows(rows, shared_prefix=False):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_log_probs_entropy_and_gradients_equal_the_padded_layout(arch):
-    model = _model(arch).train()
+    model = small_model(arch).train()
     datums = group_datums()
     idx = list(range(len(datums)))
     padded, shared = collate(datums, idx, pad_token_id=0), collate(datums, idx, pad_token_id=0, shared_prefix=True)
@@ -282,7 +224,7 @@ def _backward_both_layouts(model, *, seed):
 def test_gradients_flow_through_the_prefix_under_activation_checkpointing():
     # Checkpointed layers drop a cache they are passed unless told they may keep it; ours store nothing, so the
     # backward's replay is exact. A prefix that got no gradient from its branches would show here.
-    model = _model("qwen2_sliding_sdpa").train()
+    model = small_model("qwen2_sliding_sdpa").train()
     reference = _backward_both_layouts(model, seed=3)
     assert max(rel_err(b.grad, a.grad) for a, b in zip(reference.parameters(), model.parameters())) < 1e-5
     assert not any("_can_checkpoint_with_cache" in vars(m) for m in model.modules())  # restored
@@ -293,7 +235,7 @@ def test_a_lora_adapter_on_the_queries_only_trains_through_the_prefix():
     # second layer's do; the adapters' gradients equal the padded layout's, under activation checkpointing.
     from peft import LoraConfig, get_peft_model
 
-    base = _model("qwen2_sliding_sdpa")
+    base = small_model("qwen2_sliding_sdpa")
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
     model.train()
     reference = _backward_both_layouts(model, seed=4)
@@ -303,7 +245,7 @@ def test_a_lora_adapter_on_the_queries_only_trains_through_the_prefix():
 
 
 def test_reentrant_activation_checkpointing_is_refused():
-    model = _model("qwen2_sdpa").train()
+    model = small_model("qwen2_sdpa").train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     datums = group_datums()
     shared = collate(datums, list(range(len(datums))), pad_token_id=0, shared_prefix=True)
@@ -349,7 +291,7 @@ class _DropsKwarg(torch.nn.Module):
 )
 def test_a_model_that_ignores_the_prefix_states_or_positions_is_refused(dropped, message):
     # Negative controls: each breaks the layout, and the check run before the first update says so.
-    model = _DropsKwarg(_model("qwen2_sdpa"), dropped)
+    model = _DropsKwarg(small_model("qwen2_sdpa"), dropped)
     with pytest.raises(SharedPrefixUnsupported, match=f"{message}.*shared_prefix=False"):
         check_shared_prefix(model, "cpu", vocab_size=200)
 
@@ -393,8 +335,8 @@ def test_the_update_equals_the_padded_layouts(aggregation, max_items):
 
     from trl_plugins.trainers.update import old_logprobs, policy_update, reference_logprobs
 
-    base = _model("qwen2_sliding_sdpa")
-    ref_model = _model("qwen2_sliding_sdpa")
+    base = small_model("qwen2_sliding_sdpa")
+    ref_model = small_model("qwen2_sliding_sdpa")
     with torch.no_grad():
         for p in ref_model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -588,15 +530,15 @@ def test_bad_trees_are_refused_naming_the_problem():
 
 
 def _grpo(tmp_path, **kwargs):
-    from test_trainer import _config
+    from support.trainer import tiny_config
 
-    return _config(tmp_path, **kwargs)
+    return tiny_config(tmp_path, **kwargs)
 
 
 def test_auto_turns_on_where_it_pays_and_explicit_values_are_honoured_or_refused(tmp_path):
-    model = _model("qwen2_sdpa")
+    model = small_model("qwen2_sdpa")
     assert _grpo(tmp_path).resolve_shared_prefix(model) is True  # sdpa, padded, non-reentrant checkpointing
-    eager = _model("qwen2_eager")
+    eager = small_model("qwen2_eager")
     assert _grpo(tmp_path).resolve_shared_prefix(eager) is True
     flash = copy.deepcopy(model)
     flash.config._attn_implementation = "flash_attention_2"
@@ -625,7 +567,7 @@ def test_every_micro_batch_runs_both_forwards_dummies_included():
     from trl_plugins.datum import dummy_micro_batch
 
     calls = []
-    model = _model("qwen2_sdpa")
+    model = small_model("qwen2_sdpa")
     model.register_forward_hook(lambda *a: calls.append(1))
     for mb in (
         dummy_micro_batch(pad_token_id=0, shared_prefix=True),

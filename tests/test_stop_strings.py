@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from test_backends import SCHEMA, make_backend
+from support.rollout import SCHEMA, make_backend
 from trl_plugins.rollout import ChatFormat
 from trl_plugins.rollout.stops import StopStrings
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
@@ -108,7 +108,7 @@ def smol_policy(chat):
 
 @pytest.mark.parametrize("stop", [["Observation:"], None])
 def test_the_endpoint_cuts_a_turn_at_its_stop_and_the_next_request_continues_the_segment(chat, stop):
-    from test_agent_endpoint import request
+    from support.endpoint import request
     from trl_plugins.rollout.endpoint import AgentEndpointRollout
     from trl_plugins.types import TokenSource
 
@@ -151,7 +151,7 @@ def test_the_endpoint_cuts_a_turn_at_its_stop_and_the_next_request_continues_the
 
 
 def test_stop_is_checked(chat):
-    from test_agent_endpoint import request
+    from support.endpoint import request
     from trl_plugins.rollout.endpoint import AgentEndpointRollout
 
     errors = []
@@ -177,7 +177,7 @@ def test_stop_is_checked(chat):
 def test_tool_choice_other_than_auto_is_served_unforced_counted_and_logged_once(chat, refuse, caplog, monkeypatch):
     import logging
 
-    from test_agent_endpoint import request
+    from support.endpoint import request
     from trl_plugins.rollout.endpoint import AgentEndpointRollout
     from trl_plugins.rollout.endpoint import agent as agent_module
     from trl_plugins.rollout.metrics import rollout_metrics

@@ -8,24 +8,8 @@ import json
 import pytest
 import torch
 
-from trl_plugins.rollout.backends import BackendBase
+from support.trainer import ConstantReward, FlakyCodeTool, PickyVerifier, TokenReward, tiny_config, tiny_dataset
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
-from trl_plugins.types import Trajectory
-
-
-class TokenReward:
-    """A test reward that depends on what was sampled (so advantages are not all zero)."""
-
-    def __call__(self, trajectory: Trajectory, example) -> float:
-        return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
-
-
-class SampleIndexReward:
-    """A test reward that differs between a group's samples whatever they sampled (``0.1 x`` the sample's index), so
-    that every group has an advantage to train on."""
-
-    def __call__(self, trajectory: Trajectory, example) -> float:
-        return 0.1 * trajectory.sample_index
 
 
 class UndeclaredLoss:
@@ -33,42 +17,6 @@ class UndeclaredLoss:
 
     def __call__(self, inp):
         raise AssertionError("never called")
-
-
-class ConstantReward:
-    def __call__(self, trajectory: Trajectory, example) -> float:
-        return 1.0
-
-
-def _config(tmp_path, **overrides):
-    from trl_plugins.trainers import MultiTurnGRPOConfig
-
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_steps=2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        learning_rate=5e-3,
-        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-        reward_components=["length"],
-        max_padded_tokens_per_micro_batch=4000,
-        max_items_per_micro_batch=2,
-        seed=0,
-        disable_tqdm=True,
-        bf16=False,
-    )
-    kwargs.update(overrides)
-    return MultiTurnGRPOConfig(**kwargs)
-
-
-def _dataset(n=4):
-    from datasets import Dataset
-
-    return Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(n)])
 
 
 def test_trains_end_to_end_and_writes_metrics_jsonl(tmp_path):
@@ -79,8 +27,8 @@ def test_trains_end_to_end_and_writes_metrics_jsonl(tmp_path):
     before = [p.detach().clone() for p in model.parameters()]
     trainer = MultiTurnGRPOTrainer(
         model,
-        _config(tmp_path),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -126,8 +74,8 @@ def test_step_without_any_advantage_skips_the_update_and_still_counts(tmp_path):
     before = [p.detach().clone() for p in model.parameters()]
     trainer = MultiTurnGRPOTrainer(
         model,
-        _config(tmp_path),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": ConstantReward()},
     )
@@ -193,7 +141,7 @@ def test_config_validation(tmp_path, overrides, message):
 
     # The config's own fields are checked when it is built, what needs the plugins when the run is resolved.
     with pytest.raises((ValueError, RegistryError), match=message):
-        resolve_run(_config(tmp_path, **overrides), reward_components={"length": TokenReward()}).close()
+        resolve_run(tiny_config(tmp_path, **overrides), reward_components={"length": TokenReward()}).close()
 
 
 def test_trainer_validation(tmp_path):
@@ -203,16 +151,16 @@ def test_trainer_validation(tmp_path):
     with pytest.raises(ValueError, match="max_padded_tokens_per_micro_batch to at least 599"):
         MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path, max_padded_tokens_per_micro_batch=100),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path, max_padded_tokens_per_micro_batch=100),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
     with pytest.raises(ValueError, match="lower the rollout budget to 301"):
         MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path, max_context_tokens=300),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path, max_context_tokens=300),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -309,8 +257,8 @@ def test_resume_from_checkpoint_reproduces_the_next_step(tmp_path):
     def run(out, **overrides):
         trainer = MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(out, **overrides),
-            train_dataset=_dataset(8),
+            tiny_config(out, **overrides),
+            train_dataset=tiny_dataset(8),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -351,8 +299,8 @@ def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path)
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=1),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=1),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -366,8 +314,8 @@ def test_checkpoints_are_marked_complete_and_resume_skips_partial_ones(tmp_path)
     with pytest.raises(ValueError, match="has no complete checkpoint"):
         MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path / "empty"),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path / "empty"),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         ).train(resume_from_checkpoint=True)
@@ -382,8 +330,8 @@ def test_exception_saves_an_emergency_checkpoint_then_reraises(tmp_path):
     # max_verifier_error_rate: the run stops with the component's error.
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, max_steps=3),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, max_steps=3),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": FailingReward(fail_at_call=5)},
     )
@@ -417,8 +365,8 @@ def test_trajectories_from_another_tokenizer_are_rejected(tmp_path):
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, rollout="test_trainer:WrongDigestRollout", rollout_kwargs={}),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, rollout="test_trainer:WrongDigestRollout", rollout_kwargs={}),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -432,8 +380,8 @@ def test_num_iterations_reuses_the_rollout_and_measures_its_age(tmp_path):
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, num_iterations=2, max_steps=2),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, num_iterations=2, max_steps=2),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -461,8 +409,8 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path / "out", report_to=["wandb"], trajectory_table_steps=1),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path / "out", report_to=["wandb"], trajectory_table_steps=1),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -495,87 +443,6 @@ def test_logs_to_wandb_offline_with_a_trajectory_table(tmp_path, monkeypatch):
     ]
 
 
-class _PerRowSeedBackend(BackendBase):
-    """Samples every row on its own, seeded by its prompt (and its place among identical prompts):
-    a trajectory's tokens no longer depend on which rank or batch it was sampled in."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.sampling, self.logprob_source = inner.sampling, inner.logprob_source
-
-    def session(self):
-        return self.inner.session()
-
-    def generate(self, prompts, max_new_tokens, *, seeds):
-        from collections import Counter
-
-        from trl_plugins.rollout import derive_seed
-
-        seen, out = Counter(), []
-        for prompt, budget in zip(prompts, max_new_tokens):
-            key = tuple(prompt)
-            out += self.inner.generate([prompt], [budget], seeds=[derive_seed(len(prompt), sum(prompt), seen[key])])
-            seen[key] += 1
-        return out
-
-
-class BrokenWorldRollout:
-    """multi_turn whose world fails every trajectory, as an agent that cannot reach its endpoint does."""
-
-    def __init__(self, **kwargs) -> None:
-        from trl_plugins.rollout import MultiTurnRollout
-
-        self.inner = MultiTurnRollout(**kwargs)
-        self.token_budget = self.inner.token_budget
-
-    def __call__(self, request):
-        from trl_plugins.types import StopReason
-
-        result = self.inner(request)
-        for traj in result.trajectories:
-            traj.stop_reason, traj.error = (
-                StopReason.ENVIRONMENT_ERROR,
-                "ConnectionRefusedError: 404 on /v1/chat/completions",
-            )
-        return result
-
-
-class RankBrokenWorldRollout(BrokenWorldRollout):
-    """multi_turn whose world fails unevenly over 2 ranks (tests/dist_trainer_run.py --broken_world): on rank 1 every
-    trajectory, as an agent posting to a URL of its own does; on rank 0 only the first, with another error."""
-
-    def __call__(self, request):
-        import os
-
-        from trl_plugins.types import StopReason
-
-        result = self.inner(request)
-        rank = int(os.environ.get("RANK", "0"))
-        for i, traj in enumerate(result.trajectories):
-            if rank == 1:
-                traj.stop_reason = StopReason.ENVIRONMENT_ERROR
-                traj.error = (
-                    f"the agent failed: NotFoundError: Error code: 404 - no such endpoint '/q{i}/chat/completions'"
-                )
-            elif i == 0:
-                traj.stop_reason, traj.error = StopReason.ENVIRONMENT_ERROR, "the agent ran past agent_time_limit_s=1.0"
-        return result
-
-
-class PerRowSeedRollout:
-    """multi_turn with a per-row-seeded backend (for comparing runs across world sizes)."""
-
-    def __init__(self, **kwargs) -> None:
-        from trl_plugins.rollout import MultiTurnRollout
-
-        self.inner = MultiTurnRollout(**kwargs)
-        self.token_budget = self.inner.token_budget
-
-    def __call__(self, request):
-        request.backend = _PerRowSeedBackend(request.backend)
-        return self.inner(request)
-
-
 @pytest.mark.parametrize("policy", ["wrong", "mask"])
 def test_truncated_policy_scores_or_masks_truncated_trajectories(tmp_path, policy):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
@@ -586,8 +453,8 @@ def test_truncated_policy_scores_or_masks_truncated_trajectories(tmp_path, polic
     # 12 tokens per turn and no tool calls from a random model: every trajectory is cut (turn_length).
     trainer = MultiTurnGRPOTrainer(
         model,
-        _config(tmp_path, max_steps=1, truncated_policy=policy),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, max_steps=1, truncated_policy=policy),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -615,7 +482,7 @@ def test_configured_tools_are_keyed_by_the_name_the_model_calls(tmp_path):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
-    args = _config(
+    args = tiny_config(
         tmp_path,
         tools=["trl_plugins.tools.code_interpreter:CodeInterpreter"],
         tool_kwargs={"trl_plugins.tools.code_interpreter:CodeInterpreter": {"name": "python"}},
@@ -623,7 +490,7 @@ def test_configured_tools_are_keyed_by_the_name_the_model_calls(tmp_path):
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
         args,
-        train_dataset=_dataset(),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -644,8 +511,8 @@ def _train(tmp_path, name, tok, model, **overrides):
     out = tmp_path / name
     trainer = MultiTurnGRPOTrainer(
         model,
-        _config(out, **overrides),
-        train_dataset=_dataset(),
+        tiny_config(out, **overrides),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -711,8 +578,8 @@ def test_a_plugin_rollouts_bad_trajectory_is_reported_before_it_becomes_a_datum(
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, rollout="test_evaluation:LyingRollout"),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, rollout="test_evaluation:LyingRollout"),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -779,8 +646,8 @@ def test_gae_brings_a_critic_that_warms_up_alone_then_trains_with_the_policy(tmp
     initial = [p.detach().clone() for p in model.parameters()]
     trainer = MultiTurnGRPOTrainer(
         model,
-        _config(tmp_path, advantage="gae", max_steps=1, critic_warmup_steps=1, critic_learning_rate=1e-2),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, advantage="gae", max_steps=1, critic_warmup_steps=1, critic_learning_rate=1e-2),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -818,7 +685,7 @@ def test_critic_settings_without_a_critic_are_refused(tmp_path):
     from trl_plugins.run import resolve_run
 
     with pytest.raises(ValueError, match=r"\['critic_learning_rate'\] configure the critic"):
-        resolve_run(_config(tmp_path, critic_learning_rate=1e-4), reward_components={"length": TokenReward()})
+        resolve_run(tiny_config(tmp_path, critic_learning_rate=1e-4), reward_components={"length": TokenReward()})
 
 
 def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
@@ -829,8 +696,8 @@ def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
     def run(out, **overrides):
         return MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(out, advantage="gae", critic_learning_rate=1e-2, **overrides),
-            train_dataset=_dataset(8),
+            tiny_config(out, advantage="gae", critic_learning_rate=1e-2, **overrides),
+            train_dataset=tiny_dataset(8),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -854,8 +721,8 @@ def test_resume_restores_the_critic_and_reproduces_the_next_step(tmp_path):
     # A checkpoint without a critic cannot silently start one afresh.
     plain = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path / "plain", max_steps=1, save_strategy="steps", save_steps=1),
-        train_dataset=_dataset(8),
+        tiny_config(tmp_path / "plain", max_steps=1, save_strategy="steps", save_steps=1),
+        train_dataset=tiny_dataset(8),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -874,8 +741,8 @@ def test_with_peft_the_reference_is_the_policy_with_its_adapter_disabled(tmp_pat
     base = build_tiny_model(tok)
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, beta=0.5, max_steps=2, learning_rate=5e-2),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, beta=0.5, max_steps=2, learning_rate=5e-2),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
@@ -921,88 +788,6 @@ def test_gae_with_the_kl_in_the_reward_puts_it_on_every_token(tmp_path):
     assert any(t.reward_component("kl_penalty").value != 0.0 for t in trajs)
 
 
-class ScriptedToolRollout:
-    """A rollout plugin whose policy always calls the tool once, then answers \\boxed{<number>} with a number
-    that depends on the sample (so groups have different rewards). Generation is scripted; the trainer
-    still updates the tiny model on those tokens."""
-
-    token_budget = 600
-    code = "print(1)"
-    """The code of every call."""
-
-    def __init__(self, **kwargs):
-        from trl_plugins.rollout import MultiTurnRollout
-
-        self.inner = MultiTurnRollout(max_turns=3, max_assistant_tokens=40, max_trajectory_tokens=600, tool_retries=0)
-
-    def __call__(self, request):
-        from trl_plugins.rollout import ScriptedBackend
-
-        tok = request.chat.tokenizer
-        end = tok.convert_tokens_to_ids("<|im_end|>")
-
-        def script(prompt, seed):
-            # The answer comes from the turn's seed, not from a call counter: turns reach the backend in the
-            # order their tools finish, which timing decides.
-            text = tok.decode(prompt)
-            if "<tool_response>" not in text:
-                call = {"name": "code_interpreter", "arguments": {"code": self.code}}
-                body = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-            else:
-                body = f"\\boxed{{{seed % 3}}}"
-            return tok(body, add_special_tokens=False)["input_ids"] + [end]
-
-        request.backend = ScriptedBackend(script, stop_token_ids=request.chat.stop_token_ids, with_seed=True)
-        return self.inner(request)
-
-
-class SlowToolRollout(ScriptedToolRollout):
-    """ScriptedToolRollout whose calls take a second in the real sandbox (so a signal finds calls in flight)."""
-
-    code = "import time\ntime.sleep(1.0)\nprint(1)"
-
-    def __init__(self, **kwargs):
-        from trl_plugins.rollout import MultiTurnRollout
-
-        self.inner = MultiTurnRollout(max_turns=3, max_assistant_tokens=120, max_trajectory_tokens=600, tool_retries=0)
-
-
-class FlakyCodeTool:
-    """A code interpreter stand-in whose every 3rd call fails in the infrastructure."""
-
-    name = "code_interpreter"
-
-    def __init__(self):
-        self.calls = 0
-
-    def schema(self):
-        from trl_plugins.tools.code_interpreter import CodeInterpreter
-
-        return CodeInterpreter().schema()
-
-    async def __call__(self, arguments):
-        from trl_plugins.tools.base import ToolOutput
-
-        self.calls += 1
-        if self.calls % 3 == 0:
-            return ToolOutput(text="", ok=False, infra_error="SandboxError: could not start")
-        return ToolOutput(text="1\n", ok=True)
-
-
-class PickyVerifier:
-    """Scores the boxed digit; raises on answer 2 (a verifier bug); hangs on answer 1 of question 0."""
-
-    def __call__(self, trajectory, example):
-        import time
-
-        digit = int(trajectory.turns[-1].text.split("\\boxed{")[1][0])
-        if digit == 2:
-            raise ValueError("cannot parse answer")
-        if digit == 1 and trajectory.group_id == 0:
-            time.sleep(5)
-        return float(digit)
-
-
 def test_infrastructure_failures_carry_no_training_signal(tmp_path):
     from trl_plugins.trainers import MultiTurnGRPOTrainer
     from trl_plugins.types import StopReason
@@ -1010,19 +795,19 @@ def test_infrastructure_failures_carry_no_training_signal(tmp_path):
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(
+        tiny_config(
             tmp_path,
             max_steps=1,
             per_device_train_batch_size=8,
             num_generations=4,
-            rollout="test_trainer:ScriptedToolRollout",
+            rollout="support.trainer:ScriptedToolRollout",
             rollout_kwargs={},
             reward_time_limit_s=0.5,
             max_verifier_error_rate=0.9,
             max_environment_error_rate=0.9,
             min_valid_group_fraction=0.5,
         ),
-        train_dataset=_dataset(),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         tools={"code_interpreter": FlakyCodeTool()},
         reward_components={"length": PickyVerifier()},
@@ -1136,8 +921,8 @@ def test_the_trainer_closes_its_tools_and_plugins(tmp_path, fails):
     tool, reward = ClosingTool(), ClosingReward(fail_at_call=5 if fails else None)
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": reward},
         tools={"code_interpreter": tool},
@@ -1171,8 +956,8 @@ def test_a_signal_during_the_update_saves_that_step_and_raises(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, max_steps=4),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, max_steps=4),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
         tools={"code_interpreter": tool},
@@ -1186,7 +971,7 @@ def test_a_signal_during_the_update_saves_that_step_and_raises(tmp_path):
 
 
 def test_a_tool_declaring_an_unknown_metric_reduction_is_refused_at_start_up(tmp_path):
-    from test_contracts import _MedianTool
+    from support.tools import MedianTool
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
     tok = build_tokenizer("qwen2_5")
@@ -1198,10 +983,10 @@ def test_a_tool_declaring_an_unknown_metric_reduction_is_refused_at_start_up(tmp
     ):
         MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path, max_steps=1, tools=["echo"]),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path, max_steps=1, tools=["echo"]),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
-            tools={"echo": _MedianTool()},
+            tools={"echo": MedianTool()},
             reward_components={"length": ConstantReward()},
         )
 
@@ -1230,8 +1015,8 @@ def test_resume_from_latest_continues_after_the_checkpoint_and_metrics_have_each
     def run(**overrides):
         return MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path, max_steps=3, **overrides),
-            train_dataset=_dataset(8),
+            tiny_config(tmp_path, max_steps=3, **overrides),
+            train_dataset=tiny_dataset(8),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -1264,8 +1049,8 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_falls_back_only_when_asked(
     def run(**overrides):
         return MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path, max_steps=2, **overrides),
-            train_dataset=_dataset(8),
+            tiny_config(tmp_path, max_steps=2, **overrides),
+            train_dataset=tiny_dataset(8),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -1307,8 +1092,8 @@ def test_a_step_prints_one_compact_line_reports_tokens_per_s_and_no_checkpointin
         warnings.simplefilter("always")
         trainer = MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -1344,8 +1129,8 @@ def test_a_step_prints_one_compact_line_reports_tokens_per_s_and_no_checkpointin
     for console, tqdm_off in (("full", True), ("full", False), ("compact", False)):
         t = MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path, console_metrics=console, disable_tqdm=tqdm_off),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path, console_metrics=console, disable_tqdm=tqdm_off),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -1371,8 +1156,8 @@ def test_rollouts_leave_the_activation_checkpointing_settings_alone(tmp_path):
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, max_steps=1, activation_checkpointing_kwargs={"every_n_layers": 2}),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, max_steps=1, activation_checkpointing_kwargs={"every_n_layers": 2}),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -1391,8 +1176,8 @@ def test_reward_names_include_the_kl_penalty_when_the_kl_is_a_reward(tmp_path):
     def names(**overrides):
         return MultiTurnGRPOTrainer(
             path,
-            _config(tmp_path, max_steps=1, **overrides),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path, max_steps=1, **overrides),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         ).reward_names()
@@ -1418,7 +1203,7 @@ def test_critic_value_pass_fits_the_micro_batch_budget_the_start_up_check_allows
         out = tmp_path / f"{policy}-{max_padded}"
         trainer = MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(
+            tiny_config(
                 out,
                 max_steps=1,
                 advantage="gae",
@@ -1426,7 +1211,7 @@ def test_critic_value_pass_fits_the_micro_batch_budget_the_start_up_check_allows
                 rollout_kwargs=rollout,
                 max_padded_tokens_per_micro_batch=max_padded,
             ),
-            train_dataset=_dataset(),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -1451,8 +1236,8 @@ def test_truncated_policy_bootstrap_needs_a_critic(tmp_path):
     with pytest.raises(ValueError, match=r"truncated_policy='bootstrap'.*runs no critic; use --advantage gae"):
         MultiTurnGRPOTrainer(
             build_tiny_model(tok),
-            _config(tmp_path, truncated_policy="bootstrap"),
-            train_dataset=_dataset(),
+            tiny_config(tmp_path, truncated_policy="bootstrap"),
+            train_dataset=tiny_dataset(),
             processing_class=tok,
             reward_components={"length": TokenReward()},
         )
@@ -1477,16 +1262,16 @@ def test_dropout_in_the_base_model_is_refused_or_removed_whole(tmp_path):
         with pytest.raises(ValueError, match=r"attention_dropout=0\.1.*Pass --disable_dropout true"):
             MultiTurnGRPOTrainer(
                 source,
-                _config(tmp_path),
-                train_dataset=_dataset(),
+                tiny_config(tmp_path),
+                train_dataset=tiny_dataset(),
                 processing_class=tok,
                 reward_components={"length": TokenReward()},
             )
     model = AutoModelForCausalLM.from_pretrained(path)  # TRL loads the reference (beta > 0) from its path
     trainer = MultiTurnGRPOTrainer(
         model,
-        _config(tmp_path, max_steps=1, disable_dropout=True, beta=0.1),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, max_steps=1, disable_dropout=True, beta=0.1),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": TokenReward()},
     )
@@ -1557,8 +1342,8 @@ def test_skipped_steps_in_a_row_stop_the_run_at_max_steps_without_update(tmp_pat
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, max_steps=4, max_steps_without_update=2),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, max_steps=4, max_steps_without_update=2),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": ConstantReward()},
     )
@@ -1575,8 +1360,8 @@ def test_a_run_whose_every_trajectory_is_an_environment_error_stops_naming_the_e
     tok = build_tokenizer("qwen2_5")
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        _config(tmp_path, max_steps=2, rollout="test_trainer:BrokenWorldRollout"),
-        train_dataset=_dataset(),
+        tiny_config(tmp_path, max_steps=2, rollout="support.trainer:BrokenWorldRollout"),
+        train_dataset=tiny_dataset(),
         processing_class=tok,
         reward_components={"length": ConstantReward()},
     )

@@ -149,7 +149,7 @@ def test_groups_held_by_different_ranks_get_the_advantages_of_one_batch():
 
 def test_the_update_it_feeds_is_exact_across_packings_and_ranks(tiny_model_factory):
     # Per-token turn-level advantages through the gradient-equivalence machinery: any packing, two ranks.
-    from test_gradient_equivalence import PAD, _ddp, _packings, accumulate  # noqa: F401 - the suite's own helpers
+    from support.gradients import PAD, accumulate, ddp_gradient, packings  # noqa: F401 - the suite's own helpers
     from trl_plugins import modeling
     from trl_plugins.datum import collate
 
@@ -182,8 +182,10 @@ def test_the_update_it_feeds_is_exact_across_packings_and_ranks(tiny_model_facto
         d.behaviour_logprobs = [float(x) if m else 0.0 for x, m in zip(noisy, d.action_mask)]
     assert len({round(a, 6) for d in datums for a, m in zip(d.advantages, d.action_mask) if m}) > 4  # per-turn values
     reference = accumulate(model, datums, [list(range(len(datums)))], "token_mean")
-    for name, batches in _packings(datums).items():
+    for name, batches in packings(datums).items():
         assert rel_err(accumulate(model, datums, batches, "token_mean"), reference) < 1e-5, name
     order = list(range(len(datums)))
     random.Random(5).shuffle(order)
-    assert rel_err(_ddp(model, datums, [order[:5], order[5:]], "token_mean", dp_size_factor=2), reference) < 1e-5
+    assert (
+        rel_err(ddp_gradient(model, datums, [order[:5], order[5:]], "token_mean", dp_size_factor=2), reference) < 1e-5
+    )

@@ -447,7 +447,7 @@ def _trainer(tmp_path, **overrides):
         seed=0,
         disable_tqdm=True,
         bf16=False,
-        rollout="test_trainer:ScriptedToolRollout",
+        rollout="support.trainer:ScriptedToolRollout",
         rollout_kwargs={},
         reward_components=["digit"],
         max_padded_tokens_per_micro_batch=4000,

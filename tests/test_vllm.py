@@ -12,37 +12,19 @@ import pytest
 import torch
 
 import fake_vllm as fake
-from conftest import code_schema
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, VLLMBackend
-from trl_plugins.tiny import build_tiny_model, build_tokenizer
+from support.vllm import install_fake_vllm, same_weights, save_tiny_model, train_with_vllm
+from trl_plugins.rollout import HFGenerationBackend, VLLMBackend
 from trl_plugins.types import LogprobSource, SamplingSettings
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A tiny model and tokenizer saved to disk (vLLM loads the model by its path)."""
-    path = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer("qwen2_5")
-    build_tiny_model(tok).save_pretrained(path)
-    tok.save_pretrained(path)
-    chat = ChatFormat(tok, [code_schema()])
-    prompts = [chat.initial_prompt_ids([{"role": "user", "content": q}]) for q in ("What is 2 + 2?", "Compute 17 * 3.")]
-    return str(path), tok, chat, prompts
+    return save_tiny_model(tmp_path_factory)
 
 
 @pytest.fixture()
 def patched(monkeypatch):
-    import trl.generation.vllm_client as trl_client
-    import trl.generation.vllm_generation as trl_generation
-    import trl.trainer.grpo_trainer as trl_grpo
-
-    def install(**kwargs):
-        monkeypatch.setattr(trl_grpo, "VLLMGeneration", fake.generation_class(**kwargs))
-        monkeypatch.setattr(trl_generation, "SamplingParams", fake.SamplingParams, raising=False)
-        monkeypatch.setattr(trl_client, "VLLMClient", fake.FakeVLLMClient)
-
-    install()
-    return install
+    return install_fake_vllm(monkeypatch)
 
 
 def _hf_reference(path, tok, chat, prompts, budgets, seeds, sampling):
@@ -121,72 +103,10 @@ def test_colocate_sleep_mode_wakes_for_the_rollout_and_needs_the_weights_pushed_
     assert all(torch.isfinite(torch.tensor(again.logprobs)))
 
 
-def _train(tmp_path, path, peft_config=None, **overrides):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
-
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_steps=2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        learning_rate=5e-3,
-        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-        reward_components=["length"],
-        max_padded_tokens_per_micro_batch=4000,
-        max_items_per_micro_batch=2,
-        seed=0,
-        disable_tqdm=True,
-        bf16=False,
-        use_vllm=True,
-    )
-    kwargs.update(overrides)
-    rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)])
-
-    class LastTokenReward:
-        def __call__(self, trajectory, example):
-            return (sum(trajectory.turns[-1].completion_ids) % 7) / 7.0
-
-    trainer = MultiTurnGRPOTrainer(
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-        MultiTurnGRPOConfig(**kwargs),
-        train_dataset=rows,
-        processing_class=AutoTokenizer.from_pretrained(path),
-        reward_components={"length": LastTokenReward()},
-        peft_config=peft_config,
-    )
-    import trl_plugins.trainers.phases as module
-
-    seen, original = [], module.rollout_rows
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        seen.append(result.trajectories)
-        return result
-
-    module.rollout_rows = spy
-    try:
-        trainer.train()
-    finally:
-        module.rollout_rows = original
-    return trainer, seen
-
-
-def _same_weights(engine_model, trainer) -> bool:
-    theirs = dict(engine_model.named_parameters())
-    return all(torch.equal(theirs[n], p.detach()) for n, p in trainer.model.named_parameters())
-
-
 @pytest.mark.parametrize("sleep", [False, True])
 def test_trainer_colocate_generates_with_vllm_and_pushes_the_updated_weights(tmp_path, saved, patched, sleep):
     path = saved[0]
-    trainer, seen = _train(tmp_path, path, vllm_mode="colocate", vllm_enable_sleep_mode=sleep)
+    trainer, seen = train_with_vllm(tmp_path, path, vllm_mode="colocate", vllm_enable_sleep_mode=sleep)
     llm = trainer.vllm_generation.llm
     assert all(t.policy_version.logprob_source == LogprobSource.PROCESSED for trajs in seen for t in trajs)
     assert [trajs[0].policy_version.step for trajs in seen] == [0, 1]
@@ -198,11 +118,11 @@ def test_trainer_colocate_generates_with_vllm_and_pushes_the_updated_weights(tmp
     else:
         # After the last update no rollout ran, so vLLM holds step 1's weights: push them and compare.
         trainer.generation_backend().sync_weights(trainer.state.global_step)
-        assert _same_weights(llm.engine.model, trainer)
+        assert same_weights(llm.engine.model, trainer)
         from transformers import AutoModelForCausalLM
 
         initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        assert not _same_weights(initial, trainer)  # negative control: training moved the weights
+        assert not same_weights(initial, trainer)  # negative control: training moved the weights
 
 
 def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, patched):
@@ -211,7 +131,7 @@ def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, p
 
     path = saved[0]
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer, seen = _train(tmp_path, path, peft_config=lora, vllm_mode="colocate")
+    trainer, seen = train_with_vllm(tmp_path, path, peft_config=lora, vllm_mode="colocate")
     # The version records the adapter set and the sampler, and every trajectory refers to it; vLLM's weights are
     # in the engine, so no weights digest is claimed (docs/replay.md).
     version = trainer.run.version
@@ -243,7 +163,7 @@ def test_trainer_colocate_with_lora_pushes_the_merged_weights(tmp_path, saved, p
 def test_trainer_server_mode_sends_turns_from_the_rank_and_pushes_weights(tmp_path, saved, patched):
     path = saved[0]
     with fake.FakeVLLMServer(path) as server:
-        trainer, seen = _train(
+        trainer, seen = train_with_vllm(
             tmp_path, path, vllm_mode="server", vllm_server_base_url=server.base_url, vllm_max_concurrent_requests=3
         )
         turns = sum(len(t.turns) for trajs in seen for t in trajs)
@@ -262,7 +182,7 @@ def test_trainer_server_mode_sends_turns_from_the_rank_and_pushes_weights(tmp_pa
         )
         assert trainer.generation_backend().max_concurrency == 3
         trainer.generation_backend().sync_weights(trainer.state.global_step)
-        assert _same_weights(server.engine.model, trainer)
+        assert same_weights(server.engine.model, trainer)
 
 
 def test_vllm_settings_that_cannot_work_are_refused_before_any_model_loads(tmp_path):
@@ -306,7 +226,7 @@ def test_vllm_logprobs_that_differ_from_the_trainers_are_corrected(tmp_path, sav
     import json
 
     patched(logprob_shift=-0.4)
-    trainer, seen = _train(tmp_path, saved[0], vllm_mode="colocate", max_steps=1)
+    trainer, seen = train_with_vllm(tmp_path, saved[0], vllm_mode="colocate", max_steps=1)
     record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][0]
     assert record["train/is_logprob_gap"] == pytest.approx(0.4, abs=1e-3)
     assert record["train/is_masked_frac"] == 1.0
