@@ -4,7 +4,9 @@
   our own `types`/`registry` (and themselves); frameworks stay in the trainer glue;
 - the library (`trl_plugins/`) imports nothing from the ReTool application (`recipes/`) and does not
   mention its task, prompts or embedded default;
-- the in-sandbox runner imports only the standard library (it runs in a bare `python -I -S`)."""
+- the in-sandbox runner imports only the standard library (it runs in a bare `python -I -S`);
+- no test module (nor a helper script under `tests/`) imports a test module: what tests share lives in
+  `tests/support/`."""
 
 from __future__ import annotations
 
@@ -293,3 +295,37 @@ def test_capabilities_are_read_by_the_seams_adapters_only():
     assert capability_discovery(
         'getattr(plugin, "needs_values", False)\nhasattr(tool, "idempotent")\ngetattr(x, "name")\n'
     ) == ["needs_values", "idempotent"]  # negative control
+
+
+# -- tests share helpers through tests/support/, never through another test module -----------------
+
+TESTS_ROOT = Path(__file__).parent
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """Test modules (``test_*``) that ``source`` imports, at module level or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [n for n in names if n.split(".")[0].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    files = sorted(f for f in TESTS_ROOT.rglob("*.py") if "assets" not in f.relative_to(TESTS_ROOT).parts)
+    importers = {str(f.relative_to(TESTS_ROOT)): imported_test_modules(f.read_text()) for f in files}
+    assert {k: v for k, v in importers.items() if v} == {}, "move what they share to tests/support/"
+
+
+def test_the_test_import_checker_catches_test_modules():
+    # Negative control: imports this rule removed (a fixture among them), at module level and inside a function.
+    src = (
+        "from {t}trainer import TokenReward, _config\nimport {t}vllm\nfrom support.trainer import tiny_config\n"
+        "def f():\n    from {t}agent_endpoint import chat\n"
+    ).format(t="test_")  # spelled so that a grep of tests/ for such imports finds none here
+    assert imported_test_modules(src) == ["test_trainer", "test_vllm", "test_agent_endpoint"]
