@@ -83,12 +83,14 @@ def test_settings_are_honoured_or_refused(tmp_path, overrides, message):
 
 
 def test_what_is_not_built_yet_is_refused_before_anything_loads(tmp_path):
+    from trl_plugins.run.settings.async_rollouts import unavailable
+
     c = tiny_config(tmp_path, async_rollouts=True)
-    assert c.async_unavailable({}) == []
+    assert unavailable(c, {}) == []
     c.use_vllm, c.vllm_mode = True, "colocate"  # (vLLM itself is not installed here)
-    assert "vLLM colocate mode" in c.async_unavailable({})[0]
+    assert "vLLM colocate mode" in unavailable(c, {})[0]
     c.vllm_mode = "server"
-    assert c.async_unavailable({}) == []
+    assert unavailable(c, {}) == []
     with pytest.raises(ValueError, match=r"not available with num_iterations=2.*Or set max_staleness=0"):
         tiny_config(tmp_path, async_rollouts=True, num_iterations=2)
     tiny_config(tmp_path, async_rollouts=True, max_staleness=0, num_iterations=2)  # the synchronous loop does it
@@ -197,19 +199,27 @@ def test_off_policy_figures_by_hand():
     expect_w = [1.0] * (len(on) - 2) + [float(torch.exp(torch.tensor(0.5))), float(torch.exp(torch.tensor(-0.25)))]
     assert n == len(on) and gap == pytest.approx(0.75)
     assert w_sum == pytest.approx(sum(expect_w)) and w_sq == pytest.approx(sum(x * x for x in expect_w))
-    c = cfg("/tmp/x", async_rollouts=True)
+    c = cfg("/tmp/x", async_rollouts=True).features.async_rollouts
     out = check_off_policy(c, [n, gap, w_sum, w_sq])
     assert out["async/logprob_gap"] == pytest.approx(0.75 / n)
     assert out["async/importance_ess"] == pytest.approx(sum(expect_w) ** 2 / (n * sum(x * x for x in expect_w)))
     from trl_plugins.trainers.async_rollouts import OffPolicyDrift
 
     with pytest.raises(OffPolicyDrift, match=r"log-prob gap: .* over async_max_logprob_gap=0.01"):
-        check_off_policy(cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=0.01), [n, gap, w_sum, w_sq])
+        check_off_policy(
+            cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=0.01).features.async_rollouts,
+            [n, gap, w_sum, w_sq],
+        )
     with pytest.raises(OffPolicyDrift, match=r"importance-weight ESS: .* under async_min_importance_ess=0.999"):
-        check_off_policy(cfg("/tmp/x", async_rollouts=True, async_min_importance_ess=0.999), [n, gap, w_sum, w_sq])
+        check_off_policy(
+            cfg("/tmp/x", async_rollouts=True, async_min_importance_ess=0.999).features.async_rollouts,
+            [n, gap, w_sum, w_sq],
+        )
     assert (
         check_off_policy(
-            cfg("/tmp/x", async_rollouts=True, async_max_logprob_gap=None, async_min_importance_ess=None),
+            cfg(
+                "/tmp/x", async_rollouts=True, async_max_logprob_gap=None, async_min_importance_ess=None
+            ).features.async_rollouts,
             [n, gap, w_sum, w_sq],
         )["async/logprob_gap"]
         > 0
@@ -294,9 +304,8 @@ def _check_decoupled_objective(trainer, snapshots, step):
     # `step`'s own (the proximal policy), its behaviour log-probs step - 1's, and the importance weight is their ratio
     # truncated at vllm_importance_sampling_clip_max, per token.
     from trl_plugins.algos import importance_weights
-    from trl_plugins.trainers.update import decoupled_objective
 
-    assert decoupled_objective(trainer.args)
+    assert trainer.args.features.decoupled and trainer.args.features.async_rollouts.decoupled
     proximal, batch = snapshots[step]
     assert batch.policy_step == step - 1
     behaviour_weights, _ = snapshots[step - 1]

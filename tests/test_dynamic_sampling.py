@@ -263,11 +263,12 @@ def _round(rewards: list[list[float]], *, start: int, world_failure: tuple[int, 
     )
 
 
-def _runner(**config):
+def _runner(dynamic_sampling_metric="correct", dynamic_sampling_max_groups=3.0):
+    from trl_plugins.run.settings import DynamicSampling, Features
     from trl_plugins.trainers.phases import StepRunner
 
-    cfg = SimpleNamespace(num_generations=2, dynamic_sampling_metric="correct", dynamic_sampling_max_groups=3.0)
-    cfg.__dict__.update(config)
+    settings = DynamicSampling(metric=dynamic_sampling_metric, max_groups=dynamic_sampling_max_groups)
+    cfg = SimpleNamespace(num_generations=2, features=Features(async_rollouts=None, dynamic_sampling=settings))
     accelerator = SimpleNamespace(num_processes=1, process_index=0, device="cpu")
     return StepRunner(SimpleNamespace(config=cfg), accelerator, pad_token_id=0)
 

@@ -25,6 +25,7 @@ from trl_plugins.algos import (
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
 from trl_plugins.rollout.backends import BackendBase
+from trl_plugins.run.settings import Features
 from trl_plugins.types import (
     ImportanceSamplingMode,
     LogprobSource,
@@ -443,7 +444,9 @@ def test_a_loss_that_cannot_take_weights_is_refused(tiny_model_factory):
             _config(),
             pad_token_id=0,
         )
-    args = SimpleNamespace(vllm_importance_sampling_correction=True, mismatch_correction_scope="all")
+    args = SimpleNamespace(
+        vllm_importance_sampling_correction=True, mismatch_correction_scope="all", features=Features(None, None)
+    )
     with pytest.raises(ValueError, match="does not declare supports_is_weights"):
         mismatch_correction_applies(accelerator, [], NoWeightsLoss(), args)
 
@@ -464,7 +467,9 @@ def test_when_the_correction_applies():
     )
 
     def applies(trajs, on=True, scope="foreign"):
-        args = SimpleNamespace(vllm_importance_sampling_correction=on, mismatch_correction_scope=scope)
+        args = SimpleNamespace(
+            vllm_importance_sampling_correction=on, mismatch_correction_scope=scope, features=Features(None, None)
+        )
         return mismatch_correction_applies(acc, trajs, PPOClipLoss(), args)
 
     assert (applies(hf), applies(vllm), applies(hf, scope="all"), applies(vllm, on=False)) == (False, True, True, False)

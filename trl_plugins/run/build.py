@@ -251,8 +251,8 @@ def resolve_run(
         always = (
             kind.is_vllm
             or config.mismatch_correction_scope == "all"
-            or (config.async_replica and config.off_policy_objective == "decoupled")
-        )  # async: stale tokens
+            or config.features.decoupled  # async: stale tokens
+        )
         check_plugin_settings(config, run.rollout, run.advantage, run.policy_loss, correction_applies_always=always)
         check_peft_config(peft_config, config, needs_values=run.advantage.needs_values)
         check_sequence_parallel(config, policy_loss=run.policy_loss)  # a loss that spans shards

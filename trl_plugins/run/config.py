@@ -6,7 +6,6 @@ fields for their types and ranges, TRL's fields honoured, mapped onto the plugin
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +13,8 @@ from trl import GRPOConfig
 
 from trl_plugins.algos.losses import kl_gradient_problem
 from trl_plugins.run.parallelism import check_sequence_parallel, take_over_parallelism_config
-from trl_plugins.run.plugins import SettingError, nearest, plugin_params
+from trl_plugins.run.plugins import SettingError, plugin_params
+from trl_plugins.run.settings import AsyncRollouts, DynamicSampling, Features
 from trl_plugins.run.trl_fields import apply_trl_fields, is_set
 from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
 
@@ -495,14 +495,14 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"uses it: set use_vllm=True and vllm_mode='server', or drop it."
             )
         self._map_kl_and_entropy()
+        async_rollouts = AsyncRollouts.from_config(self)  # None: off, or max_staleness=0 (the synchronous loop)
         if self.vllm_importance_sampling_mode is None:
-            decoupled = (
-                self.async_replica
-                and self.off_policy_objective == "decoupled"
-                and self.vllm_importance_sampling_correction
-            )
-            self.vllm_importance_sampling_mode = "token_truncate" if decoupled else "sequence_mask"
-        self._check_mismatch_correction()
+            decoupled = async_rollouts is not None and async_rollouts.decoupled
+            truncate = decoupled and self.vllm_importance_sampling_correction
+            self.vllm_importance_sampling_mode = "token_truncate" if truncate else "sequence_mask"
+        if async_rollouts is not None:
+            async_rollouts.check_importance_bounds(self)
+        self._check_mismatch_correction(replica=async_rollouts is not None)
         self._check_continuous_batching()
         if self.shared_prefix and self.padding_free:
             raise ValueError(
@@ -532,8 +532,8 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"max_steps_without_update must be >= 0 (0: never stop for it), got {self.max_steps_without_update}."
             )
-        self._check_dynamic_sampling()
-        self._check_async_rollouts()
+        features = Features(async_rollouts=async_rollouts, dynamic_sampling=DynamicSampling.from_config(self))
+        self.__dict__["_features"] = features  # a property's value: no field, so no flag and no TRL field to map
         if self.reward_time_limit_s is not None and self.reward_time_limit_s <= 0:
             raise ValueError(f"reward_time_limit_s must be > 0 or None, got {self.reward_time_limit_s}.")
         if self.critic_warmup_steps < 0 or self.vf_clip <= 0 or self.vf_coef <= 0:
@@ -683,132 +683,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 )
             kwargs["entropy_coef"] = self.entropy_coef
 
-    def _off_default(self, *names: str) -> list[str]:
-        """``name=value`` of each of this config's own fields ``names`` set off its default (what a user gave)."""
-        return [f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) != self.__dataclass_fields__[n].default]
-
-    def _check_dynamic_sampling(self) -> None:
-        given = self._off_default("dynamic_sampling_metric", "dynamic_sampling_max_groups")
-        if not self.dynamic_sampling:
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} configure dynamic sampling, which is off: set dynamic_sampling=True, "
-                    f"or drop them."
-                )
-            return
-        metrics = ["reward", *self.reward_components]
-        if self.dynamic_sampling_metric not in metrics:
-            raise SettingError(
-                "dynamic_sampling_metric",
-                f"{self.dynamic_sampling_metric!r} is neither 'reward' nor a "
-                f"reward component of the run; use one of {metrics}."
-                f"{nearest(self.dynamic_sampling_metric, metrics)}",
-            )
-        if not self.dynamic_sampling_max_groups >= 1:
-            raise ValueError(
-                f"dynamic_sampling_max_groups={self.dynamic_sampling_max_groups}: the cap counts the step's "
-                f"first round too, so it must be >= 1 (1: no refill, only the drop)."
-            )
-
     @property
-    def async_replica(self) -> bool:
-        """Whether a generation replica samples ahead of the update (``async_rollouts`` with ``max_staleness > 0``)."""
-        return bool(self.async_rollouts and self.max_staleness > 0)
-
-    def _check_async_rollouts(self) -> None:
-        given = self._off_default(
-            "max_staleness",
-            "off_policy_objective",
-            "async_streaming",
-            "async_probe_tolerance",
-            "async_max_logprob_gap",
-            "async_min_importance_ess",
-            "async_replica_threads",
-        )
-        if not self.async_rollouts:
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} configure asynchronous rollouts, which are off: set "
-                    f"async_rollouts=True, or drop them."
-                )
-            return
-        if self.max_staleness < 0:
-            raise ValueError(
-                f"max_staleness={self.max_staleness}: it counts optimizer steps (0: the synchronous loop)."
-            )
-        if self.off_policy_objective not in ("decoupled", "behaviour"):
-            raise SettingError(
-                "off_policy_objective",
-                f"{self.off_policy_objective!r} is not one of 'decoupled', "
-                f"'behaviour'.{nearest(self.off_policy_objective, ['decoupled', 'behaviour'])}",
-            )
-        if self.async_replica_threads is not None and self.async_replica_threads < 1:
-            raise ValueError(f"async_replica_threads must be >= 1 or None, got {self.async_replica_threads}.")
-        if self.async_min_importance_ess is not None and not 0 <= self.async_min_importance_ess <= 1:
-            raise ValueError(
-                f"async_min_importance_ess is a share in [0, 1] (or None: off), got {self.async_min_importance_ess}."
-            )
-        if self.max_staleness == 0:
-            extra = [g for g in given if not g.startswith("max_staleness")]
-            if extra:
-                raise ValueError(
-                    f"{', '.join(extra)} configure how stale rollouts are trained, but max_staleness=0 is the "
-                    f"synchronous loop (no replica, nothing stale): drop them or set max_staleness >= 1."
-                )
-            return
-        if self.off_policy_objective == "decoupled" and not self.vllm_importance_sampling_correction:
-            raise ValueError(
-                "off_policy_objective='decoupled' weighs stale tokens by the truncated importance weight "
-                "pi_prox / pi_behaviour, which vllm_importance_sampling_correction=False turns off: turn it on, "
-                "or set off_policy_objective='behaviour'."
-            )
-        if self.async_streaming and self.use_transformers_continuous_batching:
-            raise ValueError(
-                "async_streaming=True rolls out several batches at once, which the replica does with HF "
-                "generate only (continuous batching's manager serves one rollout at a time): set "
-                "async_streaming=False or leave it unset, or use HF generate."
-            )
-        if self.async_streaming is None:
-            self.async_streaming = not self.use_transformers_continuous_batching
-        if (
-            self.off_policy_objective == "decoupled"
-            and self.vllm_importance_sampling_mode.endswith("truncate")
-            and self.vllm_importance_sampling_clip_min is None
-            and self.vllm_importance_sampling_clip_max is None
-        ):
-            raise ValueError(
-                f"the decoupled objective truncates its importance weights "
-                f"(vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}) but neither "
-                f"vllm_importance_sampling_clip_min nor vllm_importance_sampling_clip_max is set: set one."
-            )
-        # Honour or refuse: what the replica path does not do yet is refused before anything loads.
-        missing = self.async_unavailable(os.environ)
-        if missing:
-            raise ValueError(
-                f"async_rollouts with max_staleness={self.max_staleness} is not available with "
-                f"{'; '.join(missing)}. Or set max_staleness=0 (the synchronous loop). docs/training.md says "
-                f"what the asynchronous path supports."
-            )
-
-    def async_unavailable(self, environ: Any) -> list[str]:
-        """What ``async_rollouts`` (with a replica) cannot do yet in this run, given the launcher's ``environ``; each
-        with what to use instead. Empty: available."""
-        missing = []
-        if self.use_vllm and self.vllm_mode != "server":
-            missing.append(
-                "vLLM colocate mode (the engine shares the trainer's device and process): use "
-                "vllm_mode='server', HF generate or use_transformers_continuous_batching"
-            )
-        if self.num_iterations > 1:
-            missing.append(f"num_iterations={self.num_iterations} (several updates per rollout): use 1")
-        import torch
-
-        if not self.use_vllm and not self.use_cpu and (torch.cuda.is_available() or torch.backends.mps.is_available()):
-            missing.append(
-                "an accelerator device with a generation replica (built and measured on the CPU only): set "
-                "use_cpu=True, or generate with a vLLM server (vllm_mode='server')"
-            )
-        return missing
+    def features(self) -> Features:
+        """Each feature's settings as one typed object (:mod:`trl_plugins.run.settings`), built from the flat fields
+        when the config was checked; a feature that is off is None."""
+        return self.__dict__["_features"]
 
     def _check_continuous_batching(self) -> None:
         # TRL's __post_init__ has already turned the deprecated use_transformers_paged into the new switch.
@@ -832,7 +711,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
 
         continuous_batching_config(self.transformers_continuous_batching_config)  # raises on a bad key or value
 
-    def _check_mismatch_correction(self) -> None:
+    def _check_mismatch_correction(self, *, replica: bool) -> None:
         """TRL's ``vllm_importance_sampling_*`` fields drive the sampler/trainer mismatch correction.
 
         Refused: an unknown mode or scope, a bound out of range, scope ``'all'`` with the correction off,
@@ -874,7 +753,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
                 f"{', '.join(given)} configure the mismatch correction, which "
                 "vllm_importance_sampling_correction=False turns off; drop them or turn it on."
             )
-        if given and self.mismatch_correction_scope == "foreign" and not self.use_vllm and not self.async_replica:
+        if given and self.mismatch_correction_scope == "foreign" and not self.use_vllm and not replica:
             raise ValueError(
                 f"{', '.join(given)} configure the sampler/trainer mismatch correction, which in "
                 f"mismatch_correction_scope='foreign' applies only to trajectories whose log-probs are not the "

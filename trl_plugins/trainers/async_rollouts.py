@@ -59,10 +59,11 @@ class OffPolicyDrift(RuntimeError):
     """A tripwire of the asynchronous path was crossed (the message names the check, the figure and the threshold)."""
 
 
-def probe_tolerance(config: Any, dtype: torch.dtype) -> float:
-    """``async_probe_tolerance``, or its default for ``dtype``: 1e-3 for fp32 weights, 5e-2 for bf16/fp16."""
-    if config.async_probe_tolerance is not None:
-        return float(config.async_probe_tolerance)
+def probe_tolerance(settings: Any, dtype: torch.dtype) -> float:
+    """``settings.probe_tolerance`` (:class:`~trl_plugins.run.settings.AsyncRollouts`), or its default for ``dtype``:
+    1e-3 for fp32 weights, 5e-2 for bf16/fp16."""
+    if settings.probe_tolerance is not None:
+        return float(settings.probe_tolerance)
     return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
@@ -164,9 +165,9 @@ class ServerRollouts:
         self._backend = backend
         self.pushed_step = -1
         self.probe_due = False
-        c = parts["config"]  # streaming: every queued batch at once; else one after another
+        settings = parts["config"].features.async_rollouts  # streaming: every queued batch at once; else in turn
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=c.max_staleness + 1 if c.async_streaming else 1, thread_name_prefix="async-rollout"
+            max_workers=settings.max_staleness + 1 if settings.streaming else 1, thread_name_prefix="async-rollout"
         )
         self._futures: dict[Any, concurrent.futures.Future] = {}
         self._starts: dict[Any, int] = {}
@@ -254,7 +255,7 @@ class AsyncRollouts:
     """The trainer's side of asynchronous rollouts on one rank.
 
     Args:
-        config: The run's ``MultiTurnGRPOConfig`` (``async_replica`` true).
+        settings: The run's :class:`~trl_plugins.run.settings.AsyncRollouts` (``config.features.async_rollouts``).
         parts: What the replica's rollout needs (``rollout``, ``tools``, ``chat``, ``config``).
         sampler: The run's sampler kind.
         pad_token_id: HF generate's padding id.
@@ -263,7 +264,7 @@ class AsyncRollouts:
 
     def __init__(
         self,
-        config: Any,
+        settings: Any,
         parts: dict[str, Any],
         *,
         sampler: Any,
@@ -271,7 +272,7 @@ class AsyncRollouts:
         token_budget: int | None,
         server_backend: Any = None,
     ) -> None:
-        self.config, self.parts, self.sampler = config, parts, sampler
+        self.settings, self.parts, self.sampler = settings, parts, sampler
         self.pad_token_id, self.token_budget = pad_token_id, token_budget
         self._server_backend = server_backend
         """vLLM server mode: rollouts on threads of this process against the server (no replica)."""
@@ -297,7 +298,7 @@ class AsyncRollouts:
             )
         if epoch_iterator is not self._iterator:
             self._iterator, self._ahead = epoch_iterator, deque()
-        want = 1 + max(0, min(self.config.max_staleness, steps_left - 1))
+        want = 1 + max(0, min(self.settings.max_staleness, steps_left - 1))
         while len(self._ahead) < want:
             try:
                 self._ahead.append(next(epoch_iterator))
@@ -330,7 +331,7 @@ class AsyncRollouts:
             OffPolicyDrift: the replica's probe log-probs after a push differ from the trainer's beyond the tolerance.
             ReplicaError: the replica failed.
         """
-        c = self.config
+        c = self.settings
         if self._server_backend is not None:
             server = self._server()
             if server.pushed_step != step or server.probe_due:
@@ -349,8 +350,8 @@ class AsyncRollouts:
                     pad_token_id=self.pad_token_id,
                     token_budget=self.token_budget,
                     probe=self._probe,
-                    threads=c.async_replica_threads,
-                    streaming=bool(c.async_streaming),
+                    threads=c.replica_threads,
+                    streaming=c.streaming,
                 )
         elif self.producer.pushed_step != step:
             with full_weights() as model:
@@ -378,7 +379,7 @@ class AsyncRollouts:
         return self.producer
 
     def _check_probes(self, probes: dict[int, Any]) -> float:
-        tolerance = probe_tolerance(self.config, self._dtype)
+        tolerance = probe_tolerance(self.settings, self._dtype)
         worst = 0.0
         for pushed, theirs in sorted(probes.items()):
             if isinstance(theirs, tuple):  # the server's probe: (its log-probs, the trainer's)
@@ -414,7 +415,7 @@ class AsyncRollouts:
         self._queued_up_to, self._trainer_probes = -1, {}  # a later train() starts afresh
 
 
-def check_off_policy(config: Any, totals: Sequence[float]) -> dict[str, float]:
+def check_off_policy(settings: Any, totals: Sequence[float]) -> dict[str, float]:
     """The decoupled objective's tripwires on the step's summed :func:`off_policy_figures` (all ranks): its
     ``async/*`` metrics, or :class:`OffPolicyDrift` naming the check crossed."""
     n, gap, w_sum, w_sq = totals
@@ -422,15 +423,15 @@ def check_off_policy(config: Any, totals: Sequence[float]) -> dict[str, float]:
         return {}
     mean_gap = gap / n
     ess = (w_sum * w_sum) / (n * w_sq) if w_sq > 0 else 1.0
-    limit = config.async_max_logprob_gap
+    limit = settings.max_logprob_gap
     if limit is not None and mean_gap > limit:
         raise OffPolicyDrift(
             f"log-prob gap: this step's mean |log pi_prox - log pi_behaviour| over {int(n)} trained tokens is "
             f"{mean_gap:.3g}, over async_max_logprob_gap={limit:g}: the weights that sampled them are too far from the "
-            f"ones being trained (max_staleness={config.max_staleness}) or the replica's log-probs are wrong. Lower "
+            f"ones being trained (max_staleness={settings.max_staleness}) or the replica's log-probs are wrong. Lower "
             f"max_staleness or the learning rate, or raise async_max_logprob_gap (None turns the check off)."
         )
-    floor = config.async_min_importance_ess
+    floor = settings.min_importance_ess
     if floor is not None and ess < floor:
         raise OffPolicyDrift(
             f"importance-weight ESS: this step's effective sample size of pi_prox / pi_behaviour over {int(n)} trained "

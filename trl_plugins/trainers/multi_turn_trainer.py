@@ -119,7 +119,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                 raise ValueError("peft_config differs from the run's: pass it to resolve_run().")
             args, peft_config = run.config, run.spec.peft_config
         if (
-            args.dynamic_sampling
+            args.features.dynamic_sampling is not None
             and train_dataset is not None
             and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__"))
         ):
@@ -210,14 +210,14 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         # vLLM server mode: no replica, the rollouts run on threads of this process against the server.
         self._async = (
             AsyncRollouts(
-                args,
+                args.features.async_rollouts,
                 dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args, version=run.version),
                 sampler=run.sampler,
                 pad_token_id=self.processing_class.pad_token_id,
                 token_budget=run.rollout.token_budget,
                 server_backend=self._sampler.with_sampling(sampling_settings(args)) if run.sampler.is_vllm else None,
             )
-            if args.async_replica
+            if args.features.async_rollouts is not None
             else None
         )
 
@@ -322,7 +322,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         args, step, rank = self.args, self.state.global_step, self.accelerator.process_index
         sample = self._sampler_for_step()
         result, batch = sample(rows, derive_seed(args.seed, step, rank))
-        if args.dynamic_sampling:
+        if args.features.dynamic_sampling is not None:
             batch = self._fill(result, batch, sample)
         return self._after_rollout(batch)
 
@@ -358,7 +358,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self._raise_if_stop_agreed()  # every rank agrees here, as after a synchronous rollout
         assert answer is not None  # a cancelled wait means this rank asked for the stop
         batch = steps.score(answer.result, rows, policy_step=answer.policy_step)
-        if args.dynamic_sampling:  # refill rounds in this process, by this step's weights (on-policy)
+        if args.features.dynamic_sampling is not None:  # refill rounds here, by this step's weights (on-policy)
             batch = self._fill(answer.result, batch, self._sampler_for_step())
         batch.metrics.update(metrics)
         return self._after_rollout(batch, tool_metrics=answer.tool_metrics)

@@ -68,7 +68,6 @@ from trl_plugins.trainers.diagnosis import (
 from trl_plugins.trainers.ranks import all_reduce_sum, reduce_over_ranks
 from trl_plugins.trainers.update import (
     datums_to_forward,
-    decoupled_objective,
     mismatch_correction_applies,
     old_logprobs,
     policy_update,
@@ -221,11 +220,12 @@ class StepRunner:
         c, acc = self.config, self.accelerator
         world, rank = acc.num_processes, acc.process_index
         (target,) = reduce_over_ranks(acc, [float(len(batch.rows))], "sum")
-        plan = plan_fill(int(target), c.dynamic_sampling_max_groups)
+        settings = c.features.dynamic_sampling
+        plan = plan_fill(int(target), settings.max_groups)
         rounds: list[_Round] = []
         while True:
             flags = informative_groups(
-                [_metric_of(t, c.dynamic_sampling_metric) for t in batch.trajectories],
+                [_metric_of(t, settings.metric) for t in batch.trajectories],
                 [t.group_id for t in batch.trajectories],
                 [r is None for r in batch.left_out],
                 len(batch.rows),
@@ -317,11 +317,11 @@ class StepRunner:
         """6b. With the decoupled objective (``async_rollouts``): the gap between the proximal and the behaviour
         log-probs and the importance weights' effective sample size over every rank's trained tokens, against their
         tripwires (one all-reduce; every rank stops alike)."""
-        if not decoupled_objective(self.config):
+        if not self.config.features.decoupled:
             return
         forwarded = [batch.datums[i] for i in datums_to_forward(batch.datums, self.run.policy_loss, self.config)]
         totals = reduce_over_ranks(self.accelerator, off_policy_figures(forwarded), "sum")
-        batch.metrics.update(check_off_policy(self.config, totals))
+        batch.metrics.update(check_off_policy(self.config.features.async_rollouts, totals))
 
     def replay_gap(self, batch: StepBatch, policy: Any, *, step: int) -> None:
         """6c. Every ``replay_every_steps`` steps: the log-probs of up to :data:`REPLAY_SAMPLE` of this rank's datums

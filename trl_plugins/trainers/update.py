@@ -245,14 +245,6 @@ def old_logprobs(
     _fill_logprobs(accelerator, model, datums, config, "old_logprobs", pad_token_id=pad_token_id)
 
 
-def decoupled_objective(config: Any) -> bool:
-    """Whether stale rollouts train with the decoupled PPO objective (``async_rollouts``, ``max_staleness > 0``,
-    ``off_policy_objective='decoupled'``): the old log-probs are the proximal policy's, recomputed by a forward of
-    the weights at the start of the update, and the behaviour log-probs enter only through the truncated importance
-    weight ``pi_prox / pi_behaviour`` (the mismatch correction's, on every batch)."""
-    return bool(getattr(config, "async_replica", False) and config.off_policy_objective == "decoupled")
-
-
 def mismatch_correction_applies(
     accelerator: Any, trajectories: Sequence[Trajectory], policy_loss: Any, config: Any
 ) -> bool:
@@ -272,7 +264,7 @@ def mismatch_correction_applies(
     """
     if not config.vllm_importance_sampling_correction:
         return False
-    if config.mismatch_correction_scope == "all" or decoupled_objective(config):
+    if config.mismatch_correction_scope == "all" or config.features.decoupled:  # decoupled: stale tokens, every batch
         applies = True
     else:
         foreign = any(

@@ -1,0 +1,41 @@
+"""Each feature's settings as one typed object, built once from the config's flat fields when the config is checked
+(the command line's and the YAML's keys stay flat, TRL users' habit), owning the feature's defaults, checks and derived
+rules. A feature that is off is ``None``, so a setting of it given while it is off is refused in one place, by
+construction (its ``from_config``). Consumers read ``config.features``, never the flat fields of a feature.
+
+The objects live in the run's settings wing rather than beside each feature's code: the config is checked below the
+trainers (``run/`` is imported by ``trainers/``, never the reverse), so a feature implemented there keeps its settings
+here, one module per feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trl_plugins.run.settings.async_rollouts import AsyncRollouts
+from trl_plugins.run.settings.dynamic_sampling import DynamicSampling
+
+__all__ = ["Features", "AsyncRollouts", "DynamicSampling"]
+
+
+@dataclass(frozen=True)
+class Features:
+    """The run's features with settings of their own; each ``None`` when off."""
+
+    async_rollouts: AsyncRollouts | None
+    """A generation replica (or a vLLM server's threads) samples ahead of the update (``async_rollouts`` with
+    ``max_staleness > 0``)."""
+    dynamic_sampling: DynamicSampling | None
+    """DAPO's dynamic sampling (``dynamic_sampling``)."""
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether stale tokens train with the decoupled PPO objective (:attr:`AsyncRollouts.decoupled`)."""
+        return self.async_rollouts is not None and self.async_rollouts.decoupled
+
+
+def off_default(config: Any, names: tuple[str, ...]) -> list[str]:
+    """``name=value`` of each of ``config``'s fields ``names`` set off its default (what a user gave)."""
+    fields = config.__dataclass_fields__
+    return [f"{n}={getattr(config, n)!r}" for n in names if getattr(config, n) != fields[n].default]
