@@ -784,8 +784,8 @@ _AS_ROOT_INSIDE = {
         'check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")\n        ',
     ),
     "warm": (
-        '"unshare per-call namespaces")\n        write_id_maps(uid, gid)\n',
-        '"unshare per-call namespaces")\n        ',
+        '"unshare per-call namespaces",\n        )\n        write_id_maps(uid, gid)\n',
+        '"unshare per-call namespaces",\n        )\n        ',
     ),
 }
 _ROOT_MAPS = (
