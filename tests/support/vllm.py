@@ -7,6 +7,7 @@ import torch
 
 import fake_vllm as fake
 from conftest import code_schema
+from support.trainer import tiny_config
 from trl_plugins.rollout import ChatFormat
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 
@@ -42,28 +43,9 @@ def train_with_vllm(tmp_path, path, peft_config=None, **overrides):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
 
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_steps=2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        learning_rate=5e-3,
-        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
-        reward_components=["length"],
-        max_padded_tokens_per_micro_batch=4000,
-        max_items_per_micro_batch=2,
-        seed=0,
-        disable_tqdm=True,
-        bf16=False,
-        use_vllm=True,
-    )
-    kwargs.update(overrides)
+    config = tiny_config(tmp_path, **{"use_vllm": True, **overrides})  # the trainer tests' config, sampled by vLLM
     rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)])
 
     class LastTokenReward:
@@ -72,7 +54,7 @@ def train_with_vllm(tmp_path, path, peft_config=None, **overrides):
 
     trainer = MultiTurnGRPOTrainer(
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-        MultiTurnGRPOConfig(**kwargs),
+        config,
         train_dataset=rows,
         processing_class=AutoTokenizer.from_pretrained(path),
         reward_components={"length": LastTokenReward()},
