@@ -159,7 +159,7 @@ MAX_LINES = 800
 """STYLE.md 25's "~800 lines": a module past it is a package waiting to be made, split by job (never for the count).
 Counted on the tree as ``ruff format`` writes it (120 columns), where the earlier 500 counted code written sideways."""
 BIG_ON_PURPOSE = {"tools/sandbox/runner.py"}  # stdlib-only, run as one file by a bare `python -I -S`
-BIG_FOR_NOW = {"run/config.py": "the flat configuration: its features' settings become typed objects beside them"}
+BIG_FOR_NOW: dict[str, str] = {}  # run/config.py (891 formatted) left it once its first settings moved to run/settings/
 """Rooms known to be too big, each with the job that will split it; one that shrinks under the limit must leave."""
 
 
