@@ -11,7 +11,8 @@ import torch
 
 from conftest import code_schema
 from support.rollout import make_backend
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
+from trl_plugins.replay.rollout_check import replay_logprobs
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import LogprobSource, SamplingSettings, StopReason, Trajectory, Turn
 

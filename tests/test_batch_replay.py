@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from trl_plugins.modeling import token_logprobs
+from trl_plugins.replay.cli import load_checkpoint, main
+from trl_plugins.replay.saved_batch import ReplayRefused, replay_batch
 from trl_plugins.rollout import MultiTurnRollout
 from trl_plugins.rollout.backends import BackendBase, cut_sample
 from trl_plugins.rollout.weights import weights_digest
@@ -21,8 +23,6 @@ from trl_plugins.run import resolve_run
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.tools.base import ToolOutput
 from trl_plugins.viewer import load_batch
-from trl_plugins.viewer.replay import ReplayRefused, replay_batch
-from trl_plugins.viewer.replay_cli import load_checkpoint, main
 
 SCHEMA = {
     "type": "function",
@@ -527,8 +527,8 @@ def test_another_packing_of_the_saved_datums_gives_the_same_masks_and_denominato
 
 
 def test_a_long_tool_output_is_saved_whole_and_shown_cut(saved):
+    from trl_plugins.replay.saved_batch import saved_trajectory
     from trl_plugins.viewer import make_batch, render_html
-    from trl_plugins.viewer.replay import saved_trajectory
 
     traj = saved_trajectory(saved["trajectories"][0])
     long = "x" * 9000 + "END"

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import code_schema
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
+from trl_plugins.replay.rollout_check import replay_logprobs
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend
 from trl_plugins.rollout.continuous_batching import (
     CB_SAMPLE_SIGNATURE,
     ContinuousBatchingBackend,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import code_schema
-from trl_plugins.rollout import ChatFormat, HFGenerationBackend, replay_logprobs
+from trl_plugins.replay.rollout_check import replay_logprobs
+from trl_plugins.rollout import ChatFormat, HFGenerationBackend
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
 from trl_plugins.types import SamplingSettings, StopReason, Trajectory, Turn
 

@@ -186,9 +186,9 @@ def test_the_reward_reports_reasoning_gyms_version_and_rescores_a_saved_row(rows
     from importlib import metadata
 
     from trl_plugins.protocols import as_reward
+    from trl_plugins.replay.saved_batch import _check_rewards
     from trl_plugins.run.version import plugin_versions
     from trl_plugins.viewer.batch import _scalar
-    from trl_plugins.viewer.replay import _check_rewards
 
     plugin = as_reward(ReasoningGymReward(), "reasoning_gym")
     assert plugin_versions("reward/reasoning_gym", plugin) == {

@@ -470,7 +470,7 @@ def test_main_command_runs_two_steps_on_one_process(first_launch):
     assert 0 <= proc.stdout.index("ReTool PPO: the run") < proc.stdout.index("building the tiny model")
     # Its saved batch replays clean with the checkpoint that sampled it (docs/replay.md): every seeded turn drawn
     # again, the rewards recomputed and the stop reasons re-derived.
-    from trl_plugins.viewer.replay_cli import main as replay
+    from trl_plugins.replay.cli import main as replay
 
     assert (
         replay(

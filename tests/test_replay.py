@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import code_schema
+from trl_plugins.replay.rollout_check import RenderReplayError, replay_rendering
 from trl_plugins.rollout import ChatFormat
-from trl_plugins.rollout.replay import RenderReplayError, replay_rendering
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 

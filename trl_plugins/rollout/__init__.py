@@ -1,4 +1,4 @@
-"""Multi-turn tool-call rollout: token-in/token-out chat, generation backends, the engine, replay.
+"""Multi-turn tool-call rollout: token-in/token-out chat, generation backends, the engine.
 
 The registered rollout plugin is ``multi_turn`` (:class:`~trl_plugins.rollout.engine.MultiTurnRollout`).
 """
@@ -6,7 +6,6 @@ The registered rollout plugin is ``multi_turn`` (:class:`~trl_plugins.rollout.en
 from trl_plugins.rollout.backends import GenerationBackend, HFGenerationBackend, Sample, ScriptedBackend, VLLMBackend
 from trl_plugins.rollout.chat import ChatFormat, ChatTemplateError, ParsedTurn, ToolTurn, TurnKind
 from trl_plugins.rollout.engine import MultiTurnRollout
-from trl_plugins.rollout.replay import RenderReplayError, ReplayReport, replay_logprobs, replay_rendering
 from trl_plugins.rollout.request import (
     RolloutCancelled,
     RolloutError,
@@ -36,8 +35,4 @@ __all__ = [
     "RolloutRequest",
     "RolloutResult",
     "derive_seed",
-    "ReplayReport",
-    "replay_logprobs",
-    "RenderReplayError",
-    "replay_rendering",
 ]

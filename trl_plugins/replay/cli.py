@@ -1,6 +1,6 @@
 """``python -m trl_plugins.replay BATCH.json [--run DIR] [--checkpoint DIR] [--tools] [--rewards] [--resample]`` (also
 ``trl-plugins-replay``): re-derive a saved batch and name the first difference
-(:func:`~trl_plugins.viewer.replay.replay_batch`).
+(:func:`~trl_plugins.replay.saved_batch.replay_batch`).
 
 The tokenizer and, for ``--tools``/``--rewards``, the run's plugins come from the run's output folder
 (``output_dir/run_config/``, :mod:`trl_plugins.run.saved`): ``--run``, else the folder of a batch saved as
@@ -84,8 +84,8 @@ def _saved_config(run_dir: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring); returns the exit status."""
+    from trl_plugins.replay.saved_batch import ReplayRefused, replay_batch
     from trl_plugins.viewer.batch import ViewerError, load_batch
-    from trl_plugins.viewer.replay import ReplayRefused, replay_batch
 
     parser = argparse.ArgumentParser(
         prog="python -m trl_plugins.replay",

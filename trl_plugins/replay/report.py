@@ -1,6 +1,6 @@
 """What a replay of a saved batch reports (:class:`ReplayReport`: the first :class:`Difference` per trajectory and
-check), the tolerance it compares log-probs with, and the refusal when versions differ (:mod:`trl_plugins.viewer.replay`
-runs the checks)."""
+check), the tolerance it compares log-probs with, and the refusal when versions differ
+(:mod:`trl_plugins.replay.saved_batch` runs the checks)."""
 
 from __future__ import annotations
 

@@ -38,6 +38,15 @@ import torch
 
 from trl_plugins.datum import DatumError, build_datum
 from trl_plugins.modeling import token_logprobs
+from trl_plugins.replay.report import (
+    CHECKS,
+    Difference,
+    ReplayRefused,
+    ReplayReport,
+    default_tolerance,
+    first_mismatch,
+    token_text,
+)
 from trl_plugins.rollout.chat import ChatFormat, tokenizer_digest
 from trl_plugins.run.version import plugin_versions, tool_schemas_digest
 from trl_plugins.types import (
@@ -52,15 +61,6 @@ from trl_plugins.types import (
     Turn,
 )
 from trl_plugins.viewer.batch import datum_from_dict
-from trl_plugins.viewer.replay_report import (
-    CHECKS,
-    Difference,
-    ReplayRefused,
-    ReplayReport,
-    default_tolerance,
-    first_mismatch,
-    token_text,
-)
 
 __all__ = [
     "Difference",
