@@ -427,23 +427,19 @@ def test_the_refusal_is_one_line_with_the_exit_code_of_other_configuration_error
     import subprocess
 
     env = {**os.environ, "TRL_PLUGINS_CACHE": str(tmp_path / "cache")}
-    common = ["--dry_run", "true", "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+    argv = ["--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}', "--dry_run", "true"]
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "retool_ppo.py"), *argv, "--report_to", "none",
+         "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    # Every configuration error ends the recipe as SystemExit(message): exit code 1, the message on stderr.
+    from retool.config import parse_args
 
-    def run(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, str(ROOT / "recipes" / "retool_ppo.py"), *argv, *common],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-
-    refused = run("--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}')
-    other = run(
-        "--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"chain_sum": {}}}', "--reward_components", "correct"
-    )  # another configuration error, refused at the same point
-    assert "reward_components must include 'reasoning_gym'" in other.stderr
-    assert refused.returncode == other.returncode != 0
+    with pytest.raises(SystemExit) as other:
+        parse_args(["--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"chain_summ": {}}}'])
+    assert isinstance(other.value.code, str) and other.value.code.startswith("configuration error")
+    assert refused.returncode == 1
     assert refused.stdout == "" and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines() == [refused.stderr.strip()]
     assert "'gcd' entries hold no metadata.expression" in refused.stderr
