@@ -381,7 +381,7 @@ def test_a_dry_run_of_the_task_alone_passes_and_the_banner_says_what_the_task_se
     [
         (
             ["--task", "reasoning_gym", "--task_kwargs", '{"datasets": {"gcd": {}}}'],
-            r"reasoning-gym's 'gcd' entries hold no metadata.expression: bring a model for them \(--model_name_or_path\)",
+            r"reasoning-gym's 'gcd' entries hold no metadata.expression: bring a model for it \(--model_name_or_path\)",
         ),
         (["--embedded", '{"cold_start_epoch": 2}'], r"--embedded .*unknown embedded settings \['cold_start_epoch'\]"),
         (

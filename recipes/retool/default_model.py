@@ -593,16 +593,11 @@ def check_embedded_default(script_args: Any, training_args: Any) -> None:
         raise ValueError(f"--embedded {script_args.embedded}: {exc}") from None
     task = getattr(script_args, "reasoning_gym_task", None)
     if settings.task == "reasoning_gym" and task is not None:
-        from retool.reasoning_gym_task import datasets_without
+        from retool.reasoning_gym_task import datasets_without, no_expression_refusal
 
         lacking = datasets_without(task, "expression")
         if lacking:
-            raise ValueError(
-                f"the embedded default's cold start writes print(<expression>) for each question, and "
-                f"reasoning-gym's {', '.join(map(repr, lacking))} entries hold no metadata.expression: "
-                f"bring a model for them (--model_name_or_path), or train on datasets whose entries carry "
-                f"one (chain_sum, basic_arithmetic)."
-            )
+            raise ValueError(no_expression_refusal(lacking))
 
 
 def model_path_or_default(

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 __all__ = [
     "datasets_without",
+    "no_expression_refusal",
     "TASK",
     "ReasoningGymTask",
     "parse_task_kwargs",
@@ -269,6 +270,17 @@ def reasoning_gym_problems(task: ReasoningGymTask, n: int, *, seed: int = 0, spl
         f"{len(rows)} distinct questions outside the {len(pool)} held-out ones ({skipped} items were "
         f"held-out questions): the datasets' configs allow too few questions. Lower --train_size to "
         f"{len(rows)}, lower held_out_pool in --task_kwargs, or widen the configs."
+    )
+
+
+def no_expression_refusal(datasets: list[str]) -> str:
+    """Why the embedded default's cold start cannot teach ``datasets`` (their entries carry no ``expression``), and what
+    to do instead: one message for the start-up check and the build's own."""
+    them = "it" if len(datasets) == 1 else "them"
+    return (
+        f"the embedded default's cold start writes print(<expression>) for each question, and reasoning-gym's "
+        f"{', '.join(map(repr, datasets))} entries hold no metadata.expression: bring a model for {them} "
+        f"(--model_name_or_path), or train on datasets whose entries carry one (chain_sum, basic_arithmetic)."
     )
 
 

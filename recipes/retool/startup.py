@@ -31,10 +31,6 @@ __all__ = [
 ]
 
 
-TASK_TOOLS = {"lookup": ("lookup", "code_interpreter")}
-"""Tools (by name) a bundled task's problems cannot be solved without."""
-
-
 def resolve(script_args: Any, training_args: Any) -> Any:
     """The run, resolved once before anything is built or loaded (:func:`trl_plugins.run.resolve_run`): TRL's
     ``ModelConfig`` fields honoured or refused, every plugin built with its kwargs and checked, the sampler picked,
@@ -45,6 +41,7 @@ def resolve(script_args: Any, training_args: Any) -> Any:
     Raises:
         SystemExit: a setting or a plugin refused, or a tool that could not start; the message is the check's own.
     """
+    from retool.tasks import TASK_TOOLS
     from trl_plugins.run import resolve_run
     from trl_plugins.run.lora import check_model_config, peft_config_from
 

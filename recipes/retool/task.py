@@ -87,18 +87,13 @@ def bundled_problems(
 
         return lookup_problems(n, seed=seed, split=split)
     if task == "reasoning_gym":
-        from retool.reasoning_gym_task import parse_task_kwargs, reasoning_gym_problems
+        from retool.reasoning_gym_task import no_expression_refusal, parse_task_kwargs, reasoning_gym_problems
 
         rows = reasoning_gym_problems(parse_task_kwargs(task_kwargs or {}), n, seed=seed, split=split)
         for row in rows:
             expression = row["metadata"].get("expression")
             if not isinstance(expression, str) or not expression.strip():
-                raise ValueError(
-                    f"the embedded default's cold start writes print(<expression>) for each question, and "
-                    f"reasoning-gym's {row['metadata'].get('source_dataset')!r} entries hold no "
-                    f"metadata.expression: bring a model for it (--model_name_or_path), or train on "
-                    f"datasets whose entries carry one (chain_sum, basic_arithmetic)."
-                )
+                raise ValueError(no_expression_refusal([row["metadata"].get("source_dataset")]))
             row["expression"] = expression
         return rows
     raise ValueError(

@@ -12,11 +12,12 @@ which settings came from the task. A user's choice that cannot score the task is
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from retool.coldstart import LOOKUP_SYSTEM_PROMPT, TASKS
 
-__all__ = ["TASK_SETTINGS", "task_layer", "task_layer_name", "default_success_component"]
+__all__ = ["TASK_SETTINGS", "TASK_TOOLS", "task_layer", "task_layer_name", "default_success_component"]
 
 _OUTCOME_REWARDS = {"reward_components": ["correct", "format"], "reward_component_weights": [1.0, 0.1]}
 """math-verify's comparison of the boxed answer with the reference, and a small reward for the answer's format."""
@@ -51,6 +52,10 @@ TASK_SETTINGS: dict[str, dict[str, Any]] = {
 
 assert set(TASK_SETTINGS) == set(TASKS), "every task declares its settings"
 
+TASK_TOOLS: dict[str, tuple[str, ...]] = {"lookup": ("lookup", "code_interpreter")}
+"""Per task, the tools (by the name the model calls them) its problems cannot be solved without: refused at start-up
+when a ``--tools`` of the user's leaves one out (:func:`retool.startup.resolve`)."""
+
 
 def task_layer_name(task: str) -> str:
     """The layer's name where the banner, ``summary.json`` and refusals say where a value came from."""
@@ -60,17 +65,9 @@ def task_layer_name(task: str) -> str:
 def task_layer(task: str) -> tuple[str, dict[str, Any]]:
     """``(name, values)``: the config layer of ``task``'s own settings (empty for a task that is no task: the
     recipe's arguments refuse it)."""
-    return task_layer_name(task), {key: _copy(value) for key, value in TASK_SETTINGS.get(task, {}).items()}
+    return task_layer_name(task), copy.deepcopy(TASK_SETTINGS.get(task, {}))
 
 
 def default_success_component(task: str) -> str:
     """The component that counts a held-out sample correct when nothing set ``success_component``."""
     return TASK_SETTINGS.get(task, TASK_SETTINGS["arithmetic"])["success_component"]
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
