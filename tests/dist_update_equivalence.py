@@ -14,13 +14,13 @@ import os
 import random
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import make_trajectory, tiny_qwen2  # noqa: E402
+from support.settings import update_settings  # noqa: E402
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators  # noqa: E402
 from trl_plugins.datum import build_datum, collate  # noqa: E402
 from trl_plugins.modeling import token_logprobs  # noqa: E402
@@ -97,7 +97,7 @@ def critic_check(args, accelerator, parts, everything, deepspeed: bool, critics:
     )
 
     world, rank = accelerator.num_processes, accelerator.process_index
-    config = SimpleNamespace(
+    config = update_settings(
         aggregation="token_mean",
         packer="ffd",
         max_items_per_micro_batch=2,
@@ -501,7 +501,7 @@ def one_update(
     world, rank = accelerator.num_processes, accelerator.process_index
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
     bounds = (0.8, 1.25) if (args.mismatch or "").startswith("token") else (1 / 3, 3.0)
-    config = SimpleNamespace(
+    config = update_settings(
         aggregation=aggregation,
         packer="balanced" if args.rebalance else "ffd",
         max_items_per_micro_batch=2,

@@ -5,6 +5,7 @@ The trainer runs here in-process on the tiny model (a few seconds each); the kil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -358,7 +359,7 @@ def test_a_failing_replica_names_its_error_and_leaves_no_process(tmp_path):
         async_rollouts=True,
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 600},
     )
-    trainer._async.parts["rollout"] = None  # the replica cannot roll out
+    trainer._async.parts = dataclasses.replace(trainer._async.parts, rollout=None)  # the replica cannot roll out
     pids = []
     real = trainer._async.roll_out
 

@@ -18,6 +18,7 @@ from support.prefix import group_datums, small_model
 from trl_plugins.datum import collate
 from trl_plugins.modeling import micro_batch_logprobs
 from trl_plugins.modeling.chunked_head import auto_chunk_size, chunkable, logprob_chunk_size
+from trl_plugins.run.settings import LongTrajectories
 
 CHUNK = 5
 
@@ -185,15 +186,19 @@ def test_the_vocabulary_is_never_projected_for_more_than_one_chunk(layout):
 
 
 def test_the_chunk_size_comes_from_the_config_or_the_vocabulary_and_a_memory_budget():
-    from types import SimpleNamespace
-
     model = small_model("qwen2_sdpa")
     # 256 MiB / (151,936 x 4 bytes x 4 copies) = 110.4 -> 110 positions; tiny vocabularies are capped by memory only.
     assert auto_chunk_size(151_936) == 110 and auto_chunk_size(151_936, 64 * 2**20) == 27
     assert auto_chunk_size(10**9) == 16  # at least 16 positions
-    assert logprob_chunk_size(model, SimpleNamespace(logprob_chunk_size=7)) == 7
-    assert logprob_chunk_size(model, SimpleNamespace(logprob_chunk_size=None, logprob_chunk_memory_mb=1)) == 327
-    assert logprob_chunk_size(model, SimpleNamespace()) == auto_chunk_size(200)
+    assert logprob_chunk_size(model, 7) == 7
+    assert logprob_chunk_size(model, None, 2**20) == 327
+    assert logprob_chunk_size(model) == auto_chunk_size(200)
+    # The run's settings (logprob_chunk_size, logprob_chunk_memory_mb), as the update reads them.
+    assert LongTrajectories(chunk_size=7).chunk_size_for(model) == 7
+    assert LongTrajectories(chunk_memory_mb=1).chunk_size_for(model) == 327
+    assert (
+        LongTrajectories().chunk_size_for(model) == auto_chunk_size(200) == LongTrajectories().chunk_size_for_vocab(200)
+    )
 
 
 def test_a_model_whose_logits_are_more_than_its_head_keeps_the_full_logits():

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s, refusing
 from support.recipes import ROOT, recipe_module
+from support.settings import update_settings
 
 
 def _listing(folder: Path) -> list[tuple[str, int, int]]:
@@ -180,7 +181,7 @@ def test_the_update_memory_estimate_by_hand():
         ).layers
         == 1_152_000
     )
-    args = SimpleNamespace(
+    args = update_settings(
         bf16=False,
         fp16=False,
         logprob_chunk_size=10,
@@ -196,7 +197,7 @@ def test_the_update_memory_estimate_by_hand():
     with pytest.raises(ValueError, match="will not fit"):
         check_update_memory(args, config, weights_bytes=10_000, trainable_fraction=1.0, free=(695_999, "free"))
     # Sequence parallelism over 4 ranks: each forwards 250 of the 1,000 positions, a quarter of the layers' 640,000.
-    split = SimpleNamespace(**vars(args), sequence_parallel_size=4)
+    split = update_settings(**{k: v for k, v in vars(args).items() if k != "features"}, sequence_parallel_size=4)
     line = check_update_memory(split, config, weights_bytes=10_000, trainable_fraction=1.0, free=(216_000, "free"))
     assert "250-token micro-batch (1/4 of 1000: sequence parallelism)" in line
     with pytest.raises(ValueError, match="raise sequence_parallel_size"):

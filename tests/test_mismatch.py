@@ -10,12 +10,12 @@ import copy
 import json
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import make_trajectory, rel_err
+from support.settings import update_settings
 from trl_plugins.algos import (
     PPOClipLoss,
     aggregate,
@@ -25,7 +25,6 @@ from trl_plugins.algos import (
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
 from trl_plugins.rollout.backends import BackendBase
-from trl_plugins.run.settings import Features
 from trl_plugins.types import (
     ImportanceSamplingMode,
     LogprobSource,
@@ -215,7 +214,7 @@ def _config(**overrides):
         padding_free=False,
     )
     base.update(overrides)
-    return SimpleNamespace(**base)
+    return update_settings(**base)
 
 
 def _flat(model):
@@ -444,9 +443,7 @@ def test_a_loss_that_cannot_take_weights_is_refused(tiny_model_factory):
             _config(),
             pad_token_id=0,
         )
-    args = SimpleNamespace(
-        vllm_importance_sampling_correction=True, mismatch_correction_scope="all", features=Features(None, None)
-    )
+    args = update_settings(vllm_importance_sampling_mode="sequence_mask", mismatch_correction_scope="all")
     with pytest.raises(ValueError, match="does not declare supports_is_weights"):
         mismatch_correction_applies(accelerator, [], NoWeightsLoss(), args)
 
@@ -467,9 +464,8 @@ def test_when_the_correction_applies():
     )
 
     def applies(trajs, on=True, scope="foreign"):
-        args = SimpleNamespace(
-            vllm_importance_sampling_correction=on, mismatch_correction_scope=scope, features=Features(None, None)
-        )
+        mode = "sequence_mask" if on else None  # None: the correction is off
+        args = update_settings(vllm_importance_sampling_mode=mode, mismatch_correction_scope=scope)
         return mismatch_correction_applies(acc, trajs, PPOClipLoss(), args)
 
     assert (applies(hf), applies(vllm), applies(hf, scope="all"), applies(vllm, on=False)) == (False, True, True, False)

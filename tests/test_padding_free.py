@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import make_trajectory, rel_err
+from support.settings import update_settings
 from trl_plugins.algos import PPOClipLoss
 from trl_plugins.contracts import plan_violations
 from trl_plugins.datum import build_datum, collate
@@ -85,7 +86,7 @@ def _update(model, datums, padding_free, **overrides):
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
-    config = SimpleNamespace(
+    config = update_settings(
         aggregation="seq_mean_token_mean",
         packer="optimal",
         max_items_per_micro_batch=3,

@@ -281,7 +281,7 @@ def test_the_banner_names_plugins_settings_isolation_processes_precision_and_out
     assert evaluation_backend(cb_run) == cb_run.sampler.describe(cb)
     assert evaluation_backend(run) == "HF generate"
     vllm = SimpleNamespace(**{**vars(run), "sampler": SamplerKind.VLLM_COLOCATE})
-    vllm.config = SimpleNamespace(**{**vars(args), "vllm_mode": "colocate"})
+    vllm.config = SimpleNamespace(**{**vars(args), "vllm_mode": "colocate", "features": args.features})
     assert evaluation_backend(vllm) == "HF generate (vLLM serves the training rollouts only)"
     assert "generated with HF generate (vLLM serves the training rollouts only)" in format_banner(
         script_args, vllm, world_size=1, device="cuda:0", distributed="single process"

@@ -12,16 +12,32 @@ from pathlib import Path
 import pytest
 
 from support.trainer import tiny_config
-from trl_plugins.run.settings import AsyncRollouts, DynamicSampling, Features
+from trl_plugins.run.settings import AsyncRollouts, DynamicSampling, LongTrajectories, MismatchCorrection
 from trl_plugins.run.settings.async_rollouts import FIELDS as ASYNC_FIELDS
+from trl_plugins.run.settings.critic import FIELDS as CRITIC_FIELDS
 from trl_plugins.run.settings.dynamic_sampling import FIELDS as DYNAMIC_SAMPLING_FIELDS
+from trl_plugins.run.settings.long_trajectories import FIELDS as LONG_FIELDS
+from trl_plugins.run.settings.mismatch_correction import FIELDS as MISMATCH_FIELDS
+from trl_plugins.types import ImportanceSamplingMode
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "trl_plugins"
 
 
 def test_a_feature_that_is_off_is_none(tmp_path):
     features = tiny_config(tmp_path).features
-    assert features == Features(async_rollouts=None, dynamic_sampling=None) and not features.decoupled
+    assert features.async_rollouts is None and features.dynamic_sampling is None and not features.decoupled
+    # Always there: the chunked head's settings (sequence parallelism off at size 1); the mismatch correction is on by
+    # TRL's default, in scope 'foreign' (HF generate's own log-probs: no batch of this run gets it).
+    assert features.long_trajectories == LongTrajectories(
+        chunk_size=None, chunk_memory_mb=256, sequence_parallel_size=1
+    )
+    assert features.mismatch_correction == MismatchCorrection(
+        mode=ImportanceSamplingMode.SEQUENCE_MASK, clip_min=None, clip_max=3.0, scope="foreign"
+    )
+    assert not features.correction_on_every_batch(foreign_sampler=False)
+    assert features.correction_on_every_batch(foreign_sampler=True)  # vLLM's log-probs are never the trainer's own
+    off = tiny_config(tmp_path, vllm_importance_sampling_correction=False).features
+    assert off.mismatch_correction is None and not off.correction_on_every_batch(foreign_sampler=True)
     # max_staleness=0 is the synchronous loop, bit for bit: no replica, nothing stale, so no settings.
     assert tiny_config(tmp_path, async_rollouts=True, max_staleness=0).features.async_rollouts is None
 
@@ -55,11 +71,55 @@ def test_the_settings_hold_the_values_in_force_and_the_derived_rules(tmp_path):
         (dict(dynamic_sampling_metric="correct"), "configure dynamic sampling, which is off"),
         (dict(dynamic_sampling=True, dynamic_sampling_metric="corect"), "Did you mean 'correct'"),
         (dict(dynamic_sampling=True, dynamic_sampling_max_groups=0.5), "must be >= 1"),
+        (dict(vllm_importance_sampling_correction=False, mismatch_correction_scope="all"), "set one of them"),
+        (dict(vllm_importance_sampling_mode="token_mask"), "HF generate records the trainer's own"),
+        (
+            dict(vllm_importance_sampling_correction=False, vllm_importance_sampling_clip_max=2.0),
+            "configure the mismatch correction, which vllm_importance_sampling_correction=False turns off",
+        ),
+        (dict(mismatch_correction_scope="every"), "must be 'foreign' or 'all'"),
+        (dict(logprob_chunk_memory_mb=0), "at least 1"),
+        (dict(sequence_parallel_size=0), "positive number of ranks"),
     ],
 )
 def test_a_setting_of_a_feature_that_is_off_is_refused_where_the_object_is_built(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_config(tmp_path, reward_components=["correct"], **overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(vf_coef=0.5), r"\['vf_coef'\] configure the critic, but advantage 'group' runs none"),
+        (dict(critic_optim="sgd", critic_warmup_steps=2), r"\['critic_optim', 'critic_warmup_steps'\] configure"),
+        (dict(truncated_policy="bootstrap"), "runs no critic"),
+        (dict(advantage="gae", vf_clip=0.0), "vf_clip > 0"),
+        (dict(advantage="gae", critic_optim="adam"), "critic_optim must be 'adamw' or 'sgd'"),
+        (dict(advantage="gae", critic_learning_rate=0.0), "critic_learning_rate must be > 0"),
+    ],
+)
+def test_the_critic_is_built_with_the_run_once_its_estimator_says_it_needs_values(tmp_path, overrides, message):
+    from support.trainer import TokenReward
+    from trl_plugins.run import resolve_run
+
+    with pytest.raises(ValueError, match=message):
+        resolve_run(tiny_config(tmp_path, **overrides), reward_components={"length": TokenReward()})
+
+
+def test_the_critics_settings_hold_the_values_in_force(tmp_path):
+    from support.trainer import TokenReward
+    from trl_plugins.run import resolve_run
+    from trl_plugins.run.settings import Critic
+
+    def critic(**overrides):
+        run = resolve_run(tiny_config(tmp_path, **overrides), reward_components={"length": TokenReward()})
+        run.close()
+        return run.critic
+
+    assert critic() is None
+    assert critic(advantage="gae", critic_optim="sgd", vf_coef=0.5) == Critic(
+        learning_rate=None, optim="sgd", warmup_steps=0, vf_clip=0.2, vf_coef=0.5
+    )
 
 
 def test_the_settings_travel_with_the_config(tmp_path):
@@ -70,9 +130,27 @@ def test_the_settings_travel_with_the_config(tmp_path):
     assert "features" not in {f.name for f in dataclasses.fields(config)} and "features" not in config.to_dict()
 
 
-FEATURE_FIELDS = {*ASYNC_FIELDS, *DYNAMIC_SAMPLING_FIELDS, "async_rollouts", "dynamic_sampling"}
-READERS = {"run/config.py", "run/settings/async_rollouts.py", "run/settings/dynamic_sampling.py"}
-"""The config (which declares the flat fields and builds the objects) and the objects that read their own fields."""
+FEATURE_FIELDS = {
+    *ASYNC_FIELDS,
+    *DYNAMIC_SAMPLING_FIELDS,
+    *CRITIC_FIELDS,
+    *MISMATCH_FIELDS,
+    *LONG_FIELDS,
+    "async_rollouts",
+    "dynamic_sampling",
+    "vllm_importance_sampling_correction",
+    "mismatch_correction_scope",
+}
+READERS = {
+    "run/config.py",
+    "run/trl_fields.py",
+    "run/parallelism.py",
+    *(f"run/settings/{m}.py" for m in ("async_rollouts", "dynamic_sampling", "critic", "mismatch_correction")),
+    "run/settings/long_trajectories.py",
+}
+"""The config (which declares the flat fields and builds the objects), the table mapping TRL's fields onto them, the
+check of what sequence parallelism needs (run by :class:`LongTrajectories`'s build and again on the loaded model), and
+the objects that read their own fields."""
 
 
 CONFIG_NAMES = {"config", "args", "training_args", "cfg"}

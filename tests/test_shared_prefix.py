@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import copy
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import rel_err
 from support.prefix import group_datums, small_model
+from support.settings import update_settings
 from trl_plugins.algos import PPOClipLoss
 from trl_plugins.datum import collate, shared_prefix_layout
 from trl_plugins.modeling import (
@@ -316,7 +316,7 @@ def _config(**overrides):
         vllm_importance_sampling_clip_min=0.8,
         vllm_importance_sampling_clip_max=1.25,
     )
-    return SimpleNamespace(**{**base, **overrides})
+    return update_settings(**{**base, **overrides})
 
 
 def _prepared(model, accelerator, lr=0.5):

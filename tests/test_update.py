@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import make_trajectory, rel_err
+from support.settings import update_settings
 from trl_plugins.algos import PPOClipLoss, aggregate, local_denominators
 from trl_plugins.datum import build_datum, collate
 from trl_plugins.modeling import token_logprobs
@@ -39,7 +39,7 @@ def test_single_process_update_equals_one_batch_sgd_step(tiny_model_factory):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
     # The fields of MultiTurnGRPOConfig that policy_update reads, stated for this test.
-    config = SimpleNamespace(
+    config = update_settings(
         aggregation="token_mean",
         packer="optimal",
         max_items_per_micro_batch=2,
@@ -85,7 +85,7 @@ def _config(**overrides):
         padding_free=False,
     )
     base.update(overrides)
-    return SimpleNamespace(**base)
+    return update_settings(**base)
 
 
 def _datums_with_zero_advantages(model, *, temperature=1.0, seed=5, n=10):

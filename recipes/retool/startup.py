@@ -493,11 +493,8 @@ def format_banner(
         "before any model loads" + (f"; skipped (skip_startup_checks): {skipped}" if skipped else "")
     )
     state = {None: "auto", True: "on", False: "off"}
-    rows = (
-        f"1 row split over {a.sequence_parallel_size} ranks (sequence parallelism)"
-        if a.sequence_parallel_size > 1
-        else f"<= {a.max_items_per_micro_batch} rows"
-    )
+    sp = a.features.long_trajectories.sequence_parallel_size
+    rows = f"1 row split over {sp} ranks (sequence parallelism)" if sp > 1 else f"<= {a.max_items_per_micro_batch} rows"
     lines.append(
         f"packer:       {a.packer} ({rows}, <= {a.max_padded_tokens_per_micro_batch}"
         f" padded tokens per micro-batch; padding-free {state[a.padding_free]}; shared prefix "
@@ -510,9 +507,9 @@ def format_banner(
         f"learning_rate {a.learning_rate:g}"
     )
     split = (
-        f", each datum's tokens split over {a.sequence_parallel_size} ranks in the update (sequence parallelism, "
-        f"{world_size // a.sequence_parallel_size} data-parallel groups)"
-        if a.sequence_parallel_size > 1
+        f", each datum's tokens split over {sp} ranks in the update (sequence parallelism, "
+        f"{world_size // sp} data-parallel groups)"
+        if sp > 1
         else ""
     )
     lines.append(f"processes:    {world_size} on {device}, {distributed}{split}, {precision(a)}")

@@ -48,17 +48,18 @@ def auto_chunk_size(vocab_size: int, memory_bytes: int = DEFAULT_LOGPROB_MEMORY_
     return max(16, int(memory_bytes) // (max(int(vocab_size), 1) * 4 * _FLOATS_PER_LOGIT))
 
 
-def logprob_chunk_size(model: torch.nn.Module, config: Any) -> int:
-    """The chunk size a run's config asks for (``logprob_chunk_size``), or the one :func:`auto_chunk_size` picks for
-    the model's vocabulary and ``logprob_chunk_memory_mb`` (256 MiB where the config has neither)."""
-    size = getattr(config, "logprob_chunk_size", None)
+def logprob_chunk_size(
+    model: torch.nn.Module, size: int | None = None, memory_bytes: int = DEFAULT_LOGPROB_MEMORY_BYTES
+) -> int:
+    """``size`` when given, else the chunk size :func:`auto_chunk_size` picks for the model's vocabulary (its output
+    head's, through any wrapper) and ``memory_bytes``."""
     if size:
         return int(size)
     inner = _unwrapped(model)
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
     head = output_head(model)
     vocab = getattr(head, "out_features", None) or vocab or 1
-    return auto_chunk_size(int(vocab), int(getattr(config, "logprob_chunk_memory_mb", 256) or 256) * 2**20)
+    return auto_chunk_size(int(vocab), memory_bytes)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,12 +9,13 @@
   the evaluation and the recipes receive.
 """
 
-from trl_plugins.run.build import KL_PENALTY_COMPONENT, Run, RunSpec, build_run, resolve_run
+from trl_plugins.run.build import KL_PENALTY_COMPONENT, RolloutParts, Run, RunSpec, build_run, resolve_run
 from trl_plugins.run.sampler import SamplerKind, sampling_settings
 
 __all__ = [
     "Run",
     "RunSpec",
+    "RolloutParts",
     "resolve_run",
     "build_run",
     "SamplerKind",

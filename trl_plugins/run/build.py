@@ -27,9 +27,10 @@ from trl_plugins.run.plugins import (
     context_limit,
 )
 from trl_plugins.run.sampler import SamplerKind, check_sampler_available, sampler_kind
+from trl_plugins.run.settings import Critic
 from trl_plugins.types import RunVersion
 
-__all__ = ["RunSpec", "Run", "resolve_run", "build_run", "KL_PENALTY_COMPONENT"]
+__all__ = ["RunSpec", "Run", "RolloutParts", "resolve_run", "build_run", "KL_PENALTY_COMPONENT"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,21 @@ class RunSpec:
         return SettingError(f"{error.setting} (from {self.provenance[base]})", error.what)
 
 
+@dataclass(frozen=True)
+class RolloutParts:
+    """The part of a :class:`Run` that rolls out a batch (:func:`trl_plugins.trainers.batch.rollout_rows`): what a
+    generation replica process is handed, pickled, and what the vLLM server's rollout threads use. The rewards, the
+    advantage and the policy loss, which only the trainer runs, stay behind."""
+
+    rollout: RolloutPlugin
+    tools: dict[str, ToolPlugin]
+    chat: ChatFormat
+    config: Any
+    """The run's ``MultiTurnGRPOConfig``."""
+    version: RunVersion | None
+    """The run-level policy version every trajectory refers to (None before :meth:`Run.bind_version`)."""
+
+
 class Run:
     """The objects one run needs, built once per process from its :class:`RunSpec`.
 
@@ -71,6 +87,7 @@ class Run:
         tools: By the name the model calls them.
         rewards: The reward components with their weights, in config order.
         sampler: What generates the turns.
+        critic: The critic's settings when the advantage estimator ``needs_values`` (None: no critic).
         max_context_tokens: The longest datum a trajectory can make (None: unbounded).
         chat: The chat format, once :meth:`bind_tokenizer` has built it.
         version: The run-level policy version, once :meth:`bind_version` has recorded it.
@@ -91,6 +108,7 @@ class Run:
         self.rollout, self.tools, self.rewards = rollout, tools, rewards
         self.advantage, self.policy_loss = advantage, policy_loss
         self.sampler = sampler
+        self.critic = Critic.from_config(spec.config, needs_values=advantage.needs_values)
         self.max_context_tokens = context_limit(spec.config, rollout)
         self.chat: ChatFormat | None = None
         self.version: RunVersion | None = None
@@ -147,6 +165,12 @@ class Run:
                 rollout=self.rollout,
             )
         return self.version
+
+    def rollout_parts(self) -> RolloutParts:
+        """What rolls out a batch (:class:`RolloutParts`); after :meth:`bind_tokenizer`."""
+        if self.chat is None:
+            raise ValueError("bind_tokenizer() first: a rollout needs the chat format.")
+        return RolloutParts(self.rollout, self.tools, self.chat, self.config, self.version)
 
     def start_tools(self) -> dict[str, str]:
         """Start every tool that declares ``start_up()`` (the code interpreter probes its sandbox's isolation) and
@@ -248,11 +272,7 @@ def resolve_run(
         raise spec.explain(exc) from exc.__cause__
     try:
         # vLLM's log-probs are never the trainer's own; scope 'all' corrects HF-generated batches too.
-        always = (
-            kind.is_vllm
-            or config.mismatch_correction_scope == "all"
-            or config.features.decoupled  # async: stale tokens
-        )
+        always = config.features.correction_on_every_batch(foreign_sampler=kind.is_vllm)
         check_plugin_settings(config, run.rollout, run.advantage, run.policy_loss, correction_applies_always=always)
         check_peft_config(peft_config, config, needs_values=run.advantage.needs_values)
         check_sequence_parallel(config, policy_loss=run.policy_loss)  # a loss that spans shards

@@ -12,11 +12,11 @@ from typing import Any
 from trl import GRPOConfig
 
 from trl_plugins.algos.losses import kl_gradient_problem
-from trl_plugins.run.parallelism import check_sequence_parallel, take_over_parallelism_config
+from trl_plugins.run.parallelism import take_over_parallelism_config
 from trl_plugins.run.plugins import SettingError, plugin_params
-from trl_plugins.run.settings import AsyncRollouts, DynamicSampling, Features
-from trl_plugins.run.trl_fields import apply_trl_fields, is_set
-from trl_plugins.types import AggregationMode, ImportanceSamplingMode, KLEstimator
+from trl_plugins.run.settings import AsyncRollouts, DynamicSampling, Features, LongTrajectories, MismatchCorrection
+from trl_plugins.run.trl_fields import apply_trl_fields
+from trl_plugins.types import AggregationMode, KLEstimator
 
 __all__ = ["MultiTurnGRPOConfig"]
 
@@ -446,14 +446,6 @@ class MultiTurnGRPOConfig(GRPOConfig):
             self.activation_checkpointing = True  # TRL's default; its old name would raise a FutureWarning
         take_over_parallelism_config(self)  # before TRL's, which refuses sequence parallelism
         super().__post_init__()
-        check_sequence_parallel(self)  # what the config alone shows; the rest before the model loads
-        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
-            raise ValueError(
-                f"logprob_chunk_size must be a positive number of positions or None (chosen from the "
-                f"vocabulary and logprob_chunk_memory_mb), got {self.logprob_chunk_size}"
-            )
-        if self.logprob_chunk_memory_mb < 1:
-            raise ValueError(f"logprob_chunk_memory_mb must be at least 1, got {self.logprob_chunk_memory_mb}")
         self.rollout_kwargs = _as_dict(self.rollout_kwargs, "rollout_kwargs")
         self.tool_kwargs = _as_dict(self.tool_kwargs, "tool_kwargs")
         self.chat_template_kwargs = _as_dict(self.chat_template_kwargs, "chat_template_kwargs") or None
@@ -500,9 +492,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             decoupled = async_rollouts is not None and async_rollouts.decoupled
             truncate = decoupled and self.vllm_importance_sampling_correction
             self.vllm_importance_sampling_mode = "token_truncate" if truncate else "sequence_mask"
-        if async_rollouts is not None:
-            async_rollouts.check_importance_bounds(self)
-        self._check_mismatch_correction(replica=async_rollouts is not None)
+        mismatch_correction = MismatchCorrection.from_config(self, async_rollouts)
         self._check_continuous_batching()
         if self.shared_prefix and self.padding_free:
             raise ValueError(
@@ -532,15 +522,15 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"max_steps_without_update must be >= 0 (0: never stop for it), got {self.max_steps_without_update}."
             )
-        features = Features(async_rollouts=async_rollouts, dynamic_sampling=DynamicSampling.from_config(self))
+        features = Features(
+            async_rollouts=async_rollouts,
+            dynamic_sampling=DynamicSampling.from_config(self),
+            mismatch_correction=mismatch_correction,
+            long_trajectories=LongTrajectories.from_config(self),
+        )
         self.__dict__["_features"] = features  # a property's value: no field, so no flag and no TRL field to map
         if self.reward_time_limit_s is not None and self.reward_time_limit_s <= 0:
             raise ValueError(f"reward_time_limit_s must be > 0 or None, got {self.reward_time_limit_s}.")
-        if self.critic_warmup_steps < 0 or self.vf_clip <= 0 or self.vf_coef <= 0:
-            raise ValueError(
-                f"need critic_warmup_steps >= 0, vf_clip > 0 and vf_coef > 0; got {self.critic_warmup_steps}, "
-                f"{self.vf_clip}, {self.vf_coef}."
-            )
         if self.replay_every_steps < 0:
             raise ValueError(f"replay_every_steps must be >= 0 (0: off), got {self.replay_every_steps}.")
         if self.viewer_steps < 0 or self.viewer_trajectories < 0:
@@ -556,8 +546,6 @@ class MultiTurnGRPOConfig(GRPOConfig):
             )
         if self.console_metrics not in ("compact", "full"):
             raise ValueError(f"console_metrics must be 'compact' or 'full', got {self.console_metrics!r}.")
-        if self.critic_optim not in ("adamw", "sgd"):
-            raise ValueError(f"critic_optim must be 'adamw' or 'sgd', got {self.critic_optim!r}.")
         if not self.learning_rate > 0:
             raise ValueError(
                 f"learning_rate must be > 0, got {self.learning_rate} (it would otherwise fail only when the "
@@ -710,56 +698,6 @@ class MultiTurnGRPOConfig(GRPOConfig):
         from trl_plugins.rollout.continuous_batching import continuous_batching_config
 
         continuous_batching_config(self.transformers_continuous_batching_config)  # raises on a bad key or value
-
-    def _check_mismatch_correction(self, *, replica: bool) -> None:
-        """TRL's ``vllm_importance_sampling_*`` fields drive the sampler/trainer mismatch correction.
-
-        Refused: an unknown mode or scope, a bound out of range, scope ``'all'`` with the correction off,
-        and a mode or bound set (off TRL's defaults) where the correction cannot apply, so that it would
-        be silently ignored: with the correction off, or in scope ``'foreign'`` without vLLM (HF generate
-        records the trainer's own log-probs). TRL's ``__post_init__`` has already copied the deprecated
-        ``vllm_importance_sampling_cap`` into ``vllm_importance_sampling_clip_max`` and checked
-        ``clip_min < clip_max`` and that a truncating mode has a bound.
-        """
-        if self.mismatch_correction_scope not in ("foreign", "all"):
-            raise ValueError(
-                f"mismatch_correction_scope must be 'foreign' or 'all', got {self.mismatch_correction_scope!r}."
-            )
-        try:
-            ImportanceSamplingMode(self.vllm_importance_sampling_mode)
-        except ValueError:
-            raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}; use one of "
-                f"{[str(m) for m in ImportanceSamplingMode]}."
-            ) from None
-        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if (lo is not None and lo < 0) or (hi is not None and hi <= 0):
-            raise ValueError(f"need vllm_importance_sampling_clip_min >= 0 and clip_max > 0, got {lo} and {hi}.")
-        on = self.vllm_importance_sampling_correction
-        if not on and self.mismatch_correction_scope == "all":
-            raise ValueError(
-                "mismatch_correction_scope='all' asks for the mismatch correction on every batch, but "
-                "vllm_importance_sampling_correction=False turns it off; set one of them."
-            )
-        names = (
-            "vllm_importance_sampling_mode",
-            "vllm_importance_sampling_clip_min",
-            "vllm_importance_sampling_clip_max",
-            "vllm_importance_sampling_cap",
-        )
-        given = [f"{n}={getattr(self, n)!r}" for n in names if is_set(self, n)]
-        if given and not on:
-            raise ValueError(
-                f"{', '.join(given)} configure the mismatch correction, which "
-                "vllm_importance_sampling_correction=False turns off; drop them or turn it on."
-            )
-        if given and self.mismatch_correction_scope == "foreign" and not self.use_vllm and not replica:
-            raise ValueError(
-                f"{', '.join(given)} configure the sampler/trainer mismatch correction, which in "
-                f"mismatch_correction_scope='foreign' applies only to trajectories whose log-probs are not the "
-                f"trainer's own (vLLM); HF generate records the trainer's own, so they would be ignored. Set "
-                f"mismatch_correction_scope='all' to apply the correction to HF-generated batches too, or drop them."
-            )
 
 
 def _lookup(registry: Any, name: str, setting: str) -> Any:

@@ -71,7 +71,7 @@ def sequence_parallel_problems(
     checks whose inputs are not given are skipped (the recipe runs them before the model loads, the trainer again on
     the loaded model). ``attention``: the implementation the model will load with, where ``model_config`` (read
     from disk) does not say (None there: transformers' default, sdpa)."""
-    size = getattr(config, "sequence_parallel_size", 1)
+    size = config.sequence_parallel_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         return [f"it must be a positive number of ranks (1: off), got {size!r}"]
     if size == 1:
@@ -87,7 +87,7 @@ def sequence_parallel_problems(
             "it runs under DeepSpeed only (Ulysses attention, accelerate's sp_backend='deepspeed'): launch with "
             "accelerate_configs/zero2.yaml or zero3.yaml, or set sequence_parallel_size=1"
         )
-    if getattr(config, "shared_prefix", None):
+    if config.shared_prefix:
         out.append(
             "shared_prefix=True forwards several datums per micro-batch, and a split micro-batch holds one: set "
             "shared_prefix=False (or leave it None: off under sequence parallelism)"

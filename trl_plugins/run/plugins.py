@@ -358,34 +358,19 @@ def check_plugin_settings(
     """Refuse what the selected plugins need but the run does not provide, and budgets that cannot fit.
 
     Args:
-        correction_applies_always: The sampler's log-probs are never the trainer's own (vLLM) or the mismatch
-            correction covers every batch (``mismatch_correction_scope='all'``): a policy loss must then apply
+        correction_applies_always: The mismatch correction is on and covers every batch
+            (:meth:`~trl_plugins.run.settings.Features.correction_on_every_batch`): a policy loss must then apply
             importance weights.
 
     Raises:
         ValueError: what cannot work, and what to set instead.
     """
-    critic_defaults = {"critic_learning_rate": None, "critic_warmup_steps": 0, "critic_optim": "adamw"}
-    if not advantage.needs_values:
-        changed = [n for n, d in critic_defaults.items() if getattr(config, n) != d]
-        if changed:
-            raise ValueError(
-                f"{changed} configure the critic, but advantage {config.advantage!r} runs none (only an estimator that "
-                f"needs_values, such as 'gae', brings one); drop them or choose --advantage gae."
-            )
-    if config.truncated_policy == "bootstrap" and not advantage.needs_values:
-        raise ValueError(
-            "truncated_policy='bootstrap' replaces a truncated trajectory's outcome reward by the critic's value of "
-            "where "
-            f"it stopped, but advantage {config.advantage!r} runs no critic; use --advantage gae, or truncated_policy "
-            f"'wrong' (score truncations as wrong) or 'mask' (leave them out)."
-        )
     if advantage.needs_groups and config.num_generations < 2:
         raise ValueError(
             f"advantage {config.advantage!r} is group-relative and needs num_generations >= 2, got "
             f"{config.num_generations}."
         )
-    if config.vllm_importance_sampling_correction and correction_applies_always and not policy_loss.supports_is_weights:
+    if correction_applies_always and not policy_loss.supports_is_weights:
         raise ValueError(
             f"the sampler/trainer mismatch correction is on (vllm_importance_sampling_correction) and applies to every "
             f"batch here, but policy_loss {config.policy_loss!r} does not declare supports_is_weights (it would drop "

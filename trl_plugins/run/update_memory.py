@@ -80,7 +80,6 @@ def check_update_memory(
         ValueError: the update's activations and the training state exceed the free memory; the message gives the
             figures and what to change.
     """
-    from trl_plugins.modeling.chunked_head import auto_chunk_size
 
     text = getattr(model_config, "text_config", None) or model_config
     hidden, vocab = int(text.hidden_size), int(text.vocab_size)
@@ -88,12 +87,13 @@ def check_update_memory(
     dtype = (
         "bf16" if getattr(training_args, "bf16", False) else "fp16" if getattr(training_args, "fp16", False) else "fp32"
     )
-    chunk = training_args.logprob_chunk_size or auto_chunk_size(vocab, training_args.logprob_chunk_memory_mb * 2**20)
+    long = training_args.features.long_trajectories
+    chunk = long.chunk_size_for_vocab(vocab)
     checkpointing = bool(
         getattr(training_args, "activation_checkpointing", None)
         or getattr(training_args, "gradient_checkpointing", False)
     )
-    split = int(getattr(training_args, "sequence_parallel_size", 1) or 1)  # each rank forwards 1/N of a datum
+    split = long.sequence_parallel_size  # each rank forwards 1/N of a datum
     est = update_memory(
         tokens=-(-int(training_args.max_padded_tokens_per_micro_batch) // split),
         hidden=hidden,

@@ -34,6 +34,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
+from trl_plugins.run import RolloutParts
 from trl_plugins.trainers.replica import (
     GenerationReplica,
     ReplicaResult,
@@ -154,18 +155,16 @@ class ServerRollouts:
 
     Args:
         backend: The run's ``VLLMBackend`` in server mode.
-        parts: What the rollout needs (``rollout``, ``tools``, ``chat``, ``config``).
+        parts: What the rollout needs (:meth:`Run.rollout_parts <trl_plugins.run.Run.rollout_parts>`).
     """
 
-    def __init__(self, backend: Any, parts: dict[str, Any]) -> None:
-        from types import SimpleNamespace
-
+    def __init__(self, backend: Any, parts: RolloutParts) -> None:
         self.lock = _ReadWriteLock()
-        self.parts = SimpleNamespace(**parts)
+        self.parts = parts
         self._backend = backend
         self.pushed_step = -1
         self.probe_due = False
-        settings = parts["config"].features.async_rollouts  # streaming: every queued batch at once; else in turn
+        settings = parts.config.features.async_rollouts  # streaming: every queued batch at once; else in turn
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=settings.max_staleness + 1 if settings.streaming else 1, thread_name_prefix="async-rollout"
         )
@@ -256,7 +255,7 @@ class AsyncRollouts:
 
     Args:
         settings: The run's :class:`~trl_plugins.run.settings.AsyncRollouts` (``config.features.async_rollouts``).
-        parts: What the replica's rollout needs (``rollout``, ``tools``, ``chat``, ``config``).
+        parts: What the replica's rollout needs (:meth:`Run.rollout_parts <trl_plugins.run.Run.rollout_parts>`).
         sampler: The run's sampler kind.
         pad_token_id: HF generate's padding id.
         token_budget: The rollout's token budget.
@@ -265,7 +264,7 @@ class AsyncRollouts:
     def __init__(
         self,
         settings: Any,
-        parts: dict[str, Any],
+        parts: RolloutParts,
         *,
         sampler: Any,
         pad_token_id: int | None,

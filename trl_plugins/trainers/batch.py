@@ -24,7 +24,7 @@ from trl_plugins.protocols import AdvantagePlugin, RewardPlugin
 from trl_plugins.rewards import reward_value
 from trl_plugins.rollout import ChatFormat, RolloutRequest, RolloutResult, questions_from_rows
 from trl_plugins.rollout.validate import validate_trajectory
-from trl_plugins.run import KL_PENALTY_COMPONENT, Run
+from trl_plugins.run import KL_PENALTY_COMPONENT, RolloutParts, Run
 from trl_plugins.types import (
     AdvantageInput,
     Datum,
@@ -92,7 +92,7 @@ def _check_result(
 
 
 def rollout_rows(
-    run: Run,
+    run: Run | RolloutParts,
     backend: Any,
     rows: Sequence[Mapping[str, Any]],
     *,
@@ -103,7 +103,8 @@ def rollout_rows(
     progress: bool = False,
     stop: Any = None,
 ) -> RolloutResult:
-    """Roll out every row ``group_size`` times with the run's rollout plugin and tools, and check the result.
+    """Roll out every row ``group_size`` times with the run's rollout plugin and tools (``run``: the run, or its
+    :class:`~trl_plugins.run.RolloutParts` in a replica), and check the result.
 
     ``stop`` (a ``threading.Event``) lets a stop request cancel the rollout (:class:`RolloutCancelled`).
     The backend is brought to ``policy_step``'s weights first (``sync_weights``: vLLM pushes them, a sampler

@@ -134,7 +134,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         check_peft_model(model, args, needs_values=run.advantage.needs_values)
         check_model_dropout(model, args)  # dropout is refused unless disable_dropout, which then removes all of it
         # A critic-based estimator brings its critic, initialised from the policy before TRL wraps it.
-        critic = build_critic(model) if run.advantage.needs_values else None
+        critic = build_critic(model) if run.critic is not None else None
         super().__init__(
             model=model,
             reward_funcs=[_ScoredByPlugins()],
@@ -175,9 +175,9 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
             self._critic, self._critic_optimizer = prepare_critic(
                 self.accelerator,
                 critic,
-                learning_rate=args.critic_learning_rate or args.learning_rate,
+                learning_rate=run.critic.learning_rate or args.learning_rate,
                 weight_decay=args.weight_decay,
-                optimizer_cls=torch.optim.SGD if args.critic_optim == "sgd" else torch.optim.AdamW,
+                optimizer_cls=torch.optim.SGD if run.critic.optim == "sgd" else torch.optim.AdamW,
             )
         self.step_runner = StepRunner(
             run,
@@ -211,7 +211,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         self._async = (
             AsyncRollouts(
                 args.features.async_rollouts,
-                dict(rollout=run.rollout, tools=run.tools, chat=run.chat, config=args, version=run.version),
+                run.rollout_parts(),
                 sampler=run.sampler,
                 pad_token_id=self.processing_class.pad_token_id,
                 token_budget=run.rollout.token_budget,

@@ -375,7 +375,7 @@ class StepRunner:
             "sum",
         )
         total = counts[SKIP_COUNTS.index("forwarded")]
-        warmup = self.critic is not None and global_step < c.critic_warmup_steps
+        warmup = self.critic is not None and global_step < run.critic.warmup_steps
         if self.critic is not None:
             metrics["critic/warmup"] = float(warmup)
         batch.update_skipped = (
@@ -409,8 +409,8 @@ class StepRunner:
                 self.critic_optimizer,
                 batch.datums,
                 c,
-                vf_clip=c.vf_clip,
-                vf_coef=c.vf_coef,
+                vf_clip=run.critic.vf_clip,
+                vf_coef=run.critic.vf_coef,
                 max_grad_norm=c.max_grad_norm,
                 pad_token_id=self.pad_token_id,
             )

@@ -32,10 +32,11 @@ import sys
 import threading
 import time
 import traceback
-from types import SimpleNamespace
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
+
+from trl_plugins.run import RolloutParts
 
 __all__ = ["GenerationReplica", "ReplicaError", "ReplicaResult", "probe_logprobs", "probe_tokens"]
 
@@ -150,8 +151,7 @@ class GenerationReplica:
         model: The policy (unwrapped); its class, config and current weights build the replica's copy (a PEFT
             model's base class and config, with the adapters merged into the weights: :func:`cpu_state_dict`).
         policy_step: The optimizer step of ``model``'s current weights.
-        parts: What the rollout needs: ``rollout``, ``tools``, ``chat``, ``config`` and ``version`` (the run's;
-        pickled).
+        parts: What the rollout needs (:meth:`Run.rollout_parts <trl_plugins.run.Run.rollout_parts>`; pickled).
         sampler: The run's :class:`~trl_plugins.run.sampler.SamplerKind` (HF generate or continuous batching).
         pad_token_id: HF generate's padding id.
         token_budget: The rollout's token budget (sizes a continuous-batching cache).
@@ -168,7 +168,7 @@ class GenerationReplica:
         model: torch.nn.Module,
         *,
         policy_step: int,
-        parts: Mapping[str, Any],
+        parts: RolloutParts,
         sampler: Any,
         pad_token_id: int | None,
         token_budget: int | None,
@@ -189,7 +189,7 @@ class GenerationReplica:
             dtype=next(base.parameters()).dtype,
             state=cpu_state_dict(model),
             policy_step=policy_step,
-            parts=dict(parts),
+            parts=parts,
             sampler=sampler,
             pad_token_id=pad_token_id,
             token_budget=token_budget,
@@ -395,7 +395,7 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
         model.load_state_dict(init["state"])
         model.eval()
         version = [init["policy_step"]]
-        parts = SimpleNamespace(**init["parts"])
+        parts: RolloutParts = init["parts"]
         for tool in parts.tools.values():
             tool.start_up()
         backend = make_backend(

@@ -88,7 +88,7 @@ def setup_sequence_parallel(
         ValueError: :func:`check_sequence_parallel` found a problem (every rank alike), or the model has recurrent
             layers (accelerate's check: their state would not cross the shards).
     """
-    size = int(getattr(config, "sequence_parallel_size", 1) or 1)
+    size = config.features.long_trajectories.sequence_parallel_size
     if size == 1:
         return None
     from trl_plugins.run.parallelism import check_sequence_parallel

@@ -34,8 +34,8 @@ import torch
 
 from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
 from trl_plugins.modeling import micro_batch_logprobs
-from trl_plugins.modeling.chunked_head import logprob_chunk_size
 from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
+from trl_plugins.run.settings import Features, MismatchCorrection
 from trl_plugins.trainers.micro_batches import (
     GradientSync,
     ensure_layout_checked,
@@ -49,7 +49,6 @@ from trl_plugins.trainers.ranks import gather_values, is_deepspeed, merge_over_r
 from trl_plugins.trainers.sequence_parallel import SequenceParallel, group_plan, shard_micro_batch, split_attention
 from trl_plugins.types import (
     Datum,
-    ImportanceSamplingMode,
     KLEstimator,
     LogprobSource,
     MicroBatch,
@@ -89,12 +88,9 @@ class UpdateSettings(Protocol):
     temperature: float
     max_grad_norm: float | None
     drop_zero_advantage: bool
-    # Optional (a namespace without them gets chunks chosen from the vocabulary, 256 MiB each):
-    # logprob_chunk_size: int | None; logprob_chunk_memory_mb: int
-    # Read only when the datums carry old_logprobs (the mismatch correction applies):
-    vllm_importance_sampling_mode: str
-    vllm_importance_sampling_clip_min: float | None
-    vllm_importance_sampling_clip_max: float | None
+    features: Features
+    """Its ``long_trajectories`` (the chunked head's chunk size) and, read only when the datums carry old_logprobs
+    (the mismatch correction applies), its ``mismatch_correction``."""
 
 
 @dataclass
@@ -197,7 +193,12 @@ def _fill_logprobs(
 
     def forward(m: torch.nn.Module, mb: MicroBatch, device: Any) -> torch.Tensor:
         return micro_batch_logprobs(
-            m, mb, device, temperature=temperature, needed=mb.action_mask, chunk_size=logprob_chunk_size(m, config)
+            m,
+            mb,
+            device,
+            temperature=temperature,
+            needed=mb.action_mask,
+            chunk_size=config.features.long_trajectories.chunk_size_for(m),
         )[0]
 
     name = "the reference model" if field_name == "ref_logprobs" else "the policy"
@@ -250,8 +251,9 @@ def mismatch_correction_applies(
 ) -> bool:
     """Whether this rollout batch gets the sampler/trainer mismatch correction; the same answer on every rank.
 
-    It applies when ``vllm_importance_sampling_correction`` is on and either ``mismatch_correction_scope``
-    is ``"all"`` or any rank holds a trajectory whose log-probs are not the trainer's own
+    It applies when ``vllm_importance_sampling_correction`` is on and either it covers every batch
+    (:meth:`~trl_plugins.run.settings.Features.correction_on_every_batch`: scope ``"all"``, or the decoupled
+    objective) or any rank holds a trajectory whose log-probs are not the trainer's own
     (``policy_version.logprob_source != TRAINER_LOGPROB_SOURCE``, e.g. vLLM's ``processed``). Every rank
     must call it (one all-reduce in scope ``"foreign"``).
 
@@ -262,9 +264,10 @@ def mismatch_correction_applies(
         ValueError: it applies but the policy loss does not declare ``supports_is_weights`` (raised on
             every rank alike).
     """
-    if not config.vllm_importance_sampling_correction:
+    features = config.features
+    if features.mismatch_correction is None:
         return False
-    if config.mismatch_correction_scope == "all" or config.features.decoupled:  # decoupled: stale tokens, every batch
+    if features.correction_on_every_batch(foreign_sampler=False):  # scope 'all', or stale tokens (decoupled)
         applies = True
     else:
         foreign = any(
@@ -277,8 +280,8 @@ def mismatch_correction_applies(
     if applies and not loss.supports_is_weights:
         raise ValueError(
             f"the sampler/trainer mismatch correction applies to this batch (vllm_importance_sampling_correction=True, "
-            f"mismatch_correction_scope={config.mismatch_correction_scope!r}: its trajectories' log-probs are not the "
-            f"trainer's own), but {loss.label} does not declare supports_is_weights: it would drop the importance "
+            f"mismatch_correction_scope={features.mismatch_correction.scope!r}: its trajectories' log-probs are not "
+            f"the trainer's own), but {loss.label} does not declare supports_is_weights: it would drop the importance "
             f"weights. Use policy_loss='ppo_clip', make the plugin apply PolicyLossInput.is_weights, or set "
             f"vllm_importance_sampling_correction=False."
         )
@@ -343,7 +346,7 @@ def _run_pass(
     num_tokens: float,
     num_seqs: float,
     any_ref: bool,
-    is_mode: ImportanceSamplingMode | None,
+    correction: MismatchCorrection | None,
     sp: SequenceParallel | None,
 ) -> _Pass:
     world, device = accelerator.num_processes, accelerator.device
@@ -351,7 +354,7 @@ def _run_pass(
     sync = GradientSync(accelerator, model)
     out = _Pass()
     ensure_layout_checked(accelerator, model, config)
-    chunk_size = logprob_chunk_size(model, config)
+    chunk_size = config.features.long_trajectories.chunk_size_for(model)
     model.train()
     for step in micro_batches(
         accelerator,
@@ -371,9 +374,9 @@ def _run_pass(
                 mb.old_logprobs.to(device),
                 mb.behaviour_logprobs.to(device),
                 mb.action_mask.to(device),
-                is_mode,
-                clip_min=config.vllm_importance_sampling_clip_min,
-                clip_max=config.vllm_importance_sampling_clip_max,
+                correction.mode,
+                clip_min=correction.clip_min,
+                clip_max=correction.clip_max,
             )
         # Under sequence parallelism this rank's shard of the (one-datum) micro-batch; figures per datum counted once
         # per group, per token on each shard.
@@ -507,7 +510,12 @@ def policy_update(
     mine = float(sum(len(idx) for idx in batches)) if sp is None or sp.rank == 0 else 0.0  # a group's datums once
     forwarded, any_ref, any_old = reduce_over_ranks(accelerator, [mine, float(with_ref), float(with_old)], "sum")
     any_ref, any_old = any_ref > 0, any_old > 0
-    is_mode = ImportanceSamplingMode(config.vllm_importance_sampling_mode) if any_old else None
+    correction = config.features.mismatch_correction if any_old else None
+    if any_old and correction is None:
+        raise ValueError(
+            "the datums carry old_logprobs, which only the sampler/trainer mismatch correction reads, but it is off "
+            "(vllm_importance_sampling_correction=False): call old_logprobs() only where mismatch_correction_applies()."
+        )
     # 3. pass.
     done = _run_pass(
         accelerator,
@@ -520,7 +528,7 @@ def policy_update(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         any_ref=any_ref,
-        is_mode=is_mode,
+        correction=correction,
         sp=sp,
     )
     # 4. step.
@@ -556,7 +564,7 @@ def policy_update(
         num_forwarded=int(forwarded),
         reference={k: total[k] / denom for k in ("kl_k1", "kl_k2", "kl_k3", "ref_logprob_gap")} if any_ref else None,
         entropy=total["entropy"] / denom if loss_fn.needs_entropy else None,
-        mismatch=None if mismatch is None else mismatch.summary(is_mode),
+        mismatch=None if mismatch is None else mismatch.summary(correction.mode),
     )
 
 

@@ -131,24 +131,6 @@ class AsyncRollouts:
             replica_threads=config.async_replica_threads,
         )
 
-    def check_importance_bounds(self, config: Any) -> None:
-        """The decoupled objective truncates its importance weights: a truncating mode needs a bound.
-
-        Raises:
-            ValueError: ``vllm_importance_sampling_mode`` truncates but neither clip bound is set.
-        """
-        if (
-            self.decoupled
-            and config.vllm_importance_sampling_mode.endswith("truncate")
-            and config.vllm_importance_sampling_clip_min is None
-            and config.vllm_importance_sampling_clip_max is None
-        ):
-            raise ValueError(
-                f"the decoupled objective truncates its importance weights "
-                f"(vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r}) but neither "
-                f"vllm_importance_sampling_clip_min nor vllm_importance_sampling_clip_max is set: set one."
-            )
-
 
 def unavailable(config: Any, environ: Mapping[str, str]) -> list[str]:
     """What asynchronous rollouts with a replica cannot do yet in this run, given the launcher's ``environ``; each
