@@ -265,7 +265,7 @@ def resolve_run(
 
     spec = RunSpec(config, dict(provenance or {}), peft_config)
     kind = sampler_kind(config)
-    check_sampler_available(kind)
+    check_sampler_available(kind, config)
     try:
         run = _build(spec, tools, reward_components)
     except SettingError as exc:

@@ -73,22 +73,37 @@ def sampling_settings(config: Any, *, temperature: float | None = None) -> Sampl
     )
 
 
-def check_sampler_available(kind: SamplerKind) -> None:
+def check_sampler_available(kind: SamplerKind, config: Any = None) -> None:
     """Refuse vLLM before any model loads when it cannot be imported (and no stand-in for TRL's ``VLLMGeneration``
-    was installed, as the tests' fake does)."""
+    was installed, as the tests' fake does), or when ``config`` asks the real engine for what it cannot do on this
+    machine: sleep mode off a CUDA device (vLLM refuses it itself, after the model loaded). Then fill the engine's
+    offline, loopback environment (:data:`~trl_plugins.rollout.vllm_server.ENGINE_ENVIRONMENT`) before vLLM is
+    imported."""
     if not kind.is_vllm:
         return
     import trl.trainer.grpo_trainer as trl_grpo
     from trl.generation.vllm_generation import VLLMGeneration
     from trl.import_utils import is_vllm_available
 
-    if trl_grpo.VLLMGeneration is VLLMGeneration and not is_vllm_available():
+    real = trl_grpo.VLLMGeneration is VLLMGeneration
+    if real and not is_vllm_available():
         raise ValueError(
             "use_vllm=True, but vLLM is not installed here. Install a version TRL 1.16 supports "
             "(pip install 'vllm>=0.22,<=0.31') on the machine that generates (every training process in colocate "
             "mode; in server mode the trainer needs it too, for TRL's client), or drop --use_vllm to generate with "
             "HF generate."
         )
+    if real and config is not None and kind is SamplerKind.VLLM_COLOCATE and config.vllm_enable_sleep_mode:
+        import torch
+
+        if config.use_cpu or not torch.cuda.is_available():
+            raise ValueError(
+                "vllm_enable_sleep_mode=True, but vLLM's sleep mode runs on CUDA devices only (its CPU platform "
+                "refuses it: 'Sleep mode is not supported on current platform'); drop it on a CPU run."
+            )
+    from trl_plugins.rollout.vllm_server import apply_engine_environment
+
+    apply_engine_environment()
 
 
 def make_backend(
