@@ -475,3 +475,24 @@ def test_the_recipe_with_a_small_override_file_prints_the_banner_and_records_the
     assert (out / "retool_ppo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all("reward/tool_use" in r for r in records if "reward/total" in r)
+
+
+def test_a_cpu_vllm_run_on_the_embedded_default_is_pointed_at_its_vllm_variant():
+    from retool.config import parse_args
+    from retool.default_model import VLLM_CPU_HEAD_SIZES, VLLM_VARIANT, EmbeddedSettings, check_embedded_default
+
+    script_args, args = parse_args(["--use_vllm", "true", "--vllm_mode", "server", "--use_cpu", "true"])
+    with pytest.raises(ValueError, match=r"heads have 16 dimensions.*--embedded '\{\"num_heads\": 2, \"num_kv_heads\""):
+        check_embedded_default(script_args, args)
+    variant, _ = parse_args(
+        ["--use_vllm", "true", "--vllm_mode", "server", "--use_cpu", "true", "--embedded", VLLM_VARIANT]
+    )
+    check_embedded_default(variant, args)  # refuses nothing
+    settings = EmbeddedSettings.from_json(VLLM_VARIANT)
+    assert settings.hidden_size // settings.num_heads in VLLM_CPU_HEAD_SIZES
+    # Beside the default, not instead of it: its own cache key, the default's shape untouched.
+    assert (
+        settings.key() != EmbeddedSettings().key()
+        and EmbeddedSettings().hidden_size // EmbeddedSettings().num_heads == 16
+    )
+    check_embedded_default(*parse_args([]))  # HF generate: the default as it is

@@ -576,11 +576,21 @@ def embedded_settings_for(
     return EmbeddedSettings.from_json(script_args.embedded, **base, system_prompt=run_prompt)
 
 
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The head sizes vLLM's CPU attention runs (``vllm/v1/attention/backends/cpu_attn.py``); the embedded default's 16 is
+not one of them."""
+
+VLLM_VARIANT = '{"num_heads": 2, "num_kv_heads": 1}'
+"""``--embedded`` for the embedded default's variant that vLLM's CPU attention runs: the same width, tokenizer and cold
+start with 2 heads of 32 (1 key/value head), built and cached beside the default by the same code."""
+
+
 def check_embedded_default(script_args: Any, training_args: Any) -> None:
     """Every refusal the embedded default's build can foresee, made at start-up (milliseconds, nothing built): an
-    unknown ``--embedded`` field, ``--embedded`` naming another task or other ``task_kwargs`` than the run's, and a
-    reasoning-gym dataset whose entries hold no ``expression`` for the cold start to write its code from. Nothing to
-    check when ``--model_name_or_path`` names the model.
+    unknown ``--embedded`` field, ``--embedded`` naming another task or other ``task_kwargs`` than the run's, a
+    reasoning-gym dataset whose entries hold no ``expression`` for the cold start to write its code from, and a head
+    size vLLM's CPU attention cannot run on a CPU vLLM run (:data:`VLLM_VARIANT` can). Nothing to check when
+    ``--model_name_or_path`` names the model.
 
     Raises:
         ValueError: the refusal, naming the setting and what to set instead.
@@ -591,6 +601,17 @@ def check_embedded_default(script_args: Any, training_args: Any) -> None:
         settings = embedded_settings_for(script_args, training_args, log=lambda *_: None)
     except ValueError as exc:
         raise ValueError(f"--embedded {script_args.embedded}: {exc}") from None
+    head_size = settings.hidden_size // settings.num_heads
+    if training_args.use_vllm and head_size not in VLLM_CPU_HEAD_SIZES:
+        import torch
+
+        if training_args.use_cpu or not torch.cuda.is_available():
+            raise ValueError(
+                f"the embedded default's attention heads have {head_size} dimensions, which vLLM's CPU attention "
+                f"does not run (it runs {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use its vLLM variant: "
+                f"--embedded '{VLLM_VARIANT}' (2 heads of 32; built and cached once, minutes), or generate with HF "
+                f"generate (drop --use_vllm)."
+            )
     task = getattr(script_args, "reasoning_gym_task", None)
     if settings.task == "reasoning_gym" and task is not None:
         from retool.reasoning_gym_task import datasets_without, no_expression_refusal
