@@ -45,10 +45,17 @@ def test_every_engine_runs_offline_on_loopback_unless_the_user_said_otherwise():
 
 
 def test_a_server_binds_loopback_and_states_the_flags_the_trainer_relies_on():
-    argv = serve_command("/models/m", port=8123)
-    assert argv[:3] == ["vllm", "serve", "/models/m"]
+    argv = serve_command("/models/m", port=8123, python="/venv/bin/python")
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(argv[3::2], argv[4::2]))
-    assert flags == {"--host": "127.0.0.1", "--port": "8123", "--dtype": "float32", "--max-logprobs": "5"}
+    assert flags == {
+        "--model": "/models/m",
+        "--host": "127.0.0.1",
+        "--port": "8123",
+        "--dtype": "float32",
+        "--max-logprobs": "5",
+        "--logprobs-mode": "processed_logprobs",
+    }
 
 
 def test_a_vllm_run_fills_the_engine_environment_when_it_is_resolved(tmp_path, monkeypatch):

