@@ -78,7 +78,9 @@ def check_sampler_available(kind: SamplerKind, config: Any = None) -> None:
     was installed, as the tests' fake does), or when ``config`` asks the real engine for what it cannot do on this
     machine: sleep mode off a CUDA device (vLLM refuses it itself, after the model loaded). Then fill the engine's
     offline, loopback environment (:data:`~trl_plugins.rollout.vllm_server.ENGINE_ENVIRONMENT`) before vLLM is
-    imported."""
+    imported. In server mode, TRL's ``VLLMGeneration`` then builds
+    :class:`~trl_plugins.rollout.vllm_weights.FileVLLMClient`: TRL's client, whose weight push goes through a file
+    when the server was started with ``--weight-transfer-config '{"backend": "file"}'`` (a CPU host)."""
     if not kind.is_vllm:
         return
     import trl.trainer.grpo_trainer as trl_grpo
@@ -104,6 +106,10 @@ def check_sampler_available(kind: SamplerKind, config: Any = None) -> None:
     from trl_plugins.rollout.vllm_server import apply_engine_environment
 
     apply_engine_environment()
+    if real and kind is SamplerKind.VLLM_SERVER:
+        from trl_plugins.rollout.vllm_weights import install
+
+        install()
 
 
 def make_backend(
