@@ -86,7 +86,21 @@ def server(model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def push(server: LocalVLLMServer, model_dir: Path, tmp_path_factory) -> dict:
+def tito(server: LocalVLLMServer, model_dir: Path) -> dict:
+    """tests/vllm_tito_check.py against the server while it holds ``model_dir``'s weights (before the push)."""
+    argv = [str(PYTHON), str(Path(__file__).with_name("vllm_tito_check.py")), "--model", str(model_dir)]
+    proc = subprocess.run(
+        ["nice", "-n", "10", *argv, "--url", server.url], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + "\nserver log:\n" + server.log_tail(30)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("vLLM token in/token out:", json.dumps(result))
+    return result
+
+
+@pytest.fixture(scope="module")
+def push(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_path_factory) -> dict:
+    # tito: the checks that read model_dir's weights on the server run before the push replaces them.
     out = tmp_path_factory.mktemp("vllm-push") / "push.json"
     argv = [str(PYTHON), str(Path(__file__).with_name("vllm_push.py")), server.url, str(model_dir)]
     proc = subprocess.run(
@@ -156,6 +170,23 @@ def test_the_server_and_its_engine_run_offline_and_listen_on_loopback_only(serve
     listening = listening_addresses(pids)
     assert (LOOPBACK, server.port) in listening
     assert {addr for addr, _ in listening} <= {LOOPBACK, "::1", "::ffff:127.0.0.1"}, listening
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_our_server_backend_is_token_in_token_out_and_records_the_trainers_logprobs(tito: dict):
+    # Every action token's behaviour log-prob, from the real engine through TRL's client and our backend, is the
+    # trainer's log_softmax(logits / T) of the token the rollout trains, at its place in the whole sequence: two turns
+    # around a tool message the engine never sampled (T 1 and 0.7), a stop token, a cut at max_tokens.
+    for case in ("two_turns_T1", "two_turns_T0.7", "stop_token", "max_tokens_cut"):
+        assert tito[case]["max"] < 5e-3 and tito[case]["mean"] < 5e-4, (case, tito[case])
+    assert tito["two_turns_T1"]["tool_tokens"] > 0 and tito["two_turns_T1"]["tokens"] == 24
+    # processed log-probs: the tempered distribution's, which the untempered forward does not give (the control)
+    assert tito["two_turns_T0.7_against_T1"]["mean"] > 0.05, tito
+    stop = tito["stop_token"]
+    assert stop["finished"] and stop["last_is_stop"] and stop["only_last_is_stop"], stop  # kept, once, at the end
+    cut = tito["max_tokens_cut"]
+    assert not cut["finished"] and cut["length"] == 5, cut
 
 
 @pytest.mark.slow
