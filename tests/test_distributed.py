@@ -272,8 +272,11 @@ def trainer_cases(config: str, root: Path) -> dict[str, list[str]]:
     cases = []
     if config != "cpu.yaml":
         cases.append(run("real-steps", "--slot_reward"))
+        # Infrastructure failures; each rank dumps its trajectories, which the logged metrics must be the union of.
+        cases.append(
+            run("flaky", "--max_steps", "2", "--flaky", "--per_device", "8", "--dump", str(root / "flaky-dump"))
+        )
     if config == "cpu_ddp.yaml":
-        cases.append(run("flaky", "--max_steps", "2", "--flaky", "--per_device", "8"))
         # Runs that must stop, on every rank alike: a broken world (with asynchronous rollouts), and no update.
         cases.append(run("broken-world", "--max_steps", "2", "--broken_world", "--async_k", "1", "--expect_stop"))
         cases.append(run("trained-nothing", "--max_steps", "2", "--constant_reward", "--expect_stop"))
@@ -439,6 +442,46 @@ def test_infrastructure_failures_on_two_ranks(trainer_runs):
         assert step["rollout/stop/environment_error"] > 0 and step["rollout/stop/verifier_error"] > 0
         assert step["reward/verifier_error_rate"] == pytest.approx(step["rollout/stop/verifier_error"])
         assert step["train/world_failure_frac"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
+def test_logged_metrics_on_two_ranks_are_those_of_the_union_of_their_trajectories(trainer_runs, config):
+    # The flaky run of each launch (above): every rank dumped its trajectories per step; the logged step metrics are
+    # those of the union of both ranks' trajectories, not a mean of the ranks' own values.
+    from trl_plugins.rollout.metrics import quantile
+
+    trainer_runs(config, "flaky")
+    root = trainer_runs.folder(config)
+    dump = root / "flaky-dump"
+    logged = [json.loads(line) for line in (root / "flaky" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in logged if "rollout/trajectories" in r}
+    ranks = [[json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 2
+    differs = 0
+    for r0, r1 in zip(*ranks):
+        step = r0["step"]
+        both = r0["trajectories"] + r1["trajectories"]
+
+        def view(trajs):
+            scored = [t for t in trajs if not t["world_failure"]]
+            tokens = sorted(t["tokens"] for t in trajs)
+            return {
+                "rollout/trajectories": len(trajs),
+                "reward/total": sum(t["reward"] for t in scored) / max(len(scored), 1),
+                "rollout/stop/final_answer": sum(t["stop"] == "final_answer" for t in trajs) / len(trajs),
+                "rollout/stop/environment_error": sum(t["stop"] == "environment_error" for t in trajs) / len(trajs),
+                "rollout/trajectory_tokens_p50": quantile(tokens, 0.5),
+                "rollout/trajectory_tokens_p90": quantile(tokens, 0.9),
+            }
+
+        union = view(both)
+        for key, value in union.items():
+            assert logged[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+        # Negative control: the mean of the ranks' own values is another number for some of them.
+        per_rank = [view(r0["trajectories"]), view(r1["trajectories"])]
+        differs += sum(abs((a[k] + b[k]) / 2 - union[k]) > 1e-6 for a, b in [per_rank] for k in union)
+    assert differs > 0
 
 
 @pytest.mark.slow

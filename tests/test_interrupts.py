@@ -242,7 +242,9 @@ def test_rank_metrics_are_reduced_by_their_meaning():
     assert "ranks/step_s/0" not in reduce_rank_metrics([{"timing/step_s": 1.0}])
 
 
-# -- real runs: signals to the launcher, metrics on two ranks -------------------------------------------
+# -- real runs: signals to the launcher -----------------------------------------------------------------
+# (The logged metrics of real runs on two ranks are checked in tests/test_distributed.py, on the flaky run of its
+# DDP and ZeRO-3 launches: a launch of their own cost each some 15 s of imports per rank.)
 
 
 def _launch(config: str, out: Path, *extra: str) -> subprocess.Popen:
@@ -343,54 +345,6 @@ def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] - b[name]).abs().max() < 1e-6, name
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
-def test_logged_metrics_on_two_ranks_are_those_of_the_union_of_their_trajectories(tmp_path, config):
-    dump = tmp_path / "dump"
-    proc = _launch(
-        config,
-        tmp_path,
-        "--output_dir",
-        str(tmp_path / "run"),
-        "--max_steps",
-        "2",
-        "--flaky",
-        "--per_device",
-        "8",
-        "--dump",
-        str(dump),
-    )
-    output, _ = proc.communicate(timeout=hang_guard_s(420))
-    assert proc.returncode == 0, output[-3000:]
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    logged = {r["step"]: r for r in logged if "rollout/trajectories" in r}
-    ranks = [[json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
-    differs = 0
-    for r0, r1 in zip(*ranks):
-        step = r0["step"]
-        both = r0["trajectories"] + r1["trajectories"]
-
-        def view(trajs):
-            scored = [t for t in trajs if not t["world_failure"]]
-            tokens = sorted(t["tokens"] for t in trajs)
-            return {
-                "rollout/trajectories": len(trajs),
-                "reward/total": sum(t["reward"] for t in scored) / max(len(scored), 1),
-                "rollout/stop/final_answer": sum(t["stop"] == "final_answer" for t in trajs) / len(trajs),
-                "rollout/stop/environment_error": sum(t["stop"] == "environment_error" for t in trajs) / len(trajs),
-                "rollout/trajectory_tokens_p50": quantile(tokens, 0.5),
-                "rollout/trajectory_tokens_p90": quantile(tokens, 0.9),
-            }
-
-        union = view(both)
-        for key, value in union.items():
-            assert logged[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
-        # Negative control: the mean of the ranks' own values is another number for some of them.
-        per_rank = [view(r0["trajectories"]), view(r1["trajectories"])]
-        differs += sum(abs((a[k] + b[k]) / 2 - union[k]) > 1e-6 for a, b in [per_rank] for k in union)
-    assert differs > 0
 
 
 def test_plugins_declare_how_their_step_metrics_combine_over_ranks():
