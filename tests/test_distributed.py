@@ -3,11 +3,12 @@ and turns take one update that equals a 1-process plain-torch step on all the da
 
 A launch costs 10-15 s of imports per rank before its first step, more than most cases take: the cases of each
 script run one after the other in one launch per accelerate config (``--cases``), each writing its own report,
-and the tests read them (:class:`CaseLaunches`). Runs that need a launch of their own (two "nodes", a vLLM
-server, signals) still get one."""
+and the tests read them (:class:`CaseLaunches`); the fake vLLM server of the server-mode case serves while the DDP
+launch runs. Runs that need a launch of their own (two "nodes", signals) still get one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -220,21 +221,6 @@ def test_two_ranks_mismatch_correction_matches_one_process(config, mode, update_
     assert abs(report["loss"] - report["ref_loss"]) < 1e-5 * max(1.0, abs(report["ref_loss"]))
 
 
-def launch_trainer(config: str, tmp_path: Path, name: str, *extra: str) -> dict:
-    out = tmp_path / f"{name}.json"
-    cmd = accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--out", str(out), *extra)
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=cpu_launch_env(OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=hang_guard_s(420),
-    )
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
-
-
 # -- trainer runs: one launch per backend ------------------------------------------------------------------------
 # A launch costs 10-15 s of imports per rank before its first step, more than most runs here take. The trainer runs
 # of this file are cases of one launch per accelerate config (tests/dist_trainer_run.py --cases), run one after the
@@ -353,15 +339,42 @@ def trainer_cases(config: str, root: Path) -> dict[str, list[str]]:
                     *extra,
                 )
             )
+    # Last: they patch TRL's vLLM names with the fakes in these processes. The server's address is added by
+    # fake_vllm_server while the DDP launch runs.
+    if config == "cpu_zero3.yaml":
+        cases.append(run("vllm-colocate", "--vllm", "colocate"))
+    if config == "cpu_ddp.yaml":
+        cases.append(run("vllm-server", "--vllm", "server"))
     return dict(cases)
+
+
+@contextlib.contextmanager
+def fake_vllm_server(config: str, root: Path):
+    """While the DDP launch runs: the fake vLLM server (tests/fake_vllm.py) on the tiny model, its address given to
+    the launch's vllm-server case; afterwards the requests it answered are in ``<root>/vllm-server.requests``."""
+    if config != "cpu_ddp.yaml":
+        yield {}
+        return
+    from fake_vllm import FakeVLLMServer
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer("qwen2_5")
+    build_tiny_model(tok).save_pretrained(root / "served")
+    tok.save_pretrained(root / "served")
+    with FakeVLLMServer(str(root / "served")) as server:
+        yield {"vllm-server": ["--vllm_url", server.base_url]}
+        (root / "vllm-server.requests").write_text(str(server.engine.requests))
 
 
 class CaseLaunches:
     """The cases of ``script`` under each accelerate config (``cases(config, folder)`` names them, in order),
-    launched once per config on first use: ``launches(config, name)`` is that case's report."""
+    launched once per config on first use: ``launches(config, name)`` is that case's report. ``around(config,
+    folder)``, where given, is a context manager held open while that config's launch runs (a server some cases use);
+    it gives more arguments for cases by name."""
 
-    def __init__(self, root: Path, script: Path, cases) -> None:
+    def __init__(self, root: Path, script: Path, cases, around=None) -> None:
         self.root, self.script, self.cases, self.reports = root, script, cases, {}
+        self.around = around or (lambda config, folder: contextlib.nullcontext({}))
 
     def folder(self, config: str) -> Path:
         return self.root / config
@@ -378,7 +391,13 @@ class CaseLaunches:
     def _launch(self, config: str) -> dict[str, dict | str]:
         root = self.folder(config)
         root.mkdir(parents=True, exist_ok=True)
+        with self.around(config, root) as more:
+            return self._launch_cases(config, root, more)
+
+    def _launch_cases(self, config: str, root: Path, more: dict[str, list[str]]) -> dict[str, dict | str]:
         cases = self.cases(config, root)
+        for name, args in more.items():
+            cases[name] = [*cases[name], *args]
         (root / "cases.json").write_text(json.dumps(list(cases.values())))
         # "<config>@<N>": the config with N processes.
         name, _, processes = config.partition("@")
@@ -412,7 +431,9 @@ class CaseLaunches:
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory) -> CaseLaunches:
-    return CaseLaunches(tmp_path_factory.mktemp("trainer_runs"), ROOT / "tests" / "dist_trainer_run.py", trainer_cases)
+    return CaseLaunches(
+        tmp_path_factory.mktemp("trainer_runs"), ROOT / "tests" / "dist_trainer_run.py", trainer_cases, fake_vllm_server
+    )
 
 
 @pytest.mark.slow
@@ -606,35 +627,32 @@ def test_async_rollouts_on_two_ranks_equal_one_process(trainer_runs):
         assert diff / scale < 1e-6, (config, diff)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "config,mode", [("cpu_zero3.yaml", "colocate"), ("cpu_ddp.yaml", "server")], ids=["zero3-colocate", "ddp-server"]
-)
-def test_vllm_generation_on_two_ranks(config, mode, tmp_path):
-    # The fake vLLM (tests/fake_vllm.py) behind TRL's VLLMGeneration: under ZeRO-3 colocate each rank's
-    # engine receives the gathered weights after every update; in server mode both ranks send their own turns
-    # to one server, which TRL's main-process client keeps in sync.
-    from fake_vllm import FakeVLLMServer
-    from trl_plugins.tiny import build_tiny_model, build_tokenizer
-
-    extra = ["--vllm", mode, "--output_dir", str(tmp_path / "run")]
-    if mode == "colocate":
-        report = launch_trainer(config, tmp_path, "run", *extra)
-        assert report["vllm_weights_match"] is True
-    else:
-        tok = build_tokenizer("qwen2_5")
-        build_tiny_model(tok).save_pretrained(tmp_path / "served")
-        tok.save_pretrained(tmp_path / "served")
-        with FakeVLLMServer(str(tmp_path / "served")) as server:
-            report = launch_trainer(config, tmp_path, "run", *extra, "--vllm_url", server.base_url)
-            requests = server.engine.requests
-        turns = sum(s["rollout/turns_mean"] * s["rollout/trajectories"] for s in report["steps"])
-        assert requests == round(turns)  # every turn of both ranks, one request each
+def check_vllm_generation_run(report: dict) -> None:
     assert report["world"] == 2 and report["global_step"] == 3
     steps = report["steps"]
     assert all(s["train/update_skipped"] == 0.0 for s in steps)
     # The fake samples from exactly the pushed weights: its log-probs match the trainer's forward.
     assert all(abs(s["train/ratio_min"] - 1) < 1e-3 and abs(s["train/ratio_max"] - 1) < 1e-3 for s in steps)
+
+
+@pytest.mark.slow
+def test_vllm_colocate_generation_on_two_zero3_ranks(trainer_runs):
+    # The fake vLLM (tests/fake_vllm.py) behind TRL's VLLMGeneration: under ZeRO-3 colocate each rank's engine receives
+    # the gathered weights after every update (the last case of the ZeRO-3 launch).
+    report = trainer_runs("cpu_zero3.yaml", "vllm-colocate")
+    assert report["vllm_weights_match"] is True
+    check_vllm_generation_run(report)
+
+
+@pytest.mark.slow
+def test_vllm_server_generation_on_two_ddp_ranks(trainer_runs):
+    # In server mode both ranks send their own turns to one server, which TRL's main-process client keeps in sync (the
+    # last case of the DDP launch, while fake_vllm_server serves).
+    report = trainer_runs("cpu_ddp.yaml", "vllm-server")
+    requests = int((trainer_runs.folder("cpu_ddp.yaml") / "vllm-server.requests").read_text())
+    turns = sum(s["rollout/turns_mean"] * s["rollout/trajectories"] for s in report["steps"])
+    assert requests == round(turns)  # every turn of both ranks, one request each
+    check_vllm_generation_run(report)
 
 
 @pytest.mark.slow
