@@ -124,7 +124,10 @@ def test_embedded_default_is_cached_reused_and_rebuilt_when_corrupted(tmp_path):
 
     settings = EmbeddedSettings(**TINY_EMBEDDED)
     messages: list[str] = []
-    path = ensure_embedded_default(settings, root=tmp_path, log=messages.append)
+    # Built in this process, as the builds below: the cache's bookkeeping is the same either way, and the recipe's
+    # launches in this module build into a fresh cache through the default clean child (an interpreter of its own
+    # costs some 10 s of imports).
+    path = ensure_embedded_default(settings, root=tmp_path, log=messages.append, in_process=True)
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert any("building" in m for m in messages)
     weights = next(path.glob("*.safetensors"))
