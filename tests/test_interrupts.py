@@ -313,34 +313,34 @@ def test_sigterm_to_the_launcher_stops_at_a_safe_point_and_resume_reproduces_the
     assert _alive(pids) == [], "processes of the run outlived it"
     if when != "rollout" or config != "cpu_ddp.yaml":
         return
-    # Resuming from the emergency checkpoint gives the parameters of the uninterrupted run.
-    straight = _launch(
-        config,
-        tmp_path / "b",
-        "--output_dir",
-        str(tmp_path / "b"),
-        "--slow_tool",
-        "--max_steps",
-        "3",
-        "--params_out",
-        str(tmp_path / "straight.pt"),
+    # Resuming from the emergency checkpoint gives the parameters of the uninterrupted run: both runs are cases of one
+    # launch (tests/dist_trainer_run.py --cases), one after the other (a launch costs some 10-15 s of imports per rank).
+    cases = [
+        [
+            "--out",
+            str(tmp_path / name / "report.json"),
+            "--output_dir",
+            str(tmp_path / name),
+            "--slow_tool",
+            "--max_steps",
+            "3",
+            *resume,
+            "--params_out",
+            str(tmp_path / f"{name}.pt"),
+        ]
+        for name, resume in (("straight", []), ("resumed", ["--resume", str(checkpoint)]))
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    both = subprocess.run(
+        accelerate_launch(config, ROOT / "tests" / "dist_trainer_run.py", "--cases", str(tmp_path / "cases.json")),
+        cwd=ROOT,
+        env=cpu_launch_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
+        capture_output=True,
+        text=True,
+        timeout=hang_guard_s(300),
     )
-    resumed = _launch(
-        config,
-        tmp_path / "c",
-        "--output_dir",
-        str(tmp_path / "c"),
-        "--slow_tool",
-        "--max_steps",
-        "3",
-        "--resume",
-        str(checkpoint),
-        "--params_out",
-        str(tmp_path / "resumed.pt"),
-    )
-    for p in (straight, resumed):
-        out, _ = p.communicate(timeout=hang_guard_s(300))
-        assert p.returncode == 0, out[-3000:]
+    errors = [e.read_text() for e in tmp_path.glob("*/report.json.error.rank*")]
+    assert both.returncode == 0 and not errors, (errors, both.stdout[-3000:] + both.stderr[-3000:])
     a, b = _params(tmp_path / "straight.pt"), _params(tmp_path / "resumed.pt")
     assert a.keys() == b.keys()
     for name in a:
