@@ -116,6 +116,39 @@ def push(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_path_factory)
     return result
 
 
+def train(server: LocalVLLMServer, model_dir: Path, out: Path, *args: str, ranks: int = 1) -> dict:
+    """tests/vllm_train.py against the server, in vLLM's interpreter (``ranks`` 2: DDP on the CPU, gloo)."""
+    script = [str(Path(__file__).with_name("vllm_train.py")), "--model", str(model_dir), "--url", server.url]
+    launcher = [str(PYTHON)]
+    if ranks > 1:
+        config = ROOT / "accelerate_configs" / "cpu_ddp.yaml"
+        launcher += ["-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", "0"]
+    proc = subprocess.run(
+        ["nice", "-n", "10", *launcher, *script, "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:] + "\nserver log:\n" + server.log_tail(30)
+    result = json.loads(out.read_text())
+    print("vLLM training run:", json.dumps(result))
+    return result
+
+
+@pytest.fixture(scope="module")
+def two_ranks(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_factory) -> dict:
+    # push: after the checks that read model_dir's weights on the server (a run pushes its own weights first).
+    return train(server, model_dir, tmp_path_factory.mktemp("two-ranks") / "run.json", ranks=2)
+
+
+@pytest.fixture(scope="module")
+def asynchronous(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("async") / "run.json"
+    return train(server, model_dir, out, "--staleness", "1", "--steps", "3", "--learning-rate", "1e-4")
+
+
 def process_group(pgid: int) -> list[int]:
     """The live processes of group ``pgid`` (the server and the engine processes it started)."""
     pids = []
@@ -225,6 +258,29 @@ def test_a_push_the_server_cannot_load_names_the_phase_and_the_fix(push: dict, s
     message = failed["error"]
     assert "\n" not in message and server.url in message and "phase /update_weights" in message, message
     assert "HTTP 500" in message and "shares this host's filesystem" in message, message
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_two_trainer_ranks_train_against_one_real_server_which_gets_every_push(two_ranks: dict):
+    assert two_ranks["world_size"] == 2 and two_ranks["steps"] == 2 and two_ranks["updates_skipped"] == 0, two_ranks
+    assert two_ranks["logprob_source"] == "vllm_server"
+    # The server computes the trained weights (pushed by rank 0 while rank 1 waits), not the initial ones.
+    assert two_ranks["server_vs_final"] < 1e-4 and two_ranks["server_vs_initial"] > 0.1, two_ranks
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_async_path_on_a_real_server_measures_the_real_gap_with_its_tripwires_on(asynchronous: dict):
+    # max_staleness=1, 3 steps, one rank: after each push the server samples the probe and the trainer scores it.
+    run = asynchronous
+    assert run["steps"] == 3 and run["updates_skipped"] == 0 and len(run["probe"]) == 3, run
+    for step in run["probe"]:
+        assert step["async/probe_max_diff"] < 1e-3, run  # the pushed weights are the trainer's, on the real engine
+        assert step["async/importance_ess"] > 0.5, run  # the default tripwires (ESS 0.2, gap 2.0) stay quiet
+    assert run["probe"][0]["async/logprob_gap"] < 1e-4  # step 0: sampled by the weights it trains
+    assert max(step["async/logprob_gap"] for step in run["probe"][1:]) > 1e-3  # later: one step stale, measured
+    assert run["server_vs_final"] < 1e-4, run
 
 
 def test_the_trl_client_methods_the_file_transport_overrides_keep_their_signatures():

@@ -442,7 +442,10 @@ class MultiTurnGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
-        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+        if not hasattr(self, "activation_checkpointing"):  # transformers < 5.20 (vLLM's interpreter): the old name
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = True  # TRL's default
+        elif self.gradient_checkpointing is None and self.activation_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default; its old name would raise a FutureWarning
         take_over_parallelism_config(self)  # before TRL's, which refuses sequence parallelism
         super().__post_init__()
@@ -577,8 +580,9 @@ class MultiTurnGRPOConfig(GRPOConfig):
         """Whether the policy's activation checkpointing is reentrant (``use_reentrant=True`` in its kwargs; TRL sets it
         for PEFT under ZeRO-3): it computes a layer's key/value states without a gradient, so the shared-prefix
         layout cannot train through them."""
-        on = self.activation_checkpointing or self.gradient_checkpointing
-        kwargs = {**(self.gradient_checkpointing_kwargs or {}), **(self.activation_checkpointing_kwargs or {})}
+        on = getattr(self, "activation_checkpointing", None) or self.gradient_checkpointing
+        newer = getattr(self, "activation_checkpointing_kwargs", None)  # absent before transformers 5.20
+        kwargs = {**(self.gradient_checkpointing_kwargs or {}), **(newer or {})}
         return bool(on) and bool(kwargs.get("use_reentrant", False))
 
     def resolve_shared_prefix(self, model: Any) -> bool:

