@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -120,7 +119,8 @@ def test_a_stop_request_cancels_the_tool_calls_in_flight():
 # -- plugins are closed ---------------------------------------------------------------------------------
 
 
-def test_run_plugins_close_every_plugin_even_when_one_fails():
+def test_run_plugins_close_every_plugin_even_when_one_fails(tmp_path):
+    from support.trainer import tiny_config
     from trl_plugins.protocols import as_advantage, as_policy_loss, as_reward, as_rollout, as_tool
     from trl_plugins.run import Run, RunSpec, SamplerKind
 
@@ -153,7 +153,7 @@ def test_run_plugins_close_every_plugin_even_when_one_fails():
         close = None  # nothing to close
 
     shared = Declared("shared")
-    config = SimpleNamespace(max_context_tokens=None)
+    config = tiny_config(tmp_path)  # a real config: the run builds its settings (the critic's) from it
     plugins = Run(
         RunSpec(config),
         rollout=as_rollout(Declared("rollout", fail=True)),
