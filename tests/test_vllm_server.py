@@ -74,13 +74,18 @@ def test_a_vllm_run_fills_the_engine_environment_when_it_is_resolved(tmp_path, m
     assert {name: os.environ[name] for name in ENGINE_ENVIRONMENT} == dict(ENGINE_ENVIRONMENT)
 
 
-def test_sleep_mode_on_a_cpu_run_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+def test_sleep_mode_and_colocate_on_a_cpu_run_are_refused_before_any_model_loads(tmp_path, monkeypatch):
     from trl_plugins.run.sampler import SamplerKind, check_sampler_available
 
     monkeypatch.setattr(importlib.import_module("trl.import_utils"), "is_vllm_available", lambda: True)
     config = tiny_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)
     with pytest.raises(ValueError, match="sleep mode runs on CUDA devices only.*drop it on a CPU run"):
         check_sampler_available(SamplerKind.VLLM_COLOCATE, config)
+    # Colocate itself on a CPU: vLLM's engine starts there, but TRL's weight push fails on its packed layers (the
+    # spike of issue 61: AttributeError 'weight_loader'), so it is refused by name, with server mode named instead.
+    colocate = tiny_config(tmp_path, use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ValueError, match=r"vllm_mode='colocate' on a CPU.*weight_loader.*use vllm_mode='server'"):
+        check_sampler_available(SamplerKind.VLLM_COLOCATE, colocate)
 
 
 def _python_server(code: str) -> list[str]:

@@ -95,13 +95,20 @@ def check_sampler_available(kind: SamplerKind, config: Any = None) -> None:
             "mode; in server mode the trainer needs it too, for TRL's client), or drop --use_vllm to generate with "
             "HF generate."
         )
-    if real and config is not None and kind is SamplerKind.VLLM_COLOCATE and config.vllm_enable_sleep_mode:
+    if real and config is not None and kind is SamplerKind.VLLM_COLOCATE:
         import torch
 
         if config.use_cpu or not torch.cuda.is_available():
+            if config.vllm_enable_sleep_mode:
+                raise ValueError(
+                    "vllm_enable_sleep_mode=True, but vLLM's sleep mode runs on CUDA devices only (its CPU platform "
+                    "refuses it: 'Sleep mode is not supported on current platform'); drop it on a CPU run."
+                )
             raise ValueError(
-                "vllm_enable_sleep_mode=True, but vLLM's sleep mode runs on CUDA devices only (its CPU platform "
-                "refuses it: 'Sleep mode is not supported on current platform'); drop it on a CPU run."
+                "vllm_mode='colocate' on a CPU: vLLM's CPU engine starts in the trainer's process, but TRL's weight "
+                "push (model_runner.model.load_weights) fails on it, its linear layers being packed at load "
+                "(\"'Parameter' object has no attribute 'weight_loader'\"); use vllm_mode='server' against a server "
+                'started with --weight-transfer-config \'{"backend": "file"}\' (docs/real_models.md), or HF generate.'
             )
     from trl_plugins.rollout.vllm_server import apply_engine_environment
 
