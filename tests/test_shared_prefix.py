@@ -580,3 +580,22 @@ def test_every_micro_batch_runs_both_forwards_dummies_included():
     with torch.no_grad():
         lp, _ = micro_batch_logprobs(model, dummy_micro_batch(pad_token_id=0, shared_prefix=True), "cpu")
     assert torch.isfinite(lp).all()
+
+
+def test_auto_turns_the_layout_off_where_the_models_forward_cannot_run_it_and_an_explicit_true_is_refused(caplog):
+    # transformers 5.17's Qwen2 (vLLM's interpreter) keeps no key/value states of a passed prefix: auto, chosen from the
+    # attention implementation, falls back to the padded layout with one warning; shared_prefix=True stays an error.
+    import types
+
+    from trl_plugins.trainers.micro_batches import ensure_layout_checked
+
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, device="cpu")
+    auto = types.SimpleNamespace(padding_free=False, shared_prefix=True, _shared_prefix_auto=True)
+    model = _DropsKwarg(small_model("qwen2_sdpa"), "cache")
+    with caplog.at_level("WARNING", logger="trl_plugins.trainers.micro_batches"):
+        ensure_layout_checked(accelerator, model, auto)
+    assert auto.shared_prefix is False
+    assert "shared_prefix (auto) is off" in caplog.text and "kept no key/value states" in caplog.text
+    explicit = types.SimpleNamespace(padding_free=False, shared_prefix=True)
+    with pytest.raises(SharedPrefixUnsupported, match="kept no key/value states"):
+        ensure_layout_checked(accelerator, _DropsKwarg(small_model("qwen2_sdpa"), "cache"), explicit)

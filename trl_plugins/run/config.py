@@ -591,6 +591,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
         (True is refused where it cannot work: reentrant checkpointing that TRL switched on after the config).
         Returns (and stores) the choice."""
         if self.shared_prefix is None:
+            self._shared_prefix_auto = True  # the first forward's layout check may still turn it off (micro_batches.py)
             impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
             self.shared_prefix = (
                 impl in ("sdpa", "eager")

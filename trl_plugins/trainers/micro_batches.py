@@ -12,6 +12,7 @@ would otherwise step the engine after every micro-batch).
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -20,9 +21,12 @@ import torch
 
 from trl_plugins.datum import collate, dummy_micro_batch
 from trl_plugins.modeling import check_packed_isolation, check_shared_prefix
+from trl_plugins.modeling.logprobs import SharedPrefixUnsupported
 from trl_plugins.packing import pack_for_ranks, prefix_trees, supports_prefix_trees
 from trl_plugins.trainers.ranks import is_deepspeed, reduce_over_ranks
 from trl_plugins.types import Datum, MicroBatch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MicroBatchStep",
@@ -179,7 +183,17 @@ def ensure_layout_checked(accelerator: Any, model: torch.nn.Module, config: Any,
     inner = accelerator.unwrap_model(model) if accelerator is not None else model
     for on, checked, check in layout:
         if on and inner not in checked:
-            check(model, accelerator.device, vocab_size=int(inner.config.vocab_size), name=name)
+            try:
+                check(model, accelerator.device, vocab_size=int(inner.config.vocab_size), name=name)
+            except SharedPrefixUnsupported as err:
+                if not getattr(config, "_shared_prefix_auto", False):
+                    raise
+                # auto chose it from the attention implementation; this forward cannot run it (transformers 5.17's
+                # Qwen2 keeps no passed prefix): every rank finds the same and trains in the padded layout
+                config.shared_prefix = False
+                reason = str(err).removeprefix("shared_prefix: ").removesuffix(" Set shared_prefix=False.")
+                logger.warning("shared_prefix (auto) is off, the padded layout trains: %s", reason)
+                continue
             checked.add(inner)
 
 
