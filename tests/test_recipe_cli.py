@@ -496,3 +496,20 @@ def test_a_cpu_vllm_run_on_the_embedded_default_is_pointed_at_its_vllm_variant()
         and EmbeddedSettings().hidden_size // EmbeddedSettings().num_heads == 16
     )
     check_embedded_default(*parse_args([]))  # HF generate: the default as it is
+
+
+def test_the_plot_in_an_interpreter_without_matplotlib_is_refused_at_start_up(monkeypatch):
+    # vLLM's interpreter installs the project without its dependencies: the run's PNG at its end crashed the main
+    # command there after 40 trained steps; now refused before anything loads, naming both ways out.
+    import importlib.util
+
+    from retool.config import parse_args
+    from retool.startup import check_plot
+
+    script_args, _ = parse_args([])
+    check_plot(script_args)  # this interpreter has matplotlib
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install matplotlib, or pass --plot false"):
+        check_plot(script_args)
+    check_plot(parse_args(["--plot", "false"])[0])

@@ -67,6 +67,7 @@ def resolve(script_args: Any, training_args: Any) -> Any:
 
             check_run(run)
         check_embedded_default(script_args, training_args)  # what its build would refuse minutes later, refused now
+        check_plot(script_args)
     except ValueError as exc:
         run.close()
         raise SystemExit(f"configuration error (before any model loads): {exc}") from None
@@ -76,6 +77,18 @@ def resolve(script_args: Any, training_args: Any) -> Any:
         run.close()
         raise SystemExit(f"configuration error (before any model loads): a tool could not start: {exc}") from exc
     return run
+
+
+def check_plot(script_args: Any) -> None:
+    """``--plot`` (the default) draws with matplotlib at the run's end: an interpreter without it (vLLM's,
+    ``.venv-vllm``, installs the project without its dependencies) is refused now, not after the training."""
+    import importlib.util
+
+    if getattr(script_args, "plot", False) and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(
+            "--plot draws the run's PNG with matplotlib, which this interpreter lacks; pip install matplotlib, or "
+            "pass --plot false (metrics.jsonl and summary.json are written either way)"
+        )
 
 
 DRY_RUN_UNCHECKED = (
