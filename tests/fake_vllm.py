@@ -181,7 +181,11 @@ class FakeVLLMServer:
                     return self._reply(
                         {
                             "vllm_config": {
-                                "model_config": {"logprobs_mode": server.logprobs_mode},
+                                "model_config": {
+                                    "model": server.model_path,
+                                    "logprobs_mode": server.logprobs_mode,
+                                    "max_logprobs": 5,
+                                },
                                 "weight_transfer_config": {"backend": "fake"},
                             }
                         }

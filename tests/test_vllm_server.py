@@ -165,3 +165,62 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def reported(**model_config: object) -> dict:
+    """A server's /server_info ``vllm_config`` as vLLM 0.31 reports it (the fields the check reads; the real server's
+    own report is checked in tests/test_vllm_real.py)."""
+    fields = {
+        "model": "/models/policy",
+        "max_logprobs": 5,
+        "logprobs_mode": "processed_logprobs",
+        "max_model_len": 4096,
+    }
+    return {"model_config": fields | model_config, "weight_transfer_config": {"backend": "file"}}
+
+
+def test_a_server_with_the_flags_the_trainer_relies_on_passes_the_start_up_check():
+    from trl_plugins.rollout.vllm_server import check_server_config
+
+    check_server_config(reported(), url="http://127.0.0.1:8000", model="/models/policy", token_budget=1024)
+    check_server_config(reported(max_logprobs=-1), url="u", model="/models/policy", token_budget=4096)
+    check_server_config({"model_config": {}}, url="u", model="anything", token_budget=10**6)  # nothing reported
+
+
+@pytest.mark.parametrize(
+    ("flags", "budget", "named", "fix"),
+    [
+        ({"logprobs_mode": "raw_logprobs"}, 1024, "--logprobs-mode raw_logprobs", "--logprobs-mode processed_logprobs"),
+        ({"max_logprobs": 0}, 1024, "--max-logprobs 0", "--max-logprobs 1 or more"),
+        ({"max_model_len": 512}, 1024, "--max-model-len 512", "--max-model-len 1024"),
+        ({"model": "/models/other"}, 1024, "serves '/models/other'", "start the server with the trainer's model"),
+    ],
+)
+def test_a_server_whose_flags_the_trainer_cannot_train_with_is_refused_at_start_up_by_name(flags, budget, named, fix):
+    from trl_plugins.rollout.vllm_server import check_server_config
+
+    with pytest.raises(VLLMServerError) as err:
+        check_server_config(
+            reported(**flags), url="http://127.0.0.1:8000", model="/models/policy", token_budget=budget, logprobs=1
+        )
+    message = str(err.value)
+    assert "\n" not in message and "the vLLM server at http://127.0.0.1:8000" in message
+    assert named in message and fix in message, message
+
+
+def test_a_served_folder_of_the_trainers_shape_passes_and_one_of_another_shape_is_refused(tmp_path):
+    import json
+    import types
+
+    from trl_plugins.rollout.vllm_server import check_server_config
+
+    shape = {"vocab_size": 718, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps(shape | {"num_key_value_heads": 1}))
+    trained = types.SimpleNamespace(**shape, num_key_value_heads=1)
+    info = reported(model=str(served))
+    check_server_config(info, url="u", model="Qwen/tiny", model_config=trained)  # another name, the same model
+    (served / "config.json").write_text(json.dumps(shape | {"num_attention_heads": 4, "num_key_value_heads": 1}))
+    with pytest.raises(VLLMServerError, match="serves"):
+        check_server_config(info, url="u", model="Qwen/tiny", model_config=trained)

@@ -34,6 +34,7 @@ __all__ = [
     "apply_engine_environment",
     "serve_command",
     "LocalVLLMServer",
+    "check_server_config",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -240,3 +241,122 @@ def local_server(model: str | os.PathLike[str], **kwargs: object) -> Iterator[Lo
     server = LocalVLLMServer(argv, port=port, **{k: v for k, v in kwargs.items() if k not in serve_keys})  # type: ignore[arg-type]
     with server:
         yield server
+
+
+def _same_model(served: str, trained: str, trained_shape: Mapping[str, object] | None) -> bool:
+    """Whether the server's ``served`` model is the trainer's ``trained`` one: the same name, the same folder, or (a
+    folder on this host) the same shape (vocabulary, width, depth) as ``trained_shape``."""
+    if served == trained:
+        return True
+    if os.path.isdir(served) and os.path.isdir(trained):
+        if os.path.realpath(served) == os.path.realpath(trained):
+            return True
+    config = Path(served) / "config.json"
+    if trained_shape and config.is_file():
+        import json
+
+        theirs = json.loads(config.read_text())
+        theirs = theirs.get("text_config", theirs)
+        return all(theirs.get(key) == value for key, value in trained_shape.items())
+    return False
+
+
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+"""The fields of a model's config that say whether the trainer's weights load into the server's model."""
+
+
+def check_server_config(
+    config: Mapping[str, object],
+    *,
+    url: str,
+    model: str,
+    model_config: object = None,
+    token_budget: int | None = None,
+    logprobs: int = 0,
+) -> None:
+    """Refuse, at start-up, a server whose flags the trainer cannot train with (``config``: the server's
+    ``/server_info`` ``vllm_config``, as TRL's ``VLLMClient.get_server_info`` returns it). One line each, naming the
+    server, the flag and the fix:
+
+    - ``--logprobs-mode`` other than ``processed_logprobs``: its log-probs are not those of the distribution it samples
+      from (the temperature, top-k/p), and the loss reads them as the behaviour policy's;
+    - ``--max-logprobs`` below the ``logprobs`` each request asks for;
+    - ``--max-model-len`` below the rollout's ``token_budget`` (a long trajectory would be refused mid-run);
+    - a served model other than the trainer's ``model`` (its name, its folder, or a folder of the same shape as
+      ``model_config``): the first weight push would fail mid-run, or the first rollout sample another model.
+
+    A field the server does not report (another vLLM version, a stand-in) is not checked.
+
+    Raises:
+        VLLMServerError: the first flag that does not fit.
+    """
+    model_cfg = config.get("model_config")
+    if not isinstance(model_cfg, Mapping):
+        return
+    where = f"the vLLM server at {url}"
+    mode = model_cfg.get("logprobs_mode")
+    if mode is not None and mode != "processed_logprobs":
+        raise VLLMServerError(
+            f"{where} runs --logprobs-mode {mode}: its log-probs are not those of the distribution it samples from "
+            "(temperature, top-k/p), and the loss reads them as the behaviour policy's; restart it with "
+            "--logprobs-mode processed_logprobs (python -m trl_plugins.rollout.vllm_server starts it so)"
+        )
+    cap = model_cfg.get("max_logprobs")
+    if isinstance(cap, int) and cap != -1 and cap < logprobs:
+        raise VLLMServerError(
+            f"{where} runs --max-logprobs {cap}, and the trainer asks for {logprobs} per token; restart it with "
+            f"--max-logprobs {logprobs} or more (-1: no cap)"
+        )
+    length = model_cfg.get("max_model_len")
+    if isinstance(length, int) and token_budget is not None and length < token_budget:
+        raise VLLMServerError(
+            f"{where} runs --max-model-len {length}, below the rollout's {token_budget}-token trajectories (a longer "
+            f"one would be refused mid-run); restart it with --max-model-len {token_budget} or lower the rollout's "
+            "max_trajectory_tokens"
+        )
+    served = model_cfg.get("model")
+    if isinstance(served, str) and served and model:
+        shape = None
+        if model_config is not None:
+            text = getattr(model_config, "get_text_config", lambda: model_config)()
+            shape = {key: getattr(text, key) for key in SHAPE_KEYS if getattr(text, key, None) is not None}
+        if not _same_model(served, model, shape):
+            raise VLLMServerError(
+                f"{where} serves {served!r}, and the trainer trains {model!r}; start the server with the trainer's "
+                "model (each step's weight push replaces the served weights, and a model of another shape fails it "
+                "mid-run)"
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m trl_plugins.rollout.vllm_server MODEL [--port N] [-- VLLM ARGS...]``, run with vLLM's interpreter:
+    serve ``MODEL`` the way a run against a server expects (:func:`serve_command`'s flags, the weight-transfer engine
+    ``file``, the weight endpoints on, offline, on loopback) in the foreground, in place of this process."""
+    import argparse
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    extra = args[args.index("--") + 1 :] if "--" in args else []
+    args = args[: args.index("--")] if "--" in args else args
+    parser = argparse.ArgumentParser(prog="python -m trl_plugins.rollout.vllm_server", description=main.__doc__)
+    parser.add_argument("model", help="the model's folder (a checkpoint, or the embedded default's cached model)")
+    parser.add_argument("--port", type=int, default=8000, help="where it listens on 127.0.0.1 (default 8000)")
+    parser.add_argument(
+        "--kv-cache-gb", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE on a CPU (GiB of host memory; default 2)"
+    )
+    options = parser.parse_args(args)
+    command = serve_command(
+        options.model,
+        port=options.port,
+        python=sys.executable,
+        extra=["--weight-transfer-config", '{"backend": "file"}', *extra],
+    )
+    environ = engine_environment()
+    environ.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /pause, /update_weights, ...: the endpoints a weight push uses
+    environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{options.kv_cache_gb:g}")
+    print(" ".join(command), flush=True)
+    os.execvpe(command[0], command, environ)
+
+
+if __name__ == "__main__":
+    main()

@@ -40,6 +40,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -279,22 +280,64 @@ class FileVLLMClient(VLLMClient):
         save_file(tensors, str(path))
         return path
 
+    def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0) -> None:
+        """TRL's (``/health`` until ``total_timeout``: the run's ``vllm_server_timeout``), with a deadline on each
+        request (TRL's has none: a stopped server held the run forever) and a one-line :class:`VLLMServerError` that
+        names the command that starts a server."""
+        import requests
+
+        deadline = time.monotonic() + total_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                # TRL's session retries a refused connection with backoff (2 s, 4 s, ...): one try per round here
+                response = requests.get(f"{self.base_url}/health", timeout=max(1.0, min(10.0, remaining)))
+                if response.status_code == 200:
+                    if "X-Forwarded-For" in response.headers:
+                        self.host = response.headers["X-Forwarded-For"]
+                    return
+                seen = f"HTTP {response.status_code}"
+            except requests.Timeout:
+                seen = "no answer (stopped or overloaded?)"
+            except requests.ConnectionError as err:
+                seen = "connection refused" if "refused" in str(err) else f"cannot connect ({_one_line(err, 120)})"
+            if time.monotonic() + retry_interval > deadline:
+                raise VLLMServerError(
+                    f"the vLLM server at {self.base_url}, start-up: not up within {total_timeout:g} s "
+                    f"(vllm_server_timeout; last: {seen}); start it first, with vLLM's interpreter: python -m "
+                    "trl_plugins.rollout.vllm_server MODEL --port PORT, or point vllm_server_base_url at a running one"
+                )
+            time.sleep(retry_interval)
+
     @property
     def answer_timeout_s(self) -> float:
         """The most any other request (a turn's completion) waits for its answer: ``connection_timeout`` (TRL's
         VLLMGeneration and the project pass ``vllm_server_timeout``, 240 s by default), or 240 s where it is 0."""
         return self.connection_timeout or 240.0
 
+    def get_server_info(self) -> dict:
+        """TRL's, with a deadline (:attr:`answer_timeout_s`) and a one-line error."""
+        return self._request("get", f"{self.base_url}/server_info", params={"config_format": "json"})["vllm_config"]
+
+    def _get(self, url: str, **kwargs: Any) -> dict:
+        """TRL's, with a deadline (:attr:`answer_timeout_s`) and a one-line error."""
+        return self._request("get", url, **kwargs)
+
     def _post(self, url: str, **kwargs: Any) -> dict:
         """TRL's, with a deadline: a request TRL sends without a timeout (a turn's completion) waits
         :attr:`answer_timeout_s` at most, so that a server that stops answering ends the rollout instead of holding
         it forever; a failure is one line (:class:`VLLMServerError`)."""
+        return self._request("post", url, **kwargs)
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> dict:
         import requests
 
         kwargs.setdefault("timeout", self.answer_timeout_s)
-        where = f"the vLLM server at {self.base_url}, rollout, {url.removeprefix(self.base_url)}"
+        endpoint = url.removeprefix(self.base_url)
+        phase = "rollout" if endpoint.startswith(("/v1/completions", "/inference")) else "request"
+        where = f"the vLLM server at {self.base_url}, {phase}, {endpoint}"
         try:
-            return super()._post(url, **kwargs)
+            response = getattr(self.session, method)(url, **kwargs)
         except requests.Timeout:
             raise VLLMServerError(
                 f"{where}: no answer within {kwargs['timeout']:g} s; is the server stopped or overloaded? Restart it "
@@ -305,6 +348,14 @@ class FileVLLMClient(VLLMClient):
                 f"{where}: cannot connect ({_one_line(err)}); start the server again and resume the run from its last "
                 "checkpoint"
             ) from None
+        if response.status_code == 404 and endpoint.startswith("/server_info"):
+            raise VLLMServerError(
+                f"{where}: HTTP 404, the server does not expose its development endpoints (the weight push uses "
+                "them); restart it with VLLM_SERVER_DEV_MODE=1 in its environment"
+            )
+        if response.status_code != 200:
+            raise VLLMServerError(f"{where}: HTTP {response.status_code} {_one_line(response.text)}")
+        return response.json()
 
     def _call(self, endpoint: str, **kwargs: Any) -> None:
         """POST ``endpoint`` once with ``request_timeout_s``; any failure is one line (:class:`VLLMServerError`)."""

@@ -153,6 +153,8 @@ def make_backend(
             client = trl_client.VLLMClient(
                 base_url=base, group_port=config.vllm_group_port, connection_timeout=config.vllm_server_timeout
             )
+        if kind is SamplerKind.VLLM_SERVER:
+            check_server(client or vllm_generation.vllm_client, model=model, token_budget=token_budget)
         return VLLMBackend(
             vllm_generation,
             stop_token_ids=chat.stop_token_ids,
@@ -175,6 +177,22 @@ def make_backend(
         )
     return HFGenerationBackend(
         model, pad_token_id=pad_token_id, stop_token_ids=chat.stop_token_ids, sampling=sampling, accelerator=accelerator
+    )
+
+
+def check_server(client: Any, *, model: Any = None, token_budget: int | None = None) -> None:
+    """Refuse a vLLM server whose flags the trainer cannot train with (the logprobs mode, the log-prob cap, the
+    context length, the served model): :func:`~trl_plugins.rollout.vllm_server.check_server_config` on what the
+    server reports (``/server_info``); a client without ``get_server_info`` (another transport) is not checked."""
+    if not hasattr(client, "get_server_info"):
+        return
+    from trl_plugins.rollout.vllm_server import check_server_config
+
+    module = getattr(model, "module", model)
+    model_config = getattr(module, "config", None)
+    name = getattr(model_config, "_name_or_path", "") or ""
+    check_server_config(
+        client.get_server_info(), url=client.base_url, model=name, model_config=model_config, token_budget=token_budget
     )
 
 
