@@ -428,7 +428,10 @@ TRL_FIELDS: dict[str, FieldRule] = {
     ),
     "vllm_server_timeout": FieldRule(
         _H,
-        _VLLM + " (server): how long every rank waits for the server" + _SERVER_ONLY,
+        _VLLM
+        + " (server): how long every rank waits for the server to come up, and the deadline of each request to it"
+        + " (a turn, each phase of a weight push: a stopped server ends the run with one line)"
+        + _SERVER_ONLY,
         ok=_vllm_setting("vllm_server_timeout", "server"),
     ),
     "vllm_group_port": FieldRule(
