@@ -224,3 +224,23 @@ def test_a_served_folder_of_the_trainers_shape_passes_and_one_of_another_shape_i
     (served / "config.json").write_text(json.dumps(shape | {"num_attention_heads": 4, "num_key_value_heads": 1}))
     with pytest.raises(VLLMServerError, match="serves"):
         check_server_config(info, url="u", model="Qwen/tiny", model_config=trained)
+
+
+def test_the_serve_command_runs_vllm_with_the_flags_the_weight_push_and_the_offline_environment(monkeypatch, capsys):
+    # docs/real_models.md's `python -m trl_plugins.rollout.vllm_server MODEL --port N -- ...`: it replaces itself by
+    # vLLM's server with the file weight transfer, the weight endpoints on, offline, on loopback.
+    from trl_plugins.rollout import vllm_server
+
+    seen = {}
+    monkeypatch.setattr(vllm_server.os, "execvpe", lambda file, argv, env: seen.update(argv=argv, env=env))
+    for name in (*ENGINE_ENVIRONMENT, "VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    vllm_server.main(["/models/policy", "--port", "8011", "--", "--enforce-eager"])
+    argv = seen["argv"]
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "8011" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "file"}' and argv[-1] == "--enforce-eager"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert {k: seen["env"][k] for k in ENGINE_ENVIRONMENT} == dict(ENGINE_ENVIRONMENT)
+    assert seen["env"]["VLLM_SERVER_DEV_MODE"] == "1" and seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert capsys.readouterr().out.strip() == " ".join(argv)

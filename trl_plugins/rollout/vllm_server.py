@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     extra = args[args.index("--") + 1 :] if "--" in args else []
     args = args[: args.index("--")] if "--" in args else args
     parser = argparse.ArgumentParser(prog="python -m trl_plugins.rollout.vllm_server", description=main.__doc__)
-    parser.add_argument("model", help="the model's folder (a checkpoint, or the embedded default's cached model)")
+    parser.add_argument("model", help="the model's folder (a checkpoint, or a cached model)")
     parser.add_argument("--port", type=int, default=8000, help="where it listens on 127.0.0.1 (default 8000)")
     parser.add_argument(
         "--kv-cache-gb", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE on a CPU (GiB of host memory; default 2)"
