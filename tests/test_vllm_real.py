@@ -453,45 +453,47 @@ def test_the_servers_own_report_passes_the_start_up_check_and_each_flag_off_is_r
 
 @pytest.mark.slow
 @needs_vllm
-@pytest.mark.parametrize("state", ["down", "stopped"])
-def test_a_server_down_or_stopped_at_start_ends_the_client_at_its_deadline_with_one_line(state: str):
+def test_a_server_down_or_stopped_at_start_ends_the_client_at_its_deadline_with_one_line():
     # "down": nothing listens on the port; "stopped": a socket that accepts and never answers, what a SIGSTOPped
-    # server is to a client (TRL's check_server sends /health without a timeout and waited on it forever).
+    # server is to a client (TRL's check_server sends /health without a timeout and waited on it forever). Both in one
+    # child of vLLM's interpreter (its imports take ~10 s).
     import socket
 
     code = (
         "import json, sys, time\n"
         "from trl_plugins.rollout.vllm_weights import FileVLLMClient\n"
-        "t = time.monotonic()\n"
-        "try:\n"
-        "    FileVLLMClient(base_url=sys.argv[1], connection_timeout=3.0)\n"
-        "    print(json.dumps({'error': None}))\n"
-        "except Exception as err:\n"
-        "    print(json.dumps({'type': type(err).__name__, 'error': str(err), 'seconds': time.monotonic() - t}))\n"
+        "for url in sys.argv[1:]:\n"
+        "    t = time.monotonic()\n"
+        "    try:\n"
+        "        FileVLLMClient(base_url=url, connection_timeout=3.0)\n"
+        "        print(json.dumps({'error': None}))\n"
+        "    except Exception as err:\n"
+        "        print(json.dumps({'type': type(err).__name__, 'error': str(err), 'seconds': time.monotonic() - t}))\n"
     )
-    with socket.socket() as listener:
-        listener.bind((LOOPBACK, 0))
-        port = listener.getsockname()[1]
-        if state == "stopped":
-            listener.listen(8)
-        else:
-            listener.close()
+    with socket.socket() as down, socket.socket() as stopped:
+        down.bind((LOOPBACK, 0))
+        stopped.bind((LOOPBACK, 0))
+        stopped.listen(8)
+        urls = {
+            state: f"http://{LOOPBACK}:{sock.getsockname()[1]}"
+            for state, sock in [("down", down), ("stopped", stopped)]
+        }
+        down.close()
         proc = subprocess.run(
-            [str(PYTHON), "-c", code, f"http://{LOOPBACK}:{port}"],
+            [str(PYTHON), "-c", code, urls["down"], urls["stopped"]],
             capture_output=True,
             text=True,
             timeout=120,
             cwd=ROOT,
         )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    message = result["error"]
-    assert result["type"] == "VLLMServerError" and result["seconds"] < 3.0 + 5.0, result
-    assert (
-        "\n" not in message and f"the vLLM server at http://{LOOPBACK}:{port}, start-up: not up within 3 s" in message
-    )
-    assert ("connection refused" if state == "down" else "no answer") in message, message
-    assert "python -m trl_plugins.rollout.vllm_server" in message
+    results = [json.loads(line) for line in proc.stdout.strip().splitlines()[-2:]]
+    for (state, url), result in zip(urls.items(), results):
+        message = result["error"]
+        assert result["type"] == "VLLMServerError" and result["seconds"] < 3.0 + 5.0, (state, result)
+        assert "\n" not in message and f"the vLLM server at {url}, start-up: not up within 3 s" in message
+        assert ("connection refused" if state == "down" else "no answer") in message, message
+        assert "python -m trl_plugins.rollout.vllm_server" in message
 
 
 @pytest.mark.slow
