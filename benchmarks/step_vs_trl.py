@@ -144,7 +144,9 @@ def run_ours(
         "peak_rss_mb": [r["memory/peak_rss_mb"] for r in steps],
         "tool_calls": [r["rollout/tool_calls_mean"] for r in steps],
         "staleness": [r.get("train/staleness_mean", 0.0) for r in steps],
-        "wait_s": [r.get("async/wait_s", float("nan")) for r in steps],
+        "wait_s": [r.get("timing/trainer_idle_s", float("nan")) for r in steps],
+        "sampler_busy_s": [r.get("timing/sampler_busy_s", float("nan")) for r in steps],
+        "metric_step_s": [r["timing/step_s"] for r in steps],
     }
 
 
@@ -359,6 +361,16 @@ def main() -> None:
                 f"tool calls/trajectory {m(r['tool_calls']):.2f} (ours {m(base['tool_calls']):.2f}); staleness "
                 f"{m(r['staleness']):.2f} steps; trainer waited {m(r['wait_s']) if which != 'ours-2threads' else 0:.2f} s/step"
             )
+            if which.startswith("ours-async"):
+                # from the run's own metrics (timing/*): a step cannot be shorter than its busier side
+                step, idle = m(r["metric_step_s"]), m(r["wait_s"])
+                busy_sampler = m([v for v in r["sampler_busy_s"] if v == v])  # the first step has no interval: nan
+                busy_trainer = step - idle
+                print(
+                    f"{which}: trainer busy {busy_trainer:.2f} s, sampler busy {busy_sampler:.2f} s, "
+                    f"trainer idle {idle:.2f} s per step"
+                )
+                print(f"{which}: step / max(trainer busy, sampler busy) = {step / max(busy_trainer, busy_sampler):.2f}")
 
 
 if __name__ == "__main__":

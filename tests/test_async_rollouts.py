@@ -282,6 +282,17 @@ def test_async_trains_every_row_once_per_epoch_within_the_bound(tmp_path, synchr
     assert [r["train/policy_version_lag"] for r in records] == [float(s - v) for s, v in enumerate(versions)]
     assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
     assert all(0 < r["async/importance_ess"] <= 1 for r in records)
+    # Who waited for whom: the trainer's wait is part of its step; the replica's busy and idle time split the interval
+    # between two collected rollouts (none before the second). An interval may hold no sampling (the batch was done
+    # before it began, and the next one waits for its weights: pacing), not the run.
+    for r in records:
+        assert 0 <= r["timing/trainer_idle_s"] <= r["timing/step_s"] and 0 <= r["timing/trainer_idle_ratio"] <= 1
+    assert "timing/sampler_busy_s" not in records[0]
+    assert sum(r["timing/sampler_busy_s"] for r in records[1:]) > 0
+    for r in records[1:]:
+        assert r["timing/sampler_busy_s"] >= 0 and r["timing/sampler_idle_s"] >= 0, r
+        interval = r["timing/sampler_busy_s"] + r["timing/sampler_idle_s"]
+        assert r["timing/sampler_idle_ratio"] == pytest.approx(r["timing/sampler_idle_s"] / interval)
     assert trainer._async.producer is None  # stopped when training ended
     if k == 1:
         _check_decoupled_objective(trainer, snapshots, step=2)
@@ -477,6 +488,9 @@ def test_async_rollouts_against_a_vllm_server(tmp_path, saved, patched):
         assert records[0]["train/staleness_max"] == 0.0 and records[1]["train/staleness_max"] in (0.0, 1.0)
         assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)
         assert all(r["async/importance_ess"] > 0.2 for r in records)
+        # who waited: the push's drain is part of the trainer's idle time; the server worked for this rank's requests
+        assert all(0 <= r["timing/push_drain_s"] <= r["timing/trainer_idle_s"] <= r["timing/step_s"] for r in records)
+        assert sum(r["timing/sampler_busy_s"] for r in records[1:]) > 0
         last = trainer.last_batch.trajectories
         assert all(t.policy_version.step == 2 and t.turn_policy_steps() == [2] * len(t.turns) for t in last)
         assert not seen  # no rollout in the trainer's own phases
@@ -708,3 +722,37 @@ def test_a_server_rollout_that_fails_while_a_stop_is_pending_is_the_stop(stoppin
     else:
         with pytest.raises(ConnectionRefusedError):
             server.result(5, cancelled=lambda: False)
+
+
+def test_the_samplers_busy_clock_counts_overlapping_calls_once():
+    import threading
+
+    from trl_plugins.trainers.replica import BusyClock, sampler_figures
+
+    clock = BusyClock()
+    before = clock.reading()
+    started, release = threading.Barrier(3), threading.Event()
+
+    def call():
+        with clock.timing():
+            started.wait()
+            release.wait()
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()  # both calls are running
+    time.sleep(0.2)
+    release.set()
+    for t in threads:
+        t.join()
+    time.sleep(0.1)  # idle
+    after = clock.reading()
+    busy = after[1] - before[1]
+    # once, not twice: counted twice, the two overlapping calls would exceed the wall time less the idle 0.1 s
+    assert 0.2 <= busy <= after[0] - before[0] - 0.1
+    figures = sampler_figures(before, after)
+    assert figures["timing/sampler_busy_s"] == pytest.approx(busy)
+    assert figures["timing/sampler_busy_s"] + figures["timing/sampler_idle_s"] == pytest.approx(after[0] - before[0])
+    assert figures["timing/sampler_idle_s"] >= 0.1
+    assert sampler_figures(None, after) == {} and sampler_figures(after, after) == {}

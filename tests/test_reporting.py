@@ -33,6 +33,8 @@ def test_compact_line_holds_the_key_numbers():
         "step 3/40 | reward 0.412 | correct 0.55 | format 0.9 | tools 1.25 | loss 0.0123 | kl 0.0031 | "
         "gen 850 tok/s | train 41.2k tok/s | 12.3 s | rss 1.9 GB"
     )
+    # Under async_rollouts the trainer's wait for its sampler follows the step time.
+    assert "| 12.3 s | idle 4.2 s | rss" in compact_line({**logs, "timing/trainer_idle_s": 4.2}, step=3)
     # Thousands read as k, never in exponent notation (2770 tok/s is "2.77k", not "2.77e+03").
     assert "gen 2.77k tok/s" in compact_line({**logs, "rollout/generated_tokens_per_s": 2770.4}, step=3)
     assert "gen 1k tok/s" in compact_line({**logs, "rollout/generated_tokens_per_s": 999.7}, step=3)

@@ -368,6 +368,9 @@ def test_the_async_path_on_a_real_server_measures_the_real_gap_with_its_tripwire
         assert step["async/probe_max_diff"] < 1e-3, run  # the pushed weights are the trainer's, on the real engine
         assert step["async/importance_ess"] > 0.5, run  # the default tripwires (ESS 0.2, gap 2.0) stay quiet
     assert run["probe"][0]["async/logprob_gap"] < 1e-4  # step 0: sampled by the weights it trains
+    # who waited for whom, against the real server: the push's drain counts in the trainer's idle time
+    assert all(0 <= t["timing/push_drain_s"] <= t["timing/trainer_idle_s"] for t in run["timing"]), run["timing"]
+    assert sum(t.get("timing/sampler_busy_s", 0.0) for t in run["timing"]) > 0, run["timing"]
     assert max(step["async/logprob_gap"] for step in run["probe"][1:]) > 1e-3  # later: one step stale, measured
     assert run["server_vs_final"] < 1e-4, run
 

@@ -184,6 +184,11 @@ def main() -> None:
         "updates_skipped": sum(entry.get("train/update_skipped", 0.0) for entry in logs),
         "logprob_source": str(trainer.run.version.sampler) if trainer.run.version else None,
         "probe": [{k: v for k, v in entry.items() if k.startswith("async/")} for entry in logs if "loss" in entry],
+        "timing": [
+            {k: v for k, v in entry.items() if k.startswith(("timing/trainer_idle", "timing/sampler", "timing/push"))}
+            for entry in logs
+            if "loss" in entry
+        ],
         "server_vs_final": server_gap(args.url, final),
         "server_vs_initial": server_gap(args.url, initial),
         "world_size": trainer.accelerator.num_processes,

@@ -36,12 +36,14 @@ import torch
 
 from trl_plugins.run import RolloutParts
 from trl_plugins.trainers.replica import (
+    BusyClock,
     GenerationReplica,
     ReplicaResult,
     StampedSampler,
     cpu_state_dict,
     probe_logprobs,
     probe_tokens,
+    sampler_figures,
     stop_pending,
 )
 from trl_plugins.types import Datum
@@ -133,7 +135,7 @@ class _ServerView(StampedSampler):
     the producer's drained push."""
 
     def __init__(self, producer: "ServerRollouts", backend: Any, *, pushes: bool) -> None:
-        super().__init__(backend, producer.lock.read, lambda: producer.pushed_step)
+        super().__init__(backend, producer.lock.read, lambda: producer.pushed_step, producer.clock)
         self._producer, self._pushes = producer, pushes
 
     def with_sampling(self, sampling: Any) -> "_ServerView":
@@ -175,6 +177,15 @@ class ServerRollouts:
         self._probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stop = threading.Event()
         self._full_weights: Callable[[], ContextManager[torch.nn.Module]] | None = None
+        self.clock = BusyClock()
+        """The time with at least one of this process's requests at the server (its generate calls)."""
+        self.drain_s = 0.0
+        """How long the last push waited for the requests in flight."""
+
+    @property
+    def sampler_clock(self) -> tuple[float, float]:
+        """This process's :meth:`BusyClock.reading` of the server's work for it."""
+        return self.clock.reading()
 
     def view(self, sampling: Any = None, *, pushes: bool = True) -> _ServerView:
         return _ServerView(
@@ -185,7 +196,9 @@ class ServerRollouts:
         """Bring the server to the weights of ``step`` once the requests in flight have finished; then probe."""
         if full_weights is not None:
             self._full_weights = full_weights
+        start = time.perf_counter()
         with self.lock.write():
+            self.drain_s = time.perf_counter() - start  # the wait for the requests in flight
             if step != self.pushed_step:
                 self._backend.sync_weights(step)
                 self.pushed_step = step
@@ -285,6 +298,8 @@ class AsyncRollouts:
         self._trainer_probes: dict[int, torch.Tensor] = {}
         self._probe: torch.Tensor | None = None
         self._dtype: torch.dtype | None = None
+        self._sampler_reading: tuple[float, float] | None = None
+        """The sampler's busy clock when the previous step's rollout was collected."""
 
     # -- the data, read ahead ------------------------------------------------------------------------
 
@@ -331,10 +346,12 @@ class AsyncRollouts:
             ReplicaError: the replica failed.
         """
         c = self.settings
+        drain_s = 0.0
         if self._server_backend is not None:
             server = self._server()
             if server.pushed_step != step or server.probe_due:
                 server.push(step, full_weights)
+                drain_s = server.drain_s
             self._dtype = server.dtype
         elif self.producer is None:
             with full_weights() as model:
@@ -365,9 +382,19 @@ class AsyncRollouts:
                 self._queued_up_to = key
         start = time.perf_counter()
         result = self.producer.result(step, cancelled=cancelled)
-        metrics = {"async/wait_s": time.perf_counter() - start, "async/queued_ahead": float(self._queued_up_to - step)}
+        metrics = {
+            # waiting for this step's rollout, and (vLLM server) for the requests in flight before the push
+            "timing/trainer_idle_s": time.perf_counter() - start + drain_s,
+            "async/queued_ahead": float(self._queued_up_to - step),
+        }
+        if self._server_backend is not None:
+            metrics["timing/push_drain_s"] = drain_s
         if result is None:
             return None, metrics
+        reading = self.producer.sampler_clock
+        if reading is not None:
+            metrics.update(sampler_figures(self._sampler_reading, reading))
+            self._sampler_reading = reading
         metrics["async/probe_max_diff"] = self._check_probes(result.probes)
         return result, metrics
 
@@ -412,6 +439,7 @@ class AsyncRollouts:
             self.producer = None
         self._ahead, self.upcoming, self._iterator = deque(), [], None
         self._queued_up_to, self._trainer_probes = -1, {}  # a later train() starts afresh
+        self._sampler_reading = None
 
 
 def check_off_policy(settings: Any, totals: Sequence[float]) -> dict[str, float]:

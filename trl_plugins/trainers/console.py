@@ -59,6 +59,7 @@ def compact_line(logs: Mapping[str, Any], *, step: int, max_steps: int | None = 
         ("rollout/generated_tokens_per_s", "gen {} tok/s", 1, _num),
         ("train/forward_tokens_per_s", "train {} tok/s", 1, _num),
         ("timing/step_s", "{} s", 1, _num),
+        ("timing/trainer_idle_s", "idle {} s", 1, _num),  # async: the trainer's wait for its sampler
         ("memory/peak_rss_mb", "rss {} GB", 1024, lambda v: f"{v:.2g}"),
         ("memory/cuda_max_allocated_mb", "gpu {} GB", 1024, lambda v: f"{v:.3g}"),
     ):

@@ -268,6 +268,10 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         loss, update = self.step_runner.update(batch, model, self.optimizer, global_step=self.state.global_step)
         metrics.update(update)
         metrics["timing/step_s"] = time.perf_counter() - start  # memory/*: PeakMemory, after the optimizer step
+        if "timing/trainer_idle_s" in metrics:  # async: the share of the step the trainer waited for its sampler
+            metrics["timing/trainer_idle_ratio"] = metrics["timing/trainer_idle_s"] / max(
+                metrics["timing/step_s"], 1e-9
+            )
         merged = self.step_runner.merge_metrics(metrics, batch.summaries if fresh else None, self._metric_reductions)
         self.record_metrics(merged)
         self._count_update(

@@ -38,7 +38,16 @@ import torch
 
 from trl_plugins.run import RolloutParts
 
-__all__ = ["GenerationReplica", "ReplicaError", "ReplicaResult", "probe_logprobs", "probe_tokens"]
+__all__ = [
+    "BusyClock",
+    "GenerationReplica",
+    "ReplicaError",
+    "ReplicaResult",
+    "TimedSampler",
+    "probe_logprobs",
+    "probe_tokens",
+    "sampler_figures",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +72,62 @@ def stop_pending(cancelled: Callable[[], bool] | None) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+class BusyClock:
+    """The wall time during which at least one of the calls it times was running (calls that overlap count once):
+    how long a sampler was busy. Thread-safe; with ``state`` (a ``multiprocessing.Array("d", 3)``) it is shared
+    between processes: the replica's calls are timed in the child, and the trainer reads the clock in the parent at
+    any moment (``time.monotonic`` is one clock for every process of a machine)."""
+
+    def __init__(self, state: Any = None) -> None:
+        self._state = [0.0, 0.0, 0.0] if state is None else state  # busy seconds, since, calls running
+        self._lock = threading.Lock() if state is None else state.get_lock()
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        with self._lock:
+            if self._state[2] == 0:
+                self._state[1] = time.monotonic()
+            self._state[2] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._state[2] -= 1
+                if self._state[2] == 0:
+                    self._state[0] += time.monotonic() - self._state[1]
+
+    def reading(self) -> tuple[float, float]:
+        """``(now, busy seconds so far)``."""
+        with self._lock:
+            now = time.monotonic()
+            total, since, running = self._state[0], self._state[1], self._state[2]
+        return now, total + (now - since if running else 0.0)
+
+
+class TimedSampler:
+    """A sampler whose generate calls are timed by a :class:`BusyClock` (everything else is the sampler's)."""
+
+    def __init__(self, backend: Any, clock: BusyClock) -> None:
+        self._backend, self._clock = backend, clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[Any]:
+        with self._clock.timing():
+            return self._backend.generate(*args, **kwargs)
+
+
+def sampler_figures(before: tuple[float, float] | None, after: tuple[float, float]) -> dict[str, float]:
+    """The sampler's ``timing/*`` figures between two :meth:`BusyClock.reading` s: its busy and idle seconds and its
+    idle share of the interval (nothing before the first reading)."""
+    if before is None or after[0] <= before[0]:
+        return {}
+    wall, busy = after[0] - before[0], max(after[1] - before[1], 0.0)
+    idle = max(wall - busy, 0.0)
+    return {"timing/sampler_busy_s": busy, "timing/sampler_idle_s": idle, "timing/sampler_idle_ratio": idle / wall}
 
 
 @dataclasses.dataclass
@@ -181,6 +246,7 @@ class GenerationReplica:
         ctx = mp.get_context("spawn")
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
+        self._clock = BusyClock(ctx.Array("d", 3))  # the replica times its generate calls; the trainer reads it
         base = base_model(model)
         init = dict(
             model_class=type(base),
@@ -197,6 +263,7 @@ class GenerationReplica:
             threads=threads or max(1, _usable_cpus() // 2),
             parent=os.getpid(),
             streaming=streaming,
+            clock=self._clock._state,
         )
         self._process = ctx.Process(
             target=_serve, args=(self._jobs, self._results, init), daemon=True, name="trl-plugins-replica"
@@ -212,6 +279,11 @@ class GenerationReplica:
     @property
     def pid(self) -> int | None:
         return self._process.pid
+
+    @property
+    def sampler_clock(self) -> tuple[float, float]:
+        """The replica's sampler's :meth:`BusyClock.reading`, now."""
+        return self._clock.reading()
 
     def push_weights(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
         """Send the weights of ``step`` (a CPU state dict of its own: :func:`cpu_state_dict`)."""
@@ -347,10 +419,17 @@ def _die_with_parent() -> None:
 class StampedSampler:
     """A sampler whose weights can change during a rollout, as the rollout sees it: each generate call runs under
     ``guard()`` (weights are never loaded during one) and its samples are stamped with ``step()``, the step of the
-    weights then held (the engine records it as the turn's ``policy_step``). Everything else is the sampler's."""
+    weights then held (the engine records it as the turn's ``policy_step``); with a ``clock``, the call (not the wait
+    for the guard) is timed by it. Everything else is the sampler's."""
 
-    def __init__(self, backend: Any, guard: Callable[[], ContextManager[Any]], step: Callable[[], int]) -> None:
-        self._backend, self._guard, self._step = backend, guard, step
+    def __init__(
+        self,
+        backend: Any,
+        guard: Callable[[], ContextManager[Any]],
+        step: Callable[[], int],
+        clock: BusyClock | None = None,
+    ) -> None:
+        self._backend, self._guard, self._step, self._clock = backend, guard, step, clock
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
@@ -358,7 +437,8 @@ class StampedSampler:
     def generate(self, prompts: Any, max_new_tokens: Any, *, seeds: Any) -> list[Any]:
         with self._guard():
             step = self._step()
-            samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
+            with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
+                samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
         for sample in samples:
             sample.policy_step = step
         return samples
@@ -407,6 +487,7 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
             token_budget=init["token_budget"],
         )
         lock = threading.Lock()
+        backend = TimedSampler(backend, BusyClock(init["clock"]))  # inside the streaming lock: its wait is not sampling
         if init["streaming"]:
             backend = _ReplicaSampler(backend, lock, version)
         probe = init["probe"]
