@@ -165,6 +165,41 @@ SERVER_TIMEOUT_S = 15.0
 """vllm_server_timeout of the run whose server stops answering: every request's deadline."""
 
 
+def fault_mid_run(server: LocalVLLMServer, model_dir: Path, out: Path, signum: int, *args: str) -> dict:
+    """Start a run of many steps against ``server``, send ``signum`` to the server's whole group once the first step
+    is logged (the run is under way), and return how long the trainer took to end after it, its exit code and its
+    output."""
+    import time
+
+    script = [str(Path(__file__).with_name("vllm_train.py")), "--model", str(model_dir), "--url", server.url]
+    args = (
+        "--out",
+        str(out),
+        "--steps",
+        "50",
+        "--learning-rate",
+        "1e-4",
+        "--server-timeout",
+        str(SERVER_TIMEOUT_S),
+        *args,
+    )
+    trainer = subprocess.Popen(
+        [str(PYTHON), *script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
+    log = Path(str(out) + ".run") / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (log.exists() and log.read_text().strip()) and trainer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(server.process.pid, signum)
+    sent = time.monotonic()
+    try:
+        output, _ = trainer.communicate(timeout=SERVER_TIMEOUT_S * 4 + 60)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        output, _ = trainer.communicate()
+    return {"seconds": time.monotonic() - sent, "returncode": trainer.returncode, "output": output}
+
+
 @pytest.fixture(scope="module")
 def stopped_mid_run(server: LocalVLLMServer, model_dir: Path, two_ranks: dict, asynchronous: dict, tmp_path_factory):
     """A run of many steps (a checkpoint each) whose server is SIGSTOPped once the run is under way: how long the
@@ -173,29 +208,12 @@ def stopped_mid_run(server: LocalVLLMServer, model_dir: Path, two_ranks: dict, a
     import time
 
     out = tmp_path_factory.mktemp("stopped") / "run.json"
-    script = [str(Path(__file__).with_name("vllm_train.py")), "--model", str(model_dir), "--url", server.url]
-    args = ["--out", str(out), "--steps", "50", "--learning-rate", "1e-4", "--server-timeout", str(SERVER_TIMEOUT_S)]
-    args += ["--save-steps", "1"]  # what a resumed run starts from (resumed, below)
-    trainer = subprocess.Popen(
-        [str(PYTHON), *script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
-    )
-    log = Path(str(out) + ".run") / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (log.exists() and log.read_text().strip()) and trainer.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)  # until the first step is logged: the run is under way
-    os.killpg(server.process.pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        output, _ = trainer.communicate(timeout=SERVER_TIMEOUT_S * 4 + 60)
-    except subprocess.TimeoutExpired:
-        trainer.kill()
-        output, _ = trainer.communicate()
-    seconds = time.monotonic() - stopped
+    run = fault_mid_run(server, model_dir, out, signal.SIGSTOP, "--save-steps", "1")  # resumed, below, starts there
     os.killpg(server.process.pid, signal.SIGCONT)  # the server goes on: the resumed run trains against it
     deadline = time.monotonic() + 60
     while not server.healthy() and time.monotonic() < deadline:
         time.sleep(0.5)
-    return {"seconds": seconds, "returncode": trainer.returncode, "output": output, "run_dir": str(out) + ".run"}
+    return {**run, "run_dir": str(out) + ".run"}
 
 
 @pytest.fixture(scope="module")
@@ -216,26 +234,8 @@ def killed_mid_run(server: LocalVLLMServer, model_dir: Path, resumed: dict, tmp_
     """A run of many steps whose server is killed (SIGKILL, the whole group) once the run is under way: how long the
     trainer takes to end after it, and what it says. Last of the module: the server is gone."""
     import signal
-    import time
 
-    out = tmp_path_factory.mktemp("killed") / "run.json"
-    script = [str(Path(__file__).with_name("vllm_train.py")), "--model", str(model_dir), "--url", server.url]
-    args = ["--out", str(out), "--steps", "50", "--learning-rate", "1e-4", "--server-timeout", str(SERVER_TIMEOUT_S)]
-    trainer = subprocess.Popen(
-        [str(PYTHON), *script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
-    )
-    log = Path(str(out) + ".run") / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (log.exists() and log.read_text().strip()) and trainer.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    os.killpg(server.process.pid, signal.SIGKILL)
-    killed = time.monotonic()
-    try:
-        output, _ = trainer.communicate(timeout=SERVER_TIMEOUT_S * 4 + 60)
-    except subprocess.TimeoutExpired:
-        trainer.kill()
-        output, _ = trainer.communicate()
-    return {"seconds": time.monotonic() - killed, "returncode": trainer.returncode, "output": output}
+    return fault_mid_run(server, model_dir, tmp_path_factory.mktemp("killed") / "run.json", signal.SIGKILL)
 
 
 def process_group(pgid: int) -> list[int]:

@@ -194,16 +194,22 @@ class FileVLLMClient(VLLMClient):
 
     def __init__(self, *args: Any, request_timeout_s: float | None = None, **kwargs: Any) -> None:
         import requests
+        import trl.generation.vllm_client as trl_client
+        from requests.adapters import HTTPAdapter
 
         self.connection_timeout = float(kwargs.get("connection_timeout") or 0.0)  # TRL's uses it in check_server only
+        # TRL's session retries refused connections and 5xx with backoff (2 s, 4 s, 8 s, ...: a killed server held a
+        # turn ~60 s): every request here is made once, so that a failure ends within its deadline. Made before TRL's
+        # __init__, which already asks the server for its models.
+        self._once = requests.Session()
+        pool = getattr(trl_client, "_DEFAULT_GENERATION_CONCURRENCY", 64)
+        self._once.mount("http://", HTTPAdapter(max_retries=0, pool_maxsize=pool))
+        self._once.mount("https://", HTTPAdapter(max_retries=0, pool_maxsize=pool))
         super().__init__(*args, **kwargs)
         self.request_timeout_s = self.answer_timeout_s if request_timeout_s is None else request_timeout_s
         self.weight_transfer_backend: str | None = None
         self.weights_dir: Path | None = None
         self._pushes = 0
-        # TRL's session retries 5xx with backoff (2 s, 4 s, 8 s, ...): a push's requests are made once, so that a
-        # failure ends within request_timeout_s
-        self._push_session = requests.Session()
 
     @property
     def uses_file_transport(self) -> bool:
@@ -290,8 +296,7 @@ class FileVLLMClient(VLLMClient):
         while True:
             remaining = deadline - time.monotonic()
             try:
-                # TRL's session retries a refused connection with backoff (2 s, 4 s, ...): one try per round here
-                response = requests.get(f"{self.base_url}/health", timeout=max(1.0, min(10.0, remaining)))
+                response = self._once.get(f"{self.base_url}/health", timeout=max(1.0, min(10.0, remaining)))
                 if response.status_code == 200:
                     if "X-Forwarded-For" in response.headers:
                         self.host = response.headers["X-Forwarded-For"]
@@ -337,7 +342,7 @@ class FileVLLMClient(VLLMClient):
         phase = "rollout" if endpoint.startswith(("/v1/completions", "/inference")) else "request"
         where = f"the vLLM server at {self.base_url}, {phase}, {endpoint}"
         try:
-            response = getattr(self.session, method)(url, **kwargs)
+            response = getattr(self._once, method)(url, **kwargs)
         except requests.Timeout:
             raise VLLMServerError(
                 f"{where}: no answer within {kwargs['timeout']:g} s; is the server stopped or overloaded? Restart it "
@@ -363,7 +368,7 @@ class FileVLLMClient(VLLMClient):
 
         where = f"the vLLM server at {self.base_url}, weight push, phase {endpoint}"
         try:
-            response = self._push_session.post(f"{self.base_url}{endpoint}", timeout=self.request_timeout_s, **kwargs)
+            response = self._once.post(f"{self.base_url}{endpoint}", timeout=self.request_timeout_s, **kwargs)
         except requests.Timeout:
             raise VLLMServerError(
                 f"{where}: no answer within {self.request_timeout_s:g} s; is the server stopped or overloaded? "
