@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from support.recipes import ROOT
 from support.trainer import TokenReward, tiny_config, tiny_dataset, tiny_trainer
 from support.vllm import install_fake_vllm, same_weights, save_tiny_model, train_with_vllm
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
@@ -143,23 +144,60 @@ def test_a_lora_push_is_the_merged_base_model():
 
 
 @pytest.mark.slow
-def test_async_rollouts_train_a_lora_adapter(tmp_path):
+def test_async_rollouts_train_a_lora_adapter(tmp_path, monkeypatch):
+    # and a judge (weight 0, the scripted one on loopback) scores in the replica as trajectories end: the trainer's
+    # scoring reads its cache and calls nothing (docs/rewards.md)
+    import sys
+
     from peft import LoraConfig
 
+    from trl_plugins.rewards.judge import JudgeReward
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
+    sys.path.insert(0, str(ROOT / "examples" / "judges"))
+    try:
+        import scripted_judge
+    finally:
+        sys.path.pop(0)
+    server, _ = scripted_judge.serve(0)
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    here, trainer_calls, call = os.getpid(), [], JudgeReward._call
+    monkeypatch.setattr(
+        JudgeReward, "_call", lambda self, body: trainer_calls.append(os.getpid() == here) or call(self, body)
+    )
+    judge = JudgeReward(base_url=url, model="scripted-judge", cache_path=str(tmp_path / "judge.sqlite"))
     tok = build_tokenizer("qwen2_5")
     torch.manual_seed(0)
+    config = tiny_config(
+        tmp_path,
+        per_device_train_batch_size=8,
+        max_steps=3,
+        async_rollouts=True,
+        learning_rate=5e-2,
+        reward_components=["length", "judge"],
+        reward_component_weights=[1.0, 0.0],
+    )
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        tiny_config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, learning_rate=5e-2),
+        config,
         train_dataset=tiny_dataset(12),
         processing_class=tok,
-        reward_components={"length": TokenReward()},
+        reward_components={"length": TokenReward(), "judge": judge},
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        server.shutdown()
     records = _records(tmp_path)
+    figures = [{k: v for k, v in r.items() if k.startswith(("judge/", "timing/judge"))} for r in records]
+    assert 0 < sum(r["judge/calls"] for r in records) == scripted_judge._state["requests"], figures  # all reported
+    # Every answer was fetched in the replica as trajectories ended; the trainer's scoring read them from the cache.
+    assert not any(trainer_calls) and all(r["judge/cache_hits"] > 0 and r["judge/errors"] == 0 for r in records), (
+        figures
+    )
+    assert all("reward/judge" in r for r in records)
+    assert all("timing/judge_tail_s" in r for r in records)
     # The adapter moved, each push reached the replica (probe), and the last steps trained 1-step-stale tokens.
     assert [r["train/staleness_max"] for r in records] == [0.0, 1.0, 1.0]
     assert all(r["async/probe_max_diff"] <= 1e-3 for r in records)

@@ -55,6 +55,27 @@ def test_reward_plugins(name):
             "answer": "42",
             "metadata": {**entry["metadata"], "source_dataset": "chain_sum"},
         }
+    if name == "judge":  # calls an LLM judge: the scripted one on loopback (examples/judges/scripted_judge.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "judges"))
+        try:
+            import scripted_judge
+        finally:
+            sys.path.pop(0)
+        server, _ = scripted_judge.serve(0)
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/v1"
+            check_reward_contract(name, {"base_url": url, "model": "scripted-judge", "cache_path": None})
+        finally:
+            server.shutdown()
+        return
+    if name == "reward_model":  # scores with a model: a tiny local one (tests/support/reward_model.py)
+        import tempfile
+
+        from support.reward_model import save_reward_model
+
+        with tempfile.TemporaryDirectory() as folder:
+            check_reward_contract(name, {"model": save_reward_model(folder)})
+        return
     check_reward_contract(name, example=example)
 
 

@@ -299,7 +299,13 @@ TOOLS: Registry[Any] = Registry(
 )
 REWARDS: Registry[Any] = Registry(
     "rewards",
-    builtin_modules=("trl_plugins.rewards.math", "trl_plugins.rewards.agent", "trl_plugins.rewards.reasoning_gym"),
+    builtin_modules=(
+        "trl_plugins.rewards.math",
+        "trl_plugins.rewards.agent",
+        "trl_plugins.rewards.reasoning_gym",
+        "trl_plugins.rewards.judge",
+        "trl_plugins.rewards.reward_model",
+    ),
 )
 ADVANTAGES: Registry[Any] = Registry("advantages", builtin_modules=("trl_plugins.algos.advantages",))
 POLICY_LOSSES: Registry[Any] = Registry(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from trl_plugins.aio import run_async
 from trl_plugins.protocols.seams import PluginDeclarationError, Reduction
@@ -255,6 +255,13 @@ class RewardPlugin(_Adapter):
 
     weight: float = 1.0
     is_success_fn: Callable[[float], bool] | None = None
+    score_batch_fn: Callable[[Sequence[Trajectory], Sequence[Mapping[str, Any]]], list] | None = None
+    """The optional ``score_batch(trajectories, rows) -> [value or exception]``: one call for many trajectories (a
+    judge runs its requests concurrently, or one per group); else the trainer calls the component per trajectory."""
+    scores_during_rollout: str | None = None
+    """What it declares as ``scores_during_rollout``: ``"trajectory"`` or ``"group"`` to have ``score_batch`` called
+    as each trajectory (or each whole group) ends, during the rollout, to warm a cache the scoring reads afterwards
+    (a judge's calls then overlap the generation); None (the default): scored after the rollout only."""
 
     @property
     def label(self) -> str:
@@ -407,4 +414,29 @@ def as_reward(impl: Any, name: str = "", weight: float = 1.0) -> RewardPlugin:
         )
     if not math.isfinite(float(weight)):
         raise PluginDeclarationError(label, f"has weight {weight!r}; a weight must be a finite number.")
-    return RewardPlugin(name, impl, weight=float(weight), is_success_fn=_optional_method(impl, "is_success", label))
+    return RewardPlugin(
+        name,
+        impl,
+        **_metric_members(impl, label),
+        weight=float(weight),
+        is_success_fn=_optional_method(impl, "is_success", label),
+        score_batch_fn=_optional_method(impl, "score_batch", label),
+        scores_during_rollout=_during_rollout(impl, label),
+    )
+
+
+def _during_rollout(impl: Any, label: str) -> str | None:
+    value = _optional(impl, "scores_during_rollout", None)
+    if value not in (None, "trajectory", "group"):
+        raise PluginDeclarationError(
+            label, f"declares scores_during_rollout={value!r}; it must be 'trajectory', 'group' or None."
+        )
+    if value is not None:
+        method = _optional_method(impl, "score_batch", label)
+        if method is None or "during_rollout" not in inspect.signature(method).parameters:
+            raise PluginDeclarationError(
+                label,
+                "declares scores_during_rollout, which calls score_batch(trajectories, rows, during_rollout=True); "
+                "it has no such method.",
+            )
+    return value

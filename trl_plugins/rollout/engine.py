@@ -297,6 +297,8 @@ class MultiTurnRollout(TrajectoryBudgets):
         def finish(reason: StopReason) -> None:
             st.traj.stop_reason = reason
             bar.update(1)
+            if request.on_finished is not None:
+                request.on_finished(st.traj)
 
         while True:
             if len(st.prompt) >= self.max_trajectory_tokens:

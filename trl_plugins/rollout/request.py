@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from trl_plugins.protocols import ToolPlugin, as_tool
 from trl_plugins.rollout.backends import GenerationBackend
@@ -96,6 +96,10 @@ class RolloutRequest:
     stop: threading.Event | None = None
     """When set (a stop was requested, e.g. on SIGTERM), the rollout cancels its tool calls in flight and
     raises :class:`RolloutCancelled` before the next generation round."""
+    on_finished: Callable[[Trajectory], None] | None = None
+    """Called with each trajectory as it ends (its stop reason set), from the rollout's own thread: the run's
+    judges start scoring it while the others still run (:class:`~trl_plugins.trainers.prescoring.RolloutScorer`).
+    It must return at once and never raise. A rollout plugin that does not call it loses only that overlap."""
 
     def __post_init__(self) -> None:
         self.tools = {name: as_tool(tool, name) for name, tool in self.tools.items()}

@@ -66,8 +66,9 @@ class RunSpec:
 @dataclass(frozen=True)
 class RolloutParts:
     """The part of a :class:`Run` that rolls out a batch (:func:`trl_plugins.trainers.batch.rollout_rows`): what a
-    generation replica process is handed, pickled, and what the vLLM server's rollout threads use. The rewards, the
-    advantage and the policy loss, which only the trainer runs, stay behind."""
+    generation replica process is handed, pickled, and what the vLLM server's rollout threads use. The advantage, the
+    policy loss and the rewards, which the trainer runs, stay behind, but for the components that score as
+    trajectories end (``prescorers``: a judge filling the cache the trainer's scoring reads)."""
 
     rollout: RolloutPlugin
     tools: dict[str, ToolPlugin]
@@ -76,6 +77,9 @@ class RolloutParts:
     """The run's ``MultiTurnGRPOConfig``."""
     version: RunVersion | None
     """The run-level policy version every trajectory refers to (None before :meth:`Run.bind_version`)."""
+    prescorers: tuple[RewardPlugin, ...] = ()
+    """The reward components that score as trajectories end, during the rollout (a judge with a cache:
+    ``scores_during_rollout``); the others stay behind with the trainer."""
 
 
 class Run:
@@ -170,7 +174,12 @@ class Run:
         """What rolls out a batch (:class:`RolloutParts`); after :meth:`bind_tokenizer`."""
         if self.chat is None:
             raise ValueError("bind_tokenizer() first: a rollout needs the chat format.")
-        return RolloutParts(self.rollout, self.tools, self.chat, self.config, self.version)
+        return RolloutParts(self.rollout, self.tools, self.chat, self.config, self.version, self.prescorers)
+
+    @property
+    def prescorers(self) -> tuple[RewardPlugin, ...]:
+        """The reward components that score during the rollout (:attr:`RolloutParts.prescorers`)."""
+        return tuple(r for r in self.rewards if r.scores_during_rollout is not None)
 
     def start_tools(self) -> dict[str, str]:
         """Start every tool that declares ``start_up()`` (the code interpreter probes its sandbox's isolation) and

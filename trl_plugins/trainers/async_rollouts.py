@@ -253,8 +253,8 @@ class ServerRollouts:
         del self._futures[key]
         start = self._starts.pop(key)
         tool_metrics: dict[str, float] = {}
-        for tool in self.parts.tools.values():
-            tool_metrics.update(tool.step_metrics())
+        for plugin in (*self.parts.tools.values(), *self.parts.prescorers):  # what ran the rollout: tools, judges
+            tool_metrics.update(plugin.step_metrics())
         probes, self._probes = self._probes, {}
         return ReplicaResult(result, start, tool_metrics, probes)
 

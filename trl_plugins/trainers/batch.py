@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from trl_plugins.rewards import reward_value
 from trl_plugins.rollout import ChatFormat, RolloutRequest, RolloutResult, questions_from_rows
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.run import KL_PENALTY_COMPONENT, RolloutParts, Run
+from trl_plugins.trainers.prescoring import RolloutScorer
 from trl_plugins.types import (
     AdvantageInput,
     Datum,
@@ -120,6 +122,7 @@ def rollout_rows(
     chat: ChatFormat = run.chat
     questions = questions_from_rows(chat, rows, run.config.system_prompt, id_offset=id_offset)
     backend.sync_weights(policy_step)
+    scorer = RolloutScorer(run.prescorers, rows, group_size) if run.prescorers else None
     request = RolloutRequest(
         questions,
         group_size,
@@ -130,8 +133,18 @@ def rollout_rows(
         seed=seed,
         progress=progress,
         stop=stop,
+        on_finished=None if scorer is None else scorer.finished,
     )
-    result = run.rollout(request)
+    try:
+        result = run.rollout(request)
+    except BaseException:
+        if scorer is not None:
+            scorer.abandon()
+        raise
+    if scorer is not None:
+        start = time.perf_counter()
+        scorer.wait()  # the last trajectories' judges: the scoring that follows reads their cache
+        result.counters["timing/judge_tail_s"] = time.perf_counter() - start
     weights = (
         backend.weights_digest()
     )  # after the sync (and, under ZeRO-3, taken in the rollout's gather): what sampled
@@ -191,6 +204,7 @@ def score_trajectories(
     rows: Sequence[Mapping[str, Any]],
     *,
     time_limit_s: float | None = None,
+    examples: dict[str, str] | None = None,
 ) -> dict[str, int]:
     """Store each reward component (name, value, weight) on each trajectory; ``rows[traj.group_id]`` is its example.
 
@@ -201,8 +215,14 @@ def score_trajectories(
     recorded (an agent's returned reward: :mod:`trl_plugins.rewards.agent`) that no configured component replaces
     stay, with weight 0: the configured components win.
 
+    A component with ``score_batch`` (a judge) is called once for every trajectory the components without one left
+    standing (they run first, per trajectory): it bounds its own calls with its deadlines, so ``time_limit_s`` does
+    not apply to it.
+
     Args:
         rewards: The run's reward components (``run.rewards``).
+        examples: Filled with one error message per kind of failure (``"<component>: <kind>"``, the kind being the
+            exception's ``kind`` or its type), in the order of how often each occurred (the most common first).
 
     Returns:
         Verifier failures per component name.
@@ -210,30 +230,63 @@ def score_trajectories(
     components_of = list(rewards)
     configured = {component.name for component in components_of}
     failures: dict[str, int] = {}
-    for traj in trajectories:
+    kinds: dict[str, list[str]] = {}
+    values: dict[int, dict[str, float]] = {}
+
+    def fail(i: int, name: str, exc: BaseException) -> None:
+        traj = trajectories[i]
+        failures[name] = failures.get(name, 0) + 1
+        traj.stop_reason = StopReason.VERIFIER_ERROR
+        traj.error = f"reward component {name!r}: {type(exc).__name__}: {exc}"
+        kinds.setdefault(f"{name}: {getattr(exc, 'kind', type(exc).__name__)}", []).append(traj.error)
+        logger.warning("verifier_error on question %r sample %d: %s", traj.question_id, traj.sample_index, traj.error)
+        values.pop(i, None)
+
+    for i, traj in enumerate(trajectories):
         if traj.world_failure:
             traj.reward_components = []
             continue
-        row = rows[traj.group_id]
-        # What the rollout recorded (an agent's returned reward): kept for the record, counted by no weight.
-        recorded = [RewardComponent(c.name, c.value, 0.0) for c in traj.reward_components if c.name not in configured]
-        components = []
+        values[i] = {}
         for component in components_of:
-            name, weight = component.name, component.weight
+            if component.score_batch_fn is not None:
+                continue
             try:
                 with _time_limit(time_limit_s):
-                    value = reward_value(component(traj, row))  # the same rule check_reward_contract applies
+                    value = reward_value(component(traj, rows[traj.group_id]))  # check_reward_contract's rule
             except (Exception, VerifierTimeout) as exc:
-                failures[name] = failures.get(name, 0) + 1
-                traj.stop_reason = StopReason.VERIFIER_ERROR
-                traj.error = f"reward component {name!r}: {type(exc).__name__}: {exc}"
-                logger.warning(
-                    "verifier_error on question %r sample %d: %s", traj.question_id, traj.sample_index, traj.error
-                )
-                components = []
+                fail(i, component.name, exc)
                 break
-            components.append(RewardComponent(name, value, weight))
+            values[i][component.name] = value
+    for component in components_of:
+        if component.score_batch_fn is None or not values:
+            continue
+        standing = sorted(values)
+        try:
+            results = list(
+                component.score_batch_fn(
+                    [trajectories[i] for i in standing], [rows[trajectories[i].group_id] for i in standing]
+                )
+            )
+            if len(results) != len(standing):
+                raise ValueError(f"score_batch returned {len(results)} values for {len(standing)} trajectories")
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed: every trajectory in it, named
+            results = [exc] * len(standing)
+        for i, result in zip(standing, results):
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                values[i][component.name] = reward_value(result)
+            except Exception as exc:  # noqa: BLE001 - a failed or malformed value: this trajectory's verifier_error
+                fail(i, component.name, exc)
+    for i, traj in enumerate(trajectories):
+        if traj.world_failure:
+            continue
+        recorded = [RewardComponent(c.name, c.value, 0.0) for c in traj.reward_components if c.name not in configured]
+        components = [RewardComponent(c.name, values[i][c.name], c.weight) for c in components_of]
         traj.reward_components = components + recorded if components else []
+    if examples is not None:
+        for kind, errors in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+            examples[kind] = errors[0]
     return failures
 
 

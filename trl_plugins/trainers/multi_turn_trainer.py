@@ -202,7 +202,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         # How the plugins' step_metrics() combine over ranks (what they declare).
         self._metric_reductions = {
             k: v
-            for plugin in (*run.tools.values(), run.advantage, run.policy_loss)
+            for plugin in (*run.tools.values(), *run.rewards, run.advantage, run.policy_loss)
             for k, v in plugin.metric_reductions().items()
         }
         self._last_table_step = -1

@@ -176,9 +176,13 @@ class StepRunner:
         datums yet."""
         c, trajs = self.config, result.trajectories
         start = time.perf_counter()
-        failures = score_trajectories(self.run.rewards, trajs, rows, time_limit_s=c.reward_time_limit_s)
+        examples: dict[str, str] = {}
+        failures = score_trajectories(
+            self.run.rewards, trajs, rows, time_limit_s=c.reward_time_limit_s, examples=examples
+        )
         scoring_s = time.perf_counter() - start
-        example = next((t.error for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR), None)
+        # The most common kind of failure on this rank (a judge's timeouts, say), one of its messages as the example.
+        example = next(iter(examples.values()), None)
         metrics = self._check_world_failures(failures, trajs, example=example)
         left_out = left_out_reasons(
             trajs, mask_truncated=c.truncated_policy == "mask", min_valid_group_fraction=c.min_valid_group_fraction
@@ -345,16 +349,18 @@ class StepRunner:
         batch.metrics["replay/logprob_gap_mean"] = total / count if count else 0.0
 
     def summarise(self, batch: StepBatch, *, tool_metrics: Mapping[str, float] | None = None) -> None:
-        """The batch's trajectory summaries and this rank's tools' step metrics (``tool_metrics``: those reported by
-        the process that ran the tools, the generation replica)."""
+        """The batch's trajectory summaries and this rank's tools' and reward components' step metrics
+        (``tool_metrics``: those reported by the process that ran the rollout, the generation replica: its tools and
+        the judges that scored during the rollout)."""
         rank = self.accelerator.process_index
         batch.summaries = [summarize(t, rank=rank, masked=m) for t, m in zip(batch.trajectories, batch.masked)]
         batch.metrics["train/datums"] = float(len(batch.datums))
         local: dict[str, float] = {}
-        for tool in self.run.tools.values():
-            local.update(tool.step_metrics())
-        if tool_metrics is not None and local:  # both processes ran tools (async refill rounds): combined by meaning
-            reductions = {k: v for tool in self.run.tools.values() for k, v in tool.metric_reductions().items()}
+        plugins = [*self.run.tools.values(), *self.run.rewards]  # a judge's calls, tokens, latency and cache hits
+        for plugin in plugins:
+            local.update(plugin.step_metrics())
+        if tool_metrics is not None and local:  # both processes ran tools or judges (async): combined by meaning
+            reductions = {k: v for plugin in plugins for k, v in plugin.metric_reductions().items()}
             local = reduce_rank_metrics([dict(tool_metrics), local], reductions)
         batch.metrics.update(local if local or tool_metrics is None else tool_metrics)
 

@@ -503,8 +503,8 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
                 parts, backend, rows, group_size=group_size, seed=seed, policy_step=start, id_offset=id_offset
             )
             tool_metrics = {}
-            for tool in parts.tools.values():
-                tool_metrics.update(tool.step_metrics())
+            for plugin in (*parts.tools.values(), *parts.prescorers):  # what ran here: tools, judges
+                tool_metrics.update(plugin.step_metrics())
             results.put(("rollout", key, result, start, tool_metrics))
         except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
             results.put(("error", traceback.format_exc()))
