@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,12 @@ class Probe(TrainerCallback):
             time.sleep(self.args.slow_update)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.args.reward_model:  # each trajectory, scored with the reward model on this rank, and its row
+            batch = self.trainer.last_batch
+            folder = Path(self.args.output_dir) / "reward-model-dump"
+            folder.mkdir(parents=True, exist_ok=True)
+            scored = [(t, batch.rows[t.group_id]) for t in batch.trajectories]
+            (folder / f"rank{self.rank}-step{state.global_step}.pkl").write_bytes(pickle.dumps(scored))
         if not self.args.dump:
             return
         trajs = self.trainer.last_batch.trajectories
@@ -140,6 +147,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--constant_reward", action="store_true", help="a reward of 1 for every trajectory: no update")
     ap.add_argument(
+        "--reward_model",
+        action="store_true",
+        help="also score with the reward_model component (a tiny reward model, weight 0: the run is the same); each "
+        "rank pickles its scored trajectories and their rows per step to <output_dir>/reward-model-dump/",
+    )
+    ap.add_argument(
         "--sequence_parallel",
         action="store_true",
         help="sequence_parallel_size=2 (DeepSpeed): each datum's tokens split over the two ranks in the update",
@@ -181,6 +194,10 @@ def run(args: argparse.Namespace) -> None:
             model.save_pretrained(path)
             tok.save_pretrained(path)
         model = str(path)
+    components, weights, component_kwargs = ["token"], None, None
+    if args.reward_model:
+        components, weights = ["token", "reward_model"], [1.0, 0.0]
+        component_kwargs = {"reward_model": {"model": save_reward_model(args.output_dir), "batch_size": 3}}
     rows = [
         {"prompt": ("Explain in detail " * (i % 3)) + f"what {i} * {i} is.", "answer": str(i * i)} for i in range(16)
     ]
@@ -222,7 +239,9 @@ def run(args: argparse.Namespace) -> None:
         **({"padding_free": True} if args.padding_free else {}),
         **({"sequence_parallel_size": 2} if args.sequence_parallel else {}),
         rollout_kwargs={"max_turns": 2, "max_assistant_tokens": 16, "max_trajectory_tokens": 700},
-        reward_components=["token"],
+        reward_components=components,
+        reward_component_weights=weights,
+        reward_component_kwargs=component_kwargs,
         max_padded_tokens_per_micro_batch=2000,
         max_items_per_micro_batch=2,
         bf16=False,
@@ -255,7 +274,7 @@ def run(args: argparse.Namespace) -> None:
     rank = trainer.accelerator.process_index
     if args.initial_out and trainer.accelerator.is_main_process:  # not yet prepared: full local parameters
         torch.save({k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}, args.initial_out)
-    if args.markers or args.slow_update or args.dump:
+    if args.markers or args.slow_update or args.dump or args.reward_model:
         trainer.add_callback(Probe(trainer, args, rank))
     if args.markers:
         inner = trainer._roll_out
@@ -312,6 +331,22 @@ def run(args: argparse.Namespace) -> None:
             )
         )
     trainer.accelerator.wait_for_everyone()
+
+
+def save_reward_model(output_dir: str) -> str:
+    """The tiny reward model of support.reward_model, the same on every rank (seeded), in a folder of this rank's
+    (``reward-model-<local rank>``), or rank 0's once a process group exists (transformers saves on rank 0 only)."""
+    import torch.distributed as dist
+
+    from support.reward_model import save_reward_model as save
+
+    if dist.is_available() and dist.is_initialized():
+        path = Path(output_dir) / "reward-model-0"
+        if dist.get_rank() == 0:
+            save(path)
+        dist.barrier()
+        return str(path)
+    return save(Path(output_dir) / f"reward-model-{os.environ.get('LOCAL_RANK', '0')}")
 
 
 def report_stop(trainer, args: argparse.Namespace, stop: BaseException) -> None:

@@ -257,7 +257,8 @@ def trainer_cases(config: str, root: Path) -> dict[str, list[str]]:
     per_device = "8" if config == "cpu.yaml" else "4"
     cases = []
     if config != "cpu.yaml":
-        cases.append(run("real-steps", "--slot_reward"))
+        # --reward_model: scored with a tiny reward model too, at weight 0 (the run is the same, the scoring cheap).
+        cases.append(run("real-steps", "--slot_reward", "--reward_model"))
         # Infrastructure failures; each rank dumps its trajectories, which the logged metrics must be the union of.
         cases.append(
             run("flaky", "--max_steps", "2", "--flaky", "--per_device", "8", "--dump", str(root / "flaky-dump"))
@@ -451,6 +452,33 @@ def test_trainer_runs_real_steps_on_two_ranks(config, trainer_runs):
     assert any(s["train/dummy_micro_batches"] >= 1 for s in steps)
     # On-policy in fp32: the sampler's behaviour log-probs match the trainer's forward.
     assert all(abs(s["train/ratio_min"] - 1) < 1e-3 and abs(s["train/ratio_max"] - 1) < 1e-3 for s in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["cpu_ddp.yaml", "cpu_zero3.yaml"], ids=["ddp", "zero3"])
+def test_reward_model_on_two_ranks_scores_as_one_process(config, trainer_runs):
+    # The real-steps run also scored with the reward_model component (weight 0): each rank scored its own trajectories
+    # with a whole replica (under ZeRO-3 too: loaded without partitioning, no engine), in batches of 3 with padding.
+    # Each value equals this process's, one trajectory at a time, on the same model.
+    import pickle
+
+    from trl_plugins.rewards.reward_model import RewardModelReward
+
+    trainer_runs(config, "real-steps")
+    out = trainer_runs.folder(config) / "real-steps"
+    weights = [(out / f"reward-model-{r}" / "model.safetensors").read_bytes() for r in (0, 1)]
+    assert weights[0] == weights[1]  # one model on both ranks
+    dumps = sorted((out / "reward-model-dump").glob("rank*-step*.pkl"))
+    assert [p.name for p in dumps] == [f"rank{r}-step{s}.pkl" for r in (0, 1) for s in (1, 2, 3)]
+    component = RewardModelReward(model=str(out / "reward-model-0"), batch_size=1)
+    values = []
+    for path in dumps:
+        for trajectory, row in pickle.loads(path.read_bytes()):
+            scored = trajectory.reward_component("reward_model")
+            assert scored.weight == 0.0
+            assert scored.value == pytest.approx(component(trajectory, row), abs=1e-5), (path.name, row)
+            values.append(scored.value)
+    assert len(values) == 24 and max(values) - min(values) > 1e-3  # 4 per rank and step; not all one value
 
 
 @pytest.mark.slow
