@@ -1400,3 +1400,37 @@ def test_the_environment_error_rate_leaves_cancelled_trajectories_out(tmp_path, 
             runner._check_world_failures({}, trajs)
     else:
         runner._check_world_failures({}, trajs)
+
+
+@pytest.mark.parametrize("failed,stops", [(2, False), (3, True)])
+def test_verifier_errors_a_rollout_reported_count_against_the_limit(failed, stops):
+    # A verifiers environment's judge fails its trajectories inside the rollout (verifier_error before any scoring):
+    # they count in max_verifier_error_rate, under "rollout"; 2 of 4 is at the limit (the negative control).
+    import random
+    from types import SimpleNamespace
+
+    from trl_plugins.contracts import make_trajectory
+    from trl_plugins.rollout import RolloutResult
+    from trl_plugins.trainers.phases import StepRunner
+    from trl_plugins.types import StopReason
+
+    trajs = [make_trajectory(random.Random(i), num_turns=1, group_id=i // 2, sample_index=i % 2) for i in range(4)]
+    for t in trajs[:failed]:
+        t.stop_reason, t.error = StopReason.VERIFIER_ERROR, "the environment's judge failed: no verdict"
+    runner = StepRunner.__new__(StepRunner)
+    runner.run = SimpleNamespace(rewards=[])
+    runner.accelerator = SimpleNamespace(num_processes=1, device="cpu")
+    runner.config = SimpleNamespace(
+        max_verifier_error_rate=0.5,
+        max_environment_error_rate=0.5,
+        reward_time_limit_s=None,
+        truncated_policy="mask",
+        min_valid_group_fraction=0.0,
+    )
+    result = RolloutResult(trajectories=trajs)
+    if stops:
+        with pytest.raises(RuntimeError, match=r"75% .*most: the rollout's own verifier.*the environment's judge"):
+            runner.score(result, [{}, {}], policy_step=0)
+    else:
+        batch = runner.score(result, [{}, {}], policy_step=0)
+        assert batch.metrics["reward/verifier_error_rate/rollout"] == 0.5

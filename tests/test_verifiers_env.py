@@ -1,7 +1,8 @@
 """verifiers environments as a rollout (plugin ``verifiers``): environments built with the pinned verifiers' own
 classes (tests/verifiers_envs/: single-turn, with a tool, multi-turn with a scripted user) run by their runner in
 verifiers' interpreter through the agent endpoint against a scripted policy: token-exact trajectories, the rubric's
-values as reward components, a raising environment as ``environment_error``.
+values as reward components, a raising environment as ``environment_error``, a judge pointed at the scripted judge
+(examples/judges/scripted_judge.py, loopback) scoring the rubric, a failing one as ``verifier_error``.
 
 verifiers runs in an interpreter of its own (it pins openai and mcp versions that conflict with ours); CI makes it
 (``.ci/run``) and these tests skip, naming the command, where it is absent.
@@ -121,7 +122,8 @@ def test_an_environment_that_needs_what_the_endpoint_does_not_serve_is_refused_a
     message = str(caught.value)
     assert "needs what the agent endpoint does not serve" in message
     assert "images (task 0" in message and "a container image (task 1: 'python:3.12'" in message
-    assert "a judge model (task 2: ['reference']" in message
+    assert "a judge model (task 2: ['reference']" in message and "set judge_base_url in rollout_kwargs" in message
+    assert "judges of a task's own (task 2: ['reference'], the taskset's task config has []" in message
     assert "several agents (roles ['solver', 'critic']" in message
     assert "sampling settings of its own (role 'solver': {'temperature': 0.2}" in message
 
@@ -375,3 +377,113 @@ def test_rubric_weights_reweight_the_rubrics_total_that_agent_reward_trains_on(c
         "agent_return/correct": (1.0, 0.0),
         "agent_return/brief": (1.0, 0.0),
     }
+
+
+def test_judge_settings_are_checked_at_start_up_and_travel_to_the_runner_without_the_key(monkeypatch):
+    import sys
+
+    import trl_plugins.environments.verifiers_env as verifiers_env
+
+    for kwargs, expected in [
+        ({"judge_model": "m"}, "judge_model without judge_base_url"),
+        ({"judge_base_url": "127.0.0.1:8011/v1"}, "is not an http(s) URL"),
+        ({"judge_base_url": "http://127.0.0.1:8011/v1", "judge_api_key_env": "NO_SUCH_JUDGE_KEY"}, "is not set"),
+        ({"judge_base_url": "http://127.0.0.1:8011/v1", "judge_timeout_s": 0}, "judge_timeout_s must be > 0"),
+    ]:
+        with pytest.raises(RolloutError, match=re.escape(expected)):
+            VerifiersRollout(environment="x", **kwargs)
+    asked = []
+    described = {
+        "verifiers": VERIFIERS_VERSION,
+        "refused": [],
+        "rows": [{"id": "0", "prompt": "q", "task": {}}],
+        "rewards": [{"name": "boxed", "weight": 0.1}, {"name": "reference", "weight": 1.0}],
+        "judges": [{"name": "reference", "model": "m", "base_url": "http://127.0.0.1:8011/v1"}],
+    }
+    monkeypatch.setattr(verifiers_env, "describe_environment", lambda *a, **k: asked.append(k) or described)
+    monkeypatch.setenv("VERIFIERS_JUDGE_KEY", "sk-judge-secret")
+    rollout = VerifiersRollout(
+        environment="x",
+        python=sys.executable,
+        judge_base_url="http://127.0.0.1:8011/v1",
+        judge_model="m",
+        judge_api_key_env="VERIFIERS_JUDGE_KEY",
+    )
+    judge = {
+        "api_key_env": "VERIFIERS_JUDGE_KEY",
+        "base_url": "http://127.0.0.1:8011/v1",
+        "model": "m",
+        "timeout_s": 30.0,
+    }
+    assert asked[-1]["judge"] == judge  # the start-up description points the judges as the rollouts will
+    assert rollout.command[-2:] == ["--judge", json.dumps(judge, sort_keys=True)]
+    assert "sk-judge-secret" not in " ".join(rollout.command) + rollout.describe()  # the variable's name, never the key
+    assert "judge reference (model 'm' at http://127.0.0.1:8011/v1)" in rollout.describe()
+    assert "--judge" not in VerifiersRollout(environment="x", python=sys.executable).command
+    assert asked[-1]["judge"] is None  # no endpoint: the runner refuses an environment with a judge
+
+
+def scripted_judge_module():
+    """examples/judges/scripted_judge.py (an example script, not a package)."""
+    import sys
+
+    folder = str(Path(__file__).resolve().parents[1] / "examples" / "judges")
+    sys.path.insert(0, folder)
+    try:
+        import scripted_judge
+    finally:
+        sys.path.remove(folder)
+    return scripted_judge
+
+
+def test_the_scripted_judge_gives_verifiers_reference_judge_its_verdict():
+    scripted_judge = scripted_judge_module()
+    # verifiers 0.4's reference.txt, filled in as its ReferenceJudge fills it.
+    prompt = (
+        "Given a task, a reference answer, and a response, determine if the response is correct.\n\nTask:\n```\n"
+        "What is 3 + 4?\n```\n\nReference answer:\n```\n{reference}\n```\n\nResponse:\n```\n{response}\n```\n\n"
+        'Respond either "yes" or "no" only.'
+    )
+    assert scripted_judge.verdict(prompt.format(reference="7", response="So \\boxed{7}.")) == "yes"
+    assert scripted_judge.verdict(prompt.format(reference="7", response="\\boxed{8}, not 7")) == "no"
+    assert "cannot grade" in scripted_judge.verdict(prompt.format(reference="", response="\\boxed{7}"))
+    assert scripted_judge.verdict("Reference answer: 7\n\nResponse:\n\\boxed{7}\n\nScore the response") is None
+
+
+@needs_verifiers
+@pytest.mark.slow
+def test_an_environment_whose_rubric_has_a_judge_scores_with_it_at_the_named_endpoint(chat, monkeypatch):
+    import urllib.request
+
+    server, _ = scripted_judge_module().serve(0)  # on 127.0.0.1: nothing else is contacted
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        monkeypatch.setenv("VERIFIERS_JUDGE_KEY", "sk-judge-secret")
+        rollout = environment(
+            "judged_env.py",
+            judge_base_url=f"{url}/v1",
+            judge_model="scripted-judge",
+            judge_api_key_env="VERIFIERS_JUDGE_KEY",
+        )
+        assert rollout.rubric == [("boxed", 0.1), ("reference", 1.0)]  # the task's functions, then its judge
+        result = rollout(rollout_request(chat, rollout))
+        right, ungradable = result.trajectories
+        assert right.stop_reason == StopReason.FINAL_ANSWER, right.error
+        # boxed 1 x 0.1 + the judge's "yes" (verifiers' reference judge: 1.0) x 1.0 = 1.1
+        assert components(right) == {
+            "agent_return": (1.1, 0.0),
+            "agent_return/boxed": (1.0, 0.0),
+            "agent_return/reference": (1.0, 0.0),
+        }
+        # The judge answered with no verdict (no reference to grade against): verifiers raises rather than score 0, and
+        # the trajectory is the judge's failure, not the policy's nor the environment's.
+        assert ungradable.stop_reason == StopReason.VERIFIER_ERROR and ungradable.reward_components == []
+        assert (
+            ungradable.error.startswith("the environment's judge failed:") and "no yes/no verdict" in ungradable.error
+        )
+        assert result.counters["verifiers/judge_failures"] == 1
+        with urllib.request.urlopen(f"{url}/stats") as reply:
+            keys = json.load(reply)["keys"]
+        assert keys == ["Bearer sk-judge-secret"] * 2  # the named variable's key, to the judge only
+    finally:
+        server.shutdown()

@@ -97,6 +97,7 @@ def verdict(prompt: str) -> str | None:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: with Nagle, each answer waited ~40 ms
 
     def log_message(self, *args: Any) -> None:  # quiet
         pass
@@ -191,12 +192,16 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256  # the listen backlog: a judge at concurrency 32+ connects at once (the default is 5)
+
+
 def serve(port: int = 0, latency_s: float = 0.0) -> tuple[ThreadingHTTPServer, threading.Thread]:
     """Start the scripted judge on 127.0.0.1:``port`` (0: a free port) in a daemon thread; ``server.server_port``
     is the port. Its state (faults, counters) is this module's, shared by every server it starts."""
     with _lock:
         _state.update(fault="ok", count=0, latency_s=latency_s, requests=0, keys=[], in_flight=0, max_in_flight=0)
-    server = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+    server = _Server(("127.0.0.1", port), _Handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="scripted-judge", daemon=True)
     thread.start()

@@ -6,7 +6,8 @@ trajectory is one run of :mod:`.verifiers_runner` in verifiers' own interpreter 
 versions that conflict with ours, so it lives in a venv of its own, made by :data:`MAKE_INTERPRETER`), which drives the
 environment's rollout against the endpoint's URL and prints the rubric's scores as its return value. At start-up the
 runner describes the environment (its reward functions with their weights, its rows) and refuses one that needs what
-the endpoint does not serve. docs/environments.md.
+the endpoint does not serve. The environment's judges call the endpoint named by ``judge_base_url`` (without it, an
+environment with a judge is refused); a trajectory whose judge failed is ``verifier_error``. docs/environments.md.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from trl_plugins.environments.verifiers_runner import JUDGE_FAILED
 from trl_plugins.registry import ROLLOUTS
 from trl_plugins.rollout.endpoint.agent import AgentEndpointRollout
-from trl_plugins.rollout.request import RolloutError
+from trl_plugins.rollout.request import RolloutError, RolloutRequest, RolloutResult
+from trl_plugins.types import StopReason
 
 __all__ = [
     "MAKE_INTERPRETER",
@@ -70,9 +74,12 @@ def describe_environment(
     *,
     max_rows: int | None = None,
     time_limit_s: float | None = 300.0,
+    judge: dict | None = None,
 ) -> dict:
     """What the runner says about ``environment`` in verifiers' interpreter: ``{"verifiers", "environment", "rewards":
-    [{"name", "weight"}], "refused": [reasons], "rows": [row, ...]}``.
+    [{"name", "weight"}], "judges": [{"name", "model", "base_url"}], "refused": [reasons], "rows": [row, ...]}``.
+    ``judge`` (``{"base_url", "model", "api_key_env", "timeout_s"}``) points the environment's judges at an endpoint;
+    without it, an environment with a judge is refused.
 
     Raises:
         RolloutError: the runner failed (the environment cannot be loaded: its stderr's tail is in the message) or
@@ -81,6 +88,8 @@ def describe_environment(
     argv = [python, RUNNER, "describe", "--environment", environment, "--config", json.dumps(config or {})]
     if max_rows is not None:
         argv += ["--max-rows", str(max_rows)]
+    if judge is not None:
+        argv += ["--judge", json.dumps(judge, sort_keys=True)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=time_limit_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
@@ -103,8 +112,10 @@ class VerifiersRollout(AgentEndpointRollout):
     agent's, and its rubric's reward functions are recorded by name (``agent_return/<name>``; the rubric's total,
     weighted by its weights or by ``rubric_weights``, is ``agent_return``, which ``agent_reward`` trains on). The
     environment's dataset is
-    :meth:`rows`. Refused at start-up: an environment that needs what the endpoint does not serve (named). The
-    budgets and time limits are the endpoint's; ``agent`` and ``command`` are this plugin's own.
+    :meth:`rows`. The environment's judges call ``judge_base_url``; a trajectory whose judge failed ends as
+    ``verifier_error``. Refused at start-up: an environment that needs what the endpoint does not serve (named), a
+    judge without ``judge_base_url`` among them. The budgets and time limits are the endpoint's; ``agent`` and
+    ``command`` are this plugin's own.
     """
 
     environment: str | None = None
@@ -119,6 +130,18 @@ class VerifiersRollout(AgentEndpointRollout):
     """``{reward function: weight}`` replacing the environment's own weights of the named functions in the rubric's
     total (``agent_return``, which ``agent_reward`` trains on); the others keep theirs. A name the rubric does not
     have is refused at start-up."""
+    judge_base_url: str | None = None
+    """The OpenAI base URL (e.g. ``http://127.0.0.1:8011/v1``) that every judge of the environment calls: its task
+    config's plugged ``judges`` and any ``JudgeConfig`` field of it, each pointed through verifiers' own client
+    config. None: an environment with a judge is refused at start-up (the endpoint serves only the policy)."""
+    judge_model: str | None = None
+    """The model name the judges ask for; None: each judge's own (its ``JudgeConfig.model``)."""
+    judge_api_key_env: str | None = None
+    """The environment variable holding the key the judges send (``Authorization: Bearer``); the key itself is never a
+    setting, so it never reaches a log or the banner. None: no key (verifiers sends its ``EMPTY`` placeholder)."""
+    judge_timeout_s: float = 30.0
+    """Each phase of a judge's request (connecting, waiting for its answer) may take this long; past it the judge
+    failed (``verifier_error``)."""
     python: str | None = None
     """verifiers' interpreter (default: :func:`verifiers_python`)."""
     describe_time_limit_s: float | None = 300.0
@@ -148,11 +171,14 @@ class VerifiersRollout(AgentEndpointRollout):
                 f"rubric_weights must map the rubric's reward function names to finite numbers, e.g. "
                 f"{{correct: 1.0, boxed: 0.5}}; got {self.rubric_weights!r}."
             )
+        judge = self._judge()
         self.python = verifiers_python(self.python)
         config = json.dumps(self.environment_config, sort_keys=True)
         self.command = [self.python, RUNNER, "rollout", "--environment", self.environment, "--config", config]
         if self.rubric_weights:
             self.command += ["--weights", json.dumps(self.rubric_weights, sort_keys=True)]
+        if judge is not None:
+            self.command += ["--judge", json.dumps(judge, sort_keys=True)]
         super().__post_init__()
         if self.max_rows is not None and self.max_rows < 1:
             raise RolloutError(f"max_rows must be >= 1 (or null for all), got {self.max_rows}.")
@@ -162,6 +188,7 @@ class VerifiersRollout(AgentEndpointRollout):
             self.environment_config,
             max_rows=self.max_rows,
             time_limit_s=self.describe_time_limit_s,
+            judge=judge,
         )
         if info.get("refused"):
             raise RolloutError(
@@ -188,6 +215,51 @@ class VerifiersRollout(AgentEndpointRollout):
                 reward["weight"] = float(self.rubric_weights[reward["name"]])
         self.environment_info = info
 
+    def _judge(self) -> dict | None:
+        """The judge settings the runner points the environment's judges with (None: no endpoint for them)."""
+        problems = []
+        if self.judge_base_url is None:
+            given = [n for n in ("judge_model", "judge_api_key_env") if getattr(self, n) is not None]
+            if given:
+                problems.append(f"{' and '.join(given)} without judge_base_url: set the judges' endpoint too")
+        else:
+            parts = urlsplit(str(self.judge_base_url))
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                problems.append(
+                    f"judge_base_url={self.judge_base_url!r} is not an http(s) URL (e.g. http://127.0.0.1:8011/v1)"
+                )
+        if self.judge_model is not None and (not isinstance(self.judge_model, str) or not self.judge_model):
+            problems.append(f"judge_model={self.judge_model!r}: name the model the judges' server serves (or null)")
+        if self.judge_api_key_env is not None and not os.environ.get(str(self.judge_api_key_env)):
+            problems.append(
+                f"judge_api_key_env={self.judge_api_key_env!r} names an environment variable that is not set"
+            )
+        timeout = self.judge_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            problems.append(f"judge_timeout_s must be > 0 seconds, got {timeout!r}")
+        if problems:
+            raise RolloutError("rollout 'verifiers': " + "; ".join(problems) + ".")
+        if self.judge_base_url is None:
+            return None
+        return {
+            "base_url": self.judge_base_url,
+            "model": self.judge_model,
+            "api_key_env": self.judge_api_key_env,
+            "timeout_s": float(timeout),
+        }
+
+    def __call__(self, request: RolloutRequest) -> RolloutResult:
+        """The endpoint's rollout; a trajectory whose runner says its judge failed is ``verifier_error`` (the judge's
+        fault, like a reward component's), not ``environment_error``, counted as ``verifiers/judge_failures``."""
+        judged = bool(self.environment_info.get("judges"))
+        try:
+            result = super().__call__(request)
+        except BaseException as exc:
+            _judge_failures(getattr(exc, "rollout_result", None), judged)
+            raise
+        _judge_failures(result, judged)
+        return result
+
     @property
     def rubric(self) -> list[tuple[str, float]]:
         """The environment's reward functions: ``(name, weight)``, in the rubric's order; the weight is
@@ -209,7 +281,27 @@ class VerifiersRollout(AgentEndpointRollout):
             )
             for r in self.environment_info["rewards"]
         )
+        judges = "".join(
+            f"; judge {j['name']} (model {j['model']!r} at {j['base_url']})"
+            for j in self.environment_info.get("judges", [])
+        )
         return (
             f"verifiers {self.environment_info.get('verifiers')} environment {self.environment!r} "
-            f"({len(self.environment_info['rows'])} rows; rubric {rubric}); {super().describe()}"
+            f"({len(self.environment_info['rows'])} rows; rubric {rubric}{judges}); {super().describe()}"
         )
+
+
+def _judge_failures(result: RolloutResult | None, judged: bool) -> None:
+    """Each trajectory whose runner reported :data:`JUDGE_FAILED` (the endpoint recorded its exit 1 as
+    ``environment_error``) becomes ``verifier_error``, its error the judge's; ``judged``: count them."""
+    if result is None:
+        return
+    failed = 0
+    for traj in result.trajectories:
+        if traj.stop_reason == StopReason.ENVIRONMENT_ERROR and JUDGE_FAILED in (traj.error or ""):
+            traj.stop_reason = StopReason.VERIFIER_ERROR
+            traj.error = JUDGE_FAILED + traj.error.split(JUDGE_FAILED, 1)[1]
+            traj.reward_components = []
+            failed += 1
+    if judged:
+        result.counters["verifiers/judge_failures"] = result.counters.get("verifiers/judge_failures", 0.0) + failed

@@ -12,7 +12,14 @@ never trl_plugins (whose openai/mcp versions conflict with verifiers'). Two comm
   ``OPENAI_BASE_URL`` (key ``OPENAI_API_KEY``) and prints ``{"reward": <the rubric's weighted total>, <name>: <score>,
   ...}``; ``--weights JSON`` (``{name: weight}``, the rollout's ``rubric_weights``) weights the named rewards in the
   total instead of their own weights. An episode that fails (the environment raised, a tool server died, a request
-  was refused) exits 1 with the error on stderr: the endpoint records that trajectory as ``environment_error``.
+  was refused) exits 1 with the error on stderr: the endpoint records that trajectory as ``environment_error``; one
+  whose judge failed (and nothing else) exits 1 with :data:`JUDGE_FAILED` heading the error, which the rollout
+  records as ``verifier_error``.
+
+``--judge JSON`` (both commands; the rollout's ``judge_*`` settings: ``{"base_url", "model", "api_key_env",
+"timeout_s"}``) points every judge the environment's task config declares (its plugged ``judges`` and any
+``JudgeConfig`` field) at that endpoint, through verifiers' own client config (``JudgeConfig.base_url``,
+``api_key_var``, ``model``, ``timeout``); without it, an environment with a judge is refused.
 
 ``SPEC`` is a taskset id (an installed package exporting its ``Taskset`` via ``__all__``), ``'package.module'``, or
 ``'path/to/file.py'`` (imported under its stem, its folder put on the tool servers' ``PYTHONPATH``).
@@ -43,6 +50,13 @@ MODEL = "policy"
 MAX_ROWS = 100_000
 """Tasks read at most from a taskset without ``--max-rows``: more is refused (the rows are held in memory and sent
 at start-up), which also stops a ``load()`` that never ends but is not marked ``INFINITE``."""
+JUDGE_FAILED = "the environment's judge failed:"
+"""Heads the error of an episode whose judge failed (the endpoint down, an answer it could not parse) while the rest of
+the rubric scored: the rollout (``verifiers_env``) records that trajectory as ``verifier_error``, never a 0."""
+NO_KEY = "TRL_PLUGINS_VERIFIERS_JUDGE_NO_KEY"
+"""The key variable of a judge pointed without ``api_key_env``: kept unset here, so verifiers sends its ``EMPTY``
+placeholder (never the run's token in ``OPENAI_API_KEY``, nor a Prime key)."""
+_CLIENT_FIELDS = ("base_url", "api_key_var", "model", "timeout")
 
 
 def _fail(message: str) -> None:
@@ -103,17 +117,69 @@ def _local_uv_scripts() -> None:
     Runtime.prepare_uv_script = prepare_uv_script
 
 
-def _env_config(taskset_id: str, config: dict) -> Any:
+def _env_config(taskset_id: str, config: dict, judge: dict | None = None) -> Any:
     """The environment's config with every agent role played by :data:`HARNESS` in a local subprocess runtime
-    (verifiers' default runtime is a remote sandbox)."""
+    (verifiers' default runtime is a remote sandbox), and its task config's judges pointed at ``judge``'s endpoint."""
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.loaders import resolve_env_config
 
     raw: dict = {"taskset": {"id": taskset_id, **config}}
-    roles = agent_config_fields(resolve_env_config(raw))
-    for role in roles:
+    resolved = resolve_env_config(raw)
+    for role in agent_config_fields(resolved):
         raw[role] = {"harness": {"id": HARNESS}, "runtime": {"type": "subprocess"}}
+    if judge and _judges(resolved.taskset.task):
+        raw["taskset"]["task"] = _pointed(resolved.taskset.task, judge)  # taken as it is: already validated
     return resolve_env_config(raw)
+
+
+def _judge_fields(task_config: Any) -> dict[str, Any]:
+    """The fields of ``task_config`` that hold judges: its plugged ``judges`` and any holding a ``JudgeConfig`` (or a
+    list of them), which task code builds its judges from."""
+    from verifiers.v1.configs.judge import JudgeConfig
+
+    fields = {}
+    for name in type(task_config).model_fields:
+        value = getattr(task_config, name)
+        many = isinstance(value, (list, tuple)) and value and all(isinstance(v, JudgeConfig) for v in value)
+        if isinstance(value, JudgeConfig) or many:
+            fields[name] = value
+    return fields
+
+
+def _judges(task_config: Any) -> dict[str, Any]:
+    """The judges ``task_config`` declares, by name: a plugged one by its reward name, another by its field's."""
+    from verifiers.v1.configs.judge import judge_key
+
+    found: dict[str, Any] = {}
+    for name, value in _judge_fields(task_config).items():
+        if name == "judges":
+            found.update({judge_key(j): j for j in value})
+        elif isinstance(value, (list, tuple)):
+            found.update({f"{name}[{i}]": j for i, j in enumerate(value)})
+        else:
+            found[name] = value
+    return found
+
+
+def _pointed(task_config: Any, judge: dict) -> Any:
+    """``task_config`` with each of its judges' client config (verifiers' ``JudgeConfig``: base URL, key variable,
+    timeouts, and the model where ``judge`` names one) set from ``judge``, each validated by its own config class."""
+    timeout = float(judge["timeout_s"])
+    client = {
+        "base_url": judge["base_url"],
+        "api_key_var": judge.get("api_key_env") or NO_KEY,
+        "timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout},
+        **({"model": judge["model"]} if judge.get("model") else {}),
+    }
+
+    def point(config: Any) -> Any:
+        return type(config).model_validate({**config.model_dump(), **client})
+
+    update = {
+        name: type(value)(point(j) for j in value) if isinstance(value, (list, tuple)) else point(value)
+        for name, value in _judge_fields(task_config).items()
+    }
+    return task_config.model_copy(update=update)
 
 
 def _tasks(env: Any, limit: int | None = None) -> list[Any]:
@@ -147,13 +213,21 @@ def _task_of(env: Any, row: dict) -> Any:
 
 
 def _rewards(task: Any) -> list[dict]:
-    """The task's reward functions (``@vf.reward`` methods and plugged ones) with their weights, in scoring order."""
-    return [{"name": fn.__name__, "weight": float(getattr(fn, "_vf_weight", 1.0))} for fn in task.hooks("reward")]
+    """The task's reward functions (``@vf.reward`` methods and plugged ones), then its plugged judges, with their
+    weights, in scoring order."""
+    rewards = [{"name": fn.__name__, "weight": float(getattr(fn, "_vf_weight", 1.0))} for fn in task.hooks("reward")]
+    return rewards + [{"name": j.reward_name, "weight": float(j.config.weight)} for j in task.plugged_judges()]
 
 
-def _refusals(tasks: list[Any]) -> list[str]:
+def _refusals(tasks: list[Any], task_config: Any, judged: bool) -> list[str]:
     """What the environment needs that the agent endpoint (or this runner) does not serve: each kind named once, with
-    the first task that needs it."""
+    the first task that needs it. ``task_config`` is the taskset's (every trajectory's task is rebuilt with it);
+    ``judged``: its judges are pointed at an endpoint (``--judge``)."""
+
+    def settings(config: Any) -> dict:  # its judges' own settings, not where they are served
+        return {name: j.model_dump(exclude=set(_CLIENT_FIELDS)) for name, j in _judges(config).items()}
+
+    shared = settings(task_config)
     found: dict[str, str] = {}
     for task in tasks:
         prompt = task.data.prompt
@@ -170,12 +244,21 @@ def _refusals(tasks: list[Any]) -> list[str]:
                 f"a container image (task {task.data.idx}: {task.data.image!r}; the runner plays "
                 f"every task in a local subprocess runtime)",
             )
-        if task.config.judges:
-            names = [getattr(j, "id", type(j).__name__) for j in task.config.judges]
+        judges = _judges(task.config)
+        if judges and not judged:
             found.setdefault(
                 "judge",
-                f"a judge model (task {task.data.idx}: {names}; a judge makes model calls of its "
-                f"own, and the endpoint serves only the policy being trained)",
+                f"a judge model (task {task.data.idx}: {list(judges)}; a judge makes model calls of its own, and the "
+                f"endpoint serves only the policy being trained: set judge_base_url in rollout_kwargs to an "
+                f"OpenAI-compatible endpoint serving the judge, with judge_model and judge_api_key_env where it needs "
+                f"them)",
+            )
+        if task.config is not task_config and settings(task.config) != shared:
+            found.setdefault(
+                "task judges",
+                f"judges of a task's own (task {task.data.idx}: {list(judges)}, the taskset's task config has "
+                f"{list(shared)}; every trajectory's task is rebuilt with the taskset's task config: plug the judges "
+                f"there, e.g. environment_config: {{task: {{judges: [{{id: reference}}]}}}})",
             )
         for toolset in type(task).toolsets(task.config):
             runtime = getattr(toolset.config, "runtime", None)
@@ -233,21 +316,25 @@ def _row(index: int, task: Any) -> dict:
     }
 
 
-def describe(spec: str, config: dict, max_rows: int | None = None) -> dict:
+def describe(spec: str, config: dict, max_rows: int | None = None, judge: dict | None = None) -> dict:
     version = _check_version()
     taskset_id = _import_spec(spec)
     from verifiers.v1.utils.loaders import load_environment
 
-    env = load_environment(_env_config(taskset_id, config))
+    env = load_environment(_env_config(taskset_id, config, judge))
     tasks = _tasks(env, max_rows)
     if not tasks:
         _fail(f"environment {spec!r} has no tasks")
+    task_config = env.taskset.config.task
     return {
         "verifiers": version,
         "environment": spec,
         "harness": HARNESS,
         "rewards": _rewards(tasks[0]),
-        "refused": _role_refusals(taskset_id, config) + _refusals(tasks),
+        "judges": [
+            {"name": name, "model": j.model, "base_url": j.base_url} for name, j in _judges(task_config).items()
+        ],
+        "refused": _role_refusals(taskset_id, config) + _refusals(tasks, task_config, judged=bool(judge)),
         "rows": [_row(i, t) for i, t in enumerate(tasks)],
     }
 
@@ -270,8 +357,22 @@ def _total(trace: Any, weights: dict[str, float]) -> float:
     return sum(r.score * float(weights.get(name, r.weight)) for name, r in trace.rewards.items())
 
 
-def rollout(spec: str, config: dict, row: dict, weights: dict[str, float] | None = None) -> dict:
+def _judge_failure(task: Any, trace: Any) -> bool:
+    """The trace's rubric scored every reward function and left a plugged judge unscored: its judge failed (verifiers
+    seeds every expected score with None and scores the judges last; a judge that raises leaves its None)."""
+    judges = {j.reward_name for j in task.plugged_judges()}
+    functions = [fn.__name__ for fn in task.hooks("reward")]
+    scored = trace.rewards
+    return any(name in scored and scored[name] is None for name in judges) and all(
+        scored.get(name) is not None for name in functions
+    )
+
+
+def rollout(
+    spec: str, config: dict, row: dict, weights: dict[str, float] | None = None, judge: dict | None = None
+) -> dict:
     _check_version()
+    os.environ.pop(NO_KEY, None)  # a judge pointed without a key sends verifiers' placeholder, nothing else
     for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
         if not os.environ.get(name):
             _fail(f"{name} is not set: the agent endpoint sets it for each trajectory")
@@ -284,11 +385,15 @@ def rollout(spec: str, config: dict, row: dict, weights: dict[str, float] | None
     _local_uv_scripts()
     from verifiers.v1.utils.loaders import load_environment
 
-    env = load_environment(_env_config(taskset_id, config))
-    episode = asyncio.run(_episode(env, _task_of(env, row)))
+    env = load_environment(_env_config(taskset_id, config, judge))
+    task = _task_of(env, row)
+    episode = asyncio.run(_episode(env, task))
     errors = [f"{e.type}: {e.message}" for e in episode.errors]
     for trace in episode.traces:
         errors += [f"{e.type}: {e.message}" for e in trace.errors]
+    if episode.traces and not episode.errors and _judge_failure(task, episode.traces[-1]):
+        # The harness played and the reward functions scored; only the judge gave nothing: not a 0, a verifier error.
+        _fail(f"{JUDGE_FAILED} " + ("; ".join(errors) or "it gave no score within the episode's time")[:1000])
     if errors or not episode.traces:
         _fail("the episode failed: " + ("; ".join(errors) or "it ran no agent"))
     trace = episode.traces[-1]
@@ -306,12 +411,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="{}")
     parser.add_argument("--max-rows", type=int, default=None)
     parser.add_argument("--weights", default="{}", help="rollout: {reward name: weight} replacing the rubric's own")
+    parser.add_argument("--judge", default="null", help='{"base_url", "model", "api_key_env", "timeout_s"}')
     args = parser.parse_args(argv)
-    config = json.loads(args.config)
+    config, judge = json.loads(args.config), json.loads(args.judge)
     if args.command == "describe":
-        result = describe(args.environment, config, args.max_rows)
+        result = describe(args.environment, config, args.max_rows, judge)
     else:
-        result = rollout(args.environment, config, json.loads(sys.stdin.read() or "{}"), json.loads(args.weights))
+        row = json.loads(sys.stdin.read() or "{}")
+        result = rollout(args.environment, config, row, json.loads(args.weights), judge)
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
 

@@ -81,6 +81,11 @@ REPLAY_SAMPLE = 2
 __all__ = ["StepBatch", "StepRunner"]
 
 
+ROLLOUT_VERIFIER = "rollout"
+"""The name the verifier failures a rollout reported itself count under (``reward/verifier_error_rate/rollout``): a
+verifiers environment's judge, run inside the environment."""
+
+
 @dataclass
 class StepBatch:
     """One rollout batch and everything decided about it: what the step trains on, and why not the rest.
@@ -177,12 +182,16 @@ class StepRunner:
         c, trajs = self.config, result.trajectories
         start = time.perf_counter()
         examples: dict[str, str] = {}
+        # A verifier the rollout ran (a verifiers environment's judge) fails its trajectories before this scoring.
+        earlier = [t for t in trajs if t.stop_reason == StopReason.VERIFIER_ERROR]
         failures = score_trajectories(
             self.run.rewards, trajs, rows, time_limit_s=c.reward_time_limit_s, examples=examples
         )
         scoring_s = time.perf_counter() - start
         # The most common kind of failure on this rank (a judge's timeouts, say), one of its messages as the example.
-        example = next(iter(examples.values()), None)
+        example = next(iter(examples.values()), None) or next((t.error for t in earlier), None)
+        if earlier:
+            failures = {**failures, ROLLOUT_VERIFIER: len(earlier)}
         metrics = self._check_world_failures(failures, trajs, example=example)
         left_out = left_out_reasons(
             trajs, mask_truncated=c.truncated_policy == "mask", min_valid_group_fraction=c.min_valid_group_fraction
@@ -466,7 +475,7 @@ class StepRunner:
         rank alike, above ``max_verifier_error_rate`` or ``max_environment_error_rate`` (the latter over the
         trajectories not cancelled; before stopping, one gather of each rank's three most common error kinds names
         the most common over the ranks)."""
-        names = [r.name for r in self.run.rewards]
+        names = [r.name for r in self.run.rewards] + [ROLLOUT_VERIFIER]
         environment = [t for t in trajs if t.stop_reason == StopReason.ENVIRONMENT_ERROR]
         live = sum(t.stop_reason != StopReason.CANCELLED for t in trajs)
         counts = reduce_over_ranks(
@@ -476,13 +485,18 @@ class StepRunner:
             "sum",
         )
         total = max(counts[len(names)], 1.0)
-        rates = {f"reward/verifier_error_rate/{name}": c / total for name, c in zip(names, counts)}
+        rates = {
+            f"reward/verifier_error_rate/{name}": c / total
+            for name, c in zip(names, counts)
+            if name != ROLLOUT_VERIFIER or c > 0  # logged where a rollout reported verifier failures
+        }
         rate = sum(counts[: len(names)]) / total
         limit = self.config.max_verifier_error_rate
         if rate > limit:
             worst = max(zip(names, counts), key=lambda item: item[1])[0]
+            worst = "the rollout's own verifier" if worst == ROLLOUT_VERIFIER else repr(worst)
             raise RuntimeError(
-                f"{rate:.0%} of this step's trajectories failed a reward component (most: {worst!r}), over "
+                f"{rate:.0%} of this step's trajectories failed a reward component (most: {worst}), over "
                 f"max_verifier_error_rate={limit}: the verifier looks broken, so the run stops instead of training on "
                 f"noise (e.g. {example or 'see the other ranks'}; every failure is logged as a 'verifier_error' "
                 f"warning). Fix the component or raise max_verifier_error_rate."
