@@ -75,7 +75,14 @@ def test_the_plugin_is_registered_with_its_reward():
 @pytest.mark.parametrize("kind", ["async", "sync", "command"])
 def test_an_openai_sdk_agent_trains_exactly_the_tokens_of_the_built_in_rollout(chat, kind, tmp_path):
     prompts = ["calls=2", "calls=0", "par=2 calls=1"]
-    built_in = MultiTurnRollout(max_tool_calls_per_turn=2)(request(chat, prompts, group_size=2))
+    ended: dict[str, list] = {"built_in": [], "served": []}  # on_finished: each trajectory once, as it ends
+
+    def finished(into):
+        return lambda traj: into.append((traj.group_id, traj.sample_index, traj.stop_reason))
+
+    built_in = MultiTurnRollout(max_tool_calls_per_turn=2)(
+        request(chat, prompts, group_size=2, on_finished=finished(ended["built_in"]))
+    )
     if kind == "command":
         script = tmp_path / "agent.py"
         script.write_text(COMMAND_AGENT)
@@ -86,8 +93,10 @@ def test_an_openai_sdk_agent_trains_exactly_the_tokens_of_the_built_in_rollout(c
         endpoint = AgentEndpointRollout(
             agent=tool_agent if kind == "async" else sync_tool_agent, max_tool_calls_per_turn=2
         )
-    served = endpoint(request(chat, prompts, group_size=2))
+    served = endpoint(request(chat, prompts, group_size=2, on_finished=finished(ended["served"])))
     assert len(served.trajectories) == 6
+    for calls in ended.values():
+        assert sorted(calls) == [(g, k, StopReason.FINAL_ANSWER) for g in range(3) for k in range(2)]
     for a, b in zip(built_in.trajectories, served.trajectories, strict=True):
         assert (b.question_id, b.group_id, b.sample_index) == (a.question_id, a.group_id, a.sample_index)
         assert b.stop_reason == a.stop_reason == StopReason.FINAL_ANSWER, b.error

@@ -343,7 +343,7 @@ class AgentEndpointRollout(TrajectoryBudgets):
                     request.tools,
                 )
             )
-            task.add_done_callback(lambda _: bar.update(1))
+            task.add_done_callback(lambda _, traj=session.traj: self._finished(request, traj, bar))
             tasks.append(task)
         stopped = False
         try:
@@ -459,6 +459,14 @@ class AgentEndpointRollout(TrajectoryBudgets):
             system, new = new[0], new[1:]
             prior = [system, *prior[1:]] if prior[0]["role"] == "system" else [system, *prior]
         body.messages = prior + new
+
+    @staticmethod
+    def _finished(request: RolloutRequest, traj: Any, bar: Any) -> None:
+        """An agent's run ended (its trajectory's stop reason set): the bar, and the request's ``on_finished`` (the
+        run's judges start on it while the other agents still run)."""
+        bar.update(1)
+        if request.on_finished is not None:
+            request.on_finished(traj)
 
     async def _one(
         self,
