@@ -1276,34 +1276,6 @@ def test_sampled_copy_rate_counts_a_problem_only_when_both_copies_sample_right()
         assert sampled_copy_rate(_TranscriptSampler(transcripts, digits, **spread), chat, problems) == 0.0
 
 
-@pytest.mark.slow
-def test_the_mcp_time_layer_trains_two_steps_with_a_real_mcp_server(tmp_path, built_cache):
-    """recipes/retool_mcp_time.yaml: mcp-server-time (from the package registry) started at the run's build, its two
-    tools shown beside the code interpreter, two steps trained, and the server gone when the run ends."""
-    pytest.importorskip("mcp_server_time")
-    proc = _launch(
-        tmp_path,
-        "cpu.yaml",
-        ["--config", str(ROOT / "recipes" / "retool_mcp_time.yaml"), "--report_to", "none", "--eval_every_steps", "0"],
-        cache=built_cache,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (
-        "(the model calls it 'get_current_time')" in proc.stdout
-        and "(the model calls it 'convert_time')" in proc.stdout
-    )
-    # Found by its bare name on this PATH, else in the interpreter's scripts folder (a venv not activated): the banner
-    # names the path found.
-    from trl_plugins.tools.sandbox.launcher import find_command
-
-    server = find_command("mcp-server-time")
-    assert f"MCP server 'time' (stdio, shared: {server} --local-timezone UTC, protocol 2026-07-28)" in proc.stdout
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["steps"] == 2
-    left = [d for d in Path("/proc").iterdir() if d.name.isdigit() and b"mcp-server-time" in _cmdline(d)]
-    assert not left, "the MCP server outlived the run"
-
-
 def _cmdline(proc_dir: Path) -> bytes:
     try:
         return (proc_dir / "cmdline").read_bytes()
@@ -1448,12 +1420,16 @@ def test_a_verifiers_environment_trains_two_steps_scored_by_its_rubric(tmp_path,
 
 
 @pytest.mark.slow
-def test_the_judge_layer_trains_two_steps_scored_by_a_loopback_judge_and_replays_from_its_cache(
-    tmp_path, built_cache, monkeypatch
-):
-    """recipes/retool_judge.yaml through the real launcher, against the scripted judge (examples/judges/): the
-    `judge` component stored beside `correct` and `format`, its cost logged, its key read from the environment and
-    written nowhere, and a replay of the saved batch re-scored from the judge's cache without one call."""
+def test_the_mcp_time_and_judge_layers_train_two_steps_together(tmp_path, built_cache, monkeypatch):
+    """Two recipe layers in one launch (each launch costs ~45 s of CPU here; they do not interact):
+
+    recipes/retool_mcp_time.yaml: mcp-server-time (from the package registry) started at the run's build, its two
+    tools shown beside the code interpreter, and the server gone when the run ends.
+
+    recipes/retool_judge.yaml, against the scripted judge (examples/judges/): the `judge` component stored beside
+    `correct` and `format`, its cost logged, its key read from the environment and written nowhere, and a replay of
+    the saved batch re-scored from the judge's cache without one call."""
+    pytest.importorskip("mcp_server_time")
     sys.path.insert(0, str(ROOT / "examples" / "judges"))
     try:
         import scripted_judge
@@ -1480,6 +1456,8 @@ def test_the_judge_layer_trains_two_steps_scored_by_a_loopback_judge_and_replays
             "cpu.yaml",
             [
                 "--config",
+                str(ROOT / "recipes" / "retool_mcp_time.yaml"),
+                "--config",
                 str(tmp_path / "layer.yaml"),
                 "--reward_components",
                 "correct",
@@ -1495,21 +1473,37 @@ def test_the_judge_layer_trains_two_steps_scored_by_a_loopback_judge_and_replays
                 "wandb",
                 "--viewer_steps",
                 "2",
+                "--eval_every_steps",
+                "0",
             ],
             cache=built_cache,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out = tmp_path / "out"
+        # The MCP layer: both tools shown, the server found and gone.
+        assert (
+            "(the model calls it 'get_current_time')" in proc.stdout
+            and "(the model calls it 'convert_time')" in proc.stdout
+        )
+        # Found by its bare name on this PATH, else in the interpreter's scripts folder (a venv not activated): the
+        # banner names the path found.
+        from trl_plugins.tools.sandbox.launcher import find_command
+
+        mcp_server = find_command("mcp-server-time")
+        assert (
+            f"MCP server 'time' (stdio, shared: {mcp_server} --local-timezone UTC, protocol 2026-07-28)" in proc.stdout
+        )
+        assert json.loads((out / "summary.json").read_text())["steps"] == 2
+        left = [d for d in Path("/proc").iterdir() if d.name.isdigit() and b"mcp-server-time" in _cmdline(d)]
+        assert not left, "the MCP server outlived the run"
+        # The judge layer.
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         steps = [s for s in steps if "reward/total" in s]
         assert [s["step"] for s in steps] == [1, 2]
         for s in steps:  # its own component, its cost, no failure
             assert "reward/judge" in s and "reward/correct" in s and "reward/format" in s
-            assert (
-                s["judge/calls"] + s["judge/cache_hits"] >= 8
-                and s["judge/tokens_in"] > 0
-                and s["reward/verifier_error_rate"] == 0.0
-            )
+            assert s["judge/calls"] + s["judge/cache_hits"] >= 8 and s["judge/tokens_in"] > 0
+            assert s["reward/verifier_error_rate"] == 0.0
         requests = scripted_judge._state["requests"]
         assert requests > 0 and set(scripted_judge._state["keys"]) == {f"Bearer {secret}"}  # it reached the judge
         leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
