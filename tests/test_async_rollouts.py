@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from support.recipes import ROOT
+from support.judges import scripted_judge as scripted_judge_module
 from support.trainer import TokenReward, tiny_config, tiny_dataset, tiny_trainer
 from support.vllm import install_fake_vllm, same_weights, save_tiny_model, train_with_vllm
 from trl_plugins.tiny import build_tiny_model, build_tokenizer
@@ -147,18 +147,13 @@ def test_a_lora_push_is_the_merged_base_model():
 def test_async_rollouts_train_a_lora_adapter(tmp_path, monkeypatch):
     # and a judge (weight 0, the scripted one on loopback) scores in the replica as trajectories end: the trainer's
     # scoring reads its cache and calls nothing (docs/rewards.md)
-    import sys
 
     from peft import LoraConfig
 
     from trl_plugins.rewards.judge import JudgeReward
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
-    sys.path.insert(0, str(ROOT / "examples" / "judges"))
-    try:
-        import scripted_judge
-    finally:
-        sys.path.pop(0)
+    scripted_judge = scripted_judge_module()
     server, _ = scripted_judge.serve(0)
     url = f"http://127.0.0.1:{server.server_port}/v1"
     here, trainer_calls, call = os.getpid(), [], JudgeReward._call

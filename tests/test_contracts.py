@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ASSETS
+from support.judges import scripted_judge as scripted_judge_module
 from support.tools import EchoTool, MedianTool, RaisingTool, echo_schema
 from trl_plugins.contracts import (
     ContractError,
@@ -56,11 +57,7 @@ def test_reward_plugins(name):
             "metadata": {**entry["metadata"], "source_dataset": "chain_sum"},
         }
     if name == "judge":  # calls an LLM judge: the scripted one on loopback (examples/judges/scripted_judge.py)
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "judges"))
-        try:
-            import scripted_judge
-        finally:
-            sys.path.pop(0)
+        scripted_judge = scripted_judge_module()
         server, _ = scripted_judge.serve(0)
         try:
             url = f"http://127.0.0.1:{server.server_port}/v1"

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pickle
 import random
 import socket
-import sys
 import time
 
 import pytest
 
-from support.recipes import ROOT
+from support.judges import scripted_judge as scripted_judge_module
 from trl_plugins.rewards.judge import JudgeError, JudgeReward
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
 
@@ -23,11 +22,7 @@ ROW = {"prompt": "What is 6 * 7?", "answer": "42"}
 
 @pytest.fixture(scope="module")
 def judge_server():
-    sys.path.insert(0, str(ROOT / "examples" / "judges"))
-    try:
-        import scripted_judge
-    finally:
-        sys.path.pop(0)
+    scripted_judge = scripted_judge_module()
     server, _ = scripted_judge.serve(0)
     yield scripted_judge, f"http://127.0.0.1:{server.server_port}/v1"
     server.shutdown()

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import accelerate_launch, cpu_launch_env, hang_guard_s
+from support.judges import scripted_judge as scripted_judge_module
 from support.recipes import ROOT, recipe_module
 from trl_plugins.evaluation import pass_at_k, summarise
 from trl_plugins.types import StopReason, ToolCall, Trajectory, Turn
@@ -1430,11 +1431,7 @@ def test_the_mcp_time_and_judge_layers_train_two_steps_together(tmp_path, built_
     `correct` and `format`, its cost logged, its key read from the environment and written nowhere, and a replay of
     the saved batch re-scored from the judge's cache without one call."""
     pytest.importorskip("mcp_server_time")
-    sys.path.insert(0, str(ROOT / "examples" / "judges"))
-    try:
-        import scripted_judge
-    finally:
-        sys.path.pop(0)
+    scripted_judge = scripted_judge_module()
     from urllib.parse import urlsplit
 
     layer = yaml.safe_load((ROOT / "recipes" / "retool_judge.yaml").read_text())

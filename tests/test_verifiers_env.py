@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from support.judges import scripted_judge as scripted_judge_module
 from trl_plugins.contracts import check_rollout_contract
 from trl_plugins.datum import build_datums
 from trl_plugins.environments.verifiers_env import (
@@ -421,19 +422,6 @@ def test_judge_settings_are_checked_at_start_up_and_travel_to_the_runner_without
     assert "judge reference (model 'm' at http://127.0.0.1:8011/v1)" in rollout.describe()
     assert "--judge" not in VerifiersRollout(environment="x", python=sys.executable).command
     assert asked[-1]["judge"] is None  # no endpoint: the runner refuses an environment with a judge
-
-
-def scripted_judge_module():
-    """examples/judges/scripted_judge.py (an example script, not a package)."""
-    import sys
-
-    folder = str(Path(__file__).resolve().parents[1] / "examples" / "judges")
-    sys.path.insert(0, folder)
-    try:
-        import scripted_judge
-    finally:
-        sys.path.remove(folder)
-    return scripted_judge
 
 
 def test_the_scripted_judge_gives_verifiers_reference_judge_its_verdict():
