@@ -563,19 +563,44 @@ class HalfConstantReward(TokenReward):
 def test_async_rollouts_with_dynamic_sampling_refill_in_the_trainer(tmp_path):
     # The first round comes from the replica (1 step stale); the refill rounds replacing the dropped groups are sampled
     # in the trainer by this step's weights: the step holds its groups, and its tokens mix staleness 1 and 0.
+    # And a judge (weight 0, the scripted one, group ranking) scores the replica's rounds and the trainer's refills.
+    from trl_plugins.rewards.judge import JudgeReward
     from trl_plugins.trainers import MultiTurnGRPOTrainer
 
+    scripted_judge = scripted_judge_module()
+    server, _ = scripted_judge.serve(0)
+    judge = JudgeReward(
+        base_url=f"http://127.0.0.1:{server.server_port}/v1",
+        model="scripted-judge",
+        mode="group",
+        cache_path=str(tmp_path / "judge.sqlite"),
+    )
     tok = build_tokenizer("qwen2_5")
     torch.manual_seed(0)
+    config = tiny_config(
+        tmp_path,
+        per_device_train_batch_size=8,
+        max_steps=3,
+        async_rollouts=True,
+        dynamic_sampling=True,
+        reward_components=["length", "judge"],
+        reward_component_weights=[1.0, 0.0],
+    )
     trainer = MultiTurnGRPOTrainer(
         build_tiny_model(tok),
-        tiny_config(tmp_path, per_device_train_batch_size=8, max_steps=3, async_rollouts=True, dynamic_sampling=True),
+        config,
         train_dataset=tiny_dataset(12),
         processing_class=tok,
-        reward_components={"length": HalfConstantReward()},
+        reward_components={"length": HalfConstantReward(), "judge": judge},
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        server.shutdown()
     records = _records(tmp_path)
+    assert all(r["judge/errors"] == 0 and r["reward/verifier_error_rate"] == 0 for r in records)
+    assert sum(r["judge/calls"] for r in records) == scripted_judge._state["requests"] > 0
+    assert all(any(c.name == "judge" for c in t.reward_components) for t in trainer.last_batch.trajectories)
     assert all(r["dynamic_sampling/rounds"] >= 2 and r["dynamic_sampling/kept_groups"] >= 2 for r in records)
     assert records[1]["train/staleness_max"] == 1.0 and 0.0 < records[1]["train/on_policy_token_frac"] < 1.0
     batch = trainer.last_batch
