@@ -276,3 +276,20 @@ def test_judging_during_the_rollout_warms_the_cache_and_hands_its_failures_over_
     _fault(module, "ok")
     again = [_traj(f"again {k} \\boxed{{42}}", 0, k) for k in range(2)]
     assert score_trajectories([reward], again, rows) == {} and module._state["requests"] > asked
+
+
+def test_a_stop_request_ends_the_wait_for_the_judges_of_the_rollout_at_once(judge):
+    # SIGTERM while the rollout waits for its last trajectories' judges: the wait ends, not at the judge's deadline.
+    import threading
+
+    from trl_plugins.protocols import as_reward
+    from trl_plugins.trainers.prescoring import RolloutScorer
+
+    module, make = judge
+    _fault(module, "hang")
+    scorer = RolloutScorer([as_reward(make(timeout_s=3.0), "judge")], [ROW], group_size=1)  # its call ends by 3 s
+    scorer.finished(_traj("\\boxed{42}"))
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    start = time.monotonic()
+    assert scorer.wait(stop) is False and time.monotonic() - start < 1.5

@@ -143,7 +143,7 @@ def rollout_rows(
         raise
     if scorer is not None:
         start = time.perf_counter()
-        scorer.wait()  # the last trajectories' judges: the scoring that follows reads their cache
+        scorer.wait(stop)  # the last trajectories' judges: the scoring that follows reads their cache
         result.counters["timing/judge_tail_s"] = time.perf_counter() - start
     weights = (
         backend.weights_digest()

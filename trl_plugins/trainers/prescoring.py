@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Mapping, Sequence
 
 from trl_plugins.protocols import RewardPlugin
@@ -50,14 +51,23 @@ class RolloutScorer:
     def _submit(self, component: RewardPlugin, trajs: list[Trajectory], rows: list[Mapping[str, Any]]) -> None:
         self._futures.append(self._pool.submit(component.score_batch_fn, trajs, rows, during_rollout=True))
 
-    def wait(self) -> None:
-        """Wait for every call submitted (each bounded by its component's own deadlines)."""
+    def wait(self, stop: Any = None) -> bool:
+        """Wait for every call submitted (each bounded by its component's own deadlines), or until ``stop`` (a
+        ``threading.Event``: a stop request) is set, which abandons the calls left. Returns whether all finished."""
         for future in self._futures:
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001 - the scoring afterwards meets the same failure and reports it
-                logger.exception("a reward component raised while scoring during the rollout")
+            while True:
+                if stop is not None and stop.is_set():
+                    self.abandon()
+                    return False
+                try:
+                    future.result(timeout=0.05)
+                except FutureTimeout:
+                    continue
+                except Exception:  # noqa: BLE001 - the scoring afterwards meets the same failure and reports it
+                    logger.exception("a reward component raised while scoring during the rollout")
+                break
         self._pool.shutdown(wait=True)
+        return True
 
     def abandon(self) -> None:
         """The rollout failed or was cancelled: drop what has not started, without waiting."""
