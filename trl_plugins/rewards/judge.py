@@ -34,7 +34,7 @@ from trl_plugins.rewards.judge_client import (
     endpoint_limit,
     request_digest,
 )
-from trl_plugins.rewards.math import final_text
+from trl_plugins.rewards.math import final_text, turn_text
 from trl_plugins.types import Trajectory
 
 __all__ = ["JudgeReward", "JudgeError", "POINTWISE_TEMPLATE", "GROUP_TEMPLATE", "render_trajectory"]
@@ -72,10 +72,7 @@ def render_trajectory(trajectory: Trajectory, show: str) -> str:
         return final_text(trajectory).strip()
     parts = []
     for i, turn in enumerate(trajectory.turns):
-        text = turn.text
-        for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-            text = text.removesuffix(marker)
-        parts.append(f"[assistant turn {i + 1}]\n{text.strip()}")
+        parts.append(f"[assistant turn {i + 1}]\n{turn_text(turn).strip()}")
         for call in turn.tool_calls:
             args = json.dumps(call.arguments, sort_keys=True)
             parts.append(f"[tool {call.name}({args}) returned]\n{call.output.strip()}")

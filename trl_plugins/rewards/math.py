@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from trl_plugins.registry import REWARDS
-from trl_plugins.types import StopReason, Trajectory
+from trl_plugins.types import StopReason, Trajectory, Turn
 
-__all__ = ["last_boxed", "final_text", "CorrectReward", "FormatReward", "ToolUseReward", "OverlongPenalty"]
+__all__ = ["last_boxed", "turn_text", "final_text", "CorrectReward", "FormatReward", "ToolUseReward", "OverlongPenalty"]
 
 _BOX = "\\boxed{"
 
@@ -32,14 +32,17 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def final_text(trajectory: Trajectory) -> str:
-    """Decoded text of the last assistant turn, without a trailing end-of-turn marker."""
-    if not trajectory.turns:
-        return ""
-    text = trajectory.turns[-1].text
+def turn_text(turn: Turn) -> str:
+    """Decoded text of one assistant turn, without a trailing end-of-turn marker."""
+    text = turn.text
     for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
         text = text.removesuffix(marker)
     return text
+
+
+def final_text(trajectory: Trajectory) -> str:
+    """Decoded text of the last assistant turn, without a trailing end-of-turn marker."""
+    return turn_text(trajectory.turns[-1]) if trajectory.turns else ""
 
 
 @REWARDS.register("correct")

@@ -40,7 +40,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from trl_plugins.registry import REWARDS
 from trl_plugins.rewards.judge import render_trajectory
-from trl_plugins.rewards.math import final_text
+from trl_plugins.rewards.math import final_text, turn_text
 from trl_plugins.types import Trajectory
 
 __all__ = ["RewardModelReward", "conversation"]
@@ -48,7 +48,6 @@ __all__ = ["RewardModelReward", "conversation"]
 _DTYPES = ("float32", "bfloat16", "float16")
 _LOADED: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 _LOAD_LOCK = threading.Lock()
-_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 
 
 def conversation(trajectory: Trajectory, row: Mapping[str, Any], prompt_key: str, show: str) -> list[dict[str, Any]]:
@@ -70,10 +69,7 @@ def conversation(trajectory: Trajectory, row: Mapping[str, Any], prompt_key: str
     if show == "final_answer":
         return [*messages, {"role": "assistant", "content": final_text(trajectory)}]
     for turn in trajectory.turns:
-        text = turn.text
-        for marker in _MARKERS:
-            text = text.removesuffix(marker)
-        messages.append({"role": "assistant", "content": text})
+        messages.append({"role": "assistant", "content": turn_text(turn)})
         messages.extend({"role": "tool", "content": call.output} for call in turn.tool_calls)
     return messages
 
