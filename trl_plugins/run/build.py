@@ -81,6 +81,14 @@ class RolloutParts:
     """The reward components that score as trajectories end, during the rollout (a judge with a cache:
     ``scores_during_rollout``); the others stay behind with the trainer."""
 
+    def step_metrics(self) -> dict[str, float]:
+        """The ``step_metrics()`` of what ran the rollout in this process (its tools and its prescorers), taken once
+        the rollout is done: what a replica or the server path reports with its result."""
+        metrics: dict[str, float] = {}
+        for plugin in (*self.tools.values(), *self.prescorers):
+            metrics.update(plugin.step_metrics())
+        return metrics
+
 
 class Run:
     """The objects one run needs, built once per process from its :class:`RunSpec`.

@@ -40,6 +40,7 @@ from trl_plugins.trainers.replica import (
     GenerationReplica,
     ReplicaResult,
     StampedSampler,
+    TimedSampler,
     cpu_state_dict,
     probe_logprobs,
     probe_tokens,
@@ -135,7 +136,8 @@ class _ServerView(StampedSampler):
     the producer's drained push."""
 
     def __init__(self, producer: "ServerRollouts", backend: Any, *, pushes: bool) -> None:
-        super().__init__(backend, producer.lock.read, lambda: producer.pushed_step, producer.clock)
+        # timed inside the push's lock: a call's wait for a push is not the server's work
+        super().__init__(TimedSampler(backend, producer.clock), producer.lock.read, lambda: producer.pushed_step)
         self._producer, self._pushes = producer, pushes
 
     def with_sampling(self, sampling: Any) -> "_ServerView":
@@ -252,11 +254,8 @@ class ServerRollouts:
                 raise
         del self._futures[key]
         start = self._starts.pop(key)
-        tool_metrics: dict[str, float] = {}
-        for plugin in (*self.parts.tools.values(), *self.parts.prescorers):  # what ran the rollout: tools, judges
-            tool_metrics.update(plugin.step_metrics())
         probes, self._probes = self._probes, {}
-        return ReplicaResult(result, start, tool_metrics, probes)
+        return ReplicaResult(result, start, self.parts.step_metrics(), probes)  # what ran the rollout: tools, judges
 
     def close(self) -> None:
         self._stop.set()  # rollouts in flight end as cancelled

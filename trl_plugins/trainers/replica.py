@@ -419,17 +419,11 @@ def _die_with_parent() -> None:
 class StampedSampler:
     """A sampler whose weights can change during a rollout, as the rollout sees it: each generate call runs under
     ``guard()`` (weights are never loaded during one) and its samples are stamped with ``step()``, the step of the
-    weights then held (the engine records it as the turn's ``policy_step``); with a ``clock``, the call (not the wait
-    for the guard) is timed by it. Everything else is the sampler's."""
+    weights then held (the engine records it as the turn's ``policy_step``). Everything else is the sampler's; to time
+    the calls and not the wait for the guard, hand it a :class:`TimedSampler`."""
 
-    def __init__(
-        self,
-        backend: Any,
-        guard: Callable[[], ContextManager[Any]],
-        step: Callable[[], int],
-        clock: BusyClock | None = None,
-    ) -> None:
-        self._backend, self._guard, self._step, self._clock = backend, guard, step, clock
+    def __init__(self, backend: Any, guard: Callable[[], ContextManager[Any]], step: Callable[[], int]) -> None:
+        self._backend, self._guard, self._step = backend, guard, step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
@@ -437,8 +431,7 @@ class StampedSampler:
     def generate(self, prompts: Any, max_new_tokens: Any, *, seeds: Any) -> list[Any]:
         with self._guard():
             step = self._step()
-            with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
-                samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
+            samples = self._backend.generate(prompts, max_new_tokens, seeds=seeds)
         for sample in samples:
             sample.policy_step = step
         return samples
@@ -502,10 +495,7 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
             result = rollout_rows(
                 parts, backend, rows, group_size=group_size, seed=seed, policy_step=start, id_offset=id_offset
             )
-            tool_metrics = {}
-            for plugin in (*parts.tools.values(), *parts.prescorers):  # what ran here: tools, judges
-                tool_metrics.update(plugin.step_metrics())
-            results.put(("rollout", key, result, start, tool_metrics))
+            results.put(("rollout", key, result, start, parts.step_metrics()))  # what ran here: tools, judges
         except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
             results.put(("error", traceback.format_exc()))
 
