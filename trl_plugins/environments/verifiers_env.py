@@ -18,10 +18,10 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from trl_plugins.environments.verifiers_runner import JUDGE_FAILED
 from trl_plugins.registry import ROLLOUTS
+from trl_plugins.rewards.judge_client import endpoint_problems
 from trl_plugins.rollout.endpoint.agent import AgentEndpointRollout
 from trl_plugins.rollout.request import RolloutError, RolloutRequest, RolloutResult
 from trl_plugins.types import StopReason
@@ -222,18 +222,11 @@ class VerifiersRollout(AgentEndpointRollout):
             given = [n for n in ("judge_model", "judge_api_key_env") if getattr(self, n) is not None]
             if given:
                 problems.append(f"{' and '.join(given)} without judge_base_url: set the judges' endpoint too")
-        else:
-            parts = urlsplit(str(self.judge_base_url))
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                problems.append(
-                    f"judge_base_url={self.judge_base_url!r} is not an http(s) URL (e.g. http://127.0.0.1:8011/v1)"
-                )
+        else:  # the judge component's own rules for its endpoint
+            names = ("judge_base_url", "judge_api_key_env")
+            problems += endpoint_problems(self.judge_base_url, self.judge_api_key_env, names=names)
         if self.judge_model is not None and (not isinstance(self.judge_model, str) or not self.judge_model):
             problems.append(f"judge_model={self.judge_model!r}: name the model the judges' server serves (or null)")
-        if self.judge_api_key_env is not None and not os.environ.get(str(self.judge_api_key_env)):
-            problems.append(
-                f"judge_api_key_env={self.judge_api_key_env!r} names an environment variable that is not set"
-            )
         timeout = self.judge_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             problems.append(f"judge_timeout_s must be > 0 seconds, got {timeout!r}")

@@ -22,7 +22,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
-from urllib.parse import urlsplit
 
 from trl_plugins.registry import REWARDS
 from trl_plugins.rewards.judge_client import (
@@ -32,6 +31,7 @@ from trl_plugins.rewards.judge_client import (
     JudgeStats,
     call_judge,
     endpoint_limit,
+    endpoint_problems,
     request_digest,
 )
 from trl_plugins.rewards.math import final_text, turn_text
@@ -160,10 +160,7 @@ class JudgeReward:
     _cache_db: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        problems = []
-        parts = urlsplit(self.base_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            problems.append(f"base_url={self.base_url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+        problems = endpoint_problems(self.base_url, self.api_key_env)
         if not self.model:
             problems.append("model is empty: name the judge model the server serves")
         if not self.high > self.low:
@@ -192,8 +189,6 @@ class JudgeReward:
         taken = {"model", "messages", "temperature", "max_tokens", "response_format"} & set(self.extra_body or {})
         if taken:
             problems.append(f"extra_body sets {sorted(taken)}, which the judge's own settings set")
-        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
-            problems.append(f"api_key_env={self.api_key_env!r} names an environment variable that is not set")
         if problems:
             raise ValueError("the judge's settings: " + "; ".join(problems) + ".")
         self._template()  # a template with an unknown placeholder fails here, not at the first step

@@ -17,14 +17,16 @@ from __future__ import annotations
 import email.utils
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
-__all__ = ["JudgeError", "JudgeAnswer", "JudgeCache", "JudgeStats", "call_judge", "request_digest"]
+__all__ = ["JudgeError", "JudgeAnswer", "JudgeCache", "JudgeStats", "call_judge", "endpoint_problems", "request_digest"]
 
 _BACKOFF_S = 0.25
 _LIMITS: dict[str, threading.BoundedSemaphore] = {}
@@ -159,6 +161,20 @@ class JudgeCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = state["path"]
         self._local = threading.local()
+
+
+def endpoint_problems(
+    base_url: Any, api_key_env: Any, *, names: tuple[str, str] = ("base_url", "api_key_env")
+) -> list[str]:
+    """What is wrong with a judge endpoint's settings (``names``: what the settings are called where they are set),
+    each a clause for a one-line refusal: a URL that is not http(s), a key variable that is not set."""
+    problems = []
+    parts = urlsplit(str(base_url))
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        problems.append(f"{names[0]}={base_url!r} is not an http(s) URL (e.g. http://127.0.0.1:8011/v1)")
+    if api_key_env is not None and not os.environ.get(str(api_key_env)):
+        problems.append(f"{names[1]}={api_key_env!r} names an environment variable that is not set")
+    return problems
 
 
 def endpoint_limit(base_url: str, concurrency: int) -> threading.BoundedSemaphore:
