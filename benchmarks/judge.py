@@ -105,23 +105,15 @@ def child(args) -> None:
 
     torch.set_num_threads(1)
     from rollout import SleepTool, scripted_model
-    from step_vs_trl import _dataset
+    from step_vs_trl import CyclingReward, _dataset
 
     from trl_plugins.rewards.judge import JudgeReward
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
 
-    class Reward:
-        def __init__(self):
-            self.k = 0
-
-        def __call__(self, trajectory, example):
-            self.k += 1
-            return float(self.k % 3)
-
     tok = build_tokenizer("qwen2_5")
     model = scripted_model(build_tiny_model(tok), 3, vary=True)
-    components = {"r": Reward()}
+    components = {"r": CyclingReward()}
     if args.judge:
         components["judge"] = JudgeReward(
             base_url=args.url, model="scripted-judge", concurrency=32, cache_path=args.cache, timeout_s=30

@@ -53,6 +53,17 @@ def _dataset(n: int, words: int = 0):
     )
 
 
+class CyclingReward:
+    """0, 1, 2, 0, ... in the order it is called: every group gets an advantage, so every step updates."""
+
+    def __init__(self):
+        self.k = 0
+
+    def __call__(self, trajectory, example):
+        self.k += 1
+        return float(self.k % 3)
+
+
 def _reward(completions=None, **kwargs):
     return [float(i % 3) for i in range(len(completions))]
 
@@ -71,14 +82,6 @@ def run_ours(
 
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
-
-    class Reward:
-        def __init__(self):
-            self.k = 0
-
-        def __call__(self, trajectory, example):
-            self.k += 1
-            return float(self.k % 3)
 
     tok = build_tokenizer("qwen2_5")
     model = build_tiny_model(tok)
@@ -118,7 +121,7 @@ def run_ours(
             train_dataset=_dataset(args.questions, args.prompt_words),
             processing_class=tok,
             tools={"code_interpreter": SleepTool(args.tool_s)},
-            reward_components={"r": Reward()},
+            reward_components={"r": CyclingReward()},
         )
         step_times = []
         original = trainer.training_step
