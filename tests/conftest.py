@@ -30,7 +30,7 @@ def _workers_per_cpu() -> float:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) / _cpus()
 
 
-SUITE_MINUTES = 20
+SUITE_MINUTES = 15
 """The whole suite's wall time in ``.ci/run`` on this project's 2-core machine (README: the test command)."""
 QUICK_MINUTES = 3
 """``-m "not slow"`` on the same machine: everything but the real launches."""
