@@ -60,10 +60,10 @@ def _trajectories(n_groups: int = 16, group: int = 4):
 def part_scoring(url: str, latency_s: float) -> None:
     import scripted_judge
 
+    from trl_plugins.pipeline.batch import score_trajectories
     from trl_plugins.protocols import as_reward
     from trl_plugins.rewards.judge import JudgeReward
     from trl_plugins.rewards.judge_client import _LIMITS
-    from trl_plugins.trainers.batch import score_trajectories
     from trl_plugins.types import StopReason
 
     trajs, rows = _trajectories()

@@ -755,10 +755,10 @@ def _segmented(reward: float, *, group_id: int = 0, sample_index: int = 0, split
 
 def test_segments_share_their_trajectorys_advantage_and_count_once_in_its_group():
     from trl_plugins.algos.advantages import GroupAdvantage  # noqa: F401 - registered as "group"
+    from trl_plugins.pipeline.batch import assign_advantages, build_datums_for_update
     from trl_plugins.protocols import as_advantage
     from trl_plugins.registry import ADVANTAGES
     from trl_plugins.rollout.validate import validate_trajectory
-    from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
     from trl_plugins.types import AdvantageInput
 
     group = as_advantage(ADVANTAGES.get("group")(), "group")
@@ -794,7 +794,7 @@ def torch_tensor(values):
 
 
 def test_segments_bootstrap_between_them_and_sum_their_kl():
-    from trl_plugins.trainers.batch import add_kl_penalty, build_datums_for_update
+    from trl_plugins.pipeline.batch import add_kl_penalty, build_datums_for_update
 
     traj = _segmented(1.0)
     traj.stop_reason = StopReason.TURN_LENGTH
@@ -811,9 +811,9 @@ def test_segments_bootstrap_between_them_and_sum_their_kl():
 
 
 def test_the_configured_rewards_win_and_the_agents_is_recorded():
+    from trl_plugins.pipeline.batch import score_trajectories
     from trl_plugins.protocols import as_reward
     from trl_plugins.rollout.endpoint import record_rewards
-    from trl_plugins.trainers.batch import score_trajectories
     from trl_plugins.types import Trajectory
 
     def trajectory(value, row):
@@ -1016,9 +1016,9 @@ def test_an_agent_that_ends_after_unanswered_calls_ends_as_no_tool_call(chat):
 
 
 def test_turn_level_credit_refuses_segmented_trajectories():
+    from trl_plugins.pipeline.batch import assign_advantages, build_datums_for_update
     from trl_plugins.protocols import as_advantage
     from trl_plugins.registry import ADVANTAGES
-    from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
 
     trajs = [_segmented(1.0), _segmented(0.0, sample_index=1)]
     datums = build_datums_for_update(trajs, [None, None], max_context_tokens=None)

@@ -425,9 +425,9 @@ def test_the_weights_digest_reads_its_stated_sample_and_ignores_a_wrapper():
 def test_the_trainer_refuses_trajectories_of_another_run_version_and_the_differences_are_named(trained):
     import dataclasses
 
+    from trl_plugins.pipeline.batch import _check_result
     from trl_plugins.rollout import RolloutResult
     from trl_plugins.run.version import version_differences
-    from trl_plugins.trainers.batch import _check_result
     from trl_plugins.types import AdapterSpec, TrajectoryError
 
     _, trainer = trained
@@ -647,9 +647,9 @@ def test_a_tool_reports_the_versions_of_what_it_runs_on_and_the_replay_refuses_w
 def sampled():
     """A batch really sampled by HF generate from a tiny random model (seeded, temperature 1), saved and read back,
     with the model, tokenizer and run that sampled it."""
+    from trl_plugins.pipeline.batch import rollout_rows
     from trl_plugins.rollout import HFGenerationBackend
     from trl_plugins.tiny import build_tiny_model
-    from trl_plugins.trainers.batch import rollout_rows
     from trl_plugins.trainers.callbacks import chat_settings
     from trl_plugins.viewer import make_batch
 

@@ -448,8 +448,8 @@ def test_reward_contract_runs_the_trainers_own_rule():
     import random
 
     from trl_plugins.contracts import make_trajectory
+    from trl_plugins.pipeline.batch import score_trajectories
     from trl_plugins.protocols import as_reward
-    from trl_plugins.trainers.batch import score_trajectories
 
     trajs = [make_trajectory(random.Random(0), num_turns=1) for _ in range(3)]
     assert score_trajectories([as_reward(_StrReward(), "s")], trajs[:1], [{"answer": "42"}]) == {"s": 1}

@@ -469,7 +469,7 @@ def test_a_truncation_is_counted_once_under_a_critic(policy):
     import random
 
     from trl_plugins.contracts import make_trajectory
-    from trl_plugins.trainers.batch import assign_advantages, build_datums_for_update
+    from trl_plugins.pipeline.batch import assign_advantages, build_datums_for_update
     from trl_plugins.types import RewardComponent, StopReason
 
     trajs = [

@@ -169,9 +169,9 @@ def test_a_judge_that_is_down_fails_after_its_retries_within_the_deadline(judge)
 
 
 def test_a_failing_judge_ends_its_trajectories_as_verifier_error_with_its_text_and_spares_the_rest(judge):
+    from trl_plugins.pipeline.batch import score_trajectories
     from trl_plugins.protocols import as_reward
     from trl_plugins.rewards.math import FormatReward
-    from trl_plugins.trainers.batch import score_trajectories
 
     module, make = judge
     rewards = [as_reward(FormatReward(), "format", 0.1), as_reward(make(cache_path=None), "judge", 1.0)]
@@ -241,9 +241,9 @@ def test_judging_during_the_rollout_warms_the_cache_and_hands_its_failures_over_
     """RolloutScorer (what rollout_rows runs as trajectories end): the judge's calls are made before the rollout
     returns, the scoring after it makes none; a failure met during the rollout is reported by that scoring without a
     second call (no second deadline), and the next ask calls the judge again."""
+    from trl_plugins.pipeline.batch import score_trajectories
+    from trl_plugins.pipeline.prescoring import RolloutScorer
     from trl_plugins.protocols import as_reward
-    from trl_plugins.trainers.batch import score_trajectories
-    from trl_plugins.trainers.prescoring import RolloutScorer
 
     module, make = judge
     reward = as_reward(make(mode=mode), "judge")
@@ -282,8 +282,8 @@ def test_a_stop_request_ends_the_wait_for_the_judges_of_the_rollout_at_once(judg
     # SIGTERM while the rollout waits for its last trajectories' judges: the wait ends, not at the judge's deadline.
     import threading
 
+    from trl_plugins.pipeline.prescoring import RolloutScorer
     from trl_plugins.protocols import as_reward
-    from trl_plugins.trainers.prescoring import RolloutScorer
 
     module, make = judge
     _fault(module, "hang")

@@ -154,7 +154,7 @@ def test_reward_contract(rm_folder, show):
 
 
 def test_one_batched_call_from_the_trainer_and_a_row_without_its_prompt(rm_folder):
-    from trl_plugins.trainers.batch import score_trajectories
+    from trl_plugins.pipeline.batch import score_trajectories
 
     trajs = [answered(a, seed=i) for i, a in enumerate(ANSWERS)]
     trajs[2].group_id = 1

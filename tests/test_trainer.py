@@ -595,8 +595,8 @@ def test_mask_leaves_truncated_members_out_of_their_group_statistics():
     from types import SimpleNamespace
 
     from trl_plugins.algos import GroupAdvantage
+    from trl_plugins.pipeline.batch import assign_advantages, training_mask
     from trl_plugins.protocols import as_advantage
-    from trl_plugins.trainers.batch import assign_advantages, training_mask
     from trl_plugins.types import StopReason
 
     def compute_advantages(plugins, trajs, masked):  # the batch builder makes one datum per trajectory trained on
@@ -852,7 +852,7 @@ def test_infrastructure_failures_carry_no_training_signal(tmp_path):
 def test_a_group_that_lost_too_many_members_is_left_out_whole():
     from types import SimpleNamespace
 
-    from trl_plugins.trainers.batch import training_mask
+    from trl_plugins.pipeline.batch import training_mask
 
     def t(g, failure=False, truncated=False):
         return SimpleNamespace(group_id=g, world_failure=failure, truncated=truncated)

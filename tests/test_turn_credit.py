@@ -13,8 +13,8 @@ from conftest import make_trajectory, rel_err
 from trl_plugins.algos import TurnGroupAdvantage, group_advantages, turn_group_advantages
 from trl_plugins.contracts import check_advantage_contract
 from trl_plugins.datum import build_datum
+from trl_plugins.pipeline.batch import turn_tensors
 from trl_plugins.registry import ADVANTAGES
-from trl_plugins.trainers.batch import turn_tensors
 from trl_plugins.types import AdvantageInput, Trajectory, Turn
 
 

@@ -14,10 +14,10 @@ import sys
 import pytest
 
 from trl_plugins.datum import build_datum
+from trl_plugins.pipeline.batch import left_out_reasons
 from trl_plugins.rollout import ChatFormat, MultiTurnRollout, RolloutQuestion, RolloutRequest, ScriptedBackend
 from trl_plugins.tiny import build_tokenizer
 from trl_plugins.tools.base import ToolOutput
-from trl_plugins.trainers.batch import left_out_reasons
 from trl_plugins.types import LeftOutReason, RewardComponent, StopReason, TokenSource
 from trl_plugins.viewer import (
     FORMAT,

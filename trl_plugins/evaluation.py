@@ -1,7 +1,7 @@
 """Held-out evaluation of a tool-calling policy: pass@1, pass@k and tool-call statistics.
 
 The evaluation runs the training run's own tools, rollout plugin and reward components (its
-:class:`~trl_plugins.run.Run`) on the training path (:mod:`trl_plugins.trainers.batch`), so a number here means
+:class:`~trl_plugins.run.Run`) on the training path (:mod:`trl_plugins.pipeline.batch`), so a number here means
 the same thing as ``reward/correct`` in the training logs.
 
 Every held-out figure carries a standard error clustered by problem (:func:`clustered_se`): the samples
@@ -245,7 +245,7 @@ def evaluate_policy(
     The tools, the rollout plugin, the reward components and the system prompt are the run's
     (:class:`~trl_plugins.run.Run`; a ``MultiTurnGRPOConfig`` given instead is resolved into one here, and closed
     at the end), and the rows take the same rows -> trajectories -> scores path as training
-    (:mod:`trl_plugins.trainers.batch`), so a trajectory is rolled out and scored here exactly as in a training
+    (:mod:`trl_plugins.pipeline.batch`), so a trajectory is rolled out and scored here exactly as in a training
     step. A sample counts as correct when the component ``success_component`` says so (its ``is_success(value)``).
     ``temperature=0`` is greedy decoding (then ``samples`` should be 1); the other sampling settings are the
     config's. With ``accelerator`` (a prepared, possibly ZeRO-3-sharded ``model`` during training), each batch of
@@ -262,10 +262,10 @@ def evaluate_policy(
     """
     import torch
 
+    from trl_plugins.pipeline.batch import rollout_rows, score_trajectories
     from trl_plugins.rollout import derive_seed
     from trl_plugins.run import Run, SamplerKind, resolve_run
     from trl_plugins.run.sampler import make_backend
-    from trl_plugins.trainers.batch import rollout_rows, score_trajectories
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}.")

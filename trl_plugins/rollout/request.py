@@ -98,7 +98,7 @@ class RolloutRequest:
     raises :class:`RolloutCancelled` before the next generation round."""
     on_finished: Callable[[Trajectory], None] | None = None
     """Called with each trajectory as it ends (its stop reason set), from the rollout's own thread: the run's
-    judges start scoring it while the others still run (:class:`~trl_plugins.trainers.prescoring.RolloutScorer`).
+    judges start scoring it while the others still run (:class:`~trl_plugins.pipeline.prescoring.RolloutScorer`).
     It must return at once and never raise. A rollout plugin that does not call it loses only that overlap."""
 
     def __post_init__(self) -> None:

@@ -65,7 +65,7 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class RolloutParts:
-    """The part of a :class:`Run` that rolls out a batch (:func:`trl_plugins.trainers.batch.rollout_rows`): what a
+    """The part of a :class:`Run` that rolls out a batch (:func:`trl_plugins.pipeline.batch.rollout_rows`): what a
     generation replica process is handed, pickled, and what the vLLM server's rollout threads use. The advantage, the
     policy loss and the rewards, which the trainer runs, stay behind, but for the components that score as
     trajectories end (``prescorers``: a judge filling the cache the trainer's scoring reads)."""

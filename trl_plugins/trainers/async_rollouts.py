@@ -221,7 +221,7 @@ class ServerRollouts:
         self._probes[step] = (torch.tensor(sample.logprobs, dtype=torch.float32), mine)
 
     def submit(self, key: Any, rows: Sequence[dict], *, group_size: int, seed: int, id_offset: int = 0) -> None:
-        from trl_plugins.trainers.batch import rollout_rows
+        from trl_plugins.pipeline.batch import rollout_rows
 
         start = self.pushed_step
         view = self.view(pushes=False)

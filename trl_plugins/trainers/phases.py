@@ -1,5 +1,5 @@
 """One training step as phases that read top-down (glue: each phase calls the plain functions of
-:mod:`~trl_plugins.trainers.batch`, :mod:`~trl_plugins.trainers.update` and :mod:`~trl_plugins.trainers.critic`, and
+:mod:`~trl_plugins.pipeline.batch`, :mod:`~trl_plugins.trainers.update` and :mod:`~trl_plugins.trainers.critic`, and
 returns its metrics).
 
 Once per rollout batch (:meth:`StepRunner.roll_out` ... :meth:`StepRunner.old_logprobs`):
@@ -14,7 +14,7 @@ Once per rollout batch (:meth:`StepRunner.roll_out` ... :meth:`StepRunner.old_lo
    one datum per trajectory trained on;
 4. **reference log-probs** (``beta > 0``; forwards on every rank), the KL in the reward when asked;
 5. **values and advantages**: the critic's values (forwards on every rank) when the estimator ``needs_values``, then
-   the estimator (:func:`~trl_plugins.trainers.batch.assign_advantages`);
+   the estimator (:func:`~trl_plugins.pipeline.batch.assign_advantages`);
 6. **old log-probs** when the sampler/trainer mismatch correction applies (an all-reduce decides; forwards).
 
 Every step (:meth:`StepRunner.update` ... :meth:`StepRunner.merge_metrics`):
@@ -35,6 +35,15 @@ from typing import Any, Callable, Mapping
 import torch
 
 from trl_plugins.algos.dynamic_sampling import draw_rows, informative_groups, plan_fill, plan_round, refill_share
+from trl_plugins.pipeline.batch import (
+    add_kl_penalty,
+    assign_advantages,
+    build_datums_for_update,
+    kl_per_token,
+    left_out_reasons,
+    rollout_rows,
+    score_trajectories,
+)
 from trl_plugins.rollout import RolloutCancelled, RolloutResult
 from trl_plugins.rollout.metrics import (
     TrajectorySummary,
@@ -48,15 +57,6 @@ from trl_plugins.rollout.metrics import (
 )
 from trl_plugins.run import Run
 from trl_plugins.trainers.async_rollouts import check_off_policy, off_policy_figures
-from trl_plugins.trainers.batch import (
-    add_kl_penalty,
-    assign_advantages,
-    build_datums_for_update,
-    kl_per_token,
-    left_out_reasons,
-    rollout_rows,
-    score_trajectories,
-)
 from trl_plugins.trainers.critic import rollout_values, value_update
 from trl_plugins.trainers.diagnosis import (
     SKIP_COUNTS,

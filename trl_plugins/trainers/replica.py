@@ -9,7 +9,7 @@ talks to it through two queues, in order:
 - ``push_weights(step, state_dict)``: the weights after ``step`` optimizer steps (CPU tensors, passed through shared
   memory). The replica loads them before its next rollout and answers with its log-probs of the fixed probe sequence,
   so that the trainer can check that the push did what it says (:func:`probe_logprobs`);
-- ``submit(key, rows, ...)``: roll out ``rows`` (as :func:`trl_plugins.trainers.batch.rollout_rows`) with the newest
+- ``submit(key, rows, ...)``: roll out ``rows`` (as :func:`trl_plugins.pipeline.batch.rollout_rows`) with the newest
   weights it loaded; the trajectories record that step;
 - ``result(key)``: wait for that rollout (in submission order), with the probe answers that came before it and the
   tools' step metrics of the rollout.
@@ -458,8 +458,8 @@ def _serve(jobs: Any, results: Any, init: dict[str, Any]) -> None:
     parts = None
     try:
         torch.set_num_threads(init["threads"])
+        from trl_plugins.pipeline.batch import rollout_rows
         from trl_plugins.run.sampler import make_backend
-        from trl_plugins.trainers.batch import rollout_rows
 
         model = init["model_class"](init["model_config"])
         if init["generation_config"] is not None:

@@ -233,7 +233,7 @@ def make_batch(
         step: Optimizer step the page belongs to.
         rows: The dataset rows of the batch (``rows[traj.group_id]``): question and reference answer.
         left_out: Per trajectory, why the update left it out, as the batch builder decided
-            (:func:`~trl_plugins.trainers.batch.left_out_reasons`; None: trained on); default: the trajectories
+            (:func:`~trl_plugins.pipeline.batch.left_out_reasons`; None: trained on); default: the trajectories
             without a datum in ``datums`` are left out, for no recorded reason.
         forwarded: Trajectory indices whose datum went through forward/backward (``None``: not recorded).
         max_trajectories: Keep only the first N (``None``: all).

@@ -21,12 +21,12 @@ import torch
 
 from trl_plugins.algos import kl_estimate
 from trl_plugins.datum import build_datums
+from trl_plugins.pipeline.prescoring import RolloutScorer
 from trl_plugins.protocols import AdvantagePlugin, RewardPlugin
 from trl_plugins.rewards import reward_value
 from trl_plugins.rollout import ChatFormat, RolloutRequest, RolloutResult, questions_from_rows
 from trl_plugins.rollout.validate import validate_trajectory
 from trl_plugins.run import KL_PENALTY_COMPONENT, RolloutParts, Run
-from trl_plugins.trainers.prescoring import RolloutScorer
 from trl_plugins.types import (
     AdvantageInput,
     Datum,

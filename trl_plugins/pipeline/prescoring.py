@@ -1,8 +1,8 @@
 """Scoring while the rollout runs: the reward components that declare ``scores_during_rollout`` (a judge with a cache)
 are called as each trajectory, or each whole group, ends, on threads of their own, so a judge's latency overlaps the
 generation of the trajectories still running. What they compute lands in their cache; the scoring after the rollout
-(:func:`~trl_plugins.trainers.batch.score_trajectories`) reads it back. Used by
-:func:`~trl_plugins.trainers.batch.rollout_rows`, so wherever a rollout runs (the trainer, an async replica, the
+(:func:`~trl_plugins.pipeline.batch.score_trajectories`) reads it back. Used by
+:func:`~trl_plugins.pipeline.batch.rollout_rows`, so wherever a rollout runs (the trainer, an async replica, the
 threads of a vLLM server's rollouts)."""
 
 from __future__ import annotations
