@@ -383,6 +383,10 @@ def main() -> None:
 
     cases = json.loads(Path(sys.argv[2]).read_text()) if sys.argv[1:2] == ["--cases"] else [sys.argv[1:]]
     cases = [parse(argv) for argv in cases]
+    import gc  # what the launch imported lives as long as it: out of the collector's reach (accelerate's free_memory)
+
+    gc.collect()
+    gc.freeze()
     # Built before the Accelerator: once DeepSpeed ZeRO-3 is configured, transformers builds models partitioned.
     critics = {id(a): [critic_with_a_head() for _ in range(3)] for a in cases if a.critic}
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
