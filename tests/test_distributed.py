@@ -237,6 +237,7 @@ STEP_EXTRA = {
     "dynamic-sampling": ("--dynamic_sampling", "3"),
     "dynamic-sampling-fractional": ("--dynamic_sampling", "1.25"),
     "async-staleness-0": ("--async_k", "0"),
+    "distillation": ("--teacher",),  # the teacher placed like the reference: a copy per DDP rank, sharded by ZeRO-3
 }
 STEP_CONFIGS = {"dynamic-sampling-fractional": ("cpu.yaml", "cpu_zero3.yaml")}
 """The accelerate configs a STEP_EXTRA case runs under, where not all three (the suite's wall time is tight)."""
@@ -611,6 +612,8 @@ def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
                 assert drawn[config]["dynamic_sampling/short_groups"] == 0
             else:  # the cap leaves the refill round one group: counted on rank 0, a filler on rank 1
                 assert drawn[config]["dynamic_sampling/groups_drawn"] == 5 and fillers == (config != "cpu.yaml")
+        if "--teacher" in extra:  # the teacher forwarded on every rank, and its signal reached the advantages
+            assert report["steps"][0]["timing/teacher_forward_s"] > 0 and report["steps"][0]["advantage/teacher_kl"]
         params[config] = torch.load(trainer_runs.folder(config) / f"step-{kind}.pt")
     if drawn:  # the same groups drawn and kept however many ranks
         assert all(d == drawn["cpu.yaml"] for d in drawn.values()), drawn
@@ -628,6 +631,10 @@ def test_trainer_step_on_two_ranks_equals_one_process(trainer_runs, kind):
     for config in configs[1:]:
         diff = sum(float((params[config][k] - reference[k]).pow(2).sum()) for k in reference) ** 0.5
         assert diff / update < 1e-5, (config, diff, update)
+    if kind == "distillation":  # not GRPO's step: the teacher's per-token signal moved the weights elsewhere
+        grpo = torch.load(trainer_runs.folder("cpu.yaml") / "step-grpo.pt")
+        apart = sum(float((reference[k] - grpo[k]).pow(2).sum()) for k in grpo) ** 0.5
+        assert apart / update > 1e-2, (apart, update)
     if kind == "async-staleness-0":  # async_rollouts with max_staleness 0 is the synchronous loop, bit for bit
         for config in ("cpu.yaml", "cpu_ddp.yaml", "cpu_zero3.yaml"):
             grpo = torch.load(trainer_runs.folder(config) / "step-grpo.pt")

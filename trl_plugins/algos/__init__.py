@@ -9,12 +9,14 @@ from trl_plugins.algos.advantages import (
     DrGRPOAdvantage,
     GAEAdvantage,
     GroupAdvantage,
+    OnPolicyDistillationAdvantage,
     RLOOAdvantage,
     TurnGroupAdvantage,
     gae_advantages,
     group_advantages,
     masked_whiten,
     rloo_advantages,
+    teacher_advantages,
     turn_group_advantages,
 )
 from trl_plugins.algos.aggregation import aggregate, local_denominators
@@ -35,6 +37,8 @@ __all__ = [
     "rloo_advantages",
     "TurnGroupAdvantage",
     "turn_group_advantages",
+    "OnPolicyDistillationAdvantage",
+    "teacher_advantages",
     "aggregate",
     "local_denominators",
     "choose_groups",

@@ -26,6 +26,8 @@ __all__ = [
     "GAEAdvantage",
     "turn_group_advantages",
     "TurnGroupAdvantage",
+    "teacher_advantages",
+    "OnPolicyDistillationAdvantage",
 ]
 
 
@@ -345,3 +347,115 @@ class TurnGroupAdvantage:
                 eps=self.eps,
             )
         )
+
+
+def teacher_advantages(
+    behaviour_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    discount: float = 0.0,
+) -> torch.Tensor:
+    """On-policy distillation's per-token advantage: the negative single-sample estimate of the reverse KL,
+    ``log pi_teacher(x_t) - log pi_student(x_t)`` at each sampled action token (the student's log-prob is the one it
+    sampled the token with), 0 elsewhere. With ``discount`` gamma > 0, each action token's advantage is the discounted
+    sum of that estimate over itself and the action tokens after it in its row, gamma counted per action token
+    (prompt, tool-output and template tokens are skipped, not discounted over); gamma 0 (the default) is the
+    per-token estimate alone, as Thinking Machines' and tinker-cookbook's recipes train.
+
+    Args:
+        behaviour_logprobs, teacher_logprobs: ``(N, T)`` log-probs of the sampled tokens.
+        action_mask: ``(N, T)`` 1 at action tokens.
+
+    Returns:
+        ``(N, T)`` float64, 0 off the mask.
+    """
+    mask = action_mask.to(torch.float64)
+    per_token = (teacher_logprobs.to(torch.float64) - behaviour_logprobs.to(torch.float64)) * mask
+    if not discount:
+        return per_token
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"the teacher advantage's discount is a factor in [0, 1], got {discount}.")
+    out = torch.zeros_like(per_token)
+    running = torch.zeros(per_token.shape[0], dtype=torch.float64, device=per_token.device)
+    for t in range(per_token.shape[1] - 1, -1, -1):
+        m = mask[:, t] > 0
+        running = torch.where(m, per_token[:, t] + discount * running, running)
+        out[:, t] = torch.where(m, running, torch.zeros_like(running))
+    return out
+
+
+@ADVANTAGES.register("opd")
+@dataclass
+class OnPolicyDistillationAdvantage:
+    """On-policy distillation, alone or with the outcome reward: ``A = reward_weight * A_group + coef * A_teacher``
+    per action token, where ``A_group`` is GRPO's group advantage of the trajectory's reward (:func:`group_advantages`)
+    and ``A_teacher`` the teacher's per-token signal (:func:`teacher_advantages`). ``coef`` 0 is plain RL (no teacher
+    forward is asked for), ``reward_weight`` 0 plain OPD. The run's teacher is ``teacher_model_name_or_path``
+    (docs/training.md, "On-policy distillation")."""
+
+    needs_values: ClassVar[bool] = False
+
+    coef: float = 1.0
+    """Weight of the teacher's signal (lambda)."""
+    reward_weight: float = 1.0
+    """Weight of the outcome reward's group advantage."""
+    discount: float = 0.0
+    """Discount of the teacher's signal over the following action tokens (0: per token)."""
+    scale_by_std: bool = True
+    """The group advantage divides by the group's std, as ``group`` does."""
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.coef < 0 or self.reward_weight < 0 or not (self.coef or self.reward_weight):
+            raise ValueError(
+                f"opd: coef and reward_weight are weights >= 0, not both 0 (coef=0 is plain RL: advantage 'group'; "
+                f"reward_weight=0 plain distillation); got coef={self.coef}, reward_weight={self.reward_weight}."
+            )
+        if not 0.0 <= self.discount <= 1.0:
+            raise ValueError(f"opd: discount is a factor in [0, 1], got {self.discount}.")
+        self._metrics: dict[str, float] = {}
+
+    @property
+    def needs_groups(self) -> bool:
+        """Group-relative when the reward counts (then ``num_generations >= 2``)."""
+        return self.reward_weight > 0
+
+    @property
+    def needs_teacher_logprobs(self) -> bool:
+        """The teacher's forward is asked for only when its signal counts."""
+        return self.coef > 0
+
+    def __call__(self, inp: AdvantageInput) -> AdvantageOutput:
+        if inp.action_mask is None:
+            raise ValueError("opd needs AdvantageInput.action_mask (the trainer passes it to every opd estimator).")
+        mask = inp.action_mask.to(torch.float64)
+        adv = torch.zeros_like(mask)
+        if self.reward_weight:
+            group = group_advantages(
+                inp.rewards.to(torch.float64), inp.group_ids, scale_by_std=self.scale_by_std, eps=self.eps
+            )
+            adv = adv + self.reward_weight * group[:, None] * mask
+        if self.coef:
+            if inp.teacher_logprobs is None or inp.behaviour_logprobs is None:
+                raise ValueError(
+                    "opd needs AdvantageInput.teacher_logprobs and behaviour_logprobs: the run has no teacher; set "
+                    "teacher_model_name_or_path."
+                )
+            teacher = teacher_advantages(inp.behaviour_logprobs, inp.teacher_logprobs, mask, discount=self.discount)
+            adv = adv + self.coef * teacher
+            kl = (inp.behaviour_logprobs.to(torch.float64) - inp.teacher_logprobs.to(torch.float64)) * mask
+            tokens = float(mask.sum())
+            self._metrics = {
+                "teacher_kl": float(kl.sum()) / max(tokens, 1.0),
+                "teacher_kl_above_1_share": float(((kl > 1.0) & (mask > 0)).sum()) / max(tokens, 1.0),
+            }
+        return AdvantageOutput(advantages=adv.to(inp.rewards.dtype if inp.rewards.is_floating_point() else adv.dtype))
+
+    def step_metrics(self) -> dict[str, float]:
+        """Per step, over this rank's action tokens (the mean over ranks is logged): ``teacher_kl``, the mean of the
+        per-token reverse-KL estimate ``log pi_student - log pi_teacher``, and ``teacher_kl_above_1_share``, the share
+        of action tokens where it exceeds 1 nat (the student gave its token more than e times the teacher's
+        probability: where the teacher disagrees most)."""
+        out, self._metrics = self._metrics, {}
+        return out

@@ -27,7 +27,8 @@ def turns_of(mask: Any) -> Any:
 def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None) -> None:
     """An advantage estimator: ``(N,)`` or ``(N, T)`` finite advantages, zero off the action mask, picklable.
 
-    Estimators that declare ``needs_values`` get critic values and bootstrap fields on the input.
+    Estimators that declare ``needs_values`` get critic values and bootstrap fields on the input; every estimator
+    gets turn ids and the behaviour and teacher log-probs (on-policy distillation) too.
     """
     import torch
 
@@ -48,6 +49,8 @@ def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = Non
         token_rewards=torch.zeros(BATCH_ROWS, BATCH_WIDTH),
         turn_ids=turns_of(mask),
         turn_state_ids=torch.where(mask.bool(), turns_of(mask) + 10 * torch.tensor([0, 0, 1, 0, 1, 2])[:, None], -1),
+        behaviour_logprobs=-torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g, dtype=torch.float64) * mask,
+        teacher_logprobs=-torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g, dtype=torch.float64) * 3 * mask,
     )
     out = est(inp)
     check(isinstance(out, AdvantageOutput), label, f"returned {type(out).__name__}, not AdvantageOutput")

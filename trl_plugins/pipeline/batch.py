@@ -456,6 +456,12 @@ def _assign_to_segments(
     """Outcome advantages where a trajectory has several datums (segments): the estimator sees one row per trajectory
     (its last segment), so its group statistics count every trajectory once, and each segment gets its trajectory's
     advantage on every action position."""
+    if getattr(advantage, "needs_teacher_logprobs", False):
+        raise ValueError(
+            f"{advantage.label} reads the teacher's log-prob of each token, but this batch has trajectories of several "
+            f"segments (an agent rewrote its history); distillation over segments is not supported yet: keep the "
+            f"agent from rewriting its history."
+        )
     if getattr(advantage, "needs_turn_ids", False):
         raise ValueError(
             f"{advantage.label} credits turns by their place in a datum, but this batch has trajectories of several "
@@ -530,6 +536,17 @@ def assign_advantages(
     if getattr(advantage, "needs_turn_ids", False):
         inp.action_mask = mask
         inp.turn_ids, inp.turn_state_ids = turn_tensors(datums, width, label=advantage.label)
+    if getattr(advantage, "needs_teacher_logprobs", False):
+        missing = [d.trajectory_index for d in datums if d.teacher_logprobs is None]
+        if missing:
+            raise ValueError(
+                f"{advantage.label} reads the teacher's log-probs, but the datums of trajectories {missing[:5]} have "
+                f"none: the run has no teacher (set teacher_model_name_or_path)."
+            )
+        inp.action_mask = mask
+        on = mask > 0  # off the mask the behaviour log-probs are placeholders (NaN included)
+        inp.behaviour_logprobs = torch.where(on, _padded([d.behaviour_logprobs for d in datums], width), 0.0)
+        inp.teacher_logprobs = torch.where(on, _padded([d.teacher_logprobs for d in datums], width), 0.0)
     if advantage.needs_values:
         inp.action_mask = mask
         inp.values = _padded([d.old_values for d in datums], width)

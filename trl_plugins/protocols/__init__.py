@@ -14,6 +14,7 @@ gets its default, never a surprise at step 1000.
 seam                        required                                      optional (default)
 ==========================  ============================================  ==========================================
 advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``needs_turn_ids`` (False),
+                                                                          ``needs_teacher_logprobs`` (False),
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
 policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False),

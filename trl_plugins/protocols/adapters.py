@@ -142,6 +142,9 @@ class AdvantagePlugin(_Adapter):
     needs_groups: bool = False
     needs_turn_ids: bool = False
     """Reads ``AdvantageInput.turn_ids`` (turn-level credit); optional, default False."""
+    needs_teacher_logprobs: bool = False
+    """Reads ``AdvantageInput.teacher_logprobs`` and ``behaviour_logprobs`` (on-policy distillation: the run must have
+    a teacher); optional, default False."""
 
     metric_prefix = "advantage/"
 
@@ -296,6 +299,7 @@ def as_advantage(impl: Any, name: str = "") -> AdvantagePlugin:
         needs_values=_required_bool(impl, "needs_values", label),
         needs_groups=_required_bool(impl, "needs_groups", label),
         needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label),
+        needs_teacher_logprobs=_optional_bool(impl, "needs_teacher_logprobs", False, label),
     )
 
 

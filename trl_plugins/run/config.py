@@ -14,7 +14,14 @@ from trl import GRPOConfig
 from trl_plugins.algos.losses import kl_gradient_problem
 from trl_plugins.run.parallelism import take_over_parallelism_config
 from trl_plugins.run.plugins import SettingError, plugin_params
-from trl_plugins.run.settings import AsyncRollouts, DynamicSampling, Features, LongTrajectories, MismatchCorrection
+from trl_plugins.run.settings import (
+    AsyncRollouts,
+    Distillation,
+    DynamicSampling,
+    Features,
+    LongTrajectories,
+    MismatchCorrection,
+)
 from trl_plugins.run.trl_fields import apply_trl_fields
 from trl_plugins.types import AggregationMode, KLEstimator
 
@@ -188,6 +195,14 @@ class MultiTurnGRPOConfig(GRPOConfig):
         metadata={
             "help": "The most groups dynamic sampling rolls out in a step, as a multiple of the step's groups (the "
             "first round included; >= 1)."
+        },
+    )
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "On-policy distillation: a local teacher model (folder or checkpoint) with the student's "
+            "tokenizer, loaded once and placed like the reference model; its log-prob of each sampled action token "
+            "is the student's per-token signal through the 'opd' advantage estimator (docs/training.md)."
         },
     )
     vllm_importance_sampling_mode: str | None = field(
@@ -530,6 +545,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
             dynamic_sampling=DynamicSampling.from_config(self),
             mismatch_correction=mismatch_correction,
             long_trajectories=LongTrajectories.from_config(self),
+            distillation=Distillation.from_config(self),
         )
         self.__dict__["_features"] = features  # a property's value: no field, so no flag and no TRL field to map
         if self.reward_time_limit_s is not None and self.reward_time_limit_s <= 0:

@@ -379,6 +379,17 @@ def check_plugin_settings(
             "the "
             f"importance weights); use policy_loss='ppo_clip' or set vllm_importance_sampling_correction=False."
         )
+    teacher = config.features.distillation
+    if advantage.needs_teacher_logprobs and teacher is None:
+        raise ValueError(
+            f"advantage {config.advantage!r} distils from a teacher's log-probs, and the run has no teacher: set "
+            f"teacher_model_name_or_path (a local model with the student's tokenizer)."
+        )
+    if teacher is not None and not advantage.needs_teacher_logprobs:
+        raise ValueError(
+            f"teacher_model_name_or_path={teacher.teacher!r} is read by nothing: advantage {config.advantage!r} does "
+            f"not use a teacher's log-probs; set advantage='opd' (docs/training.md), or drop the teacher."
+        )
     if policy_loss.needs_ref_logprobs and not config.beta > 0:
         raise ValueError(
             f"policy_loss {config.policy_loss!r} reads reference log-probs, and the reference model is built only "

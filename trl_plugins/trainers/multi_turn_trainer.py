@@ -55,6 +55,7 @@ from trl_plugins.trainers.model_card import name_local_base_model, name_quick_st
 from trl_plugins.trainers.phases import StepBatch, StepRunner
 from trl_plugins.trainers.resilience import Resilient
 from trl_plugins.trainers.sequence_parallel import setup_sequence_parallel
+from trl_plugins.trainers.teacher import load_teacher
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
 
@@ -147,6 +148,18 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         )
         run.bind_tokenizer(self.processing_class)
         run.bind_version(self.model)  # after TRL's PEFT wrap: the adapter set is on the model now
+        self._teacher = None  # on-policy distillation: the teacher, checked against the student and placed once
+        if args.features.distillation is not None:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            self._teacher = load_teacher(
+                args.features.distillation,
+                self.accelerator,
+                tokenizer=self.processing_class,
+                tools=run.chat.tools,
+                dtype=next(unwrapped.parameters()).dtype,
+                attn_implementation=getattr(unwrapped.config, "_attn_implementation", None),
+                deepspeed=self.is_deepspeed_enabled,
+            )
         if args.disable_dropout:  # TRL's disable_dropout_in_model sets nn.Dropout only, not attention dropout
             for module in (self.model, self.ref_model, critic):
                 if module is not None:
@@ -336,6 +349,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         steps = self.step_runner
         steps.build_datums(batch)
         steps.reference(batch, *self._reference_model())
+        steps.teacher(batch, self._teacher)
         steps.advantages(batch)
         steps.old_logprobs(batch, self.model_wrapped)
         steps.replay_gap(batch, self.model_wrapped, step=self.state.global_step)

@@ -72,6 +72,7 @@ from trl_plugins.trainers.update import (
     old_logprobs,
     policy_update,
     reference_logprobs,
+    teacher_logprobs,
 )
 from trl_plugins.types import Datum, LeftOutReason, StopReason, Trajectory
 
@@ -290,6 +291,14 @@ class StepRunner:
         batch.metrics["timing/reference_s"] = time.perf_counter() - start
         if c.kl_penalty == "reward" and self.critic is None:
             add_kl_penalty(batch.trajectories, batch.datums, beta=c.beta, estimator=c.kl_estimator)
+
+    def teacher(self, batch: StepBatch, model: Any) -> None:
+        """4b. The teacher's log-probs of the action tokens (on-policy distillation; every rank forwards)."""
+        if model is None:
+            return
+        start = time.perf_counter()
+        teacher_logprobs(self.accelerator, model, batch.datums, self.config, pad_token_id=self.pad_token_id)
+        batch.metrics["timing/teacher_forward_s"] = time.perf_counter() - start
 
     def advantages(self, batch: StepBatch) -> None:
         """5. The critic's values (every rank forwards) when the estimator needs them, then the advantages."""

@@ -63,6 +63,7 @@ __all__ = [
     "UpdateResult",
     "policy_update",
     "reference_logprobs",
+    "teacher_logprobs",
     "old_logprobs",
     "mismatch_correction_applies",
     "datums_to_forward",
@@ -201,7 +202,7 @@ def _fill_logprobs(
             chunk_size=config.features.long_trajectories.chunk_size_for(m),
         )[0]
 
-    name = "the reference model" if field_name == "ref_logprobs" else "the policy"
+    name = {"ref_logprobs": "the reference model", "teacher_logprobs": "the teacher"}.get(field_name, "the policy")
     for idx, lp in forward_no_grad(
         accelerator, model, datums, config, forward, pad_token_id=pad_token_id, context=context, name=name
     ):
@@ -227,6 +228,18 @@ def reference_logprobs(
         context: A factory of the context in which ``model`` is the reference (e.g. adapters off).
     """
     _fill_logprobs(accelerator, model, datums, config, "ref_logprobs", pad_token_id=pad_token_id, context=context)
+
+
+def teacher_logprobs(
+    accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *, pad_token_id: int
+) -> None:
+    """Fill ``datum.teacher_logprobs`` with the teacher's log-probs of the action tokens at the sampling temperature
+    (on-policy distillation); every rank must call it, once per rollout batch.
+
+    Args:
+        model: The prepared teacher (:func:`~trl_plugins.trainers.teacher.load_teacher`).
+    """
+    _fill_logprobs(accelerator, model, datums, config, "teacher_logprobs", pad_token_id=pad_token_id)
 
 
 def old_logprobs(

@@ -193,6 +193,13 @@ class AdvantageInput:
     datum's tokens before the turn's first sampled token); two turns share an id exactly when those token prefixes
     are equal (ids are interned over the estimator's batch). -1 elsewhere. For step-level groups of turns taken from
     the same state (GiGPO's anchor states); None unless the estimator ``needs_turn_ids``."""
+    behaviour_logprobs: torch.Tensor | None = None
+    """``(N, T)`` float64, aligned with ``action_mask``: the log-prob the sampler drew each action token with (the
+    student's, in on-policy distillation), 0 elsewhere. With ``teacher_logprobs``, for an estimator that
+    ``needs_teacher_logprobs``; None otherwise."""
+    teacher_logprobs: torch.Tensor | None = None
+    """``(N, T)`` float64: the teacher's log-prob of each action token at the sampling temperature
+    (``Datum.teacher_logprobs``), 0 elsewhere; None unless the estimator ``needs_teacher_logprobs``."""
 
 
 @dataclass

@@ -385,6 +385,10 @@ class Datum:
     ref_logprobs: list[float] | None = None
     """Reference-model log-prob of ``target_ids[t]`` (same temperature as the behaviour ones), filled
     once per rollout batch when a reference KL is on; None otherwise."""
+    teacher_logprobs: list[float] | None = None
+    """The teacher's log-prob of ``target_ids[t]`` (same temperature as the behaviour ones) where
+    ``action_mask[t] == 1``, 0.0 elsewhere; filled once per rollout batch when the run has a teacher
+    (``teacher_model_name_or_path``: on-policy distillation); None otherwise."""
     old_logprobs: list[float] | None = None
     """The trainer's own log-prob of ``target_ids[t]`` under the sampling weights (a no-grad forward
     before the first update on the batch), filled when the sampler/trainer mismatch correction applies:

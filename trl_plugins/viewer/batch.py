@@ -91,7 +91,7 @@ def _datum_to_dict(d: Datum) -> dict:
         "group_id": d.group_id,
         "bootstrap_mask": d.bootstrap_mask,
     }
-    for name in ("ref_logprobs", "old_logprobs", "old_values", "returns"):
+    for name in ("ref_logprobs", "teacher_logprobs", "old_logprobs", "old_values", "returns"):
         value = getattr(d, name)
         if value is not None:
             out[name] = _floats(value)

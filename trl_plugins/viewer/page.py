@@ -193,12 +193,14 @@ def _token_spans(t: Mapping[str, Any]) -> str:
         cls = f"tok s-{src} m{mask}{nl}"
         if mask:
             cls += " a-pos" if (adv or 0) > 0 else " a-neg" if (adv or 0) < 0 else " a-zero"
-        ref = d.get("ref_logprobs")
+        ref, teacher = d.get("ref_logprobs"), d.get("teacher_logprobs")
+        taught = f" | teacher log-prob {_fmt(teacher[k], '.4f')}" if teacher is not None and mask else ""
         title = (
-            f"#{k} {src} | mask {mask} | log-prob {_fmt(lp, '.4f') if mask else 'n/a'} | "
+            f"#{k} {src} | mask {mask} | log-prob {_fmt(lp, '.4f') if mask else 'n/a'}{taught} | "
             f"advantage {_fmt(adv, '+.4f') if mask else '0'} | id {tok_id}"
         )
         extra = f' data-ref="{_num(ref[k])}"' if ref is not None else ""
+        extra += f' data-teacher="{_num(teacher[k])}"' if teacher is not None else ""
         parts.append(
             f'<span class="{cls}" data-pos="{pos}" data-index="{k}" data-source="{src}" data-mask="{mask}" '
             f'data-logprob="{_num(lp)}" data-adv="{_num(adv)}" data-id="{tok_id}"{extra} '

@@ -19,11 +19,20 @@ from typing import Any
 
 from trl_plugins.run.settings.async_rollouts import AsyncRollouts
 from trl_plugins.run.settings.critic import Critic
+from trl_plugins.run.settings.distillation import Distillation
 from trl_plugins.run.settings.dynamic_sampling import DynamicSampling
 from trl_plugins.run.settings.long_trajectories import LongTrajectories
 from trl_plugins.run.settings.mismatch_correction import MismatchCorrection
 
-__all__ = ["Features", "AsyncRollouts", "Critic", "DynamicSampling", "LongTrajectories", "MismatchCorrection"]
+__all__ = [
+    "Features",
+    "AsyncRollouts",
+    "Critic",
+    "Distillation",
+    "DynamicSampling",
+    "LongTrajectories",
+    "MismatchCorrection",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,8 @@ class Features:
     """The sampler/trainer mismatch correction (TRL's ``vllm_importance_sampling_correction``, on by default)."""
     long_trajectories: LongTrajectories = LongTrajectories()
     """The chunked output head (always on) and sequence parallelism."""
+    distillation: Distillation | None = None
+    """On-policy distillation's teacher (``teacher_model_name_or_path``)."""
 
     @property
     def decoupled(self) -> bool:

@@ -1,0 +1,189 @@
+"""On-policy distillation: the teacher's per-token signal (hand-computed), the opd estimator's weights, the datums'
+teacher log-probs against a direct forward of the teacher, zero on prompt/tool/template tokens, and the start-up
+refusals (no teacher, a teacher nothing reads, another tokenizer, a teacher that cannot load)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from support.trainer import TokenReward, tiny_config, tiny_dataset
+from trl_plugins.algos import OnPolicyDistillationAdvantage, teacher_advantages
+from trl_plugins.contracts import check_advantage_contract, make_trajectory
+from trl_plugins.datum import build_datum
+from trl_plugins.pipeline.batch import assign_advantages
+from trl_plugins.protocols import as_advantage
+from trl_plugins.tiny import build_tiny_model, build_tokenizer
+from trl_plugins.types import AdvantageInput, TokenSource
+
+
+def test_the_teacher_signal_is_the_negative_reverse_kl_estimate_per_action_token():
+    behaviour = torch.tensor([[-1.0, -0.5, -2.0, -0.1, -3.0]])
+    teacher = torch.tensor([[-0.2, -9.0, -1.0, -0.3, -0.5]])
+    mask = torch.tensor([[1, 0, 1, 1, 0]])
+    out = teacher_advantages(behaviour, teacher, mask)
+    assert out[0].tolist() == pytest.approx([0.8, 0.0, 1.0, -0.2, 0.0])
+    # Discounted over the following action tokens of the row: gamma per action token, other tokens skipped.
+    out = teacher_advantages(behaviour, teacher, mask, discount=0.5)
+    assert out[0].tolist() == pytest.approx([0.8 + 0.5 * (1.0 + 0.5 * -0.2), 0.0, 1.0 + 0.5 * -0.2, -0.2, 0.0])
+
+
+def test_opd_weighs_the_group_advantage_and_the_teacher_signal():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = (torch.rand(4, 6, generator=g) < 0.7).double()
+    behaviour, teacher = -torch.rand(4, 6, generator=g).double(), -torch.rand(4, 6, generator=g).double() * 2
+    inp = AdvantageInput(
+        rewards=rewards,
+        group_ids=groups,
+        action_mask=mask,
+        behaviour_logprobs=behaviour * mask,
+        teacher_logprobs=teacher * mask,
+    )
+    est = OnPolicyDistillationAdvantage(coef=0.3, reward_weight=2.0)
+    adv = est(inp).advantages
+    group = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / (0.5**0.5 + 1e-6)  # unbiased std of {1, 0}
+    expected = (2.0 * group[:, None] + 0.3 * (teacher - behaviour)) * mask
+    assert torch.allclose(adv, expected, atol=1e-6)
+    metrics = est.step_metrics()
+    kl = ((behaviour - teacher) * mask).sum() / mask.sum()
+    assert metrics["teacher_kl"] == pytest.approx(float(kl))
+    assert est.step_metrics() == {}  # read once per step
+    # Declarations follow the weights: plain OPD compares no group; coef 0 (plain RL) asks no teacher forward.
+    plugin = as_advantage(OnPolicyDistillationAdvantage(reward_weight=0.0), "opd")
+    assert plugin.needs_teacher_logprobs and not plugin.needs_groups
+    plugin = as_advantage(OnPolicyDistillationAdvantage(coef=0.0), "opd")
+    assert not plugin.needs_teacher_logprobs and plugin.needs_groups
+    with pytest.raises(ValueError, match="not both 0"):
+        OnPolicyDistillationAdvantage(coef=0.0, reward_weight=0.0)
+    check_advantage_contract("opd")
+
+
+def test_prompt_tool_output_and_template_tokens_carry_exactly_zero():
+    rng = random.Random(3)
+    trajs = [make_trajectory(rng, num_turns=3, group_id=0, sample_index=i) for i in range(2)]
+    datums = [build_datum(t) for t in trajs]
+    for i, d in enumerate(datums):
+        d.trajectory_index = i
+        d.teacher_logprobs = [(-0.25 * (k % 5)) if m else 0.0 for k, m in enumerate(d.action_mask)]
+    est = as_advantage(OnPolicyDistillationAdvantage(reward_weight=0.0), "opd")
+    assign_advantages(est, trajs, datums)
+    for d in datums:
+        assert {TokenSource.PROMPT, TokenSource.OBSERVATION, TokenSource.GLUE} <= set(d.sources) and any(d.action_mask)
+        for a, m, b, t in zip(d.advantages, d.action_mask, d.behaviour_logprobs, d.teacher_logprobs):
+            assert a == (pytest.approx(t - b) if m else 0.0)
+
+
+def _save_teacher(tmp_path, tok, seed=1):
+    path = tmp_path / "teacher"
+    build_tiny_model(tok, seed=seed).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _trainer(tmp_path, tok, **overrides):
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    torch.manual_seed(0)
+    return MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        tiny_config(tmp_path / "out", **overrides),
+        train_dataset=tiny_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
+
+
+def test_a_distilled_run_trains_on_the_teachers_logprobs_of_the_sampled_tokens(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tokenizer("qwen2_5")
+    teacher_path = _save_teacher(tmp_path, tok)
+    trainer = _trainer(
+        tmp_path,
+        tok,
+        teacher_model_name_or_path=teacher_path,
+        advantage="opd",
+        advantage_kwargs={"reward_weight": 0.0},
+        temperature=0.7,
+        viewer_steps=2,
+        viewer_trajectories=2,
+    )
+    trainer.train()
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+        if "reward/total" in line
+    ]
+    assert len(records) == 2 and all(r["timing/teacher_forward_s"] > 0 for r in records)
+    # Another model (seed 1; near-uniform as tiny random models are): far more than the float noise (~1e-6) of one.
+    assert all(r["advantage/teacher_kl"] > 0.01 for r in records) and records[0]["train/update_skipped"] == 0.0
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path).eval()
+    datums = trainer.last_batch.datums
+    assert datums
+    for d in datums:
+        with torch.no_grad():
+            logits = teacher(input_ids=torch.tensor([d.input_ids])).logits[0].double() / 0.7
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(d.target_ids)[:, None])[:, 0]
+        for k, m in enumerate(d.action_mask):
+            if m:
+                assert d.teacher_logprobs[k] == pytest.approx(float(lp[k]), abs=2e-4)
+                assert d.advantages[k] == pytest.approx(d.teacher_logprobs[k] - d.behaviour_logprobs[k], abs=1e-6)
+            else:
+                assert d.teacher_logprobs[k] == 0.0 and d.advantages[k] == 0.0
+    # The saved batch keeps them and the viewer's page shows them on hover.
+    from trl_plugins.viewer import datum_from_dict, load_batch
+
+    out = tmp_path / "out" / "trajectories"
+    saved = load_batch(out / "step-000002.json")["trajectories"][0]["datum"]
+    by_index = {d.trajectory_index: d for d in datums}
+    assert datum_from_dict(saved).teacher_logprobs == by_index[saved["trajectory_index"]].teacher_logprobs
+    page = (out / "step-000002.html").read_text()
+    assert "data-teacher=" in page and "teacher log-prob" in page
+    # The teacher is frozen: its weights after training are the saved ones.
+    saved = dict(teacher.named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in trainer._teacher.named_parameters())
+
+
+def test_opd_without_a_teacher_and_a_teacher_nothing_reads_are_refused_naming_the_setting(tmp_path):
+    from trl_plugins.run import resolve_run
+
+    with pytest.raises(ValueError, match="set teacher_model_name_or_path"):
+        resolve_run(tiny_config(tmp_path, advantage="opd"), reward_components={"length": TokenReward()})
+    with pytest.raises(ValueError, match="read by nothing.*advantage='opd'"):
+        resolve_run(
+            tiny_config(tmp_path, teacher_model_name_or_path=str(tmp_path)), reward_components={"length": TokenReward()}
+        )
+    with pytest.raises(ValueError, match="teacher_model_name_or_path is empty"):
+        tiny_config(tmp_path, teacher_model_name_or_path=" ")
+
+
+def test_a_teacher_with_another_tokenizer_or_none_at_all_is_refused_at_start_up(tmp_path):
+    from trl_plugins.trainers.teacher import tokenizer_difference
+
+    tok = build_tokenizer("qwen2_5")
+    other_template = build_tokenizer("llama3")
+    assert tokenizer_difference(tok, other_template) is not None
+    # Same vocabulary, a template that renders a tool call differently: found token by token, with both texts.
+    edited = build_tokenizer("qwen2_5")
+    edited.chat_template = edited.chat_template.replace("<tool_call>\\n", "<tool_call>\\n\\n")
+    assert edited.chat_template != tok.chat_template
+    difference = tokenizer_difference(tok, edited)
+    assert "render a conversation with a tool call differently from token" in difference
+    bigger = build_tokenizer("qwen2_5")
+    bigger.add_tokens(["<extra>"])
+    assert "vocabularies differ in size" in tokenizer_difference(tok, bigger)
+    assert tokenizer_difference(tok, build_tokenizer("qwen2_5")) is None
+
+    path = tmp_path / "teacher-llama"
+    build_tiny_model(other_template, seed=1).save_pretrained(path)
+    other_template.save_pretrained(path)
+    kwargs = dict(teacher_model_name_or_path=str(path), advantage="opd", advantage_kwargs={"reward_weight": 0.0})
+    with pytest.raises(ValueError, match="does not share the student's tokenizer.*cross-tokenizer"):
+        _trainer(tmp_path, tok, **kwargs)
+    with pytest.raises(ValueError, match="cannot load its tokenizer"):
+        _trainer(tmp_path, tok, **{**kwargs, "teacher_model_name_or_path": str(tmp_path / "missing")})

@@ -1,0 +1,117 @@
+"""On-policy distillation's teacher on the trainer side: its tokenizer checked against the student's at start-up,
+then the model loaded once and placed as TRL places its reference model (a frozen copy per rank under DDP, sharded
+under ZeRO-3), for a no-gradient forward over each rollout batch's datums
+(:func:`~trl_plugins.trainers.update.teacher_logprobs`). The signal it feeds is the ``opd`` advantage estimator.
+
+Cross-tokenizer distillation (a teacher with another vocabulary or chat format) is out of scope: it is refused."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from trl_plugins.run.settings import Distillation
+
+__all__ = ["SAMPLE_CONVERSATION", "tokenizer_difference", "load_teacher"]
+
+SAMPLE_CONVERSATION: tuple[Mapping[str, Any], ...] = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 17 * 23? Use the tool."},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(17 * 23)"}}}
+        ],
+    },
+    {"role": "tool", "name": "code_interpreter", "content": "391"},
+    {"role": "assistant", "content": "17 * 23 = \\boxed{391}."},
+)
+"""What both tokenizers render and encode for the check: a conversation with a tool call and its output."""
+
+
+def _render(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> list[int] | None:
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    ids = tokenizer.apply_chat_template(
+        list(SAMPLE_CONVERSATION), tools=list(tools) or None, tokenize=True, return_dict=False
+    )
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+
+def tokenizer_difference(student: Any, teacher: Any, tools: Sequence[Mapping[str, Any]] = ()) -> str | None:
+    """What differs between the student's and the teacher's tokenizers, in one sentence, or None: the vocabulary
+    (size, then the first token of another id), the special tokens, then the chat template's render of
+    :data:`SAMPLE_CONVERSATION` (with ``tools``), token by token."""
+    a, b = student.get_vocab(), teacher.get_vocab()
+    if len(a) != len(b):
+        return f"the vocabularies differ in size: {len(a)} (student) vs {len(b)} (teacher)"
+    if a != b:
+        token = min((t for t in a if a[t] != b.get(t)), key=lambda t: a[t])
+        return f"token {token!r} is id {a[token]} for the student and {b.get(token)} for the teacher"
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        mine, theirs = getattr(student, name, None), getattr(teacher, name, None)
+        if mine != theirs:
+            return f"{name} is {mine} for the student, {theirs} for the teacher"
+    s, t = _render(student, tools), _render(teacher, tools)
+    if (s is None) != (t is None):
+        return f"only the {'student' if t is None else 'teacher'} has a chat template"
+    if s is not None and s != t:
+        i = next((k for k, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
+        shown = [repr(student.decode(ids[i : i + 1])) if i < len(ids) else "(end)" for ids in (s, t)]
+        return (
+            f"their chat templates render a conversation with a tool call differently from token {i}: "
+            f"{shown[0]} (student) vs {shown[1]} (teacher)"
+        )
+    return None
+
+
+def load_teacher(
+    settings: Distillation,
+    accelerator: Any,
+    *,
+    tokenizer: Any,
+    tools: Sequence[Mapping[str, Any]],
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    deepspeed: bool,
+) -> torch.nn.Module:
+    """The teacher, checked and placed: its tokenizer against the student's (:func:`tokenizer_difference`), then its
+    weights loaded in the policy's dtype with dropout off and no gradients, prepared like TRL's reference model.
+
+    Raises:
+        ValueError: the teacher's tokenizer differs from the student's, or the teacher cannot be loaded (both name
+            ``teacher_model_name_or_path``).
+    """
+    from transformers import AutoTokenizer
+    from trl.models import prepare_deepspeed
+    from trl.trainer.utils import create_model_from_path
+
+    from trl_plugins.modeling.dropout import disable_dropout
+
+    path = settings.teacher
+    try:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"teacher_model_name_or_path={path!r}: cannot load its tokenizer ({exc}).") from exc
+    difference = tokenizer_difference(tokenizer, teacher_tokenizer, tools)
+    if difference is not None:
+        raise ValueError(
+            f"teacher_model_name_or_path={path!r} does not share the student's tokenizer: {difference}. "
+            f"Distillation here compares log-probs token by token, so the teacher must use the student's tokenizer "
+            f"and chat template (cross-tokenizer distillation is not supported)."
+        )
+    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": None}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = create_model_from_path(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"teacher_model_name_or_path={path!r}: cannot load the teacher ({exc}).") from exc
+    disable_dropout(model)
+    model.eval()
+    model.requires_grad_(False)
+    if deepspeed:
+        return prepare_deepspeed(model, accelerator)
+    return accelerator.prepare_model(model, evaluation_mode=True)
