@@ -346,6 +346,7 @@ def run(args: argparse.Namespace) -> None:
                     "weights_digests": sorted(
                         {str(t.policy_version.weights_digest) for t in trainer.last_batch.trajectories}
                     ),
+                    "teacher_version": trainer.run.version.plugin_versions.get("teacher"),
                 }
             )
         )

@@ -144,6 +144,10 @@ def test_a_distilled_run_trains_on_the_teachers_logprobs_of_the_sampled_tokens(t
     assert datum_from_dict(saved).teacher_logprobs == by_index[saved["trajectory_index"]].teacher_logprobs
     page = (out / "step-000002.html").read_text()
     assert "data-teacher=" in page and "teacher log-prob" in page
+    # The run's version names the teacher (its path and weights), so a saved batch names where its log-probs came from.
+    from trl_plugins.rollout.weights import weights_digest
+
+    assert trainer.run.version.plugin_versions["teacher"] == f"{teacher_path} weights {weights_digest(teacher)}"
     # The teacher is frozen: its weights after training are the saved ones.
     saved = dict(teacher.named_parameters())
     assert all(torch.equal(p, saved[n]) for n, p in trainer._teacher.named_parameters())

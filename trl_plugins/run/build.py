@@ -157,11 +157,12 @@ class Run:
         )
         return self.chat
 
-    def bind_version(self, model: Any) -> RunVersion:
+    def bind_version(self, model: Any, others: Mapping[str, str | None] | None = None) -> RunVersion:
         """Record the run-level policy version of ``model`` (its dtype, quantization and adapters), the chat format,
-        the sampler, the tool schemas and the version of every reward component, tool and the rollout
-        (:func:`~trl_plugins.run.version.run_version`); once, after :meth:`bind_tokenizer`. Every trajectory the
-        run rolls out refers to it by digest (``PolicyVersion.run_digest``)."""
+        the sampler, the tool schemas and the version of every reward component, tool and the rollout, plus
+        ``others`` (a distillation teacher's) (:func:`~trl_plugins.run.version.run_version`); once, after
+        :meth:`bind_tokenizer`. Every trajectory the run rolls out refers to it by digest
+        (``PolicyVersion.run_digest``)."""
         if self.chat is None:
             raise ValueError("bind_tokenizer() first: the version records the chat format's digest.")
         if self.version is None:
@@ -175,6 +176,7 @@ class Run:
                 rewards=self.rewards,
                 tools=self.tools,
                 rollout=self.rollout,
+                others=others,
             )
         return self.version
 

@@ -141,6 +141,7 @@ def run_version(
     rewards: Sequence[Any] = (),
     tools: Mapping[str, Any] | None = None,
     rollout: Any = None,
+    others: Mapping[str, str | None] | None = None,
 ) -> RunVersion:
     """The run-level record of a run whose policy is ``model`` (unwrapped or not; PEFT adapters read from it).
 
@@ -152,6 +153,8 @@ def run_version(
         rewards: The reward components (each with ``name``).
         tools: The tools by the name the model calls them.
         rollout: The rollout plugin (the environment; with ``name``), None: not recorded.
+        others: More versioned parts of the run by key, recorded beside the plugins' (``"teacher"``: on-policy
+            distillation's teacher, its path and weights digest).
     """
     inner = getattr(model, "module", model)
     params = next(iter(inner.parameters()), None) if isinstance(inner, torch.nn.Module) else None
@@ -170,6 +173,7 @@ def run_version(
         versions.update(plugin_versions(f"tool/{name}", t))
     if rollout is not None:
         versions.update(plugin_versions(f"rollout/{rollout.name}", rollout))
+    versions.update(others or {})
     return RunVersion(
         tokenizer_digest=tokenizer_digest,
         dtype=str(params.dtype).removeprefix("torch.") if params is not None else "",

@@ -55,7 +55,7 @@ from trl_plugins.trainers.model_card import name_local_base_model, name_quick_st
 from trl_plugins.trainers.phases import StepBatch, StepRunner
 from trl_plugins.trainers.resilience import Resilient
 from trl_plugins.trainers.sequence_parallel import setup_sequence_parallel
-from trl_plugins.trainers.teacher import load_teacher
+from trl_plugins.trainers.teacher import load_teacher, teacher_version
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
 
@@ -147,7 +147,6 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
             peft_config=peft_config,
         )
         run.bind_tokenizer(self.processing_class)
-        run.bind_version(self.model)  # after TRL's PEFT wrap: the adapter set is on the model now
         self._teacher = None  # on-policy distillation: the teacher, checked against the student and placed once
         if args.features.distillation is not None:
             unwrapped = self.accelerator.unwrap_model(self.model)
@@ -160,6 +159,8 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                 attn_implementation=getattr(unwrapped.config, "_attn_implementation", None),
                 deepspeed=self.is_deepspeed_enabled,
             )
+        # After TRL's PEFT wrap (the adapter set is on the model now), with the teacher's identity when there is one.
+        run.bind_version(self.model, teacher_version(args.features.distillation, self._teacher))
         if args.disable_dropout:  # TRL's disable_dropout_in_model sets nn.Dropout only, not attention dropout
             for module in (self.model, self.ref_model, critic):
                 if module is not None:

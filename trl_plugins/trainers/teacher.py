@@ -13,7 +13,7 @@ import torch
 
 from trl_plugins.run.settings import Distillation
 
-__all__ = ["SAMPLE_CONVERSATION", "tokenizer_difference", "load_teacher"]
+__all__ = ["SAMPLE_CONVERSATION", "tokenizer_difference", "load_teacher", "teacher_version"]
 
 SAMPLE_CONVERSATION: tuple[Mapping[str, Any], ...] = (
     {"role": "system", "content": "You are a helpful assistant."},
@@ -115,3 +115,15 @@ def load_teacher(
     if deepspeed:
         return prepare_deepspeed(model, accelerator)
     return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def teacher_version(settings: Distillation | None, model: Any) -> dict[str, str | None]:
+    """What the run's version records of its teacher: ``{"teacher": "<path> weights <digest>"}`` (the sample digest
+    of :func:`~trl_plugins.rollout.weights.weights_digest`, each ZeRO-3 shard gathered in turn, every rank alike), so
+    a saved batch names the teacher its log-probs came from and another teacher is a named difference; ``{}`` without
+    one."""
+    if settings is None or model is None:
+        return {}
+    from trl_plugins.rollout.weights import weights_digest
+
+    return {"teacher": f"{settings.teacher} weights {weights_digest(model, gather_each=True)}"}
