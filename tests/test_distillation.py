@@ -53,6 +53,14 @@ def test_opd_weighs_the_group_advantage_and_the_teacher_signal():
     kl = ((behaviour - teacher) * mask).sum() / mask.sum()
     assert metrics["teacher_kl"] == pytest.approx(float(kl))
     assert est.step_metrics() == {}  # read once per step
+    # Its other settings reach their parts: the discount the teacher's signal, scale_by_std the group advantage.
+    est = OnPolicyDistillationAdvantage(coef=0.3, reward_weight=2.0, discount=0.5, scale_by_std=False)
+    centred = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64)[:, None] * mask
+    discounted = teacher_advantages(behaviour * mask, teacher * mask, mask, discount=0.5)
+    assert torch.allclose(est(inp).advantages, 2.0 * centred + 0.3 * discounted, atol=1e-9)
+    assert not torch.allclose(discounted, (teacher - behaviour) * mask)
+    with pytest.raises(ValueError, match="discount is a factor in"):
+        OnPolicyDistillationAdvantage(discount=1.5)
     # Declarations follow the weights: plain OPD compares no group; coef 0 (plain RL) asks no teacher forward.
     plugin = as_advantage(OnPolicyDistillationAdvantage(reward_weight=0.0), "opd")
     assert plugin.needs_teacher_logprobs and not plugin.needs_groups
