@@ -199,3 +199,204 @@ def test_a_teacher_with_another_tokenizer_or_none_at_all_is_refused_at_start_up(
         _trainer(tmp_path, tok, **kwargs)
     with pytest.raises(ValueError, match="cannot load its tokenizer"):
         _trainer(tmp_path, tok, **{**kwargs, "teacher_model_name_or_path": str(tmp_path / "missing")})
+
+
+# -- the generalised JSD loss (policy_loss 'jsd') against TRL 1.16's DistillationTrainer --------------------------------
+
+
+def _jsd_setup(tiny_model_factory, *, n=6, seed=5, shared=False):
+    from conftest import tiny_qwen2  # noqa: F401  (the student's build; the teacher is the same shape, reseeded)
+
+    student = tiny_model_factory(torch.float32)
+    teacher = tiny_model_factory(torch.float32)
+    with torch.no_grad():  # another model, far enough from the student that every divergence is well above noise
+        g = torch.Generator().manual_seed(11)
+        for p in teacher.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 200) for _ in range(9)] if shared else None
+    datums = [
+        build_datum(
+            make_trajectory(rng, num_turns=rng.randint(2, 3), prompt=prompt),
+            advantage=rng.choice([-1.0, 0.0, 1.0]),
+            trajectory_index=i,
+        )
+        for i in range(n)
+    ]
+    return student, teacher, datums
+
+
+def _jsd_update(student, teacher, datums, loss, **settings):
+    from accelerate import Accelerator
+
+    from support.settings import update_settings
+    from trl_plugins.trainers.update import policy_update
+
+    config = update_settings(
+        **{
+            "aggregation": "token_mean",
+            "packer": "optimal",
+            "max_items_per_micro_batch": 2,
+            "max_padded_tokens_per_micro_batch": 400,
+            "rebalance_ranks": False,
+            "norm_length": None,
+            "temperature": 1.0,
+            "max_grad_norm": None,
+            "drop_zero_advantage": True,
+            "padding_free": False,
+            **settings,
+        }
+    )
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(student, optimizer)
+    result = policy_update(
+        accelerator, model, optimizer, datums, loss, config, pad_token_id=0, step_optimizer=False, teacher=teacher
+    )
+    return result, {n: p.grad.clone() for n, p in student.named_parameters()}
+
+
+def _trl_jsd(student, teacher, datums, *, beta, temperature):
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from trl_plugins.datum import collate
+
+    full = collate(datums, list(range(len(datums))), pad_token_id=0)
+    student.zero_grad(set_to_none=True)
+    hidden = student.model(input_ids=full.input_ids, attention_mask=full.attention_mask).last_hidden_state
+    with torch.no_grad():
+        teacher_hidden = teacher.model(input_ids=full.input_ids, attention_mask=full.attention_mask).last_hidden_state
+    mask = full.action_mask  # TRL's completion_mask x tool_mask: the sampled tokens (see the test below)
+    loss, _, _ = _chunked_divergence_loss(
+        hidden,
+        teacher_hidden,
+        student.lm_head.weight,
+        teacher.lm_head.weight,
+        mask,
+        beta,
+        num_items_in_batch=int(mask.sum()),
+        temperature=temperature,
+    )
+    loss.backward()
+    return float(loss), {n: p.grad.clone() for n, p in student.named_parameters()}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_jsd_loss_and_its_gradient_equal_trls_chunked_divergence_loss(tiny_model_factory, beta, temperature):
+    import copy
+
+    from trl_plugins.algos import GeneralizedJSDLoss
+
+    student, teacher, datums = _jsd_setup(tiny_model_factory)
+    trl_student = copy.deepcopy(student)
+    # drop_zero_advantage is on: a datum with advantage 0 still carries its divergence, so it is forwarded.
+    result, grads = _jsd_update(student, teacher, datums, GeneralizedJSDLoss(beta=beta), temperature=temperature)
+    want, want_grads = _trl_jsd(trl_student, teacher, datums, beta=beta, temperature=temperature)
+    assert want > 1e-3 and result.num_forwarded == len(datums)
+    assert result.loss == pytest.approx(want, rel=1e-5)
+    for name, g in want_grads.items():
+        scale = float(g.abs().max())
+        assert scale > 0 or "teacher" in name
+        assert float((grads[name] - g).abs().max()) <= 1e-5 * max(scale, 1e-6), name
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "shared_prefix"])
+def test_the_jsd_loss_is_the_same_in_every_micro_batch_layout_and_aggregation(tiny_model_factory, layout):
+    import copy
+
+    from trl_plugins.algos import GeneralizedJSDLoss, aggregate
+    from trl_plugins.datum import collate
+    from trl_plugins.modeling import micro_batch_logprobs_and_divergence
+
+    student, teacher, datums = _jsd_setup(tiny_model_factory, shared=layout == "shared_prefix")
+    padded = copy.deepcopy(student)
+    loss = GeneralizedJSDLoss(beta=0.5)
+    # Three rows a micro-batch: a packed row's positions then differ from the padded ones from the third row on.
+    settings = {"temperature": 0.7, "aggregation": "seq_mean_token_mean", "max_items_per_micro_batch": 3, layout: True}
+    result, grads = _jsd_update(student, teacher, datums, loss, **settings)
+    assert loss.step_metrics()["teacher_divergence"] > 1e-3
+    want, want_grads = _jsd_update(padded, teacher, datums, loss, **{**settings, layout: False})
+    assert result.loss == pytest.approx(want.loss, rel=1e-5)
+    for name, g in want_grads.items():
+        assert float((grads[name] - g).abs().max()) <= 1e-5 * max(float(g.abs().max()), 1e-6), name
+    # By hand: the per-token divergence (exactly 0 on prompt, tool-output and glue tokens), averaged per sequence.
+    full = collate(datums, list(range(len(datums))), pad_token_id=0)
+    with torch.no_grad():
+        _, _, per_token = micro_batch_logprobs_and_divergence(
+            padded, teacher, full, "cpu", beta=0.5, temperature=0.7, needed=full.action_mask
+        )
+    action = full.action_mask.bool()
+    assert bool((per_token[action] > 0).all()) and bool((per_token[~action] == 0).all())
+    by_hand = aggregate(per_token, full.action_mask, "seq_mean_token_mean", num_tokens=1, num_sequences=len(datums))
+    assert want.loss == pytest.approx(float(by_hand), rel=1e-5)
+
+
+def test_the_jsd_loss_adds_the_ppo_term_by_its_weight_and_is_refused_where_it_cannot_run(tiny_model_factory, tmp_path):
+    import copy
+
+    from trl_plugins.algos import GeneralizedJSDLoss, PPOClipLoss
+    from trl_plugins.protocols import as_policy_loss
+    from trl_plugins.run import resolve_run
+
+    student, teacher, datums = _jsd_setup(tiny_model_factory)
+    copies = [copy.deepcopy(student) for _ in range(2)]
+    both, grads = _jsd_update(student, teacher, datums, GeneralizedJSDLoss(rl_weight=0.5))
+    jsd, jsd_grads = _jsd_update(copies[0], teacher, datums, GeneralizedJSDLoss())
+    ppo, ppo_grads = _jsd_update(copies[1], teacher, datums, PPOClipLoss())
+    assert both.loss == pytest.approx(jsd.loss + 0.5 * ppo.loss, rel=1e-5, abs=1e-7)
+    for name, g in grads.items():
+        want = jsd_grads[name] + 0.5 * ppo_grads[name]
+        assert float((g - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-6), name
+    # Declarations: the divergence's beta; a zero-advantage datum still counts.
+    plugin = as_policy_loss(GeneralizedJSDLoss(beta=0.25), "jsd")
+    assert plugin.teacher_divergence == 0.25 and plugin.per_token_terms
+    assert as_policy_loss(PPOClipLoss(), "ppo_clip").teacher_divergence is None
+    with pytest.raises(ValueError, match="0 <= beta <= 1"):
+        GeneralizedJSDLoss(beta=1.5)
+    rewards = {"length": TokenReward()}
+    with pytest.raises(ValueError, match="policy_loss 'jsd' distils.*set teacher_model_name_or_path"):
+        resolve_run(tiny_config(tmp_path, policy_loss="jsd"), reward_components=rewards)
+    with pytest.raises(ValueError, match="read by nothing.*policy_loss='jsd'"):
+        resolve_run(tiny_config(tmp_path, teacher_model_name_or_path=str(tmp_path)), reward_components=rewards)
+    with pytest.raises(ValueError, match="does not run under sequence parallelism yet: set sequence_parallel_size=1"):
+        resolve_run(
+            tiny_config(
+                tmp_path, policy_loss="jsd", teacher_model_name_or_path=str(tmp_path), sequence_parallel_size=2
+            ),
+            reward_components=rewards,
+        )
+
+
+def test_a_jsd_run_forwards_its_teacher_in_the_update_and_refuses_what_it_cannot_run(tmp_path, monkeypatch):
+    from trl_plugins.trainers.teacher import check_divergence_models
+
+    tok = build_tokenizer("qwen2_5")
+    trainer = _trainer(
+        tmp_path,
+        tok,
+        teacher_model_name_or_path=_save_teacher(tmp_path, tok),
+        policy_loss="jsd",
+        policy_loss_kwargs={"beta": 0.5},
+        temperature=0.7,
+        max_steps=1,
+    )
+    trainer.train()
+    (record,) = [
+        json.loads(line)
+        for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+        if "reward/total" in line
+    ]
+    # The divergence is computed in the update's micro-batches: no teacher phase before it, no teacher log-probs.
+    assert record["policy_loss/teacher_divergence"] > 0.01 and record["train/update_skipped"] == 0.0
+    assert "timing/teacher_forward_s" not in record
+    assert all(d.teacher_logprobs is None for d in trainer.last_batch.datums)
+    # Where it does not run, refused at start-up naming what to use instead.
+    student, teacher = trainer.accelerator.unwrap_model(trainer.model), trainer._teacher
+    teacher.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="the teacher's logits are more than its output head's.*advantage='opd'"):
+        check_divergence_models(trainer.run.policy_loss, student, teacher)
+    teacher.config.final_logit_softcapping = None
+    monkeypatch.setattr("transformers.integrations.deepspeed.is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(ValueError, match="does not run under DeepSpeed ZeRO-3 yet: use DDP or ZeRO-2"):
+        check_divergence_models(trainer.run.policy_loss, student, teacher)

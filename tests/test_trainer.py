@@ -245,6 +245,20 @@ def test_pinned_trl_surface():
         Trainer.__init__
     )
     assert "self.training_bar.write(" in inspect.getsource(ProgressCallback.on_log) and PrinterCallback.on_log
+    # The jsd loss runs TRL's divergence kernel itself (trl.kernels, not exported): its positional arguments as called.
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    assert list(inspect.signature(ChunkedDivergenceFunction.forward).parameters)[:9] == [
+        "ctx",
+        "student_hidden",
+        "student_weight",
+        "student_bias",
+        "teacher_hidden",
+        "teacher_weight",
+        "teacher_bias",
+        "beta",
+        "temperature",
+    ]
 
 
 def test_resume_from_checkpoint_reproduces_the_next_step(tmp_path):

@@ -21,7 +21,14 @@ from trl_plugins.algos.advantages import (
 )
 from trl_plugins.algos.aggregation import aggregate, local_denominators
 from trl_plugins.algos.dynamic_sampling import choose_groups, draw_rows, informative_groups, rank_share, refill_size
-from trl_plugins.algos.losses import PPOClipLoss, clipped_value_loss, kl_estimate, kl_gradient_problem, ppo_clip_loss
+from trl_plugins.algos.losses import (
+    GeneralizedJSDLoss,
+    PPOClipLoss,
+    clipped_value_loss,
+    kl_estimate,
+    kl_gradient_problem,
+    ppo_clip_loss,
+)
 from trl_plugins.algos.mismatch import importance_weights
 from trl_plugins.algos.span_losses import GSPOLoss, TurnPPOLoss, span_ratio_loss
 from trl_plugins.algos.stats import importance_ratios, quantiles
@@ -47,6 +54,7 @@ __all__ = [
     "rank_share",
     "refill_size",
     "PPOClipLoss",
+    "GeneralizedJSDLoss",
     "clipped_value_loss",
     "kl_estimate",
     "kl_gradient_problem",

@@ -20,7 +20,15 @@ from trl_plugins.types import (
     ValueLossOutput,
 )
 
-__all__ = ["ppo_clip_loss", "clip_stats", "clipped_value_loss", "kl_estimate", "kl_gradient_problem", "PPOClipLoss"]
+__all__ = [
+    "ppo_clip_loss",
+    "clip_stats",
+    "clipped_value_loss",
+    "kl_estimate",
+    "kl_gradient_problem",
+    "PPOClipLoss",
+    "GeneralizedJSDLoss",
+]
 
 
 def kl_estimate(
@@ -338,3 +346,87 @@ class PPOClipLoss:
                 raise ValueError("ppo_clip with entropy_coef > 0 needs per-token entropy on the input.")
             loss = loss - self.entropy_coef * torch.where(on, inp.entropy, torch.zeros_like(inp.entropy))
         return PolicyLossOutput(per_token_loss=loss, stats=out.stats)
+
+
+@POLICY_LOSSES.register("jsd")
+@dataclass
+class GeneralizedJSDLoss:
+    """On-policy distillation's loss: the generalised Jensen-Shannon divergence between the student's and the
+    teacher's next-token distributions over the whole vocabulary at each action position, as TRL's
+    ``DistillationTrainer`` computes it (``_chunked_divergence_loss``), plus optionally the PPO-clip term.
+
+    ``loss_t = JSD_beta(p_student,t || p_teacher,t) + rl_weight * ppo_clip_t``, with
+    ``JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m)``, ``m = (1 - beta) p_s + beta p_t``; ``beta`` 0 is the
+    forward KL(teacher || student) and 1 the reverse KL(student || teacher), each special-cased (not the limit of
+    the mixture), both logits divided by the sampling temperature. The trainer computes the divergence
+    (``PolicyLossInput.teacher_divergence``, with gradient to the student only) from both models' final hidden
+    states and output heads without materialising either ``(tokens, vocabulary)`` logits, by TRL's own
+    ``ChunkedDivergenceFunction`` (:func:`~trl_plugins.modeling.logprobs.micro_batch_logprobs_and_divergence`).
+    The divergence is a property of each position's state, the same whichever token was sampled, so it takes no
+    importance weight; the PPO term takes ``is_weights`` as :class:`PPOClipLoss` does. Prompt, tool-output and
+    template-glue positions carry none: only the action mask's positions are scored.
+    """
+
+    beta: float = 1.0
+    """0: forward KL(teacher || student); 1: reverse KL(student || teacher), TRL's default; in between the
+    generalised JSD with the mixture ``(1 - beta) p_student + beta p_teacher``."""
+    rl_weight: float = 0.0
+    """Weight of the PPO-clip term on the run's advantages (0: pure distillation, TRL's objective)."""
+    clip_low: float = 0.2
+    """The PPO term's ratio lower bound is ``1 - clip_low``."""
+    clip_high: float = 0.28
+    """The PPO term's ratio upper bound is ``1 + clip_high``."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"jsd needs 0 <= beta <= 1 (0 forward KL, 1 reverse KL), got beta={self.beta}.")
+        if self.rl_weight < 0.0:
+            raise ValueError(f"jsd needs rl_weight >= 0 (the PPO term's weight), got rl_weight={self.rl_weight}.")
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
+            raise ValueError(
+                f"jsd needs 0 <= clip_low < 1 and clip_high >= 0 (the PPO term's ratio in [1-clip_low, 1+clip_high]); "
+                f"got clip_low={self.clip_low}, clip_high={self.clip_high}."
+            )
+        self._sum = 0.0
+        self._tokens = 0.0
+
+    needs_ref_logprobs = False
+    needs_entropy = False
+    supports_is_weights = True
+    """Capability: the PPO term takes ``PolicyLossInput.is_weights``; the divergence needs none."""
+    token_local = True
+
+    @property
+    def teacher_divergence(self) -> float:
+        """Declaration: reads ``PolicyLossInput.teacher_divergence``, the generalised JSD at this ``beta``."""
+        return self.beta
+
+    def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
+        if inp.teacher_divergence is None:
+            raise ValueError("jsd needs PolicyLossInput.teacher_divergence (the run's teacher_model_name_or_path).")
+        on = inp.action_mask.bool()
+        divergence = torch.where(on, inp.teacher_divergence, torch.zeros_like(inp.teacher_divergence))
+        out = ppo_clip_loss(
+            inp.logprobs,
+            inp.behaviour_logprobs,
+            inp.advantages,
+            inp.action_mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+        )
+        loss = divergence
+        if self.rl_weight:
+            ppo = out.per_token_loss
+            if inp.is_weights is not None:
+                ppo = ppo * torch.where(on, inp.is_weights.detach(), torch.zeros_like(inp.is_weights))
+            loss = loss + self.rl_weight * ppo
+        self._sum += float(divergence.detach().sum())
+        self._tokens += float(on.sum())
+        return PolicyLossOutput(per_token_loss=loss, stats=out.stats)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``teacher_divergence``: the mean divergence per action token of this rank's micro-batches since the last
+        call (averaged over ranks)."""
+        mean = self._sum / self._tokens if self._tokens else 0.0
+        self._sum = self._tokens = 0.0
+        return {"teacher_divergence": mean}

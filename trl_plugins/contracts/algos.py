@@ -66,13 +66,15 @@ def check_advantage_contract(plugin: Any, kwargs: Mapping[str, Any] | None = Non
 
 
 def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = None) -> None:
-    """A policy loss: ``(B, T)`` finite per-token loss, 0 and zero-gradient off the mask, picklable."""
+    """A policy loss: ``(B, T)`` finite per-token loss, 0 and zero-gradient off the mask, picklable. One that
+    declares ``teacher_divergence`` gets a per-token divergence too, and its gradient may reach the action tokens
+    through either input."""
     import torch
 
     from trl_plugins.registry import POLICY_LOSSES
 
     label, loss_fn = resolve_plugin(POLICY_LOSSES, plugin, kwargs)
-    read_declarations(
+    declared = read_declarations(
         as_policy_loss, loss_fn, label
     )  # needs_ref_logprobs, needs_entropy: bools; supports_is_weights optional
     g = torch.Generator().manual_seed(1)
@@ -87,6 +89,10 @@ def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = N
         entropy=torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g),
         turn_ids=turns_of(mask),
     )
+    divergence = None
+    if declared.teacher_divergence is not None:
+        divergence = (torch.rand(BATCH_ROWS, BATCH_WIDTH, generator=g) * mask).requires_grad_(True)
+        inp.teacher_divergence = divergence
     out = loss_fn(inp)
     check(isinstance(out, PolicyLossOutput), label, f"returned {type(out).__name__}, not PolicyLossOutput")
     loss = out.per_token_loss
@@ -97,8 +103,9 @@ def check_policy_loss_contract(plugin: Any, kwargs: Mapping[str, Any] | None = N
     )
     check(bool((loss[mask == 0] == 0).all()), label, "non-zero loss off the action mask")
     loss.sum().backward()
-    check(bool((logp.grad[mask == 0] == 0).all()), label, "masked tokens receive gradient")
-    check(float(logp.grad[mask == 1].abs().sum()) > 0, label, "no gradient on the action tokens")
+    grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in (logp, divergence) if x is not None]
+    check(all(bool((grad[mask == 0] == 0).all()) for grad in grads), label, "masked tokens receive gradient")
+    check(sum(float(grad[mask == 1].abs().sum()) for grad in grads) > 0, label, "no gradient on the action tokens")
     check_pickles(loss_fn, label)
 
 

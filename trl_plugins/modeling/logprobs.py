@@ -24,6 +24,7 @@ __all__ = [
     "token_logprobs_and_entropy",
     "selective_log_softmax",
     "micro_batch_logprobs",
+    "micro_batch_logprobs_and_divergence",
     "model_inputs",
     "unpack",
     "PackedAttentionLeak",
@@ -238,6 +239,82 @@ def micro_batch_logprobs(
         chunk_size=chunk_size,
     )
     return unpack(logp, mb), None if entropy is None else unpack(entropy, mb)
+
+
+def micro_batch_logprobs_and_divergence(
+    model: torch.nn.Module,
+    teacher: torch.nn.Module,
+    mb: Any,
+    device: Any,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    needed: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`micro_batch_logprobs` and the generalised JSD between ``model``'s and ``teacher``'s next-token
+    distributions at the ``needed`` positions, ``(B, T)``, 0 elsewhere, with gradient to ``model`` only: TRL's
+    ``ChunkedDivergenceFunction`` (what ``DistillationTrainer``'s ``_chunked_divergence_loss`` runs) on both models'
+    final hidden states and output heads, so neither ``(positions, vocabulary)`` logits exist in full; ``beta`` 0 is
+    the forward KL(teacher || model), 1 the reverse KL, both logits divided by ``temperature``.
+
+    ``model`` forwards ``mb`` in its layout (padded, padding-free or shared-prefix); the teacher, without gradient,
+    the micro-batch's right-padded ``(B, T)`` rows (every real position scores the same in every layout; the teacher
+    is not checked for the other two). Both must be :func:`~.chunked_head.chunkable` (logits = the head's output).
+    """
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    real = mb.attention_mask.bool()
+    needed = real if needed is None else needed.bool() & real
+    with torch.no_grad(), hidden_states_instead_of_logits(teacher) as teacher_head:
+        teacher_rows = teacher(
+            input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False
+        ).logits.flatten(0, -2)
+    with head_gathered_once(output_head(model)):
+        with hidden_states_instead_of_logits(model) as head:
+            rows, row_index = _hidden_rows(model, mb, device)
+        logp, entropy = _scatter_chunked(
+            head,
+            rows,
+            mb.target_ids,
+            needed,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=chunk_size,
+            row_index=row_index,
+        )
+        flat = needed.reshape(-1).to(rows.device)
+        keep = flat.clone()
+        if not bool(flat.any()):  # keep the graph (every head parameter's gradient 0) for a micro-batch with none
+            flat = torch.zeros_like(flat)
+            flat[0] = True
+        where = flat.nonzero().squeeze(-1)
+        source = where if row_index is None else row_index.to(rows.device).reshape(-1)[where]
+        divergence, _ = ChunkedDivergenceFunction.apply(
+            rows[source],
+            head.weight,
+            head.bias,
+            teacher_rows[where],
+            teacher_head.weight,
+            teacher_head.bias,
+            beta,
+            temperature,
+        )
+    divergence = divergence * keep[where].to(divergence.dtype)
+    return logp, entropy, divergence.new_zeros(flat.shape).index_put((where,), divergence).reshape(needed.shape)
+
+
+def _hidden_rows(model: torch.nn.Module, mb: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # (rows (n, H), row_index): the final hidden states of a micro-batch's forward in its layout (inside
+    # hidden_states_instead_of_logits), and the row that scores each (b, t) position (None: the flat position).
+    if mb.shared_prefix is not None:
+        return torch.cat(shared_prefix_outputs(model, mb.shared_prefix, device)), mb.shared_prefix.index
+    rows = model(**model_inputs(mb, device), use_cache=False).logits.flatten(0, -2)
+    if mb.position_ids is None:
+        return rows, None
+    real = mb.attention_mask.bool().reshape(-1)
+    return rows, (real.cumsum(0) - 1).clamp(min=0).reshape(mb.attention_mask.shape)  # the packed row's order
 
 
 def _output_gap(model: torch.nn.Module, got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, Any]:

@@ -20,6 +20,7 @@ advantage estimator         ``needs_values``, ``needs_groups`` (bools)    ``need
 policy loss                 ``needs_ref_logprobs``, ``needs_entropy``     ``supports_is_weights`` (False),
                                                                           ``needs_turn_ids`` (False),
                                                                           ``token_local`` (False),
+                                                                          ``teacher_divergence`` (None),
                                                                           ``step_metrics()``,
                                                                           ``step_metric_reductions()``, ``close()``
 rollout                     ``token_budget`` (int or None)                ``tool_calls_per_turn`` (1),

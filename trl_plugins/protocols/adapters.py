@@ -57,6 +57,17 @@ def _optional_bool(impl: Any, member: str, default: bool, label: str) -> bool:
     return value
 
 
+def _optional_beta(impl: Any, member: str, label: str) -> float | None:
+    value = _optional(impl, member, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise PluginDeclarationError(
+            label, f"declares {member}={value!r}; it must be None or a beta in [0, 1] (docs/plugins.md)."
+        )
+    return float(value)
+
+
 def _optional_method(impl: Any, member: str, label: str) -> Callable[..., Any] | None:
     method = _optional(impl, member, None)
     if method is not None and not callable(method):
@@ -169,6 +180,10 @@ class PolicyLossPlugin(_Adapter):
     token_local: bool = False
     """Each token's loss reads that token's inputs alone, so a datum's tokens may be split over ranks (sequence
     parallelism, which refuses a loss without it); optional, default False."""
+    teacher_divergence: float | None = None
+    """The ``beta`` of the generalised JSD to the teacher the loss reads as ``PolicyLossInput.teacher_divergence``
+    (on-policy distillation over the whole vocabulary: the run must have a local teacher); optional, default None
+    (not read)."""
 
     metric_prefix = "policy_loss/"
 
@@ -178,8 +193,9 @@ class PolicyLossPlugin(_Adapter):
 
     @property
     def per_token_terms(self) -> bool:
-        """A term besides ``-A * ratio`` (a reference KL, an entropy bonus): a zero-advantage datum still counts."""
-        return self.needs_ref_logprobs or self.needs_entropy
+        """A term besides ``-A * ratio`` (a reference KL, an entropy bonus, a divergence to the teacher): a
+        zero-advantage datum still counts."""
+        return self.needs_ref_logprobs or self.needs_entropy or self.teacher_divergence is not None
 
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
         return self.impl(inp)
@@ -317,6 +333,7 @@ def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
         supports_is_weights=_optional_bool(impl, "supports_is_weights", False, label),
         needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label),
         token_local=_optional_bool(impl, "token_local", False, label),
+        teacher_divergence=_optional_beta(impl, "teacher_divergence", label),
     )
 
 

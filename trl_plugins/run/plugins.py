@@ -385,10 +385,23 @@ def check_plugin_settings(
             f"advantage {config.advantage!r} distils from a teacher's log-probs, and the run has no teacher: set "
             f"teacher_model_name_or_path (a local model with the student's tokenizer)."
         )
-    if teacher is not None and not advantage.needs_teacher_logprobs:
+    distilling_loss = policy_loss.teacher_divergence is not None
+    if distilling_loss and teacher is None:
         raise ValueError(
-            f"teacher_model_name_or_path={teacher.teacher!r} is read by nothing: advantage {config.advantage!r} does "
-            f"not use a teacher's log-probs; set advantage='opd' (docs/training.md), or drop the teacher."
+            f"policy_loss {config.policy_loss!r} distils from a teacher's next-token distributions, and the run has "
+            f"no teacher: set teacher_model_name_or_path (a local model with the student's tokenizer)."
+        )
+    if distilling_loss and config.sequence_parallel_size > 1:
+        raise ValueError(
+            f"policy_loss {config.policy_loss!r} (the divergence to the teacher) does not run under sequence "
+            f"parallelism yet: set sequence_parallel_size=1, or distil with advantage='opd' (its per-token signal "
+            f"runs there)."
+        )
+    if teacher is not None and not (advantage.needs_teacher_logprobs or distilling_loss):
+        raise ValueError(
+            f"teacher_model_name_or_path={teacher.teacher!r} is read by nothing: neither advantage "
+            f"{config.advantage!r} nor policy_loss {config.policy_loss!r} uses a teacher; set advantage='opd' or "
+            f"policy_loss='jsd' (docs/training.md), or drop the teacher."
         )
     if policy_loss.needs_ref_logprobs and not config.beta > 0:
         raise ValueError(

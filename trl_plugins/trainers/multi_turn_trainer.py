@@ -55,7 +55,7 @@ from trl_plugins.trainers.model_card import name_local_base_model, name_quick_st
 from trl_plugins.trainers.phases import StepBatch, StepRunner
 from trl_plugins.trainers.resilience import Resilient
 from trl_plugins.trainers.sequence_parallel import setup_sequence_parallel
-from trl_plugins.trainers.teacher import load_teacher, teacher_version
+from trl_plugins.trainers.teacher import check_divergence_models, load_teacher, teacher_version
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
 
@@ -159,6 +159,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
                 attn_implementation=getattr(unwrapped.config, "_attn_implementation", None),
                 deepspeed=self.is_deepspeed_enabled,
             )
+            check_divergence_models(run.policy_loss, unwrapped, self._teacher)
         # After TRL's PEFT wrap (the adapter set is on the model now), with the teacher's identity when there is one.
         run.bind_version(self.model, teacher_version(args.features.distillation, self._teacher))
         if args.disable_dropout:  # TRL's disable_dropout_in_model sets nn.Dropout only, not attention dropout
@@ -279,7 +280,9 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         # How stale the data is: optimizer steps between the sampling weights and these.
         metrics["train/policy_version_lag"] = float(self.state.global_step - batch.policy_step) if batch.datums else 0.0
         self._step += 1
-        loss, update = self.step_runner.update(batch, model, self.optimizer, global_step=self.state.global_step)
+        loss, update = self.step_runner.update(
+            batch, model, self.optimizer, global_step=self.state.global_step, teacher=self._teacher
+        )
         metrics.update(update)
         metrics["timing/step_s"] = time.perf_counter() - start  # memory/*: PeakMemory, after the optimizer step
         if "timing/trainer_idle_s" in metrics:  # async: the share of the step the trainer waited for its sampler

@@ -293,8 +293,10 @@ class StepRunner:
             add_kl_penalty(batch.trajectories, batch.datums, beta=c.beta, estimator=c.kl_estimator)
 
     def teacher(self, batch: StepBatch, model: Any) -> None:
-        """4b. The teacher's log-probs of the action tokens (on-policy distillation; every rank forwards)."""
-        if model is None:
+        """4b. The teacher's log-probs of the action tokens for an advantage estimator that reads them (on-policy
+        distillation; every rank forwards). A loss that reads the divergence to the teacher forwards it in the
+        update instead."""
+        if model is None or not self.run.advantage.needs_teacher_logprobs:
             return
         start = time.perf_counter()
         teacher_logprobs(self.accelerator, model, batch.datums, self.config, pad_token_id=self.pad_token_id)
@@ -385,7 +387,7 @@ class StepRunner:
     # -- every step ------------------------------------------------------------------------------------
 
     def update(
-        self, batch: StepBatch, model: Any, optimizer: Any, *, global_step: int
+        self, batch: StepBatch, model: Any, optimizer: Any, *, global_step: int, teacher: Any = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """7. The policy update (or why none), and 8. the critic's; returns the loss and the update's metrics."""
         c, run = self.config, self.run
@@ -421,6 +423,7 @@ class StepRunner:
                 pad_token_id=self.pad_token_id,
                 step_optimizer=False,
                 sequence_parallel=self.sequence_parallel,
+                teacher=teacher,
             )
             metrics["timing/forward_backward_s"] = time.perf_counter() - start
             metrics.update(_update_metrics(result))

@@ -1,7 +1,8 @@
 """On-policy distillation's teacher on the trainer side: its tokenizer checked against the student's at start-up,
 then the model loaded once and placed as TRL places its reference model (a frozen copy per rank under DDP, sharded
 under ZeRO-3), for a no-gradient forward over each rollout batch's datums
-(:func:`~trl_plugins.trainers.update.teacher_logprobs`). The signal it feeds is the ``opd`` advantage estimator.
+(:func:`~trl_plugins.trainers.update.teacher_logprobs`, for the ``opd`` advantage estimator), or within each
+micro-batch of the update for the ``jsd`` loss (:func:`check_divergence_models` says where that runs).
 
 Cross-tokenizer distillation (a teacher with another vocabulary or chat format) is out of scope: it is refused."""
 
@@ -13,7 +14,7 @@ import torch
 
 from trl_plugins.run.settings import Distillation
 
-__all__ = ["SAMPLE_CONVERSATION", "tokenizer_difference", "load_teacher", "teacher_version"]
+__all__ = ["SAMPLE_CONVERSATION", "tokenizer_difference", "load_teacher", "teacher_version", "check_divergence_models"]
 
 SAMPLE_CONVERSATION: tuple[Mapping[str, Any], ...] = (
     {"role": "system", "content": "You are a helpful assistant."},
@@ -127,3 +128,32 @@ def teacher_version(settings: Distillation | None, model: Any) -> dict[str, str 
     from trl_plugins.rollout.weights import weights_digest
 
     return {"teacher": f"{settings.teacher} weights {weights_digest(model, gather_each=True)}"}
+
+
+def check_divergence_models(policy_loss: Any, student: torch.nn.Module, teacher: torch.nn.Module | None) -> None:
+    """For a loss that reads the divergence to the teacher (``teacher_divergence``), refuse at start-up what it does not
+    run on: ZeRO-3 (both output heads are read directly, outside their modules' gathering hooks) and a model whose
+    logits are more than its output head's (soft-capping, logit scaling: :func:`~trl_plugins.modeling.chunked_head.
+    chunkable`). Nothing to check for another loss.
+
+    Raises:
+        ValueError: what is refused, and what to use instead.
+    """
+    if getattr(policy_loss, "teacher_divergence", None) is None or teacher is None:
+        return
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from trl_plugins.modeling.chunked_head import chunkable
+
+    name = getattr(policy_loss, "name", "") or "jsd"
+    if is_deepspeed_zero3_enabled():
+        raise ValueError(
+            f"policy_loss {name!r} (the divergence to the teacher over the vocabulary) does not run under DeepSpeed "
+            f"ZeRO-3 yet: use DDP or ZeRO-2, or distil with advantage='opd' (tested under ZeRO-3)."
+        )
+    for who, model in (("the student", student), ("the teacher", teacher)):
+        if not chunkable(model):
+            raise ValueError(
+                f"policy_loss {name!r}: {who}'s logits are more than its output head's (soft-capping or logit "
+                f"scaling), which the divergence does not apply; distil with advantage='opd' instead."
+            )

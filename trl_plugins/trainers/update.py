@@ -33,7 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
-from trl_plugins.modeling import micro_batch_logprobs
+from trl_plugins.modeling import micro_batch_logprobs, micro_batch_logprobs_and_divergence
 from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
 from trl_plugins.run.settings import Features, MismatchCorrection
 from trl_plugins.trainers.micro_batches import (
@@ -361,6 +361,7 @@ def _run_pass(
     any_ref: bool,
     correction: MismatchCorrection | None,
     sp: SequenceParallel | None,
+    teacher: torch.nn.Module | None,
 ) -> _Pass:
     world, device = accelerator.num_processes, accelerator.device
     temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
@@ -401,7 +402,20 @@ def _run_pass(
         out.sums.computed += mb.num_forwarded_tokens if sp is None else int(view.real.sum())
         mask = view.action_mask.to(device)
         with sync.context(step.last), split_attention() if sp is not None else contextlib.nullcontext():
-            if sp is None:
+            divergence = None
+            if loss_fn.teacher_divergence is not None:
+                logp, entropy, divergence = micro_batch_logprobs_and_divergence(
+                    model,
+                    teacher,
+                    mb,
+                    device,
+                    beta=loss_fn.teacher_divergence,
+                    temperature=temperature,
+                    with_entropy=loss_fn.needs_entropy,
+                    needed=mb.action_mask,
+                    chunk_size=chunk_size,
+                )
+            elif sp is None:
                 logp, entropy = micro_batch_logprobs(
                     model,
                     mb,
@@ -430,6 +444,7 @@ def _run_pass(
                     entropy=entropy,
                     is_weights=weights,
                     turn_ids=_turn_ids(view, device) if loss_fn.needs_turn_ids else None,
+                    teacher_divergence=divergence,
                 )
             )
             loss = (
@@ -487,6 +502,7 @@ def policy_update(
     pad_token_id: int,
     step_optimizer: bool = True,
     sequence_parallel: SequenceParallel | None = None,
+    teacher: torch.nn.Module | None = None,
 ) -> UpdateResult:
     """Run one exact update on this rank's ``datums``; every rank must call it (collectives inside).
 
@@ -507,11 +523,19 @@ def policy_update(
             steps in the last backward either way.
         sequence_parallel: This rank's group (:func:`~trl_plugins.trainers.sequence_parallel.setup_sequence_parallel`):
             each datum's tokens are split over the group's ranks in the forward and backward; None: off.
+        teacher: The prepared teacher (:func:`~trl_plugins.trainers.teacher.load_teacher`), for a loss that declares
+            ``teacher_divergence``; forwarded in each micro-batch without gradient.
 
     Returns:
         Global numbers of the update (the same on every rank).
     """
     loss_fn = as_policy_loss(policy_loss)
+    if loss_fn.teacher_divergence is not None and (teacher is None or sequence_parallel is not None):
+        raise ValueError(
+            f"{loss_fn.label} reads the divergence to a teacher: policy_update needs teacher= (the run's "
+            f"teacher_model_name_or_path)"
+            + (", without sequence parallelism." if sequence_parallel is not None else ".")
+        )
     datums = list(datums)
     # 1. denominators: every datum this step trains on, skipped zero-advantage ones included.
     num_tokens, num_seqs = _denominators(accelerator, datums)
@@ -543,6 +567,7 @@ def policy_update(
         any_ref=any_ref,
         correction=correction,
         sp=sp,
+        teacher=teacher,
     )
     # 4. step.
     grad_norm = None

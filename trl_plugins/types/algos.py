@@ -242,6 +242,10 @@ class PolicyLossInput:
     one action of the trajectory contract. Rows are never split across micro-batches, so a loss that combines a
     span's or a row's tokens (a sequence- or turn-level ratio) stays exact under any packing. Passed to a loss that
     ``needs_turn_ids``; None otherwise. Added after the first release: a loss that ignores it is unchanged."""
+    teacher_divergence: torch.Tensor | None = None
+    """``(B, T)``: the generalised JSD between the student's and the teacher's next-token distributions at each action
+    position (0 elsewhere), at the ``beta`` the loss declares as ``teacher_divergence``, with gradient to the student;
+    passed to a loss that declares it, None otherwise."""
 
 
 @dataclass
