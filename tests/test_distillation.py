@@ -400,3 +400,53 @@ def test_a_jsd_run_forwards_its_teacher_in_the_update_and_refuses_what_it_cannot
     monkeypatch.setattr("transformers.integrations.deepspeed.is_deepspeed_zero3_enabled", lambda: True)
     with pytest.raises(ValueError, match="does not run under DeepSpeed ZeRO-3 yet: use DDP or ZeRO-2"):
         check_divergence_models(trainer.run.policy_loss, student, teacher)
+
+
+def test_a_lora_student_distils_from_a_full_teacher(tmp_path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    teacher_path = _save_teacher(tmp_path, tok)
+    torch.manual_seed(0)
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok),
+        tiny_config(
+            tmp_path / "out",
+            teacher_model_name_or_path=teacher_path,
+            advantage="opd",
+            advantage_kwargs={"reward_weight": 0.0},
+            policy_loss="jsd",  # both signals: opd's per-token advantage in the PPO term, and the divergence
+            policy_loss_kwargs={"rl_weight": 1.0},
+            learning_rate=1e-2,
+            max_steps=1,
+        ),
+        train_dataset=tiny_dataset(),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    trainer.train()
+    (record,) = [
+        json.loads(line)
+        for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+        if "reward/total" in line
+    ]
+    assert record["advantage/teacher_kl"] > 0.01 and record["policy_loss/teacher_divergence"] > 0.01
+    # The teacher is the full model, not the student's base with its adapter off: its log-probs are its own.
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path).eval()
+    d = next(d for d in trainer.last_batch.datums if any(d.action_mask))
+    with torch.no_grad():
+        logits = teacher(input_ids=torch.tensor([d.input_ids])).logits[0].double()
+    lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(d.target_ids)[:, None])[:, 0]
+    assert all(d.teacher_logprobs[k] == pytest.approx(float(lp[k]), abs=2e-4) for k, m in enumerate(d.action_mask) if m)
+    # Only the adapter trained; the teacher and the student's base weights are as loaded.
+    after = dict(student.named_parameters())
+    changed = {n for n, p in after.items() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    saved = dict(teacher.named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in trainer._teacher.named_parameters())
