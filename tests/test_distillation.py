@@ -106,7 +106,7 @@ def _trainer(tmp_path, tok, **overrides):
     )
 
 
-def test_a_distilled_run_trains_on_the_teachers_logprobs_of_the_sampled_tokens(tmp_path):
+def test_a_distilled_run_trains_on_the_teachers_logprobs_of_the_sampled_tokens(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     tok = build_tokenizer("qwen2_5")
@@ -159,6 +159,25 @@ def test_a_distilled_run_trains_on_the_teachers_logprobs_of_the_sampled_tokens(t
     # The teacher is frozen: its weights after training are the saved ones.
     saved = dict(teacher.named_parameters())
     assert all(torch.equal(p, saved[n]) for n, p in trainer._teacher.named_parameters())
+    # The replay command re-derives the teacher's log-probs of the saved batch with the teacher its version names.
+    from trl_plugins.replay.cli import main as replay
+
+    batch_file = str(out / "step-000002.json")
+    assert replay([batch_file, "--teacher"]) == 0
+    report = capsys.readouterr().out
+    assert f"teacher: {len(load_batch(batch_file)['trajectories'])} trajectories compared, all equal" in report
+    # Another teacher is refused by its weights digest; a saved log-prob changed is named, token and both values.
+    other = _save_teacher(tmp_path / "other", tok, seed=2)
+    assert replay([batch_file, "--teacher", other]) == 2
+    assert "not the one the batch was distilled from: teacher weights digest" in capsys.readouterr().err
+    tampered = load_batch(batch_file)
+    entry = tampered["trajectories"][0]["datum"]
+    k = entry["action_mask"].index(1)
+    entry["teacher_logprobs"][k] += 0.01
+    (tmp_path / "tampered").mkdir()
+    (tmp_path / "tampered" / "step.json").write_text(json.dumps(tampered))
+    code = replay([str(tmp_path / "tampered" / "step.json"), "--teacher", "--run", str(tmp_path / "out")])
+    assert code == 1 and "[teacher] trajectory 0" in capsys.readouterr().out
 
 
 def test_opd_without_a_teacher_and_a_teacher_nothing_reads_are_refused_naming_the_setting(tmp_path):

@@ -4,7 +4,8 @@
 
 The tokenizer and, for ``--tools``/``--rewards``, the run's plugins come from the run's output folder
 (``output_dir/run_config/``, :mod:`trl_plugins.run.saved`): ``--run``, else the folder of a batch saved as
-``output_dir/trajectories/step-N.json``; the weights (the log-prob check, ``--resample``) only from ``--checkpoint``.
+``output_dir/trajectories/step-N.json``; the weights (the log-prob check, ``--resample``) only from ``--checkpoint``;
+``--teacher`` (on-policy distillation) re-derives the teacher's log-probs with the teacher the saved version names.
 
 Exit status: 0 when everything compared equal within tolerance, 1 when something differs (or was compared only
 because ``--anyway`` overrode a version difference), 2 when the replay refused or could not run (bad input, another
@@ -63,6 +64,22 @@ def _run_from_config(folder: Path, tokenizer: Any) -> Any:
     run = resolve_run(torch.load(args, weights_only=False))
     run.bind_tokenizer(tokenizer)
     return run
+
+
+def _load_teacher(given: str, batch: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from trl_plugins.replay.saved_batch import ReplayRefused, teacher_identity
+
+    named = teacher_identity(batch)
+    path = given or (named[0] if named else None)
+    if path is None:
+        raise ReplayRefused(
+            "--teacher: the saved batch names no teacher (its run distilled from none): replay without --teacher."
+        )
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"--teacher: {path}: no such model folder (give --teacher DIR, the teacher's folder)")
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype="auto").eval()
 
 
 def _output_dir_of(batch: Path) -> Path | None:
@@ -128,6 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "continuous-batching batches; a trajectory that lacks what it needs is named, with what)",
     )
     parser.add_argument(
+        "--teacher",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="on-policy distillation: re-derive the teacher's log-probs of every action token and compare them with "
+        "the saved ones; the teacher is the one the saved version names (its path), or DIR; its weights digest is "
+        "checked against the saved one first",
+    )
+    parser.add_argument(
         "--tolerance",
         type=float,
         default=None,
@@ -172,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or saved)
         if plugins:
             run = _run_from_config(saved or Path(args.checkpoint), tokenizer)
+        teacher = None if args.teacher is None else _load_teacher(args.teacher, batch)
         report = replay_batch(
             batch,
             tokenizer,
@@ -183,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             resample=args.resample,
             anyway=args.anyway,
             tolerance=args.tolerance,
+            teacher=teacher,
         )
     except (ViewerError, ReplayRefused, FileNotFoundError, ValueError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

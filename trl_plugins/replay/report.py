@@ -11,7 +11,7 @@ from trl_plugins.types import LogprobSource
 
 __all__ = ["CHECKS", "Difference", "ReplayRefused", "ReplayReport", "default_tolerance"]
 
-CHECKS = ("version", "rendering", "logprobs", "resample", "tools", "rewards", "stop_reason", "datum")
+CHECKS = ("version", "rendering", "logprobs", "teacher", "resample", "tools", "rewards", "stop_reason", "datum")
 """The checks a replay reports, in the order it runs them."""
 
 
@@ -62,6 +62,8 @@ class ReplayReport:
     """The version differences the replay was told to run despite (``anyway``); empty when it found none."""
     logprobs: dict[str, float] | None = None
     """``max_abs_diff``, ``p99_abs_diff``, ``tolerance``, ``num_tokens``, ``beyond`` (None: not compared)."""
+    teacher: dict[str, float] | None = None
+    """The same figures for the teacher's log-probs (on-policy distillation; None: not compared)."""
 
     @property
     def ok(self) -> bool:
@@ -79,13 +81,13 @@ class ReplayReport:
                     f"{check}: {self.compared[check]} trajectories compared, "
                     + (f"{len(found)} differ" if found else "all equal")
                 )
-        if self.logprobs is not None:
-            lp = self.logprobs
-            lines.append(
-                f"logprobs: max |saved - recomputed| {lp['max_abs_diff']:.3g}, p99 {lp['p99_abs_diff']:.3g} over "
-                f"{int(lp['num_tokens'])} action tokens; {int(lp['beyond'])} beyond the tolerance "
-                f"{lp['tolerance']:.3g}"
-            )
+        for name, lp in (("logprobs", self.logprobs), ("teacher", self.teacher)):
+            if lp is not None:
+                lines.append(
+                    f"{name}: max |saved - recomputed| {lp['max_abs_diff']:.3g}, p99 {lp['p99_abs_diff']:.3g} over "
+                    f"{int(lp['num_tokens'])} action tokens; {int(lp['beyond'])} beyond the tolerance "
+                    f"{lp['tolerance']:.3g}"
+                )
         lines += [("  " + label if label else "  ") + d.line() for d in self.differences]
         lines += [f"note: {n}" for n in self.notes]
         lines.append(

@@ -11,6 +11,9 @@ thing that differs and where (trajectory, turn, token index, the token text on b
    precision and sampler: :func:`default_tolerance`). Only trajectories sampled at the model's step are compared;
    with ``resample=True`` each seeded turn is also regenerated from its saved prompt, seed and sampling settings
    (HF generate and continuous-batching batches) and the first token drawn differently is named;
+   **teacher** (a teacher given; on-policy distillation): each action token's teacher log-prob recomputed with the
+   teacher the saved version names (its weights digest checked first: :func:`teacher_identity`) at the sampling
+   temperature, and compared with the saved one the same way, for every trajectory (the teacher does not train);
 3. **tools** (``tools=True``): every call of an idempotent tool run again, its output compared and its observation
    tokens re-derived from the new output (a tool that is not idempotent is skipped, and said);
 4. **rewards** (``rewards=True``): every reward component recomputed and compared with the saved value, and the
@@ -68,6 +71,7 @@ __all__ = [
     "ReplayRefused",
     "replay_batch",
     "saved_trajectory",
+    "teacher_identity",
     "default_tolerance",
     "CHECKS",
 ]
@@ -314,7 +318,14 @@ def _turn_of(traj: Trajectory, position: int) -> int:
 
 @torch.no_grad()
 def _check_logprobs(
-    model: Any, tok: Any, entries: list[tuple[int, Mapping, Trajectory]], tolerance: float, report: ReplayReport
+    model: Any,
+    tok: Any,
+    entries: list[tuple[int, Mapping, Trajectory]],
+    tolerance: float,
+    report: ReplayReport,
+    *,
+    saved_field: str = "behaviour_logprobs",
+    check: str = "logprobs",
 ) -> None:
     was_training = model.training
     model.eval()
@@ -336,19 +347,20 @@ def _check_logprobs(
                 .double()
                 .cpu()
             )
-            saved = torch.tensor([_nan(x) for x in d["behaviour_logprobs"]], dtype=torch.float64)
+            saved = torch.tensor([_nan(x) for x in d[saved_field]], dtype=torch.float64)
             mask = torch.tensor(d["action_mask"], dtype=torch.bool)
             gap = (lp - saved).abs()
             gap[~mask] = 0.0
             diffs.append(gap[mask])
             beyond = torch.nonzero(gap > tolerance).flatten()
+            whose = "the teacher's " if check == "teacher" else ""
             if len(beyond):
                 j = int(beyond[0])
                 report.differences.append(
                     Difference(
-                        "logprobs",
+                        check,
                         i,
-                        f"log-prob of action token {token_text(tok, entry['tokens']['ids'], j + 1)} differs by "
+                        f"{whose}log-prob of action token {token_text(tok, entry['tokens']['ids'], j + 1)} differs by "
                         f"{float(gap[j]):.3g} (> {tolerance:.3g}; {len(beyond)} such tokens)",
                         _turn_of(traj, j + 1),
                         j + 1,
@@ -359,13 +371,65 @@ def _check_logprobs(
     finally:
         model.train(was_training)
     every = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
-    report.logprobs = {
+    figures = {
         "max_abs_diff": float(every.max()) if len(every) else 0.0,
         "p99_abs_diff": float(torch.quantile(every, 0.99)) if len(every) else 0.0,
         "tolerance": tolerance,
         "num_tokens": float(len(every)),
         "beyond": float((every > tolerance).sum()),
     }
+    setattr(report, "teacher" if check == "teacher" else "logprobs", figures)
+
+
+def teacher_identity(batch: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(path, weights digest)`` of the teacher the saved batch's version names (``plugin_versions["teacher"]``,
+    written as ``"<path> weights <digest>"``), or None when it was trained without one."""
+    entry = ((batch.get("version") or {}).get("plugin_versions") or {}).get("teacher")
+    if not entry:
+        return None
+    path, _, digest = str(entry).rpartition(" weights ")
+    return path, digest
+
+
+def _check_teacher(
+    batch: Mapping[str, Any],
+    teacher: Any,
+    tok: Any,
+    entries: list[tuple[int, Mapping, Trajectory]],
+    tolerance: float | None,
+    anyway: bool,
+    report: ReplayReport,
+) -> None:
+    from trl_plugins.rollout.weights import weights_digest
+
+    named = teacher_identity(batch)
+    if named is None:
+        raise ReplayRefused(
+            "--teacher: the saved batch names no teacher (its run distilled from none): replay without --teacher."
+        )
+    digest = weights_digest(teacher)
+    if digest != named[1]:
+        what = f"teacher weights digest: {named[1]} (saved, {named[0]}) vs {digest} (given)"
+        if not anyway:
+            raise ReplayRefused(
+                f"the teacher given is not the one the batch was distilled from: {what}. Give the teacher the saved "
+                f"version names ({named[0]}), or pass --anyway to compare regardless (labelled)."
+            )
+        report.ran_anyway.append(what)
+    with_logprobs = [(i, e, t) for i, e, t in entries if e["datum"].get("teacher_logprobs") is not None]
+    report.notes += [
+        f"trajectory {i}: no teacher log-probs saved (its datum was built before the teacher phase)"
+        for i, e, _ in entries
+        if e["datum"].get("teacher_logprobs") is None
+    ]
+    pv = next((t.policy_version for _, _, t in with_logprobs if t.policy_version), None)
+    tol = (
+        tolerance
+        if tolerance is not None
+        else default_tolerance(batch.get("version"), None if pv is None else str(pv.logprob_source))
+    )
+    report.compared["teacher"] = len(with_logprobs)
+    _check_logprobs(teacher, tok, with_logprobs, tol, report, saved_field="teacher_logprobs", check="teacher")
 
 
 def _check_rewards(
@@ -542,6 +606,7 @@ def replay_batch(
     resample: bool = False,
     anyway: bool = False,
     tolerance: float | None = None,
+    teacher: Any = None,
 ) -> ReplayReport:
     """Re-derive a saved batch (:func:`~trl_plugins.viewer.load_batch`) and report the first difference per
     trajectory and check (module docstring).
@@ -560,10 +625,14 @@ def replay_batch(
             settings, and name the first token that differs.
         anyway: Compare even when the version differs; the report is then never ``ok``.
         tolerance: Largest accepted log-prob difference (None: :func:`default_tolerance`).
+        teacher: The teacher the saved version names (on-policy distillation): its log-probs of every trajectory's
+            action tokens are re-derived and compared with the saved ones (None: not compared).
 
     Raises:
         ReplayRefused: the version differs (and not ``anyway``), ``model_step`` matches no trajectory's step, or
-            ``resample`` and no trajectory holds what regenerating it needs (each one's missing piece named).
+            ``resample`` and no trajectory holds what regenerating it needs (each one's missing piece named), or
+            ``teacher`` is not the one the saved version names (its weights digest; not with ``anyway``) or the batch
+            names none.
         ValueError: ``tools``/``rewards`` without a run, ``resample`` without a model.
     """
     if (tools or rewards) and run is None:
@@ -655,6 +724,8 @@ def replay_batch(
             report.notes += [f"trajectory {i} not resampled: {w}" for i, w in why.items() if w is not None]
             report.compared["resample"] = len(able)
             _check_resample(model, chat, able, at_step, report)
+    if teacher is not None:
+        _check_teacher(batch, teacher, tokenizer, entries, tolerance, anyway, report)
     if rewards:
         report.compared["rewards"] = len(entries)
         report.differences += [d for i, e, t in entries if (d := _check_rewards(run, batch, e, t, i)) is not None]
