@@ -469,3 +469,54 @@ def test_a_lora_student_distils_from_a_full_teacher(tmp_path):
     assert changed and all("lora_" in n for n in changed)
     saved = dict(teacher.named_parameters())
     assert all(torch.equal(p, saved[n]) for n, p in trainer._teacher.named_parameters())
+
+
+def test_a_server_teacher_without_prompt_logprobs_or_at_another_temperature_is_refused(tmp_path):
+    # A fake OpenAI-compatible server (not vLLM: tests/test_vllm_real.py runs the real one) that lists a model and
+    # tokenizes as the student does, but answers completions without prompt log-probs.
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from trl_plugins.run import resolve_run
+    from trl_plugins.trainers.teacher_server import ServerTeacher, TeacherServerError
+
+    tok = build_tokenizer("qwen2_5")
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._answer(200, {"data": [{"id": "fake"}]} if self.path == "/v1/models" else {"error": "no"})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/tokenize":
+                self._answer(200, {"tokens": tok(body["prompt"], add_special_tokens=False)["input_ids"]})
+            else:
+                self._answer(200, {"choices": [{"index": i, "text": "x"} for i in range(len(body["prompt"]))]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    try:
+        with pytest.raises(TeacherServerError, match="returned no prompt log-probs.*vLLM's prompt_logprobs"):
+            ServerTeacher.connect(url, tokenizer=tok, tools=[], timeout_s=5)
+    finally:
+        server.shutdown()
+    rewards = {"length": TokenReward()}
+    with pytest.raises(ValueError, match="is a server, whose prompt log-probs are the untempered.*temperature=1.0"):
+        tiny_config(tmp_path, teacher_model_name_or_path=url, advantage="opd", temperature=0.7)
+    with pytest.raises(ValueError, match="which a server teacher .* does not return: give a local teacher folder"):
+        resolve_run(
+            tiny_config(tmp_path, teacher_model_name_or_path=url, policy_loss="jsd", temperature=1.0),
+            reward_components=rewards,
+        )

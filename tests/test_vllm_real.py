@@ -13,7 +13,9 @@ import inspect
 import ipaddress
 import json
 import os
+import signal
 import subprocess
+import time
 import types
 from pathlib import Path
 
@@ -99,8 +101,93 @@ def tito(server: LocalVLLMServer, model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def push(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_path_factory) -> dict:
-    # tito: the checks that read model_dir's weights on the server run before the push replaces them.
+def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_path_factory) -> dict:
+    """One distilled step (opd) in this interpreter whose teacher is the server, while it holds ``model_dir``'s
+    weights: the datums' teacher log-probs against a local forward of those weights, and the refusals."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from support.trainer import TokenReward, tiny_config
+    from trl_plugins.tiny import build_tiny_model, build_tokenizer
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.teacher_server import ServerTeacher, TeacherServerError
+
+    tok = build_tokenizer()
+    out = tmp_path_factory.mktemp("server-teacher")
+    torch.manual_seed(0)
+    trainer = MultiTurnGRPOTrainer(
+        build_tiny_model(tok, seed=3),
+        tiny_config(
+            out,
+            teacher_model_name_or_path=f"{server.url}/v1",
+            advantage="opd",
+            advantage_kwargs={"reward_weight": 0.0},
+            temperature=1.0,
+            max_steps=1,
+            viewer_steps=1,
+            viewer_trajectories=2,
+        ),
+        train_dataset=Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(4)]
+        ),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
+    trainer.train()
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gaps, tokens = [], 0
+    for d in trainer.last_batch.datums:
+        with torch.no_grad():
+            logits = teacher(input_ids=torch.tensor([d.input_ids])).logits[0].double()
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(d.target_ids)[:, None])[:, 0]
+        for k, m in enumerate(d.action_mask):
+            if m:
+                gaps.append(abs(d.teacher_logprobs[k] - float(lp[k])))
+                tokens += 1
+            else:
+                assert d.teacher_logprobs[k] == 0.0
+    record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward/total" in line]
+    result = {
+        "tokens": tokens,
+        "max_gap": max(gaps),
+        "mean_gap": sum(gaps) / len(gaps),
+        "teacher_kl": record[0]["advantage/teacher_kl"],
+        "teacher_forward_s": record[0]["timing/teacher_forward_s"],
+        "identity": trainer.run.version.plugin_versions["teacher"],
+        "model": str(model_dir),
+    }
+    # The replay re-derives the saved batch's teacher log-probs through the server its version names.
+    from trl_plugins.replay.cli import main as replay
+
+    result["replay"] = replay([str(out / "trajectories" / "step-000001.json"), "--teacher"])
+    # Refusals: another tokenizer (the llama3 template's text tokenizes to other ids), a server that is not there.
+    try:
+        ServerTeacher.connect(f"{server.url}/v1", tokenizer=build_tokenizer("llama3"), tools=[], timeout_s=30)
+    except TeacherServerError as exc:
+        result["other_tokenizer"] = str(exc)
+    start = time.monotonic()
+    try:
+        ServerTeacher.connect(f"http://127.0.0.1:{free_port()}/v1", tokenizer=tok, tools=[], timeout_s=3)
+    except TeacherServerError as exc:
+        result["absent"], result["absent_s"] = str(exc), time.monotonic() - start
+    # A stopped server (SIGSTOP: it accepts and never answers): the step's request ends at its deadline, named.
+    client = ServerTeacher.connect(f"{server.url}/v1", tokenizer=tok, tools=[], timeout_s=3)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        client.sequence_logprobs([[1, 2, 3, 4]])
+    except TeacherServerError as exc:
+        result["stopped"], result["stopped_s"] = str(exc), time.monotonic() - start
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    print("vLLM server teacher:", json.dumps(result))
+    return result
+
+
+@pytest.fixture(scope="module")
+def push(server: LocalVLLMServer, model_dir: Path, tito: dict, server_teacher: dict, tmp_path_factory) -> dict:
+    # tito, server_teacher: the checks that read model_dir's weights on the server run before the push replaces them.
     out = tmp_path_factory.mktemp("vllm-push") / "push.json"
     argv = [str(PYTHON), str(Path(__file__).with_name("vllm_push.py")), server.url, str(model_dir)]
     proc = subprocess.run(
@@ -310,6 +397,23 @@ def test_our_server_backend_is_token_in_token_out_and_records_the_trainers_logpr
     assert stop["finished"] and stop["last_is_stop"] and stop["only_last_is_stop"], stop  # kept, once, at the end
     cut = tito["max_tokens_cut"]
     assert not cut["finished"] and cut["length"] == 5, cut
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_server_teacher_scores_the_students_tokens_with_the_real_engines_prompt_logprobs(server_teacher: dict):
+    # Every action token's teacher log-prob, from vLLM's prompt_logprobs through our client, is the teacher weights'
+    # log_softmax(logits) of that token at its place in the whole sequence; other tokens get 0.
+    result = server_teacher
+    assert result["tokens"] > 0 and result["max_gap"] < 5e-3 and result["mean_gap"] < 5e-4, result
+    assert result["teacher_kl"] > 0.01, result  # the student (another seed) is far from the teacher
+    assert result["replay"] == 0, result  # python -m trl_plugins.replay BATCH --teacher: the server's, all equal
+    assert f"model {result['model']}" in result["identity"] and "server " in result["identity"], result
+    assert "does not share the student's tokenizer" in result["other_tokenizer"], result
+    assert "gave no answer to the model list" in result["absent"] and result["absent_s"] < 10, result
+    stopped = result["stopped"]
+    assert "gave no answer to prompt log-probs" in stopped and "deadline 3 s" in stopped and "\n" not in stopped
+    assert 3 <= result["stopped_s"] < 8, result
 
 
 @pytest.mark.slow

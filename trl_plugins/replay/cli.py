@@ -66,7 +66,7 @@ def _run_from_config(folder: Path, tokenizer: Any) -> Any:
     return run
 
 
-def _load_teacher(given: str, batch: Any) -> Any:
+def _load_teacher(given: str, batch: Any, tokenizer: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     from trl_plugins.replay.saved_batch import ReplayRefused, teacher_identity
@@ -77,6 +77,10 @@ def _load_teacher(given: str, batch: Any) -> Any:
         raise ReplayRefused(
             "--teacher: the saved batch names no teacher (its run distilled from none): replay without --teacher."
         )
+    if path.startswith(("http://", "https://")):  # a server teacher: its client, checked as the trainer checks it
+        from trl_plugins.trainers.teacher_server import ServerTeacher
+
+        return ServerTeacher.connect(path, tokenizer=tokenizer, tools=batch.get("tool_schemas") or [], timeout_s=120)
     if not Path(path).is_dir():
         raise FileNotFoundError(f"--teacher: {path}: no such model folder (give --teacher DIR, the teacher's folder)")
     return AutoModelForCausalLM.from_pretrained(path, torch_dtype="auto").eval()
@@ -102,6 +106,7 @@ def _saved_config(run_dir: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring); returns the exit status."""
     from trl_plugins.replay.saved_batch import ReplayRefused, replay_batch
+    from trl_plugins.trainers.teacher_server import TeacherServerError
     from trl_plugins.viewer.batch import ViewerError, load_batch
 
     parser = argparse.ArgumentParser(
@@ -198,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or saved)
         if plugins:
             run = _run_from_config(saved or Path(args.checkpoint), tokenizer)
-        teacher = None if args.teacher is None else _load_teacher(args.teacher, batch)
+        teacher = None if args.teacher is None else _load_teacher(args.teacher, batch, tokenizer)
         report = replay_batch(
             batch,
             tokenizer,
@@ -212,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tolerance=args.tolerance,
             teacher=teacher,
         )
-    except (ViewerError, ReplayRefused, FileNotFoundError, ValueError, LookupError) as exc:
+    except (ViewerError, ReplayRefused, TeacherServerError, FileNotFoundError, ValueError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

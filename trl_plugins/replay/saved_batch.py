@@ -327,26 +327,33 @@ def _check_logprobs(
     saved_field: str = "behaviour_logprobs",
     check: str = "logprobs",
 ) -> None:
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
+    local = isinstance(model, torch.nn.Module)  # else a server teacher's client (temperature 1, whole sequences)
+    was_training = model.training if local else False
+    if local:
+        model.eval()
+    device = next(model.parameters()).device if local else "cpu"
     diffs = []
     try:
         for i, entry, traj in entries:
             d = entry["datum"]
             sampling = traj.policy_version.sampling if traj.policy_version else SamplingSettings()
             ids = torch.tensor([d["input_ids"]], device=device)
-            lp = (
-                token_logprobs(
-                    model,
-                    ids,
-                    torch.ones_like(ids),
-                    torch.tensor([d["target_ids"]], device=device),
-                    temperature=sampling.temperature or 1.0,
-                )[0]
-                .double()
-                .cpu()
-            )
+            if not local:
+                lp = torch.tensor(
+                    model.sequence_logprobs([list(d["input_ids"]) + [d["target_ids"][-1]]])[0], dtype=torch.float64
+                )
+            else:
+                lp = (
+                    token_logprobs(
+                        model,
+                        ids,
+                        torch.ones_like(ids),
+                        torch.tensor([d["target_ids"]], device=device),
+                        temperature=sampling.temperature or 1.0,
+                    )[0]
+                    .double()
+                    .cpu()
+                )
             saved = torch.tensor([_nan(x) for x in d[saved_field]], dtype=torch.float64)
             mask = torch.tensor(d["action_mask"], dtype=torch.bool)
             gap = (lp - saved).abs()
@@ -369,7 +376,8 @@ def _check_logprobs(
                     )
                 )
     finally:
-        model.train(was_training)
+        if local:
+            model.train(was_training)
     every = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
     figures = {
         "max_abs_diff": float(every.max()) if len(every) else 0.0,
@@ -382,12 +390,17 @@ def _check_logprobs(
 
 
 def teacher_identity(batch: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(path, weights digest)`` of the teacher the saved batch's version names (``plugin_versions["teacher"]``,
-    written as ``"<path> weights <digest>"``), or None when it was trained without one."""
+    """``(where, identity)`` of the teacher the saved batch's version names (``plugin_versions["teacher"]``), or None
+    when it was trained without one: a local teacher's ``(path, weights digest)`` (written ``"<path> weights
+    <digest>"``), a server teacher's ``(url, "model <name> server <version>")``."""
     entry = ((batch.get("version") or {}).get("plugin_versions") or {}).get("teacher")
     if not entry:
         return None
-    path, _, digest = str(entry).rpartition(" weights ")
+    entry = str(entry)
+    if entry.startswith(("http://", "https://")):
+        url, _, rest = entry.partition(" ")
+        return url, rest
+    path, _, digest = entry.rpartition(" weights ")
     return path, digest
 
 
@@ -407,9 +420,14 @@ def _check_teacher(
         raise ReplayRefused(
             "--teacher: the saved batch names no teacher (its run distilled from none): replay without --teacher."
         )
-    digest = weights_digest(teacher)
+    local = isinstance(teacher, torch.nn.Module)
+    digest = weights_digest(teacher) if local else teacher.identity().partition(" ")[2]
     if digest != named[1]:
-        what = f"teacher weights digest: {named[1]} (saved, {named[0]}) vs {digest} (given)"
+        what = (
+            f"teacher weights digest: {named[1]} (saved, {named[0]}) vs {digest} (given)"
+            if local
+            else f"teacher server: {named[1]} (saved, {named[0]}) vs {digest} (given, {teacher.url})"
+        )
         if not anyway:
             raise ReplayRefused(
                 f"the teacher given is not the one the batch was distilled from: {what}. Give the teacher the saved "

@@ -200,9 +200,18 @@ class MultiTurnGRPOConfig(GRPOConfig):
     teacher_model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "On-policy distillation: a local teacher model (folder or checkpoint) with the student's "
-            "tokenizer, loaded once and placed like the reference model; its log-prob of each sampled action token "
-            "is the student's per-token signal through the 'opd' advantage estimator (docs/training.md)."
+            "help": "On-policy distillation: a local teacher model (folder or checkpoint), loaded once and placed "
+            "like the reference model, or an OpenAI-compatible server's base URL (http://host:port/v1) that returns "
+            "prompt log-probs (vLLM); it must use the student's tokenizer. Its log-prob of each sampled action token "
+            "is the student's per-token signal through the 'opd' advantage estimator, or its whole next-token "
+            "distribution through the 'jsd' loss (a local teacher) (docs/training.md)."
+        },
+    )
+    teacher_request_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "A server teacher: the deadline of each request for prompt log-probs (seconds); a request past "
+            "it fails the step naming the server."
         },
     )
     vllm_importance_sampling_mode: str | None = field(

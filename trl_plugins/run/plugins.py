@@ -391,6 +391,12 @@ def check_plugin_settings(
             f"policy_loss {config.policy_loss!r} distils from a teacher's next-token distributions, and the run has "
             f"no teacher: set teacher_model_name_or_path (a local model with the student's tokenizer)."
         )
+    if distilling_loss and teacher is not None and teacher.server:
+        raise ValueError(
+            f"policy_loss {config.policy_loss!r} compares whole next-token distributions, which a server teacher "
+            f"({teacher.teacher}) does not return: give a local teacher folder, or distil with advantage='opd' (the "
+            f"server's log-prob of each sampled token)."
+        )
     if distilling_loss and config.sequence_parallel_size > 1:
         raise ValueError(
             f"policy_loss {config.policy_loss!r} (the divergence to the teacher) does not run under sequence "

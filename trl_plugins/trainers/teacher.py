@@ -14,7 +14,14 @@ import torch
 
 from trl_plugins.run.settings import Distillation
 
-__all__ = ["SAMPLE_CONVERSATION", "tokenizer_difference", "load_teacher", "teacher_version", "check_divergence_models"]
+__all__ = [
+    "SAMPLE_CONVERSATION",
+    "render_sample",
+    "tokenizer_difference",
+    "load_teacher",
+    "teacher_version",
+    "check_divergence_models",
+]
 
 SAMPLE_CONVERSATION: tuple[Mapping[str, Any], ...] = (
     {"role": "system", "content": "You are a helpful assistant."},
@@ -39,6 +46,13 @@ def _render(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> list[int] | N
         list(SAMPLE_CONVERSATION), tools=list(tools) or None, tokenize=True, return_dict=False
     )
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+
+def render_sample(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[int]]:
+    """The chat template's render of :data:`SAMPLE_CONVERSATION` (with ``tools``) as text, and that text's token ids
+    (no special tokens added: the template writes them): what a server teacher's tokenizer is checked on."""
+    text = tokenizer.apply_chat_template(list(SAMPLE_CONVERSATION), tools=list(tools) or None, tokenize=False)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def tokenizer_difference(student: Any, teacher: Any, tools: Sequence[Mapping[str, Any]] = ()) -> str | None:
@@ -79,11 +93,13 @@ def load_teacher(
     deepspeed: bool,
 ) -> torch.nn.Module:
     """The teacher, checked and placed: its tokenizer against the student's (:func:`tokenizer_difference`), then its
-    weights loaded in the policy's dtype with dropout off and no gradients, prepared like TRL's reference model.
+    weights loaded in the policy's dtype with dropout off and no gradients, prepared like TRL's reference model; a
+    server teacher's client, its server checked (:meth:`~trl_plugins.trainers.teacher_server.ServerTeacher.connect`).
 
     Raises:
         ValueError: the teacher's tokenizer differs from the student's, or the teacher cannot be loaded (both name
             ``teacher_model_name_or_path``).
+        TeacherServerError: a server teacher does not answer, or lacks what distillation needs.
     """
     from transformers import AutoTokenizer
     from trl.models import prepare_deepspeed
@@ -92,6 +108,10 @@ def load_teacher(
     from trl_plugins.modeling.dropout import disable_dropout
 
     path = settings.teacher
+    if settings.server:
+        from trl_plugins.trainers.teacher_server import ServerTeacher
+
+        return ServerTeacher.connect(path, tokenizer=tokenizer, tools=tools, timeout_s=settings.request_timeout_s)
     try:
         teacher_tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -125,6 +145,8 @@ def teacher_version(settings: Distillation | None, model: Any) -> dict[str, str 
     one."""
     if settings is None or model is None:
         return {}
+    if settings.server:
+        return {"teacher": model.identity()}
     from trl_plugins.rollout.weights import weights_digest
 
     return {"teacher": f"{settings.teacher} weights {weights_digest(model, gather_each=True)}"}

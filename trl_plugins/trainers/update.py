@@ -234,11 +234,18 @@ def teacher_logprobs(
     accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *, pad_token_id: int
 ) -> None:
     """Fill ``datum.teacher_logprobs`` with the teacher's log-probs of the action tokens at the sampling temperature
-    (on-policy distillation); every rank must call it, once per rollout batch.
+    (on-policy distillation); every rank must call it, once per rollout batch. A server teacher scores each datum's
+    whole sequence (its ``input_ids`` and last target) from this rank alone, at temperature 1 (the only one a server
+    teacher is allowed with).
 
     Args:
-        model: The prepared teacher (:func:`~trl_plugins.trainers.teacher.load_teacher`).
+        model: The prepared teacher, or a server teacher's client (:func:`~trl_plugins.trainers.teacher.load_teacher`).
     """
+    if not isinstance(model, torch.nn.Module):
+        scored = model.sequence_logprobs([list(d.input_ids) + [d.target_ids[-1]] for d in datums if d.num_tokens])
+        for d, lp in zip((d for d in datums if d.num_tokens), scored):
+            d.teacher_logprobs = [float(x) if m else 0.0 for x, m in zip(lp, d.action_mask)]
+        return
     _fill_logprobs(accelerator, model, datums, config, "teacher_logprobs", pad_token_id=pad_token_id)
 
 
