@@ -191,6 +191,8 @@ def test_opd_without_a_teacher_and_a_teacher_nothing_reads_are_refused_naming_th
         )
     with pytest.raises(ValueError, match="teacher_model_name_or_path is empty"):
         tiny_config(tmp_path, teacher_model_name_or_path=" ")
+    with pytest.raises(ValueError, match="teacher_request_timeout_s=5.0 configure a server teacher.*no teacher"):
+        tiny_config(tmp_path, teacher_request_timeout_s=5.0)
 
 
 def test_a_teacher_with_another_tokenizer_or_none_at_all_is_refused_at_start_up(tmp_path):

@@ -15,6 +15,7 @@ from support.trainer import tiny_config
 from trl_plugins.run.settings import AsyncRollouts, DynamicSampling, LongTrajectories, MismatchCorrection
 from trl_plugins.run.settings.async_rollouts import FIELDS as ASYNC_FIELDS
 from trl_plugins.run.settings.critic import FIELDS as CRITIC_FIELDS
+from trl_plugins.run.settings.distillation import FIELDS as DISTILLATION_FIELDS
 from trl_plugins.run.settings.dynamic_sampling import FIELDS as DYNAMIC_SAMPLING_FIELDS
 from trl_plugins.run.settings.long_trajectories import FIELDS as LONG_FIELDS
 from trl_plugins.run.settings.mismatch_correction import FIELDS as MISMATCH_FIELDS
@@ -134,6 +135,7 @@ FEATURE_FIELDS = {
     *ASYNC_FIELDS,
     *DYNAMIC_SAMPLING_FIELDS,
     *CRITIC_FIELDS,
+    *DISTILLATION_FIELDS,
     *MISMATCH_FIELDS,
     *LONG_FIELDS,
     "async_rollouts",
@@ -145,7 +147,10 @@ READERS = {
     "run/config.py",
     "run/trl_fields.py",
     "run/parallelism.py",
-    *(f"run/settings/{m}.py" for m in ("async_rollouts", "dynamic_sampling", "critic", "mismatch_correction")),
+    *(
+        f"run/settings/{m}.py"
+        for m in ("async_rollouts", "dynamic_sampling", "critic", "mismatch_correction", "distillation")
+    ),
     "run/settings/long_trajectories.py",
 }
 """The config (which declares the flat fields and builds the objects), the table mapping TRL's fields onto them, the

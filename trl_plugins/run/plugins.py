@@ -397,7 +397,7 @@ def check_plugin_settings(
             f"({teacher.teacher}) does not return: give a local teacher folder, or distil with advantage='opd' (the "
             f"server's log-prob of each sampled token)."
         )
-    if distilling_loss and config.sequence_parallel_size > 1:
+    if distilling_loss and config.features.long_trajectories.sequence_parallel:
         raise ValueError(
             f"policy_loss {config.policy_loss!r} (the divergence to the teacher) does not run under sequence "
             f"parallelism yet: set sequence_parallel_size=1, or distil with advantage='opd' (its per-token signal "

@@ -10,6 +10,9 @@ from typing import Any
 
 __all__ = ["Distillation"]
 
+FIELDS = ("teacher_request_timeout_s",)
+"""The flat fields that configure it (beside the teacher, ``teacher_model_name_or_path``)."""
+
 
 SERVER_SCHEMES = ("http://", "https://")
 """A teacher named by a URL is a server (``teacher_model_name_or_path: http://127.0.0.1:8000/v1``)."""
@@ -37,10 +40,19 @@ class Distillation:
         """The settings of ``config`` (None without a teacher).
 
         Raises:
-            ValueError: an empty teacher path.
+            ValueError: an empty teacher path, a request deadline without a teacher or not above 0, a server teacher
+                with a sampling temperature other than 1.
         """
+        from trl_plugins.run.settings import off_default
+
         teacher = config.teacher_model_name_or_path
         if teacher is None:
+            given = off_default(config, FIELDS)
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} configure a server teacher, and the run has no teacher: set "
+                    f"teacher_model_name_or_path (http://host:port/v1), or drop them."
+                )
             return None
         if not str(teacher).strip():
             raise ValueError(
