@@ -191,7 +191,7 @@ def test_opd_without_a_teacher_and_a_teacher_nothing_reads_are_refused_naming_th
         )
     with pytest.raises(ValueError, match="teacher_model_name_or_path is empty"):
         tiny_config(tmp_path, teacher_model_name_or_path=" ")
-    with pytest.raises(ValueError, match="teacher_request_timeout_s=5.0 configure a server teacher.*no teacher"):
+    with pytest.raises(ValueError, match="teacher_request_timeout_s=5.0 configure distillation's teacher.*has none"):
         tiny_config(tmp_path, teacher_request_timeout_s=5.0)
 
 
@@ -522,3 +522,83 @@ def test_a_server_teacher_without_prompt_logprobs_or_at_another_temperature_is_r
             tiny_config(tmp_path, teacher_model_name_or_path=url, policy_loss="jsd", temperature=1.0),
             reward_components=rewards,
         )
+
+
+def test_several_teachers_each_score_the_rows_their_route_field_names(tmp_path, capsys):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    paths = {"sums": _save_teacher(tmp_path / "a", tok, seed=1), "products": _save_teacher(tmp_path / "b", tok, seed=2)}
+    rows = [
+        {"prompt": f"What is {i} {'+' if i % 2 else '*'} {i}?", "source": "sums" if i % 2 else "products"}
+        for i in range(4)
+    ]
+    config = dict(
+        teacher_model_name_or_path=json.dumps(paths),
+        teacher_route_field="source",
+        advantage="opd",
+        advantage_kwargs={"reward_weight": 0.0},
+        max_steps=1,
+        viewer_steps=1,
+        viewer_trajectories=2,
+    )
+
+    def trainer(data, **overrides):
+        torch.manual_seed(0)
+        return MultiTurnGRPOTrainer(
+            build_tiny_model(tok),
+            tiny_config(tmp_path / "out", **{**config, **overrides}),
+            train_dataset=Dataset.from_list(data),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
+
+    run = trainer(rows)
+    run.train()
+    teachers = {r: AutoModelForCausalLM.from_pretrained(p).eval() for r, p in paths.items()}
+    batch = run.last_batch
+    seen = set()
+    for d in batch.datums:
+        route = batch.rows[batch.trajectories[d.trajectory_index].group_id]["source"]
+        seen.add(route)
+        with torch.no_grad():
+            lps = {
+                r: torch.log_softmax(t(input_ids=torch.tensor([d.input_ids])).logits[0].double(), -1).gather(
+                    -1, torch.tensor(d.target_ids)[:, None]
+                )[:, 0]
+                for r, t in teachers.items()
+            }
+        other = next(r for r in paths if r != route)
+        action = [k for k, m in enumerate(d.action_mask) if m]
+        assert all(d.teacher_logprobs[k] == pytest.approx(float(lps[route][k]), abs=2e-4) for k in action)
+        assert max(abs(d.teacher_logprobs[k] - float(lps[other][k])) for k in action) > 1e-2  # not the other's
+    assert seen == set(paths)
+    # The run's version names each teacher by its route.
+    from trl_plugins.rollout.weights import weights_digest
+
+    versions = run.run.version.plugin_versions
+    assert {k: v for k, v in versions.items() if k.startswith("teacher")} == {
+        f"teacher/{r}": f"{p} weights {weights_digest(teachers[r])}" for r, p in paths.items()
+    }
+    # The replay names what it cannot re-derive yet.
+    from trl_plugins.replay.cli import main as replay
+
+    assert replay([str(tmp_path / "out" / "trajectories" / "step-000001.json"), "--teacher"]) == 2
+    assert "routed by a row field (teacher/products, teacher/sums)" in capsys.readouterr().err
+    # Refused at start-up, before any teacher loads: a row no teacher is named for, a dataset without the field, a
+    # mapping without a route field and a route field with one teacher, the jsd loss with several teachers.
+    with pytest.raises(ValueError, match="rows with 'quotients' reach no teacher"):
+        trainer([*rows, {"prompt": "What is 4 / 2?", "source": "quotients"}])
+    with pytest.raises(ValueError, match="'source' is not a field of the training dataset"):
+        trainer([{"prompt": r["prompt"]} for r in rows])
+    with pytest.raises(ValueError, match="names 2 teachers .*: set teacher_route_field"):
+        tiny_config(tmp_path, **{**config, "teacher_route_field": None})
+    with pytest.raises(ValueError, match="names one: give a mapping"):
+        tiny_config(tmp_path, **{**config, "teacher_model_name_or_path": paths["sums"]})
+    from trl_plugins.run import resolve_run
+
+    with pytest.raises(ValueError, match="distils from one teacher, and teacher_model_name_or_path names 2"):
+        resolve_run(tiny_config(tmp_path, **config, policy_loss="jsd"), reward_components={"length": TokenReward()})

@@ -392,8 +392,20 @@ def _check_logprobs(
 def teacher_identity(batch: Mapping[str, Any]) -> tuple[str, str] | None:
     """``(where, identity)`` of the teacher the saved batch's version names (``plugin_versions["teacher"]``), or None
     when it was trained without one: a local teacher's ``(path, weights digest)`` (written ``"<path> weights
-    <digest>"``), a server teacher's ``(url, "model <name> server <version>")``."""
-    entry = ((batch.get("version") or {}).get("plugin_versions") or {}).get("teacher")
+    <digest>"``), a server teacher's ``(url, "model <name> server <version>")``.
+
+    Raises:
+        ReplayRefused: the batch was distilled from several teachers routed by a row field.
+    """
+    versions = (batch.get("version") or {}).get("plugin_versions") or {}
+    routed = sorted(k for k in versions if k.startswith("teacher/"))
+    if routed:
+        raise ReplayRefused(
+            f"the saved batch was distilled from {len(routed)} teachers routed by a row field "
+            f"({', '.join(routed)}): --teacher re-derives one teacher's log-probs, not routed ones yet; replay "
+            f"without --teacher."
+        )
+    entry = versions.get("teacher")
     if not entry:
         return None
     entry = str(entry)

@@ -207,6 +207,13 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "distribution through the 'jsd' loss (a local teacher) (docs/training.md)."
         },
     )
+    teacher_route_field: str | None = field(
+        default=None,
+        metadata={
+            "help": "Several teachers: teacher_model_name_or_path as a mapping {value: teacher} (JSON) and this, the "
+            "dataset row's field whose value picks each row's teacher (verl routes by data_source)."
+        },
+    )
     teacher_request_timeout_s: float = field(
         default=120.0,
         metadata={

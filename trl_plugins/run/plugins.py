@@ -391,6 +391,11 @@ def check_plugin_settings(
             f"policy_loss {config.policy_loss!r} distils from a teacher's next-token distributions, and the run has "
             f"no teacher: set teacher_model_name_or_path (a local model with the student's tokenizer)."
         )
+    if distilling_loss and teacher is not None and teacher.routes:
+        raise ValueError(
+            f"policy_loss {config.policy_loss!r} distils from one teacher, and teacher_model_name_or_path names "
+            f"{len(teacher.routes)} (routed by {teacher.route_field!r}): give one, or distil with advantage='opd'."
+        )
     if distilling_loss and teacher is not None and teacher.server:
         raise ValueError(
             f"policy_loss {config.policy_loss!r} compares whole next-token distributions, which a server teacher "

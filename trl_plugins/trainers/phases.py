@@ -299,7 +299,14 @@ class StepRunner:
         if model is None or not self.run.advantage.needs_teacher_logprobs:
             return
         start = time.perf_counter()
-        teacher_logprobs(self.accelerator, model, batch.datums, self.config, pad_token_id=self.pad_token_id)
+        routed = getattr(model, "teachers", None)  # RoutedTeachers: each route's datums to its teacher, on every rank
+        if routed is None:
+            teacher_logprobs(self.accelerator, model, batch.datums, self.config, pad_token_id=self.pad_token_id)
+        else:
+            routes = [model.route(batch.rows[batch.trajectories[d.trajectory_index].group_id]) for d in batch.datums]
+            for route, teacher in routed.items():
+                mine = [d for d, r in zip(batch.datums, routes) if r == route]
+                teacher_logprobs(self.accelerator, teacher, mine, self.config, pad_token_id=self.pad_token_id)
         batch.metrics["timing/teacher_forward_s"] = time.perf_counter() - start
 
     def advantages(self, batch: StepBatch) -> None:

@@ -82,6 +82,53 @@ def tokenizer_difference(student: Any, teacher: Any, tools: Sequence[Mapping[str
     return None
 
 
+class RoutedTeachers:
+    """Several teachers, each scoring the trajectories of the dataset rows whose ``route_field`` names it."""
+
+    def __init__(self, route_field: str, teachers: Mapping[str, Any]) -> None:
+        self.route_field = route_field
+        self.teachers = dict(teachers)
+
+    def route(self, row: Mapping[str, Any]) -> str:
+        """The route of a dataset row: its ``route_field``'s value.
+
+        Raises:
+            ValueError: the row lacks the field, or its value names no teacher.
+        """
+        value = row.get(self.route_field) if isinstance(row, Mapping) else None
+        if value is None or str(value) not in self.teachers:
+            raise ValueError(
+                f"teacher_route_field={self.route_field!r}: a row's value {value!r} names no teacher (the teachers: "
+                f"{', '.join(self.teachers)}); add it to teacher_model_name_or_path's mapping."
+            )
+        return str(value)
+
+
+def check_routed_rows(settings: Distillation, rows: Any) -> None:
+    """With several teachers, refuse at start-up (before any is loaded) a training dataset whose rows would reach none:
+    the route field missing, or values no teacher is named for (at most five named).
+
+    Raises:
+        ValueError: what does not route, and what to set.
+    """
+    if not settings.routes or rows is None:
+        return
+    field, teachers = settings.route_field, settings.teachers
+    names = list(getattr(rows, "column_names", None) or [])
+    if field not in names:
+        raise ValueError(
+            f"teacher_route_field={field!r} is not a field of the training dataset (its fields: {', '.join(names)}); "
+            f"name the field that picks each row's teacher."
+        )
+    unrouted = sorted({str(v) for v in rows[field]} - set(teachers))
+    if unrouted:
+        raise ValueError(
+            f"teacher_route_field={field!r}: rows with {', '.join(map(repr, unrouted[:5]))}"
+            f"{' ...' if len(unrouted) > 5 else ''} reach no teacher (the teachers: {', '.join(teachers)}); add them "
+            f"to teacher_model_name_or_path's mapping."
+        )
+
+
 def load_teacher(
     settings: Distillation,
     accelerator: Any,
@@ -107,6 +154,20 @@ def load_teacher(
 
     from trl_plugins.modeling.dropout import disable_dropout
 
+    if settings.routes:
+        teachers = {
+            route: load_teacher(
+                settings.single(route),
+                accelerator,
+                tokenizer=tokenizer,
+                tools=tools,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                deepspeed=deepspeed,
+            )
+            for route in settings.teachers
+        }
+        return RoutedTeachers(settings.route_field, teachers)
     path = settings.teacher
     if settings.server:
         from trl_plugins.trainers.teacher_server import ServerTeacher
@@ -145,6 +206,11 @@ def teacher_version(settings: Distillation | None, model: Any) -> dict[str, str 
     one."""
     if settings is None or model is None:
         return {}
+    if isinstance(model, RoutedTeachers):
+        return {
+            f"teacher/{route}": teacher_version(settings.single(route), each)["teacher"]
+            for route, each in model.teachers.items()
+        }
     if settings.server:
         return {"teacher": model.identity()}
     from trl_plugins.rollout.weights import weights_digest

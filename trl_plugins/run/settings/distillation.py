@@ -1,18 +1,18 @@
 """On-policy distillation's settings (``teacher_model_name_or_path``): the teacher whose log-prob of each token the
 student sampled becomes the student's per-token signal (the signal itself is an advantage estimator, ``opd``:
-:class:`~trl_plugins.algos.advantages.OnPolicyDistillationAdvantage`; the teacher's forward:
+:class:`~trl_plugins.algos.advantages.OnPolicyDistillationAdvantage`, or the ``jsd`` loss; the teacher's forward:
 :mod:`trl_plugins.trainers.teacher`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = ["Distillation"]
 
-FIELDS = ("teacher_request_timeout_s",)
+FIELDS = ("teacher_request_timeout_s", "teacher_route_field")
 """The flat fields that configure it (beside the teacher, ``teacher_model_name_or_path``)."""
-
 
 SERVER_SCHEMES = ("http://", "https://")
 """A teacher named by a URL is a server (``teacher_model_name_or_path: http://127.0.0.1:8000/v1``)."""
@@ -22,26 +22,43 @@ SERVER_SCHEMES = ("http://", "https://")
 class Distillation:
     """The teacher: a local model, loaded once by the trainer and placed like TRL's reference model (a frozen,
     no-gradient copy per rank under DDP, sharded under ZeRO-3), or an OpenAI-compatible server that returns prompt
-    log-probs (vLLM's ``prompt_logprobs``), asked by every rank for its datums. It must share the student's tokenizer
-    (checked at start-up)."""
+    log-probs (vLLM's ``prompt_logprobs``), asked by every rank for its datums; or several of them, each scoring the
+    trajectories of the rows whose ``route_field`` names it. Each must share the student's tokenizer (checked at
+    start-up)."""
 
     teacher: str
-    """A local model folder or checkpoint, or a server's base URL (``teacher_model_name_or_path``)."""
+    """A local model folder or checkpoint, or a server's base URL (``teacher_model_name_or_path``); with several
+    teachers, their mapping as JSON."""
     request_timeout_s: float = 120.0
     """A server teacher: the deadline of each request (``teacher_request_timeout_s``)."""
+    routes: tuple[tuple[str, str], ...] = ()
+    """Several teachers: ``(value of the row's route field, teacher)`` pairs (``teacher_model_name_or_path`` given as a
+    mapping); empty with one teacher."""
+    route_field: str | None = None
+    """Several teachers: the dataset row's field whose value picks a row's teacher (``teacher_route_field``)."""
+
+    @property
+    def teachers(self) -> dict[str, str]:
+        """Each teacher by its route (``{"": teacher}`` with one)."""
+        return dict(self.routes) if self.routes else {"": self.teacher}
 
     @property
     def server(self) -> bool:
-        """Whether the teacher is a server (its setting is an http(s) URL)."""
-        return self.teacher.startswith(SERVER_SCHEMES)
+        """Whether a teacher is a server (its setting is an http(s) URL)."""
+        return any(spec.startswith(SERVER_SCHEMES) for spec in self.teachers.values())
+
+    def single(self, route: str) -> Distillation:
+        """The settings of one route's teacher alone."""
+        return Distillation(teacher=self.teachers[route], request_timeout_s=self.request_timeout_s)
 
     @classmethod
     def from_config(cls, config: Any) -> Distillation | None:
         """The settings of ``config`` (None without a teacher).
 
         Raises:
-            ValueError: an empty teacher path, a request deadline without a teacher or not above 0, a server teacher
-                with a sampling temperature other than 1.
+            ValueError: an empty teacher path, a setting of it without a teacher, a request deadline not above 0,
+                several teachers without a route field (or a route field with one teacher), a server teacher with a
+                sampling temperature other than 1.
         """
         from trl_plugins.run.settings import off_default
 
@@ -50,18 +67,35 @@ class Distillation:
             given = off_default(config, FIELDS)
             if given:
                 raise ValueError(
-                    f"{', '.join(given)} configure a server teacher, and the run has no teacher: set "
-                    f"teacher_model_name_or_path (http://host:port/v1), or drop them."
+                    f"{', '.join(given)} configure distillation's teacher, and the run has none: set "
+                    f"teacher_model_name_or_path, or drop them."
                 )
             return None
-        if not str(teacher).strip():
+        routes = _routes(teacher)
+        field = config.teacher_route_field
+        if routes and not field:
+            raise ValueError(
+                f"teacher_model_name_or_path names {len(routes)} teachers ({', '.join(r for r, _ in routes)}): set "
+                f"teacher_route_field, the dataset row's field whose value picks each row's teacher."
+            )
+        if field and not routes:
+            raise ValueError(
+                f"teacher_route_field={field!r} routes rows to several teachers, and teacher_model_name_or_path names "
+                f"one: give a mapping {{value: teacher}} (JSON), or drop teacher_route_field."
+            )
+        if not routes and not str(teacher).strip():
             raise ValueError(
                 "teacher_model_name_or_path is empty: give the teacher's model folder, or leave it unset (no teacher)."
             )
         timeout = float(config.teacher_request_timeout_s)
         if not timeout > 0:
             raise ValueError(f"teacher_request_timeout_s must be > 0 (seconds per request), got {timeout}.")
-        settings = cls(teacher=str(teacher).strip(), request_timeout_s=timeout)
+        settings = cls(
+            teacher=json.dumps(dict(routes)) if routes else str(teacher).strip(),
+            request_timeout_s=timeout,
+            routes=routes,
+            route_field=field or None,
+        )
         temperature = config.temperature
         if settings.server and temperature not in (None, 0, 0.0, 1, 1.0):
             raise ValueError(
@@ -71,3 +105,21 @@ class Distillation:
                 f"sampling temperature)."
             )
         return settings
+
+
+def _routes(teacher: Any) -> tuple[tuple[str, str], ...]:
+    """A mapping of teachers (a dict, or its JSON) as sorted pairs; ``()`` for one teacher."""
+    if isinstance(teacher, str) and teacher.lstrip().startswith("{"):
+        try:
+            teacher = json.loads(teacher)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"teacher_model_name_or_path is not valid JSON ({exc}): {teacher[:80]!r}") from None
+    if not isinstance(teacher, Mapping):
+        return ()
+    bad = [k for k, v in teacher.items() if not isinstance(v, str) or not v.strip()]
+    if not teacher or bad:
+        raise ValueError(
+            f"teacher_model_name_or_path: a mapping of teachers needs a non-empty folder or URL for each route"
+            f"{' (not ' + ', '.join(map(str, bad)) + ')' if bad else ''}."
+        )
+    return tuple(sorted((str(k), str(v).strip()) for k, v in teacher.items()))
