@@ -602,3 +602,70 @@ def test_several_teachers_each_score_the_rows_their_route_field_names(tmp_path, 
 
     with pytest.raises(ValueError, match="distils from one teacher, and teacher_model_name_or_path names 2"):
         resolve_run(tiny_config(tmp_path, **config, policy_loss="jsd"), reward_components={"length": TokenReward()})
+
+
+def test_self_distillation_scores_the_students_tokens_under_the_privileged_prompt(tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from trl_plugins.trainers import MultiTurnGRPOTrainer
+
+    tok = build_tokenizer("qwen2_5")
+    # The teacher is the student's own starting model (the same build), shown the row's answer.
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    build_tiny_model(tok).save_pretrained(base)
+    tok.save_pretrained(base)
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    config = dict(
+        teacher_model_name_or_path=str(base),
+        teacher_privileged_field="answer",
+        advantage="opd",
+        advantage_kwargs={"reward_weight": 0.0},
+        max_steps=1,
+    )
+
+    def trainer(data, **overrides):
+        return MultiTurnGRPOTrainer(
+            AutoModelForCausalLM.from_pretrained(base),
+            tiny_config(tmp_path / "out", **{**config, **overrides}),
+            train_dataset=Dataset.from_list(data),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
+
+    run = trainer(rows)
+    run.train()
+    teacher = AutoModelForCausalLM.from_pretrained(base).eval()
+    batch = run.last_batch
+    for d in batch.datums:
+        traj = batch.trajectories[d.trajectory_index]
+        row = batch.rows[traj.group_id]
+        own = len(traj.turns[0].prompt_ids)
+        message = f"{row['prompt']}\n\n(Reference answer, for the teacher only: {row['answer']})"
+        privileged = run.run.chat.initial_prompt_ids([{"role": "user", "content": message}])
+        assert run.run.chat.initial_prompt_ids([{"role": "user", "content": row["prompt"]}]) == traj.turns[0].prompt_ids
+        full = list(privileged) + list(d.input_ids[own:]) + [d.target_ids[-1]]
+        with torch.no_grad():
+            logits = teacher(input_ids=torch.tensor([full[:-1]])).logits[0].double()
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(full[1:])[:, None])[:, 0]
+        shift = len(privileged) - own
+        action = [k for k, m in enumerate(d.action_mask) if m]
+        assert action and min(action) >= own - 1
+        assert all(d.teacher_logprobs[k] == pytest.approx(float(lp[k + shift]), abs=2e-4) for k in action)
+        assert all(d.teacher_logprobs[k] == 0.0 for k, m in enumerate(d.action_mask) if not m)
+    # The same weights without the privileged prompt would score the student's tokens as it sampled them (the KL ~0):
+    # what the teacher signal holds is the answer's effect.
+    gaps = [
+        abs(d.teacher_logprobs[k] - d.behaviour_logprobs[k])
+        for d in batch.datums
+        for k in range(d.num_tokens)
+        if d.action_mask[k]
+    ]
+    assert max(gaps) > 1e-3
+    with pytest.raises(ValueError, match="teacher_privileged_field='answer' is not a field of the training dataset"):
+        trainer([{"prompt": r["prompt"]} for r in rows])
+    with pytest.raises(ValueError, match="teacher_privileged_field='answer' configure distillation's teacher"):
+        tiny_config(tmp_path, teacher_privileged_field="answer")
+    with pytest.raises(ValueError, match="must hold \\{content\\}"):
+        tiny_config(tmp_path, **config, teacher_privileged_template="{value}")

@@ -214,6 +214,18 @@ class MultiTurnGRPOConfig(GRPOConfig):
             "dataset row's field whose value picks each row's teacher (verl routes by data_source)."
         },
     )
+    teacher_privileged_field: str | None = field(
+        default=None,
+        metadata={
+            "help": "Self-distillation: the dataset row's field (e.g. 'answer') the teacher is shown and the student "
+            "is not: the teacher scores the student's tokens under a first prompt whose last user message holds it "
+            "(teacher_privileged_template); the teacher is typically the student's own starting model."
+        },
+    )
+    teacher_privileged_template: str = field(
+        default="{content}\n\n(Reference answer, for the teacher only: {value})",
+        metadata={"help": "How teacher_privileged_field joins the teacher's last user message ({content}, {value})."},
+    )
     teacher_request_timeout_s: float = field(
         default=120.0,
         metadata={

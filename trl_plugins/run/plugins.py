@@ -391,6 +391,18 @@ def check_plugin_settings(
             f"policy_loss {config.policy_loss!r} distils from a teacher's next-token distributions, and the run has "
             f"no teacher: set teacher_model_name_or_path (a local model with the student's tokenizer)."
         )
+    if distilling_loss and teacher is not None and teacher.privileged_field:
+        raise ValueError(
+            f"policy_loss {config.policy_loss!r} forwards the teacher on the student's own tokens, without "
+            f"teacher_privileged_field={teacher.privileged_field!r}: self-distill with advantage='opd', or drop the "
+            f"field."
+        )
+    if teacher is not None and teacher.privileged_field and rollout.agent_conversation:
+        raise ValueError(
+            f"teacher_privileged_field={teacher.privileged_field!r} rewrites the first prompt the run renders from a "
+            f"row, and {rollout.label} writes its own conversation: drop the field (self-distillation needs the run's "
+            f"own prompts)."
+        )
     if distilling_loss and teacher is not None and teacher.routes:
         raise ValueError(
             f"policy_loss {config.policy_loss!r} distils from one teacher, and teacher_model_name_or_path names "

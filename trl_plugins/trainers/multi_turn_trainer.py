@@ -55,7 +55,7 @@ from trl_plugins.trainers.model_card import name_local_base_model, name_quick_st
 from trl_plugins.trainers.phases import StepBatch, StepRunner
 from trl_plugins.trainers.resilience import Resilient
 from trl_plugins.trainers.sequence_parallel import setup_sequence_parallel
-from trl_plugins.trainers.teacher import check_divergence_models, check_routed_rows, load_teacher, teacher_version
+from trl_plugins.trainers.teacher import check_divergence_models, check_teacher_rows, load_teacher, teacher_version
 
 __all__ = ["MultiTurnGRPOTrainer", "COMPLETE_MARKER", "latest_complete_checkpoint"]
 
@@ -149,7 +149,7 @@ class MultiTurnGRPOTrainer(Resilient, GRPOTrainer):
         run.bind_tokenizer(self.processing_class)
         self._teacher = None  # on-policy distillation: the teacher, checked against the student and placed once
         if args.features.distillation is not None:
-            check_routed_rows(args.features.distillation, train_dataset)
+            check_teacher_rows(args.features.distillation, train_dataset)
             unwrapped = self.accelerator.unwrap_model(self.model)
             self._teacher = load_teacher(
                 args.features.distillation,

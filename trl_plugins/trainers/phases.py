@@ -299,15 +299,42 @@ class StepRunner:
         if model is None or not self.run.advantage.needs_teacher_logprobs:
             return
         start = time.perf_counter()
+        prompts = self._privileged_prompts(batch)
         routed = getattr(model, "teachers", None)  # RoutedTeachers: each route's datums to its teacher, on every rank
         if routed is None:
-            teacher_logprobs(self.accelerator, model, batch.datums, self.config, pad_token_id=self.pad_token_id)
+            teacher_logprobs(
+                self.accelerator, model, batch.datums, self.config, pad_token_id=self.pad_token_id, prompts=prompts
+            )
         else:
             routes = [model.route(batch.rows[batch.trajectories[d.trajectory_index].group_id]) for d in batch.datums]
             for route, teacher in routed.items():
-                mine = [d for d, r in zip(batch.datums, routes) if r == route]
-                teacher_logprobs(self.accelerator, teacher, mine, self.config, pad_token_id=self.pad_token_id)
+                mine = [k for k, r in enumerate(routes) if r == route]
+                teacher_logprobs(
+                    self.accelerator,
+                    teacher,
+                    [batch.datums[k] for k in mine],
+                    self.config,
+                    pad_token_id=self.pad_token_id,
+                    prompts=None if prompts is None else [prompts[k] for k in mine],
+                )
         batch.metrics["timing/teacher_forward_s"] = time.perf_counter() - start
+
+    def _privileged_prompts(self, batch: StepBatch) -> list[tuple[list[int], int]] | None:
+        """Self-distillation: per datum, the teacher's first prompt (its row's, with the privileged field joined to the
+        last user message) and the length of the datum's own; None without a privileged field."""
+        settings = self.config.features.distillation
+        if settings is None or settings.privileged_field is None:
+            return None
+        system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+        out = []
+        for d in batch.datums:
+            traj = batch.trajectories[d.trajectory_index]
+            row = batch.rows[traj.group_id]
+            prompt = row["prompt"]
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            teacher_prompt = self.run.chat.initial_prompt_ids(settings.privileged(system + messages, row))
+            out.append((teacher_prompt, len(traj.turns[0].prompt_ids)))
+        return out
 
     def advantages(self, batch: StepBatch) -> None:
         """5. The critic's values (every rank forwards) when the estimator needs them, then the advantages."""

@@ -104,22 +104,29 @@ class RoutedTeachers:
         return str(value)
 
 
-def check_routed_rows(settings: Distillation, rows: Any) -> None:
-    """With several teachers, refuse at start-up (before any is loaded) a training dataset whose rows would reach none:
-    the route field missing, or values no teacher is named for (at most five named).
+def check_teacher_rows(settings: Distillation, rows: Any) -> None:
+    """Refuse at start-up (before any teacher is loaded) a training dataset whose rows would reach no teacher (several
+    teachers: the route field missing, or values no teacher is named for, at most five named) or lack the privileged
+    field (self-distillation).
 
     Raises:
-        ValueError: what does not route, and what to set.
+        ValueError: what is missing, and what to set.
     """
-    if not settings.routes or rows is None:
+    if rows is None or not (settings.routes or settings.privileged_field):
+        return
+    names = list(getattr(rows, "column_names", None) or [])
+    for field, what, role in (
+        (settings.route_field, "teacher_route_field", "picks each row's teacher"),
+        (settings.privileged_field, "teacher_privileged_field", "the teacher is shown"),
+    ):
+        if field is not None and field not in names:
+            raise ValueError(
+                f"{what}={field!r} is not a field of the training dataset (its fields: {', '.join(names)}); name the "
+                f"field that {role}."
+            )
+    if not settings.routes:
         return
     field, teachers = settings.route_field, settings.teachers
-    names = list(getattr(rows, "column_names", None) or [])
-    if field not in names:
-        raise ValueError(
-            f"teacher_route_field={field!r} is not a field of the training dataset (its fields: {', '.join(names)}); "
-            f"name the field that picks each row's teacher."
-        )
     unrouted = sorted({str(v) for v in rows[field]} - set(teachers))
     if unrouted:
         raise ValueError(

@@ -55,6 +55,7 @@ from trl_plugins.types import (
     MismatchStats,
     PolicyLossInput,
     PolicyLossStats,
+    TokenSource,
     Trajectory,
 )
 
@@ -231,7 +232,13 @@ def reference_logprobs(
 
 
 def teacher_logprobs(
-    accelerator: Any, model: torch.nn.Module, datums: Sequence[Datum], config: UpdateSettings, *, pad_token_id: int
+    accelerator: Any,
+    model: Any,
+    datums: Sequence[Datum],
+    config: UpdateSettings,
+    *,
+    pad_token_id: int,
+    prompts: Sequence[tuple[list[int], int]] | None = None,
 ) -> None:
     """Fill ``datum.teacher_logprobs`` with the teacher's log-probs of the action tokens at the sampling temperature
     (on-policy distillation); every rank must call it, once per rollout batch. A server teacher scores each datum's
@@ -240,13 +247,41 @@ def teacher_logprobs(
 
     Args:
         model: The prepared teacher, or a server teacher's client (:func:`~trl_plugins.trainers.teacher.load_teacher`).
+        prompts: Self-distillation: per datum, ``(the teacher's first prompt, the length of the datum's own)``: the
+            teacher scores the datum's tokens after its first prompt under that one instead (privileged context), and
+            each log-prob goes back to its token's place in the datum.
     """
+    scored = list(datums) if prompts is None else [_with_prompt(d, *p) for d, p in zip(datums, prompts)]
     if not isinstance(model, torch.nn.Module):
-        scored = model.sequence_logprobs([list(d.input_ids) + [d.target_ids[-1]] for d in datums if d.num_tokens])
-        for d, lp in zip((d for d in datums if d.num_tokens), scored):
+        lps = model.sequence_logprobs([list(d.input_ids) + [d.target_ids[-1]] for d in scored if d.num_tokens])
+        for d, lp in zip((d for d in scored if d.num_tokens), lps):
             d.teacher_logprobs = [float(x) if m else 0.0 for x, m in zip(lp, d.action_mask)]
-        return
-    _fill_logprobs(accelerator, model, datums, config, "teacher_logprobs", pad_token_id=pad_token_id)
+    else:
+        _fill_logprobs(accelerator, model, scored, config, "teacher_logprobs", pad_token_id=pad_token_id)
+    if prompts is not None:
+        for d, shadow, (prompt, own) in zip(datums, scored, prompts):
+            shift = len(prompt) - own
+            d.teacher_logprobs = [0.0] * (own - 1) + shadow.teacher_logprobs[own - 1 + shift :]
+
+
+def _with_prompt(d: Datum, prompt: list[int], own: int) -> Datum:
+    """``d`` with its first ``own`` tokens replaced by ``prompt``: a shadow for the teacher's forward (only the fields
+    it reads; the tokens after the prompt keep their action mask)."""
+    if not 1 <= own <= len(d.input_ids) or not prompt:
+        raise ValueError(f"a datum's first prompt of {own} tokens does not fit its {len(d.input_ids) + 1} tokens")
+    full = list(prompt) + list(d.input_ids[own:]) + [d.target_ids[-1]]
+    head = len(prompt) - 1
+    mask = [0] * head + list(d.action_mask[own - 1 :])
+    return Datum(
+        input_ids=full[:-1],
+        target_ids=full[1:],
+        behaviour_logprobs=[0.0] * len(mask),
+        advantages=[0.0] * len(mask),
+        action_mask=mask,
+        sources=[TokenSource.PROMPT] * head + list(d.sources[own - 1 :]),
+        trajectory_index=d.trajectory_index,
+        group_id=d.group_id,
+    )
 
 
 def old_logprobs(

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 __all__ = ["Distillation"]
 
-FIELDS = ("teacher_request_timeout_s", "teacher_route_field")
+FIELDS = ("teacher_request_timeout_s", "teacher_route_field", "teacher_privileged_field", "teacher_privileged_template")
 """The flat fields that configure it (beside the teacher, ``teacher_model_name_or_path``)."""
 
 SERVER_SCHEMES = ("http://", "https://")
@@ -36,6 +36,12 @@ class Distillation:
     mapping); empty with one teacher."""
     route_field: str | None = None
     """Several teachers: the dataset row's field whose value picks a row's teacher (``teacher_route_field``)."""
+    privileged_field: str | None = None
+    """Self-distillation: the dataset row's field the teacher is shown and the student is not
+    (``teacher_privileged_field``, e.g. the reference answer); None: the teacher sees the student's prompt."""
+    privileged_template: str = "{content}\n\n(Reference answer, for the teacher only: {value})"
+    """How the privileged field joins the last user message of the teacher's first prompt
+    (``teacher_privileged_template``; ``{content}`` the message, ``{value}`` the field)."""
 
     @property
     def teachers(self) -> dict[str, str]:
@@ -49,7 +55,34 @@ class Distillation:
 
     def single(self, route: str) -> Distillation:
         """The settings of one route's teacher alone."""
-        return Distillation(teacher=self.teachers[route], request_timeout_s=self.request_timeout_s)
+        return Distillation(
+            teacher=self.teachers[route],
+            request_timeout_s=self.request_timeout_s,
+            privileged_field=self.privileged_field,
+            privileged_template=self.privileged_template,
+        )
+
+    def privileged(self, messages: list[dict], row: Mapping[str, Any]) -> list[dict]:
+        """``messages`` (a first prompt's) with :attr:`privileged_field`'s value of ``row`` joined to the last user
+        message by :attr:`privileged_template`.
+
+        Raises:
+            ValueError: the row lacks the field, or the prompt has no user message with text content.
+        """
+        if self.privileged_field not in row or row[self.privileged_field] is None:
+            raise ValueError(
+                f"teacher_privileged_field={self.privileged_field!r}: a row has no such field (its fields: "
+                f"{', '.join(map(str, row))}); name the field the teacher is shown."
+            )
+        out = [dict(m) for m in messages]
+        last = next((m for m in reversed(out) if m.get("role") == "user"), None)
+        if last is None or not isinstance(last.get("content"), str):
+            raise ValueError(
+                f"teacher_privileged_field={self.privileged_field!r}: the prompt has no user message with text "
+                f"content to join the field to."
+            )
+        last["content"] = self.privileged_template.format(content=last["content"], value=row[self.privileged_field])
+        return out
 
     @classmethod
     def from_config(cls, config: Any) -> Distillation | None:
@@ -90,11 +123,19 @@ class Distillation:
         timeout = float(config.teacher_request_timeout_s)
         if not timeout > 0:
             raise ValueError(f"teacher_request_timeout_s must be > 0 (seconds per request), got {timeout}.")
+        template = config.teacher_privileged_template
+        if "{content}" not in template or "{value}" not in template:
+            raise ValueError(
+                f"teacher_privileged_template={template!r} must hold {{content}} (the user message) and {{value}} "
+                f"(the privileged field)."
+            )
         settings = cls(
             teacher=json.dumps(dict(routes)) if routes else str(teacher).strip(),
             request_timeout_s=timeout,
             routes=routes,
             route_field=field or None,
+            privileged_field=config.teacher_privileged_field or None,
+            privileged_template=template,
         )
         temperature = config.temperature
         if settings.server and temperature not in (None, 0, 0.0, 1, 1.0):
