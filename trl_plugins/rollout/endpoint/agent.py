@@ -35,8 +35,10 @@ from trl_plugins.rewards.agent import AGENT_REWARD, ROW_REWARD
 from trl_plugins.rollout.budgets import TrajectoryBudgets
 from trl_plugins.rollout.chat import ChatFormat, TurnKind
 from trl_plugins.rollout.dispatch import Dispatcher, concurrency, settle
-from trl_plugins.rollout.endpoint.api import check_request
+from trl_plugins.rollout.endpoint.api import check_request, template_messages
 from trl_plugins.rollout.endpoint.http import HttpError, HttpRequest, JsonServer
+from trl_plugins.rollout.endpoint.messages import AnthropicError, message_body, message_stream
+from trl_plugins.rollout.endpoint.messages import chat_body as messages_chat_body
 from trl_plugins.rollout.endpoint.responses import chat_body, response_body, response_stream
 from trl_plugins.rollout.endpoint.runs import (
     COMMAND_AGENTS_PER_CORE,
@@ -151,6 +153,11 @@ class AgentEndpointRollout(TrajectoryBudgets):
     :data:`COMMAND_AGENTS_PER_CORE` per usable core (a process per trajectory starts an interpreter and imports its
     framework, seconds of CPU each: 64 started at once on 2 cores ran into their limit). Each agent's time limit counts
     from its own start, not from the rollout's."""
+    client: str = "openai"
+    """The client a function ``agent`` is given: ``'openai'`` (``openai.AsyncOpenAI``, or ``openai.OpenAI`` for a
+    plain function) or ``'anthropic'`` (``anthropic.AsyncAnthropic`` / ``anthropic.Anthropic``, whose requests go to
+    ``/v1/messages``). A ``command`` gets both clients' variables (``OPENAI_*`` and ``ANTHROPIC_BASE_URL``,
+    ``ANTHROPIC_API_KEY``)."""
     refuse_unforced_tool_choice: bool = False
     """Refuse (400) a ``tool_choice`` of ``none``, ``required`` or a named function instead of serving it as
     ``auto`` (the model chooses; counted as ``endpoint/tool_choice_unforced``, logged once). docs/agents.md."""
@@ -173,10 +180,12 @@ class AgentEndpointRollout(TrajectoryBudgets):
         super().__post_init__()
         if (self.agent is None) == (self.command is None):
             raise RolloutError("agent_endpoint needs exactly one of agent ('package.module:function') and command.")
-        if self.agent is not None and importlib.util.find_spec("openai") is None:
+        if self.client not in ("openai", "anthropic"):
+            raise RolloutError(f"agent_endpoint: client={self.client!r}; use 'openai' or 'anthropic'.")
+        if self.agent is not None and importlib.util.find_spec(self.client) is None:
             raise RolloutError(
-                "agent_endpoint hands function agents an openai SDK client, and openai is not installed: "
-                "pip install 'trl-plugins[agents]' (or run the agent as a command)."
+                f"agent_endpoint hands function agents an {self.client} SDK client (client={self.client!r}), and "
+                f"{self.client} is not installed: pip install 'trl-plugins[agents]' (or run the agent as a command)."
             )
         if isinstance(self.agent, str):
             _load(self.agent)  # now, at start-up: a typo must not wait for the first rollout
@@ -366,15 +375,32 @@ class AgentEndpointRollout(TrajectoryBudgets):
     async def _serve(
         self, http: HttpRequest, sessions: Mapping[str, Session], request: RolloutRequest, result: RolloutResult
     ) -> tuple[int, Any]:
-        given = http.headers.get("authorization", "")
+        parts = http.path.split("?", 1)[0].split("/")
+        if "/".join(parts[4:5]) == "messages":  # Anthropic's dialect: its errors in its shape
+            try:
+                return await self._serve_route(http, parts, sessions, request, result)
+            except HttpError as exc:
+                raise AnthropicError.of(exc) from None
+        return await self._serve_route(http, parts, sessions, request, result)
+
+    async def _serve_route(
+        self,
+        http: HttpRequest,
+        parts: list[str],
+        sessions: Mapping[str, Session],
+        request: RolloutRequest,
+        result: RolloutResult,
+    ) -> tuple[int, Any]:
+        # The run's token, as OpenAI's clients send it or as Anthropic's do.
+        given = http.headers.get("authorization", "") or f"Bearer {http.headers.get('x-api-key', '')}"
         if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
             raise HttpError(
                 401,
-                "missing or wrong API key: use the key this run gave the agent (OPENAI_API_KEY for a command).",
+                "missing or wrong API key: use the key this run gave the agent (OPENAI_API_KEY, or ANTHROPIC_API_KEY, "
+                "for a command).",
                 kind="authentication_error",
                 code="invalid_api_key",
             )
-        parts = http.path.split("?", 1)[0].split("/")
         if len(parts) < 4 or parts[1] != "s" or parts[3] != "v1":
             raise HttpError(
                 404,
@@ -397,13 +423,16 @@ class AgentEndpointRollout(TrajectoryBudgets):
             return 200, await serve_tools(
                 http.method, route, http.json() if http.method == "POST" else None, session, request.tools
             )
-        if http.method != "POST" or route not in ("chat/completions", "responses"):
+        if http.method != "POST" or route not in ("chat/completions", "responses", "messages", "messages/count_tokens"):
             raise HttpError(
                 404,
                 f"{http.method} /{route} is not served; the endpoint serves POST /chat/completions, "
-                f"POST /responses, GET /models and the run's tools (GET /tools, POST /tools/call).",
+                f"POST /responses, POST /messages (and /messages/count_tokens), GET /models and the run's tools "
+                f"(GET /tools, POST /tools/call).",
                 code="not_found",
             )
+        if route.startswith("messages"):
+            return await self._messages(http, route, session, request, result)
         raw, echo = (http.json(), None) if route == "chat/completions" else chat_body(http.json())
         body = check_request(
             raw,
@@ -428,6 +457,32 @@ class AgentEndpointRollout(TrajectoryBudgets):
         )
         session.response_id = response["id"]
         return 200, response_stream(response) if body.stream else response
+
+    async def _messages(
+        self, http: HttpRequest, route: str, session: Session, request: RolloutRequest, result: RolloutResult
+    ) -> tuple[int, Any]:
+        """Anthropic's Messages API (:mod:`~trl_plugins.rollout.endpoint.messages`): the same checks and session as
+        chat completions, a prompt past the budget answered ``prompt is too long``; ``count_tokens`` renders the
+        prompt the policy would be given and samples nothing."""
+        counting = route == "messages/count_tokens"
+        raw = messages_chat_body(http.json(), max_assistant_tokens=self.max_assistant_tokens, counting=counting)
+        body = check_request(
+            raw,
+            sampling=request.backend.sampling,
+            max_assistant_tokens=self.max_assistant_tokens,
+            calls_per_turn=self.max_tool_calls_per_turn,
+            refuse_unforced_tool_choice=self.refuse_unforced_tool_choice,
+        )
+        if counting:
+            chat = session.chat_for(body.tools)
+            prompt = await asyncio.to_thread(chat.initial_prompt_ids, template_messages(body.messages))
+            return 200, {"input_tokens": len(prompt)}
+        body.prompt_too_long = True
+        if body.tool_choice_unforced is not None:
+            count_unforced(result, body.tool_choice_unforced)
+        reply = await session.complete(body)
+        message = message_body(reply, model=body.model, stop_sequence=session.stop_sequence)
+        return 200, message_stream(message) if body.stream else message
 
     def _responses_history(self, session: Session, body: Any, echo: dict, result: RolloutResult) -> None:
         """``previous_response_id``: the conversation is the session's record (its last request and reply), then the
@@ -551,13 +606,34 @@ class AgentEndpointRollout(TrajectoryBudgets):
                 **os.environ,
                 "OPENAI_BASE_URL": base_url,
                 "OPENAI_API_KEY": self._token,
+                # Anthropic's clients (the SDK, the Claude Agent SDK, Claude Code) post to <base>/v1/messages.
+                "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+                "ANTHROPIC_API_KEY": self._token,
                 "TRL_PLUGINS_ROW": json.dumps(row, default=str),
             }
             task = asyncio.ensure_future(run_command(self.command, row, env))
             return task, task.cancel
+        timeout = None if self.request_time_limit_s is None else self.request_time_limit_s + 30.0
+        if self.client == "anthropic":
+            import anthropic
+
+            settings = dict(base_url=base_url.removesuffix("/v1"), api_key=self._token, max_retries=0, timeout=timeout)
+            if agent_loop is not None:
+
+                async def run_anthropic() -> Any:  # on the agents' loop, where its client's connections live
+                    async with anthropic.AsyncAnthropic(**settings) as client:
+                        return await fn(client, row)
+
+                return agent_loop.start(run_anthropic())
+
+            def run_blocking() -> Any:
+                with anthropic.Anthropic(**settings) as client:
+                    return fn(client, row)
+
+            future = asyncio.get_running_loop().run_in_executor(agent_pool, run_blocking)
+            return future, future.cancel
         import openai
 
-        timeout = None if self.request_time_limit_s is None else self.request_time_limit_s + 30.0
         settings = dict(base_url=base_url, api_key=self._token, max_retries=0, timeout=timeout)
         if agent_loop is not None:
 

@@ -72,6 +72,10 @@ class ChatRequest:
     """Answer with server-sent events (a replay of the finished turn)."""
     include_usage: bool = False
     """``stream_options.include_usage``: a last chunk with the usage."""
+    prompt_too_long: bool = False
+    """A prompt past the trajectory's token budget is answered with Anthropic's ``prompt is too long`` 400 and the
+    trajectory goes on (a harness compacts its history on it: the next request starts a segment); else the trajectory
+    ends (``token_budget``). The Messages dialect's; a first request past the budget ends it either way."""
 
 
 MAX_STOP = 4

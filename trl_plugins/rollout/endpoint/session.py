@@ -68,6 +68,8 @@ class Session:
     replied_at: float = 0.0
     response_id: str | None = None
     """The id of the last Responses-API reply (what ``previous_response_id`` may name)."""
+    stop_sequence: str | None = None
+    """The stop string the last turn ended at (the Messages API returns it), None when none did."""
     restore_dropped_reasoning: bool = False
     """Our reply sent back without the reasoning the template would render: continue from the record (the reasoning
     restored) instead of a rewrite. Training then sees the reasoning the deployed framework drops."""
@@ -159,6 +161,12 @@ class Session:
             self.end(StopReason.MAX_TURNS)
             raise self._refuse_ended()
         if len(prompt) >= b.max_trajectory_tokens:
+            if request.prompt_too_long and turns:
+                raise HttpError(
+                    400,
+                    f"prompt is too long: {len(prompt)} tokens > {b.max_trajectory_tokens - 1} maximum",
+                    code="prompt_too_long",
+                )
             if not turns:
                 self.end(
                     StopReason.ENVIRONMENT_ERROR,
@@ -188,12 +196,15 @@ class Session:
             raise self._refuse_ended()
         plain = decode(sample.token_ids)
         stopped = stops.cut(sample.token_ids, plain) if stops else None
+        self.stop_sequence = None
         if stopped is not None:  # what the backend sampled past the stop is not the turn's (none, where it ended there)
             k, at = stopped
             sample = Sample(
                 sample.token_ids[: k + 1], sample.logprobs[: k + 1], finished=True, policy_step=sample.policy_step
             )
-            plain = decode(sample.token_ids)[:at]
+            whole = decode(sample.token_ids)
+            self.stop_sequence = next((s for s in request.stop if whole.startswith(s, at)), None)
+            plain = whole[:at]
         turn = Turn(
             prompt_ids=prompt,
             completion_ids=sample.token_ids,
