@@ -11,7 +11,7 @@ in their own interpreter (``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/
 interpreter is absent is skipped, naming the command that makes it), and their tool, the run's ``code_interpreter``
 asked for through the endpoint's ``POST tools/call``, is an instant scripted tool of the same answers.
 
-Per model request (``chat/completions`` or ``responses``), the endpoint's time is measured in its request handler
+Per model request (``chat/completions``, ``responses`` or ``messages``), the endpoint's time is measured in its request handler
 (from the parsed request to the reply body, HTTP framing not included) and the raw backend call (the scripted
 sampler) is subtracted. Printed per framework: the median and mean of that difference, the backend call's median,
 the framework's whole wall time per request (its own client and agent loop included; for a command, its process's
@@ -39,10 +39,12 @@ from trl_plugins.tools.code_interpreter import CodeInterpreter
 from trl_plugins.types import StopReason
 
 ROOT = Path(__file__).resolve().parents[1]
-IN_PROCESS = ["openai_agents_sdk", "langgraph", "pydantic_ai", "smolagents"]
+IN_PROCESS = ["openai_agents_sdk", "langgraph", "pydantic_ai", "smolagents", "anthropic_sdk"]
 """Examples run as ``agent: examples/agents/<name>/agent.py:solve``, in this interpreter."""
 COMMANDS = ["autogen", "dspy"]
 """Examples run as ``command: [<own python>, examples/agents/<name>/agent.py]``, as their YAMLs run them."""
+CLIENTS = {"anthropic_sdk": "anthropic"}
+"""The client an in-process example is handed (``rollout_kwargs: client``), where it is not OpenAI's."""
 FRAMEWORKS = IN_PROCESS + COMMANDS
 MAX_COMMAND_CALLS = 3
 """The most code calls a command example makes before its answer: 4 iterations (AutoGen's ``max_tool_iterations``,
@@ -124,9 +126,8 @@ class TimedEndpoint(AgentEndpointRollout):
 
     async def _serve(self, http, *args, **kwargs):
         route = http.path.split("?", 1)[0].split("/v1/", 1)[-1]
-        times = {"chat/completions": self._served_s, "responses": self._served_s, "tools/call": self._tools_s}.get(
-            route
-        )
+        model = ("chat/completions", "responses", "messages")
+        times = self._served_s if route in model else self._tools_s if route == "tools/call" else None
         t0 = time.perf_counter()
         try:
             return await super()._serve(http, *args, **kwargs)
@@ -155,7 +156,7 @@ def measure(framework: str, chat: ChatFormat, *, requests: int, calls: int, pyth
         runs = dict(command=[python, str(ROOT / "examples/agents" / framework / "agent.py")])
         tools = {"code_interpreter": InstantTool()}
     else:
-        runs, tools = dict(agent=example(framework)), {}
+        runs, tools = dict(agent=example(framework), client=CLIENTS.get(framework, "openai")), {}
     turns = requests_per_trajectory(framework, calls)
     n = -(-requests // turns)
     questions = [

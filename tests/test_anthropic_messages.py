@@ -252,3 +252,96 @@ def test_a_prompt_too_long_is_answered_as_anthropic_does_and_the_compacted_histo
     assert traj.stop_reason != StopReason.TOKEN_BUDGET
     first, second = build_datums(traj, advantage=1.0)
     assert [t for t, m in zip(second.target_ids, second.action_mask) if m] == traj.turns[1].completion_ids
+
+
+def test_claude_codes_attribution_line_is_removed_and_its_system_reminders_folded_into_the_next_user_turn():
+    from trl_plugins.rollout.endpoint.http import HttpError
+    from trl_plugins.rollout.endpoint.messages import chat_body
+
+    def body(system, messages):
+        return chat_body(
+            {"model": "m", "max_tokens": 8, "system": system, "messages": messages}, max_assistant_tokens=64
+        )["messages"]
+
+    # The attribution line carries a per-request hash: removed, so two requests' prompts are the same tokens.
+    for cch in ("abc12", "ffe90"):
+        system = [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.90; cc_entrypoint=cli; cch={cch};"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+        ]
+        assert body(system, [{"role": "user", "content": "hi"}])[0] == {
+            "role": "system",
+            "content": "You are Claude Code.",
+        }
+    assert body("x-anthropic-billing-header: cc_version=1;", [{"role": "user", "content": "hi"}]) == [
+        {"role": "user", "content": "hi"}
+    ]
+    # A system message inside the list: text of the next user turn (after its tool results), or a user turn of its own.
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "code_interpreter", "input": {}}]},
+        {"role": "system", "content": "Remember the todo list."},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}, {"type": "text", "text": "go"}],
+        },
+        {"role": "system", "content": [{"type": "text", "text": "Last."}]},
+    ]
+    out = body(None, messages)
+    assert [m["role"] for m in out] == ["user", "assistant", "tool", "user", "user"]
+    assert out[3]["content"] == "<system-reminder>\nRemember the todo list.\n</system-reminder>\ngo"
+    assert out[4]["content"] == "<system-reminder>\nLast.\n</system-reminder>\n"
+    with pytest.raises(HttpError, match="context_management is not served"):
+        chat_body(
+            {"model": "m", "max_tokens": 8, "messages": messages, "context_management": {}}, max_assistant_tokens=8
+        )
+    with pytest.raises(HttpError, match="redacted_thinking, which this endpoint never emits"):
+        body(None, [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}])
+
+
+def test_the_anthropic_sdk_example_streams_and_trains_what_a_plain_messages_agent_sends(chat, monkeypatch):
+    from pathlib import Path
+
+    from trl_plugins.rollout.endpoint.agent import _load
+
+    root = Path(__file__).resolve().parent.parent
+    solve = _load(f"{root}/examples/agents/anthropic_sdk/agent.py:solve")
+
+    async def scripted_tool(code: str) -> str:  # its sandbox replaced by the endpoint tests' echo tool
+        return run_code({"code": code})
+
+    monkeypatch.setitem(solve.__globals__, "run_python", scripted_tool)
+    system, tool = solve.__globals__["SYSTEM"], solve.__globals__["TOOL"]
+
+    async def plain(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            reply = await client.messages.create(
+                model="policy", max_tokens=64, system=system, messages=messages, tools=[tool]
+            )
+            messages.append(_sent_back(reply))
+            if reply.stop_reason != "tool_use":
+                return 1.0
+            messages.append(_results(reply))
+
+    prompts = ["calls=2", "calls=0", "par=2 calls=1"]
+    got = AgentEndpointRollout(agent=solve, client="anthropic", max_tool_calls_per_turn=2)(request(chat, prompts))
+    want = AgentEndpointRollout(agent=plain, client="anthropic", max_tool_calls_per_turn=2)(request(chat, prompts))
+    for a, b in zip(want.trajectories, got.trajectories, strict=True):
+        assert b.stop_reason == a.stop_reason == StopReason.FINAL_ANSWER and b.num_segments == 1, b.error
+        assert [(t.prompt_ids, t.completion_ids) for t in b.turns] == [
+            (t.prompt_ids, t.completion_ids) for t in a.turns
+        ]
+        assert "You solve maths problems." in chat.tokenizer.decode(b.turns[0].prompt_ids)
+    # Its recipe layer resolves before any model loads, the rollout handing the agent an Anthropic client.
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root / "recipes"))
+    from retool.config import parse_args
+    from trl_plugins.run import resolve_run
+
+    _, training_args = parse_args(["--config", "examples/agents/anthropic_sdk/retool_agent.yaml"])
+    run = resolve_run(training_args)
+    assert (
+        run.rollout.impl.agent == "examples/agents/anthropic_sdk/agent.py:solve"
+        and run.rollout.impl.client == "anthropic"
+    )

@@ -15,7 +15,14 @@ and ``none`` served as the chat dialect serves its forcing values (the model cho
 ``stop_reason: max_tokens``); ``temperature``, ``top_p``, ``top_k`` checked against the run's sampling; ``stream``.
 ``metadata``, ``service_tier`` and ``thinking`` are accepted and do nothing (whether the policy reasons is its chat
 template's). Refused, naming them: images and documents, server tools (``web_search``, ``bash``, ``text_editor``, ...),
-``redacted_thinking`` (no text to render), ``container``, ``mcp_servers``, and any other field.
+``redacted_thinking`` (no text to render), ``container``, ``mcp_servers``, ``context_management``, and any other
+field. Headers such as ``anthropic-version`` and ``anthropic-beta`` are not read (a beta feature shows in the body,
+where it is refused by name).
+
+Claude Code's quirks, handled as a gateway must: its attribution line (``x-anthropic-billing-header: ...``, a hash
+that changes between requests) is removed from the system prompt (:data:`BILLING_LINE`), and a ``system`` message
+inside ``messages`` (its reminders) is folded into the next user turn as ``<system-reminder>`` text (chat templates
+refuse a system message after the first).
 
 Stop reasons returned: ``end_turn``, ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the sequence); never
 ``pause_turn`` or ``refusal``. A thinking block's ``signature`` is ``trl-plugins:`` and 16 hex digits of its text's
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from trl_plugins.rollout.endpoint.http import EventStream, HttpError
@@ -134,12 +142,28 @@ def chat_body(body: Any, *, max_assistant_tokens: int, counting: bool = False) -
 _THINKING = ("enabled", "disabled", "adaptive")
 
 
+BILLING_LINE = re.compile(r"^x-anthropic-billing-header:.*(?:\n|$)", re.MULTILINE)
+"""Claude Code's attribution line in the system prompt (``x-anthropic-billing-header: cc_version=...; cch=...;``): a
+hash that changes between requests, which would shift every prompt's tokens; removed wherever it stands."""
+
+
 def _system(system: Any) -> str | None:
-    if system is None or isinstance(system, str):
-        return system
-    if isinstance(system, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in system):
-        return "\n\n".join(str(b.get("text", "")) for b in system)
-    raise HttpError(400, "system must be a string or a list of text blocks.", param="system")
+    if isinstance(system, str):
+        blocks = [system]
+    elif system is None:
+        return None
+    elif isinstance(system, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in system):
+        blocks = [str(b.get("text", "")) for b in system]
+    else:
+        raise HttpError(400, "system must be a string or a list of text blocks.", param="system")
+    kept = [text for text in (BILLING_LINE.sub("", b) for b in blocks) if text.strip()]
+    return "\n\n".join(kept) if kept else None
+
+
+def _reminder(text: str) -> str:
+    """A system message sent inside ``messages`` (Claude Code's reminders), as text of the next user turn: chat
+    templates refuse a system message after the first."""
+    return f"<system-reminder>\n{text}\n</system-reminder>\n"
 
 
 def _text_of(blocks: Any, where: str) -> str:
@@ -160,8 +184,12 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "messages: a non-empty list is required.", param="messages")
     out: list[dict[str, Any]] = []
+    reminders: list[str] = []  # system messages inside the list, folded into the next user turn
     for k, message in enumerate(messages):
         where = f"messages[{k}]"
+        if isinstance(message, dict) and message.get("role") == "system":
+            reminders.append(_reminder(_text_of(message.get("content"), where)))
+            continue
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             role = message.get("role") if isinstance(message, dict) else None
             raise HttpError(400, f"{where}: role {role!r}; send user or assistant.", param="messages")
@@ -194,8 +222,12 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
                     f"(images and documents are not served).",
                     param="messages",
                 )
+        if reminders:
+            text, reminders = [*reminders, *text], []
         if text or not any(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks):
             out.append({"role": "user", "content": "".join(text)})
+    if reminders:  # none followed: a user turn of their own
+        out.append({"role": "user", "content": "".join(reminders)})
     return out
 
 
