@@ -345,3 +345,36 @@ def test_the_anthropic_sdk_example_streams_and_trains_what_a_plain_messages_agen
         run.rollout.impl.agent == "examples/agents/anthropic_sdk/agent.py:solve"
         and run.rollout.impl.client == "anthropic"
     )
+
+
+def test_a_request_recorded_from_stock_claude_code_is_served(chat):
+    # The first request the real Claude Code 2.1.337 CLI (`claude -p ... --output-format stream-json --verbose`) sent
+    # to this endpoint, recorded on 2026-12-07 (its long texts and tool descriptions cut, its identifiers zeroed):
+    # `?beta=true`, anthropic-beta headers, an attribution line, a system message inside the list, adaptive thinking,
+    # output_config, context_management, twelve client tools, stream.
+    from pathlib import Path
+
+    recorded = json.loads((Path(__file__).parent / "support" / "claude_code_2.1.337_messages_request.json").read_text())
+    assert recorded["system"][0]["text"].startswith("x-anthropic-billing-header:")
+    assert any(m["role"] == "system" for m in recorded["messages"]) and len(recorded["tools"]) == 12
+    seen: dict = {}
+
+    async def claude_code_like(client, row):
+        stream = await client.post(
+            "/v1/messages?beta=true",
+            body=recorded,
+            cast_to=anthropic.types.Message,
+            stream=True,
+            stream_cls=anthropic.AsyncStream[anthropic.types.RawMessageStreamEvent],
+            options={"headers": {"anthropic-beta": "claude-code-20250219,context-management-2025-06-27"}},
+        )
+        seen["events"] = [event.type async for event in stream]
+        return 1.0
+
+    endpoint = AgentEndpointRollout(agent=claude_code_like, client="anthropic", max_trajectory_tokens=100_000)
+    (traj,) = endpoint(request(chat, ["calls=0"])).trajectories
+    assert traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+    assert seen["events"][0] == "message_start" and seen["events"][-1] == "message_stop"
+    prompt = chat.tokenizer.decode(traj.turns[0].prompt_ids)
+    assert "x-anthropic-billing-header" not in prompt and prompt.count("<|im_start|>system") == 1
+    assert "<system-reminder>\n# Environment" in prompt  # the list's system message, in the user turn after it

@@ -13,10 +13,11 @@ and ``none`` served as the chat dialect serves its forcing values (the model cho
 ``refuse_unforced_tool_choice``); ``disable_parallel_tool_use`` as ``parallel_tool_calls: false``; ``stop_sequences``
 (at most four); ``max_tokens`` an upper bound (the run's ``max_assistant_tokens`` when lower: the turn then ends there,
 ``stop_reason: max_tokens``); ``temperature``, ``top_p``, ``top_k`` checked against the run's sampling; ``stream``.
-``metadata``, ``service_tier`` and ``thinking`` are accepted and do nothing (whether the policy reasons is its chat
-template's). Refused, naming them: images and documents, server tools (``web_search``, ``bash``, ``text_editor``, ...),
-``redacted_thinking`` (no text to render), ``container``, ``mcp_servers``, ``context_management``, and any other
-field. Headers such as ``anthropic-version`` and ``anthropic-beta`` are not read (a beta feature shows in the body,
+``metadata``, ``service_tier``, ``thinking`` and ``output_config`` (``effort``) are accepted and do nothing (whether
+and how long the policy reasons is its chat template's and its own); ``context_management`` is accepted and not applied
+(nothing is cleared server-side: a history that outgrows the trajectory's budget gets ``prompt is too long``, on which
+a harness compacts). Refused, naming them: images and documents, server tools (``web_search``, ``bash``, ``text_editor``, ...),
+``redacted_thinking`` (no text to render), ``container``, ``mcp_servers``, and any other field. Headers such as ``anthropic-version`` and ``anthropic-beta`` are not read (a beta feature shows in the body,
 where it is refused by name).
 
 Claude Code's quirks, handled as a gateway must: its attribution line (``x-anthropic-billing-header: ...``, a hash
@@ -55,11 +56,12 @@ _ACCEPTED = (
     "metadata",
     "service_tier",
     "thinking",
+    "output_config",
+    "context_management",
 )
 _NOT_SERVED = {
     "container": "code-execution containers are Anthropic's",
     "mcp_servers": "the run's tools are the agent's (GET /tools), not remote MCP servers",
-    "context_management": "the harness manages its context (a 'prompt is too long' 400 tells it when)",
 }
 _ERROR_TYPES = {
     400: "invalid_request_error",
