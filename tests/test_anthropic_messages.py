@@ -291,10 +291,10 @@ def test_claude_codes_attribution_line_is_removed_and_its_system_reminders_folde
     assert [m["role"] for m in out] == ["user", "assistant", "tool", "user", "user"]
     assert out[3]["content"] == "<system-reminder>\nRemember the todo list.\n</system-reminder>\ngo"
     assert out[4]["content"] == "<system-reminder>\nLast.\n</system-reminder>\n"
-    with pytest.raises(HttpError, match="context_management is not served"):
-        chat_body(
-            {"model": "m", "max_tokens": 8, "messages": messages, "context_management": {}}, max_assistant_tokens=8
-        )
+    with pytest.raises(HttpError, match="mcp_servers is not served"):
+        chat_body({"model": "m", "max_tokens": 8, "messages": messages, "mcp_servers": []}, max_assistant_tokens=8)
+    with pytest.raises(HttpError, match="does not honour 'speed'"):
+        chat_body({"model": "m", "max_tokens": 8, "messages": messages, "speed": "fast"}, max_assistant_tokens=8)
     with pytest.raises(HttpError, match="redacted_thinking, which this endpoint never emits"):
         body(None, [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}])
 

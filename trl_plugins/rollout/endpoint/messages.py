@@ -14,11 +14,12 @@ and ``none`` served as the chat dialect serves its forcing values (the model cho
 (at most four); ``max_tokens`` an upper bound (the run's ``max_assistant_tokens`` when lower: the turn then ends there,
 ``stop_reason: max_tokens``); ``temperature``, ``top_p``, ``top_k`` checked against the run's sampling; ``stream``.
 ``metadata``, ``service_tier``, ``thinking`` and ``output_config`` (``effort``) are accepted and do nothing (whether
-and how long the policy reasons is its chat template's and its own); ``context_management`` is accepted and not applied
-(nothing is cleared server-side: a history that outgrows the trajectory's budget gets ``prompt is too long``, on which
-a harness compacts). Refused, naming them: images and documents, server tools (``web_search``, ``bash``, ``text_editor``, ...),
-``redacted_thinking`` (no text to render), ``container``, ``mcp_servers``, and any other field. Headers such as ``anthropic-version`` and ``anthropic-beta`` are not read (a beta feature shows in the body,
-where it is refused by name).
+and how long the policy reasons is its chat template's and its own); ``context_management`` is accepted and not
+applied (nothing is cleared server-side: a history that outgrows the trajectory's budget gets ``prompt is too long``,
+on which a harness compacts). Refused, naming them: images and documents, server tools (``web_search``, ``bash``,
+``text_editor``, ...), ``redacted_thinking`` (no text to render), ``container``, ``mcp_servers``, and any other field.
+Headers such as ``anthropic-version`` and ``anthropic-beta`` are not read, nor the ``?beta=true`` query (a beta
+feature shows in the body, where it is refused by name).
 
 Claude Code's quirks, handled as a gateway must: its attribution line (``x-anthropic-billing-header: ...``, a hash
 that changes between requests) is removed from the system prompt (:data:`BILLING_LINE`), and a ``system`` message
