@@ -480,6 +480,7 @@ def test_a_server_teacher_without_prompt_logprobs_or_at_another_temperature_is_r
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from trl_plugins.run import resolve_run
+    from trl_plugins.trainers.teacher import render_sample
     from trl_plugins.trainers.teacher_server import ServerTeacher, TeacherServerError
 
     tok = build_tokenizer("qwen2_5")
@@ -511,7 +512,7 @@ def test_a_server_teacher_without_prompt_logprobs_or_at_another_temperature_is_r
     url = f"http://127.0.0.1:{server.server_port}/v1"
     try:
         with pytest.raises(TeacherServerError, match="returned no prompt log-probs.*vLLM's prompt_logprobs"):
-            ServerTeacher.connect(url, tokenizer=tok, tools=[], timeout_s=5)
+            ServerTeacher.connect(url, tokenizer=tok, sample=render_sample(tok, []), timeout_s=5)
     finally:
         server.shutdown()
     rewards = {"length": TokenReward()}

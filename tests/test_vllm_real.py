@@ -111,6 +111,7 @@ def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_pat
     from support.trainer import TokenReward, tiny_config
     from trl_plugins.tiny import build_tiny_model, build_tokenizer
     from trl_plugins.trainers import MultiTurnGRPOTrainer
+    from trl_plugins.trainers.teacher import render_sample
     from trl_plugins.trainers.teacher_server import ServerTeacher, TeacherServerError
 
     tok = build_tokenizer()
@@ -163,16 +164,19 @@ def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_pat
     result["replay"] = replay([str(out / "trajectories" / "step-000001.json"), "--teacher"])
     # Refusals: another tokenizer (the llama3 template's text tokenizes to other ids), a server that is not there.
     try:
-        ServerTeacher.connect(f"{server.url}/v1", tokenizer=build_tokenizer("llama3"), tools=[], timeout_s=30)
+        other = build_tokenizer("llama3")
+        ServerTeacher.connect(f"{server.url}/v1", tokenizer=other, sample=render_sample(other, []), timeout_s=30)
     except TeacherServerError as exc:
         result["other_tokenizer"] = str(exc)
     start = time.monotonic()
     try:
-        ServerTeacher.connect(f"http://127.0.0.1:{free_port()}/v1", tokenizer=tok, tools=[], timeout_s=3)
+        ServerTeacher.connect(
+            f"http://127.0.0.1:{free_port()}/v1", tokenizer=tok, sample=render_sample(tok, []), timeout_s=3
+        )
     except TeacherServerError as exc:
         result["absent"], result["absent_s"] = str(exc), time.monotonic() - start
     # A stopped server (SIGSTOP: it accepts and never answers): the step's request ends at its deadline, named.
-    client = ServerTeacher.connect(f"{server.url}/v1", tokenizer=tok, tools=[], timeout_s=3)
+    client = ServerTeacher.connect(f"{server.url}/v1", tokenizer=tok, sample=render_sample(tok, []), timeout_s=3)
     os.kill(server.process.pid, signal.SIGSTOP)
     start = time.monotonic()
     try:

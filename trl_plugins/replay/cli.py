@@ -78,9 +78,11 @@ def _load_teacher(given: str, batch: Any, tokenizer: Any) -> Any:
             "--teacher: the saved batch names no teacher (its run distilled from none): replay without --teacher."
         )
     if path.startswith(("http://", "https://")):  # a server teacher: its client, checked as the trainer checks it
+        from trl_plugins.trainers.teacher import render_sample
         from trl_plugins.trainers.teacher_server import ServerTeacher
 
-        return ServerTeacher.connect(path, tokenizer=tokenizer, tools=batch.get("tool_schemas") or [], timeout_s=120)
+        sample = render_sample(tokenizer, batch.get("tool_schemas") or [])
+        return ServerTeacher.connect(path, tokenizer=tokenizer, sample=sample, timeout_s=120)
     if not Path(path).is_dir():
         raise FileNotFoundError(f"--teacher: {path}: no such model folder (give --teacher DIR, the teacher's folder)")
     return AutoModelForCausalLM.from_pretrained(path, torch_dtype="auto").eval()

@@ -179,7 +179,9 @@ def load_teacher(
     if settings.server:
         from trl_plugins.trainers.teacher_server import ServerTeacher
 
-        return ServerTeacher.connect(path, tokenizer=tokenizer, tools=tools, timeout_s=settings.request_timeout_s)
+        return ServerTeacher.connect(
+            path, tokenizer=tokenizer, sample=render_sample(tokenizer, tools), timeout_s=settings.request_timeout_s
+        )
     try:
         teacher_tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:

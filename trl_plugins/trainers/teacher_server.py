@@ -67,17 +67,14 @@ class ServerTeacher:
             ) from None
 
     @classmethod
-    def connect(
-        cls, url: str, *, tokenizer: Any, tools: Sequence[Mapping[str, Any]], timeout_s: float
-    ) -> ServerTeacher:
-        """The client of the server at ``url``, checked (module docstring).
+    def connect(cls, url: str, *, tokenizer: Any, sample: tuple[str, list[int]], timeout_s: float) -> ServerTeacher:
+        """The client of the server at ``url``, checked (module docstring); ``sample``: the student's render of the
+        check's conversation as text and as its token ids (:func:`~trl_plugins.trainers.teacher.render_sample`).
 
         Raises:
             TeacherServerError: the server does not answer, serves several models or none, tokenizes the student's
                 text otherwise, or returns no prompt log-probs (each named, with what to do).
         """
-        from trl_plugins.trainers.teacher import render_sample
-
         probe = cls(url, "", timeout_s=timeout_s)
         served = [m["id"] for m in probe._request(f"{probe.url}/models", None, "the model list").get("data", [])]
         if len(served) != 1:
@@ -90,7 +87,7 @@ class ServerTeacher:
             teacher.version = str(teacher._request(f"{teacher.root}/version", None, "the version").get("version"))
         except TeacherServerError:
             teacher.version = None  # not every OpenAI-compatible server says
-        text, ids = render_sample(tokenizer, tools)
+        text, ids = sample
         answer = teacher._request(
             f"{teacher.root}/tokenize",
             {"model": teacher.model, "prompt": text, "add_special_tokens": False},
