@@ -17,9 +17,16 @@ sets RL sampling, data order and the evaluation draws). Variants:
 - ``turn_group``: turn-level credit, step groups of identical states (``--advantage turn_group``);
 - ``dapo``: GRPO with DAPO's dynamic sampling on the ``correct`` component (``--dynamic_sampling true``);
 - ``async1``, ``async2``: GRPO with asynchronous rollouts, ``max_staleness`` 1 and 2 (the decoupled objective,
-  streaming; ``--async_rollouts true --max_staleness K``).
+  streaming; ``--async_rollouts true --max_staleness K``);
+- ``opd``: on-policy distillation from the task's embedded default after its RL recipe (``--advantage opd
+  --teacher_model_name_or_path embedded-rl``, built once and cached: recipes/retool/teacher.py), ``reward_weight`` 0:
+  the teacher's per-token signal alone;
+- ``opd_reward``: the same with the group outcome advantage beside it (``reward_weight`` 1).
 
-Runs already finished (a ``summary.json`` in their folder) are not run again. Writes ``<out>/compare.png``.
+Runs already finished (a ``summary.json`` in their folder) are not run again. Besides the tables of every comparison
+(the held-out accuracy at each evaluation against steps and training wall time among them), runs with a teacher get
+one of their own: the gap to the teacher's held-out accuracy, tool-call rates, the teacher KL and the teacher
+forward's share of the step time. Writes ``<out>/compare.png``.
 ``--dry_run``: a dry run of each run it would launch (``retool_ppo.py --dry_run true``), nothing compared or written.
 """
 
@@ -32,6 +39,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+_OPD = ["--advantage", "opd", "--teacher_model_name_or_path", "embedded-rl"]
 VARIANTS = {
     "grpo": [],
     "kl": ["--beta", "0.05"],
@@ -44,11 +52,27 @@ VARIANTS = {
     "dapo": ["--dynamic_sampling", "true", "--dynamic_sampling_metric", "correct"],
     "async1": ["--async_rollouts", "true", "--max_staleness", "1"],
     "async2": ["--async_rollouts", "true", "--max_staleness", "2"],
+    "opd": _OPD + ["--advantage_kwargs", '{"reward_weight": 0.0}'],
+    "opd_reward": _OPD + ["--advantage_kwargs", '{"reward_weight": 1.0}'],
 }
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
+
+
+def _heldout_points(metrics: list[dict], summary: dict) -> list[tuple[int, float, float, float | None]]:
+    """``(step, training wall s, accuracy, with-tool accuracy)`` of each held-out evaluation of a run: before (step 0),
+    every ``eval_every_steps`` (64 problems) and after (128); the wall time sums ``timing/step_s`` up to the step,
+    so the evaluations' own time is left out."""
+    points = [(0, 0.0, summary["before"]["accuracy"], summary["before"]["accuracy_with_tool"])]
+    wall = 0.0
+    for r in metrics:
+        wall += r.get("timing/step_s", 0.0)
+        if "heldout/accuracy" in r and r["step"] < summary["steps"]:
+            points.append((r["step"], wall, r["heldout/accuracy"], r.get("heldout/accuracy_with_tool")))
+    after = summary["after"]
+    return points + [(summary["steps"], wall, after["accuracy"], after["accuracy_with_tool"])]
 
 
 def main() -> int:
@@ -152,6 +176,71 @@ def main() -> int:
             f"{min(gains):+.3f} | {_mean(tool):+.3f} | "
             f"{sum(t < 0 for t in tool)} of {len(tool)} |"
         )
+    from retool.teacher import teacher_results
+
+    se_over_seeds = lambda xs: with_se(_mean(xs), clustered_se(xs, [1] * len(xs)))  # noqa: E731
+    points = {
+        v: [_heldout_points(metrics, s) for metrics, (_, s, _) in zip(curves[v], rows)] for v, rows in runs.items()
+    }
+    steps = sorted({step for per_seed in points.values() for run in per_seed for step, *_ in run})
+    print(
+        "\nHeld-out accuracy, mean ± se over seeds: at step 0 and the last step the evaluations before and after, "
+        "between them the periodic ones (the first eval_every_problems of those problems)."
+    )
+    print(
+        "| variant | "
+        + " | ".join(f"held-out at step {step}" for step in steps)
+        + " | training wall to the last step (min) |"
+    )
+    print("|---|" + "---|" * (len(steps) + 1))
+    for variant, per_seed in points.items():
+        at_step = [[acc for run in per_seed for step, _, acc, _ in run if step == at] for at in steps]
+        print(
+            f"| {variant} | "
+            + " | ".join(se_over_seeds(accs) if accs else "n/a" for accs in at_step)
+            + f" | {_mean([run[-1][1] for run in per_seed]) / 60:.1f} |"
+        )
+    known = [  # the embedded-rl teachers of the runs (a teacher of the user's records no results)
+        t
+        for rows in runs.values()
+        for _, s, _ in rows
+        if (t := teacher_results(s.get("config", {}).get("training", {}).get("teacher_model_name_or_path")))
+    ]
+    if known:
+        teacher = known[0]
+        print(
+            f"\nteacher: {teacher['model']}: held-out accuracy {with_se(teacher['accuracy'], teacher['accuracy_se'])}, "
+            f"tool-call rate {teacher['tool_call_rate']:.3f} after {teacher['steps']} steps of its RL recipe"
+        )
+        print(
+            "\n| variant | held-out after, mean ± se over seeds | gap to the teacher (points) | tool-call rate after "
+            "(x the teacher's) | teacher KL, first 5 steps -> last 5 | teacher forward's share of the step time | "
+            "step wall (s, mean) |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for variant, rows in runs.items():
+            after = [s["after"]["accuracy"] for _, s, _ in rows]
+            gaps = [100 * (a - teacher["accuracy"]) for a in after]
+            calls = _mean([s["after"]["tool_call_rate"] for _, s, _ in rows])
+            records = [r for metrics in curves[variant] for r in metrics]
+            kl = [
+                [r["advantage/teacher_kl"] for r in metrics if "advantage/teacher_kl" in r]
+                for metrics in curves[variant]
+            ]
+            step_s = sum(r.get("timing/step_s", 0.0) for r in records)
+            forward_s = sum(r.get("timing/teacher_forward_s", 0.0) for r in records)
+            gap = with_se(_mean(gaps), clustered_se(gaps, [1] * len(gaps)), "+.1f")
+            print(
+                f"| {variant} | {se_over_seeds(after)} | {gap} | "
+                f"{calls:.3f} ({calls / teacher['tool_call_rate']:.2f}x) | "
+                + (
+                    f"{_mean([_mean(k[:5]) for k in kl]):.3f} -> {_mean([_mean(k[-5:]) for k in kl]):.3f}"
+                    if all(kl)
+                    else "n/a"
+                )
+                + (f" | {forward_s / step_s:.1%} | " if forward_s and step_s else " | n/a | ")
+                + f"{step_s / len(records) if records else float('nan'):.2f} |"
+            )
     if any(s["after"].get("recovery_rate") is not None for rows in runs.values() for _, s, _ in rows):
         print(
             "\n| variant | seed | tool calls per solved before -> after | samples with a failed call before -> after | "
@@ -215,47 +304,35 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    colours = {variant: f"C{k}" for k, variant in enumerate(VARIANTS)}  # matplotlib's default cycle, one per variant
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    colours = {variant: f"C{k}" for k, variant in enumerate(curves)}  # matplotlib's 10-colour cycle, one per variant
     for variant, per_seed in curves.items():
         for k, metrics in enumerate(per_seed):
             label = variant if k == 0 else None
-            held = [r for r in metrics if "heldout/accuracy" in r and r["step"] < runs[variant][k][1]["steps"]]
-            seed, s, _ = runs[variant][k]
-            xs = [0] + [r["step"] for r in held] + [s["steps"]]
-            axes[0].plot(
-                xs,
-                [s["before"]["accuracy"]] + [r["heldout/accuracy"] for r in held] + [s["after"]["accuracy"]],
-                color=colours[variant],
-                marker="o",
-                alpha=0.7,
-                label=label,
-            )
-            axes[1].plot(
-                xs,
-                [s["before"]["accuracy_with_tool"]]
-                + [r.get("heldout/accuracy_with_tool", float("nan")) for r in held]
-                + [s["after"]["accuracy_with_tool"]],
-                color=colours[variant],
-                marker="o",
-                alpha=0.7,
-                label=label,
-            )
-            axes[2].plot(
+            run = points[variant][k]
+            style = {"color": colours[variant], "marker": "o", "alpha": 0.7, "label": label}
+            axes[0].plot([p[0] for p in run], [p[2] for p in run], **style)
+            axes[1].plot([p[0] for p in run], [float("nan") if p[3] is None else p[3] for p in run], **style)
+            axes[2].plot([p[1] / 60 for p in run], [p[2] for p in run], **style)
+            axes[3].plot(
                 [r["step"] for r in metrics],
                 [train_accuracy(r) for r in metrics],
                 color=colours[variant],
                 alpha=0.5,
                 label=label,
             )
+    if known:
+        for ax in (axes[0], axes[2]):
+            ax.axhline(teacher["accuracy"], color="k", linestyle="--", linewidth=1, label="teacher")
     titles = (
         "held-out accuracy (start and end: 128 problems x 4; between: 64 x 4)",
         "held-out accuracy when the tool is called",
+        "held-out accuracy against training wall time",
         "train-batch accuracy",
     )
-    for ax, title in zip(axes, titles):
+    for ax, title, xlabel in zip(axes, titles, ("step", "step", "minutes (sum of step times)", "step")):
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

@@ -21,10 +21,10 @@ from typing import Any, Sequence
 
 from trl import ModelConfig
 
+from retool.layers import DEFAULT_CONFIG, load_config_layers
+
 __all__ = ["DEFAULT_CONFIG", "ScriptArguments", "parse_args", "split_config_args", "load_config_layers"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "retool_ppo.yaml"
-"""The recipe's YAML: the lowest config layer (``--config none`` drops it)."""
 
 CONFIG_HELP = (
     "A YAML file of field: value pairs (any field below; 'env: {VAR: value}' sets environment variables). "
@@ -154,6 +154,9 @@ class ScriptArguments(ModelConfig):
     plot: bool = field(default=True, metadata={"help": "Write a PNG of reward, accuracy and tool calls per step."})
     reasoning_gym_task: Any = field(default=None, init=False)
     """``--task reasoning_gym``: its ``task_kwargs`` checked (:class:`retool.reasoning_gym_task.ReasoningGymTask`)."""
+    embedded_teacher: Any = field(default=None, init=False)
+    """``--teacher_model_name_or_path embedded-rl``: the teacher it names (:class:`retool.teacher.EmbeddedTeacher`),
+    whose cache entry is then the teacher path; set by parse_args, built (or found) at start-up."""
     # Set by parse_args (not arguments): where the values came from, for the start-up banner and summary.json.
     config_files: list[str] = field(default_factory=list, init=False)
     """The YAML files layered under the command line, lowest first."""
@@ -223,32 +226,6 @@ def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
         i += 1
     return configs, rest
-
-
-def _read_yaml(path: str) -> dict:
-    import yaml
-
-    try:
-        values = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise SystemExit(f"cannot read the config {path}: {exc}") from exc
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise SystemExit(f"the config {path} must hold a YAML mapping of field: value, got {type(values).__name__}.")
-    return values
-
-
-def load_config_layers(configs: Sequence[str]) -> list[tuple[str, dict]]:
-    """``[(path, values), ...]`` lowest first: the recipe's YAML, then each of ``configs`` ('none' drops the
-    layers named before it, the recipe's YAML included)."""
-    paths: list[str] = [str(DEFAULT_CONFIG)]
-    for value in configs:
-        if value.lower() == "none":
-            paths = []
-        else:
-            paths.append(value)
-    return [(p, _read_yaml(p)) for p in paths]
 
 
 def _check_keys(layers: list[tuple[str, dict]], known: set[str]) -> None:
@@ -480,10 +457,12 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
 
     Raises:
         SystemExit: a config file cannot be read or sets a key that is no field (the key is named), or a value the
-            dataclasses refuse (their ``__post_init__`` checks), with where each field the refusal names was set.
+            dataclasses refuse (their ``__post_init__`` checks), with where each field the refusal names was set;
+            or the teacher ``embedded-rl`` with a student other than the embedded default.
     """
     from retool.launch import cpu_defaults
-    from trl_plugins.trainers import MultiTurnGRPOConfig  # noqa: F401 - built by the parser
+    from retool.teacher import EMBEDDED_RL
+    from trl_plugins.trainers import MultiTurnGRPOConfig
 
     configs, argv = split_config_args(argv)
     layers = load_config_layers(configs)
@@ -534,11 +513,48 @@ def parse_args(argv: list[str], *extra: type) -> tuple:
             f"configuration error (before any model loads): {exc}{_origins_of(str(exc), provenance)}"
         ) from exc
     script_args = next(o for o in outputs if isinstance(o, ScriptArguments))
+    training_args = next(o for o in outputs if isinstance(o, MultiTurnGRPOConfig))
+    if training_args.teacher_model_name_or_path == EMBEDDED_RL:
+        outputs = _with_embedded_teacher(parser, argv, script_args, training_args, provenance)
+        script_args = next(o for o in outputs if isinstance(o, ScriptArguments))
     script_args.config_files = [path for path, _ in layers if path != task_layer]
     script_args.task_settings = sorted(key for key, where in provenance.items() if where == task_layer)
     script_args.reward_weight_origins = origins
     script_args.dropped_kwargs = dropped
     script_args.provenance = provenance
+    return outputs
+
+
+def _with_embedded_teacher(
+    parser: argparse.ArgumentParser, argv: list[str], script_args: Any, training_args: Any, provenance: dict[str, str]
+) -> tuple:
+    """The arguments parsed again with the teacher ``embedded-rl`` resolved to its cache entry's model folder
+    (:func:`retool.teacher.embedded_teacher`; nothing is built here), that teacher on ``script_args.embedded_teacher``
+    and the provenance of ``teacher_model_name_or_path`` naming it.
+
+    Raises:
+        SystemExit: the student is not the embedded default (``model_name_or_path`` set), or its ``--embedded``
+            settings are refused.
+    """
+    from retool.teacher import EMBEDDED_RL, embedded_teacher
+
+    if script_args.model_name_or_path is not None:
+        message = (
+            f"teacher_model_name_or_path {EMBEDDED_RL!r} is the embedded default after its task's RL recipe and "
+            f"teaches only the embedded default; with model_name_or_path {script_args.model_name_or_path!r}, give a "
+            f"teacher path: --teacher_model_name_or_path path/to/teacher (a model with the student's tokenizer)."
+        )
+        raise SystemExit(f"configuration error (before any model loads): {message}{_origins_of(message, provenance)}")
+    try:
+        teacher = embedded_teacher(script_args, training_args)
+    except ValueError as exc:
+        raise SystemExit(
+            f"configuration error (before any model loads): --embedded {script_args.embedded}: {exc}"
+        ) from None
+    outputs = tuple(parser.parse_args_into_dataclasses([*argv, "--teacher_model_name_or_path", str(teacher.model_dir)]))
+    next(o for o in outputs if isinstance(o, ScriptArguments)).embedded_teacher = teacher
+    where = provenance.get("teacher_model_name_or_path", "the command line")
+    provenance["teacher_model_name_or_path"] = f"{EMBEDDED_RL} in {where}, the cache entry {teacher.key}"
     return outputs
 
 

@@ -49,6 +49,11 @@ __all__ = [
     "embedded_settings_for",
     "embedded_tokenizer",
     "embedded_stand_in",
+    "embedded_entry",
+    "verify_entry",
+    "file_sha256",
+    "build_lock",
+    "MANIFEST",
     "PROMPT_TO_ANSWER_MIN_TOKENS",
 ]
 
@@ -57,7 +62,7 @@ BUILD_VERSION = 4
 SAMPLED_COPY_WARNING = 0.8
 """Below this :func:`~retool.coldstart.sampled_copy_rate` the build says it will start weak."""
 """Bump when the build changes what it produces for the same settings."""
-_MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"
 PROMPT_TO_ANSWER_MIN_TOKENS = 120
 """Fewest tokens the chat template (``qwen2_5``, ``qwen3``) puts between the end of the system prompt and the first
 token the model writes when the run has a tool: the tools block's fixed text (123 with the smallest schema and an
@@ -234,7 +239,13 @@ def cache_root() -> Path:
     return Path(base) / "trl-plugins"
 
 
-def _sha256(path: Path) -> str:
+def embedded_entry(settings: EmbeddedSettings, root: str | Path | None = None) -> Path:
+    """The cache entry of ``settings``' build, ``<root>/embedded/<key>/`` (root: :func:`cache_root`); the model and
+    its tokenizer are in its ``model/``."""
+    return (Path(root) if root is not None else cache_root()) / "embedded" / settings.key()
+
+
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -242,8 +253,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _verify(entry: Path) -> None:
-    manifest_path = entry / _MANIFEST
+def verify_entry(entry: Path) -> None:
+    """Check a cache entry against its manifest: every file it lists present, with its checksum.
+
+    Raises:
+        CacheError: the manifest is unreadable or lists nothing, or a file is missing or differs.
+    """
+    manifest_path = entry / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
@@ -255,7 +271,7 @@ def _verify(entry: Path) -> None:
         path = entry / rel
         if not path.is_file():
             raise CacheError(f"missing file {path}")
-        if _sha256(path) != digest:
+        if file_sha256(path) != digest:
             raise CacheError(f"checksum mismatch for {path}")
 
 
@@ -455,7 +471,7 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    files = {str(p.relative_to(out)): _sha256(p) for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(out)): file_sha256(p) for p in sorted(model_dir.rglob("*")) if p.is_file()}
     manifest = {
         "settings": asdict(settings),
         "build_version": BUILD_VERSION,
@@ -463,7 +479,7 @@ def build_embedded_default(settings: EmbeddedSettings, out_dir: str | Path, *, s
         "cold_start": {"epochs": epochs, "copy_accuracy": round(copy, 4), "sampled_copy_rate": round(sampled, 4)},
         "build_seconds": round(time.perf_counter() - start, 1),
     }
-    (out / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return model_dir
 
 
@@ -474,16 +490,16 @@ def _scores_full_marks(problem: dict, text: str) -> bool:
 
 
 @contextlib.contextmanager
-def _build_lock(base: Path, key: str, log: Callable[[str], None]) -> Iterator[None]:
+def build_lock(base: Path, key: str, log: Callable[[str], None], *, label: str = "embedded default") -> Iterator[None]:
     """Hold the exclusive lock on building entry ``key`` (kept in ``<base>/locks/``, outside the entries;
-    the kernel releases it if the holder dies)."""
+    the kernel releases it if the holder dies); ``label`` names what is built where ``log`` says it waits."""
     locks = base / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{key}.lock", "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"[embedded default] another process is building {key}; waiting for it.")
+            log(f"[{label}] another process is building {key}; waiting for it.")
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 
@@ -507,16 +523,16 @@ def ensure_embedded_default(
         retool.launch.ChildProcessError: the build failed (the child's output says why); nothing is left in the cache.
     """
     base = Path(root) if root is not None else cache_root()
-    entry = base / "embedded" / settings.key()
+    entry = embedded_entry(settings, base)
     if not rebuild:
         with contextlib.suppress(CacheError):
-            _verify(entry)  # the common case takes no lock (a read-only cache works)
+            verify_entry(entry)  # the common case takes no lock (a read-only cache works)
             log(f"[embedded default] using the cached model at {entry / 'model'}")
             return entry / "model"
-    with _build_lock(base, settings.key(), log):
+    with build_lock(base, settings.key(), log):
         if entry.exists() and not rebuild:  # checked again: it may have been built while we waited
             try:
-                _verify(entry)
+                verify_entry(entry)
                 log(f"[embedded default] using the cached model at {entry / 'model'}")
                 return entry / "model"
             except CacheError as exc:
@@ -532,7 +548,7 @@ def ensure_embedded_default(
                 build_embedded_default(settings, staging)
             else:
                 run_in_child(build_embedded_default, settings, staging, what="building the embedded default")
-            _verify(staging)
+            verify_entry(staging)
             shutil.rmtree(entry, ignore_errors=True)
             os.replace(staging, entry)
         finally:
@@ -645,11 +661,11 @@ def model_for_dry_run(
         yield script_args.model_name_or_path, False
         return
     settings = embedded_settings_for(script_args, training_args, log=log)
-    entry = cache_root() / "embedded" / settings.key()
+    entry = embedded_entry(settings)
     why = "--rebuild_embedded"
     if not rebuild:
         try:
-            _verify(entry)
+            verify_entry(entry)
             log(f"[embedded default] using the cached model at {entry / 'model'}")
             yield str(entry / "model"), False
             return

@@ -3,7 +3,7 @@ banner that says what the run will do (plugins, sandbox, processes and precision
 
 :func:`start_up` lists the recipe's start-up checks in the order they run; a run and its dry run
 (``--dry_run``) go through the same list, the dry run checking only where the run would act (output_dir, W&B,
-the embedded default's build).
+the builds of the embedded default and of the teacher ``embedded-rl``).
 """
 
 from __future__ import annotations
@@ -125,12 +125,14 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     plugins, tools and their isolation) and before any weights load; each refusal is a ``SystemExit`` that says why.
 
     The held-out evaluation's settings; the process group; ``output_dir`` (not two runs in one folder); the checkpoint
-    to resume; the banner; the task's rows; each plugin's contract check on a real row; the model (built or read from
-    the cache); its tokenizer with the chat template; the policy's dropout; the continuous-batching cache's size. A
-    new check goes into this list where what it needs exists (its place in the banner's order). With ``dry_run``
+    to resume; the banner; the task's rows; each plugin's contract check on a real row; the teacher ``embedded-rl``
+    (:mod:`retool.teacher`) and the model (built or read from the cache); its tokenizer with the chat template; the
+    policy's dropout; the continuous-batching cache's size. A new check goes into this list where what it needs
+    exists (its place in the banner's order). With ``dry_run``
     every check runs, but ``output_dir`` is checked and not claimed, W&B is described and not set up, no child
-    interpreter starts, and the embedded default is read from the cache or stood in for by the tokenizer and model
-    config its build makes (:func:`retool.default_model.model_path_for_dry_run`); the end says what was not checked.
+    interpreter starts, the teacher ``embedded-rl`` is looked up in the cache and not built, and the embedded default
+    is read from the cache or stood in for by the tokenizer and model config its build makes
+    (:func:`retool.default_model.model_for_dry_run`); the end says what was not checked.
 
     Raises:
         SystemExit: a refusal (the message is the check's own).
@@ -143,6 +145,7 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     from retool.default_model import model_for_dry_run, model_path_or_default
     from retool.evaluate import check_eval_settings
     from retool.launch import available_cpus, claim_output_dir, configure_wandb, prepare_child, wandb_mode
+    from retool.teacher import dry_run_line, ensure_embedded_teacher
     from trl_plugins.run.lora import check_model_dropout, model_init_kwargs
     from trl_plugins.trainers.checkpoints import resolve_resume
 
@@ -219,13 +222,18 @@ def start_up(script_args: Any, training_args: Any, run: Any, *, dry_run: bool) -
     for line in check_plugins(run, train_rows[0] if train_rows else None):
         say(f"start-up checks: {line}")
 
+    teacher = script_args.embedded_teacher  # embedded-rl: resolved to its cache entry when the arguments were parsed
     with contextlib.ExitStack() as stack:
         if dry_run:  # the cached build, or a stand-in (its tokenizer + config) in a folder gone after the checks
+            if teacher is not None:
+                say(dry_run_line(teacher))
             model_path, stood_in = stack.enter_context(
                 model_for_dry_run(script_args, training_args, rebuild=script_args.rebuild_embedded, log=say)
             )
         else:
             with state.main_process_first():  # only the main process builds the embedded default; the others find it
+                if teacher is not None:  # its build trains from the embedded default, which it builds first
+                    ensure_embedded_teacher(teacher, log=say)
                 model_path = model_path_or_default(
                     script_args, training_args, rebuild=script_args.rebuild_embedded and main_process, log=say
                 )
@@ -496,6 +504,15 @@ def format_banner(
     if a.reward_component_kwargs:
         lines.append(f"              reward_component_kwargs {_kwargs(a.reward_component_kwargs)}")
     lines.append(f"advantage:    {a.advantage} {_kwargs(a.advantage_kwargs)}")
+    if a.features.distillation is not None:
+        lines.append(
+            f"teacher:      {a.features.distillation.teacher}"
+            + (
+                f" (embedded-rl: the embedded default after the {s.task} task's RL recipe; built once, cached)"
+                if s.embedded_teacher is not None
+                else ""
+            )
+        )
     lines.append(
         f"policy loss:  {a.policy_loss} {_kwargs(a.policy_loss_kwargs)}, aggregation {a.aggregation}"
         + (f", reference KL beta={a.beta:g} ({a.kl_estimator}, in the {a.kl_penalty})" if a.beta > 0 else "")
