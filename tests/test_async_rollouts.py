@@ -336,9 +336,9 @@ def _capture_updates(trainer):
     snapshots = {}
     update = trainer.step_runner.update
 
-    def capturing(batch, model, optimizer, *, global_step):
+    def capturing(batch, model, optimizer, *, global_step, **kwargs):
         snapshots[global_step] = ({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, batch)
-        return update(batch, model, optimizer, global_step=global_step)
+        return update(batch, model, optimizer, global_step=global_step, **kwargs)
 
     trainer.step_runner.update = capturing
     return snapshots
