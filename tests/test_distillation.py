@@ -389,6 +389,149 @@ def test_the_jsd_loss_adds_the_ppo_term_by_its_weight_and_is_refused_where_it_ca
         )
 
 
+class _LocalTeacherAsServer:
+    """A stand-in for a server teacher's client (not a server: tests/test_vllm_real.py asks the real engine): a local
+    teacher's log-probs of each sequence's tokens and its top-k at each position, as vLLM's prompt log-probs give."""
+
+    def __init__(self, teacher):
+        self.teacher = teacher
+
+    def sequence_top_logprobs(self, sequences, *, top_k, what=""):
+        out = []
+        for seq in sequences:
+            with torch.no_grad():
+                lp = torch.log_softmax(self.teacher(input_ids=torch.tensor([seq[:-1]])).logits[0].float(), -1)
+            top = lp.topk(top_k, -1) if top_k else None
+            actual = lp.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+            out.append(
+                (actual, [list(zip(i.tolist(), v.tolist())) for i, v in zip(top.indices, top.values)] if top_k else [])
+            )
+        return out
+
+
+def _trl_server_jsd(student, datums, *, beta, top_k, tail):
+    # TRL's ServerDistillationTrainer loss on the same student, with the teacher's answers the datums carry.
+    import types
+    import warnings
+
+    from trl_plugins.datum import collate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.server_distillation.server_distillation_trainer import ServerDistillationTrainer as S
+
+    full = collate(datums, list(range(len(datums))), pad_token_id=0)
+    rows, width = full.target_ids.shape
+    top_ids, top_lps = torch.zeros(rows, width, top_k, dtype=torch.long), torch.zeros(rows, width, top_k)
+    actual = torch.zeros(rows, width)
+    for b, d in enumerate(datums):
+        actual[b, : d.num_tokens] = torch.tensor(d.teacher_logprobs)
+        for t, top in enumerate(d.teacher_top):
+            for k, (tok, lp) in enumerate(top):
+                top_ids[b, t, k], top_lps[b, t, k] = tok, lp
+    labels = torch.where(full.action_mask.bool(), full.target_ids, torch.full_like(full.target_ids, -100))
+    student.zero_grad(set_to_none=True)
+    logp = torch.log_softmax(student(input_ids=full.input_ids, attention_mask=full.attention_mask).logits, -1)
+    trl = types.SimpleNamespace(
+        beta=beta,
+        loss_add_tail=tail,
+        _reduce_divergence_loss=S._reduce_divergence_loss,
+        reverse_kl_top_1_mode="sampled",
+    )
+    if beta == 0.0:
+        loss = S._compute_server_forward_kl_loss(
+            trl, {"topk_logprobs": top_lps, "topk_token_ids": top_ids}, logp, labels
+        )
+    else:
+        trl._get_reverse_kl_top_1_tokens = lambda scores, tokens: tokens
+        loss = S._compute_sparse_top_1_divergence_loss(
+            trl, logp, top_ids[..., 0], top_lps[..., 0], full.target_ids, actual, labels
+        )
+    loss.backward()
+    return float(loss), {n: p.grad.clone() for n, p in student.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("beta", "top_k", "tail"),
+    [(0.0, 1, True), (0.0, 5, True), (0.0, 5, False), (0.5, 1, True), (0.5, 1, False), (1.0, 1, True)],
+)
+def test_a_server_teachers_divergence_and_its_gradient_equal_trls_server_distillation_loss(
+    tiny_model_factory, beta, top_k, tail
+):
+    import copy
+
+    from accelerate import Accelerator
+
+    from support.settings import update_settings
+    from trl_plugins.algos import GeneralizedJSDLoss
+    from trl_plugins.trainers.update import teacher_logprobs
+
+    student, teacher, datums = _jsd_setup(tiny_model_factory)
+    server = _LocalTeacherAsServer(teacher)
+    teacher_logprobs(Accelerator(cpu=True), server, datums, update_settings(), pad_token_id=0, top_k=top_k)
+    for d in datums:  # the top tokens at the action positions only, best first
+        assert [len(t) for t in d.teacher_top] == [top_k * m for m in d.action_mask]
+        assert all(a[1] >= b[1] for t in d.teacher_top for a, b in zip(t, t[1:]))
+    trl_student = copy.deepcopy(student)
+    loss = GeneralizedJSDLoss(beta=beta, top_k=top_k if top_k > 1 else None, tail=tail)
+    result, grads = _jsd_update(student, server, datums, loss)
+    want, want_grads = _trl_server_jsd(trl_student, datums, beta=beta, top_k=top_k, tail=tail)
+    assert want > 1e-4 and result.num_forwarded == len(datums)
+    assert result.loss == pytest.approx(want, rel=1e-5)
+    for name, g in want_grads.items():
+        assert float((grads[name] - g).abs().max()) <= 1e-5 * max(float(g.abs().max()), 1e-6), name
+    if (beta, top_k, tail) == (0.5, 1, True):  # the other layouts give the same update
+        for layout in ("padding_free", "shared_prefix"):
+            other, other_grads = _jsd_update(copy.deepcopy(trl_student), server, datums, loss, **{layout: True})
+            assert other.loss == pytest.approx(want, rel=1e-5), layout
+            for name, g in want_grads.items():
+                assert float((other_grads[name] - g).abs().max()) <= 1e-5 * max(float(g.abs().max()), 1e-6), name
+
+
+def test_a_server_teachers_support_and_settings_are_trls_and_refused_where_they_mean_nothing(tmp_path):
+    from trl_plugins.algos import GeneralizedJSDLoss
+    from trl_plugins.datum import collate
+    from trl_plugins.run import resolve_run
+    from trl_plugins.trainers.update import server_support
+
+    datum = build_datum(make_trajectory(random.Random(0), num_turns=2), advantage=1.0)
+    on = [t for t, m in enumerate(datum.action_mask) if m]
+    datum.teacher_logprobs = [-0.5 if m else 0.0 for m in datum.action_mask]
+    datum.teacher_top = [[(7, -0.1), (9, -2.5)] if m else [] for m in datum.action_mask]
+    datum.teacher_top[on[0]] = [(datum.target_ids[on[0]], -0.5), (9, -2.5)]  # the sampled token is the teacher's top
+    mb = collate([datum], [0], pad_token_id=0)
+    forward = server_support([datum], mb, beta=0.0, top_k=2)
+    assert forward["support_ids"][0, on[1]].tolist() == [7, 9] and bool(forward["support_mask"][0, on].all())
+    assert not bool(forward["support_mask"][0, [t for t, m in enumerate(datum.action_mask) if not m]].any())
+    reverse = server_support([datum], mb, beta=1.0, top_k=1)
+    assert reverse["support_ids"][0, on, 0].tolist() == [datum.target_ids[t] for t in on]
+    assert reverse["teacher_support"][0, on, 0].tolist() == [-0.5] * len(on)
+    mixed = server_support([datum], mb, beta=0.5, top_k=1)
+    assert mixed["support_ids"][0, on[1]].tolist() == [7, datum.target_ids[on[1]]]
+    assert mixed["support_mask"][0, on[1]].tolist() == [True, datum.target_ids[on[1]] != 7]
+    assert mixed["support_mask"][0, on[0]].tolist() == [True, False]  # the same token once
+    datum.teacher_top = None
+    with pytest.raises(ValueError, match="has no server teacher's top tokens"):
+        server_support([datum], mb, beta=0.0, top_k=2)
+    # Settings: as TRL, top_k > 1 only at beta 0; no one-token support renormalised (always 0); none with a local teacher.
+    with pytest.raises(ValueError, match="top_k=4 needs beta=0"):
+        GeneralizedJSDLoss(beta=0.5, top_k=4)
+    with pytest.raises(ValueError, match="renormalises over a one-token support.*always 0"):
+        GeneralizedJSDLoss(beta=1.0, tail=False)
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        GeneralizedJSDLoss(beta=0.0, top_k=0)
+    with pytest.raises(ValueError, match="sets top_k=4, which only a server teacher reads.*drop them"):
+        resolve_run(
+            tiny_config(
+                tmp_path,
+                policy_loss="jsd",
+                policy_loss_kwargs={"beta": 0.0, "top_k": 4},
+                teacher_model_name_or_path=str(tmp_path),
+            ),
+            reward_components={"length": TokenReward()},
+        )
+
+
 def test_a_jsd_run_forwards_its_teacher_in_the_update_and_refuses_what_it_cannot_run(tmp_path, monkeypatch):
     from trl_plugins.trainers.teacher import check_divergence_models
 
@@ -518,11 +661,11 @@ def test_a_server_teacher_without_prompt_logprobs_or_at_another_temperature_is_r
     rewards = {"length": TokenReward()}
     with pytest.raises(ValueError, match="is a server, whose prompt log-probs are the untempered.*temperature=1.0"):
         tiny_config(tmp_path, teacher_model_name_or_path=url, advantage="opd", temperature=0.7)
-    with pytest.raises(ValueError, match="which a server teacher .* does not return: give a local teacher folder"):
-        resolve_run(
-            tiny_config(tmp_path, teacher_model_name_or_path=url, policy_loss="jsd", temperature=1.0),
-            reward_components=rewards,
-        )
+    # jsd with a server teacher reads its top-k (tests above; against the real engine in tests/test_vllm_real.py).
+    resolve_run(
+        tiny_config(tmp_path, teacher_model_name_or_path=url, policy_loss="jsd", temperature=1.0),
+        reward_components=rewards,
+    )
 
 
 def test_several_teachers_each_score_the_rows_their_route_field_names(tmp_path, capsys):

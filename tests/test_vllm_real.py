@@ -158,6 +158,58 @@ def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_pat
         "identity": trainer.run.version.plugin_versions["teacher"],
         "model": str(model_dir),
     }
+    # The jsd loss through the same server (beta 0, its top 4 with the tail bucket): the top tokens each action
+    # position carries against a local forward of the served weights, and the divergence the update computed (the
+    # loss's metric, before the step moved the student) against one computed by hand from the student's weights.
+    from trl_plugins.modeling.sparse_divergence import support_divergence
+
+    jsd_out = tmp_path_factory.mktemp("server-teacher-jsd")
+    torch.manual_seed(0)
+    jsd = MultiTurnGRPOTrainer(
+        build_tiny_model(tok, seed=3),
+        tiny_config(
+            jsd_out,
+            teacher_model_name_or_path=f"{server.url}/v1",
+            policy_loss="jsd",
+            policy_loss_kwargs={"beta": 0.0, "top_k": 4},
+            temperature=1.0,
+            max_steps=1,
+        ),
+        train_dataset=Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(4)]
+        ),
+        processing_class=tok,
+        reward_components={"length": TokenReward()},
+    )
+    jsd.train()
+    student = build_tiny_model(tok, seed=3).float().eval()  # the weights the update's forward saw
+    top_gaps, same_top, divergences = [], 0, []
+    for d in jsd.last_batch.datums:
+        with torch.no_grad():
+            want = torch.log_softmax(teacher(input_ids=torch.tensor([d.input_ids])).logits[0].double(), -1)
+            mine = torch.log_softmax(student(input_ids=torch.tensor([d.input_ids])).logits[0].float(), -1)
+        for k, m in enumerate(d.action_mask):
+            if not m:
+                assert d.teacher_top[k] == []
+                continue
+            ids = [tok_id for tok_id, _ in d.teacher_top[k]]
+            same_top += ids == want[k].topk(4).indices.tolist()
+            top_gaps += [abs(lp - float(want[k, i])) for i, lp in d.teacher_top[k]]
+            theirs = torch.tensor([[lp for _, lp in d.teacher_top[k]]])
+            support = mine[k, ids][None]
+            mask = torch.ones_like(support, dtype=torch.bool)
+            divergences.append(float(support_divergence(support, theirs, mask, beta=0.0, tail=True)[0]))
+    (jsd_record,) = [
+        json.loads(line) for line in (jsd_out / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
+    ]
+    result["jsd"] = {
+        "positions": len(divergences),
+        "same_top4_share": same_top / len(divergences),
+        "max_top_gap": max(top_gaps),
+        "divergence": jsd_record["policy_loss/teacher_divergence"],
+        "by_hand": sum(divergences) / len(divergences),
+        "update_skipped": jsd_record["train/update_skipped"],
+    }
     # The replay re-derives the saved batch's teacher log-probs through the server its version names.
     from trl_plugins.replay.cli import main as replay
 
@@ -418,6 +470,17 @@ def test_a_server_teacher_scores_the_students_tokens_with_the_real_engines_promp
     stopped = result["stopped"]
     assert "gave no answer to prompt log-probs" in stopped and "deadline 3 s" in stopped and "\n" not in stopped
     assert 3 <= result["stopped_s"] < 8, result
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_jsd_loss_with_a_server_teacher_reads_the_real_engines_top_k(server_teacher: dict):
+    # vLLM's prompt_logprobs: 4 through our client: the teacher's top 4 at every action token, in order, with the
+    # local forward's log-probs; the update's divergence over them (and the tail) equals the hand computation.
+    jsd = server_teacher["jsd"]
+    assert jsd["positions"] > 0 and jsd["update_skipped"] == 0.0, jsd
+    assert jsd["same_top4_share"] >= 0.95 and jsd["max_top_gap"] < 5e-3, jsd
+    assert jsd["divergence"] > 0.01 and jsd["divergence"] == pytest.approx(jsd["by_hand"], rel=1e-4), jsd
 
 
 @pytest.mark.slow

@@ -364,7 +364,9 @@ class GeneralizedJSDLoss:
     ``ChunkedDivergenceFunction`` (:func:`~trl_plugins.modeling.logprobs.micro_batch_logprobs_and_divergence`).
     The divergence is a property of each position's state, the same whichever token was sampled, so it takes no
     importance weight; the PPO term takes ``is_weights`` as :class:`PPOClipLoss` does. Prompt, tool-output and
-    template-glue positions carry none: only the action mask's positions are scored.
+    template-glue positions carry none: only the action mask's positions are scored. With a server teacher (which
+    returns log-probs, not distributions) the divergence is computed over the support ``top_k`` and ``tail`` name, as
+    TRL's ``ServerDistillationTrainer`` computes it (:mod:`trl_plugins.modeling.sparse_divergence`).
     """
 
     beta: float = 1.0
@@ -376,10 +378,33 @@ class GeneralizedJSDLoss:
     """The PPO term's ratio lower bound is ``1 - clip_low``."""
     clip_high: float = 0.28
     """The PPO term's ratio upper bound is ``1 + clip_high``."""
+    top_k: int | None = None
+    """A server teacher only (it returns its top-k log-probs, not whole distributions): the divergence is computed on
+    the teacher's ``top_k`` most likely tokens at beta 0, on the sampled token (and the teacher's top token, below
+    beta 1) otherwise, which needs ``top_k`` 1, as TRL's ``ServerDistillationTrainer`` does. None: 1."""
+    tail: bool | None = None
+    """A server teacher only: the mass outside that support is one more bucket (True, None's meaning, TRL's
+    ``loss_add_tail``), or both distributions are renormalised over the support (False)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"jsd needs 0 <= beta <= 1 (0 forward KL, 1 reverse KL), got beta={self.beta}.")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ValueError(f"jsd needs top_k to be an int (a server teacher's top-k), got top_k={self.top_k!r}.")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"jsd needs top_k >= 1 (how many of a server teacher's tokens), got top_k={self.top_k}.")
+        if self.top_k not in (None, 1) and self.beta > 0:
+            raise ValueError(
+                f"jsd with top_k={self.top_k} needs beta=0 (the forward KL over the teacher's top-k): at beta > 0 the "
+                f"support is the sampled token, whose teacher log-prob a server gives, so top_k must be 1 (as TRL's "
+                f"ServerDistillationTrainer); got beta={self.beta}."
+            )
+        if self.tail is False and (self.beta == 1.0 or (self.beta == 0.0 and self.top_k in (None, 1))):
+            raise ValueError(
+                f"jsd with tail=False renormalises over a one-token support here (beta={self.beta}, "
+                f"top_k={self.top_k or 1}), where the divergence is always 0: keep the tail bucket, or at beta 0 raise "
+                f"top_k."
+            )
         if self.rl_weight < 0.0:
             raise ValueError(f"jsd needs rl_weight >= 0 (the PPO term's weight), got rl_weight={self.rl_weight}.")
         if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
@@ -400,6 +425,16 @@ class GeneralizedJSDLoss:
     def teacher_divergence(self) -> float:
         """Declaration: reads ``PolicyLossInput.teacher_divergence``, the generalised JSD at this ``beta``."""
         return self.beta
+
+    @property
+    def teacher_top_k(self) -> int | None:
+        """Declaration: a server teacher's support size (``top_k``)."""
+        return self.top_k
+
+    @property
+    def teacher_tail(self) -> bool | None:
+        """Declaration: a server teacher's tail bucket (``tail``)."""
+        return self.tail
 
     def __call__(self, inp: PolicyLossInput) -> PolicyLossOutput:
         if inp.teacher_divergence is None:

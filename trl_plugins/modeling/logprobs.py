@@ -25,6 +25,8 @@ __all__ = [
     "selective_log_softmax",
     "micro_batch_logprobs",
     "micro_batch_logprobs_and_divergence",
+    "hidden_rows",
+    "scatter_chunked",
     "model_inputs",
     "unpack",
     "PackedAttentionLeak",
@@ -106,7 +108,7 @@ def token_logprobs_and_entropy(
     with head_gathered_once(output_head(model)):  # ZeRO-3: one gather for the model's forward and the chunks
         with hidden_states_instead_of_logits(model) as head:
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-        return _scatter_chunked(
+        return scatter_chunked(
             head,
             hidden.flatten(0, -2),
             target_ids,
@@ -129,7 +131,7 @@ def full_logits_logprobs(
     return logp, _entropy(z, torch.logsumexp(z, dim=-1))
 
 
-def _scatter_chunked(
+def scatter_chunked(
     head: torch.nn.Module,
     rows: torch.Tensor,
     target_ids: torch.Tensor,
@@ -140,7 +142,9 @@ def _scatter_chunked(
     chunk_size: int | None,
     row_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # rows: (n, H) hidden states; position (b, t) reads rows[row_index[b, t]] (default: the flat position itself).
+    """Log-probs (and entropies) of ``target_ids`` at the ``needed`` positions from final hidden states, by
+    :func:`~.chunked_head.chunked_logprobs_and_entropy`, scattered into ``target_ids``' shape (0 elsewhere): ``rows``
+    ``(n, H)``; position ``(b, t)`` reads ``rows[row_index[b, t]]`` (default: the flat position itself)."""
     shape = target_ids.shape
     needed = (
         torch.ones(shape, dtype=torch.bool, device=rows.device) if needed is None else needed.to(rows.device).bool()
@@ -273,8 +277,8 @@ def micro_batch_logprobs_and_divergence(
         ).logits.flatten(0, -2)
     with head_gathered_once(output_head(model)):
         with hidden_states_instead_of_logits(model) as head:
-            rows, row_index = _hidden_rows(model, mb, device)
-        logp, entropy = _scatter_chunked(
+            rows, row_index = hidden_rows(model, mb, device)
+        logp, entropy = scatter_chunked(
             head,
             rows,
             mb.target_ids,
@@ -305,9 +309,10 @@ def micro_batch_logprobs_and_divergence(
     return logp, entropy, divergence.new_zeros(flat.shape).index_put((where,), divergence).reshape(needed.shape)
 
 
-def _hidden_rows(model: torch.nn.Module, mb: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # (rows (n, H), row_index): the final hidden states of a micro-batch's forward in its layout (inside
-    # hidden_states_instead_of_logits), and the row that scores each (b, t) position (None: the flat position).
+def hidden_rows(model: torch.nn.Module, mb: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows (n, H), row_index)``: the final hidden states of a micro-batch's forward in its layout (inside
+    :func:`~.chunked_head.hidden_states_instead_of_logits`), and the row that scores each ``(b, t)`` position (None:
+    the flat position)."""
     if mb.shared_prefix is not None:
         return torch.cat(shared_prefix_outputs(model, mb.shared_prefix, device)), mb.shared_prefix.index
     rows = model(**model_inputs(mb, device), use_cache=False).logits.flatten(0, -2)
@@ -534,7 +539,7 @@ def _shared_prefix_logprobs(
         # A prefix's last position is read by each of its branches, each with its own target: the hidden row is taken
         # per datum position (the chunks run over those), so a chunk may end anywhere inside a branch.
         rows = torch.cat(parts)
-        return _scatter_chunked(
+        return scatter_chunked(
             head,
             rows,
             mb.target_ids,

@@ -68,6 +68,20 @@ def _optional_beta(impl: Any, member: str, label: str) -> float | None:
     return float(value)
 
 
+def _optional_top_k(impl: Any, member: str, label: str) -> int | None:
+    value = _optional(impl, member, None)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise PluginDeclarationError(label, f"declares {member}={value!r}; it must be None or an int >= 1.")
+    return value
+
+
+def _optional_tail(impl: Any, member: str, label: str) -> bool | None:
+    value = _optional(impl, member, None)
+    if value is not None and not isinstance(value, bool):
+        raise PluginDeclarationError(label, f"declares {member}={value!r}; it must be None or a bool.")
+    return value
+
+
 def _optional_method(impl: Any, member: str, label: str) -> Callable[..., Any] | None:
     method = _optional(impl, member, None)
     if method is not None and not callable(method):
@@ -182,8 +196,15 @@ class PolicyLossPlugin(_Adapter):
     parallelism, which refuses a loss without it); optional, default False."""
     teacher_divergence: float | None = None
     """The ``beta`` of the generalised JSD to the teacher the loss reads as ``PolicyLossInput.teacher_divergence``
-    (on-policy distillation over the whole vocabulary: the run must have a local teacher); optional, default None
-    (not read)."""
+    (on-policy distillation: over the whole vocabulary with a local teacher, over a server teacher's top-k
+    otherwise); optional, default None (not read)."""
+    teacher_top_k: int | None = None
+    """With a server teacher, how many of its most likely tokens the divergence is computed on (None: 1, as TRL's
+    ``loss_top_k``); a local teacher, which gives the whole vocabulary, refuses it; optional, default None."""
+    teacher_tail: bool | None = None
+    """With a server teacher, whether the mass outside the top-k is one more bucket (None: True, as TRL's
+    ``loss_add_tail``) or both distributions are renormalised over it (False); a local teacher refuses it; optional,
+    default None."""
 
     metric_prefix = "policy_loss/"
 
@@ -334,6 +355,8 @@ def as_policy_loss(impl: Any, name: str = "") -> PolicyLossPlugin:
         needs_turn_ids=_optional_bool(impl, "needs_turn_ids", False, label),
         token_local=_optional_bool(impl, "token_local", False, label),
         teacher_divergence=_optional_beta(impl, "teacher_divergence", label),
+        teacher_top_k=_optional_top_k(impl, "teacher_top_k", label),
+        teacher_tail=_optional_tail(impl, "teacher_tail", label),
     )
 
 

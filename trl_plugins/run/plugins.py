@@ -408,11 +408,13 @@ def check_plugin_settings(
             f"policy_loss {config.policy_loss!r} distils from one teacher, and teacher_model_name_or_path names "
             f"{len(teacher.routes)} (routed by {teacher.route_field!r}): give one, or distil with advantage='opd'."
         )
-    if distilling_loss and teacher is not None and teacher.server:
+    server_support = {"top_k": policy_loss.teacher_top_k, "tail": policy_loss.teacher_tail}
+    server_support = {k: v for k, v in server_support.items() if v is not None}
+    if distilling_loss and teacher is not None and not teacher.server and server_support:
         raise ValueError(
-            f"policy_loss {config.policy_loss!r} compares whole next-token distributions, which a server teacher "
-            f"({teacher.teacher}) does not return: give a local teacher folder, or distil with advantage='opd' (the "
-            f"server's log-prob of each sampled token)."
+            f"policy_loss {config.policy_loss!r} sets {', '.join(f'{k}={v}' for k, v in server_support.items())}, "
+            f"which only a server teacher reads (it returns its top-k log-probs); the local teacher "
+            f"{teacher.teacher!r} gives the whole vocabulary, over which the divergence is computed: drop them."
         )
     if distilling_loss and config.features.long_trajectories.sequence_parallel:
         raise ValueError(

@@ -294,16 +294,26 @@ class StepRunner:
 
     def teacher(self, batch: StepBatch, model: Any) -> None:
         """4b. The teacher's log-probs of the action tokens for an advantage estimator that reads them (on-policy
-        distillation; every rank forwards). A loss that reads the divergence to the teacher forwards it in the
-        update instead."""
-        if model is None or not self.run.advantage.needs_teacher_logprobs:
+        distillation; every rank forwards), and a server teacher's top tokens there for a loss that reads the
+        divergence to it. A loss that reads the divergence to a local teacher forwards it in the update instead."""
+        loss = self.run.policy_loss
+        top_k = 0  # a server teacher's top tokens, for a loss that compares the distributions there
+        if loss.teacher_divergence is not None and model is not None and not isinstance(model, torch.nn.Module):
+            top_k = loss.teacher_top_k or 1
+        if model is None or not (self.run.advantage.needs_teacher_logprobs or top_k):
             return
         start = time.perf_counter()
         prompts = self._privileged_prompts(batch)
         routed = getattr(model, "teachers", None)  # RoutedTeachers: each route's datums to its teacher, on every rank
         if routed is None:
             teacher_logprobs(
-                self.accelerator, model, batch.datums, self.config, pad_token_id=self.pad_token_id, prompts=prompts
+                self.accelerator,
+                model,
+                batch.datums,
+                self.config,
+                pad_token_id=self.pad_token_id,
+                prompts=prompts,
+                top_k=top_k,
             )
         else:
             routes = [model.route(batch.rows[batch.trajectories[d.trajectory_index].group_id]) for d in batch.datums]

@@ -227,7 +227,7 @@ def teacher_version(settings: Distillation | None, model: Any) -> dict[str, str 
     return {"teacher": f"{settings.teacher} weights {weights_digest(model, gather_each=True)}"}
 
 
-def check_divergence_models(policy_loss: Any, student: torch.nn.Module, teacher: torch.nn.Module | None) -> None:
+def check_divergence_models(policy_loss: Any, student: torch.nn.Module, teacher: Any) -> None:
     """For a loss that reads the divergence to the teacher (``teacher_divergence``), refuse at start-up what it does not
     run on: ZeRO-3 (both output heads are read directly, outside their modules' gathering hooks) and a model whose
     logits are more than its output head's (soft-capping, logit scaling: :func:`~trl_plugins.modeling.chunked_head.
@@ -249,7 +249,7 @@ def check_divergence_models(policy_loss: Any, student: torch.nn.Module, teacher:
             f"ZeRO-3 yet: use DDP or ZeRO-2, or distil with advantage='opd' (tested under ZeRO-3)."
         )
     for who, model in (("the student", student), ("the teacher", teacher)):
-        if not chunkable(model):
+        if isinstance(model, torch.nn.Module) and not chunkable(model):  # a server teacher gives its log-probs
             raise ValueError(
                 f"policy_loss {name!r}: {who}'s logits are more than its output head's (soft-capping or logit "
                 f"scaling), which the divergence does not apply; distil with advantage='opd' instead."

@@ -10,7 +10,8 @@ only ever scores the student's tokens), and a probe that it returns prompt log-p
 
 What it cannot give: log-probs at another temperature (vLLM applies no sampling processor to prompt tokens: refused
 unless the student samples at temperature 1, :class:`~trl_plugins.run.settings.Distillation`), and the whole
-next-token distribution the ``jsd`` loss needs (refused with a server teacher).
+next-token distribution: the ``jsd`` loss reads its top-k (:meth:`ServerTeacher.sequence_top_logprobs`) and compares
+the distributions there (:mod:`trl_plugins.modeling.sparse_divergence`).
 """
 
 from __future__ import annotations
@@ -120,12 +121,25 @@ class ServerTeacher:
         Raises:
             TeacherServerError: a request failed or passed its deadline, or the answer holds no prompt log-probs.
         """
-        out: list[list[float]] = []
+        return [actual for actual, _ in self.sequence_top_logprobs(sequences, top_k=0, what=what)]
+
+    def sequence_top_logprobs(
+        self, sequences: Sequence[Sequence[int]], *, top_k: int, what: str = "prompt log-probs"
+    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        """:meth:`sequence_logprobs` and, at each of those positions, the teacher's ``top_k`` most likely tokens as
+        ``(id, log-prob)`` by rank (vLLM's ``prompt_logprobs: k``; fewer where the vocabulary is smaller; empty lists
+        for ``top_k`` 0).
+
+        Raises:
+            TeacherServerError: a request failed or passed its deadline (vLLM answers 400 to more top tokens than its
+                ``--max-logprobs``, 20 by default), or the answer holds no prompt log-probs.
+        """
+        out: list[tuple[list[float], list[list[tuple[int, float]]]]] = []
         for start in range(0, len(sequences), self.batch_size):
             part = [list(map(int, s)) for s in sequences[start : start + self.batch_size]]
             answer = self._request(
                 f"{self.url}/completions",
-                {"model": self.model, "prompt": part, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0},
+                {"model": self.model, "prompt": part, "max_tokens": 1, "prompt_logprobs": top_k, "temperature": 1.0},
                 what,
             )
             choices = sorted(answer.get("choices", []), key=lambda c: c.get("index", 0))
@@ -141,9 +155,18 @@ class ServerTeacher:
                         f"vLLM's prompt_logprobs extension of /v1/completions; serve the teacher with vLLM, or give a "
                         f"local teacher folder."
                     )
-                out.append([float(entry[str(tok)]["logprob"]) for tok, entry in zip(seq[1:], scored[1:])])
+                actual = [float(entry[str(tok)]["logprob"]) for tok, entry in zip(seq[1:], scored[1:])]
+                tops = [_top(entry, top_k) for entry in scored[1:]] if top_k else [[] for _ in scored[1:]]
+                out.append((actual, tops))
         return out
 
     def identity(self) -> str:
         """What the run's version records of it: the URL, the model it serves and the server's version."""
         return f"{self.url} model {self.model} server {self.version or 'unknown'}"
+
+
+def _top(entry: Mapping[str, Any], k: int) -> list[tuple[int, float]]:
+    # A vLLM prompt log-prob entry (token id -> {logprob, rank}: the top k, and the actual token whatever its rank):
+    # the top k by rank.
+    ranked = sorted((int(v.get("rank", k + 1)), int(tok), float(v["logprob"])) for tok, v in entry.items())
+    return [(tok, lp) for rank, tok, lp in ranked if rank <= k][:k]

@@ -34,6 +34,7 @@ import torch
 
 from trl_plugins.algos import aggregate, importance_ratios, importance_weights, kl_estimate, quantiles
 from trl_plugins.modeling import micro_batch_logprobs, micro_batch_logprobs_and_divergence
+from trl_plugins.modeling.sparse_divergence import micro_batch_logprobs_and_support_divergence
 from trl_plugins.protocols import PolicyLossPlugin, as_policy_loss
 from trl_plugins.run.settings import Features, MismatchCorrection
 from trl_plugins.trainers.micro_batches import (
@@ -239,11 +240,13 @@ def teacher_logprobs(
     *,
     pad_token_id: int,
     prompts: Sequence[tuple[list[int], int]] | None = None,
+    top_k: int = 0,
 ) -> None:
     """Fill ``datum.teacher_logprobs`` with the teacher's log-probs of the action tokens at the sampling temperature
     (on-policy distillation); every rank must call it, once per rollout batch. A server teacher scores each datum's
     whole sequence (its ``input_ids`` and last target) from this rank alone, at temperature 1 (the only one a server
-    teacher is allowed with).
+    teacher is allowed with); with ``top_k`` it also fills ``datum.teacher_top``, its ``top_k`` most likely tokens at
+    each action position (for the ``jsd`` loss).
 
     Args:
         model: The prepared teacher, or a server teacher's client (:func:`~trl_plugins.trainers.teacher.load_teacher`).
@@ -253,15 +256,51 @@ def teacher_logprobs(
     """
     scored = list(datums) if prompts is None else [_with_prompt(d, *p) for d, p in zip(datums, prompts)]
     if not isinstance(model, torch.nn.Module):
-        lps = model.sequence_logprobs([list(d.input_ids) + [d.target_ids[-1]] for d in scored if d.num_tokens])
-        for d, lp in zip((d for d in scored if d.num_tokens), lps):
+        real = [d for d in scored if d.num_tokens]
+        answers = model.sequence_top_logprobs([list(d.input_ids) + [d.target_ids[-1]] for d in real], top_k=top_k)
+        for d, (lp, top) in zip(real, answers):
             d.teacher_logprobs = [float(x) if m else 0.0 for x, m in zip(lp, d.action_mask)]
+            if top_k:
+                d.teacher_top = [list(t) if m else [] for t, m in zip(top, d.action_mask)]
     else:
         _fill_logprobs(accelerator, model, scored, config, "teacher_logprobs", pad_token_id=pad_token_id)
     if prompts is not None:
         for d, shadow, (prompt, own) in zip(datums, scored, prompts):
             shift = len(prompt) - own
             d.teacher_logprobs = [0.0] * (own - 1) + shadow.teacher_logprobs[own - 1 + shift :]
+
+
+def server_support(datums: Sequence[Datum], mb: MicroBatch, *, beta: float, top_k: int) -> dict[str, torch.Tensor]:
+    """The support a server teacher's divergence is computed on at each of ``mb``'s positions (rows: ``datums``, its
+    datums in order; none for a dummy), as ``support_ids``, ``teacher_support`` (the teacher's log-probs there) and
+    ``support_mask``, each ``(B, T, S)``: at beta 0 the teacher's ``top_k`` most likely tokens
+    (``Datum.teacher_top``); at beta 1 the sampled token (``Datum.teacher_logprobs``); in between the teacher's top
+    token and the sampled one, unless they are the same. As TRL's ``ServerDistillationTrainer`` chooses it.
+
+    Raises:
+        ValueError: a datum lacks what its support needs (the teacher's phase did not run for it).
+    """
+    rows, width = mb.target_ids.shape
+    size = top_k if beta == 0.0 else 1 if beta == 1.0 else 2
+    ids = torch.zeros((rows, width, size), dtype=torch.long)
+    teacher = torch.zeros((rows, width, size), dtype=torch.float32)
+    mask = torch.zeros((rows, width, size), dtype=torch.bool)
+    for b, d in enumerate(datums):
+        if d.teacher_logprobs is None or (beta < 1.0 and d.teacher_top is None):
+            raise ValueError(
+                f"datum of trajectory {d.trajectory_index} has no server teacher's "
+                f"{'top tokens' if d.teacher_logprobs is not None else 'log-probs'}: the jsd loss with a server "
+                f"teacher reads them from the teacher's phase (teacher_logprobs(..., top_k=)) of every batch."
+            )
+        for t, on in enumerate(d.action_mask):
+            if not on:
+                continue
+            sampled = (int(d.target_ids[t]), float(d.teacher_logprobs[t]))
+            top = [(int(tok), float(lp)) for tok, lp in d.teacher_top[t][:top_k]] if beta < 1.0 else []
+            support = top if beta == 0.0 else [sampled] if beta == 1.0 else top[:1] + [sampled] * (top[0] != sampled)
+            for k, (tok, lp) in enumerate(support):
+                ids[b, t, k], teacher[b, t, k], mask[b, t, k] = tok, lp, True
+    return {"support_ids": ids, "teacher_support": teacher, "support_mask": mask}
 
 
 def _with_prompt(d: Datum, prompt: list[int], own: int) -> Datum:
@@ -403,7 +442,7 @@ def _run_pass(
     any_ref: bool,
     correction: MismatchCorrection | None,
     sp: SequenceParallel | None,
-    teacher: torch.nn.Module | None,
+    teacher: Any,
 ) -> _Pass:
     world, device = accelerator.num_processes, accelerator.device
     temperature = config.temperature or 1.0  # greedy sampling keeps log-probs of the unscaled logits
@@ -445,7 +484,21 @@ def _run_pass(
         mask = view.action_mask.to(device)
         with sync.context(step.last), split_attention() if sp is not None else contextlib.nullcontext():
             divergence = None
-            if loss_fn.teacher_divergence is not None:
+            if loss_fn.teacher_divergence is not None and not isinstance(teacher, torch.nn.Module):
+                logp, entropy, divergence = micro_batch_logprobs_and_support_divergence(
+                    model,
+                    mb,
+                    device,
+                    **server_support(
+                        [datums[i] for i in idx], mb, beta=loss_fn.teacher_divergence, top_k=loss_fn.teacher_top_k or 1
+                    ),
+                    beta=loss_fn.teacher_divergence,
+                    tail=loss_fn.teacher_tail is not False,
+                    temperature=temperature,
+                    with_entropy=loss_fn.needs_entropy,
+                    chunk_size=chunk_size,
+                )
+            elif loss_fn.teacher_divergence is not None:
                 logp, entropy, divergence = micro_batch_logprobs_and_divergence(
                     model,
                     teacher,
@@ -544,7 +597,7 @@ def policy_update(
     pad_token_id: int,
     step_optimizer: bool = True,
     sequence_parallel: SequenceParallel | None = None,
-    teacher: torch.nn.Module | None = None,
+    teacher: Any = None,
 ) -> UpdateResult:
     """Run one exact update on this rank's ``datums``; every rank must call it (collectives inside).
 
@@ -566,7 +619,8 @@ def policy_update(
         sequence_parallel: This rank's group (:func:`~trl_plugins.trainers.sequence_parallel.setup_sequence_parallel`):
             each datum's tokens are split over the group's ranks in the forward and backward; None: off.
         teacher: The prepared teacher (:func:`~trl_plugins.trainers.teacher.load_teacher`), for a loss that declares
-            ``teacher_divergence``; forwarded in each micro-batch without gradient.
+            ``teacher_divergence``; forwarded in each micro-batch without gradient. A server teacher's client: its top
+            tokens, which the datums carry (``Datum.teacher_top``), are compared instead (:func:`server_support`).
 
     Returns:
         Global numbers of the update (the same on every rank).

@@ -389,6 +389,10 @@ class Datum:
     """The teacher's log-prob of ``target_ids[t]`` (same temperature as the behaviour ones) where
     ``action_mask[t] == 1``, 0.0 elsewhere; filled once per rollout batch when the run has a teacher
     (``teacher_model_name_or_path``: on-policy distillation); None otherwise."""
+    teacher_top: list[list[tuple[int, float]]] | None = None
+    """A server teacher's most likely tokens after ``input_ids[: t + 1]`` as ``(token id, log-prob)`` by rank where
+    ``action_mask[t] == 1`` (its top-k prompt log-probs), empty lists elsewhere; filled once per rollout batch for a
+    loss that compares the distributions there (``jsd`` with a server teacher); None otherwise."""
     old_logprobs: list[float] | None = None
     """The trainer's own log-prob of ``target_ids[t]`` under the sampling weights (a no-grad forward
     before the first update on the batch), filled when the sampler/trainer mismatch correction applies:

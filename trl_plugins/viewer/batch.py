@@ -99,6 +99,8 @@ def _datum_to_dict(d: Datum) -> dict:
         value = getattr(d, name)
         if value is not None:
             out[name] = [int(k) for k in value]
+    if d.teacher_top is not None:
+        out["teacher_top"] = [[[int(tok), _finite(lp)] for tok, lp in top] for top in d.teacher_top]
     return out
 
 
