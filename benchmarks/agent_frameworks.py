@@ -39,11 +39,11 @@ from trl_plugins.tools.code_interpreter import CodeInterpreter
 from trl_plugins.types import StopReason
 
 ROOT = Path(__file__).resolve().parents[1]
-IN_PROCESS = ["openai_agents_sdk", "langgraph", "pydantic_ai", "smolagents", "anthropic_sdk"]
+IN_PROCESS = ["openai_agents_sdk", "langgraph", "pydantic_ai", "smolagents", "anthropic_sdk", "claude_agent_sdk"]
 """Examples run as ``agent: examples/agents/<name>/agent.py:solve``, in this interpreter."""
 COMMANDS = ["autogen", "dspy"]
 """Examples run as ``command: [<own python>, examples/agents/<name>/agent.py]``, as their YAMLs run them."""
-CLIENTS = {"anthropic_sdk": "anthropic"}
+CLIENTS = {"anthropic_sdk": "anthropic", "claude_agent_sdk": "anthropic"}
 """The client an in-process example is handed (``rollout_kwargs: client``), where it is not OpenAI's."""
 FRAMEWORKS = IN_PROCESS + COMMANDS
 MAX_COMMAND_CALLS = 3
@@ -51,6 +51,15 @@ MAX_COMMAND_CALLS = 3
 DSPy's ReAct ``max_iters``), the last one the answer (AutoGen) or ``finish`` (DSPy)."""
 MAKE_OWN_PYTHON = "python3 -m venv .venv-autogen && .venv-autogen/bin/pip install -q -r constraints/autogen.txt"
 """The command (in the repository's root) that makes the commands' interpreter (docs/agents.md)."""
+
+
+SDK_CODE_TOOL = "mcp__retool__code_interpreter"
+"""The code tool's name where the Claude Agent SDK offers it: an in-process tool, prefixed by its MCP server's name."""
+
+
+def code_tool(prompt_text: str) -> str:
+    """The code tool's name as the prompt offers it (the Claude Agent SDK's prefixed one, else ``code_interpreter``)."""
+    return SDK_CODE_TOOL if f'"{SDK_CODE_TOOL}"' in prompt_text else "code_interpreter"
 
 
 def own_python() -> str | None:
@@ -90,7 +99,7 @@ def scripted(chat: ChatFormat, backend_s: list[float]) -> ScriptedBackend:
         elif "[[ ## answer ## ]]" in text:  # its extraction of the answer from the trajectory
             body = "[[ ## reasoning ## ]]\nDone.\n\n[[ ## answer ## ]]\n\\boxed{7}\n\n[[ ## completed ## ]]"
         elif done < calls:
-            body = f"Step {done}.\n" + call("code_interpreter", {"code": f"print({done})"})
+            body = f"Step {done}.\n" + call(code_tool(text), {"code": f"print({done})"})
         elif '"name": "final_result"' in text:
             body = call("final_result", {"answer": "7"})
         elif '"name": "final_answer"' in text:

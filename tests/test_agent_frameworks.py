@@ -47,6 +47,8 @@ bench = _benchmark()
 MAKE_AUTOGEN = bench.MAKE_OWN_PYTHON
 """The one command (in the repository's root) that makes the interpreter of AutoGen's and DSPy's examples, whose pins
 conflict with the project's (constraints/autogen.txt); ``.ci/run`` runs it."""
+code_tool = bench.code_tool
+"""The code tool's name as a request offers it (the Claude Agent SDK prefixes its in-process tool's)."""
 own_python = bench.own_python
 """That interpreter: ``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/bin/python`` here (None: neither)."""
 
@@ -86,7 +88,7 @@ def script_for(chat):
                 add_special_tokens=False,
             )["input_ids"] + [im_end]
         if done < calls:
-            body = f"Step {done}.\n" + call("code_interpreter", {"code": f"print({done})"})
+            body = f"Step {done}.\n" + call(code_tool(text), {"code": f"print({done})"})
             if "observe" in question:  # the model goes on to write the observation itself
                 body += "\nObservation: ran print(9)"
         elif '"name": "final_result"' in text:
@@ -279,6 +281,45 @@ def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(cha
     assert traj.stop_reason == StopReason.INVALID_ACTION and traj.error == "text after the tool call"
 
 
+def test_claude_agent_sdk_runs_its_loop_in_the_bundled_cli_on_the_messages_api(chat, wire, monkeypatch, tmp_path):
+    agent = example("claude_agent_sdk", "solve", "claude_agent_sdk", monkeypatch)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # the CLI's home is the agent's own temporary one, not the caller's
+    result = AgentEndpointRollout(agent=agent, client="anthropic")(request(chat))
+    assert {route.split("?")[0] for route, _ in wire} == {"messages"} and all(body["stream"] for _, body in wire)
+    first = wire[0][1]
+    system = first["system"] if isinstance(first["system"], str) else "".join(b["text"] for b in first["system"])
+    assert agent.__globals__["SYSTEM"] in system  # the recipe's system prompt replaces Claude Code's
+    assert [t["name"] for t in first["tools"]] == ["DeferredToolPlaceholder", bench.SDK_CODE_TOOL]
+    assert not any("tool_choice" in body or "stop_sequences" in body for _, body in wire)
+    tok = chat.tokenizer
+    for traj, prompt in zip(result.trajectories, PROMPTS):
+        calls = int(prompt[6])
+        assert traj.error is None and traj.stop_reason == StopReason.FINAL_ANSWER, traj.error
+        assert {c.name: c.value for c in traj.reward_components}["agent_return"] == 1.0
+        assert len(traj.turns) == calls + 1 and traj.num_segments == 1
+        assert [c.name for t in traj.turns for c in t.tool_calls] == [bench.SDK_CODE_TOOL] * calls
+        assert all(f"ran print({k})" in tok.decode(traj.turns[-1].prompt_ids) for k in range(calls))
+        for before, after in zip(traj.turns, traj.turns[1:]):  # each prompt continues the previous turn
+            seen = before.prompt_ids + before.completion_ids
+            assert after.prompt_ids[: len(seen)] == seen and not after.segment_start
+    assert list(home.iterdir()) == []  # nothing written to the caller's home (~/.claude, ~/.claude.json)
+    env = agent.__globals__["options"]("http://127.0.0.1:1", "key", str(tmp_path)).env
+    assert {k: env[k] for k in agent.__globals__["QUIET"]} == dict.fromkeys(agent.__globals__["QUIET"], "1")
+    # Its recipe layer resolves before any model loads, the rollout handing the agent an Anthropic client.
+    from trl_plugins.run import resolve_run
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from retool.config import parse_args
+
+    _, training_args = parse_args(["--config", "examples/agents/claude_agent_sdk/retool_agent.yaml"])
+    run = resolve_run(training_args)
+    assert run.rollout.impl.agent == "examples/agents/claude_agent_sdk/agent.py:solve"
+    assert run.rollout.impl.client == "anthropic" and run.rollout.impl.max_trajectory_tokens == 2048
+
+
 @pytest.mark.parametrize(
     "framework,fn,module",
     [
@@ -288,12 +329,15 @@ def test_smolagents_stop_ends_the_turn_where_the_model_writes_an_observation(cha
         ("langgraph", "solve_streamed", "langgraph"),
         ("pydantic_ai", "solve", "pydantic_ai"),
         ("smolagents", "solve", "smolagents"),
+        ("anthropic_sdk", "solve", "anthropic"),
+        ("claude_agent_sdk", "solve", "claude_agent_sdk"),
     ],
 )
 def test_each_example_returns_0_when_a_budget_ends_its_trajectory(chat, monkeypatch, framework, fn, module):
     agent = example(framework, fn, module, monkeypatch)
     # the first turn calls the tool and is the last turn allowed: the agent's next request is refused (trajectory_ended)
-    (traj,) = AgentEndpointRollout(agent=agent, max_turns=1)(request(chat, ["calls=1"])).trajectories
+    client = bench.CLIENTS.get(framework, "openai")
+    (traj,) = AgentEndpointRollout(agent=agent, max_turns=1, client=client)(request(chat, ["calls=1"])).trajectories
     assert traj.stop_reason == StopReason.MAX_TURNS and len(traj.turns) == 1
     assert {c.name: c.value for c in traj.reward_components}.get("agent_return") == 0.0  # it returned, did not raise
 

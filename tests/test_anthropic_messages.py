@@ -254,7 +254,7 @@ def test_a_prompt_too_long_is_answered_as_anthropic_does_and_the_compacted_histo
     assert [t for t, m in zip(second.target_ids, second.action_mask) if m] == traj.turns[1].completion_ids
 
 
-def test_claude_codes_attribution_line_is_removed_and_its_system_reminders_folded_into_the_next_user_turn():
+def test_claude_codes_attribution_line_is_removed_and_its_system_reminders_folded_where_the_prefix_holds():
     from trl_plugins.rollout.endpoint.http import HttpError
     from trl_plugins.rollout.endpoint.messages import chat_body
 
@@ -291,6 +291,12 @@ def test_claude_codes_attribution_line_is_removed_and_its_system_reminders_folde
     assert [m["role"] for m in out] == ["user", "assistant", "tool", "user", "user"]
     assert out[3]["content"] == "<system-reminder>\nRemember the todo list.\n</system-reminder>\ngo"
     assert out[4]["content"] == "<system-reminder>\nLast.\n</system-reminder>\n"
+    # ... and never past an assistant turn (the Claude Agent SDK's reminder after the question): where it stands, so
+    # the next request, with the reply after it, renders the same prefix.
+    question = [{"role": "user", "content": "a"}, {"role": "system", "content": "Env."}]
+    first = body(None, question)
+    later = body(None, [*question, *messages[1:2]])
+    assert [m["role"] for m in later] == ["user", "user", "assistant"] and later[:2] == first
     with pytest.raises(HttpError, match="mcp_servers is not served"):
         chat_body({"model": "m", "max_tokens": 8, "messages": messages, "mcp_servers": []}, max_assistant_tokens=8)
     with pytest.raises(HttpError, match="does not honour 'speed'"):

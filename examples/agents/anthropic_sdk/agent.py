@@ -60,10 +60,15 @@ async def solve(client: anthropic.AsyncAnthropic, row: dict) -> float:
     ``agent_return``)."""
     messages = [{"role": "user", "content": row["prompt"]}]
     for _ in range(MAX_TURNS):
-        async with client.messages.stream(
-            model="policy", max_tokens=1024, system=SYSTEM, messages=messages, tools=[TOOL]
-        ) as stream:
-            reply = await stream.get_final_message()
+        try:
+            async with client.messages.stream(
+                model="policy", max_tokens=1024, system=SYSTEM, messages=messages, tools=[TOOL]
+            ) as stream:
+                reply = await stream.get_final_message()
+        except anthropic.BadRequestError as exc:
+            if (exc.body or {}).get("error", {}).get("code") == "trajectory_ended":  # a budget (turns, tokens) ended it
+                return 0.0
+            raise
         messages.append({"role": "assistant", "content": reply.content})
         if reply.stop_reason != "tool_use":
             return score("".join(b.text for b in reply.content if b.type == "text"), row)

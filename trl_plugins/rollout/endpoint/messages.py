@@ -24,7 +24,9 @@ feature shows in the body, where it is refused by name).
 Claude Code's quirks, handled as a gateway must: its attribution line (``x-anthropic-billing-header: ...``, a hash
 that changes between requests) is removed from the system prompt (:data:`BILLING_LINE`), and a ``system`` message
 inside ``messages`` (its reminders) is folded into the next user turn as ``<system-reminder>`` text (chat templates
-refuse a system message after the first).
+refuse a system message after the first), or made a user turn of its own where no user turn follows before the next
+assistant turn (the Claude Agent SDK sends its environment reminder between the question and the first reply: folded
+later, it would move in the next request and rewrite the history).
 
 Stop reasons returned: ``end_turn``, ``tool_use``, ``max_tokens``, ``stop_sequence`` (with the sequence); never
 ``pause_turn`` or ``refusal``. A thinking block's ``signature`` is ``trl-plugins:`` and 16 hex digits of its text's
@@ -76,7 +78,10 @@ class AnthropicError(HttpError):
     """An :class:`HttpError` answered in Anthropic's error shape."""
 
     def body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": _ERROR_TYPES.get(self.status, "api_error"), "message": self.message}}
+        error = {"type": _ERROR_TYPES.get(self.status, "api_error"), "message": self.message}
+        if self.code:  # ours (``trajectory_ended``: a budget ended it), beside Anthropic's fields
+            error["code"] = self.code
+        return {"type": "error", "error": error}
 
     @classmethod
     def of(cls, error: HttpError) -> AnthropicError:
@@ -201,6 +206,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(blocks, list):
             raise HttpError(400, f"{where}: content must be a string or a list of blocks.", param="messages")
         if message["role"] == "assistant":
+            if reminders:  # never moved past an assistant turn: a user turn of their own, where they stand
+                out.append({"role": "user", "content": "".join(reminders)})
+                reminders = []
             out.append(_assistant(blocks, where))
             continue
         text = []
