@@ -1514,3 +1514,37 @@ def test_the_mcp_time_and_judge_layers_train_two_steps_together(tmp_path, built_
         assert scripted_judge._state["requests"] == requests  # every answer from the cache
     finally:
         server.shutdown()
+
+
+@pytest.mark.slow
+def test_the_claude_code_harness_trains_two_steps_of_the_recipe(tmp_path, built_cache):
+    """examples/agents/claude_code/retool_agent.yaml: the stock CLI per trajectory (its prompt shrunk by its own flags,
+    about 6,300 tokens), sandboxed, as the rollout of two recipe steps on the tiny embedded default. A plumbing check:
+    the model is far too small to use Claude Code's tools; what is checked is that every trajectory went through the
+    CLI to the endpoint and back and the update ran."""
+    import shutil
+
+    from trl_plugins.harness.claude_code import HarnessError, find_claude
+
+    if "claude_code" not in os.environ.get("TRL_PLUGINS_TEST_REQUIRE", "").split(","):  # .ci/run requires it
+        try:
+            find_claude()
+        except HarnessError as exc:
+            pytest.skip(str(exc))
+        if shutil.which("bwrap") is None:
+            pytest.skip("no bubblewrap (.ci/run installs it)")
+    proc = _launch(
+        tmp_path,
+        "cpu.yaml",
+        ["--config", str(ROOT / "examples/agents/claude_code/retool_agent.yaml"), "--output_dir", str(tmp_path / "out")]
+        + ["--per_device_train_batch_size", "4", "--num_generations", "2", "--eval_every_steps", "0"]
+        + ["--eval_problems", "2", "--eval_samples", "1"],
+        cache=built_cache,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["train/update_skipped"] == 0.0 for r in steps)
+    # Every trajectory reached the endpoint through the CLI: no environment errors, prompts of the CLI's size.
+    assert all(r.get("rollout/stop/environment_error", 0.0) == 0.0 for r in steps), steps
+    assert all(r["rollout/trajectory_tokens_mean"] > 5000 for r in steps), steps
