@@ -380,6 +380,54 @@ def test_the_update_equals_the_padded_layouts(aggregation, max_items):
     assert b.num_padded_tokens < a.num_padded_tokens
 
 
+def test_a_compacting_harness_segments_share_one_advantage_and_their_prefix_forward():
+    # A harness that compacts every 3 turns (issue 65): its rewrites are sibling segments of one trajectory, each a
+    # datum with the trajectory's one outcome advantage, and segments that begin with the same system-and-tools prefix
+    # forward it once in the update (here the two trajectories' 8 segments share it), with the padded update's result.
+    from accelerate import Accelerator
+
+    from trl_plugins.contracts import make_compacting_trajectory
+    from trl_plugins.datum import build_datums
+    from trl_plugins.trainers.update import policy_update
+
+    rng = random.Random(3)
+    system = [rng.randrange(3, 200) for _ in range(40)]
+    shape = dict(question_len=6, turns=12, every=3, summary_len=10, completion_len=5, observation_len=8)
+    trajectories = [
+        make_compacting_trajectory(rng, system=system, group_id=g, advantage=a, **shape)
+        for g, a in enumerate((0.8, -0.5))
+    ]
+    per = [build_datums(t, advantage=t.advantage) for t in trajectories]
+    datums = [d for mine in per for d in mine]
+    assert [t.num_segments for t in trajectories] == [4, 4] and len(datums) == 8
+    for t, mine in zip(trajectories, per):  # one outcome advantage on every action token of every segment, 0 elsewhere
+        assert {a for d in mine for a, m in zip(d.advantages, d.action_mask) if m} == {t.advantage}
+        assert {a for d in mine for a, m in zip(d.advantages, d.action_mask) if not m} == {0.0}
+    base = small_model("qwen2_sliding_sdpa")
+    with torch.no_grad():
+        lp, _ = micro_batch_logprobs(base, collate(datums, list(range(8)), pad_token_id=0), "cpu", temperature=0.9)
+    gen = torch.Generator().manual_seed(2)
+    for row, d in enumerate(datums):
+        noisy = lp[row, : d.num_tokens] + 0.2 * torch.randn(d.num_tokens, generator=gen)
+        d.behaviour_logprobs = [float(x) if m else 0.0 for x, m in zip(noisy, d.action_mask)]
+    results, moved = {}, {}
+    before = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
+    for shared in (False, True):
+        config = _config(shared_prefix=shared, max_items_per_micro_batch=8, max_padded_tokens_per_micro_batch=4000)
+        accelerator = Accelerator(cpu=True)
+        model, optimizer = _prepared(copy.deepcopy(base), accelerator)
+        results[shared] = policy_update(
+            accelerator, model, optimizer, copy.deepcopy(datums), PPOClipLoss(), config, pad_token_id=0
+        )
+        moved[shared] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
+    a, b = results[False], results[True]
+    assert moved[False].norm() > 1e-3 and rel_err(moved[True], moved[False]) < 1e-5
+    assert abs(a.loss - b.loss) < 1e-5 * max(1.0, abs(a.loss))
+    # The system prefix forwarded once for the 8 segments, not 8 times: the tokens the analytic count gives.
+    total = sum(d.num_tokens for d in datums)
+    assert a.num_computed_tokens == total and b.num_computed_tokens == total - 7 * len(system)
+
+
 def test_the_critic_update_equals_the_padded_layouts(tiny_model_factory):
     from accelerate import Accelerator
 

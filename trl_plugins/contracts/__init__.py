@@ -14,7 +14,12 @@ for a plugin's own tests; :mod:`trl_plugins.tiny` builds tiny models and tokeniz
 
 from trl_plugins.contracts._base import ContractError
 from trl_plugins.contracts.algos import check_advantage_contract, check_packer_contract, check_policy_loss_contract
-from trl_plugins.contracts.fakes import make_trajectory, plan_violations, tree_plan_violations
+from trl_plugins.contracts.fakes import (
+    make_compacting_trajectory,
+    make_trajectory,
+    plan_violations,
+    tree_plan_violations,
+)
 from trl_plugins.contracts.rewards import check_reward_contract
 from trl_plugins.contracts.rollout import check_rollout_contract
 from trl_plugins.contracts.tools import check_tool_contract
@@ -28,6 +33,7 @@ __all__ = [
     "check_tool_contract",
     "check_rollout_contract",
     "make_trajectory",
+    "make_compacting_trajectory",
     "plan_violations",
     "tree_plan_violations",
 ]

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from trl_plugins.types import PackPlan, StopReason, TokenSource, Trajectory, Turn
 
-__all__ = ["make_trajectory", "plan_violations"]
+__all__ = ["make_trajectory", "make_compacting_trajectory", "plan_violations"]
 
 
 def make_trajectory(
@@ -46,6 +46,59 @@ def make_trajectory(
         group_id=group_id,
         sample_index=sample_index,
         stop_reason=stop_reason,
+        advantage=advantage if advantage is not None else rng.uniform(-1.5, 1.5),
+    )
+
+
+def make_compacting_trajectory(
+    rng: random.Random,
+    *,
+    system: Sequence[int],
+    question_len: int,
+    turns: int,
+    every: int,
+    summary_len: int,
+    completion_len: int,
+    observation_len: int,
+    vocab: int = 200,
+    group_id: int = 0,
+    advantage: float | None = None,
+) -> Trajectory:
+    """A trajectory of a harness that compacts its history: every ``every`` turns it replaces what followed its
+    system-and-tools prefix ``system`` (the question, then each turn's tool output and reply) with a summary of
+    ``summary_len`` tokens, a rewrite that starts a new segment; each turn adds ``observation_len`` tokens of tool
+    output (glue included; none in a segment's first turn) and a reply of ``completion_len``. Random tokens in
+    ``[3, vocab)``, so segments share exactly ``system``."""
+    out: list[Turn] = []
+    history: list[int] = []
+    for i in range(turns):
+        start = i % every == 0
+        if start:
+            body = [rng.randrange(3, vocab) for _ in range(question_len if i == 0 else summary_len)]
+            new, new_sources = list(system) + body, [TokenSource.PROMPT] * (len(system) + len(body))
+            prompt = new
+        else:
+            obs = [rng.randrange(3, vocab) for _ in range(observation_len - 2)]
+            new = [1] + obs + [2]
+            new_sources = [TokenSource.GLUE] + [TokenSource.OBSERVATION] * len(obs) + [TokenSource.GLUE]
+            prompt = history + new
+        completion = [rng.randrange(3, vocab) for _ in range(completion_len)]
+        logprobs = [-rng.uniform(0.05, 3.0) for _ in completion]
+        out.append(
+            Turn(
+                prompt_ids=prompt,
+                completion_ids=completion,
+                completion_logprobs=logprobs,
+                prompt_sources=new_sources,
+                segment_start=start and i > 0,
+            )
+        )
+        history = prompt + completion
+    return Trajectory(
+        turns=out,
+        question_id=f"q{group_id}",
+        group_id=group_id,
+        stop_reason=StopReason.FINAL_ANSWER,
         advantage=advantage if advantage is not None else rng.uniform(-1.5, 1.5),
     )
 
