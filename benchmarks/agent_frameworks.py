@@ -9,7 +9,9 @@ waits for another's. The in-process examples run as ``agent:`` with their sandbo
 instant scripted tool; AutoGen's and DSPy's run as the ``command:`` agents their YAMLs name, a process per trajectory
 in their own interpreter (``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/bin/python``; a framework whose
 interpreter is absent is skipped, naming the command that makes it), and their tool, the run's ``code_interpreter``
-asked for through the endpoint's ``POST tools/call``, is an instant scripted tool of the same answers.
+asked for through the endpoint's ``POST tools/call``, is an instant scripted tool of the same answers. Claude Code
+runs as its harness (``python -m trl_plugins.harness.claude_code``, sandboxed, a CLI per trajectory; skipped without
+bubblewrap or the CLI), its ``Bash`` tool echoing the same answers.
 
 Per model request (``chat/completions``, ``responses`` or ``messages``), the endpoint's time is measured in its request handler
 (from the parsed request to the reply body, HTTP framing not included) and the raw backend call (the scripted
@@ -27,6 +29,7 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -43,9 +46,12 @@ IN_PROCESS = ["openai_agents_sdk", "langgraph", "pydantic_ai", "smolagents", "an
 """Examples run as ``agent: examples/agents/<name>/agent.py:solve``, in this interpreter."""
 COMMANDS = ["autogen", "dspy"]
 """Examples run as ``command: [<own python>, examples/agents/<name>/agent.py]``, as their YAMLs run them."""
+HARNESSES = ["claude_code"]
+"""Harnesses of ``trl_plugins.harness`` run as ``command: [<this python>, -m, trl_plugins.harness.<name>]`` (Claude
+Code in its sandbox: it needs bubblewrap and the CLI, else it is skipped)."""
 CLIENTS = {"anthropic_sdk": "anthropic", "claude_agent_sdk": "anthropic"}
 """The client an in-process example is handed (``rollout_kwargs: client``), where it is not OpenAI's."""
-FRAMEWORKS = IN_PROCESS + COMMANDS
+FRAMEWORKS = IN_PROCESS + COMMANDS + HARNESSES
 MAX_COMMAND_CALLS = 3
 """The most code calls a command example makes before its answer: 4 iterations (AutoGen's ``max_tool_iterations``,
 DSPy's ReAct ``max_iters``), the last one the answer (AutoGen) or ``finish`` (DSPy)."""
@@ -58,8 +64,33 @@ SDK_CODE_TOOL = "mcp__retool__code_interpreter"
 
 
 def code_tool(prompt_text: str) -> str:
-    """The code tool's name as the prompt offers it (the Claude Agent SDK's prefixed one, else ``code_interpreter``)."""
+    """The code tool's name as the prompt offers it (the Claude Agent SDK's prefixed one, Claude Code's ``Bash``, else
+    ``code_interpreter``)."""
+    if '"name": "Bash"' in prompt_text:
+        return "Bash"
     return SDK_CODE_TOOL if f'"{SDK_CODE_TOOL}"' in prompt_text else "code_interpreter"
+
+
+def code_call(prompt_text: str, k: int) -> tuple[str, dict]:
+    """The k-th code call as the prompt's tools take it: ``print(k)`` for a code tool, for Claude Code's ``Bash`` a
+    command printing what the scripted code tools answer (``ran print(k)``)."""
+    name = code_tool(prompt_text)
+    return name, {"command": f"echo 'ran print({k})'"} if name == "Bash" else {"code": f"print({k})"}
+
+
+def harness_missing() -> str | None:
+    """Why the Claude Code harness cannot run here (no bubblewrap, no CLI), or None."""
+    import shutil
+
+    from trl_plugins.harness.claude_code import HarnessError, find_claude
+
+    if shutil.which("bwrap") is None:
+        return "no bubblewrap (apt-get install bubblewrap)"
+    try:
+        find_claude()
+    except HarnessError as exc:
+        return str(exc)
+    return None
 
 
 def own_python() -> str | None:
@@ -99,7 +130,7 @@ def scripted(chat: ChatFormat, backend_s: list[float]) -> ScriptedBackend:
         elif "[[ ## answer ## ]]" in text:  # its extraction of the answer from the trajectory
             body = "[[ ## reasoning ## ]]\nDone.\n\n[[ ## answer ## ]]\n\\boxed{7}\n\n[[ ## completed ## ]]"
         elif done < calls:
-            body = f"Step {done}.\n" + call(code_tool(text), {"code": f"print({done})"})
+            body = f"Step {done}.\n" + call(*code_call(text, done))
         elif '"name": "final_result"' in text:
             body = call("final_result", {"answer": "7"})
         elif '"name": "final_answer"' in text:
@@ -164,6 +195,10 @@ def measure(framework: str, chat: ChatFormat, *, requests: int, calls: int, pyth
     if framework in COMMANDS:
         runs = dict(command=[python, str(ROOT / "examples/agents" / framework / "agent.py")])
         tools = {"code_interpreter": InstantTool()}
+    elif framework in HARNESSES:
+        runs = dict(command=[sys.executable, "-m", f"trl_plugins.harness.{framework}", "--system-prompt", "Solve it."])
+        runs["max_trajectory_tokens"] = 16_000  # the CLI's own prompt is ~6,300 tokens with this tokenizer
+        tools = {}
     else:
         runs, tools = dict(agent=example(framework), client=CLIENTS.get(framework, "openai")), {}
     turns = requests_per_trajectory(framework, calls)
@@ -245,6 +280,10 @@ def main() -> None:
                 f"$TRL_PLUGINS_AUTOGEN_PYTHON): make it in {ROOT} with {MAKE_OWN_PYTHON}",
                 flush=True,
             )
+            continue
+        missing = harness_missing() if framework in HARNESSES else None
+        if missing:
+            print(f"{framework:<18s}skipped: {missing}", flush=True)
             continue
         if chat is None:
             chat = ChatFormat(

@@ -47,8 +47,6 @@ bench = _benchmark()
 MAKE_AUTOGEN = bench.MAKE_OWN_PYTHON
 """The one command (in the repository's root) that makes the interpreter of AutoGen's and DSPy's examples, whose pins
 conflict with the project's (constraints/autogen.txt); ``.ci/run`` runs it."""
-code_tool = bench.code_tool
-"""The code tool's name as a request offers it (the Claude Agent SDK prefixes its in-process tool's)."""
 own_python = bench.own_python
 """That interpreter: ``$TRL_PLUGINS_AUTOGEN_PYTHON``, else ``.venv-autogen/bin/python`` here (None: neither)."""
 
@@ -88,7 +86,7 @@ def script_for(chat):
                 add_special_tokens=False,
             )["input_ids"] + [im_end]
         if done < calls:
-            body = f"Step {done}.\n" + call(code_tool(text), {"code": f"print({done})"})
+            body = f"Step {done}.\n" + call(*bench.code_call(text, done))
             if "observe" in question:  # the model goes on to write the observation itself
                 body += "\nObservation: ran print(9)"
         elif '"name": "final_result"' in text:
@@ -404,7 +402,8 @@ def test_the_frameworks_benchmark_measures_every_example_and_names_how_to_make_a
     monkeypatch, tmp_path, capsys
 ):
     # docs/agents.md's table has a row per example: the benchmark runs each one (autogen and dspy as commands)
-    assert sorted(bench.FRAMEWORKS) == sorted(p.parent.name for p in (ROOT / "examples/agents").glob("*/agent.py"))
+    assert sorted(bench.FRAMEWORKS) == sorted(p.parent.name for p in (ROOT / "examples/agents").glob("*/*.yaml"))
+    assert bench.HARNESSES == ["claude_code"] and not (ROOT / "examples/agents/claude_code/agent.py").exists()
     assert set(bench.COMMANDS) == {"autogen", "dspy"}
     monkeypatch.setenv("TRL_PLUGINS_AUTOGEN_PYTHON", str(tmp_path / "absent"))
     assert bench.own_python() is None
