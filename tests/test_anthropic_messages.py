@@ -384,3 +384,12 @@ def test_a_request_recorded_from_stock_claude_code_is_served(chat):
     prompt = chat.tokenizer.decode(traj.turns[0].prompt_ids)
     assert "x-anthropic-billing-header" not in prompt and prompt.count("<|im_start|>system") == 1
     assert "<system-reminder>\n# Environment" in prompt  # the list's system message, in the user turn after it
+
+
+def test_a_client_beside_a_command_agent_is_refused_naming_what_a_command_gets():
+    from trl_plugins.rollout.endpoint.agent import RolloutError
+
+    with pytest.raises(RolloutError, match="this agent is a command, which gets both clients' variables.*drop client"):
+        AgentEndpointRollout(command=[sys.executable, "-c", "pass"], client="anthropic")
+    assert AgentEndpointRollout(command=[sys.executable, "-c", "pass"]).client is None
+    assert AgentEndpointRollout(agent=async_agent).client == "openai"  # None's meaning for a function agent

@@ -73,11 +73,12 @@ for name, port in (("bridged", int(sys.argv[1])), ("other", int(sys.argv[2]))):
         out[name] = socket.create_connection(("127.0.0.1", port), timeout=3).recv(5).decode()
     except OSError as exc:
         out[name] = type(exc).__name__
-try:
-    os.listdir("/root")
-    out["root"] = "read"
-except OSError as exc:
-    out["root"] = type(exc).__name__
+for name, path in (("root", "/root"), ("repository", sys.argv[3])):  # the caller's home, this checkout
+    try:
+        os.listdir(path)
+        out[name] = "read"
+    except OSError as exc:
+        out[name] = type(exc).__name__
 open("/tmp/inside.txt", "w").write("x")  # the sandbox's own /tmp
 open("written.txt", "w").write("x")  # the working directory
 print(json.dumps(out))
@@ -102,7 +103,7 @@ def test_the_harness_sandbox_reaches_the_endpoint_and_nothing_else(open_dir):
         args, kwargs, path = harness.isolated(
             str(workdir),
             [sys.executable if harness._open_to_all(sys.executable) else "/usr/bin/python3", "-I", "-c", PROBE]
-            + [str(bridged.port), str(other.port)],
+            + [str(bridged.port), str(other.port), str(ROOT)],
             endpoint=("127.0.0.1", bridged.port),
             env={"HOME": str(workdir)},
         )
@@ -119,7 +120,7 @@ def test_the_harness_sandbox_reaches_the_endpoint_and_nothing_else(open_dir):
     assert seen["uid"] == harness.NOBODY and seen["home"] == str(workdir)
     assert seen["bridged"] == "hello"  # the endpoint's port, through the bridge
     assert seen["other"] == "ConnectionRefusedError"  # a host listener on 127.0.0.1 that is not bridged: not there
-    assert seen["root"] == "PermissionError"
+    assert seen["root"] == seen["repository"] == "FileNotFoundError"  # not shown at all: only the system's folders
     assert (workdir / "written.txt").exists() and not Path("/tmp/inside.txt").exists()
 
 

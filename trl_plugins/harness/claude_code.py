@@ -4,8 +4,9 @@ Claude Code CLI headless (``claude -p QUESTION --output-format stream-json --ver
 
 - as the unprivileged user ``nobody`` (65534; a root caller drops to it before the sandbox starts, so the CLI's
   ``--permission-mode bypassPermissions``, which refuses root, runs), in bubblewrap's namespaces (user, mount, PID,
-  network, IPC, UTS), the host's files read-only as that user may read them (not ``/root``), a private ``/tmp``, and
-  the trajectory's working directory the one place it writes: its ``HOME`` and ``CLAUDE_CONFIG_DIR`` are there, and
+  network, IPC, UTS), of the host's files only the system's (:data:`SYSTEM_PATHS`) and the CLI's and the bridge
+  interpreter's folders, read-only, a private ``/tmp``, and the trajectory's working directory the one place it
+  writes: its ``HOME`` and ``CLAUDE_CONFIG_DIR`` are there, and
   its tools (``Bash``, ``Read``, ``Write``, ``Edit`` by default) act there;
 - in a network namespace with only a loopback, where the endpoint's port is bridged in through a Unix socket in the
   working directory (:mod:`.bridge`): nothing else is reachable, on the host or beyond; ``WebFetch`` and ``WebSearch``
@@ -105,13 +106,31 @@ def _python_for_nobody() -> str:
     )
 
 
+SYSTEM_PATHS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
+"""What the sandbox shows of the host besides the programs it runs (read-only, where they exist): the system's programs,
+libraries and configuration. Not ``/root``, ``/home``, ``/opt``, ``/var``, ``/work`` or the rest."""
+
+
+def _shown(path: str) -> str:
+    # The folder to show for a program: its installation's root (a Python's prefix, the CLI's folder).
+    real = Path(os.path.realpath(path))
+    return str(real.parent.parent if real.parent.name == "bin" else real.parent)
+
+
 def isolated(
-    workdir: str, argv: list[str], *, endpoint: tuple[str, int], env: dict[str, str]
+    workdir: str,
+    argv: list[str],
+    *,
+    endpoint: tuple[str, int],
+    env: dict[str, str],
+    show: tuple[str, ...] = (),
 ) -> tuple[list[str], dict, str]:
     """The command line (and ``subprocess`` keywords) that runs ``argv`` isolated in ``workdir`` (module docstring),
     with ``endpoint``'s port, and no other, reachable on the namespace's loopback, and the host path of the bridge's
     Unix socket (in a short folder of its own, seen inside as ``/tmp/.bridge``: a socket's path has at most 107
-    bytes), which the caller serves (``UnixToTcp(path, *endpoint)``) while it runs and removes after.
+    bytes), which the caller serves (``UnixToTcp(path, *endpoint)``) while it runs and removes after. Of the host's
+    files only :data:`SYSTEM_PATHS`, the folders of ``argv[0]`` and of the bridge's interpreter, and ``show`` are
+    visible, read-only.
 
     Raises:
         HarnessError: no bubblewrap, or a working directory the unprivileged user cannot reach.
@@ -131,7 +150,17 @@ def isolated(
     outside = tempfile.mkdtemp(prefix="trl-bridge-")
     os.chmod(outside, 0o755)
     shutil.copyfile(Path(__file__).with_name("bridge.py"), os.path.join(outside, "bridge.py"))
-    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    args = [bwrap]
+    for path in SYSTEM_PATHS:
+        if os.path.islink(path):  # a merged /usr: /bin -> usr/bin
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    args += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    programs = {_shown(p) for p in (argv[0], python, *show) if os.path.isabs(p)}
+    for folder in sorted(programs):  # after the private /tmp, which would hide a checkout under /tmp
+        if not any(folder == s or folder.startswith(s + "/") for s in SYSTEM_PATHS):
+            args += ["--ro-bind", folder, folder]
     args += ["--ro-bind", outside, "/tmp/.bridge", "--bind", workdir, workdir]
     args += ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "harness"]
     args += ["--die-with-parent", "--new-session", "--chdir", workdir, "--clearenv"]

@@ -153,11 +153,11 @@ class AgentEndpointRollout(TrajectoryBudgets):
     :data:`COMMAND_AGENTS_PER_CORE` per usable core (a process per trajectory starts an interpreter and imports its
     framework, seconds of CPU each: 64 started at once on 2 cores ran into their limit). Each agent's time limit counts
     from its own start, not from the rollout's."""
-    client: str = "openai"
+    client: str | None = None
     """The client a function ``agent`` is given: ``'openai'`` (``openai.AsyncOpenAI``, or ``openai.OpenAI`` for a
-    plain function) or ``'anthropic'`` (``anthropic.AsyncAnthropic`` / ``anthropic.Anthropic``, whose requests go to
-    ``/v1/messages``). A ``command`` gets both clients' variables (``OPENAI_*`` and ``ANTHROPIC_BASE_URL``,
-    ``ANTHROPIC_API_KEY``)."""
+    plain function; None's meaning) or ``'anthropic'`` (``anthropic.AsyncAnthropic`` / ``anthropic.Anthropic``, whose
+    requests go to ``/v1/messages``). A ``command`` is given no client, so setting one beside it is refused: it gets
+    both clients' variables (``OPENAI_*`` and ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``)."""
     refuse_unforced_tool_choice: bool = False
     """Refuse (400) a ``tool_choice`` of ``none``, ``required`` or a named function instead of serving it as
     ``auto`` (the model chooses; counted as ``endpoint/tool_choice_unforced``, logged once). docs/agents.md."""
@@ -180,7 +180,14 @@ class AgentEndpointRollout(TrajectoryBudgets):
         super().__post_init__()
         if (self.agent is None) == (self.command is None):
             raise RolloutError("agent_endpoint needs exactly one of agent ('package.module:function') and command.")
-        if self.client not in ("openai", "anthropic"):
+        if self.command is not None and self.client is not None:
+            raise RolloutError(
+                f"agent_endpoint: client={self.client!r} is the client a function agent is handed, and this agent is a "
+                f"command, which gets both clients' variables (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, ...): drop client."
+            )
+        if self.agent is not None and self.client is None:
+            self.client = "openai"
+        if self.client not in (None, "openai", "anthropic"):
             raise RolloutError(f"agent_endpoint: client={self.client!r}; use 'openai' or 'anthropic'.")
         if self.agent is not None and importlib.util.find_spec(self.client) is None:
             raise RolloutError(
