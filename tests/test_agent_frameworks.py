@@ -303,6 +303,31 @@ def test_claude_agent_sdk_runs_its_loop_in_the_bundled_cli_on_the_messages_api(c
             seen = before.prompt_ids + before.completion_ids
             assert after.prompt_ids[: len(seen)] == seen and not after.segment_start
     assert list(home.iterdir()) == []  # nothing written to the caller's home (~/.claude, ~/.claude.json)
+    # Token for token what a plain chat-completions agent trains when it sends the same conversation: the CLI's first
+    # request of each trajectory (its system blocks, the question, its environment reminder) as the chat dialect
+    # receives it, then each reply and tool output.
+    from trl_plugins.rollout.endpoint.messages import chat_body
+
+    firsts = {body["messages"][0]["content"]: body for _, body in wire if len(body["messages"]) == 2}
+
+    async def plain(client, row):
+        opening = chat_body(firsts[row["prompt"]], max_assistant_tokens=4096)
+        messages = list(opening["messages"])
+        while True:
+            reply = await client.chat.completions.create(model="m", messages=messages, tools=opening["tools"])
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return 1.0
+            for c in message.tool_calls:
+                output = run_code({"code": json.loads(c.function.arguments)["code"]})
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": output})
+
+    wanted = AgentEndpointRollout(agent=plain)(request(chat)).trajectories
+    for traj, want in zip(result.trajectories, wanted):
+        assert want.error is None and [(t.prompt_ids, t.completion_ids, t.segment_start) for t in traj.turns] == [
+            (t.prompt_ids, t.completion_ids, t.segment_start) for t in want.turns
+        ]
     env = agent.__globals__["options"]("http://127.0.0.1:1", "key", str(tmp_path)).env
     assert {k: env[k] for k in agent.__globals__["QUIET"]} == dict.fromkeys(agent.__globals__["QUIET"], "1")
     # Its recipe layer resolves before any model loads, the rollout handing the agent an Anthropic client.

@@ -813,3 +813,28 @@ def test_self_distillation_scores_the_students_tokens_under_the_privileged_promp
         tiny_config(tmp_path, teacher_privileged_field="answer")
     with pytest.raises(ValueError, match="must hold \\{content\\}"):
         tiny_config(tmp_path, **config, teacher_privileged_template="{value}")
+
+
+def test_a_server_teacher_that_never_answers_ends_the_run_at_its_configured_deadline(tmp_path):
+    # A listener that accepts connections and never answers (not a teacher server: tests/test_vllm_real.py stops the
+    # real one): the run's teacher_request_timeout_s reaches the client, and the start-up check ends there, named.
+    import socket
+    import time
+
+    from trl_plugins.trainers.teacher_server import TeacherServerError
+
+    silent = socket.create_server(("127.0.0.1", 0))  # its backlog takes the connection; nothing reads the request
+    try:
+        start = time.monotonic()
+        with pytest.raises(TeacherServerError, match=r"gave no answer to the model list .*deadline 1 s, teacher_requ"):
+            _trainer(
+                tmp_path,
+                build_tokenizer("qwen2_5"),
+                teacher_model_name_or_path=f"http://127.0.0.1:{silent.getsockname()[1]}/v1",
+                teacher_request_timeout_s=1.0,
+                advantage="opd",
+                temperature=1.0,
+            )
+        assert time.monotonic() - start < 10  # the deadline, and the trainer's construction before it
+    finally:
+        silent.close()

@@ -174,6 +174,8 @@ def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_pat
             policy_loss_kwargs={"beta": 0.0, "top_k": 4},
             temperature=1.0,
             max_steps=1,
+            viewer_steps=1,
+            viewer_trajectories=2,
         ),
         train_dataset=Dataset.from_list(
             [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(4)]
@@ -202,7 +204,29 @@ def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_pat
     (jsd_record,) = [
         json.loads(line) for line in (jsd_out / "metrics.jsonl").read_text().splitlines() if "reward/total" in line
     ]
+    # The replay asks the server again: the saved top 4 of every action token, then one tampered id, named.
+    import contextlib
+    import io
+
+    from trl_plugins.replay.cli import main as replay_jsd
+
+    saved = jsd_out / "trajectories" / "step-000001.json"
+    replayed = replay_jsd([str(saved), "--teacher"])
+    batch = json.loads(saved.read_text())
+    datum = batch["trajectories"][0]["datum"]
+    j = next(k for k, top in enumerate(datum["teacher_top"]) if top)
+    datum["teacher_top"][j][1][0] += 1  # the second most likely token's id
+    (jsd_out / "tampered").mkdir()
+    tampered = jsd_out / "tampered" / "step.json"
+    tampered.write_text(json.dumps(batch))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        tampered_exit = replay_jsd([str(tampered), "--teacher", "--run", str(jsd_out)])
     result["jsd"] = {
+        "replay": replayed,
+        "tampered_exit": tampered_exit,
+        "tampered_named": "the teacher's top 4 tokens after action token" in printed.getvalue(),
+        "tampered_printed": printed.getvalue()[-600:],
         "positions": len(divergences),
         "same_top4_share": same_top / len(divergences),
         "max_top_gap": max(top_gaps),
@@ -481,6 +505,8 @@ def test_the_jsd_loss_with_a_server_teacher_reads_the_real_engines_top_k(server_
     assert jsd["positions"] > 0 and jsd["update_skipped"] == 0.0, jsd
     assert jsd["same_top4_share"] >= 0.95 and jsd["max_top_gap"] < 5e-3, jsd
     assert jsd["divergence"] > 0.01 and jsd["divergence"] == pytest.approx(jsd["by_hand"], rel=1e-4), jsd
+    # python -m trl_plugins.replay BATCH --teacher asks the server for the saved top 4 again: equal; a tampered id named.
+    assert jsd["replay"] == 0 and jsd["tampered_exit"] == 1 and jsd["tampered_named"], jsd
 
 
 @pytest.mark.slow

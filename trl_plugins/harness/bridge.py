@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import Callable
 
 __all__ = ["UnixToTcp", "main"]
 
@@ -33,7 +34,7 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
                 pass
 
 
-def _join(client: socket.socket, connect: callable) -> None:
+def _join(client: socket.socket, connect: Callable[[], socket.socket]) -> None:
     try:
         upstream = connect()
     except OSError:
@@ -48,7 +49,7 @@ def _join(client: socket.socket, connect: callable) -> None:
 
 
 class _Forwarder:
-    def __init__(self, listener: socket.socket, connect: callable) -> None:
+    def __init__(self, listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
         self.listener, self.connect = listener, connect
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()

@@ -339,9 +339,12 @@ def _check_logprobs(
             sampling = traj.policy_version.sampling if traj.policy_version else SamplingSettings()
             ids = torch.tensor([d["input_ids"]], device=device)
             if not local:
-                lp = torch.tensor(
-                    model.sequence_logprobs([list(d["input_ids"]) + [d["target_ids"][-1]]])[0], dtype=torch.float64
-                )
+                saved_top = d.get("teacher_top") if check == "teacher" else None
+                k = max((len(t) for t in saved_top or []), default=0)
+                ((asked, top),) = model.sequence_top_logprobs([list(d["input_ids"]) + [d["target_ids"][-1]]], top_k=k)
+                lp = torch.tensor(asked, dtype=torch.float64)
+                if k:
+                    _check_top(saved_top, top, d["action_mask"], tolerance, i, entry, traj, tok, report)
             else:
                 lp = (
                     token_logprobs(
@@ -387,6 +390,44 @@ def _check_logprobs(
         "beyond": float((every > tolerance).sum()),
     }
     setattr(report, "teacher" if check == "teacher" else "logprobs", figures)
+
+
+def _check_top(
+    saved: list,
+    now: list,
+    mask: list,
+    tolerance: float,
+    i: int,
+    entry: Mapping,
+    traj: Trajectory,
+    tok: Any,
+    report: Any,
+) -> None:
+    """A server teacher's top tokens (``Datum.teacher_top``, for the ``jsd`` loss) against what it answers now: at
+    each action token the same ids in the same order, each log-prob within ``tolerance``; the first that is not is a
+    difference of the ``teacher`` check."""
+    for j, on in enumerate(mask):
+        if not on:
+            continue
+        want = [(int(a), float(b)) for a, b in saved[j]]
+        got = [(int(a), float(b)) for a, b in now[j][: len(want)]]
+        ids_differ = [a for a, _ in want] != [a for a, _ in got]
+        gap = 0.0 if ids_differ else max((abs(a - b) for (_, a), (_, b) in zip(want, got)), default=0.0)
+        if ids_differ or gap > tolerance:
+            what = "tokens" if ids_differ else f"log-probs (by {gap:.3g} > {tolerance:.3g})"
+            report.differences.append(
+                Difference(
+                    "teacher",
+                    i,
+                    f"the teacher's top {len(want)} {what} after action token "
+                    f"{token_text(tok, entry['tokens']['ids'], j + 1)} differ",
+                    _turn_of(traj, j + 1),
+                    j + 1,
+                    str([a for a, _ in want]),
+                    str([a for a, _ in got]),
+                )
+            )
+            return
 
 
 def teacher_identity(batch: Mapping[str, Any]) -> tuple[str, str] | None:
