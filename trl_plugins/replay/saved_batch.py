@@ -40,7 +40,7 @@ from typing import Any, Mapping
 import torch
 
 from trl_plugins.datum import DatumError, build_datum
-from trl_plugins.modeling import token_logprobs
+from trl_plugins.replay.logprob_check import check_logprobs, nan_for_none, turn_of
 from trl_plugins.replay.report import (
     CHECKS,
     Difference,
@@ -77,10 +77,6 @@ __all__ = [
 ]
 
 
-def _nan(x: Any) -> float:
-    return float("nan") if x is None else float(x)
-
-
 def saved_trajectory(entry: Mapping[str, Any]) -> Trajectory:
     """The :class:`~trl_plugins.types.Trajectory` a saved batch's entry describes: each turn's prompt and completion
     cut from the saved token ids at the saved turn boundaries, behaviour log-probs and provenance from the saved
@@ -93,7 +89,7 @@ def saved_trajectory(entry: Mapping[str, Any]) -> Trajectory:
     if datum is None:
         raise ValueError(f"no datum was saved ({entry.get('datum_error') or 'none recorded'})")
     ids = list(entry["tokens"]["ids"])
-    logprobs = [math.nan] + [_nan(x) for x in datum["behaviour_logprobs"]]
+    logprobs = [math.nan] + [nan_for_none(x) for x in datum["behaviour_logprobs"]]
     sources = [TokenSource[entry.get("first_source", "prompt").upper()]] + [
         TokenSource[s.upper()] for s in datum["sources"]
     ]
@@ -148,7 +144,8 @@ def saved_trajectory(entry: Mapping[str, Any]) -> Trajectory:
         sample_index=entry["sample_index"],
         stop_reason=None if entry.get("stop_reason") is None else StopReason(entry["stop_reason"]),
         reward_components=[
-            RewardComponent(c["name"], _nan(c["value"]), _nan(c["weight"])) for c in entry["reward_components"]
+            RewardComponent(c["name"], nan_for_none(c["value"]), nan_for_none(c["weight"]))
+            for c in entry["reward_components"]
         ],
         advantage=entry.get("advantage"),
         policy_version=version,
@@ -312,124 +309,6 @@ def _check_rendering(
     return None
 
 
-def _turn_of(traj: Trajectory, position: int) -> int:
-    return next((t for t in range(len(traj.turns) - 1, -1, -1) if len(traj.turns[t].prompt_ids) <= position), 0)
-
-
-@torch.no_grad()
-def _check_logprobs(
-    model: Any,
-    tok: Any,
-    entries: list[tuple[int, Mapping, Trajectory]],
-    tolerance: float,
-    report: ReplayReport,
-    *,
-    saved_field: str = "behaviour_logprobs",
-    check: str = "logprobs",
-) -> None:
-    local = isinstance(model, torch.nn.Module)  # else a server teacher's client (temperature 1, whole sequences)
-    was_training = model.training if local else False
-    if local:
-        model.eval()
-    device = next(model.parameters()).device if local else "cpu"
-    diffs = []
-    try:
-        for i, entry, traj in entries:
-            d = entry["datum"]
-            sampling = traj.policy_version.sampling if traj.policy_version else SamplingSettings()
-            ids = torch.tensor([d["input_ids"]], device=device)
-            if not local:
-                saved_top = d.get("teacher_top") if check == "teacher" else None
-                k = max((len(t) for t in saved_top or []), default=0)
-                ((asked, top),) = model.sequence_top_logprobs([list(d["input_ids"]) + [d["target_ids"][-1]]], top_k=k)
-                lp = torch.tensor(asked, dtype=torch.float64)
-                if k:
-                    _check_top(saved_top, top, d["action_mask"], tolerance, i, entry, traj, tok, report)
-            else:
-                lp = (
-                    token_logprobs(
-                        model,
-                        ids,
-                        torch.ones_like(ids),
-                        torch.tensor([d["target_ids"]], device=device),
-                        temperature=sampling.temperature or 1.0,
-                    )[0]
-                    .double()
-                    .cpu()
-                )
-            saved = torch.tensor([_nan(x) for x in d[saved_field]], dtype=torch.float64)
-            mask = torch.tensor(d["action_mask"], dtype=torch.bool)
-            gap = (lp - saved).abs()
-            gap[~mask] = 0.0
-            diffs.append(gap[mask])
-            beyond = torch.nonzero(gap > tolerance).flatten()
-            whose = "the teacher's " if check == "teacher" else ""
-            if len(beyond):
-                j = int(beyond[0])
-                report.differences.append(
-                    Difference(
-                        check,
-                        i,
-                        f"{whose}log-prob of action token {token_text(tok, entry['tokens']['ids'], j + 1)} differs by "
-                        f"{float(gap[j]):.3g} (> {tolerance:.3g}; {len(beyond)} such tokens)",
-                        _turn_of(traj, j + 1),
-                        j + 1,
-                        f"{float(saved[j]):.6f}",
-                        f"{float(lp[j]):.6f}",
-                    )
-                )
-    finally:
-        if local:
-            model.train(was_training)
-    every = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
-    figures = {
-        "max_abs_diff": float(every.max()) if len(every) else 0.0,
-        "p99_abs_diff": float(torch.quantile(every, 0.99)) if len(every) else 0.0,
-        "tolerance": tolerance,
-        "num_tokens": float(len(every)),
-        "beyond": float((every > tolerance).sum()),
-    }
-    setattr(report, "teacher" if check == "teacher" else "logprobs", figures)
-
-
-def _check_top(
-    saved: list,
-    now: list,
-    mask: list,
-    tolerance: float,
-    i: int,
-    entry: Mapping,
-    traj: Trajectory,
-    tok: Any,
-    report: Any,
-) -> None:
-    """A server teacher's top tokens (``Datum.teacher_top``, for the ``jsd`` loss) against what it answers now: at
-    each action token the same ids in the same order, each log-prob within ``tolerance``; the first that is not is a
-    difference of the ``teacher`` check."""
-    for j, on in enumerate(mask):
-        if not on:
-            continue
-        want = [(int(a), float(b)) for a, b in saved[j]]
-        got = [(int(a), float(b)) for a, b in now[j][: len(want)]]
-        ids_differ = [a for a, _ in want] != [a for a, _ in got]
-        gap = 0.0 if ids_differ else max((abs(a - b) for (_, a), (_, b) in zip(want, got)), default=0.0)
-        if ids_differ or gap > tolerance:
-            what = "tokens" if ids_differ else f"log-probs (by {gap:.3g} > {tolerance:.3g})"
-            report.differences.append(
-                Difference(
-                    "teacher",
-                    i,
-                    f"the teacher's top {len(want)} {what} after action token "
-                    f"{token_text(tok, entry['tokens']['ids'], j + 1)} differ",
-                    _turn_of(traj, j + 1),
-                    j + 1,
-                    str([a for a, _ in want]),
-                    str([a for a, _ in got]),
-                )
-            )
-            return
-
-
 def teacher_identity(batch: Mapping[str, Any]) -> tuple[str, str] | None:
     """``(where, identity)`` of the teacher the saved batch's version names (``plugin_versions["teacher"]``), or None
     when it was trained without one: a local teacher's ``(path, weights digest)`` (written ``"<path> weights
@@ -500,7 +379,7 @@ def _check_teacher(
         else default_tolerance(batch.get("version"), None if pv is None else str(pv.logprob_source))
     )
     report.compared["teacher"] = len(with_logprobs)
-    _check_logprobs(teacher, tok, with_logprobs, tol, report, saved_field="teacher_logprobs", check="teacher")
+    check_logprobs(teacher, tok, with_logprobs, tol, report, saved_field="teacher_logprobs", check="teacher")
 
 
 def _check_rewards(
@@ -657,7 +536,7 @@ def _check_datum(entry: Mapping[str, Any], traj: Trajectory, i: int, tok: Any) -
                 "datum",
                 i,
                 f"{name} differs (token {token_text(tok, ids, k + 1)})",
-                _turn_of(traj, k + 1),
+                turn_of(traj, k + 1),
                 k + 1,
                 repr(a[k]) if k < len(a) else "end",
                 repr(b[k]) if k < len(b) else "end",
@@ -781,7 +660,7 @@ def replay_batch(
             else default_tolerance(batch.get("version"), None if pv is None else str(pv.logprob_source))
         )
         report.compared["logprobs"] = len(chosen)
-        _check_logprobs(model, tokenizer, chosen, tol, report)
+        check_logprobs(model, tokenizer, chosen, tol, report)
         if resample:
             why = {i: _why_not_resampled(batch, t) for i, _, t in chosen}
             able = [(i, e, t) for i, e, t in chosen if why[i] is None]
