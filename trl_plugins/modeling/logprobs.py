@@ -27,6 +27,8 @@ __all__ = [
     "micro_batch_logprobs_and_divergence",
     "hidden_rows",
     "scatter_chunked",
+    "needed_positions",
+    "scatter_positions",
     "model_inputs",
     "unpack",
     "PackedAttentionLeak",
@@ -149,12 +151,7 @@ def scatter_chunked(
     needed = (
         torch.ones(shape, dtype=torch.bool, device=rows.device) if needed is None else needed.to(rows.device).bool()
     )
-    flat = needed.reshape(-1)
-    if not bool(flat.any()):  # keep the graph (and every head parameter's gradient, 0) for a micro-batch with none
-        flat = torch.zeros_like(flat)
-        flat[0] = True
-    where = flat.nonzero().squeeze(-1)
-    source = where if row_index is None else row_index.to(rows.device).reshape(-1)[where]
+    where, source, keep = needed_positions(needed, row_index, rows.device)
     size = chunk_size or auto_chunk_size(int(getattr(head, "out_features", 0) or head.weight.shape[0]))
     logp, entropy = chunked_logprobs_and_entropy(
         head,
@@ -165,12 +162,35 @@ def scatter_chunked(
         chunk_size=size,
         hooks_release=True,
     )
-    keep = needed.reshape(-1)[where].to(logp.dtype)
+    keep = keep.to(logp.dtype)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(flat.shape).index_put((where,), values * keep).reshape(shape)
+        return scatter_positions(values * keep, where, shape)
 
     return scatter(logp), None if entropy is None else scatter(entropy)
+
+
+def needed_positions(
+    needed: torch.Tensor, row_index: torch.Tensor | None, device: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(where, source, keep)`` for the ``needed`` positions of a ``(B, T)`` micro-batch: their flat indices, the
+    hidden-state row that scores each (``row_index[b, t]``; default the flat position itself) and which of them are
+    really needed (bool). A micro-batch with none takes its first position alone, to be zeroed by ``keep``: the
+    graph (and every head parameter's gradient, 0) is kept."""
+    flat = needed.reshape(-1).to(device).bool()
+    chosen = flat
+    if not bool(flat.any()):
+        chosen = torch.zeros_like(flat)
+        chosen[0] = True
+    where = chosen.nonzero().squeeze(-1)
+    source = where if row_index is None else row_index.to(device).reshape(-1)[where]
+    return where, source, flat[where]
+
+
+def scatter_positions(values: torch.Tensor, where: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Per-position ``values`` at the flat indices ``where`` (:func:`needed_positions`) of a ``shape`` tensor, 0
+    elsewhere."""
+    return values.new_zeros(shape.numel()).index_put((where,), values).reshape(shape)
 
 
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
@@ -288,13 +308,7 @@ def micro_batch_logprobs_and_divergence(
             chunk_size=chunk_size,
             row_index=row_index,
         )
-        flat = needed.reshape(-1).to(rows.device)
-        keep = flat.clone()
-        if not bool(flat.any()):  # keep the graph (every head parameter's gradient 0) for a micro-batch with none
-            flat = torch.zeros_like(flat)
-            flat[0] = True
-        where = flat.nonzero().squeeze(-1)
-        source = where if row_index is None else row_index.to(rows.device).reshape(-1)[where]
+        where, source, keep = needed_positions(needed, row_index, rows.device)
         divergence, _ = ChunkedDivergenceFunction.apply(
             rows[source],
             head.weight,
@@ -305,8 +319,7 @@ def micro_batch_logprobs_and_divergence(
             beta,
             temperature,
         )
-    divergence = divergence * keep[where].to(divergence.dtype)
-    return logp, entropy, divergence.new_zeros(flat.shape).index_put((where,), divergence).reshape(needed.shape)
+    return logp, entropy, scatter_positions(divergence * keep.to(divergence.dtype), where, needed.shape)
 
 
 def hidden_rows(model: torch.nn.Module, mb: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

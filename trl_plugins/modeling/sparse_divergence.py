@@ -21,7 +21,7 @@ from trl_plugins.modeling.chunked_head import (
     hidden_states_instead_of_logits,
     output_head,
 )
-from trl_plugins.modeling.logprobs import hidden_rows, scatter_chunked
+from trl_plugins.modeling.logprobs import hidden_rows, needed_positions, scatter_chunked, scatter_positions
 
 __all__ = ["support_logprobs", "support_divergence", "micro_batch_logprobs_and_support_divergence"]
 
@@ -114,19 +114,12 @@ def micro_batch_logprobs_and_support_divergence(
             chunk_size=chunk_size,
             row_index=row_index,
         )
-        flat = needed.reshape(-1).to(rows.device)
-        keep = flat.clone()
-        if not bool(flat.any()):  # keep the graph (every head parameter's gradient 0) for a micro-batch with none
-            flat = torch.zeros_like(flat)
-            flat[0] = True
-        where = flat.nonzero().squeeze(-1)
-        source = where if row_index is None else row_index.to(rows.device).reshape(-1)[where]
+        where, source, keep = needed_positions(needed, row_index, rows.device)
         width = support_ids.shape[-1]
         ids = support_ids.reshape(-1, width).to(rows.device)[where]
         mask = support_mask.reshape(-1, width).to(rows.device)[where].bool()
-        mask[:, 0] |= ~keep[where]  # a dummy position: one real entry, scored and then zeroed
+        mask[:, 0] |= ~keep  # a dummy position: one real entry, scored and then zeroed
         student = support_logprobs(head, rows[source], ids, temperature=temperature, chunk_size=chunk_size)
         teacher = teacher_support.reshape(-1, width).to(rows.device)[where]
         divergence = support_divergence(student, teacher, mask, beta=beta, tail=tail)
-    divergence = divergence * keep[where].to(divergence.dtype)
-    return logp, entropy, divergence.new_zeros(flat.shape).index_put((where,), divergence).reshape(needed.shape)
+    return logp, entropy, scatter_positions(divergence * keep.to(divergence.dtype), where, needed.shape)
