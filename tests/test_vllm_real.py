@@ -115,27 +115,32 @@ def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_pat
     from trl_plugins.trainers.teacher_server import ServerTeacher, TeacherServerError
 
     tok = build_tokenizer()
+
+    def distilled_step(out: Path, **settings) -> MultiTurnGRPOTrainer:
+        # One step of the tiny student (seed 3) with the server as its teacher, its batch saved for the replay.
+        torch.manual_seed(0)
+        trainer = MultiTurnGRPOTrainer(
+            build_tiny_model(tok, seed=3),
+            tiny_config(
+                out,
+                teacher_model_name_or_path=f"{server.url}/v1",
+                temperature=1.0,
+                max_steps=1,
+                viewer_steps=1,
+                viewer_trajectories=2,
+                **settings,
+            ),
+            train_dataset=Dataset.from_list(
+                [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(4)]
+            ),
+            processing_class=tok,
+            reward_components={"length": TokenReward()},
+        )
+        trainer.train()
+        return trainer
+
     out = tmp_path_factory.mktemp("server-teacher")
-    torch.manual_seed(0)
-    trainer = MultiTurnGRPOTrainer(
-        build_tiny_model(tok, seed=3),
-        tiny_config(
-            out,
-            teacher_model_name_or_path=f"{server.url}/v1",
-            advantage="opd",
-            advantage_kwargs={"reward_weight": 0.0},
-            temperature=1.0,
-            max_steps=1,
-            viewer_steps=1,
-            viewer_trajectories=2,
-        ),
-        train_dataset=Dataset.from_list(
-            [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(4)]
-        ),
-        processing_class=tok,
-        reward_components={"length": TokenReward()},
-    )
-    trainer.train()
+    trainer = distilled_step(out, advantage="opd", advantage_kwargs={"reward_weight": 0.0})
     teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gaps, tokens = [], 0
     for d in trainer.last_batch.datums:
@@ -164,26 +169,7 @@ def server_teacher(server: LocalVLLMServer, model_dir: Path, tito: dict, tmp_pat
     from trl_plugins.modeling.sparse_divergence import support_divergence
 
     jsd_out = tmp_path_factory.mktemp("server-teacher-jsd")
-    torch.manual_seed(0)
-    jsd = MultiTurnGRPOTrainer(
-        build_tiny_model(tok, seed=3),
-        tiny_config(
-            jsd_out,
-            teacher_model_name_or_path=f"{server.url}/v1",
-            policy_loss="jsd",
-            policy_loss_kwargs={"beta": 0.0, "top_k": 4},
-            temperature=1.0,
-            max_steps=1,
-            viewer_steps=1,
-            viewer_trajectories=2,
-        ),
-        train_dataset=Dataset.from_list(
-            [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(4)]
-        ),
-        processing_class=tok,
-        reward_components={"length": TokenReward()},
-    )
-    jsd.train()
+    jsd = distilled_step(jsd_out, policy_loss="jsd", policy_loss_kwargs={"beta": 0.0, "top_k": 4})
     student = build_tiny_model(tok, seed=3).float().eval()  # the weights the update's forward saw
     top_gaps, same_top, divergences = [], 0, []
     for d in jsd.last_batch.datums:
